@@ -1,0 +1,84 @@
+"""The `Format` interface: a number grid and its exact code mapping.
+
+A format maps *scaled* real values (the value divided by its scale, plus a zero point where
+asymmetric) to integer-coded storage and back. Scale selection, granularity and packing live
+elsewhere (`lowbit.qarray`), so that a format is only the number grid and its code mapping.
+
+Codes are returned in `code_dtype`:
+  * 8-bit integer formats: `int8` / `uint8` (so integer matmuls can read them directly);
+  * fp8 formats: the `ml_dtypes` float8 dtype itself (so fp8 matmuls can read them directly);
+  * sub-byte formats: `uint8` bit patterns in `[0, 2**bits)`, ready for `lowbit.formats.pack`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Format(abc.ABC):
+    """A number format: a finite grid of real values with an exact code mapping.
+
+    Attributes:
+      name: registry name, e.g. ``"int4"``, ``"fp8_e4m3fn"``.
+      bits: bits per code before packing (what `nbytes` is built from).
+      overflow: what `encode` does with values past the largest magnitude: ``"saturate"``
+        (clamp to the largest finite value) for every format in this library; documented here
+        because the raw ``ml_dtypes`` casts of some formats give NaN/Inf instead.
+    """
+
+    name: str
+    bits: int
+    overflow: str = "saturate"
+
+    @property
+    @abc.abstractmethod
+    def code_dtype(self) -> np.dtype:
+        """dtype of the unpacked codes `encode` returns."""
+
+    @property
+    @abc.abstractmethod
+    def max_value(self) -> float:
+        """Largest value on the grid; a scale maps a block's calibrated bound to this."""
+
+    @property
+    @abc.abstractmethod
+    def min_value(self) -> float:
+        """Smallest (most negative) value on the grid; 0 for unsigned formats."""
+
+    @property
+    def signed(self) -> bool:
+        return self.min_value < 0
+
+    @abc.abstractmethod
+    def encode(self, y: jax.Array) -> jax.Array:
+        """Round scaled values to the nearest grid value (ties to even), saturating.
+
+        Args:
+          y: [...] float, values already divided by the scale (and offset by a zero point).
+        Returns:
+          [...] codes in `code_dtype`.
+        """
+
+    @abc.abstractmethod
+    def decode(self, codes: jax.Array) -> jax.Array:
+        """Codes to grid values.
+
+        Args:
+          codes: [...] in `code_dtype`.
+        Returns:
+          [...] float32 grid values.
+        """
+
+    def levels(self) -> np.ndarray:
+        """All finite grid values, sorted ascending, as float64 (for tests and stochastic
+        rounding). Formats with at most 8 bits enumerate their codes."""
+        codes = np.arange(2**self.bits, dtype=np.uint16).astype(np.uint8)
+        if np.dtype(self.code_dtype) != np.uint8:
+            codes = codes.view(self.code_dtype)
+        values = np.asarray(self.decode(jnp.asarray(codes)), dtype=np.float64)
+        return np.unique(values[np.isfinite(values)])
