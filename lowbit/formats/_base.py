@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from lowbit.formats import _packing
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,11 +32,18 @@ class Format(abc.ABC):
       overflow: what `encode` does with values past the largest magnitude: ``"saturate"``
         (clamp to the largest finite value) for every format in this library; documented here
         because the raw ``ml_dtypes`` casts of some formats give NaN/Inf instead.
+      block_size: for block formats (MX, NVFP4), the number of consecutive elements along the
+        quantized axis that share one scale; None for plain element formats.
+      scale_encoding: how block scales are stored: ``"float"`` (a float array), ``"e8m0"``
+        (power-of-two exponents, MX) or ``"e4m3"`` (float8_e4m3fn with an extra float32 tensor
+        scale, NVFP4).
     """
 
     name: str
     bits: int
     overflow: str = "saturate"
+    block_size: int | None = None
+    scale_encoding: str = "float"
 
     @property
     @abc.abstractmethod
@@ -73,6 +83,20 @@ class Format(abc.ABC):
         Returns:
           [...] float32 grid values.
         """
+
+    # Storage: dense bit packing of sub-byte codes by default. A format with another storage
+    # (e.g. base-3 ternary, 5 trits a byte) overrides these three together.
+    def packed_length(self, n: int) -> int:
+        """Bytes that `n` codes take along the packed axis."""
+        return _packing.packed_length(n, self.bits)
+
+    def pack(self, codes: jax.Array, axis: int) -> jax.Array:
+        """codes: [..., n, ...] `code_dtype` → [..., packed_length(n), ...] uint8."""
+        return _packing.pack(codes, self.bits, axis)
+
+    def unpack(self, packed: jax.Array, n: int, axis: int) -> jax.Array:
+        """Inverse of `pack`: [..., packed_length(n), ...] uint8 → [..., n, ...] `code_dtype`."""
+        return _packing.unpack(packed, self.bits, n, axis).astype(self.code_dtype)
 
     def levels(self) -> np.ndarray:
         """All finite grid values, sorted ascending, as float64 (for tests and stochastic

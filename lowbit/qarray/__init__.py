@@ -1,0 +1,38 @@
+"""QArray: quantized arrays as pytree values, and `quantize` / `dequantize` / `fake_quant`."""
+
+from lowbit.qarray._amax_history import (
+    AmaxHistory,
+    amax_history_bounds,
+    amax_history_init,
+    amax_history_update,
+)
+from lowbit.qarray._calibration import (
+    MSE,
+    RMS,
+    AbsMax,
+    AbsMean,
+    Calibration,
+    Fixed,
+    MinMax,
+    Percentile,
+    parse_calibration,
+)
+from lowbit.qarray._fake_quant import fake_quant
+from lowbit.qarray._granularity import (
+    Granularity,
+    PerBlock,
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    PerToken,
+)
+from lowbit.qarray._qarray import QArray, broadcast_blocks, decode_scale, is_qarray
+from lowbit.qarray._quantize import QuantConfig, blocks_view, dequantize, quantize
+
+__all__ = [
+    "MSE", "RMS", "AbsMax", "AbsMean", "AmaxHistory", "Calibration", "Fixed", "Granularity", "MinMax",
+    "PerBlock", "PerChannel", "PerGroup", "PerTensor", "PerToken", "Percentile", "QArray",
+    "QuantConfig", "amax_history_bounds", "amax_history_init", "amax_history_update",
+    "blocks_view", "broadcast_blocks", "decode_scale", "dequantize", "fake_quant", "is_qarray",
+    "parse_calibration", "quantize",
+]

@@ -1,0 +1,266 @@
+"""`quantize`: float array → `QArray`, with granularity, calibration, rounding and packing.
+
+The math, per block (one scale each; see `QArray`):
+
+  symmetric:   scale = bound / fmt.max_value,          codes = encode(x / scale)
+  asymmetric:  scale = (hi - lo) / (fmt.max - fmt.min), zero_point = fmt.min - lo / scale,
+               codes = encode(x / scale + zero_point)
+  MX (E8M0):   scale = 2**(floor(log2 bound) - floor(log2 fmt.max_value))   (OCP MX v1.0)
+  NVFP4:       tensor_scale = global bound / (fmt.max_value * 448),
+               scale = e4m3(bound / fmt.max_value / tensor_scale)
+
+Guards: a block whose bound is zero (all zeros) or not finite gets scale 1, so it decodes to exact
+zeros and never to NaN. Non-finite elements do not enter any bound; NaN encodes to code 0's grid
+value nearest zero and ±Inf saturate to the largest magnitude of their block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from lowbit.formats import Format, get_format
+from lowbit.qarray._calibration import MSE, AbsMax, Calibration, MinMax
+from lowbit.qarray._granularity import Granularity, PerGroup, PerTensor
+from lowbit.qarray._qarray import QArray, broadcast_blocks
+
+ROUNDINGS = ("nearest", "stochastic")
+_E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantConfig:
+    """How to quantize one array. Frozen and hashable: safe as static jit metadata.
+
+    Attributes:
+      format: element format name (or `Format`), e.g. ``"int8"``, ``"nf4"``, ``"mxfp4"``.
+      granularity: which elements share a scale. Block formats (MX, NVFP4) force groups of
+        their block size along `granularity.axis` if it is a `PerGroup`, else the last axis.
+      calibration: how each block's bounds are chosen.
+      symmetric: symmetric (no zero point) or asymmetric (with a zero point). Asymmetric needs
+        an integer format.
+      rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (needs a PRNG key).
+      scale_dtype: dtype of stored float scales.
+      pack: pack sub-byte codes densely into uint8 (the default; False keeps one code a byte).
+    """
+
+    format: str | Format = "int8"
+    granularity: Granularity = PerTensor()
+    calibration: Calibration = AbsMax()
+    symmetric: bool = True
+    rounding: str = "nearest"
+    scale_dtype: Any = jnp.float32
+    pack: bool = True
+
+    def __post_init__(self):
+        fmt = get_format(self.format)  # raises on unknown names
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding={self.rounding!r}; accepted: {ROUNDINGS}")
+        if not self.symmetric and (not hasattr(fmt, "qmin") or fmt.block_size is not None):
+            raise ValueError(
+                f"symmetric=False needs an integer format (a zero point in code units); "
+                f"format {fmt.name!r} is symmetric only"
+            )
+        dtype = np.dtype(self.scale_dtype)
+        if dtype not in (np.float32, np.float16, jnp.bfloat16):
+            raise ValueError(f"scale_dtype={dtype}; accepted: float32, float16, bfloat16")
+        object.__setattr__(self, "scale_dtype", dtype)
+
+
+def _check_input(x: Any) -> jax.Array:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(
+            f"quantize expects a floating-point array, got dtype {x.dtype}; cast it first "
+            "(x.astype(jnp.float32))"
+        )
+    if x.ndim == 0:
+        x = x.reshape(1)
+    return x
+
+
+def _tile(config: QuantConfig, fmt: Format, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if fmt.block_size is None:
+        return config.granularity.tile(shape)
+    axis = config.granularity.axis if isinstance(config.granularity, PerGroup) else -1
+    if isinstance(config.granularity, PerGroup) and config.granularity.size != fmt.block_size:
+        raise ValueError(
+            f"format {fmt.name!r} has a fixed block size {fmt.block_size}; got group size "
+            f"{config.granularity.size}"
+        )
+    return PerGroup(fmt.block_size, axis).tile(shape)
+
+
+def blocks_view(x: jax.Array, tile: tuple[int, ...]) -> jax.Array:
+    """x: [n_0, ..., n_k] → [n_0/t_0, ..., n_k/t_k, prod(tile)], one row per block."""
+    inter = [d for n, t in zip(x.shape, tile, strict=True) for d in (n // t, t)]
+    perm = list(range(0, 2 * x.ndim, 2)) + list(range(1, 2 * x.ndim, 2))
+    grid = tuple(n // t for n, t in zip(x.shape, tile, strict=True))
+    return x.reshape(inter).transpose(perm).reshape(*grid, math.prod(tile))
+
+
+def _float_scale(bound_range: jax.Array, denom: float) -> jax.Array:
+    scale = bound_range / denom
+    return jnp.where(jnp.isfinite(scale) & (scale > 0), scale, 1.0)
+
+
+def _scales(fmt, config, lo, hi, global_amax):
+    """Returns (stored_scale, scale_f32, zero_point or None, tensor_scale or None)."""
+    if not config.symmetric:
+        scale = _float_scale(hi - lo, fmt.max_value - fmt.min_value).astype(config.scale_dtype)
+        scale32 = scale.astype(jnp.float32)
+        zero_point = (fmt.min_value - lo / scale32).astype(config.scale_dtype)
+        return scale, scale32, zero_point, None
+    amax = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
+    if fmt.scale_encoding == "e8m0":
+        emax = math.floor(math.log2(fmt.max_value))
+        safe = jnp.where(jnp.isfinite(amax) & (amax > 0), amax, 0.0)
+        # frexp gives safe = m * 2**e with m in [0.5, 1): floor(log2(safe)) = e - 1, exactly.
+        _, e = jnp.frexp(safe)
+        exponent = jnp.where(safe > 0, e - 1 - emax, -127)
+        exponent = jnp.clip(exponent, -127, 127)
+        return (exponent + 127).astype(jnp.uint8), jnp.ldexp(jnp.float32(1), exponent), None, None
+    if fmt.scale_encoding == "e4m3":
+        tensor_scale = _float_scale(global_amax, fmt.max_value * _E4M3_MAX)
+        block = jnp.clip(amax / fmt.max_value / tensor_scale, 0.0, _E4M3_MAX)
+        block = jnp.where(jnp.isfinite(block), block, 0.0).astype(jnp.float8_e4m3fn)
+        block32 = block.astype(jnp.float32)
+        scale32 = jnp.where(block32 > 0, block32, 1.0) * tensor_scale
+        return block, scale32, None, tensor_scale
+    scale = _float_scale(amax, fmt.max_value).astype(config.scale_dtype)
+    return scale, scale.astype(jnp.float32), None, None
+
+
+def _round_stochastic(fmt: Format, y: jax.Array, key: jax.Array) -> jax.Array:
+    """Rounds y to a neighbouring grid value with probability proportional to proximity."""
+    levels = jnp.asarray(fmt.levels(), jnp.float32)
+    y = jnp.clip(y, levels[0], levels[-1])
+    upper_idx = jnp.clip(jnp.searchsorted(levels, y, side="left"), 0, levels.shape[0] - 1)
+    lower_idx = jnp.clip(upper_idx - 1, 0, levels.shape[0] - 1)
+    upper, lower = levels[upper_idx], levels[lower_idx]
+    gap = jnp.where(upper > lower, upper - lower, 1.0)
+    p_up = jnp.where(upper > lower, (y - lower) / gap, 1.0)
+    take_up = jax.random.uniform(key, y.shape) < p_up
+    return jnp.where(take_up, upper, lower)
+
+
+def _encode(fmt, config, x, scale32, zero_point, key):
+    y = x / scale32
+    if zero_point is not None:
+        y = y + zero_point.astype(jnp.float32)
+    # NaN → 0 so no garbage code escapes; ±Inf saturate inside encode.
+    y = jnp.where(jnp.isnan(y), 0.0, y)
+    if config.rounding == "stochastic":
+        if key is None:
+            raise ValueError("rounding='stochastic' needs a PRNG key: quantize(..., key=key)")
+        y = _round_stochastic(fmt, y, key)
+    return fmt.encode(y)
+
+
+def quantize(
+    x: jax.Array,
+    config: QuantConfig | str | Format | None = None,
+    *,
+    key: jax.Array | None = None,
+    bounds: tuple[jax.Array, jax.Array] | None = None,
+    pack_axis: int | None = None,
+    **overrides: Any,
+) -> QArray:
+    """Quantizes a float array.
+
+    Args:
+      x: [...] float array (any float dtype; it becomes the QArray's logical dtype).
+      config: a `QuantConfig`, or a format name / `Format` (then `overrides` fill the config).
+      key: PRNG key, needed for stochastic rounding.
+      bounds: explicit `(lo, hi)` per block (shape of the scale), overriding calibration —
+        for static activation scales and delayed scaling from an amax history.
+      pack_axis: axis to pack sub-byte codes along (default: the last axis of size > 1).
+      **overrides: `QuantConfig` fields, e.g. `granularity=PerGroup(64)`.
+    Returns:
+      A `QArray` with the shape and dtype of `x`.
+    Raises:
+      ValueError: for a non-float input, an unknown format, a group size that does not divide,
+        an axis out of range, or stochastic rounding without a key.
+    """
+    if config is None or isinstance(config, str | Format):
+        config = QuantConfig(format=config or "int8", **overrides)
+    elif overrides:
+        config = dataclasses.replace(config, **overrides)
+    fmt = get_format(config.format)
+    x = _check_input(x)
+    logical_shape, logical_dtype = x.shape, x.dtype
+    x32 = x.astype(jnp.float32)
+    tile = _tile(config, fmt, x.shape)
+    grid = tuple(n // t for n, t in zip(x.shape, tile, strict=True))
+
+    blocks = blocks_view(x32, tile)
+    if bounds is None:
+        calibration = config.calibration
+        if isinstance(calibration, MSE):
+
+            def round_trip(b, lo, hi):
+                fixed = dataclasses.replace(config, calibration=MinMax(), rounding="nearest")
+                _, s32, zp, _ = _scales(fmt, fixed, lo, hi, jnp.max(jnp.abs(hi)))
+                codes = _encode(fmt, fixed, b, s32[..., None], None if zp is None else zp[..., None], None)
+                values = fmt.decode(codes)
+                if zp is not None:
+                    values = values - zp[..., None].astype(jnp.float32)
+                return values * s32[..., None]
+
+            lo, hi = calibration.bounds(
+                blocks, fmt=fmt, symmetric=config.symmetric, round_trip=round_trip
+            )
+        else:
+            lo, hi = calibration.bounds(blocks, fmt=fmt, symmetric=config.symmetric)
+    else:
+        lo = jnp.broadcast_to(jnp.asarray(bounds[0], jnp.float32), grid)
+        hi = jnp.broadcast_to(jnp.asarray(bounds[1], jnp.float32), grid)
+    global_amax = jnp.max(jnp.maximum(jnp.abs(lo), jnp.abs(hi)))
+    stored, scale32, zero_point, tensor_scale = _scales(fmt, config, lo, hi, global_amax)
+
+    codes = _encode(
+        fmt,
+        config,
+        x32,
+        broadcast_blocks(scale32, x.shape),
+        None if zero_point is None else broadcast_blocks(zero_point, x.shape),
+        key,
+    )
+    packed_axis = None
+    if fmt.bits < 8 and config.pack:
+        packed_axis = _pack_axis(pack_axis, logical_shape)
+        codes = fmt.pack(codes, packed_axis)
+    if tensor_scale is not None:
+        tensor_scale = tensor_scale.reshape((1,) * len(logical_shape))
+    return QArray(
+        codes=codes,
+        scale=stored,
+        zero_point=zero_point,
+        tensor_scale=tensor_scale,
+        format=fmt.name,
+        shape=logical_shape,
+        dtype=logical_dtype,
+        packed_axis=packed_axis,
+        scale_encoding=fmt.scale_encoding,
+    )
+
+
+def _pack_axis(pack_axis: int | None, shape: tuple[int, ...]) -> int:
+    ndim = len(shape)
+    if pack_axis is None:
+        big = [i for i, n in enumerate(shape) if n > 1]
+        return big[-1] if big else ndim - 1
+    if not -ndim <= pack_axis < ndim:
+        raise ValueError(f"pack_axis={pack_axis} is out of range for shape {shape}")
+    return pack_axis % ndim
+
+
+def dequantize(q: QArray, dtype: Any = None) -> jax.Array:
+    """`q.dequantize(dtype)`: the float array a QArray stands for."""
+    return q.dequantize(dtype)
