@@ -6,6 +6,13 @@ from lowbit.formats._packing import group_shape, pack, packed_length, unpack
 from lowbit.formats._registry import FORMATS, format_names, get_format
 
 __all__ = [
-    "FORMATS", "Format", "IntFormat", "format_names", "get_format", "group_shape", "pack",
-    "packed_length", "unpack",
+    "FORMATS",
+    "Format",
+    "IntFormat",
+    "format_names",
+    "get_format",
+    "group_shape",
+    "pack",
+    "packed_length",
+    "unpack",
 ]

@@ -24,7 +24,9 @@ def get_format(fmt: str | Format) -> Format:
     try:
         return FORMATS[fmt]
     except KeyError:
-        raise ValueError(f"unknown format {fmt!r}; accepted: {', '.join(sorted(FORMATS))}") from None
+        raise ValueError(
+            f"unknown format {fmt!r}; accepted: {', '.join(sorted(FORMATS))}"
+        ) from None
 
 
 def format_names() -> Iterator[str]:

@@ -140,9 +140,7 @@ class MSE:
 
     grid: tuple[float, ...] = tuple(round(1.0 - 0.025 * i, 4) for i in range(21))
 
-    def bounds(
-        self, blocks: jax.Array, *, fmt: Format, symmetric: bool, round_trip: RoundTrip
-    ):
+    def bounds(self, blocks: jax.Array, *, fmt: Format, symmetric: bool, round_trip: RoundTrip):
         lo0, hi0 = MinMax().bounds(blocks, fmt=fmt, symmetric=symmetric)
         target = jnp.where(jnp.isfinite(blocks), blocks, 0.0)
         best_err = jnp.full(lo0.shape, jnp.inf, jnp.float32)
@@ -159,7 +157,14 @@ class MSE:
 
 Calibration = AbsMax | AbsMean | MinMax | Percentile | RMS | Fixed | MSE
 
-_NAMES = {"absmax": AbsMax, "absmean": AbsMean, "minmax": MinMax, "percentile": Percentile, "rms": RMS, "mse": MSE}
+_NAMES = {
+    "absmax": AbsMax,
+    "absmean": AbsMean,
+    "minmax": MinMax,
+    "percentile": Percentile,
+    "rms": RMS,
+    "mse": MSE,
+}
 
 
 def parse_calibration(text: str) -> Calibration:

@@ -29,7 +29,9 @@ def _fwd(x, config, clip_gradient):
     # Representable range per element: the grid's ends mapped back through scale / zero point.
     fmt = q.fmt
     scale = broadcast_blocks(q.scale_values(), q.shape)
-    zero = 0.0 if q.zero_point is None else broadcast_blocks(q.zero_point.astype(jnp.float32), q.shape)
+    zero = (
+        0.0 if q.zero_point is None else broadcast_blocks(q.zero_point.astype(jnp.float32), q.shape)
+    )
     lo = (fmt.min_value - zero) * scale
     hi = (fmt.max_value - zero) * scale
     inside = (x >= lo) & (x <= hi)

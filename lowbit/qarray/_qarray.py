@@ -93,8 +93,16 @@ class QArray:
     @property
     def nbytes(self) -> int:
         """Bytes actually stored: packed codes plus every scale and zero point."""
-        leaves = (self.codes, self.scale, self.zero_point, self.tensor_scale, self.activation_bounds)
-        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in leaves if a is not None)
+        leaves = (
+            self.codes,
+            self.scale,
+            self.zero_point,
+            self.tensor_scale,
+            self.activation_bounds,
+        )
+        return sum(
+            int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in leaves if a is not None
+        )
 
     @property
     def T(self) -> QArray:  # noqa: N802 - mirrors jax.Array.T
@@ -229,7 +237,9 @@ def broadcast_blocks(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     interleaved = []
     for n, s in zip(shape, blocks.shape, strict=True):
         interleaved += [s, n // s]
-    expanded = jnp.broadcast_to(blocks.reshape([d for s in blocks.shape for d in (s, 1)]), interleaved)
+    expanded = jnp.broadcast_to(
+        blocks.reshape([d for s in blocks.shape for d in (s, 1)]), interleaved
+    )
     return expanded.reshape(shape)
 
 

@@ -207,7 +207,9 @@ def quantize(
             def round_trip(b, lo, hi):
                 fixed = dataclasses.replace(config, calibration=MinMax(), rounding="nearest")
                 _, s32, zp, _ = _scales(fmt, fixed, lo, hi, jnp.max(jnp.abs(hi)))
-                codes = _encode(fmt, fixed, b, s32[..., None], None if zp is None else zp[..., None], None)
+                codes = _encode(
+                    fmt, fixed, b, s32[..., None], None if zp is None else zp[..., None], None
+                )
                 values = fmt.decode(codes)
                 if zp is not None:
                     values = values - zp[..., None].astype(jnp.float32)
