@@ -65,6 +65,9 @@ class GGUFTensor:
 
     def dequantize(self) -> np.ndarray:
         """The tensor as ``float32`` of shape `shape`."""
+        fast = _DEQUANTIZE.get(self.ggml_type)
+        if fast is not None:
+            return fast(self.blocks()).reshape(self.shape)
         try:
             values = gguf.quants.dequantize(self.raw, self.ggml_type)
         except NotImplementedError as err:
@@ -73,6 +76,41 @@ class GGUFTensor:
                 "dequantized"
             ) from err
         return np.asarray(values, dtype=np.float32).reshape(self.shape)
+
+
+# Whole-tensor NumPy decoders for the common types (the `gguf` package's generic path works
+# 16 rows at a time, which takes seconds on a 49k-row embedding). blocks: [..., n, type_size].
+
+
+def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 at byte `at` of each block, as float32 [..., n, 1]."""
+    return blocks[..., at : at + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] codes: low nibbles are elements 0-15, high ones 16-31."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.float32)
+
+
+def _dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
+    return _fp16(blocks, 0) * blocks[..., 2:].view(np.int8).astype(np.float32)
+
+
+def _dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
+    return _fp16(blocks, 0) * (_nibbles(blocks[..., 2:]) - 8.0)
+
+
+def _dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
+    return _fp16(blocks, 0) * _nibbles(blocks[..., 4:]) + _fp16(blocks, 2)
+
+
+_DEQUANTIZE = {
+    gguf.GGMLQuantizationType.F32: lambda b: b.copy().view(np.float32),
+    gguf.GGMLQuantizationType.F16: lambda b: b.copy().view(np.float16).astype(np.float32),
+    gguf.GGMLQuantizationType.Q8_0: _dequantize_q8_0,
+    gguf.GGMLQuantizationType.Q4_0: _dequantize_q4_0,
+    gguf.GGMLQuantizationType.Q4_1: _dequantize_q4_1,
+}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

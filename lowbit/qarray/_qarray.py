@@ -69,8 +69,20 @@ class QArray:
 
     def __post_init__(self):
         # Normalise static metadata so equal layouts give equal treedefs (jit cache keys).
-        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        shape = tuple(int(n) for n in self.shape)
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        # `vmap` (and `scan` over stacked weights) rebuild a QArray from leaves that lost or
+        # gained leading axes while the static metadata did not: re-derive the logical shape
+        # from the leaves so the value stays self-consistent (leading axes are never packed).
+        codes_ndim = getattr(self.codes, "ndim", None)
+        extra = 0 if not isinstance(codes_ndim, int) else codes_ndim - len(shape)
+        if extra > 0:
+            shape = tuple(self.codes.shape[:extra]) + shape
+        elif extra < 0:
+            shape = shape[-extra:]
+        if extra and self.packed_axis is not None:
+            object.__setattr__(self, "packed_axis", self.packed_axis + extra)
+        object.__setattr__(self, "shape", shape)
 
     # --- array-like surface -------------------------------------------------------------------
     @property

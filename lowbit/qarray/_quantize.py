@@ -154,8 +154,12 @@ def _encode(fmt, config, x, scale32, zero_point, key):
     y = x / scale32
     if zero_point is not None:
         y = y + zero_point.astype(jnp.float32)
-    # NaN → 0 so no garbage code escapes; ±Inf saturate inside encode.
+    # NaN → 0 so no garbage code escapes; ±Inf saturate.
     y = jnp.where(jnp.isnan(y), 0.0, y)
+    if config.symmetric:
+        # Restricted range: keep the grid symmetric (int8 codes in [-127, 127]), so a symmetric
+        # scale never produces the extra negative code of two's complement.
+        y = jnp.clip(y, -fmt.max_value, fmt.max_value)
     if config.rounding == "stochastic":
         if key is None:
             raise ValueError("rounding='stochastic' needs a PRNG key: quantize(..., key=key)")

@@ -1,0 +1,103 @@
+"""PNG plots of a report: per-layer SQNR bars, and size against quality across recipes.
+
+Uses matplotlib's Agg backend through an explicit `Figure` (no pyplot state, no display).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from lowbit.eval._report import ResultRow
+
+
+def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_layer_sqnr(
+    series: Mapping[str, Mapping[str, float]],
+    path: str | os.PathLike[str],
+    *,
+    title: str = "per-layer SQNR",
+) -> Path:
+    """Bars of SQNR (dB) per layer, one panel per series (e.g. per recipe).
+
+    Args:
+      series: ``{label: {layer path: dB}}``; infinite values (exact layers) are drawn at the
+        panel's largest finite value and hatched.
+      path: PNG file to write.
+      title: figure title.
+    Returns:
+      The path written.
+    Raises:
+      ValueError: if `series` is empty or a series has no layer.
+    """
+    if not series:
+        raise ValueError("plot_layer_sqnr needs at least one series")
+    fig = Figure(figsize=(11, 1.0 + 2.0 * len(series)), layout="constrained")
+    axes = fig.subplots(len(series), 1, squeeze=False)[:, 0]
+    for ax, (label, values) in zip(axes, series.items(), strict=True):
+        if not values:
+            raise ValueError(f"series {label!r} has no layer")
+        db = list(values.values())
+        finite = [v for v in db if math.isfinite(v)]
+        top = max(finite) if finite else 1.0
+        heights = [v if math.isfinite(v) else top for v in db]
+        bars = ax.bar(range(len(db)), heights, width=0.85, color="tab:blue")
+        for bar, v in zip(bars, db, strict=True):
+            if not math.isfinite(v):
+                bar.set_hatch("//")
+                bar.set_color("tab:gray")
+        mean = sum(finite) / len(finite) if finite else math.nan
+        ax.set_title(f"{label}  (mean {mean:.1f} dB over {len(db)} layers)", fontsize=9)
+        ax.set_ylabel("dB")
+        ax.set_xlim(-1, len(db))
+        step = max(1, len(db) // 12)
+        ticks = list(range(0, len(db), step))
+        names = list(values)
+        ax.set_xticks(ticks, [names[i] for i in ticks], rotation=20, ha="right", fontsize=6)
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def plot_size_vs_quality(rows: Sequence[ResultRow], path: str | os.PathLike[str]) -> Path:
+    """Scatter of stored size (MB) against perplexity or cosine, one panel per model.
+
+    Args:
+      rows: results; rows without a value are left out.
+      path: PNG file to write.
+    Returns:
+      The path written.
+    Raises:
+      ValueError: if no row has a value.
+    """
+    models: dict[str, list[ResultRow]] = {}
+    for row in rows:
+        if row.value is not None:
+            models.setdefault(row.model, []).append(row)
+    if not models:
+        raise ValueError("plot_size_vs_quality needs at least one row with a measured value")
+    fig = Figure(figsize=(5.5 * len(models), 4.2), layout="constrained")
+    axes = fig.subplots(1, len(models), squeeze=False)[0]
+    for ax, (model, model_rows) in zip(axes, models.items(), strict=True):
+        xs = [r.size_mb for r in model_rows]
+        ys = [r.value for r in model_rows]
+        ax.scatter(xs, ys, color="tab:orange", zorder=3)
+        for r, x, y in zip(model_rows, xs, ys, strict=True):
+            ax.annotate(r.recipe, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        metric = model_rows[0].metric
+        ax.set_xlabel("stored size (MB)")
+        ax.set_ylabel("perplexity (lower is better)" if metric == "ppl" else "mean cosine to float")
+        ax.set_title(model)
+        ax.grid(True, alpha=0.3)
+    return _save(fig, path)

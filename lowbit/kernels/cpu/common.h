@@ -1,0 +1,74 @@
+// Shared types for lowbit's CPU kernels: kernel kinds, argument blocks and the per-ISA
+// function table. Everything here is ISA-neutral and compiled with default flags.
+#ifndef LOWBIT_KERNELS_CPU_COMMON_H_
+#define LOWBIT_KERNELS_CPU_COMMON_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace lowbit {
+
+// Weight-only kinds. The numbering is shared with lowbit/kernels/_layout.py.
+enum WoKind : int {
+  kInt8 = 0,   // int8 codes, per-channel scale
+  kInt4 = 1,   // int4 two's-complement codes, stored offset-binary (code ^ 8) with zp = 8
+  kUint4 = 2,  // uint4 codes with a float zero point per group
+  kNf4 = 3,    // 4-bit index into the 16 NF4 levels, absmax scale per group
+  kFp8 = 4,    // float8_e4m3fn codes, per-channel scale
+};
+
+// Every weight-only panel holds 16 output columns. A panel is a sequence of groups; each
+// group is a 128-byte header (16 f32 scales, 16 f32 zero points) followed by gs/2 "pair
+// rows" of PB bytes (PB = 16 for 4-bit kinds: one byte per column, low nibble = even k,
+// high nibble = odd k; PB = 32 for 8-bit kinds: 16 bytes for the even k, then 16 for odd k).
+constexpr int kPanel = 16;
+constexpr int kGroupHeader = 128;
+
+inline int PairBytes(int kind) { return (kind == kInt8 || kind == kFp8) ? 32 : 16; }
+
+struct WoArgs {
+  int kind;
+  int64_t kp;            // padded K (= G * gs)
+  int64_t gs;            // storage group size (even)
+  int64_t groups;        // G
+  int64_t panel_bytes;   // bytes per 16-column panel
+  int64_t group_bytes;   // kGroupHeader + gs / 2 * PairBytes(kind)
+  const float* x;        // packed activations [M][kp] f32, zero beyond K
+  const float* sumx;     // per-group activation sums [M][G]
+  const uint8_t* blob;   // [P][panel_bytes]
+  const float* lut;      // 16 NF4 levels
+};
+
+// w8a8 weights: panels of 16 columns, [P][KQ][16][4] int8 where KQ = ceil(K / 4): the 4
+// bytes of a column for k-quad q are contiguous, so one 64-byte load feeds a u8 x s8 dot.
+// Activations are u8 (q + 128) packed per row as `act_words` u32 per k-quad (see dispatch).
+struct Q8Args {
+  int64_t kq;            // k-quads
+  const uint32_t* xa;    // packed activations [M][kq * act_words]
+  const int8_t* w;       // [P][kq][16][4]
+};
+
+struct IsaKernels {
+  const char* name;
+  int act_words;
+  // C[m0:m1, 16*p0 : 16*p1] (ldc floats per row, C points at (m0, 16*p0)) = x @ W * scale,
+  // without bias.
+  void (*wo)(const WoArgs&, int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* c,
+             int64_t ldc);
+  // C = sum_k (xq + 128) * w over the whole K, int32, before the column-sum correction.
+  void (*q8)(const Q8Args&, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int32_t* c,
+             int64_t ldc);
+};
+
+const IsaKernels* IsaScalar();
+const IsaKernels* IsaAvx2();
+const IsaKernels* IsaAvx2Vnni();
+const IsaKernels* IsaAvx512Bw();
+const IsaKernels* IsaAvx512Vnni();
+
+}  // namespace lowbit
+
+#endif  // LOWBIT_KERNELS_CPU_COMMON_H_

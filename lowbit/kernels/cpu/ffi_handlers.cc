@@ -1,0 +1,402 @@
+// XLA FFI handlers: argument checking, activation packing, work splitting over the intra-op
+// pool and the epilogues. The inner loops live in the per-ISA tables (dispatch.h).
+#include "ffi_handlers.h"
+
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common.h"
+#include "dispatch.h"
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace lowbit {
+
+int64_t NumWorkers(ffi::ThreadPool& pool) {
+  static const int64_t cap = [] {
+    int64_t c = std::max<int64_t>(1, std::thread::hardware_concurrency());
+    if (const char* env = std::getenv("LOWBIT_NUM_THREADS")) {
+      const int64_t v = std::atoll(env);
+      if (v > 0) c = std::min(c, v);
+    }
+    return c;
+  }();
+  return std::max<int64_t>(1, std::min(cap, pool.num_threads()));
+}
+
+namespace {
+
+// Row blocks for large M: small enough that a block of packed activations stays in L2.
+constexpr int64_t kRowBlock = 64;
+// Below this many multiply-adds the fork/join costs more than it saves.
+constexpr int64_t kMinParallelMacs = int64_t{1} << 18;
+
+inline float Bf16ToF32(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t F32ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Converts row `m` of a [M, k] f32/bf16 matrix to f32.
+inline void LoadRow(const void* x, bool bf16, int64_t m, int64_t k, float* dst) {
+  if (bf16) {
+    const uint16_t* src = static_cast<const uint16_t*>(x) + m * k;
+    for (int64_t i = 0; i < k; ++i) dst[i] = Bf16ToF32(src[i]);
+  } else {
+    std::memcpy(dst, static_cast<const float*>(x) + m * k, sizeof(float) * k);
+  }
+}
+
+inline void StoreRow(void* y, bool bf16, int64_t m, int64_t ldy, int64_t n0, const float* v,
+                     int64_t count) {
+  if (bf16) {
+    uint16_t* dst = static_cast<uint16_t*>(y) + m * ldy + n0;
+    for (int64_t i = 0; i < count; ++i) dst[i] = F32ToBf16(v[i]);
+  } else {
+    std::memcpy(static_cast<float*>(y) + m * ldy + n0, v, sizeof(float) * count);
+  }
+}
+
+bool IsFloat(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+ffi::Error Invalid(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "lowbit: " + msg);
+}
+
+// A unit of work: rows [m0, m1) x panels [p0, p1).
+struct Task {
+  int64_t m0, m1, p0, p1;
+};
+
+// Splits M x P into tasks: panel ranges (one contiguous weight stream per worker), times
+// row blocks when M is large so the activation block stays cache resident.
+std::vector<Task> SplitWork(int64_t m, int64_t panels, int64_t workers, int64_t pair) {
+  std::vector<Task> tasks;
+  const int64_t row_block = m <= 16 ? m : kRowBlock;
+  int64_t chunks = std::min<int64_t>(workers, (panels + pair - 1) / pair);
+  if (panels < 2 * workers && m > 16) chunks = 1;  // too few columns: split rows only
+  for (int64_t r = 0; r < m; r += row_block) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      int64_t p0 = panels * c / chunks, p1 = panels * (c + 1) / chunks;
+      p0 = std::min(panels, (p0 + pair - 1) / pair * pair);
+      p1 = c + 1 == chunks ? panels : std::min(panels, (p1 + pair - 1) / pair * pair);
+      if (p0 < p1) tasks.push_back(Task{r, std::min(m, r + row_block), p0, p1});
+    }
+  }
+  return tasks;
+}
+
+int64_t WorkersFor(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n) {
+  return m * k * n < kMinParallelMacs ? 1 : NumWorkers(pool);
+}
+
+ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> blob,
+                        ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> lut,
+                        ffi::Result<ffi::AnyBuffer> y, int64_t kind, int64_t k, int64_t n,
+                        int64_t gs) {
+  if (kind < kInt8 || kind > kFp8) return Invalid("unknown weight kind " + std::to_string(kind));
+  if (!IsFloat(x.element_type()) || !IsFloat(y->element_type()))
+    return Invalid("x and the output must be float32 or bfloat16");
+  const auto xd = x.dimensions();
+  const auto bd = blob.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || xd[1] != k) return Invalid("x must be [M, K] with K = " + std::to_string(k));
+  if (gs <= 0 || gs % 2 != 0) return Invalid("group size must be positive and even");
+  const int64_t group_bytes = kGroupHeader + gs / 2 * PairBytes(static_cast<int>(kind));
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  if (bd.size() != 2 || bd[0] != panels || bd[1] % group_bytes != 0)
+    return Invalid("packed weight has the wrong shape for K, N and the group size");
+  const int64_t groups = bd[1] / group_bytes;
+  const int64_t kp = groups * gs;
+  if (kp < k || kp - k >= gs) return Invalid("packed weight does not match K");
+  const int64_t m = xd[0];
+  if (yd.size() != 2 || yd[0] != m || yd[1] != n) return Invalid("output must be [M, N]");
+  if (bias.element_count() != static_cast<size_t>(n)) return Invalid("bias must be [N]");
+  if (lut.element_count() != 16) return Invalid("codebook must have 16 entries");
+  if (m == 0 || n == 0) return ffi::Error::Success();
+
+  const bool xbf16 = x.element_type() == ffi::DataType::BF16;
+  const bool ybf16 = y->element_type() == ffi::DataType::BF16;
+  const int64_t workers = WorkersFor(pool, m, kp, panels * kPanel);
+
+  // Activations as f32, zero-padded to Kp, with per-group sums for the zero-point term.
+  std::vector<float> xp(m * kp), sumx(m * groups);
+  ParallelFor(pool, m >= 64 ? workers : 1, m, [&](int64_t r) {
+    float* row = xp.data() + r * kp;
+    LoadRow(x.untyped_data(), xbf16, r, k, row);
+    std::fill(row + k, row + kp, 0.0f);
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.0f;
+      for (int64_t i = 0; i < gs; ++i) s += row[g * gs + i];
+      sumx[r * groups + g] = s;
+    }
+  });
+
+  WoArgs a;
+  a.kind = static_cast<int>(kind);
+  a.kp = kp;
+  a.gs = gs;
+  a.groups = groups;
+  a.panel_bytes = bd[1];
+  a.group_bytes = group_bytes;
+  a.x = xp.data();
+  a.sumx = sumx.data();
+  a.blob = blob.typed_data();
+  a.lut = lut.typed_data();
+  const IsaKernels* isa = ActiveIsa();
+  const float* b = bias.typed_data();
+  void* out = y->untyped_data();
+
+  const std::vector<Task> tasks = SplitWork(m, panels, workers, 2);
+  ParallelFor(pool, workers, static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+    const Task& t = tasks[i];
+    const int64_t ldc = (t.p1 - t.p0) * kPanel;
+    std::vector<float> c((t.m1 - t.m0) * ldc);
+    isa->wo(a, t.m0, t.m1, t.p0, t.p1, c.data(), ldc);
+    const int64_t n0 = t.p0 * kPanel, cols = std::min(n, t.p1 * kPanel) - n0;
+    for (int64_t r = t.m0; r < t.m1; ++r) {
+      float* row = c.data() + (r - t.m0) * ldc;
+      for (int64_t j = 0; j < cols; ++j) row[j] += b[n0 + j];
+      StoreRow(out, ybf16, r, n, n0, row, cols);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// Packs u8 activation codes (q + 128) of one row into the ISA's word layout.
+void PackActRow(const uint8_t* u, int64_t kq, int act_words, uint32_t* dst) {
+  for (int64_t q = 0; q < kq; ++q) {
+    const uint32_t b0 = u[4 * q], b1 = u[4 * q + 1], b2 = u[4 * q + 2], b3 = u[4 * q + 3];
+    if (act_words == 1) {
+      dst[q] = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
+    } else {
+      dst[2 * q] = b0 | (b2 << 16);
+      dst[2 * q + 1] = b1 | (b3 << 16);
+    }
+  }
+}
+
+enum class Q8Mode { kFloatIn, kQuantIn, kInt32Out };
+
+struct Q8Inputs {
+  const void* x = nullptr;        // [M, K] f32/bf16 (kFloatIn) or int8 (otherwise)
+  bool xbf16 = false;
+  const float* xscale = nullptr;  // [M] (kQuantIn)
+  const int8_t* w = nullptr;
+  const int32_t* colsum = nullptr;
+  const float* wscale = nullptr;
+  const float* bias = nullptr;
+  void* out = nullptr;
+  bool ybf16 = false;
+};
+
+ffi::Error Q8Run(ffi::ThreadPool& pool, Q8Mode mode, const Q8Inputs& in, int64_t m, int64_t k,
+                 int64_t n) {
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const int64_t kq = (k + 3) / 4;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const IsaKernels* isa = ActiveIsa();
+  const int aw = isa->act_words;
+  const int64_t workers = WorkersFor(pool, m, 4 * kq, panels * kPanel);
+
+  std::vector<uint32_t> xa(m * kq * aw);
+  std::vector<float> xs(mode == Q8Mode::kFloatIn ? m : 0);
+  ParallelFor(pool, m >= 64 ? workers : 1, m, [&](int64_t r) {
+    std::vector<uint8_t> u(4 * kq, 128);
+    if (mode == Q8Mode::kFloatIn) {
+      std::vector<float> row(k);
+      LoadRow(in.x, in.xbf16, r, k, row.data());
+      float amax = 0.0f;
+      for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+      const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+      xs[r] = scale;
+      for (int64_t i = 0; i < k; ++i) {
+        // Adding and removing 1.5 * 2^23 rounds half to even for |v| < 2^22.
+        float v = row[i] / scale;
+        v = std::min(127.0f, std::max(-127.0f, v));
+        v = (v + 12582912.0f) - 12582912.0f;
+        u[i] = static_cast<uint8_t>(static_cast<int32_t>(v) + 128);
+      }
+    } else {
+      const int8_t* src = static_cast<const int8_t*>(in.x) + r * k;
+      for (int64_t i = 0; i < k; ++i) u[i] = static_cast<uint8_t>(src[i] + 128);
+    }
+    PackActRow(u.data(), kq, aw, xa.data() + r * kq * aw);
+  });
+
+  Q8Args a;
+  a.kq = kq;
+  a.xa = xa.data();
+  a.w = in.w;
+  const float* row_scale = mode == Q8Mode::kFloatIn ? xs.data() : in.xscale;
+
+  const std::vector<Task> tasks = SplitWork(m, panels, workers, 2);
+  ParallelFor(pool, workers, static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+    const Task& t = tasks[i];
+    const int64_t ldc = (t.p1 - t.p0) * kPanel;
+    std::vector<int32_t> c((t.m1 - t.m0) * ldc);
+    isa->q8(a, t.m0, t.m1, t.p0, t.p1, c.data(), ldc);
+    const int64_t n0 = t.p0 * kPanel, cols = std::min(n, t.p1 * kPanel) - n0;
+    std::vector<float> f(cols);
+    for (int64_t r = t.m0; r < t.m1; ++r) {
+      int32_t* row = c.data() + (r - t.m0) * ldc;
+      // Activations went in as q + 128: remove 128 * sum_k w[k, n].
+      for (int64_t j = 0; j < cols; ++j)
+        row[j] = static_cast<int32_t>(static_cast<uint32_t>(row[j]) -
+                                      128u * static_cast<uint32_t>(in.colsum[n0 + j]));
+      if (mode == Q8Mode::kInt32Out) {
+        std::memcpy(static_cast<int32_t*>(in.out) + r * n + n0, row, sizeof(int32_t) * cols);
+        continue;
+      }
+      const float xsr = row_scale[r];
+      for (int64_t j = 0; j < cols; ++j)
+        f[j] = static_cast<float>(row[j]) * xsr * in.wscale[n0 + j] + in.bias[n0 + j];
+      StoreRow(in.out, in.ybf16, r, n, n0, f.data(), cols);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckQ8Weight(const ffi::Buffer<ffi::S8>& w, const ffi::Buffer<ffi::S32>& colsum,
+                         int64_t k, int64_t n) {
+  const auto wd = w.dimensions();
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  if (wd.size() != 2 || wd[0] != panels || wd[1] != (k + 3) / 4 * 64)
+    return Invalid("packed w8a8 weight has the wrong shape for K and N");
+  if (colsum.element_count() != static_cast<size_t>(panels * kPanel))
+    return Invalid("column sums must have one entry per padded column");
+  return ffi::Error::Success();
+}
+
+ffi::Error W8A8LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w,
+                          ffi::Buffer<ffi::S32> colsum, ffi::Buffer<ffi::F32> wscale,
+                          ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::AnyBuffer> y, int64_t k,
+                          int64_t n) {
+  if (!IsFloat(x.element_type()) || !IsFloat(y->element_type()))
+    return Invalid("x and the output must be float32 or bfloat16");
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || xd[1] != k) return Invalid("x must be [M, K] with K = " + std::to_string(k));
+  if (ffi::Error e = CheckQ8Weight(w, colsum, k, n); e.failure()) return e;
+  const auto yd = y->dimensions();
+  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != n) return Invalid("output must be [M, N]");
+  if (bias.element_count() != static_cast<size_t>(n) ||
+      wscale.element_count() != static_cast<size_t>(n))
+    return Invalid("weight scale and bias must be [N]");
+  Q8Inputs in;
+  in.x = x.untyped_data();
+  in.xbf16 = x.element_type() == ffi::DataType::BF16;
+  in.w = w.typed_data();
+  in.colsum = colsum.typed_data();
+  in.wscale = wscale.typed_data();
+  in.bias = bias.typed_data();
+  in.out = y->untyped_data();
+  in.ybf16 = y->element_type() == ffi::DataType::BF16;
+  return Q8Run(pool, Q8Mode::kFloatIn, in, xd[0], k, n);
+}
+
+ffi::Error W8A8LinearQImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
+                           ffi::Buffer<ffi::F32> xscale, ffi::Buffer<ffi::S8> w,
+                           ffi::Buffer<ffi::S32> colsum, ffi::Buffer<ffi::F32> wscale,
+                           ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::AnyBuffer> y, int64_t k,
+                           int64_t n) {
+  if (!IsFloat(y->element_type())) return Invalid("the output must be float32 or bfloat16");
+  const auto xd = xq.dimensions();
+  if (xd.size() != 2 || xd[1] != k) return Invalid("xq must be [M, K] with K = " + std::to_string(k));
+  if (xscale.element_count() != static_cast<size_t>(xd[0])) return Invalid("x_scale must be [M]");
+  if (ffi::Error e = CheckQ8Weight(w, colsum, k, n); e.failure()) return e;
+  const auto yd = y->dimensions();
+  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != n) return Invalid("output must be [M, N]");
+  if (bias.element_count() != static_cast<size_t>(n) ||
+      wscale.element_count() != static_cast<size_t>(n))
+    return Invalid("weight scale and bias must be [N]");
+  Q8Inputs in;
+  in.x = xq.typed_data();
+  in.xscale = xscale.typed_data();
+  in.w = w.typed_data();
+  in.colsum = colsum.typed_data();
+  in.wscale = wscale.typed_data();
+  in.bias = bias.typed_data();
+  in.out = y->untyped_data();
+  in.ybf16 = y->element_type() == ffi::DataType::BF16;
+  return Q8Run(pool, Q8Mode::kQuantIn, in, xd[0], k, n);
+}
+
+ffi::Error W8A8Int32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq, ffi::Buffer<ffi::S8> w,
+                         ffi::Buffer<ffi::S32> colsum, ffi::Result<ffi::Buffer<ffi::S32>> y,
+                         int64_t k, int64_t n) {
+  const auto xd = xq.dimensions();
+  if (xd.size() != 2 || xd[1] != k) return Invalid("xq must be [M, K] with K = " + std::to_string(k));
+  if (ffi::Error e = CheckQ8Weight(w, colsum, k, n); e.failure()) return e;
+  const auto yd = y->dimensions();
+  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != n) return Invalid("output must be [M, N]");
+  Q8Inputs in;
+  in.x = xq.typed_data();
+  in.w = w.typed_data();
+  in.colsum = colsum.typed_data();
+  in.out = y->typed_data();
+  return Q8Run(pool, Q8Mode::kInt32Out, in, xd[0], k, n);
+}
+
+}  // namespace
+}  // namespace lowbit
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitWoLinear, lowbit::WoLinearImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("kind")
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("gs"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitW8A8Linear, lowbit::W8A8LinearImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("n"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitW8A8LinearQ, lowbit::W8A8LinearQImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("n"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitW8A8Int32, lowbit::W8A8Int32Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("n"));

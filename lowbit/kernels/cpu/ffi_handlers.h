@@ -1,0 +1,21 @@
+// XLA FFI handler symbols exported to Python as capsules (see module.cc).
+#ifndef LOWBIT_KERNELS_CPU_FFI_HANDLERS_H_
+#define LOWBIT_KERNELS_CPU_FFI_HANDLERS_H_
+
+#include "xla/ffi/api/c_api.h"
+
+extern "C" {
+// Weight-only linear: (x [M,K] f32|bf16, blob u8 [P, panel_bytes], bias f32 [N],
+// codebook f32 [16]) -> y [M,N] f32|bf16; attrs kind, k, n, gs.
+XLA_FFI_Error* LowbitWoLinear(XLA_FFI_CallFrame* call_frame);
+// w8a8 linear with dynamic per-row activation quantization: (x, w s8 [P, KQ*64],
+// colsum s32 [16P], wscale f32 [N], bias f32 [N]) -> y; attrs k, n.
+XLA_FFI_Error* LowbitW8A8Linear(XLA_FFI_CallFrame* call_frame);
+// Same on already-quantized activations: (xq s8 [M,K], x_scale f32 [M], w, colsum, wscale,
+// bias) -> y.
+XLA_FFI_Error* LowbitW8A8LinearQ(XLA_FFI_CallFrame* call_frame);
+// Integer product only: (xq s8 [M,K], w, colsum) -> s32 [M,N].
+XLA_FFI_Error* LowbitW8A8Int32(XLA_FFI_CallFrame* call_frame);
+}
+
+#endif  // LOWBIT_KERNELS_CPU_FFI_HANDLERS_H_

@@ -1,0 +1,15 @@
+// Portable instantiation of the kernel tiles (baseline target flags, any architecture).
+#include "common.h"
+
+namespace lowbit {
+namespace isa_scalar {
+#include "simd_scalar.h"
+#include "kernels_impl.h"
+}  // namespace isa_scalar
+
+const IsaKernels* IsaScalar() {
+  static const IsaKernels table{"scalar", isa_scalar::kActWords, isa_scalar::wo_run,
+                                isa_scalar::q8_run};
+  return &table;
+}
+}  // namespace lowbit

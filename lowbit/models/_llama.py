@@ -1,0 +1,282 @@
+"""A plain float Llama decoder (SmolLM2 family) in Flax NNX.
+
+Written so that a quantization engine that swaps weight arrays for quantized values can run it
+unchanged: every weight is read through a standard `flax.nnx` layer (`Embed`, `Linear`,
+`RMSNorm`), the forward pass is plain `jnp` code with no Python-side look at weight values and
+no mutation, and the KV cache is an explicit pytree passed in and returned.
+
+Projection weights are in the Hugging Face layout: the rotary embedding is the "rotate half"
+form, pairing feature `i` of each head with feature `i + head_dim / 2`. (GGUF files store the
+query/key rows interleaved instead; the GGUF loader undoes that permutation.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Shape hyper-parameters of a Llama decoder; defaults are SmolLM2-135M's."""
+
+    vocab_size: int = 49152
+    dim: int = 576
+    n_layers: int = 30
+    n_heads: int = 9
+    n_kv_heads: int = 3
+    head_dim: int = 64
+    ffn_dim: int = 1536
+    rope_base: float = 100000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys and values of the tokens seen so far, one entry per layer.
+
+    Attributes:
+      keys: per layer, ``[batch, max_len, n_kv_heads, head_dim]`` (rotary already applied).
+      values: per layer, ``[batch, max_len, n_kv_heads, head_dim]``.
+      length: ``int32 []``, how many leading slots hold tokens; new tokens go there.
+    """
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    length: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        """Number of token slots."""
+        return self.keys[0].shape[1]
+
+
+def init_kv_cache(config: LlamaConfig, batch: int, max_len: int, dtype: Any) -> KVCache:
+    """An empty cache for `batch` sequences of up to `max_len` tokens."""
+    if batch < 1 or max_len < 1:
+        raise ValueError(f"batch={batch} and max_len={max_len} must both be positive")
+    shape = (batch, max_len, config.n_kv_heads, config.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
+    return KVCache(keys=zeros, values=zeros, length=jnp.zeros((), jnp.int32))
+
+
+def rope_tables(positions: jax.Array, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of the rotary angles: each ``[batch, seq, head_dim]`` float32.
+
+    positions: ``[batch, seq]`` int.
+    """
+    inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half rotary embedding. x: ``[batch, seq, heads, head_dim]``; cos/sin as above."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with rotary positions."""
+
+    def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+        self.config = config
+        c = config
+        kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = nnx.Linear(c.dim, c.n_heads * c.head_dim, **kw)
+        self.k_proj = nnx.Linear(c.dim, c.n_kv_heads * c.head_dim, **kw)
+        self.v_proj = nnx.Linear(c.dim, c.n_kv_heads * c.head_dim, **kw)
+        self.o_proj = nnx.Linear(c.n_heads * c.head_dim, c.dim, **kw)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        mask: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | None,
+        start: jax.Array | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """x: ``[batch, seq, dim]``; mask: ``[seq, keys]`` bool, True where attending.
+
+        With a cache (`kv` and `start`), the new keys/values are written at slot `start` and
+        attention runs over all cache slots; the updated ``(keys, values)`` is returned.
+        """
+        c = self.config
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, c.n_heads, c.head_dim)
+        k = self.k_proj(x).reshape(b, s, c.n_kv_heads, c.head_dim)
+        v = self.v_proj(x).reshape(b, s, c.n_kv_heads, c.head_dim)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        new_kv = None
+        if kv is not None:
+            zero = jnp.zeros((), jnp.int32)
+            idx = (zero, start, zero, zero)
+            k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), idx)
+            v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), idx)
+            new_kv = (k, v)
+        group = c.n_heads // c.n_kv_heads
+        # Query head h uses key/value head h // group, as in Hugging Face's repeat_kv.
+        q = q.reshape(b, s, c.n_kv_heads, group, c.head_dim)
+        scores = jnp.einsum("bskgd,btkd->bkgst", q, k.astype(q.dtype))
+        scores = scores.astype(jnp.float32) / jnp.sqrt(jnp.float32(c.head_dim))
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bkgst,btkd->bskgd", probs, v.astype(x.dtype))
+        out = out.reshape(b, s, c.n_heads * c.head_dim)
+        return self.o_proj(out), new_kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+        kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj = nnx.Linear(config.dim, config.ffn_dim, **kw)
+        self.up_proj = nnx.Linear(config.dim, config.ffn_dim, **kw)
+        self.down_proj = nnx.Linear(config.ffn_dim, config.dim, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: ``[batch, seq, dim]`` -> ``[batch, seq, dim]``."""
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder layer: attention then MLP, each with a residual connection."""
+
+    def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.attn_norm = nnx.RMSNorm(config.dim, epsilon=config.norm_eps, **kw)
+        self.attn = Attention(config, **kw)
+        self.mlp_norm = nnx.RMSNorm(config.dim, epsilon=config.norm_eps, **kw)
+        self.mlp = MLP(config, **kw)
+
+    def __call__(self, x, cos, sin, mask, kv, start):
+        """x: ``[batch, seq, dim]``; the other arguments as in `Attention`."""
+        h, new_kv = self.attn(self.attn_norm(x), cos, sin, mask, kv, start)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), new_kv
+
+
+class Llama(nnx.Module):
+    """Llama decoder-only language model.
+
+    Parameter paths read like ``layers/3/attn/q_proj/kernel``; kernels are
+    ``[in_features, out_features]``; the token embedding ``embed/embedding`` is
+    ``[vocab, dim]`` and, with tied embeddings, also produces the logits (`Embed.attend`).
+    """
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        self.config = config
+        self.dtype = dtype
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.embed = nnx.Embed(config.vocab_size, config.dim, **kw)
+        self.layers = nnx.List([Block(config, **kw) for _ in range(config.n_layers)])
+        self.norm = nnx.RMSNorm(config.dim, epsilon=config.norm_eps, **kw)
+        if not config.tie_embeddings:
+            self.lm_head = nnx.Linear(config.dim, config.vocab_size, use_bias=False, **kw)
+
+    @classmethod
+    def abstract(
+        cls, config: LlamaConfig, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32
+    ) -> Llama:
+        """A shape-only instance whose parameters are `jax.ShapeDtypeStruct` placeholders.
+
+        The same module `nnx.eval_shape(lambda: Llama(...))` gives, for loaders to fill in, but
+        built by tracing one layer and cloning it: NNX's tracing cost grows with the length
+        of the trace, which makes tracing all layers at once take seconds.
+        """
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        empty = dataclasses.replace(config, n_layers=0)
+        model = nnx.eval_shape(lambda: cls(empty, **kw, rngs=nnx.Rngs(0)))
+        block = nnx.eval_shape(lambda: Block(config, **kw, rngs=nnx.Rngs(0)))
+        model.config = config
+        model.layers = nnx.List([nnx.clone(block) for _ in range(config.n_layers)])
+        return model
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty KV cache for `batch` sequences of up to `max_len` tokens."""
+        return init_kv_cache(self.config, batch, max_len, self.dtype)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        cache: KVCache | None = None,
+    ) -> jax.Array | tuple[jax.Array, KVCache]:
+        """Next-token logits.
+
+        Args:
+          tokens: ``[batch, seq]`` int32.
+          positions: ``[batch, seq]`` or ``[seq]`` int rotary positions; by default
+            ``0..seq-1``, or following the cached tokens when a cache is given.
+          cache: a `KVCache`; the tokens are appended at slot ``cache.length`` and may attend
+            to everything before them. It must have room for them: writes past ``max_len``
+            are clipped by XLA and silently wrong.
+
+        Returns:
+          ``logits [batch, seq, vocab]`` without a cache; ``(logits, new_cache)`` with one.
+        """
+        b, s = tokens.shape
+        if cache is None:
+            start = None
+            offsets = jnp.arange(s, dtype=jnp.int32)
+            key_slots = offsets
+        else:
+            start = cache.length
+            offsets = start + jnp.arange(s, dtype=jnp.int32)
+            key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
+        if positions is None:
+            positions = offsets
+        positions = jnp.broadcast_to(positions, (b, s))
+        # Causal in slot order: a query sees keys in slots up to its own.
+        mask = key_slots[None, :] <= offsets[:, None]
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_base)
+        x = self.embed(tokens)
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (cache.keys[i], cache.values[i])
+            x, new_kv = layer(x, cos, sin, mask, kv, start)
+            if new_kv is not None:
+                new_keys.append(new_kv[0])
+                new_values.append(new_kv[1])
+        x = self.norm(x)
+        logits = self.embed.attend(x) if self.config.tie_embeddings else self.lm_head(x)
+        if cache is None:
+            return logits
+        new_cache = KVCache(keys=tuple(new_keys), values=tuple(new_values), length=start + s)
+        return logits, new_cache
+
+    def decode_step(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Append `tokens` (``[batch, seq]``, usually seq 1) to `cache`.
+
+        Returns ``(logits [batch, seq, vocab], new_cache)``; the input cache is not modified.
+        """
+        return self(tokens, cache=cache)

@@ -1,0 +1,103 @@
+"""Checkpoint-name -> module-path mappings and putting loaded arrays into an NNX module."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+Path = tuple[str | int, ...]
+
+
+def path_str(path: Path) -> str:
+    """``("layers", 3, "attn", "q_proj", "kernel")`` -> ``"layers/3/attn/q_proj/kernel"``."""
+    return "/".join(str(p) for p in path)
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of query/key projection rows.
+
+    llama.cpp's converter reorders each head's output rows from Hugging Face's "two halves"
+    rotary layout to an interleaved one (row pairs ``(2i, 2i+1)`` rotate together). This maps
+    back: within each head, row ``2i`` goes to ``i`` and row ``2i+1`` to ``i + head_dim/2``.
+
+    w: ``[n_heads * head_dim, ...]``: any array whose leading axis is the output row, so it
+    works both on float weights ``[out, in]`` and on raw quantized block bytes
+    ``[out, row_bytes]`` (blocks run along the input axis, so whole rows move intact).
+    """
+    if w.shape[0] % (2 * n_heads):
+        raise ValueError(f"w has {w.shape[0]} rows, not a multiple of 2 * n_heads={2 * n_heads}")
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamMapping:
+    """Where one checkpoint tensor goes in a module, and how it is laid out there.
+
+    Attributes:
+      path: module parameter path, e.g. ``("layers", 3, "attn", "q_proj", "kernel")``.
+      transpose: the checkpoint stores ``[out, in]`` and the NNX kernel is ``[in, out]``.
+      unpermute_heads: if set, first apply `unpermute_rope_rows` with this many heads.
+    """
+
+    path: Path
+    transpose: bool = False
+    unpermute_heads: int | None = None
+
+    def apply(self, w: np.ndarray) -> np.ndarray:
+        """Checkpoint array (NumPy order) -> array in the module's layout."""
+        if self.unpermute_heads is not None:
+            w = unpermute_rope_rows(w, self.unpermute_heads)
+        return w.T if self.transpose else w
+
+
+def abstract_module(make: Callable[[], nnx.Module]) -> nnx.Module:
+    """Build a module whose parameters are shape placeholders, without running initialisers."""
+    return nnx.eval_shape(make)
+
+
+def _variable_at(module: nnx.Module, path: Path) -> nnx.Variable:
+    node: Any = module
+    for part in path:
+        node = node[part] if isinstance(part, int) else getattr(node, part, None)
+        if node is None:
+            break
+    if not isinstance(node, nnx.Variable):
+        raise ValueError(f"module has no parameter at path {path_str(path)!r}")
+    return node
+
+
+def assign_params(
+    module: nnx.Module,
+    arrays: Mapping[str, np.ndarray],
+    mapping: Mapping[str, ParamMapping],
+    dtype: Any,
+) -> nnx.Module:
+    """Fill `module`'s parameters from checkpoint `arrays` (by checkpoint name) via `mapping`.
+
+    Every mapped name must be present and every parameter of `module` must be filled; the
+    ValueError names the first tensor or parameter that is missing or mis-shaped.
+    """
+    filled = set()
+    for name, m in mapping.items():
+        if name not in arrays:
+            raise ValueError(f"checkpoint has no tensor named {name!r}")
+        value = m.apply(np.asarray(arrays[name]))
+        var = _variable_at(module, m.path)
+        if tuple(value.shape) != tuple(var.shape):
+            raise ValueError(
+                f"tensor {name!r} has shape {value.shape} after layout mapping, but "
+                f"{path_str(m.path)!r} expects {tuple(var.shape)}"
+            )
+        var.set_value(jnp.asarray(value, dtype=dtype))
+        filled.add(m.path)
+    params = nnx.to_flat_state(nnx.state(module, nnx.Param))
+    missing = [path_str(tuple(path)) for path, _ in params if tuple(path) not in filled]
+    if missing:
+        raise ValueError(f"no checkpoint tensor maps to parameter {missing[0]!r}")
+    return module

@@ -1,0 +1,234 @@
+"""`Recipe`: ordered rules (first match wins), their resolution per parameter, and the report."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit.formats import get_format
+from lowbit.qarray import PerGroup, QArray, QuantConfig
+from lowbit.recipes._paths import param_leaves
+from lowbit.recipes._rule import Rule
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Decision:
+    """What a recipe does with one parameter.
+
+    Attributes:
+      path: the parameter path.
+      shape: its shape.
+      dtype: its dtype name.
+      rule_index: index of the first matching rule, or None.
+      config: the weight config to quantize with (stacked axes resolved), or None for float.
+      reason: why the parameter stays in float ("" when it is quantized).
+      error: True when a rule asks for quantization that cannot apply to this shape (for
+        example a group size that does not divide the axis): `quantize_params` raises on it.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    rule_index: int | None
+    config: QuantConfig | None
+    reason: str = ""
+    error: bool = False
+
+    @property
+    def quantized(self) -> bool:
+        return self.config is not None
+
+
+def _fits(config: QuantConfig, shape: tuple[int, ...]) -> str:
+    """'' if `config` can quantize an array of `shape`, else why not."""
+    try:
+        config.granularity.tile(shape)
+        block = get_format(config.format).block_size
+        if block is not None:
+            axis = config.granularity.axis if isinstance(config.granularity, PerGroup) else -1
+            if shape[axis] % block:
+                return (
+                    f"format {get_format(config.format).name!r} needs blocks of {block} along "
+                    f"axis {axis}, which has size {shape[axis]}"
+                )
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """Ordered quantization rules; for each parameter the first rule whose `path` matches wins.
+
+    Attributes:
+      rules: the rules, in priority order.
+      name: a label (presets use their name).
+
+    Example:
+      >>> from lowbit.qarray import QuantConfig, PerChannel
+      >>> recipe = Recipe(rules=(
+      ...     Rule(path=".*norm.*"),  # weight=None: keep in float
+      ...     Rule(path=".*kernel", weight=QuantConfig(format="int8",
+      ...                                               granularity=PerChannel((-1,)))),
+      ... ), name="int8w")
+      >>> recipe.match("layers/0/mlp/up/kernel").path
+      '.*kernel'
+    """
+
+    rules: tuple[Rule, ...]
+    name: str = "custom"
+
+    def __post_init__(self):
+        rules = (self.rules,) if isinstance(self.rules, Rule) else tuple(self.rules)
+        for i, rule in enumerate(rules):
+            if not isinstance(rule, Rule):
+                raise TypeError(f"Recipe.rules[{i}] must be a Rule, got {type(rule).__name__}")
+        object.__setattr__(self, "rules", rules)
+        if not isinstance(self.name, str):
+            raise TypeError(f"Recipe.name must be a str, got {self.name!r}")
+
+    def match_index(self, path: str) -> int | None:
+        """Index of the first rule matching `path`, or None."""
+        for i, rule in enumerate(self.rules):
+            if rule.matches(path):
+                return i
+        return None
+
+    def match(self, path: str) -> Rule | None:
+        """The first rule matching `path` (shape filters not applied), or None."""
+        i = self.match_index(path)
+        return None if i is None else self.rules[i]
+
+    def decide(self, path: str, leaf: Any, uses: Mapping[str, frozenset[str]] | None = None):
+        """Resolves what happens to one parameter.
+
+        Args:
+          path: the parameter path.
+          leaf: the parameter (array, QArray, or anything with shape and dtype).
+          uses: ops each parameter feeds (`lowbit.api.param_uses`), needed when the matching
+            rule has an `ops` filter.
+        Returns:
+          A `Decision`.
+        Raises:
+          ValueError: if the matching rule filters on ops and `uses` was not given.
+        """
+        shape = tuple(getattr(leaf, "shape", ()))
+        dtype = getattr(leaf, "dtype", None)
+        base = dict(path=path, shape=shape, dtype=str(dtype))
+        index = self.match_index(path)
+        if index is None:
+            return Decision(**base, rule_index=None, config=None, reason="no rule matches")
+        rule = self.rules[index]
+        keep = dict(**base, rule_index=index, config=None)
+        if isinstance(leaf, QArray):
+            return Decision(**keep, reason="already quantized")
+        if not hasattr(leaf, "shape") or not jnp.issubdtype(dtype, jnp.floating):
+            return Decision(**keep, reason=f"not a floating-point array (dtype {dtype})")
+        if rule.weight is None:
+            return Decision(**keep, reason=f"rule {index} keeps it in float (weight=None)")
+        ndim = len(shape) - rule.stacked_axes
+        if ndim < rule.min_ndim:
+            return Decision(
+                **keep,
+                reason=f"{ndim} axes (after {rule.stacked_axes} stacked) < min_ndim {rule.min_ndim}",
+            )
+        size = int(np.prod(shape))
+        if size < rule.min_size:
+            return Decision(**keep, reason=f"size {size} < min_size {rule.min_size}")
+        if rule.ops is not None:
+            if uses is None:
+                raise ValueError(
+                    f"rule {index} (path={rule.path!r}) filters on ops={rule.ops}, which needs the "
+                    f"ops each parameter feeds: pass uses=lowbit.api.param_uses(fn, params, *args)"
+                )
+            fed = frozenset(uses.get(path, frozenset()))
+            if not rule.feeds(fed):
+                fed_text = ", ".join(sorted(fed)) or "no op"
+                return Decision(
+                    **keep, reason=f"feeds only {fed_text}; rule {index} has ops={rule.ops}"
+                )
+        config = rule.weight_config(len(shape))
+        problem = _fits(config, shape)
+        if problem:
+            return Decision(**keep, reason=f"rule {index}: {problem}", error=True)
+        return Decision(**base, rule_index=index, config=config)
+
+    def report(self, params: Any, uses: Mapping[str, frozenset[str]] | None = None):
+        """Lists every parameter with its rule, the ones kept in float and why, and the rules
+        that matched nothing.
+
+        Args:
+          params: a params pytree (dicts, lists, NNX state, ...).
+          uses: as in `decide`.
+        Returns:
+          A `RecipeReport`.
+        """
+        decisions = tuple(self.decide(path, leaf, uses) for path, leaf in param_leaves(params))
+        used = {d.rule_index for d in decisions if d.rule_index is not None}
+        unused = tuple(i for i in range(len(self.rules)) if i not in used)
+        return RecipeReport(recipe=self, decisions=decisions, unused_rules=unused)
+
+    def to_json(self) -> str:
+        """JSON text that `Recipe.from_json` reads back to an equal recipe."""
+        from lowbit.recipes._json import recipe_to_json
+
+        return recipe_to_json(self)
+
+    @classmethod
+    def from_json(cls, text: str | Mapping[str, Any]) -> Recipe:
+        """Parses `to_json` output (or the equivalent dict).
+
+        Raises:
+          ValueError: naming the field, the value and what is accepted.
+        """
+        from lowbit.recipes._json import recipe_from_json
+
+        return recipe_from_json(text)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecipeReport:
+    """Per-parameter decisions of a recipe and the rules that matched nothing."""
+
+    recipe: Recipe
+    decisions: tuple[Decision, ...]
+    unused_rules: tuple[int, ...]
+
+    @property
+    def quantized(self) -> tuple[Decision, ...]:
+        return tuple(d for d in self.decisions if d.quantized)
+
+    @property
+    def kept_float(self) -> tuple[Decision, ...]:
+        return tuple(d for d in self.decisions if not d.quantized)
+
+    @property
+    def errors(self) -> tuple[Decision, ...]:
+        return tuple(d for d in self.decisions if d.error)
+
+    def __getitem__(self, path: str) -> Decision:
+        for d in self.decisions:
+            if d.path == path:
+                return d
+        raise KeyError(f"no parameter at path {path!r}")
+
+    def __str__(self) -> str:
+        lines = [f"recipe {self.recipe.name!r}: {len(self.quantized)} quantized, "
+                 f"{len(self.kept_float)} float"]
+        for d in self.decisions:
+            rule = "-" if d.rule_index is None else str(d.rule_index)
+            what = _describe(d.config) if d.quantized else f"float: {d.reason}"
+            lines.append(f"  {d.path:<40} {str(d.shape):<16} rule {rule:<3} {what}")
+        for i in self.unused_rules:
+            lines.append(f"  rule {i} (path={self.recipe.rules[i].path!r}) matched nothing")
+        return "\n".join(lines)
+
+
+def _describe(config: QuantConfig) -> str:
+    fmt = get_format(config.format).name
+    kind = "sym" if config.symmetric else "asym"
+    return f"{fmt} {type(config.granularity).__name__} {kind}"

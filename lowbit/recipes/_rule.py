@@ -1,0 +1,165 @@
+"""`Rule`: which parameters to quantize, and how.
+
+A rule selects parameters by the '/'-joined path of the leaf in the params pytree
+(``layers/0/mlp/up/kernel``; NNX `Variable`s contribute no ``value`` component) with
+`re.fullmatch`, and says how the weight, the operand it meets in a matmul (the activation) and
+its gradient (QAT) are quantized. Rules are frozen, keyword-only and hashable, so a recipe can
+sit in static jit metadata.
+
+Stacked (scanned) weights: a parameter of shape ``[layers, in, out]`` holds one weight per layer
+along its leading axis. `stacked_axes=1` says so: the rule's weight granularity then applies to
+the trailing axes and every index of the stacked axes gets its own scales (a per-tensor weight
+scale becomes one scale per layer, a per-channel scale one per layer and channel). Granularity
+axes given as negative numbers already count from the end and need no change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from lowbit.qarray import PerBlock, PerChannel, PerGroup, PerTensor, PerToken, QuantConfig
+
+# Operation names a rule can filter on. `einsum` lowers to `dot_general`, so a weight that feeds
+# an einsum is seen as feeding a dot_general; the two names are interchangeable in a filter.
+OPS = ("dot_general", "einsum", "conv", "ragged_dot", "gather")
+
+
+def _check_regex(field: str, pattern: str | None) -> None:
+    if pattern is None:
+        return
+    if not isinstance(pattern, str):
+        raise TypeError(f"{field} must be a regex string, got {type(pattern).__name__}: {pattern!r}")
+    try:
+        re.compile(pattern)
+    except re.error as err:
+        raise ValueError(f"{field}: {pattern!r} is not a valid regex ({err})") from None
+
+
+def _check_config(field: str, config: object) -> None:
+    if config is not None and not isinstance(config, QuantConfig):
+        raise TypeError(
+            f"{field} must be a lowbit.qarray.QuantConfig or None, got "
+            f"{type(config).__name__}: {config!r} (strings are accepted only by Recipe.from_json "
+            "and presets)"
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rule:
+    """One quantization rule.
+
+    Attributes:
+      path: regex matched with `re.fullmatch` against the parameter path.
+      exclude: optional regex; a path it fully matches is not matched by this rule.
+      ops: optional filter on the operations the weight feeds (names from `OPS`). A filtered
+        rule quantizes a weight only if it feeds at least one of these ops; which ops a weight
+        feeds is found by tracing the model (`lowbit.api.param_uses`), so `quantize_params`
+        needs that trace (its `uses` argument) for any recipe with a filtered rule that matches.
+        A weight matched by such a rule but feeding none of its ops (e.g. an embedding table
+        that only feeds a `gather` under ``ops=("dot_general",)``) is kept in float, and the
+        report says so.
+      weight: how to quantize the weight, or None to keep it in float.
+      activation: how ops consuming the weight quantize their other operand (None = weight-only).
+      gradient: how the QAT backward pass quantizes its gradient matmuls (None = float).
+      static_activation: calibrate static activation bounds (`lowbit.api.calibrate`) instead
+        of computing them per call. A `Fixed` activation calibration is static by itself.
+      min_size: parameters with fewer elements stay in float.
+      min_ndim: parameters with fewer axes (not counting stacked axes) stay in float; 2 keeps
+        biases and norm scales in float.
+      stacked_axes: leading axes that index stacked layers (see module docstring).
+
+    Raises:
+      TypeError / ValueError: naming the field, the value and what is accepted.
+    """
+
+    path: str = ".*"
+    exclude: str | None = None
+    ops: tuple[str, ...] | None = None
+    weight: QuantConfig | None = None
+    activation: QuantConfig | None = None
+    gradient: QuantConfig | None = None
+    static_activation: bool = False
+    min_size: int = 0
+    min_ndim: int = 2
+    stacked_axes: int = 0
+
+    def __post_init__(self):
+        _check_regex("Rule.path", self.path)
+        _check_regex("Rule.exclude", self.exclude)
+        if self.ops is not None:
+            ops = (self.ops,) if isinstance(self.ops, str) else tuple(self.ops)
+            bad = [op for op in ops if op not in OPS]
+            if bad or not ops:
+                raise ValueError(
+                    f"Rule.ops: {self.ops!r} has unknown op names {bad}; accepted: {OPS} "
+                    "(or None for every op)"
+                )
+            object.__setattr__(self, "ops", ops)
+        for field in ("weight", "activation", "gradient"):
+            _check_config(f"Rule.{field}", getattr(self, field))
+        for field in ("min_size", "min_ndim", "stacked_axes"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"Rule.{field}: {value!r}; accepted: an int >= 0")
+        if self.weight is None and (self.activation is not None or self.gradient is not None):
+            raise ValueError(
+                f"Rule(path={self.path!r}) sets activation/gradient but weight=None: activation "
+                "and gradient quantization ride on the quantized weight; set weight too"
+            )
+        if self.static_activation and self.activation is None:
+            raise ValueError(
+                f"Rule(path={self.path!r}) sets static_activation=True but activation=None; "
+                "give an activation config to calibrate"
+            )
+
+    def matches(self, path: str) -> bool:
+        """True if `path` fully matches `self.path` and not `self.exclude`."""
+        if re.fullmatch(self.path, path) is None:
+            return False
+        return self.exclude is None or re.fullmatch(self.exclude, path) is None
+
+    def feeds(self, ops: frozenset[str]) -> bool:
+        """True if a weight feeding `ops` passes this rule's op filter."""
+        if self.ops is None:
+            return True
+        wanted = {"dot_general" if op == "einsum" else op for op in self.ops}
+        seen = {"dot_general" if op == "einsum" else op for op in ops}
+        return bool(wanted & seen)
+
+    def weight_config(self, ndim: int) -> QuantConfig:
+        """The weight config for a parameter with `ndim` axes, with stacked axes kept whole.
+
+        Raises:
+          ValueError: if the rule keeps weights in float or `ndim` <= `stacked_axes`.
+        """
+        if self.weight is None:
+            raise ValueError(f"Rule(path={self.path!r}) keeps weights in float (weight=None)")
+        if ndim <= self.stacked_axes:
+            raise ValueError(
+                f"Rule(path={self.path!r}) has stacked_axes={self.stacked_axes} but the parameter "
+                f"has only {ndim} axes"
+            )
+        granularity = stack_granularity(self.weight.granularity, self.stacked_axes)
+        return dataclasses.replace(self.weight, granularity=granularity)
+
+
+def stack_granularity(granularity, stacked: int):
+    """Rewrites a granularity written for a single weight to one for `stacked` leading layer
+    axes: non-negative axes shift right by `stacked`, and the stacked axes keep one scale per
+    index."""
+    if stacked == 0:
+        return granularity
+    lead = tuple(range(stacked))
+    if isinstance(granularity, PerTensor):
+        return PerChannel(axes=lead)
+    if isinstance(granularity, PerChannel):
+        shifted = tuple(a + stacked if a >= 0 else a for a in granularity.axes)
+        return PerChannel(axes=lead + shifted)
+    if isinstance(granularity, PerGroup):
+        axis = granularity.axis + stacked if granularity.axis >= 0 else granularity.axis
+        return PerGroup(granularity.size, axis)
+    # PerBlock covers trailing axes and gives leading axes one scale per index; PerToken
+    # reduces the last axis only: both already keep stacked axes whole.
+    assert isinstance(granularity, PerBlock | PerToken), granularity
+    return granularity
