@@ -14,6 +14,7 @@ import os
 import sys
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 
 def _jaxlib_include() -> str:
@@ -37,17 +38,29 @@ def _extensions() -> list[Extension]:
         args = ["/std:c++17", "/O2"]
     else:
         # fp-contract=off: epilogues must round like the reference (mul then add).
-        args = ["-std=c++17", "-O3", "-ffp-contract=off", "-fvisibility=hidden", "-Wall"]
+        args = ["-std=c++17", "-O3", "-ffp-contract=off", "-fvisibility=hidden"]
     return [
         Extension(
             "lowbit.kernels._cpu_kernels",
             sources=sources,
             include_dirs=[_jaxlib_include(), os.path.join(here, "lowbit/kernels/cpu")],
-            depends=sorted(glob.glob("lowbit/kernels/cpu/*.h")),
+            depends=sorted(
+                os.path.relpath(p, here)
+                for p in glob.glob(os.path.join(here, "lowbit/kernels/cpu/*.h"))
+            ),
             language="c++",
             extra_compile_args=args,
         )
     ]
 
 
-setup(ext_modules=_extensions())
+class _ParallelBuildExt(build_ext):
+    """Compiles the per-ISA translation units in parallel (they are independent)."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": _ParallelBuildExt})

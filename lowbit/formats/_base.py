@@ -7,7 +7,7 @@ elsewhere (`lowbit.qarray`), so that a format is only the number grid and its co
 Codes are returned in `code_dtype`:
   * 8-bit integer formats: `int8` / `uint8` (so integer matmuls can read them directly);
   * fp8 formats: the `ml_dtypes` float8 dtype itself (so fp8 matmuls can read them directly);
-  * sub-byte formats: `uint8` bit patterns in `[0, 2**bits)`, ready for `lowbit.formats.pack`.
+  * sub-byte formats: `uint8` bit patterns in `[0, 2**bits)`, ready for `Format.pack`.
 """
 
 from __future__ import annotations
@@ -22,13 +22,30 @@ import numpy as np
 from lowbit.formats import _packing
 
 
+def as_bit_patterns(codes: jax.Array) -> jax.Array:
+    """Codes of any 8-bit-or-narrower code dtype as uint8 bit patterns (float8 is bitcast)."""
+    codes = jnp.asarray(codes)
+    if jnp.issubdtype(codes.dtype, jnp.floating):
+        if codes.dtype.itemsize != 1:
+            raise TypeError(f"float codes must be a float8 dtype, got {codes.dtype}")
+        return jax.lax.bitcast_convert_type(codes, jnp.uint8)
+    return codes.astype(jnp.uint8)
+
+
+def from_bit_patterns(patterns: jax.Array, code_dtype: np.dtype) -> jax.Array:
+    """uint8 bit patterns to `code_dtype` (bitcast for float8, two's complement for int8)."""
+    if np.dtype(code_dtype) == np.uint8:
+        return patterns.astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(patterns.astype(jnp.uint8), code_dtype)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Format(abc.ABC):
     """A number format: a finite grid of real values with an exact code mapping.
 
     Attributes:
       name: registry name, e.g. ``"int4"``, ``"fp8_e4m3fn"``.
-      bits: bits per code before packing (what `nbytes` is built from).
+      bits: bits per code before packing (the width `pack` works with).
       overflow: what `encode` does with values past the largest magnitude: ``"saturate"``
         (clamp to the largest finite value) for every format in this library; documented here
         because the raw ``ml_dtypes`` casts of some formats give NaN/Inf instead.
@@ -64,9 +81,14 @@ class Format(abc.ABC):
     def signed(self) -> bool:
         return self.min_value < 0
 
+    @property
+    def bits_per_value(self) -> float:
+        """Storage bits per value once packed (element codes only, block scales excluded)."""
+        return float(self.bits)
+
     @abc.abstractmethod
     def encode(self, y: jax.Array) -> jax.Array:
-        """Round scaled values to the nearest grid value (ties to even), saturating.
+        """Round scaled values to the nearest grid value, saturating.
 
         Args:
           y: [...] float, values already divided by the scale (and offset by a zero point).
@@ -92,17 +114,22 @@ class Format(abc.ABC):
 
     def pack(self, codes: jax.Array, axis: int) -> jax.Array:
         """codes: [..., n, ...] `code_dtype` → [..., packed_length(n), ...] uint8."""
-        return _packing.pack(codes, self.bits, axis)
+        return _packing.pack(as_bit_patterns(codes), self.bits, axis)
 
     def unpack(self, packed: jax.Array, n: int, axis: int) -> jax.Array:
         """Inverse of `pack`: [..., packed_length(n), ...] uint8 → [..., n, ...] `code_dtype`."""
-        return _packing.unpack(packed, self.bits, n, axis).astype(self.code_dtype)
+        return from_bit_patterns(_packing.unpack(packed, self.bits, n, axis), self.code_dtype)
+
+    def codes(self) -> np.ndarray:
+        """Every code that stands for a finite grid value, in `code_dtype` (NaN and Inf
+        encodings and unused bit patterns left out); `encode(decode(codes()))` returns them."""
+        patterns = np.arange(2**self.bits, dtype=np.uint16).astype(np.uint8)
+        codes = patterns.view(self.code_dtype) if self.bits == 8 else patterns
+        values = np.asarray(self.decode(jnp.asarray(codes)))
+        return codes[np.isfinite(values)]
 
     def levels(self) -> np.ndarray:
-        """All finite grid values, sorted ascending, as float64 (for tests and stochastic
-        rounding). Formats with at most 8 bits enumerate their codes."""
-        codes = np.arange(2**self.bits, dtype=np.uint16).astype(np.uint8)
-        if np.dtype(self.code_dtype) != np.uint8:
-            codes = codes.view(self.code_dtype)
-        values = np.asarray(self.decode(jnp.asarray(codes)), dtype=np.float64)
-        return np.unique(values[np.isfinite(values)])
+        """All finite grid values, sorted ascending and distinct, as float64 (for tests and
+        stochastic rounding)."""
+        values = np.asarray(self.decode(jnp.asarray(self.codes())), dtype=np.float64)
+        return np.unique(values)

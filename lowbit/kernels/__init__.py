@@ -1,0 +1,81 @@
+"""Fast CPU kernels for quantized linear layers, through XLA's FFI.
+
+Weights are packed once with `prepare` (layouts in `lowbit.kernels._layout`) and then used
+by the kernels on plain arrays:
+
+- `weight_only_linear(x, w, bias=None, *, out_dtype=None)`: x `[..., K]` float32|bfloat16
+  times an int8 / int4 / uint4 / nf4 / fp8 weight `[K, N]` dequantized in registers.
+- `w8a8_linear(x, w, bias=None, *, out_dtype=None)`: dynamic per-token int8 activations
+  times an int8 weight, int32 accumulation, per-channel scale epilogue.
+- `w8a8_linear_quantized(xq, x_scale, w, bias=None, *, out_dtype=float32)` and
+  `w8a8_matmul_int32(xq, w)`: the same on already-quantized activations `xq [M, K] int8`.
+
+Logical weights (inputs to `prepare`, outputs of `prepared_to_logical`): codes `[K, N]`
+(contraction axis first, like a Flax `Dense` kernel); scale `[G, N]` float32 with
+G = ceil(K / group_size) or `[1, N]` per channel; zero_point `[G, N]` float32 (uint4 only).
+
+The compiled module picks the best instruction-set path at run time (AVX-512 VNNI, AVX-512BW,
+AVX2 with or without AVX-VNNI, portable); `LOWBIT_CPU_ISA` caps it and `set_isa` switches it.
+When the module is missing, `LOWBIT_DISABLE_KERNELS=1` is set or the default backend is not
+CPU, every entry point computes the same result with the pure-JAX reference instead, and
+`status()` says why.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from lowbit.kernels._layout import (
+    KINDS,
+    W8A8_MAX_K,
+    PreparedWeight,
+    prepare,
+    prepared_to_logical,
+)
+from lowbit.kernels._native import available, set_isa, status, supported_isas
+from lowbit.kernels._ops import (
+    w8a8_linear,
+    w8a8_linear_quantized,
+    w8a8_matmul_int32,
+    weight_only_linear,
+)
+from lowbit.kernels._reference import NF4_LEVELS, quantize_per_token
+
+__all__ = [
+    "KINDS",
+    "NF4_LEVELS",
+    "PreparedWeight",
+    "available",
+    "prepare",
+    "prepared_to_logical",
+    "quantize_per_token",
+    "set_isa",
+    "status",
+    "supported_isas",
+    "supports",
+    "w8a8_linear",
+    "w8a8_linear_quantized",
+    "w8a8_matmul_int32",
+    "weight_only_linear",
+]
+
+
+def supports(kind: str, K: int, N: int, group_size: int | None, dtype) -> bool:  # noqa: N803
+    """Whether a compiled kernel runs this case (else the pure-JAX reference would).
+
+    kind: one of `KINDS`; K, N: weight shape [K, N]; group_size: along K (even, 4-bit kinds)
+    or None per channel; dtype: activation dtype (float32 or bfloat16).
+    """
+    if not available() or kind not in KINDS or K < 1 or N < 1:
+        return False
+    try:
+        if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+            return False
+    except TypeError:
+        return False
+    if group_size is not None:
+        if kind in ("int8", "fp8", "w8a8"):
+            return False
+        if group_size < 2 or group_size % 2:
+            return False
+    return not (kind == "w8a8" and K > W8A8_MAX_K)

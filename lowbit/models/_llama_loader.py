@@ -7,14 +7,13 @@ import re
 from typing import Any
 
 import jax.numpy as jnp
-from flax import nnx
 from tokenizers import Tokenizer
 
 from ._assets import smollm2_gguf_path
 from ._gguf_reader import GGUFFile, read_gguf
 from ._llama import Llama, LlamaConfig
 from ._tokenizer import tokenizer_from_gguf
-from ._weights import ParamMapping, abstract_module, assign_params
+from ._weights import ParamMapping, assign_params
 
 # Per-layer GGUF tensor suffix -> (module path under layers/i, output-row permutation heads).
 _LAYER_TENSORS = {
@@ -103,9 +102,7 @@ def load_llama_gguf(
     if unknown:
         raise ValueError(f"GGUF file {gguf_file.path!r} has unexpected tensor {unknown[0]!r}")
     arrays = {name: gguf_file.tensor(name).dequantize() for name in mapping}
-    model = abstract_module(
-        lambda: Llama(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
-    )
+    model = Llama.abstract(config, dtype=dtype, param_dtype=dtype)
     assign_params(model, arrays, mapping, dtype)
     return model, tokenizer_from_gguf(gguf_file.metadata)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -54,11 +54,6 @@ class ParamMapping:
         if self.unpermute_heads is not None:
             w = unpermute_rope_rows(w, self.unpermute_heads)
         return w.T if self.transpose else w
-
-
-def abstract_module(make: Callable[[], nnx.Module]) -> nnx.Module:
-    """Build a module whose parameters are shape placeholders, without running initialisers."""
-    return nnx.eval_shape(make)
 
 
 def _variable_at(module: nnx.Module, path: Path) -> nnx.Variable:

@@ -192,8 +192,10 @@ def quantize(
       ValueError: for a non-float input, an unknown format, a group size that does not divide,
         an axis out of range, or stochastic rounding without a key.
     """
-    if config is None or isinstance(config, str | Format):
-        config = QuantConfig(format=config or "int8", **overrides)
+    if config is None:
+        config = QuantConfig(**{"format": "int8", **overrides})
+    elif isinstance(config, str | Format):
+        config = QuantConfig(format=config, **overrides)
     elif overrides:
         config = dataclasses.replace(config, **overrides)
     fmt = get_format(config.format)

@@ -30,18 +30,20 @@ from lowbit.qarray import (
     Fixed,
     MinMax,
     PerBlock,
+    Percentile,
     PerChannel,
     PerGroup,
     PerTensor,
     PerToken,
-    Percentile,
     QuantConfig,
     parse_calibration,
 )
 from lowbit.recipes._recipe import Recipe
 from lowbit.recipes._rule import Rule
 
-_GRANULARITY_FORMS = "per_tensor | per_channel:a[,b] | per_group:size[:axis] | per_block:AxB | per_token"
+_GRANULARITY_FORMS = (
+    "per_tensor | per_channel:a[,b] | per_group:size[:axis] | per_block:AxB | per_token"
+)
 
 
 def format_granularity(g) -> str:
@@ -135,8 +137,10 @@ def parse_config(value: Any, field: str) -> QuantConfig | None:
     if isinstance(value, str):
         value = {"format": value}
     if not isinstance(value, Mapping):
-        raise ValueError(f"{field}: {value!r} is not a config; accepted: null, a format name, or "
-                         f"an object with keys {[f.name for f in dataclasses.fields(QuantConfig)]}")
+        raise ValueError(
+            f"{field}: {value!r} is not a config; accepted: null, a format name, or "
+            f"an object with keys {[f.name for f in dataclasses.fields(QuantConfig)]}"
+        )
     known = {f.name for f in dataclasses.fields(QuantConfig)}
     unknown = sorted(set(value) - known)
     if unknown:

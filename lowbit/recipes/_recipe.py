@@ -134,7 +134,8 @@ class Recipe:
         if ndim < rule.min_ndim:
             return Decision(
                 **keep,
-                reason=f"{ndim} axes (after {rule.stacked_axes} stacked) < min_ndim {rule.min_ndim}",
+                reason=f"{ndim} axes ({rule.stacked_axes} stacked not counted) < min_ndim "
+                f"{rule.min_ndim}",
             )
         size = int(np.prod(shape))
         if size < rule.min_size:
@@ -217,8 +218,10 @@ class RecipeReport:
         raise KeyError(f"no parameter at path {path!r}")
 
     def __str__(self) -> str:
-        lines = [f"recipe {self.recipe.name!r}: {len(self.quantized)} quantized, "
-                 f"{len(self.kept_float)} float"]
+        lines = [
+            f"recipe {self.recipe.name!r}: {len(self.quantized)} quantized, "
+            f"{len(self.kept_float)} float"
+        ]
         for d in self.decisions:
             rule = "-" if d.rule_index is None else str(d.rule_index)
             what = _describe(d.config) if d.quantized else f"float: {d.reason}"

@@ -29,7 +29,9 @@ def _check_regex(field: str, pattern: str | None) -> None:
     if pattern is None:
         return
     if not isinstance(pattern, str):
-        raise TypeError(f"{field} must be a regex string, got {type(pattern).__name__}: {pattern!r}")
+        raise TypeError(
+            f"{field} must be a regex string, got {type(pattern).__name__}: {pattern!r}"
+        )
     try:
         re.compile(pattern)
     except re.error as err:

@@ -1,0 +1,78 @@
+"""The quantized value types the interpreter carries, and how to look inside them.
+
+Two types flow through the engine besides ordinary arrays: `QArray` (packed PTQ weights) and
+`lowbit.ops.QatWeight` (a float weight with its QAT recipe; leaves `value` and `qarray`). Layout
+rules are written once for `QArray`; on a `QatWeight` they apply to `qarray` while the float op
+applies to `value`, so both stay consistent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lowbit.qarray import QArray
+
+
+def ops_module() -> Any:
+    """`lowbit.ops`, imported on first use (the layer below the engine)."""
+    return importlib.import_module("lowbit.ops")
+
+
+def is_qat_weight(x: Any) -> bool:
+    cls = type(x)
+    if cls.__name__ != "QatWeight":
+        return False
+    return hasattr(x, "value") and hasattr(x, "qarray")
+
+
+def is_quantized(x: Any) -> bool:
+    """True for the values the engine treats specially: `QArray` and `QatWeight`."""
+    return isinstance(x, QArray) or is_qat_weight(x)
+
+
+def logical_struct(x: Any) -> jax.ShapeDtypeStruct:
+    """The float array a quantized value stands for, as a shape/dtype stand-in for tracing."""
+    if is_qat_weight(x):
+        return jax.ShapeDtypeStruct(x.value.shape, x.value.dtype)
+    return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+
+
+def dequantize(x: Any) -> jax.Array:
+    """The float array a quantized value stands for in the forward pass.
+
+    A `QatWeight` becomes its fake-quantized value with a straight-through gradient to `value`:
+    forward numerics of the quantized weight, gradients of the float one.
+    """
+    if isinstance(x, QArray):
+        return x.dequantize()
+    own = getattr(x, "dequantize", None)
+    if callable(own):
+        return own()
+    quantized = x.qarray.dequantize(x.value.dtype)
+    return x.value + jax.lax.stop_gradient(quantized - x.value)
+
+
+def map_layout(x: Any, qarray_fn, float_fn) -> Any:
+    """Applies a layout op to a quantized value.
+
+    Args:
+      x: a `QArray` or `QatWeight`.
+      qarray_fn: QArray → QArray (may raise `LayoutUnsupported`).
+      float_fn: float array → float array, the same op on ordinary values.
+    Returns:
+      a value of the same kind as `x`.
+    """
+    if isinstance(x, QArray):
+        return qarray_fn(x)
+    return dataclasses.replace(x, value=float_fn(x.value), qarray=qarray_fn(x.qarray))
+
+
+def value_signature(x: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]]:
+    """(treedef, leaf shapes and dtypes): equal signatures can share a loop carry slot."""
+    leaves, treedef = jax.tree.flatten(x)
+    return treedef, tuple((tuple(jnp.shape(a)), getattr(a, "dtype", type(a))) for a in leaves)

@@ -1,0 +1,318 @@
+"""Quantized checkpoints: a directory with ``model.safetensors`` and ``manifest.json``.
+
+Every array leaf is a tensor in the safetensors file: a QArray's codes (packed ``uint8``,
+``int8``, float8), scales (float, ``uint8`` E8M0, float8 e4m3), zero points, tensor scales and
+activation bounds, and plain float leaves. The manifest (see `lowbit.io._manifest`) holds the
+tree's structure, each QArray's static metadata, each tensor's dtype, shape and sha256, the
+recipe's JSON and user metadata. Nothing is pickled; loading reads JSON and raw bytes only.
+
+Writes are atomic: the new checkpoint is written completely into a temporary directory beside
+the target and then swapped in with one rename (on Linux an atomic exchange of the two
+directories when the target exists), so a crash at any point leaves the old checkpoint whole.
+Loads check everything before building anything and return QArrays straight from the stored
+codes: nothing is dequantized.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import lowbit
+from lowbit.io._manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    CheckpointError,
+    build_tree,
+    decode_tree,
+    encode_tree,
+    leaf_shapes,
+    path_name,
+)
+from lowbit.io._safetensors_file import (
+    is_native,
+    read_header,
+    read_tensor,
+    storage_view,
+    write_safetensors,
+)
+
+TENSORS_FILE = "model.safetensors"
+MANIFEST_FILE = "manifest.json"
+
+
+def _sha256(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).reshape(-1).view(np.uint8)).hexdigest()
+
+
+def _recipe_json(recipe: Any) -> str | None:
+    if recipe is None:
+        return None
+    if isinstance(recipe, str):
+        text = recipe
+    elif callable(getattr(recipe, "to_json", None)):
+        text = recipe.to_json()
+    else:
+        raise TypeError(
+            f"recipe must be a Recipe (anything with to_json()) or its JSON text, got "
+            f"{type(recipe).__name__}"
+        )
+    try:
+        json.loads(text)
+    except (TypeError, json.JSONDecodeError) as err:
+        raise ValueError(f"recipe JSON does not parse: {err}") from None
+    return text
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    params: Any,
+    *,
+    recipe: Any = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> None:
+    """Writes `params` (QArrays, arrays, containers) as a checkpoint directory, atomically.
+
+    Args:
+      path: the checkpoint directory. If it exists it must be a checkpoint (hold a
+        ``manifest.json``); it is replaced as a whole.
+      params: a params tree: nested dicts (e.g. ``nnx.State`` or a pure dict), lists, tuples,
+        None, `QArray`s, arrays and Python scalars.
+      recipe: the `Recipe` the params were quantized with (anything with ``to_json()``), or its
+        JSON text; stored so that loading can check it.
+      metadata: JSON-serialisable user metadata, stored as is.
+    Raises:
+      TypeError: naming the path of a leaf that cannot be stored, or a bad `recipe`.
+      ValueError: if `path` exists and is not a checkpoint, or `metadata` is not JSON.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.lexists(path) and not os.path.isfile(os.path.join(path, MANIFEST_FILE)):
+        raise ValueError(
+            f"path {path!r} exists and is not a checkpoint (no {MANIFEST_FILE}); refusing to "
+            "replace it"
+        )
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"metadata must be JSON-serialisable: {err}") from None
+    tree, tensors = encode_tree(params)
+    stored, entries = {}, {}
+    for name, (leaf_path, role, array) in tensors.items():
+        view = storage_view(array)
+        stored[name] = view
+        entries[name] = {
+            "path": list(leaf_path),
+            "role": role,
+            "dtype": array.dtype.name,
+            "shape": list(array.shape),
+            "sha256": _sha256(view),
+        }
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "library_version": lowbit.__version__,
+        "recipe": _recipe_json(recipe),
+        "metadata": metadata,
+        "tree": tree,
+        "tensors": entries,
+    }
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    try:
+        write_safetensors(os.path.join(tmp, TENSORS_FILE), stored)
+        _write_json(os.path.join(tmp, MANIFEST_FILE), manifest)
+        _swap_in(tmp, path)
+    finally:
+        # After a swap `tmp` holds the previous checkpoint; after a failure, the partial one.
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_json(file: str, data: Any) -> None:
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, allow_nan=False)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swaps two paths (Linux renameat2); False where the system cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), b)
+
+
+def _swap_in(new: str, path: str) -> None:
+    """Moves directory `new` to `path`; an existing `path` ends up at `new`."""
+    if not os.path.lexists(path):
+        os.rename(new, path)
+    elif not _exchange(new, path):
+        # Without an atomic exchange there is a moment with no directory at `path`; the old
+        # checkpoint is then whole at the `.old` name and the new one whole at `new`.
+        old = f"{new}.old"
+        os.rename(path, old)
+        os.rename(new, path)
+        os.rename(old, new)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of the checkpoint at `path` (recipe JSON, metadata, tree, tensors).
+
+    Raises:
+      CheckpointError: if the manifest is missing, not JSON, or of another format or version.
+    """
+    file = os.path.join(os.fspath(path), MANIFEST_FILE)
+    try:
+        with open(file, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: no checkpoint manifest at {os.fspath(path)!r}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{file}: not valid JSON ({err})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        got = manifest.get("format") if isinstance(manifest, dict) else manifest
+        raise CheckpointError(f"{file}: format {got!r} is not {FORMAT_NAME!r}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file}: format version {manifest.get('format_version')!r}; this lowbit "
+            f"({lowbit.__version__}) reads version {FORMAT_VERSION}"
+        )
+    missing = {"recipe", "metadata", "tree", "tensors"} - set(manifest)
+    if missing:
+        raise CheckpointError(f"{file}: missing keys {sorted(missing)}")
+    return manifest
+
+
+def _check_recipe(stored: Any, recipe: Any, file: str) -> None:
+    try:
+        expected = _recipe_json(recipe)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"recipe= cannot be compared: {err}") from None
+    stored_value = None if stored is None else json.loads(stored)
+    if stored_value != json.loads(expected):
+        shown = "none" if stored is None else stored[:300]
+        raise CheckpointError(
+            f"{file}: recipe mismatch: the checkpoint was written with recipe {shown}, but "
+            f"recipe= is {expected[:300]}"
+        )
+
+
+def _check_like(shapes: dict, like: Any, file: str) -> None:
+    expected = leaf_shapes(like)
+    for leaf_path, shape in shapes.items():
+        if leaf_path not in expected:
+            raise CheckpointError(f"{file}: leaf {path_name(leaf_path)!r} is not in like=")
+        if tuple(expected[leaf_path]) != tuple(shape):
+            raise CheckpointError(
+                f"{file}: leaf {path_name(leaf_path)!r} has shape {tuple(shape)}, but like= "
+                f"expects {tuple(expected[leaf_path])}"
+            )
+    missing = [p for p in expected if p not in shapes]
+    if missing:
+        raise CheckpointError(f"{file}: like= has leaf {path_name(missing[0])!r}, not stored")
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    like: Any = None,
+    recipe: Any = None,
+    sharding: Any = None,
+) -> Any:
+    """Loads a checkpoint written by `save_checkpoint`, straight into QArrays.
+
+    Args:
+      path: the checkpoint directory.
+      like: optional params tree or abstract tree (e.g. ``jax.eval_shape`` output, ``nnx.State``)
+        the checkpoint must match: same leaf paths, and each stored leaf's logical shape equal
+        to the leaf's shape there (a QArray may stand where `like` has a float array).
+      recipe: optional `Recipe` (or its JSON); refuse the checkpoint unless it was written with
+        an equal recipe.
+      sharding: optional `jax.sharding.Sharding` (or device) to put every array on; default
+        the default device.
+    Returns:
+      The params tree, with dicts, lists and tuples as saved (``nnx.State`` comes back as a
+      dict) and `QArray`s holding the stored codes.
+    Raises:
+      CheckpointError: naming the file, tensor and problem, before anything is built, for a
+        missing or malformed manifest, another format version, a recipe mismatch, an unknown
+        format name, a truncated or malformed tensor file, a missing or extra tensor, a tensor
+        whose dtype, shape or sha256 differs from the manifest, a QArray whose parts do not
+        fit together, or a leaf that does not match `like`.
+    """
+    path = os.fspath(path)
+    manifest = read_manifest(path)
+    file = os.path.join(path, MANIFEST_FILE)
+    if recipe is not None:
+        _check_recipe(manifest["recipe"], recipe, file)
+    plan = decode_tree(manifest["tree"], manifest["tensors"], file)
+    if like is not None:
+        _check_like(plan.shapes, like, file)
+    data_file = os.path.join(path, TENSORS_FILE)
+    if not os.path.isfile(data_file):
+        raise CheckpointError(f"{data_file}: missing")
+    try:
+        entries = read_header(data_file)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    extra = sorted(set(entries) - set(plan.tensors))
+    if extra:
+        raise CheckpointError(f"{data_file}: extra tensor {extra[0]!r} the manifest lacks")
+    missing = sorted(set(plan.tensors) - set(entries))
+    if missing:
+        raise CheckpointError(f"{data_file}: missing tensor {missing[0]!r}")
+    for name, entry in entries.items():
+        dtype, shape = plan.tensors[name]
+        stored = (dtype, shape) if is_native(dtype) else (np.dtype(np.uint8), (entry.nbytes,))
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        if (entry.dtype, entry.shape) != stored or entry.nbytes != nbytes:
+            raise CheckpointError(
+                f"{data_file}: tensor {name!r} is stored as {entry.dtype.name} {entry.shape}, "
+                f"the manifest says {dtype.name} {shape}"
+            )
+    arrays: dict[str, Any] = {}
+    with open(data_file, "rb") as f:
+        for name, entry in entries.items():
+            try:
+                array = read_tensor(f, entry)
+            except ValueError as err:
+                raise CheckpointError(str(err)) from None
+            if _sha256(array) != manifest["tensors"][name]["sha256"]:
+                raise CheckpointError(
+                    f"{data_file}: tensor {name!r} is corrupt (sha256 differs from the manifest)"
+                )
+            dtype, shape = plan.tensors[name]
+            arrays[name] = array.reshape(-1).view(dtype).reshape(shape)
+    build_tree(plan, arrays)  # checks every QArray's invariants on the host arrays
+    for name in list(arrays):
+        # One tensor at a time, so host and device copies never coexist for the whole tree.
+        host = arrays[name]
+        arrays[name] = jnp.asarray(host) if sharding is None else jax.device_put(host, sharding)
+        del host
+    return build_tree(plan, arrays)

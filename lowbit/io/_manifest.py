@@ -1,0 +1,352 @@
+"""The checkpoint manifest: the pytree's structure and every stored tensor, as JSON.
+
+A params tree is stored as a tree of JSON nodes, one per container or leaf:
+
+  ``{"kind": "dict", "items": [[key, node], ...]}``  (keys: strings or ints, in order)
+  ``{"kind": "list" | "tuple", "items": [node, ...]}``
+  ``{"kind": "none"}``
+  ``{"kind": "scalar", "value": 1.5}``  (a Python bool, int or float leaf)
+  ``{"kind": "array", "tensor": name}``
+  ``{"kind": "qarray", "tensors": {role: name}, "format": ..., "shape": [...], "dtype": ...,
+    "packed_axis": ..., "scale_encoding": ..., "activation": {QuantConfig dict} | null}``
+
+and each tensor the file holds gets ``{"path", "role", "dtype", "shape", "sha256"}``. Decoding
+checks every node, name and number against fixed tables, so a manifest can describe a tree but
+cannot make the loader construct anything else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from lowbit.formats import get_format
+from lowbit.io._config_dict import quant_config_from_dict, quant_config_to_dict
+from lowbit.io._safetensors_file import DTYPES, dtype_from_name
+from lowbit.qarray import QArray
+
+FORMAT_NAME = "lowbit.checkpoint"
+FORMAT_VERSION = 1
+QARRAY_ROLES = ("codes", "scale", "zero_point", "tensor_scale", "activation_bounds")
+_SCALE_ENCODINGS = ("float", "e8m0", "e4m3")
+
+Key = str | int
+Path = tuple[Key, ...]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: the message names the file, tensor and problem."""
+
+
+def path_name(path: Path) -> str:
+    """``("layers", 0, "kernel")`` -> ``"layers/0/kernel"``; the root is ``"."``."""
+    return "/".join(str(k) for k in path) or "."
+
+
+def encode_tree(params: Any) -> tuple[dict[str, Any], dict[str, tuple[Path, str, np.ndarray]]]:
+    """Splits a params tree into its JSON structure and its arrays.
+
+    Args:
+      params: nested dicts (any Mapping, e.g. ``nnx.State``; str or int keys), lists, tuples,
+        None, `QArray`s, arrays (jax or numpy), ``nnx.Variable``s (their value is stored) and
+        Python scalars.
+    Returns:
+      ``(tree, tensors)``: the JSON node of the root, and tensor name -> (path, role, array).
+    Raises:
+      TypeError: naming the path of a leaf or container that cannot be stored (abstract
+        arrays, NamedTuples, custom classes, keys that are neither str nor int).
+      ValueError: if two paths map to the same tensor name.
+    """
+    tensors: dict[str, tuple[Path, str, np.ndarray]] = {}
+
+    def add(path: Path, role: str, array: Any) -> str:
+        name = path_name(path) + ("" if role == "value" else f":{role}")
+        if name in tensors:
+            raise ValueError(f"two leaves are both stored as tensor {name!r}; rename a key")
+        tensors[name] = (path, role, np.asarray(array))
+        return name
+
+    def walk(node: Any, path: Path) -> dict[str, Any]:
+        if isinstance(node, nnx.Variable):
+            node = node.get_value()
+        if node is None:
+            return {"kind": "none"}
+        if isinstance(node, QArray):
+            meta = {
+                "kind": "qarray",
+                "format": node.format,
+                "shape": list(node.shape),
+                "dtype": np.dtype(node.dtype).name,
+                "packed_axis": node.packed_axis,
+                "scale_encoding": node.scale_encoding,
+                "activation": None
+                if node.activation is None
+                else quant_config_to_dict(node.activation),
+            }
+            meta["tensors"] = {
+                role: add(path, role, getattr(node, role))
+                for role in QARRAY_ROLES
+                if getattr(node, role) is not None
+            }
+            return meta
+        if isinstance(node, Mapping):
+            items = []
+            for key, child in node.items():
+                if isinstance(key, bool) or not isinstance(key, str | int):
+                    raise TypeError(
+                        f"params at {path_name(path)!r} has key {key!r} of type "
+                        f"{type(key).__name__}; accepted key types: str, int"
+                    )
+                items.append([key, walk(child, (*path, key))])
+            return {"kind": "dict", "items": items}
+        if type(node) in (list, tuple):
+            kind = "list" if type(node) is list else "tuple"
+            return {"kind": kind, "items": [walk(c, (*path, i)) for i, c in enumerate(node)]}
+        if isinstance(node, bool | int | float) and not isinstance(node, np.generic):
+            if isinstance(node, float) and not math.isfinite(node):
+                raise TypeError(f"params at {path_name(path)!r} is the non-finite float {node}")
+            return {"kind": "scalar", "value": node}
+        if isinstance(node, jax.Array | np.ndarray | np.generic) and not isinstance(
+            node, jax.core.Tracer
+        ):
+            if np.dtype(node.dtype).name not in DTYPES:
+                raise TypeError(
+                    f"params at {path_name(path)!r} has dtype {node.dtype}; accepted: "
+                    f"{', '.join(sorted(DTYPES))}"
+                )
+            return {"kind": "array", "tensor": add(path, "value", node)}
+        raise TypeError(
+            f"params at {path_name(path)!r} is a {type(node).__name__}, which a checkpoint "
+            "cannot store; accepted: dicts, lists, tuples, None, QArrays, concrete arrays and "
+            "Python scalars (convert NamedTuples and custom nodes to dicts first)"
+        )
+
+    return walk(params, ()), tensors
+
+
+class Plan:
+    """A decoded, checked tree: how to build params once its tensors are read.
+
+    Attributes:
+      tree: the manifest's root node.
+      tensors: tensor name -> (dtype, shape) the manifest promises.
+      shapes: leaf path -> logical shape (QArrays: their `shape`), for `like=` checks.
+    """
+
+    def __init__(self, tree: dict[str, Any], tensors: dict[str, tuple[np.dtype, tuple]]):
+        self.tree = tree
+        self.tensors = tensors
+        self.shapes: dict[Path, tuple[int, ...]] = {}
+
+
+def decode_tree(tree: Any, tensors: Mapping[str, Any], where: str) -> Plan:
+    """Checks a manifest's tree against its tensor table without reading any data.
+
+    Args:
+      tree: the manifest's ``"tree"`` node.
+      tensors: the manifest's ``"tensors"`` table.
+      where: the manifest's file name, for errors.
+    Returns:
+      A `Plan`.
+    Raises:
+      CheckpointError: naming the path and problem: unknown node kinds, format names, dtypes,
+        scale encodings or activation configs, duplicate keys, tensors referenced twice or
+        never, or a tensor the table lacks.
+    """
+    table: dict[str, tuple[np.dtype, tuple]] = {}
+    if not isinstance(tensors, Mapping):
+        raise CheckpointError(f"{where}: 'tensors' is not an object")
+    for name, info in tensors.items():
+        if not isinstance(info, Mapping) or not isinstance(info.get("sha256"), str):
+            raise CheckpointError(f"{where}: tensor {name!r} entry lacks a sha256")
+        dtype = _checked(lambda: dtype_from_name(info.get("dtype"), f"tensor {name!r}"), where)
+        table[name] = (dtype, _shape(info.get("shape"), f"{where}: tensor {name!r}"))
+    plan = Plan(tree, table)
+    used: set[str] = set()
+
+    def ref(name: Any, path: Path) -> str:
+        if name not in table:
+            raise CheckpointError(
+                f"{where}: leaf {path_name(path)!r} refers to tensor {name!r}, which the "
+                "manifest's tensor table lacks"
+            )
+        if name in used:
+            raise CheckpointError(f"{where}: tensor {name!r} is referenced twice")
+        used.add(name)
+        return name
+
+    def walk(node: Any, path: Path) -> None:
+        kind = node.get("kind") if isinstance(node, Mapping) else None
+        at = f"{where}: node {path_name(path)!r}"
+        if kind in ("none", "scalar"):
+            if kind == "scalar" and isinstance(node.get("value"), bool | int | float):
+                plan.shapes[path] = ()
+            elif kind == "scalar":
+                raise CheckpointError(f"{at}: scalar value {node.get('value')!r} is not a number")
+        elif kind == "dict":
+            keys = [_item_key(item, at) for item in _items(node, at)]
+            if len(set(keys)) != len(keys):
+                raise CheckpointError(f"{at}: duplicate dict keys")
+            for item, key in zip(node["items"], keys, strict=True):
+                walk(item[1], (*path, key))
+        elif kind in ("list", "tuple"):
+            for i, child in enumerate(_items(node, at)):
+                walk(child, (*path, i))
+        elif kind == "array":
+            name = ref(node.get("tensor"), path)
+            plan.shapes[path] = table[name][1]
+        elif kind == "qarray":
+            _check_qarray(node, at)
+            roles = node["tensors"]
+            for role in roles:
+                ref(roles[role], path)
+            plan.shapes[path] = tuple(node["shape"])
+        else:
+            raise CheckpointError(
+                f"{at}: kind {kind!r}; accepted: dict, list, tuple, none, scalar, array, qarray"
+            )
+
+    walk(tree, ())
+    unused = sorted(set(table) - used)
+    if unused:
+        raise CheckpointError(f"{where}: tensor {unused[0]!r} is in no leaf of the tree")
+    return plan
+
+
+def _checked(fn: Callable[[], Any], where: str) -> Any:
+    try:
+        return fn()
+    except ValueError as err:
+        raise CheckpointError(f"{where}: {err}") from None
+
+
+def _shape(value: Any, at: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
+    ):
+        raise CheckpointError(f"{at}: shape {value!r} is not a list of non-negative ints")
+    return tuple(value)
+
+
+def _items(node: Mapping[str, Any], at: str) -> list[Any]:
+    items = node.get("items")
+    if not isinstance(items, list):
+        raise CheckpointError(f"{at}: 'items' is not a list")
+    return items
+
+
+def _item_key(item: Any, at: str) -> Key:
+    if not (isinstance(item, list) and len(item) == 2):
+        raise CheckpointError(f"{at}: dict item {item!r} is not [key, node]")
+    key = item[0]
+    if isinstance(key, bool) or not isinstance(key, str | int):
+        raise CheckpointError(f"{at}: dict key {key!r} is neither a string nor an int")
+    return key
+
+
+def _check_qarray(node: Mapping[str, Any], at: str) -> None:
+    expected = {"kind", "tensors", "format", "shape", "dtype", "packed_axis", "scale_encoding",
+                "activation"}
+    if set(node) != expected:
+        raise CheckpointError(f"{at}: qarray keys {sorted(node)} != {sorted(expected)}")
+    _checked(lambda: get_format(node["format"]) if isinstance(node["format"], str) else
+             get_format(repr(node["format"])), at)
+    shape = _shape(node["shape"], at)
+    dtype = _checked(lambda: dtype_from_name(node["dtype"], "logical dtype"), at)
+    if not np.issubdtype(dtype, np.floating):
+        raise CheckpointError(f"{at}: logical dtype {dtype.name} is not a float dtype")
+    axis = node["packed_axis"]
+    if axis is not None and not (isinstance(axis, int) and 0 <= axis < max(len(shape), 1)):
+        raise CheckpointError(f"{at}: packed_axis {axis!r} is out of range for shape {shape}")
+    if node["scale_encoding"] not in _SCALE_ENCODINGS:
+        raise CheckpointError(
+            f"{at}: scale_encoding {node['scale_encoding']!r}; accepted: {_SCALE_ENCODINGS}"
+        )
+    if node["activation"] is not None:
+        _checked(lambda: quant_config_from_dict(node["activation"]), f"{at}: activation")
+    roles = node["tensors"]
+    if not isinstance(roles, Mapping) or not {"codes", "scale"} <= set(roles) <= set(QARRAY_ROLES):
+        raise CheckpointError(
+            f"{at}: tensor roles {sorted(roles) if isinstance(roles, Mapping) else roles!r}; "
+            f"needs codes and scale, accepted: {QARRAY_ROLES}"
+        )
+
+
+def build_tree(plan: Plan, arrays: Mapping[str, Any]) -> Any:
+    """Builds the params tree of a checked `plan` from its tensors (by name).
+
+    Raises:
+      CheckpointError: if a rebuilt QArray breaks its invariants (`QArray.check`).
+    """
+
+    def walk(node: Mapping[str, Any], path: Path) -> Any:
+        kind = node["kind"]
+        if kind == "none":
+            return None
+        if kind == "scalar":
+            return node["value"]
+        if kind == "dict":
+            return {key: walk(child, (*path, key)) for key, child in node["items"]}
+        if kind in ("list", "tuple"):
+            items = [walk(child, (*path, i)) for i, child in enumerate(node["items"])]
+            return items if kind == "list" else tuple(items)
+        if kind == "array":
+            return arrays[node["tensor"]]
+        roles = node["tensors"]
+        activation = node["activation"]
+        q = QArray(
+            **{role: arrays[roles[role]] if role in roles else None for role in QARRAY_ROLES},
+            format=node["format"],
+            shape=tuple(node["shape"]),
+            dtype=DTYPES[node["dtype"]],
+            packed_axis=node["packed_axis"],
+            scale_encoding=node["scale_encoding"],
+            activation=None if activation is None else quant_config_from_dict(activation),
+        )
+        try:
+            q.check()
+        except ValueError as err:
+            raise CheckpointError(f"qarray {path_name(path)!r}: {err}") from None
+        if q.shape != tuple(node["shape"]) or q.packed_axis != node["packed_axis"]:
+            raise CheckpointError(
+                f"qarray {path_name(path)!r}: codes of shape {tuple(q.codes.shape)} do not fit "
+                f"the logical shape {tuple(node['shape'])}"
+            )
+        return q
+
+    return walk(plan.tree, ())
+
+
+def leaf_shapes(like: Any) -> dict[Path, tuple[int, ...] | None]:
+    """Leaf path -> shape of a params tree or abstract tree (None for None leaves).
+
+    Accepts what `encode_tree` accepts, with `jax.ShapeDtypeStruct` (or anything with a
+    `.shape`) as leaves.
+    """
+    out: dict[Path, tuple[int, ...] | None] = {}
+
+    def walk(node: Any, path: Path) -> None:
+        if isinstance(node, nnx.Variable):
+            node = node.get_value()
+        if node is None:
+            return
+        if isinstance(node, QArray):
+            out[path] = tuple(node.shape)
+        elif isinstance(node, Mapping):
+            for key, child in node.items():
+                walk(child, (*path, key))
+        elif type(node) in (list, tuple):
+            for i, child in enumerate(node):
+                walk(child, (*path, i))
+        elif hasattr(node, "shape"):
+            out[path] = tuple(int(d) for d in node.shape)
+        else:
+            out[path] = ()
+
+    walk(like, ())
+    return out

@@ -1,0 +1,245 @@
+"""Prepared (packed) weight layouts read by the CPU kernels, and their inverse.
+
+All layouts split the N output columns into P = ceil(N / 16) panels of 16 columns (N padded
+with zero columns) so that one 512-bit vector (or two 256-bit ones) holds one row of a panel,
+and each panel is one contiguous byte stream in the order the inner loop reads it.
+
+Weight-only kinds (`data`: uint8 `[P, G * group_bytes]`): each panel is G groups of
+
+    [16 x f32 scale][16 x f32 zero point][gs/2 pair rows of PB bytes]
+
+- gs is the storage group size: the user's group size, or for per-channel weights a fixed
+  chunk (min(256, K rounded up to even)) whose header repeats the channel scale. K is padded
+  with zero codes to Kp = G * gs (the kernels zero-pad activations to match).
+- 4-bit kinds (PB = 16): byte j of pair row t holds column j, low nibble k = 2t, high
+  nibble k = 2t + 1. int4 codes are stored offset-binary (code ^ 8) with zero point 8, so
+  signed and asymmetric 4-bit share one unpack; nf4 stores indices, zero point 0.
+- 8-bit kinds (PB = 32): 16 bytes for k = 2t (one per column) then 16 for k = 2t + 1;
+  int8 as two's complement, fp8 as raw e4m3fn bits. Zero point 0.
+
+w8a8 (`data`: int8 `[P, KQ * 64]`, KQ = ceil(K / 4)): panel p is `[KQ][16][4]`, the four
+k-consecutive codes of a column adjacent, as a u8 x s8 dot-product instruction reads them.
+`colsum` (int32 `[16 P]`) holds sum_k w[k, n]: the kernels feed activations as q + 128
+(unsigned) and subtract 128 * colsum. `scale` is the per-channel float32 `[N]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PANEL = 16
+HEADER_BYTES = 128
+PER_CHANNEL_CHUNK = 256
+KIND_IDS = {"int8": 0, "int4": 1, "uint4": 2, "nf4": 3, "fp8": 4}
+KINDS = (*KIND_IDS, "w8a8")
+_EIGHT_BIT = ("int8", "fp8")
+# Largest K for which u8 x s8 int32 accumulation cannot overflow (255 * 128 * K < 2**31).
+W8A8_MAX_K = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedWeight:
+    """A weight packed for the CPU kernels (a pytree: arrays are leaves, the rest static).
+
+    kind: one of "int8", "int4", "uint4", "nf4", "fp8", "w8a8".
+    k, n: logical weight shape [K, N]. group_size: logical group size along K, None for
+    per-channel. storage_group: group size of the packed stream (see module docstring).
+    data: packed codes (uint8 [P, bytes] weight-only, int8 [P, KQ * 64] w8a8).
+    scale: float32 [N] (w8a8 only). colsum: int32 [16 P] (w8a8 only).
+    """
+
+    kind: str
+    k: int
+    n: int
+    group_size: int | None
+    storage_group: int
+    data: jax.Array
+    scale: jax.Array | None = None
+    colsum: jax.Array | None = None
+
+
+jax.tree_util.register_dataclass(
+    PreparedWeight,
+    data_fields=["data", "scale", "colsum"],
+    meta_fields=["kind", "k", "n", "group_size", "storage_group"],
+)
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def pair_bytes(kind: str) -> int:
+    return 32 if kind in _EIGHT_BIT else 16
+
+
+def storage_group(kind: str, k: int, group_size: int | None) -> int:
+    """Group size of the packed stream (even; a per-channel weight is cut into chunks)."""
+    if group_size is not None:
+        return group_size
+    return min(PER_CHANNEL_CHUNK, _round_up(max(k, 1), 2))
+
+
+def _check_2d(name: str, a, shape: tuple[int, int] | None = None) -> None:
+    if getattr(a, "ndim", None) != 2:
+        raise ValueError(f"{name} must be a 2-D array, got shape {getattr(a, 'shape', None)}")
+    if shape is not None and tuple(a.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(a.shape)}; expected {shape}")
+
+
+def _check_group_size(kind: str, k: int, group_size: int | None) -> None:
+    if group_size is None:
+        return
+    if kind in _EIGHT_BIT + ("w8a8",):
+        raise ValueError(f"group_size={group_size} given for kind={kind!r}; it is per-channel only")
+    if not isinstance(group_size, int | np.integer) or group_size < 2 or group_size % 2:
+        raise ValueError(f"group_size={group_size!r} must be a positive even integer (or None)")
+
+
+_CODE_DTYPES = {
+    "int8": jnp.int8,
+    "int4": jnp.uint8,
+    "uint4": jnp.uint8,
+    "nf4": jnp.uint8,
+    "fp8": jnp.float8_e4m3fn,
+    "w8a8": jnp.int8,
+}
+
+
+def prepare(
+    kind: str,
+    codes: jax.Array,
+    scale: jax.Array,
+    zero_point: jax.Array | None = None,
+    group_size: int | None = None,
+) -> PreparedWeight:
+    """Packs a logical weight for the kernels.
+
+    kind: "int8" | "int4" | "uint4" | "nf4" | "fp8" (weight-only) or "w8a8".
+    codes: [K, N] (int8 for int8/w8a8; uint8 0..15 for 4-bit kinds; float8_e4m3fn for fp8).
+    scale: [G, N] float32 with G = ceil(K / group_size), or [1, N] per channel.
+    zero_point: [G, N] float32 in code units, uint4 only (w = (q - zp) * scale).
+    group_size: along K (even), None for per-channel; 4-bit kinds only.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not supported; expected one of {KINDS}")
+    _check_2d("codes", codes)
+    k, n = (int(d) for d in codes.shape)
+    want = _CODE_DTYPES[kind]
+    if jnp.dtype(codes.dtype) != jnp.dtype(want):
+        raise TypeError(f"codes for kind={kind!r} must be {jnp.dtype(want).name}, got {codes.dtype}")
+    _check_group_size(kind, k, group_size)
+    groups = 1 if group_size is None else -(-k // group_size)
+    scale = jnp.asarray(scale)
+    if kind == "w8a8" and scale.ndim == 1:
+        scale = scale.reshape(1, -1)
+    _check_2d("scale", scale, (groups, n))
+    if kind == "uint4":
+        if zero_point is None:
+            raise ValueError("zero_point is required for kind='uint4'")
+        _check_2d("zero_point", jnp.asarray(zero_point), (groups, n))
+    elif zero_point is not None:
+        raise ValueError(f"zero_point is only accepted for kind='uint4', not {kind!r}")
+    if kind == "w8a8":
+        return _prepare_w8a8(codes, scale.astype(jnp.float32))
+    return _prepare_weight_only(kind, codes, scale.astype(jnp.float32), zero_point, group_size)
+
+
+def _prepare_w8a8(codes: jax.Array, scale: jax.Array) -> PreparedWeight:
+    k, n = codes.shape
+    kq, p = -(-k // 4), -(-n // PANEL)
+    padded = jnp.pad(codes, ((0, 4 * kq - k), (0, PANEL * p - n)))
+    data = padded.reshape(kq, 4, p, PANEL).transpose(2, 0, 3, 1).reshape(p, kq * 64)
+    colsum = jnp.sum(padded.astype(jnp.int32), axis=0)
+    return PreparedWeight("w8a8", k, n, None, 4, data, scale.reshape(n), colsum)
+
+
+def _prepare_weight_only(
+    kind: str,
+    codes: jax.Array,
+    scale: jax.Array,
+    zero_point: jax.Array | None,
+    group_size: int | None,
+) -> PreparedWeight:
+    k, n = codes.shape
+    gs = storage_group(kind, k, group_size)
+    groups = -(-k // gs)
+    kp, p = groups * gs, -(-n // PANEL)
+    np_ = p * PANEL
+
+    if kind == "int8":
+        c = jax.lax.bitcast_convert_type(codes, jnp.uint8)
+    elif kind == "fp8":
+        c = jax.lax.bitcast_convert_type(codes, jnp.uint8)
+    elif kind == "int4":
+        c = (codes & 15) ^ 8
+    else:
+        c = codes & 15
+    c = jnp.pad(c, ((0, kp - k), (0, np_ - n)))
+
+    def per_group(a: jax.Array) -> jax.Array:
+        a = a.astype(jnp.float32)
+        if group_size is None:
+            a = jnp.broadcast_to(a[:1], (groups, n))
+        return jnp.pad(a, ((0, 0), (0, np_ - n)))
+
+    s = per_group(scale)
+    if kind == "int4":
+        zp = jnp.full_like(s, 8.0)
+    elif kind == "uint4":
+        zp = per_group(jnp.asarray(zero_point))
+    else:
+        zp = jnp.zeros_like(s)
+
+    if kind in _EIGHT_BIT:
+        body = c.reshape(groups, gs // 2, 2, p, PANEL).transpose(3, 0, 1, 2, 4)
+    else:
+        nib = c[0::2] | (c[1::2] << 4)
+        body = nib.reshape(groups, gs // 2, p, PANEL).transpose(2, 0, 1, 3)
+    body = body.reshape(p, groups, -1)
+
+    def header(a: jax.Array) -> jax.Array:
+        a = a.reshape(groups, p, PANEL).transpose(1, 0, 2)
+        return jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(p, groups, 4 * PANEL)
+
+    data = jnp.concatenate([header(s), header(zp), body], axis=-1).reshape(p, -1)
+    return PreparedWeight(kind, k, n, group_size, gs, data)
+
+
+def prepared_to_logical(w: PreparedWeight) -> dict[str, jax.Array | None]:
+    """Inverse of `prepare`: {"codes": [K, N], "scale": [G, N], "zero_point": [G, N] | None}."""
+    k, n = w.k, w.n
+    if w.kind == "w8a8":
+        p = w.data.shape[0]
+        kq = w.data.shape[1] // 64
+        codes = w.data.reshape(p, kq, PANEL, 4).transpose(1, 3, 0, 2).reshape(4 * kq, p * PANEL)
+        return {"codes": codes[:k, :n], "scale": w.scale.reshape(1, n), "zero_point": None}
+
+    gs = w.storage_group
+    p = w.data.shape[0]
+    groups = w.data.shape[1] // (HEADER_BYTES + gs // 2 * pair_bytes(w.kind))
+    blocks = w.data.reshape(p, groups, -1)
+
+    def header(offset: int) -> jax.Array:
+        raw = blocks[:, :, offset : offset + 4 * PANEL].reshape(p, groups, PANEL, 4)
+        vals = jax.lax.bitcast_convert_type(raw, jnp.float32)  # [P, G, 16]
+        vals = vals.transpose(1, 0, 2).reshape(groups, p * PANEL)[:, :n]
+        return vals if w.group_size is not None else vals[:1]
+
+    body = blocks[:, :, HEADER_BYTES:]
+    if w.kind in _EIGHT_BIT:
+        c = body.reshape(p, groups, gs // 2, 2, PANEL).transpose(1, 2, 3, 0, 4)
+        c = c.reshape(groups * gs, p * PANEL)[:k, :n]
+        dtype = jnp.int8 if w.kind == "int8" else jnp.float8_e4m3fn
+        codes = jax.lax.bitcast_convert_type(c, dtype)
+    else:
+        nib = body.reshape(p, groups, gs // 2, PANEL).transpose(1, 2, 0, 3)
+        nib = nib.reshape(groups * gs // 2, p * PANEL)
+        c = jnp.stack([nib & 15, nib >> 4], axis=1).reshape(groups * gs, p * PANEL)[:k, :n]
+        codes = c ^ 8 if w.kind == "int4" else c
+    zp = header(4 * PANEL) if w.kind == "uint4" else None
+    return {"codes": codes, "scale": header(0), "zero_point": zp}

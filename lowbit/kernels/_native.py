@@ -1,0 +1,86 @@
+"""Loading the compiled module, registering its FFI targets, and reporting why not."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from types import ModuleType
+
+import jax
+
+_log = logging.getLogger("lowbit.kernels")
+_DISABLE_ENV = "LOWBIT_DISABLE_KERNELS"
+
+
+@functools.cache
+def _load() -> tuple[ModuleType | None, str]:
+    """(module or None, reason it is unusable)."""
+    if os.environ.get(_DISABLE_ENV, "") not in ("", "0"):
+        return None, f"disabled by {_DISABLE_ENV}={os.environ[_DISABLE_ENV]}"
+    try:
+        mod = importlib.import_module("lowbit.kernels._cpu_kernels")
+    except ImportError as e:
+        return None, f"compiled module lowbit.kernels._cpu_kernels not importable ({e})"
+    return mod, ""
+
+
+@functools.cache
+def _registered() -> bool:
+    mod, _ = _load()
+    if mod is None:
+        return False
+    for name, capsule in mod.targets().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    return True
+
+
+_noticed = False
+
+
+def module() -> ModuleType | None:
+    """The compiled module with its targets registered, or None (logging why, once)."""
+    global _noticed
+    mod, reason = _load()
+    if mod is None:
+        if not _noticed:
+            _noticed = True
+            _log.warning("lowbit CPU kernels unavailable: %s; using the pure-JAX path", reason)
+        return None
+    _registered()
+    return mod
+
+
+def available() -> bool:
+    """True when the compiled kernels can run (module built and not disabled)."""
+    return _load()[0] is not None
+
+
+def status() -> str:
+    """One line: the active instruction-set path, or why the pure-JAX path is used."""
+    mod, reason = _load()
+    if mod is None:
+        return f"lowbit CPU kernels: unavailable ({reason}); using the pure-JAX reference path"
+    return (
+        f"lowbit CPU kernels: active, isa={mod.isa()} "
+        f"(this CPU supports: {', '.join(mod.supported_isas())})"
+    )
+
+
+def set_isa(name: str) -> str:
+    """Selects an instruction-set path, capped by the CPU; returns the one now active.
+
+    name: "scalar" | "avx2" | "avx2vnni" | "avx512bw" | "avx512vnni". The initial choice is
+    the best supported path, capped by the LOWBIT_CPU_ISA environment variable if set.
+    """
+    mod = module()
+    if mod is None:
+        raise RuntimeError(status())
+    return mod.set_isa(name)
+
+
+def supported_isas() -> list[str]:
+    """Paths this CPU can run, slowest first (empty when the kernels are unavailable)."""
+    mod = _load()[0]
+    return [] if mod is None else list(mod.supported_isas())

@@ -1,0 +1,166 @@
+"""Kernel entry points on plain arrays: validation, the FFI call, the pure-JAX fallback."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit.kernels import _native, _reference
+from lowbit.kernels._layout import KIND_IDS, PreparedWeight, prepared_to_logical
+
+_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def _check_float(name: str, dtype) -> jnp.dtype:
+    d = jnp.dtype(dtype)
+    if d not in _FLOATS:
+        raise TypeError(f"{name} dtype {d.name} is not supported; expected float32 or bfloat16")
+    return d
+
+
+def _check_x(x: jax.Array, w: PreparedWeight, name: str = "x") -> None:
+    if x.ndim < 1 or x.shape[-1] != w.k:
+        raise ValueError(f"{name} has shape {x.shape}; expected [..., {w.k}] (K of the weight)")
+
+
+def _check_bias(bias: jax.Array | None, n: int) -> jax.Array:
+    if bias is None:
+        return jnp.zeros((n,), jnp.float32)
+    if bias.shape != (n,):
+        raise ValueError(f"bias has shape {bias.shape}; expected ({n},)")
+    return bias.astype(jnp.float32)
+
+
+def _use_kernels() -> bool:
+    return jax.default_backend() == "cpu" and _native.module() is not None
+
+
+def weight_only_linear(
+    x: jax.Array,
+    w: PreparedWeight,
+    bias: jax.Array | None = None,
+    *,
+    out_dtype=None,
+) -> jax.Array:
+    """x: [..., K] float32|bfloat16, w: prepared int8/int4/uint4/nf4/fp8 [K, N] -> [..., N].
+
+    The weight is dequantized in registers inside the kernel. bias: [N] (optional);
+    out_dtype: float32 | bfloat16, default x.dtype.
+    """
+    if w.kind not in KIND_IDS:
+        raise ValueError(f"w.kind={w.kind!r} is not a weight-only kind; expected {tuple(KIND_IDS)}")
+    x = jnp.asarray(x)
+    _check_x(x, w)
+    _check_float("x", x.dtype)
+    out = _check_float("out_dtype", out_dtype or x.dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.k)
+    m = x2.shape[0]
+    if m == 0 or not _use_kernels():
+        logical = prepared_to_logical(w)
+        y = _reference.weight_only_linear(
+            x2, w.kind, logical["codes"], logical["scale"], logical["zero_point"],
+            w.group_size, bias, out,
+        )
+        return y.reshape(*lead, w.n)
+    call = jax.ffi.ffi_call(
+        "lowbit_wo_linear", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
+    )
+    y = call(
+        x2,
+        w.data,
+        _check_bias(bias, w.n),
+        jnp.asarray(_reference.NF4_LEVELS),
+        kind=np.int64(KIND_IDS[w.kind]),
+        k=np.int64(w.k),
+        n=np.int64(w.n),
+        gs=np.int64(w.storage_group),
+    )
+    return y.reshape(*lead, w.n)
+
+
+def _check_w8a8(w: PreparedWeight) -> None:
+    if w.kind != "w8a8":
+        raise ValueError(f"w.kind={w.kind!r}; expected a weight prepared with kind='w8a8'")
+
+
+def w8a8_linear(
+    x: jax.Array,
+    w: PreparedWeight,
+    bias: jax.Array | None = None,
+    *,
+    out_dtype=None,
+) -> jax.Array:
+    """x: [..., K] float32|bfloat16 -> [..., N] with dynamic per-token int8 activations.
+
+    Each row of x is quantized symmetrically (scale = absmax / 127, round half to even,
+    all-zero rows get scale 1), multiplied with the int8 weight in int32, then scaled by the
+    row and channel scales; bias: [N] optional; out_dtype float32 | bfloat16 (default x.dtype).
+    """
+    _check_w8a8(w)
+    x = jnp.asarray(x)
+    _check_x(x, w)
+    _check_float("x", x.dtype)
+    out = _check_float("out_dtype", out_dtype or x.dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.k)
+    m = x2.shape[0]
+    if m == 0 or not _use_kernels():
+        logical = prepared_to_logical(w)
+        y = _reference.w8a8_linear(x2, logical["codes"], w.scale, bias, out)
+        return y.reshape(*lead, w.n)
+    call = jax.ffi.ffi_call(
+        "lowbit_w8a8_linear", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
+    )
+    y = call(x2, w.data, w.colsum, w.scale, _check_bias(bias, w.n), k=np.int64(w.k), n=np.int64(w.n))
+    return y.reshape(*lead, w.n)
+
+
+def _check_xq(xq: jax.Array, w: PreparedWeight) -> jax.Array:
+    xq = jnp.asarray(xq)
+    if xq.dtype != jnp.int8:
+        raise TypeError(f"xq dtype {xq.dtype} is not supported; expected int8")
+    if xq.ndim != 2 or xq.shape[1] != w.k:
+        raise ValueError(f"xq has shape {xq.shape}; expected [M, {w.k}]")
+    return xq
+
+
+def w8a8_linear_quantized(
+    xq: jax.Array,
+    x_scale: jax.Array,
+    w: PreparedWeight,
+    bias: jax.Array | None = None,
+    *,
+    out_dtype=jnp.float32,
+) -> jax.Array:
+    """xq: [M, K] int8, x_scale: [M] float32 -> [M, N] = (xq @ W) * x_scale * w.scale + bias."""
+    _check_w8a8(w)
+    xq = _check_xq(xq, w)
+    out = _check_float("out_dtype", out_dtype)
+    m = xq.shape[0]
+    if x_scale.shape != (m,):
+        raise ValueError(f"x_scale has shape {x_scale.shape}; expected ({m},)")
+    if m == 0 or not _use_kernels():
+        codes = prepared_to_logical(w)["codes"]
+        return _reference.w8a8_linear_quantized(xq, x_scale, codes, w.scale, bias, out)
+    call = jax.ffi.ffi_call(
+        "lowbit_w8a8_linear_q", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
+    )
+    return call(
+        xq, x_scale.astype(jnp.float32), w.data, w.colsum, w.scale, _check_bias(bias, w.n),
+        k=np.int64(w.k), n=np.int64(w.n),
+    )
+
+
+def w8a8_matmul_int32(xq: jax.Array, w: PreparedWeight) -> jax.Array:
+    """xq: [M, K] int8 -> [M, N] int32, the exact integer product with the w8a8 weight codes."""
+    _check_w8a8(w)
+    xq = _check_xq(xq, w)
+    m = xq.shape[0]
+    if m == 0 or not _use_kernels():
+        return _reference.w8a8_matmul_int32(xq, prepared_to_logical(w)["codes"])
+    call = jax.ffi.ffi_call(
+        "lowbit_w8a8_int32", jax.ShapeDtypeStruct((m, w.n), jnp.int32), vmap_method="sequential"
+    )
+    return call(xq, w.data, w.colsum, k=np.int64(w.k), n=np.int64(w.n))

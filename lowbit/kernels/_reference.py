@@ -1,0 +1,149 @@
+"""Pure-JAX references for the CPU kernels, on *logical* weights.
+
+These define the semantics the compiled kernels are tested against, and are the fallback
+when the kernels are unavailable. Logical weight arrays (see `lowbit.kernels` for details):
+
+- codes: `[K, N]` (contraction axis first). int8 codes as `int8`; 4-bit codes as `uint8`
+  values 0..15 (int4: two's-complement nibble patterns; uint4: unsigned; nf4: index into
+  `NF4_LEVELS`); fp8 as `float8_e4m3fn`.
+- scale: `[G, N]` float32, G = ceil(K / group_size), or `[1, N]` per channel.
+- zero_point (uint4 only): `[G, N]` float32 in code units, w = (q - zp) * scale.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The 16 NormalFloat-4 levels: quantiles of N(0, 1) rescaled to [-1, 1], with an exact zero.
+NF4_LEVELS = np.array(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ],
+    dtype=np.float32,
+)
+
+WEIGHT_ONLY_KINDS = ("int8", "int4", "uint4", "nf4", "fp8")
+
+
+def _expand_groups(a: jax.Array, k: int, group_size: int | None) -> jax.Array:
+    """[G, N] per-group values -> [K, N]; group g covers rows g*group_size .. +group_size-1."""
+    if a.shape[0] == 1 or group_size is None:
+        return jnp.broadcast_to(a[:1], (k, a.shape[1]))
+    return jnp.repeat(a, group_size, axis=0)[:k]
+
+
+def dequantize(
+    kind: str,
+    codes: jax.Array,
+    scale: jax.Array,
+    zero_point: jax.Array | None = None,
+    group_size: int | None = None,
+) -> jax.Array:
+    """Logical weight -> float32 `[K, N]`.
+
+    codes: [K, N]; scale: [G, N] float32 (G = 1 per channel, else ceil(K / group_size));
+    zero_point: [G, N] float32 (uint4 only).
+    """
+    k = codes.shape[0]
+    if kind == "int8":
+        q = codes.astype(jnp.float32)
+    elif kind == "int4":
+        c = codes.astype(jnp.int32)
+        q = jnp.where(c >= 8, c - 16, c).astype(jnp.float32)
+    elif kind == "uint4":
+        q = codes.astype(jnp.float32) - _expand_groups(zero_point.astype(jnp.float32), k, group_size)
+    elif kind == "nf4":
+        q = jnp.asarray(NF4_LEVELS)[codes.astype(jnp.int32)]
+    elif kind == "fp8":
+        q = codes.astype(jnp.float32)
+    else:
+        raise ValueError(
+            f"kind={kind!r} is not a weight-only kind; expected one of {WEIGHT_ONLY_KINDS}"
+        )
+    return q * _expand_groups(scale.astype(jnp.float32), k, group_size)
+
+
+def _finish(y: jax.Array, bias: jax.Array | None, out_dtype) -> jax.Array:
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(out_dtype)
+
+
+def weight_only_linear(
+    x: jax.Array,
+    kind: str,
+    codes: jax.Array,
+    scale: jax.Array,
+    zero_point: jax.Array | None = None,
+    group_size: int | None = None,
+    bias: jax.Array | None = None,
+    out_dtype=None,
+) -> jax.Array:
+    """x: [M, K] float32|bfloat16 -> [M, N] `out_dtype` (default x.dtype): x @ W + bias."""
+    w = dequantize(kind, codes, scale, zero_point, group_size)
+    y = jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+    return _finish(y, bias, out_dtype or x.dtype)
+
+
+def quantize_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Dynamic symmetric int8 per row.
+
+    x: [M, K] float32|bfloat16 -> (xq [M, K] int8 in [-127, 127], scale [M] float32), with
+    scale = absmax / 127 (1 for all-zero rows) and round-half-to-even.
+    """
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1) if x.shape[-1] else jnp.zeros(x.shape[:-1])
+    scale = jnp.where(amax > 0, amax / jnp.float32(127.0), jnp.float32(1.0))
+    q = jnp.clip(xf / scale[:, None], -127.0, 127.0)
+    return jnp.round(q).astype(jnp.int8), scale
+
+
+def w8a8_matmul_int32(xq: jax.Array, codes: jax.Array) -> jax.Array:
+    """xq: [M, K] int8, codes: [K, N] int8 -> [M, N] int32 (exact integer product)."""
+    return jax.lax.dot(xq, codes, preferred_element_type=jnp.int32)
+
+
+def w8a8_linear_quantized(
+    xq: jax.Array,
+    x_scale: jax.Array,
+    codes: jax.Array,
+    w_scale: jax.Array,
+    bias: jax.Array | None = None,
+    out_dtype=jnp.float32,
+) -> jax.Array:
+    """xq: [M, K] int8, x_scale: [M], codes: [K, N] int8, w_scale: [1, N] or [N] -> [M, N].
+
+    y = float(acc) * x_scale[m] * w_scale[n] + bias[n], each step rounded in float32.
+    """
+    acc = w8a8_matmul_int32(xq, codes).astype(jnp.float32)
+    y = acc * x_scale.astype(jnp.float32)[:, None] * w_scale.reshape(1, -1).astype(jnp.float32)
+    return _finish(y, bias, out_dtype)
+
+
+def w8a8_linear(
+    x: jax.Array,
+    codes: jax.Array,
+    w_scale: jax.Array,
+    bias: jax.Array | None = None,
+    out_dtype=None,
+) -> jax.Array:
+    """x: [M, K] float32|bfloat16 -> [M, N]: per-token int8 activations times int8 weights."""
+    xq, xs = quantize_per_token(x)
+    return w8a8_linear_quantized(xq, xs, codes, w_scale, bias, out_dtype or x.dtype)

@@ -1,0 +1,59 @@
+"""Recipes: rules that say which parameters to quantize and how, and named presets."""
+
+from lowbit.recipes._builders import activation_config, matmul_rules, weight_config
+from lowbit.recipes._json import (
+    format_calibration,
+    format_granularity,
+    parse_calibration_field,
+    parse_config,
+    parse_granularity,
+)
+from lowbit.recipes._maxtext import preset_from_maxtext_json
+from lowbit.recipes._paths import map_params, param_leaves, path_string
+from lowbit.recipes._presets import (
+    float8_dynamic_activation_float8_weight,
+    float8_weight_only,
+    int4_weight_only,
+    int8_dynamic_activation_int4_weight,
+    int8_dynamic_activation_int8_weight,
+    int8_weight_only,
+    mxfp4,
+    nf4,
+    nvfp4,
+    preset,
+    preset_names,
+)
+from lowbit.recipes._recipe import Decision, Recipe, RecipeReport
+from lowbit.recipes._rule import OPS, Rule, stack_granularity
+
+__all__ = [
+    "OPS",
+    "Decision",
+    "Recipe",
+    "RecipeReport",
+    "Rule",
+    "activation_config",
+    "float8_dynamic_activation_float8_weight",
+    "float8_weight_only",
+    "format_calibration",
+    "format_granularity",
+    "int4_weight_only",
+    "int8_dynamic_activation_int4_weight",
+    "int8_dynamic_activation_int8_weight",
+    "int8_weight_only",
+    "map_params",
+    "matmul_rules",
+    "mxfp4",
+    "nf4",
+    "nvfp4",
+    "param_leaves",
+    "parse_calibration_field",
+    "parse_config",
+    "parse_granularity",
+    "path_string",
+    "preset",
+    "preset_from_maxtext_json",
+    "preset_names",
+    "stack_granularity",
+    "weight_config",
+]

@@ -1,0 +1,221 @@
+"""Named recipes: MaxText's `quantization` flag values, torchao-style config names, demo names.
+
+Mapping of MaxText's values (its AQT and Qwix paths):
+
+  * ``int8``     — w8a8: int8 per-channel weights, int8 dynamic per-token activations.
+  * ``int8w``    — int8 per-channel weights only.
+  * ``int4w``    — int4 per-channel weights only.
+  * ``int4``     — Qwix's ``int4`` rule quantizes weights *and* activations to int4: w4a4 with
+    dynamic per-token activations (not w4a8).
+  * ``fp8``      — float8 e4m3 weights (per-channel) and dynamic per-token e4m3 activations.
+  * ``fp8_full`` — ``fp8`` plus e5m2 gradient matmuls in QAT (the DeepSeek-V3 fine-tuning
+    recipe: e4m3 forward, e5m2 backward).
+  * ``fp4``      — not a MaxText value; here fp4 e2m1 weights only, groups of 32 with float
+    scales (use ``mxfp4`` / ``nvfp4`` for the standard block formats).
+  * ``intmp``    — mixed precision from MaxText's JSON: `preset_from_maxtext_json`.
+
+MaxText applies its rules to ``dot_general`` inside decoder layers only; these presets apply to
+every 2-D+ weight with a ``kernel`` / ``embedding`` / ``weight`` path (see `_builders`) and leave
+no op filter, so they work without tracing the model. Wrap them with `Recipe` rules placed
+first (``Rule(path=".*embedding")`` keeps embeddings in float) to narrow them.
+
+QAT gradients: only ``fp8_full`` quantizes gradients; the other presets train with float
+gradients through the straight-through estimator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lowbit.qarray import MinMax, QuantConfig
+from lowbit.recipes._builders import activation_config, matmul_rules
+from lowbit.recipes._recipe import Recipe
+from lowbit.recipes._rule import Rule
+
+# Registered names of the non-integer formats the presets use.
+E4M3 = "fp8_e4m3fn"
+E5M2 = "fp8_e5m2"
+E2M1 = "fp4_e2m1"
+NF4 = "nf4"
+MXFP4 = "mxfp4"
+NVFP4 = "nvfp4"
+
+
+def _recipe(name: str, rules: tuple[Rule, ...]) -> Recipe:
+    return Recipe(rules=rules, name=name)
+
+
+def float_recipe() -> Recipe:
+    """Every parameter in float (a baseline)."""
+    return _recipe("float", (Rule(path=".*"),))
+
+
+def int8_weight_only() -> Recipe:
+    """int8 symmetric per-channel weights; activations stay float."""
+    return _recipe("int8_weight_only", matmul_rules("int8"))
+
+
+def int4_weight_only(group_size: int = 128) -> Recipe:
+    """uint4 asymmetric weights (zero point, min/max bounds) in groups of `group_size` along the
+    contraction axis, as torchao's int4 weight-only layout; activations stay float."""
+    return _recipe(
+        f"int4_weight_only(group_size={group_size})",
+        matmul_rules("uint4", group_size=group_size, symmetric=False, calibration=MinMax()),
+    )
+
+
+def int8_dynamic_activation_int8_weight() -> Recipe:
+    """w8a8: int8 per-channel weights, int8 dynamic per-token activations."""
+    return _recipe(
+        "int8_dynamic_activation_int8_weight",
+        matmul_rules("int8", activation=activation_config("int8")),
+    )
+
+
+def int8_dynamic_activation_int4_weight(group_size: int = 32) -> Recipe:
+    """w4a8: int4 symmetric weights in groups of `group_size`, int8 per-token activations."""
+    return _recipe(
+        f"int8_dynamic_activation_int4_weight(group_size={group_size})",
+        matmul_rules("int4", group_size=group_size, activation=activation_config("int8")),
+    )
+
+
+def float8_weight_only() -> Recipe:
+    """float8 e4m3 per-channel weights; activations stay float."""
+    return _recipe("float8_weight_only", matmul_rules(E4M3))
+
+
+def float8_dynamic_activation_float8_weight(per_row: bool = False) -> Recipe:
+    """e4m3 weights and dynamic e4m3 activations; per-tensor scales (torchao's default), or
+    per-channel weights and per-token activations with `per_row`."""
+    return _recipe(
+        "float8_dynamic_activation_float8_weight",
+        matmul_rules(
+            E4M3,
+            per_tensor=not per_row,
+            activation=activation_config(E4M3, per_tensor=not per_row),
+        ),
+    )
+
+
+def nf4(group_size: int = 64) -> Recipe:
+    """NF4 weights (QLoRA's normal-float grid) in groups of `group_size`, absmax scales."""
+    return _recipe(f"nf4(group_size={group_size})", matmul_rules(NF4, group_size=group_size))
+
+
+def mxfp4() -> Recipe:
+    """MXFP4 weights: e2m1 elements in blocks of 32 along the contraction axis, E8M0 scales."""
+    return _recipe("mxfp4", matmul_rules(MXFP4, group_size=32))
+
+
+def nvfp4() -> Recipe:
+    """NVFP4 weights: e2m1 elements in blocks of 16, e4m3 block scales and a tensor scale."""
+    return _recipe("nvfp4", matmul_rules(NVFP4, group_size=16))
+
+
+def _maxtext(name: str, fmt: str, act: str | None, grad: str | None = None) -> Recipe:
+    activation = None if act is None else activation_config(act)
+    gradient = (
+        None if grad is None else QuantConfig(format=grad, granularity=activation.granularity)
+    )
+    return _recipe(name, matmul_rules(fmt, activation=activation, gradient=gradient))
+
+
+def _intmp() -> Recipe:
+    raise ValueError(
+        "preset 'intmp' reads a MaxText mixed-precision JSON: use "
+        "preset_from_maxtext_json(path_or_dict)"
+    )
+
+
+# name -> (builder, one-line description)
+_PRESETS: dict[str, tuple[Callable[..., Recipe], str]] = {
+    # MaxText
+    "int8": (
+        lambda: _maxtext("int8", "int8", "int8"),
+        "w8a8: int8 per-channel weights, int8 dynamic per-token activations (MaxText int8)",
+    ),
+    "int8w": (lambda: _maxtext("int8w", "int8", None), "int8 per-channel weights only"),
+    "int4w": (lambda: _maxtext("int4w", "int4", None), "int4 per-channel weights only"),
+    "int4": (
+        lambda: _maxtext("int4", "int4", "int4"),
+        "w4a4: int4 weights and int4 dynamic per-token activations (MaxText/Qwix int4)",
+    ),
+    "fp8": (lambda: _maxtext("fp8", E4M3, E4M3), "e4m3 weights and dynamic e4m3 activations"),
+    "fp8_full": (
+        lambda: _maxtext("fp8_full", E4M3, E4M3, E5M2),
+        "fp8 plus e5m2 gradient matmuls in QAT",
+    ),
+    "fp4": (
+        lambda: _recipe("fp4", matmul_rules(E2M1, group_size=32)),
+        "e2m1 weights only, groups of 32 with float scales",
+    ),
+    "intmp": (_intmp, "MaxText mixed precision from JSON (preset_from_maxtext_json)"),
+    # torchao-style
+    "int8_weight_only": (int8_weight_only, "int8 per-channel weights only"),
+    "int4_weight_only": (
+        int4_weight_only,
+        "uint4 asymmetric weights, groups of 128 (group_size=...)",
+    ),
+    "int8_dynamic_activation_int8_weight": (
+        int8_dynamic_activation_int8_weight,
+        "w8a8 dynamic per-token activations",
+    ),
+    "int8_dynamic_activation_int4_weight": (
+        int8_dynamic_activation_int4_weight,
+        "w4a8: int4 groups of 32, int8 per-token activations (group_size=...)",
+    ),
+    "float8_weight_only": (float8_weight_only, "e4m3 per-channel weights only"),
+    "float8_dynamic_activation_float8_weight": (
+        float8_dynamic_activation_float8_weight,
+        "e4m3 weights and activations, per-tensor scales (per_row=True for per-channel/token)",
+    ),
+    "nf4": (nf4, "NF4 weights, groups of 64 (group_size=...)"),
+    "mxfp4": (mxfp4, "MXFP4 weights: e2m1 blocks of 32 with E8M0 scales"),
+    "nvfp4": (nvfp4, "NVFP4 weights: e2m1 blocks of 16, e4m3 scales and a tensor scale"),
+    # demo names
+    "float": (float_recipe, "everything in float (baseline)"),
+    "int4w_g32_asym": (
+        lambda: _recipe(
+            "int4w_g32_asym",
+            matmul_rules("uint4", group_size=32, symmetric=False, calibration=MinMax()),
+        ),
+        "uint4 asymmetric weights, groups of 32, min/max bounds",
+    ),
+    "int4w_g64": (
+        lambda: _recipe("int4w_g64", matmul_rules("int4", group_size=64)),
+        "int4 symmetric weights, groups of 64",
+    ),
+    "nf4_g64": (lambda: nf4(64), "NF4 weights, groups of 64"),
+}
+
+
+def preset_names() -> dict[str, str]:
+    """Preset names with a one-line description each."""
+    return {name: description for name, (_, description) in _PRESETS.items()}
+
+
+def preset(name: str, **options) -> Recipe:
+    """A named recipe.
+
+    Args:
+      name: one of `preset_names()`.
+      **options: options of the callable forms, e.g. ``preset("int4_weight_only",
+        group_size=32)``.
+    Returns:
+      The `Recipe`.
+    Raises:
+      ValueError: for an unknown name (listing the accepted ones) or options the preset does
+        not take.
+    """
+    if name not in _PRESETS:
+        raise ValueError(f"preset {name!r} is unknown; accepted: {', '.join(_PRESETS)}")
+    builder = _PRESETS[name][0]
+    if not options:
+        return builder()
+    try:
+        return builder(**options)
+    except TypeError as err:
+        raise ValueError(
+            f"preset {name!r} does not take options {sorted(options)}: {err}"
+        ) from None
