@@ -88,7 +88,7 @@ def make_jaxpr(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[ClosedJaxpr
     return jax.make_jaxpr(fn, return_shape=True)(*args)
 
 
-# --- jaxpr structure ------------------------------------------------------------------------------
+# --- jaxpr structure ---
 def is_literal(atom: Any) -> bool:
     return isinstance(atom, Literal)
 
@@ -138,7 +138,7 @@ def is_concrete(x: Any) -> bool:
     return not isinstance(x, Tracer)
 
 
-# --- binding ----------------------------------------------------------------------------------------
+# --- binding ---
 def _bind_params(eqn: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     result = eqn.primitive.get_bind_params(eqn.params)
     # Older releases return (subfuns, params); newer ones return params with "subfuns" inside.
@@ -165,7 +165,7 @@ def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-# --- parameters of the primitives with sub-jaxprs ------------------------------------------------
+# --- parameters of the primitives with sub-jaxprs ---
 def call_body(eqn: Any) -> ClosedJaxpr:
     """The evaluated body of jit / closed_call / remat / custom_jvp / custom_vjp equations."""
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):

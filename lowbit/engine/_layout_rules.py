@@ -71,7 +71,7 @@ def astype(q: QArray, dtype: Any) -> QArray:
     return q.astype(dtype)
 
 
-# --- reshape ---------------------------------------------------------------------------------------
+# --- reshape ---
 def _groups(old: Sequence[int], new: Sequence[int]) -> list[tuple[range, range]]:
     """Pairs of old/new axis ranges with equal products (no size-1 axes in either shape)."""
     groups, i, j = [], 0, 0
@@ -208,7 +208,7 @@ def broadcast_in_dim(
     )
 
 
-# --- slicing ---------------------------------------------------------------------------------------
+# --- slicing ---
 def _check_window(q: QArray, axis: int, start: int, size: int) -> None:
     n, block = q.shape[axis], q.block_shape[axis]
     if (start, size) == (0, n):
@@ -289,7 +289,7 @@ def dynamic_slice(q: QArray, start_indices: Sequence[Any], slice_sizes: Sequence
     return _window(q, starts, [int(s) for s in slice_sizes])
 
 
-# --- gather (embedding lookup) -----------------------------------------------------------------------
+# --- gather (embedding lookup) ---
 def gather(q: QArray, indices: jax.Array, out_shape: Sequence[int], **params: Any) -> QArray:
     """Gathers whole rows: every operand axis is either indexed with a size-1 collapsed slice or
     taken whole. Codes and zero points are gathered with clamped indices; scales with the op's
@@ -347,7 +347,9 @@ def gather(q: QArray, indices: jax.Array, out_shape: Sequence[int], **params: An
         codes=take(q.codes, indices, code_sizes, safe_mode),
         scale=take(scale, scale_indices, scale_sizes, params["mode"], fill_value if fill else None),
         zero_point=zero_point,
-        tensor_scale=_tensor_scale(dataclasses.replace(q, tensor_scale=tensor_scale), len(out_shape)),
+        tensor_scale=_tensor_scale(
+            dataclasses.replace(q, tensor_scale=tensor_scale), len(out_shape)
+        ),
         shape=tuple(int(n) for n in out_shape),
         packed_axis=packed_axis,
         scale_encoding=encoding,

@@ -17,12 +17,16 @@ import numpy as np
 DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
 
 
-def normalize(dimension_numbers, lhs_ndim: int, rhs_ndim: int) -> DimensionNumbers:
+def normalize(
+    dimension_numbers, lhs_shape: Sequence[int], rhs_shape: Sequence[int]
+) -> DimensionNumbers:
     """Canonical dimension numbers: tuples of non-negative ints.
 
     Raises:
-      ValueError: if the structure is not `((lc, rc), (lb, rb))` or an axis is out of range.
+      ValueError: if the structure is not `((lc, rc), (lb, rb))`, an axis is out of range, or
+        paired axes differ in size.
     """
+    lhs_ndim, rhs_ndim = len(lhs_shape), len(rhs_shape)
     try:
         (lc, rc), (lb, rb) = dimension_numbers
         lc, rc, lb, rb = (tuple(int(a) for a in axes) for axes in (lc, rc, lb, rb))
@@ -40,6 +44,13 @@ def normalize(dimension_numbers, lhs_ndim: int, rhs_ndim: int) -> DimensionNumbe
         raise ValueError(f"dimension_numbers {dimension_numbers!r}: lhs and rhs lists differ in length")
     lc, lb = tuple(a % lhs_ndim for a in lc), tuple(a % lhs_ndim for a in lb)
     rc, rb = tuple(a % rhs_ndim for a in rc), tuple(a % rhs_ndim for a in rb)
+    for la, ra in zip(lc + lb, rc + rb, strict=True):
+        if lhs_shape[la] != rhs_shape[ra]:
+            raise ValueError(
+                f"dimension_numbers {dimension_numbers!r} pair lhs axis {la} (size "
+                f"{lhs_shape[la]}) with rhs axis {ra} (size {rhs_shape[ra]}); shapes "
+                f"{tuple(lhs_shape)} and {tuple(rhs_shape)}"
+            )
     return (lc, rc), (lb, rb)
 
 

@@ -32,7 +32,9 @@ def _fwd(x, config, clip_gradient):
     zero = (
         0.0 if q.zero_point is None else broadcast_blocks(q.zero_point.astype(jnp.float32), q.shape)
     )
-    lo = (fmt.min_value - zero) * scale
+    # Symmetric quantization uses the restricted range [-max, max] (see `quantize`).
+    grid_min = -fmt.max_value if config.symmetric else fmt.min_value
+    lo = (grid_min - zero) * scale
     hi = (fmt.max_value - zero) * scale
     inside = (x >= lo) & (x <= hi)
     return q.dequantize(x.dtype), inside

@@ -1,0 +1,169 @@
+"""Running models on quantized params: `run`, and `quantize_model` for Flax NNX and Linen.
+
+NNX: `quantize_model(module, recipe)` splits the module into its graph definition and state,
+quantizes the state, and returns a `QuantizedModel`: a pytree (state as leaves, graph definition
+static) that you call exactly like the module. Each call merges the graph with the quantized state
+inside `run` under `jax.jit` (compiled once per input shape), so the float weights never come
+back. State updates made by the call (dropout RNG counters, batch statistics) are not written
+back: a quantized model is for inference. Because it is a pytree, it also passes through
+`jax.jit`, `nnx.jit` or `jax.vmap` of your own.
+
+Linen: `quantize_model(module, recipe, params=variables)` returns a `QuantizedLinen` with
+`.params` (the quantized variables) and `.apply(params, *args, **kwargs)` (the module's `apply`
+through `run`, jitted); it also unpacks as ``apply_fn, qparams = quantize_model(...)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from flax import linen, nnx
+
+from lowbit.api._quantize import as_recipe, quantize_params
+from lowbit.engine import EngineReport, interpret
+from lowbit.recipes import Recipe, RecipeReport
+
+
+def run(
+    fn: Callable[..., Any], *, strict: bool = False, report: EngineReport | None = None
+) -> Callable[..., Any]:
+    """`lowbit.run`: wraps `fn` so it accepts quantized params (`QArray` / `QatWeight` leaves).
+
+    Args:
+      fn: any JAX function, e.g. ``model.apply`` or ``lambda params, x: ...``.
+      strict: raise instead of dequantizing a quantized weight at an op without a quantized rule.
+      report: an `EngineReport` filled at trace time (quantized ops per path, fallbacks).
+    Returns:
+      A jit-able, differentiable function with `fn`'s signature.
+    """
+    return interpret(fn, strict=strict, report=report)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "method", "strict"))
+def _nnx_call(graphdef, state, args, kwargs, *, method: str, strict: bool):
+    def call(state, args, kwargs):
+        module = nnx.merge(graphdef, state)
+        return getattr(module, method)(*args, **kwargs)
+
+    return interpret(call, strict=strict)(state, args, kwargs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedModel:
+    """An NNX module with quantized state, called like the module (see module docstring).
+
+    Attributes:
+      graphdef: the module's graph definition (static).
+      state: its state with `QArray`s in place of the quantized weights.
+      strict: raise on engine fallbacks instead of dequantizing.
+    """
+
+    graphdef: Any = dataclasses.field(metadata=dict(static=True))
+    state: Any
+    strict: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call("__call__", *args, **kwargs)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Calls another method of the module, e.g. ``qmodel.call("attend", x)``."""
+        return _nnx_call(self.graphdef, self.state, args, kwargs, method=method, strict=self.strict)
+
+    def dequantized(self) -> nnx.Module:
+        """A float module with every quantized weight dequantized (for comparisons)."""
+        state = jax.tree_util.tree_map(
+            lambda x: x.dequantize() if hasattr(x, "dequantize") else x,
+            self.state,
+            is_leaf=lambda x: hasattr(x, "dequantize"),
+        )
+        return nnx.merge(self.graphdef, state)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedLinen:
+    """A Linen module with quantized variables.
+
+    Attributes:
+      module: the Linen module.
+      params: the quantized variables (``{"params": ...}`` with `QArray` leaves).
+      strict: raise on engine fallbacks instead of dequantizing.
+    """
+
+    module: linen.Module
+    params: Any
+    strict: bool = False
+
+    @functools.cached_property
+    def _apply(self) -> Callable[..., Any]:
+        return jax.jit(interpret(self.module.apply, strict=self.strict))
+
+    def apply(self, params: Any, *args: Any, **kwargs: Any) -> Any:
+        """`module.apply(params, *args, **kwargs)` on quantized params."""
+        return self._apply(params, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """`apply` with the stored params."""
+        return self._apply(self.params, *args, **kwargs)
+
+    def __iter__(self):
+        return iter((self.apply, self.params))
+
+
+def quantize_model(
+    model: nnx.Module | linen.Module,
+    recipe: Recipe | str,
+    *,
+    params: Any = None,
+    strict: bool = False,
+    uses: Mapping[str, frozenset[str]] | None = None,
+) -> QuantizedModel | QuantizedLinen:
+    """`lowbit.quantize_model`: quantizes a Flax model's weights by a recipe.
+
+    Args:
+      model: an `nnx.Module`, or a `linen.Module` (then `params` is required).
+      recipe: a `Recipe` or preset name.
+      params: Linen variables (``{"params": ...}``); must be None for NNX.
+      strict: raise on engine fallbacks (a quantized weight meeting an op with no quantized rule).
+      uses: ops each parameter feeds, for rules with an `ops` filter (`param_uses`).
+    Returns:
+      NNX: a `QuantizedModel` called like `model`. Linen: a `QuantizedLinen`
+      (``apply_fn, qparams = quantize_model(...)`` also works).
+    Raises:
+      TypeError: for another model type, or `params` given for NNX / missing for Linen.
+      ValueError: from `quantize_params`.
+
+    Example:
+      >>> model = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+      >>> qmodel = quantize_model(model, "int8")
+      >>> qmodel(jnp.ones((2, 64))).shape
+      (2, 32)
+    """
+    recipe = as_recipe(recipe)
+    if isinstance(model, nnx.Module):
+        if params is not None:
+            raise TypeError(
+                "quantize_model: params= is for Linen modules; an NNX module holds its own state"
+            )
+        graphdef, state = nnx.split(model)
+        return QuantizedModel(graphdef, quantize_params(state, recipe, uses=uses), strict)
+    if isinstance(model, linen.Module):
+        if params is None:
+            raise TypeError(
+                "quantize_model: a Linen module needs its variables: "
+                "quantize_model(module, recipe, params=variables)"
+            )
+        return QuantizedLinen(model, quantize_params(params, recipe, uses=uses), strict)
+    raise TypeError(
+        f"quantize_model expects a flax nnx.Module or linen.Module, got {type(model).__name__}; "
+        "for a plain function use quantize_params(params, recipe) and run(fn)"
+    )
+
+
+def model_report(model: nnx.Module, recipe: Recipe | str) -> RecipeReport:
+    """The recipe's report on an NNX module's state (what `quantize_model` would do)."""
+    return as_recipe(recipe).report(nnx.split(model)[1])

@@ -1,0 +1,89 @@
+"""The `lowbit` command: argument parsing, dispatch, and the error contract.
+
+Every command has ``--help``. Errors print one line, ``lowbit: error: <message>``, on stderr and
+exit with status 2; ``--debug`` (before or after the command name) shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Sequence
+
+from lowbit.cli import _cmd_bench, _cmd_eval, _cmd_quantize, _cmd_recipes, _cmd_report, _demo
+
+EXIT_OK = 0
+EXIT_ERROR = 2
+
+# Each command module exposes NAME, HELP, add_arguments(parser) and run(args) -> int.
+COMMANDS = (_cmd_quantize, _cmd_eval, _cmd_report, _cmd_bench, _demo, _cmd_recipes)
+
+
+class UsageError(Exception):
+    """A command-line usage error, reported as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's default prints usage and exits
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `lowbit` and all its commands."""
+    debug = _Parser(add_help=False)
+    debug.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show the full traceback of an error",
+    )
+    parser = _Parser(
+        prog="lowbit",
+        description="Quantize JAX models, evaluate them and report sizes, quality and speed.",
+        parents=[debug],
+    )
+    parser.set_defaults(debug=False)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for module in COMMANDS:
+        sub = subparsers.add_parser(
+            module.NAME, help=module.HELP, description=module.HELP, parents=[debug]
+        )
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    if isinstance(err, UsageError | ValueError | FileNotFoundError | TypeError):
+        return text or type(err).__name__
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the `lowbit` command line.
+
+    Args:
+      argv: arguments without the program name; defaults to ``sys.argv[1:]``.
+    Returns:
+      The exit status: 0 on success, 2 on any error.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        if getattr(args, "run", None) is None:
+            raise UsageError("a command is required (see `lowbit --help`)")
+        return int(args.run(args) or EXIT_OK)
+    except SystemExit as exit_:  # --help and --version exit through argparse
+        return int(exit_.code or 0) if isinstance(exit_.code, int | None) else EXIT_ERROR
+    except KeyboardInterrupt:
+        print("lowbit: interrupted", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as err:
+        if debug:
+            traceback.print_exc()
+        else:
+            print(f"lowbit: error: {_one_line(err)}", file=sys.stderr)
+        return EXIT_ERROR

@@ -1,0 +1,358 @@
+"""`interpret`: run an unmodified JAX function with quantized values in place of float arrays.
+
+The function is traced to a jaxpr with float stand-ins for every quantized leaf, then the jaxpr
+is evaluated with the real values. Equations whose operands are all ordinary arrays are bound as
+they are; an equation that meets a `QArray` / `QatWeight` goes to its rule (quantized matmul,
+layout op on packed values, recursion into a sub-jaxpr), or, without one, dequantizes that
+operand — counted in the `EngineReport`, or raised in strict mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from lowbit.engine import _compat, _control_flow, _layout_rules
+from lowbit.engine._report import EngineFallbackError, EngineReport, describe
+from lowbit.engine._values import (
+    dequantize,
+    is_qat_weight,
+    is_quantized,
+    logical_struct,
+    map_layout,
+    ops_module,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Context:
+    """Per-trace state of one interpretation: where to count, and whether to raise."""
+
+    report: EngineReport
+    strict: bool
+
+    def muted(self) -> Context:
+        """A context for throwaway shape probes: counts go nowhere, fallbacks never raise."""
+        return Context(report=EngineReport(), strict=False)
+
+
+class _NoRule(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+# --- evaluation ---
+def eval_jaxpr(ctx: Context, closed_jaxpr: Any, args: Sequence[Any]) -> list[Any]:
+    """Evaluates a closed jaxpr on values that may be quantized; returns its outputs."""
+    jaxpr, consts = _compat.parts(closed_jaxpr)
+    env: dict[Any, Any] = {}
+
+    def read(atom):
+        return _compat.literal_value(atom) if _compat.is_literal(atom) else env[atom]
+
+    for var, value in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = value
+    for var, value in zip(jaxpr.invars, args, strict=True):
+        env[var] = value
+    for eqn in jaxpr.eqns:
+        invals = [read(atom) for atom in eqn.invars]
+        if any(is_quantized(v) for v in invals):
+            outvals = apply_rule(ctx, eqn, invals)
+        else:
+            outvals = _compat.bind_eqn(eqn, invals)
+        for var, value in zip(eqn.outvars, outvals, strict=True):
+            if not _compat.is_drop_var(var):
+                env[var] = value
+    return [read(atom) for atom in jaxpr.outvars]
+
+
+def apply_rule(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+    """Runs the rule for an equation with quantized operands, or falls back."""
+    name = _compat.rule_name(_compat.primitive_name(eqn))
+    rule = _RULES.get(name)
+    if rule is None:
+        return fallback(ctx, eqn, invals, "has no quantized rule")
+    try:
+        return rule(ctx, eqn, invals)
+    except (_NoRule, _layout_rules.LayoutUnsupported) as err:
+        return fallback(ctx, eqn, invals, str(err))
+
+
+def fallback(ctx: Context, eqn: Any, invals: list[Any], reason: str) -> list[Any]:
+    """Dequantizes every quantized operand and binds the float equation (strict: raises)."""
+    primitive = _compat.primitive_name(eqn)
+    location = _compat.source_location(eqn)
+    quantized = [v for v in invals if is_quantized(v)]
+    if ctx.strict:
+        raise EngineFallbackError(primitive, describe(quantized[0]), location, reason)
+    for value in quantized:
+        ctx.report.record_fallback(primitive, describe(value), location, reason)
+    return _compat.bind_eqn(eqn, [dequantize(v) if is_quantized(v) else v for v in invals])
+
+
+def dequantize_counted(ctx: Context, eqn: Any, value: Any, reason: str) -> Any:
+    """One quantized value → float, counted as a fallback of `eqn` (strict: raises)."""
+    primitive = _compat.primitive_name(eqn)
+    location = _compat.source_location(eqn)
+    if ctx.strict:
+        raise EngineFallbackError(primitive, describe(value), location, reason)
+    ctx.report.record_fallback(primitive, describe(value), location, reason)
+    return dequantize(value)
+
+
+# --- rules: quantized ops ---
+def _ops_fn(name: str) -> Callable[..., Any]:
+    fn = getattr(ops_module(), name, None)
+    if fn is None:
+        raise _NoRule(f"has no implementation in lowbit.ops ({name})")
+    return fn
+
+
+def _op_path(ops: Any, name: str, *args: Any) -> str:
+    path_fn = getattr(ops, f"{name}_path", None)
+    return path_fn(*args) if callable(path_fn) else "lowbit"
+
+
+def _match_aval(eqn: Any, out: Any) -> Any:
+    dtype = _compat.aval_of(eqn.outvars[0]).dtype
+    return out if out.dtype == dtype else out.astype(dtype)
+
+
+def _dot_general(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+    ops = ops_module()
+    lhs, rhs = invals
+    params = eqn.params
+    dimension_numbers = params["dimension_numbers"]
+    kwargs = {
+        "precision": params.get("precision"),
+        "preferred_element_type": params.get("preferred_element_type"),
+    }
+    with _compat.eqn_context(eqn):
+        if is_qat_weight(lhs) or is_qat_weight(rhs):
+            out = _ops_fn("qat_dot_general")(lhs, rhs, dimension_numbers, **kwargs)
+            path = "qat"
+        else:
+            path = _op_path(ops, "dot_general", lhs, rhs, dimension_numbers)
+            out = ops.dot_general(
+                lhs, rhs, dimension_numbers, out_sharding=params.get("out_sharding"), **kwargs
+            )
+    ctx.report.record_op("dot_general", path)
+    return [_match_aval(eqn, out)]
+
+
+def _conv(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+    ops = ops_module()
+    lhs, rhs = invals
+    if is_qat_weight(lhs) or is_qat_weight(rhs):
+        qat_conv = _ops_fn("qat_conv_general_dilated")
+        with _compat.eqn_context(eqn):
+            out = qat_conv(lhs, rhs, **eqn.params)
+        ctx.report.record_op("conv_general_dilated", "qat")
+        return [_match_aval(eqn, out)]
+    with _compat.eqn_context(eqn):
+        path = _op_path(ops, "conv_general_dilated", lhs, rhs)
+        out = _ops_fn("conv_general_dilated")(lhs, rhs, **eqn.params)
+    ctx.report.record_op("conv_general_dilated", path)
+    return [_match_aval(eqn, out)]
+
+
+def _ragged_dot(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+    ops = ops_module()
+    lhs, rhs, group_sizes = invals
+    if is_quantized(group_sizes):
+        raise _NoRule("received quantized group sizes")
+    if is_qat_weight(lhs) or is_qat_weight(rhs):
+        qat_ragged = _ops_fn("qat_ragged_dot_general")
+        with _compat.eqn_context(eqn):
+            out = qat_ragged(lhs, rhs, group_sizes, **eqn.params)
+        ctx.report.record_op("ragged_dot_general", "qat")
+        return [_match_aval(eqn, out)]
+    with _compat.eqn_context(eqn):
+        path = _op_path(ops, "ragged_dot_general", lhs, rhs)
+        out = _ops_fn("ragged_dot_general")(lhs, rhs, group_sizes, **eqn.params)
+    ctx.report.record_op("ragged_dot_general", path)
+    return [_match_aval(eqn, out)]
+
+
+# --- rules: layout ops ---
+def _layout(qarray_fn: Callable[..., Any], params_fn: Callable[[Any], dict[str, Any]]):
+    """A rule applying a QArray layout function to the first operand (the other operands, if
+    any, are ordinary arrays such as dynamic-slice starts or gather indices)."""
+
+    def rule(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+        operand, *rest = invals
+        if not is_quantized(operand) or any(is_quantized(v) for v in rest):
+            raise _NoRule("has a quantized value in a non-operand position")
+        kwargs = params_fn(eqn)
+        out = map_layout(
+            operand,
+            lambda q: qarray_fn(q, *rest, **kwargs),
+            lambda value: _compat.bind_eqn(eqn, [value, *rest])[0],
+        )
+        ctx.report.record_layout(_compat.primitive_name(eqn))
+        return [out]
+
+    return rule
+
+
+def _out_shape(eqn: Any) -> tuple[int, ...]:
+    return tuple(_compat.aval_of(eqn.outvars[0]).shape)
+
+
+def _identity(q: Any) -> Any:
+    return q
+
+
+def _dynamic_slice(q: Any, *starts: Any, slice_sizes: tuple[int, ...]) -> Any:
+    return _layout_rules.dynamic_slice(q, starts[: q.ndim], slice_sizes)
+
+
+_RULES: dict[str, Callable[[Context, Any, list[Any]], list[Any]]] = {
+    "dot_general": _dot_general,
+    "conv_general_dilated": _conv,
+    "ragged_dot_general": _ragged_dot,
+    "transpose": _layout(
+        _layout_rules.transpose, lambda e: {"permutation": e.params["permutation"]}
+    ),
+    "reshape": _layout(_layout_rules.reshape, lambda e: {"new_shape": _out_shape(e)}),
+    "squeeze": _layout(_layout_rules.reshape, lambda e: {"new_shape": _out_shape(e)}),
+    "expand_dims": _layout(_layout_rules.reshape, lambda e: {"new_shape": _out_shape(e)}),
+    "broadcast_in_dim": _layout(
+        _layout_rules.broadcast_in_dim,
+        lambda e: {
+            "shape": _out_shape(e),
+            "broadcast_dimensions": e.params["broadcast_dimensions"],
+        },
+    ),
+    "slice": _layout(
+        _layout_rules.slice_,
+        lambda e: {
+            "start_indices": e.params["start_indices"],
+            "limit_indices": e.params["limit_indices"],
+            "strides": e.params.get("strides"),
+        },
+    ),
+    "dynamic_slice": _layout(
+        _dynamic_slice, lambda e: {"slice_sizes": _compat.dynamic_slice_sizes(e)}
+    ),
+    "gather": _layout(
+        _layout_rules.gather, lambda e: {"out_shape": _out_shape(e), **_compat.gather_params(e)}
+    ),
+    "convert_element_type": _layout(
+        _layout_rules.astype, lambda e: {"dtype": _compat.aval_of(e.outvars[0]).dtype}
+    ),
+    "copy": _layout(_identity, lambda e: {}),
+}
+
+
+# --- rules: sub-jaxprs ---
+def _jit(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+    body = _compat.call_body(eqn)
+    run = lambda *args: eval_jaxpr(ctx, body, args)
+    if _compat.jit_options(eqn)["inline"]:
+        return run(*invals)
+    # A fresh closure per trace, so the counts of the inner trace land in this trace's report.
+    return list(jax.jit(run)(*invals))
+
+
+def _call(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+    return eval_jaxpr(ctx, _compat.call_body(eqn), invals)
+
+
+def _remat(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+    body = _compat.call_body(eqn)
+    run = lambda *args: eval_jaxpr(ctx, body, args)
+    return list(jax.checkpoint(run, **_compat.remat_options(eqn))(*invals))
+
+
+_RULES.update(
+    {
+        "jit": _jit,
+        "call": _call,
+        "remat": _remat,
+        # Quantized operands of custom-derivative functions: evaluate the primal function (its
+        # derivative rule was written for float operands and is not used here).
+        "custom_jvp_call": _call,
+        "custom_vjp_call": _call,
+        "scan": functools.partial(_control_flow.scan_rule, eval_jaxpr, dequantize_counted),
+        "while": functools.partial(_control_flow.while_rule, eval_jaxpr, dequantize_counted),
+        "cond": functools.partial(_control_flow.cond_rule, eval_jaxpr, dequantize_counted),
+    }
+)
+
+
+# --- public entry points ---
+def _is_dynamic(leaf: Any) -> bool:
+    return is_quantized(leaf) or isinstance(leaf, jax.Array | np.ndarray | np.generic)
+
+
+def _stand_in(leaf: Any) -> jax.ShapeDtypeStruct:
+    if is_quantized(leaf):
+        return logical_struct(leaf)
+    return jax.ShapeDtypeStruct(
+        np.shape(leaf), leaf.dtype, weak_type=bool(getattr(leaf, "weak_type", False))
+    )
+
+
+def interpret(
+    fn: Callable[..., Any], *, strict: bool = False, report: EngineReport | None = None
+) -> Callable[..., Any]:
+    """Wraps `fn` so that it runs with `QArray` / `QatWeight` values in its arguments.
+
+    Args:
+      fn: any JAX-traceable function (a Flax NNX module call, a Linen `apply`, a plain function).
+      strict: raise `EngineFallbackError` instead of dequantizing a quantized value that meets a
+        primitive without a rule.
+      report: an `EngineReport` to fill at trace time (reset at the start of each trace).
+    Returns:
+      A function with the signature of `fn`. Any leaf of its argument pytrees may be a `QArray` or
+      a `QatWeight` where `fn` expects a float array of the same shape and dtype. Array leaves are
+      traced; other leaves (Python numbers, strings, None) are passed to `fn` as constants. It is
+      jit-able and differentiable with respect to float arguments and `QatWeight` values.
+      Outputs are what `fn` returns; an output that is a quantized weight passed through
+      unchanged by layout ops stays quantized.
+    Raises:
+      EngineFallbackError: in strict mode, naming the primitive, the value and the source line.
+
+    Example:
+      >>> q = lowbit.qarray.quantize(w, "int8", granularity=PerChannel((-1,)))
+      >>> y = jax.jit(interpret(lambda w, x: x @ w))(q, x)
+    """
+    if not callable(fn):
+        raise TypeError(f"interpret expects a callable, got {type(fn).__name__}")
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_quantized)
+        dynamic = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
+
+        def flat_fn(*values):
+            full = list(leaves)
+            for i, value in zip(dynamic, values, strict=True):
+                full[i] = value
+            call_args, call_kwargs = jax.tree.unflatten(treedef, full)
+            return fn(*call_args, **call_kwargs)
+
+        closed_jaxpr, out_shape = _compat.make_jaxpr(
+            flat_fn, [_stand_in(leaves[i]) for i in dynamic]
+        )
+        target = report if report is not None else EngineReport()
+        target.reset()
+        ctx = Context(report=target, strict=strict)
+        outs = eval_jaxpr(ctx, closed_jaxpr, [leaves[i] for i in dynamic])
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    return run
+
+
+def trace_report(fn: Callable[..., Any], *args: Any, strict: bool = False, **kwargs: Any):
+    """Traces `interpret(fn)(*args, **kwargs)` without running it; returns its `EngineReport`."""
+    report = EngineReport()
+    jax.eval_shape(interpret(fn, strict=strict, report=report), *args, **kwargs)
+    return report

@@ -1,0 +1,158 @@
+"""Compiled runners for the reference models, shared by every recipe of one model.
+
+A runner holds a model's graph definition and jitted functions that take the parameters as an
+argument: ``forward(params, tokens)``. The float parameters and each recipe's quantized ones
+(QArrays in place of arrays) go through the same jitted function, which the quantization engine
+interprets; jit compiles once per parameter layout (one per recipe) and reuses it for every
+window, batch and timing run of that recipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lowbit.engine import interpret
+from lowbit.eval._perplexity import PerplexityResult, perplexity
+from lowbit.eval._speed import SpeedResult, decode_tokens_per_s, prefill_tokens_per_s
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LMRunner:
+    """Jitted entry points of a causal LM with KV cache (`lowbit.models.Llama`).
+
+    Attributes:
+      graphdef: the module structure (`nnx.split(model)[0]`).
+      forward: ``(params, tokens [batch, seq] int32) -> logits [batch, seq, vocab]``.
+      step: ``(params, tokens [batch, 1] int32, cache) -> (logits [batch, 1, vocab], cache)``.
+      init_cache: ``(batch, max_len) -> cache``.
+    """
+
+    graphdef: Any
+    forward: Callable[..., jax.Array]
+    step: Callable[..., tuple[jax.Array, Any]]
+    init_cache: Callable[[int, int], Any]
+
+
+def lm_runner(model: nnx.Module) -> tuple[LMRunner, nnx.State]:
+    """Splits an NNX causal LM into a runner and its float parameters.
+
+    Args:
+      model: a module called as ``model(tokens)`` -> logits and ``model(tokens, cache=cache)``
+        -> ``(logits, cache)``, with ``init_cache(batch, max_len)``.
+    Returns:
+      ``(runner, params)``.
+    """
+    graphdef, params = nnx.split(model)
+
+    def forward(state, tokens):
+        return nnx.merge(graphdef, state)(tokens)
+
+    def step(state, tokens, cache):
+        return nnx.merge(graphdef, state)(tokens, cache=cache)
+
+    runner = LMRunner(
+        graphdef=graphdef,
+        forward=jax.jit(interpret(forward)),
+        step=jax.jit(interpret(step)),
+        init_cache=model.init_cache,
+    )
+    return runner, params
+
+
+def lm_perplexity(
+    runner: LMRunner,
+    params: Any,
+    tokens: np.ndarray,
+    *,
+    context: int = 512,
+    max_tokens: int = 4096,
+    on_window: Callable[[int, int], None] | None = None,
+) -> PerplexityResult:
+    """`perplexity` of ``runner.forward(params, .)`` on `tokens` (non-overlapping windows)."""
+    return perplexity(
+        lambda window: runner.forward(params, window),
+        tokens,
+        context=context,
+        max_tokens=max_tokens,
+        on_window=on_window,
+    )
+
+
+def lm_speed(
+    runner: LMRunner,
+    params: Any,
+    prompt: np.ndarray,
+    *,
+    decode_steps: int = 16,
+    iters: int = 2,
+) -> SpeedResult:
+    """Prefill throughput on `prompt` and greedy decode throughput from an empty cache.
+
+    Args:
+      prompt: [seq] int token ids, the prefill batch (batch 1); with seq = the perplexity
+        context the prefill reuses that compiled function.
+      decode_steps: tokens per timed decode run.
+      iters: timed runs per measurement.
+    Returns:
+      A `SpeedResult`.
+    """
+    tokens = jnp.asarray(np.asarray(prompt, np.int32).reshape(1, -1))
+    prefill = prefill_tokens_per_s(
+        lambda t: runner.forward(params, t), tokens, warmup=1, iters=iters
+    )
+    warmup = 2
+    # Room for every step, rounded up so the cache length is a stable compile shape.
+    max_len = -(-(warmup + iters * decode_steps) // 64) * 64
+    decode = decode_tokens_per_s(
+        lambda t, c: runner.step(params, t, c),
+        runner.init_cache(1, max_len),
+        tokens[:, :1],
+        steps=decode_steps,
+        warmup=warmup,
+        iters=iters,
+    )
+    return SpeedResult(
+        prefill_tokens_per_s=prefill,
+        decode_tokens_per_s=decode,
+        prefill_tokens=int(tokens.size),
+        decode_steps=decode_steps,
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EncoderRunner:
+    """A sentence encoder: ``embed(params, sentences) -> [n, d]`` float32 numpy embeddings."""
+
+    graphdef: Any
+    embed: Callable[[Any, Sequence[str]], np.ndarray]
+
+
+def encoder_runner(
+    model: nnx.Module, embed_sentences: Callable[[nnx.Module, Sequence[str]], Any]
+) -> tuple[EncoderRunner, nnx.State]:
+    """Splits an NNX sentence encoder into a runner and its float parameters.
+
+    Args:
+      model: the encoder module.
+      embed_sentences: ``(module, sentences) -> [n, d]`` embeddings for a module (float or
+        quantized) — typically `lowbit.models.embed_sentences` with the tokenizer bound.
+    Returns:
+      ``(runner, params)``; ``runner.embed(params, sentences)`` runs `embed_sentences` on the
+      module rebuilt from `params` through the quantization engine.
+    """
+    graphdef, params = nnx.split(model)
+
+    def embed(state, sentences):
+        def apply(inner_state):
+            return embed_sentences(nnx.merge(graphdef, inner_state), sentences)
+
+        return np.asarray(interpret(apply)(state), np.float32)
+
+    return EncoderRunner(graphdef=graphdef, embed=embed), params

@@ -1,0 +1,155 @@
+"""Reference models by name or file, and their quantized variants by recipe.
+
+Model specs: ``"smollm2"`` (SmolLM2-135M-Instruct from its Q4_1 GGUF, dequantized to float32:
+the float baseline), ``"minilm"`` (all-MiniLM-L6-v2), a path to a Llama ``.gguf`` file, or a
+path to a BERT ``.safetensors`` file with its ``config.json`` and ``tokenizer.json`` beside it.
+
+Recipe specs: a preset name (`lowbit.recipes.preset_names`), a path to a recipe ``.json`` file
+(`Recipe.from_json`), or ``"gguf"``: the GGUF file's own quantized blocks imported directly
+(GGUF models only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+GGUF_RECIPE = "gguf"
+FLOAT_RECIPE = "float"
+MODEL_NAMES = ("smollm2", "minilm")
+KINDS = ("lm", "encoder")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """A float reference model.
+
+    Attributes:
+      name: short name for tables (``"smollm2"``, ``"minilm"``, or the file stem).
+      spec: how to load it again (a model name or an absolute file path).
+      kind: ``"lm"`` (causal LM: perplexity) or ``"encoder"`` (sentence embeddings: cosine).
+      model: the float NNX module.
+      tokenizer: its `tokenizers.Tokenizer`.
+      gguf_path: the GGUF file it was read from, or None.
+    """
+
+    name: str
+    spec: str
+    kind: str
+    model: nnx.Module
+    tokenizer: Any
+    gguf_path: Path | None = None
+
+
+def _models():
+    import lowbit.models as models  # the heavy model code loads only when a model is needed
+
+    return models
+
+
+def load_model(spec: str) -> LoadedModel:
+    """Loads a reference model by name or path (see the module docstring).
+
+    Raises:
+      ValueError: for an unknown name or file type; FileNotFoundError for a missing file or
+        an uninstalled model package.
+    """
+    models = _models()
+    if spec == "smollm2":
+        model, tokenizer = models.load_smollm2()
+        path = models.smollm2_gguf_path()
+        return LoadedModel(
+            name="smollm2", spec=spec, kind="lm", model=model, tokenizer=tokenizer, gguf_path=path
+        )
+    if spec == "minilm":
+        model, tokenizer = models.load_minilm()
+        return LoadedModel(name="minilm", spec=spec, kind="encoder", model=model, tokenizer=tokenizer)
+    path = Path(spec)
+    if path.suffix not in (".gguf", ".safetensors"):
+        raise ValueError(
+            f"MODEL {spec!r} is not a known model; accepted: {', '.join(MODEL_NAMES)}, or a path "
+            "to a .gguf or .safetensors file"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"model file {spec!r} does not exist")
+    path = path.resolve()
+    if path.suffix == ".gguf":
+        model, tokenizer = models.load_llama_gguf(path)
+        return LoadedModel(
+            name=path.stem, spec=str(path), kind="lm", model=model, tokenizer=tokenizer,
+            gguf_path=path,
+        )
+    model, tokenizer = models.load_bert(path)
+    return LoadedModel(
+        name=path.stem, spec=str(path), kind="encoder", model=model, tokenizer=tokenizer
+    )
+
+
+def load_recipe(spec: str) -> Any:
+    """A `Recipe` from a preset name or a recipe JSON file.
+
+    Raises:
+      ValueError: for an unknown name (listing the presets) or a malformed file.
+    """
+    from lowbit.recipes import Recipe, preset, preset_names
+
+    if spec.endswith(".json") or os.sep in spec:
+        path = Path(spec)
+        if not path.is_file():
+            raise FileNotFoundError(f"recipe file {spec!r} does not exist")
+        try:
+            return Recipe.from_json(path.read_text(encoding="utf-8"))
+        except ValueError as err:
+            raise ValueError(f"recipe file {spec!r}: {err}") from None
+    if spec not in preset_names():
+        names = ", ".join([*preset_names(), GGUF_RECIPE])
+        raise ValueError(
+            f"recipe {spec!r} is neither a preset nor a .json file; accepted presets: {names}"
+        )
+    return preset(spec)
+
+
+def recipe_label(spec: str) -> str:
+    """The name a recipe spec shows in tables: the preset name, or the JSON file's stem."""
+    return Path(spec).stem if spec.endswith(".json") else spec
+
+
+def quantize_variant(loaded: LoadedModel, float_params: Any, recipe_spec: str) -> tuple[Any, Any]:
+    """The parameters of `loaded` under a recipe.
+
+    Args:
+      loaded: the float model.
+      float_params: its float parameters (``nnx.split(model)[1]``).
+      recipe_spec: a preset name, a recipe JSON path, ``"float"`` or ``"gguf"``.
+    Returns:
+      ``(params, recipe)``: a pure-dict parameter tree with QArrays where the recipe quantizes,
+      and the `Recipe` (None for ``"gguf"``).
+    Raises:
+      ValueError: for ``"gguf"`` on a model not read from a GGUF file, or a bad recipe.
+    """
+    pure = nnx.to_pure_dict(float_params)
+    if recipe_spec == GGUF_RECIPE:
+        if loaded.gguf_path is None:
+            raise ValueError(
+                f"recipe 'gguf' imports a GGUF file's own quantization; model {loaded.name!r} "
+                "was not read from a GGUF file"
+            )
+        from lowbit.io import import_gguf
+
+        return import_gguf(loaded.gguf_path), None
+    from lowbit.api import quantize_params
+
+    recipe = load_recipe(recipe_spec)
+    if recipe_spec == FLOAT_RECIPE:
+        return pure, recipe
+    return quantize_params(pure, recipe), recipe
+
+
+def as_numpy_tokens(tokenizer: Any, text: str) -> np.ndarray:
+    """[n] int32 token ids of `text` (no special tokens added)."""
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, np.int32)

@@ -1,0 +1,160 @@
+"""GGUF import: Q8_0 / Q4_0 / Q4_1 tensors become QArrays directly, with no requantization.
+
+GGML's blocks hold 32 consecutive elements of a row (the last NumPy axis) and an fp16 scale
+``d`` (Q4_1 also an fp16 minimum ``m``). They map onto `QArray` blocks of ``1 x 32``:
+
+  * Q8_0 ``x = d * q``: ``int8`` codes ``q``, scale ``d``. Exact.
+  * Q4_0 ``x = d * (q - 8)``: ``int4`` codes ``q - 8`` (symmetric, so integer matmul paths
+    apply), scale ``d``. Exact.
+  * Q4_1 ``x = d * q + m``: ``uint4`` codes ``q``, scale ``d``, float32 zero point
+    ``-m / d`` in code units, so ``x = (q - zero_point) * d``. The zero point's float32 rounding
+    costs at most about ``2**-24 * |m|`` per element. A block with ``d == 0`` stands for
+    ``x = m`` everywhere and its codes carry nothing: it becomes codes 0, scale ``|m|`` and zero
+    point ``-sign(m)``, which reproduces ``m`` exactly.
+
+The 4-bit codes are taken out of GGML's nibble order (byte ``j`` of a block holds element
+``j`` low and ``j + 16`` high) and packed in this library's order (element ``2k`` low,
+``2k + 1`` high); the values are untouched. Other storage types (F32, F16, Q6_K, ...) are
+dequantized to float32 with `gguf.quants.dequantize`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit.formats import get_format
+from lowbit.io._gguf_file import GGUFTensorData, read_gguf_file
+from lowbit.io._placement import NameMap, Placement, nest, resolve, unpermute_rope_rows
+from lowbit.qarray import QArray
+
+_Q = gguf.GGMLQuantizationType
+DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+
+
+def _half(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The fp16 field at byte `start` of every block: [..., n_blocks] float16."""
+    return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0]
+
+
+def _nibbles(blocks: np.ndarray) -> np.ndarray:
+    """GGML 4-bit block bytes [..., n_blocks, 16] -> codes [..., n_blocks * 32] uint8."""
+    codes = np.concatenate([blocks & 0x0F, blocks >> 4], axis=-1)
+    return codes.reshape(*blocks.shape[:-2], -1)
+
+
+def gguf_tensor_to_qarray(tensor: GGUFTensorData) -> QArray:
+    """A Q8_0 / Q4_0 / Q4_1 tensor as a `QArray` in its GGUF layout (blocks along the last axis).
+
+    Args:
+      tensor: a tensor read from a GGUF file, shape ``[*lead, n]``.
+    Returns:
+      QArray of shape ``[*lead, n]``, logical dtype float32, scale ``[*lead, n / 32]`` float16;
+      4-bit codes packed along the last axis.
+    Raises:
+      ValueError: for any other storage type.
+    """
+    kind = tensor.ggml_type.name
+    if kind not in DIRECT_TYPES:
+        raise ValueError(
+            f"tensor {tensor.name!r} has type {kind}; direct import accepts {DIRECT_TYPES}"
+        )
+    _, type_size = gguf.GGML_QUANT_SIZES[tensor.ggml_type]
+    blocks = tensor.raw.reshape(*tensor.shape[:-1], -1, type_size)
+    d = _half(blocks, 0)
+    zero_point = None
+    if kind == "Q8_0":
+        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(tensor.shape)
+        return _qarray(tensor, "int8", codes, d, None)
+    if kind == "Q4_0":
+        # q - 8 in 4-bit two's complement is q with its top bit flipped.
+        return _qarray(tensor, "int4", _nibbles(blocks[..., 2:]) ^ 0x08, d, None)
+    m = _half(blocks, 2)
+    codes = _nibbles(blocks[..., 4:])
+    d32, m32 = d.astype(np.float32), m.astype(np.float32)
+    flat = d == 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        zero_point = np.where(flat, -np.sign(m32), -m32 / d32).astype(np.float32)
+    scale = np.where(flat, np.where(m == 0, np.float16(1), np.abs(m)), d).astype(np.float16)
+    if flat.any():
+        block_view = codes.reshape(*flat.shape, -1)
+        block_view[flat] = 0
+    return _qarray(tensor, "uint4", codes, scale, zero_point)
+
+
+def _qarray(tensor, name, codes, scale, zero_point) -> QArray:
+    fmt = get_format(name)
+    axis = len(tensor.shape) - 1
+    codes = jnp.asarray(codes)
+    packed = None
+    if fmt.bits < 8:
+        codes, packed = fmt.pack(codes, axis), axis
+    return QArray(
+        codes=codes,
+        scale=jnp.asarray(scale),
+        zero_point=None if zero_point is None else jnp.asarray(zero_point),
+        tensor_scale=None,
+        format=name,
+        shape=tensor.shape,
+        dtype=np.float32,
+        packed_axis=packed,
+    ).check()
+
+
+def _float(tensor: GGUFTensorData) -> np.ndarray:
+    try:
+        values = gguf.quants.dequantize(tensor.raw, tensor.ggml_type)
+    except NotImplementedError:
+        raise ValueError(
+            f"tensor {tensor.name!r} has type {tensor.ggml_type.name}, which the gguf package "
+            "cannot dequantize"
+        ) from None
+    return np.asarray(values, np.float32).reshape(tensor.shape)
+
+
+def _place(tensor: GGUFTensorData, placement: Placement, quantized: bool) -> Any:
+    if placement.unpermute_heads is not None:
+        # Whole rows move, so each row's blocks stay intact.
+        raw = unpermute_rope_rows(tensor.raw, placement.unpermute_heads)
+        tensor = GGUFTensorData(tensor.name, tensor.ggml_type, tensor.shape, raw)
+    if quantized and tensor.ggml_type.name in DIRECT_TYPES:
+        value = gguf_tensor_to_qarray(tensor)
+        return value.T if placement.transpose else value
+    value = _float(tensor)
+    return jnp.asarray(value.T if placement.transpose else value)
+
+
+def import_gguf(
+    path: str | os.PathLike[str],
+    *,
+    name_map: NameMap | None = None,
+    quantized: bool = True,
+) -> tuple[dict[Any, Any], dict[str, Any]]:
+    """Reads a GGUF file into a params tree, keeping Q8_0 / Q4_0 / Q4_1 tensors quantized.
+
+    Args:
+      path: the ``.gguf`` file.
+      name_map: GGUF tensor name -> where it goes (see `lowbit.io.Placement`: None skips the
+        tensor, a path places it as stored, a Placement may also transpose it ``[out, in]`` ->
+        ``[in, out]`` and un-interleave RoPE rows). Without one, the result is flat and keyed
+        by GGUF name, in GGUF layout.
+      quantized: False dequantizes every tensor to float32 instead.
+    Returns:
+      ``(params, metadata)``: nested dicts of `QArray`s (Q8_0 / Q4_0 / Q4_1) and float32
+      arrays (other types); the file's key/value metadata.
+    Raises:
+      ValueError: for a malformed file, an undecodable tensor type, or two tensors mapped to
+        one path.
+      TypeError: if `name_map` returns something other than the accepted kinds.
+    """
+    metadata, tensors = read_gguf_file(path)
+    placed = []
+    for name, tensor in tensors.items():
+        placement = Placement(path=(name,)) if name_map is None else resolve(name, name_map(name))
+        if placement is not None:
+            placed.append((placement.path, _place(tensor, placement, quantized)))
+    return nest(placed), metadata

@@ -1,0 +1,111 @@
+"""Where an imported tensor goes in a params tree, and how its layout changes on the way.
+
+Importers take a `name_map` callable from a file's tensor name to one of:
+
+  * ``None``: skip the tensor;
+  * a path, ``("layers", 0, "attn", "q_proj", "kernel")`` or ``"layers/0/attn/q_proj/kernel"``
+    (string parts made of digits become ints, as list indices are in ``nnx.State``);
+  * a `Placement` (or any object with the same three attributes, such as the mappings of
+    `lowbit.models`): a path plus a transpose and a RoPE row un-interleaving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+Key = str | int
+Path = tuple[Key, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where one file tensor goes.
+
+    Attributes:
+      path: the params path.
+      transpose: reverse the axes (a file's linear weight ``[out, in]`` -> a Flax kernel
+        ``[in, out]``).
+      unpermute_heads: if set, first undo llama.cpp's interleaving of query/key rows for this
+        many heads (see `unpermute_rope_rows`).
+    """
+
+    path: Path
+    transpose: bool = False
+    unpermute_heads: int | None = None
+
+
+def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's rotary interleaving of a query/key projection's output rows.
+
+    llama.cpp's converter reorders each head's rows so that rotary pairs are adjacent (rows
+    ``2i, 2i+1``); Hugging Face Llama code rotates halves (rows ``i, i + head_dim/2``). Within
+    each head this sends row ``2i`` to ``i`` and ``2i + 1`` to ``i + head_dim/2``.
+
+    Args:
+      rows: ``[n_heads * head_dim, ...]``: float rows, or the raw block bytes of quantized rows
+        (blocks run along each row, so whole rows move and blocks stay intact).
+      n_heads: heads in the projection.
+    Returns:
+      The rows in rotate-half order, same shape.
+    Raises:
+      ValueError: if the row count is not a multiple of ``2 * n_heads``.
+    """
+    if not isinstance(n_heads, int) or n_heads <= 0 or rows.shape[0] % (2 * n_heads):
+        raise ValueError(
+            f"unpermute_heads={n_heads!r} does not divide {rows.shape[0]} rows into heads of "
+            "an even size"
+        )
+    pairs = rows.shape[0] // n_heads // 2
+    return rows.reshape(n_heads, pairs, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def resolve(name: str, target: Any) -> Placement | None:
+    """A `name_map` result for the tensor `name` as a `Placement` (None: skip).
+
+    Raises:
+      TypeError: naming the tensor when the result is none of the accepted kinds.
+    """
+    if target is None or isinstance(target, Placement):
+        return target
+    if isinstance(target, str):
+        return Placement(path=tuple(int(p) if p.isdigit() else p for p in target.split("/")))
+    if isinstance(target, tuple) and all(isinstance(p, str | int) for p in target):
+        return Placement(path=target)
+    if all(hasattr(target, a) for a in ("path", "transpose", "unpermute_heads")):
+        return Placement(
+            path=tuple(target.path),
+            transpose=bool(target.transpose),
+            unpermute_heads=target.unpermute_heads,
+        )
+    raise TypeError(
+        f"name_map({name!r}) returned {target!r}; accepted: None, a path tuple, a 'a/b/c' "
+        "string, or a Placement"
+    )
+
+
+def nest(items: Iterable[tuple[Path, Any]]) -> dict[Key, Any]:
+    """Nested dicts from (path, value) pairs.
+
+    Raises:
+      ValueError: if two tensors land on the same path, or one path is a prefix of another.
+    """
+    root: dict[Key, Any] = {}
+    for path, value in items:
+        if not path:
+            raise ValueError("name_map returned an empty path")
+        node = root
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"path {path!r} passes through a tensor")
+        if path[-1] in node:
+            raise ValueError(f"two tensors map to path {path!r}")
+        node[path[-1]] = value
+    return root
+
+
+NameMap = Callable[[str], Any]

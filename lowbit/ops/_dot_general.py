@@ -1,0 +1,343 @@
+"""`dot_general` on QArrays: weight-only, dynamic and static activation quantization.
+
+Both operands are written as `(values - zero_point) * scale` (`_operand`). When each scale is
+constant along the contraction, or varies along one contracting axis in groups, the product is
+
+    out = sum_G  s_l * s_r * ( sum_k v_l v_r  -  z_r sum_k v_l  -  z_l sum_k v_r  +  n z_l z_r )
+
+with `k` running over one group of `n` contracted elements and `G` over groups: one `lax`
+dot of the stored values (int8 x int8 -> int32, fp8 x fp8 -> f32, or float x codes -> f32), a
+few small correction terms, and the scales applied to the output (the epilogue). Grouped
+scales split the contracting axis into `[G, n]` and make `G` a batch axis of the core dot.
+Other layouts use `dot_general_reference` (dequantize, then `lax.dot_general`), reported by
+`dot_general_path` as ``"reference"`` so callers can count fallbacks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lowbit.ops import _dims
+from lowbit.ops._operand import (
+    Operand,
+    activation_scale_shape,
+    format_kind,
+    from_float,
+    from_qarray,
+    quantize_activation,
+)
+from lowbit.qarray import QArray
+
+PATHS = (
+    "float",
+    "weight_only_epilogue",
+    "weight_only_grouped",
+    "int8_int32",
+    "fp8_f32",
+    "codes_f32",
+    "reference",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    path: str
+    pair: int | None  # index into the contracting lists of the grouped axis pair
+    groups: int
+
+
+def _check_operand(x: Any, name: str) -> None:
+    if isinstance(x, QArray):
+        return
+    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"dot_general {name} must be a float array or a QArray, got "
+            f"{type(x).__name__} with dtype {getattr(x, 'dtype', None)}"
+        )
+
+
+def _active(lhs: Any, rhs: Any) -> tuple[str | None, QArray | None]:
+    """Which float operand gets quantized on the fly, and the QArray that asks for it."""
+    if isinstance(rhs, QArray) and not isinstance(lhs, QArray) and rhs.activation is not None:
+        return "lhs", rhs
+    if isinstance(lhs, QArray) and not isinstance(rhs, QArray) and lhs.activation is not None:
+        return "rhs", lhs
+    return None, None
+
+
+def _side_meta(x, contracting, weight: QArray | None):
+    """(kind, scale shape or None) of an operand, including one quantized on the fly."""
+    if isinstance(x, QArray):
+        return format_kind(x.fmt), tuple(x.scale.shape)
+    if weight is None:
+        return "float", None
+    config = weight.activation
+    static = weight.activation_bounds is not None
+    from lowbit.formats import get_format
+
+    kind = format_kind(get_format(config.format))
+    return kind, activation_scale_shape(x.shape, contracting, config, static)
+
+
+def _plan(lhs, rhs, dimension_numbers) -> _Plan:
+    (lc, rc), _ = dimension_numbers
+    side, weight = _active(lhs, rhs)
+    lkind, lscale = _side_meta(lhs, lc, weight if side == "lhs" else None)
+    rkind, rscale = _side_meta(rhs, rc, weight if side == "rhs" else None)
+    if lkind == "float" and rkind == "float":
+        return _Plan("float", None, 1)
+    pairs, groups = [], []
+    for scale, contracting in ((lscale, lc), (rscale, rc)):
+        if scale is None:
+            continue
+        varying = _dims.varying_axes(scale, contracting)
+        if len(varying) > 1:
+            return _Plan("reference", None, 1)
+        if varying:
+            pairs.append(contracting.index(varying[0]))
+            groups.append(scale[varying[0]])
+    if len(set(pairs)) > 1:
+        return _Plan("reference", None, 1)
+    count = max(groups, default=1)
+    if any(count % g for g in groups):
+        return _Plan("reference", None, 1)
+    pair = pairs[0] if pairs else None
+    if "float" in (lkind, rkind):
+        path = "weight_only_grouped" if pair is not None else "weight_only_epilogue"
+    elif lkind == rkind == "int":
+        path = "int8_int32"
+    elif lkind == rkind == "fp8":
+        path = "fp8_f32"
+    else:
+        path = "codes_f32"
+    return _Plan(path, pair, count)
+
+
+def dot_general_path(lhs: Any, rhs: Any, dimension_numbers: Any) -> str:
+    """Which implementation `dot_general` uses for these operands (one of `PATHS`).
+
+    Depends only on static information (shapes, formats, scale layouts), so the engine can call
+    it at trace time to count fallbacks (``"reference"``) and report paths.
+    """
+    dimension_numbers = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
+    return _plan(lhs, rhs, dimension_numbers).path
+
+
+def _out_dtype(lhs, rhs, preferred_element_type):
+    if preferred_element_type is not None:
+        return jnp.dtype(preferred_element_type)
+    floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QArray)]
+    return jnp.dtype(floats[0] if floats else jnp.result_type(lhs.dtype, rhs.dtype))
+
+
+def _to_operands(lhs, rhs, dimension_numbers):
+    (lc, rc), _ = dimension_numbers
+    side, weight = _active(lhs, rhs)
+    if side == "lhs":
+        lhs = quantize_activation(lhs, lc, weight.activation, weight.activation_bounds)
+    elif side == "rhs":
+        rhs = quantize_activation(rhs, rc, weight.activation, weight.activation_bounds)
+    as_operand = lambda x: from_qarray(x) if isinstance(x, QArray) else from_float(x)
+    return as_operand(lhs), as_operand(rhs)
+
+
+def _group_sums(op: Operand, contracting, axis: int | None, groups: int) -> jax.Array:
+    """Sum of `op.values` over the contraction within each group, per-block shaped."""
+    dtype = jnp.int32 if op.kind == "int" else jnp.float32
+    values = op.values.astype(dtype)
+    others = tuple(a for a in contracting if a != axis)
+    sums = jnp.sum(values, axis=others, keepdims=True) if others else values
+    if axis is None:
+        return sums
+    sums = _dims.split_axis(sums, axis, groups)
+    return jnp.sum(sums, axis=axis + 1)
+
+
+def _core_dtypes(lkind: str, rkind: str):
+    """(lhs values dtype or None to keep, rhs ..., accumulation dtype) of the core dot."""
+    if lkind == rkind == "int":
+        return None, None, jnp.int32
+    if lkind == rkind == "fp8" or "float" in (lkind, rkind):
+        return None, None, jnp.float32
+    return jnp.float32, jnp.float32, jnp.float32
+
+
+def _fast(lhs_op: Operand, rhs_op: Operand, dimension_numbers, plan: _Plan, precision,
+          out_dtype, out_sharding) -> jax.Array:
+    (lc, rc), (lb, rb) = dimension_numbers
+    grouped = plan.pair is not None
+    laxis = lc[plan.pair] if grouped else None
+    raxis = rc[plan.pair] if grouped else None
+    lvalues, rvalues = lhs_op.values, rhs_op.values
+    ldtype, rdtype, acc_dtype = _core_dtypes(lhs_op.kind, rhs_op.kind)
+    if ldtype is not None:
+        lvalues, rvalues = lvalues.astype(ldtype), rvalues.astype(rdtype)
+    core_dims = dimension_numbers
+    if grouped:
+        lvalues = _dims.split_axis(lvalues, laxis, plan.groups)
+        rvalues = _dims.split_axis(rvalues, raxis, plan.groups)
+        core_dims = _dims.grouped_dimension_numbers(dimension_numbers, plan.pair)
+    acc = lax.dot_general(
+        lvalues, rvalues, core_dims,
+        precision=None if acc_dtype == jnp.int32 else precision,
+        preferred_element_type=acc_dtype,
+        out_sharding=None if grouped else out_sharding,
+    ).astype(jnp.float32)
+
+    lfree = len(_dims.free_axes(len(lhs_op.shape), lc, lb))
+    rfree = len(_dims.free_axes(len(rhs_op.shape), rc, rb))
+    to_l = functools.partial(_dims.side_to_output, shape=lhs_op.shape, contracting=lc, batch=lb,
+                             group_axis=laxis, groups=plan.groups, other_free=rfree, is_lhs=True)
+    to_r = functools.partial(_dims.side_to_output, shape=rhs_op.shape, contracting=rc, batch=rb,
+                             group_axis=raxis, groups=plan.groups, other_free=lfree, is_lhs=False)
+    lzero, rzero = lhs_op.zero_point, rhs_op.zero_point
+    if rzero is not None:
+        lsum = _group_sums(lhs_op, lc, laxis, plan.groups).astype(jnp.float32)
+        acc = acc - to_r(rzero) * to_l(lsum)
+    if lzero is not None:
+        rsum = _group_sums(rhs_op, rc, raxis, plan.groups).astype(jnp.float32)
+        acc = acc - to_l(lzero) * to_r(rsum)
+    if lzero is not None and rzero is not None:
+        n = _dims.contracted_size(lhs_op.shape, lc) // plan.groups
+        acc = acc + float(n) * to_l(lzero) * to_r(rzero)
+    if lhs_op.scale is not None:
+        acc = acc * to_l(lhs_op.scale)
+    if rhs_op.scale is not None:
+        acc = acc * to_r(rhs_op.scale)
+    if grouped:
+        acc = jnp.sum(acc, axis=0)
+    return acc.astype(out_dtype)
+
+
+def _dequantized(lhs, rhs, dimension_numbers):
+    (lc, rc), _ = dimension_numbers
+    side, weight = _active(lhs, rhs)
+    if side == "lhs":
+        lhs = quantize_activation(lhs, lc, weight.activation, weight.activation_bounds)
+    elif side == "rhs":
+        rhs = quantize_activation(rhs, rc, weight.activation, weight.activation_bounds)
+    deq = lambda x, like: x.dequantize(like.dtype) if isinstance(x, QArray) else x
+    return deq(lhs, lhs), deq(rhs, rhs)
+
+
+def dot_general_reference(
+    lhs: jax.Array | QArray,
+    rhs: jax.Array | QArray,
+    dimension_numbers: Any,
+    *,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    out_sharding: Any = None,
+) -> jax.Array:
+    """Dequantize-then-dot: the semantics `dot_general` implements, computed the slow way.
+
+    A float operand facing a QArray with an `activation` config is quantized exactly as
+    `dot_general` does (per token, or with the static `activation_bounds`) and dequantized.
+
+    Args, Returns: as `dot_general`.
+    """
+    dimension_numbers = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
+    _check_operand(lhs, "lhs")
+    _check_operand(rhs, "rhs")
+    out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
+    lhs_f, rhs_f = _dequantized(lhs, rhs, dimension_numbers)
+    out = lax.dot_general(
+        lhs_f, rhs_f, dimension_numbers, precision=precision,
+        preferred_element_type=jnp.promote_types(jnp.result_type(lhs_f, rhs_f), out_dtype),
+        out_sharding=out_sharding,
+    )
+    return out.astype(out_dtype)
+
+
+def _forward(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
+    plan = _plan(lhs, rhs, dimension_numbers)
+    if plan.path == "reference" or (plan.pair is not None and out_sharding is not None):
+        return dot_general_reference(
+            lhs, rhs, dimension_numbers, precision=precision,
+            preferred_element_type=preferred_element_type, out_sharding=out_sharding,
+        )
+    lhs_op, rhs_op = _to_operands(lhs, rhs, dimension_numbers)
+    out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
+    return _fast(lhs_op, rhs_op, dimension_numbers, plan, precision, out_dtype, out_sharding)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _ste_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
+    return _forward(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
+
+
+def _ste_fwd(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
+    out = _forward(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
+    return out, (lhs, rhs)
+
+
+def _ste_bwd(dimension_numbers, precision, preferred_element_type, out_sharding, residuals, g):
+    # Straight-through: the rounding of the on-the-fly quantized operand is treated as the
+    # identity, so its gradient is that of the weight-only product (which keeps the weight in
+    # its stored form instead of dequantizing it).
+    lhs, rhs = residuals
+    if isinstance(rhs, QArray):
+        weight = dataclasses.replace(rhs, activation=None, activation_bounds=None)
+        fn = lambda x: _forward(x, weight, dimension_numbers, precision, None, None)
+        (dx,) = jax.vjp(fn, lhs)[1](g.astype(lhs.dtype))
+        return dx, None
+    weight = dataclasses.replace(lhs, activation=None, activation_bounds=None)
+    fn = lambda x: _forward(weight, x, dimension_numbers, precision, None, None)
+    (dx,) = jax.vjp(fn, rhs)[1](g.astype(rhs.dtype))
+    return None, dx
+
+
+_ste_dot.defvjp(_ste_fwd, _ste_bwd)
+
+
+def dot_general(
+    lhs: jax.Array | QArray,
+    rhs: jax.Array | QArray,
+    dimension_numbers: Any,
+    *,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    out_sharding: Any = None,
+) -> jax.Array:
+    """`lax.dot_general` where either operand may be a `QArray`.
+
+    The mode follows the QArray's static `activation` field: None computes weight-only (the
+    other operand stays float; the scale is applied after the dot, per group if the scale is
+    grouped along the contraction); a `QuantConfig` quantizes the float operand per token (or
+    with the static `activation_bounds`) and multiplies stored codes (int8 x int8 -> int32,
+    fp8 x fp8 -> f32). With two QArrays their stored codes are multiplied as they are.
+
+    Differentiable with respect to a float operand (frozen quantized weights, QLoRA): the
+    gradient is `g . dequantized weight`, straight through the activation's rounding.
+
+    Args:
+      lhs, rhs: float arrays or QArrays, e.g. `x: [batch, in] float32`, `w: QArray [in, out]`.
+      dimension_numbers: `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`.
+      precision: passed to float core dots.
+      preferred_element_type: output dtype (default: the float operand's dtype, or the
+        QArrays' logical dtypes promoted).
+      out_sharding: passed to the core dot.
+    Returns:
+      [batch..., lhs_free..., rhs_free...] as `lax.dot_general`.
+    Raises:
+      TypeError: for an operand that is neither a float array nor a QArray.
+      ValueError: for malformed dimension numbers or an unsupported activation granularity.
+    """
+    _check_operand(lhs, "lhs")
+    _check_operand(rhs, "rhs")
+    dimension_numbers = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
+    if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type,
+                               out_sharding=out_sharding)
+    side, _ = _active(lhs, rhs)
+    if side is None:
+        return _forward(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                        out_sharding)
+    return _ste_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
