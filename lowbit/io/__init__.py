@@ -3,13 +3,24 @@ importers from GGUF and Hugging Face safetensors files."""
 
 from lowbit.io._checkpoint import load_checkpoint, read_manifest, save_checkpoint
 from lowbit.io._config_dict import quant_config_from_dict, quant_config_to_dict
+from lowbit.io._gguf_file import GGUFTensorData, read_gguf_file
+from lowbit.io._gguf_import import gguf_tensor_to_qarray, import_gguf
+from lowbit.io._hf_import import import_safetensors
 from lowbit.io._manifest import CheckpointError
+from lowbit.io._placement import Placement, unpermute_rope_rows
 
 __all__ = [
     "CheckpointError",
+    "GGUFTensorData",
+    "Placement",
+    "gguf_tensor_to_qarray",
+    "import_gguf",
+    "import_safetensors",
     "load_checkpoint",
     "quant_config_from_dict",
     "quant_config_to_dict",
+    "read_gguf_file",
     "read_manifest",
     "save_checkpoint",
+    "unpermute_rope_rows",
 ]

@@ -24,11 +24,11 @@ from lowbit.qarray import (
     Fixed,
     MinMax,
     PerBlock,
+    Percentile,
     PerChannel,
     PerGroup,
     PerTensor,
     PerToken,
-    Percentile,
     QuantConfig,
 )
 
@@ -49,8 +49,15 @@ _CALIBRATIONS: dict[str, type] = {
     "mse": MSE,
 }
 _SCALE_DTYPES = ("float32", "float16", "bfloat16")
-_CONFIG_KEYS = ("format", "granularity", "calibration", "symmetric", "rounding", "scale_dtype",
-                "pack")
+_CONFIG_KEYS = (
+    "format",
+    "granularity",
+    "calibration",
+    "symmetric",
+    "rounding",
+    "scale_dtype",
+    "pack",
+)
 
 
 def _tagged(value: Any, table: dict[str, type], what: str) -> dict[str, Any]:

@@ -21,16 +21,16 @@ import gguf
 import numpy as np
 
 _SCALARS = {
-    gguf.GGUFValueType.UINT8: "<u1",
-    gguf.GGUFValueType.INT8: "<i1",
-    gguf.GGUFValueType.UINT16: "<u2",
-    gguf.GGUFValueType.INT16: "<i2",
-    gguf.GGUFValueType.UINT32: "<u4",
-    gguf.GGUFValueType.INT32: "<i4",
-    gguf.GGUFValueType.UINT64: "<u8",
-    gguf.GGUFValueType.INT64: "<i8",
-    gguf.GGUFValueType.FLOAT32: "<f4",
-    gguf.GGUFValueType.FLOAT64: "<f8",
+    gguf.GGUFValueType.UINT8: "<B",
+    gguf.GGUFValueType.INT8: "<b",
+    gguf.GGUFValueType.UINT16: "<H",
+    gguf.GGUFValueType.INT16: "<h",
+    gguf.GGUFValueType.UINT32: "<I",
+    gguf.GGUFValueType.INT32: "<i",
+    gguf.GGUFValueType.UINT64: "<Q",
+    gguf.GGUFValueType.INT64: "<q",
+    gguf.GGUFValueType.FLOAT32: "<f",
+    gguf.GGUFValueType.FLOAT64: "<d",
     gguf.GGUFValueType.BOOL: "<?",
 }
 
@@ -53,38 +53,49 @@ class GGUFTensorData:
 
 
 class _Reader:
-    def __init__(self, data: np.ndarray, path: str):
-        self.data, self.pos, self.path = data, 0, path
+    """Sequential little-endian reads from the header bytes."""
 
-    def take(self, n: int) -> np.ndarray:
-        if self.pos + n > self.data.size:
-            raise ValueError(f"{self.path}: truncated GGUF header at byte {self.pos}")
-        out = self.data[self.pos : self.pos + n]
-        self.pos += n
-        return out
+    def __init__(self, buf: memoryview, path: str):
+        self.buf, self.pos, self.path = buf, 0, path
 
     def number(self, code: str) -> Any:
-        dtype = np.dtype(code)
-        return self.take(dtype.itemsize).view(dtype)[0].item()
+        try:
+            (value,) = struct.unpack_from(code, self.buf, self.pos)
+        except struct.error:
+            raise ValueError(f"{self.path}: truncated GGUF header at byte {self.pos}") from None
+        self.pos += struct.calcsize(code)
+        return value
 
     def string(self) -> str:
-        return bytes(self.take(self.number("<u8"))).decode("utf-8", errors="replace")
+        n = self.number("<Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError(f"{self.path}: truncated GGUF header at byte {self.pos}")
+        text = str(self.buf[self.pos : self.pos + n], "utf-8", errors="replace")
+        self.pos += n
+        return text
 
     def value(self, vtype: int) -> Any:
         if vtype == gguf.GGUFValueType.STRING:
             return self.string()
         if vtype == gguf.GGUFValueType.ARRAY:
-            item_type, count = self.number("<u4"), self.number("<u8")
+            item_type, count = self.number("<I"), self.number("<Q")
             if item_type in _SCALARS:
+                # Numeric arrays (token scores and types) are long: decode them in one call.
                 dtype = np.dtype(_SCALARS[item_type])
-                return self.take(count * dtype.itemsize).view(dtype).tolist()
+                if self.pos + count * dtype.itemsize > len(self.buf):
+                    raise ValueError(f"{self.path}: truncated GGUF header at byte {self.pos}")
+                values = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
+                self.pos += count * dtype.itemsize
+                return values
             return [self.value(item_type) for _ in range(count)]
         if vtype not in _SCALARS:
             raise ValueError(f"{self.path}: unknown GGUF value type {vtype}")
         return self.number(_SCALARS[vtype])
 
 
-def read_gguf_file(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, GGUFTensorData]]:
+def read_gguf_file(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, Any], dict[str, GGUFTensorData]]:
     """Reads a GGUF file's metadata and tensor table.
 
     Returns:
@@ -96,27 +107,27 @@ def read_gguf_file(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[s
     """
     path = os.fspath(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    reader = _Reader(data, path)
-    if bytes(reader.take(4)) != struct.pack("<I", gguf.GGUF_MAGIC):
+    reader = _Reader(memoryview(data), path)
+    if reader.number("<I") != gguf.GGUF_MAGIC:
         raise ValueError(f"{path}: not a GGUF file (bad magic number)")
-    version = reader.number("<u4")
+    version = reader.number("<I")
     if version not in (2, 3):
         raise ValueError(f"{path}: GGUF version {version}; accepted: 2, 3")
-    n_tensors, n_keys = reader.number("<u8"), reader.number("<u8")
+    n_tensors, n_keys = reader.number("<Q"), reader.number("<Q")
     metadata = {}
     for _ in range(n_keys):
         key = reader.string()
-        metadata[key] = reader.value(reader.number("<u4"))
+        metadata[key] = reader.value(reader.number("<I"))
     table = []
     for _ in range(n_tensors):
         name = reader.string()
-        dims = [reader.number("<u8") for _ in range(reader.number("<u4"))]
-        type_id = reader.number("<u4")
+        dims = [reader.number("<Q") for _ in range(reader.number("<I"))]
+        type_id = reader.number("<I")
         try:
             ggml_type = gguf.GGMLQuantizationType(type_id)
         except ValueError:
             raise ValueError(f"{path}: tensor {name!r} has unknown ggml type {type_id}") from None
-        table.append((name, tuple(reversed(dims)), ggml_type, reader.number("<u8")))
+        table.append((name, tuple(reversed(dims)), ggml_type, reader.number("<Q")))
     alignment = int(metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
     start = -(-reader.pos // alignment) * alignment
     tensors = {}

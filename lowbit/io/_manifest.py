@@ -164,7 +164,10 @@ def decode_tree(tree: Any, tensors: Mapping[str, Any], where: str) -> Plan:
     for name, info in tensors.items():
         if not isinstance(info, Mapping) or not isinstance(info.get("sha256"), str):
             raise CheckpointError(f"{where}: tensor {name!r} entry lacks a sha256")
-        dtype = _checked(lambda: dtype_from_name(info.get("dtype"), f"tensor {name!r}"), where)
+        try:
+            dtype = dtype_from_name(info.get("dtype"), f"tensor {name!r}")
+        except ValueError as err:
+            raise CheckpointError(f"{where}: {err}") from None
         table[name] = (dtype, _shape(info.get("shape"), f"{where}: tensor {name!r}"))
     plan = Plan(tree, table)
     used: set[str] = set()
@@ -250,12 +253,21 @@ def _item_key(item: Any, at: str) -> Key:
 
 
 def _check_qarray(node: Mapping[str, Any], at: str) -> None:
-    expected = {"kind", "tensors", "format", "shape", "dtype", "packed_axis", "scale_encoding",
-                "activation"}
+    expected = {
+        "kind",
+        "tensors",
+        "format",
+        "shape",
+        "dtype",
+        "packed_axis",
+        "scale_encoding",
+        "activation",
+    }
     if set(node) != expected:
         raise CheckpointError(f"{at}: qarray keys {sorted(node)} != {sorted(expected)}")
-    _checked(lambda: get_format(node["format"]) if isinstance(node["format"], str) else
-             get_format(repr(node["format"])), at)
+    if not isinstance(node["format"], str):
+        raise CheckpointError(f"{at}: format {node['format']!r} is not a name")
+    _checked(lambda: get_format(node["format"]), at)
     shape = _shape(node["shape"], at)
     dtype = _checked(lambda: dtype_from_name(node["dtype"], "logical dtype"), at)
     if not np.issubdtype(dtype, np.floating):

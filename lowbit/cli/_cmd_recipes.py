@@ -1,0 +1,28 @@
+"""`lowbit recipes`: the preset recipes, one line each."""
+
+from __future__ import annotations
+
+import argparse
+
+from lowbit.eval._variants import GGUF_RECIPE
+
+NAME = "recipes"
+HELP = "list the preset recipes (one line each: name and description)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        "A recipe is a preset name or a .json file (Recipe.to_json); 'gguf' imports a GGUF "
+        "file's own quantized blocks."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from lowbit.recipes import preset_names
+
+    names = dict(preset_names())
+    names[GGUF_RECIPE] = "the GGUF checkpoint's own Q8_0/Q4_0/Q4_1 blocks, imported directly"
+    width = max(len(n) for n in names)
+    for name, description in names.items():
+        print(f"{name:<{width}}  {description}")
+    return 0

@@ -1,0 +1,162 @@
+"""Pieces shared by the commands: progress display, opening a model or checkpoint, JSON output."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from lowbit.eval import _variants
+
+# Metadata keys the CLI stores in a checkpoint manifest to find the float model again.
+META_MODEL = "model"
+META_RECIPE = "recipe"
+META_KIND = "kind"
+MANIFEST = "manifest.json"
+
+
+def stderr_console() -> Console:
+    """Progress and status go to stderr, so stdout holds only results (and the JSON line)."""
+    return Console(stderr=True)
+
+
+@contextlib.contextmanager
+def progress() -> Iterator[Progress]:
+    """A transient rich progress display on stderr (spinner, bar, elapsed time)."""
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=stderr_console(),
+        transient=True,
+    ) as bar:
+        yield bar
+
+
+@contextlib.contextmanager
+def step(bar: Progress, description: str, total: int | None = None) -> Iterator[Callable]:
+    """A progress task; yields ``advance(done, total)`` for callbacks, finishes it on exit."""
+    task = bar.add_task(description, total=total)
+
+    def advance(done: int, total_: int) -> None:
+        bar.update(task, completed=done, total=total_)
+
+    try:
+        yield advance
+    finally:
+        bar.remove_task(task)
+
+
+def is_checkpoint(target: str) -> bool:
+    return Path(target, MANIFEST).is_file()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Target:
+    """A model to evaluate: the float reference plus the parameters to run.
+
+    Attributes:
+      loaded: the float reference model.
+      float_params: its float parameters (NNX state).
+      params: the parameters to evaluate (QArrays where quantized).
+      recipe: label of the recipe (``"float"`` for the reference itself).
+      directory: the checkpoint directory, or None when quantized in memory.
+    """
+
+    loaded: _variants.LoadedModel
+    float_params: Any
+    params: Any
+    recipe: str
+    directory: Path | None
+
+
+def open_target(target: str, recipe: str | None, bar: Progress) -> Target:
+    """A checkpoint directory written by `lowbit quantize`, or a model spec plus a recipe.
+
+    Raises:
+      ValueError: for a checkpoint without the CLI's metadata, or `recipe` given with one.
+    """
+    from flax import nnx
+
+    if is_checkpoint(target):
+        if recipe is not None:
+            raise ValueError(
+                f"--recipe {recipe!r} was given with checkpoint {target!r}, which already holds "
+                "quantized parameters; drop --recipe"
+            )
+        from lowbit.io import load_checkpoint, read_manifest
+
+        meta = read_manifest(target).get("metadata") or {}
+        if META_MODEL not in meta:
+            raise ValueError(
+                f"checkpoint {target!r} has no '{META_MODEL}' in its metadata; it was not written "
+                "by `lowbit quantize`, so its float model is unknown"
+            )
+        with step(bar, f"loading {meta[META_MODEL]}"):
+            loaded = _variants.load_model(meta[META_MODEL])
+        float_params = nnx.split(loaded.model)[1]
+        with step(bar, f"reading {target}"):
+            params = load_checkpoint(target)
+        return Target(
+            loaded=loaded,
+            float_params=float_params,
+            params=params,
+            recipe=str(meta.get(META_RECIPE, "custom")),
+            directory=Path(target),
+        )
+    if os.path.isdir(target):
+        raise ValueError(f"{target!r} is a directory without {MANIFEST}; it is not a checkpoint")
+    with step(bar, f"loading {target}"):
+        loaded = _variants.load_model(target)
+    float_params = nnx.split(loaded.model)[1]
+    spec = recipe or _variants.FLOAT_RECIPE
+    with step(bar, f"quantizing with {spec}"):
+        params, _ = _variants.quantize_variant(loaded, float_params, spec)
+    return Target(
+        loaded=loaded,
+        float_params=float_params,
+        params=params,
+        recipe=_variants.recipe_label(spec),
+        directory=None,
+    )
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def print_json(payload: Any) -> None:
+    """Prints one JSON object on one line (infinities as null), flushed: the last stdout line."""
+    sys.stdout.write(json.dumps(_finite(payload), separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
+def write_json(path: Path, payload: Any) -> None:
+    """Writes `payload` as JSON atomically."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(_finite(payload), indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's content, or None when it does not exist."""
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))

@@ -1,0 +1,143 @@
+"""`ModelSession`: one float reference model, its compiled runner, and evaluation of variants.
+
+A session compiles the model's functions once (per parameter layout) and keeps the float
+reference results (encoder embeddings) so that every recipe of the model is measured the same
+way against the same baseline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from lowbit.eval._corpus import default_sentences, default_text
+from lowbit.eval._harness import encoder_runner, lm_perplexity, lm_runner, lm_speed
+from lowbit.eval._report import ResultRow
+from lowbit.eval._similarity import embedding_similarity
+from lowbit.eval._speed import SpeedResult, time_call
+from lowbit.eval._tree import float32_bytes, param_bytes
+from lowbit.eval._variants import LoadedModel, as_numpy_tokens
+
+Progress = Callable[[int, int], None] | None
+
+
+class ModelSession:
+    """Evaluates parameter variants of one reference model.
+
+    Args:
+      loaded: the float reference model.
+      text: perplexity text for LMs (default: `default_text`).
+      sentences: sentences for encoders (default: `default_sentences`).
+      context: perplexity window.
+      max_tokens: tokens scored for perplexity.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        text: str | None = None,
+        sentences: Sequence[str] | None = None,
+        context: int = 512,
+        max_tokens: int = 4096,
+    ):
+        self.loaded = loaded
+        self.context = context
+        self.max_tokens = max_tokens
+        self._tokens: np.ndarray | None = None
+        self._text = text
+        self._reference: np.ndarray | None = None
+        if loaded.kind == "lm":
+            self.runner, self.float_params = lm_runner(loaded.model)
+            self.sentences: list[str] = []
+        else:
+            from lowbit.models import embed_sentences
+
+            tokenizer = loaded.tokenizer
+            self.runner, self.float_params = encoder_runner(
+                loaded.model, lambda module, batch: embed_sentences(module, tokenizer, batch)
+            )
+            self.sentences = list(sentences) if sentences is not None else default_sentences()
+
+    @property
+    def metric(self) -> str:
+        return "ppl" if self.loaded.kind == "lm" else "cosine"
+
+    def tokens(self) -> np.ndarray:
+        """[n] int32 token ids of the perplexity text (tokenized once)."""
+        if self._tokens is None:
+            text = self._text if self._text is not None else default_text()
+            self._tokens = as_numpy_tokens(self.loaded.tokenizer, text)
+        return self._tokens
+
+    def reference_embeddings(self) -> np.ndarray:
+        """[n, d] float32 embeddings of the sentences by the float model (computed once)."""
+        if self._reference is None:
+            self._reference = self.runner.embed(self.float_params, self.sentences)
+        return self._reference
+
+    def quality(self, params: Any, on_window: Progress = None) -> tuple[float, float | None]:
+        """``(perplexity, None)`` for LMs; ``(mean cosine, worst cosine)`` for encoders."""
+        if self.loaded.kind == "lm":
+            result = lm_perplexity(
+                self.runner,
+                params,
+                self.tokens(),
+                context=self.context,
+                max_tokens=self.max_tokens,
+                on_window=on_window,
+            )
+            return result.perplexity, None
+        similarity = embedding_similarity(
+            self.reference_embeddings(), self.runner.embed(params, self.sentences)
+        )
+        if on_window is not None:
+            on_window(1, 1)
+        return similarity.mean, similarity.min
+
+    def speed(self, params: Any, *, decode_steps: int = 16, iters: int = 2) -> SpeedResult:
+        """Prefill (one `context`-token window, batch 1) and decode throughput for LMs; for
+        encoders, prefill = sentence tokens embedded per second and no decode."""
+        if self.loaded.kind == "lm":
+            prompt = self.tokens()[: self.context]
+            return lm_speed(self.runner, params, prompt, decode_steps=decode_steps, iters=iters)
+        n_tokens = sum(len(self.loaded.tokenizer.encode(s).ids) for s in self.sentences)
+        seconds = time_call(self.runner.embed, params, self.sentences, warmup=1, iters=iters)
+        return SpeedResult(
+            prefill_tokens_per_s=n_tokens / seconds,
+            decode_tokens_per_s=float("nan"),
+            prefill_tokens=n_tokens,
+            decode_steps=0,
+        )
+
+    def row(
+        self,
+        recipe: str,
+        params: Any,
+        *,
+        measure_quality: bool = True,
+        measure_speed: bool = False,
+        on_window: Progress = None,
+    ) -> ResultRow:
+        """A `ResultRow` for `params` under the label `recipe`."""
+        value = worst = None
+        if measure_quality:
+            value, worst = self.quality(params, on_window)
+        prefill = decode = None
+        if measure_speed:
+            speed = self.speed(params)
+            prefill = speed.prefill_tokens_per_s
+            decode = None if self.loaded.kind != "lm" else speed.decode_tokens_per_s
+        return ResultRow(
+            model=self.loaded.name,
+            recipe=recipe,
+            size_bytes=param_bytes(params),
+            float32_bytes=float32_bytes(self.float_params),
+            metric=self.metric,
+            value=value,
+            worst=worst,
+            prefill_tokens_per_s=prefill,
+            decode_tokens_per_s=decode,
+        )

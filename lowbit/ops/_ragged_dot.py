@@ -1,0 +1,244 @@
+"""`ragged_dot_general` with quantized expert weights (mixture-of-experts layers).
+
+Fast form: `lhs: [m, k]` rows sorted by expert, `rhs: [experts, k, n]` (any order of its three
+axes), rows grouped by `group_sizes: [experts]`, the ragged axis being the lhs free axis. The
+weight scale may vary along the expert and output axes (per expert, per channel) but not along
+the contraction; an activation is quantized per row (token) or per tensor. Then
+
+    out[m, n] = s_x[m] s_w[e(m), n] (sum_k v_x v_w - z_w sum_k v_x - z_x sum_k v_w + k z_x z_w)
+
+with one `lax.ragged_dot_general` on stored values (int8 x int8 -> int32 on CPU, fp8 -> f32,
+float x codes -> f32) and per-row scales gathered by the row's expert `e(m)`. Other layouts use
+`ragged_dot_general_reference` (dequantize, then the float op).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lowbit.ops._operand import (
+    activation_scale_shape,
+    format_kind,
+    from_float,
+    from_qarray,
+    quantize_activation,
+)
+from lowbit.qarray import QArray
+
+BASIC_DIMENSION_NUMBERS = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (1,)), ((), ())),
+    lhs_ragged_dimensions=(0,),
+    rhs_group_dimensions=(0,),
+)
+
+
+def _check(lhs, rhs):
+    if isinstance(lhs, QArray) and lhs.activation is not None:
+        raise ValueError(
+            "ragged_dot_general quantizes activations only for a QArray rhs (the expert weights); "
+            f"got an lhs {lhs!r} with an activation config"
+        )
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        if not isinstance(x, QArray) and not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"ragged_dot_general {name} must be float or a QArray, got {x.dtype}")
+
+
+def _axes(dims, lhs_shape, rhs_shape):
+    """(lhs contracting, lhs ragged, rhs contracting, rhs group, rhs free) for the fast form,
+    or None."""
+    (lc, rc), (lb, rb) = dims.dot_dimension_numbers
+    if len(lhs_shape) != 2 or len(rhs_shape) != 3 or lb or rb or len(lc) != 1:
+        return None
+    if len(dims.lhs_ragged_dimensions) != 1 or len(dims.rhs_group_dimensions) != 1:
+        return None
+    ragged, group = dims.lhs_ragged_dimensions[0], dims.rhs_group_dimensions[0]
+    if ragged == lc[0] or group == rc[0]:
+        return None
+    free = 3 - group - rc[0]
+    return lc[0], ragged, rc[0], group, free
+
+
+def ragged_dot_general_path(
+    lhs: Any, rhs: Any, group_sizes: Any = None,
+    ragged_dot_dimension_numbers: Any = BASIC_DIMENSION_NUMBERS, group_offset: Any = None,
+    **params: Any,
+) -> str:
+    """Which implementation `ragged_dot_general` uses: ``"float"``, ``"weight_only_epilogue"``,
+    ``"int8_int32"``, ``"fp8_f32"``, ``"codes_f32"`` or ``"reference"``. Static."""
+    if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
+        return "float"
+    axes = _axes(ragged_dot_dimension_numbers, lhs.shape, rhs.shape)
+    if axes is None or group_offset is not None or not isinstance(rhs, QArray):
+        return "reference"
+    lc, _, rc, _, _ = axes
+    if rhs.scale.shape[rc] != 1:
+        return "reference"
+    wkind = format_kind(rhs.fmt)
+    if isinstance(lhs, QArray):
+        xkind, xscale = format_kind(lhs.fmt), tuple(lhs.scale.shape)
+    elif rhs.activation is None:
+        return "weight_only_epilogue"
+    else:
+        from lowbit.formats import get_format
+
+        xkind = format_kind(get_format(rhs.activation.format))
+        try:
+            xscale = activation_scale_shape(
+                lhs.shape, (lc,), rhs.activation, rhs.activation_bounds is not None
+            )
+        except ValueError:
+            return "reference"
+    if xscale[lc] != 1:
+        return "reference"
+    if xkind == wkind == "int":
+        return "int8_int32"
+    if xkind == wkind == "fp8":
+        return "fp8_f32"
+    return "codes_f32"
+
+
+def _row_groups(group_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+    """Expert index of each row, clipped to a valid index, and whether the row is in a group."""
+    ends = jnp.cumsum(group_sizes)
+    index = jnp.arange(rows, dtype=ends.dtype)
+    expert = jnp.searchsorted(ends, index, side="right")
+    return jnp.minimum(expert, group_sizes.shape[0] - 1), index < ends[-1]
+
+
+def _to_rows(a, axes, expert):
+    """A per-block array of the weight [.., .., ..] → per row [m, n] (gathered by expert)."""
+    _, _, rc, group, free = axes
+    a = jnp.transpose(a, (group, free, rc))[..., 0]
+    return a[expert]
+
+
+def _x_rows(a, lc):
+    """A per-block array of the lhs, constant along its contraction → [m, 1]."""
+    return a if lc == 1 else a.T
+
+
+def ragged_dot_general(
+    lhs: jax.Array | QArray,
+    rhs: jax.Array | QArray,
+    group_sizes: jax.Array,
+    ragged_dot_dimension_numbers: Any = BASIC_DIMENSION_NUMBERS,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    group_offset: jax.Array | None = None,
+    out_sharding: Any = None,
+) -> jax.Array:
+    """`lax.ragged_dot_general` with a QArray expert weight (weight-only, or w8a8 when the
+    weight's `activation` config is set: per-token dynamic or static activation bounds).
+
+    Args:
+      lhs: [m, k] float tokens (rows grouped by expert), or a QArray.
+      rhs: [experts, k, n] QArray (per expert, per output channel scales), or float.
+      group_sizes: [experts] int32 rows per expert.
+      ragged_dot_dimension_numbers, precision, group_offset, out_sharding: as in `lax`.
+      preferred_element_type: output dtype (default: the float operand's dtype).
+    Returns:
+      [m, n]; rows past `sum(group_sizes)` are zero, as in `lax.ragged_dot`.
+    Raises:
+      TypeError / ValueError: for a non-float operand or an lhs with an activation config.
+    """
+    _check(lhs, rhs)
+    if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
+        return lax.ragged_dot_general(
+            lhs, rhs, group_sizes, ragged_dot_dimension_numbers, precision=precision,
+            preferred_element_type=preferred_element_type, group_offset=group_offset,
+            out_sharding=out_sharding,
+        )
+    path = ragged_dot_general_path(lhs, rhs, group_sizes, ragged_dot_dimension_numbers,
+                                   group_offset)
+    kwargs = dict(precision=precision, preferred_element_type=preferred_element_type,
+                  group_offset=group_offset, out_sharding=out_sharding)
+    if path == "reference":
+        return ragged_dot_general_reference(lhs, rhs, group_sizes, ragged_dot_dimension_numbers,
+                                            **kwargs)
+    out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
+    axes = _axes(ragged_dot_dimension_numbers, lhs.shape, rhs.shape)
+    lc = axes[0]
+    if not isinstance(lhs, QArray) and rhs.activation is not None:
+        lhs = quantize_activation(lhs, (lc,), rhs.activation, rhs.activation_bounds)
+    x = from_qarray(lhs) if isinstance(lhs, QArray) else from_float(lhs)
+    w = from_qarray(rhs)
+    acc_dtype = jnp.int32 if x.kind == w.kind == "int" else jnp.float32
+    xv, wv = x.values, w.values
+    if x.kind != "float" and (x.kind, w.kind) not in (("int", "int"), ("fp8", "fp8")):
+        xv, wv = xv.astype(jnp.float32), wv.astype(jnp.float32)
+    acc = lax.ragged_dot_general(
+        xv, wv, group_sizes, ragged_dot_dimension_numbers,
+        precision=None if acc_dtype == jnp.int32 else precision,
+        preferred_element_type=acc_dtype, out_sharding=out_sharding,
+    ).astype(jnp.float32)
+    expert, valid = _row_groups(group_sizes, acc.shape[0])
+    sum_dtype = jnp.int32 if acc_dtype == jnp.int32 else jnp.float32
+    if w.zero_point is not None:
+        xsum = jnp.sum(x.values.astype(sum_dtype), axis=lc, keepdims=True).astype(jnp.float32)
+        acc = acc - _to_rows(w.zero_point, axes, expert) * _x_rows(xsum, lc)
+    if x.zero_point is not None:
+        wsum = jnp.sum(w.values.astype(sum_dtype), axis=axes[2], keepdims=True)
+        acc = acc - _x_rows(x.zero_point, lc) * _to_rows(wsum.astype(jnp.float32), axes, expert)
+    if x.zero_point is not None and w.zero_point is not None:
+        k = float(lhs.shape[lc])
+        acc = acc + k * _x_rows(x.zero_point, lc) * _to_rows(w.zero_point, axes, expert)
+    if x.scale is not None:
+        acc = acc * _x_rows(x.scale, lc)
+    acc = acc * _to_rows(w.scale, axes, expert)
+    return jnp.where(valid[:, None], acc, 0.0).astype(out_dtype)
+
+
+def _out_dtype(lhs, rhs, preferred_element_type):
+    if preferred_element_type is not None:
+        return jnp.dtype(preferred_element_type)
+    floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QArray)]
+    return jnp.dtype(floats[0] if floats else jnp.result_type(lhs.dtype, rhs.dtype))
+
+
+def ragged_dot_general_reference(
+    lhs: jax.Array | QArray,
+    rhs: jax.Array | QArray,
+    group_sizes: jax.Array,
+    ragged_dot_dimension_numbers: Any = BASIC_DIMENSION_NUMBERS,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    group_offset: jax.Array | None = None,
+    out_sharding: Any = None,
+) -> jax.Array:
+    """Dequantize-then-`lax.ragged_dot_general`; a float lhs facing a weight with an
+    activation config is quantized exactly as `ragged_dot_general` does first."""
+    _check(lhs, rhs)
+    out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
+    (lc, _), _ = ragged_dot_dimension_numbers.dot_dimension_numbers
+    if isinstance(rhs, QArray) and not isinstance(lhs, QArray) and rhs.activation is not None:
+        lhs = quantize_activation(lhs, lc, rhs.activation, rhs.activation_bounds).dequantize(
+            lhs.dtype
+        )
+    lhs_f = lhs.dequantize() if isinstance(lhs, QArray) else lhs
+    rhs_f = rhs.dequantize() if isinstance(rhs, QArray) else rhs
+    out = lax.ragged_dot_general(
+        lhs_f, rhs_f, group_sizes, ragged_dot_dimension_numbers, precision=precision,
+        preferred_element_type=jnp.promote_types(jnp.result_type(lhs_f, rhs_f), out_dtype),
+        group_offset=group_offset, out_sharding=out_sharding,
+    )
+    return out.astype(out_dtype)
+
+
+def ragged_dot(
+    lhs: jax.Array | QArray,
+    rhs: jax.Array | QArray,
+    group_sizes: jax.Array,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    group_offset: jax.Array | None = None,
+) -> jax.Array:
+    """`lax.ragged_dot` with quantized experts: `lhs: [m, k]`, `rhs: [experts, k, n]` QArray,
+    `group_sizes: [experts]` → [m, n]. See `ragged_dot_general`."""
+    return ragged_dot_general(
+        lhs, rhs, group_sizes, BASIC_DIMENSION_NUMBERS, precision=precision,
+        preferred_element_type=preferred_element_type, group_offset=group_offset,
+    )
