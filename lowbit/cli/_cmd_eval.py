@@ -64,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
         target = open_target(args.target, args.recipe, bar)
         kind = target.loaded.kind
         if kind == "lm" and args.sentences:
-            raise ValueError(f"--sentences is for encoders; {target.loaded.name} is a language model")
+            raise ValueError(
+                f"--sentences is for encoders; {target.loaded.name} is a language model"
+            )
         if kind == "encoder" and args.text:
             raise ValueError(f"--text is for language models; {target.loaded.name} is an encoder")
         session = ModelSession(
@@ -90,5 +92,3 @@ def _settings(args: argparse.Namespace, session: ModelSession) -> dict:
     if session.loaded.kind == "lm":
         return {"context": session.context, "max_tokens": session.max_tokens}
     return {"sentences": len(session.sentences)}
-
-

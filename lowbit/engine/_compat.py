@@ -126,11 +126,11 @@ def parts(closed_jaxpr: ClosedJaxpr) -> tuple[Any, list[Any]]:
 
 
 def source_location(eqn: Any) -> str:
-    """`file:line (function)` of the user code that emitted `eqn`, or ``"unknown"``."""
+    """`file:line (function)` of the user code that emitted `eqn`, or ``""`` when unknown."""
     try:
         return _source_info.summarize(eqn.source_info)
     except Exception:  # noqa: BLE001 - a missing location must never hide the real error
-        return "unknown"
+        return ""
 
 
 def is_concrete(x: Any) -> bool:

@@ -35,10 +35,20 @@ class Context:
 
     report: EngineReport
     strict: bool
+    # Source location of the innermost enclosing equation that has one: equations inside
+    # library functions (jnp.cumsum is itself a jit) point at the user's call through this.
+    where: str = "unknown"
 
     def muted(self) -> Context:
         """A context for throwaway shape probes: counts go nowhere, fallbacks never raise."""
-        return Context(report=EngineReport(), strict=False)
+        return Context(report=EngineReport(), strict=False, where=self.where)
+
+    def entering(self, eqn: Any) -> Context:
+        """The context for the sub-jaxprs of `eqn`."""
+        return dataclasses.replace(self, where=self.location(eqn))
+
+    def location(self, eqn: Any) -> str:
+        return _compat.source_location(eqn) or self.where
 
 
 class _NoRule(Exception):
@@ -79,7 +89,7 @@ def apply_rule(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
     if rule is None:
         return fallback(ctx, eqn, invals, "has no quantized rule")
     try:
-        return rule(ctx, eqn, invals)
+        return rule(ctx.entering(eqn), eqn, invals)
     except (_NoRule, _layout_rules.LayoutUnsupported) as err:
         return fallback(ctx, eqn, invals, str(err))
 
@@ -87,7 +97,7 @@ def apply_rule(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
 def fallback(ctx: Context, eqn: Any, invals: list[Any], reason: str) -> list[Any]:
     """Dequantizes every quantized operand and binds the float equation (strict: raises)."""
     primitive = _compat.primitive_name(eqn)
-    location = _compat.source_location(eqn)
+    location = ctx.location(eqn)
     quantized = [v for v in invals if is_quantized(v)]
     if ctx.strict:
         raise EngineFallbackError(primitive, describe(quantized[0]), location, reason)
@@ -99,7 +109,7 @@ def fallback(ctx: Context, eqn: Any, invals: list[Any], reason: str) -> list[Any
 def dequantize_counted(ctx: Context, eqn: Any, value: Any, reason: str) -> Any:
     """One quantized value → float, counted as a fallback of `eqn` (strict: raises)."""
     primitive = _compat.primitive_name(eqn)
-    location = _compat.source_location(eqn)
+    location = ctx.location(eqn)
     if ctx.strict:
         raise EngineFallbackError(primitive, describe(value), location, reason)
     ctx.report.record_fallback(primitive, describe(value), location, reason)

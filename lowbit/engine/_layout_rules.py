@@ -209,11 +209,16 @@ def broadcast_in_dim(
 
 
 # --- slicing ---
+def _inside_one_block(start: int, size: int, block: int) -> bool:
+    return start // block == (start + size - 1) // block
+
+
 def _check_window(q: QArray, axis: int, start: int, size: int) -> None:
     n, block = q.shape[axis], q.block_shape[axis]
     if (start, size) == (0, n):
         return
-    if start % block or size % block:
+    # Whole blocks keep their scales; a window inside one block keeps that block's scale.
+    if (start % block or size % block) and not _inside_one_block(start, size, block):
         raise LayoutUnsupported(
             f"slices [{start}:{start + size}] of axis {axis}, not on its {block}-element blocks"
         )
@@ -257,7 +262,9 @@ def _window(q: QArray, starts: list[Any], sizes: list[int]) -> QArray:
         code_starts.append(code_start)
         code_sizes.append(code_size)
         scale_starts.append(start // block)
-        scale_sizes.append(max(size // block, 1))
+        # A window that is not whole blocks lies inside one block (checked): one scale entry.
+        whole = size % block == 0 and (block == 1 or (isinstance(start, int) and start % block == 0))
+        scale_sizes.append(size // block if whole else 1)
     cut = lambda a, st, sz: jax.lax.dynamic_slice(a, [jnp.asarray(s, jnp.int32) for s in st], sz)
     return dataclasses.replace(
         q,
@@ -279,8 +286,9 @@ def dynamic_slice(q: QArray, start_indices: Sequence[Any], slice_sizes: Sequence
             clamped = min(max(int(start), 0), n - size)
             _check_window(q, axis, clamped, size)
             starts.append(clamped)
-        elif q.block_shape[axis] == 1 and axis != q.packed_axis:
-            starts.append(start)  # codes and scales clamp identically along this axis
+        elif axis != q.packed_axis and (q.block_shape[axis] == 1 or q.scale.shape[axis] == 1):
+            # Per-index scales clamp exactly like the codes; a single block needs no offset.
+            starts.append(start)
         else:
             raise LayoutUnsupported(
                 f"slices axis {axis} (blocks of {q.block_shape[axis]}"

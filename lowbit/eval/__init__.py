@@ -21,6 +21,7 @@ from lowbit.eval._report import (
 from lowbit.eval._similarity import SimilarityResult, cosine_similarity, embedding_similarity
 from lowbit.eval._speed import SpeedResult, decode_tokens_per_s, prefill_tokens_per_s, time_call
 from lowbit.eval._sqnr import contraction_axis, output_sqnr, sqnr_db, weight_sqnr
+from lowbit.eval._suite import SuiteResult, evaluate_recipes
 from lowbit.eval._tree import float32_bytes, leaf_bytes, named_leaves, param_bytes
 
 __all__ = [
@@ -29,12 +30,14 @@ __all__ = [
     "ResultRow",
     "SimilarityResult",
     "SpeedResult",
+    "SuiteResult",
     "contraction_axis",
     "cosine_similarity",
     "decode_tokens_per_s",
     "default_sentences",
     "default_text",
     "embedding_similarity",
+    "evaluate_recipes",
     "float32_bytes",
     "has_sotu",
     "leaf_bytes",

@@ -148,11 +148,18 @@ def encoder_runner(
       module rebuilt from `params` through the quantization engine.
     """
     graphdef, params = nnx.split(model)
+    compiled: dict[tuple[str, ...], Callable[[Any], jax.Array]] = {}
 
     def embed(state, sentences):
-        def apply(inner_state):
-            return embed_sentences(nnx.merge(graphdef, inner_state), sentences)
+        # Tokenization is Python work at trace time, so one jitted function per sentence list;
+        # jit then caches one executable per parameter layout (recipe).
+        key = tuple(sentences)
+        if key not in compiled:
 
-        return np.asarray(interpret(apply)(state), np.float32)
+            def apply(inner_state):
+                return embed_sentences(nnx.merge(graphdef, inner_state), list(key))
+
+            compiled[key] = jax.jit(interpret(apply))
+        return np.asarray(compiled[key](state), np.float32)
 
     return EncoderRunner(graphdef=graphdef, embed=embed), params

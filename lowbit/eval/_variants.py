@@ -68,7 +68,9 @@ def load_model(spec: str) -> LoadedModel:
         )
     if spec == "minilm":
         model, tokenizer = models.load_minilm()
-        return LoadedModel(name="minilm", spec=spec, kind="encoder", model=model, tokenizer=tokenizer)
+        return LoadedModel(
+            name="minilm", spec=spec, kind="encoder", model=model, tokenizer=tokenizer
+        )
     path = Path(spec)
     if path.suffix not in (".gguf", ".safetensors"):
         raise ValueError(
@@ -81,7 +83,11 @@ def load_model(spec: str) -> LoadedModel:
     if path.suffix == ".gguf":
         model, tokenizer = models.load_llama_gguf(path)
         return LoadedModel(
-            name=path.stem, spec=str(path), kind="lm", model=model, tokenizer=tokenizer,
+            name=path.stem,
+            spec=str(path),
+            kind="lm",
+            model=model,
+            tokenizer=tokenizer,
             gguf_path=path,
         )
     model, tokenizer = models.load_bert(path)
@@ -141,7 +147,9 @@ def quantize_variant(loaded: LoadedModel, float_params: Any, recipe_spec: str) -
             )
         from lowbit.io import import_gguf
 
-        return import_gguf(loaded.gguf_path), None
+        mapping = _models().gguf_llama_param_map(loaded.model.config)
+        params, _ = import_gguf(loaded.gguf_path, name_map=mapping.get)
+        return params, None
     from lowbit.api import quantize_params
 
     recipe = load_recipe(recipe_spec)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -125,11 +126,22 @@ class Format(abc.ABC):
         encodings and unused bit patterns left out); `encode(decode(codes()))` returns them."""
         patterns = np.arange(2**self.bits, dtype=np.uint16).astype(np.uint8)
         codes = patterns.view(self.code_dtype) if self.bits == 8 else patterns
-        values = np.asarray(self.decode(jnp.asarray(codes)))
-        return codes[np.isfinite(values)]
+        return codes[np.isfinite(decode_constant(self, codes))]
 
     def levels(self) -> np.ndarray:
         """All finite grid values, sorted ascending and distinct, as float64 (for tests and
-        stochastic rounding)."""
-        values = np.asarray(self.decode(jnp.asarray(self.codes())), dtype=np.float64)
-        return np.unique(values)
+        stochastic rounding; safe to call while tracing)."""
+        # + 0.0 turns -0.0 into +0.0, so the zero level is +0 in formats with signed zeros.
+        return np.unique(decode_constant(self, self.codes()).astype(np.float64) + 0.0)
+
+
+def decode_constant(fmt: Format, codes: np.ndarray) -> np.ndarray:
+    """`fmt.decode` of concrete codes as a NumPy array, even while tracing a jitted function."""
+    with jax.ensure_compile_time_eval():
+        return np.asarray(_jitted_decode(fmt)(jnp.asarray(codes)))
+
+
+@functools.cache
+def _jitted_decode(fmt: Format):
+    # One compiled decode per format, instead of one compilation per primitive when eager.
+    return jax.jit(fmt.decode)

@@ -53,7 +53,8 @@ MANIFEST_FILE = "manifest.json"
 
 
 def _sha256(array: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array).reshape(-1).view(np.uint8)).hexdigest()
+    data = np.require(array, requirements="C").reshape(-1).view(np.uint8)
+    return hashlib.sha256(data).hexdigest()
 
 
 def _recipe_json(recipe: Any) -> str | None:

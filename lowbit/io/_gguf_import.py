@@ -20,10 +20,12 @@ dequantized to float32 with `gguf.quants.dequantize`.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -86,13 +88,18 @@ def gguf_tensor_to_qarray(tensor: GGUFTensorData) -> QArray:
     return _qarray(tensor, "uint4", codes, scale, zero_point)
 
 
+@functools.partial(jax.jit, static_argnames=("name", "axis"))
+def _pack(codes: jax.Array, name: str, axis: int) -> jax.Array:
+    # One compiled program per shape instead of one per eager op: imports see few shapes.
+    return get_format(name).pack(codes, axis)
+
+
 def _qarray(tensor, name, codes, scale, zero_point) -> QArray:
-    fmt = get_format(name)
     axis = len(tensor.shape) - 1
     codes = jnp.asarray(codes)
     packed = None
-    if fmt.bits < 8:
-        codes, packed = fmt.pack(codes, axis), axis
+    if get_format(name).bits < 8:
+        codes, packed = _pack(codes, name, axis), axis
     return QArray(
         codes=codes,
         scale=jnp.asarray(scale),

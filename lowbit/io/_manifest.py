@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -270,7 +271,7 @@ def _check_qarray(node: Mapping[str, Any], at: str) -> None:
     _checked(lambda: get_format(node["format"]), at)
     shape = _shape(node["shape"], at)
     dtype = _checked(lambda: dtype_from_name(node["dtype"], "logical dtype"), at)
-    if not np.issubdtype(dtype, np.floating):
+    if not jnp.issubdtype(dtype, jnp.floating):
         raise CheckpointError(f"{at}: logical dtype {dtype.name} is not a float dtype")
     axis = node["packed_axis"]
     if axis is not None and not (isinstance(axis, int) and 0 <= axis < max(len(shape), 1)):

@@ -84,7 +84,8 @@ def is_native(dtype: np.dtype) -> bool:
 
 def storage_view(array: np.ndarray) -> np.ndarray:
     """The array as it is written: itself for native dtypes, else ``uint8 [nbytes]``."""
-    array = np.ascontiguousarray(array)
+    # `np.ascontiguousarray` would turn a 0-d array into a 1-d one.
+    array = np.require(array, requirements="C")
     if is_native(array.dtype):
         return array
     return array.reshape(-1).view(np.uint8)

@@ -26,6 +26,7 @@ k-consecutive codes of a column adjacent, as a u8 x s8 dot-product instruction r
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -146,9 +147,11 @@ def prepare(
         raise ValueError(f"zero_point is only accepted for kind='uint4', not {kind!r}")
     if kind == "w8a8":
         return _prepare_w8a8(codes, scale.astype(jnp.float32))
+    group_size = None if group_size is None else int(group_size)
     return _prepare_weight_only(kind, codes, scale.astype(jnp.float32), zero_point, group_size)
 
 
+@jax.jit
 def _prepare_w8a8(codes: jax.Array, scale: jax.Array) -> PreparedWeight:
     k, n = codes.shape
     kq, p = -(-k // 4), -(-n // PANEL)
@@ -158,6 +161,7 @@ def _prepare_w8a8(codes: jax.Array, scale: jax.Array) -> PreparedWeight:
     return PreparedWeight("w8a8", k, n, None, 4, data, scale.reshape(n), colsum)
 
 
+@functools.partial(jax.jit, static_argnames=("kind", "group_size"))
 def _prepare_weight_only(
     kind: str,
     codes: jax.Array,
@@ -210,6 +214,7 @@ def _prepare_weight_only(
     return PreparedWeight(kind, k, n, group_size, gs, data)
 
 
+@jax.jit
 def prepared_to_logical(w: PreparedWeight) -> dict[str, jax.Array | None]:
     """Inverse of `prepare`: {"codes": [K, N], "scale": [G, N], "zero_point": [G, N] | None}."""
     k, n = w.k, w.n

@@ -12,6 +12,8 @@ when the kernels are unavailable. Logical weight arrays (see `lowbit.kernels` fo
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,6 +51,7 @@ def _expand_groups(a: jax.Array, k: int, group_size: int | None) -> jax.Array:
     return jnp.repeat(a, group_size, axis=0)[:k]
 
 
+@functools.partial(jax.jit, static_argnames=("kind", "group_size"))
 def dequantize(
     kind: str,
     codes: jax.Array,
@@ -86,6 +89,7 @@ def _finish(y: jax.Array, bias: jax.Array | None, out_dtype) -> jax.Array:
     return y.astype(out_dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("kind", "group_size", "out_dtype"))
 def weight_only_linear(
     x: jax.Array,
     kind: str,
@@ -102,6 +106,7 @@ def weight_only_linear(
     return _finish(y, bias, out_dtype or x.dtype)
 
 
+@jax.jit
 def quantize_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Dynamic symmetric int8 per row.
 
@@ -115,11 +120,13 @@ def quantize_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.round(q).astype(jnp.int8), scale
 
 
+@jax.jit
 def w8a8_matmul_int32(xq: jax.Array, codes: jax.Array) -> jax.Array:
     """xq: [M, K] int8, codes: [K, N] int8 -> [M, N] int32 (exact integer product)."""
     return jax.lax.dot(xq, codes, preferred_element_type=jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
 def w8a8_linear_quantized(
     xq: jax.Array,
     x_scale: jax.Array,
@@ -137,6 +144,7 @@ def w8a8_linear_quantized(
     return _finish(y, bias, out_dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
 def w8a8_linear(
     x: jax.Array,
     codes: jax.Array,

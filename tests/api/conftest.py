@@ -1,0 +1,21 @@
+"""Fixtures shared by the API tests."""
+
+import jax
+import pytest
+from api_models import MLP, Block
+from flax import nnx
+
+
+@pytest.fixture(scope="session")
+def mlp():
+    return MLP((128, 256, 64), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="session")
+def mlp_input():
+    return jax.random.normal(jax.random.key(1), (8, 128))
+
+
+@pytest.fixture(scope="session")
+def block():
+    return Block(rngs=nnx.Rngs(2))

