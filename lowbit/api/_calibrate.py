@@ -173,6 +173,6 @@ def calibrate(
             call, params, batches, recipe, method=method, momentum=momentum, q=q
         )
         state = with_activation_bounds(quantize_params(params, recipe, uncalibrated=True), ranges)
-        return QuantizedModel(graphdef, state)
+        return QuantizedModel(nnx.merge(graphdef, state))
     ranges = activation_ranges(fn, params, batches, recipe, method=method, momentum=momentum, q=q)
     return with_activation_bounds(quantize_params(params, recipe, uncalibrated=True), ranges)

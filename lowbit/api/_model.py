@@ -1,12 +1,13 @@
 """Running models on quantized params: `run`, and `quantize_model` for Flax NNX and Linen.
 
-NNX: `quantize_model(module, recipe)` splits the module into its graph definition and state,
-quantizes the state, and returns a `QuantizedModel`: a pytree (state as leaves, graph definition
-static) that you call exactly like the module. Each call merges the graph with the quantized state
-inside `run` under `jax.jit` (compiled once per input shape), so the float weights never come
-back. State updates made by the call (dropout RNG counters, batch statistics) are not written
-back: a quantized model is for inference. Because it is a pytree, it also passes through
-`jax.jit`, `nnx.jit` or `jax.vmap` of your own.
+NNX: `quantize_model(module, recipe)` splits the module into graph definition and state,
+quantizes the state, merges them into a copy of the module whose `Variable`s hold `QArray`s, and
+wraps that copy in a `QuantizedModel` — an `nnx.Module` you call exactly like the original. Each
+call splits the copy and runs ``merge(graph, state)(*args)`` through `run` under `jax.jit`
+(compiled once per input shape and layout), so the float weights never come back. State updates
+made by the call (dropout RNG counters, batch statistics) are not written back: a quantized model
+is for inference. Being an NNX module (and so a pytree), it also goes through `nnx.jit`,
+`jax.jit`, `nnx.state` / `nnx.split` of your own.
 
 Linen: `quantize_model(module, recipe, params=variables)` returns a `QuantizedLinen` with
 `.params` (the quantized variables) and `.apply(params, *args, **kwargs)` (the module's `apply`
@@ -25,6 +26,7 @@ from flax import linen, nnx
 
 from lowbit.api._quantize import as_recipe, quantize_params
 from lowbit.engine import EngineReport, interpret
+from lowbit.qarray import QArray
 from lowbit.recipes import Recipe, RecipeReport
 
 
@@ -52,36 +54,46 @@ def _nnx_call(graphdef, state, args, kwargs, *, method: str, strict: bool):
     return interpret(call, strict=strict)(state, args, kwargs)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QuantizedModel:
-    """An NNX module with quantized state, called like the module (see module docstring).
+class QuantizedModel(nnx.Module):
+    """An NNX module with quantized weights, called like the original (see module docstring).
 
     Attributes:
-      graphdef: the module's graph definition (static).
-      state: its state with `QArray`s in place of the quantized weights.
+      module: a copy of the original module whose `Variable`s hold `QArray`s where the recipe
+        quantized them (the original module is left untouched).
       strict: raise on engine fallbacks instead of dequantizing.
     """
 
-    graphdef: Any = dataclasses.field(metadata=dict(static=True))
-    state: Any
-    strict: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    def __init__(self, module: nnx.Module, *, strict: bool = False):
+        self.module = module
+        self.strict = strict
+
+    @property
+    def graphdef(self) -> Any:
+        """The wrapped module's graph definition."""
+        return nnx.split(self.module)[0]
+
+    @property
+    def state(self) -> nnx.State:
+        """The wrapped module's state, with `QArray` values."""
+        return nnx.split(self.module)[1]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.call("__call__", *args, **kwargs)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Calls another method of the module, e.g. ``qmodel.call("attend", x)``."""
-        return _nnx_call(self.graphdef, self.state, args, kwargs, method=method, strict=self.strict)
+        graphdef, state = nnx.split(self.module)
+        return _nnx_call(graphdef, state, args, kwargs, method=method, strict=self.strict)
 
     def dequantized(self) -> nnx.Module:
-        """A float module with every quantized weight dequantized (for comparisons)."""
+        """A float copy of the module with every quantized weight dequantized (for comparisons)."""
+        graphdef, state = nnx.split(self.module)
         state = jax.tree_util.tree_map(
-            lambda x: x.dequantize() if hasattr(x, "dequantize") else x,
-            self.state,
-            is_leaf=lambda x: hasattr(x, "dequantize"),
+            lambda x: x.dequantize() if isinstance(x, QArray) else x,
+            state,
+            is_leaf=lambda x: isinstance(x, QArray),
         )
-        return nnx.merge(self.graphdef, state)
+        return nnx.merge(graphdef, state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +162,8 @@ def quantize_model(
                 "quantize_model: params= is for Linen modules; an NNX module holds its own state"
             )
         graphdef, state = nnx.split(model)
-        return QuantizedModel(graphdef, quantize_params(state, recipe, uses=uses), strict)
+        qmodule = nnx.merge(graphdef, quantize_params(state, recipe, uses=uses))
+        return QuantizedModel(qmodule, strict=strict)
     if isinstance(model, linen.Module):
         if params is None:
             raise TypeError(

@@ -28,13 +28,8 @@ from typing import Any
 import jax
 
 from lowbit.api._quantize import as_recipe, check_decisions, quantize_params, quantize_weight
+from lowbit.ops import QatWeight
 from lowbit.recipes import Recipe, map_params
-
-
-def _qat_weight_type():
-    from lowbit.ops import QatWeight
-
-    return QatWeight
 
 
 def prepare(
@@ -50,7 +45,6 @@ def prepare(
       depend only on paths, shapes and dtypes), so it runs under `jit` and `grad`.
     """
     recipe = as_recipe(recipe)
-    qat_weight = _qat_weight_type()
 
     def apply(params: Any) -> Any:
         decisions = check_decisions(recipe, params, uses)
@@ -62,7 +56,7 @@ def prepare(
             rule = recipe.rules[decision.rule_index]
             # The quantized copy carries no gradient: the QAT ops route it to `value` (STE).
             qarray = quantize_weight(jax.lax.stop_gradient(leaf), decision.config, rule)
-            return qat_weight(
+            return QatWeight(
                 value=leaf, qarray=qarray, activation=rule.activation, gradient=rule.gradient
             )
 
@@ -101,10 +95,9 @@ def convert(params: Any, recipe: Recipe | str, **options: Any) -> Any:
     Returns:
       Params with packed `QArray`s whose forward pass equals the QAT forward pass bit for bit.
     """
-    qat_weight = _qat_weight_type()
     floats = jax.tree_util.tree_map(
-        lambda x: x.value if isinstance(x, qat_weight) else x,
+        lambda x: x.value if isinstance(x, QatWeight) else x,
         params,
-        is_leaf=lambda x: isinstance(x, qat_weight),
+        is_leaf=lambda x: isinstance(x, QatWeight),
     )
     return quantize_params(floats, recipe, **options)

@@ -100,15 +100,22 @@ def scan_rule(eval_jaxpr: EvalFn, dequantize_counted: DequantizeFn, ctx, eqn, in
         stacked.append(parts)
         rebuilds.append(rebuild)
 
+    # Per-step quantized outputs (e.g. a module's weights handed back by nnx.scan) leave the
+    # loop as their leaves, stacked, and are rebuilt around the per-step value seen in the body.
+    y_templates: dict[int, Any] = {}
+
     def step(step_ctx, carry_in, x_parts):
         x_values = [rebuild(part) for rebuild, part in zip(rebuilds, x_parts, strict=True)]
         out = eval_jaxpr(step_ctx, p["body"], [*consts, *carry_in, *x_values])
-        ys = [
-            dequantize_counted(step_ctx, eqn, y, "is a per-step output of the scan")
-            if is_quantized(y)
-            else y
-            for y in out[n_carry:]
-        ]
+        ys = []
+        for i, y in enumerate(out[n_carry:]):
+            if is_quantized(y) and _stackable(y):
+                y_templates[i] = y
+                ys.append(_unstack_parts(y))
+            elif is_quantized(y):
+                ys.append(dequantize_counted(step_ctx, eqn, y, "is a per-step scan output"))
+            else:
+                ys.append(y)
         return list(out[:n_carry]), ys
 
     def probe(carry_in):
@@ -126,7 +133,34 @@ def scan_rule(eval_jaxpr: EvalFn, dequantize_counted: DequantizeFn, ctx, eqn, in
         reverse=p["reverse"],
         unroll=p["unroll"],
     )
+    ys = [_stacked(y_templates[i], y, length) if i in y_templates else y for i, y in enumerate(ys)]
     return [*final, *ys]
+
+
+def _stackable(y: Any) -> bool:
+    q = y.qarray if is_qat_weight(y) else y
+    return q.tensor_scale is None and q.activation_bounds is None
+
+
+def _unstack_parts(y: Any) -> Any:
+    q = y.qarray if is_qat_weight(y) else y
+    parts = {"codes": q.codes, "scale": q.scale, "zero_point": q.zero_point}
+    return (y.value, parts) if is_qat_weight(y) else parts
+
+
+def _stacked(template: Any, parts: Any, length: int) -> Any:
+    """The per-step value `template` with a new leading axis of `length` steps."""
+    if is_qat_weight(template):
+        value, q_parts = parts
+        qarray = _stacked(template.qarray, q_parts, length)
+        return dataclasses.replace(template, value=value, qarray=qarray)
+    packed = template.packed_axis
+    return dataclasses.replace(
+        template,
+        **parts,
+        shape=(length, *template.shape),
+        packed_axis=None if packed is None else packed + 1,
+    )
 
 
 # --- while ---

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from lowbit import ops
 from lowbit.engine import _compat, _control_flow, _layout_rules
 from lowbit.engine._report import EngineFallbackError, EngineReport, describe
 from lowbit.engine._values import (
@@ -25,7 +26,6 @@ from lowbit.engine._values import (
     is_quantized,
     logical_struct,
     map_layout,
-    ops_module,
 )
 
 
@@ -117,75 +117,55 @@ def dequantize_counted(ctx: Context, eqn: Any, value: Any, reason: str) -> Any:
 
 
 # --- rules: quantized ops ---
-def _ops_fn(name: str) -> Callable[..., Any]:
-    fn = getattr(ops_module(), name, None)
-    if fn is None:
-        raise _NoRule(f"has no implementation in lowbit.ops ({name})")
-    return fn
-
-
-def _op_path(ops: Any, name: str, *args: Any) -> str:
-    path_fn = getattr(ops, f"{name}_path", None)
-    return path_fn(*args) if callable(path_fn) else "lowbit"
-
-
 def _match_aval(eqn: Any, out: Any) -> Any:
     dtype = _compat.aval_of(eqn.outvars[0]).dtype
     return out if out.dtype == dtype else out.astype(dtype)
 
 
 def _dot_general(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
-    ops = ops_module()
     lhs, rhs = invals
     params = eqn.params
     dimension_numbers = params["dimension_numbers"]
     kwargs = {
         "precision": params.get("precision"),
         "preferred_element_type": params.get("preferred_element_type"),
+        "out_sharding": params.get("out_sharding"),
     }
     with _compat.eqn_context(eqn):
         if is_qat_weight(lhs) or is_qat_weight(rhs):
-            out = _ops_fn("qat_dot_general")(lhs, rhs, dimension_numbers, **kwargs)
+            out = ops.qat_dot_general(lhs, rhs, dimension_numbers, **kwargs)
             path = "qat"
         else:
-            path = _op_path(ops, "dot_general", lhs, rhs, dimension_numbers)
-            out = ops.dot_general(
-                lhs, rhs, dimension_numbers, out_sharding=params.get("out_sharding"), **kwargs
-            )
+            path = ops.dot_general_path(lhs, rhs, dimension_numbers)
+            out = ops.dot_general(lhs, rhs, dimension_numbers, **kwargs)
     ctx.report.record_op("dot_general", path)
     return [_match_aval(eqn, out)]
 
 
 def _conv(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
-    ops = ops_module()
     lhs, rhs = invals
-    if is_qat_weight(lhs) or is_qat_weight(rhs):
-        qat_conv = _ops_fn("qat_conv_general_dilated")
-        with _compat.eqn_context(eqn):
-            out = qat_conv(lhs, rhs, **eqn.params)
-        ctx.report.record_op("conv_general_dilated", "qat")
-        return [_match_aval(eqn, out)]
     with _compat.eqn_context(eqn):
-        path = _op_path(ops, "conv_general_dilated", lhs, rhs)
-        out = _ops_fn("conv_general_dilated")(lhs, rhs, **eqn.params)
+        if is_qat_weight(lhs) or is_qat_weight(rhs):
+            out = ops.qat_conv_general_dilated(lhs, rhs, **eqn.params)
+            path = "qat"
+        else:
+            path = ops.conv_general_dilated_path(lhs, rhs, **eqn.params)
+            out = ops.conv_general_dilated(lhs, rhs, **eqn.params)
     ctx.report.record_op("conv_general_dilated", path)
     return [_match_aval(eqn, out)]
 
 
 def _ragged_dot(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
-    ops = ops_module()
     lhs, rhs, group_sizes = invals
     if is_quantized(group_sizes):
         raise _NoRule("received quantized group sizes")
-    if is_qat_weight(lhs) or is_qat_weight(rhs):
-        qat_ragged = _ops_fn("qat_ragged_dot_general")
-        with _compat.eqn_context(eqn):
-            out = qat_ragged(lhs, rhs, group_sizes, **eqn.params)
-        ctx.report.record_op("ragged_dot_general", "qat")
-        return [_match_aval(eqn, out)]
     with _compat.eqn_context(eqn):
-        path = _op_path(ops, "ragged_dot_general", lhs, rhs)
-        out = _ops_fn("ragged_dot_general")(lhs, rhs, group_sizes, **eqn.params)
+        if is_qat_weight(lhs) or is_qat_weight(rhs):
+            out = ops.qat_ragged_dot_general(lhs, rhs, group_sizes, **eqn.params)
+            path = "qat"
+        else:
+            path = ops.ragged_dot_general_path(lhs, rhs, group_sizes, **eqn.params)
+            out = ops.ragged_dot_general(lhs, rhs, group_sizes, **eqn.params)
     ctx.report.record_op("ragged_dot_general", path)
     return [_match_aval(eqn, out)]
 

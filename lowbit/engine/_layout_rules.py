@@ -263,7 +263,9 @@ def _window(q: QArray, starts: list[Any], sizes: list[int]) -> QArray:
         code_sizes.append(code_size)
         scale_starts.append(start // block)
         # A window that is not whole blocks lies inside one block (checked): one scale entry.
-        whole = size % block == 0 and (block == 1 or (isinstance(start, int) and start % block == 0))
+        whole = size % block == 0 and (
+            block == 1 or (isinstance(start, int) and start % block == 0)
+        )
         scale_sizes.append(size // block if whole else 1)
     cut = lambda a, st, sz: jax.lax.dynamic_slice(a, [jnp.asarray(s, jnp.int32) for s in st], sz)
     return dataclasses.replace(

@@ -9,25 +9,17 @@ applies to `value`, so both stay consistent.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from lowbit.ops import QatWeight
 from lowbit.qarray import QArray
 
 
-def ops_module() -> Any:
-    """`lowbit.ops`, imported on first use (the layer below the engine)."""
-    return importlib.import_module("lowbit.ops")
-
-
 def is_qat_weight(x: Any) -> bool:
-    cls = type(x)
-    if cls.__name__ != "QatWeight":
-        return False
-    return hasattr(x, "value") and hasattr(x, "qarray")
+    return isinstance(x, QatWeight)
 
 
 def is_quantized(x: Any) -> bool:
@@ -48,13 +40,7 @@ def dequantize(x: Any) -> jax.Array:
     A `QatWeight` becomes its fake-quantized value with a straight-through gradient to `value`:
     forward numerics of the quantized weight, gradients of the float one.
     """
-    if isinstance(x, QArray):
-        return x.dequantize()
-    own = getattr(x, "dequantize", None)
-    if callable(own):
-        return own()
-    quantized = x.qarray.dequantize(x.value.dtype)
-    return x.value + jax.lax.stop_gradient(quantized - x.value)
+    return x.dequantize()
 
 
 def map_layout(x: Any, qarray_fn, float_fn) -> Any:

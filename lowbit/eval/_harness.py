@@ -128,38 +128,61 @@ def lm_speed(
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class EncoderRunner:
-    """A sentence encoder: ``embed(params, sentences) -> [n, d]`` float32 numpy embeddings."""
+    """A sentence encoder: ``embed(params, sentences) -> [n, d]`` float32 numpy embeddings.
+
+    Attributes:
+      graphdef: the module structure.
+      embed: tokenizes and pads the sentences as one batch (width rounded up to a multiple of
+        `LENGTH_BUCKET` so that similar lists share a compilation), then runs the jitted
+        ``mean_pool(model(tokens, mask), mask)``.
+    """
 
     graphdef: Any
     embed: Callable[[Any, Sequence[str]], np.ndarray]
 
 
+LENGTH_BUCKET = 16
+
+
+def pad_batch(tokenizer: Any, sentences: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and attention mask, each ``[n, width]`` int32, zero-padded on the right.
+
+    Raises:
+      ValueError: if `sentences` is empty.
+    """
+    if not sentences:
+        raise ValueError("sentences is empty; give at least one sentence")
+    encodings = tokenizer.encode_batch(list(sentences))
+    width = -(-max(len(e.ids) for e in encodings) // LENGTH_BUCKET) * LENGTH_BUCKET
+    tokens = np.zeros((len(encodings), width), np.int32)
+    mask = np.zeros((len(encodings), width), np.int32)
+    for row, encoding in enumerate(encodings):
+        tokens[row, : len(encoding.ids)] = encoding.ids
+        mask[row, : len(encoding.ids)] = 1
+    return tokens, mask
+
+
 def encoder_runner(
-    model: nnx.Module, embed_sentences: Callable[[nnx.Module, Sequence[str]], Any]
+    model: nnx.Module, tokenizer: Any, pool: Callable[[jax.Array, jax.Array], jax.Array]
 ) -> tuple[EncoderRunner, nnx.State]:
     """Splits an NNX sentence encoder into a runner and its float parameters.
 
     Args:
-      model: the encoder module.
-      embed_sentences: ``(module, sentences) -> [n, d]`` embeddings for a module (float or
-        quantized) — typically `lowbit.models.embed_sentences` with the tokenizer bound.
+      model: called as ``model(tokens [n, s] int32, mask [n, s] int32) -> [n, s, d]``.
+      tokenizer: its `tokenizers.Tokenizer` (no fixed padding).
+      pool: ``(hidden [n, s, d], mask [n, s]) -> [n, d]`` (e.g. `lowbit.models.mean_pool`).
     Returns:
-      ``(runner, params)``; ``runner.embed(params, sentences)`` runs `embed_sentences` on the
-      module rebuilt from `params` through the quantization engine.
+      ``(runner, params)``.
     """
     graphdef, params = nnx.split(model)
-    compiled: dict[tuple[str, ...], Callable[[Any], jax.Array]] = {}
+
+    def apply(state, tokens, mask):
+        return pool(nnx.merge(graphdef, state)(tokens, mask), mask)
+
+    compiled = jax.jit(interpret(apply))
 
     def embed(state, sentences):
-        # Tokenization is Python work at trace time, so one jitted function per sentence list;
-        # jit then caches one executable per parameter layout (recipe).
-        key = tuple(sentences)
-        if key not in compiled:
-
-            def apply(inner_state):
-                return embed_sentences(nnx.merge(graphdef, inner_state), list(key))
-
-            compiled[key] = jax.jit(interpret(apply))
-        return np.asarray(compiled[key](state), np.float32)
+        tokens, mask = pad_batch(tokenizer, sentences)
+        return np.asarray(compiled(state, jnp.asarray(tokens), jnp.asarray(mask)), np.float32)
 
     return EncoderRunner(graphdef=graphdef, embed=embed), params

@@ -53,11 +53,10 @@ class ModelSession:
             self.runner, self.float_params = lm_runner(loaded.model)
             self.sentences: list[str] = []
         else:
-            from lowbit.models import embed_sentences
+            from lowbit.models import mean_pool
 
-            tokenizer = loaded.tokenizer
             self.runner, self.float_params = encoder_runner(
-                loaded.model, lambda module, batch: embed_sentences(module, tokenizer, batch)
+                loaded.model, loaded.tokenizer, mean_pool
             )
             self.sentences = list(sentences) if sentences is not None else default_sentences()
 

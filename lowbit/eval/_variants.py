@@ -90,7 +90,13 @@ def load_model(spec: str) -> LoadedModel:
             tokenizer=tokenizer,
             gguf_path=path,
         )
-    model, tokenizer = models.load_bert(path)
+    missing = [n for n in ("config.json", "tokenizer.json") if not (path.parent / n).is_file()]
+    if path.name != "model.safetensors" or missing:
+        raise ValueError(
+            f"MODEL {spec!r}: a BERT checkpoint must be named model.safetensors with config.json "
+            f"and tokenizer.json beside it" + (f"; missing {missing}" if missing else "")
+        )
+    model, tokenizer = models.load_hf_bert(path.parent)
     return LoadedModel(
         name=path.stem, spec=str(path), kind="encoder", model=model, tokenizer=tokenizer
     )

@@ -124,24 +124,30 @@ class Format(abc.ABC):
     def codes(self) -> np.ndarray:
         """Every code that stands for a finite grid value, in `code_dtype` (NaN and Inf
         encodings and unused bit patterns left out); `encode(decode(codes()))` returns them."""
-        patterns = np.arange(2**self.bits, dtype=np.uint16).astype(np.uint8)
-        codes = patterns.view(self.code_dtype) if self.bits == 8 else patterns
-        return codes[np.isfinite(decode_constant(self, codes))]
+        return _finite_codes(self).copy()
 
     def levels(self) -> np.ndarray:
         """All finite grid values, sorted ascending and distinct, as float64 (for tests and
         stochastic rounding; safe to call while tracing)."""
-        # + 0.0 turns -0.0 into +0.0, so the zero level is +0 in formats with signed zeros.
-        return np.unique(decode_constant(self, self.codes()).astype(np.float64) + 0.0)
+        return _levels(self).copy()
 
 
 def decode_constant(fmt: Format, codes: np.ndarray) -> np.ndarray:
     """`fmt.decode` of concrete codes as a NumPy array, even while tracing a jitted function."""
     with jax.ensure_compile_time_eval():
-        return np.asarray(_jitted_decode(fmt)(jnp.asarray(codes)))
+        return np.asarray(jax.jit(fmt.decode)(jnp.asarray(codes)))
+
+
+# Formats are frozen and hashable, so their code tables are computed once per process (one
+# compiled decode each, rather than one compilation per primitive in eager mode).
+@functools.cache
+def _finite_codes(fmt: Format) -> np.ndarray:
+    patterns = np.arange(2**fmt.bits, dtype=np.uint16).astype(np.uint8)
+    codes = patterns.view(fmt.code_dtype) if fmt.bits == 8 else patterns
+    return codes[np.isfinite(decode_constant(fmt, codes))]
 
 
 @functools.cache
-def _jitted_decode(fmt: Format):
-    # One compiled decode per format, instead of one compilation per primitive when eager.
-    return jax.jit(fmt.decode)
+def _levels(fmt: Format) -> np.ndarray:
+    # + 0.0 turns -0.0 into +0.0, so the zero level is +0 in formats with signed zeros.
+    return np.unique(decode_constant(fmt, fmt.codes()).astype(np.float64) + 0.0)

@@ -255,8 +255,11 @@ def load_checkpoint(
         to the leaf's shape there (a QArray may stand where `like` has a float array).
       recipe: optional `Recipe` (or its JSON); refuse the checkpoint unless it was written with
         an equal recipe.
-      sharding: optional `jax.sharding.Sharding` (or device) to put every array on; default
-        the default device.
+      sharding: where to put the arrays: None (the default device), one
+        `jax.sharding.Sharding` or device for every array, or a function
+        ``(path, role, shape) -> Sharding | None`` called per stored tensor (``path`` the leaf's
+        key tuple, ``role`` ``"value"`` for plain arrays or a QArray field such as ``"codes"``,
+        ``shape`` the stored shape), e.g. to shard codes and scales alike along one axis.
     Returns:
       The params tree, with dicts, lists and tuples as saved (``nnx.State`` comes back as a
       dict) and `QArray`s holding the stored codes.
@@ -297,23 +300,53 @@ def load_checkpoint(
                 f"{data_file}: tensor {name!r} is stored as {entry.dtype.name} {entry.shape}, "
                 f"the manifest says {dtype.name} {shape}"
             )
-    arrays: dict[str, Any] = {}
+    digests = manifest["tensors"]
     with open(data_file, "rb") as f:
+        # Pass 1 checks every byte against the manifest, streaming: nothing is kept.
+        for name, entry in entries.items():
+            _verify(f, entry, digests[name]["sha256"], data_file)
+        # Every QArray's invariants, on shapes alone.
+        build_tree(plan, {n: jax.ShapeDtypeStruct(s, d) for n, (d, s) in plan.tensors.items()})
+        # Pass 2 reads one tensor at a time straight to its device array, so the host holds
+        # one tensor, not the whole tree. Its digest is checked again in case the file
+        # changed in between; a failure here still returns nothing.
+        arrays: dict[str, Any] = {}
         for name, entry in entries.items():
             try:
-                array = read_tensor(f, entry)
+                host = read_tensor(f, entry)
             except ValueError as err:
                 raise CheckpointError(str(err)) from None
-            if _sha256(array) != manifest["tensors"][name]["sha256"]:
-                raise CheckpointError(
-                    f"{data_file}: tensor {name!r} is corrupt (sha256 differs from the manifest)"
-                )
+            if _sha256(host) != digests[name]["sha256"]:
+                raise CheckpointError(f"{data_file}: tensor {name!r} changed while loading")
             dtype, shape = plan.tensors[name]
-            arrays[name] = array.reshape(-1).view(dtype).reshape(shape)
-    build_tree(plan, arrays)  # checks every QArray's invariants on the host arrays
-    for name in list(arrays):
-        # One tensor at a time, so host and device copies never coexist for the whole tree.
-        host = arrays[name]
-        arrays[name] = jnp.asarray(host) if sharding is None else jax.device_put(host, sharding)
-        del host
+            host = host.reshape(-1).view(dtype).reshape(shape)
+            target = sharding
+            if callable(sharding) and not isinstance(sharding, jax.sharding.Sharding):
+                target = sharding(*plan.places[name], shape)
+            array = jnp.asarray(host) if target is None else jax.device_put(host, target)
+            # Transfers are asynchronous: wait, so that this host buffer is released before
+            # the next one is read (else a slow host could hold the whole file twice).
+            arrays[name] = array.block_until_ready()
+            del host, array
     return build_tree(plan, arrays)
+
+
+_CHUNK = 4 * 2**20
+
+
+def _verify(f: Any, entry: Any, sha256: str, data_file: str) -> None:
+    """Hashes one tensor's bytes in fixed-size chunks and compares with the manifest."""
+    digest = hashlib.sha256()
+    buffer = memoryview(bytearray(min(_CHUNK, max(entry.nbytes, 1))))
+    f.seek(entry.begin)
+    remaining = entry.nbytes
+    while remaining:
+        got = f.readinto(buffer[: min(remaining, len(buffer))])
+        if not got:
+            raise CheckpointError(f"{data_file}: truncated inside tensor {entry.name!r}")
+        digest.update(buffer[:got])
+        remaining -= got
+    if digest.hexdigest() != sha256:
+        raise CheckpointError(
+            f"{data_file}: tensor {entry.name!r} is corrupt (sha256 differs from the manifest)"
+        )

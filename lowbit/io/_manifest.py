@@ -137,12 +137,14 @@ class Plan:
       tree: the manifest's root node.
       tensors: tensor name -> (dtype, shape) the manifest promises.
       shapes: leaf path -> logical shape (QArrays: their `shape`), for `like=` checks.
+      places: tensor name -> (leaf path, role: ``"value"`` or a QArray field).
     """
 
     def __init__(self, tree: dict[str, Any], tensors: dict[str, tuple[np.dtype, tuple]]):
         self.tree = tree
         self.tensors = tensors
         self.shapes: dict[Path, tuple[int, ...]] = {}
+        self.places: dict[str, tuple[Path, str]] = {}
 
 
 def decode_tree(tree: Any, tensors: Mapping[str, Any], where: str) -> Plan:
@@ -173,7 +175,7 @@ def decode_tree(tree: Any, tensors: Mapping[str, Any], where: str) -> Plan:
     plan = Plan(tree, table)
     used: set[str] = set()
 
-    def ref(name: Any, path: Path) -> str:
+    def ref(name: Any, path: Path, role: str) -> str:
         if name not in table:
             raise CheckpointError(
                 f"{where}: leaf {path_name(path)!r} refers to tensor {name!r}, which the "
@@ -182,6 +184,7 @@ def decode_tree(tree: Any, tensors: Mapping[str, Any], where: str) -> Plan:
         if name in used:
             raise CheckpointError(f"{where}: tensor {name!r} is referenced twice")
         used.add(name)
+        plan.places[name] = (path, role)
         return name
 
     def walk(node: Any, path: Path) -> None:
@@ -202,13 +205,13 @@ def decode_tree(tree: Any, tensors: Mapping[str, Any], where: str) -> Plan:
             for i, child in enumerate(_items(node, at)):
                 walk(child, (*path, i))
         elif kind == "array":
-            name = ref(node.get("tensor"), path)
+            name = ref(node.get("tensor"), path, "value")
             plan.shapes[path] = table[name][1]
         elif kind == "qarray":
             _check_qarray(node, at)
             roles = node["tensors"]
             for role in roles:
-                ref(roles[role], path)
+                ref(roles[role], path, role)
             plan.shapes[path] = tuple(node["shape"])
         else:
             raise CheckpointError(
@@ -281,7 +284,7 @@ def _check_qarray(node: Mapping[str, Any], at: str) -> None:
             f"{at}: scale_encoding {node['scale_encoding']!r}; accepted: {_SCALE_ENCODINGS}"
         )
     if node["activation"] is not None:
-        _checked(lambda: quant_config_from_dict(node["activation"]), f"{at}: activation")
+        _checked(lambda: quant_config_from_dict(node["activation"]), at)
     roles = node["tensors"]
     if not isinstance(roles, Mapping) or not {"codes", "scale"} <= set(roles) <= set(QARRAY_ROLES):
         raise CheckpointError(

@@ -132,7 +132,9 @@ def prepare(
     k, n = (int(d) for d in codes.shape)
     want = _CODE_DTYPES[kind]
     if jnp.dtype(codes.dtype) != jnp.dtype(want):
-        raise TypeError(f"codes for kind={kind!r} must be {jnp.dtype(want).name}, got {codes.dtype}")
+        raise TypeError(
+            f"codes for kind={kind!r} must be {jnp.dtype(want).name}, got {codes.dtype}"
+        )
     _check_group_size(kind, k, group_size)
     groups = 1 if group_size is None else -(-k // group_size)
     scale = jnp.asarray(scale)

@@ -60,8 +60,14 @@ def weight_only_linear(
     if m == 0 or not _use_kernels():
         logical = prepared_to_logical(w)
         y = _reference.weight_only_linear(
-            x2, w.kind, logical["codes"], logical["scale"], logical["zero_point"],
-            w.group_size, bias, out,
+            x2,
+            w.kind,
+            logical["codes"],
+            logical["scale"],
+            logical["zero_point"],
+            w.group_size,
+            bias,
+            out,
         )
         return y.reshape(*lead, w.n)
     call = jax.ffi.ffi_call(
@@ -113,7 +119,9 @@ def w8a8_linear(
     call = jax.ffi.ffi_call(
         "lowbit_w8a8_linear", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
     )
-    y = call(x2, w.data, w.colsum, w.scale, _check_bias(bias, w.n), k=np.int64(w.k), n=np.int64(w.n))
+    y = call(
+        x2, w.data, w.colsum, w.scale, _check_bias(bias, w.n), k=np.int64(w.k), n=np.int64(w.n)
+    )
     return y.reshape(*lead, w.n)
 
 
@@ -148,8 +156,14 @@ def w8a8_linear_quantized(
         "lowbit_w8a8_linear_q", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
     )
     return call(
-        xq, x_scale.astype(jnp.float32), w.data, w.colsum, w.scale, _check_bias(bias, w.n),
-        k=np.int64(w.k), n=np.int64(w.n),
+        xq,
+        x_scale.astype(jnp.float32),
+        w.data,
+        w.colsum,
+        w.scale,
+        _check_bias(bias, w.n),
+        k=np.int64(w.k),
+        n=np.int64(w.n),
     )
 
 

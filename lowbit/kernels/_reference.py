@@ -71,7 +71,9 @@ def dequantize(
         c = codes.astype(jnp.int32)
         q = jnp.where(c >= 8, c - 16, c).astype(jnp.float32)
     elif kind == "uint4":
-        q = codes.astype(jnp.float32) - _expand_groups(zero_point.astype(jnp.float32), k, group_size)
+        q = codes.astype(jnp.float32) - _expand_groups(
+            zero_point.astype(jnp.float32), k, group_size
+        )
     elif kind == "nf4":
         q = jnp.asarray(NF4_LEVELS)[codes.astype(jnp.int32)]
     elif kind == "fp8":

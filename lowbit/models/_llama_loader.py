@@ -92,10 +92,11 @@ def gguf_llama_param_map(config: LlamaConfig) -> dict[str, ParamMapping]:
 
 
 def load_llama_gguf(
-    path: str | os.PathLike[str], dtype: Any = jnp.float32
+    source: str | os.PathLike[str] | GGUFFile, dtype: Any = jnp.float32
 ) -> tuple[Llama, Tokenizer]:
-    """Load a Llama GGUF file as a float `Llama` (dequantized weights) and its tokenizer."""
-    gguf_file = read_gguf(path)
+    """Load a Llama GGUF file (a path, or one already read) as a float `Llama` with
+    dequantized weights, and its tokenizer."""
+    gguf_file = source if isinstance(source, GGUFFile) else read_gguf(source)
     config = llama_config_from_gguf(gguf_file)
     mapping = gguf_llama_param_map(config)
     unknown = [n for n in gguf_file.tensors if n not in mapping and not _UNUSED.match(n)]

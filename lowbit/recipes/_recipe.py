@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit.formats import get_format
-from lowbit.qarray import PerGroup, QArray, QuantConfig
-from lowbit.recipes._paths import param_leaves
+from lowbit.qarray import PerGroup, QuantConfig
+from lowbit.recipes._paths import is_param_leaf, param_leaves
 from lowbit.recipes._rule import Rule
 
 
@@ -124,7 +124,7 @@ class Recipe:
             return Decision(**base, rule_index=None, config=None, reason="no rule matches")
         rule = self.rules[index]
         keep = dict(**base, rule_index=index, config=None)
-        if isinstance(leaf, QArray):
+        if is_param_leaf(leaf):
             return Decision(**keep, reason="already quantized")
         if not hasattr(leaf, "shape") or not jnp.issubdtype(dtype, jnp.floating):
             return Decision(**keep, reason=f"not a floating-point array (dtype {dtype})")

@@ -61,14 +61,18 @@ def test_quantize_model_nnx_strict_jit_and_int8_dots(mlp, mlp_input):
     # w8a8: the matmuls in the jaxpr read int8 operands on both sides.
     jaxpr = jax.make_jaxpr(run(fn))(state, mlp_input)
     int8_dots = [
-        e for e in _eqns(jaxpr.jaxpr)
-        if e.primitive.name == "dot_general"
-        and all(v.aval.dtype == jnp.int8 for v in e.invars)
+        e
+        for e in _eqns(jaxpr.jaxpr)
+        if e.primitive.name == "dot_general" and all(v.aval.dtype == jnp.int8 for v in e.invars)
     ]
     assert len(int8_dots) == 2
-    # A quantized model is a pytree: it goes through jax.jit as a value.
+    # A quantized model is an NNX module: it goes through nnx.jit and jax.jit as a value.
+    assert isinstance(qmodel, nnx.Module)
     y = jax.jit(lambda m, x: m(x))(qmodel, mlp_input)
     np.testing.assert_array_equal(y, qmodel(mlp_input))
+    np.testing.assert_array_equal(nnx.jit(lambda m, x: m(x))(qmodel, mlp_input), y)
+    # The original module is untouched.
+    assert not isinstance(mlp.layers[0].kernel.get_value(), QArray)
 
 
 def _eqns(jaxpr):
@@ -147,9 +151,10 @@ def test_transformer_block_w8a8_strict(block):
 
 def test_stacked_weights_in_scan_get_per_layer_scales():
     layers, dim = 3, 32
-    w = jax.random.normal(jax.random.key(5), (layers, dim, dim)) * jnp.array([1.0, 10.0, 0.1])[
-        :, None, None
-    ]
+    w = (
+        jax.random.normal(jax.random.key(5), (layers, dim, dim))
+        * jnp.array([1.0, 10.0, 0.1])[:, None, None]
+    )
     params = {"stack": {"kernel": w}}
 
     def fn(p, x):
@@ -168,3 +173,25 @@ def test_stacked_weights_in_scan_get_per_layer_scales():
     y = jax.jit(run(fn, strict=True, report=report))(qparams, x)
     assert report.num_fallbacks == 0
     assert rel_error(y, fn(params, x)) < 0.03
+
+
+class TiedLM(nnx.Module):
+    def __init__(self, *, rngs):
+        self.embed = nnx.Embed(100, 64, rngs=rngs)
+        self.proj = nnx.Linear(64, 64, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.embed.attend(jax.nn.gelu(self.proj(self.embed(ids))))
+
+
+def test_tied_embedding_lookup_and_attend_stay_packed():
+    model = TiedLM(rngs=nnx.Rngs(0))
+    ids = jnp.arange(12).reshape(2, 6)
+    qmodel = quantize_model(model, "int8", strict=True)
+    embedding = qmodel.state["embed"]["embedding"].get_value()
+    assert embedding.scale.shape == (100, 1)  # one scale per row: lookups gather whole rows
+    fn = lambda s, ids: nnx.merge(qmodel.graphdef, s)(ids)
+    assert param_uses(fn, nnx.split(model)[1], ids)["embed/embedding"] == {"gather", "dot_general"}
+    report = trace_report(fn, qmodel.state, ids, strict=True)
+    assert report.num_fallbacks == 0 and report.num_quantized_ops == 2
+    assert 0 < rel_error(qmodel(ids), model(ids)) < 0.03

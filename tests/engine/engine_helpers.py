@@ -26,3 +26,14 @@ def all_eqns(closed_jaxpr):
             for sub in value if isinstance(value, tuple | list) else (value,):
                 if isinstance(sub, _compat.ClosedJaxpr | _compat.Jaxpr):
                     yield from all_eqns(sub)
+
+
+def _dequantize_tree(tree):
+    from lowbit.qarray import QArray
+
+    is_q = lambda v: isinstance(v, QArray)
+    return jax.tree.map(lambda v: v.dequantize() if is_q(v) else v, tree, is_leaf=is_q)
+
+
+jit_dequantize = jax.jit(_dequantize_tree)
+"""Every QArray leaf of a pytree dequantized (compiled: eager unpacking dispatches op by op)."""

@@ -4,7 +4,6 @@ through `lowbit.qarray.quantize` at every granularity."""
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from formats_reference import round_to_int
@@ -29,7 +28,7 @@ INT_NAMES = [f"int{n}" for n in range(1, 9)] + [f"uint{n}" for n in range(1, 9)]
 SHAPE = (4, 32)
 GRANULARITIES = {
     "per_tensor": PerTensor(),
-    "per_channel": PerChannel(axes=(0,)),
+    "per_channel": PerChannel(axes=(1,)),  # one scale per column
     "per_group": PerGroup(8, axis=1),
     "per_block": PerBlock((2, 8)),
     "per_token": PerToken(),
@@ -63,7 +62,11 @@ def _quantize_all(name):
         out = {}
         for key, granularity in GRANULARITIES.items():
             config = QuantConfig(
-                format=name, granularity=granularity, calibration=calibration, symmetric=symmetric
+                format=name,
+                granularity=granularity,
+                calibration=calibration,
+                symmetric=symmetric,
+                pack=False,  # packing has its own tests; unpacked keeps the compile small
             )
             q = quantize(x, config)
             scale = broadcast_blocks(q.scale_values(), x.shape)
@@ -71,7 +74,8 @@ def _quantize_all(name):
             out[key] = (q.dequantize(), scale, zero)
         return out
 
-    return jax.jit(run)
+    # Small shapes: compile time dominates, and backend optimisation buys nothing here.
+    return jax.jit(run, compiler_options={"xla_backend_optimization_level": 0})
 
 
 @pytest.mark.parametrize("name", INT_NAMES)
@@ -85,10 +89,11 @@ def test_quantize_error_within_half_step_at_every_granularity(name, x):
         assert np.all(scale > 0), key
         y = x / scale + zero
         lo, hi = (-fmt.max_value, fmt.max_value) if fmt.is_signed else (levels[0], levels[-1])
-        inside = (y >= lo) & (y <= hi)
         # Signed: AbsMax maps each block's |x| max to max_value; unsigned: MinMax maps
-        # [min, max] onto [0, qmax]. Either way every element lies inside.
-        assert inside.all(), key
+        # [min, max] onto [0, qmax]. Either way every element lies inside (up to float32
+        # rounding of the scale).
+        margin = 1e-5 * max(abs(lo), abs(hi))
+        assert np.all((y >= lo - margin) & (y <= hi + margin)), key
         # float32 rounding in x / scale and code * scale adds a few ulps of |x|.
         slack = 4 * np.finfo(np.float32).eps * (np.abs(x) + scale * np.abs(levels).max())
         error = np.abs(x - dequant)
@@ -126,11 +131,11 @@ def test_nan_encodes_to_zero_and_inf_saturates():
     np.testing.assert_array_equal(np.asarray(decoder("uint8")(encoder("uint8")(x))), [0, 255, 0])
 
 
-def test_to_int_from_int_inverse():
-    for name in INT_NAMES:
-        fmt = get_format(name)
-        q = jnp.arange(fmt.qmin, fmt.qmax + 1, dtype=jnp.int32)
-        np.testing.assert_array_equal(np.asarray(fmt.to_int(fmt.from_int(q))), np.asarray(q))
+@pytest.mark.parametrize("name", INT_NAMES)
+def test_to_int_from_int_inverse(name):
+    fmt = get_format(name)
+    q = fmt.levels().astype(np.int32)  # int1 has no 0: its integers are ±1
+    np.testing.assert_array_equal(jax.jit(lambda q: fmt.to_int(fmt.from_int(q)))(q), q)
 
 
 def test_mxint8_element_is_fixed_point():

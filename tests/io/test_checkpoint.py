@@ -336,3 +336,42 @@ def test_io_never_imports_pickle_or_runs_code():
             else:
                 continue
             assert not names & banned_modules, f"{file.name} imports {names & banned_modules}"
+
+
+def test_every_flipped_data_byte_is_refused(good, tmp_path):
+    path = _copy(good, tmp_path)
+    data = path / "model.safetensors"
+    raw = bytes(data.read_bytes())
+    header_end = 8 + int.from_bytes(raw[:8], "little")
+    for i in range(header_end, len(raw)):
+        flipped = bytearray(raw)
+        flipped[i] ^= 0x10
+        data.write_bytes(bytes(flipped))
+        with pytest.raises(CheckpointError, match="corrupt"):
+            load_checkpoint(path)
+
+
+# --- sharded loading ------------------------------------------------------------------------
+
+
+def test_sharded_load_puts_codes_and_scales_on_a_mesh(good):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    seen = []
+
+    def shard(path, role, shape):
+        seen.append((path, role, shape))
+        return NamedSharding(mesh, PartitionSpec("x") if path == ("w",) else PartitionSpec())
+
+    loaded = load_checkpoint(good[0], sharding=shard)
+    assert sorted(seen) == [
+        (("b",), "value", (4,)),
+        (("w",), "codes", (8, 32)),
+        (("w",), "scale", (8, 2)),
+    ]
+    codes = loaded["w"].codes
+    assert codes.sharding.spec == PartitionSpec("x") and len(codes.sharding.device_set) == 4
+    _assert_same(loaded, good[1])
+    replicated = load_checkpoint(good[0], sharding=NamedSharding(mesh, PartitionSpec()))
+    assert len(replicated["b"].sharding.device_set) == 4

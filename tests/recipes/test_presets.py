@@ -105,8 +105,9 @@ def test_maxtext_intmp_json(tmp_path):
     assert recipe == preset_from_maxtext_json(INTMP) == preset_from_maxtext_json(json.dumps(INTMP))
     params = {
         "decoder": {
-            "layers_0": {"mlp": {"wi": {"kernel": jnp.ones((64, 32))},
-                                 "wo": {"kernel": jnp.ones((32, 64))}}},
+            "layers_0": {
+                "mlp": {"wi": {"kernel": jnp.ones((64, 32))}, "wo": {"kernel": jnp.ones((32, 64))}}
+            },
             "layers_1": {"mlp": {"wi": {"kernel": jnp.ones((64, 32))}}},
         }
     }

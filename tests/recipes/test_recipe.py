@@ -15,11 +15,11 @@ from lowbit.qarray import (
     Fixed,
     MinMax,
     PerBlock,
+    Percentile,
     PerChannel,
     PerGroup,
     PerTensor,
     PerToken,
-    Percentile,
     QuantConfig,
 )
 from lowbit.recipes import (
@@ -99,9 +99,11 @@ def test_report_lists_float_reasons_and_unused_rules():
 
 
 def test_report_non_float_and_shape_errors():
-    recipe = Recipe(rules=(Rule(path=".*", weight=QuantConfig(format="int4",
-                                                               granularity=PerGroup(5)),
-                                min_ndim=0),))
+    recipe = Recipe(
+        rules=(
+            Rule(path=".*", weight=QuantConfig(format="int4", granularity=PerGroup(5)), min_ndim=0),
+        )
+    )
     report = recipe.report({"step": jnp.zeros((3,), jnp.int32), "w": jnp.ones((8, 4))})
     assert "not a floating-point array" in report["step"].reason
     assert report["w"].error and "does not divide" in report["w"].reason
@@ -194,13 +196,26 @@ _calibrations = st.one_of(
 )
 def test_json_round_trip_random_rules(fmt, granularity, calibration, path, stacked, activation):
     symmetric = not (fmt.startswith("uint") and isinstance(calibration, MinMax))
-    weight = QuantConfig(format=fmt, granularity=granularity, calibration=calibration,
-                         symmetric=symmetric, scale_dtype=jnp.bfloat16)
+    weight = QuantConfig(
+        format=fmt,
+        granularity=granularity,
+        calibration=calibration,
+        symmetric=symmetric,
+        scale_dtype=jnp.bfloat16,
+    )
     act = QuantConfig(format="int8", granularity=PerToken()) if activation else None
     recipe = Recipe(
-        rules=(Rule(path=path, weight=weight, activation=act, stacked_axes=stacked,
-                    ops=("dot_general", "gather"), static_activation=activation),
-               Rule(path=".*")),
+        rules=(
+            Rule(
+                path=path,
+                weight=weight,
+                activation=act,
+                stacked_axes=stacked,
+                ops=("dot_general", "gather"),
+                static_activation=activation,
+            ),
+            Rule(path=".*"),
+        ),
         name="random",
     )
     assert Recipe.from_json(recipe.to_json()) == recipe
@@ -213,17 +228,28 @@ def _rule_json(**weight):
 @pytest.mark.parametrize(
     "text, match",
     [
-        (_rule_json(format="int5x"), r"Rule.weight.format: 'int5x' is not a format; accepted: .*int8"),
-        (_rule_json(format="int8", granularity="per_row"),
-         r"Rule.weight.granularity: 'per_row' is not a granularity; accepted: per_tensor"),
-        (_rule_json(format="int8", calibration="absmax,x"),
-         r"Rule.weight.calibration: calibration 'absmax,x' does not parse; accepted"),
-        (_rule_json(format="int8", scale_dtype="float64"),
-         r"Rule.weight.scale_dtype: 'float64'; accepted"),
+        (
+            _rule_json(format="int5x"),
+            r"Rule.weight.format: 'int5x' is not a format; accepted: .*int8",
+        ),
+        (
+            _rule_json(format="int8", granularity="per_row"),
+            r"Rule.weight.granularity: 'per_row' is not a granularity; accepted: per_tensor",
+        ),
+        (
+            _rule_json(format="int8", calibration="absmax,x"),
+            r"Rule.weight.calibration: calibration 'absmax,x' does not parse; accepted",
+        ),
+        (
+            _rule_json(format="int8", scale_dtype="float64"),
+            r"Rule.weight.scale_dtype: 'float64'; accepted",
+        ),
         (_rule_json(format="int8", bits=8), r"Rule.weight: unknown keys \['bits'\]"),
         (json.dumps({"rules": [{"path": ".*", "op": ["x"]}]}), r"unknown keys \['op'\]"),
-        (json.dumps({"rules": [{"path": ".*", "ops": ["mm"], "weight": "int8"}]}),
-         r"Recipe.rules\[0\]: Rule.ops"),
+        (
+            json.dumps({"rules": [{"path": ".*", "ops": ["mm"], "weight": "int8"}]}),
+            r"Recipe.rules\[0\]: Rule.ops",
+        ),
         (json.dumps({"rules": {}}), r"must be an object"),
         ("{", r"does not parse"),
     ],
@@ -235,10 +261,19 @@ def test_from_json_errors(text, match):
 
 def test_from_json_accepts_short_forms():
     recipe = Recipe.from_json(
-        {"rules": [{"path": ".*kernel", "weight": {"format": "int4",
-                                                   "granularity": "per_group:32:-2",
-                                                   "calibration": "absmax,0.9"},
-                    "activation": "int8"}]}
+        {
+            "rules": [
+                {
+                    "path": ".*kernel",
+                    "weight": {
+                        "format": "int4",
+                        "granularity": "per_group:32:-2",
+                        "calibration": "absmax,0.9",
+                    },
+                    "activation": "int8",
+                }
+            ]
+        }
     )
     rule = recipe.rules[0]
     assert rule.weight.granularity == PerGroup(32, axis=-2)

@@ -5,9 +5,9 @@
 // Bytes ahead of the current read position to prefetch in the weight stream. Hardware
 // prefetchers alone leave the decode GEMV short of memory bandwidth.
 constexpr int64_t kPrefetch = 1024;
-// K-block (in k) for weight-only tiles when M is large, so the activation block stays in L2
-// while all panels of a thread pass over it.
-constexpr int64_t kWoKc = 1024;
+// K-block (in k) for weight-only tiles when M is large: the dequantized block (kc x 32 f32)
+// and the activation block stay in L2 while all panels of a thread pass over them.
+constexpr int64_t kWoKc = 512;
 // Rows above which K is blocked (below, a whole K pass per tile keeps the code simple and
 // the activation rows are tiny anyway).
 constexpr int64_t kSmallM = 16;
@@ -81,23 +81,104 @@ static void wo_tile(const WoArgs& a, const float* x, const float* sx, const uint
     for (int j = 0; j < NP; ++j) vstore(c + r * ldc + j * kPanel, acc[r][j]);
 }
 
-template <int KIND, int NP>
+// Calls the tile for exactly `mr` (<= R) rows.
+template <int KIND, int R, int NP>
 static inline void wo_tile_rows(int64_t mr, const WoArgs& a, const float* x, const float* sx,
                                 const uint8_t* pan, int64_t g0, int64_t g1, float* c,
                                 int64_t ldc, bool first, const Lut& lut) {
-  switch (mr) {
-    case 1:
-      wo_tile<KIND, 1, NP>(a, x, sx, pan, g0, g1, c, ldc, first, lut);
-      break;
-    case 2:
-      if constexpr (kMR >= 2) wo_tile<KIND, 2, NP>(a, x, sx, pan, g0, g1, c, ldc, first, lut);
-      break;
-    case 3:
-      if constexpr (kMR >= 3) wo_tile<KIND, 3, NP>(a, x, sx, pan, g0, g1, c, ldc, first, lut);
-      break;
-    default:
-      if constexpr (kMR >= 4) wo_tile<KIND, 4, NP>(a, x, sx, pan, g0, g1, c, ldc, first, lut);
-      break;
+  if constexpr (R > 1) {
+    if (mr < R) {
+      wo_tile_rows<KIND, R - 1, NP>(mr, a, x, sx, pan, g0, g1, c, ldc, first, lut);
+      return;
+    }
+  }
+  wo_tile<KIND, R, NP>(a, x, sx, pan, g0, g1, c, ldc, first, lut);
+}
+
+// Large M: dequantize groups [g0, g1) of `np` panels once into buf [k][np * 16] (exactly
+// (q - zp) * s, as the reference does) and run a float GEMM tile over it for every row
+// block, so the unpack cost is shared by all rows.
+template <int KIND>
+static void wo_dequant_block(const WoArgs& a, const uint8_t* pan, int64_t np, int64_t g0,
+                             int64_t g1, const Lut& lut, float* buf, int64_t ldb) {
+  using D = Deq<KIND>;
+  const int64_t npairs = a.gs / 2;
+  for (int64_t j = 0; j < np; ++j) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* gp = pan + j * a.panel_bytes + g * a.group_bytes;
+      const float* hdr = reinterpret_cast<const float*>(gp);
+      V s = vload(hdr);
+      if constexpr (D::kScaleMul != 1.0f) s = vmul(s, vbcast(D::kScaleMul));
+      const V zp = vload(hdr + kPanel);
+      float* out = buf + (g - g0) * a.gs * ldb + j * kPanel;
+      for (int64_t t = 0; t < npairs; ++t) {
+        V w0, w1;
+        D::pair(gp + kGroupHeader + t * D::PB, lut, w0, w1);
+        if constexpr (D::kZp) {
+          w0 = vsub(w0, zp);
+          w1 = vsub(w1, zp);
+        }
+        vstore(out + 2 * t * ldb, vmul(w0, s));
+        vstore(out + (2 * t + 1) * ldb, vmul(w1, s));
+      }
+    }
+  }
+}
+
+// C[MR x NP*16] (+)= x[MR x kc] @ buf[kc x NP*16].
+template <int MR, int NP>
+static void f32_tile(const float* x, int64_t ldx, const float* buf, int64_t ldb, int64_t kc,
+                     float* c, int64_t ldc, bool first) {
+  V acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NP; ++j) acc[r][j] = first ? vzero() : vload(c + r * ldc + j * kPanel);
+  for (int64_t k = 0; k < kc; ++k) {
+    V w[NP];
+    for (int j = 0; j < NP; ++j) w[j] = vload(buf + k * ldb + j * kPanel);
+    for (int r = 0; r < MR; ++r) {
+      const V xv = vbcast(x[r * ldx + k]);
+      for (int j = 0; j < NP; ++j) acc[r][j] = vfmadd(xv, w[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NP; ++j) vstore(c + r * ldc + j * kPanel, acc[r][j]);
+}
+
+template <int R, int NP>
+static inline void f32_tile_rows(int64_t mr, const float* x, int64_t ldx, const float* buf,
+                                 int64_t ldb, int64_t kc, float* c, int64_t ldc, bool first) {
+  if constexpr (R > 1) {
+    if (mr < R) {
+      f32_tile_rows<R - 1, NP>(mr, x, ldx, buf, ldb, kc, c, ldc, first);
+      return;
+    }
+  }
+  f32_tile<R, NP>(x, ldx, buf, ldb, kc, c, ldc, first);
+}
+
+template <int KIND>
+static void wo_run_blocked(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1,
+                           float* c, int64_t ldc, const Lut& lut) {
+  const int64_t gblk = std::max<int64_t>(1, kWoKc / a.gs);
+  const int64_t ldb = kFNP * kPanel;
+  std::vector<float> buf(gblk * a.gs * ldb);
+  for (int64_t g0 = 0; g0 < a.groups; g0 += gblk) {
+    const int64_t g1 = std::min(a.groups, g0 + gblk);
+    const int64_t kc = (g1 - g0) * a.gs;
+    for (int64_t p = p0; p < p1; p += kFNP) {
+      const int64_t np = std::min<int64_t>(kFNP, p1 - p);
+      wo_dequant_block<KIND>(a, a.blob + p * a.panel_bytes, np, g0, g1, lut, buf.data(), ldb);
+      for (int64_t m = m0; m < m1; m += kFMR) {
+        const int64_t mr = std::min<int64_t>(kFMR, m1 - m);
+        const float* x = a.x + m * a.kp + g0 * a.gs;
+        float* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
+        if (np == kFNP) {
+          f32_tile_rows<kFMR, kFNP>(mr, x, a.kp, buf.data(), ldb, kc, cc, ldc, g0 == 0);
+        } else {
+          f32_tile_rows<kFMR, 1>(mr, x, a.kp, buf.data(), ldb, kc, cc, ldc, g0 == 0);
+        }
+      }
+    }
   }
 }
 
@@ -105,9 +186,13 @@ template <int KIND>
 static void wo_run_kind(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1,
                         float* c, int64_t ldc) {
   const Lut lut = make_lut(a.lut);
-  const int64_t gblk = (m1 - m0 <= kSmallM) ? a.groups : std::max<int64_t>(1, kWoKc / a.gs);
-  for (int64_t g0 = 0; g0 < a.groups; g0 += gblk) {
-    const int64_t g1 = std::min(a.groups, g0 + gblk);
+  if (m1 - m0 > kSmallM) {
+    wo_run_blocked<KIND>(a, m0, m1, p0, p1, c, ldc, lut);
+    return;
+  }
+  // Small M: unpack in registers straight into the products, one pass over all of K.
+  {
+    const int64_t g0 = 0, g1 = a.groups;
     for (int64_t p = p0; p < p1; p += kNP) {
       const int64_t np = std::min<int64_t>(kNP, p1 - p);
       const uint8_t* pan = a.blob + p * a.panel_bytes;
@@ -117,9 +202,9 @@ static void wo_run_kind(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int
         const float* sx = a.sumx + m * a.groups;
         float* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
         if (np == kNP) {
-          wo_tile_rows<KIND, kNP>(mr, a, x, sx, pan, g0, g1, cc, ldc, g0 == 0, lut);
+          wo_tile_rows<KIND, kMR, kNP>(mr, a, x, sx, pan, g0, g1, cc, ldc, true, lut);
         } else {
-          wo_tile_rows<KIND, 1>(mr, a, x, sx, pan, g0, g1, cc, ldc, g0 == 0, lut);
+          wo_tile_rows<KIND, kMR, 1>(mr, a, x, sx, pan, g0, g1, cc, ldc, true, lut);
         }
       }
     }
@@ -168,23 +253,16 @@ static void q8_tile(const Q8Args& a, const uint32_t* xa, const int8_t* w, int64_
     for (int j = 0; j < NP; ++j) istore(c + r * ldc + j * kPanel, acc[r][j]);
 }
 
-template <int NP>
+template <int R, int NP>
 static inline void q8_tile_rows(int64_t mr, const Q8Args& a, const uint32_t* xa, const int8_t* w,
                                 int64_t q0, int64_t q1, int32_t* c, int64_t ldc, bool first) {
-  switch (mr) {
-    case 1:
-      q8_tile<1, NP>(a, xa, w, q0, q1, c, ldc, first);
-      break;
-    case 2:
-      if constexpr (kQMR >= 2) q8_tile<2, NP>(a, xa, w, q0, q1, c, ldc, first);
-      break;
-    case 3:
-      if constexpr (kQMR >= 3) q8_tile<3, NP>(a, xa, w, q0, q1, c, ldc, first);
-      break;
-    default:
-      if constexpr (kQMR >= 4) q8_tile<4, NP>(a, xa, w, q0, q1, c, ldc, first);
-      break;
+  if constexpr (R > 1) {
+    if (mr < R) {
+      q8_tile_rows<R - 1, NP>(mr, a, xa, w, q0, q1, c, ldc, first);
+      return;
+    }
   }
+  q8_tile<R, NP>(a, xa, w, q0, q1, c, ldc, first);
 }
 
 static void q8_run(const Q8Args& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int32_t* c,
@@ -200,9 +278,9 @@ static void q8_run(const Q8Args& a, int64_t m0, int64_t m1, int64_t p0, int64_t 
         const int64_t mr = std::min<int64_t>(kQMR, m1 - m);
         int32_t* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
         if (np == kQNP) {
-          q8_tile_rows<kQNP>(mr, a, a.xa + m * lda, w, q0, q1, cc, ldc, q0 == 0);
+          q8_tile_rows<kQMR, kQNP>(mr, a, a.xa + m * lda, w, q0, q1, cc, ldc, q0 == 0);
         } else {
-          q8_tile_rows<1>(mr, a, a.xa + m * lda, w, q0, q1, cc, ldc, q0 == 0);
+          q8_tile_rows<kQMR, 1>(mr, a, a.xa + m * lda, w, q0, q1, cc, ldc, q0 == 0);
         }
       }
     }

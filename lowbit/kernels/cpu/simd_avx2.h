@@ -4,7 +4,9 @@
 
 constexpr int kMR = 2;
 constexpr int kNP = 1;
-constexpr int kQMR = 2;
+constexpr int kQMR = 4;
+constexpr int kFMR = 4;  // rows per float GEMM tile (large M)
+constexpr int kFNP = 1;
 constexpr int kQNP = 1;
 
 struct V {
@@ -21,6 +23,7 @@ static inline V vbcast(float x) {
   return V{s, s};
 }
 static inline V vadd(V x, V y) { return V{_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+static inline V vsub(V x, V y) { return V{_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
 static inline V vmul(V x, V y) { return V{_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
 static inline V vfmadd(V x, V y, V z) {
   return V{_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)};

@@ -5,7 +5,9 @@
 
 constexpr int kMR = 4;    // activation rows per weight-only tile
 constexpr int kNP = 2;    // panels per tile
-constexpr int kQMR = 4;   // rows per w8a8 tile
+constexpr int kQMR = 8;
+constexpr int kFMR = 8;  // rows per float GEMM tile (large M)
+constexpr int kFNP = 2;
 constexpr int kQNP = 2;
 
 using V = __m512;
@@ -14,6 +16,7 @@ static inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
 static inline V vbcast(float a) { return _mm512_set1_ps(a); }
 static inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+static inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
 static inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
 static inline V vfmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 static inline V vfnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }

@@ -4,6 +4,8 @@
 constexpr int kMR = 2;
 constexpr int kNP = 1;
 constexpr int kQMR = 2;
+constexpr int kFMR = 2;  // rows per float GEMM tile (large M)
+constexpr int kFNP = 1;
 constexpr int kQNP = 1;
 
 struct V {
@@ -30,6 +32,11 @@ static inline V vbcast(float x) {
 static inline V vadd(const V& a, const V& b) {
   V r;
   for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] + b.v[i];
+  return r;
+}
+static inline V vsub(const V& a, const V& b) {
+  V r;
+  for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] - b.v[i];
   return r;
 }
 static inline V vmul(const V& a, const V& b) {

@@ -1,0 +1,111 @@
+"""`lowbit quantize` + `eval --json` + `report` + `bench` end to end on all-MiniLM-L6-v2."""
+
+import json
+
+import pytest
+
+from lowbit.cli import main
+
+models = pytest.importorskip("lowbit.models")
+if not hasattr(models, "load_minilm") or not models.has_minilm():
+    pytest.skip("all-MiniLM-L6-v2 is not installed", allow_module_level=True)
+
+SENTENCES = [
+    "The cat sat quietly on the warm windowsill.",
+    "Stock markets fell sharply after the announcement.",
+    "Water boils at one hundred degrees Celsius at sea level.",
+    "She finished the marathon in under four hours.",
+]
+
+
+def _last_json(out: str) -> dict:
+    lines = out.strip().splitlines()
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("minilm")
+
+
+@pytest.fixture(scope="module")
+def sentences_file(workdir):
+    path = workdir / "sentences.txt"
+    path.write_text("\n".join(SENTENCES) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def int8_checkpoint(workdir):
+    out = workdir / "int8w"
+    assert main(["quantize", "minilm", "--recipe", "int8w", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def recipe_file_checkpoint(workdir):
+    from lowbit.recipes import preset
+
+    recipe = workdir / "my_int4.json"
+    recipe.write_text(preset("int4w_g32_asym").to_json())
+    out = workdir / "int4"
+    assert main(["quantize", "minilm", "--recipe", str(recipe), "--out", str(out)]) == 0
+    return out
+
+
+def test_quantize_writes_a_checkpoint(int8_checkpoint, capsys):
+    assert (int8_checkpoint / "manifest.json").is_file()
+    manifest = json.loads((int8_checkpoint / "manifest.json").read_text())
+    assert manifest["metadata"] == {"model": "minilm", "recipe": "int8w", "kind": "encoder"}
+
+
+def test_eval_json_is_the_last_line(int8_checkpoint, sentences_file, capsys):
+    capsys.readouterr()
+    argv = ["eval", str(int8_checkpoint), "--sentences", str(sentences_file), "--json"]
+    assert main(argv) == 0
+    result = _last_json(capsys.readouterr().out)
+    assert result["model"] == "minilm" and result["recipe"] == "int8w"
+    assert result["metric"] == "cosine" and result["sentences"] == len(SENTENCES)
+    # int8 per-channel weights: embeddings stay within 1e-3 of the float ones in cosine.
+    assert 0.999 <= result["value"] <= 1.0 + 1e-6
+    assert result["worst"] <= result["value"]
+    # 8-bit linear weights plus float embeddings/norms: between 1/4 and 1/2 of float32.
+    assert 0.25 < result["ratio"] < 0.5
+    assert (int8_checkpoint / "eval.json").is_file()
+
+
+def test_eval_with_a_recipe_json_file(recipe_file_checkpoint, sentences_file, capsys):
+    capsys.readouterr()
+    argv = ["eval", str(recipe_file_checkpoint), "--sentences", str(sentences_file), "--json"]
+    assert main(argv) == 0
+    result = _last_json(capsys.readouterr().out)
+    assert result["recipe"] == "my_int4"
+    assert 0.95 <= result["value"] < 1.0
+    assert result["ratio"] < 0.25  # 4-bit codes plus group scales and zero points
+
+
+def test_eval_float_model_with_recipe_in_memory(sentences_file, capsys):
+    argv = ["eval", "minilm", "--recipe", "int8", "--sentences", str(sentences_file), "--json"]
+    assert main(argv) == 0
+    result = _last_json(capsys.readouterr().out)
+    assert result["recipe"] == "int8" and result["value"] >= 0.99
+
+
+def test_eval_rejects_recipe_with_checkpoint_and_text_for_encoder(int8_checkpoint, capsys):
+    assert main(["eval", str(int8_checkpoint), "--recipe", "int8w"]) == 2
+    assert "drop --recipe" in capsys.readouterr().err
+    assert main(["eval", "minilm", "--text", str(int8_checkpoint / "manifest.json")]) == 2
+    assert "--text is for language models" in capsys.readouterr().err
+
+
+def test_report_writes_table_json_and_plots(recipe_file_checkpoint, capsys):
+    assert main(["report", str(recipe_file_checkpoint)]) == 0
+    out = capsys.readouterr().out
+    assert "lowest-SQNR layers" in out and "my_int4" in out
+    report = json.loads((recipe_file_checkpoint / "report.json").read_text())
+    sqnr = report["layer_sqnr"]["minilm/my_int4"]
+    assert len(sqnr["weight"]) >= 36  # 6 layers x 6 linear kernels
+    # 4-bit asymmetric groups of 32: about 20-30 dB per weight (6 dB per bit, minus clipping).
+    assert all(15.0 < v < 35.0 for v in sqnr["weight"].values() if v is not None)
+    for name in ("layer_sqnr.png", "size_vs_quality.png"):
+        assert (recipe_file_checkpoint / name).read_bytes()[:4] == b"\x89PNG"

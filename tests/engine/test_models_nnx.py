@@ -1,0 +1,169 @@
+"""Flax NNX models run unmodified through the engine: Linear, Einsum attention projections,
+tied Embed/attend, jax.jit inside `__call__`, layers stacked with nnx.scan and nnx.remat."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from engine_helpers import all_eqns, jit_dequantize, jit_quantize
+from flax import nnx
+
+from lowbit.engine import EngineReport, interpret
+from lowbit.ops import QatWeight, qat_weight
+from lowbit.qarray import PerChannel, PerGroup, QArray, QuantConfig
+
+VOCAB, D, LAYERS = 64, 16, 3
+
+
+@jax.jit  # a jit inside the model's __call__, over plain arrays
+def _ffn(x, up_kernel, up_bias, down_kernel, down_bias):
+    return jax.nn.gelu(x @ up_kernel + up_bias) @ down_kernel + down_bias
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.q = nnx.Einsum("btd,dnh->btnh", (D, 2, D // 2), rngs=rngs)
+        self.o = nnx.Einsum("btnh,nhd->btd", (2, D // 2, D), rngs=rngs)
+        self.up = nnx.Linear(D, 2 * D, rngs=rngs)
+        self.down = nnx.Linear(2 * D, D, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.o(jax.nn.softmax(self.q(x), axis=-1))
+        return x + _ffn(
+            x, self.up.kernel[...], self.up.bias[...], self.down.kernel[...], self.down.bias[...]
+        )
+
+
+class TinyLM(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return Block(rngs)
+
+        self.blocks = make(rngs)
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.remat
+        def step(x, block):
+            return block(x)
+
+        return self.embed.attend(step(x, self.blocks))
+
+
+GRAPHDEF, STATE = nnx.split(TinyLM(nnx.Rngs(0)))
+# One out-of-range id (VOCAB): its logits are NaN, as nnx.Embed's jnp.take gives in float.
+IDS = jnp.array([[1, 5, 9, 63], [0, VOCAB, 7, 2]], jnp.int32)
+
+
+def forward(state, ids):
+    return nnx.merge(GRAPHDEF, state)(ids)
+
+
+def _granularity(path, leaf, bits):
+    name = jax.tree_util.keystr(path)
+    if "embedding" in name:
+        return PerChannel((0,)) if bits == 8 else PerGroup(8, axis=1)
+    if "'o'" in name or bits == 8:
+        return PerChannel((0, leaf.ndim - 1))  # per layer and output channel
+    return PerGroup(8, axis=1)  # groups along the contraction axis of [layer, in, ...]
+
+
+def quantize_state(state, fmt):
+    bits = 8 if fmt == "int8" else 4
+
+    def one(path, leaf):
+        if "bias" in jax.tree_util.keystr(path):
+            return leaf
+        return jit_quantize(leaf, fmt, _granularity(path, leaf, bits))
+
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+_FLOAT = jax.jit(forward)
+_REPORT = EngineReport()
+_QUANT = jax.jit(interpret(forward, strict=True, report=_REPORT))
+
+
+@pytest.mark.parametrize(("fmt", "bound"), [("int8", 0.02), ("int4", 0.15)])
+def test_tiny_lm_matches_float_model(fmt, bound):
+    qstate = quantize_state(STATE, fmt)
+    assert (
+        sum(
+            isinstance(v, QArray)
+            for v in jax.tree.leaves(qstate, is_leaf=lambda v: isinstance(v, QArray))
+        )
+        == 5
+    )
+    ref = _FLOAT(STATE, IDS)
+    out = _QUANT(qstate, IDS)
+    assert _REPORT.fallbacks == {} and _REPORT.materialized == 0
+    # Per layer: q, o, up, down; plus the tied `attend`.
+    assert sum(_REPORT.quantized_ops.values()) == 5
+    assert _REPORT.layout_ops["gather"] == 1
+    nan_rows = np.isnan(np.asarray(ref)).any(-1)
+    assert nan_rows.tolist() == [[False] * 4, [False, True, False, False]]
+    np.testing.assert_array_equal(np.isnan(np.asarray(out)), np.isnan(np.asarray(ref)))
+    ok = ~nan_rows
+    rel = np.linalg.norm(out[ok] - ref[ok]) / np.linalg.norm(ref[ok])
+    assert rel < bound
+    # Same program as the float model on dequantized weights, up to float rounding.
+    deq = _FLOAT(jit_dequantize(qstate), IDS)
+    np.testing.assert_allclose(out[ok], deq[ok], rtol=1e-4, atol=1e-4)
+
+
+def test_stacked_weights_stay_packed_in_the_scan():
+    qstate = quantize_state(STATE, "int4")
+    jaxpr = jax.make_jaxpr(interpret(forward))(qstate, IDS)
+    scans = [e for e in all_eqns(jaxpr) if e.primitive.name == "scan"]
+    assert len(scans) == 1
+    xs_dtypes = [v.aval.dtype for v in scans[0].invars]
+    assert jnp.dtype(jnp.uint8) in xs_dtypes  # packed int4 codes are scanned over as bytes
+    stacked_float = [
+        v
+        for v in scans[0].invars
+        if v.aval.shape[:1] == (LAYERS,)
+        and v.aval.ndim >= 3
+        and jnp.issubdtype(v.aval.dtype, jnp.floating)
+        and v.aval.shape[-1] > 1
+        and v.aval.shape[-2] > 1
+    ]
+    assert stacked_float == []
+
+
+def test_qat_weights_through_nnx_scan_and_transpose():
+    config = QuantConfig(format="int8", granularity=PerChannel((0, -1)))
+    embed_config = QuantConfig(format="int8", granularity=PerChannel((0,)))
+
+    def wrap(state, fake):
+        def one(path, leaf):
+            if "bias" in jax.tree_util.keystr(path):
+                return leaf
+            cfg = embed_config if "embedding" in jax.tree_util.keystr(path) else config
+            w = qat_weight(leaf, cfg)
+            return w.dequantize() if fake else w
+
+        return jax.tree_util.tree_map_with_path(one, state)
+
+    def loss(state):
+        qat_state = wrap(state, fake=False)
+        assert any(
+            isinstance(v, QatWeight)
+            for v in jax.tree.leaves(qat_state, is_leaf=lambda v: isinstance(v, QatWeight))
+        )
+        logits = interpret(forward, strict=True)(qat_state, IDS[:1])
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 3])
+
+    def fake_quant_loss(state):
+        return jnp.mean(jax.nn.log_softmax(forward(wrap(state, fake=True), IDS[:1]))[..., 3])
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(STATE)
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(fake_quant_loss))(STATE)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5)

@@ -1,0 +1,78 @@
+"""Loading a SmolLM2-sized int4 checkpoint stays near the file size in memory (no floats)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from lowbit.io import save_checkpoint
+from lowbit.qarray import QArray
+
+# 8 x [4096, 4096] = 134M weights at int4, groups of 32 along the input axis: ~72 MiB of codes
+# plus ~8 MiB of fp16 scales. As float32 the same weights would take 512 MiB.
+N_TENSORS, DIM, GROUP = 8, 4096, 32
+
+_LOADER = """
+import json, resource, sys
+import jax
+from lowbit.io import load_checkpoint
+from lowbit.qarray import QArray
+
+def rss():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+jax.numpy.zeros(1).block_until_ready()
+before = rss()
+params = load_checkpoint(sys.argv[1])
+jax.block_until_ready(params)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QArray))
+print(json.dumps({
+    "before": before,
+    "peak": peak,
+    "qarrays": sum(isinstance(q, QArray) for q in leaves),
+    "code_dtypes": sorted({str(q.codes.dtype) for q in leaves}),
+}))
+"""
+
+
+def _synthetic_params(rng: np.random.Generator) -> dict:
+    params = {}
+    for i in range(N_TENSORS):
+        params[f"w{i}"] = QArray(
+            codes=rng.integers(0, 256, (DIM, DIM // 2), dtype=np.uint8),
+            scale=rng.random((DIM // GROUP, DIM), dtype=np.float32).astype(np.float16),
+            zero_point=None,
+            tensor_scale=None,
+            format="int4",
+            shape=(DIM, DIM),
+            dtype=np.float32,
+            packed_axis=1,
+        ).check()
+    return params
+
+
+def test_peak_rss_while_loading_is_bounded_by_file_size(tmp_path):
+    save_checkpoint(tmp_path / "ck", _synthetic_params(np.random.default_rng(0)))
+    file_size = os.path.getsize(tmp_path / "ck" / "model.safetensors")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", _LOADER, str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    delta = result["peak"] - result["before"]
+    print(f"file {file_size / 2**20:.1f} MiB, peak RSS delta {delta / 2**20:.1f} MiB")
+    assert result["qarrays"] == N_TENSORS and result["code_dtypes"] == ["uint8"]
+    # Loose: the host read buffers plus the device copies, never a float32 materialization
+    # (which alone would be ~512 MiB).
+    assert delta < 2 * file_size + 200 * 2**20

@@ -1,0 +1,255 @@
+"""`dot_general` on QArrays vs the dequantize-then-dot reference, paths, jaxprs, exactness."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from ops_helpers import int_dots, iter_eqns, normal, summation_bound, weight
+
+from lowbit.ops import dot_general, dot_general_path, dot_general_reference, quantize_activation
+from lowbit.qarray import (
+    Fixed,
+    MinMax,
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    PerToken,
+    QuantConfig,
+    quantize,
+)
+
+INT8_TOKEN = QuantConfig(format="int8", granularity=PerToken())
+UINT8_ASYM = QuantConfig(format="uint8", granularity=PerToken(), symmetric=False,
+                         calibration=MinMax())
+INT4_TOKEN = QuantConfig(format="int4", granularity=PerToken())
+
+# name: (x shape, w shape, dimension numbers, weight is lhs, per-channel tile, grouped tile)
+CASES = {
+    "linear": ((3, 16), (16, 6), (((1,), (0,)), ((), ())), False,
+               PerChannel((1,)), PerGroup(8, 0)),
+    "attend": ((3, 16), (6, 16), (((1,), (1,)), ((), ())), False,
+               PerChannel((0,)), PerGroup(4, 1)),
+    "weight_lhs": ((3, 16), (16, 6), (((0,), (1,)), ((), ())), True,
+                   PerChannel((1,)), PerGroup(8, 0)),
+    "qkv_einsum": ((2, 3, 16), (16, 2, 4), (((2,), (0,)), ((), ())), False,
+                   PerChannel((1, 2)), PerGroup(8, 0)),
+    "out_einsum": ((2, 3, 2, 4), (2, 4, 16), (((2, 3), (0, 1)), ((), ())), False,
+                   PerChannel((2,)), PerGroup(2, 1)),
+    "batched": ((2, 3, 16), (2, 16, 5), (((2,), (1,)), ((0,), (0,))), False,
+                PerChannel((0, 2)), PerGroup(8, 1)),
+}
+
+WEIGHTS = {
+    "int8_channel": lambda case: QuantConfig(format="int8", granularity=case[4]),
+    "int4_group": lambda case: QuantConfig(format="int4", granularity=case[5]),
+    "uint4_group_asym": lambda case: QuantConfig(
+        format="uint4", granularity=case[5], symmetric=False, calibration=MinMax()
+    ),
+}
+
+MODES = {
+    "weight_only": (None, None),
+    "int8_dynamic": (INT8_TOKEN, None),
+    "uint8_asym_dynamic": (UINT8_ASYM, None),
+    "int8_static": (QuantConfig(format="int8", calibration=Fixed(-2.5, 2.5)),
+                    jnp.array([-2.5, 2.5], jnp.float32)),
+}
+
+
+def _operands(case, q, x):
+    w_is_lhs = case[3]
+    return (q, x) if w_is_lhs else (x, q)
+
+
+def _expected_path(mode: str, weight_name: str) -> str:
+    if mode == "weight_only":
+        return "weight_only_epilogue" if weight_name == "int8_channel" else "weight_only_grouped"
+    return "int8_int32"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("weight_name", list(WEIGHTS))
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_matches_reference(case_name, weight_name, mode):
+    case = CASES[case_name]
+    x_shape, w_shape, dims = case[:3]
+    x, w = normal(0, x_shape), normal(1, w_shape)
+    activation, bounds = MODES[mode]
+    q = weight(w, WEIGHTS[weight_name](case), activation, bounds)
+    lhs, rhs = _operands(case, q, x)
+    assert dot_general_path(lhs, rhs, dims) == _expected_path(mode, weight_name)
+    out = dot_general(lhs, rhs, dims)
+    ref = dot_general_reference(lhs, rhs, dims)
+    assert out.shape == lax.dot_general(*_operands(case, w, x), dims).shape
+    assert out.dtype == jnp.float32
+    # The bound needs the magnitudes of what the reference multiplies.
+    (lc, rc), _ = dims
+    x_side = x if activation is None else quantize_activation(
+        x, lc if not case[3] else rc, activation, bounds).dequantize()
+    l_abs, r_abs = (jnp.abs(a) for a in _operands(case, q.dequantize(), x_side))
+    contracted = int(np.prod([x_shape[a] for a in (rc if case[3] else lc)]))
+    bound = summation_bound(l_abs, r_abs, dims, contracted)
+    np.testing.assert_array_less(np.abs(np.asarray(out) - np.asarray(ref)), bound)
+
+
+def test_integer_path_is_exact():
+    # Scales of 1 (Fixed(-127, 127) with int8) make every product an integer: the int32
+    # accumulation must then equal the exact integer product (|sum| < 2**24, exact in f32).
+    rng = np.random.default_rng(0)
+    xi = rng.integers(-127, 128, size=(4, 96)).astype(np.float32)
+    wi = rng.integers(-127, 128, size=(96, 5)).astype(np.float32)
+    one = QuantConfig(format="int8", calibration=Fixed(-127.0, 127.0))
+    qx, qw = quantize(jnp.asarray(xi), one), quantize(jnp.asarray(wi), one)
+    dims = (((1,), (0,)), ((), ()))
+    assert dot_general_path(qx, qw, dims) == "int8_int32"
+    out = np.asarray(dot_general(qx, qw, dims))
+    np.testing.assert_array_equal(out, (xi.astype(np.int64) @ wi.astype(np.int64)))
+
+
+def test_asymmetric_both_sides_exact_integer_part():
+    # uint8 activations with zero points meet uint4 asymmetric weights: with integral zero
+    # points and unit scales every correction term is an integer, so the result is exact.
+    rng = np.random.default_rng(1)
+    xi = rng.integers(0, 256, size=(3, 40)).astype(np.float32)
+    wi = rng.integers(0, 16, size=(40, 4)).astype(np.float32)
+    qx = quantize(jnp.asarray(xi - 100.0), "uint8", symmetric=False,
+                  bounds=(jnp.float32(-100.0), jnp.float32(155.0)))
+    qw = quantize(jnp.asarray(wi - 7.0), "uint4", symmetric=False, pack=False,
+                  bounds=(jnp.float32(-7.0), jnp.float32(8.0)))
+    dims = (((1,), (0,)), ((), ()))
+    out = np.asarray(dot_general(qx, qw, dims))
+    expect = (xi - 100.0).astype(np.int64) @ (wi - 7.0).astype(np.int64)
+    np.testing.assert_array_equal(out, expect)
+
+
+def test_w4a8_int8_dot_in_jaxpr():
+    x, w = normal(0, (3, 32)), normal(1, (32, 8))
+    q = weight(w, QuantConfig(format="int4", granularity=PerGroup(16, 0)), INT8_TOKEN)
+    assert q.packed_axis is not None
+    dims = (((1,), (0,)), ((), ()))
+    jaxpr = jax.make_jaxpr(lambda x, q: dot_general(x, q, dims))(x, q)
+    dots = int_dots(jaxpr)
+    assert len(dots) == 1
+    # The group axis became a batch axis: [groups, tokens, out].
+    assert dots[0].outvars[0].aval.shape == (2, 3, 8)
+    ref = dot_general_reference(x, q, dims)
+    bound = summation_bound(jnp.abs(x), jnp.abs(q.dequantize()), dims, 32) + 1e-4 * jnp.max(
+        jnp.abs(ref))
+    np.testing.assert_array_less(np.abs(dot_general(x, q, dims) - ref), bound)
+
+
+@pytest.mark.parametrize("act_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_weight_only_never_materializes_float_weight(act_dtype, grouped):
+    x, w = normal(0, (3, 32), act_dtype), normal(1, (32, 8))
+    granularity = PerGroup(8, 0) if grouped else PerChannel((1,))
+    q = weight(w, QuantConfig(format="int4", granularity=granularity))
+    dims = (((1,), (0,)), ((), ()))
+    jaxpr = jax.make_jaxpr(lambda x, q: dot_general(x, q, dims))(x, q)
+    weight_sized = 32 * 8
+    for eqn in iter_eqns(jaxpr):
+        for var in eqn.outvars:
+            aval = var.aval
+            if int(np.prod(aval.shape)) >= weight_sized and aval.shape != (3, 8):
+                assert not jnp.issubdtype(aval.dtype, jnp.floating), (
+                    f"{eqn.primitive.name} makes a weight-sized float array {aval}"
+                )
+    out = dot_general(x, q, dims)
+    assert out.dtype == act_dtype
+
+
+def test_fp8_path():
+    x, w = normal(0, (3, 32)), normal(1, (32, 8))
+    fp8 = QuantConfig(format="fp8_e4m3fn", granularity=PerToken())
+    q = weight(w, QuantConfig(format="fp8_e4m3fn", granularity=PerChannel((1,))), fp8)
+    dims = (((1,), (0,)), ((), ()))
+    assert dot_general_path(x, q, dims) == "fp8_f32"
+    jaxpr = jax.make_jaxpr(lambda x, q: dot_general(x, q, dims))(x, q)
+    fp8_dots = [e for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"
+                and all(v.aval.dtype == jnp.float8_e4m3fn for v in e.invars)]
+    assert len(fp8_dots) == 1 and fp8_dots[0].params["preferred_element_type"] == jnp.float32
+    out, ref = dot_general(x, q, dims), dot_general_reference(x, q, dims)
+    xq = quantize_activation(x, (1,), fp8).dequantize()
+    bound = summation_bound(jnp.abs(xq), jnp.abs(q.dequantize()), dims, 32)
+    np.testing.assert_array_less(np.abs(out - ref), bound)
+
+
+@pytest.mark.parametrize("fmt, granularity, expected", [
+    ("nf4", PerGroup(16, 0), "weight_only_grouped"),
+    ("mxfp4", PerGroup(32, 0), "weight_only_grouped"),
+    ("fp8_e4m3fn", PerChannel((1,)), "weight_only_epilogue"),
+])
+def test_other_formats_weight_only(fmt, granularity, expected):
+    x, w = normal(0, (3, 64)), normal(1, (64, 8))
+    q = weight(w, QuantConfig(format=fmt, granularity=granularity))
+    dims = (((1,), (0,)), ((), ()))
+    assert dot_general_path(x, q, dims) == expected
+    out, ref = dot_general(x, q, dims), dot_general_reference(x, q, dims)
+    bound = summation_bound(jnp.abs(x), jnp.abs(q.dequantize()), dims, 64)
+    np.testing.assert_array_less(np.abs(out - ref), bound)
+
+
+def test_int4_activations_and_bf16_output():
+    x, w = normal(0, (4, 16), jnp.bfloat16), normal(1, (16, 6))
+    q = weight(w, QuantConfig(format="int8", granularity=PerChannel((1,))), INT4_TOKEN)
+    dims = (((1,), (0,)), ((), ()))
+    assert dot_general_path(x, q, dims) == "int8_int32"
+    out = dot_general(x, q, dims)
+    assert out.dtype == jnp.bfloat16
+    ref = dot_general_reference(x, q, dims, preferred_element_type=jnp.float32)
+    # bf16 output rounding (2**-8 relative) dominates the float32 summation difference.
+    np.testing.assert_array_less(
+        np.abs(np.asarray(out, np.float32) - ref), 2.0**-8 * np.abs(ref) + 1e-5
+    )
+    out32 = dot_general(x, q, dims, preferred_element_type=jnp.float32)
+    assert out32.dtype == jnp.float32
+
+
+def test_both_qarrays_and_unsupported_layout_falls_back():
+    x, w = normal(0, (3, 16)), normal(1, (16, 6))
+    dims = (((1,), (0,)), ((), ()))
+    qx = quantize(x, "int8", granularity=PerChannel((0,)))
+    qw = quantize(w, "int8", granularity=PerChannel((1,)))
+    assert dot_general_path(qx, qw, dims) == "int8_int32"
+    np.testing.assert_allclose(dot_general(qx, qw, dims), dot_general_reference(qx, qw, dims),
+                               rtol=1e-5, atol=1e-5)
+    # A 2-D block scale varies along two contracting axes of a [2, 4, 6] weight: reference.
+    w3 = normal(2, (2, 4, 6))
+    q3 = quantize(w3, "int8", granularity=PerGroup(2, 1))
+    q3 = dataclasses.replace(q3, scale=jnp.broadcast_to(q3.scale, (2, 2, 1)) * jnp.array(
+        [[[1.0], [2.0]], [[3.0], [4.0]]]))
+    x3 = normal(3, (5, 2, 4))
+    dims3 = (((1, 2), (0, 1)), ((), ()))
+    assert dot_general_path(x3, q3, dims3) == "reference"
+    np.testing.assert_allclose(dot_general(x3, q3, dims3),
+                               dot_general_reference(x3, q3, dims3), rtol=1e-6)
+
+
+def test_per_tensor_activation_granularity_and_errors():
+    x, w = normal(0, (3, 16)), normal(1, (16, 6))
+    dims = (((1,), (0,)), ((), ()))
+    per_tensor = QuantConfig(format="int8", granularity=PerTensor())
+    q = weight(w, QuantConfig(format="int8", granularity=PerChannel((1,))), per_tensor)
+    np.testing.assert_allclose(dot_general(x, q, dims), dot_general_reference(x, q, dims),
+                               rtol=1e-5, atol=1e-5)
+    bad = weight(w, "int8", QuantConfig(format="int8", granularity=PerChannel((0,))))
+    with pytest.raises(ValueError, match="activation granularity"):
+        dot_general(x, bad, dims)
+    with pytest.raises(ValueError, match="pair lhs axis"):
+        dot_general(x, q, (((0,), (0,)), ((), ())))
+    with pytest.raises(TypeError, match="float array or a QArray"):
+        dot_general(jnp.ones((3, 16), jnp.int32), q, dims)
+
+
+def test_jit_and_int8_dot_for_w8a8():
+    x, w = normal(0, (2, 3, 16)), normal(1, (16, 2, 4))
+    q = weight(w, QuantConfig(format="int8", granularity=PerChannel((1, 2))), UINT8_ASYM)
+    dims = (((2,), (0,)), ((), ()))
+    fn = jax.jit(lambda x, q: dot_general(x, q, dims))
+    assert len(int_dots(jax.make_jaxpr(fn)(x, q))) == 1
+    np.testing.assert_allclose(fn(x, q), dot_general(x, q, dims), rtol=1e-6, atol=1e-6)
