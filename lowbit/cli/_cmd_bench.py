@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from rich.console import Console
-
-from lowbit.cli._common import open_target, print_json, progress, step, write_json
+from lowbit.cli._common import open_target, print_json, progress, stdout_console, step, write_json
 from lowbit.eval import print_table
 from lowbit.eval._session import ModelSession
 
@@ -45,22 +44,18 @@ def run(args: argparse.Namespace) -> int:
         session = ModelSession(target.loaded)
         with step(bar, f"timing {target.recipe} (compile, warm up, then timed runs)"):
             speed = session.speed(target.params, decode_steps=args.decode_steps)
-    row = session.row(target.recipe, target.params, measure_quality=False)
     decode = speed.decode_tokens_per_s if target.loaded.kind == "lm" else None
+    row = dataclasses.replace(
+        session.row(target.recipe, target.params, measure_quality=False),
+        prefill_tokens_per_s=speed.prefill_tokens_per_s,
+        decode_tokens_per_s=decode,
+    )
     payload = {
         **row.to_json(),
-        "prefill_tokens_per_s": speed.prefill_tokens_per_s,
-        "decode_tokens_per_s": decode,
         "prefill_tokens": speed.prefill_tokens,
         "decode_steps": speed.decode_steps,
     }
-    from lowbit.eval import ResultRow
-
-    print_table(
-        [ResultRow.from_json({k: payload[k] for k in row.to_json()})],
-        title=f"lowbit bench: {target.loaded.name}",
-        console=Console(),
-    )
+    print_table([row], title=f"lowbit bench: {target.loaded.name}", console=stdout_console())
     if target.directory is not None:
         write_json(target.directory / BENCH_FILE, payload)
     if args.json:

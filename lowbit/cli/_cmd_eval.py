@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-
-from lowbit.cli._common import open_target, print_json, progress, step, write_json
+from lowbit.cli._common import open_target, print_json, progress, stdout_console, step, write_json
 from lowbit.eval import print_table, read_sentences, read_text
 from lowbit.eval._session import ModelSession
 
@@ -79,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         what = "perplexity" if kind == "lm" else "embedding cosine"
         with step(bar, f"{what} of {target.recipe}") as advance:
             row = session.row(target.recipe, target.params, on_window=advance)
-    print_table([row], title=f"lowbit eval: {target.loaded.name}", console=Console())
+    print_table([row], title=f"lowbit eval: {target.loaded.name}", console=stdout_console())
     payload = row.to_json()
     if target.directory is not None:
         write_json(target.directory / EVAL_FILE, payload)

@@ -7,12 +7,19 @@ import dataclasses
 import math
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from lowbit.cli._cmd_bench import BENCH_FILE
 from lowbit.cli._cmd_eval import EVAL_FILE
-from lowbit.cli._common import is_checkpoint, open_target, progress, read_json, step, write_json
+from lowbit.cli._common import (
+    is_checkpoint,
+    open_target,
+    progress,
+    read_json,
+    stdout_console,
+    step,
+    write_json,
+)
 from lowbit.eval import (
     ResultRow,
     float32_bytes,
@@ -98,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         value=1.0 if metric == "cosine" else None,
     )
     rows = [float_row, row]
-    console = Console()
+    console = stdout_console()
     print_table(rows, title=f"lowbit report: {args.directory}", console=console)
     if weight:
         console.print(_layer_table(weight, output))

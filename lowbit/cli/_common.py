@@ -24,6 +24,13 @@ META_KIND = "kind"
 MANIFEST = "manifest.json"
 
 
+def stdout_console() -> Console:
+    """Results console; when stdout is not a terminal (a pipe, a file) it is 120 columns wide
+    rather than rich's 80, so that tables keep one line per row."""
+    console = Console()
+    return console if console.is_terminal else Console(width=120)
+
+
 def stderr_console() -> Console:
     """Progress and status go to stderr, so stdout holds only results (and the JSON line)."""
     return Console(stderr=True)

@@ -13,9 +13,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rich.console import Console
-
-from lowbit.cli._common import print_json, progress, step
+from lowbit.cli._common import print_json, progress, stderr_console, stdout_console, step
 from lowbit.eval import (
     ResultRow,
     evaluate_recipes,
@@ -104,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not names:
         raise ValueError(f"--models {args.models!r}; accepted: a subset of {', '.join(MODELS)}")
     out = Path(args.out)
-    console, err = Console(), Console(stderr=True)
+    console, err = stdout_console(), stderr_console()
     rows: list[ResultRow] = []
     layer_sqnr: dict[str, dict[str, dict[str, float]]] = {}
     plots: list[Path] = []

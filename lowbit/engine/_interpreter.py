@@ -203,6 +203,21 @@ def _dynamic_slice(q: Any, *starts: Any, slice_sizes: tuple[int, ...]) -> Any:
     return _layout_rules.dynamic_slice(q, starts[: q.ndim], slice_sizes)
 
 
+_gather_packed = _layout(
+    _layout_rules.gather, lambda e: {"out_shape": _out_shape(e), **_compat.gather_params(e)}
+)
+
+
+def _gather(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+    """Embedding lookup: gathers packed rows and their scales, then dequantizes those rows only.
+
+    A gathered row is an activation (token embeddings), not a weight: returning it packed would
+    only move the dequantization to its first consumer, counted there as a fallback.
+    """
+    (rows,) = _gather_packed(ctx, eqn, invals)
+    return [dequantize(rows)]
+
+
 _RULES: dict[str, Callable[[Context, Any, list[Any]], list[Any]]] = {
     "dot_general": _dot_general,
     "conv_general_dilated": _conv,
@@ -231,9 +246,7 @@ _RULES: dict[str, Callable[[Context, Any, list[Any]], list[Any]]] = {
     "dynamic_slice": _layout(
         _dynamic_slice, lambda e: {"slice_sizes": _compat.dynamic_slice_sizes(e)}
     ),
-    "gather": _layout(
-        _layout_rules.gather, lambda e: {"out_shape": _out_shape(e), **_compat.gather_params(e)}
-    ),
+    "gather": _gather,
     "convert_element_type": _layout(
         _layout_rules.astype, lambda e: {"dtype": _compat.aval_of(e.outvars[0]).dtype}
     ),

@@ -40,7 +40,8 @@ class EngineReport:
       quantized_ops: ``{"<primitive>:<path>": count}`` for ops that consumed quantized values,
         e.g. ``{"dot_general:int8_int32": 12}``; the path is what `lowbit.ops` reports.
       layout_ops: ``{"<primitive>": count}`` layout ops applied to packed values (transpose,
-        reshape, gather, ...), which never dequantize.
+        reshape, slice, ...), which never dequantize; ``gather`` (embedding lookup) gathers
+        packed rows and dequantizes only those rows.
       fallbacks: ``{"<primitive>": count}`` primitives where a quantized value was dequantized
         because no rule applied.
       fallback_details: one line per fallback: primitive, value, location and reason.

@@ -7,6 +7,7 @@ way against the same baseline.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +22,10 @@ from lowbit.eval._tree import float32_bytes, param_bytes
 from lowbit.eval._variants import LoadedModel, as_numpy_tokens
 
 Progress = Callable[[int, int], None] | None
+
+# Compiled runners per loaded model: sessions of the same model (several commands in one
+# process) share the jitted functions and so their compilations.
+_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class ModelSession:
@@ -49,15 +54,16 @@ class ModelSession:
         self._tokens: np.ndarray | None = None
         self._text = text
         self._reference: np.ndarray | None = None
-        if loaded.kind == "lm":
-            self.runner, self.float_params = lm_runner(loaded.model)
-            self.sentences: list[str] = []
-        else:
-            from lowbit.models import mean_pool
+        if loaded not in _RUNNERS:
+            if loaded.kind == "lm":
+                _RUNNERS[loaded] = lm_runner(loaded.model)
+            else:
+                from lowbit.models import mean_pool
 
-            self.runner, self.float_params = encoder_runner(
-                loaded.model, loaded.tokenizer, mean_pool
-            )
+                _RUNNERS[loaded] = encoder_runner(loaded.model, loaded.tokenizer, mean_pool)
+        self.runner, self.float_params = _RUNNERS[loaded]
+        self.sentences: list[str] = []
+        if loaded.kind != "lm":
             self.sentences = list(sentences) if sentences is not None else default_sentences()
 
     @property

@@ -8,6 +8,7 @@ Each extra bit of a uniform quantizer adds about 6.02 dB; int8 per-channel weigh
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -45,6 +46,12 @@ def sqnr_db(reference: Any, approx: Any) -> float:
     return 10.0 * math.log10(signal / noise)
 
 
+@jax.jit
+def _dequantize(q: QArray) -> jax.Array:
+    # One compiled program per weight layout instead of many eager ops.
+    return q.dequantize(jnp.float32)
+
+
 def _pairs(float_params: Any, quant_params: Any) -> list[tuple[str, jax.Array, QArray]]:
     floats = named_leaves(float_params)
     pairs = []
@@ -58,7 +65,7 @@ def _pairs(float_params: Any, quant_params: Any) -> list[tuple[str, jax.Array, Q
             )
         ref = floats[path]
         if isinstance(ref, QArray):
-            ref = ref.dequantize(jnp.float32)
+            ref = _dequantize(ref)
         if tuple(ref.shape) != leaf.shape:
             raise ValueError(
                 f"parameter {path!r}: float shape {tuple(ref.shape)} != quantized {leaf.shape}"
@@ -79,8 +86,7 @@ def weight_sqnr(float_params: Any, quant_params: Any) -> dict[str, float]:
       ValueError: if a quantized path or shape has no float counterpart.
     """
     return {
-        path: sqnr_db(ref, q.dequantize(jnp.float32))
-        for path, ref, q in _pairs(float_params, quant_params)
+        path: sqnr_db(ref, _dequantize(q)) for path, ref, q in _pairs(float_params, quant_params)
     }
 
 
@@ -93,6 +99,16 @@ def _activation(x: jax.Array, q: QArray) -> jax.Array:
     if q.activation_bounds is not None:
         bounds = (q.activation_bounds[0], q.activation_bounds[1])
     return quantize(x, config, bounds=bounds).dequantize(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _layer_outputs(
+    x: jax.Array, ref: jax.Array, q: QArray, axis: int
+) -> tuple[jax.Array, jax.Array]:
+    k = q.shape[axis]
+    w_ref = jnp.moveaxis(ref, axis, 0).reshape(k, -1)
+    w_q = jnp.moveaxis(q.dequantize(jnp.float32), axis, 0).reshape(k, -1)
+    return x @ w_ref, _activation(x, q) @ w_q
 
 
 def contraction_axis(path: str, ndim: int) -> int:
@@ -140,7 +156,5 @@ def output_sqnr(
         x = jnp.asarray(x, jnp.float32)
         if x.ndim != 2 or x.shape[1] != k:
             raise ValueError(f"inputs[{path!r}] has shape {tuple(x.shape)}; expected [rows, {k}]")
-        w_ref = jnp.moveaxis(ref, axis, 0).reshape(k, -1)
-        w_q = jnp.moveaxis(q.dequantize(jnp.float32), axis, 0).reshape(k, -1)
-        result[path] = sqnr_db(x @ w_ref, _activation(x, q) @ w_q)
+        result[path] = sqnr_db(*_layer_outputs(x, ref, q, axis))
     return result

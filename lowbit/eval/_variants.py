@@ -12,6 +12,7 @@ Recipe specs: a preset name (`lowbit.recipes.preset_names`), a path to a recipe 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -52,8 +53,12 @@ def _models():
     return models
 
 
+@functools.lru_cache(maxsize=4)
 def load_model(spec: str) -> LoadedModel:
     """Loads a reference model by name or path (see the module docstring).
+
+    Loaded models are cached per spec (they are never modified), so repeated commands in one
+    process read the weights once.
 
     Raises:
       ValueError: for an unknown name or file type; FileNotFoundError for a missing file or

@@ -15,8 +15,6 @@ codes: nothing is dequantized.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import hashlib
 import json
 import os
@@ -30,15 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit
+from lowbit.io._atomic import replace_directory, write_json
 from lowbit.io._manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     CheckpointError,
     build_tree,
     decode_tree,
-    encode_tree,
-    leaf_shapes,
-    path_name,
 )
 from lowbit.io._safetensors_file import (
     is_native,
@@ -47,6 +43,7 @@ from lowbit.io._safetensors_file import (
     storage_view,
     write_safetensors,
 )
+from lowbit.io._tree import encode_tree, leaf_shapes, path_name
 
 TENSORS_FILE = "model.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -96,6 +93,18 @@ def save_checkpoint(
     Raises:
       TypeError: naming the path of a leaf that cannot be stored, or a bad `recipe`.
       ValueError: if `path` exists and is not a checkpoint, or `metadata` is not JSON.
+
+    Example:
+      >>> import tempfile
+      >>> import jax.numpy as jnp
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> path = tmp.name + "/ckpt"
+      >>> save_checkpoint(path, {"norm": {"scale": jnp.ones(4)}}, metadata={"step": 10})
+      >>> load_checkpoint(path)["norm"]["scale"].shape
+      (4,)
+      >>> read_manifest(path)["metadata"]
+      {'step': 10}
+      >>> tmp.cleanup()
     """
     path = os.path.abspath(os.fspath(path))
     if os.path.lexists(path) and not os.path.isfile(os.path.join(path, MANIFEST_FILE)):
@@ -133,53 +142,11 @@ def save_checkpoint(
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
     try:
         write_safetensors(os.path.join(tmp, TENSORS_FILE), stored)
-        _write_json(os.path.join(tmp, MANIFEST_FILE), manifest)
-        _swap_in(tmp, path)
+        write_json(os.path.join(tmp, MANIFEST_FILE), manifest)
+        replace_directory(tmp, path)
     finally:
         # After a swap `tmp` holds the previous checkpoint; after a failure, the partial one.
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _write_json(file: str, data: Any) -> None:
-    with open(file, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, allow_nan=False)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Atomically swaps two paths (Linux renameat2); False where the system cannot."""
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if renameat2 is None:
-        return False
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False
-    raise OSError(code, os.strerror(code), b)
-
-
-def _swap_in(new: str, path: str) -> None:
-    """Moves directory `new` to `path`; an existing `path` ends up at `new`."""
-    if not os.path.lexists(path):
-        os.rename(new, path)
-    elif not _exchange(new, path):
-        # Without an atomic exchange there is a moment with no directory at `path`; the old
-        # checkpoint is then whole at the `.old` name and the new one whole at `new`.
-        old = f"{new}.old"
-        os.rename(path, old)
-        os.rename(new, path)
-        os.rename(old, new)
-    fd = os.open(os.path.dirname(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -279,6 +246,20 @@ def load_checkpoint(
     if like is not None:
         _check_like(plan.shapes, like, file)
     data_file = os.path.join(path, TENSORS_FILE)
+    entries = _check_tensor_file(plan, data_file)
+    digests = {name: info["sha256"] for name, info in manifest["tensors"].items()}
+    with open(data_file, "rb") as f:
+        # Pass 1 checks every byte against the manifest, streaming: nothing is kept.
+        for name, entry in entries.items():
+            _verify(f, entry, digests[name], data_file)
+        # Every QArray's invariants, on shapes alone.
+        build_tree(plan, {n: jax.ShapeDtypeStruct(s, d) for n, (d, s) in plan.tensors.items()})
+        arrays = _read_arrays(f, plan, entries, digests, sharding, data_file)
+    return build_tree(plan, arrays)
+
+
+def _check_tensor_file(plan: Any, data_file: str) -> dict[str, Any]:
+    """The tensor file's header entries, checked against the manifest's tensor table."""
     if not os.path.isfile(data_file):
         raise CheckpointError(f"{data_file}: missing")
     try:
@@ -300,35 +281,32 @@ def load_checkpoint(
                 f"{data_file}: tensor {name!r} is stored as {entry.dtype.name} {entry.shape}, "
                 f"the manifest says {dtype.name} {shape}"
             )
-    digests = manifest["tensors"]
-    with open(data_file, "rb") as f:
-        # Pass 1 checks every byte against the manifest, streaming: nothing is kept.
-        for name, entry in entries.items():
-            _verify(f, entry, digests[name]["sha256"], data_file)
-        # Every QArray's invariants, on shapes alone.
-        build_tree(plan, {n: jax.ShapeDtypeStruct(s, d) for n, (d, s) in plan.tensors.items()})
-        # Pass 2 reads one tensor at a time straight to its device array, so the host holds
-        # one tensor, not the whole tree. Its digest is checked again in case the file
-        # changed in between; a failure here still returns nothing.
-        arrays: dict[str, Any] = {}
-        for name, entry in entries.items():
-            try:
-                host = read_tensor(f, entry)
-            except ValueError as err:
-                raise CheckpointError(str(err)) from None
-            if _sha256(host) != digests[name]["sha256"]:
-                raise CheckpointError(f"{data_file}: tensor {name!r} changed while loading")
-            dtype, shape = plan.tensors[name]
-            host = host.reshape(-1).view(dtype).reshape(shape)
-            target = sharding
-            if callable(sharding) and not isinstance(sharding, jax.sharding.Sharding):
-                target = sharding(*plan.places[name], shape)
-            array = jnp.asarray(host) if target is None else jax.device_put(host, target)
-            # Transfers are asynchronous: wait, so that this host buffer is released before
-            # the next one is read (else a slow host could hold the whole file twice).
-            arrays[name] = array.block_until_ready()
-            del host, array
-    return build_tree(plan, arrays)
+    return entries
+
+
+def _read_arrays(f, plan, entries, digests, sharding, data_file) -> dict[str, jax.Array]:
+    """Pass 2: reads one tensor at a time straight to its device array, so the host holds one
+    tensor, not the whole tree. Digests are checked again in case the file changed since pass
+    1; a failure here still returns nothing to the caller."""
+    arrays: dict[str, jax.Array] = {}
+    for name, entry in entries.items():
+        try:
+            host = read_tensor(f, entry)
+        except ValueError as err:
+            raise CheckpointError(str(err)) from None
+        if _sha256(host) != digests[name]:
+            raise CheckpointError(f"{data_file}: tensor {name!r} changed while loading")
+        dtype, shape = plan.tensors[name]
+        host = host.reshape(-1).view(dtype).reshape(shape)
+        target = sharding
+        if callable(sharding) and not isinstance(sharding, jax.sharding.Sharding):
+            target = sharding(*plan.places[name], shape)
+        array = jnp.asarray(host) if target is None else jax.device_put(host, target)
+        # Transfers are asynchronous: wait, so that this host buffer is released before the
+        # next one is read (else a slow host could hold the whole file twice).
+        arrays[name] = array.block_until_ready()
+        del host, array
+    return arrays
 
 
 _CHUNK = 4 * 2**20

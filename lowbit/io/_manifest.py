@@ -17,117 +17,25 @@ cannot make the loader construct anything else.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from lowbit.formats import get_format
-from lowbit.io._config_dict import quant_config_from_dict, quant_config_to_dict
+from lowbit.io._config_dict import quant_config_from_dict
 from lowbit.io._safetensors_file import DTYPES, dtype_from_name
+from lowbit.io._tree import QARRAY_ROLES, Key, Path, path_name
 from lowbit.qarray import QArray
 
 FORMAT_NAME = "lowbit.checkpoint"
 FORMAT_VERSION = 1
-QARRAY_ROLES = ("codes", "scale", "zero_point", "tensor_scale", "activation_bounds")
 _SCALE_ENCODINGS = ("float", "e8m0", "e4m3")
-
-Key = str | int
-Path = tuple[Key, ...]
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: the message names the file, tensor and problem."""
-
-
-def path_name(path: Path) -> str:
-    """``("layers", 0, "kernel")`` -> ``"layers/0/kernel"``; the root is ``"."``."""
-    return "/".join(str(k) for k in path) or "."
-
-
-def encode_tree(params: Any) -> tuple[dict[str, Any], dict[str, tuple[Path, str, np.ndarray]]]:
-    """Splits a params tree into its JSON structure and its arrays.
-
-    Args:
-      params: nested dicts (any Mapping, e.g. ``nnx.State``; str or int keys), lists, tuples,
-        None, `QArray`s, arrays (jax or numpy), ``nnx.Variable``s (their value is stored) and
-        Python scalars.
-    Returns:
-      ``(tree, tensors)``: the JSON node of the root, and tensor name -> (path, role, array).
-    Raises:
-      TypeError: naming the path of a leaf or container that cannot be stored (abstract
-        arrays, NamedTuples, custom classes, keys that are neither str nor int).
-      ValueError: if two paths map to the same tensor name.
-    """
-    tensors: dict[str, tuple[Path, str, np.ndarray]] = {}
-
-    def add(path: Path, role: str, array: Any) -> str:
-        name = path_name(path) + ("" if role == "value" else f":{role}")
-        if name in tensors:
-            raise ValueError(f"two leaves are both stored as tensor {name!r}; rename a key")
-        tensors[name] = (path, role, np.asarray(array))
-        return name
-
-    def walk(node: Any, path: Path) -> dict[str, Any]:
-        if isinstance(node, nnx.Variable):
-            node = node.get_value()
-        if node is None:
-            return {"kind": "none"}
-        if isinstance(node, QArray):
-            meta = {
-                "kind": "qarray",
-                "format": node.format,
-                "shape": list(node.shape),
-                "dtype": np.dtype(node.dtype).name,
-                "packed_axis": node.packed_axis,
-                "scale_encoding": node.scale_encoding,
-                "activation": None
-                if node.activation is None
-                else quant_config_to_dict(node.activation),
-            }
-            meta["tensors"] = {
-                role: add(path, role, getattr(node, role))
-                for role in QARRAY_ROLES
-                if getattr(node, role) is not None
-            }
-            return meta
-        if isinstance(node, Mapping):
-            items = []
-            for key, child in node.items():
-                if isinstance(key, bool) or not isinstance(key, str | int):
-                    raise TypeError(
-                        f"params at {path_name(path)!r} has key {key!r} of type "
-                        f"{type(key).__name__}; accepted key types: str, int"
-                    )
-                items.append([key, walk(child, (*path, key))])
-            return {"kind": "dict", "items": items}
-        if type(node) in (list, tuple):
-            kind = "list" if type(node) is list else "tuple"
-            return {"kind": kind, "items": [walk(c, (*path, i)) for i, c in enumerate(node)]}
-        if isinstance(node, bool | int | float) and not isinstance(node, np.generic):
-            if isinstance(node, float) and not math.isfinite(node):
-                raise TypeError(f"params at {path_name(path)!r} is the non-finite float {node}")
-            return {"kind": "scalar", "value": node}
-        if isinstance(node, jax.Array | np.ndarray | np.generic) and not isinstance(
-            node, jax.core.Tracer
-        ):
-            if np.dtype(node.dtype).name not in DTYPES:
-                raise TypeError(
-                    f"params at {path_name(path)!r} has dtype {node.dtype}; accepted: "
-                    f"{', '.join(sorted(DTYPES))}"
-                )
-            return {"kind": "array", "tensor": add(path, "value", node)}
-        raise TypeError(
-            f"params at {path_name(path)!r} is a {type(node).__name__}, which a checkpoint "
-            "cannot store; accepted: dicts, lists, tuples, None, QArrays, concrete arrays and "
-            "Python scalars (convert NamedTuples and custom nodes to dicts first)"
-        )
-
-    return walk(params, ()), tensors
 
 
 class Plan:
@@ -336,33 +244,3 @@ def build_tree(plan: Plan, arrays: Mapping[str, Any]) -> Any:
         return q
 
     return walk(plan.tree, ())
-
-
-def leaf_shapes(like: Any) -> dict[Path, tuple[int, ...] | None]:
-    """Leaf path -> shape of a params tree or abstract tree (None for None leaves).
-
-    Accepts what `encode_tree` accepts, with `jax.ShapeDtypeStruct` (or anything with a
-    `.shape`) as leaves.
-    """
-    out: dict[Path, tuple[int, ...] | None] = {}
-
-    def walk(node: Any, path: Path) -> None:
-        if isinstance(node, nnx.Variable):
-            node = node.get_value()
-        if node is None:
-            return
-        if isinstance(node, QArray):
-            out[path] = tuple(node.shape)
-        elif isinstance(node, Mapping):
-            for key, child in node.items():
-                walk(child, (*path, key))
-        elif type(node) in (list, tuple):
-            for i, child in enumerate(node):
-                walk(child, (*path, i))
-        elif hasattr(node, "shape"):
-            out[path] = tuple(int(d) for d in node.shape)
-        else:
-            out[path] = ()
-
-    walk(like, ())
-    return out

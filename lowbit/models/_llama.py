@@ -170,8 +170,16 @@ class Block(nnx.Module):
         self.mlp_norm = nnx.RMSNorm(config.dim, epsilon=config.norm_eps, **kw)
         self.mlp = MLP(config, **kw)
 
-    def __call__(self, x, cos, sin, mask, kv, start):
-        """x: ``[batch, seq, dim]``; the other arguments as in `Attention`."""
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        mask: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | None,
+        start: jax.Array | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """x: ``[batch, seq, dim]``; the other arguments and the result as in `Attention`."""
         h, new_kv = self.attn(self.attn_norm(x), cos, sin, mask, kv, start)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), new_kv

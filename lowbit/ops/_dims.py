@@ -74,28 +74,36 @@ def expand_axis(a: jax.Array, axis: int, size: int) -> jax.Array:
     return jnp.repeat(a, size // n, axis=axis)
 
 
-def split_axis(a: jax.Array, axis: int, groups: int) -> jax.Array:
-    """[..., K, ...] → [..., groups, K // groups, ...] at `axis`."""
-    shape = a.shape[:axis] + (groups, a.shape[axis] // groups) + a.shape[axis + 1 :]
+def split_axes(a: jax.Array, groups: dict[int, int]) -> jax.Array:
+    """Splits each `axis: G` of `groups`: [..., K, ...] → [..., G, K // G, ...]."""
+    shape = []
+    for ax, n in enumerate(a.shape):
+        shape += [groups[ax], n // groups[ax]] if ax in groups else [n]
     return a.reshape(shape)
 
 
 def grouped_dimension_numbers(
-    dimension_numbers: DimensionNumbers, pair: int
+    dimension_numbers: DimensionNumbers, groups: dict[int, int]
 ) -> DimensionNumbers:
-    """Dimension numbers after `split_axis` of the `pair`-th contracting axes of both operands.
+    """Dimension numbers after `split_axes` of the contracting pairs in `groups` (pair index →
+    number of groups) on both operands.
 
-    The group part becomes the leading batch dimension (so it leads the output) and the
-    within-group part stays contracted.
+    The group parts become the leading batch dimensions, in pair order (so they lead the
+    output), and the within-group parts stay contracted.
     """
     (lc, rc), (lb, rb) = dimension_numbers
-    la, ra = lc[pair], rc[pair]
-    shift_l = lambda a: a + 1 if a > la else a
-    shift_r = lambda a: a + 1 if a > ra else a
-    new_lc = tuple(la + 1 if a == la else shift_l(a) for a in lc)
-    new_rc = tuple(ra + 1 if a == ra else shift_r(a) for a in rc)
-    new_lb = (la,) + tuple(shift_l(a) for a in lb)
-    new_rb = (ra,) + tuple(shift_r(a) for a in rb)
+    pairs = sorted(groups)
+
+    def side(contracting, batch):
+        split = {contracting[p] for p in pairs}
+        new = lambda a: a + sum(1 for s in split if s < a)
+        inner = lambda a: new(a) + 1 if a in split else new(a)
+        return (
+            tuple(inner(a) for a in contracting),
+            tuple(new(contracting[p]) for p in pairs) + tuple(new(a) for a in batch),
+        )
+
+    (new_lc, new_lb), (new_rc, new_rb) = side(lc, lb), side(rc, rb)
     return (new_lc, new_rc), (new_lb, new_rb)
 
 
@@ -104,8 +112,7 @@ def side_to_output(
     shape: Sequence[int],
     contracting: Sequence[int],
     batch: Sequence[int],
-    group_axis: int | None,
-    groups: int,
+    groups: dict[int, int],
     other_free: int,
     is_lhs: bool,
 ) -> jax.Array:
@@ -113,25 +120,24 @@ def side_to_output(
 
     Args:
       a: [s_0, ..., s_{n-1}] per-block values of an operand of `shape` (scale, zero point, or a
-        sum of codes); size 1 along every contracting axis except `group_axis`.
+        sum of codes); size 1 along every contracting axis not in `groups`.
       shape: the operand's logical shape.
       contracting, batch: the operand's axes in the dot.
-      group_axis: the contracting axis split into groups, or None when the dot is not grouped.
-      groups: number of groups (ignored when `group_axis` is None).
+      groups: {contracting axis of this operand: number of groups}, in pair order; empty when
+        the dot is not grouped.
       other_free: number of free axes of the other operand.
       is_lhs: whether the operand is the lhs (its free axes come first in the output).
     Returns:
-      [G?, batch..., lhs_free or 1s..., rhs_free or 1s...], broadcastable against the output of
-      the grouped dot (G present only when `group_axis` is not None).
+      [G..., batch..., lhs_free or 1s..., rhs_free or 1s...], broadcastable against the output
+      of the grouped dot.
     """
     free = free_axes(len(shape), contracting, batch)
     for ax in (*batch, *free):
         a = expand_axis(a, ax, shape[ax])
-    order = list(batch) + list(free)
-    if group_axis is not None:
-        a = expand_axis(a, group_axis, groups)
-        order = [group_axis] + order
-    dropped = [ax for ax in contracting if ax != group_axis]
+    for ax, count in groups.items():
+        a = expand_axis(a, ax, count)
+    order = list(groups) + list(batch) + list(free)
+    dropped = [ax for ax in contracting if ax not in groups]
     a = jnp.transpose(a, order + dropped)
     a = a.reshape(a.shape[: len(order)])
     ones = (1,) * other_free

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -48,8 +49,8 @@ PATHS = (
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     path: str
-    pair: int | None  # index into the contracting lists of the grouped axis pair
-    groups: int
+    # {index into the contracting lists: number of groups} of the grouped axis pairs.
+    groups: tuple[tuple[int, int], ...] = ()
 
 
 def _check_operand(x: Any, name: str) -> None:
@@ -91,32 +92,29 @@ def _plan(lhs, rhs, dimension_numbers) -> _Plan:
     lkind, lscale = _side_meta(lhs, lc, weight if side == "lhs" else None)
     rkind, rscale = _side_meta(rhs, rc, weight if side == "rhs" else None)
     if lkind == "float" and rkind == "float":
-        return _Plan("float", None, 1)
-    pairs, groups = [], []
+        return _Plan("float")
+    groups: dict[int, int] = {}
     for scale, contracting in ((lscale, lc), (rscale, rc)):
         if scale is None:
             continue
-        varying = _dims.varying_axes(scale, contracting)
-        if len(varying) > 1:
-            return _Plan("reference", None, 1)
-        if varying:
-            pairs.append(contracting.index(varying[0]))
-            groups.append(scale[varying[0]])
-    if len(set(pairs)) > 1:
-        return _Plan("reference", None, 1)
-    count = max(groups, default=1)
-    if any(count % g for g in groups):
-        return _Plan("reference", None, 1)
-    pair = pairs[0] if pairs else None
+        for pair, axis in enumerate(contracting):
+            count = scale[axis]
+            if count == 1:
+                continue
+            # Both sides' groups must nest; the finer grouping is used for both.
+            known = groups.get(pair, 1)
+            if max(known, count) % min(known, count):
+                return _Plan("reference")
+            groups[pair] = max(known, count)
     if "float" in (lkind, rkind):
-        path = "weight_only_grouped" if pair is not None else "weight_only_epilogue"
+        path = "weight_only_grouped" if groups else "weight_only_epilogue"
     elif lkind == rkind == "int":
         path = "int8_int32"
     elif lkind == rkind == "fp8":
         path = "fp8_f32"
     else:
         path = "codes_f32"
-    return _Plan(path, pair, count)
+    return _Plan(path, tuple(sorted(groups.items())))
 
 
 def dot_general_path(lhs: Any, rhs: Any, dimension_numbers: Any) -> str:
@@ -147,16 +145,17 @@ def _to_operands(lhs, rhs, dimension_numbers):
     return as_operand(lhs), as_operand(rhs)
 
 
-def _group_sums(op: Operand, contracting, axis: int | None, groups: int) -> jax.Array:
+def _group_sums(op: Operand, contracting, groups: dict[int, int]) -> jax.Array:
     """Sum of `op.values` over the contraction within each group, per-block shaped."""
     dtype = jnp.int32 if op.kind == "int" else jnp.float32
     values = op.values.astype(dtype)
-    others = tuple(a for a in contracting if a != axis)
+    others = tuple(a for a in contracting if a not in groups)
     sums = jnp.sum(values, axis=others, keepdims=True) if others else values
-    if axis is None:
+    if not groups:
         return sums
-    sums = _dims.split_axis(sums, axis, groups)
-    return jnp.sum(sums, axis=axis + 1)
+    sums = _dims.split_axes(sums, groups)
+    inner = tuple(a + 1 + sum(1 for g in groups if g < a) for a in groups)
+    return jnp.sum(sums, axis=inner)
 
 
 def _core_dtypes(lkind: str, rkind: str):
@@ -171,47 +170,47 @@ def _core_dtypes(lkind: str, rkind: str):
 def _fast(lhs_op: Operand, rhs_op: Operand, dimension_numbers, plan: _Plan, precision,
           out_dtype, out_sharding) -> jax.Array:
     (lc, rc), (lb, rb) = dimension_numbers
-    grouped = plan.pair is not None
-    laxis = lc[plan.pair] if grouped else None
-    raxis = rc[plan.pair] if grouped else None
+    pair_groups = dict(plan.groups)
+    lgroups = {lc[p]: g for p, g in plan.groups}
+    rgroups = {rc[p]: g for p, g in plan.groups}
     lvalues, rvalues = lhs_op.values, rhs_op.values
     ldtype, rdtype, acc_dtype = _core_dtypes(lhs_op.kind, rhs_op.kind)
     if ldtype is not None:
         lvalues, rvalues = lvalues.astype(ldtype), rvalues.astype(rdtype)
     core_dims = dimension_numbers
-    if grouped:
-        lvalues = _dims.split_axis(lvalues, laxis, plan.groups)
-        rvalues = _dims.split_axis(rvalues, raxis, plan.groups)
-        core_dims = _dims.grouped_dimension_numbers(dimension_numbers, plan.pair)
+    if pair_groups:
+        lvalues = _dims.split_axes(lvalues, lgroups)
+        rvalues = _dims.split_axes(rvalues, rgroups)
+        core_dims = _dims.grouped_dimension_numbers(dimension_numbers, pair_groups)
     acc = lax.dot_general(
         lvalues, rvalues, core_dims,
         precision=None if acc_dtype == jnp.int32 else precision,
         preferred_element_type=acc_dtype,
-        out_sharding=None if grouped else out_sharding,
+        out_sharding=None if pair_groups else out_sharding,
     ).astype(jnp.float32)
 
     lfree = len(_dims.free_axes(len(lhs_op.shape), lc, lb))
     rfree = len(_dims.free_axes(len(rhs_op.shape), rc, rb))
     to_l = functools.partial(_dims.side_to_output, shape=lhs_op.shape, contracting=lc, batch=lb,
-                             group_axis=laxis, groups=plan.groups, other_free=rfree, is_lhs=True)
+                             groups=lgroups, other_free=rfree, is_lhs=True)
     to_r = functools.partial(_dims.side_to_output, shape=rhs_op.shape, contracting=rc, batch=rb,
-                             group_axis=raxis, groups=plan.groups, other_free=lfree, is_lhs=False)
+                             groups=rgroups, other_free=lfree, is_lhs=False)
     lzero, rzero = lhs_op.zero_point, rhs_op.zero_point
     if rzero is not None:
-        lsum = _group_sums(lhs_op, lc, laxis, plan.groups).astype(jnp.float32)
+        lsum = _group_sums(lhs_op, lc, lgroups).astype(jnp.float32)
         acc = acc - to_r(rzero) * to_l(lsum)
     if lzero is not None:
-        rsum = _group_sums(rhs_op, rc, raxis, plan.groups).astype(jnp.float32)
+        rsum = _group_sums(rhs_op, rc, rgroups).astype(jnp.float32)
         acc = acc - to_l(lzero) * to_r(rsum)
     if lzero is not None and rzero is not None:
-        n = _dims.contracted_size(lhs_op.shape, lc) // plan.groups
+        n = _dims.contracted_size(lhs_op.shape, lc) // math.prod(pair_groups.values())
         acc = acc + float(n) * to_l(lzero) * to_r(rzero)
     if lhs_op.scale is not None:
         acc = acc * to_l(lhs_op.scale)
     if rhs_op.scale is not None:
         acc = acc * to_r(rhs_op.scale)
-    if grouped:
-        acc = jnp.sum(acc, axis=0)
+    if pair_groups:
+        acc = jnp.sum(acc, axis=tuple(range(len(pair_groups))))
     return acc.astype(out_dtype)
 
 
@@ -257,7 +256,7 @@ def dot_general_reference(
 
 def _forward(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
     plan = _plan(lhs, rhs, dimension_numbers)
-    if plan.path == "reference" or (plan.pair is not None and out_sharding is not None):
+    if plan.path == "reference" or (plan.groups and out_sharding is not None):
         return dot_general_reference(
             lhs, rhs, dimension_numbers, precision=precision,
             preferred_element_type=preferred_element_type, out_sharding=out_sharding,

@@ -1,14 +1,27 @@
 """Small models shared by the API tests (imported by the test modules)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import linen, nnx
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def init(key, shape, dtype=jnp.float32):
+    """Scaled normal init, compiled once per shape (Flax's default initializers run eagerly
+    op by op, which dominates the runtime of these small tests)."""
+    return jax.random.normal(key, shape, dtype) / jnp.sqrt(shape[0]).astype(dtype)
+
+
+def linear(a, b, *, rngs, **kwargs):
+    return nnx.Linear(a, b, kernel_init=init, rngs=rngs, **kwargs)
+
+
 class MLP(nnx.Module):
     def __init__(self, sizes, *, rngs):
         self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:], strict=True)]
+            [linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:], strict=True)]
         )
 
     def __call__(self, x):
@@ -23,8 +36,8 @@ class LinenMLP(linen.Module):
 
     @linen.compact
     def __call__(self, x):
-        x = jax.nn.relu(linen.Dense(self.hidden)(x))
-        return linen.Dense(self.out)(x)
+        x = jax.nn.relu(linen.Dense(self.hidden, kernel_init=init)(x))
+        return linen.Dense(self.out, kernel_init=init)(x)
 
 
 class Block(nnx.Module):
@@ -33,14 +46,14 @@ class Block(nnx.Module):
     def __init__(self, dim=64, heads=4, hidden=128, *, rngs):
         self.heads = heads
         self.norm1 = nnx.RMSNorm(dim, rngs=rngs)
-        self.q = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
-        self.k = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
-        self.v = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
-        self.o = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
+        self.q = linear(dim, dim, use_bias=False, rngs=rngs)
+        self.k = linear(dim, dim, use_bias=False, rngs=rngs)
+        self.v = linear(dim, dim, use_bias=False, rngs=rngs)
+        self.o = linear(dim, dim, use_bias=False, rngs=rngs)
         self.norm2 = nnx.RMSNorm(dim, rngs=rngs)
-        self.gate = nnx.Linear(dim, hidden, use_bias=False, rngs=rngs)
-        self.up = nnx.Linear(dim, hidden, use_bias=False, rngs=rngs)
-        self.down = nnx.Linear(hidden, dim, use_bias=False, rngs=rngs)
+        self.gate = linear(dim, hidden, use_bias=False, rngs=rngs)
+        self.up = linear(dim, hidden, use_bias=False, rngs=rngs)
+        self.down = linear(hidden, dim, use_bias=False, rngs=rngs)
 
     def __call__(self, x):
         b, t, d = x.shape

@@ -20,3 +20,8 @@ def mlp_input():
 @pytest.fixture(scope="session")
 def block():
     return Block(rngs=nnx.Rngs(2))
+
+
+@pytest.fixture(scope="session")
+def mlp_output(mlp, mlp_input):
+    return mlp(mlp_input)

@@ -2,6 +2,7 @@
 
 import ast
 import dataclasses
+import doctest
 import json
 import os
 import pathlib
@@ -16,6 +17,7 @@ import pytest
 import lowbit.io
 from lowbit.formats import FORMATS
 from lowbit.io import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
+from lowbit.io import _atomic as atomic_module
 from lowbit.io import _checkpoint as checkpoint_module
 from lowbit.qarray import Fixed, PerGroup, PerToken, QArray, QuantConfig, quantize
 
@@ -227,6 +229,18 @@ def test_recipe_mismatch_and_match(good, tmp_path):
     _assert_same(loaded, good[1])
 
 
+def test_recipe_objects(tmp_path):
+    from lowbit.recipes import preset
+
+    int8, int4 = preset("int8_weight_only"), preset("int4_weight_only")
+    save_checkpoint(tmp_path / "ck", {"b": jnp.ones(2)}, recipe=int8)
+    assert json.loads(read_manifest(tmp_path / "ck")["recipe"]) == json.loads(int8.to_json())
+    load_checkpoint(tmp_path / "ck", recipe=preset("int8_weight_only"))
+    _expect(tmp_path / "ck", "recipe mismatch", recipe=int4)
+    save_checkpoint(tmp_path / "plain", {"b": jnp.ones(2)})
+    _expect(tmp_path / "plain", "written with recipe none", recipe=int8)
+
+
 def test_shape_not_matching_like(good):
     like = {"w": jax.ShapeDtypeStruct((8, 63), jnp.float32), "b": jnp.ones((4,))}
     _expect(good[0], r"leaf 'w' has shape \(8, 64\), but like= expects \(8, 63\)", like=like)
@@ -282,7 +296,7 @@ def test_unstorable_leaves_name_their_path(tmp_path):
 # --- atomic writes --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage", ["write_safetensors", "_write_json", "_swap_in"])
+@pytest.mark.parametrize("stage", ["write_safetensors", "write_json", "replace_directory"])
 def test_failed_write_leaves_old_checkpoint(good, tmp_path, monkeypatch, stage):
     path = _copy(good, tmp_path)
     before = {p.name: p.read_bytes() for p in path.iterdir()}
@@ -307,10 +321,34 @@ def test_overwrite_replaces_whole_checkpoint(good, tmp_path):
 
 def test_overwrite_without_atomic_exchange(good, tmp_path, monkeypatch):
     path = _copy(good, tmp_path)
-    monkeypatch.setattr(checkpoint_module, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic_module, "exchange", lambda a, b: False)
     save_checkpoint(path, {"other": jnp.zeros(3)})
     _assert_same(load_checkpoint(path), {"other": jnp.zeros(3)})
     assert sorted(os.listdir(tmp_path)) == ["bad"]
+
+
+def test_fallback_swap_restores_old_checkpoint_on_failure(good, tmp_path, monkeypatch):
+    path = _copy(good, tmp_path)
+    monkeypatch.setattr(atomic_module, "exchange", lambda a, b: False)
+    real_rename, calls = os.rename, []
+
+    def flaky_rename(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:  # moving the new checkpoint into place
+            raise OSError("rename failed")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", flaky_rename)
+    with pytest.raises(OSError, match="rename failed"):
+        save_checkpoint(path, {"other": jnp.zeros(3)})
+    monkeypatch.undo()
+    _assert_same(load_checkpoint(path), good[1])
+    assert sorted(os.listdir(tmp_path)) == ["bad"]
+
+
+def test_docstring_example_runs():
+    result = doctest.testmod(checkpoint_module)
+    assert result.attempted >= 5 and result.failed == 0
 
 
 # --- no pickle, no code ---------------------------------------------------------------------

@@ -45,16 +45,17 @@ struct WoArgs {
 
 // w8a8 weights: panels of 16 columns, [P][KQ][16][4] int8 where KQ = ceil(K / 4): the 4
 // bytes of a column for k-quad q are contiguous, so one 64-byte load feeds a u8 x s8 dot.
-// Activations are u8 (q + 128) packed per row as `act_words` u32 per k-quad (see dispatch).
+// Activations are u8 (q + 128) in tiles of `act_rows` rows, [M/rows][kq][rows][act_words] u32.
 struct Q8Args {
   int64_t kq;            // k-quads
-  const uint32_t* xa;    // packed activations [M][kq * act_words]
+  const uint32_t* xa;    // packed activations (see above)
   const int8_t* w;       // [P][kq][16][4]
 };
 
 struct IsaKernels {
   const char* name;
-  int act_words;
+  int act_words;  // u32 words per k-quad of packed activations
+  int act_rows;   // activations are packed in tiles of this many rows (see PackAct)
   // C[m0:m1, 16*p0 : 16*p1] (ldc floats per row, C points at (m0, 16*p0)) = x @ W * scale,
   // without bias.
   void (*wo)(const WoArgs&, int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* c,

@@ -176,15 +176,19 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
-// Packs u8 activation codes (q + 128) of one row into the ISA's word layout.
-void PackActRow(const uint8_t* u, int64_t kq, int act_words, uint32_t* dst) {
+// Packs u8 activation codes (q + 128) of row m into the ISA's layout: tiles of `rows` rows,
+// [M / rows][kq][rows][act_words] u32, so a kernel tile reads one contiguous stream.
+void PackActRow(const uint8_t* u, int64_t m, int64_t kq, const IsaKernels& isa, uint32_t* xa) {
+  const int64_t rows = isa.act_rows, aw = isa.act_words;
+  uint32_t* dst = xa + (m / rows) * kq * rows * aw + (m % rows) * aw;
+  const int64_t step = rows * aw;
   for (int64_t q = 0; q < kq; ++q) {
     const uint32_t b0 = u[4 * q], b1 = u[4 * q + 1], b2 = u[4 * q + 2], b3 = u[4 * q + 3];
-    if (act_words == 1) {
-      dst[q] = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
+    if (aw == 1) {
+      dst[q * step] = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
     } else {
-      dst[2 * q] = b0 | (b2 << 16);
-      dst[2 * q + 1] = b1 | (b3 << 16);
+      dst[q * step] = b0 | (b2 << 16);
+      dst[q * step + 1] = b1 | (b3 << 16);
     }
   }
 }
@@ -212,7 +216,8 @@ ffi::Error Q8Run(ffi::ThreadPool& pool, Q8Mode mode, const Q8Inputs& in, int64_t
   const int aw = isa->act_words;
   const int64_t workers = WorkersFor(pool, m, 4 * kq, panels * kPanel);
 
-  std::vector<uint32_t> xa(m * kq * aw);
+  const int64_t padded_m = (m + isa->act_rows - 1) / isa->act_rows * isa->act_rows;
+  std::vector<uint32_t> xa(padded_m * kq * aw);
   std::vector<float> xs(mode == Q8Mode::kFloatIn ? m : 0);
   ParallelFor(pool, m >= 64 ? workers : 1, m, [&](int64_t r) {
     std::vector<uint8_t> u(4 * kq, 128);
@@ -234,7 +239,7 @@ ffi::Error Q8Run(ffi::ThreadPool& pool, Q8Mode mode, const Q8Inputs& in, int64_t
       const int8_t* src = static_cast<const int8_t*>(in.x) + r * k;
       for (int64_t i = 0; i < k; ++i) u[i] = static_cast<uint8_t>(src[i] + 128);
     }
-    PackActRow(u.data(), kq, aw, xa.data() + r * kq * aw);
+    PackActRow(u.data(), r, kq, *isa, xa.data());
   });
 
   Q8Args a;

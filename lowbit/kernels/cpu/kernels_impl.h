@@ -14,10 +14,18 @@ constexpr int64_t kSmallM = 16;
 // K-block in k-quads for w8a8.
 constexpr int64_t kQ8Kq = 512;
 
+// Tables for 4-bit kinds decoded by lookup (kLutNibbles): int4 codes are stored offset-binary,
+// so entry i is i - 8 and the stored zero point (8) is not needed; uint4 entry i is i.
+alignas(64) static const float kInt4Table[16] = {-8, -7, -6, -5, -4, -3, -2, -1,
+                                                 0,  1,  2,  3,  4,  5,  6,  7};
+alignas(64) static const float kUint4Table[16] = {0, 1, 2,  3,  4,  5,  6,  7,
+                                                  8, 9, 10, 11, 12, 13, 14, 15};
+
 template <int KIND>
 struct Deq {
   static constexpr int PB = (KIND == kInt8 || KIND == kFp8) ? 32 : 16;
-  static constexpr bool kZp = (KIND == kInt4 || KIND == kUint4);
+  static constexpr bool kLut = KIND == kNf4 || (kLutNibbles && (KIND == kInt4 || KIND == kUint4));
+  static constexpr bool kZp = KIND == kUint4 || (KIND == kInt4 && !kLutNibbles);
   static constexpr float kScaleMul = (KIND == kFp8) ? 256.0f : 1.0f;
   static inline void pair(const uint8_t* p, const Lut& l, V& w0, V& w1) {
     (void)l;
@@ -27,7 +35,7 @@ struct Deq {
     } else if constexpr (KIND == kFp8) {
       w0 = deq_fp8(p);
       w1 = deq_fp8(p + 16);
-    } else if constexpr (KIND == kNf4) {
+    } else if constexpr (kLut) {
       deq_lut(p, l, w0, w1);
     } else {
       deq_nib(p, w0, w1);
@@ -125,7 +133,9 @@ static void wo_dequant_block(const WoArgs& a, const uint8_t* pan, int64_t np, in
   }
 }
 
-// C[MR x NP*16] (+)= x[MR x kc] @ buf[kc x NP*16].
+// C[MR x NP*16] (+)= x @ buf[kc x NP*16], x packed k-major as xt[kc][ldx] (row r of the
+// tile at xt[k * ldx + r]): one contiguous activation stream instead of MR rows whose equal
+// power-of-two strides would fight over the same L1 sets.
 template <int MR, int NP>
 static void f32_tile(const float* x, int64_t ldx, const float* buf, int64_t ldb, int64_t kc,
                      float* c, int64_t ldc, bool first) {
@@ -136,7 +146,7 @@ static void f32_tile(const float* x, int64_t ldx, const float* buf, int64_t ldb,
     V w[NP];
     for (int j = 0; j < NP; ++j) w[j] = vload(buf + k * ldb + j * kPanel);
     for (int r = 0; r < MR; ++r) {
-      const V xv = vbcast(x[r * ldx + k]);
+      const V xv = vbcast(x[k * ldx + r]);
       for (int j = 0; j < NP; ++j) acc[r][j] = vfmadd(xv, w[j], acc[r][j]);
     }
   }
@@ -162,20 +172,28 @@ static void wo_run_blocked(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, 
   const int64_t gblk = std::max<int64_t>(1, kWoKc / a.gs);
   const int64_t ldb = kFNP * kPanel;
   std::vector<float> buf(gblk * a.gs * ldb);
+  const int64_t tiles = (m1 - m0 + kFMR - 1) / kFMR;
+  std::vector<float> xt(tiles * gblk * a.gs * kFMR, 0.0f);
   for (int64_t g0 = 0; g0 < a.groups; g0 += gblk) {
     const int64_t g1 = std::min(a.groups, g0 + gblk);
     const int64_t kc = (g1 - g0) * a.gs;
+    // Activation block as [tile][k][kFMR].
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* src = a.x + m * a.kp + g0 * a.gs;
+      float* dst = xt.data() + ((m - m0) / kFMR) * kc * kFMR + (m - m0) % kFMR;
+      for (int64_t k = 0; k < kc; ++k) dst[k * kFMR] = src[k];
+    }
     for (int64_t p = p0; p < p1; p += kFNP) {
       const int64_t np = std::min<int64_t>(kFNP, p1 - p);
       wo_dequant_block<KIND>(a, a.blob + p * a.panel_bytes, np, g0, g1, lut, buf.data(), ldb);
       for (int64_t m = m0; m < m1; m += kFMR) {
         const int64_t mr = std::min<int64_t>(kFMR, m1 - m);
-        const float* x = a.x + m * a.kp + g0 * a.gs;
+        const float* x = xt.data() + ((m - m0) / kFMR) * kc * kFMR;
         float* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
         if (np == kFNP) {
-          f32_tile_rows<kFMR, kFNP>(mr, x, a.kp, buf.data(), ldb, kc, cc, ldc, g0 == 0);
+          f32_tile_rows<kFMR, kFNP>(mr, x, kFMR, buf.data(), ldb, kc, cc, ldc, g0 == 0);
         } else {
-          f32_tile_rows<kFMR, 1>(mr, x, a.kp, buf.data(), ldb, kc, cc, ldc, g0 == 0);
+          f32_tile_rows<kFMR, 1>(mr, x, kFMR, buf.data(), ldb, kc, cc, ldc, g0 == 0);
         }
       }
     }
@@ -185,7 +203,7 @@ static void wo_run_blocked(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, 
 template <int KIND>
 static void wo_run_kind(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1,
                         float* c, int64_t ldc) {
-  const Lut lut = make_lut(a.lut);
+  const Lut lut = make_lut(KIND == kNf4 ? a.lut : KIND == kInt4 ? kInt4Table : kUint4Table);
   if (m1 - m0 > kSmallM) {
     wo_run_blocked<KIND>(a, m0, m1, p0, p1, c, ldc, lut);
     return;
@@ -239,14 +257,14 @@ static void q8_tile(const Q8Args& a, const uint32_t* xa, const int8_t* w, int64_
   VI acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NP; ++j) acc[r][j] = first ? izero() : iload(c + r * ldc + j * kPanel);
-  const int64_t lda = a.kq * kActWords;
   const int64_t pstride = a.kq * 64;
   for (int64_t q = q0; q < q1; ++q) {
+    const uint32_t* xq = xa + q * (kQMR * kActWords);
     for (int j = 0; j < NP; ++j) {
       const int8_t* p = w + j * pstride + q * 64;
       __builtin_prefetch(p + kPrefetch);
       const WQ wq = wq_load(p);
-      for (int r = 0; r < MR; ++r) acc[r][j] = idot(acc[r][j], wq, xa + r * lda + q * kActWords);
+      for (int r = 0; r < MR; ++r) acc[r][j] = idot(acc[r][j], wq, xq + r * kActWords);
     }
   }
   for (int r = 0; r < MR; ++r)
@@ -268,7 +286,8 @@ static inline void q8_tile_rows(int64_t mr, const Q8Args& a, const uint32_t* xa,
 static void q8_run(const Q8Args& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int32_t* c,
                    int64_t ldc) {
   const int64_t qblk = (m1 - m0 <= kSmallM) ? a.kq : kQ8Kq;
-  const int64_t lda = a.kq * kActWords;
+  // Activations come in tiles of kQMR rows: [M / kQMR][kq][kQMR][kActWords].
+  const int64_t tile_words = a.kq * kQMR * kActWords;
   for (int64_t q0 = 0; q0 < a.kq; q0 += qblk) {
     const int64_t q1 = std::min(a.kq, q0 + qblk);
     for (int64_t p = p0; p < p1; p += kQNP) {
@@ -278,9 +297,11 @@ static void q8_run(const Q8Args& a, int64_t m0, int64_t m1, int64_t p0, int64_t 
         const int64_t mr = std::min<int64_t>(kQMR, m1 - m);
         int32_t* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
         if (np == kQNP) {
-          q8_tile_rows<kQMR, kQNP>(mr, a, a.xa + m * lda, w, q0, q1, cc, ldc, q0 == 0);
+          q8_tile_rows<kQMR, kQNP>(mr, a, a.xa + m / kQMR * tile_words, w, q0, q1, cc, ldc,
+                                   q0 == 0);
         } else {
-          q8_tile_rows<kQMR, 1>(mr, a, a.xa + m * lda, w, q0, q1, cc, ldc, q0 == 0);
+          q8_tile_rows<kQMR, 1>(mr, a, a.xa + m / kQMR * tile_words, w, q0, q1, cc, ldc,
+                                q0 == 0);
         }
       }
     }

@@ -7,6 +7,8 @@ constexpr int kNP = 1;
 constexpr int kQMR = 4;
 constexpr int kFMR = 4;  // rows per float GEMM tile (large M)
 constexpr int kFNP = 1;
+// Decode 4-bit int4/uint4 codes with the 16-entry table lookup (else integer convert).
+constexpr bool kLutNibbles = false;
 constexpr int kQNP = 1;
 
 struct V {

@@ -8,6 +8,8 @@ constexpr int kNP = 2;    // panels per tile
 constexpr int kQMR = 8;
 constexpr int kFMR = 8;  // rows per float GEMM tile (large M)
 constexpr int kFNP = 2;
+// Decode 4-bit int4/uint4 codes with the 16-entry table lookup (else integer convert).
+constexpr bool kLutNibbles = true;
 constexpr int kQNP = 2;
 
 using V = __m512;
