@@ -11,7 +11,6 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
-import sys
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -34,11 +33,9 @@ def _extensions() -> list[Extension]:
     sources = sorted(
         os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "lowbit/kernels/cpu/*.cc"))
     )
-    if sys.platform == "win32":
-        args = ["/std:c++17", "/O2"]
-    else:
-        # fp-contract=off: epilogues must round like the reference (mul then add).
-        args = ["-std=c++17", "-O3", "-ffp-contract=off", "-fvisibility=hidden"]
+    # fp-contract=off: epilogues must round like the reference (mul, then add). GCC or Clang:
+    # the per-ISA files rely on their target pragmas and builtins.
+    args = ["-std=c++17", "-O3", "-ffp-contract=off", "-fvisibility=hidden"]
     return [
         Extension(
             "lowbit.kernels._cpu_kernels",

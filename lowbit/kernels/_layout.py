@@ -15,7 +15,9 @@ Weight-only kinds (`data`: uint8 `[P, G * group_bytes]`): each panel is G groups
   nibble k = 2t + 1. int4 codes are stored offset-binary (code ^ 8) with zero point 8, so
   signed and asymmetric 4-bit share one unpack; nf4 stores indices, zero point 0.
 - 8-bit kinds (PB = 32): 16 bytes for k = 2t (one per column) then 16 for k = 2t + 1;
-  int8 as two's complement, fp8 as raw e4m3fn bits. Zero point 0.
+  int8 as two's complement, fp8 as raw e4m3fn bits. Zero point 0. (The kernels decode fp8
+  by moving bits into a float16, so the e4m3fn NaN codes read as +-480 instead of NaN;
+  quantizers never produce them.)
 
 w8a8 (`data`: int8 `[P, KQ * 64]`, KQ = ceil(K / 4)): panel p is `[KQ][16][4]`, the four
 k-consecutive codes of a column adjacent, as a u8 x s8 dot-product instruction reads them.

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from tokenizers import Tokenizer
 
 from ._assets import smollm2_gguf_path
@@ -30,6 +32,27 @@ _LAYER_TENSORS = {
 
 # Tensors llama.cpp may store that this model does not use (precomputed rotary tables).
 _UNUSED = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
+
+
+class _Dequantized(Mapping[str, np.ndarray]):
+    """A GGUF file's tensors as float32, dequantized only when looked up."""
+
+    def __init__(self, gguf_file: GGUFFile):
+        self._file = gguf_file
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._file.tensors:
+            raise KeyError(name)
+        return self._file.tensors[name].dequantize()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._file.tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file.tensors)
+
+    def __len__(self) -> int:
+        return len(self._file.tensors)
 
 
 def llama_config_from_gguf(gguf_file: GGUFFile) -> LlamaConfig:
@@ -102,7 +125,7 @@ def load_llama_gguf(
     unknown = [n for n in gguf_file.tensors if n not in mapping and not _UNUSED.match(n)]
     if unknown:
         raise ValueError(f"GGUF file {gguf_file.path!r} has unexpected tensor {unknown[0]!r}")
-    arrays = {name: gguf_file.tensor(name).dequantize() for name in mapping}
+    arrays = _Dequantized(gguf_file)
     model = Llama.abstract(config, dtype=dtype, param_dtype=dtype)
     assign_params(model, arrays, mapping, dtype)
     return model, tokenizer_from_gguf(gguf_file.metadata)

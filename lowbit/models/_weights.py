@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-Path = tuple[str | int, ...]
+ParamPath = tuple[str | int, ...]
 
 
-def path_str(path: Path) -> str:
+def path_str(path: ParamPath) -> str:
     """``("layers", 3, "attn", "q_proj", "kernel")`` -> ``"layers/3/attn/q_proj/kernel"``."""
     return "/".join(str(p) for p in path)
 
@@ -45,7 +45,7 @@ class ParamMapping:
       unpermute_heads: if set, first apply `unpermute_rope_rows` with this many heads.
     """
 
-    path: Path
+    path: ParamPath
     transpose: bool = False
     unpermute_heads: int | None = None
 
@@ -56,11 +56,13 @@ class ParamMapping:
         return w.T if self.transpose else w
 
 
-def _variable_at(module: nnx.Module, path: Path) -> nnx.Variable:
+def _variable_at(module: nnx.Module, path: ParamPath) -> nnx.Variable:
     node: Any = module
     for part in path:
-        node = node[part] if isinstance(part, int) else getattr(node, part, None)
-        if node is None:
+        try:
+            node = node[part] if isinstance(part, int) else getattr(node, part)
+        except (AttributeError, IndexError, TypeError):
+            node = None
             break
     if not isinstance(node, nnx.Variable):
         raise ValueError(f"module has no parameter at path {path_str(path)!r}")
@@ -74,6 +76,9 @@ def assign_params(
     dtype: Any,
 ) -> nnx.Module:
     """Fill `module`'s parameters from checkpoint `arrays` (by checkpoint name) via `mapping`.
+
+    `arrays` is read one name at a time, so a lazy mapping keeps only one float tensor alive
+    besides the module's parameters.
 
     Every mapped name must be present and every parameter of `module` must be filled; the
     ValueError names the first tensor or parameter that is missing or mis-shaped.

@@ -77,7 +77,9 @@ def _quantize_params(params, fmt):
             return leaf
         if "Conv" in name:  # [h, w, in, out]: one scale per output channel
             return jit_quantize(leaf, fmt, PerChannel((-1,)))
-        if fmt == "int8":  # per output channel (and per layer / expert of stacked kernels)
+        # Per output channel (and per layer / expert of stacked kernels); int4 experts too,
+        # as ragged_dot with grouped scales is a dequantizing reference path in lowbit.ops.
+        if fmt == "int8" or "w_" in name:
             return jit_quantize(leaf, "int8", PerChannel((*range(leaf.ndim - 2), leaf.ndim - 1)))
         return jit_quantize(leaf, "int4", PerGroup(8, axis=leaf.ndim - 2))
 
