@@ -18,6 +18,7 @@ BENCH_FILE = "bench.json"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds this command's arguments to its sub-parser."""
     parser.add_argument(
         "target",
         metavar="DIR|MODEL",
@@ -37,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Runs the command with parsed `args`; returns the exit status (errors raise)."""
     if args.decode_steps < 1:
         raise ValueError(f"--decode-steps={args.decode_steps} must be >= 1")
     with progress() as bar:

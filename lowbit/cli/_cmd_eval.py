@@ -17,6 +17,7 @@ EVAL_FILE = "eval.json"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds this command's arguments to its sub-parser."""
     parser.add_argument(
         "target",
         metavar="DIR|MODEL",
@@ -54,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Runs the command with parsed `args`; returns the exit status (errors raise)."""
     if args.max_tokens < 1 or args.context < 2:
         raise ValueError(
             f"--max-tokens={args.max_tokens} must be >= 1 and --context={args.context} >= 2"

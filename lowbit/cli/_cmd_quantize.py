@@ -13,6 +13,7 @@ HELP = "quantize a model by a recipe and write a checkpoint directory"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds this command's arguments to its sub-parser."""
     parser.add_argument(
         "model",
         metavar="MODEL",
@@ -28,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Runs the command with parsed `args`; returns the exit status (errors raise)."""
     from flax import nnx
 
     from lowbit.io import save_checkpoint

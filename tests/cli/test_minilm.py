@@ -109,3 +109,13 @@ def test_report_writes_table_json_and_plots(recipe_file_checkpoint, capsys):
     assert all(15.0 < v < 35.0 for v in sqnr["weight"].values() if v is not None)
     for name in ("layer_sqnr.png", "size_vs_quality.png"):
         assert (recipe_file_checkpoint / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_json_reports_encoder_throughput(int8_checkpoint, capsys):
+    capsys.readouterr()
+    assert main(["bench", str(int8_checkpoint), "--json"]) == 0
+    result = _last_json(capsys.readouterr().out)
+    assert result["recipe"] == "int8w" and result["prefill_tokens_per_s"] > 0
+    assert result["decode_tokens_per_s"] is None  # encoders do not decode
+    assert result["prefill_tokens"] > 32  # the 32 default sentences, several tokens each
+    assert json.loads((int8_checkpoint / "bench.json").read_text())["size_bytes"] > 0

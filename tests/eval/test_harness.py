@@ -20,9 +20,16 @@ LLAMA = LlamaConfig(
 CONTEXT = 16
 
 
+def _init(build):
+    """Builds a random model inside one jit: eager initialisation runs op by op and is slow."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: build(nnx.Rngs(0))))
+    state = jax.jit(lambda: nnx.state(build(nnx.Rngs(0))))()
+    return nnx.merge(graphdef, state)
+
+
 @pytest.fixture(scope="module")
 def llama():
-    model = Llama(LLAMA, rngs=nnx.Rngs(0))
+    model = _init(lambda rngs: Llama(LLAMA, rngs=rngs))
     runner, params = lm_runner(model)
     tokens = np.asarray(jax.random.randint(jax.random.key(1), (3 * CONTEXT + 1,), 0, 64))
     return model, runner, params, tokens
@@ -75,14 +82,16 @@ class _CharTokenizer:
 
 def test_encoder_runner_embeds_like_the_model():
     config = BertConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, ffn_dim=32, max_positions=64)
-    model = Bert(config, rngs=nnx.Rngs(0))
+    model = _init(lambda rngs: Bert(config, rngs=rngs))
     tokenizer = _CharTokenizer()
     runner, params = encoder_runner(model, tokenizer, mean_pool)
     sentences = ["hello there", "a much longer sentence than that", "x"]
     tokens, mask = pad_batch(tokenizer, sentences)
     assert tokens.shape == (3, 32) and mask.sum(axis=1).tolist() == [11, 32, 1]
     embeddings = runner.embed(params, sentences)
-    expected = mean_pool(model(jnp.asarray(tokens), jnp.asarray(mask)), jnp.asarray(mask))
+    graphdef = nnx.graphdef(model)
+    apply = jax.jit(lambda state, t, m: mean_pool(nnx.merge(graphdef, state)(t, m), m))
+    expected = apply(params, jnp.asarray(tokens), jnp.asarray(mask))
     np.testing.assert_allclose(embeddings, np.asarray(expected), atol=1e-5)
     np.testing.assert_allclose(np.linalg.norm(embeddings, axis=1), 1.0, atol=1e-5)
     quantized = quantize_params(nnx.to_pure_dict(params), preset("int8w"))

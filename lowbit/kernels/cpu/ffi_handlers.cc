@@ -32,6 +32,8 @@ namespace {
 
 // Row blocks for large M: small enough that a block of packed activations stays in L2.
 constexpr int64_t kRowBlock = 64;
+// Panel chunks per worker (see SplitWork).
+constexpr int64_t kChunksPerWorker = 4;
 // Below this many multiply-adds the fork/join costs more than it saves.
 constexpr int64_t kMinParallelMacs = int64_t{1} << 18;
 
@@ -81,13 +83,16 @@ struct Task {
   int64_t m0, m1, p0, p1;
 };
 
-// Splits M x P into tasks: panel ranges (one contiguous weight stream per worker), times
-// row blocks when M is large so the activation block stays cache resident.
+// Splits M x P into tasks: contiguous panel ranges (each one weight stream), times row
+// blocks when M is large so the activation block stays cache resident. A few chunks per
+// worker, claimed dynamically, keep the split balanced when a worker is descheduled or starts
+// late (a busy machine), at little cost to stream length.
 std::vector<Task> SplitWork(int64_t m, int64_t panels, int64_t workers, int64_t pair) {
   std::vector<Task> tasks;
   const int64_t row_block = m <= 16 ? m : kRowBlock;
-  int64_t chunks = std::min<int64_t>(workers, (panels + pair - 1) / pair);
-  if (panels < 2 * workers && m > 16) chunks = 1;  // too few columns: split rows only
+  const int64_t per_worker = workers > 1 ? kChunksPerWorker : 1;
+  int64_t chunks = std::min<int64_t>(workers * per_worker, (panels + pair - 1) / pair);
+  if (panels < 2 * workers * per_worker && m > 16) chunks = 1;  // few columns: split rows
   for (int64_t r = 0; r < m; r += row_block) {
     for (int64_t c = 0; c < chunks; ++c) {
       int64_t p0 = panels * c / chunks, p1 = panels * (c + 1) / chunks;

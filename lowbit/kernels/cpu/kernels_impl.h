@@ -208,22 +208,26 @@ static void wo_run_kind(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int
     wo_run_blocked<KIND>(a, m0, m1, p0, p1, c, ldc, lut);
     return;
   }
-  // Small M: unpack in registers straight into the products, one pass over all of K.
-  {
-    const int64_t g0 = 0, g1 = a.groups;
-    for (int64_t p = p0; p < p1; p += kNP) {
-      const int64_t np = std::min<int64_t>(kNP, p1 - p);
-      const uint8_t* pan = a.blob + p * a.panel_bytes;
-      for (int64_t m = m0; m < m1; m += kMR) {
-        const int64_t mr = std::min<int64_t>(kMR, m1 - m);
-        const float* x = a.x + m * a.kp;
-        const float* sx = a.sumx + m * a.groups;
-        float* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
-        if (np == kNP) {
-          wo_tile_rows<KIND, kMR, kNP>(mr, a, x, sx, pan, g0, g1, cc, ldc, true, lut);
-        } else {
-          wo_tile_rows<KIND, kMR, 1>(mr, a, x, sx, pan, g0, g1, cc, ldc, true, lut);
-        }
+  // Small M: unpack in registers straight into the products, one pass over all of K. Up to
+  // kMR rows take kNP panels per tile; more rows (up to kMRWide) take one panel per tile so
+  // the weight stream is still read once.
+  const bool wide = m1 - m0 > kMR;
+  const int64_t rows = wide ? kMRWide : kMR;
+  const int64_t step = wide ? 1 : kNP;
+  for (int64_t p = p0; p < p1; p += step) {
+    const int64_t np = std::min<int64_t>(step, p1 - p);
+    const uint8_t* pan = a.blob + p * a.panel_bytes;
+    for (int64_t m = m0; m < m1; m += rows) {
+      const int64_t mr = std::min<int64_t>(rows, m1 - m);
+      const float* x = a.x + m * a.kp;
+      const float* sx = a.sumx + m * a.groups;
+      float* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
+      if (wide) {
+        wo_tile_rows<KIND, kMRWide, 1>(mr, a, x, sx, pan, 0, a.groups, cc, ldc, true, lut);
+      } else if (np == kNP) {
+        wo_tile_rows<KIND, kMR, kNP>(mr, a, x, sx, pan, 0, a.groups, cc, ldc, true, lut);
+      } else {
+        wo_tile_rows<KIND, kMR, 1>(mr, a, x, sx, pan, 0, a.groups, cc, ldc, true, lut);
       }
     }
   }

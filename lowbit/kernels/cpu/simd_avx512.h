@@ -5,6 +5,7 @@
 
 constexpr int kMR = 4;    // activation rows per weight-only tile
 constexpr int kNP = 2;    // panels per tile
+constexpr int kMRWide = 8;  // rows per single-panel tile when M > kMR (small M)
 constexpr int kQMR = 8;
 constexpr int kFMR = 8;  // rows per float GEMM tile (large M)
 constexpr int kFNP = 2;

@@ -3,6 +3,7 @@
 
 constexpr int kMR = 2;
 constexpr int kNP = 1;
+constexpr int kMRWide = 2;  // rows per single-panel tile when M > kMR (small M)
 constexpr int kQMR = 2;
 constexpr int kFMR = 2;  // rows per float GEMM tile (large M)
 constexpr int kFNP = 1;

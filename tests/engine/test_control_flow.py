@@ -1,0 +1,124 @@
+"""Quantized values through scan (xs, consts, carry), while, cond/switch and shard_map."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from engine_helpers import jit_dequantize, jit_quantize
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from lowbit.engine import EngineFallbackError, EngineReport, interpret, trace_report
+from lowbit.qarray import PerChannel, PerGroup, PerTensor, QArray
+
+_K = jax.random.split(jax.random.PRNGKey(2), 3)
+STACK = jax.random.normal(_K[0], (3, 16, 16)) / 4
+W = jax.random.normal(_K[1], (16, 16)) / 4
+X = jax.random.normal(_K[2], (4, 16))
+
+Q_STACK = jit_quantize(STACK, "int4", PerGroup(8, axis=1))  # scale [3, 2, 16]: one per layer
+Q_STACK_SHARED = jit_quantize(STACK, "int8", PerTensor())  # scale [1, 1, 1]: shared by layers
+Q_W = jit_quantize(W, "int8", PerChannel((-1,)))
+
+
+def scan_layers(stack, w, x):
+    def body(h, layer):
+        return jnp.tanh(h @ layer) @ w, jnp.sum(h)  # `w` is a scan const
+
+    h, sums = jax.lax.scan(body, x, stack)
+    return h, sums
+
+
+def carry_weight(w, x):
+    def body(carry, _):
+        h, weight = carry
+        return (jnp.tanh(h @ weight), weight), None  # the weight rides in the carry
+
+    (h, weight), _ = jax.lax.scan(body, (x, w), None, length=3)
+    return h, weight
+
+
+def while_model(w, x):
+    def cond(state):
+        i, h, _ = state
+        return (i < 4) & (jnp.max(jnp.abs(h)) < 1e3)
+
+    def body(state):
+        i, h, weight = state
+        return i + 1, jnp.tanh(h @ weight) @ w.T, weight
+
+    return jax.lax.while_loop(cond, body, (0, x, w))[1]
+
+
+def cond_model(w, x, flag):
+    return jax.lax.cond(flag, lambda w, x: x @ w, lambda w, x: x @ w.T * 2, w, x)
+
+
+def switch_model(w, x, index):
+    return jax.lax.switch(index, [lambda w, x: x @ w, lambda w, x: -(x @ w), lambda w, x: x], w, x)
+
+
+def _check(fn, args, deq_args, expected_dots):
+    report = EngineReport()
+    out = jax.jit(interpret(fn, strict=True, report=report))(*args)
+    ref = jax.jit(fn)(*deq_args)
+    assert report.fallbacks == {} and report.materialized == 0
+    assert sum(report.quantized_ops.values()) == expected_dots
+    is_q = lambda v: isinstance(v, QArray)
+    for got, want in zip(jax.tree.leaves(out, is_leaf=is_q), jax.tree.leaves(ref), strict=True):
+        got = got.dequantize() if isinstance(got, QArray) else got
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    return out
+
+
+@pytest.mark.parametrize("stack", [Q_STACK, Q_STACK_SHARED], ids=["per_layer", "shared"])
+def test_scan_over_stacked_quantized_layers(stack):
+    _check(scan_layers, (stack, Q_W, X), jit_dequantize((stack, Q_W, X)), 2)
+
+
+def test_quantized_weight_in_scan_carry_stays_packed():
+    h, weight = _check(carry_weight, (Q_W, X), (Q_W.dequantize(), X), 1)
+    assert isinstance(weight, QArray) and weight.codes.dtype == jnp.int8
+
+
+def test_carry_that_changes_type_is_dequantized_once_and_counted():
+    def doubling(w, x):
+        return jax.lax.scan(lambda c, _: (c * 2, None), w, None, length=2)[0] @ x.T
+
+    report = trace_report(doubling, Q_W, X)
+    assert report.fallbacks == {"scan": 1}
+    with pytest.raises(EngineFallbackError, match="scan"):
+        trace_report(doubling, Q_W, X, strict=True)
+
+
+def test_while_loop_with_quantized_const_and_carry():
+    _check(while_model, (Q_W, X), (Q_W.dequantize(), X), 2)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_cond_with_quantized_operands(flag):
+    _check(cond_model, (Q_W, X, flag), (Q_W.dequantize(), X, flag), 2)
+
+
+def test_switch_branches_disagreeing_on_outputs_dequantize_only_the_output():
+    def pick(w, index):
+        return jax.lax.switch(index, [lambda w: w, lambda w: w * 2], w)
+
+    report = EngineReport()
+    out = jax.jit(interpret(pick, report=report))(Q_W, 0)
+    np.testing.assert_allclose(out, Q_W.dequantize(), rtol=1e-6)
+    assert report.fallbacks["mul"] == 1 and report.fallbacks["cond"] == 1
+    _check(switch_model, (Q_W, X, 1), (Q_W.dequantize(), X, 1), 2)
+
+
+def test_shard_map_dequantizes_with_a_counted_fallback():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+
+    def fn(w, x):
+        body = lambda w, x: x @ w
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x")), out_specs=P("x"))(w, x)
+
+    report = EngineReport()
+    out = interpret(fn, report=report)(Q_W, X)
+    assert report.fallbacks == {"shard_map": 1}
+    np.testing.assert_allclose(out, X @ Q_W.dequantize(), rtol=1e-5, atol=1e-5)
