@@ -166,11 +166,13 @@ class _Walker:
             self.run(body.jaxpr, body.consts, body_consts + carry, body_tags)
             return self.bind(eqn, vals), [frozenset()] * len(eqn.outvars)
         cond = p["cond_jaxpr"]
-        while bool(
-            self.run(
-                cond.jaxpr, cond.consts, cond_consts + carry, [frozenset()] * (nc + len(carry))
-            )[0][0]
-        ):
+        untagged = [frozenset()] * (nc + len(carry))
+
+        def keep_going(carry):
+            (flag,), _ = self.run(cond.jaxpr, cond.consts, cond_consts + carry, untagged)
+            return bool(flag)
+
+        while keep_going(carry):
             carry, _ = self.run(body.jaxpr, body.consts, body_consts + carry, body_tags)
         return carry, [frozenset()] * len(carry)
 

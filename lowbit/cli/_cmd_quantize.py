@@ -6,7 +6,7 @@ import argparse
 
 from lowbit.cli._common import META_KIND, META_MODEL, META_RECIPE, progress, step
 from lowbit.eval import float32_bytes, param_bytes
-from lowbit.eval._variants import load_model, quantize_variant, recipe_label
+from lowbit.eval._variants import check_recipe_spec, load_model, quantize_variant, recipe_label
 
 NAME = "quantize"
 HELP = "quantize a model by a recipe and write a checkpoint directory"
@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lowbit.io import save_checkpoint
 
+    check_recipe_spec(args.recipe)
     with progress() as bar:
         with step(bar, f"loading {args.model}"):
             loaded = load_model(args.model)

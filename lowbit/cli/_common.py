@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ def progress() -> Iterator[Progress]:
 def step(bar: Progress, description: str, total: int | None = None) -> Iterator[Callable]:
     """A progress task; yields ``advance(done, total)`` for callbacks, finishes it on exit."""
     task = bar.add_task(description, total=total)
+    start = time.perf_counter()
 
     def advance(done: int, total_: int) -> None:
         bar.update(task, completed=done, total=total_)
@@ -63,6 +65,9 @@ def step(bar: Progress, description: str, total: int | None = None) -> Iterator[
         yield advance
     finally:
         bar.remove_task(task)
+    if not bar.console.is_terminal:
+        # No live display (a pipe or a log file): one line per finished step instead.
+        bar.console.print(f"done: {description} ({time.perf_counter() - start:.1f} s)")
 
 
 def is_checkpoint(target: str) -> bool:
@@ -124,6 +129,8 @@ def open_target(target: str, recipe: str | None, bar: Progress) -> Target:
         )
     if os.path.isdir(target):
         raise ValueError(f"{target!r} is a directory without {MANIFEST}; it is not a checkpoint")
+    if recipe is not None:
+        _variants.check_recipe_spec(recipe)
     with step(bar, f"loading {target}"):
         loaded = _variants.load_model(target)
     float_params = nnx.split(loaded.model)[1]

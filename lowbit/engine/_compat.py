@@ -217,6 +217,21 @@ def cond_branches(eqn: Any) -> list[ClosedJaxpr]:
     return [closed(b) for b in eqn.params["branches"]]
 
 
+def shard_map_params(eqn: Any) -> dict[str, Any]:
+    """shard_map parameters under the names of the public `jax.shard_map`."""
+    p = eqn.params
+    manual = p.get("newly_manual_axes", p.get("manual_axes", p.get("axis_names")))
+    mesh = p["mesh"]
+    return {
+        "body": closed(p["jaxpr"]),
+        "mesh": mesh,
+        "in_specs": tuple(p["in_specs"]),
+        "out_specs": tuple(p["out_specs"]),
+        "check_vma": bool(p.get("check_vma", p.get("check_rep", True))),
+        "axis_names": frozenset(manual if manual is not None else mesh.axis_names),
+    }
+
+
 def gather_params(eqn: Any) -> dict[str, Any]:
     p = eqn.params
     return {

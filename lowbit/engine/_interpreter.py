@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from lowbit import ops
-from lowbit.engine import _compat, _control_flow, _layout_rules
+from lowbit.engine import _compat, _control_flow, _layout_rules, _shard_map
 from lowbit.engine._report import EngineFallbackError, EngineReport, describe
 from lowbit.engine._values import (
     dequantize,
@@ -91,6 +91,7 @@ def apply_rule(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
     try:
         return rule(ctx.entering(eqn), eqn, invals)
     except (_NoRule, _layout_rules.LayoutUnsupported) as err:
+        # Rules raise these before returning outputs: the fallback's outputs are the only ones used.
         return fallback(ctx, eqn, invals, str(err))
 
 
@@ -286,6 +287,7 @@ _RULES.update(
         "scan": functools.partial(_control_flow.scan_rule, eval_jaxpr, dequantize_counted),
         "while": functools.partial(_control_flow.while_rule, eval_jaxpr, dequantize_counted),
         "cond": functools.partial(_control_flow.cond_rule, eval_jaxpr, dequantize_counted),
+        "shard_map": functools.partial(_shard_map.shard_map_rule, eval_jaxpr, dequantize_counted),
     }
 )
 

@@ -43,7 +43,7 @@ def _byte_group(q: QArray) -> tuple[int, int]:
     return per_group, first
 
 
-def _codes_per_group(q: QArray) -> int:
+def codes_per_group(q: QArray) -> int:
     return _byte_group(q)[0]
 
 
@@ -131,7 +131,7 @@ def _reshape_nonunit(q: QArray, target: tuple[int, ...]) -> QArray:
         scale_shape += _split_scale_counts(math.prod(dims), merged, dims)
         group_codes = list(dims)
         if q.packed_axis in olds:
-            per_group = _codes_per_group(q)
+            per_group = codes_per_group(q)
             if q.packed_axis != olds[-1] or old[olds[-1]] % per_group or dims[-1] % per_group:
                 raise LayoutUnsupported("reshapes the packed axis across byte groups")
             group_codes[-1] = q.fmt.packed_length(dims[-1])
@@ -223,7 +223,7 @@ def _check_window(q: QArray, axis: int, start: int, size: int) -> None:
             f"slices [{start}:{start + size}] of axis {axis}, not on its {block}-element blocks"
         )
     if axis == q.packed_axis:
-        per_group = _codes_per_group(q)
+        per_group = codes_per_group(q)
         if start % per_group or (size % per_group and start + size != n):
             raise LayoutUnsupported(
                 f"slices [{start}:{start + size}] of the packed axis, not on byte groups of "
@@ -234,7 +234,7 @@ def _check_window(q: QArray, axis: int, start: int, size: int) -> None:
 def _codes_window(q: QArray, axis: int, start: Any, size: int) -> tuple[Any, int]:
     if axis != q.packed_axis:
         return start, size
-    return start // _codes_per_group(q) * _bytes_per_group(q), q.fmt.packed_length(size)
+    return start // codes_per_group(q) * _bytes_per_group(q), q.fmt.packed_length(size)
 
 
 def slice_(

@@ -131,6 +131,16 @@ def load_recipe(spec: str) -> Any:
     return preset(spec)
 
 
+def check_recipe_spec(spec: str) -> None:
+    """Raises the error `load_recipe` would, without a model: call before slow loading.
+
+    Raises:
+      ValueError / FileNotFoundError: for an unknown preset or a bad recipe file.
+    """
+    if spec != GGUF_RECIPE:
+        load_recipe(spec)
+
+
 def recipe_label(spec: str) -> str:
     """The name a recipe spec shows in tables: the preset name, or the JSON file's stem."""
     return Path(spec).stem if spec.endswith(".json") else spec

@@ -49,7 +49,11 @@ def _activation_granularity(x_shape, batch_axis, config, static):
 
 
 def conv_general_dilated_path(
-    lhs: Any, rhs: Any, *, dimension_numbers: Any = None, batch_group_count: int = 1,
+    lhs: Any,
+    rhs: Any,
+    *,
+    dimension_numbers: Any = None,
+    batch_group_count: int = 1,
     **params: Any,
 ) -> str:
     """Which implementation `conv_general_dilated` uses: ``"float"``,
@@ -69,9 +73,10 @@ def conv_general_dilated_path(
     config = rhs.activation
     fmt = get_format(config.format)
     static = rhs.activation_bounds is not None
-    if fmt.block_size is not None or _activation_granularity(
-        lhs.shape, specs.lhs_spec[0], config, static
-    ) is None:
+    if (
+        fmt.block_size is not None
+        or _activation_granularity(lhs.shape, specs.lhs_spec[0], config, static) is None
+    ):
         return "reference"
     xkind = format_kind(fmt)
     if xkind == wkind == "int":
@@ -118,10 +123,14 @@ def _forward(lhs, rhs, params):
         xv, wv, acc_dtype = x.values, w.values.astype(lhs.dtype), jnp.float32
     else:
         xv, wv, acc_dtype = x.values.astype(jnp.float32), w.values.astype(jnp.float32), jnp.float32
-    conv = functools.partial(lax.conv_general_dilated, **dict(
-        conv_params, preferred_element_type=acc_dtype,
-        precision=None if acc_dtype == jnp.int32 else params.get("precision"),
-    ))
+    conv = functools.partial(
+        lax.conv_general_dilated,
+        **dict(
+            conv_params,
+            preferred_element_type=acc_dtype,
+            precision=None if acc_dtype == jnp.int32 else params.get("precision"),
+        ),
+    )
     acc = conv(xv, wv).astype(jnp.float32)
     out_ndim = acc.ndim
     n_axis, c_axis = specs.out_spec[0], specs.out_spec[1]
@@ -165,10 +174,18 @@ def hashable_params(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 def conv_general_dilated(
-    lhs: jax.Array, rhs: jax.Array | QArray, window_strides: Any, padding: Any,
-    lhs_dilation: Any = None, rhs_dilation: Any = None, dimension_numbers: Any = None,
-    feature_group_count: int = 1, batch_group_count: int = 1, precision: Any = None,
-    preferred_element_type: Any = None, out_sharding: Any = None,
+    lhs: jax.Array,
+    rhs: jax.Array | QArray,
+    window_strides: Any,
+    padding: Any,
+    lhs_dilation: Any = None,
+    rhs_dilation: Any = None,
+    dimension_numbers: Any = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    out_sharding: Any = None,
 ) -> jax.Array:
     """`lax.conv_general_dilated` with a QArray kernel (weight-only, or w8a8 when the kernel's
     `activation` config is set: per-tensor or per-example dynamic scales, or static bounds).
@@ -183,10 +200,15 @@ def conv_general_dilated(
       TypeError: for a non-float input.
     """
     params = dict(
-        window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
-        rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
-        feature_group_count=feature_group_count, batch_group_count=batch_group_count,
-        precision=precision, preferred_element_type=preferred_element_type,
+        window_strides=window_strides,
+        padding=padding,
+        lhs_dilation=lhs_dilation,
+        rhs_dilation=rhs_dilation,
+        dimension_numbers=dimension_numbers,
+        feature_group_count=feature_group_count,
+        batch_group_count=batch_group_count,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
         out_sharding=out_sharding,
     )
     if not isinstance(lhs, QArray) and not jnp.issubdtype(lhs.dtype, jnp.floating):
@@ -208,9 +230,12 @@ def conv_general_dilated_reference(
     out_dtype = jnp.dtype(preferred if preferred is not None else float_dtype)
     if isinstance(rhs, QArray) and not isinstance(lhs, QArray) and rhs.activation is not None:
         specs = _specs(lhs, rhs, params.get("dimension_numbers"))
-        if _activation_granularity(
-            lhs.shape, specs.lhs_spec[0], rhs.activation, rhs.activation_bounds is not None
-        ) is None:
+        if (
+            _activation_granularity(
+                lhs.shape, specs.lhs_spec[0], rhs.activation, rhs.activation_bounds is not None
+            )
+            is None
+        ):
             raise ValueError(
                 f"activation granularity {rhs.activation.granularity!r} does not commute with "
                 "a convolution; accepted: PerTensor(), PerToken() (one scale per example)"

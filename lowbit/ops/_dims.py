@@ -14,7 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
+DimensionNumbers = tuple[
+    tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]
+]
 
 
 def normalize(
@@ -35,13 +37,20 @@ def normalize(
             "dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, "
             f"rhs_batch)), got {dimension_numbers!r}"
         ) from None
-    for axes, ndim, what in ((lc, lhs_ndim, "lhs"), (lb, lhs_ndim, "lhs"), (rc, rhs_ndim, "rhs"),
-                             (rb, rhs_ndim, "rhs")):
+    for axes, ndim, what in (
+        (lc, lhs_ndim, "lhs"),
+        (lb, lhs_ndim, "lhs"),
+        (rc, rhs_ndim, "rhs"),
+        (rb, rhs_ndim, "rhs"),
+    ):
         if any(not -ndim <= a < ndim for a in axes):
-            raise ValueError(f"dimension_numbers {dimension_numbers!r}: {what} axis out of range "
-                             f"for ndim {ndim}")
+            raise ValueError(
+                f"dimension_numbers {dimension_numbers!r}: {what} axis out of range for ndim {ndim}"
+            )
     if len(lc) != len(rc) or len(lb) != len(rb):
-        raise ValueError(f"dimension_numbers {dimension_numbers!r}: lhs and rhs lists differ in length")
+        raise ValueError(
+            f"dimension_numbers {dimension_numbers!r}: lhs and rhs lists differ in length"
+        )
     lc, lb = tuple(a % lhs_ndim for a in lc), tuple(a % lhs_ndim for a in lb)
     rc, rb = tuple(a % rhs_ndim for a in rc), tuple(a % rhs_ndim for a in rb)
     for la, ra in zip(lc + lb, rc + rb, strict=True):

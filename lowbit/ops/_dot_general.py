@@ -167,8 +167,15 @@ def _core_dtypes(lkind: str, rkind: str):
     return jnp.float32, jnp.float32, jnp.float32
 
 
-def _fast(lhs_op: Operand, rhs_op: Operand, dimension_numbers, plan: _Plan, precision,
-          out_dtype, out_sharding) -> jax.Array:
+def _fast(
+    lhs_op: Operand,
+    rhs_op: Operand,
+    dimension_numbers,
+    plan: _Plan,
+    precision,
+    out_dtype,
+    out_sharding,
+) -> jax.Array:
     (lc, rc), (lb, rb) = dimension_numbers
     pair_groups = dict(plan.groups)
     lgroups = {lc[p]: g for p, g in plan.groups}
@@ -183,7 +190,9 @@ def _fast(lhs_op: Operand, rhs_op: Operand, dimension_numbers, plan: _Plan, prec
         rvalues = _dims.split_axes(rvalues, rgroups)
         core_dims = _dims.grouped_dimension_numbers(dimension_numbers, pair_groups)
     acc = lax.dot_general(
-        lvalues, rvalues, core_dims,
+        lvalues,
+        rvalues,
+        core_dims,
         precision=None if acc_dtype == jnp.int32 else precision,
         preferred_element_type=acc_dtype,
         out_sharding=None if pair_groups else out_sharding,
@@ -191,10 +200,24 @@ def _fast(lhs_op: Operand, rhs_op: Operand, dimension_numbers, plan: _Plan, prec
 
     lfree = len(_dims.free_axes(len(lhs_op.shape), lc, lb))
     rfree = len(_dims.free_axes(len(rhs_op.shape), rc, rb))
-    to_l = functools.partial(_dims.side_to_output, shape=lhs_op.shape, contracting=lc, batch=lb,
-                             groups=lgroups, other_free=rfree, is_lhs=True)
-    to_r = functools.partial(_dims.side_to_output, shape=rhs_op.shape, contracting=rc, batch=rb,
-                             groups=rgroups, other_free=lfree, is_lhs=False)
+    to_l = functools.partial(
+        _dims.side_to_output,
+        shape=lhs_op.shape,
+        contracting=lc,
+        batch=lb,
+        groups=lgroups,
+        other_free=rfree,
+        is_lhs=True,
+    )
+    to_r = functools.partial(
+        _dims.side_to_output,
+        shape=rhs_op.shape,
+        contracting=rc,
+        batch=rb,
+        groups=rgroups,
+        other_free=lfree,
+        is_lhs=False,
+    )
     lzero, rzero = lhs_op.zero_point, rhs_op.zero_point
     if rzero is not None:
         lsum = _group_sums(lhs_op, lc, lgroups).astype(jnp.float32)
@@ -247,7 +270,10 @@ def dot_general_reference(
     out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
     lhs_f, rhs_f = _dequantized(lhs, rhs, dimension_numbers)
     out = lax.dot_general(
-        lhs_f, rhs_f, dimension_numbers, precision=precision,
+        lhs_f,
+        rhs_f,
+        dimension_numbers,
+        precision=precision,
         preferred_element_type=jnp.promote_types(jnp.result_type(lhs_f, rhs_f), out_dtype),
         out_sharding=out_sharding,
     )
@@ -258,8 +284,12 @@ def _forward(lhs, rhs, dimension_numbers, precision, preferred_element_type, out
     plan = _plan(lhs, rhs, dimension_numbers)
     if plan.path == "reference" or (plan.groups and out_sharding is not None):
         return dot_general_reference(
-            lhs, rhs, dimension_numbers, precision=precision,
-            preferred_element_type=preferred_element_type, out_sharding=out_sharding,
+            lhs,
+            rhs,
+            dimension_numbers,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            out_sharding=out_sharding,
         )
     lhs_op, rhs_op = _to_operands(lhs, rhs, dimension_numbers)
     out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
@@ -332,11 +362,17 @@ def dot_general(
     _check_operand(rhs, "rhs")
     dimension_numbers = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
-        return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type,
-                               out_sharding=out_sharding)
+        return lax.dot_general(
+            lhs,
+            rhs,
+            dimension_numbers,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            out_sharding=out_sharding,
+        )
     side, _ = _active(lhs, rhs)
     if side is None:
-        return _forward(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                        out_sharding)
+        return _forward(
+            lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding
+        )
     return _ste_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)

@@ -83,7 +83,10 @@ def from_qarray(q: QArray) -> Operand:
     else:
         values = fmt.decode(codes)
     return Operand(
-        values=values, kind=kind, shape=tuple(q.shape), scale=q.scale_values(),
+        values=values,
+        kind=kind,
+        shape=tuple(q.shape),
+        scale=q.scale_values(),
         zero_point=zero_point,
     )
 

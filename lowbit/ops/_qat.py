@@ -102,22 +102,24 @@ def _backward_products(a, b, dims, g, gradient, key, precision):
 def _fake_quantized_activation(x, contracting, served: QArray):
     if served.activation is None:
         return x
-    return quantize_activation(x, contracting, served.activation, served.activation_bounds
-                               ).dequantize(x.dtype)
+    return quantize_activation(
+        x, contracting, served.activation, served.activation_bounds
+    ).dequantize(x.dtype)
 
 
 # --- dot_general --------------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
 def _qat_dot(x, value, served, key, dims, weight_rhs, gradient, precision, preferred, sharding):
     lhs, rhs = (x, served) if weight_rhs else (served, x)
-    return dot_general(lhs, rhs, dims, precision=precision, preferred_element_type=preferred,
-                       out_sharding=sharding)
+    return dot_general(
+        lhs, rhs, dims, precision=precision, preferred_element_type=preferred, out_sharding=sharding
+    )
 
 
-def _qat_dot_fwd(x, value, served, key, dims, weight_rhs, gradient, precision, preferred,
-                 sharding):
-    out = _qat_dot(x, value, served, key, dims, weight_rhs, gradient, precision, preferred,
-                   sharding)
+def _qat_dot_fwd(x, value, served, key, dims, weight_rhs, gradient, precision, preferred, sharding):
+    out = _qat_dot(
+        x, value, served, key, dims, weight_rhs, gradient, precision, preferred, sharding
+    )
     return out, (x, value, served, key)
 
 
@@ -159,22 +161,40 @@ def qat_dot_general(
     """
     x, weight, weight_rhs = _split(lhs, rhs, "qat_dot_general")
     dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
-    return _qat_dot(x, weight.value, weight.served(), key, dims, weight_rhs, weight.gradient,
-                    precision, preferred_element_type, out_sharding)
+    return _qat_dot(
+        x,
+        weight.value,
+        weight.served(),
+        key,
+        dims,
+        weight_rhs,
+        weight.gradient,
+        precision,
+        preferred_element_type,
+        out_sharding,
+    )
 
 
 # --- ragged_dot ---------------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _qat_ragged(x, value, served, group_sizes, key, dims, gradient, precision, preferred,
-                sharding):
-    return ragged_dot_general(x, served, group_sizes, dims, precision=precision,
-                              preferred_element_type=preferred, out_sharding=sharding)
+def _qat_ragged(x, value, served, group_sizes, key, dims, gradient, precision, preferred, sharding):
+    return ragged_dot_general(
+        x,
+        served,
+        group_sizes,
+        dims,
+        precision=precision,
+        preferred_element_type=preferred,
+        out_sharding=sharding,
+    )
 
 
-def _qat_ragged_fwd(x, value, served, group_sizes, key, dims, gradient, precision, preferred,
-                    sharding):
-    out = _qat_ragged(x, value, served, group_sizes, key, dims, gradient, precision, preferred,
-                      sharding)
+def _qat_ragged_fwd(
+    x, value, served, group_sizes, key, dims, gradient, precision, preferred, sharding
+):
+    out = _qat_ragged(
+        x, value, served, group_sizes, key, dims, gradient, precision, preferred, sharding
+    )
     return out, (x, value, served, group_sizes, key)
 
 
@@ -218,17 +238,25 @@ def _quantized_ragged_backward(x, w, group_sizes, g, gradient, key, precision):
     gq = quantize_activation(g, (1,), gradient, key=keys[0])
     wt = jnp.swapaxes(w, 1, 2)  # [e, n, k]: contract n
     wq = quantize_activation(wt, (1,), companion)
-    dx = ragged_dot_general(gq, wq, group_sizes, BASIC_DIMENSION_NUMBERS,
-                            precision=precision, preferred_element_type=jnp.float32)
+    dx = ragged_dot_general(
+        gq,
+        wq,
+        group_sizes,
+        BASIC_DIMENSION_NUMBERS,
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
     xq = from_qarray(quantize(x, companion, granularity=PerChannel(axes=(1,)), pack=False))
-    gq_cols = from_qarray(quantize(g, gradient, key=keys[1], granularity=PerChannel(axes=(1,)),
-                                   pack=False))
+    gq_cols = from_qarray(
+        quantize(g, gradient, key=keys[1], granularity=PerChannel(axes=(1,)), pack=False)
+    )
     acc_dtype = jnp.int32 if xq.kind == gq_cols.kind == "int" else jnp.float32
     xv, gv = xq.values, gq_cols.values
     if acc_dtype == jnp.float32 and (xq.kind, gq_cols.kind) != ("fp8", "fp8"):
         xv, gv = xv.astype(jnp.float32), gv.astype(jnp.float32)
-    acc = lax.ragged_dot_general(xv, gv, group_sizes, _RAGGED_CONTRACTION,
-                                 preferred_element_type=acc_dtype).astype(jnp.float32)
+    acc = lax.ragged_dot_general(
+        xv, gv, group_sizes, _RAGGED_CONTRACTION, preferred_element_type=acc_dtype
+    ).astype(jnp.float32)
     # acc: [e, k, n]; zero points (asymmetric gradient configs) need per-expert row sums.
     if xq.zero_point is not None or gq_cols.zero_point is not None:
         raise ValueError(
@@ -270,9 +298,18 @@ def qat_ragged_dot_general(
             "a gradient config needs the basic ragged_dot layout (lhs [m, k], rhs [e, k, n]); "
             f"got {ragged_dot_dimension_numbers}"
         )
-    return _qat_ragged(lhs, rhs.value, rhs.served(), group_sizes, key,
-                       ragged_dot_dimension_numbers, rhs.gradient, precision,
-                       preferred_element_type, out_sharding)
+    return _qat_ragged(
+        lhs,
+        rhs.value,
+        rhs.served(),
+        group_sizes,
+        key,
+        ragged_dot_dimension_numbers,
+        rhs.gradient,
+        precision,
+        preferred_element_type,
+        out_sharding,
+    )
 
 
 # --- conv_general_dilated -----------------------------------------------------------------------

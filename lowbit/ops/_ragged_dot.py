@@ -66,8 +66,11 @@ def _axes(dims, lhs_shape, rhs_shape):
 
 
 def ragged_dot_general_path(
-    lhs: Any, rhs: Any, group_sizes: Any = None,
-    ragged_dot_dimension_numbers: Any = BASIC_DIMENSION_NUMBERS, group_offset: Any = None,
+    lhs: Any,
+    rhs: Any,
+    group_sizes: Any = None,
+    ragged_dot_dimension_numbers: Any = BASIC_DIMENSION_NUMBERS,
+    group_offset: Any = None,
     **params: Any,
 ) -> str:
     """Which implementation `ragged_dot_general` uses: ``"float"``, ``"weight_only_epilogue"``,
@@ -153,8 +156,13 @@ def ragged_dot_general(
     _check(lhs, rhs)
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return lax.ragged_dot_general(
-            lhs, rhs, group_sizes, ragged_dot_dimension_numbers, precision=precision,
-            preferred_element_type=preferred_element_type, group_offset=group_offset,
+            lhs,
+            rhs,
+            group_sizes,
+            ragged_dot_dimension_numbers,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            group_offset=group_offset,
             out_sharding=out_sharding,
         )
     static = (ragged_dot_dimension_numbers, precision, preferred_element_type, out_sharding)
@@ -163,15 +171,29 @@ def ragged_dot_general(
     return _forward(lhs, rhs, group_sizes, group_offset, *static)
 
 
-def _forward(lhs, rhs, group_sizes, group_offset, ragged_dot_dimension_numbers, precision,
-             preferred_element_type, out_sharding):
-    path = ragged_dot_general_path(lhs, rhs, group_sizes, ragged_dot_dimension_numbers,
-                                   group_offset)
-    kwargs = dict(precision=precision, preferred_element_type=preferred_element_type,
-                  group_offset=group_offset, out_sharding=out_sharding)
+def _forward(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    ragged_dot_dimension_numbers,
+    precision,
+    preferred_element_type,
+    out_sharding,
+):
+    path = ragged_dot_general_path(
+        lhs, rhs, group_sizes, ragged_dot_dimension_numbers, group_offset
+    )
+    kwargs = dict(
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        group_offset=group_offset,
+        out_sharding=out_sharding,
+    )
     if path == "reference":
-        return ragged_dot_general_reference(lhs, rhs, group_sizes, ragged_dot_dimension_numbers,
-                                            **kwargs)
+        return ragged_dot_general_reference(
+            lhs, rhs, group_sizes, ragged_dot_dimension_numbers, **kwargs
+        )
     out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
     axes = _axes(ragged_dot_dimension_numbers, lhs.shape, rhs.shape)
     lc = axes[0]
@@ -184,9 +206,13 @@ def _forward(lhs, rhs, group_sizes, group_offset, ragged_dot_dimension_numbers, 
     if x.kind != "float" and (x.kind, w.kind) not in (("int", "int"), ("fp8", "fp8")):
         xv, wv = xv.astype(jnp.float32), wv.astype(jnp.float32)
     acc = lax.ragged_dot_general(
-        xv, wv, group_sizes, ragged_dot_dimension_numbers,
+        xv,
+        wv,
+        group_sizes,
+        ragged_dot_dimension_numbers,
         precision=None if acc_dtype == jnp.int32 else precision,
-        preferred_element_type=acc_dtype, out_sharding=out_sharding,
+        preferred_element_type=acc_dtype,
+        out_sharding=out_sharding,
     ).astype(jnp.float32)
     expert, valid = _row_groups(group_sizes, acc.shape[0])
     to_rows = lambda a: _to_rows(a, axes, expert, rhs.shape)
@@ -258,9 +284,14 @@ def ragged_dot_general_reference(
     lhs_f = lhs.dequantize() if isinstance(lhs, QArray) else lhs
     rhs_f = rhs.dequantize() if isinstance(rhs, QArray) else rhs
     out = lax.ragged_dot_general(
-        lhs_f, rhs_f, group_sizes, ragged_dot_dimension_numbers, precision=precision,
+        lhs_f,
+        rhs_f,
+        group_sizes,
+        ragged_dot_dimension_numbers,
+        precision=precision,
         preferred_element_type=jnp.promote_types(jnp.result_type(lhs_f, rhs_f), out_dtype),
-        group_offset=group_offset, out_sharding=out_sharding,
+        group_offset=group_offset,
+        out_sharding=out_sharding,
     )
     return out.astype(out_dtype)
 
@@ -276,6 +307,11 @@ def ragged_dot(
     """`lax.ragged_dot` with quantized experts: `lhs: [m, k]`, `rhs: [experts, k, n]` QArray,
     `group_sizes: [experts]` → [m, n]. See `ragged_dot_general`."""
     return ragged_dot_general(
-        lhs, rhs, group_sizes, BASIC_DIMENSION_NUMBERS, precision=precision,
-        preferred_element_type=preferred_element_type, group_offset=group_offset,
+        lhs,
+        rhs,
+        group_sizes,
+        BASIC_DIMENSION_NUMBERS,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        group_offset=group_offset,
     )

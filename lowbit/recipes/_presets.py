@@ -25,6 +25,7 @@ gradients through the straight-through estimator.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from lowbit.qarray import MinMax, QuantConfig
@@ -195,11 +196,13 @@ def preset_names() -> dict[str, str]:
     return {name: description for name, (_, description) in _PRESETS.items()}
 
 
-def preset(name: str, **options) -> Recipe:
+def preset(name: str, *, stacked_axes: int = 0, **options) -> Recipe:
     """A named recipe.
 
     Args:
       name: one of `preset_names()`.
+      stacked_axes: leading layer axes of the model's stacked (scanned) weights; every rule
+        then keeps one set of scales per layer (see `Rule.stacked_axes`).
       **options: options of the callable forms, e.g. ``preset("int4_weight_only",
         group_size=32)``.
     Returns:
@@ -207,15 +210,24 @@ def preset(name: str, **options) -> Recipe:
     Raises:
       ValueError: for an unknown name (listing the accepted ones) or options the preset does
         not take.
+
+    Example:
+      >>> preset("int4_weight_only", group_size=32).rules[1].weight.granularity
+      PerGroup(size=32, axis=-2)
     """
     if name not in _PRESETS:
         raise ValueError(f"preset {name!r} is unknown; accepted: {', '.join(_PRESETS)}")
     builder = _PRESETS[name][0]
     if not options:
-        return builder()
-    try:
-        return builder(**options)
-    except TypeError as err:
-        raise ValueError(
-            f"preset {name!r} does not take options {sorted(options)}: {err}"
-        ) from None
+        recipe = builder()
+    else:
+        try:
+            recipe = builder(**options)
+        except TypeError as err:
+            raise ValueError(
+                f"preset {name!r} does not take options {sorted(options)}: {err}"
+            ) from None
+    if stacked_axes:
+        rules = tuple(dataclasses.replace(r, stacked_axes=stacked_axes) for r in recipe.rules)
+        recipe = Recipe(rules=rules, name=f"{recipe.name}(stacked_axes={stacked_axes})")
+    return recipe

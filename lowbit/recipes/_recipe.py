@@ -103,7 +103,9 @@ class Recipe:
         i = self.match_index(path)
         return None if i is None else self.rules[i]
 
-    def decide(self, path: str, leaf: Any, uses: Mapping[str, frozenset[str]] | None = None):
+    def decide(
+        self, path: str, leaf: Any, uses: Mapping[str, frozenset[str]] | None = None
+    ) -> Decision:
         """Resolves what happens to one parameter.
 
         Args:
@@ -158,7 +160,7 @@ class Recipe:
             return Decision(**keep, reason=f"rule {index}: {problem}", error=True)
         return Decision(**base, rule_index=index, config=config)
 
-    def report(self, params: Any, uses: Mapping[str, frozenset[str]] | None = None):
+    def report(self, params: Any, uses: Mapping[str, frozenset[str]] | None = None) -> RecipeReport:
         """Lists every parameter with its rule, the ones kept in float and why, and the rules
         that matched nothing.
 

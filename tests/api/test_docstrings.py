@@ -9,12 +9,19 @@ from flax import nnx
 import lowbit.api._model
 import lowbit.api._quantize
 import lowbit.api._trace
+import lowbit.recipes._presets
 import lowbit.recipes._recipe
 
 
 @pytest.mark.parametrize(
     "module",
-    [lowbit.recipes._recipe, lowbit.api._trace, lowbit.api._quantize, lowbit.api._model],
+    [
+        lowbit.recipes._recipe,
+        lowbit.recipes._presets,
+        lowbit.api._trace,
+        lowbit.api._quantize,
+        lowbit.api._model,
+    ],
     ids=lambda m: m.__name__,
 )
 def test_docstring_examples(module):

@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from api_models import MLP
+from flax import nnx
 from sklearn.datasets import load_digits
 
 from lowbit.api import convert, qat, quantize_params, run
@@ -140,3 +142,16 @@ def test_qlora_gradients_through_frozen_quantized_weights():
         np.testing.assert_allclose(grads[key], expected[key], rtol=1e-4, atol=1e-6)
     # The base stays packed: no gradient flows to it and it is never re-materialized as a leaf.
     assert isinstance(qbase["hidden"]["kernel"], QArray)
+
+
+def test_qat_on_nnx_state_gradients_and_convert():
+    graphdef, state = nnx.split(MLP((16, 32, 4), rngs=nnx.Rngs(0)), nnx.Param)
+    forward = run(lambda s, x: nnx.merge(graphdef, s)(x))
+    prepare = qat.prepare("int8")
+    x = jax.random.normal(jax.random.key(8), (4, 16))
+    qat_forward = jax.jit(lambda s, x: forward(prepare(s), x))
+    grads = jax.jit(jax.grad(lambda s: jnp.mean(qat_forward(s, x) ** 2)))(state)
+    assert jax.tree.structure(grads) == jax.tree.structure(state)
+    assert all(bool(jnp.any(g != 0)) for g in jax.tree.leaves(grads))
+    served = convert(state, "int8")
+    assert np.array_equal(jax.jit(forward)(served, x), qat_forward(state, x))

@@ -91,3 +91,30 @@ def test_print_json_is_one_line_with_null_for_infinity(capsys):
     print_json({"sqnr": float("inf"), "rows": [1.5, float("nan")]})
     last = capsys.readouterr().out.splitlines()[-1]
     assert json.loads(last) == {"sqnr": None, "rows": [1.5, None]}
+
+
+def test_demo_checks_compare_against_the_float_row():
+    from lowbit.cli._demo import checks
+    from lowbit.eval import ResultRow
+
+    def row(model, recipe, value, metric="ppl"):
+        return ResultRow(
+            model=model, recipe=recipe, size_bytes=1, float32_bytes=4, metric=metric, value=value
+        )
+
+    rows = [
+        row("smollm2", "float", 20.0),
+        row("smollm2", "int8w", 20.2),  # +1.0%: misses the 0.5% target
+        row("smollm2", "int4w_g32_asym", 20.3),  # +1.5%: within 2%
+        row("smollm2", "gguf", 20.0001),  # +5e-6 relative: within 1e-4
+        row("minilm", "int8w", 0.9995, "cosine"),
+        row("minilm", "int4w_g32_asym", 0.94, "cosine"),
+    ]
+    results = {description: ok for description, ok, _ in checks(rows)}
+    assert results == {
+        "smollm2 int8 weight-only: Δppl <= 0.5%": False,
+        "smollm2 asymmetric int4 g32: Δppl <= 2%": True,
+        "smollm2 GGUF direct: Δppl = 0 within 1e-4": True,
+        "minilm int8: cosine >= 0.999": True,
+        "minilm int4 g32: cosine >= 0.95": False,
+    }

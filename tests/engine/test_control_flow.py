@@ -4,12 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_helpers import jit_dequantize, jit_quantize
+from engine_helpers import all_eqns, jit_dequantize, jit_quantize
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from lowbit.engine import EngineFallbackError, EngineReport, interpret, trace_report
-from lowbit.qarray import PerChannel, PerGroup, PerTensor, QArray
+from lowbit.ops import qat_weight
+from lowbit.qarray import PerChannel, PerGroup, PerTensor, QArray, QuantConfig
 
 _K = jax.random.split(jax.random.PRNGKey(2), 3)
 STACK = jax.random.normal(_K[0], (3, 16, 16)) / 4
@@ -111,14 +112,56 @@ def test_switch_branches_disagreeing_on_outputs_dequantize_only_the_output():
     _check(switch_model, (Q_W, X, 1), (Q_W.dequantize(), X, 1), 2)
 
 
-def test_shard_map_dequantizes_with_a_counted_fallback():
-    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+_MESH = Mesh(np.array(jax.devices()[:4]), ("x",))
 
-    def fn(w, x):
-        body = lambda w, x: x @ w
-        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x")), out_specs=P("x"))(w, x)
 
+def _sharded_matmul(w, x, w_spec):
+    body = lambda w, x: jnp.tanh(x @ w)
+    return jax.shard_map(body, mesh=_MESH, in_specs=(w_spec, P()), out_specs=P(None, "x"))(w, x)
+
+
+@pytest.mark.parametrize("qname", ["int8_channel", "int4_group"])
+def test_shard_map_shards_codes_and_scales_together(qname):
+    w = Q_W if qname == "int8_channel" else jit_quantize(W, "int4", PerGroup(8, axis=0))
+    fn = lambda w, x: _sharded_matmul(w, x, P(None, "x"))  # output channels over 4 devices
+    _check(fn, (w, X), (w.dequantize(), X), 1)
+    jaxpr = jax.make_jaxpr(interpret(fn))(w, X)
+    (eqn,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "shard_map"]
+    assert [v.aval.dtype for v in eqn.invars][0] == w.codes.dtype  # codes enter packed
+
+
+def test_shard_map_splitting_blocks_falls_back_counted():
+    w = jit_quantize(W, "int4", PerGroup(8, axis=0))  # blocks of 8 rows; 4 shards of 4 rows
+    body = lambda w, x: jax.lax.psum(x @ w, "x")  # contraction split over 4 devices
+    fn = lambda w, x: jax.shard_map(
+        body, mesh=_MESH, in_specs=(P("x", None), P(None, "x")), out_specs=P()
+    )(w, x)
     report = EngineReport()
-    out = interpret(fn, report=report)(Q_W, X)
+    out = jax.jit(interpret(fn, report=report))(w, X)
     assert report.fallbacks == {"shard_map": 1}
-    np.testing.assert_allclose(out, X @ Q_W.dequantize(), rtol=1e-5, atol=1e-5)
+    assert "whole blocks" in report.fallback_details[0]
+    np.testing.assert_allclose(out, X @ w.dequantize(), rtol=1e-4, atol=1e-4)
+
+
+def test_qat_weights_through_scan_and_transpose():
+    config = QuantConfig(format="int4", granularity=PerGroup(8, axis=2))  # per layer and row
+
+    def apply(stack, x):
+        body = lambda h, layer: (jnp.tanh(h @ layer.T), None)
+        return jax.lax.scan(body, x, stack)[0]
+
+    def loss(value, x):
+        stack = qat_weight(value, config)
+        return jnp.sum(interpret(apply, strict=True)(stack, x) ** 2)
+
+    def fake_quant_loss(value, x):  # the same forward values, straight-through gradient
+        return jnp.sum(apply(qat_weight(value, config).dequantize(), x) ** 2)
+
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(STACK, X)
+    want = jax.jit(jax.value_and_grad(fake_quant_loss, argnums=(0, 1)))(STACK, X)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    report = trace_report(apply, qat_weight(STACK, config), X, strict=True)
+    assert report.quantized_ops == {"dot_general:qat": 1}
+    assert report.layout_ops == {"transpose": 1}

@@ -9,8 +9,7 @@ from engine_helpers import all_eqns, jit_dequantize, jit_quantize
 from flax import nnx
 
 from lowbit.engine import EngineReport, interpret
-from lowbit.ops import QatWeight, qat_weight
-from lowbit.qarray import PerChannel, PerGroup, QArray, QuantConfig
+from lowbit.qarray import PerChannel, PerGroup, QArray
 
 VOCAB, D, LAYERS = 64, 16, 3
 
@@ -127,36 +126,3 @@ def test_stacked_weights_stay_packed_in_the_scan():
     kernel_shapes = {leaf.shape for leaf in jax.tree.leaves(STATE["blocks"]) if leaf.ndim >= 3}
     floats = {v.aval.shape for v in scans[0].invars if jnp.issubdtype(v.aval.dtype, jnp.floating)}
     assert len(kernel_shapes) == 4 and not kernel_shapes & floats
-
-
-def test_qat_weights_through_nnx_scan_and_transpose():
-    config = QuantConfig(format="int8", granularity=PerChannel((0, -1)))
-    embed_config = QuantConfig(format="int8", granularity=PerChannel((0,)))
-
-    def wrap(state, fake):
-        def one(path, leaf):
-            if "bias" in jax.tree_util.keystr(path):
-                return leaf
-            cfg = embed_config if "embedding" in jax.tree_util.keystr(path) else config
-            w = qat_weight(leaf, cfg)
-            return w.dequantize() if fake else w
-
-        return jax.tree_util.tree_map_with_path(one, state)
-
-    def loss(state):
-        qat_state = wrap(state, fake=False)
-        assert any(
-            isinstance(v, QatWeight)
-            for v in jax.tree.leaves(qat_state, is_leaf=lambda v: isinstance(v, QatWeight))
-        )
-        logits = interpret(forward, strict=True)(qat_state, IDS[:1])
-        return jnp.mean(jax.nn.log_softmax(logits)[..., 3])
-
-    def fake_quant_loss(state):
-        return jnp.mean(jax.nn.log_softmax(forward(wrap(state, fake=True), IDS[:1]))[..., 3])
-
-    value, grads = jax.jit(jax.value_and_grad(loss))(STATE)
-    ref_value, ref_grads = jax.jit(jax.value_and_grad(fake_quant_loss))(STATE)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5)

@@ -44,6 +44,12 @@ def pack_base3(trits: np.ndarray) -> np.ndarray:
     return (groups @ np.array([1, 3, 9, 27, 81])).astype(np.uint8)
 
 
+def pack_base3_inverse(packed: np.ndarray) -> np.ndarray:
+    """Base-3 digits of each byte, least significant first: [..., m] → [..., 5 m]."""
+    digits = [(packed.astype(np.int64) // 3**i) % 3 for i in range(5)]
+    return np.stack(digits, axis=-1).reshape(*packed.shape[:-1], -1).astype(np.uint8)
+
+
 def nearest_level(y: np.ndarray, levels: np.ndarray) -> np.ndarray:
     """Index of the nearest level; exact halfway ties take the lower index."""
     y = np.asarray(y, np.float64)[..., None]

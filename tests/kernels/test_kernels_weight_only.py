@@ -120,8 +120,11 @@ def test_transposed_input_under_jit():
 def test_isa_paths_agree():
     codes, scale, zp = make_weight("uint4", 160, 50, 32)
     w = kernels.prepare("uint4", codes, scale, zp, 32)
-    x = jnp.asarray(np.random.default_rng(7).standard_normal((3, 160)), jnp.float32)
+    # 13 rows: two register tiles of the small-batch path on the wider ISAs.
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((13, 160)), jnp.float32)
+    ref = np.asarray(_reference.weight_only_linear(x, "uint4", codes, scale, zp, 32))
     outs = on_each_isa(lambda: kernels.weight_only_linear(x, w))
     assert "scalar" in outs
     for y in outs.values():
         np.testing.assert_allclose(y, outs["scalar"], rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-4)

@@ -53,8 +53,9 @@ def int_dots(jaxpr):
         if eqn.primitive.name not in names:
             continue
         dtypes = [v.aval.dtype for v in eqn.invars[:2]]
-        if all(d == jnp.int8 for d in dtypes) and eqn.params.get(
-            "preferred_element_type"
-        ) == jnp.int32:
+        if (
+            all(d == jnp.int8 for d in dtypes)
+            and eqn.params.get("preferred_element_type") == jnp.int32
+        ):
             found.append(eqn)
     return found

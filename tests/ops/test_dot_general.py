@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -20,29 +19,53 @@ from lowbit.qarray import (
     PerGroup,
     PerTensor,
     PerToken,
+    QArray,
     QuantConfig,
     quantize,
 )
 
 INT8_TOKEN = QuantConfig(format="int8", granularity=PerToken())
-UINT8_ASYM = QuantConfig(format="uint8", granularity=PerToken(), symmetric=False,
-                         calibration=MinMax())
+UINT8_ASYM = QuantConfig(
+    format="uint8", granularity=PerToken(), symmetric=False, calibration=MinMax()
+)
 INT4_TOKEN = QuantConfig(format="int4", granularity=PerToken())
 
 # name: (x shape, w shape, dimension numbers, weight is lhs, per-channel tile, grouped tile)
 CASES = {
-    "linear": ((3, 16), (16, 6), (((1,), (0,)), ((), ())), False,
-               PerChannel((1,)), PerGroup(8, 0)),
-    "attend": ((3, 16), (6, 16), (((1,), (1,)), ((), ())), False,
-               PerChannel((0,)), PerGroup(4, 1)),
-    "weight_lhs": ((3, 16), (16, 6), (((0,), (1,)), ((), ())), True,
-                   PerChannel((1,)), PerGroup(8, 0)),
-    "qkv_einsum": ((2, 3, 16), (16, 2, 4), (((2,), (0,)), ((), ())), False,
-                   PerChannel((1, 2)), PerGroup(8, 0)),
-    "out_einsum": ((2, 3, 2, 4), (2, 4, 16), (((2, 3), (0, 1)), ((), ())), False,
-                   PerChannel((2,)), PerGroup(2, 1)),
-    "batched": ((2, 3, 16), (2, 16, 5), (((2,), (1,)), ((0,), (0,))), False,
-                PerChannel((0, 2)), PerGroup(8, 1)),
+    "linear": ((3, 16), (16, 6), (((1,), (0,)), ((), ())), False, PerChannel((1,)), PerGroup(8, 0)),
+    "attend": ((3, 16), (6, 16), (((1,), (1,)), ((), ())), False, PerChannel((0,)), PerGroup(4, 1)),
+    "weight_lhs": (
+        (3, 16),
+        (16, 6),
+        (((0,), (1,)), ((), ())),
+        True,
+        PerChannel((1,)),
+        PerGroup(8, 0),
+    ),
+    "qkv_einsum": (
+        (2, 3, 16),
+        (16, 2, 4),
+        (((2,), (0,)), ((), ())),
+        False,
+        PerChannel((1, 2)),
+        PerGroup(8, 0),
+    ),
+    "out_einsum": (
+        (2, 3, 2, 4),
+        (2, 4, 16),
+        (((2, 3), (0, 1)), ((), ())),
+        False,
+        PerChannel((2,)),
+        PerGroup(2, 1),
+    ),
+    "batched": (
+        (2, 3, 16),
+        (2, 16, 5),
+        (((2,), (1,)), ((0,), (0,))),
+        False,
+        PerChannel((0, 2)),
+        PerGroup(8, 1),
+    ),
 }
 
 WEIGHTS = {
@@ -57,8 +80,10 @@ MODES = {
     "weight_only": (None, None),
     "int8_dynamic": (INT8_TOKEN, None),
     "uint8_asym_dynamic": (UINT8_ASYM, None),
-    "int8_static": (QuantConfig(format="int8", calibration=Fixed(-2.5, 2.5)),
-                    jnp.array([-2.5, 2.5], jnp.float32)),
+    "int8_static": (
+        QuantConfig(format="int8", calibration=Fixed(-2.5, 2.5)),
+        jnp.array([-2.5, 2.5], jnp.float32),
+    ),
 }
 
 
@@ -95,8 +120,11 @@ def _fast_and_reference(x, w, case_name, weight_name, mode):
     ref = dot_general_reference(lhs, rhs, dims)
     # The bound needs the magnitudes of what the reference multiplies.
     (lc, rc), _ = dims
-    x_side = x if activation is None else quantize_activation(
-        x, rc if case[3] else lc, activation, bounds).dequantize()
+    x_side = (
+        x
+        if activation is None
+        else quantize_activation(x, rc if case[3] else lc, activation, bounds).dequantize()
+    )
     l_abs, r_abs = (jnp.abs(a) for a in _operands(case, q.dequantize(), x_side))
     magnitude = lax.dot_general(l_abs, r_abs, dims, precision=lax.Precision.HIGHEST)
     return out, ref, magnitude
@@ -121,6 +149,18 @@ def test_matches_reference(case_name, weight_name, mode):
     np.testing.assert_array_less(np.abs(np.asarray(out) - np.asarray(ref)), bound)
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _both(lhs, rhs, dims, reference_type=None):
+    """(fast, reference, the float operand as the reference sees it) in one compile."""
+    out = dot_general(lhs, rhs, dims)
+    ref = dot_general_reference(lhs, rhs, dims, preferred_element_type=reference_type)
+    (lc, _), _ = dims
+    x = lhs
+    if isinstance(rhs, QArray) and rhs.activation is not None:
+        x = quantize_activation(lhs, lc, rhs.activation, rhs.activation_bounds).dequantize()
+    return out, ref, x
+
+
 def test_integer_path_is_exact():
     # Scales of 1 (Fixed(-127, 127) with int8) make every product an integer: the int32
     # accumulation must then equal the exact integer product (|sum| < 2**24, exact in f32).
@@ -131,7 +171,7 @@ def test_integer_path_is_exact():
     qx, qw = quantize(jnp.asarray(xi), one), quantize(jnp.asarray(wi), one)
     dims = (((1,), (0,)), ((), ()))
     assert dot_general_path(qx, qw, dims) == "int8_int32"
-    out = np.asarray(dot_general(qx, qw, dims))
+    out = np.asarray(jax.jit(lambda a, b: dot_general(a, b, dims))(qx, qw))
     np.testing.assert_array_equal(out, (xi.astype(np.int64) @ wi.astype(np.int64)))
 
 
@@ -141,12 +181,21 @@ def test_asymmetric_both_sides_exact_integer_part():
     rng = np.random.default_rng(1)
     xi = rng.integers(0, 256, size=(3, 40)).astype(np.float32)
     wi = rng.integers(0, 16, size=(40, 4)).astype(np.float32)
-    qx = quantize(jnp.asarray(xi - 100.0), "uint8", symmetric=False,
-                  bounds=(jnp.float32(-100.0), jnp.float32(155.0)))
-    qw = quantize(jnp.asarray(wi - 7.0), "uint4", symmetric=False, pack=False,
-                  bounds=(jnp.float32(-7.0), jnp.float32(8.0)))
+    qx = quantize(
+        jnp.asarray(xi - 100.0),
+        "uint8",
+        symmetric=False,
+        bounds=(jnp.float32(-100.0), jnp.float32(155.0)),
+    )
+    qw = quantize(
+        jnp.asarray(wi - 7.0),
+        "uint4",
+        symmetric=False,
+        pack=False,
+        bounds=(jnp.float32(-7.0), jnp.float32(8.0)),
+    )
     dims = (((1,), (0,)), ((), ()))
-    out = np.asarray(dot_general(qx, qw, dims))
+    out = np.asarray(jax.jit(lambda a, b: dot_general(a, b, dims))(qx, qw))
     expect = (xi - 100.0).astype(np.int64) @ (wi - 7.0).astype(np.int64)
     np.testing.assert_array_equal(out, expect)
 
@@ -161,10 +210,9 @@ def test_w4a8_int8_dot_in_jaxpr():
     assert len(dots) == 1
     # The group axis became a batch axis: [groups, tokens, out].
     assert dots[0].outvars[0].aval.shape == (2, 3, 8)
-    ref = dot_general_reference(x, q, dims)
-    bound = summation_bound(jnp.abs(x), jnp.abs(q.dequantize()), dims, 32) + 1e-4 * jnp.max(
-        jnp.abs(ref))
-    np.testing.assert_array_less(np.abs(dot_general(x, q, dims) - ref), bound)
+    out, ref, xq = _both(x, q, dims)
+    bound = summation_bound(jnp.abs(xq), jnp.abs(q.dequantize()), dims, 32)
+    np.testing.assert_array_less(np.abs(out - ref), bound)
 
 
 @pytest.mark.parametrize("act_dtype", [jnp.float32, jnp.bfloat16])
@@ -183,8 +231,7 @@ def test_weight_only_never_materializes_float_weight(act_dtype, grouped):
                 assert not jnp.issubdtype(aval.dtype, jnp.floating), (
                     f"{eqn.primitive.name} makes a weight-sized float array {aval}"
                 )
-    out = dot_general(x, q, dims)
-    assert out.dtype == act_dtype
+    assert jax.eval_shape(lambda x, q: dot_general(x, q, dims), x, q).dtype == act_dtype
 
 
 def test_fp8_path():
@@ -194,26 +241,32 @@ def test_fp8_path():
     dims = (((1,), (0,)), ((), ()))
     assert dot_general_path(x, q, dims) == "fp8_f32"
     jaxpr = jax.make_jaxpr(lambda x, q: dot_general(x, q, dims))(x, q)
-    fp8_dots = [e for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"
-                and all(v.aval.dtype == jnp.float8_e4m3fn for v in e.invars)]
+    fp8_dots = [
+        e
+        for e in iter_eqns(jaxpr)
+        if e.primitive.name == "dot_general"
+        and all(v.aval.dtype == jnp.float8_e4m3fn for v in e.invars)
+    ]
     assert len(fp8_dots) == 1 and fp8_dots[0].params["preferred_element_type"] == jnp.float32
-    out, ref = dot_general(x, q, dims), dot_general_reference(x, q, dims)
-    xq = quantize_activation(x, (1,), fp8).dequantize()
+    out, ref, xq = _both(x, q, dims)
     bound = summation_bound(jnp.abs(xq), jnp.abs(q.dequantize()), dims, 32)
     np.testing.assert_array_less(np.abs(out - ref), bound)
 
 
-@pytest.mark.parametrize("fmt, granularity, expected", [
-    ("nf4", PerGroup(16, 0), "weight_only_grouped"),
-    ("mxfp4", PerGroup(32, 0), "weight_only_grouped"),
-    ("fp8_e4m3fn", PerChannel((1,)), "weight_only_epilogue"),
-])
+@pytest.mark.parametrize(
+    "fmt, granularity, expected",
+    [
+        ("nf4", PerGroup(16, 0), "weight_only_grouped"),
+        ("mxfp4", PerGroup(32, 0), "weight_only_grouped"),
+        ("fp8_e4m3fn", PerChannel((1,)), "weight_only_epilogue"),
+    ],
+)
 def test_other_formats_weight_only(fmt, granularity, expected):
     x, w = normal(0, (3, 64)), normal(1, (64, 8))
     q = weight(w, QuantConfig(format=fmt, granularity=granularity))
     dims = (((1,), (0,)), ((), ()))
     assert dot_general_path(x, q, dims) == expected
-    out, ref = dot_general(x, q, dims), dot_general_reference(x, q, dims)
+    out, ref, _ = _both(x, q, dims)
     bound = summation_bound(jnp.abs(x), jnp.abs(q.dequantize()), dims, 64)
     np.testing.assert_array_less(np.abs(out - ref), bound)
 
@@ -223,17 +276,17 @@ def test_int4_activations_and_bf16_output():
     q = weight(w, QuantConfig(format="int8", granularity=PerChannel((1,))), INT4_TOKEN)
     dims = (((1,), (0,)), ((), ()))
     assert dot_general_path(x, q, dims) == "int8_int32"
-    out = dot_general(x, q, dims)
+    out, ref, xq = _both(x, q, dims, jnp.float32)
     assert out.dtype == jnp.bfloat16
-    ref = dot_general_reference(x, q, dims, preferred_element_type=jnp.float32)
     # The reference dequantizes the activation to bfloat16 (each element rounded, 2**-8
     # relative) and the output is rounded to bfloat16 once more.
-    xq = quantize_activation(x.astype(jnp.float32), (1,), INT4_TOKEN).dequantize()
-    magnitude = jnp.abs(xq) @ jnp.abs(q.dequantize())
+    magnitude = jnp.abs(xq.astype(jnp.float32)) @ jnp.abs(q.dequantize())
     np.testing.assert_array_less(
         np.abs(np.asarray(out, np.float32) - ref), 2.0**-8 * (magnitude + np.abs(ref)) + 1e-6
     )
-    out32 = dot_general(x, q, dims, preferred_element_type=jnp.float32)
+    out32 = jax.eval_shape(
+        lambda x, q: dot_general(x, q, dims, preferred_element_type=jnp.float32), x, q
+    )
     assert out32.dtype == jnp.float32
 
 
@@ -243,15 +296,15 @@ def test_both_qarrays_and_unsupported_layout_falls_back():
     qx = quantize(x, "int8", granularity=PerChannel((0,)))
     qw = quantize(w, "int8", granularity=PerChannel((1,)))
     assert dot_general_path(qx, qw, dims) == "int8_int32"
-    np.testing.assert_allclose(dot_general(qx, qw, dims), dot_general_reference(qx, qw, dims),
-                               rtol=1e-5, atol=1e-5)
+    out, ref, _ = _both(qx, qw, dims)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     # Groups of 4 on one side and 6 on the other do not nest: reference.
     x12, w12 = normal(2, (3, 12)), normal(3, (12, 6))
     qx12 = quantize(x12, "int8", granularity=PerGroup(4, 1))
     qw12 = quantize(w12, "int8", granularity=PerGroup(6, 0))
     assert dot_general_path(qx12, qw12, dims) == "reference"
-    np.testing.assert_allclose(dot_general(qx12, qw12, dims),
-                               dot_general_reference(qx12, qw12, dims), rtol=1e-6)
+    out, ref, _ = _both(qx12, qw12, dims)
+    np.testing.assert_array_equal(out, ref)
 
 
 def test_per_tensor_activation_granularity_and_errors():
@@ -259,8 +312,8 @@ def test_per_tensor_activation_granularity_and_errors():
     dims = (((1,), (0,)), ((), ()))
     per_tensor = QuantConfig(format="int8", granularity=PerTensor())
     q = weight(w, QuantConfig(format="int8", granularity=PerChannel((1,))), per_tensor)
-    np.testing.assert_allclose(dot_general(x, q, dims), dot_general_reference(x, q, dims),
-                               rtol=1e-5, atol=1e-5)
+    out, ref, _ = _both(x, q, dims)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     bad = weight(w, "int8", QuantConfig(format="int8", granularity=PerChannel((0,))))
     with pytest.raises(ValueError, match="activation granularity"):
         dot_general(x, bad, dims)
@@ -274,6 +327,6 @@ def test_jit_and_int8_dot_for_w8a8():
     x, w = normal(0, (2, 3, 16)), normal(1, (16, 2, 4))
     q = weight(w, QuantConfig(format="int8", granularity=PerChannel((1, 2))), UINT8_ASYM)
     dims = (((2,), (0,)), ((), ()))
-    fn = jax.jit(lambda x, q: dot_general(x, q, dims))
-    assert len(int_dots(jax.make_jaxpr(fn)(x, q))) == 1
-    np.testing.assert_allclose(fn(x, q), dot_general(x, q, dims), rtol=1e-6, atol=1e-6)
+    assert len(int_dots(jax.make_jaxpr(lambda x, q: dot_general(x, q, dims))(x, q))) == 1
+    out, ref, _ = _both(x, q, dims)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)

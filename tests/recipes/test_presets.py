@@ -139,3 +139,13 @@ def test_maxtext_intmp_json(tmp_path):
 def test_maxtext_json_errors(data, match):
     with pytest.raises(ValueError, match=match):
         preset_from_maxtext_json(data)
+
+
+def test_stacked_axes_option_applies_to_every_rule():
+    recipe = preset("int8", stacked_axes=1)
+    assert all(rule.stacked_axes == 1 for rule in recipe.rules)
+    report = recipe.report({"layers": {"kernel": jnp.ones((4, 16, 32)), "bias": jnp.ones((4, 32))}})
+    kernel = report["layers/kernel"]
+    assert kernel.config.granularity.tile((4, 16, 32)) == (1, 16, 1)  # per layer and channel
+    assert not report["layers/bias"].quantized
+    assert Recipe.from_json(recipe.to_json()) == recipe

@@ -1,0 +1,74 @@
+"""Following parameters through jaxprs: uses and observed activations."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowbit.api import param_uses
+from lowbit.api._trace import walk
+
+W = {"w": jnp.ones((4, 3)), "v": jnp.ones((3, 3)), "table": jnp.ones((10, 4))}
+X = jnp.arange(8.0).reshape(2, 4) / 8
+
+
+def plain(p, x):
+    return x @ p["w"]
+
+
+def remat(p, x):
+    return jax.checkpoint(lambda x: jnp.tanh(x @ p["w"]))(x)
+
+
+def cond(p, x):
+    return jax.lax.cond(x.sum() > 0, lambda x: x @ p["w"], lambda x: -(x @ p["w"]), x)
+
+
+def while_loop(p, x):
+    def body(carry):
+        i, h = carry
+        return i + 1, jnp.tanh(h @ p["v"])
+
+    return jax.lax.while_loop(lambda c: c[0] < 2, body, (0, x @ p["w"]))[1]
+
+
+def nested_jit_transposed(p, x):
+    return jax.jit(lambda x, w: jnp.einsum("bi,oi->bo", x, w.T))(x, p["w"])
+
+
+def lookup(p, x):
+    ids = jnp.array([1, 2])
+    return jnp.take(p["table"], ids, axis=0) + x
+
+
+@pytest.mark.parametrize(
+    "fn, expected",
+    [
+        (plain, {"w": {"dot_general"}}),
+        (remat, {"w": {"dot_general"}}),
+        (cond, {"w": {"dot_general"}}),
+        (while_loop, {"w": {"dot_general"}, "v": {"dot_general"}}),
+        (nested_jit_transposed, {"w": {"dot_general"}}),
+        (lookup, {"table": {"gather"}}),
+    ],
+)
+def test_param_uses_follow_weights_into_sub_jaxprs(fn, expected):
+    assert param_uses(fn, W, X) == expected
+
+
+def test_concrete_walk_sees_each_activation():
+    seen = []
+    walk(
+        while_loop,
+        {k: v * 0.5 for k, v in W.items()},
+        (X,),
+        {},
+        lambda op, paths, act: seen.append((sorted(paths), act)),
+        concrete=True,
+    )
+    # One matmul with w, then two loop steps with v, each seeing the value of that step.
+    assert [paths for paths, _ in seen] == [["w"], ["v"], ["v"]]
+    np.testing.assert_array_equal(seen[0][1], X)
+    h = X @ (W["w"] * 0.5)
+    np.testing.assert_allclose(seen[1][1], h, rtol=1e-6)
+    np.testing.assert_allclose(seen[2][1], jnp.tanh(h @ (W["v"] * 0.5)), rtol=1e-6)
