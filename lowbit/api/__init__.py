@@ -1,7 +1,7 @@
 """The user API: quantize params or Flax models by a recipe, run them, calibrate, QAT, convert."""
 
 from lowbit.api._calibrate import METHODS, activation_ranges, calibrate, with_activation_bounds
-from lowbit.api._model import QuantizedLinen, QuantizedModel, model_report, quantize_model, run
+from lowbit.api._model import QuantizedLinen, QuantizedModel, quantize_model, run
 from lowbit.api._qat import convert, prepare, qat
 from lowbit.api._quantize import quantize, quantize_params, quantize_weight
 from lowbit.api._trace import param_uses
@@ -13,7 +13,6 @@ __all__ = [
     "activation_ranges",
     "calibrate",
     "convert",
-    "model_report",
     "param_uses",
     "prepare",
     "qat",

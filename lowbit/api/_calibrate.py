@@ -72,7 +72,8 @@ def activation_ranges(
     Returns:
       {weight path: (lo, hi)}.
     Raises:
-      ValueError: for an unknown method or no batches.
+      ValueError: for an unknown method, no batches, or a weight whose rule asks for static
+        bounds that was not seen feeding any op.
     """
     if method not in METHODS:
         raise ValueError(f"calibrate: method={method!r}; accepted: {METHODS}")
@@ -85,6 +86,7 @@ def activation_ranges(
         if activation is not None and not isinstance(activation.calibration, Fixed):
             wanted.add(d.path)
     history: dict[str, list[tuple[float, float]]] = {}
+    observed: set[str] = set()
     count = 0
     for batch in batches:
         count += 1
@@ -92,6 +94,7 @@ def activation_ranges(
         seen: dict[str, tuple[float, float]] = {}
 
         def visit(op, paths, activation, seen=seen):
+            observed.update(paths)
             if activation is None:
                 return
             for path in paths & wanted:
@@ -104,6 +107,20 @@ def activation_ranges(
             history.setdefault(path, []).append(bounds)
     if count == 0:
         raise ValueError("calibrate: batches is empty; give at least one sample batch")
+    missed = sorted(
+        d.path
+        for d in report.quantized
+        if d.path in wanted
+        and recipe.rules[d.rule_index].static_activation
+        and d.path not in observed
+    )
+    if missed:
+        # A static rule whose weight was never followed into an op would silently stay dynamic.
+        raise ValueError(
+            f"calibrate: weights {missed} ask for static activation bounds but were not seen "
+            "feeding any matmul, conv or gather of fn (params must be fn's first argument, "
+            "and ops inside shard_map or custom kernels are not followed)"
+        )
     ranges = {}
     for path, seq in history.items():
         lo, hi = np.array([b[0] for b in seq]), np.array([b[1] for b in seq])

@@ -4,7 +4,8 @@ NNX: `quantize_model(module, recipe)` splits the module into graph definition an
 quantizes the state, merges them into a copy of the module whose `Variable`s hold `QArray`s, and
 wraps that copy in a `QuantizedModel` — an `nnx.Module` you call exactly like the original. Each
 call splits the copy and runs ``merge(graph, state)(*args)`` through `run` under `jax.jit`
-(compiled once per input shape and layout), so the float weights never come back. State updates
+(compiled once per input shape and layout; non-array arguments such as ``deterministic=True``
+stay static), so the float weights never come back. State updates
 made by the call (dropout RNG counters, batch statistics) are not written back: a quantized model
 is for inference. Being an NNX module (and so a pytree), it also goes through `nnx.jit`,
 `jax.jit`, `nnx.state` / `nnx.split` of your own.
@@ -22,12 +23,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from flax import linen, nnx
 
 from lowbit.api._quantize import as_recipe, quantize_params
 from lowbit.engine import EngineReport, interpret
 from lowbit.qarray import QArray
-from lowbit.recipes import Recipe, RecipeReport
+from lowbit.recipes import Recipe
 
 
 def run(
@@ -45,13 +47,51 @@ def run(
     return interpret(fn, strict=strict, report=report)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "method", "strict"))
-def _nnx_call(graphdef, state, args, kwargs, *, method: str, strict: bool):
-    def call(state, args, kwargs):
-        module = nnx.merge(graphdef, state)
-        return getattr(module, method)(*args, **kwargs)
+class _ArraySlot:
+    """Marks where a traced array goes back among a call's static leaves."""
 
-    return interpret(call, strict=strict)(state, args, kwargs)
+    def __repr__(self) -> str:
+        return "<array>"
+
+
+_ARRAY = _ArraySlot()
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _jit_flat(fn, treedef, statics, arrays):
+    arrays = iter(arrays)
+    leaves = [next(arrays) if leaf is _ARRAY else leaf for leaf in statics]
+    args, kwargs = jax.tree.unflatten(treedef, leaves)
+    return fn(*args, **kwargs)
+
+
+def jit_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``jax.jit(fn)(*args, **kwargs)`` tracing only the array leaves of the arguments.
+
+    Other leaves (``deterministic=True``, ``method="attend"``, Python numbers) stay static, as in
+    an un-jitted call, so model flags keep working; each new value compiles once. `fn` must be
+    hashable and equal across calls for the compiled function to be reused.
+    """
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    is_array = [isinstance(leaf, jax.Array | np.ndarray | np.generic) for leaf in leaves]
+    statics = tuple(_ARRAY if array else leaf for leaf, array in zip(leaves, is_array, strict=True))
+    arrays = [leaf for leaf, array in zip(leaves, is_array, strict=True) if array]
+    return _jit_flat(fn, treedef, statics, arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class _NnxMethod:
+    """``merge(graphdef, state).method(*args, **kwargs)`` through the engine; hashable."""
+
+    graphdef: Any
+    method: str
+    strict: bool
+
+    def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+        def call(state, args, kwargs):
+            return getattr(nnx.merge(self.graphdef, state), self.method)(*args, **kwargs)
+
+        return interpret(call, strict=self.strict)(state, args, kwargs)
 
 
 class QuantizedModel(nnx.Module):
@@ -83,7 +123,7 @@ class QuantizedModel(nnx.Module):
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Calls another method of the module, e.g. ``qmodel.call("attend", x)``."""
         graphdef, state = nnx.split(self.module)
-        return _nnx_call(graphdef, state, args, kwargs, method=method, strict=self.strict)
+        return jit_call(_NnxMethod(graphdef, method, self.strict), state, *args, **kwargs)
 
     def dequantized(self) -> nnx.Module:
         """A float copy of the module with every quantized weight dequantized (for comparisons)."""
@@ -112,15 +152,17 @@ class QuantizedLinen:
 
     @functools.cached_property
     def _apply(self) -> Callable[..., Any]:
-        return jax.jit(interpret(self.module.apply, strict=self.strict))
+        # One interpreted function per object, so `jit_call` reuses its compilations.
+        return interpret(self.module.apply, strict=self.strict)
 
     def apply(self, params: Any, *args: Any, **kwargs: Any) -> Any:
-        """`module.apply(params, *args, **kwargs)` on quantized params."""
-        return self._apply(params, *args, **kwargs)
+        """`module.apply(params, *args, **kwargs)` on quantized params (jitted; non-array
+        arguments such as ``train=False`` or ``method=`` stay static)."""
+        return jit_call(self._apply, params, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """`apply` with the stored params."""
-        return self._apply(self.params, *args, **kwargs)
+        return self.apply(self.params, *args, **kwargs)
 
     def __iter__(self):
         return iter((self.apply, self.params))
@@ -175,8 +217,3 @@ def quantize_model(
         f"quantize_model expects a flax nnx.Module or linen.Module, got {type(model).__name__}; "
         "for a plain function use quantize_params(params, recipe) and run(fn)"
     )
-
-
-def model_report(model: nnx.Module, recipe: Recipe | str) -> RecipeReport:
-    """The recipe's report on an NNX module's state (what `quantize_model` would do)."""
-    return as_recipe(recipe).report(nnx.split(model)[1])

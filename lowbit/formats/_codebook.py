@@ -13,9 +13,9 @@ equally spaced quantiles of the standard normal, plus an exact zero, normalised 
   negative: -Phi^-1(q_j), q_j = offset - j (offset - 1/2) / 7, j = 0..6
   offset = 0.9677083 (between 1 - 1/(2*15) and 1 - 1/(2*16); the published constant)
 
-divided by Phi^-1(offset). The table is computed here in float64 (with the offset taken as the
-float32 the published table was built from) and rounded to float32; it matches the published
-values to < 1e-7.
+divided by Phi^-1(offset). As in the published table, the arithmetic is float32 around a
+float64 quantile: probabilities (evenly spaced in float64) are rounded to float32, the quantiles
+are rounded to float32 and divided in float32. This reproduces the published values exactly.
 """
 
 from __future__ import annotations
@@ -45,12 +45,16 @@ def normal_float_levels(offset: float = NF4_OFFSET) -> tuple[float, ...]:
     """
     if not 0.5 < offset < 1.0:
         raise ValueError(f"offset must be in (0.5, 1), got {offset!r}")
-    top = float(np.float32(offset))
     quantile = NormalDist().inv_cdf
-    positive = [quantile(top - i * (top - 0.5) / 8) for i in range(8)]
-    negative = [-quantile(top - j * (top - 0.5) / 7) for j in range(7)]
-    values = np.array(sorted([*negative, 0.0, *positive])) / quantile(top)
-    return tuple(float(v) for v in values.astype(np.float32))
+    top = float(np.float32(offset))
+
+    def quantiles(count: int) -> list[float]:
+        probabilities = np.linspace(top, 0.5, count + 1)[:-1].astype(np.float32)
+        return [quantile(float(p)) for p in probabilities]
+
+    positive, negative = quantiles(8), [-q for q in quantiles(7)]
+    values = np.array(sorted([*negative, 0.0, *positive]), np.float32)
+    return tuple(float(v) for v in values / values.max())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from lowbit.formats import get_format
 from lowbit.ops import _dims
 from lowbit.ops._operand import (
     Operand,
@@ -80,8 +81,6 @@ def _side_meta(x, contracting, weight: QArray | None):
         return "float", None
     config = weight.activation
     static = weight.activation_bounds is not None
-    from lowbit.formats import get_format
-
     kind = format_kind(get_format(config.format))
     return kind, activation_scale_shape(x.shape, contracting, config, static)
 

@@ -356,3 +356,6 @@ def _qat_conv_bwd(params, residuals, g):
     _, vjp = jax.vjp(lambda a, b: lax.conv_general_dilated(a, b, **plain), xq, wq)
     dx, dw = vjp(g.astype(x.dtype))
     return dx.astype(x.dtype), dw.astype(value.dtype), None
+
+
+_qat_conv.defvjp(_qat_conv_fwd, _qat_conv_bwd)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from lowbit.formats import get_format
 from lowbit.ops._dims import expand_axis
 from lowbit.ops._operand import (
     activation_scale_shape,
@@ -89,8 +90,6 @@ def ragged_dot_general_path(
     elif rhs.activation is None:
         return "weight_only_epilogue"
     else:
-        from lowbit.formats import get_format
-
         xkind = format_kind(get_format(rhs.activation.format))
         try:
             xscale = activation_scale_shape(

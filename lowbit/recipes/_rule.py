@@ -163,5 +163,9 @@ def stack_granularity(granularity, stacked: int):
         return PerGroup(granularity.size, axis)
     # PerBlock covers trailing axes and gives leading axes one scale per index; PerToken
     # reduces the last axis only: both already keep stacked axes whole.
-    assert isinstance(granularity, PerBlock | PerToken), granularity
-    return granularity
+    if isinstance(granularity, PerBlock | PerToken):
+        return granularity
+    raise TypeError(
+        f"stacked_axes={stacked} cannot rewrite granularity {granularity!r}; accepted: "
+        "PerTensor, PerChannel, PerGroup, PerBlock, PerToken"
+    )

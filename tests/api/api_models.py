@@ -35,9 +35,10 @@ class LinenMLP(linen.Module):
     out: int = 32
 
     @linen.compact
-    def __call__(self, x):
+    def __call__(self, x, negate: bool = False):
         x = jax.nn.relu(linen.Dense(self.hidden, kernel_init=init)(x))
-        return linen.Dense(self.out, kernel_init=init)(x)
+        y = linen.Dense(self.out, kernel_init=init)(x)
+        return -y if negate else y  # a Python flag: must stay static under jit
 
 
 class Block(nnx.Module):

@@ -126,3 +126,9 @@ def test_calibrate_nnx_module_and_scan(mlp, mlp_input, mlp_output):
     lo = min(float(a.min()) for a in inputs)
     hi = max(float(a.max()) for a in inputs)
     np.testing.assert_allclose(bounds, [lo, hi], rtol=1e-5)
+
+
+def test_static_weight_never_reached_is_an_error():
+    unused = {**PARAMS, "spare": {"kernel": jnp.ones((8, 8))}}
+    with pytest.raises(ValueError, match=r"\['spare/kernel'\] ask for static activation bounds"):
+        calibrate(fn, unused, BATCHES[:1], static_int8())

@@ -131,6 +131,7 @@ def test_linen_both_forms(mlp_input):
     assert isinstance(qparams["params"]["Dense_0"]["kernel"], QArray)
     y = apply_fn(qparams, mlp_input)
     np.testing.assert_array_equal(y, qmodel(mlp_input))
+    np.testing.assert_array_equal(apply_fn(qparams, mlp_input, negate=True), -y)
     assert 0 < rel_error(y, ref) < 0.03
     with pytest.raises(TypeError, match="params=variables"):
         quantize_model(module, "int8w")

@@ -20,6 +20,7 @@ X = jax.random.normal(_K[2], (4, 16))
 Q_STACK = jit_quantize(STACK, "int4", PerGroup(8, axis=1))  # scale [3, 2, 16]: one per layer
 Q_STACK_SHARED = jit_quantize(STACK, "int8", PerTensor())  # scale [1, 1, 1]: shared by layers
 Q_W = jit_quantize(W, "int8", PerChannel((-1,)))
+W_DEQ = jit_dequantize(Q_W)
 
 
 def scan_layers(stack, w, x):
@@ -67,7 +68,7 @@ def _check(fn, args, deq_args, expected_dots):
     assert sum(report.quantized_ops.values()) == expected_dots
     is_q = lambda v: isinstance(v, QArray)
     for got, want in zip(jax.tree.leaves(out, is_leaf=is_q), jax.tree.leaves(ref), strict=True):
-        got = got.dequantize() if isinstance(got, QArray) else got
+        got = jit_dequantize(got)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     return out
 
@@ -78,7 +79,7 @@ def test_scan_over_stacked_quantized_layers(stack):
 
 
 def test_quantized_weight_in_scan_carry_stays_packed():
-    h, weight = _check(carry_weight, (Q_W, X), (Q_W.dequantize(), X), 1)
+    h, weight = _check(carry_weight, (Q_W, X), (W_DEQ, X), 1)
     assert isinstance(weight, QArray) and weight.codes.dtype == jnp.int8
 
 
@@ -93,12 +94,12 @@ def test_carry_that_changes_type_is_dequantized_once_and_counted():
 
 
 def test_while_loop_with_quantized_const_and_carry():
-    _check(while_model, (Q_W, X), (Q_W.dequantize(), X), 2)
+    _check(while_model, (Q_W, X), (W_DEQ, X), 2)
 
 
 @pytest.mark.parametrize("flag", [True, False])
 def test_cond_with_quantized_operands(flag):
-    _check(cond_model, (Q_W, X, flag), (Q_W.dequantize(), X, flag), 2)
+    _check(cond_model, (Q_W, X, flag), (W_DEQ, X, flag), 2)
 
 
 def test_switch_branches_disagreeing_on_outputs_dequantize_only_the_output():
@@ -107,9 +108,9 @@ def test_switch_branches_disagreeing_on_outputs_dequantize_only_the_output():
 
     report = EngineReport()
     out = jax.jit(interpret(pick, report=report))(Q_W, 0)
-    np.testing.assert_allclose(out, Q_W.dequantize(), rtol=1e-6)
+    np.testing.assert_allclose(out, W_DEQ, rtol=1e-6)
     assert report.fallbacks["mul"] == 1 and report.fallbacks["cond"] == 1
-    _check(switch_model, (Q_W, X, 1), (Q_W.dequantize(), X, 1), 2)
+    _check(switch_model, (Q_W, X, 1), (W_DEQ, X, 1), 2)
 
 
 _MESH = Mesh(np.array(jax.devices()[:4]), ("x",))
@@ -124,7 +125,7 @@ def _sharded_matmul(w, x, w_spec):
 def test_shard_map_shards_codes_and_scales_together(qname):
     w = Q_W if qname == "int8_channel" else jit_quantize(W, "int4", PerGroup(8, axis=0))
     fn = lambda w, x: _sharded_matmul(w, x, P(None, "x"))  # output channels over 4 devices
-    _check(fn, (w, X), (w.dequantize(), X), 1)
+    _check(fn, (w, X), (jit_dequantize(w), X), 1)
     jaxpr = jax.make_jaxpr(interpret(fn))(w, X)
     (eqn,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "shard_map"]
     assert [v.aval.dtype for v in eqn.invars][0] == w.codes.dtype  # codes enter packed
@@ -140,7 +141,7 @@ def test_shard_map_splitting_blocks_falls_back_counted():
     out = jax.jit(interpret(fn, report=report))(w, X)
     assert report.fallbacks == {"shard_map": 1}
     assert "whole blocks" in report.fallback_details[0]
-    np.testing.assert_allclose(out, X @ w.dequantize(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out, X @ jit_dequantize(w), rtol=1e-4, atol=1e-4)
 
 
 def test_qat_weights_through_scan_and_transpose():

@@ -21,7 +21,6 @@ QARRAYS = {
 
 OPS = {
     "transpose": lambda w: jnp.transpose(w, (2, 0, 1)),
-    "T": lambda w: w.T,
     "merge_leading": lambda w: w.reshape(24, 16),
     "split_leading": lambda w: w.reshape(2, 2, 6, 16),
     "expand_squeeze": lambda w: jnp.squeeze(jnp.expand_dims(w, 1), 1)[None],

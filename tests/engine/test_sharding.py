@@ -6,7 +6,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-from engine_helpers import jit_quantize
+from engine_helpers import jit_dequantize, jit_quantize
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -45,5 +45,5 @@ def test_sharded_quantized_weights_are_not_all_gathered_as_float():
         for _dtype, dims in re.findall(r"(f32|bf16|f16)\[([\d,]+)\]", line):
             assert dims not in weight_shapes, line
     out = run(params, X)
-    deq = {k: v.dequantize() for k, v in jax.device_get(params).items()}
+    deq = jit_dequantize(params)
     np.testing.assert_allclose(out, model(deq, X), rtol=1e-4, atol=1e-4)

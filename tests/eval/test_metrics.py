@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 
 from lowbit import eval as lbe
-from lowbit.qarray import PerChannel, PerToken, QuantConfig, quantize
+from lowbit.qarray import PerChannel, PerToken, QuantConfig
+from lowbit.qarray import quantize as quantize_eager
+
+# One compiled quantizer per (shape, config): eager quantization compiles many small ops.
+quantize = jax.jit(quantize_eager, static_argnums=1)
 
 VOCAB = 37
 

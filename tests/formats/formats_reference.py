@@ -85,23 +85,35 @@ def mx_quantize(x: np.ndarray, block: int, element_max: float, cast) -> tuple:
     return exponent, values.reshape(x.shape), amax
 
 
-def nvfp4_quantize(x: np.ndarray) -> tuple:
-    """NVFP4 along the last axis of a 2-D array: float32 tensor scale, e4m3 block scales of 16,
-    e2m1 elements. All arithmetic in float32, as a device kernel would do it.
+def nvfp4_check(x, tensor_scale, block, codes, dequant, rel: float = 2.0**-21) -> None:
+    """Checks an NVFP4 quantization of `x` ([rows, n] float32, blocks of 16 along the last axis).
 
-    Returns:
-      (tensor_scale float32, block scales [rows, n // 16] as e4m3, dequantized [rows, n] f32).
+    Reference: tensor_scale T = amax(x) / (6 * 448); block scale s = e4m3(amax(block) / 6 / T);
+    elements e = e2m1(clip(x / (s T), ±6)); dequantized = e * s * T. XLA rewrites a division by
+    a broadcast scalar as a multiplication by its reciprocal (not correctly rounded), so each
+    rounding may see its input perturbed by a few float32 ulps: a stored value must equal the
+    rounding of the exact input scaled by (1 - rel) or by (1 + rel).
     """
-    xb = blocks(np.asarray(x, np.float32), 16)
+    x = np.asarray(x, np.float64)
+    xb = blocks(x, 16)
     amax = np.abs(xb).max(axis=-1)
-    tensor_scale = np.float32(amax.max()) / np.float32(6.0 * E4M3_MAX)
-    if not tensor_scale > 0:
-        tensor_scale = np.float32(1.0)
-    block = np.clip(amax / np.float32(6.0) / tensor_scale, 0, E4M3_MAX).astype(
-        ml_dtypes.float8_e4m3fn
-    )
-    block32 = block.astype(np.float32)
-    scale = np.where(block32 > 0, block32, np.float32(1.0)) * tensor_scale
-    elements = np.clip(xb / scale[..., None], -6, 6).astype(ml_dtypes.float4_e2m1fn)
-    values = elements.astype(np.float32) * scale[..., None]
-    return tensor_scale, block, values.reshape(x.shape)
+    t = float(np.asarray(tensor_scale).reshape(()))
+    want_t = amax.max() / (6.0 * E4M3_MAX) if amax.max() > 0 else 1.0
+    assert abs(t - want_t) <= rel * want_t, (t, want_t)
+
+    def either(cast, v, got, what):
+        lo, hi = cast(v * (1 - rel)), cast(v * (1 + rel))
+        ok = (got == lo) | (got == hi)
+        assert ok.all(), (what, got[~ok], v[~ok])
+
+    e4m3 = lambda v: np.clip(v, 0, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    block = np.asarray(block).astype(np.float64)
+    either(e4m3, amax / 6.0 / t, block, "block scale")
+    scale = np.where(block > 0, block, 1.0) * t
+    e2m1 = lambda v: np.clip(v, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    elements = np.asarray(codes, np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    either(e2m1, xb / scale[..., None], elements.reshape(xb.shape), "elements")
+    # Dequantization: element times (block scale times tensor scale), each product in float32.
+    scale32 = np.where(block > 0, block, 1.0).astype(np.float32) * np.float32(t)
+    want = elements.astype(np.float32).reshape(xb.shape) * scale32[..., None]
+    np.testing.assert_array_equal(np.asarray(dequant), want.reshape(x.shape))

@@ -18,14 +18,44 @@ from lowbit.formats import get_format
 KINDS = ("normal", "uniform", "integers", "halves", "constant", "outlier", "sparse")
 
 
-@functools.cache
+def _element(name: str) -> str:
+    # Block formats encode and decode with their element: share its compiled functions.
+    fmt = get_format(name)
+    return getattr(fmt, "element", fmt).name
+
+
 def encoder(name: str):
+    return _jit_encode(_element(name))
+
+
+def decoder(name: str):
+    return _jit_decode(_element(name))
+
+
+@functools.cache
+def _jit_encode(name: str):
     return jax.jit(get_format(name).encode)
 
 
 @functools.cache
-def decoder(name: str):
+def _jit_decode(name: str):
     return jax.jit(get_format(name).decode)
+
+
+@functools.cache
+def round_trip(name: str):
+    """Jitted (codes, y) → (decode(codes), encode(decode(codes)), decode(encode(y)))."""
+    fmt = get_format(name)
+
+    def run(codes, y):
+        values = fmt.decode(codes)
+        return values, fmt.encode(values), fmt.decode(fmt.encode(y))
+
+    return jax.jit(run)
+
+
+def round_trip_for(name: str):
+    return round_trip(_element(name))
 
 
 def make_array(seed: int, log2_scale: int, kind: str, shape) -> np.ndarray:

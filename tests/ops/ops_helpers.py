@@ -18,8 +18,14 @@ def normal(seed: int, shape, dtype=jnp.float32) -> jax.Array:
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
 
 
+# One compile per (shape, config) instead of one per primitive in eager mode.
+jit_quantize = jax.jit(
+    quantize, static_argnums=(1,), static_argnames=("granularity", "symmetric", "pack")
+)
+
+
 def weight(w: jax.Array, config, activation=None, bounds=None, **overrides) -> QArray:
-    q = quantize(w, config, **overrides)
+    q = jit_quantize(w, config, **overrides)
     return dataclasses.replace(q, activation=activation, activation_bounds=bounds)
 
 

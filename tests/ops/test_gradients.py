@@ -55,8 +55,13 @@ def _qlora_grads(x, q, dims):
     [
         (QuantConfig(format="int4", granularity=PerGroup(8, 0)), None, LINEAR),
         (QuantConfig(format="int8", granularity=PerChannel((1,))), INT8_TOKEN, LINEAR),
-        (QuantConfig(format="uint8", granularity=PerChannel((0,)), symmetric=False,
-                     calibration=MinMax()), None, ATTEND),
+        (
+            QuantConfig(
+                format="uint8", granularity=PerChannel((0,)), symmetric=False, calibration=MinMax()
+            ),
+            None,
+            ATTEND,
+        ),
     ],
 )
 def test_qlora_gradients_match_float_reference(config, activation, dims):
@@ -77,8 +82,9 @@ def _qat(activation=None, gradient=None, shape=(16, 6)):
 
 @jax.jit
 def _qat_grads(x, qw, g):
-    out, vjp = jax.vjp(lambda x, v: qat_dot_general(x, dataclasses.replace(qw, value=v), LINEAR),
-                       x, qw.value)
+    out, vjp = jax.vjp(
+        lambda x, v: qat_dot_general(x, dataclasses.replace(qw, value=v), LINEAR), x, qw.value
+    )
     dx, dv = vjp(g)
     return out, dx, dv
 
@@ -100,8 +106,7 @@ def test_qat_grad_pytree_and_integer_leaves():
     qw = _qat()
     grads = jax.grad(lambda qw: qat_dot_general(x, qw, LINEAR).sum(), allow_int=True)(qw)
     assert isinstance(grads, QatWeight)
-    np.testing.assert_allclose(grads.value, jnp.broadcast_to(x.sum(0)[:, None], (16, 6)),
-                               rtol=1e-5)
+    np.testing.assert_allclose(grads.value, jnp.broadcast_to(x.sum(0)[:, None], (16, 6)), rtol=1e-5)
     assert grads.qarray.codes.dtype == jax.dtypes.float0
     assert not np.any(np.asarray(grads.qarray.scale))
 
@@ -113,8 +118,9 @@ def test_qat_weight_as_lhs():
 
     @jax.jit
     def run(x, v):
-        return jax.vjp(lambda x, v: qat_dot_general(dataclasses.replace(qw, value=v), x, dims),
-                       x, v)[1](g)
+        return jax.vjp(
+            lambda x, v: qat_dot_general(dataclasses.replace(qw, value=v), x, dims), x, v
+        )[1](g)
 
     dx, dv = run(x, qw.value)
     np.testing.assert_allclose(dx, g.T @ qw.qarray.dequantize().T, rtol=1e-5, atol=1e-6)
@@ -141,9 +147,11 @@ def test_quantized_backward_int8(rounding):
     np.testing.assert_array_less(np.abs(dx - g @ w.T), dx_bound + 1e-6)
     dx_cols = 0.5 * jnp.max(jnp.abs(x), axis=0, keepdims=True) / 127
     dg_cols = steps * jnp.max(jnp.abs(g), axis=0, keepdims=True) / 127
-    dv_bound = jnp.abs(x).T @ jnp.broadcast_to(dg_cols, g.shape) + jnp.broadcast_to(
-        dx_cols, x.shape).T @ jnp.abs(g) + jnp.broadcast_to(dx_cols, x.shape).T @ (
-        jnp.broadcast_to(dg_cols, g.shape))
+    dv_bound = (
+        jnp.abs(x).T @ jnp.broadcast_to(dg_cols, g.shape)
+        + jnp.broadcast_to(dx_cols, x.shape).T @ jnp.abs(g)
+        + jnp.broadcast_to(dx_cols, x.shape).T @ (jnp.broadcast_to(dg_cols, g.shape))
+    )
     np.testing.assert_array_less(np.abs(dv - x.T @ g), dv_bound + 1e-6)
     if rounding == "stochastic":
         # Deterministic for the same step, different when the cotangent changes.
@@ -158,9 +166,13 @@ def test_quantized_backward_fp8_e5m2():
     gradient = QuantConfig(format="fp8_e5m2", granularity=PerToken())
     qw = _qat(gradient=gradient)
     jaxpr = jax.make_jaxpr(_qat_grads)(x, qw, g)
-    fp8 = [e for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"
-           and {v.aval.dtype for v in e.invars} == {jnp.dtype(jnp.float8_e5m2),
-                                                     jnp.dtype(jnp.float8_e4m3fn)}]
+    fp8 = [
+        e
+        for e in iter_eqns(jaxpr)
+        if e.primitive.name == "dot_general"
+        and {v.aval.dtype for v in e.invars}
+        == {jnp.dtype(jnp.float8_e5m2), jnp.dtype(jnp.float8_e4m3fn)}
+    ]
     assert len(fp8) == 2
     _, dx, dv = _qat_grads(x, qw, g)
     w = qw.qarray.dequantize()

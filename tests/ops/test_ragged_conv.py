@@ -27,19 +27,31 @@ from lowbit.ops import (
 from lowbit.qarray import MinMax, PerChannel, PerGroup, PerTensor, PerToken, QuantConfig
 
 INT8_TOKEN = QuantConfig(format="int8", granularity=PerToken())
-UINT8_ASYM = QuantConfig(format="uint8", granularity=PerToken(), symmetric=False,
-                         calibration=MinMax())
+UINT8_ASYM = QuantConfig(
+    format="uint8", granularity=PerToken(), symmetric=False, calibration=MinMax()
+)
 EXPERT_CHANNEL = PerChannel((0, 2))
 GROUP_SIZES = jnp.array([3, 0, 2, 2], jnp.int32)  # 7 of 8 rows used; expert 1 is empty
 
 RAGGED = {
-    "weight_only_int4": (QuantConfig(format="int4", granularity=EXPERT_CHANNEL), None,
-                         "weight_only_epilogue"),
+    "weight_only_int4": (
+        QuantConfig(format="int4", granularity=EXPERT_CHANNEL),
+        None,
+        "weight_only_epilogue",
+    ),
     "w8a8": (QuantConfig(format="int8", granularity=EXPERT_CHANNEL), INT8_TOKEN, "int8_int32"),
-    "w8a8_asym": (QuantConfig(format="uint8", granularity=EXPERT_CHANNEL, symmetric=False,
-                              calibration=MinMax()), UINT8_ASYM, "int8_int32"),
-    "grouped_reference": (QuantConfig(format="int8", granularity=PerGroup(4, 1)), None,
-                          "reference"),
+    "w8a8_asym": (
+        QuantConfig(
+            format="uint8", granularity=EXPERT_CHANNEL, symmetric=False, calibration=MinMax()
+        ),
+        UINT8_ASYM,
+        "int8_int32",
+    ),
+    "grouped_reference": (
+        QuantConfig(format="int8", granularity=PerGroup(4, 1)),
+        None,
+        "reference",
+    ),
 }
 
 
@@ -73,14 +85,14 @@ def test_ragged_gradients_qlora_and_qat():
     x, w = normal(0, (8, 16)), normal(1, (4, 16, 5))
     g = normal(2, (8, 5))
     q = weight(w, QuantConfig(format="int8", granularity=EXPERT_CHANNEL), INT8_TOKEN)
-    qw = qat_weight(w, QuantConfig(format="int8", granularity=EXPERT_CHANNEL),
-                    activation=INT8_TOKEN)
+    qw = qat_weight(
+        w, QuantConfig(format="int8", granularity=EXPERT_CHANNEL), activation=INT8_TOKEN
+    )
 
     @jax.jit
     def run(x, v):
         dx_frozen = jax.vjp(lambda x: ragged_dot(x, q, GROUP_SIZES), x)[1](g)[0]
-        qat = lambda x, v: qat_ragged_dot_general(
-            x, dataclasses.replace(qw, value=v), GROUP_SIZES)
+        qat = lambda x, v: qat_ragged_dot_general(x, dataclasses.replace(qw, value=v), GROUP_SIZES)
         out, vjp = jax.vjp(qat, x, v)
         return dx_frozen, out, ragged_dot(x, qw.served(), GROUP_SIZES), *vjp(g)
 
@@ -102,12 +114,14 @@ def test_ragged_gradients_qlora_and_qat():
 
 def test_ragged_quantized_backward_int8():
     x, w, g = normal(0, (8, 16)), normal(1, (4, 16, 5)), normal(2, (8, 5))
-    qw = qat_weight(w, QuantConfig(format="int8", granularity=EXPERT_CHANNEL),
-                    gradient=QuantConfig(format="int8", granularity=PerToken()))
+    qw = qat_weight(
+        w,
+        QuantConfig(format="int8", granularity=EXPERT_CHANNEL),
+        gradient=QuantConfig(format="int8", granularity=PerToken()),
+    )
 
     def grads(x, v):
-        qat = lambda x, v: qat_ragged_dot_general(
-            x, dataclasses.replace(qw, value=v), GROUP_SIZES)
+        qat = lambda x, v: qat_ragged_dot_general(x, dataclasses.replace(qw, value=v), GROUP_SIZES)
         return jax.vjp(qat, x, v)[1](g)
 
     jaxpr = jax.make_jaxpr(grads)(x, qw.value)
@@ -117,9 +131,12 @@ def test_ragged_quantized_backward_int8():
     expect_dx = lax.ragged_dot(g, jnp.swapaxes(deq, 1, 2), GROUP_SIZES)
     # Two int8 roundings per product (half a step of the row / column maximum each).
     tol = 2 * 0.5 / 127 * 1.01
-    mag_dx = lax.ragged_dot(jnp.abs(g).max(1, keepdims=True) * jnp.ones_like(g),
-                            jnp.abs(jnp.swapaxes(deq, 1, 2)).max(1, keepdims=True)
-                            * jnp.ones_like(jnp.swapaxes(deq, 1, 2)), GROUP_SIZES)
+    mag_dx = lax.ragged_dot(
+        jnp.abs(g).max(1, keepdims=True) * jnp.ones_like(g),
+        jnp.abs(jnp.swapaxes(deq, 1, 2)).max(1, keepdims=True)
+        * jnp.ones_like(jnp.swapaxes(deq, 1, 2)),
+        GROUP_SIZES,
+    )
     np.testing.assert_array_less(np.abs(dx - expect_dx), tol * mag_dx + 1e-6)
     ends = np.cumsum(np.asarray(GROUP_SIZES))
     starts = ends - np.asarray(GROUP_SIZES)
@@ -134,16 +151,21 @@ CONV = dict(window_strides=(1, 2), padding="SAME", dimension_numbers=("NHWC", "H
 CONV_MODES = {
     "weight_only": (None, "weight_only_epilogue"),
     "w8a8_per_example": (INT8_TOKEN, "int8_int32"),
-    "w8a8_asym_per_tensor": (QuantConfig(format="uint8", granularity=PerTensor(),
-                                         symmetric=False, calibration=MinMax()), "int8_int32"),
+    "w8a8_asym_per_tensor": (
+        QuantConfig(format="uint8", granularity=PerTensor(), symmetric=False, calibration=MinMax()),
+        "int8_int32",
+    ),
 }
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
 def _conv_pair(x, w, mode):
     q = weight(w, QuantConfig(format="int8", granularity=PerChannel((3,))), CONV_MODES[mode][0])
-    return (conv_general_dilated(x, q, **CONV), conv_general_dilated_reference(x, q, **CONV),
-            q.dequantize())
+    return (
+        conv_general_dilated(x, q, **CONV),
+        conv_general_dilated_reference(x, q, **CONV),
+        q.dequantize(),
+    )
 
 
 @pytest.mark.parametrize("mode", list(CONV_MODES))
@@ -151,8 +173,8 @@ def test_conv_matches_reference(mode):
     x, w = normal(0, (2, 5, 6, 3)), normal(1, (3, 3, 3, 4))
     activation, path = CONV_MODES[mode]
     q = jax.eval_shape(
-        lambda w: weight(w, QuantConfig(format="int8", granularity=PerChannel((3,))),
-                         activation), w)
+        lambda w: weight(w, QuantConfig(format="int8", granularity=PerChannel((3,))), activation), w
+    )
     assert conv_general_dilated_path(x, q, **CONV) == path
     out, ref, deq = _conv_pair(x, w, mode)
     assert out.shape == lax.conv_general_dilated(x, w, **CONV).shape
@@ -161,7 +183,8 @@ def test_conv_matches_reference(mode):
     np.testing.assert_array_less(np.abs(out - ref), bound + 1e-30)
     if path == "int8_int32":
         jaxpr = jax.make_jaxpr(lambda x, q: conv_general_dilated(x, q, **CONV))(
-            x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), q))
+            x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), q)
+        )
         names = [e.primitive.name for e in int_dots(jaxpr)]
         # Asymmetric activations add the tap-count convolution of the zero point.
         assert names == ["conv_general_dilated"] * (2 if "asym" in mode else 1)
@@ -170,17 +193,16 @@ def test_conv_matches_reference(mode):
 def test_conv_qat_and_input_gradient():
     x, w = normal(0, (2, 5, 6, 3)), normal(1, (3, 3, 3, 4))
     g = normal(2, lax.conv_general_dilated(x, w, **CONV).shape)
-    qw = qat_weight(w, QuantConfig(format="int8", granularity=PerChannel((3,))),
-                    activation=INT8_TOKEN)
-    dims = lax.conv_dimension_numbers(x.shape, w.shape, CONV["dimension_numbers"])
-    params = dict(CONV, dimension_numbers=dims, padding=((1, 1), (1, 1)), lhs_dilation=(1, 1),
-                  rhs_dilation=(1, 1), feature_group_count=1, batch_group_count=1,
-                  precision=None, preferred_element_type=None, out_sharding=None)
+    qw = qat_weight(
+        w, QuantConfig(format="int8", granularity=PerChannel((3,))), activation=INT8_TOKEN
+    )
+    # The equation params the engine passes, as the float program records them.
+    eqn = jax.make_jaxpr(lambda x, w: lax.conv_general_dilated(x, w, **CONV))(x, w).eqns[-1]
+    params = dict(eqn.params)
 
     @jax.jit
     def run(x, v):
-        qat = lambda x, v: qat_conv_general_dilated(x, dataclasses.replace(qw, value=v),
-                                                    **params)
+        qat = lambda x, v: qat_conv_general_dilated(x, dataclasses.replace(qw, value=v), **params)
         out, vjp = jax.vjp(qat, x, v)
         frozen = jax.vjp(lambda x: conv_general_dilated(x, qw.served(), **params), x)[1](g)[0]
         return out, conv_general_dilated(x, qw.served(), **params), frozen, *vjp(g)

@@ -8,8 +8,8 @@ constexpr int64_t kPrefetch = 1024;
 // K-block (in k) for weight-only tiles when M is large: the dequantized block (kc x 32 f32)
 // and the activation block stay in L2 while all panels of a thread pass over them.
 constexpr int64_t kWoKc = 512;
-// Rows above which K is blocked (below, a whole K pass per tile keeps the code simple and
-// the activation rows are tiny anyway).
+// Rows (per task) above which weight-only switches from unpacking in registers to
+// dequantize-a-block-then-float-GEMM, and w8a8 starts blocking K.
 constexpr int64_t kSmallM = 16;
 // K-block in k-quads for w8a8.
 constexpr int64_t kQ8Kq = 512;
