@@ -17,16 +17,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from lowbit import ops
-from lowbit.engine import _compat, _control_flow, _layout_rules, _shard_map
+from lowbit.engine import _compat, _control_flow, _gather, _layout_rules, _op_rules, _shard_map
 from lowbit.engine._report import EngineFallbackError, EngineReport, describe
-from lowbit.engine._values import (
-    dequantize,
-    is_qat_weight,
-    is_quantized,
-    logical_struct,
-    map_layout,
-)
+from lowbit.engine._values import NoRule, dequantize, is_quantized, logical_struct, map_layout
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,12 +42,6 @@ class Context:
 
     def location(self, eqn: Any) -> str:
         return _compat.source_location(eqn) or self.where
-
-
-class _NoRule(Exception):
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
 
 
 # --- evaluation ---
@@ -90,7 +77,7 @@ def apply_rule(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
         return fallback(ctx, eqn, invals, "has no quantized rule")
     try:
         return rule(ctx.entering(eqn), eqn, invals)
-    except (_NoRule, _layout_rules.LayoutUnsupported) as err:
+    except NoRule as err:
         # Rules raise these before returning outputs: the fallback's outputs are the only ones used.
         return fallback(ctx, eqn, invals, str(err))
 
@@ -117,60 +104,6 @@ def dequantize_counted(ctx: Context, eqn: Any, value: Any, reason: str) -> Any:
     return dequantize(value)
 
 
-# --- rules: quantized ops ---
-def _match_aval(eqn: Any, out: Any) -> Any:
-    dtype = _compat.aval_of(eqn.outvars[0]).dtype
-    return out if out.dtype == dtype else out.astype(dtype)
-
-
-def _dot_general(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
-    lhs, rhs = invals
-    params = eqn.params
-    dimension_numbers = params["dimension_numbers"]
-    kwargs = {
-        "precision": params.get("precision"),
-        "preferred_element_type": params.get("preferred_element_type"),
-        "out_sharding": params.get("out_sharding"),
-    }
-    with _compat.eqn_context(eqn):
-        if is_qat_weight(lhs) or is_qat_weight(rhs):
-            out = ops.qat_dot_general(lhs, rhs, dimension_numbers, **kwargs)
-            path = "qat"
-        else:
-            path = ops.dot_general_path(lhs, rhs, dimension_numbers)
-            out = ops.dot_general(lhs, rhs, dimension_numbers, **kwargs)
-    ctx.report.record_op("dot_general", path)
-    return [_match_aval(eqn, out)]
-
-
-def _conv(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
-    lhs, rhs = invals
-    with _compat.eqn_context(eqn):
-        if is_qat_weight(lhs) or is_qat_weight(rhs):
-            out = ops.qat_conv_general_dilated(lhs, rhs, **eqn.params)
-            path = "qat"
-        else:
-            path = ops.conv_general_dilated_path(lhs, rhs, **eqn.params)
-            out = ops.conv_general_dilated(lhs, rhs, **eqn.params)
-    ctx.report.record_op("conv_general_dilated", path)
-    return [_match_aval(eqn, out)]
-
-
-def _ragged_dot(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
-    lhs, rhs, group_sizes = invals
-    if is_quantized(group_sizes):
-        raise _NoRule("received quantized group sizes")
-    with _compat.eqn_context(eqn):
-        if is_qat_weight(lhs) or is_qat_weight(rhs):
-            out = ops.qat_ragged_dot_general(lhs, rhs, group_sizes, **eqn.params)
-            path = "qat"
-        else:
-            path = ops.ragged_dot_general_path(lhs, rhs, group_sizes, **eqn.params)
-            out = ops.ragged_dot_general(lhs, rhs, group_sizes, **eqn.params)
-    ctx.report.record_op("ragged_dot_general", path)
-    return [_match_aval(eqn, out)]
-
-
 # --- rules: layout ops ---
 def _layout(qarray_fn: Callable[..., Any], params_fn: Callable[[Any], dict[str, Any]]):
     """A rule applying a QArray layout function to the first operand (the other operands, if
@@ -179,7 +112,7 @@ def _layout(qarray_fn: Callable[..., Any], params_fn: Callable[[Any], dict[str, 
     def rule(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
         operand, *rest = invals
         if not is_quantized(operand) or any(is_quantized(v) for v in rest):
-            raise _NoRule("has a quantized value in a non-operand position")
+            raise NoRule("has a quantized value in a non-operand position")
         kwargs = params_fn(eqn)
         out = map_layout(
             operand,
@@ -205,11 +138,11 @@ def _dynamic_slice(q: Any, *starts: Any, slice_sizes: tuple[int, ...]) -> Any:
 
 
 _gather_packed = _layout(
-    _layout_rules.gather, lambda e: {"out_shape": _out_shape(e), **_compat.gather_params(e)}
+    _gather.gather, lambda e: {"out_shape": _out_shape(e), **_compat.gather_params(e)}
 )
 
 
-def _gather(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+def _gather_rows(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
     """Embedding lookup: gathers packed rows and their scales, then dequantizes those rows only.
 
     A gathered row is an activation (token embeddings), not a weight: returning it packed would
@@ -220,9 +153,9 @@ def _gather(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
 
 
 _RULES: dict[str, Callable[[Context, Any, list[Any]], list[Any]]] = {
-    "dot_general": _dot_general,
-    "conv_general_dilated": _conv,
-    "ragged_dot_general": _ragged_dot,
+    "dot_general": _op_rules.dot_general,
+    "conv_general_dilated": _op_rules.conv_general_dilated,
+    "ragged_dot_general": _op_rules.ragged_dot_general,
     "transpose": _layout(
         _layout_rules.transpose, lambda e: {"permutation": e.params["permutation"]}
     ),
@@ -247,7 +180,7 @@ _RULES: dict[str, Callable[[Context, Any, list[Any]], list[Any]]] = {
     "dynamic_slice": _layout(
         _dynamic_slice, lambda e: {"slice_sizes": _compat.dynamic_slice_sizes(e)}
     ),
-    "gather": _gather,
+    "gather": _gather_rows,
     "convert_element_type": _layout(
         _layout_rules.astype, lambda e: {"dtype": _compat.aval_of(e.outvars[0]).dtype}
     ),

@@ -18,6 +18,11 @@ from lowbit.ops import QatWeight
 from lowbit.qarray import QArray
 
 
+class NoRule(Exception):
+    """Raised by a rule that cannot handle these operands; the interpreter then falls back
+    (dequantizes, counted) or, in strict mode, raises `EngineFallbackError` with this reason."""
+
+
 def is_qat_weight(x: Any) -> bool:
     return isinstance(x, QatWeight)
 

@@ -9,16 +9,21 @@ group occupies stream bits `[i * bits, (i + 1) * bits)`, and byte `j` holds stre
   bytes per group: 1  1  3  1  5  3  7  1
 
 so 3-bit codes take 3 bytes per 8 values (3.0 bits/value) and nothing is wasted but the padding of
-the last group. All shifts are static, so `pack` and `unpack` trace to a handful of elementwise
-ops and are jit-able.
+the last group (zero bits).
+
+Both directions are one broadcast shift-mask-sum over a static [codes per group, bytes per group]
+table of shifts: the masked pieces land on disjoint bits, so their sum is their bitwise OR. That
+traces to a handful of ops (cheap to compile, fused by XLA) and is jit-able.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def group_shape(bits: int) -> tuple[int, int]:
@@ -35,6 +40,18 @@ def packed_length(n: int, bits: int) -> int:
     return -(-n // per_group) * bytes_per_group
 
 
+@functools.cache
+def _shift_table(bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Static (left, right) shifts [codes per group, bytes per group] placing code i's bits in
+    byte j: stream offset i*bits relative to 8j, clamped where the piece misses the byte (the
+    clamped shifts then push every bit out of the mask, giving 0)."""
+    per_group, bytes_per_group = group_shape(bits)
+    offset = np.arange(per_group)[:, None] * bits - 8 * np.arange(bytes_per_group)[None, :]
+    left = np.clip(offset, 0, 8).astype(np.uint32)
+    right = np.clip(-offset, 0, 8).astype(np.uint32)
+    return left, right
+
+
 def pack(codes: jax.Array, bits: int, axis: int = -1) -> jax.Array:
     """Packs `bits`-bit codes along `axis`.
 
@@ -45,25 +62,17 @@ def pack(codes: jax.Array, bits: int, axis: int = -1) -> jax.Array:
     Returns:
       [..., packed_length(n, bits), ...] uint8.
     """
-    per_group, bytes_per_group = group_shape(bits)
+    per_group, _ = group_shape(bits)
     codes = jnp.moveaxis(jnp.asarray(codes), axis, -1).astype(jnp.uint32) & (2**bits - 1)
     n = codes.shape[-1]
     pad = -n % per_group
     if pad:
         codes = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, pad)])
-    codes = codes.reshape(*codes.shape[:-1], -1, per_group)
-    out = []
-    for j in range(bytes_per_group):
-        byte = jnp.zeros(codes.shape[:-1], jnp.uint32)
-        for i in range(per_group):
-            shift = i * bits - 8 * j
-            if shift >= 8 or shift + bits <= 0:
-                continue
-            code = codes[..., i]
-            byte = byte | (code << shift if shift >= 0 else code >> -shift)
-        out.append(byte & 0xFF)
-    packed = jnp.stack(out, axis=-1).reshape(*codes.shape[:-2], -1).astype(jnp.uint8)
-    return jnp.moveaxis(packed, -1, axis)
+    groups = codes.reshape(*codes.shape[:-1], -1, per_group, 1)
+    left, right = _shift_table(bits)
+    pieces = ((groups << left) >> right) & 0xFF  # [..., groups, per_group, bytes_per_group]
+    packed = jnp.sum(pieces, axis=-2, dtype=jnp.uint32).reshape(*codes.shape[:-1], -1)
+    return jnp.moveaxis(packed.astype(jnp.uint8), -1, axis)
 
 
 def unpack(packed: jax.Array, bits: int, n: int, axis: int = -1) -> jax.Array:
@@ -79,23 +88,17 @@ def unpack(packed: jax.Array, bits: int, n: int, axis: int = -1) -> jax.Array:
     Raises:
       ValueError: if `packed` has the wrong length along `axis` for `n` codes.
     """
-    per_group, bytes_per_group = group_shape(bits)
+    _, bytes_per_group = group_shape(bits)
     packed = jnp.moveaxis(jnp.asarray(packed), axis, -1)
     if packed.shape[-1] != packed_length(n, bits):
         raise ValueError(
             f"packed axis has {packed.shape[-1]} bytes, expected {packed_length(n, bits)} "
             f"for {n} codes of {bits} bits"
         )
-    groups = packed.astype(jnp.uint32).reshape(*packed.shape[:-1], -1, bytes_per_group)
-    out = []
-    for i in range(per_group):
-        code = jnp.zeros(groups.shape[:-1], jnp.uint32)
-        for j in range(bytes_per_group):
-            shift = 8 * j - i * bits
-            if shift >= bits or shift + 8 <= 0:
-                continue
-            byte = groups[..., j]
-            code = code | (byte << shift if shift >= 0 else byte >> -shift)
-        out.append(code & (2**bits - 1))
-    codes = jnp.stack(out, axis=-1).reshape(*groups.shape[:-2], -1)[..., :n].astype(jnp.uint8)
-    return jnp.moveaxis(codes, -1, axis)
+    groups = packed.astype(jnp.uint32).reshape(*packed.shape[:-1], -1, 1, bytes_per_group)
+    left, right = _shift_table(bits)
+    # Byte j holds code i's bits shifted by `left - right`; undo it and keep `bits` bits.
+    clip = np.uint32(bits)
+    pieces = ((groups << np.minimum(right, clip)) >> np.minimum(left, 8)) & (2**bits - 1)
+    codes = jnp.sum(pieces, axis=-1, dtype=jnp.uint32).reshape(*packed.shape[:-1], -1)
+    return jnp.moveaxis(codes[..., :n].astype(jnp.uint8), -1, axis)

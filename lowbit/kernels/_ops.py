@@ -27,6 +27,7 @@ def _check_x(x: jax.Array, w: PreparedWeight, name: str = "x") -> None:
 def _check_bias(bias: jax.Array | None, n: int) -> jax.Array:
     if bias is None:
         return jnp.zeros((n,), jnp.float32)
+    bias = jnp.asarray(bias)
     if bias.shape != (n,):
         raise ValueError(f"bias has shape {bias.shape}; expected ({n},)")
     return bias.astype(jnp.float32)
@@ -54,6 +55,7 @@ def weight_only_linear(
     _check_x(x, w)
     _check_float("x", x.dtype)
     out = _check_float("out_dtype", out_dtype or x.dtype)
+    b = _check_bias(bias, w.n)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     m = x2.shape[0]
@@ -66,7 +68,7 @@ def weight_only_linear(
             logical["scale"],
             logical["zero_point"],
             w.group_size,
-            bias,
+            b,
             out,
         )
         return y.reshape(*lead, w.n)
@@ -76,7 +78,7 @@ def weight_only_linear(
     y = call(
         x2,
         w.data,
-        _check_bias(bias, w.n),
+        b,
         jnp.asarray(_reference.NF4_LEVELS),
         kind=np.int64(KIND_IDS[w.kind]),
         k=np.int64(w.k),
@@ -109,19 +111,18 @@ def w8a8_linear(
     _check_x(x, w)
     _check_float("x", x.dtype)
     out = _check_float("out_dtype", out_dtype or x.dtype)
+    b = _check_bias(bias, w.n)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     m = x2.shape[0]
     if m == 0 or not _use_kernels():
         logical = prepared_to_logical(w)
-        y = _reference.w8a8_linear(x2, logical["codes"], w.scale, bias, out)
+        y = _reference.w8a8_linear(x2, logical["codes"], w.scale, b, out)
         return y.reshape(*lead, w.n)
     call = jax.ffi.ffi_call(
         "lowbit_w8a8_linear", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
     )
-    y = call(
-        x2, w.data, w.colsum, w.scale, _check_bias(bias, w.n), k=np.int64(w.k), n=np.int64(w.n)
-    )
+    y = call(x2, w.data, w.colsum, w.scale, b, k=np.int64(w.k), n=np.int64(w.n))
     return y.reshape(*lead, w.n)
 
 
@@ -147,11 +148,13 @@ def w8a8_linear_quantized(
     xq = _check_xq(xq, w)
     out = _check_float("out_dtype", out_dtype)
     m = xq.shape[0]
+    x_scale = jnp.asarray(x_scale)
     if x_scale.shape != (m,):
         raise ValueError(f"x_scale has shape {x_scale.shape}; expected ({m},)")
+    b = _check_bias(bias, w.n)
     if m == 0 or not _use_kernels():
         codes = prepared_to_logical(w)["codes"]
-        return _reference.w8a8_linear_quantized(xq, x_scale, codes, w.scale, bias, out)
+        return _reference.w8a8_linear_quantized(xq, x_scale, codes, w.scale, b, out)
     call = jax.ffi.ffi_call(
         "lowbit_w8a8_linear_q", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
     )
@@ -161,7 +164,7 @@ def w8a8_linear_quantized(
         w.data,
         w.colsum,
         w.scale,
-        _check_bias(bias, w.n),
+        b,
         k=np.int64(w.k),
         n=np.int64(w.n),
     )

@@ -10,9 +10,11 @@ from lowbit.ops._conv import (
     conv_general_dilated_path,
     conv_general_dilated_reference,
 )
-from lowbit.ops._dot_general import PATHS, dot_general, dot_general_path, dot_general_reference
+from lowbit.ops._conv_qat import qat_conv_general_dilated
+from lowbit.ops._dot_general import dot_general, dot_general_reference
+from lowbit.ops._dot_path import PATHS, dot_general_path
 from lowbit.ops._operand import quantize_activation
-from lowbit.ops._qat import qat_conv_general_dilated, qat_dot_general, qat_ragged_dot_general
+from lowbit.ops._qat import qat_dot_general
 from lowbit.ops._qat_weight import QatWeight, is_qat_weight, qat_weight
 from lowbit.ops._ragged_dot import (
     ragged_dot,
@@ -20,6 +22,7 @@ from lowbit.ops._ragged_dot import (
     ragged_dot_general_path,
     ragged_dot_general_reference,
 )
+from lowbit.ops._ragged_dot_qat import qat_ragged_dot_general
 
 __all__ = [
     "PATHS",

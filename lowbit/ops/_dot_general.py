@@ -24,106 +24,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit.formats import get_format
 from lowbit.ops import _dims
+from lowbit.ops._dot_path import Plan, active_side, check_operand
+from lowbit.ops._dot_path import plan as choose_plan
 from lowbit.ops._operand import (
     Operand,
-    activation_scale_shape,
-    format_kind,
     from_float,
     from_qarray,
     quantize_activation,
 )
 from lowbit.qarray import QArray
-
-PATHS = (
-    "float",
-    "weight_only_epilogue",
-    "weight_only_grouped",
-    "int8_int32",
-    "fp8_f32",
-    "codes_f32",
-    "reference",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    path: str
-    # {index into the contracting lists: number of groups} of the grouped axis pairs.
-    groups: tuple[tuple[int, int], ...] = ()
-
-
-def _check_operand(x: Any, name: str) -> None:
-    if isinstance(x, QArray):
-        return
-    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(
-            f"dot_general {name} must be a float array or a QArray, got "
-            f"{type(x).__name__} with dtype {getattr(x, 'dtype', None)}"
-        )
-
-
-def _active(lhs: Any, rhs: Any) -> tuple[str | None, QArray | None]:
-    """Which float operand gets quantized on the fly, and the QArray that asks for it."""
-    if isinstance(rhs, QArray) and not isinstance(lhs, QArray) and rhs.activation is not None:
-        return "lhs", rhs
-    if isinstance(lhs, QArray) and not isinstance(rhs, QArray) and lhs.activation is not None:
-        return "rhs", lhs
-    return None, None
-
-
-def _side_meta(x, contracting, weight: QArray | None):
-    """(kind, scale shape or None) of an operand, including one quantized on the fly."""
-    if isinstance(x, QArray):
-        return format_kind(x.fmt), tuple(x.scale.shape)
-    if weight is None:
-        return "float", None
-    config = weight.activation
-    static = weight.activation_bounds is not None
-    kind = format_kind(get_format(config.format))
-    return kind, activation_scale_shape(x.shape, contracting, config, static)
-
-
-def _plan(lhs, rhs, dimension_numbers) -> _Plan:
-    (lc, rc), _ = dimension_numbers
-    side, weight = _active(lhs, rhs)
-    lkind, lscale = _side_meta(lhs, lc, weight if side == "lhs" else None)
-    rkind, rscale = _side_meta(rhs, rc, weight if side == "rhs" else None)
-    if lkind == "float" and rkind == "float":
-        return _Plan("float")
-    groups: dict[int, int] = {}
-    for scale, contracting in ((lscale, lc), (rscale, rc)):
-        if scale is None:
-            continue
-        for pair, axis in enumerate(contracting):
-            count = scale[axis]
-            if count == 1:
-                continue
-            # Both sides' groups must nest; the finer grouping is used for both.
-            known = groups.get(pair, 1)
-            if max(known, count) % min(known, count):
-                return _Plan("reference")
-            groups[pair] = max(known, count)
-    if "float" in (lkind, rkind):
-        path = "weight_only_grouped" if groups else "weight_only_epilogue"
-    elif lkind == rkind == "int":
-        path = "int8_int32"
-    elif lkind == rkind == "fp8":
-        path = "fp8_f32"
-    else:
-        path = "codes_f32"
-    return _Plan(path, tuple(sorted(groups.items())))
-
-
-def dot_general_path(lhs: Any, rhs: Any, dimension_numbers: Any) -> str:
-    """Which implementation `dot_general` uses for these operands (one of `PATHS`).
-
-    Depends only on static information (shapes, formats, scale layouts), so the engine can call
-    it at trace time to count fallbacks (``"reference"``) and report paths.
-    """
-    dimension_numbers = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
-    return _plan(lhs, rhs, dimension_numbers).path
 
 
 def _out_dtype(lhs, rhs, preferred_element_type):
@@ -135,7 +45,7 @@ def _out_dtype(lhs, rhs, preferred_element_type):
 
 def _to_operands(lhs, rhs, dimension_numbers):
     (lc, rc), _ = dimension_numbers
-    side, weight = _active(lhs, rhs)
+    side, weight = active_side(lhs, rhs)
     if side == "lhs":
         lhs = quantize_activation(lhs, lc, weight.activation, weight.activation_bounds)
     elif side == "rhs":
@@ -170,7 +80,7 @@ def _fast(
     lhs_op: Operand,
     rhs_op: Operand,
     dimension_numbers,
-    plan: _Plan,
+    plan: Plan,
     precision,
     out_dtype,
     out_sharding,
@@ -238,7 +148,7 @@ def _fast(
 
 def _dequantized(lhs, rhs, dimension_numbers):
     (lc, rc), _ = dimension_numbers
-    side, weight = _active(lhs, rhs)
+    side, weight = active_side(lhs, rhs)
     if side == "lhs":
         lhs = quantize_activation(lhs, lc, weight.activation, weight.activation_bounds)
     elif side == "rhs":
@@ -264,8 +174,8 @@ def dot_general_reference(
     Args, Returns: as `dot_general`.
     """
     dimension_numbers = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
-    _check_operand(lhs, "lhs")
-    _check_operand(rhs, "rhs")
+    check_operand(lhs, "lhs")
+    check_operand(rhs, "rhs")
     out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
     lhs_f, rhs_f = _dequantized(lhs, rhs, dimension_numbers)
     out = lax.dot_general(
@@ -280,7 +190,7 @@ def dot_general_reference(
 
 
 def _forward(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
-    plan = _plan(lhs, rhs, dimension_numbers)
+    plan = choose_plan(lhs, rhs, dimension_numbers)
     if plan.path == "reference" or (plan.groups and out_sharding is not None):
         return dot_general_reference(
             lhs,
@@ -357,8 +267,8 @@ def dot_general(
       TypeError: for an operand that is neither a float array nor a QArray.
       ValueError: for malformed dimension numbers or an unsupported activation granularity.
     """
-    _check_operand(lhs, "lhs")
-    _check_operand(rhs, "rhs")
+    check_operand(lhs, "lhs")
+    check_operand(rhs, "rhs")
     dimension_numbers = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return lax.dot_general(
@@ -369,7 +279,7 @@ def dot_general(
             preferred_element_type=preferred_element_type,
             out_sharding=out_sharding,
         )
-    side, _ = _active(lhs, rhs)
+    side, _ = active_side(lhs, rhs)
     if side is None:
         return _forward(
             lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding

@@ -29,15 +29,13 @@ import numpy as np
 from jax import lax
 
 from lowbit.ops import _dims
-from lowbit.ops._conv import conv_general_dilated, hashable_params, quantize_conv_input
 from lowbit.ops._dot_general import dot_general
-from lowbit.ops._operand import from_qarray, quantize_activation
+from lowbit.ops._operand import quantize_activation
 from lowbit.ops._qat_weight import QatWeight
-from lowbit.ops._ragged_dot import BASIC_DIMENSION_NUMBERS, ragged_dot_general
-from lowbit.qarray import PerChannel, QArray, QuantConfig, quantize
+from lowbit.qarray import QArray, QuantConfig
 
 
-def _split(lhs, rhs, op: str):
+def split_operands(lhs, rhs, op: str):
     """(float operand, QatWeight, whether the weight is the rhs)."""
     if isinstance(rhs, QatWeight) and not isinstance(lhs, QatWeight | QArray):
         return lhs, rhs, True
@@ -49,13 +47,13 @@ def _split(lhs, rhs, op: str):
     )
 
 
-def _companion(config: QuantConfig) -> QuantConfig:
+def companion_config(config: QuantConfig) -> QuantConfig:
     """The config for the non-gradient operand of a quantized backward product."""
     fmt = "fp8_e4m3fn" if str(config.format) == "fp8_e5m2" else config.format
     return dataclasses.replace(config, format=fmt, rounding="nearest")
 
 
-def _derived_key(g: jax.Array, *static: Any) -> jax.Array:
+def derived_key(g: jax.Array, *static: Any) -> jax.Array:
     digest = zlib.crc32(repr(static).encode()) & 0x7FFFFFFF
     word = lax.bitcast_convert_type(jnp.sum(g.astype(jnp.float32)), jnp.uint32)
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(0), digest), word)
@@ -65,7 +63,7 @@ def _quantized_product(g, other, dims, config, key, precision):
     """dot_general(g, other, dims) with both operands quantized per their free axes."""
     (gc, oc), _ = dims
     gq = quantize_activation(g, gc, config, key=key)
-    oq = quantize_activation(other, oc, _companion(config))
+    oq = quantize_activation(other, oc, companion_config(config))
     return dot_general(gq, oq, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
@@ -90,7 +88,7 @@ def _backward_products(a, b, dims, g, gradient, key, precision):
         da, db = product(g, b, da_dims), product(g, a, db_dims)
     else:
         if gradient.rounding == "stochastic" and key is None:
-            key = _derived_key(g, a.shape, b.shape, dims)
+            key = derived_key(g, a.shape, b.shape, dims)
         keys = (None, None) if key is None else tuple(jax.random.split(key))
         da = _quantized_product(g, b, da_dims, gradient, keys[0], precision)
         db = _quantized_product(g, a, db_dims, gradient, keys[1], precision)
@@ -99,7 +97,7 @@ def _backward_products(a, b, dims, g, gradient, key, precision):
     return da, db
 
 
-def _fake_quantized_activation(x, contracting, served: QArray):
+def fake_quantized_activation(x, contracting, served: QArray):
     if served.activation is None:
         return x
     return quantize_activation(
@@ -107,7 +105,6 @@ def _fake_quantized_activation(x, contracting, served: QArray):
     ).dequantize(x.dtype)
 
 
-# --- dot_general --------------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
 def _qat_dot(x, value, served, key, dims, weight_rhs, gradient, precision, preferred, sharding):
     lhs, rhs = (x, served) if weight_rhs else (served, x)
@@ -126,7 +123,7 @@ def _qat_dot_fwd(x, value, served, key, dims, weight_rhs, gradient, precision, p
 def _qat_dot_bwd(dims, weight_rhs, gradient, precision, preferred, sharding, residuals, g):
     x, value, served, key = residuals
     (lc, rc), _ = dims
-    xq = _fake_quantized_activation(x, lc if weight_rhs else rc, served)
+    xq = fake_quantized_activation(x, lc if weight_rhs else rc, served)
     wq = served.dequantize(value.dtype)
     if weight_rhs:
         dx, dw = _backward_products(xq, wq, dims, g, gradient, key, precision)
@@ -159,7 +156,7 @@ def qat_dot_general(
     Raises:
       TypeError: unless exactly one operand is a QatWeight and the other a float array.
     """
-    x, weight, weight_rhs = _split(lhs, rhs, "qat_dot_general")
+    x, weight, weight_rhs = split_operands(lhs, rhs, "qat_dot_general")
     dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
     return _qat_dot(
         x,
@@ -173,189 +170,3 @@ def qat_dot_general(
         preferred_element_type,
         out_sharding,
     )
-
-
-# --- ragged_dot ---------------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _qat_ragged(x, value, served, group_sizes, key, dims, gradient, precision, preferred, sharding):
-    return ragged_dot_general(
-        x,
-        served,
-        group_sizes,
-        dims,
-        precision=precision,
-        preferred_element_type=preferred,
-        out_sharding=sharding,
-    )
-
-
-def _qat_ragged_fwd(
-    x, value, served, group_sizes, key, dims, gradient, precision, preferred, sharding
-):
-    out = _qat_ragged(
-        x, value, served, group_sizes, key, dims, gradient, precision, preferred, sharding
-    )
-    return out, (x, value, served, group_sizes, key)
-
-
-def _qat_ragged_bwd(dims, gradient, precision, preferred, sharding, residuals, g):
-    x, value, served, group_sizes, key = residuals
-    (lc, _), _ = dims.dot_dimension_numbers
-    xq = _fake_quantized_activation(x, lc, served)
-    wq = served.dequantize(value.dtype)
-    if gradient is not None and dims == BASIC_DIMENSION_NUMBERS:
-        dx, dw = _quantized_ragged_backward(xq, wq, group_sizes, g, gradient, key, precision)
-    else:
-        fn = lambda a, b: lax.ragged_dot_general(
-            a, b, group_sizes, dims, precision=precision, preferred_element_type=jnp.float32
-        )
-        _, vjp = jax.vjp(fn, xq, wq)
-        dx, dw = vjp(g.astype(jnp.float32))
-    return dx.astype(x.dtype), dw.astype(value.dtype), None, None, None
-
-
-_qat_ragged.defvjp(_qat_ragged_fwd, _qat_ragged_bwd)
-
-# d w[e] = sum over the rows m of expert e of x[m]^T g[m]: the rows are contracted, raggedly.
-_RAGGED_CONTRACTION = lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((0,), (0,)), ((), ())),
-    lhs_ragged_dimensions=(0,),
-    rhs_group_dimensions=(),
-)
-
-
-def _quantized_ragged_backward(x, w, group_sizes, g, gradient, key, precision):
-    """Quantized backward of `ragged_dot(x [m, k], w [e, k, n])` for the basic layout.
-
-    d x = g . w[e(m)]^T runs as a ragged dot with `g` per token and `w` per (expert, k)
-    channel; d w runs the ragged contraction over rows with `x` and `g` per column (scales
-    constant along the contracted rows).
-    """
-    if gradient.rounding == "stochastic" and key is None:
-        key = _derived_key(g, x.shape, w.shape)
-    keys = (None, None) if key is None else tuple(jax.random.split(key))
-    companion = _companion(gradient)
-    gq = quantize_activation(g, (1,), gradient, key=keys[0])
-    wt = jnp.swapaxes(w, 1, 2)  # [e, n, k]: contract n
-    wq = quantize_activation(wt, (1,), companion)
-    dx = ragged_dot_general(
-        gq,
-        wq,
-        group_sizes,
-        BASIC_DIMENSION_NUMBERS,
-        precision=precision,
-        preferred_element_type=jnp.float32,
-    )
-    xq = from_qarray(quantize(x, companion, granularity=PerChannel(axes=(1,)), pack=False))
-    gq_cols = from_qarray(
-        quantize(g, gradient, key=keys[1], granularity=PerChannel(axes=(1,)), pack=False)
-    )
-    acc_dtype = jnp.int32 if xq.kind == gq_cols.kind == "int" else jnp.float32
-    xv, gv = xq.values, gq_cols.values
-    if acc_dtype == jnp.float32 and (xq.kind, gq_cols.kind) != ("fp8", "fp8"):
-        xv, gv = xv.astype(jnp.float32), gv.astype(jnp.float32)
-    acc = lax.ragged_dot_general(
-        xv, gv, group_sizes, _RAGGED_CONTRACTION, preferred_element_type=acc_dtype
-    ).astype(jnp.float32)
-    # acc: [e, k, n]; zero points (asymmetric gradient configs) need per-expert row sums.
-    if xq.zero_point is not None or gq_cols.zero_point is not None:
-        raise ValueError(
-            "quantized ragged backward needs a symmetric gradient config, got "
-            f"symmetric=False in {gradient!r}"
-        )
-    dw = acc * xq.scale.reshape(1, -1, 1) * gq_cols.scale.reshape(1, 1, -1)
-    return dx, dw
-
-
-def qat_ragged_dot_general(
-    lhs: jax.Array,
-    rhs: QatWeight,
-    group_sizes: jax.Array,
-    ragged_dot_dimension_numbers: Any = BASIC_DIMENSION_NUMBERS,
-    precision: Any = None,
-    preferred_element_type: Any = None,
-    group_offset: jax.Array | None = None,
-    out_sharding: Any = None,
-    key: jax.Array | None = None,
-) -> jax.Array:
-    """`ragged_dot_general` with a `QatWeight` of experts `[experts, k, n]`: quantized forward,
-    straight-through backward (quantized backward products with a `gradient` config for the
-    basic `lax.ragged_dot` layout; other layouts take the float backward only without one).
-
-    Raises:
-      TypeError: unless `rhs` is a QatWeight and `lhs` a float array.
-      ValueError: for a `group_offset`, or a gradient config with a non-basic layout.
-    """
-    if not isinstance(rhs, QatWeight) or isinstance(lhs, QatWeight | QArray):
-        raise TypeError(
-            "qat_ragged_dot_general needs a float lhs and a QatWeight rhs, got "
-            f"{type(lhs).__name__} and {type(rhs).__name__}"
-        )
-    if group_offset is not None:
-        raise ValueError("qat_ragged_dot_general does not take a group_offset; got one")
-    if rhs.gradient is not None and ragged_dot_dimension_numbers != BASIC_DIMENSION_NUMBERS:
-        raise ValueError(
-            "a gradient config needs the basic ragged_dot layout (lhs [m, k], rhs [e, k, n]); "
-            f"got {ragged_dot_dimension_numbers}"
-        )
-    return _qat_ragged(
-        lhs,
-        rhs.value,
-        rhs.served(),
-        group_sizes,
-        key,
-        ragged_dot_dimension_numbers,
-        rhs.gradient,
-        precision,
-        preferred_element_type,
-        out_sharding,
-    )
-
-
-# --- conv_general_dilated -----------------------------------------------------------------------
-def qat_conv_general_dilated(lhs: jax.Array, rhs: QatWeight, **params: Any) -> jax.Array:
-    """`conv_general_dilated` with a `QatWeight` kernel: quantized forward, straight-through
-    float backward (d input = conv transpose with the dequantized kernel, d value with the
-    fake-quantized input).
-
-    Raises:
-      TypeError: unless `rhs` is a QatWeight and `lhs` a float array.
-      ValueError: if the weight has a `gradient` config (quantized backward convolutions are
-        not provided; use gradient=None for convolution kernels).
-    """
-    if not isinstance(rhs, QatWeight) or isinstance(lhs, QatWeight | QArray):
-        raise TypeError(
-            "qat_conv_general_dilated needs a float lhs and a QatWeight rhs, got "
-            f"{type(lhs).__name__} and {type(rhs).__name__}"
-        )
-    if rhs.gradient is not None:
-        raise ValueError(
-            f"gradient={rhs.gradient!r} on a convolution kernel: quantized backward products "
-            "exist for dot_general and ragged_dot only; set gradient=None for this kernel"
-        )
-    return _qat_conv(lhs, rhs.value, rhs.served(), hashable_params(params))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _qat_conv(x, value, served, params):
-    return conv_general_dilated(x, served, **dict(params))
-
-
-def _qat_conv_fwd(x, value, served, params):
-    return _qat_conv(x, value, served, params), (x, value, served)
-
-
-def _qat_conv_bwd(params, residuals, g):
-    x, value, served = residuals
-    specs = lax.conv_dimension_numbers(x.shape, value.shape, dict(params).get("dimension_numbers"))
-    xq = x
-    if served.activation is not None:
-        xq = quantize_conv_input(x, served, specs).dequantize(x.dtype)
-    wq = served.dequantize(value.dtype)
-    plain = dict(params, preferred_element_type=None)
-    _, vjp = jax.vjp(lambda a, b: lax.conv_general_dilated(a, b, **plain), xq, wq)
-    dx, dw = vjp(g.astype(x.dtype))
-    return dx.astype(x.dtype), dw.astype(value.dtype), None
-
-
-_qat_conv.defvjp(_qat_conv_fwd, _qat_conv_bwd)

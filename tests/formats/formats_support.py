@@ -13,15 +13,15 @@ import jax
 import numpy as np
 from hypothesis import strategies as st
 
-from lowbit.formats import get_format
+from lowbit.formats import Format, get_format
 
 KINDS = ("normal", "uniform", "integers", "halves", "constant", "outlier", "sparse")
 
 
-def _element(name: str) -> str:
+def _element(name: str) -> Format:
     # Block formats encode and decode with their element: share its compiled functions.
     fmt = get_format(name)
-    return getattr(fmt, "element", fmt).name
+    return getattr(fmt, "element", fmt)
 
 
 def encoder(name: str):
@@ -33,19 +33,18 @@ def decoder(name: str):
 
 
 @functools.cache
-def _jit_encode(name: str):
-    return jax.jit(get_format(name).encode)
+def _jit_encode(fmt: Format):
+    return jax.jit(fmt.encode)
 
 
 @functools.cache
-def _jit_decode(name: str):
-    return jax.jit(get_format(name).decode)
+def _jit_decode(fmt: Format):
+    return jax.jit(fmt.decode)
 
 
 @functools.cache
-def round_trip(name: str):
+def round_trip(fmt: Format):
     """Jitted (codes, y) → (decode(codes), encode(decode(codes)), decode(encode(y)))."""
-    fmt = get_format(name)
 
     def run(codes, y):
         values = fmt.decode(codes)
