@@ -165,7 +165,8 @@ def run() -> str:
 def _fmt(t: float, base: float) -> str:
     if np.isnan(t):
         return "n/a"
-    return f"{t * 1e3:.2f} ({base / t:.1f}x)"
+    ratio = base / t
+    return f"{t * 1e3:.2f} ({ratio:.1f}x)" if ratio >= 0.1 else f"{t * 1e3:.2f} ({ratio:.2g}x)"
 
 
 def _report(results, wbytes, names, copy_bw, read_bw, bw) -> str:

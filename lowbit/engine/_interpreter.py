@@ -289,8 +289,20 @@ def interpret(
     return run
 
 
-def trace_report(fn: Callable[..., Any], *args: Any, strict: bool = False, **kwargs: Any):
-    """Traces `interpret(fn)(*args, **kwargs)` without running it; returns its `EngineReport`."""
+def trace_report(
+    fn: Callable[..., Any], *args: Any, strict: bool = False, **kwargs: Any
+) -> EngineReport:
+    """What `interpret(fn)(*args, **kwargs)` would do, found by tracing it without running it.
+
+    Args:
+      fn: as for `interpret`.
+      *args, **kwargs: the arguments (arrays, `QArray`s, `QatWeight`s or shape stand-ins).
+      strict: as for `interpret`.
+    Returns:
+      The `EngineReport` of that trace.
+    Raises:
+      EngineFallbackError: in strict mode, for the first fallback.
+    """
     report = EngineReport()
     jax.eval_shape(interpret(fn, strict=strict, report=report), *args, **kwargs)
     return report

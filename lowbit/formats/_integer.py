@@ -96,8 +96,9 @@ class FixedPointFormat(Format):
 
     The element of MXINT8 is the 8-bit case with 6 fraction bits: values k/64 for k in
     [-128, 127], i.e. [-2, 1.984375]. Code -128 (= -2) is a valid grid value here, so every
-    code decodes to a grid value and round-trips; symmetric scales map a block bound to
-    `max_value` (127/64), so -2 is only produced for scaled inputs at or below -1.9921875.
+    code decodes to a grid value and round-trips. `encode` reaches -2 for inputs at or below
+    -1.9921875; `lowbit.qarray.quantize` with a symmetric config clips to ±`max_value` (127/64)
+    first (as the public MX emulation library does), so quantized MXINT8 never holds -2.
     Encode rounds to nearest with ties to even and saturates; NaN encodes to 0.
 
     Attributes:

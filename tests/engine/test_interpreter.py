@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from engine_helpers import all_eqns, jit_dequantize, jit_quantize
 
+import lowbit.qarray
 from lowbit.engine import EngineFallbackError, EngineReport, interpret, trace_report
 from lowbit.ops import qat_weight
 from lowbit.qarray import PerChannel, PerGroup, PerToken, QArray, QuantConfig
@@ -197,3 +198,21 @@ def test_astype_keeps_weights_packed():
     q = dataclasses.replace(PARAMS["int8_channel"]["w1"])
     report = trace_report(lambda w, x: x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16), q, X)
     assert report.layout_ops == {"convert_element_type": 1} and report.fallbacks == {}
+
+
+def test_docstring_example_runs():
+    example = [
+        line.strip()[4:]
+        for line in interpret.__doc__.split("Example:")[1].splitlines()
+        if line.strip().startswith(">>> ")
+    ]
+    namespace = {
+        "jax": jax,
+        "lowbit": lowbit,
+        "PerChannel": PerChannel,
+        "interpret": interpret,
+        "w": W1,
+        "x": X,
+    }
+    exec("\n".join(example), namespace)  # noqa: S102 - the docstring's own example
+    np.testing.assert_allclose(namespace["y"], X @ W1, rtol=0.02, atol=0.05)

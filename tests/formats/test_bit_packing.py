@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from formats_reference import pack_base3, pack_base3_inverse, pack_bits
+from formats_support import jit
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -35,7 +36,7 @@ def _round_trips(bits: int):
         packed_rows = pack(codes, bits, axis=0)
         return out, packed_rows, unpack(packed_rows, bits, ROWS, axis=0)
 
-    return jax.jit(run)
+    return jit(run)
 
 
 def _check_round_trips(bits, codes):
@@ -96,7 +97,7 @@ def _base3_round_trips():
             out.append((packed, fmt.unpack(packed, n, 1)))
         return out
 
-    return jax.jit(run)
+    return jit(run)
 
 
 @given(seed=st.integers(0, 2**32 - 1))
@@ -112,7 +113,7 @@ def test_base3_every_byte_value():
     # All 243 five-trit groups decode and re-encode to themselves.
     fmt = get_format("ternary_b3")
     packed = np.arange(243, dtype=np.uint8)[None, :]
-    trits = jax.jit(lambda p: fmt.unpack(p, 5 * 243, 1))(packed)
+    trits = jit(lambda p: fmt.unpack(p, 5 * 243, 1))(packed)
     np.testing.assert_array_equal(np.asarray(trits), pack_base3_inverse(packed))
     np.testing.assert_array_equal(pack_base3(np.asarray(trits)), packed)
     assert fmt.bits_per_value == 1.6 and get_format("ternary").bits_per_value == 2.0
@@ -135,7 +136,7 @@ def test_format_pack_round_trips_every_code(name):
         packed = fmt.pack(c, 0)
         return packed, fmt.unpack(packed, len(codes), 0)
 
-    packed, back = jax.jit(run)(codes)
+    packed, back = jit(run)(codes)
     assert packed.dtype == jnp.uint8
     assert packed.shape == (fmt.packed_length(len(codes)),)
     assert back.dtype == fmt.code_dtype

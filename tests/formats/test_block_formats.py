@@ -3,12 +3,11 @@ reference of the scale selection and element rounding."""
 
 import functools
 
-import jax
 import ml_dtypes
 import numpy as np
 import pytest
 from formats_reference import mx_quantize, nvfp4_check, round_to_int
-from formats_support import arrays
+from formats_support import arrays, jit
 from hypothesis import given
 
 from lowbit.formats import BlockFormat, get_format
@@ -38,7 +37,7 @@ def _quantize(name):
         q = quantize(x, QuantConfig(format=name))
         return q.scale, q.tensor_scale, q.dequantize(), q.unpacked_codes()
 
-    return jax.jit(run)
+    return jit(run)
 
 
 @pytest.mark.parametrize("name", sorted(MX))

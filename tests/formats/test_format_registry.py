@@ -1,10 +1,9 @@
 """Registry-driven contract: every format gets the same checks."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from formats_support import round_trip_for
+from formats_support import jit, round_trip_for
 
 import lowbit.formats as formats
 from lowbit.formats import ALIASES, FORMATS, Format, format_names, get_format
@@ -71,5 +70,5 @@ def test_every_code_round_trips_and_grid_bounds(name):
 def test_levels_are_usable_while_tracing():
     # Stochastic rounding reads levels inside jit: they must be concrete NumPy values.
     fmt = get_format("fp4_e2m1")
-    out = jax.jit(lambda x: x + jnp.asarray(fmt.levels(), jnp.float32))(jnp.zeros(15))
+    out = jit(lambda x: x + jnp.asarray(fmt.levels(), jnp.float32))(jnp.zeros(15))
     np.testing.assert_array_equal(np.asarray(out), fmt.levels())

@@ -3,12 +3,11 @@ through `lowbit.qarray.quantize` at every granularity."""
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from formats_reference import round_to_int
-from formats_support import arrays, decoder, encoder
+from formats_support import arrays, decoder, encoder, jit
 from hypothesis import given
 
 from lowbit.formats import IntFormat, get_format
@@ -60,8 +59,7 @@ def _quantize_all(name):
         codes = fmt.encode(y)
         return jnp.stack(out), codes, fmt.decode(codes)
 
-    # Small shapes: compile time dominates, and backend optimisation buys nothing here.
-    return jax.jit(run, compiler_options={"xla_backend_optimization_level": 0})
+    return jit(run)
 
 
 def _check_encode_against_numpy(name, y, codes, values):
@@ -79,11 +77,13 @@ def _check_encode_against_numpy(name, y, codes, values):
 
 
 # One hypothesis test per width does both checks on each example (the per-example overhead of
-# hypothesis is most of the cost): encode of raw values against NumPy rounding, then the
+# hypothesis is most of the cost): encode of the raw values against NumPy rounding (magnitudes
+# up to 2**8 saturate every width; the "halves" kind puts exact ties at scales >= 2**4), then the
 # half-step bound through `quantize` at every granularity.
 @pytest.mark.parametrize("name", INT_NAMES)
-@given(x=arrays(SHAPE), y=arrays((64,), log2_range=(-2, 8)))
-def test_encode_and_quantize_error_within_half_step(name, x, y):
+@given(x=arrays(SHAPE))
+def test_encode_and_quantize_error_within_half_step(name, x):
+    y = x.reshape(-1)
     results, codes, values = _quantize_all(name)(x, y)
     _check_encode_against_numpy(name, y, codes, values)
     fmt = get_format(name)
@@ -139,7 +139,7 @@ def test_nan_encodes_to_zero_and_inf_saturates():
 def test_to_int_from_int_inverse(name):
     fmt = get_format(name)
     q = fmt.levels().astype(np.int32)  # int1 has no 0: its integers are ±1
-    np.testing.assert_array_equal(jax.jit(lambda q: fmt.to_int(fmt.from_int(q)))(q), q)
+    np.testing.assert_array_equal(jit(lambda q: fmt.to_int(fmt.from_int(q)))(q), q)
 
 
 def test_mxint8_element_is_fixed_point():

@@ -49,3 +49,37 @@ def test_disabled_kernels_fall_back_with_one_notice():
     assert out.stdout.strip().endswith("OK")
     notices = [line for line in out.stderr.splitlines() if line.startswith("lowbit.kernels")]
     assert len(notices) == 1 and "pure-JAX" in notices[0]
+
+
+ISA_SCRIPT = textwrap.dedent(
+    """
+    import jax.numpy as jnp
+    import numpy as np
+    from lowbit import kernels
+    from lowbit.kernels import _reference
+
+    print(kernels.status())
+    q = jnp.asarray(np.random.default_rng(0).integers(-128, 128, (40, 9)), jnp.int8)
+    xq = jnp.asarray(np.random.default_rng(1).integers(-128, 128, (3, 40)), jnp.int8)
+    got = kernels.w8a8_matmul_int32(xq, kernels.prepare("w8a8", q, jnp.ones((1, 9))))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(_reference.w8a8_matmul_int32(xq, q)))
+    print(kernels.set_isa("avx512vnni"), kernels.supported_isas()[-1])
+    """
+)
+
+
+def test_isa_env_var_selects_and_caps():
+    from lowbit import kernels
+
+    if not kernels.available():
+        return
+    env = dict(os.environ, LOWBIT_CPU_ISA="scalar")
+    env.pop("LOWBIT_DISABLE_KERNELS", None)
+    out = subprocess.run(
+        [sys.executable, "-c", ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    first, last = out.stdout.strip().splitlines()
+    assert "isa=scalar" in first
+    chosen, best = last.split()
+    assert chosen == best  # a request above the CPU's level is capped to the best it has

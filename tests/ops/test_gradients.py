@@ -96,8 +96,9 @@ def test_qat_forward_is_served_forward_and_ste_backward():
     served = jax.jit(lambda x, q: dot_general(x, q, LINEAR))(x, qw.served())
     np.testing.assert_array_equal(out, served)
     # d x = g . dequantized weight^T; d value = fake-quantized x^T . g.
-    xq = quantize_activation(x, (1,), INT8_TOKEN).dequantize()
-    np.testing.assert_allclose(dx, g @ qw.qarray.dequantize().T, rtol=1e-5, atol=1e-6)
+    xq = np.asarray(quantize_activation(x, (1,), INT8_TOKEN).dequantize())
+    g, w = np.asarray(g), np.asarray(qw.qarray.dequantize())
+    np.testing.assert_allclose(dx, g @ w.T, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(dv, xq.T @ g, rtol=1e-5, atol=1e-6)
 
 

@@ -46,9 +46,12 @@ struct Deq {
 // One MR x (NP * 16) tile over groups [g0, g1). Inside a group the raw codes are
 // accumulated (two chains per panel: even and odd k); the group scale and zero point are
 // applied once per group: acc += s * sum(x * q) - s * zp * sum(x).
+// x is k-major for the tile: element (r, k) at x[k * xr + r], so the MR activations of one
+// k share a cache line (rows a power-of-two apart would collide in the same L1 sets).
 template <int KIND, int MR, int NP>
-static void wo_tile(const WoArgs& a, const float* x, const float* sx, const uint8_t* pan,
-                    int64_t g0, int64_t g1, float* c, int64_t ldc, bool first, const Lut& lut) {
+static void wo_tile(const WoArgs& a, const float* x, int64_t xr, const float* sx,
+                    const uint8_t* pan, int64_t g0, int64_t g1, float* c, int64_t ldc, bool first,
+                    const Lut& lut) {
   using D = Deq<KIND>;
   V acc[MR][NP];
   for (int r = 0; r < MR; ++r)
@@ -60,7 +63,7 @@ static void wo_tile(const WoArgs& a, const float* x, const float* sx, const uint
     V e[MR][NP], o[MR][NP];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NP; ++j) e[r][j] = o[r][j] = vzero();
-    const float* xg = x + g * a.gs;
+    const float* xg = x + g * a.gs * xr;
     for (int64_t t = 0; t < npairs; ++t) {
       for (int j = 0; j < NP; ++j) {
         const uint8_t* p = gp[j] + kGroupHeader + t * D::PB;
@@ -68,8 +71,8 @@ static void wo_tile(const WoArgs& a, const float* x, const float* sx, const uint
         V w0, w1;
         D::pair(p, lut, w0, w1);
         for (int r = 0; r < MR; ++r) {
-          e[r][j] = vfmadd(vbcast(xg[r * a.kp + 2 * t]), w0, e[r][j]);
-          o[r][j] = vfmadd(vbcast(xg[r * a.kp + 2 * t + 1]), w1, o[r][j]);
+          e[r][j] = vfmadd(vbcast(xg[2 * t * xr + r]), w0, e[r][j]);
+          o[r][j] = vfmadd(vbcast(xg[(2 * t + 1) * xr + r]), w1, o[r][j]);
         }
       }
     }
@@ -91,16 +94,16 @@ static void wo_tile(const WoArgs& a, const float* x, const float* sx, const uint
 
 // Calls the tile for exactly `mr` (<= R) rows.
 template <int KIND, int R, int NP>
-static inline void wo_tile_rows(int64_t mr, const WoArgs& a, const float* x, const float* sx,
-                                const uint8_t* pan, int64_t g0, int64_t g1, float* c,
-                                int64_t ldc, bool first, const Lut& lut) {
+static inline void wo_tile_rows(int64_t mr, const WoArgs& a, const float* x, int64_t xr,
+                                const float* sx, const uint8_t* pan, int64_t g0, int64_t g1,
+                                float* c, int64_t ldc, bool first, const Lut& lut) {
   if constexpr (R > 1) {
     if (mr < R) {
-      wo_tile_rows<KIND, R - 1, NP>(mr, a, x, sx, pan, g0, g1, c, ldc, first, lut);
+      wo_tile_rows<KIND, R - 1, NP>(mr, a, x, xr, sx, pan, g0, g1, c, ldc, first, lut);
       return;
     }
   }
-  wo_tile<KIND, R, NP>(a, x, sx, pan, g0, g1, c, ldc, first, lut);
+  wo_tile<KIND, R, NP>(a, x, xr, sx, pan, g0, g1, c, ldc, first, lut);
 }
 
 // Large M: dequantize groups [g0, g1) of `np` panels once into buf [k][np * 16] (exactly
@@ -214,20 +217,28 @@ static void wo_run_kind(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int
   const bool wide = m1 - m0 > kMR;
   const int64_t rows = wide ? kMRWide : kMR;
   const int64_t step = wide ? 1 : kNP;
+  // Activations per row tile, k-major: xt[tile][k][xr].
+  const int64_t xr = std::min<int64_t>(rows, m1 - m0);
+  std::vector<float> xt(((m1 - m0 + xr - 1) / xr) * a.kp * xr, 0.0f);
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* src = a.x + m * a.kp;
+    float* dst = xt.data() + ((m - m0) / xr) * a.kp * xr + (m - m0) % xr;
+    for (int64_t k = 0; k < a.kp; ++k) dst[k * xr] = src[k];
+  }
   for (int64_t p = p0; p < p1; p += step) {
     const int64_t np = std::min<int64_t>(step, p1 - p);
     const uint8_t* pan = a.blob + p * a.panel_bytes;
-    for (int64_t m = m0; m < m1; m += rows) {
-      const int64_t mr = std::min<int64_t>(rows, m1 - m);
-      const float* x = a.x + m * a.kp;
+    for (int64_t m = m0; m < m1; m += xr) {
+      const int64_t mr = std::min<int64_t>(xr, m1 - m);
+      const float* x = xt.data() + ((m - m0) / xr) * a.kp * xr;
       const float* sx = a.sumx + m * a.groups;
       float* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
       if (wide) {
-        wo_tile_rows<KIND, kMRWide, 1>(mr, a, x, sx, pan, 0, a.groups, cc, ldc, true, lut);
+        wo_tile_rows<KIND, kMRWide, 1>(mr, a, x, xr, sx, pan, 0, a.groups, cc, ldc, true, lut);
       } else if (np == kNP) {
-        wo_tile_rows<KIND, kMR, kNP>(mr, a, x, sx, pan, 0, a.groups, cc, ldc, true, lut);
+        wo_tile_rows<KIND, kMR, kNP>(mr, a, x, xr, sx, pan, 0, a.groups, cc, ldc, true, lut);
       } else {
-        wo_tile_rows<KIND, kMR, 1>(mr, a, x, sx, pan, 0, a.groups, cc, ldc, true, lut);
+        wo_tile_rows<KIND, kMR, 1>(mr, a, x, xr, sx, pan, 0, a.groups, cc, ldc, true, lut);
       }
     }
   }
