@@ -65,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LIST",
         help=f"comma-separated subset of {', '.join(MODELS)}",
     )
+    parser.add_argument(
+        "--recipes",
+        metavar="LIST",
+        help="comma-separated subset of the demo recipes to run (default: all of them)",
+    )
     parser.add_argument("--no-speed", action="store_true", help="skip the throughput timings")
     parser.add_argument(
         "--json", action="store_true", help="also print all rows as one JSON object, last line"
@@ -96,6 +101,16 @@ def checks(rows: Sequence[ResultRow]) -> list[tuple[str, bool, str]]:
     return results
 
 
+def _summary(row: ResultRow) -> str:
+    value = "-" if row.value is None else f"{row.value:.5f}"
+    speed = ""
+    if row.prefill_tokens_per_s is not None:
+        speed = f", prefill {row.prefill_tokens_per_s:.0f} tok/s"
+    if row.decode_tokens_per_s is not None:
+        speed += f", decode {row.decode_tokens_per_s:.1f} tok/s"
+    return f"{row.model} {row.recipe}: {row.size_mb:.2f} MB, {row.metric} {value}{speed}"
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs the command with parsed `args`; returns the exit status (errors raise)."""
     start = time.perf_counter()
@@ -103,6 +118,14 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in MODELS]
     if unknown or not names:
         raise ValueError(f"--models {args.models!r}; accepted: a subset of {', '.join(MODELS)}")
+    wanted = None
+    if args.recipes:
+        wanted = [r.strip() for r in args.recipes.split(",") if r.strip()]
+        known = set(RECIPES) | {GGUF_RECIPE}
+        if not wanted or any(r not in known for r in wanted):
+            raise ValueError(
+                f"--recipes {args.recipes!r}; accepted: a subset of {', '.join(sorted(known))}"
+            )
     out = Path(args.out)
     console, err = stdout_console(), stderr_console()
     rows: list[ResultRow] = []
@@ -120,12 +143,15 @@ def run(args: argparse.Namespace) -> int:
             recipes = MODELS[name]
             if args.quick:
                 recipes = tuple(r for r in recipes if r in (*QUICK_RECIPES, GGUF_RECIPE))
+            if wanted is not None:
+                recipes = tuple(r for r in recipes if r in wanted)
             suite = evaluate_recipes(
                 name,
                 recipes,
                 max_tokens=1024 if args.quick else 4096,
                 measure_speed=not args.no_speed,
                 stage=stage,
+                on_row=lambda row: err.print(f"measured: {_summary(row)}"),
             )
             rows.extend(suite.rows)
             layer_sqnr.update(suite.layer_sqnr)

@@ -41,6 +41,7 @@ def evaluate_recipes(
     context: int = 512,
     measure_speed: bool = True,
     stage: Stage | None = None,
+    on_row: Callable[[ResultRow], None] | None = None,
 ) -> SuiteResult:
     """Loads `model` once and measures each recipe: size, quality, speed, per-layer SQNR.
 
@@ -51,6 +52,7 @@ def evaluate_recipes(
       context: perplexity window, also the prefill length timed.
       measure_speed: time prefill and decode.
       stage: progress display (see `Stage`); silent by default.
+      on_row: called with each recipe's row as soon as it is measured (long runs).
     Returns:
       A `SuiteResult`.
     Raises:
@@ -69,6 +71,8 @@ def evaluate_recipes(
             f"{loaded.name} {recipe}: {what}" + (" and speed" if measure_speed else "")
         ) as advance:
             rows.append(session.row(recipe, params, measure_speed=measure_speed, on_window=advance))
+        if on_row is not None:
+            on_row(rows[-1])
         if recipe != FLOAT_RECIPE:
             with stage(f"{loaded.name} {recipe}: per-layer SQNR"):
                 layer_sqnr[f"{loaded.name}/{recipe}"] = {

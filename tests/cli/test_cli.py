@@ -46,6 +46,7 @@ def test_recipes_lists_one_line_per_preset(capsys):
         (["eval", "missing.gguf"], "does not exist"),
         (["eval", "minilm", "--text", "a", "--sentences", "b"], "not allowed with argument"),
         (["demo", "--models", "gpt5"], "--models 'gpt5'"),
+        (["demo", "--recipes", "int8w,int2"], "--recipes 'int8w,int2'"),
         (["quantize", "minilm", "--recipe", "int3w", "--out", "x"], "recipe 'int3w'"),
         (["report", "."], "not a checkpoint"),
     ],

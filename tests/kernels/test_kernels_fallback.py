@@ -5,6 +5,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+from lowbit import kernels
+
 SCRIPT = textwrap.dedent(
     """
     import logging
@@ -68,11 +72,8 @@ ISA_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.skipif(not kernels.available(), reason=kernels.status())
 def test_isa_env_var_selects_and_caps():
-    from lowbit import kernels
-
-    if not kernels.available():
-        return
     env = dict(os.environ, LOWBIT_CPU_ISA="scalar")
     env.pop("LOWBIT_DISABLE_KERNELS", None)
     out = subprocess.run(
