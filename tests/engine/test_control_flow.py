@@ -128,7 +128,9 @@ def test_shard_map_shards_codes_and_scales_together(qname):
     _check(fn, (w, X), (jit_dequantize(w), X), 1)
     jaxpr = jax.make_jaxpr(interpret(fn))(w, X)
     (eqn,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "shard_map"]
-    assert [v.aval.dtype for v in eqn.invars][0] == w.codes.dtype  # codes enter packed
+    entering = {(v.aval.shape, v.aval.dtype) for v in eqn.invars}
+    assert (w.codes.shape, w.codes.dtype) in entering  # codes enter packed
+    assert (W.shape, W.dtype) not in entering  # and no float copy of the weight
 
 
 def test_shard_map_splitting_blocks_falls_back_counted():
