@@ -11,8 +11,8 @@ from lowbit.ops._conv import (
     conv_general_dilated_reference,
 )
 from lowbit.ops._conv_qat import qat_conv_general_dilated
-from lowbit.ops._dot_general import dot_general, dot_general_reference
-from lowbit.ops._dot_path import PATHS, dot_general_path
+from lowbit.ops._cpu_kernels import KERNEL_PATHS, MIN_WEIGHT_ELEMENTS
+from lowbit.ops._dot_general import PATHS, dot_general, dot_general_path, dot_general_reference
 from lowbit.ops._operand import quantize_activation
 from lowbit.ops._qat import qat_dot_general
 from lowbit.ops._qat_weight import QatWeight, is_qat_weight, qat_weight
@@ -25,6 +25,8 @@ from lowbit.ops._ragged_dot import (
 from lowbit.ops._ragged_dot_qat import qat_ragged_dot_general
 
 __all__ = [
+    "KERNEL_PATHS",
+    "MIN_WEIGHT_ELEMENTS",
     "PATHS",
     "QatWeight",
     "conv_general_dilated",

@@ -11,6 +11,10 @@ few small correction terms, and the scales applied to the output (the epilogue).
 scales split the contracting axis into `[G, n]` and make `G` a batch axis of the core dot.
 Other layouts use `dot_general_reference` (dequantize, then `lax.dot_general`), reported by
 `dot_general_path` as ``"reference"`` so callers can count fallbacks.
+
+On CPU, plain linear layers with a layout the compiled kernels read go to `lowbit.kernels`
+instead (`_cpu_kernels`; paths ``"cpu_kernel_<kind>"``), with the pure-JAX weight-only product
+as their gradient.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit.ops import _dims
+from lowbit.ops import _dims, _dot_path
+from lowbit.ops._cpu_kernels import KERNEL_PATHS, KernelRoute, kernel_linear, kernel_route
 from lowbit.ops._dot_path import Plan, active_side, check_operand
 from lowbit.ops._dot_path import plan as choose_plan
 from lowbit.ops._operand import (
@@ -234,6 +239,48 @@ def _ste_bwd(dimension_numbers, precision, preferred_element_type, out_sharding,
 _ste_dot.defvjp(_ste_fwd, _ste_bwd)
 
 
+# The kernels are FFI calls without derivative rules: the gradient is the STE one above.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _kernel_dot(lhs, rhs, route: KernelRoute, dimension_numbers, precision, out_dtype):
+    return kernel_linear(lhs, rhs, route, out_dtype)
+
+
+def _kernel_fwd(lhs, rhs, route, dimension_numbers, precision, out_dtype):
+    return kernel_linear(lhs, rhs, route, out_dtype), (lhs, rhs)
+
+
+def _kernel_bwd(route, dimension_numbers, precision, out_dtype, residuals, g):
+    return _ste_bwd(dimension_numbers, precision, None, None, residuals, g)
+
+
+_kernel_dot.defvjp(_kernel_fwd, _kernel_bwd)
+
+PATHS = (*_dot_path.PATHS, *KERNEL_PATHS)
+"""Every name `dot_general_path` returns."""
+
+
+def dot_general_path(
+    lhs: Any, rhs: Any, dimension_numbers: Any, *, out_sharding: Any = None
+) -> str:
+    """Which implementation `dot_general` uses for these operands (one of `PATHS`).
+
+    Depends only on static information (shapes, dtypes, formats, scale layouts, whether the
+    CPU kernels are available), so the engine can call it at trace time to count fallbacks
+    (``"reference"``) and report paths such as ``"cpu_kernel_int4"``.
+
+    Args:
+      lhs, rhs, dimension_numbers: as `dot_general`.
+      out_sharding: as `dot_general` (a requested sharding keeps the pure-JAX paths).
+    Returns:
+      The path name.
+    """
+    dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
+    route = kernel_route(lhs, rhs, dims, out_sharding=out_sharding)
+    if route is not None:
+        return route.path
+    return _dot_path.dot_general_path(lhs, rhs, dims)
+
+
 def dot_general(
     lhs: jax.Array | QArray,
     rhs: jax.Array | QArray,
@@ -250,6 +297,10 @@ def dot_general(
     grouped along the contraction); a `QuantConfig` quantizes the float operand per token (or
     with the static `activation_bounds`) and multiplies stored codes (int8 x int8 -> int32,
     fp8 x fp8 -> f32). With two QArrays their stored codes are multiplied as they are.
+
+    On CPU, a plain linear layer (`x: [..., K]`, `w: QArray [K, N]`) in a layout the compiled
+    kernels read runs in `lowbit.kernels` (see `dot_general_path`); ``LOWBIT_DISABLE_KERNELS=1``
+    keeps the pure-JAX paths.
 
     Differentiable with respect to a float operand (frozen quantized weights, QLoRA): the
     gradient is `g . dequantized weight`, straight through the activation's rounding.
@@ -279,6 +330,10 @@ def dot_general(
             preferred_element_type=preferred_element_type,
             out_sharding=out_sharding,
         )
+    route = kernel_route(lhs, rhs, dimension_numbers, out_sharding=out_sharding)
+    if route is not None:
+        out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
+        return _kernel_dot(lhs, rhs, route, dimension_numbers, precision, out_dtype)
     side, _ = active_side(lhs, rhs)
     if side is None:
         return _forward(

@@ -1,0 +1,204 @@
+"""Routing plain quantized linear layers to the CPU kernels of `lowbit.kernels`.
+
+A `dot_general` is sent to a compiled kernel when all of these hold (else the pure-JAX paths of
+`_dot_general` run, unchanged):
+
+  * the default backend is CPU and `lowbit.kernels.available()` (not disabled with
+    ``LOWBIT_DISABLE_KERNELS=1``, module built);
+  * it is a plain linear layer: lhs a float32 / bfloat16 array `[..., K]`, rhs a 2-D `QArray`
+    `[K, N]` (the Flax `[in, out]` kernel), contracting lhs's last axis with rhs axis 0, no
+    batch axes, no zero-size axis, no `out_sharding`;
+  * the weight has at least `MIN_WEIGHT_ELEMENTS` elements (below that the weight is cache
+    resident, XLA's fused dot is as fast, and the per-call repack below is pure overhead);
+  * the weight layout is one the kernels read, weight-only (`activation is None`):
+
+      - int8 per channel (scale `[1, N]`), symmetric;
+      - int4 per channel or per group along K (scale `[K/g, N]`, g even), symmetric or with a
+        zero point (asymmetric int4 runs as the kernels' uint4 with the zero point moved by 8);
+      - uint4 per channel or per group, with or without a zero point;
+      - nf4 per channel or per group;
+      - fp8_e4m3fn per channel;
+
+    or w8a8: an int8 per-channel weight whose `activation` is exactly what the kernel does to
+    the activations — symmetric int8, `PerToken`, `AbsMax(clip=1)`, round half to even,
+    float32 scales — with dynamic bounds (`activation_bounds is None`). Then `scale = absmax /
+    127` per token and `round(clip(x / scale, -127, 127))` in float32 are the same operations
+    in the same order on both paths, so the codes agree exactly for finite inputs and the
+    results differ only by float summation order. (For non-finite activations the two differ:
+    the quantizer leaves them out of the bound, the kernel does not.)
+
+A per-tensor scale (`[1, 1]`) counts as per channel (broadcast to `[1, N]`).
+
+The QArray keeps its own storage (dense bit packing, codes in the format's representation), so
+the kernel layout is built by `lowbit.kernels.prepare` *inside* the traced computation: the
+repack runs on every call. It is one pass over the weight codes; `benchmarks/ops.py` measures
+what it costs against the kernel alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit import kernels
+from lowbit.formats import get_format
+from lowbit.qarray import AbsMax, PerToken, QArray, QuantConfig
+
+KERNEL_PATHS = tuple(f"cpu_kernel_{kind}" for kind in kernels.KINDS)
+"""Path names `dot_general_path` reports for the kernel routes, one per kernel kind."""
+
+MIN_WEIGHT_ELEMENTS = 1 << 16
+"""Smallest weight (K * N) routed to a kernel, e.g. 256 x 256."""
+
+_FLOATS = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+# Element format name -> kernel kind of a weight without activation quantization.
+_WEIGHT_KINDS = {
+    "int8": "int8",
+    "int4": "int4",
+    "uint4": "uint4",
+    "nf4": "nf4",
+    "fp8_e4m3fn": "fp8",
+}
+_PER_CHANNEL_ONLY = ("int8", "fp8", "w8a8")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelRoute:
+    """How a routed `dot_general` calls the kernels (static, hashable).
+
+    Attributes:
+      kind: kernel kind, one of `lowbit.kernels.KINDS`.
+      group_size: group size along K, or None per channel.
+      shift_int4: the weight is asymmetric int4, run as uint4 (codes ^ 8, zero point + 8).
+    """
+
+    kind: str
+    group_size: int | None
+    shift_int4: bool = False
+
+    @property
+    def path(self) -> str:
+        """The name `dot_general_path` reports, e.g. ``"cpu_kernel_int4"``."""
+        return f"cpu_kernel_{self.kind}"
+
+
+def _is_kernel_activation(config: QuantConfig) -> bool:
+    """Whether a weight's activation config is the w8a8 kernel's own per-token quantizer."""
+    return (
+        get_format(config.format).name == "int8"
+        and isinstance(config.granularity, PerToken)
+        and config.calibration == AbsMax(clip=1.0)
+        and config.symmetric
+        and config.rounding == "nearest"
+        and np.dtype(config.scale_dtype) == np.dtype(jnp.float32)
+    )
+
+
+def _weight_kind(q: QArray) -> tuple[str, bool] | None:
+    """(kernel kind, shift_int4) for the weight's format, zero point and activation, or None."""
+    kind = _WEIGHT_KINDS.get(q.fmt.name)
+    if kind is None:
+        return None
+    has_zero = q.zero_point is not None
+    if q.activation is not None:
+        if kind != "int8" or has_zero or q.activation_bounds is not None:
+            return None
+        return ("w8a8", False) if _is_kernel_activation(q.activation) else None
+    if kind == "int4" and has_zero:
+        return "uint4", True
+    if has_zero and kind != "uint4":
+        return None
+    return kind, False
+
+
+def _is_plain_linear(lhs: Any, rhs: QArray, dimension_numbers) -> bool:
+    (lc, rc), (lb, rb) = dimension_numbers
+    if rhs.ndim != 2 or lhs.ndim < 1 or lb or rb:
+        return False
+    if lc != (lhs.ndim - 1,) or rc != (0,):
+        return False
+    return all(n > 0 for n in lhs.shape) and all(n > 0 for n in rhs.shape)
+
+
+def kernel_route(
+    lhs: Any, rhs: Any, dimension_numbers: Any, *, out_sharding: Any = None
+) -> KernelRoute | None:
+    """The kernel route for a `dot_general`, or None when the pure-JAX paths run.
+
+    Static: decided from shapes, dtypes, formats and scale layouts (see the module docstring
+    for the accepted cases).
+
+    Args:
+      lhs, rhs: the operands (`lhs: [..., K]` float, `rhs: QArray [K, N]` to be routed).
+      dimension_numbers: normalized `((lc, rc), (lb, rb))`.
+      out_sharding: a requested output sharding (any value keeps the pure-JAX paths).
+    Returns:
+      A `KernelRoute`, or None.
+    """
+    if out_sharding is not None or isinstance(lhs, QArray) or not isinstance(rhs, QArray):
+        return None
+    if not hasattr(lhs, "dtype") or np.dtype(lhs.dtype) not in _FLOATS:
+        return None
+    if not _is_plain_linear(lhs, rhs, dimension_numbers):
+        return None
+    k, n = rhs.shape
+    if k * n < MIN_WEIGHT_ELEMENTS or jax.default_backend() != "cpu":
+        return None
+    found = _weight_kind(rhs)
+    if found is None:
+        return None
+    kind, shift_int4 = found
+    groups, columns = rhs.scale.shape
+    if columns not in (1, n):
+        return None
+    group_size = None if groups == 1 else k // groups
+    if group_size is not None and kind in _PER_CHANNEL_ONLY:
+        return None
+    if not kernels.supports(kind, k, n, group_size, lhs.dtype):
+        return None
+    return KernelRoute(kind=kind, group_size=group_size, shift_int4=shift_int4)
+
+
+def _prepare(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
+    """Builds the kernel layout of `q` (traced: runs on every call)."""
+    k, n = q.shape
+    codes = q.unpacked_codes()
+    rows = 1 if route.group_size is None else k // route.group_size
+    scale = jnp.broadcast_to(q.scale_values(), (rows, n))
+    zero_point = None
+    if route.kind == "uint4":
+        if q.zero_point is None:
+            zero_point = jnp.zeros((rows, n), jnp.float32)
+        else:
+            zero_point = jnp.broadcast_to(q.zero_point.astype(jnp.float32), (rows, n))
+    if route.shift_int4:
+        # Two's-complement nibble c of value v: c ^ 8 = v + 8, so (v - z) = (c ^ 8) - (z + 8).
+        codes = codes ^ jnp.uint8(8)
+        zero_point = zero_point + 8.0
+    return kernels.prepare(route.kind, codes, scale, zero_point, route.group_size)
+
+
+def kernel_linear(x: jax.Array, q: QArray, route: KernelRoute, out_dtype: Any) -> jax.Array:
+    """`x @ q` through a CPU kernel (forward only; `dot_general` adds the gradient).
+
+    Args:
+      x: [..., K] float32 | bfloat16.
+      q: QArray [K, N] accepted by `kernel_route` (which gave `route`).
+      route: from `kernel_route(x, q, ...)`.
+      out_dtype: output dtype; float32 and bfloat16 come out of the kernel directly, other
+        float dtypes are cast from float32.
+    Returns:
+      [..., N] in `out_dtype`.
+    """
+    out_dtype = np.dtype(out_dtype)
+    kernel_out = out_dtype if out_dtype in _FLOATS else np.dtype(jnp.float32)
+    weight = _prepare(q, route)
+    if route.kind == "w8a8":
+        y = kernels.w8a8_linear(x, weight, out_dtype=kernel_out)
+    else:
+        y = kernels.weight_only_linear(x, weight, out_dtype=kernel_out)
+    return y.astype(out_dtype)
