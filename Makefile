@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lowbit-installed
 KERNEL_SOURCES := $(wildcard lowbit/kernels/cpu/*.cc lowbit/kernels/cpu/*.h)
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo bench lint clean test-jax-compat
 
 $(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,16 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks
 
+# The engine touches JAX internals: run its tests on the oldest supported JAX as well.
+COMPAT_VENV := .venv-jax09
+test-jax-compat: $(STAMP)
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install -q "jax[cpu]==0.9.2" "flax>=0.12,<0.12.8" ml_dtypes numpy \
+		safetensors gguf tokenizers rich matplotlib pytest hypothesis optax scikit-learn
+	PYTHONPATH=$(CURDIR) $(COMPAT_VENV)/bin/python -m pytest -x -q tests/qarray tests/ops tests/engine
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lowbit tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info

@@ -162,7 +162,7 @@ def ragged_dot_general(
             precision=precision,
             preferred_element_type=preferred_element_type,
             group_offset=group_offset,
-            out_sharding=out_sharding,
+            **_sharding_kwargs(out_sharding),
         )
     static = (ragged_dot_dimension_numbers, precision, preferred_element_type, out_sharding)
     if isinstance(rhs, QArray) and not isinstance(lhs, QArray) and rhs.activation is not None:
@@ -187,7 +187,7 @@ def _forward(
         precision=precision,
         preferred_element_type=preferred_element_type,
         group_offset=group_offset,
-        out_sharding=out_sharding,
+        **_sharding_kwargs(out_sharding),
     )
     if path == "reference":
         return ragged_dot_general_reference(
@@ -211,7 +211,7 @@ def _forward(
         ragged_dot_dimension_numbers,
         precision=None if acc_dtype == jnp.int32 else precision,
         preferred_element_type=acc_dtype,
-        out_sharding=out_sharding,
+        **_sharding_kwargs(out_sharding),
     ).astype(jnp.float32)
     expert, valid = _row_groups(group_sizes, acc.shape[0])
     to_rows = lambda a: _to_rows(a, axes, expert, rhs.shape)
@@ -290,7 +290,7 @@ def ragged_dot_general_reference(
         precision=precision,
         preferred_element_type=jnp.promote_types(jnp.result_type(lhs_f, rhs_f), out_dtype),
         group_offset=group_offset,
-        out_sharding=out_sharding,
+        **_sharding_kwargs(out_sharding),
     )
     return out.astype(out_dtype)
 
@@ -314,3 +314,8 @@ def ragged_dot(
         preferred_element_type=preferred_element_type,
         group_offset=group_offset,
     )
+
+
+def _sharding_kwargs(out_sharding: Any) -> dict[str, Any]:
+    # `lax.ragged_dot_general` takes `out_sharding` only from JAX 0.10 on; pass it only when set.
+    return {} if out_sharding is None else {"out_sharding": out_sharding}

@@ -30,8 +30,9 @@ def test_jit_round_trip_matches_eager(x):
     eager = quantize(x, "uint4", **config)
     jitted = jax.jit(lambda v: quantize(v, "uint4", **config))(x)
     assert np.array_equal(eager.codes, jitted.codes)
-    np.testing.assert_array_equal(
-        jax.jit(lambda q: q.dequantize())(jitted), eager.dequantize()
+    # Same codes; the dequantized floats may differ in the last ulp where XLA fuses differently.
+    np.testing.assert_allclose(
+        jax.jit(lambda q: q.dequantize())(jitted), eager.dequantize(), rtol=1e-6, atol=1e-6
     )
 
 
