@@ -176,7 +176,10 @@ def parse_calibration(text: str) -> Calibration:
     """
     parts = [p.strip() for p in str(text).split(",")]
     name, args = parts[0].lower(), parts[1:]
-    accepted = "absmax[,clip] | absmean[,k] | minmax | percentile[,q] | rms[,k] | mse | fixed,lo,hi | fixed,hi"
+    accepted = (
+        "absmax[,clip] | absmean[,k] | minmax | percentile[,q] | rms[,k] | mse | fixed,lo,hi"
+        " | fixed,hi"
+    )
     try:
         values = [float(a) for a in args]
         if name == "fixed":

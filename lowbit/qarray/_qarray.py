@@ -200,8 +200,8 @@ class QArray:
             s == 0 or n % s for n, s in zip(self.shape, self.scale.shape, strict=True)
         ):
             raise ValueError(
-                f"scale shape {tuple(self.scale.shape)} must have one entry per axis of {self.shape}"
-                " dividing it"
+                f"scale shape {tuple(self.scale.shape)} must have one entry per axis of "
+                f"{self.shape} dividing it"
             )
         if self.zero_point is not None and self.zero_point.shape != self.scale.shape:
             raise ValueError(

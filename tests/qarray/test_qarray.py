@@ -81,8 +81,13 @@ def test_repr_is_readable(x):
 def test_check_rejects_inconsistent_scale(x):
     q = quantize(x, "int8", granularity=PerChannel())
     bad = QArray(
-        codes=q.codes, scale=jnp.ones((1, 5)), zero_point=None, tensor_scale=None,
-        format="int8", shape=q.shape, dtype=q.dtype,
+        codes=q.codes,
+        scale=jnp.ones((1, 5)),
+        zero_point=None,
+        tensor_scale=None,
+        format="int8",
+        shape=q.shape,
+        dtype=q.dtype,
     )
     with pytest.raises(ValueError, match="scale shape"):
         bad.check()

@@ -12,8 +12,8 @@ from lowbit.qarray import (
     AbsMean,
     Fixed,
     MinMax,
-    Percentile,
     PerBlock,
+    Percentile,
     PerChannel,
     PerGroup,
     PerTensor,
@@ -75,8 +75,13 @@ def test_calibrations_give_finite_scales(x, calibration):
 def test_mse_is_no_worse_than_absmax(x):
     heavy = x.at[0, :].multiply(20.0)  # outliers in one row of each group
     err = lambda cal: float(
-        jnp.sum((quantize(heavy, "int4", granularity=PerGroup(32), calibration=cal).dequantize()
-                 - heavy) ** 2)
+        jnp.sum(
+            (
+                quantize(heavy, "int4", granularity=PerGroup(32), calibration=cal).dequantize()
+                - heavy
+            )
+            ** 2
+        )
     )
     assert err(MSE()) <= err(AbsMax()) + 1e-6
 
@@ -107,8 +112,9 @@ def test_non_finite_inputs_do_not_poison_other_blocks():
 
 def test_stochastic_rounding_is_unbiased():
     v = jnp.full((1, 20000), 0.3)
-    q = quantize(v, "int8", calibration=Fixed(-127.0, 127.0), rounding="stochastic",
-                 key=jax.random.key(0))
+    q = quantize(
+        v, "int8", calibration=Fixed(-127.0, 127.0), rounding="stochastic", key=jax.random.key(0)
+    )
     codes = np.asarray(q.unpacked_codes(), np.float64)
     assert set(np.unique(codes)) == {0.0, 1.0}
     assert abs(codes.mean() - 0.3) < 0.02
