@@ -3,11 +3,16 @@ importers from GGUF and Hugging Face safetensors files."""
 
 from lowbit.io._checkpoint import load_checkpoint, read_manifest, save_checkpoint
 from lowbit.io._config_dict import quant_config_from_dict, quant_config_to_dict
-from lowbit.io._gguf_file import GGUFTensorData, read_gguf_file
-from lowbit.io._gguf_import import gguf_tensor_to_qarray, import_gguf
+from lowbit.io._gguf_import import (
+    GGUFTensorData,
+    gguf_tensor_to_qarray,
+    import_gguf,
+    read_gguf_file,
+)
 from lowbit.io._hf_import import import_safetensors
 from lowbit.io._manifest import CheckpointError
-from lowbit.io._placement import Placement, unpermute_rope_rows
+from lowbit.io._placement import Placement
+from lowbit.models import unpermute_rope_rows
 
 __all__ = [
     "CheckpointError",

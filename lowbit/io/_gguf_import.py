@@ -15,7 +15,11 @@ GGML's blocks hold 32 consecutive elements of a row (the last NumPy axis) and an
 The 4-bit codes are taken out of GGML's nibble order (byte ``j`` of a block holds element
 ``j`` low and ``j + 16`` high) and packed in this library's order (element ``2k`` low,
 ``2k + 1`` high); the values are untouched. Other storage types (F32, F16, Q6_K, ...) are
-dequantized to float32 with `gguf.quants.dequantize`.
+dequantized to float32 by `lowbit.models.GGUFTensor.dequantize`, which gives the same values as
+`gguf.quants.dequantize`.
+
+Files are read by `lowbit.models.read_gguf`: metadata as Python values, each tensor's stored
+bytes as a read-only memory-mapped ``uint8 [*shape[:-1], row_bytes]`` view (NumPy shape order).
 """
 
 from __future__ import annotations
@@ -24,18 +28,36 @@ import functools
 import os
 from typing import Any
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from lowbit.formats import get_format
-from lowbit.io._gguf_file import GGUFTensorData, read_gguf_file
-from lowbit.io._placement import NameMap, Placement, nest, resolve, unpermute_rope_rows
+from lowbit.io._placement import NameMap, Placement, nest, resolve
+from lowbit.models import GGUFTensor, read_gguf, unpermute_rope_rows
 from lowbit.qarray import QArray
 
-_Q = gguf.GGMLQuantizationType
 DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+
+GGUFTensorData = GGUFTensor
+"""One tensor read from a GGUF file: `lowbit.models.GGUFTensor` (name, ggml_type, shape, raw)."""
+
+
+def read_gguf_file(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
+    """Reads a GGUF file's metadata and tensor table (`lowbit.models.read_gguf`, as a pair).
+
+    Returns:
+      ``(metadata, tensors)``: key -> Python value; name -> `lowbit.models.GGUFTensor`, in
+      file order.
+    Raises:
+      ValueError: for a path that is not a GGUF file, an unsupported version, an unknown value
+        or tensor type, a row length that is not a whole number of blocks, or a file that ends
+        inside the header or a tensor.
+    """
+    gguf_file = read_gguf(path)
+    return gguf_file.metadata, gguf_file.tensors
 
 
 def _half(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -49,7 +71,7 @@ def _nibbles(blocks: np.ndarray) -> np.ndarray:
     return codes.reshape(*blocks.shape[:-2], -1)
 
 
-def gguf_tensor_to_qarray(tensor: GGUFTensorData) -> QArray:
+def gguf_tensor_to_qarray(tensor: GGUFTensor) -> QArray:
     """A Q8_0 / Q4_0 / Q4_1 tensor as a `QArray` in its GGUF layout (blocks along the last axis).
 
     Args:
@@ -65,8 +87,7 @@ def gguf_tensor_to_qarray(tensor: GGUFTensorData) -> QArray:
         raise ValueError(
             f"tensor {tensor.name!r} has type {kind}; direct import accepts {DIRECT_TYPES}"
         )
-    _, type_size = gguf.GGML_QUANT_SIZES[tensor.ggml_type]
-    blocks = tensor.raw.reshape(*tensor.shape[:-1], -1, type_size)
+    blocks = tensor.blocks()
     d = _half(blocks, 0)
     zero_point = None
     if kind == "Q8_0":
@@ -112,26 +133,15 @@ def _qarray(tensor, name, codes, scale, zero_point) -> QArray:
     ).check()
 
 
-def _float(tensor: GGUFTensorData) -> np.ndarray:
-    try:
-        values = gguf.quants.dequantize(tensor.raw, tensor.ggml_type)
-    except NotImplementedError:
-        raise ValueError(
-            f"tensor {tensor.name!r} has type {tensor.ggml_type.name}, which the gguf package "
-            "cannot dequantize"
-        ) from None
-    return np.asarray(values, np.float32).reshape(tensor.shape)
-
-
-def _place(tensor: GGUFTensorData, placement: Placement, quantized: bool) -> Any:
+def _place(tensor: GGUFTensor, placement: Placement, quantized: bool) -> Any:
     if placement.unpermute_heads is not None:
         # Whole rows move, so each row's blocks stay intact.
         raw = unpermute_rope_rows(tensor.raw, placement.unpermute_heads)
-        tensor = GGUFTensorData(tensor.name, tensor.ggml_type, tensor.shape, raw)
+        tensor = GGUFTensor(tensor.name, tensor.ggml_type, tensor.shape, raw)
     if quantized and tensor.ggml_type.name in DIRECT_TYPES:
         value = gguf_tensor_to_qarray(tensor)
         return value.T if placement.transpose else value
-    value = _float(tensor)
+    value = tensor.dequantize()
     return jnp.asarray(value.T if placement.transpose else value)
 
 
@@ -158,10 +168,10 @@ def import_gguf(
         one path.
       TypeError: if `name_map` returns something other than the accepted kinds.
     """
-    metadata, tensors = read_gguf_file(path)
+    gguf_file = read_gguf(path)
     placed = []
-    for name, tensor in tensors.items():
+    for name, tensor in gguf_file.tensors.items():
         placement = Placement(path=(name,)) if name_map is None else resolve(name, name_map(name))
         if placement is not None:
             placed.append((placement.path, _place(tensor, placement, quantized)))
-    return nest(placed), metadata
+    return nest(placed), gguf_file.metadata

@@ -8,8 +8,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.io._placement import NameMap, nest, resolve, unpermute_rope_rows
+from lowbit.io._placement import NameMap, nest, resolve
 from lowbit.io._safetensors_file import read_header, read_tensor
+from lowbit.models import unpermute_rope_rows
 
 
 def import_safetensors(

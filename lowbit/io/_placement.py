@@ -15,8 +15,6 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
-
 Key = str | int
 Path = tuple[Key, ...]
 
@@ -30,7 +28,7 @@ class Placement:
       transpose: reverse the axes (a file's linear weight ``[out, in]`` -> a Flax kernel
         ``[in, out]``).
       unpermute_heads: if set, first undo llama.cpp's interleaving of query/key rows for this
-        many heads (see `unpermute_rope_rows`).
+        many heads (see `lowbit.models.unpermute_rope_rows`); None or a positive int.
     """
 
     path: Path
@@ -38,37 +36,24 @@ class Placement:
     unpermute_heads: int | None = None
 
 
-def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undoes llama.cpp's rotary interleaving of a query/key projection's output rows.
-
-    llama.cpp's converter reorders each head's rows so that rotary pairs are adjacent (rows
-    ``2i, 2i+1``); Hugging Face Llama code rotates halves (rows ``i, i + head_dim/2``). Within
-    each head this sends row ``2i`` to ``i`` and ``2i + 1`` to ``i + head_dim/2``.
-
-    Args:
-      rows: ``[n_heads * head_dim, ...]``: float rows, or the raw block bytes of quantized rows
-        (blocks run along each row, so whole rows move and blocks stay intact).
-      n_heads: heads in the projection.
-    Returns:
-      The rows in rotate-half order, same shape.
-    Raises:
-      ValueError: if the row count is not a multiple of ``2 * n_heads``.
-    """
-    if not isinstance(n_heads, int) or n_heads <= 0 or rows.shape[0] % (2 * n_heads):
-        raise ValueError(
-            f"unpermute_heads={n_heads!r} does not divide {rows.shape[0]} rows into heads of "
-            "an even size"
-        )
-    pairs = rows.shape[0] // n_heads // 2
-    return rows.reshape(n_heads, pairs, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
 def resolve(name: str, target: Any) -> Placement | None:
     """A `name_map` result for the tensor `name` as a `Placement` (None: skip).
 
     Raises:
       TypeError: naming the tensor when the result is none of the accepted kinds.
+      ValueError: naming the tensor when its ``unpermute_heads`` is neither None nor a
+        positive int.
     """
+    placement = _placement(name, target)
+    heads = None if placement is None else placement.unpermute_heads
+    if heads is not None and (not isinstance(heads, int) or heads <= 0):
+        raise ValueError(
+            f"name_map({name!r}) gave unpermute_heads={heads!r}; accepted: None or a positive int"
+        )
+    return placement
+
+
+def _placement(name: str, target: Any) -> Placement | None:
     if target is None or isinstance(target, Placement):
         return target
     if isinstance(target, str):

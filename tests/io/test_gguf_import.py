@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from lowbit import models
 from lowbit.io import (
     GGUFTensorData,
     Placement,
@@ -144,8 +145,28 @@ def test_import_gguf_flat_and_float(tmp_path):
 def test_unpermute_rope_rows_pairs_to_halves():
     rows = np.arange(8)[:, None]  # 2 heads of head_dim 4: rows (0,1),(2,3) are rotary pairs
     assert unpermute_rope_rows(rows, 2)[:, 0].tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
-    with pytest.raises(ValueError, match="unpermute_heads=3"):
+    with pytest.raises(ValueError, match=r"not a multiple of 2 \* n_heads=6"):
         unpermute_rope_rows(rows, 3)
+
+
+def test_io_reuses_the_models_reader(tmp_path):
+    assert unpermute_rope_rows is models.unpermute_rope_rows
+    assert GGUFTensorData is models.GGUFTensor
+    values = _write_gguf(tmp_path / "m.gguf")
+    metadata, tensors = read_gguf_file(tmp_path / "m.gguf")
+    ref = models.read_gguf(tmp_path / "m.gguf")
+    assert metadata == ref.metadata and list(tensors) == list(ref.tensors) == list(values)
+    for name, tensor in tensors.items():
+        assert isinstance(tensor, models.GGUFTensor)
+        assert np.array_equal(tensor.raw, ref.tensors[name].raw)
+
+
+@pytest.mark.parametrize("heads", [0, -2, 2.0])
+def test_bad_unpermute_heads(tmp_path, heads):
+    _write_gguf(tmp_path / "m.gguf")
+    keep = {"blk.0.attn_q.weight": Placement(path=("q",), unpermute_heads=heads)}
+    with pytest.raises(ValueError, match=f"unpermute_heads={heads!r}"):
+        import_gguf(tmp_path / "m.gguf", name_map=keep.get)
 
 
 def test_bad_name_map_result(tmp_path):
