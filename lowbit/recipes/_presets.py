@@ -177,18 +177,30 @@ _PRESETS: dict[str, tuple[Callable[..., Recipe], str]] = {
     # demo names
     "float": (float_recipe, "everything in float (baseline)"),
     "int4w_g32_asym": (
-        lambda: _recipe(
+        lambda: _demo_4bit(
             "int4w_g32_asym",
             matmul_rules("uint4", group_size=32, symmetric=False, calibration=MinMax()),
         ),
-        "uint4 asymmetric weights, groups of 32, min/max bounds",
+        "uint4 asymmetric weights, groups of 32, min/max bounds; int8 embeddings",
     ),
     "int4w_g64": (
-        lambda: _recipe("int4w_g64", matmul_rules("int4", group_size=64)),
-        "int4 symmetric weights, groups of 64",
+        lambda: _demo_4bit("int4w_g64", matmul_rules("int4", group_size=64)),
+        "int4 symmetric weights, groups of 64; int8 embeddings",
     ),
-    "nf4_g64": (lambda: nf4(64), "NF4 weights, groups of 64"),
+    "nf4_g64": (
+        lambda: _demo_4bit("nf4_g64", nf4(64).rules),
+        "NF4 weights, groups of 64; int8 embeddings",
+    ),
 }
+
+
+def _demo_4bit(name: str, rules: tuple[Rule, ...]) -> Recipe:
+    # The embedding table is read by a lookup and, tied, by the logits: 4 bits there costs far
+    # more than in the linear layers, so the 4-bit demo recipes keep it at int8 per row (as
+    # GGUF's Q4 files keep `token_embd` at Q8_0). The first rule of `matmul_rules` is the
+    # embedding rule; an int8 one takes its place.
+    embedding = matmul_rules("int8")[0]
+    return _recipe(name, (embedding, *rules[1:]))
 
 
 def preset_names() -> dict[str, str]:

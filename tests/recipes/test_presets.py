@@ -45,6 +45,9 @@ EXPECTED = {
     "nf4_g64": ("nf4", None, None),
 }
 
+# The 4-bit demo recipes keep embeddings at int8 per row.
+EMBEDDING_FORMAT = {"int4w_g32_asym": "int8", "int4w_g64": "int8", "nf4_g64": "int8"}
+
 
 def test_every_preset_has_a_description():
     names = preset_names()
@@ -61,13 +64,16 @@ def test_preset_formats_and_layouts(name):
     assert {d.path for d in report.quantized} == {"embed/embedding", "mlp/up/kernel", "hf/weight"}
     for d in report.quantized:
         rule = recipe.rules[d.rule_index]
-        assert get_format(d.config.format).name == weight
+        expected = EMBEDDING_FORMAT.get(name, weight) if d.path == "embed/embedding" else weight
+        assert get_format(d.config.format).name == expected
         assert (rule.activation and get_format(rule.activation.format).name) == (activation or None)
         assert (rule.gradient and get_format(rule.gradient.format).name) == (gradient or None)
     # Contraction axis of each layout: groups run along it, per-channel scales keep the other.
     kernel = report["mlp/up/kernel"].config.granularity
     embedding = report["embed/embedding"].config.granularity
-    if isinstance(kernel, PerGroup):
+    if name in EMBEDDING_FORMAT:
+        assert isinstance(embedding, PerChannel) and embedding.axes == (0,)  # one scale per row
+    elif isinstance(kernel, PerGroup):
         assert kernel.axis == -2 and embedding.axis == -1
     elif isinstance(kernel, PerChannel):
         assert kernel.axes == (-1,) and embedding.axes == (0,)
