@@ -105,8 +105,11 @@ def test_report_writes_table_json_and_plots(recipe_file_checkpoint, capsys):
     report = json.loads((recipe_file_checkpoint / "report.json").read_text())
     sqnr = report["layer_sqnr"]["minilm/my_int4"]
     assert len(sqnr["weight"]) >= 36  # 6 layers x 6 linear kernels
-    # 4-bit asymmetric groups of 32: about 20-30 dB per weight (6 dB per bit, minus clipping).
-    assert all(15.0 < v < 35.0 for v in sqnr["weight"].values() if v is not None)
+    # 4-bit asymmetric groups of 32: about 20-30 dB per weight (6 dB per bit, minus clipping);
+    # the recipe keeps embedding tables at int8 per row (higher, but tiny tables vary).
+    for name, v in sqnr["weight"].items():
+        if v is not None:
+            assert (v > 15.0) if "embed" in name else (15.0 < v < 35.0), (name, v)
     for name in ("layer_sqnr.png", "size_vs_quality.png"):
         assert (recipe_file_checkpoint / name).read_bytes()[:4] == b"\x89PNG"
 
