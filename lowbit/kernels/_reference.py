@@ -18,28 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The 16 NormalFloat-4 levels: quantiles of N(0, 1) rescaled to [-1, 1], with an exact zero.
-NF4_LEVELS = np.array(
-    [
-        -1.0,
-        -0.6961928009986877,
-        -0.5250730514526367,
-        -0.39491748809814453,
-        -0.28444138169288635,
-        -0.18477343022823334,
-        -0.09105003625154495,
-        0.0,
-        0.07958029955625534,
-        0.16093020141124725,
-        0.24611230194568634,
-        0.33791524171829224,
-        0.44070982933044434,
-        0.5626170039176941,
-        0.7229568362236023,
-        1.0,
-    ],
-    dtype=np.float32,
-)
+from lowbit.formats import get_format
+
+# The 16 NormalFloat-4 levels, from the format registry (the kernels' codebook is the same one).
+NF4_LEVELS = np.asarray(get_format("nf4").levels(), dtype=np.float32)
 
 WEIGHT_ONLY_KINDS = ("int8", "int4", "uint4", "nf4", "fp8")
 
