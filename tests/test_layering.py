@@ -10,8 +10,18 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "lowbit"
 # Bottom to top. Kernels sit below ops (the ops layer picks kernels); models (plain float
 # reference networks) sit below io, whose importers map checkpoints onto them.
 LAYERS = [
-    "formats", "qarray", "kernels", "ops", "engine", "recipes", "api", "algorithms", "models",
-    "io", "eval", "cli",
+    "formats",
+    "qarray",
+    "kernels",
+    "ops",
+    "engine",
+    "recipes",
+    "api",
+    "algorithms",
+    "models",
+    "io",
+    "eval",
+    "cli",
 ]
 
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from lowbit.formats import FORMATS
+from lowbit.ops import attach_kernel_layouts
 from lowbit.qarray import Fixed, QArray, QuantConfig
 from lowbit.qarray import quantize as quantize_array
 from lowbit.recipes import Recipe, Rule, map_params, preset
@@ -79,6 +80,7 @@ def quantize_params(
     *,
     uses: Mapping[str, frozenset[str]] | None = None,
     uncalibrated: bool = False,
+    kernel_layouts: bool = True,
 ) -> Any:
     """Quantizes every parameter a recipe selects; the others are returned untouched.
 
@@ -92,6 +94,9 @@ def quantize_params(
       uncalibrated: accept rules with `static_activation=True` (and a calibration other than
         `Fixed`) without bounds; their activations are then quantized dynamically until
         `calibrate` sets the bounds.
+      kernel_layouts: also store, on each 2-D weight a CPU kernel will run, the kernel's own
+        weight layout (`lowbit.ops.attach_kernel_layout`), so that calls do not rebuild it.
+        It roughly doubles the resident size of those weights; False skips it.
     Returns:
       The same pytree with QArrays in place of the quantized arrays.
     Raises:
@@ -127,7 +132,8 @@ def quantize_params(
             return leaf
         return quantize_weight(leaf, decision.config, recipe.rules[decision.rule_index])
 
-    return map_params(one, params)
+    out = map_params(one, params)
+    return attach_kernel_layouts(out) if kernel_layouts else out
 
 
 def quantize(params: Any, recipe: Recipe | str, **options: Any) -> Any:

@@ -44,6 +44,7 @@ from lowbit.io._safetensors_file import (
     write_safetensors,
 )
 from lowbit.io._tree import encode_tree, leaf_shapes, path_name
+from lowbit.ops import attach_kernel_layouts
 
 TENSORS_FILE = "model.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -212,6 +213,7 @@ def load_checkpoint(
     like: Any = None,
     recipe: Any = None,
     sharding: Any = None,
+    kernel_layouts: bool = True,
 ) -> Any:
     """Loads a checkpoint written by `save_checkpoint`, straight into QArrays.
 
@@ -227,6 +229,8 @@ def load_checkpoint(
         ``(path, role, shape) -> Sharding | None`` called per stored tensor (``path`` the leaf's
         key tuple, ``role`` ``"value"`` for plain arrays or a QArray field such as ``"codes"``,
         ``shape`` the stored shape), e.g. to shard codes and scales alike along one axis.
+      kernel_layouts: also build the CPU kernels' weight layout for the QArrays a kernel will
+        run (`lowbit.ops.attach_kernel_layouts`; checkpoints store only the logical form).
     Returns:
       The params tree, with dicts, lists and tuples as saved (``nnx.State`` comes back as a
       dict) and `QArray`s holding the stored codes.
@@ -255,7 +259,8 @@ def load_checkpoint(
         # Every QArray's invariants, on shapes alone.
         build_tree(plan, {n: jax.ShapeDtypeStruct(s, d) for n, (d, s) in plan.tensors.items()})
         arrays = _read_arrays(f, plan, entries, digests, sharding, data_file)
-    return build_tree(plan, arrays)
+    tree = build_tree(plan, arrays)
+    return attach_kernel_layouts(tree) if kernel_layouts else tree
 
 
 def _check_tensor_file(plan: Any, data_file: str) -> dict[str, Any]:

@@ -35,6 +35,7 @@ import numpy as np
 from lowbit.formats import get_format
 from lowbit.io._placement import NameMap, Placement, nest, resolve
 from lowbit.models import GGUFTensor, read_gguf, unpermute_rope_rows
+from lowbit.ops import attach_kernel_layouts
 from lowbit.qarray import QArray
 
 DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
@@ -150,6 +151,7 @@ def import_gguf(
     *,
     name_map: NameMap | None = None,
     quantized: bool = True,
+    kernel_layouts: bool = True,
 ) -> tuple[dict[Any, Any], dict[str, Any]]:
     """Reads a GGUF file into a params tree, keeping Q8_0 / Q4_0 / Q4_1 tensors quantized.
 
@@ -160,6 +162,8 @@ def import_gguf(
         ``[in, out]`` and un-interleave RoPE rows). Without one, the result is flat and keyed
         by GGUF name, in GGUF layout.
       quantized: False dequantizes every tensor to float32 instead.
+      kernel_layouts: also build the CPU kernels' weight layout for the QArrays a kernel will
+        run, as placed (`lowbit.ops.attach_kernel_layouts`).
     Returns:
       ``(params, metadata)``: nested dicts of `QArray`s (Q8_0 / Q4_0 / Q4_1) and float32
       arrays (other types); the file's key/value metadata.
@@ -174,4 +178,7 @@ def import_gguf(
         placement = Placement(path=(name,)) if name_map is None else resolve(name, name_map(name))
         if placement is not None:
             placed.append((placement.path, _place(tensor, placement, quantized)))
-    return nest(placed), gguf_file.metadata
+    params = nest(placed)
+    if kernel_layouts:
+        params = attach_kernel_layouts(params)
+    return params, gguf_file.metadata

@@ -8,8 +8,9 @@ Weight-only kinds (`data`: uint8 `[P, G * group_bytes]`): each panel is G groups
 
     [16 x f32 scale][16 x f32 zero point][gs/2 pair rows of PB bytes]
 
-- gs is the storage group size: the user's group size, or for per-channel weights a fixed
-  chunk (min(256, K rounded up to even)) whose header repeats the channel scale. K is padded
+- gs is the storage group size: the user's group size, or for per-channel weights a chunk
+  (`storage_group`: an even divisor of K in [64, 256] if any, else min(256, K rounded up to
+  even)) whose header repeats the channel scale. K is padded
   with zero codes to Kp = G * gs (the kernels zero-pad activations to match).
 - 4-bit kinds (PB = 16): byte j of pair row t holds column j, low nibble k = 2t, high
   nibble k = 2t + 1. int4 codes are stored offset-binary (code ^ 8) with zero point 8, so
@@ -81,9 +82,17 @@ def pair_bytes(kind: str) -> int:
 
 
 def storage_group(kind: str, k: int, group_size: int | None) -> int:
-    """Group size of the packed stream (even; a per-channel weight is cut into chunks)."""
+    """Group size of the packed stream (even; a per-channel weight is cut into chunks).
+
+    Per channel, the chunk is the largest even divisor of K in [64, 256] when there is one, so
+    K needs no zero padding (K = 576 would otherwise be padded to 768, a third more work);
+    else min(256, K rounded up to even).
+    """
     if group_size is not None:
         return group_size
+    for chunk in range(PER_CHANNEL_CHUNK, 63, -2):
+        if k % chunk == 0:
+            return chunk
     return min(PER_CHANNEL_CHUNK, _round_up(max(k, 1), 2))
 
 

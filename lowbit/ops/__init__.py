@@ -11,7 +11,12 @@ from lowbit.ops._conv import (
     conv_general_dilated_reference,
 )
 from lowbit.ops._conv_qat import qat_conv_general_dilated
-from lowbit.ops._cpu_kernels import KERNEL_PATHS, MIN_WEIGHT_ELEMENTS
+from lowbit.ops._cpu_kernels import (
+    KERNEL_PATHS,
+    MIN_WEIGHT_ELEMENTS,
+    attach_kernel_layout,
+    attach_kernel_layouts,
+)
 from lowbit.ops._dot_general import PATHS, dot_general, dot_general_path, dot_general_reference
 from lowbit.ops._operand import quantize_activation
 from lowbit.ops._qat import qat_dot_general
@@ -29,6 +34,8 @@ __all__ = [
     "MIN_WEIGHT_ELEMENTS",
     "PATHS",
     "QatWeight",
+    "attach_kernel_layout",
+    "attach_kernel_layouts",
     "conv_general_dilated",
     "conv_general_dilated_path",
     "conv_general_dilated_reference",

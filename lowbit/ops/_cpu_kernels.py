@@ -27,17 +27,24 @@ A `dot_general` is sent to a compiled kernel when all of these hold (else the pu
     results differ only by float summation order. (For non-finite activations the two differ:
     the quantizer leaves them out of the bound, the kernel does not.)
 
-A per-tensor scale (`[1, 1]`) counts as per channel (broadcast to `[1, N]`).
+A per-tensor scale (`[1, 1]`) counts as per channel (broadcast to `[1, N]`). A weight stored
+`[N, K]` (contracted over axis 1, e.g. a tied embedding used as the output projection,
+``x @ E.T``) is routed as its transpose.
 
-The QArray keeps its own storage (dense bit packing, codes in the format's representation), so
-the kernel layout is built by `lowbit.kernels.prepare` *inside* the traced computation: the
-repack runs on every call. It is one pass over the weight codes; `benchmarks/ops.py` measures
-what it costs against the kernel alone.
+Kernel layout. The kernels read their own packed layout (`lowbit.kernels.prepare`: column
+panels with the group scales inline, nibbles paired along K). `attach_kernel_layout` builds it
+once, at quantize or load time, and stores it on the QArray (`QArray.kernel`, for contraction
+over `QArray.kernel_axis`); a routed call then costs only the kernel. Without a stored layout
+(a weight built by hand, or one reshaped or sliced since) the layout is built inside the traced
+call, on every call: correct, but a full pass over the codes each time. The stored layout is a
+second copy of the weight (the logical codes stay, for every other backend and layout op), so
+resident memory is about twice the packed size; checkpoints store only the logical form.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -74,11 +81,13 @@ class KernelRoute:
       kind: kernel kind, one of `lowbit.kernels.KINDS`.
       group_size: group size along K, or None per channel.
       shift_int4: the weight is asymmetric int4, run as uint4 (codes ^ 8, zero point + 8).
+      transposed: the weight is stored `[N, K]` (contracted over its axis 1).
     """
 
     kind: str
     group_size: int | None
     shift_int4: bool = False
+    transposed: bool = False
 
     @property
     def path(self) -> str:
@@ -115,13 +124,48 @@ def _weight_kind(q: QArray) -> tuple[str, bool] | None:
     return kind, False
 
 
-def _is_plain_linear(lhs: Any, rhs: QArray, dimension_numbers) -> bool:
+def _contract_axis(lhs: Any, rhs: QArray, dimension_numbers) -> int | None:
+    """The rhs axis a plain linear contracts (0 for `[K, N]`, 1 for `[N, K]`), or None."""
     (lc, rc), (lb, rb) = dimension_numbers
-    if rhs.ndim != 2 or lhs.ndim < 1 or lb or rb:
-        return False
-    if lc != (lhs.ndim - 1,) or rc != (0,):
-        return False
-    return all(n > 0 for n in lhs.shape) and all(n > 0 for n in rhs.shape)
+    if rhs.ndim != 2 or lhs.ndim < 1 or lb or rb or lc != (lhs.ndim - 1,):
+        return None
+    if tuple(rc) not in ((0,), (1,)):
+        return None
+    if not (all(n > 0 for n in lhs.shape) and all(n > 0 for n in rhs.shape)):
+        return None
+    return rc[0]
+
+
+def weight_route(w: QArray, axis: int = 0) -> KernelRoute | None:
+    """The kernel route for a 2-D weight contracted over `axis`, or None.
+
+    Static: decided from the shape, format, scale layout and activation config (see the module
+    docstring for the accepted cases); the activation operand may be float32 or bfloat16.
+
+    Args:
+      w: QArray [K, N] (axis 0) or [N, K] (axis 1).
+      axis: the contracted axis.
+    """
+    if w.ndim != 2 or jax.default_backend() != "cpu":
+        return None
+    k, n = w.shape if axis == 0 else w.shape[::-1]
+    if k * n < MIN_WEIGHT_ELEMENTS:
+        return None
+    found = _weight_kind(w)
+    if found is None:
+        return None
+    kind, shift_int4 = found
+    groups, columns = w.scale.shape if axis == 0 else w.scale.shape[::-1]
+    if columns not in (1, n):
+        return None
+    group_size = None if groups == 1 else k // groups
+    if group_size is not None and kind in _PER_CHANNEL_ONLY:
+        return None
+    if not kernels.supports(kind, k, n, group_size, jnp.float32):
+        return None
+    return KernelRoute(
+        kind=kind, group_size=group_size, shift_int4=shift_int4, transposed=axis == 1
+    )
 
 
 def kernel_route(
@@ -133,7 +177,7 @@ def kernel_route(
     for the accepted cases).
 
     Args:
-      lhs, rhs: the operands (`lhs: [..., K]` float, `rhs: QArray [K, N]` to be routed).
+      lhs, rhs: the operands (`lhs: [..., K]` float, `rhs: QArray [K, N]` or `[N, K]`).
       dimension_numbers: normalized `((lc, rc), (lb, rb))`.
       out_sharding: a requested output sharding (any value keeps the pure-JAX paths).
     Returns:
@@ -143,28 +187,19 @@ def kernel_route(
         return None
     if not hasattr(lhs, "dtype") or np.dtype(lhs.dtype) not in _FLOATS:
         return None
-    if not _is_plain_linear(lhs, rhs, dimension_numbers):
+    axis = _contract_axis(lhs, rhs, dimension_numbers)
+    if axis is None:
         return None
-    k, n = rhs.shape
-    if k * n < MIN_WEIGHT_ELEMENTS or jax.default_backend() != "cpu":
-        return None
-    found = _weight_kind(rhs)
-    if found is None:
-        return None
-    kind, shift_int4 = found
-    groups, columns = rhs.scale.shape
-    if columns not in (1, n):
-        return None
-    group_size = None if groups == 1 else k // groups
-    if group_size is not None and kind in _PER_CHANNEL_ONLY:
-        return None
-    if not kernels.supports(kind, k, n, group_size, lhs.dtype):
-        return None
-    return KernelRoute(kind=kind, group_size=group_size, shift_int4=shift_int4)
+    return weight_route(rhs, axis)
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def _prepare(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
-    """Builds the kernel layout of `q` (traced: runs on every call)."""
+    """Builds the kernel layout of `q` ([K, N], contracted over axis 0).
+
+    One compiled program: unpacking and repacking fuse, so building layouts at load time needs
+    no weight-sized temporaries in float.
+    """
     k, n = q.shape
     codes = q.unpacked_codes()
     rows = 1 if route.group_size is None else k // route.group_size
@@ -187,7 +222,7 @@ def kernel_linear(x: jax.Array, q: QArray, route: KernelRoute, out_dtype: Any) -
 
     Args:
       x: [..., K] float32 | bfloat16.
-      q: QArray [K, N] accepted by `kernel_route` (which gave `route`).
+      q: QArray [K, N] (or [N, K] when `route.transposed`) accepted by `kernel_route`.
       route: from `kernel_route(x, q, ...)`.
       out_dtype: output dtype; float32 and bfloat16 come out of the kernel directly, other
         float dtypes are cast from float32.
@@ -196,9 +231,69 @@ def kernel_linear(x: jax.Array, q: QArray, route: KernelRoute, out_dtype: Any) -
     """
     out_dtype = np.dtype(out_dtype)
     kernel_out = out_dtype if out_dtype in _FLOATS else np.dtype(jnp.float32)
-    weight = _prepare(q, route)
+    if route.transposed:
+        q = q.T
+    weight = stored_layout(q, route)
+    if weight is None:
+        weight = _prepare(q, route)
     if route.kind == "w8a8":
         y = kernels.w8a8_linear(x, weight, out_dtype=kernel_out)
     else:
         y = kernels.weight_only_linear(x, weight, out_dtype=kernel_out)
     return y.astype(out_dtype)
+
+
+def stored_layout(q: QArray, route: KernelRoute) -> kernels.PreparedWeight | None:
+    """The kernel layout stored on `q` ([K, N]) if it is the one `route` needs, else None."""
+    w = q.kernel
+    if not isinstance(w, kernels.PreparedWeight) or q.kernel_axis != 0:
+        return None
+    if (w.kind, w.k, w.n, w.group_size) != (route.kind, *q.shape, route.group_size):
+        return None
+    return w
+
+
+def default_kernel_axis(q: QArray) -> int:
+    """The axis a 2-D weight is most likely contracted over, judged from its scale layout.
+
+    A scale that varies along one axis only (`[1, N]` per channel, `[K/g, N]` grouped) marks
+    the other as the output axis; so a per-row `[V, 1]` embedding is contracted over axis 1
+    (``x @ E.T``). Per-tensor and fully blocked scales give axis 0, the Flax `[in, out]` kernel.
+    """
+    rows, cols = q.scale.shape
+    k, n = q.shape
+    if cols == 1 and rows == k and k > 1:
+        return 1
+    return 0
+
+
+def attach_kernel_layout(q: Any, axis: int | None = None) -> Any:
+    """`q` with the CPU kernel layout stored on it, when a kernel would run it.
+
+    Anything else (a float array, a QArray that is not 2-D, a format, scale layout or size no
+    kernel takes, a non-CPU backend, kernels disabled) is returned unchanged, as is a QArray
+    that already stores the layout asked for.
+
+    Args:
+      q: a QArray `[K, N]` (contracted over `axis`) or any other value.
+      axis: the contraction axis (0 or 1); default `default_kernel_axis(q)`.
+    Returns:
+      A QArray with `kernel` / `kernel_axis` set, or `q`.
+    """
+    if not isinstance(q, QArray) or q.ndim != 2:
+        return q
+    axis = default_kernel_axis(q) if axis is None else axis
+    if axis not in (0, 1):
+        raise ValueError(f"axis={axis!r}: a 2-D weight is contracted over axis 0 or 1")
+    route = weight_route(q, axis)
+    if route is None:
+        return q
+    oriented = q if axis == 0 else q.T
+    if stored_layout(oriented, route) is not None:
+        return q
+    return q.with_kernel(_prepare(oriented, route), axis)
+
+
+def attach_kernel_layouts(tree: Any) -> Any:
+    """`attach_kernel_layout` on every QArray leaf of a pytree (default axes)."""
+    return jax.tree.map(attach_kernel_layout, tree, is_leaf=lambda x: isinstance(x, QArray))

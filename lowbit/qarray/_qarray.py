@@ -16,6 +16,13 @@ with `zero_point` and `tensor_scale` optional. Its invariants, checked by `QArra
   * `tensor_scale`, if present, has shape `(1,) * ndim` (a second-level scale, as in NVFP4);
   * `codes` has the logical shape, except along `packed_axis` (sub-byte formats), where it holds
     `packed_length(shape[packed_axis], bits)` bytes.
+
+A 2-D `QArray` may also carry `kernel`: the same weight in the layout a compiled matmul kernel
+reads (built once by `lowbit.ops.attach_kernel_layout` at quantize or load time, opaque here),
+with `kernel_axis`, the logical axis it contracts over. It is a cache of the codes, never the
+only copy: it is not an `__init__` field, so every `dataclasses.replace` (all layout ops except
+`transpose` and `astype`, which keep it valid) drops it, and a reshaped, sliced or re-quantized
+array can never be paired with a stale layout.
 """
 
 from __future__ import annotations
@@ -66,6 +73,8 @@ class QArray:
     scale_encoding: str = "float"
     activation: Any = None
     activation_bounds: jax.Array | None = None
+    kernel: Any = dataclasses.field(default=None, init=False, repr=False)
+    kernel_axis: int | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         # Normalise static metadata so equal layouts give equal treedefs (jit cache keys).
@@ -130,6 +139,8 @@ class QArray:
             extra.append(f"packed_axis={self.packed_axis}")
         if self.scale_encoding != "float":
             extra.append(f"scale={self.scale_encoding}")
+        if self.kernel is not None:
+            extra.append(f"kernel_layout(axis={self.kernel_axis})")
         blocks = "x".join(map(str, self.block_shape)) if hasattr(self.scale, "shape") else "?"
         tail = (", " + ", ".join(extra)) if extra else ""
         return (
@@ -166,8 +177,31 @@ class QArray:
         return values.astype(self.dtype if dtype is None else dtype)
 
     def astype(self, dtype: Any) -> QArray:
-        """Same codes, another logical dtype."""
-        return dataclasses.replace(self, dtype=np.dtype(dtype))
+        """Same codes (and kernel layout), another logical dtype."""
+        out = dataclasses.replace(self, dtype=np.dtype(dtype))
+        return out.with_kernel(self.kernel, self.kernel_axis)
+
+    # --- kernel layout cache --------------------------------------------------------------------
+    def with_kernel(self, kernel: Any, axis: int | None) -> QArray:
+        """A copy carrying `kernel` (a pytree) prepared for contraction over logical `axis`.
+
+        `kernel=None` gives a copy without one. Only the ops layer builds and reads kernels.
+        """
+        out = dataclasses.replace(self)
+        if kernel is not None:
+            if axis is None or not 0 <= axis < self.ndim:
+                raise ValueError(f"kernel axis={axis!r} must be an axis of shape {self.shape}")
+            object.__setattr__(out, "kernel", kernel)
+            object.__setattr__(out, "kernel_axis", int(axis))
+        return out
+
+    @property
+    def kernel_nbytes(self) -> int:
+        """Bytes of the kernel layout cache (0 without one); not part of `nbytes`."""
+        return sum(
+            int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+            for a in jax.tree_util.tree_leaves(self.kernel)
+        )
 
     # --- layout ops -----------------------------------------------------------------------------
     def transpose(self, axes: tuple[int, ...]) -> QArray:
@@ -176,7 +210,7 @@ class QArray:
         if sorted(axes) != list(range(self.ndim)):
             raise ValueError(f"axes must be a permutation of range({self.ndim}), got {axes}")
         perm = lambda a: None if a is None else jnp.transpose(a, axes)
-        return dataclasses.replace(
+        out = dataclasses.replace(
             self,
             codes=jnp.transpose(self.codes, axes),
             scale=perm(self.scale),
@@ -185,6 +219,10 @@ class QArray:
             shape=tuple(self.shape[a] for a in axes),
             packed_axis=None if self.packed_axis is None else axes.index(self.packed_axis),
         )
+        # A kernel layout names the axis it contracts over, so it survives any permutation.
+        if self.kernel is None:
+            return out
+        return out.with_kernel(self.kernel, axes.index(self.kernel_axis))
 
     def check(self) -> QArray:
         """Checks the invariants in the module docstring; returns self.
@@ -220,10 +258,50 @@ class QArray:
         return self
 
 
-jax.tree_util.register_dataclass(
-    QArray,
-    data_fields=["codes", "scale", "zero_point", "tensor_scale", "activation_bounds"],
-    meta_fields=["format", "shape", "dtype", "packed_axis", "scale_encoding", "activation"],
+_DATA_FIELDS = ("codes", "scale", "zero_point", "tensor_scale", "activation_bounds", "kernel")
+
+
+def _flatten_with_keys(q: QArray):
+    children = tuple((jax.tree_util.GetAttrKey(f), getattr(q, f)) for f in _DATA_FIELDS)
+    return children, _flatten(q)[1]
+
+
+def _flatten(q: QArray):
+    # Spelled out: this runs for every QArray on every jit call (dispatch time).
+    return (
+        (q.codes, q.scale, q.zero_point, q.tensor_scale, q.activation_bounds, q.kernel),
+        (q.format, q.shape, q.dtype, q.packed_axis, q.scale_encoding, q.activation, q.kernel_axis),
+    )
+
+
+def _unflatten(aux, children) -> QArray:
+    fmt, shape, dtype, packed_axis, scale_encoding, activation, kernel_axis = aux
+    codes, scale, zero_point, tensor_scale, activation_bounds, kernel = children
+    q = QArray(
+        codes=codes,
+        scale=scale,
+        zero_point=zero_point,
+        tensor_scale=tensor_scale,
+        format=fmt,
+        shape=shape,
+        dtype=dtype,
+        packed_axis=packed_axis,
+        scale_encoding=scale_encoding,
+        activation=activation,
+        activation_bounds=activation_bounds,
+    )
+    if kernel is None or kernel_axis is None:
+        return q
+    # `vmap` / `scan` may have added or removed leading axes (see `__post_init__`).
+    object.__setattr__(q, "kernel", kernel)
+    object.__setattr__(q, "kernel_axis", kernel_axis + len(q.shape) - len(shape))
+    return q
+
+
+# Registered by hand rather than with `register_dataclass`: `kernel` is a leaf but not an
+# `__init__` field.
+jax.tree_util.register_pytree_with_keys(
+    QArray, _flatten_with_keys, _unflatten, flatten_func=_flatten
 )
 
 

@@ -196,3 +196,17 @@ def test_tied_embedding_lookup_and_attend_stay_packed():
     report = trace_report(fn, qmodel.state, ids, strict=True)
     assert report.num_fallbacks == 0 and report.num_quantized_ops == 2
     assert 0 < rel_error(qmodel(ids), nnx.jit(lambda m, x: m(x))(model, ids)) < 0.03
+
+
+def test_quantize_params_stores_kernel_layouts_where_a_kernel_runs():
+    from lowbit import kernels
+
+    params = {"big": {"kernel": jnp.ones((256, 512))}, "small": {"kernel": jnp.ones((8, 8))}}
+    q = quantize_params(params, "int8w")
+    off = quantize_params(params, "int8w", kernel_layouts=False)
+    assert q["small"]["kernel"].kernel is None and off["big"]["kernel"].kernel is None
+    has_kernels = kernels.available() and jax.default_backend() == "cpu"
+    assert (q["big"]["kernel"].kernel is not None) == has_kernels
+    x = jnp.linspace(-1, 1, 256).reshape(1, 256)
+    fn = lambda p, x: x @ p["big"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(run(fn)(q, x)), np.asarray(run(fn)(off, x)))

@@ -24,6 +24,8 @@ def codes_for(kind, k, n, rng):
         ("fp8", 8, 3, None),
         ("int4", 70, 33, 32),
         ("uint4", 511, 16, None),
+        ("int4", 576, 17, None),  # per-channel chunk 192 divides K: no padding
+        ("int8", 1000, 5, None),
         ("nf4", 64, 17, 64),
         ("w8a8", 23, 29, None),
     ],
@@ -80,3 +82,15 @@ def test_supports_and_status():
     assert not kernels.supports("nf4", 64, 64, None, jnp.float16)
     assert not kernels.supports("int2", 64, 64, None, jnp.float32)
     assert not kernels.supports("w8a8", 1 << 20, 64, None, jnp.float32)
+
+
+def test_per_channel_storage_group_divides_k_when_it_can():
+    from lowbit.kernels._layout import storage_group
+
+    assert storage_group("int4", 576, None) == 192
+    assert storage_group("int8", 4096, None) == 256
+    assert storage_group("int4", 1000, None) == 250
+    # 2 * 257: no even divisor in [64, 256], so K is padded to a multiple of 256.
+    assert storage_group("int4", 514, None) == 256
+    assert storage_group("int4", 37, None) == 38
+    assert storage_group("int4", 576, 32) == 32

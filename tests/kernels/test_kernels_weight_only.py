@@ -44,6 +44,7 @@ CASES = [
     ("fp8", 97, 33, None),
     ("int4", 128, 48, 32),
     ("int4", 131, 17, None),
+    ("int4", 576, 20, None),  # per-channel storage chunk 192 (a divisor of K)
     ("int4", 200, 24, 64),  # ragged last group
     ("uint4", 256, 40, 128),
     ("uint4", 67, 5, None),

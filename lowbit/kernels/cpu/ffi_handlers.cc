@@ -35,7 +35,7 @@ constexpr int64_t kRowBlock = 64;
 // Panel chunks per worker (see SplitWork).
 constexpr int64_t kChunksPerWorker = 4;
 // Below this many multiply-adds the fork/join costs more than it saves.
-constexpr int64_t kMinParallelMacs = int64_t{1} << 18;
+constexpr int64_t kMinParallelMacs = int64_t{1} << 20;
 
 inline float Bf16ToF32(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
