@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 
 import jax
@@ -30,12 +31,16 @@ class PerplexityResult:
     tokens: number of scored tokens.
     windows: number of model calls.
     context: tokens per window.
+    window_seconds: wall time of each window (model call and scoring, waited for), in order;
+      the first includes compilation. A window is one batch-1 prefill of `context` tokens, so
+      the later ones time prefill without extra runs.
     """
 
     nll: float
     tokens: int
     windows: int
     context: int
+    window_seconds: tuple[float, ...] = ()
 
     @property
     def perplexity(self) -> float:
@@ -121,7 +126,9 @@ def perplexity(
     tail = np.zeros((1, context), np.float32)
     tail[:, context - stride :] = 1.0
     total, count = jnp.zeros((), jnp.float32), 0
+    seconds = []
     for i, begin in enumerate(starts):
+        start = time.perf_counter()
         window = jnp.asarray(ids[begin : begin + context][None])
         targets = jnp.asarray(ids[begin + 1 : begin + context + 1][None])
         logits = logits_fn(window)
@@ -130,10 +137,15 @@ def perplexity(
                 f"logits_fn returned shape {tuple(logits.shape)}; expected (1, {context}, vocab)"
             )
         weights = full if begin == 0 else tail
-        total = total + token_nll(logits, targets, jnp.asarray(weights))
+        total = jax.block_until_ready(total + token_nll(logits, targets, jnp.asarray(weights)))
+        seconds.append(time.perf_counter() - start)
         count += context if begin == 0 else stride
         if on_window is not None:
             on_window(i + 1, len(starts))
     return PerplexityResult(
-        nll=float(total) / count, tokens=count, windows=len(starts), context=context
+        nll=float(total) / count,
+        tokens=count,
+        windows=len(starts),
+        context=context,
+        window_seconds=tuple(seconds),
     )

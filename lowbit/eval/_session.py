@@ -7,6 +7,7 @@ way against the same baseline.
 
 from __future__ import annotations
 
+import statistics
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,6 +16,7 @@ import numpy as np
 
 from lowbit.eval._corpus import default_sentences, default_text
 from lowbit.eval._harness import encoder_runner, lm_perplexity, lm_runner, lm_speed
+from lowbit.eval._perplexity import PerplexityResult
 from lowbit.eval._report import ResultRow
 from lowbit.eval._similarity import embedding_similarity
 from lowbit.eval._speed import SpeedResult, time_call
@@ -86,15 +88,7 @@ class ModelSession:
     def quality(self, params: Any, on_window: Progress = None) -> tuple[float, float | None]:
         """``(perplexity, None)`` for LMs; ``(mean cosine, worst cosine)`` for encoders."""
         if self.loaded.kind == "lm":
-            result = lm_perplexity(
-                self.runner,
-                params,
-                self.tokens(),
-                context=self.context,
-                max_tokens=self.max_tokens,
-                on_window=on_window,
-            )
-            return result.perplexity, None
+            return self._perplexity(params, on_window).perplexity, None
         similarity = embedding_similarity(
             self.reference_embeddings(), self.runner.embed(params, self.sentences)
         )
@@ -102,12 +96,38 @@ class ModelSession:
             on_window(1, 1)
         return similarity.mean, similarity.min
 
-    def speed(self, params: Any, *, decode_steps: int = 16, iters: int = 2) -> SpeedResult:
+    def _perplexity(self, params: Any, on_window: Progress) -> PerplexityResult:
+        return lm_perplexity(
+            self.runner,
+            params,
+            self.tokens(),
+            context=self.context,
+            max_tokens=self.max_tokens,
+            on_window=on_window,
+        )
+
+    def speed(
+        self,
+        params: Any,
+        *,
+        decode_steps: int = 16,
+        iters: int = 2,
+        prefill_seconds: float | None = None,
+    ) -> SpeedResult:
         """Prefill (one `context`-token window, batch 1) and decode throughput for LMs; for
-        encoders, prefill = sentence tokens embedded per second and no decode."""
+        encoders, prefill = sentence tokens embedded per second and no decode.
+
+        `prefill_seconds`: an already measured LM prefill time (see `lm_speed`)."""
         if self.loaded.kind == "lm":
             prompt = self.tokens()[: self.context]
-            return lm_speed(self.runner, params, prompt, decode_steps=decode_steps, iters=iters)
+            return lm_speed(
+                self.runner,
+                params,
+                prompt,
+                decode_steps=decode_steps,
+                iters=iters,
+                prefill_seconds=prefill_seconds,
+            )
         n_tokens = sum(len(self.loaded.tokenizer.encode(s).ids) for s in self.sentences)
         seconds = time_call(self.runner.embed, params, self.sentences, warmup=1, iters=iters)
         return SpeedResult(
@@ -127,12 +147,19 @@ class ModelSession:
         on_window: Progress = None,
     ) -> ResultRow:
         """A `ResultRow` for `params` under the label `recipe`."""
-        value = worst = None
-        if measure_quality:
+        value = worst = prefill_seconds = None
+        if measure_quality and self.loaded.kind == "lm":
+            result = self._perplexity(params, on_window)
+            value = result.perplexity
+            # Every window after the first (which compiles) is a batch-1 prefill of `context`
+            # tokens: their median is the prefill time, without extra runs.
+            if len(result.window_seconds) >= 3:
+                prefill_seconds = statistics.median(result.window_seconds[1:])
+        elif measure_quality:
             value, worst = self.quality(params, on_window)
         prefill = decode = None
         if measure_speed:
-            speed = self.speed(params)
+            speed = self.speed(params, prefill_seconds=prefill_seconds)
             prefill = speed.prefill_tokens_per_s
             decode = None if self.loaded.kind != "lm" else speed.decode_tokens_per_s
         return ResultRow(

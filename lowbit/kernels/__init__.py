@@ -4,7 +4,8 @@ Weights are packed once with `prepare` (layouts in `lowbit.kernels._layout`) and
 by the kernels on plain arrays:
 
 - `weight_only_linear(x, w, bias=None, *, out_dtype=None)`: x `[..., K]` float32|bfloat16
-  times an int8 / int4 / uint4 / nf4 / fp8 weight `[K, N]` dequantized in registers.
+  times an int8 / int4 / uint4 / nf4 / fp4 (E2M1) / fp8 weight `[K, N]` dequantized in
+  registers.
 - `w8a8_linear(x, w, bias=None, *, out_dtype=None)`: dynamic per-token int8 activations
   times an int8 weight, int32 accumulation, per-channel scale epilogue.
 - `w8a8_linear_quantized(xq, x_scale, w, bias=None, *, out_dtype=float32)` and
@@ -39,9 +40,10 @@ from lowbit.kernels._ops import (
     w8a8_matmul_int32,
     weight_only_linear,
 )
-from lowbit.kernels._reference import NF4_LEVELS, quantize_per_token
+from lowbit.kernels._reference import FP4_LEVELS, NF4_LEVELS, quantize_per_token
 
 __all__ = [
+    "FP4_LEVELS",
     "KINDS",
     "NF4_LEVELS",
     "PreparedWeight",

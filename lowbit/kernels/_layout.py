@@ -14,7 +14,8 @@ Weight-only kinds (`data`: uint8 `[P, G * group_bytes]`): each panel is G groups
   with zero codes to Kp = G * gs (the kernels zero-pad activations to match).
 - 4-bit kinds (PB = 16): byte j of pair row t holds column j, low nibble k = 2t, high
   nibble k = 2t + 1. int4 codes are stored offset-binary (code ^ 8) with zero point 8, so
-  signed and asymmetric 4-bit share one unpack; nf4 stores indices, zero point 0.
+  signed and asymmetric 4-bit share one unpack; nf4 stores indices and fp4 E2M1 bit
+  patterns (both decoded by a 16-entry table), zero point 0.
 - 8-bit kinds (PB = 32): 16 bytes for k = 2t (one per column) then 16 for k = 2t + 1;
   int8 as two's complement, fp8 as raw e4m3fn bits. Zero point 0. (The kernels decode fp8
   by moving bits into a float16, so the e4m3fn NaN codes read as +-480 instead of NaN;
@@ -38,7 +39,9 @@ import numpy as np
 PANEL = 16
 HEADER_BYTES = 128
 PER_CHANNEL_CHUNK = 256
-KIND_IDS = {"int8": 0, "int4": 1, "uint4": 2, "nf4": 3, "fp8": 4}
+# Kind -> the compiled kernel's kind id. fp4 (E2M1) runs the nf4 table-lookup path with the
+# FP4 codebook (`_reference.LUTS`).
+KIND_IDS = {"int8": 0, "int4": 1, "uint4": 2, "nf4": 3, "fp8": 4, "fp4": 3}
 KINDS = (*KIND_IDS, "w8a8")
 _EIGHT_BIT = ("int8", "fp8")
 # Largest K for which u8 x s8 int32 accumulation cannot overflow (255 * 128 * K < 2**31).
@@ -49,7 +52,7 @@ W8A8_MAX_K = 65536
 class PreparedWeight:
     """A weight packed for the CPU kernels (a pytree: arrays are leaves, the rest static).
 
-    kind: one of "int8", "int4", "uint4", "nf4", "fp8", "w8a8".
+    kind: one of "int8", "int4", "uint4", "nf4", "fp4", "fp8", "w8a8".
     k, n: logical weight shape [K, N]. group_size: logical group size along K, None for
     per-channel. storage_group: group size of the packed stream (see module docstring).
     data: packed codes (uint8 [P, bytes] weight-only, int8 [P, KQ * 64] w8a8).
@@ -117,6 +120,7 @@ _CODE_DTYPES = {
     "int4": jnp.uint8,
     "uint4": jnp.uint8,
     "nf4": jnp.uint8,
+    "fp4": jnp.uint8,
     "fp8": jnp.float8_e4m3fn,
     "w8a8": jnp.int8,
 }
@@ -131,7 +135,7 @@ def prepare(
 ) -> PreparedWeight:
     """Packs a logical weight for the kernels.
 
-    kind: "int8" | "int4" | "uint4" | "nf4" | "fp8" (weight-only) or "w8a8".
+    kind: "int8" | "int4" | "uint4" | "nf4" | "fp4" | "fp8" (weight-only) or "w8a8".
     codes: [K, N] (int8 for int8/w8a8; uint8 0..15 for 4-bit kinds; float8_e4m3fn for fp8).
     scale: [G, N] float32 with G = ceil(K / group_size), or [1, N] per channel.
     zero_point: [G, N] float32 in code units, uint4 only (w = (q - zp) * scale).

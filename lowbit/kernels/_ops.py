@@ -44,7 +44,7 @@ def weight_only_linear(
     *,
     out_dtype=None,
 ) -> jax.Array:
-    """x: [..., K] float32|bfloat16, w: prepared int8/int4/uint4/nf4/fp8 [K, N] -> [..., N].
+    """x: [..., K] float32|bfloat16, w: prepared int8/int4/uint4/nf4/fp4/fp8 [K, N] -> [..., N].
 
     The weight is dequantized in registers inside the kernel. bias: [N] (optional);
     out_dtype: float32 | bfloat16, default x.dtype.
@@ -79,7 +79,7 @@ def weight_only_linear(
         x2,
         w.data,
         b,
-        jnp.asarray(_reference.NF4_LEVELS),
+        jnp.asarray(_reference.LUTS.get(w.kind, _reference.NF4_LEVELS)),
         kind=np.int64(KIND_IDS[w.kind]),
         k=np.int64(w.k),
         n=np.int64(w.n),

@@ -5,7 +5,8 @@ when the kernels are unavailable. Logical weight arrays (see `lowbit.kernels` fo
 
 - codes: `[K, N]` (contraction axis first). int8 codes as `int8`; 4-bit codes as `uint8`
   values 0..15 (int4: two's-complement nibble patterns; uint4: unsigned; nf4: index into
-  `NF4_LEVELS`); fp8 as `float8_e4m3fn`.
+  `NF4_LEVELS`; fp4: FP4 E2M1 bit patterns, decoded by `FP4_LEVELS`, the element format of
+  MXFP4 / NVFP4); fp8 as `float8_e4m3fn`.
 - scale: `[G, N]` float32, G = ceil(K / group_size), or `[1, N]` per channel.
 - zero_point (uint4 only): `[G, N]` float32 in code units, w = (q - zp) * scale.
 """
@@ -22,8 +23,14 @@ from lowbit.formats import get_format
 
 # The 16 NormalFloat-4 levels, from the format registry (the kernels' codebook is the same one).
 NF4_LEVELS = np.asarray(get_format("nf4").levels(), dtype=np.float32)
+# The 16 FP4 E2M1 values by bit pattern (sign bit 3), decoded by the format registry.
+FP4_LEVELS = np.asarray(
+    get_format("fp4_e2m1").decode(jnp.arange(16, dtype=jnp.uint8)), dtype=np.float32
+)
+# The codebook the kernels' table-lookup path reads for each kind (others ignore it).
+LUTS = {"nf4": NF4_LEVELS, "fp4": FP4_LEVELS}
 
-WEIGHT_ONLY_KINDS = ("int8", "int4", "uint4", "nf4", "fp8")
+WEIGHT_ONLY_KINDS = ("int8", "int4", "uint4", "nf4", "fp8", "fp4")
 
 
 def _expand_groups(a: jax.Array, k: int, group_size: int | None) -> jax.Array:
@@ -56,8 +63,8 @@ def dequantize(
         q = codes.astype(jnp.float32) - _expand_groups(
             zero_point.astype(jnp.float32), k, group_size
         )
-    elif kind == "nf4":
-        q = jnp.asarray(NF4_LEVELS)[codes.astype(jnp.int32)]
+    elif kind in LUTS:
+        q = jnp.asarray(LUTS[kind])[codes.astype(jnp.int32)]
     elif kind == "fp8":
         q = codes.astype(jnp.float32)
     else:

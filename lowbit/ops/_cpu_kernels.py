@@ -17,6 +17,7 @@ A `dot_general` is sent to a compiled kernel when all of these hold (else the pu
         zero point (asymmetric int4 runs as the kernels' uint4 with the zero point moved by 8);
       - uint4 per channel or per group, with or without a zero point;
       - nf4 per channel or per group;
+      - FP4 E2M1 (`fp4_e2m1`, `mxfp4`, `nvfp4`) per channel or per group / block along K;
       - fp8_e4m3fn per channel;
 
     or w8a8: an int8 per-channel weight whose `activation` is exactly what the kernel does to
@@ -69,6 +70,11 @@ _WEIGHT_KINDS = {
     "uint4": "uint4",
     "nf4": "nf4",
     "fp8_e4m3fn": "fp8",
+    # E2M1 elements; block scales (E8M0, or e4m3 times a tensor scale) decode to float32
+    # group scales when the layout is built.
+    "fp4_e2m1": "fp4",
+    "mxfp4": "fp4",
+    "nvfp4": "fp4",
 }
 _PER_CHANNEL_ONLY = ("int8", "fp8", "w8a8")
 

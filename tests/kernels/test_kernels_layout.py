@@ -27,6 +27,7 @@ def codes_for(kind, k, n, rng):
         ("int4", 576, 17, None),  # per-channel chunk 192 divides K: no padding
         ("int8", 1000, 5, None),
         ("nf4", 64, 17, 64),
+        ("fp4", 96, 20, 32),
         ("w8a8", 23, 29, None),
     ],
 )

@@ -69,6 +69,9 @@ WEIGHTS = {
         "uint4",
     ),
     "nf4_group": (QuantConfig(format="nf4", granularity=PerGroup(64, 0)), None, "nf4"),
+    "mxfp4": (QuantConfig(format="mxfp4", granularity=PerGroup(32, 0)), None, "fp4"),
+    "nvfp4": (QuantConfig(format="nvfp4", granularity=PerGroup(16, 0)), None, "fp4"),
+    "fp4_channel": (QuantConfig(format="fp4_e2m1", granularity=PerChannel((1,))), None, "fp4"),
     "fp8": (QuantConfig(format="fp8_e4m3fn", granularity=PerChannel((1,))), None, "fp8"),
     "w8a8": (QuantConfig(format="int8", granularity=PerChannel((1,))), INT8_TOKEN, "w8a8"),
 }
@@ -190,9 +193,9 @@ KEEPS_OLD_PATH = {
         _spec(QuantConfig(format="int4", granularity=PerGroup(8, 1))),
         DIMS,
     ),
-    "mxfp4": (
+    "mxfp4_blocks_along_n": (
         jnp.ones((3, K)),
-        _spec(QuantConfig(format="mxfp4", granularity=PerGroup(32, 0))),
+        _spec(QuantConfig(format="mxfp4", granularity=PerGroup(32, 1)), shape=(K, 256)),
         DIMS,
     ),
     "attend_transposed_weight": (
