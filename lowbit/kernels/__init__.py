@@ -76,7 +76,7 @@ def supports(kind: str, K: int, N: int, group_size: int | None, dtype) -> bool: 
     except TypeError:
         return False
     if group_size is not None:
-        if kind in ("int8", "fp8", "w8a8"):
+        if kind == "w8a8":
             return False
         if group_size < 2 or group_size % 2:
             return False

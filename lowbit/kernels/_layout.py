@@ -109,7 +109,7 @@ def _check_2d(name: str, a, shape: tuple[int, int] | None = None) -> None:
 def _check_group_size(kind: str, k: int, group_size: int | None) -> None:
     if group_size is None:
         return
-    if kind in _EIGHT_BIT + ("w8a8",):
+    if kind == "w8a8":
         raise ValueError(f"group_size={group_size} given for kind={kind!r}; it is per-channel only")
     if not isinstance(group_size, int | np.integer) or group_size < 2 or group_size % 2:
         raise ValueError(f"group_size={group_size!r} must be a positive even integer (or None)")

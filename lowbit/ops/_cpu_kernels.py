@@ -12,13 +12,13 @@ A `dot_general` is sent to a compiled kernel when all of these hold (else the pu
     resident, XLA's fused dot is as fast, and the per-call repack below is pure overhead);
   * the weight layout is one the kernels read, weight-only (`activation is None`):
 
-      - int8 per channel (scale `[1, N]`), symmetric;
+      - int8 per channel (scale `[1, N]`) or per group along K (GGUF Q8_0), symmetric;
       - int4 per channel or per group along K (scale `[K/g, N]`, g even), symmetric or with a
         zero point (asymmetric int4 runs as the kernels' uint4 with the zero point moved by 8);
       - uint4 per channel or per group, with or without a zero point;
       - nf4 per channel or per group;
       - FP4 E2M1 (`fp4_e2m1`, `mxfp4`, `nvfp4`) per channel or per group / block along K;
-      - fp8_e4m3fn per channel;
+      - fp8_e4m3fn per channel or per group;
 
     or w8a8: an int8 per-channel weight whose `activation` is exactly what the kernel does to
     the activations — symmetric int8, `PerToken`, `AbsMax(clip=1)`, round half to even,
@@ -76,7 +76,7 @@ _WEIGHT_KINDS = {
     "mxfp4": "fp4",
     "nvfp4": "fp4",
 }
-_PER_CHANNEL_ONLY = ("int8", "fp8", "w8a8")
+_PER_CHANNEL_ONLY = ("w8a8",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -262,13 +262,14 @@ def stored_layout(q: QArray, route: KernelRoute) -> kernels.PreparedWeight | Non
 def default_kernel_axis(q: QArray) -> int:
     """The axis a 2-D weight is most likely contracted over, judged from its scale layout.
 
-    A scale that varies along one axis only (`[1, N]` per channel, `[K/g, N]` grouped) marks
-    the other as the output axis; so a per-row `[V, 1]` embedding is contracted over axis 1
-    (``x @ E.T``). Per-tensor and fully blocked scales give axis 0, the Flax `[in, out]` kernel.
+    A scale that is constant along one axis only (`[1, N]` per channel, `[K/g, N]` grouped)
+    marks the other as the output axis; so a per-row `[V, 1]` embedding is contracted over
+    axis 1 (``x @ E.T``), like one grouped along its rows (`[V, D/g]`). Otherwise (per tensor,
+    2-D blocks) axis 0, the Flax `[in, out]` kernel.
     """
     rows, cols = q.scale.shape
     k, n = q.shape
-    if cols == 1 and rows == k and k > 1:
+    if rows == k and k > 1 and cols < n:
         return 1
     return 0
 
@@ -282,22 +283,29 @@ def attach_kernel_layout(q: Any, axis: int | None = None) -> Any:
 
     Args:
       q: a QArray `[K, N]` (contracted over `axis`) or any other value.
-      axis: the contraction axis (0 or 1); default `default_kernel_axis(q)`.
+      axis: the contraction axis (0 or 1); default `default_kernel_axis(q)`, or the other
+        axis if only that one has a kernel layout.
     Returns:
       A QArray with `kernel` / `kernel_axis` set, or `q`.
     """
     if not isinstance(q, QArray) or q.ndim != 2:
         return q
-    axis = default_kernel_axis(q) if axis is None else axis
-    if axis not in (0, 1):
+    if axis is not None and axis not in (0, 1):
         raise ValueError(f"axis={axis!r}: a 2-D weight is contracted over axis 0 or 1")
-    route = weight_route(q, axis)
-    if route is None:
-        return q
-    oriented = q if axis == 0 else q.T
-    if stored_layout(oriented, route) is not None:
-        return q
-    return q.with_kernel(_prepare(oriented, route), axis)
+    if axis is None:
+        first = default_kernel_axis(q)
+        candidates = (first, 1 - first)
+    else:
+        candidates = (axis,)
+    for candidate in candidates:
+        route = weight_route(q, candidate)
+        if route is None:
+            continue
+        oriented = q if candidate == 0 else q.T
+        if stored_layout(oriented, route) is not None:
+            return q
+        return q.with_kernel(_prepare(oriented, route), candidate)
+    return q
 
 
 def attach_kernel_layouts(tree: Any) -> Any:

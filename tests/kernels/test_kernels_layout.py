@@ -79,7 +79,8 @@ def test_supports_and_status():
     assert kernels.supports("int4", 4096, 4096, 64, jnp.float32) is ok
     assert kernels.supports("w8a8", 1024, 10, None, jnp.bfloat16) is ok
     assert not kernels.supports("int4", 64, 64, 63, jnp.float32)
-    assert not kernels.supports("int8", 64, 64, 32, jnp.float32)
+    assert kernels.supports("int8", 64, 64, 32, jnp.float32) is ok
+    assert not kernels.supports("w8a8", 64, 64, 32, jnp.float32)
     assert not kernels.supports("nf4", 64, 64, None, jnp.float16)
     assert not kernels.supports("int2", 64, 64, None, jnp.float32)
     assert not kernels.supports("w8a8", 1 << 20, 64, None, jnp.float32)

@@ -41,6 +41,8 @@ def make_weight(kind, k, n, group_size, seed=0):
 CASES = [
     # kind, K, N, group_size
     ("int8", 131, 37, None),
+    ("int8", 128, 40, 32),  # GGUF Q8_0 blocks
+    ("fp8", 192, 20, 64),
     ("fp8", 97, 33, None),
     ("int4", 128, 48, 32),
     ("int4", 131, 17, None),

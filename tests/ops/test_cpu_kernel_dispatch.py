@@ -73,6 +73,8 @@ WEIGHTS = {
     "nvfp4": (QuantConfig(format="nvfp4", granularity=PerGroup(16, 0)), None, "fp4"),
     "fp4_channel": (QuantConfig(format="fp4_e2m1", granularity=PerChannel((1,))), None, "fp4"),
     "fp8": (QuantConfig(format="fp8_e4m3fn", granularity=PerChannel((1,))), None, "fp8"),
+    "fp8_group": (QuantConfig(format="fp8_e4m3fn", granularity=PerGroup(32, 0)), None, "fp8"),
+    "int8_group": (QuantConfig(format="int8", granularity=PerGroup(32, 0)), None, "int8"),
     "w8a8": (QuantConfig(format="int8", granularity=PerChannel((1,))), INT8_TOKEN, "w8a8"),
 }
 
@@ -176,16 +178,6 @@ KEEPS_OLD_PATH = {
     "small_weight": (
         jnp.ones((3, 128)),
         _spec(INT8_CHANNEL, shape=(128, 128)),
-        DIMS,
-    ),
-    "int8_per_group": (
-        jnp.ones((3, K)),
-        _spec(QuantConfig(format="int8", granularity=PerGroup(32, 0))),
-        DIMS,
-    ),
-    "fp8_per_group": (
-        jnp.ones((3, K)),
-        _spec(QuantConfig(format="fp8_e4m3fn", granularity=PerGroup(32, 0))),
         DIMS,
     ),
     "int4_two_d_blocks": (
