@@ -114,16 +114,23 @@ def _speed_table(rows: list[ResultRow], loop: dict[str, float]) -> list[str]:
             f"{ratio(r.decode_tokens_per_s, base and base.decode_tokens_per_s)} | "
             f"{_cell(loop.get(r.recipe), '.1f')} | {ratio(loop.get(r.recipe), f_loop)} |"
         )
-    best4 = max(
-        (loop[r] for r in ("int4w", "int4w_g32_asym", "nf4_g64", "mxfp4") if r in loop),
-        default=None,
-    )
-    if best4 is not None and f_loop:
-        verdict = "met" if best4 / f_loop >= 3 else "**NOT met**"
+    four_bit = [r for r in ("int4w", "int4w_g32_asym", "nf4_g64", "mxfp4") if r in loop]
+    if four_bit and f_loop:
+        best = max(four_bit, key=loop.get)
+        quality = {r.recipe: relative_change(rows, r) for r in lm if r.metric == "ppl"}
+        per_call = {r.recipe: r.decode_tokens_per_s for r in lm}
+        f_call = base.decode_tokens_per_s if base is not None else None
+        verdict = "met" if loop[best] / f_loop >= 3 else "**NOT met**"
+        detail = ", ".join(
+            f"{r} {loop[r] / f_loop:.2f}x (ppl {quality.get(r, 0.0):+.1%})" for r in four_bit
+        )
         lines += [
             "",
-            f"Target int4 decode >= 3x float32: {verdict} (best 4-bit recipe in the in-graph "
-            f"loop: {best4 / f_loop:.2f}x).",
+            f"Target int4 decode >= 3x float32 (in-graph loop): {verdict} by {best} "
+            f"({loop[best] / f_loop:.2f}x). All 4-bit recipes: {detail}. With a step per call "
+            f"(dispatch included): best {max(per_call[r] for r in four_bit) / f_call:.2f}x. "
+            "Float decode varies by about 20% between runs on this shared 2-core machine, so "
+            "read these ratios as +-0.5x.",
         ]
     return lines + [""]
 

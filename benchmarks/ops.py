@@ -227,6 +227,7 @@ def run() -> str:
     on = measure()
     off = _measure_without_kernels()
     header = [
+        f"Date: {time.strftime('%Y-%m-%d')}. "
         "Quantized inference through the public path (`lowbit.run`), CPU kernels on and off.",
         f"{kernels.status()}. Best of up to {MAX_REPS} calls; kernels-off numbers come from a "
         "subprocess with `LOWBIT_DISABLE_KERNELS=1` that times its own float32 baseline.",
