@@ -228,7 +228,14 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         name = cur.string()
         n_dims = cur.unpack("<I")
         ggml_dims = [cur.unpack("<Q") for _ in range(n_dims)]
-        ggml_type = gguf.GGMLQuantizationType(cur.unpack("<I"))
+        type_id = cur.unpack("<I")
+        try:
+            ggml_type = gguf.GGMLQuantizationType(type_id)
+        except ValueError:
+            raise ValueError(
+                f"GGUF file {path!r}: tensor {name!r} has unknown ggml type {type_id}; this gguf "
+                "package knows " + ", ".join(t.name for t in gguf.GGMLQuantizationType)
+            ) from None
         offset = cur.unpack("<Q")
         infos.append((name, tuple(reversed(ggml_dims)), ggml_type, offset))
     alignment = int(metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
@@ -238,8 +245,8 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
         if shape[-1] % block_size:
             raise ValueError(
-                f"tensor {name!r} has row length {shape[-1]}, not a multiple of the "
-                f"{ggml_type.name} block size {block_size}"
+                f"GGUF file {path!r}: tensor {name!r} has row length {shape[-1]}, not a "
+                f"multiple of the {ggml_type.name} block size {block_size}"
             )
         row_bytes = shape[-1] // block_size * type_size
         n_bytes = math.prod(shape[:-1]) * row_bytes

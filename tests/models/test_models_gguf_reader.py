@@ -125,3 +125,14 @@ def test_errors_name_the_problem(tmp_path):
     _write_small_gguf(path, arch="bert")
     with pytest.raises(ValueError, match="'bert'"):
         models.llama_config_from_gguf(models.read_gguf(path))
+    # A tensor whose ggml type id this gguf package does not know: the error names the file
+    # and the tensor. Tensor info: name, n_dims (u32), dims (u64 each), type (u32), offset.
+    raw = bytearray(path.read_bytes())
+    name = b"a.f32"
+    at = raw.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)
+    at += 4 + 8 * int.from_bytes(raw[at : at + 4], "little")
+    raw[at : at + 4] = (999).to_bytes(4, "little")
+    bad = tmp_path / "bad_type.gguf"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"bad_type\.gguf.*'a\.f32'.*unknown ggml type 999"):
+        models.read_gguf(bad)
