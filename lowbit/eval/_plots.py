@@ -70,6 +70,21 @@ def plot_layer_sqnr(
     return _save(fig, path)
 
 
+_COLORS = (
+    "tab:blue",
+    "tab:orange",
+    "tab:green",
+    "tab:red",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:gray",
+    "tab:olive",
+    "tab:cyan",
+)
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+
+
 def plot_size_vs_quality(rows: Sequence[ResultRow], path: str | os.PathLike[str]) -> Path:
     """Scatter of stored size (MB) against perplexity or cosine, one panel per model.
 
@@ -90,11 +105,19 @@ def plot_size_vs_quality(rows: Sequence[ResultRow], path: str | os.PathLike[str]
     fig = Figure(figsize=(5.5 * len(models), 4.2), layout="constrained")
     axes = fig.subplots(1, len(models), squeeze=False)[0]
     for ax, (model, model_rows) in zip(axes, models.items(), strict=True):
-        xs = [r.size_mb for r in model_rows]
-        ys = [r.value for r in model_rows]
-        ax.scatter(xs, ys, color="tab:orange", zorder=3)
-        for r, x, y in zip(model_rows, xs, ys, strict=True):
-            ax.annotate(r.recipe, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        # One colour and marker per recipe, named in the legend: recipes of similar size and
+        # quality sit on top of each other, where text labels would overlap.
+        for i, r in enumerate(model_rows):
+            ax.scatter(
+                r.size_mb,
+                r.value,
+                color=_COLORS[i % len(_COLORS)],
+                marker=_MARKERS[i % len(_MARKERS)],
+                s=40,
+                zorder=3,
+                label=r.recipe,
+            )
+        ax.legend(fontsize=7, loc="best")
         metric = model_rows[0].metric
         ax.set_xlabel("stored size (MB)")
         ax.set_ylabel("perplexity (lower is better)" if metric == "ppl" else "mean cosine to float")
