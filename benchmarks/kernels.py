@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._timing import best_time
 from lowbit import kernels
 
 SIZES = (4096, 8192)
@@ -38,14 +39,7 @@ TORCH_BUDGET_S = 2.0  # torch._int_mm calls slower than this end its column
 
 def _time(fn: Callable[[], object]) -> float:
     """Best wall time of fn() in seconds (after one warm-up call)."""
-    jax.block_until_ready(fn())
-    best, total, reps = float("inf"), 0.0, 0
-    while reps < MIN_REPS or (total < MIN_SECONDS and reps < MAX_REPS):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        dt = time.perf_counter() - start
-        best, total, reps = min(best, dt), total + dt, reps + 1
-    return best
+    return best_time(fn, min_seconds=MIN_SECONDS, min_reps=MIN_REPS, max_reps=MAX_REPS)
 
 
 def _cpu_model() -> str:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import lowbit
+from benchmarks._timing import best_time
 from lowbit import kernels
 from lowbit.ops import _cpu_kernels, attach_kernel_layout
 from lowbit.qarray import PerChannel, PerGroup, PerToken, QuantConfig, quantize
@@ -55,14 +56,7 @@ LINEAR = {
 
 def _time(fn: Callable[[], object]) -> float:
     """Best wall time of fn() in seconds (after one warm-up call)."""
-    jax.block_until_ready(fn())
-    best, total, reps = float("inf"), 0.0, 0
-    while reps < MIN_REPS or (total < MIN_SECONDS and reps < MAX_REPS):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        dt = time.perf_counter() - start
-        best, total, reps = min(best, dt), total + dt, reps + 1
-    return best
+    return best_time(fn, min_seconds=MIN_SECONDS, min_reps=MIN_REPS, max_reps=MAX_REPS)
 
 
 def _quantized(w: jax.Array, name: str):
