@@ -93,11 +93,14 @@ def test_bf16_in_and_out(kind):
         np.testing.assert_allclose(y32, ref, rtol=1e-5, atol=1e-4)
 
 
-def test_large_batch_uses_blocked_path():
-    # M above the small-batch threshold and K above one K-block exercise the blocked loops.
+@pytest.mark.parametrize("m", [70, 100])
+def test_large_batch_uses_blocked_path(m):
+    # M above the small-batch threshold and K above one K-block exercise the blocked loops;
+    # 70 rows end in a 6-row block (register path), 100 in a 36-row block whose last GEMM
+    # tile is partial. N = 70 leaves an odd panel.
     codes, scale, zp = make_weight("uint4", 1100, 70, 50)
     w = kernels.prepare("uint4", codes, scale, zp, 50)
-    x = jnp.asarray(np.random.default_rng(4).standard_normal((70, 1100)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((m, 1100)), jnp.float32)
     ref = np.asarray(_reference.weight_only_linear(x, "uint4", codes, scale, zp, 50))
     for y in on_each_isa(lambda: kernels.weight_only_linear(x, w)).values():
         np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-3)

@@ -26,6 +26,9 @@ enum WoKind : int {
 // rows" of PB bytes (PB = 16 for 4-bit kinds: one byte per column, low nibble = even k,
 // high nibble = odd k; PB = 32 for 8-bit kinds: 16 bytes for the even k, then 16 for odd k).
 constexpr int kPanel = 16;
+// Rows (per task) above which weight-only switches from unpacking in registers to
+// dequantize-a-block-then-float-GEMM, and w8a8 starts blocking K.
+constexpr int64_t kSmallM = 16;
 constexpr int kGroupHeader = 128;
 
 inline int PairBytes(int kind) { return (kind == kInt8 || kind == kFp8) ? 32 : 16; }
@@ -38,6 +41,8 @@ struct WoArgs {
   int64_t panel_bytes;   // bytes per 16-column panel
   int64_t group_bytes;   // kGroupHeader + gs / 2 * PairBytes(kind)
   const float* x;        // packed activations [M][kp] f32, zero beyond K
+  const float* xt;       // the same k-major in tiles of `gemm_rows` rows, [M/rows][kp][rows]
+                         // (null when M <= 16: only the large-M path reads it)
   const float* sumx;     // per-group activation sums [M][G]
   const uint8_t* blob;   // [P][panel_bytes]
   const float* lut;      // 16 NF4 levels
@@ -56,6 +61,7 @@ struct IsaKernels {
   const char* name;
   int act_words;  // u32 words per k-quad of packed activations
   int act_rows;   // activations are packed in tiles of this many rows (see PackAct)
+  int gemm_rows;  // rows per float GEMM tile of the large-M weight-only path (WoArgs::xt)
   // C[m0:m1, 16*p0 : 16*p1] (ldc floats per row, C points at (m0, 16*p0)) = x @ W * scale,
   // without bias.
   void (*wo)(const WoArgs&, int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* c,

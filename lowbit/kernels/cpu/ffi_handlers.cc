@@ -31,7 +31,7 @@ int64_t NumWorkers(ffi::ThreadPool& pool) {
 namespace {
 
 // Row blocks for large M: small enough that a block of packed activations stays in L2.
-constexpr int64_t kRowBlock = 64;
+constexpr int64_t kRowBlock = 128;
 // Panel chunks per worker (see SplitWork).
 constexpr int64_t kChunksPerWorker = 4;
 // Below this many multiply-adds the fork/join costs more than it saves.
@@ -89,10 +89,10 @@ struct Task {
 // late (a busy machine), at little cost to stream length.
 std::vector<Task> SplitWork(int64_t m, int64_t panels, int64_t workers, int64_t pair) {
   std::vector<Task> tasks;
-  const int64_t row_block = m <= 16 ? m : kRowBlock;
+  const int64_t row_block = m <= kSmallM ? m : kRowBlock;
   const int64_t per_worker = workers > 1 ? kChunksPerWorker : 1;
   int64_t chunks = std::min<int64_t>(workers * per_worker, (panels + pair - 1) / pair);
-  if (panels < 2 * workers * per_worker && m > 16) chunks = 1;  // few columns: split rows
+  if (panels < 2 * workers * per_worker && m > kSmallM) chunks = 1;  // few columns: split rows
   for (int64_t r = 0; r < m; r += row_block) {
     for (int64_t c = 0; c < chunks; ++c) {
       int64_t p0 = panels * c / chunks, p1 = panels * (c + 1) / chunks;
@@ -137,16 +137,31 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   const bool ybf16 = y->element_type() == ffi::DataType::BF16;
   const int64_t workers = WorkersFor(pool, m, kp, panels * kPanel);
 
-  // Activations as f32, zero-padded to Kp, with per-group sums for the zero-point term.
-  std::vector<float> xp(m * kp), sumx(m * groups);
+  const IsaKernels* isa = ActiveIsa();
+  // Activations as f32, zero-padded to Kp, with per-group sums for the zero-point term. For
+  // the large-M path also k-major in row tiles, built once here: packed per task instead,
+  // the transposing copy was repeated for every panel chunk and cost up to a third of a
+  // prefill-sized call.
+  const int64_t fr = isa->gemm_rows;
+  // Only 4-bit integer kinds subtract a zero-point term (int4 with its fixed 8 where an ISA
+  // decodes nibbles arithmetically); the serial per-group sums cost ~5% of a call otherwise.
+  const bool zero_points = kind == kInt4 || kind == kUint4;
+  std::vector<float> xp(m * kp), sumx(zero_points ? m * groups : 0);
+  std::vector<float> xt(m > kSmallM ? (m + fr - 1) / fr * fr * kp : 0, 0.0f);
   ParallelFor(pool, m >= 64 ? workers : 1, m, [&](int64_t r) {
     float* row = xp.data() + r * kp;
     LoadRow(x.untyped_data(), xbf16, r, k, row);
     std::fill(row + k, row + kp, 0.0f);
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.0f;
-      for (int64_t i = 0; i < gs; ++i) s += row[g * gs + i];
-      sumx[r * groups + g] = s;
+    if (zero_points) {
+      for (int64_t g = 0; g < groups; ++g) {
+        float s = 0.0f;
+        for (int64_t i = 0; i < gs; ++i) s += row[g * gs + i];
+        sumx[r * groups + g] = s;
+      }
+    }
+    if (!xt.empty()) {
+      float* dst = xt.data() + (r / fr) * kp * fr + r % fr;
+      for (int64_t i = 0; i < k; ++i) dst[i * fr] = row[i];
     }
   });
 
@@ -158,10 +173,10 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.panel_bytes = bd[1];
   a.group_bytes = group_bytes;
   a.x = xp.data();
+  a.xt = xt.empty() ? nullptr : xt.data();
   a.sumx = sumx.data();
   a.blob = blob.typed_data();
   a.lut = lut.typed_data();
-  const IsaKernels* isa = ActiveIsa();
   const float* b = bias.typed_data();
   void* out = y->untyped_data();
 

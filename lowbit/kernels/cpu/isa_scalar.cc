@@ -8,7 +8,7 @@ namespace isa_scalar {
 }  // namespace isa_scalar
 
 const IsaKernels* IsaScalar() {
-  static const IsaKernels table{"scalar", isa_scalar::kActWords, isa_scalar::kQMR, isa_scalar::wo_run,
+  static const IsaKernels table{"scalar", isa_scalar::kActWords, isa_scalar::kQMR, isa_scalar::kFMR, isa_scalar::wo_run,
                                 isa_scalar::q8_run};
   return &table;
 }

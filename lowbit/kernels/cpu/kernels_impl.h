@@ -8,9 +8,6 @@ constexpr int64_t kPrefetch = 1024;
 // K-block (in k) for weight-only tiles when M is large: the dequantized block (kc x 32 f32)
 // and the activation block stay in L2 while all panels of a thread pass over them.
 constexpr int64_t kWoKc = 512;
-// Rows (per task) above which weight-only switches from unpacking in registers to
-// dequantize-a-block-then-float-GEMM, and w8a8 starts blocking K.
-constexpr int64_t kSmallM = 16;
 // K-block in k-quads for w8a8.
 constexpr int64_t kQ8Kq = 512;
 
@@ -175,28 +172,23 @@ static void wo_run_blocked(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, 
   const int64_t gblk = std::max<int64_t>(1, kWoKc / a.gs);
   const int64_t ldb = kFNP * kPanel;
   std::vector<float> buf(gblk * a.gs * ldb);
-  const int64_t tiles = (m1 - m0 + kFMR - 1) / kFMR;
-  std::vector<float> xt(tiles * gblk * a.gs * kFMR, 0.0f);
   for (int64_t g0 = 0; g0 < a.groups; g0 += gblk) {
     const int64_t g1 = std::min(a.groups, g0 + gblk);
     const int64_t kc = (g1 - g0) * a.gs;
-    // Activation block as [tile][k][kFMR].
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* src = a.x + m * a.kp + g0 * a.gs;
-      float* dst = xt.data() + ((m - m0) / kFMR) * kc * kFMR + (m - m0) % kFMR;
-      for (int64_t k = 0; k < kc; ++k) dst[k * kFMR] = src[k];
-    }
     for (int64_t p = p0; p < p1; p += kFNP) {
       const int64_t np = std::min<int64_t>(kFNP, p1 - p);
       wo_dequant_block<KIND>(a, a.blob + p * a.panel_bytes, np, g0, g1, lut, buf.data(), ldb);
       for (int64_t m = m0; m < m1; m += kFMR) {
         const int64_t mr = std::min<int64_t>(kFMR, m1 - m);
-        const float* x = xt.data() + ((m - m0) / kFMR) * kc * kFMR;
+        // Row tiles start at multiples of kFMR (tasks start at multiples of 64 rows).
+        const float* x = a.xt + (m / kFMR) * a.kp * kFMR + g0 * a.gs * kFMR;
         float* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
         if (np == kFNP) {
           f32_tile_rows<kFMR, kFNP>(mr, x, kFMR, buf.data(), ldb, kc, cc, ldc, g0 == 0);
         } else {
-          f32_tile_rows<kFMR, 1>(mr, x, kFMR, buf.data(), ldb, kc, cc, ldc, g0 == 0);
+          for (int64_t j = 0; j < np; ++j)
+            f32_tile_rows<kFMR, 1>(mr, x, kFMR, buf.data() + j * kPanel, ldb, kc,
+                                   cc + j * kPanel, ldc, g0 == 0);
         }
       }
     }
