@@ -20,7 +20,10 @@ def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=110)
+    # Written beside the target and renamed, so a reader never sees half a PNG.
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, dpi=110, format="png")
+    os.replace(tmp, path)
     return path
 
 

@@ -28,6 +28,35 @@ def write_json(file: str, data: Any) -> None:
         os.fsync(f.fileno())
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where the system allows."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere the only way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
+def publish_permissions(directory: str) -> None:
+    """Gives `directory` and the files in it the modes a plain ``mkdir`` / ``open`` would.
+
+    Temporary directories are created private (0700), and some writers create their files
+    0600; a checkpoint written through them would be unreadable to anyone else (a serving
+    process under another user, a shared cache) however the user's umask is set.
+    """
+    mask = _umask()
+    for name in os.listdir(directory):
+        file = os.path.join(directory, name)
+        if os.path.isfile(file) and not os.path.islink(file):
+            os.chmod(file, 0o666 & ~mask)
+    os.chmod(directory, 0o777 & ~mask)
+
+
 def exchange(a: str, b: str) -> bool:
     """Atomically swaps two existing paths; False where the system cannot.
 

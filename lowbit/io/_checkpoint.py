@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit
-from lowbit.io._atomic import replace_directory, write_json
+from lowbit.io._atomic import publish_permissions, replace_directory, write_json
 from lowbit.io._manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -144,6 +144,7 @@ def save_checkpoint(
     try:
         write_safetensors(os.path.join(tmp, TENSORS_FILE), stored)
         write_json(os.path.join(tmp, MANIFEST_FILE), manifest)
+        publish_permissions(tmp)
         replace_directory(tmp, path)
     finally:
         # After a swap `tmp` holds the previous checkpoint; after a failure, the partial one.

@@ -439,3 +439,18 @@ def test_kernel_layouts_are_rebuilt_on_load_never_stored(tmp_path):
             jax.tree.leaves(loaded.kernel), jax.tree.leaves(stored.kernel), strict=True
         ):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_checkpoint_files_follow_the_umask(tmp_path, mask):
+    # The temporary directory is created 0700 and the tensor writer makes its file 0600;
+    # a published checkpoint gets the modes a plain mkdir / open would give it.
+    old = os.umask(mask)
+    try:
+        save_checkpoint(tmp_path / "ck", {"w": jnp.ones(3)})
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "ck").iterdir()}
+    assert (tmp_path / "ck").stat().st_mode & 0o777 == 0o777 & ~mask
+    assert modes == {"manifest.json": 0o666 & ~mask, "model.safetensors": 0o666 & ~mask}
