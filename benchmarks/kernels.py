@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
-import subprocess
 import time
 from collections.abc import Callable
 
@@ -18,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._machine import cpu_model
 from benchmarks._timing import best_time
 from lowbit import kernels
 
@@ -40,17 +39,6 @@ TORCH_BUDGET_S = 2.0  # torch._int_mm calls slower than this end its column
 def _time(fn: Callable[[], object]) -> float:
     """Best wall time of fn() in seconds (after one warm-up call)."""
     return best_time(fn, min_seconds=MIN_SECONDS, min_reps=MIN_REPS, max_reps=MAX_REPS)
-
-
-def _cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _bandwidth() -> tuple[float, float]:
@@ -170,7 +158,7 @@ def _report(results, wbytes, names, copy_bw, read_bw, bw) -> str:
         "## CPU kernels (`benchmarks/kernels.py`)",
         "",
         f"- Date: {datetime.date.today().isoformat()}",
-        f"- Machine: {_cpu_model()}, {threads} cores; jax {jax.__version__}",
+        f"- Machine: {cpu_model()}, {threads} cores; jax {jax.__version__}",
         f"- {kernels.status()}",
         f"- Load average when the run ended: {load} (shared machine: absolute times are noisy,"
         " ratios are taken within the same run)",

@@ -8,9 +8,7 @@ counts the float32 input (64 MiB) once. Run with `python -m benchmarks quantize`
 
 from __future__ import annotations
 
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 
@@ -18,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._machine import cpu_model
 from lowbit.qarray import PerChannel, PerGroup, QuantConfig, quantize
 
 DATE = "2026-11-22"
@@ -40,17 +39,6 @@ def _median_seconds(fn: Callable[[], object]) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def _cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown CPU"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def _plain_int8_per_channel(x: jax.Array) -> jax.Array:
@@ -90,7 +78,7 @@ def run() -> str:
         )
     header = (
         "## Quantize / dequantize throughput\n\n"
-        f"{DATE}, {_cpu_model()}, JAX {jax.__version__} on CPU, {SIZE}x{SIZE} float32 "
+        f"{DATE}, {cpu_model()}, JAX {jax.__version__} on CPU, {SIZE}x{SIZE} float32 "
         f"(64 MiB), median of {REPS} jitted calls. *Plain* is `jnp.round(jnp.clip(x / s, "
         "-q, q)) * s` with an absmax scale of the same granularity (int8 per-channel for int8, "
         "int4 groups of 128 for the 4-bit rows), timed in the same run. Stored MiB is "
