@@ -1,29 +1,43 @@
-"""Durable, atomic replacement of a directory.
+"""Durable, atomic replacement of a directory, and the temporaries a killed writer leaves.
 
-A checkpoint is written whole into a temporary directory beside its target, flushed, and then
+A directory is written whole into a temporary directory beside its target, flushed, and then
 swapped in by rename. Where the kernel offers it (Linux ``renameat2`` with
 ``RENAME_EXCHANGE``), an existing target is exchanged with the new directory in one atomic step,
-so every reader sees either the old checkpoint or the new one. Elsewhere the old directory is
+so every reader sees either the old directory or the new one. Elsewhere the old directory is
 first renamed aside: a crash between the two renames leaves no directory at the target, but
-both checkpoints whole on disk, the old one under ``<tmp>.old``.
+both versions whole on disk, the old one under ``<tmp>.old``.
+
+Temporaries are named ``.<target name>.tmp-<16 hex digits>`` (``.old`` appended for the
+fallback's aside copy), and their writer holds an exclusive ``flock`` on the directory for as
+long as it works in it. A writer killed by SIGKILL leaves its temporary behind, but the kernel
+drops its lock: a temporary that matches the name, belongs to this user, holds only the
+files its writer makes, and whose lock can be taken, is provably a dead writer's and may be
+removed. Where locks are unavailable nothing is ever proved stale, so nothing is removed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import os
-from typing import Any
+import secrets
+import stat
+from collections.abc import Collection
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locks, so temporaries are never proved stale
+    fcntl = None
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+TEMP_INFIX = ".tmp-"
 
 
-def write_json(file: str, data: Any) -> None:
-    """Writes `data` as JSON to `file` and flushes it to disk."""
-    with open(file, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, allow_nan=False)
+def write_file(file: str, data: bytes) -> None:
+    """Writes `data` to a new `file` and flushes it to disk."""
+    with open(file, "xb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
@@ -95,3 +109,117 @@ def replace_directory(new: str, path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def same_directory(path: str, fd: int) -> bool:
+    """Whether `path` still names the directory open as `fd` (it was not removed or swapped)."""
+    try:
+        here, there = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino) and there.st_nlink > 0
+
+
+def _open_directory(path: str) -> int:
+    return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
+
+
+def _try_lock(fd: int, *, wait: bool) -> bool:
+    """Takes an exclusive lock on `fd`; False if it is held elsewhere or locks are unsupported."""
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        return False
+    return True
+
+
+def make_temporary(path: str) -> tuple[str, int | None]:
+    """Creates a private, locked temporary directory beside `path`.
+
+    Returns:
+      ``(directory, lock)``: the new directory and the open descriptor holding its lock (None
+      where locks are unavailable); hand both to `release_temporary` when done.
+    """
+    parent, base = os.path.split(path)
+    for _ in range(100):
+        tmp = os.path.join(parent, f".{base}{TEMP_INFIX}{secrets.token_hex(8)}")
+        try:
+            os.mkdir(tmp, 0o700)
+            fd = _open_directory(tmp)
+        except FileExistsError:
+            continue
+        except FileNotFoundError:  # removed as stale before we could lock it: take another
+            continue
+        if not _try_lock(fd, wait=True):
+            os.close(fd)
+            return tmp, None
+        if same_directory(tmp, fd):
+            return tmp, fd
+        os.close(fd)
+    raise FileExistsError(f"cannot create a temporary directory beside {path!r}")
+
+
+def release_temporary(lock: int | None) -> None:
+    """Drops the lock `make_temporary` took (the directory is the caller's to remove)."""
+    if lock is not None:
+        os.close(lock)
+
+
+def remove_stale_temporaries(path: str, files: Collection[str]) -> list[str]:
+    """Removes the temporaries of writers to `path` that died, and nothing else.
+
+    A sibling of `path` is removed only if all hold: its name is one `make_temporary` makes
+    for `path`; it is a real directory (not a symlink) owned by this user; no live writer
+    holds its lock; and it contains only regular files named in `files`.
+
+    Returns:
+      The directories removed.
+    """
+    parent, base = os.path.split(path)
+    removed = []
+    try:
+        names = os.listdir(parent or ".")
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if not _is_temporary_name(name, base):
+            continue
+        tmp = os.path.join(parent, name)
+        try:
+            fd = _open_directory(tmp)
+        except OSError:  # vanished, a symlink, or not a directory
+            continue
+        try:
+            if os.fstat(fd).st_uid != os.geteuid() or not _try_lock(fd, wait=False):
+                continue
+            if not same_directory(tmp, fd) or not _only_files(tmp, files):
+                continue
+            for file in os.listdir(tmp):
+                os.unlink(os.path.join(tmp, file))
+            os.rmdir(tmp)
+            removed.append(tmp)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _is_temporary_name(name: str, base: str) -> bool:
+    """Whether `name` is ``.<base>.tmp-<16 hex digits>``, optionally with ``.old`` after."""
+    prefix = f".{base}{TEMP_INFIX}"
+    if not name.startswith(prefix):
+        return False
+    token = name[len(prefix) :].removesuffix(".old")
+    return len(token) == 16 and all(c in "0123456789abcdef" for c in token)
+
+
+def _only_files(directory: str, files: Collection[str]) -> bool:
+    for name in os.listdir(directory):
+        if name not in files:
+            return False
+        if not stat.S_ISREG(os.lstat(os.path.join(directory, name)).st_mode):
+            return False
+    return True

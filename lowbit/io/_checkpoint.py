@@ -4,13 +4,18 @@ Every array leaf is a tensor in the safetensors file: a QArray's codes (packed `
 ``int8``, float8), scales (float, ``uint8`` E8M0, float8 e4m3), zero points, tensor scales and
 activation bounds, and plain float leaves. The manifest (see `lowbit.io._manifest`) holds the
 tree's structure, each QArray's static metadata, each tensor's dtype, shape and sha256, the
-recipe's JSON and user metadata. Nothing is pickled; loading reads JSON and raw bytes only.
+recipe's JSON and user metadata. The tensor file's header holds the sha256 of the manifest's
+bytes, so neither file can be edited or swapped without the other. Nothing is pickled; loading
+reads JSON and raw bytes only.
 
 Writes are atomic: the new checkpoint is written completely into a temporary directory beside
 the target and then swapped in with one rename (on Linux an atomic exchange of the two
-directories when the target exists), so a crash at any point leaves the old checkpoint whole.
-Loads check everything before building anything and return QArrays straight from the stored
-codes: nothing is dequantized.
+directories when the target exists), so a crash at any point leaves the old checkpoint whole,
+and a reader (which opens both files from one directory, `lowbit.io._checkpoint_dir`) sees the
+old checkpoint or the new one, never a mix. A save replaces only a directory that is empty or
+provably a lowbit checkpoint, follows symlinks to the directory they name, and removes the
+temporaries of saves that were killed. Loads check everything before building anything and
+return QArrays straight from the stored codes: nothing is dequantized.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,7 +32,23 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit
-from lowbit.io._atomic import publish_permissions, replace_directory, write_json
+from lowbit.io._atomic import (
+    make_temporary,
+    publish_permissions,
+    release_temporary,
+    remove_stale_temporaries,
+    replace_directory,
+    write_file,
+)
+from lowbit.io._checkpoint_dir import (
+    CHECKPOINT_FILES,
+    MANIFEST_FILE,
+    MAX_MANIFEST_BYTES,
+    TENSORS_FILE,
+    Snapshot,
+    open_checkpoint,
+    resolve_save_path,
+)
 from lowbit.io._manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -38,7 +58,7 @@ from lowbit.io._manifest import (
 )
 from lowbit.io._safetensors_file import (
     is_native,
-    read_header,
+    read_file_header,
     read_tensor,
     storage_view,
     write_safetensors,
@@ -46,8 +66,10 @@ from lowbit.io._safetensors_file import (
 from lowbit.io._tree import encode_tree, leaf_shapes, path_name
 from lowbit.ops import attach_kernel_layouts
 
-TENSORS_FILE = "model.safetensors"
-MANIFEST_FILE = "manifest.json"
+# The tensor file's header records the sha256 of the manifest's bytes under this key, so the
+# manifest (tree, formats, dtypes, shapes, per-tensor digests, recipe, metadata: every field,
+# however the manifest lists them) is covered by the same integrity check as the tensors.
+MANIFEST_DIGEST_KEY = "lowbit.manifest_sha256"
 
 
 def _sha256(array: np.ndarray) -> str:
@@ -84,8 +106,10 @@ def save_checkpoint(
     """Writes `params` (QArrays, arrays, containers) as a checkpoint directory, atomically.
 
     Args:
-      path: the checkpoint directory. If it exists it must be a checkpoint (hold a
-        ``manifest.json``); it is replaced as a whole.
+      path: the checkpoint directory. If it exists it must be empty or a lowbit checkpoint
+        (nothing in it but this format's ``manifest.json`` and ``model.safetensors``); it is
+        replaced as a whole, in one atomic step. A symlink is followed: the directory it
+        points to is replaced and the link kept.
       params: a params tree: nested dicts (e.g. ``nnx.State`` or a pure dict), lists, tuples,
         None, `QArray`s, arrays and Python scalars.
       recipe: the `Recipe` the params were quantized with (anything with ``to_json()``), or its
@@ -93,7 +117,8 @@ def save_checkpoint(
       metadata: JSON-serialisable user metadata, stored as is.
     Raises:
       TypeError: naming the path of a leaf that cannot be stored, or a bad `recipe`.
-      ValueError: if `path` exists and is not a checkpoint, or `metadata` is not JSON.
+      ValueError: naming the path, if it exists and is neither empty nor a lowbit checkpoint;
+        or if `metadata` is not JSON.
 
     Example:
       >>> import tempfile
@@ -107,12 +132,7 @@ def save_checkpoint(
       {'step': 10}
       >>> tmp.cleanup()
     """
-    path = os.path.abspath(os.fspath(path))
-    if os.path.lexists(path) and not os.path.isfile(os.path.join(path, MANIFEST_FILE)):
-        raise ValueError(
-            f"path {path!r} exists and is not a checkpoint (no {MANIFEST_FILE}); refusing to "
-            "replace it"
-        )
+    target = resolve_save_path(path)
     try:
         json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as err:
@@ -138,31 +158,80 @@ def save_checkpoint(
         "tree": tree,
         "tensors": entries,
     }
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    manifest_bytes = json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8")
+    digest = hashlib.sha256(manifest_bytes).hexdigest()
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.isdir(target):
+        # Only while a checkpoint is in place: after a crash in the non-atomic fallback swap,
+        # the temporaries hold the only copies.
+        remove_stale_temporaries(target, CHECKPOINT_FILES)
+    tmp, lock = make_temporary(target)
     try:
-        write_safetensors(os.path.join(tmp, TENSORS_FILE), stored)
-        write_json(os.path.join(tmp, MANIFEST_FILE), manifest)
+        write_safetensors(
+            os.path.join(tmp, TENSORS_FILE), stored, metadata={MANIFEST_DIGEST_KEY: digest}
+        )
+        write_file(os.path.join(tmp, MANIFEST_FILE), manifest_bytes)
         publish_permissions(tmp)
-        replace_directory(tmp, path)
+        replace_directory(tmp, target)
     finally:
         # After a swap `tmp` holds the previous checkpoint; after a failure, the partial one.
         shutil.rmtree(tmp, ignore_errors=True)
+        release_temporary(lock)
+    remove_stale_temporaries(target, CHECKPOINT_FILES)
+
+
+def check_save_path(path: str | os.PathLike[str]) -> None:
+    """Checks that `save_checkpoint` may write to `path`, before any work is done for it.
+
+    Raises:
+      ValueError: naming the path, if it exists and is neither empty nor a lowbit checkpoint.
+    """
+    resolve_save_path(path)
 
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The manifest of the checkpoint at `path` (recipe JSON, metadata, tree, tensors).
 
     Raises:
-      CheckpointError: if the manifest is missing, not JSON, or of another format or version.
+      CheckpointError: if the manifest is missing, not JSON, of another format or version, or
+        not the one the tensor file was written with (edited or swapped after saving).
     """
-    file = os.path.join(os.fspath(path), MANIFEST_FILE)
+    path = os.fspath(path)
+    with open_checkpoint(path) as snapshot:
+        return _verified_manifest(snapshot, path)[0]
+
+
+def _verified_manifest(snapshot: Snapshot, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The parsed manifest, checked against the digest in the tensor file's header.
+
+    Returns:
+      ``(manifest, entries)``: the manifest and the tensor file's header entries.
+    """
+    file = os.path.join(path, MANIFEST_FILE)
+    manifest = _parse_manifest(snapshot.manifest, file)
+    data_file = os.path.join(path, TENSORS_FILE)
+    if snapshot.tensors is None:
+        raise CheckpointError(f"{data_file}: missing")
     try:
-        with open(file, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{file}: no checkpoint manifest at {os.fspath(path)!r}") from None
+        entries, header = read_file_header(snapshot.tensors)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    digest = header.get(MANIFEST_DIGEST_KEY)
+    if digest is None:
+        raise CheckpointError(f"{data_file}: its header has no manifest digest")
+    if hashlib.sha256(snapshot.manifest).hexdigest() != digest:
+        raise CheckpointError(
+            f"{file}: not the manifest {TENSORS_FILE} was written with (its sha256 differs "
+            "from the digest in the tensor file's header): edited or replaced after saving"
+        )
+    return manifest, entries
+
+
+def _parse_manifest(raw: bytes, file: str) -> dict[str, Any]:
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"{file}: larger than {MAX_MANIFEST_BYTES >> 20} MiB")
+    try:
+        manifest = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{file}: not valid JSON ({err})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
@@ -243,17 +312,20 @@ def load_checkpoint(
         fit together, or a leaf that does not match `like`.
     """
     path = os.fspath(path)
-    manifest = read_manifest(path)
     file = os.path.join(path, MANIFEST_FILE)
-    if recipe is not None:
-        _check_recipe(manifest["recipe"], recipe, file)
-    plan = decode_tree(manifest["tree"], manifest["tensors"], file)
-    if like is not None:
-        _check_like(plan.shapes, like, file)
     data_file = os.path.join(path, TENSORS_FILE)
-    entries = _check_tensor_file(plan, data_file)
-    digests = {name: info["sha256"] for name, info in manifest["tensors"].items()}
-    with open(data_file, "rb") as f:
+    # Both files come from one directory, opened once: a concurrent save replaces the
+    # directory, never the files in it, so this reads one checkpoint, old or new.
+    with open_checkpoint(path) as snapshot:
+        manifest, header = _verified_manifest(snapshot, path)
+        if recipe is not None:
+            _check_recipe(manifest["recipe"], recipe, file)
+        plan = decode_tree(manifest["tree"], manifest["tensors"], file)
+        if like is not None:
+            _check_like(plan.shapes, like, file)
+        entries = _check_tensor_file(plan, header, data_file)
+        digests = {name: info["sha256"] for name, info in manifest["tensors"].items()}
+        f = snapshot.tensors
         # Pass 1 checks every byte against the manifest, streaming: nothing is kept.
         for name, entry in entries.items():
             _verify(f, entry, digests[name], data_file)
@@ -264,14 +336,8 @@ def load_checkpoint(
     return attach_kernel_layouts(tree) if kernel_layouts else tree
 
 
-def _check_tensor_file(plan: Any, data_file: str) -> dict[str, Any]:
-    """The tensor file's header entries, checked against the manifest's tensor table."""
-    if not os.path.isfile(data_file):
-        raise CheckpointError(f"{data_file}: missing")
-    try:
-        entries = read_header(data_file)
-    except ValueError as err:
-        raise CheckpointError(str(err)) from None
+def _check_tensor_file(plan: Any, entries: dict[str, Any], data_file: str) -> dict[str, Any]:
+    """The tensor file's header `entries`, checked against the manifest's tensor table."""
     extra = sorted(set(entries) - set(plan.tensors))
     if extra:
         raise CheckpointError(f"{data_file}: extra tensor {extra[0]!r} the manifest lacks")

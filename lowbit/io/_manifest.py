@@ -30,7 +30,8 @@ from lowbit.io._tree import QARRAY_ROLES, Key, Path, path_name
 from lowbit.qarray import QArray
 
 FORMAT_NAME = "lowbit.checkpoint"
-FORMAT_VERSION = 1
+# 2: the tensor file's header carries the manifest's sha256 (version 1 files lack it).
+FORMAT_VERSION = 2
 _SCALE_ENCODINGS = ("float", "e8m0", "e4m3")
 
 

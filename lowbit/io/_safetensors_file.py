@@ -18,7 +18,7 @@ import math
 import os
 import struct
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 import ml_dtypes
 import numpy as np
@@ -91,9 +91,15 @@ def storage_view(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
 
 
-def write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
-    """Writes `tensors` (already `storage_view`s) to `path` and flushes them to disk."""
-    safetensors.numpy.save_file(dict(tensors), path, metadata={"format": "lowbit"})
+def write_safetensors(
+    path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
+) -> None:
+    """Writes `tensors` (already `storage_view`s) to `path` and flushes them to disk.
+
+    `metadata` (strings) goes into the header's ``__metadata__`` beside ``"format": "lowbit"``.
+    """
+    header = {"format": "lowbit", **(metadata or {})}
+    safetensors.numpy.save_file(dict(tensors), path, metadata=header)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -114,8 +120,8 @@ class TensorEntry:
         return self.end - self.begin
 
 
-def read_header(path: str) -> dict[str, TensorEntry]:
-    """Parses and checks the header of the safetensors file at `path`.
+def read_header(source: str | BinaryIO) -> dict[str, TensorEntry]:
+    """Parses and checks the header of a safetensors file (a path or an open binary file).
 
     Returns:
       name -> `TensorEntry` with absolute file offsets, in file order.
@@ -125,24 +131,40 @@ def read_header(path: str) -> dict[str, TensorEntry]:
         one of `DTYPES`, a byte range disagrees with its shape and dtype, or the data section is
         longer than the tensors it holds.
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path}: truncated: {size} bytes, too short for a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(_MAX_HEADER, size - 8):
-            raise ValueError(
-                f"{path}: truncated or corrupt: header claims {n} bytes, file has {size - 8} "
-                "after the length field"
-            )
-        raw = f.read(n)
+    if isinstance(source, str):
+        with open(source, "rb") as f:
+            return read_file_header(f)[0]
+    return read_file_header(source)[0]
+
+
+def read_file_header(f: BinaryIO) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """`read_header` of the open binary file `f`, and the header's ``__metadata__`` strings.
+
+    Raises:
+      ValueError: as `read_header`, and if ``__metadata__`` is not an object of strings.
+    """
+    path = f.name
+    size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    head = f.read(8)
+    if len(head) < 8:
+        raise ValueError(f"{path}: truncated: {size} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", head)
+    if n > min(_MAX_HEADER, size - 8):
+        raise ValueError(
+            f"{path}: truncated or corrupt: header claims {n} bytes, file has {size - 8} "
+            "after the length field"
+        )
+    raw = f.read(n)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path}: header is not valid JSON ({err})") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: header is not a JSON object")
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError(f"{path}: header __metadata__ is not an object of strings")
     data_start = 8 + n
     entries: dict[str, TensorEntry] = {}
     for name, info in header.items():
@@ -157,7 +179,7 @@ def read_header(path: str) -> dict[str, TensorEntry]:
         )
     if size > data_end:
         raise ValueError(f"{path}: {size - data_end} bytes after the last tensor's data")
-    return dict(sorted(entries.items(), key=lambda item: item[1].begin))
+    return dict(sorted(entries.items(), key=lambda item: item[1].begin)), metadata
 
 
 def _entry(path: str, name: str, info: Any, data_start: int) -> TensorEntry:

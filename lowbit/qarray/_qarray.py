@@ -290,11 +290,14 @@ def _unflatten(aux, children) -> QArray:
         activation=activation,
         activation_bounds=activation_bounds,
     )
-    if kernel is None or kernel_axis is None:
+    if kernel is None:
         return q
-    # `vmap` / `scan` may have added or removed leading axes (see `__post_init__`).
+    # Every child comes back, whatever it is: tree utilities (e.g. Orbax naming each leaf)
+    # unflatten with non-array leaves, and a dropped child would change the tree's structure.
     object.__setattr__(q, "kernel", kernel)
-    object.__setattr__(q, "kernel_axis", kernel_axis + len(q.shape) - len(shape))
+    if kernel_axis is not None:
+        # `vmap` / `scan` may have added or removed leading axes (see `__post_init__`).
+        object.__setattr__(q, "kernel_axis", kernel_axis + len(q.shape) - len(shape))
     return q
 
 

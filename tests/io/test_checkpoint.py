@@ -3,6 +3,7 @@
 import ast
 import dataclasses
 import doctest
+import hashlib
 import json
 import os
 import pathlib
@@ -19,6 +20,12 @@ from lowbit.formats import FORMATS
 from lowbit.io import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
 from lowbit.io import _atomic as atomic_module
 from lowbit.io import _checkpoint as checkpoint_module
+from lowbit.io._safetensors_file import (
+    read_file_header,
+    read_header,
+    read_tensor,
+    write_safetensors,
+)
 from lowbit.qarray import Fixed, PerGroup, PerToken, QArray, QuantConfig, quantize
 
 X = np.asarray(jax.random.normal(jax.random.key(0), (32, 64), jnp.float32))
@@ -129,7 +136,7 @@ def test_stored_dtypes_and_manifest(tmp_path):
     tensors = manifest["tensors"]
     assert tensors["w:scale"]["dtype"] == "float8_e4m3fn"
     assert tensors["w:codes"] == {**tensors["w:codes"], "role": "codes", "shape": [8, 32]}
-    header = checkpoint_module.read_header(str(tmp_path / "ck" / "model.safetensors"))
+    header = read_header(str(tmp_path / "ck" / "model.safetensors"))
     assert header["w:scale"].dtype == np.dtype(ml_dtypes.float8_e4m3fn)
 
 
@@ -164,11 +171,28 @@ def _copy(good, tmp_path) -> pathlib.Path:
     return dst
 
 
-def _edit_manifest(path, edit):
+def _edit_manifest(path, edit, *, reseal=True):
+    """Edits the manifest; `reseal` also updates the digest of it in the tensor file (a
+    deliberate, consistent edit, to reach the checks behind the integrity check)."""
     file = path / "manifest.json"
     manifest = json.loads(file.read_text())
     edit(manifest)
     file.write_text(json.dumps(manifest))
+    if reseal:
+        _rewrite_tensors(path, lambda t: None, manifest=file.read_bytes())
+
+
+def _rewrite_tensors(path, edit, manifest=None):
+    """Rewrites the tensor file after `edit` of its tensors, keeping the manifest digest valid
+    for `manifest` (bytes; default: the manifest file as it is)."""
+    file = str(path / "model.safetensors")
+    with open(file, "rb") as f:
+        entries, _ = read_file_header(f)
+        tensors = {name: read_tensor(f, entry) for name, entry in entries.items()}
+    edit(tensors)
+    manifest = (path / "manifest.json").read_bytes() if manifest is None else manifest
+    digest = {checkpoint_module.MANIFEST_DIGEST_KEY: hashlib.sha256(manifest).hexdigest()}
+    write_safetensors(file, tensors, metadata=digest)
 
 
 def _expect(path, match, **kwargs):
@@ -211,20 +235,10 @@ def test_extra_tensor(good, tmp_path):
     _expect(path, "extra tensor 'extra'")
 
 
-def _rewrite_tensors(path, edit):
-    from lowbit.io._safetensors_file import read_header, read_tensor, write_safetensors
-
-    file = str(path / "model.safetensors")
-    with open(file, "rb") as f:
-        tensors = {name: read_tensor(f, entry) for name, entry in read_header(file).items()}
-    edit(tensors)
-    write_safetensors(file, tensors)
-
-
 def test_other_format_version(good, tmp_path):
     path = _copy(good, tmp_path)
-    _edit_manifest(path, lambda m: m.update(format_version=2))
-    _expect(path, "format version 2.*reads version 1")
+    _edit_manifest(path, lambda m: m.update(format_version=1))
+    _expect(path, "format version 1.*reads version 2")
 
 
 def test_recipe_mismatch_and_match(good, tmp_path):
@@ -286,7 +300,7 @@ def test_manifest_not_json_and_missing(good, tmp_path):
 def test_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "keep.txt").write_text("x")
-    with pytest.raises(ValueError, match="not a checkpoint"):
+    with pytest.raises(ValueError, match="not a lowbit checkpoint"):
         save_checkpoint(tmp_path / "data", {"b": jnp.ones(2)})
     assert (tmp_path / "data" / "keep.txt").read_text() == "x"
 
@@ -300,7 +314,7 @@ def test_unstorable_leaves_name_their_path(tmp_path):
 # --- atomic writes --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage", ["write_safetensors", "write_json", "replace_directory"])
+@pytest.mark.parametrize("stage", ["write_safetensors", "write_file", "replace_directory"])
 def test_failed_write_leaves_old_checkpoint(good, tmp_path, monkeypatch, stage):
     path = _copy(good, tmp_path)
     before = {p.name: p.read_bytes() for p in path.iterdir()}
