@@ -32,9 +32,10 @@ def run(args: argparse.Namespace) -> int:
     """Runs the command with parsed `args`; returns the exit status (errors raise)."""
     from flax import nnx
 
-    from lowbit.io import save_checkpoint
+    from lowbit.io import check_save_path, save_checkpoint
 
     check_recipe_spec(args.recipe)
+    check_save_path(args.out)  # before the work, not after: refuse a directory that is not ours
     with progress() as bar:
         with step(bar, f"loading {args.model}"):
             loaded = load_model(args.model)

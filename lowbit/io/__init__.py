@@ -1,7 +1,12 @@
 """Quantized checkpoints (safetensors + JSON manifest, atomic, validated, never pickled) and
 importers from GGUF and Hugging Face safetensors files."""
 
-from lowbit.io._checkpoint import load_checkpoint, read_manifest, save_checkpoint
+from lowbit.io._checkpoint import (
+    check_save_path,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+)
 from lowbit.io._config_dict import quant_config_from_dict, quant_config_to_dict
 from lowbit.io._gguf_import import (
     GGUFTensorData,
@@ -18,6 +23,7 @@ __all__ = [
     "CheckpointError",
     "GGUFTensorData",
     "Placement",
+    "check_save_path",
     "gguf_tensor_to_qarray",
     "import_gguf",
     "import_safetensors",
