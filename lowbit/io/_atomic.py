@@ -93,6 +93,7 @@ def replace_directory(new: str, path: str) -> None:
 
     Both must be on one filesystem (put `new` in `path`'s parent).
     """
+    _fsync_directory(new)  # its entries reach the disk before it becomes visible at `path`
     if not os.path.lexists(path):
         os.rename(new, path)
     elif not exchange(new, path):
@@ -104,7 +105,11 @@ def replace_directory(new: str, path: str) -> None:
             os.rename(old, path)
             raise
         os.rename(old, new)
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    _fsync_directory(os.path.dirname(path) or ".")
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
