@@ -172,6 +172,9 @@ def save_checkpoint(
         )
         write_file(os.path.join(tmp, MANIFEST_FILE), manifest_bytes)
         publish_permissions(tmp)
+        # Checked again: encoding and writing take a while, and the path may have changed.
+        if resolve_save_path(path) != target:
+            raise ValueError(f"{os.fspath(path)!r} now points elsewhere than when the save began")
         replace_directory(tmp, target)
     finally:
         # After a swap `tmp` holds the previous checkpoint; after a failure, the partial one.

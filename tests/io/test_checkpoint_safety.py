@@ -115,6 +115,22 @@ def test_save_fills_an_empty_directory_and_replaces_its_own_checkpoints(tmp_path
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
+def test_save_checks_again_before_the_swap(tmp_path, monkeypatch):
+    path = tmp_path / "out"
+    save_checkpoint(path, OLD)
+    real_write = checkpoint_module.write_file
+
+    def write_while_a_user_adds_a_file(*args):
+        (path / "notes.txt").write_text("added meanwhile")
+        real_write(*args)
+
+    monkeypatch.setattr(checkpoint_module, "write_file", write_while_a_user_adds_a_file)
+    with pytest.raises(ValueError, match="holds 'notes.txt'"):
+        save_checkpoint(path, NEW)
+    assert (path / "notes.txt").read_text() == "added meanwhile"
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
 def test_cli_quantize_refuses_out_before_loading_the_model(tmp_path, capsys):
     out = tmp_path / "results"
     _make("empty_manifest_and_notes", out)
