@@ -120,7 +120,7 @@ class TensorEntry:
         return self.end - self.begin
 
 
-def read_header(source: str | BinaryIO) -> dict[str, TensorEntry]:
+def read_header(source: str | os.PathLike[str] | BinaryIO) -> dict[str, TensorEntry]:
     """Parses and checks the header of a safetensors file (a path or an open binary file).
 
     Returns:
@@ -131,7 +131,7 @@ def read_header(source: str | BinaryIO) -> dict[str, TensorEntry]:
         one of `DTYPES`, a byte range disagrees with its shape and dtype, or the data section is
         longer than the tensors it holds.
     """
-    if isinstance(source, str):
+    if isinstance(source, str | os.PathLike):
         with open(source, "rb") as f:
             return read_file_header(f)[0]
     return read_file_header(source)[0]
