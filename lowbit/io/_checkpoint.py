@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,6 +53,7 @@ from lowbit.io._checkpoint_dir import (
 from lowbit.io._manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    READABLE_VERSIONS,
     CheckpointError,
     build_tree,
     decode_tree,
@@ -220,6 +222,15 @@ def _verified_manifest(snapshot: Snapshot, path: str) -> tuple[dict[str, Any], d
     except ValueError as err:
         raise CheckpointError(str(err)) from None
     digest = header.get(MANIFEST_DIGEST_KEY)
+    if digest is None and manifest["format_version"] == 1:
+        # Written before manifests were sealed: still readable (refusing would strand users'
+        # checkpoints), with the per-tensor digests as the only integrity check.
+        warnings.warn(
+            f"{file}: format version 1 (written by an older lowbit) has no manifest digest, so "
+            "edits to it cannot be detected; save the checkpoint again to seal it",
+            stacklevel=4,
+        )
+        return manifest, entries
     if digest is None:
         raise CheckpointError(f"{data_file}: its header has no manifest digest")
     if hashlib.sha256(snapshot.manifest).hexdigest() != digest:
@@ -240,10 +251,10 @@ def _parse_manifest(raw: bytes, file: str) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         got = manifest.get("format") if isinstance(manifest, dict) else manifest
         raise CheckpointError(f"{file}: format {got!r} is not {FORMAT_NAME!r}")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"{file}: format version {manifest.get('format_version')!r}; this lowbit "
-            f"({lowbit.__version__}) reads version {FORMAT_VERSION}"
+            f"({lowbit.__version__}) reads versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
     missing = {"recipe", "metadata", "tree", "tensors"} - set(manifest)
     if missing:

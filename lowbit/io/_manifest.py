@@ -32,6 +32,8 @@ from lowbit.qarray import QArray
 FORMAT_NAME = "lowbit.checkpoint"
 # 2: the tensor file's header carries the manifest's sha256 (version 1 files lack it).
 FORMAT_VERSION = 2
+# Version 1 checkpoints load with a warning (their manifest is not sealed).
+READABLE_VERSIONS = (1, 2)
 _SCALE_ENCODINGS = ("float", "e8m0", "e4m3")
 
 

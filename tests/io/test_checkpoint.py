@@ -182,9 +182,10 @@ def _edit_manifest(path, edit, *, reseal=True):
         _rewrite_tensors(path, lambda t: None, manifest=file.read_bytes())
 
 
-def _rewrite_tensors(path, edit, manifest=None):
+def _rewrite_tensors(path, edit, manifest=None, seal=True):
     """Rewrites the tensor file after `edit` of its tensors, keeping the manifest digest valid
-    for `manifest` (bytes; default: the manifest file as it is)."""
+    for `manifest` (bytes; default: the manifest file as it is); `seal=False` writes no digest
+    (a version 1 file)."""
     file = str(path / "model.safetensors")
     with open(file, "rb") as f:
         entries, _ = read_file_header(f)
@@ -192,7 +193,7 @@ def _rewrite_tensors(path, edit, manifest=None):
     edit(tensors)
     manifest = (path / "manifest.json").read_bytes() if manifest is None else manifest
     digest = {checkpoint_module.MANIFEST_DIGEST_KEY: hashlib.sha256(manifest).hexdigest()}
-    write_safetensors(file, tensors, metadata=digest)
+    write_safetensors(file, tensors, metadata=digest if seal else None)
 
 
 def _expect(path, match, **kwargs):
@@ -237,8 +238,21 @@ def test_extra_tensor(good, tmp_path):
 
 def test_other_format_version(good, tmp_path):
     path = _copy(good, tmp_path)
-    _edit_manifest(path, lambda m: m.update(format_version=1))
-    _expect(path, "format version 1.*reads version 2")
+    _edit_manifest(path, lambda m: m.update(format_version=3))
+    _expect(path, "format version 3.*reads versions 1, 2")
+
+
+def test_version_1_loads_with_a_warning(good, tmp_path):
+    """Checkpoints written before manifests were sealed (no digest in the tensor header) still
+    load, with a warning; a sealed file whose manifest claims version 1 is still checked."""
+    path = _copy(good, tmp_path)
+    _edit_manifest(path, lambda m: m.update(format_version=1), reseal=False)
+    _expect(path, "not the manifest")  # the seal still covers the edited version field
+    _rewrite_tensors(path, lambda t: None, manifest=None, seal=False)
+    with pytest.warns(UserWarning, match="format version 1.*save the checkpoint again"):
+        loaded = load_checkpoint(path)
+    reference = load_checkpoint(good[0])
+    assert jax.tree.structure(loaded) == jax.tree.structure(reference)
 
 
 def test_recipe_mismatch_and_match(good, tmp_path):
