@@ -67,7 +67,7 @@ ISA_SCRIPT = textwrap.dedent(
     xq = jnp.asarray(np.random.default_rng(1).integers(-128, 128, (3, 40)), jnp.int8)
     got = kernels.w8a8_matmul_int32(xq, kernels.prepare("w8a8", q, jnp.ones((1, 9))))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(_reference.w8a8_matmul_int32(xq, q)))
-    print(kernels.set_isa("avx512vnni"), kernels.supported_isas()[-1])
+    print(kernels.set_isa("amx"), kernels.supported_isas()[-1])
     """
 )
 

@@ -50,7 +50,8 @@ struct WoArgs {
 
 // w8a8 weights: panels of 16 columns, [P][KQ][16][4] int8 where KQ = ceil(K / 4): the 4
 // bytes of a column for k-quad q are contiguous, so one 64-byte load feeds a u8 x s8 dot.
-// Activations are u8 (q + 128) in tiles of `act_rows` rows, [M/rows][kq][rows][act_words] u32.
+// Activations are u8 (q + 128) in tiles of `act_rows` rows, [M/rows][kq][rows][act_words] u32
+// (or in blocks, see IsaKernels::act_tile_k).
 struct Q8Args {
   int64_t kq;            // k-quads
   const uint32_t* xa;    // packed activations (see above)
@@ -69,6 +70,10 @@ struct IsaKernels {
   // C = sum_k (xq + 128) * w over the whole K, int32, before the column-sum correction.
   void (*q8)(const Q8Args&, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int32_t* c,
              int64_t ldc);
+  // When nonzero, activations are packed in blocks of act_rows rows x act_tile_k k-quads,
+  // each block contiguous and row-major ([M/rows][ceil(kq/tile_k)][rows][tile_k] u32,
+  // act_words = 1): one AMX tile load each.
+  int act_tile_k = 0;
 };
 
 const IsaKernels* IsaScalar();
@@ -76,6 +81,10 @@ const IsaKernels* IsaAvx2();
 const IsaKernels* IsaAvx2Vnni();
 const IsaKernels* IsaAvx512Bw();
 const IsaKernels* IsaAvx512Vnni();
+// AVX-512 VNNI weight-only kernels with AMX-INT8 w8a8 tiles; AmxUsable() also asks the OS
+// for the tile state.
+const IsaKernels* IsaAmx();
+bool AmxUsable();
 
 }  // namespace lowbit
 

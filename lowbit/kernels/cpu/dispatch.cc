@@ -23,11 +23,13 @@ bool HasAvx512Bw() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 bool HasAvx512Vnni() { return HasAvx512Bw() && __builtin_cpu_supports("avx512vnni"); }
+bool HasAmx() { return HasAvx512Vnni() && AmxUsable(); }
 #else
 bool HasAvx2() { return false; }
 bool HasAvx2Vnni() { return false; }
 bool HasAvx512Bw() { return false; }
 bool HasAvx512Vnni() { return false; }
+bool HasAmx() { return false; }
 #endif
 bool Always() { return true; }
 
@@ -38,6 +40,7 @@ const IsaEntry kIsas[] = {
     {"avx2vnni", IsaAvx2Vnni, HasAvx2Vnni},
     {"avx512bw", IsaAvx512Bw, HasAvx512Bw},
     {"avx512vnni", IsaAvx512Vnni, HasAvx512Vnni},
+    {"amx", IsaAmx, HasAmx},
 };
 constexpr int kNumIsas = sizeof(kIsas) / sizeof(kIsas[0]);
 

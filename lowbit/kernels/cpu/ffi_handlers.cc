@@ -196,10 +196,27 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
+// Quads per packed activation row: kq, rounded up to whole blocks for blocked packing.
+int64_t PackedQuads(int64_t kq, const IsaKernels& isa) {
+  const int64_t tk = isa.act_tile_k;
+  return tk ? (kq + tk - 1) / tk * tk : kq;
+}
+
 // Packs u8 activation codes (q + 128) of row m into the ISA's layout: tiles of `rows` rows,
-// [M / rows][kq][rows][act_words] u32, so a kernel tile reads one contiguous stream.
+// [M / rows][kq][rows][act_words] u32, so a kernel tile reads one contiguous stream; or
+// blocks of rows x act_tile_k quads (see IsaKernels).
 void PackActRow(const uint8_t* u, int64_t m, int64_t kq, const IsaKernels& isa, uint32_t* xa) {
   const int64_t rows = isa.act_rows, aw = isa.act_words;
+  auto word = [u](int64_t q) {
+    return static_cast<uint32_t>(u[4 * q]) | (static_cast<uint32_t>(u[4 * q + 1]) << 8) |
+           (static_cast<uint32_t>(u[4 * q + 2]) << 16) |
+           (static_cast<uint32_t>(u[4 * q + 3]) << 24);
+  };
+  if (const int64_t tk = isa.act_tile_k) {
+    uint32_t* dst = xa + (m / rows) * PackedQuads(kq, isa) * rows + (m % rows) * tk;
+    for (int64_t q = 0; q < kq; ++q) dst[(q / tk) * rows * tk + q % tk] = word(q);
+    return;
+  }
   uint32_t* dst = xa + (m / rows) * kq * rows * aw + (m % rows) * aw;
   const int64_t step = rows * aw;
   for (int64_t q = 0; q < kq; ++q) {
@@ -236,8 +253,11 @@ ffi::Error Q8Run(ffi::ThreadPool& pool, Q8Mode mode, const Q8Inputs& in, int64_t
   const int aw = isa->act_words;
   const int64_t workers = WorkersFor(pool, m, 4 * kq, panels * kPanel);
 
-  const int64_t padded_m = (m + isa->act_rows - 1) / isa->act_rows * isa->act_rows;
-  std::vector<uint32_t> xa(padded_m * kq * aw);
+  // Whole tiles of rows, and at least 32 (the AMX path loads 32 rows even when fewer are
+  // valid).
+  const int64_t row_pad = std::max<int64_t>(isa->act_rows, 32);
+  const int64_t padded_m = (m + row_pad - 1) / row_pad * row_pad;
+  std::vector<uint32_t> xa(padded_m * PackedQuads(kq, *isa) * aw);
   std::vector<float> xs(mode == Q8Mode::kFloatIn ? m : 0);
   ParallelFor(pool, m >= 64 ? workers : 1, m, [&](int64_t r) {
     std::vector<uint8_t> u(4 * kq, 128);

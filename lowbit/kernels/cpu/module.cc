@@ -64,7 +64,7 @@ PyObject* SetIsa(PyObject*, PyObject* arg) {
   if (chosen.empty()) {
     PyErr_Format(PyExc_ValueError,
                  "isa=%R is not known; expected one of 'scalar', 'avx2', 'avx2vnni', "
-                 "'avx512bw', 'avx512vnni'",
+                 "'avx512bw', 'avx512vnni', 'amx'",
                  arg);
     return nullptr;
   }
