@@ -15,8 +15,13 @@ Logical weights (inputs to `prepare`, outputs of `prepared_to_logical`): codes `
 (contraction axis first, like a Flax `Dense` kernel); scale `[G, N]` float32 with
 G = ceil(K / group_size) or `[1, N]` per channel; zero_point `[G, N]` float32 (uint4 only).
 
-The compiled module picks the best instruction-set path at run time (AVX-512 VNNI, AVX-512BW,
-AVX2 with or without AVX-VNNI, portable); `LOWBIT_CPU_ISA` caps it and `set_isa` switches it.
+Kernel kinds (name, compiled id, code dtype, packed bytes, codebook, zero point, the element
+formats that run on them) are one table, `KERNEL_KINDS`; `FORMAT_KINDS` maps a weight-only
+element format to its kind.
+
+The compiled module picks the best instruction-set path at run time (AMX-INT8 tiles for w8a8,
+AVX-512 VNNI, AVX-512BW, AVX2 with or without AVX-VNNI, portable); `LOWBIT_CPU_ISA` caps it
+and `set_isa` switches it.
 When the module is missing, `LOWBIT_DISABLE_KERNELS=1` is set or the default backend is not
 CPU, every entry point computes the same result with the pure-JAX reference instead, and
 `status()` says why.
@@ -26,8 +31,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from lowbit.kernels._kinds import FORMAT_KINDS, KERNEL_KINDS, KINDS, KernelKind
 from lowbit.kernels._layout import (
-    KINDS,
     W8A8_MAX_K,
     PreparedWeight,
     prepare,
@@ -43,8 +48,11 @@ from lowbit.kernels._ops import (
 from lowbit.kernels._reference import FP4_LEVELS, NF4_LEVELS, quantize_per_token
 
 __all__ = [
+    "FORMAT_KINDS",
     "FP4_LEVELS",
+    "KERNEL_KINDS",
     "KINDS",
+    "KernelKind",
     "NF4_LEVELS",
     "PreparedWeight",
     "available",

@@ -36,14 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit.kernels._kinds import KERNEL_KINDS, KINDS
+from lowbit.kernels._kinds import KIND_IDS as KIND_IDS  # older import path
+
 PANEL = 16
 HEADER_BYTES = 128
 PER_CHANNEL_CHUNK = 256
-# Kind -> the compiled kernel's kind id. fp4 (E2M1) runs the nf4 table-lookup path with the
-# FP4 codebook (`_reference.LUTS`).
-KIND_IDS = {"int8": 0, "int4": 1, "uint4": 2, "nf4": 3, "fp8": 4, "fp4": 3}
-KINDS = (*KIND_IDS, "w8a8")
-_EIGHT_BIT = ("int8", "fp8")
 # Largest K for which u8 x s8 int32 accumulation cannot overflow (255 * 128 * K < 2**31).
 W8A8_MAX_K = 65536
 
@@ -81,7 +79,8 @@ def _round_up(a: int, b: int) -> int:
 
 
 def pair_bytes(kind: str) -> int:
-    return 32 if kind in _EIGHT_BIT else 16
+    """Bytes per pair row of a weight-only panel (16: 4-bit codes, 32: 8-bit codes)."""
+    return KERNEL_KINDS[kind].pair_bytes
 
 
 def storage_group(kind: str, k: int, group_size: int | None) -> int:
@@ -115,17 +114,6 @@ def _check_group_size(kind: str, k: int, group_size: int | None) -> None:
         raise ValueError(f"group_size={group_size!r} must be a positive even integer (or None)")
 
 
-_CODE_DTYPES = {
-    "int8": jnp.int8,
-    "int4": jnp.uint8,
-    "uint4": jnp.uint8,
-    "nf4": jnp.uint8,
-    "fp4": jnp.uint8,
-    "fp8": jnp.float8_e4m3fn,
-    "w8a8": jnp.int8,
-}
-
-
 def prepare(
     kind: str,
     codes: jax.Array,
@@ -145,7 +133,7 @@ def prepare(
         raise ValueError(f"kind={kind!r} is not supported; expected one of {KINDS}")
     _check_2d("codes", codes)
     k, n = (int(d) for d in codes.shape)
-    want = _CODE_DTYPES[kind]
+    want = KERNEL_KINDS[kind].code_dtype
     if jnp.dtype(codes.dtype) != jnp.dtype(want):
         raise TypeError(
             f"codes for kind={kind!r} must be {jnp.dtype(want).name}, got {codes.dtype}"
@@ -156,9 +144,9 @@ def prepare(
     if kind == "w8a8" and scale.ndim == 1:
         scale = scale.reshape(1, -1)
     _check_2d("scale", scale, (groups, n))
-    if kind == "uint4":
+    if KERNEL_KINDS[kind].zero_point == "per_group":
         if zero_point is None:
-            raise ValueError("zero_point is required for kind='uint4'")
+            raise ValueError(f"zero_point is required for kind={kind!r}")
         _check_2d("zero_point", jnp.asarray(zero_point), (groups, n))
     elif zero_point is not None:
         raise ValueError(f"zero_point is only accepted for kind='uint4', not {kind!r}")
@@ -192,11 +180,10 @@ def _prepare_weight_only(
     kp, p = groups * gs, -(-n // PANEL)
     np_ = p * PANEL
 
-    if kind == "int8":
+    info = KERNEL_KINDS[kind]
+    if info.pair_bytes == 32:  # 8-bit codes, stored as their bytes
         c = jax.lax.bitcast_convert_type(codes, jnp.uint8)
-    elif kind == "fp8":
-        c = jax.lax.bitcast_convert_type(codes, jnp.uint8)
-    elif kind == "int4":
+    elif info.zero_point == "fixed8":  # two's-complement nibbles -> offset binary
         c = (codes & 15) ^ 8
     else:
         c = codes & 15
@@ -209,14 +196,15 @@ def _prepare_weight_only(
         return jnp.pad(a, ((0, 0), (0, np_ - n)))
 
     s = per_group(scale)
-    if kind == "int4":
+    zero_point_kind = KERNEL_KINDS[kind].zero_point
+    if zero_point_kind == "fixed8":
         zp = jnp.full_like(s, 8.0)
-    elif kind == "uint4":
+    elif zero_point_kind == "per_group":
         zp = per_group(jnp.asarray(zero_point))
     else:
         zp = jnp.zeros_like(s)
 
-    if kind in _EIGHT_BIT:
+    if pair_bytes(kind) == 32:
         body = c.reshape(groups, gs // 2, 2, p, PANEL).transpose(3, 0, 1, 2, 4)
     else:
         nib = c[0::2] | (c[1::2] << 4)
@@ -253,15 +241,14 @@ def prepared_to_logical(w: PreparedWeight) -> dict[str, jax.Array | None]:
         return vals if w.group_size is not None else vals[:1]
 
     body = blocks[:, :, HEADER_BYTES:]
-    if w.kind in _EIGHT_BIT:
+    if pair_bytes(w.kind) == 32:
         c = body.reshape(p, groups, gs // 2, 2, PANEL).transpose(1, 2, 3, 0, 4)
         c = c.reshape(groups * gs, p * PANEL)[:k, :n]
-        dtype = jnp.int8 if w.kind == "int8" else jnp.float8_e4m3fn
-        codes = jax.lax.bitcast_convert_type(c, dtype)
+        codes = jax.lax.bitcast_convert_type(c, KERNEL_KINDS[w.kind].code_dtype)
     else:
         nib = body.reshape(p, groups, gs // 2, PANEL).transpose(1, 2, 0, 3)
         nib = nib.reshape(groups * gs // 2, p * PANEL)
         c = jnp.stack([nib & 15, nib >> 4], axis=1).reshape(groups * gs, p * PANEL)[:k, :n]
-        codes = c ^ 8 if w.kind == "int4" else c
-    zp = header(4 * PANEL) if w.kind == "uint4" else None
+        codes = c ^ 8 if KERNEL_KINDS[w.kind].zero_point == "fixed8" else c
+    zp = header(4 * PANEL) if KERNEL_KINDS[w.kind].zero_point == "per_group" else None
     return {"codes": codes, "scale": header(0), "zero_point": zp}

@@ -71,7 +71,7 @@ def status() -> str:
 def set_isa(name: str) -> str:
     """Selects an instruction-set path, capped by the CPU; returns the one now active.
 
-    name: "scalar" | "avx2" | "avx2vnni" | "avx512bw" | "avx512vnni". The initial choice is
+    name: "scalar" | "avx2" | "avx2vnni" | "avx512bw" | "avx512vnni" | "amx". The initial choice is
     the best supported path, capped by the LOWBIT_CPU_ISA environment variable if set.
     """
     mod = module()

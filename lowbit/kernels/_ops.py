@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit.kernels import _native, _reference
-from lowbit.kernels._layout import KIND_IDS, PreparedWeight, prepared_to_logical
+from lowbit.kernels._kinds import KIND_IDS
+from lowbit.kernels._layout import PreparedWeight, prepared_to_logical
 
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit.formats import get_format
+from lowbit.kernels._kinds import KERNEL_KINDS, WEIGHT_ONLY_KINDS
 
 # The 16 NormalFloat-4 levels, from the format registry (the kernels' codebook is the same one).
 NF4_LEVELS = np.asarray(get_format("nf4").levels(), dtype=np.float32)
@@ -27,10 +28,10 @@ NF4_LEVELS = np.asarray(get_format("nf4").levels(), dtype=np.float32)
 FP4_LEVELS = np.asarray(
     get_format("fp4_e2m1").decode(jnp.arange(16, dtype=jnp.uint8)), dtype=np.float32
 )
+# Codebooks by the name kinds give in their `lut` field.
+CODEBOOKS = {"nf4": NF4_LEVELS, "fp4": FP4_LEVELS}
 # The codebook the kernels' table-lookup path reads for each kind (others ignore it).
-LUTS = {"nf4": NF4_LEVELS, "fp4": FP4_LEVELS}
-
-WEIGHT_ONLY_KINDS = ("int8", "int4", "uint4", "nf4", "fp8", "fp4")
+LUTS = {k.name: CODEBOOKS[k.lut] for k in KERNEL_KINDS.values() if k.lut is not None}
 
 
 def _expand_groups(a: jax.Array, k: int, group_size: int | None) -> jax.Array:

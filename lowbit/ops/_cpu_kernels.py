@@ -64,18 +64,7 @@ MIN_WEIGHT_ELEMENTS = 1 << 16
 
 _FLOATS = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 # Element format name -> kernel kind of a weight without activation quantization.
-_WEIGHT_KINDS = {
-    "int8": "int8",
-    "int4": "int4",
-    "uint4": "uint4",
-    "nf4": "nf4",
-    "fp8_e4m3fn": "fp8",
-    # E2M1 elements; block scales (E8M0, or e4m3 times a tensor scale) decode to float32
-    # group scales when the layout is built.
-    "fp4_e2m1": "fp4",
-    "mxfp4": "fp4",
-    "nvfp4": "fp4",
-}
+_WEIGHT_KINDS = kernels.FORMAT_KINDS
 _PER_CHANNEL_ONLY = ("w8a8",)
 
 

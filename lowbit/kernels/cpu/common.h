@@ -12,14 +12,46 @@
 
 namespace lowbit {
 
-// Weight-only kinds. The numbering is shared with lowbit/kernels/_layout.py.
+// Weight-only kinds. lowbit/kernels/_kinds.py holds the Python table; a test compares it
+// with kKindTable below (exported by the module's `kinds()`).
 enum WoKind : int {
   kInt8 = 0,   // int8 codes, per-channel scale
   kInt4 = 1,   // int4 two's-complement codes, stored offset-binary (code ^ 8) with zp = 8
   kUint4 = 2,  // uint4 codes with a float zero point per group
-  kNf4 = 3,    // 4-bit index into the 16 NF4 levels, absmax scale per group
+  kNf4 = 3,    // 4-bit index into a 16-entry codebook (NF4 levels, FP4 E2M1 values)
   kFp8 = 4,    // float8_e4m3fn codes, per-channel scale
 };
+
+enum ZeroPoint : int {
+  kNoZeroPoint = 0,     // w = q * s
+  kFixedZeroPoint = 1,  // w = (q - 8) * s (offset-binary int4)
+  kGroupZeroPoint = 2,  // w = (q - zp[g, n]) * s, zp stored in the group header
+};
+
+struct KindInfo {
+  int id;
+  const char* name;
+  int pair_bytes;  // bytes per pair row of a 16-column panel (see below)
+  bool lut;        // codes index the 16-entry codebook passed with the call
+  int zero_point;  // ZeroPoint
+};
+
+inline constexpr KindInfo kKindTable[] = {
+    {kInt8, "int8", 32, false, kNoZeroPoint},
+    {kInt4, "int4", 16, false, kFixedZeroPoint},
+    {kUint4, "uint4", 16, false, kGroupZeroPoint},
+    {kNf4, "lut4", 16, true, kNoZeroPoint},
+    {kFp8, "fp8", 32, false, kNoZeroPoint},
+};
+inline constexpr int kNumKinds = sizeof(kKindTable) / sizeof(kKindTable[0]);
+
+// The entry for `kind`, or null when it is unknown.
+inline const KindInfo* FindKind(int64_t kind) {
+  for (const KindInfo& k : kKindTable) {
+    if (k.id == kind) return &k;
+  }
+  return nullptr;
+}
 
 // Every weight-only panel holds 16 output columns. A panel is a sequence of groups; each
 // group is a 128-byte header (16 f32 scales, 16 f32 zero points) followed by gs/2 "pair
@@ -31,7 +63,7 @@ constexpr int kPanel = 16;
 constexpr int64_t kSmallM = 16;
 constexpr int kGroupHeader = 128;
 
-inline int PairBytes(int kind) { return (kind == kInt8 || kind == kFp8) ? 32 : 16; }
+inline int PairBytes(int kind) { return FindKind(kind)->pair_bytes; }
 
 struct WoArgs {
   int kind;

@@ -112,7 +112,8 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
                         ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> lut,
                         ffi::Result<ffi::AnyBuffer> y, int64_t kind, int64_t k, int64_t n,
                         int64_t gs) {
-  if (kind < kInt8 || kind > kFp8) return Invalid("unknown weight kind " + std::to_string(kind));
+  const KindInfo* info = FindKind(kind);
+  if (info == nullptr) return Invalid("unknown weight kind " + std::to_string(kind));
   if (!IsFloat(x.element_type()) || !IsFloat(y->element_type()))
     return Invalid("x and the output must be float32 or bfloat16");
   const auto xd = x.dimensions();
@@ -120,7 +121,7 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   const auto yd = y->dimensions();
   if (xd.size() != 2 || xd[1] != k) return Invalid("x must be [M, K] with K = " + std::to_string(k));
   if (gs <= 0 || gs % 2 != 0) return Invalid("group size must be positive and even");
-  const int64_t group_bytes = kGroupHeader + gs / 2 * PairBytes(static_cast<int>(kind));
+  const int64_t group_bytes = kGroupHeader + gs / 2 * info->pair_bytes;
   const int64_t panels = (n + kPanel - 1) / kPanel;
   if (bd.size() != 2 || bd[0] != panels || bd[1] % group_bytes != 0)
     return Invalid("packed weight has the wrong shape for K, N and the group size");
@@ -145,7 +146,7 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   const int64_t fr = isa->gemm_rows;
   // Only 4-bit integer kinds subtract a zero-point term (int4 with its fixed 8 where an ISA
   // decodes nibbles arithmetically); the serial per-group sums cost ~5% of a call otherwise.
-  const bool zero_points = kind == kInt4 || kind == kUint4;
+  const bool zero_points = info->zero_point != kNoZeroPoint;
   std::vector<float> xp(m * kp), sumx(zero_points ? m * groups : 0);
   std::vector<float> xt(m > kSmallM ? (m + fr - 1) / fr * fr * kp : 0, 0.0f);
   ParallelFor(pool, m >= 64 ? workers : 1, m, [&](int64_t r) {

@@ -1,5 +1,5 @@
 // CPython module `lowbit.kernels._cpu_kernels`: hands the FFI handlers to Python as capsules
-// and exposes the instruction-set switch. No binding library: the surface is four functions.
+// and exposes the instruction-set switch. No binding library: the surface is five functions.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -35,6 +35,23 @@ PyObject* Targets(PyObject*, PyObject*) {
     Py_DECREF(cap);
   }
   return d;
+}
+
+// kinds() -> list[(id, name, pair_bytes, lut, zero_point)]: the weight-only kind table.
+PyObject* Kinds(PyObject*, PyObject*) {
+  PyObject* list = PyList_New(lowbit::kNumKinds);
+  if (list == nullptr) return nullptr;
+  for (int i = 0; i < lowbit::kNumKinds; ++i) {
+    const lowbit::KindInfo& k = lowbit::kKindTable[i];
+    PyObject* t = Py_BuildValue("(isiOi)", k.id, k.name, k.pair_bytes, k.lut ? Py_True : Py_False,
+                                k.zero_point);
+    if (t == nullptr) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, i, t);
+  }
+  return list;
 }
 
 // isa() -> str: the active instruction-set path.
@@ -73,6 +90,7 @@ PyObject* SetIsa(PyObject*, PyObject* arg) {
 
 PyMethodDef kMethods[] = {
     {"targets", Targets, METH_NOARGS, "FFI handler capsules by target name."},
+    {"kinds", Kinds, METH_NOARGS, "Weight-only kinds: (id, name, pair_bytes, lut, zero_point)."},
     {"isa", Isa, METH_NOARGS, "Name of the active instruction-set path."},
     {"supported_isas", SupportedIsas, METH_NOARGS, "Paths this CPU can run, slowest first."},
     {"set_isa", SetIsa, METH_O, "Select a path (capped by the CPU); returns the active name."},

@@ -1,0 +1,72 @@
+"""The kernel kinds: one table every other kind list in lowbit derives from.
+
+The compiled module carries the same facts for its weight-only kinds (`kinds()` of
+`lowbit.kernels._cpu_kernels`, from `kKindTable` in cpu/common.h); a test checks the two agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import jax.numpy as jnp
+import numpy as np
+
+# How a kind's codes are offset before the scale: none (w = q * s), a fixed 8 (offset-binary
+# int4 in the packed stream), or a float zero point per group stored with the scales.
+ZERO_POINTS = ("none", "fixed8", "per_group")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelKind:
+    """One kernel kind.
+
+    name: the kind's name in `prepare` / `PreparedWeight.kind`.
+    kernel_id: the compiled weight-only kernel it runs on, None for w8a8 (its own targets).
+    code_dtype: dtype of the logical codes `prepare` takes.
+    pair_bytes: bytes per pair row of a packed 16-column panel (16 for 4-bit codes, 32 for
+      8-bit weight-only codes); 4 for w8a8 (bytes per column per k-quad).
+    lut: name of the 16-entry codebook the codes index (`_reference.CODEBOOKS`), else None.
+    zero_point: one of `ZERO_POINTS`.
+    formats: element-format names (`lowbit.formats`) of weight-only QArrays that run here.
+    """
+
+    name: str
+    kernel_id: int | None
+    code_dtype: np.dtype
+    pair_bytes: int
+    lut: str | None
+    zero_point: str
+    formats: tuple[str, ...] = ()
+
+
+_TABLE = (
+    KernelKind("int8", 0, np.dtype(jnp.int8), 32, None, "none", ("int8",)),
+    KernelKind("int4", 1, np.dtype(jnp.uint8), 16, None, "fixed8", ("int4",)),
+    KernelKind("uint4", 2, np.dtype(jnp.uint8), 16, None, "per_group", ("uint4",)),
+    KernelKind("nf4", 3, np.dtype(jnp.uint8), 16, "nf4", "none", ("nf4",)),
+    KernelKind("fp8", 4, np.dtype(jnp.float8_e4m3fn), 32, None, "none", ("fp8_e4m3fn",)),
+    # E2M1 elements; block scales (E8M0, or e4m3 times a tensor scale) decode to float32 group
+    # scales when the layout is built. Same kernel as nf4, another codebook.
+    KernelKind(
+        "fp4", 3, np.dtype(jnp.uint8), 16, "fp4", "none", ("fp4_e2m1", "mxfp4", "nvfp4")
+    ),
+    KernelKind("w8a8", None, np.dtype(jnp.int8), 4, None, "none"),
+)
+
+KERNEL_KINDS: types.MappingProxyType[str, KernelKind] = types.MappingProxyType(
+    {k.name: k for k in _TABLE}
+)
+"""Kind name -> `KernelKind`, in table order."""
+
+KINDS = tuple(KERNEL_KINDS)
+"""Every kind `prepare` accepts."""
+
+WEIGHT_ONLY_KINDS = tuple(k.name for k in _TABLE if k.kernel_id is not None)
+"""Kinds run by the weight-only kernel (float activations)."""
+
+KIND_IDS = types.MappingProxyType({k: KERNEL_KINDS[k].kernel_id for k in WEIGHT_ONLY_KINDS})
+"""Weight-only kind -> compiled kernel id."""
+
+FORMAT_KINDS = types.MappingProxyType({f: k.name for k in _TABLE for f in k.formats})
+"""Element-format name of a weight-only QArray -> the kind that runs it."""
