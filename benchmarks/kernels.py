@@ -22,15 +22,24 @@ from lowbit import kernels
 
 SIZES = (4096, 8192)
 BATCHES = (1, 8, 64, 512)
-# name -> (kind, group_size)
+# Small layers (SmolLM2-135M's MLP), timed at M = 1 for the bandwidth table only.
+SMALL = ((576, 1536), (1536, 576))
+# name -> (kind, group_size). "uint4" is asymmetric int4 (a float zero point per group);
+# MXFP4 runs as fp4 E2M1 codes with its E8M0 block scales decoded to float32, group 32.
 WEIGHT_ONLY = {
     "int8": ("int8", None),
+    "int4 g32": ("int4", 32),
     "int4 g64": ("int4", 64),
     "int4 g128": ("int4", 128),
     "uint4 g32": ("uint4", 32),
+    "uint4 g128": ("uint4", 128),
     "nf4 g64": ("nf4", 64),
+    "mxfp4": ("fp4", 32),
     "fp8": ("fp8", None),
 }
+# Linear K = N for the torchao comparison, and the MLP anchor (d_model, d_ffn, layers, tokens).
+PEER_SIZE = 4096
+MLP = (1024, 4096, 4, 512)
 MIN_SECONDS = 0.6  # per measurement: repeat until this much time has passed...
 MIN_REPS, MAX_REPS = 2, 30  # ...within these bounds; the minimum is reported
 TORCH_BUDGET_S = 2.0  # torch._int_mm calls slower than this end its column
@@ -55,12 +64,16 @@ def _bandwidth() -> tuple[float, float]:
     return 2 * src.nbytes / copy_s / 1e9, src.nbytes / read_s / 1e9
 
 
-def _weights(k: int, n: int, rng: np.random.Generator) -> dict[str, kernels.PreparedWeight]:
+def _weights(
+    k: int, n: int, rng: np.random.Generator, names=None
+) -> dict[str, kernels.PreparedWeight]:
     out = {}
     nibbles = jnp.asarray(rng.integers(0, 16, (k, n), dtype=np.uint8))
     int8 = jnp.asarray(rng.integers(-127, 128, (k, n), dtype=np.int8))
     for name, (kind, gs) in WEIGHT_ONLY.items():
-        groups = 1 if gs is None else k // gs
+        if names is not None and name not in names:
+            continue
+        groups = 1 if gs is None else -(-k // gs)
         scale = jnp.asarray(rng.uniform(0.001, 0.01, (groups, n)).astype(np.float32))
         zp = jnp.full((groups, n), 7.5, jnp.float32) if kind == "uint4" else None
         if kind == "int8":
@@ -141,7 +154,21 @@ def run() -> str:
                 + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in row.items()),
                 flush=True,
             )
-    return _report(results, wbytes, names, copy_bw, read_bw, bw)
+    small = _small_layers(rng, wo, wbytes)
+    report = _report(results, wbytes, names, copy_bw, read_bw, bw, small)
+    return report + _peer_report(rng)
+
+
+def _small_layers(rng, wo, wbytes) -> dict[tuple[int, int], dict[str, float]]:
+    """M = 1 times of every weight-only kind on the small layer shapes."""
+    out = {}
+    for k, n in SMALL:
+        ws = _weights(k, n, rng, names=WEIGHT_ONLY)
+        x = jnp.asarray(rng.standard_normal((1, k), dtype=np.float32))
+        out[(k, n)] = {name: _time(lambda w=w, x=x: wo(x, w)) for name, w in ws.items()}
+        for name, w in ws.items():
+            wbytes[((k, n), name)] = _weight_bytes(w)
+    return out
 
 
 def _fmt(t: float, base: float) -> str:
@@ -151,7 +178,7 @@ def _fmt(t: float, base: float) -> str:
     return f"{t * 1e3:.2f} ({ratio:.1f}x)" if ratio >= 0.1 else f"{t * 1e3:.2f} ({ratio:.2g}x)"
 
 
-def _report(results, wbytes, names, copy_bw, read_bw, bw) -> str:
+def _report(results, wbytes, names, copy_bw, read_bw, bw, small) -> str:
     threads = os.cpu_count()
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     lines = [
@@ -185,8 +212,12 @@ def _report(results, wbytes, names, copy_bw, read_bw, bw) -> str:
         "Weight bytes streamed per call (packed weight incl. scales) divided by the call time,"
         f" and that as a share of the better bandwidth figure above ({bw:.1f} GB/s).",
         "",
-        "| kernel | " + " | ".join(f"K=N={k}: MB, GB/s, % of bw" for k in SIZES) + " |",
-        "|---" * (len(SIZES) + 1) + "|",
+        "| kernel | "
+        + " | ".join(f"K=N={k}: MB, GB/s, % of bw" for k in SIZES)
+        + " | "
+        + " | ".join(f"{k}x{n}: us, % of bw" for k, n in SMALL)
+        + " |",
+        "|---" * (len(SIZES) + len(SMALL) + 1) + "|",
     ]
     for name in [n for n in names if n != "torch._int_mm"]:
         cells = []
@@ -195,8 +226,14 @@ def _report(results, wbytes, names, copy_bw, read_bw, bw) -> str:
             cells.append(
                 f"{nbytes / 1e6:.0f}, {nbytes / t / 1e9:.1f}, {100 * nbytes / t / 1e9 / bw:.0f}%"
             )
+        for shape in SMALL:
+            if name in small[shape]:
+                nbytes, t = wbytes[(shape, name)], small[shape][name]
+                cells.append(f"{t * 1e6:.0f}, {100 * nbytes / t / 1e9 / bw:.0f}%")
+            else:
+                cells.append("")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "### Targets", ""] + _targets(results)
+    lines += ["", "### Targets", ""] + _targets(results) + _bw_targets(results, wbytes, small, bw)
     lines += ["", "### Notes", ""] + _notes(results, "torch._int_mm" in names)
     return "\n".join(lines) + "\n"
 
@@ -264,4 +301,185 @@ def _targets(results) -> list[str]:
         },
         3.0,
     )
+    return out
+
+
+def _bw_targets(results, wbytes, small, bw) -> list[str]:
+    """Decode (M = 1) share of the read bandwidth: >= 60% at K = N sizes, >= 50% small."""
+    out = []
+    big = [(k, results[(k, 1)]) for k in SIZES]
+    for label, goal, cases in (
+        ("M=1 weight-only, K=N in " + "/".join(map(str, SIZES)), 60, big),
+        ("M=1 weight-only, " + " and ".join(f"{k}x{n}" for k, n in SMALL), 50, list(small.items())),
+    ):
+        shares = {
+            f"{name} {where if isinstance(where, int) else 'x'.join(map(str, where))}": 100
+            * wbytes[(where, name)]
+            / row[name]
+            / 1e9
+            / bw
+            for where, row in cases
+            for name in WEIGHT_ONLY
+        }
+        worst = min(shares, key=shares.get)
+        met = shares[worst] >= goal
+        out.append(
+            f"- {label} (goal >= {goal}% of {bw:.1f} GB/s): **{'met' if met else 'NOT met'}**"
+            f" (lowest: {worst} {shares[worst]:.0f}%)"
+        )
+    return out
+
+
+def _peer_report(rng: np.random.Generator) -> str:
+    """torchao beside lowbit: linear K = N = PEER_SIZE at every M, and the MLP anchor."""
+    from benchmarks import _torchao
+
+    if _torchao.load() is None:
+        return (
+            "\n### Against torchao\n\nSkipped: torch / torchao are not importable here"
+            " (`make bench` installs them in .venv-bench).\n"
+        )
+    k = PEER_SIZE
+    lowbit_w = _weights(k, k, rng, names=("int8", "int4 g128"))
+    int8 = jnp.asarray(rng.integers(-127, 128, (k, k), dtype=np.int8))
+    scale = jnp.asarray(rng.uniform(0.001, 0.01, (1, k)).astype(np.float32))
+    lowbit_w["w8a8"] = kernels.prepare("w8a8", int8, scale)
+    wf = jnp.asarray(rng.standard_normal((k, k), dtype=np.float32))
+    dot = jax.jit(jnp.dot)
+    wo = jax.jit(kernels.weight_only_linear)
+    q8 = jax.jit(kernels.w8a8_linear)
+    # (label, lowbit fn(x), lowbit activation dtype, torchao peer)
+    pairs = [
+        ("float32", lambda x: dot(x, wf), jnp.float32, "torch f32"),
+        (
+            "int4 g128 weight-only",
+            lambda x: wo(x, lowbit_w["int4 g128"]),
+            jnp.float32,
+            "torchao int4 g128",
+        ),
+        (
+            "int4 g128 weight-only, bf16 in/out",
+            lambda x: wo(x, lowbit_w["int4 g128"]),
+            jnp.bfloat16,
+            "torchao int4 g128",
+        ),
+        ("int8 weight-only", lambda x: wo(x, lowbit_w["int8"]), jnp.float32, "torchao int8"),
+        (
+            "w8a8 (dynamic int8 activations)",
+            lambda x: q8(x, lowbit_w["w8a8"]),
+            jnp.float32,
+            "torchao w8a8",
+        ),
+    ]
+    peers = {p: _torchao.build(p, [(k, k)]) for p in {pair[3] for pair in pairs}}
+    linear: dict[tuple[str, int], tuple[float, float]] = {}
+    for m in BATCHES:
+        for label, fn, dtype, peer in pairs:
+            x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32)).astype(dtype)
+            tfn, tin = peers[peer]
+            tx = tin(m)
+            ours = _time(lambda fn=fn, x=x: fn(x))
+            theirs = _time(lambda tfn=tfn, tx=tx: tfn(tx))
+            linear[(label, m)] = (ours, theirs)
+            print(
+                f"[kernels] torchao K=N={k} M={m} {label}: lowbit {ours * 1e3:.3f} ms,"
+                f" {peer} {theirs * 1e3:.3f} ms",
+                flush=True,
+            )
+    mlp = _mlp_rows(rng)
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    lines = [
+        "",
+        f"### Against torchao ({_torchao.version()})",
+        "",
+        f"Same process, lowbit and torchao timed back to back for each cell; load average after:"
+        f" {load}. torchao models are `torch.compile`d; its int4 and int8 weight-only CPU paths"
+        " take bfloat16 activations, w8a8 and float32 take float32. Cells: lowbit ms / torchao ms"
+        " (torchao time / lowbit time: above 1 means lowbit is faster).",
+        "",
+        f"Linear {k} x {k}:",
+        "",
+        "| lowbit vs torchao | " + " | ".join(f"M = {m}" for m in BATCHES) + " |",
+        "|---" * (len(BATCHES) + 1) + "|",
+    ]
+    for label, *_rest in pairs:
+        cells = []
+        for m in BATCHES:
+            ours, theirs = linear[(label, m)]
+            cells.append(f"{ours * 1e3:.3f} / {theirs * 1e3:.3f} ({theirs / ours:.2f}x)")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    d, f, layers, tokens = MLP
+    lines += [
+        "",
+        f"{layers}-layer MLP (d = {d}, ffn = {f}, SiLU; weights only, no norms): decode is one"
+        f" token per call (M = 1), prefill {tokens} tokens per call. Tokens per second.",
+        "",
+        "| weights | lowbit decode | torchao decode | ratio | lowbit prefill | torchao prefill"
+        " | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, (dec, tdec, pre, tpre) in mlp.items():
+        lines.append(
+            f"| {label} | {1 / dec:.0f} | {1 / tdec:.0f} | {tdec / dec:.2f}x"
+            f" | {tokens / pre:.0f} | {tokens / tpre:.0f} | {tpre / pre:.2f}x |"
+        )
+    lines += ["", "Peer targets:", ""]
+    i4 = linear[("int4 g128 weight-only", 1)]
+    q8m = linear[("w8a8 (dynamic int8 activations)", 512)]
+    mlp4 = mlp["int4 g128"]
+    for text, ok in (
+        (f"int4 g128 GEMV {k}^2 M=1 <= torchao's time: {i4[1] / i4[0]:.2f}x", i4[0] <= i4[1]),
+        (f"MLP int4 decode >= torchao's tok/s: {mlp4[1] / mlp4[0]:.2f}x", mlp4[0] <= mlp4[1]),
+        (f"w8a8 M=512 >= 1.0x torchao: {q8m[1] / q8m[0]:.2f}x", q8m[0] <= q8m[1]),
+    ):
+        lines.append(f"- {text}: **{'met' if ok else 'NOT met'}**")
+    return "\n".join(lines) + "\n"
+
+
+def _mlp_rows(rng: np.random.Generator) -> dict[str, tuple[float, float, float, float]]:
+    """(lowbit decode s, torchao decode s, lowbit prefill s, torchao prefill s) per weight type."""
+    from benchmarks import _torchao
+
+    d, f, layers, tokens = MLP
+    widths = [(d, f), (f, d)] * layers
+    setups = {
+        "float32": ("f32", "torch f32", jnp.float32),
+        "int4 g128": ("int4 g128", "torchao int4 g128", jnp.float32),
+        "int8 weight-only": ("int8", "torchao int8", jnp.float32),
+        "w8a8": ("w8a8", "torchao w8a8", jnp.float32),
+    }
+    out = {}
+    for label, (name, peer, dtype) in setups.items():
+        ws = []
+        for k, n in widths:
+            if name == "f32":
+                ws.append(jnp.asarray(rng.standard_normal((k, n), dtype=np.float32) / k**0.5))
+            elif name == "w8a8":
+                codes = jnp.asarray(rng.integers(-127, 128, (k, n), dtype=np.int8))
+                scale = jnp.full((1, n), 0.01, jnp.float32)
+                ws.append(kernels.prepare("w8a8", codes, scale))
+            else:
+                ws.append(_weights(k, n, rng, names=(name,))[name])
+
+        def mlp(x, ws=ws, name=name):
+            for i, w in enumerate(ws):
+                if i:
+                    x = jax.nn.silu(x)
+                if name == "f32":
+                    x = jnp.dot(x, w)
+                elif name == "w8a8":
+                    x = kernels.w8a8_linear(x, w)
+                else:
+                    x = kernels.weight_only_linear(x, w)
+            return x
+
+        fn = jax.jit(mlp)
+        tfn, tin = _torchao.build(peer, widths)
+        times = []
+        for m in (1, tokens):
+            x = jnp.asarray(rng.standard_normal((m, d), dtype=np.float32)).astype(dtype)
+            tx = tin(m)
+            times += [_time(lambda x=x, fn=fn: fn(x)), _time(lambda tx=tx, tfn=tfn: tfn(tx))]
+        out[label] = tuple(times)
+        print(f"[kernels] MLP {label}: " + ", ".join(f"{t * 1e3:.2f} ms" for t in times))
     return out
