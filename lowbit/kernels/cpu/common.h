@@ -106,6 +106,10 @@ struct IsaKernels {
   // each block contiguous and row-major ([M/rows][ceil(kq/tile_k)][rows][tile_k] u32,
   // act_words = 1): one AMX tile load each.
   int act_tile_k = 0;
+  // Optional vectorized per-token quantization of one activation row (the handler's scalar
+  // loop otherwise), bit-identical to it: *scale = absmax / 127 (1 for a zero row), u[i] =
+  // round_half_even(clamp(x[i] / scale, -127, 127)) + 128 for i < k.
+  void (*quantize_row)(const float* x, int64_t k, uint8_t* u, float* scale) = nullptr;
 };
 
 const IsaKernels* IsaScalar();

@@ -35,7 +35,7 @@ constexpr int64_t kRowBlock = 128;
 // Panel chunks per worker (see SplitWork).
 constexpr int64_t kChunksPerWorker = 4;
 // Below this many multiply-adds the fork/join costs more than it saves.
-constexpr int64_t kMinParallelMacs = int64_t{1} << 20;
+constexpr int64_t kMinParallelMacs = int64_t{1} << 18;
 
 inline float Bf16ToF32(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
@@ -265,6 +265,11 @@ ffi::Error Q8Run(ffi::ThreadPool& pool, Q8Mode mode, const Q8Inputs& in, int64_t
     if (mode == Q8Mode::kFloatIn) {
       std::vector<float> row(k);
       LoadRow(in.x, in.xbf16, r, k, row.data());
+      if (isa->quantize_row != nullptr) {
+        isa->quantize_row(row.data(), k, u.data(), &xs[r]);
+        PackActRow(u.data(), r, kq, *isa, xa.data());
+        return;
+      }
       float amax = 0.0f;
       for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
       const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;

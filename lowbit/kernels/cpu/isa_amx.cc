@@ -155,7 +155,8 @@ bool AmxUsable() {
 const IsaKernels* IsaAmx() {
   static const IsaKernels table = [] {
     const IsaKernels* vnni = IsaAvx512Vnni();
-    return IsaKernels{"amx", 1, 16, vnni->gemm_rows, vnni->wo, isa_amx::q8_run, 16};
+    return IsaKernels{"amx", 1, 16, vnni->gemm_rows, vnni->wo, isa_amx::q8_run, 16,
+                      vnni->quantize_row};
   }();
   return &table;
 }

@@ -86,3 +86,34 @@ static inline VI idot(VI acc, const WQ& w, const uint32_t* a) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(w.hi, _mm512_set1_epi32(static_cast<int>(a[1]))));
 }
 #endif
+
+// Per-token activation quantization (IsaKernels::quantize_row). Operand order of max / min
+// matches std::max / std::min in the handler's scalar loop, so NaN inputs behave the same.
+static void quantize_row(const float* x, int64_t k, uint8_t* u, float* scale_out) {
+  __m512 vmax = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), vmax);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, vmax);
+  float amax = 0.0f;
+  for (float v : lanes) amax = std::max(amax, v);
+  for (int64_t j = i; j < k; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+  *scale_out = scale;
+  const __m512 s = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.0f);
+  const __m512 hi = _mm512_set1_ps(127.0f), magic = _mm512_set1_ps(12582912.0f);
+  const __m512i offset = _mm512_set1_epi32(128);
+  for (i = 0; i + 16 <= k; i += 16) {
+    __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i), s);
+    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+    v = _mm512_sub_ps(_mm512_add_ps(v, magic), magic);
+    const __m512i q = _mm512_add_epi32(_mm512_cvttps_epi32(v), offset);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(u + i), _mm512_cvtepi32_epi8(q));
+  }
+  for (; i < k; ++i) {
+    float v = x[i] / scale;
+    v = std::min(127.0f, std::max(-127.0f, v));
+    v = (v + 12582912.0f) - 12582912.0f;
+    u[i] = static_cast<uint8_t>(static_cast<int32_t>(v) + 128);
+  }
+}
