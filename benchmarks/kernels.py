@@ -239,24 +239,34 @@ def _report(results, wbytes, names, copy_bw, read_bw, bw, small) -> str:
 
 
 def _notes(results, with_torch: bool) -> list[str]:
-    isa = kernels.status()
-    vnni = "vnni" in isa.split("isa=")[-1].split(" ")[0]
+    active = kernels.status().split("isa=")[-1].split(" ")[0]
     notes = [
+        f"- Paths that ran: `{active}`."
+        + (
+            " w8a8 on AMX-INT8 tiles (`tdpbusd`, 16 x 16 x 64 per instruction); weight-only"
+            " kinds on the AVX-512 VNNI path's code (4-bit codes decoded by `vpermps` table"
+            " lookups, 8-bit by widening converts)."
+            if active == "amx"
+            else ""
+        ),
         "- Weight-only kernels unpack codes in registers for M <= 16 (decode). For larger M"
-        " they dequantize a 512-deep K block of 32 columns into cache once per 64 rows and run"
+        " they dequantize a 512-deep K block of 32 columns into cache once per 128 rows and run"
         " a float32 register-tiled GEMM over it, so at M = 512 they are bounded by the same FMA"
         " throughput as float32 and land near 1x: their purpose there is not materializing the"
         " full float weight, the speed-up is at decode sizes where the weight stream dominates.",
+        "- Decode with float32 activations costs three 512-bit operations per 16 weights (widen"
+        " the codes, look up or convert, multiply-add), and AVX-512 issues two per cycle: about"
+        " 5 bytes of 4-bit codes (10 of 8-bit codes) per cycle and core, near this machine's"
+        " read bandwidth, so M = 1 is compute bound here as much as memory bound. Shares above"
+        " 100% mean the weight came from cache: this VM reports 4 MiB of L2 per core and a"
+        " 480 MiB L3, so the 4096^2 weights (9-17 MB) are cache resident between calls while"
+        " the bandwidth probe reads 256 MiB.",
     ]
-    if not vnni:
+    if active in ("avx512bw", "avx2", "scalar"):
         notes.append(
-            "- w8a8 on this CPU: it has AVX-512BW but no VNNI. Exact u8 x s8 products without"
-            " VNNI need int16 `vpmaddwd` plus an add (4 ops per 64 multiply-adds per row, plus"
-            " unpacking), while `vpmaddubsw` can saturate with 8-bit activations; so the integer"
-            " peak equals the float32 FMA peak and 3x over a well-tuned float32 GEMM is not"
-            " reachable at large M here. Its gains come from the 4x smaller weight stream"
-            " (decode, small M). The AVX-512 VNNI path (`vpdpbusd`, one op per 64"
-            " multiply-adds) for CPUs such as Zen 5 is built but cannot run on this machine."
+            "- w8a8 on this CPU: no VNNI. Exact u8 x s8 products without VNNI need int16"
+            " `vpmaddwd` plus an add, while `vpmaddubsw` can saturate with 8-bit activations;"
+            " its gains come from the 4x smaller weight stream (decode, small M)."
         )
     notes.append(
         "- The machine was shared with other jobs during the run (see load average): times are"
@@ -395,7 +405,10 @@ def _peer_report(rng: np.random.Generator) -> str:
         f"Same process, lowbit and torchao timed back to back for each cell; load average after:"
         f" {load}. torchao models are `torch.compile`d; its int4 and int8 weight-only CPU paths"
         " take bfloat16 activations, w8a8 and float32 take float32. Cells: lowbit ms / torchao ms"
-        " (torchao time / lowbit time: above 1 means lowbit is faster).",
+        " (torchao time / lowbit time: above 1 means lowbit is faster). On a loaded machine"
+        " torch's OpenMP regions wait for descheduled threads at every barrier while lowbit's"
+        " workers claim chunks dynamically, so high load average widens the gap in lowbit's"
+        " favour; compare runs at similar load.",
         "",
         f"Linear {k} x {k}:",
         "",
