@@ -83,8 +83,9 @@ def _weights(
         else:
             codes = nibbles
         out[name] = jax.block_until_ready(kernels.prepare(kind, codes, scale, zp, gs))
-    scale = jnp.asarray(rng.uniform(0.001, 0.01, (1, n)).astype(np.float32))
-    out["w8a8"] = jax.block_until_ready(kernels.prepare("w8a8", int8, scale))
+    if names is None or "w8a8" in names:
+        scale = jnp.asarray(rng.uniform(0.001, 0.01, (1, n)).astype(np.float32))
+        out["w8a8"] = jax.block_until_ready(kernels.prepare("w8a8", int8, scale))
     return out
 
 
