@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 
 from lowbit.formats import FORMATS
 from lowbit.ops import attach_kernel_layouts
-from lowbit.qarray import Fixed, QArray, QuantConfig
+from lowbit.qarray import Fixed, QArray, QuantConfig, check_values
 from lowbit.qarray import quantize as quantize_array
 from lowbit.recipes import Recipe, Rule, map_params, preset
 
@@ -41,6 +42,7 @@ def quantize_weight(x: jax.Array, config: QuantConfig, rule: Rule) -> QArray:
     Returns:
       A packed `QArray`; `activation_bounds` set when the activation calibration is `Fixed`.
     """
+    check_values(x, config)  # concrete weights only: refuse all-NaN and misused uint formats
     q = _quantize_jit(x, config)
     if rule.activation is None:
         return q
@@ -136,13 +138,22 @@ def quantize_params(
     return attach_kernel_layouts(out) if kernel_layouts else out
 
 
+_PARAMS_OPTIONS = frozenset(inspect.signature(quantize_params).parameters) - {"params", "recipe"}
+
+
 def quantize(params: Any, recipe: Recipe | str, **options: Any) -> Any:
     """`lowbit.quantize`: quantizes a params pytree by a recipe (`quantize_params`).
 
+    Options of `quantize_params` (``uses``, ``uncalibrated``, ``kernel_layouts``) are passed to
+    it; with a preset name, any other option goes to the preset:
+    ``quantize(params, "int4_weight_only", group_size=32)`` is
+    ``quantize(params, preset("int4_weight_only", group_size=32))``.
     For a single array with a `QuantConfig` or format name, use `lowbit.qarray.quantize`.
 
     Raises:
-      TypeError: if given a single array with a `QuantConfig` / format instead of a recipe.
+      TypeError: if given a single array with a `QuantConfig` / format instead of a recipe, or
+        options other than `quantize_params`' with a `Recipe`.
+      ValueError: for options the preset does not take.
     """
     if isinstance(recipe, QuantConfig) or (
         isinstance(params, jax.Array) and isinstance(recipe, str) and recipe in FORMATS
@@ -151,4 +162,14 @@ def quantize(params: Any, recipe: Recipe | str, **options: Any) -> Any:
             "lowbit.quantize quantizes a params pytree by a Recipe or preset name; to quantize "
             "one array with a QuantConfig or format use lowbit.qarray.quantize(x, config)"
         )
-    return quantize_params(params, recipe, **options)
+    preset_options = {k: v for k, v in options.items() if k not in _PARAMS_OPTIONS}
+    if preset_options:
+        if not isinstance(recipe, str):
+            raise TypeError(
+                f"lowbit.quantize got options {sorted(preset_options)}, which only a preset name "
+                f"takes (e.g. quantize(params, 'int4_weight_only', group_size=32)); a Recipe "
+                f"takes only {sorted(_PARAMS_OPTIONS)}"
+            )
+        recipe = preset(recipe, **preset_options)
+    params_options = {k: v for k, v in options.items() if k in _PARAMS_OPTIONS}
+    return quantize_params(params, recipe, **params_options)

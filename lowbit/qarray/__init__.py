@@ -27,7 +27,13 @@ from lowbit.qarray._granularity import (
     PerToken,
 )
 from lowbit.qarray._qarray import QArray, broadcast_blocks, decode_scale, is_qarray
-from lowbit.qarray._quantize import QuantConfig, blocks_view, dequantize, quantize
+from lowbit.qarray._quantize import (
+    QuantConfig,
+    blocks_view,
+    check_values,
+    dequantize,
+    quantize,
+)
 
 __all__ = [
     "MSE",
@@ -52,6 +58,7 @@ __all__ = [
     "amax_history_update",
     "blocks_view",
     "broadcast_blocks",
+    "check_values",
     "decode_scale",
     "dequantize",
     "fake_quant",

@@ -10,6 +10,7 @@ other block's scale untouched and its own block's scale finite. Strings such as
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -30,6 +31,12 @@ def _finite_min_max(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.where(empty, 0.0, lo), jnp.where(empty, 0.0, hi)
 
 
+def _check_positive(field: str, value: object) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not 0.0 < value < float("inf"):
+        raise ValueError(f"{field}={value!r}; accepted: a positive finite number")
+
+
 def _symmetric(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
     return -amax, amax
 
@@ -39,6 +46,9 @@ class AbsMax:
     """Bound = `clip` × max |x| (`clip` < 1 clips outliers)."""
 
     clip: float = 1.0
+
+    def __post_init__(self):
+        _check_positive("AbsMax.clip", self.clip)
 
     def bounds(self, blocks: jax.Array, *, fmt: Format, symmetric: bool):
         if not symmetric:
@@ -53,6 +63,9 @@ class AbsMean:
     scale = mean |x| and codes = clip(round(x / scale), -1, 1))."""
 
     multiplier: float = 1.0
+
+    def __post_init__(self):
+        _check_positive("AbsMean.multiplier", self.multiplier)
 
     def bounds(self, blocks: jax.Array, *, fmt: Format, symmetric: bool):
         finite = jnp.isfinite(blocks)
@@ -81,6 +94,14 @@ class Percentile:
 
     q: float = 99.9
 
+    def __post_init__(self):
+        q = self.q
+        if isinstance(q, bool) or not isinstance(q, int | float) or not 50.0 <= q <= 100.0:
+            raise ValueError(
+                f"Percentile.q={q!r}; accepted: a percentile in [50, 100] (the bound is the q-th "
+                "percentile of |x|, e.g. 99.9)"
+            )
+
     def bounds(self, blocks: jax.Array, *, fmt: Format, symmetric: bool):
         finite = jnp.isfinite(blocks)
         if symmetric:
@@ -98,6 +119,9 @@ class RMS:
     """Bound = `multiplier` × root-mean-square of x (robust to rare outliers)."""
 
     multiplier: float = 3.0
+
+    def __post_init__(self):
+        _check_positive("RMS.multiplier", self.multiplier)
 
     def bounds(self, blocks: jax.Array, *, fmt: Format, symmetric: bool):
         finite = jnp.isfinite(blocks)
@@ -118,8 +142,15 @@ class Fixed:
     hi: float
 
     def __post_init__(self):
-        if not self.lo < self.hi:
-            raise ValueError(f"Fixed calibration needs lo < hi, got lo={self.lo}, hi={self.hi}")
+        finite = all(
+            isinstance(v, int | float) and not isinstance(v, bool) and abs(v) < float("inf")
+            for v in (self.lo, self.hi)
+        )
+        if not finite or not self.lo < self.hi:
+            raise ValueError(
+                f"Fixed calibration needs finite numbers lo < hi, got lo={self.lo!r}, "
+                f"hi={self.hi!r}"
+            )
 
     def bounds(self, blocks: jax.Array, *, fmt: Format, symmetric: bool):
         shape = blocks.shape[:-1]
@@ -139,6 +170,12 @@ class MSE:
     one with the least squared reconstruction error."""
 
     grid: tuple[float, ...] = tuple(round(1.0 - 0.025 * i, 4) for i in range(21))
+
+    def __post_init__(self):
+        if not isinstance(self.grid, tuple) or not self.grid:
+            raise ValueError(f"MSE.grid={self.grid!r}; accepted: a non-empty tuple of clip ratios")
+        for ratio in self.grid:
+            _check_positive("MSE.grid ratio", ratio)
 
     def bounds(self, blocks: jax.Array, *, fmt: Format, symmetric: bool, round_trip: RoundTrip):
         lo0, hi0 = MinMax().bounds(blocks, fmt=fmt, symmetric=symmetric)
@@ -182,15 +219,20 @@ def parse_calibration(text: str) -> Calibration:
     )
     try:
         values = [float(a) for a in args]
-        if name == "fixed":
-            if len(values) == 1:
-                return Fixed(-abs(values[0]), abs(values[0]))
-            if len(values) == 2:
-                return Fixed(*values)
-        elif name in _NAMES and (len(values) <= 1 and name != "minmax" and name != "mse"):
-            return _NAMES[name](*values)
-        elif name in ("minmax", "mse") and not values:
-            return _NAMES[name]()
     except ValueError:
-        pass
+        values = None
+    make = None
+    if values is not None:
+        if name == "fixed" and len(values) in (1, 2):
+            lo, hi = (-abs(values[0]), abs(values[0])) if len(values) == 1 else values
+            make = functools.partial(Fixed, lo, hi)
+        elif name in ("minmax", "mse"):
+            make = None if values else _NAMES[name]
+        elif name in _NAMES and len(values) <= 1:
+            make = functools.partial(_NAMES[name], *values)
+    if make is not None:
+        try:
+            return make()
+        except ValueError as err:  # parsed, but out of range: say which bound
+            raise ValueError(f"calibration {text!r}: {err}") from None
     raise ValueError(f"calibration {text!r} does not parse; accepted: {accepted}")

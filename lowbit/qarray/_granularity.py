@@ -11,6 +11,10 @@ import dataclasses
 from collections.abc import Sequence
 
 
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _axis(axis: int, ndim: int, what: str) -> int:
     if not isinstance(axis, int) or not -ndim <= axis < ndim:
         raise ValueError(f"{what}={axis!r} is out of range for an array with ndim={ndim}")
@@ -34,6 +38,15 @@ class PerChannel:
 
     axes: tuple[int, ...] = (-1,)
 
+    def __post_init__(self):
+        axes = self.axes
+        if not isinstance(axes, tuple) or not axes or not all(
+            isinstance(a, int) and not isinstance(a, bool) for a in axes
+        ):
+            raise ValueError(
+                f"PerChannel.axes={axes!r}; accepted: a non-empty tuple of ints, e.g. (-1,)"
+            )
+
     def tile(self, shape: Sequence[int]) -> tuple[int, ...]:
         kept = {_axis(a, len(shape), "PerChannel.axes") for a in self.axes}
         return tuple(1 if i in kept else n for i, n in enumerate(shape))
@@ -46,6 +59,15 @@ class PerGroup:
 
     size: int
     axis: int = 0
+
+    def __post_init__(self):
+        if not _positive_int(self.size):
+            raise ValueError(
+                f"PerGroup.size={self.size!r}; accepted: a positive int (elements per group), "
+                "e.g. 32, 64 or 128"
+            )
+        if isinstance(self.axis, bool) or not isinstance(self.axis, int):
+            raise ValueError(f"PerGroup.axis={self.axis!r}; accepted: an int")
 
     def tile(self, shape: Sequence[int]) -> tuple[int, ...]:
         axis = _axis(self.axis, len(shape), "PerGroup.axis")
@@ -63,6 +85,14 @@ class PerBlock:
     scale per index."""
 
     block: tuple[int, ...]
+
+    def __post_init__(self):
+        block = self.block
+        if not isinstance(block, tuple) or not block or not all(_positive_int(b) for b in block):
+            raise ValueError(
+                f"PerBlock.block={block!r}; accepted: a non-empty tuple of positive ints, e.g. "
+                "(128, 128)"
+            )
 
     def tile(self, shape: Sequence[int]) -> tuple[int, ...]:
         k = len(self.block)

@@ -10,13 +10,25 @@ The math, per block (one scale each; see `QArray`):
                scale = e4m3(bound / fmt.max_value / tensor_scale)
 
 Guards: a block whose bound is zero (all zeros) or not finite gets scale 1, so it decodes to exact
-zeros and never to NaN. Non-finite elements do not enter any bound; NaN encodes to code 0's grid
-value nearest zero and ±Inf saturate to the largest magnitude of their block.
+zeros and never to NaN; in a format without a zero level (``int1``: ±1) such a block gets scale
+0 instead, so it still decodes to zeros. Non-finite elements do not enter any bound; NaN encodes
+to code 0's grid value nearest zero and ±Inf saturate to the largest magnitude of their block.
+
+Checked on concrete inputs (`check_values`; a traced input cannot be inspected, see there): an
+input with no finite element at all (all NaN / ±Inf) is refused rather than quantized to
+zeros, and so are negative values under an explicitly symmetric unsigned format.
+
+Unsigned formats (``uint1`` .. ``uint8``) default to asymmetric quantization with a zero point:
+their grid ``[0, 2**bits - 1]`` has no negative values, so a symmetric scale (zero point fixed
+at code 0) can only represent non-negative data. ``symmetric=True`` with an unsigned format is
+accepted for data known to be non-negative (e.g. after a ReLU) and refused where the data or a
+`Fixed` calibration shows negative values.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -26,7 +38,7 @@ import ml_dtypes
 import numpy as np
 
 from lowbit.formats import Format, get_format
-from lowbit.qarray._calibration import MSE, AbsMax, Calibration, MinMax
+from lowbit.qarray._calibration import MSE, AbsMax, Calibration, Fixed, MinMax
 from lowbit.qarray._granularity import Granularity, PerGroup, PerTensor
 from lowbit.qarray._qarray import QArray, broadcast_blocks
 
@@ -44,7 +56,10 @@ class QuantConfig:
         their block size along `granularity.axis` if it is a `PerGroup`, else the last axis.
       calibration: how each block's bounds are chosen.
       symmetric: symmetric (no zero point) or asymmetric (with a zero point). Asymmetric needs
-        an integer format.
+        an integer format. None (the default) picks asymmetric for unsigned integer formats
+        (``uint*``), whose grid has no negative values, and symmetric for every other format;
+        the config stores the resolved bool. ``symmetric=True`` with an unsigned format is for
+        non-negative data only (see the module docstring).
       rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (needs a PRNG key).
       scale_dtype: dtype of stored float scales.
       pack: pack sub-byte codes densely into uint8 (the default; False keeps one code a byte).
@@ -53,7 +68,7 @@ class QuantConfig:
     format: str | Format = "int8"
     granularity: Granularity = PerTensor()
     calibration: Calibration = AbsMax()
-    symmetric: bool = True
+    symmetric: bool | None = None
     rounding: str = "nearest"
     scale_dtype: Any = jnp.float32
     pack: bool = True
@@ -62,6 +77,21 @@ class QuantConfig:
         fmt = get_format(self.format)  # raises on unknown names
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding={self.rounding!r}; accepted: {ROUNDINGS}")
+        if self.symmetric is None:
+            object.__setattr__(self, "symmetric", not _unsigned_int(fmt))
+        elif not isinstance(self.symmetric, bool):
+            raise ValueError(f"symmetric={self.symmetric!r}; accepted: True, False or None")
+        if (
+            self.symmetric
+            and _unsigned_int(fmt)
+            and isinstance(self.calibration, Fixed)
+            and self.calibration.lo < 0
+        ):
+            raise ValueError(
+                f"symmetric=True with unsigned format {fmt.name!r} represents [0, hi] only, but "
+                f"the Fixed calibration's lo={self.calibration.lo} is negative: negative values "
+                "would all become 0. Use symmetric=False (a zero point) or a signed format"
+            )
         if not self.symmetric and (not hasattr(fmt, "qmin") or fmt.block_size is not None):
             raise ValueError(
                 f"symmetric=False needs an integer format (a zero point in code units); "
@@ -73,6 +103,11 @@ class QuantConfig:
         object.__setattr__(self, "scale_dtype", dtype)
 
 
+def _unsigned_int(fmt: Format) -> bool:
+    """An integer format whose grid has no negative values (``uint*``)."""
+    return hasattr(fmt, "qmin") and fmt.block_size is None and fmt.min_value >= 0
+
+
 def _check_input(x: Any) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -80,9 +115,66 @@ def _check_input(x: Any) -> jax.Array:
             f"quantize expects a floating-point array, got dtype {x.dtype}; cast it first "
             "(x.astype(jnp.float32))"
         )
+    if x.size == 0:
+        raise ValueError(
+            f"quantize got an empty array of shape {tuple(x.shape)}: there are no values to "
+            "choose a scale from; keep empty arrays in float"
+        )
     if x.ndim == 0:
         x = x.reshape(1)
     return x
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _finite_summary(x: jax.Array, want_min: bool) -> tuple[jax.Array, jax.Array]:
+    """(any finite element, smallest finite element or +inf) of x, in one pass."""
+    finite = jnp.isfinite(x)
+    lowest = jnp.min(jnp.where(finite, x, jnp.inf)) if want_min else jnp.float32(jnp.inf)
+    return jnp.any(finite), lowest
+
+
+def check_values(x: Any, config: QuantConfig) -> None:
+    """Refuses concrete values no scale can represent; traced values pass unchecked.
+
+    Two cases would otherwise quantize silently to something else:
+
+      * no finite element at all (all NaN or ±Inf): there is no bound to derive a scale from, and
+        the result would decode to zeros (or saturated values) standing for garbage;
+      * a negative value under ``symmetric=True`` with an unsigned format: its grid starts at
+        code 0 = 0.0, so every negative value would become 0.
+
+    Inside `jax.jit` (a traced `x`) values cannot be inspected: there an all-NaN block decodes to
+    zeros and negatives under a symmetric unsigned format saturate to 0, as the module docstring
+    says. `lowbit.quantize` checks each weight before its compiled quantizer runs.
+
+    Args:
+      x: [...] float array (not checked if traced).
+      config: the config it is about to be quantized with.
+    Raises:
+      ValueError: saying which case, what was received and how to fix it.
+    """
+    if isinstance(x, jax.core.Tracer):
+        return
+    x = jnp.asarray(x)
+    if x.size == 0 or not jnp.issubdtype(x.dtype, jnp.floating):
+        return  # `_check_input` reports these
+    fmt = get_format(config.format)
+    unsigned_symmetric = bool(config.symmetric and _unsigned_int(fmt))
+    any_finite, lowest = _finite_summary(x, unsigned_symmetric)
+    if not bool(any_finite):
+        raise ValueError(
+            f"quantize got an array of shape {tuple(x.shape)} with no finite value (all NaN or "
+            "±Inf): no scale represents it, and quantizing would hide the NaNs as zeros. Fix "
+            "the values upstream (e.g. a diverged step) or keep this array in float"
+        )
+    if unsigned_symmetric and float(lowest) < 0:
+        raise ValueError(
+            f"format {fmt.name!r} is unsigned and symmetric=True fixes its zero point at code 0, "
+            f"so it represents only values >= 0, but this array (shape {tuple(x.shape)}) has "
+            f"negative values down to {float(lowest):g}, which would all become 0. Use "
+            "symmetric=False (the default for unsigned formats: a zero point per block) or a "
+            f"signed format such as {fmt.name[1:]!r}"
+        )
 
 
 def _tile(config: QuantConfig, fmt: Format, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -105,9 +197,16 @@ def blocks_view(x: jax.Array, tile: tuple[int, ...]) -> jax.Array:
     return x.reshape(inter).transpose(perm).reshape(*grid, math.prod(tile))
 
 
-def _float_scale(bound_range: jax.Array, denom: float) -> jax.Array:
+def _float_scale(bound_range: jax.Array, denom: float, empty: float = 1.0) -> jax.Array:
+    """bound / denom; `empty` where that is zero or not finite (a block with no range)."""
     scale = bound_range / denom
-    return jnp.where(jnp.isfinite(scale) & (scale > 0), scale, 1.0)
+    return jnp.where(jnp.isfinite(scale) & (scale > 0), scale, empty)
+
+
+def _empty_scale(fmt: Format) -> float:
+    # Scale of a block with a zero bound: 1 decodes its zero codes to exact zeros. A grid without
+    # a zero level (int1: ±1) would decode them to ±1, so such a block gets scale 0 instead.
+    return 1.0 if 0.0 in fmt.levels() else 0.0
 
 
 def _scales(fmt, config, lo, hi, global_amax):
@@ -133,7 +232,7 @@ def _scales(fmt, config, lo, hi, global_amax):
         block32 = block.astype(jnp.float32)
         scale32 = jnp.where(block32 > 0, block32, 1.0) * tensor_scale
         return block, scale32, None, tensor_scale
-    scale = _float_scale(amax, fmt.max_value).astype(config.scale_dtype)
+    scale = _float_scale(amax, fmt.max_value, _empty_scale(fmt)).astype(config.scale_dtype)
     return scale, scale.astype(jnp.float32), None, None
 
 
@@ -189,8 +288,10 @@ def quantize(
     Returns:
       A `QArray` with the shape and dtype of `x`.
     Raises:
-      ValueError: for a non-float input, an unknown format, a group size that does not divide,
-        an axis out of range, or stochastic rounding without a key.
+      ValueError: for a non-float or empty input, an unknown format, a group size that does not
+        divide, an axis out of range, stochastic rounding without a key, and (concrete inputs
+        only, see `check_values`) an input with no finite value or negative values under a
+        symmetric unsigned format.
     """
     if config is None:
         config = QuantConfig(**{"format": "int8", **overrides})
@@ -200,6 +301,7 @@ def quantize(
         config = dataclasses.replace(config, **overrides)
     fmt = get_format(config.format)
     x = _check_input(x)
+    check_values(x, config)
     logical_shape, logical_dtype = x.shape, x.dtype
     x32 = x.astype(jnp.float32)
     tile = _tile(config, fmt, x.shape)

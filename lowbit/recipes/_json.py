@@ -14,6 +14,7 @@ Text forms (parsed here, at the edge, into typed objects at once):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -67,21 +68,29 @@ def parse_granularity(text: str, field: str = "granularity"):
       ValueError: naming `field`, the text and the accepted forms.
     """
     name, _, rest = str(text).strip().partition(":")
+    make = None
     try:
         if name == "per_tensor" and not rest:
-            return PerTensor()
-        if name == "per_token" and not rest:
-            return PerToken()
-        if name == "per_channel":
-            return PerChannel(axes=tuple(int(a) for a in rest.split(",")) if rest else (-1,))
-        if name == "per_group":
+            make = PerTensor
+        elif name == "per_token" and not rest:
+            make = PerToken
+        elif name == "per_channel":
+            axes = tuple(int(a) for a in rest.split(",")) if rest else (-1,)
+            make = functools.partial(PerChannel, axes=axes)
+        elif name == "per_group":
             parts = [int(p) for p in rest.split(":")]
-            if len(parts) in (1, 2) and parts[0] > 0:
-                return PerGroup(*parts)
-        if name == "per_block" and rest:
-            return PerBlock(block=tuple(int(b) for b in rest.split("x")))
+            if len(parts) in (1, 2):
+                make = functools.partial(PerGroup, *parts)
+        elif name == "per_block" and rest:
+            block = tuple(int(b) for b in rest.split("x"))
+            make = functools.partial(PerBlock, block=block)
     except ValueError:
-        pass
+        make = None
+    if make is not None:
+        try:
+            return make()
+        except ValueError as err:  # well-formed, but a size or axis out of range
+            raise ValueError(f"{field}: {text!r}: {err}") from None
     raise ValueError(f"{field}: {text!r} is not a granularity; accepted: {_GRANULARITY_FORMS}")
 
 

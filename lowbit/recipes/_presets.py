@@ -239,6 +239,9 @@ def preset(name: str, *, stacked_axes: int = 0, **options) -> Recipe:
             raise ValueError(
                 f"preset {name!r} does not take options {sorted(options)}: {err}"
             ) from None
+        except ValueError as err:
+            shown = ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
+            raise ValueError(f"preset {name!r} with {shown}: {err}") from None
     if stacked_axes:
         rules = tuple(dataclasses.replace(r, stacked_axes=stacked_axes) for r in recipe.rules)
         recipe = Recipe(rules=rules, name=f"{recipe.name}(stacked_axes={stacked_axes})")
