@@ -10,7 +10,13 @@ __version__ = "0.1.0"
 from lowbit.api import calibrate, convert, qat, quantize, quantize_model, quantize_params, run
 from lowbit.engine import EngineFallbackError, EngineReport, interpret, trace_report
 from lowbit.formats import FORMATS, Format, format_names, get_format
-from lowbit.io import CheckpointError, import_gguf, load_checkpoint, save_checkpoint
+from lowbit.io import (
+    CheckpointError,
+    GGUFError,
+    import_gguf,
+    load_checkpoint,
+    save_checkpoint,
+)
 from lowbit.qarray import (
     MSE,
     RMS,
@@ -40,6 +46,7 @@ __all__ = [
     "CheckpointError",
     "EngineFallbackError",
     "EngineReport",
+    "GGUFError",
     "Fixed",
     "Format",
     "MinMax",

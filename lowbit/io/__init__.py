@@ -17,10 +17,11 @@ from lowbit.io._gguf_import import (
 from lowbit.io._hf_import import import_safetensors
 from lowbit.io._manifest import CheckpointError
 from lowbit.io._placement import Placement
-from lowbit.models import unpermute_rope_rows
+from lowbit.models import GGUFError, unpermute_rope_rows
 
 __all__ = [
     "CheckpointError",
+    "GGUFError",
     "GGUFTensorData",
     "Placement",
     "check_save_path",

@@ -21,7 +21,7 @@ from ._bert_loader import (
     load_minilm,
 )
 from ._generate import generate_greedy
-from ._gguf_reader import GGUFFile, GGUFTensor, read_gguf
+from ._gguf_reader import GGUFError, GGUFFile, GGUFTensor, read_gguf
 from ._llama import KVCache, Llama, LlamaConfig, apply_rope, init_kv_cache, rope_tables
 from ._llama_loader import (
     gguf_llama_param_map,
@@ -35,6 +35,7 @@ from ._weights import ParamMapping, assign_params, path_str, unpermute_rope_rows
 __all__ = [
     "Bert",
     "BertConfig",
+    "GGUFError",
     "GGUFFile",
     "GGUFTensor",
     "KVCache",

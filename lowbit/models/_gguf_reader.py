@@ -28,6 +28,11 @@ import gguf
 import numpy as np
 
 
+class GGUFError(ValueError):
+    """A file that is not a well-formed GGUF file: the message names the file (and the tensor
+    or metadata key) and what is wrong."""
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class GGUFTensor:
     """One tensor of a GGUF file, still in its stored encoding.
@@ -156,46 +161,88 @@ _SCALAR_FORMATS = {
 }
 
 
+# Limits that no real file reaches but that keep a corrupt header from running away: ggml
+# tensors have 1 to 4 dimensions, and GGUF arrays nest (arrays of arrays) only a few levels.
+_MAX_DIMS = 4
+_MAX_ARRAY_DEPTH = 8
+
+
 class _Cursor:
-    """Sequential little-endian reads from the file header."""
+    """Sequential little-endian reads from the file header; every failure is a `GGUFError`."""
 
     def __init__(self, buf: memoryview, path: str):
         self.buf = buf
         self.pos = 0
         self.path = path
 
+    def fail(self, message: str) -> GGUFError:
+        return GGUFError(f"GGUF file {self.path!r}: {message}")
+
+    def remaining(self) -> int:
+        return len(self.buf) - self.pos
+
     def unpack(self, fmt: str) -> Any:
         try:
             (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        except struct.error as err:
-            raise ValueError(f"GGUF file {self.path!r} is truncated at byte {self.pos}") from err
+        except struct.error:
+            raise self.fail(f"truncated at byte {self.pos}") from None
         self.pos += struct.calcsize(fmt)
         return value
 
-    def string(self) -> str:
+    def count(self, what: str, min_bytes: int) -> int:
+        """A uint64 count of items that take at least `min_bytes` each, checked against the
+        bytes left (a corrupt count such as 2**40 is refused here, not looped over)."""
+        at = self.pos
         n = self.unpack("<Q")
-        value = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8")
+        if n * min_bytes > self.remaining():
+            raise self.fail(
+                f"{what} {n} at byte {at} needs at least {n * min_bytes} bytes, but only "
+                f"{self.remaining()} remain: the header is corrupt or truncated"
+            )
+        return n
+
+    def string(self, what: str) -> str:
+        at = self.pos
+        n = self.count(f"length of {what}", 1)
+        raw = bytes(self.buf[self.pos : self.pos + n])
+        try:
+            value = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise self.fail(
+                f"{what} at byte {at} is not valid UTF-8 ({err.reason} at byte "
+                f"{self.pos + err.start}): {raw[:40]!r}"
+            ) from None
         self.pos += n
         return value
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
         if vtype == gguf.GGUFValueType.STRING:
-            return self.string()
+            return self.string(f"string value of {what}")
         if vtype == gguf.GGUFValueType.ARRAY:
+            if depth >= _MAX_ARRAY_DEPTH:
+                raise self.fail(f"{what} nests arrays deeper than {_MAX_ARRAY_DEPTH} levels")
             item_type = self.unpack("<I")
-            n = self.unpack("<Q")
             fmt = _SCALAR_FORMATS.get(item_type)
             if fmt is not None:
                 # Numeric arrays (token types, scores) are long: decode them in one go.
                 dtype = np.dtype(fmt)
+                n = self.count(f"length of array {what}", dtype.itemsize)
                 values = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos)
                 self.pos += n * dtype.itemsize
                 return values.tolist()
-            return [self.value(item_type) for _ in range(n)]
+            # Strings take at least their 8-byte length, nested arrays their 12-byte header.
+            n = self.count(f"length of array {what}", 8)
+            return [self.value(item_type, what, depth + 1) for _ in range(n)]
         fmt = _SCALAR_FORMATS.get(vtype)
         if fmt is None:
-            raise ValueError(f"GGUF file {self.path!r} has unknown value type {vtype}")
+            raise self.fail(f"{what} has unknown value type {vtype}")
         return self.unpack(fmt)
+
+
+# Bytes of the smallest possible records: a key/value pair (empty key, u8 value) and a tensor
+# info (empty name, one dim), so that counts can be checked against the file size.
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
 
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
@@ -205,54 +252,78 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     is dequantized until asked. The header is parsed directly (the layout `gguf.GGUFReader`
     reads) because building that reader's per-string views of a 49k-token vocabulary takes
     seconds; value and tensor types are the `gguf` package's enums.
+
+    Raises:
+      GGUFError: (a `ValueError`) naming the file, and the tensor or key where there is one, for
+        anything that is not a well-formed GGUF file: a missing or empty file, a bad magic or
+        version, counts or lengths past the end of the file, names that are not UTF-8, duplicate
+        tensor names or keys, a tensor with no dimension or a row that is not whole blocks, an
+        unknown type, a bad alignment, or tensor data past the end of the file.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise ValueError(f"path {path!r} is not a GGUF file")
+        raise GGUFError(f"path {path!r} is not a GGUF file")
+    if os.path.getsize(path) == 0:
+        raise GGUFError(f"path {path!r} is not a GGUF file (it is empty)")
     data = np.memmap(path, dtype=np.uint8, mode="r")
     cur = _Cursor(memoryview(data), path)
     if cur.unpack("<I") != gguf.GGUF_MAGIC:
-        raise ValueError(f"path {path!r} is not a GGUF file (bad magic)")
+        raise GGUFError(f"path {path!r} is not a GGUF file (bad magic)")
     version = cur.unpack("<I")
     if version not in (2, 3):
         # A byte-swapped version number means a big-endian file.
-        raise ValueError(f"GGUF file {path!r} has unsupported version {version}")
-    n_tensors = cur.unpack("<Q")
-    n_kv = cur.unpack("<Q")
+        raise cur.fail(f"unsupported version {version}")
+    n_tensors = cur.count("tensor count", _MIN_TENSOR_INFO_BYTES)
+    n_kv = cur.count("metadata key count", _MIN_KV_BYTES)
     metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        metadata[key] = cur.value(cur.unpack("<I"))
+    for i in range(n_kv):
+        key = cur.string(f"metadata key #{i}")
+        if key in metadata:
+            raise cur.fail(f"metadata key {key!r} appears twice")
+        metadata[key] = cur.value(cur.unpack("<I"), f"metadata key {key!r}")
     infos = []
-    for _ in range(n_tensors):
-        name = cur.string()
+    names: set[str] = set()
+    for i in range(n_tensors):
+        name = cur.string(f"name of tensor #{i}")
+        if name in names:
+            raise cur.fail(f"two tensors are named {name!r}")
+        names.add(name)
         n_dims = cur.unpack("<I")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise cur.fail(f"tensor {name!r} has {n_dims} dimensions; ggml tensors have 1 to 4")
         ggml_dims = [cur.unpack("<Q") for _ in range(n_dims)]
         type_id = cur.unpack("<I")
         try:
             ggml_type = gguf.GGMLQuantizationType(type_id)
         except ValueError:
-            raise ValueError(
-                f"GGUF file {path!r}: tensor {name!r} has unknown ggml type {type_id}; this gguf "
-                "package knows " + ", ".join(t.name for t in gguf.GGMLQuantizationType)
+            raise cur.fail(
+                f"tensor {name!r} has unknown ggml type {type_id}; this gguf package knows "
+                + ", ".join(t.name for t in gguf.GGMLQuantizationType)
             ) from None
+        if ggml_type not in gguf.GGML_QUANT_SIZES:
+            raise cur.fail(f"tensor {name!r} has ggml type {ggml_type.name} of unknown size")
         offset = cur.unpack("<Q")
         infos.append((name, tuple(reversed(ggml_dims)), ggml_type, offset))
-    alignment = int(metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+    alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
+        raise cur.fail(f"general.alignment is {alignment!r}; it must be a positive integer")
     data_start = -(-cur.pos // alignment) * alignment
     tensors: dict[str, GGUFTensor] = {}
     for name, shape, ggml_type, offset in infos:
         block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
         if shape[-1] % block_size:
-            raise ValueError(
-                f"GGUF file {path!r}: tensor {name!r} has row length {shape[-1]}, not a "
-                f"multiple of the {ggml_type.name} block size {block_size}"
+            raise cur.fail(
+                f"tensor {name!r} has row length {shape[-1]}, not a multiple of the "
+                f"{ggml_type.name} block size {block_size}"
             )
         row_bytes = shape[-1] // block_size * type_size
         n_bytes = math.prod(shape[:-1]) * row_bytes
         begin = data_start + offset
         if begin + n_bytes > data.size:
-            raise ValueError(f"GGUF file {path!r} is truncated inside tensor {name!r}")
+            raise cur.fail(
+                f"truncated inside tensor {name!r} (shape {shape}, {ggml_type.name}: bytes "
+                f"{begin} to {begin + n_bytes}, the file has {data.size})"
+            )
         raw = np.asarray(data[begin : begin + n_bytes]).reshape(*shape[:-1], row_bytes)
         tensors[name] = GGUFTensor(name=name, ggml_type=ggml_type, shape=shape, raw=raw)
     return GGUFFile(path=path, metadata=metadata, tensors=tensors)

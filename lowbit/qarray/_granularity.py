@@ -40,8 +40,10 @@ class PerChannel:
 
     def __post_init__(self):
         axes = self.axes
-        if not isinstance(axes, tuple) or not axes or not all(
-            isinstance(a, int) and not isinstance(a, bool) for a in axes
+        if (
+            not isinstance(axes, tuple)
+            or not axes
+            or not all(isinstance(a, int) and not isinstance(a, bool) for a in axes)
         ):
             raise ValueError(
                 f"PerChannel.axes={axes!r}; accepted: a non-empty tuple of ints, e.g. (-1,)"
