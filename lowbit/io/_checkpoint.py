@@ -248,6 +248,8 @@ def _parse_manifest(raw: bytes, file: str) -> dict[str, Any]:
         manifest = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{file}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise CheckpointError(f"{file}: JSON nested too deeply to be a manifest") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         got = manifest.get("format") if isinstance(manifest, dict) else manifest
         raise CheckpointError(f"{file}: format {got!r} is not {FORMAT_NAME!r}")

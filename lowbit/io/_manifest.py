@@ -35,6 +35,10 @@ FORMAT_VERSION = 2
 # Version 1 checkpoints load with a warning (their manifest is not sealed).
 READABLE_VERSIONS = (1, 2)
 _SCALE_ENCODINGS = ("float", "e8m0", "e4m3")
+# Containers nested deeper than this are refused: real params trees are a few levels deep, and
+# the limit keeps a hostile manifest from exhausting the interpreter's recursion (and so keeps
+# every walk of the tree, here and when building it, far from Python's recursion limit).
+MAX_TREE_DEPTH = 100
 
 
 class CheckpointError(ValueError):
@@ -70,7 +74,7 @@ def decode_tree(tree: Any, tensors: Mapping[str, Any], where: str) -> Plan:
     Raises:
       CheckpointError: naming the path and problem: unknown node kinds, format names, dtypes,
         scale encodings or activation configs, duplicate keys, tensors referenced twice or
-        never, or a tensor the table lacks.
+        never, a tensor the table lacks, or containers nested deeper than `MAX_TREE_DEPTH`.
     """
     table: dict[str, tuple[np.dtype, tuple]] = {}
     if not isinstance(tensors, Mapping):
@@ -101,6 +105,11 @@ def decode_tree(tree: Any, tensors: Mapping[str, Any], where: str) -> Plan:
     def walk(node: Any, path: Path) -> None:
         kind = node.get("kind") if isinstance(node, Mapping) else None
         at = f"{where}: node {path_name(path)!r}"
+        if len(path) > MAX_TREE_DEPTH:
+            raise CheckpointError(
+                f"{where}: the tree nests deeper than {MAX_TREE_DEPTH} levels (under "
+                f"{path_name(path[:3])!r})"
+            )
         if kind in ("none", "scalar"):
             if kind == "scalar" and isinstance(node.get("value"), bool | int | float):
                 plan.shapes[path] = ()

@@ -160,6 +160,8 @@ def read_file_header(f: BinaryIO) -> tuple[dict[str, TensorEntry], dict[str, str
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path}: header is not valid JSON ({err})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: header JSON is nested too deeply") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: header is not a JSON object")
     metadata = header.get("__metadata__", {})
