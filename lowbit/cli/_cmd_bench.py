@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from lowbit.cli._common import open_target, print_json, progress, stdout_console, step, write_json
+from lowbit.cli._common import (
+    open_target,
+    print_json,
+    progress,
+    stderr_console,
+    stdout_console,
+    step,
+    write_json,
+)
 from lowbit.eval import print_table
 from lowbit.eval._session import ModelSession
 
@@ -33,7 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-steps", type=int, default=16, metavar="N", help="tokens per timed decode run"
     )
     parser.add_argument(
-        "--json", action="store_true", help="also print the result as one JSON object, last line"
+        "--json",
+        action="store_true",
+        help="print the result (or the error) as one JSON object: the only line on stdout, "
+        "tables go to stderr",
     )
 
 
@@ -57,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         "prefill_tokens": speed.prefill_tokens,
         "decode_steps": speed.decode_steps,
     }
-    print_table([row], title=f"lowbit bench: {target.loaded.name}", console=stdout_console())
+    console = stderr_console() if args.json else stdout_console()
+    print_table([row], title=f"lowbit bench: {target.loaded.name}", console=console)
     if target.directory is not None:
         write_json(target.directory / BENCH_FILE, payload)
     if args.json:

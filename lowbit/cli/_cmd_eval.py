@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from lowbit.cli._common import open_target, print_json, progress, stdout_console, step, write_json
+from lowbit.cli._common import (
+    open_target,
+    print_json,
+    progress,
+    stderr_console,
+    stdout_console,
+    step,
+    write_json,
+)
 from lowbit.eval import print_table, read_sentences, read_text
 from lowbit.eval._session import ModelSession
 
@@ -50,7 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--context", type=int, default=512, metavar="N", help="perplexity window (default 512)"
     )
     parser.add_argument(
-        "--json", action="store_true", help="also print the result as one JSON object, last line"
+        "--json",
+        action="store_true",
+        help="print the result (or the error) as one JSON object: the only line on stdout, "
+        "tables go to stderr",
     )
 
 
@@ -60,6 +71,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--max-tokens={args.max_tokens} must be >= 1 and --context={args.context} >= 2"
         )
+    # Input files are checked before any model is loaded, so their errors come at once.
+    text = read_text(args.text) if args.text else None
+    if text is not None and len(text.encode("utf-8")) < args.context + 1:
+        # A token spans at least one byte, so fewer bytes than context + 1 is too short whatever
+        # the tokenizer.
+        _too_short(args, f"{len(text.encode('utf-8'))} bytes")
+    sentences = read_sentences(args.sentences) if args.sentences else None
     with progress() as bar:
         target = open_target(args.target, args.recipe, bar)
         kind = target.loaded.kind
@@ -71,21 +89,32 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--text is for language models; {target.loaded.name} is an encoder")
         session = ModelSession(
             target.loaded,
-            text=read_text(args.text) if args.text else None,
-            sentences=read_sentences(args.sentences) if args.sentences else None,
+            text=text,
+            sentences=sentences,
             context=args.context,
             max_tokens=args.max_tokens,
         )
+        if text is not None and session.tokens().size < args.context + 1:
+            _too_short(args, f"{session.tokens().size} tokens")
         what = "perplexity" if kind == "lm" else "embedding cosine"
         with step(bar, f"{what} of {target.recipe}") as advance:
             row = session.row(target.recipe, target.params, on_window=advance)
-    print_table([row], title=f"lowbit eval: {target.loaded.name}", console=stdout_console())
+    console = stderr_console() if args.json else stdout_console()
+    print_table([row], title=f"lowbit eval: {target.loaded.name}", console=console)
     payload = row.to_json()
     if target.directory is not None:
         write_json(target.directory / EVAL_FILE, payload)
     if args.json:
         print_json({**payload, "ratio": row.ratio, **_settings(args, session)})
     return 0
+
+
+def _too_short(args: argparse.Namespace, size: str) -> None:
+    raise ValueError(
+        f"--text {args.text!r} is too short: {size}, and perplexity with --context "
+        f"{args.context} needs at least {args.context + 1} tokens; give a longer text or a "
+        "smaller --context"
+    )
 
 
 def _settings(args: argparse.Namespace, session: ModelSession) -> dict:

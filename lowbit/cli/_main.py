@@ -2,6 +2,12 @@
 
 Every command has ``--help``. Errors print one line, ``lowbit: error: <message>``, on stderr and
 exit with status 2; ``--debug`` (before or after the command name) shows the traceback instead.
+
+``--json`` (commands that take it): on success the result is one JSON object and the only line
+on stdout (tables and progress go to stderr), so ``lowbit eval ... --json | jq`` works; on any
+error, stdout gets one JSON object ``{"error": message, "type": ..., "exit_code": 2}`` as well,
+so a script can parse every outcome. A command that takes ``--json`` prints its result with
+`print_json` and everything else to stderr when ``args.json`` is set.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import traceback
 from collections.abc import Sequence
 
 from lowbit.cli import _cmd_bench, _cmd_eval, _cmd_quantize, _cmd_recipes, _cmd_report, _demo
+from lowbit.cli._common import print_json
 
 EXIT_OK = 0
 EXIT_ERROR = 2
@@ -71,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    # Scanned like --debug, so that a usage error is reported as JSON too.
+    json_mode = "--json" in argv
     try:
         args = build_parser().parse_args(argv)
         if getattr(args, "run", None) is None:
@@ -78,12 +87,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args) or EXIT_OK)
     except SystemExit as exit_:  # --help and --version exit through argparse
         return int(exit_.code or 0) if isinstance(exit_.code, int | None) else EXIT_ERROR
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         print("lowbit: interrupted", file=sys.stderr)
+        _json_error(json_mode, "interrupted", err)
         return EXIT_ERROR
     except Exception as err:
         if debug:
             traceback.print_exc()
         else:
             print(f"lowbit: error: {_one_line(err)}", file=sys.stderr)
+        _json_error(json_mode, _one_line(err), err)
         return EXIT_ERROR
+
+
+def _json_error(json_mode: bool, message: str, err: BaseException) -> None:
+    if json_mode:
+        print_json({"error": message, "type": type(err).__name__, "exit_code": EXIT_ERROR})

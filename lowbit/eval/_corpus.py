@@ -60,12 +60,25 @@ def read_text(path: str | os.PathLike[str]) -> str:
     """A UTF-8 text file's content.
 
     Raises:
-      FileNotFoundError: if `path` does not exist; ValueError if it is empty.
+      FileNotFoundError: if `path` does not exist; ValueError if it is empty, not UTF-8, or
+        binary (contains NUL characters).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"text file {os.fspath(path)!r} does not exist")
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"text file {os.fspath(path)!r} is not UTF-8 text ({err.reason} at byte {err.start}); "
+            "give a plain text file"
+        ) from None
+    if "\x00" in text:
+        raise ValueError(
+            f"text file {os.fspath(path)!r} looks binary (it contains NUL bytes, the first at "
+            f"byte {raw.index(0)}); give a plain text file"
+        )
     if not text.strip():
         raise ValueError(f"text file {os.fspath(path)!r} is empty")
     return text
