@@ -160,7 +160,10 @@ def check_values(x: Any, config: QuantConfig) -> None:
         return  # `_check_input` reports these
     fmt = get_format(config.format)
     unsigned_symmetric = bool(config.symmetric and _unsigned_int(fmt))
-    any_finite, lowest = _finite_summary(x, unsigned_symmetric)
+    # A concrete x can still meet an enclosing trace (a constant inside a jitted function):
+    # evaluate it now rather than stage the reduction into that trace.
+    with jax.ensure_compile_time_eval():
+        any_finite, lowest = _finite_summary(x, unsigned_symmetric)
     if not bool(any_finite):
         raise ValueError(
             f"quantize got an array of shape {tuple(x.shape)} with no finite value (all NaN or "
