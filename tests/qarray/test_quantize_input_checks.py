@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lowbit import qarray
 from lowbit.qarray import (
     MSE,
     RMS,
@@ -17,7 +18,6 @@ from lowbit.qarray import (
     PerGroup,
     QuantConfig,
     broadcast_blocks,
-    check_values,
     parse_calibration,
     quantize,
 )
@@ -93,7 +93,7 @@ def test_no_finite_value_is_refused(fill):
     with pytest.raises(ValueError, match="no finite value"):
         quantize(x, "int8")
     with pytest.raises(ValueError, match="no finite value"):
-        check_values(x, QuantConfig(format="nf4"))
+        qarray.check_values(x, QuantConfig(format="nf4"))
 
 
 def test_nan_in_one_block_still_quantizes_the_others():
