@@ -90,6 +90,20 @@ struct Q8Args {
   const int8_t* w;       // [P][kq][16][4]
 };
 
+// w4a8 weights: panels of 16 columns, each G groups of [16 f32 scales][16 int32 column sums
+// of the group's codes][gs / 8 rows of 64 bytes]. Byte 4 j + i of row t holds column j:
+// low nibble k = 8 t + i, high nibble k = 8 t + 4 + i, as offset-binary int4 (code ^ 8), so
+// one row unpacks into two k-quads of the w8a8 layout. Activations as for w8a8 (u8, q + 128)
+// in tiles of `w4_act_rows` rows, [M/rows][kq][rows][act_words] u32.
+struct W4Args {
+  int64_t gs;           // group size (multiple of 8)
+  int64_t groups;       // G
+  int64_t panel_bytes;  // G * group_bytes
+  int64_t group_bytes;  // kGroupHeader + gs * 8
+  const uint32_t* xa;   // packed activations
+  const uint8_t* blob;  // [P][panel_bytes]
+};
+
 struct IsaKernels {
   const char* name;
   int act_words;  // u32 words per k-quad of packed activations
@@ -110,6 +124,10 @@ struct IsaKernels {
   // loop otherwise), bit-identical to it: *scale = absmax / 127 (1 for a zero row), u[i] =
   // round_half_even(clamp(x[i] / scale, -127, 127)) + 128 for i < k.
   void (*quantize_row)(const float* x, int64_t k, uint8_t* u, float* scale) = nullptr;
+  // C[m0:m1, panels] = sum_g scale_g * (int4 dot of group g), before the activation scale.
+  void (*w4)(const W4Args&, int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* c,
+             int64_t ldc) = nullptr;
+  int w4_act_rows = 0;  // activation tile rows of `w4` (tile layout, never blocked)
 };
 
 const IsaKernels* IsaScalar();

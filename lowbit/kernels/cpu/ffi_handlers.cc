@@ -231,6 +231,26 @@ void PackActRow(const uint8_t* u, int64_t m, int64_t kq, const IsaKernels& isa, 
   }
 }
 
+// Dynamic per-token int8: *scale = absmax / 127 (1 for a zero row) and u[i] = q + 128 with
+// q = round_half_even(clamp(row[i] / scale, -127, 127)), for i < k (u beyond k untouched).
+void QuantizeRow(const IsaKernels& isa, const float* row, int64_t k, uint8_t* u, float* scale) {
+  if (isa.quantize_row != nullptr) {
+    isa.quantize_row(row, k, u, scale);
+    return;
+  }
+  float amax = 0.0f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+  const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+  *scale = s;
+  for (int64_t i = 0; i < k; ++i) {
+    // Adding and removing 1.5 * 2^23 rounds half to even for |v| < 2^22.
+    float v = row[i] / s;
+    v = std::min(127.0f, std::max(-127.0f, v));
+    v = (v + 12582912.0f) - 12582912.0f;
+    u[i] = static_cast<uint8_t>(static_cast<int32_t>(v) + 128);
+  }
+}
+
 enum class Q8Mode { kFloatIn, kQuantIn, kInt32Out };
 
 struct Q8Inputs {
@@ -265,22 +285,7 @@ ffi::Error Q8Run(ffi::ThreadPool& pool, Q8Mode mode, const Q8Inputs& in, int64_t
     if (mode == Q8Mode::kFloatIn) {
       std::vector<float> row(k);
       LoadRow(in.x, in.xbf16, r, k, row.data());
-      if (isa->quantize_row != nullptr) {
-        isa->quantize_row(row.data(), k, u.data(), &xs[r]);
-        PackActRow(u.data(), r, kq, *isa, xa.data());
-        return;
-      }
-      float amax = 0.0f;
-      for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
-      const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
-      xs[r] = scale;
-      for (int64_t i = 0; i < k; ++i) {
-        // Adding and removing 1.5 * 2^23 rounds half to even for |v| < 2^22.
-        float v = row[i] / scale;
-        v = std::min(127.0f, std::max(-127.0f, v));
-        v = (v + 12582912.0f) - 12582912.0f;
-        u[i] = static_cast<uint8_t>(static_cast<int32_t>(v) + 128);
-      }
+      QuantizeRow(*isa, row.data(), k, u.data(), &xs[r]);
     } else {
       const int8_t* src = static_cast<const int8_t*>(in.x) + r * k;
       for (int64_t i = 0; i < k; ++i) u[i] = static_cast<uint8_t>(src[i] + 128);
@@ -316,6 +321,72 @@ ffi::Error Q8Run(ffi::ThreadPool& pool, Q8Mode mode, const Q8Inputs& in, int64_t
       for (int64_t j = 0; j < cols; ++j)
         f[j] = static_cast<float>(row[j]) * xsr * in.wscale[n0 + j] + in.bias[n0 + j];
       StoreRow(in.out, in.ybf16, r, n, n0, f.data(), cols);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error W4A8LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> blob,
+                          ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::AnyBuffer> y, int64_t k,
+                          int64_t n, int64_t gs) {
+  if (!IsFloat(x.element_type()) || !IsFloat(y->element_type()))
+    return Invalid("x and the output must be float32 or bfloat16");
+  const auto xd = x.dimensions();
+  const auto bd = blob.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || xd[1] != k) return Invalid("x must be [M, K] with K = " + std::to_string(k));
+  if (gs <= 0 || gs % 8 != 0) return Invalid("w4a8 group size must be a positive multiple of 8");
+  const int64_t group_bytes = kGroupHeader + gs * 8;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  if (bd.size() != 2 || bd[0] != panels || bd[1] % group_bytes != 0)
+    return Invalid("packed w4a8 weight has the wrong shape for K, N and the group size");
+  const int64_t groups = bd[1] / group_bytes;
+  const int64_t kp = groups * gs;
+  if (kp < k || kp - k >= gs) return Invalid("packed w4a8 weight does not match K");
+  const int64_t m = xd[0];
+  if (yd.size() != 2 || yd[0] != m || yd[1] != n) return Invalid("output must be [M, N]");
+  if (bias.element_count() != static_cast<size_t>(n)) return Invalid("bias must be [N]");
+  if (m == 0 || n == 0) return ffi::Error::Success();
+
+  const IsaKernels* isa = ActiveIsa();
+  IsaKernels pack = *isa;  // the w4 tiles read the plain tile layout
+  pack.act_rows = isa->w4_act_rows;
+  pack.act_tile_k = 0;
+  const int64_t kq = kp / 4, aw = pack.act_words;
+  const int64_t workers = WorkersFor(pool, m, kp, panels * kPanel);
+  const bool xbf16 = x.element_type() == ffi::DataType::BF16;
+  const int64_t padded_m = (m + pack.act_rows - 1) / pack.act_rows * pack.act_rows;
+  std::vector<uint32_t> xa(padded_m * kq * aw);
+  std::vector<float> xs(m);
+  ParallelFor(pool, m >= 64 ? workers : 1, m, [&](int64_t r) {
+    std::vector<uint8_t> u(kp, 128);
+    std::vector<float> row(k);
+    LoadRow(x.untyped_data(), xbf16, r, k, row.data());
+    QuantizeRow(*isa, row.data(), k, u.data(), &xs[r]);
+    PackActRow(u.data(), r, kq, pack, xa.data());
+  });
+
+  W4Args a;
+  a.gs = gs;
+  a.groups = groups;
+  a.panel_bytes = bd[1];
+  a.group_bytes = group_bytes;
+  a.xa = xa.data();
+  a.blob = blob.typed_data();
+  const float* b = bias.typed_data();
+  void* out = y->untyped_data();
+  const bool ybf16 = y->element_type() == ffi::DataType::BF16;
+  const std::vector<Task> tasks = SplitWork(m, panels, workers, 2);
+  ParallelFor(pool, workers, static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+    const Task& t = tasks[i];
+    const int64_t ldc = (t.p1 - t.p0) * kPanel;
+    std::vector<float> c((t.m1 - t.m0) * ldc);
+    isa->w4(a, t.m0, t.m1, t.p0, t.p1, c.data(), ldc);
+    const int64_t n0 = t.p0 * kPanel, cols = std::min(n, t.p1 * kPanel) - n0;
+    for (int64_t r = t.m0; r < t.m1; ++r) {
+      float* row = c.data() + (r - t.m0) * ldc;
+      for (int64_t j = 0; j < cols; ++j) row[j] = row[j] * xs[r] + b[n0 + j];
+      StoreRow(out, ybf16, r, n, n0, row, cols);
     }
   });
   return ffi::Error::Success();
@@ -451,3 +522,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitW8A8Int32, lowbit::W8A8Int32Impl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("n"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitW4A8Linear, lowbit::W4A8LinearImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("gs"));

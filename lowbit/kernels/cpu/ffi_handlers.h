@@ -14,6 +14,9 @@ XLA_FFI_Error* LowbitW8A8Linear(XLA_FFI_CallFrame* call_frame);
 // Same on already-quantized activations: (xq s8 [M,K], x_scale f32 [M], w, colsum, wscale,
 // bias) -> y.
 XLA_FFI_Error* LowbitW8A8LinearQ(XLA_FFI_CallFrame* call_frame);
+// int4 weights x dynamic per-token int8 activations: (x [M,K] f32|bf16, blob u8
+// [P, G * (128 + 8 gs)], bias f32 [N]) -> y [M,N]; attrs k, n, gs.
+XLA_FFI_Error* LowbitW4A8Linear(XLA_FFI_CallFrame* call_frame);
 // Integer product only: (xq s8 [M,K], w, colsum) -> s32 [M,N].
 XLA_FFI_Error* LowbitW8A8Int32(XLA_FFI_CallFrame* call_frame);
 }

@@ -314,3 +314,92 @@ static void q8_run(const Q8Args& a, int64_t m0, int64_t m1, int64_t p0, int64_t 
     }
   }
 }
+
+// w4a8: MR x NP tile over all groups. Per group, up to kW4Chunk rows of 8 k are unpacked to
+// signed bytes in the w8a8 layout (one k-quad = 64 bytes), dotted with the u8 activations in
+// int32, corrected by 128 * (column sum) for the +128 activation offset, and accumulated in
+// float32 with the group scale.
+constexpr int64_t kW4Chunk = 32;
+
+template <int MR, int NP>
+static void w4_tile(const W4Args& a, const uint32_t* xt, const uint8_t* pan, float* c,
+                    int64_t ldc) {
+  alignas(64) float acc[MR][NP][kPanel] = {};
+  alignas(64) int8_t buf[NP][2 * kW4Chunk * 64];
+  alignas(64) int32_t dot[kPanel];
+  const int64_t rows8 = a.gs / 8;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    VI iacc[MR][NP];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NP; ++j) iacc[r][j] = izero();
+    for (int64_t t0 = 0; t0 < rows8; t0 += kW4Chunk) {
+      const int64_t nt = std::min<int64_t>(kW4Chunk, rows8 - t0);
+      for (int j = 0; j < NP; ++j) {
+        const uint8_t* body =
+            pan + j * a.panel_bytes + g * a.group_bytes + kGroupHeader + t0 * 64;
+        int8_t* out = buf[j];
+        for (int64_t t = 0; t < nt; ++t) {
+          __builtin_prefetch(body + t * 64 + kPrefetch);
+          for (int b = 0; b < 64; ++b) {
+            const int v = body[t * 64 + b];
+            out[2 * t * 64 + b] = static_cast<int8_t>((v & 15) - 8);
+            out[(2 * t + 1) * 64 + b] = static_cast<int8_t>((v >> 4) - 8);
+          }
+        }
+      }
+      const int64_t q0 = g * (a.gs / 4) + 2 * t0;
+      for (int64_t tq = 0; tq < 2 * nt; ++tq) {
+        const uint32_t* xq = xt + (q0 + tq) * (kQMR * kActWords);
+        for (int j = 0; j < NP; ++j) {
+          const WQ wq = wq_load(buf[j] + tq * 64);
+          for (int r = 0; r < MR; ++r) iacc[r][j] = idot(iacc[r][j], wq, xq + r * kActWords);
+        }
+      }
+    }
+    for (int j = 0; j < NP; ++j) {
+      const uint8_t* hdr = pan + j * a.panel_bytes + g * a.group_bytes;
+      const float* s = reinterpret_cast<const float*>(hdr);
+      const int32_t* colsum = reinterpret_cast<const int32_t*>(hdr + 4 * kPanel);
+      for (int r = 0; r < MR; ++r) {
+        istore(dot, iacc[r][j]);
+        for (int l = 0; l < kPanel; ++l)
+          acc[r][j][l] += static_cast<float>(dot[l] - 128 * colsum[l]) * s[l];
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NP; ++j)
+      for (int l = 0; l < kPanel; ++l) c[r * ldc + j * kPanel + l] = acc[r][j][l];
+}
+
+template <int R, int NP>
+static inline void w4_tile_rows(int64_t mr, const W4Args& a, const uint32_t* xt,
+                                const uint8_t* pan, float* c, int64_t ldc) {
+  if constexpr (R > 1) {
+    if (mr < R) {
+      w4_tile_rows<R - 1, NP>(mr, a, xt, pan, c, ldc);
+      return;
+    }
+  }
+  w4_tile<R, NP>(a, xt, pan, c, ldc);
+}
+
+static void w4_run(const W4Args& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* c,
+                   int64_t ldc) {
+  const int64_t kq = a.groups * a.gs / 4;
+  const int64_t tile_words = kq * kQMR * kActWords;
+  for (int64_t p = p0; p < p1; p += kQNP) {
+    const int64_t np = std::min<int64_t>(kQNP, p1 - p);
+    const uint8_t* pan = a.blob + p * a.panel_bytes;
+    for (int64_t m = m0; m < m1; m += kQMR) {
+      const int64_t mr = std::min<int64_t>(kQMR, m1 - m);
+      const uint32_t* xt = a.xa + m / kQMR * tile_words;
+      float* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
+      if (np == kQNP) {
+        w4_tile_rows<kQMR, kQNP>(mr, a, xt, pan, cc, ldc);
+      } else {
+        w4_tile_rows<kQMR, 1>(mr, a, xt, pan, cc, ldc);
+      }
+    }
+  }
+}

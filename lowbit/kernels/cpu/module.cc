@@ -24,6 +24,7 @@ PyObject* Targets(PyObject*, PyObject*) {
       {"lowbit_w8a8_linear", reinterpret_cast<void*>(&LowbitW8A8Linear)},
       {"lowbit_w8a8_linear_q", reinterpret_cast<void*>(&LowbitW8A8LinearQ)},
       {"lowbit_w8a8_int32", reinterpret_cast<void*>(&LowbitW8A8Int32)},
+      {"lowbit_w4a8_linear", reinterpret_cast<void*>(&LowbitW4A8Linear)},
   };
   for (const auto& e : entries) {
     PyObject* cap = Capsule(e.fn);
