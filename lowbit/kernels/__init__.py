@@ -8,6 +8,8 @@ by the kernels on plain arrays:
   registers.
 - `w8a8_linear(x, w, bias=None, *, out_dtype=None)`: dynamic per-token int8 activations
   times an int8 weight, int32 accumulation, per-channel scale epilogue.
+- `w4a8_linear(x, w, bias=None, *, out_dtype=None)`: the same dynamic int8 activations times
+  int4 weights (per group or per channel), exact int32 products per group.
 - `w8a8_linear_quantized(xq, x_scale, w, bias=None, *, out_dtype=float32)` and
   `w8a8_matmul_int32(xq, w)`: the same on already-quantized activations `xq [M, K] int8`.
 
@@ -40,6 +42,7 @@ from lowbit.kernels._layout import (
 )
 from lowbit.kernels._native import available, set_isa, status, supported_isas
 from lowbit.kernels._ops import (
+    w4a8_linear,
     w8a8_linear,
     w8a8_linear_quantized,
     w8a8_matmul_int32,
@@ -63,6 +66,7 @@ __all__ = [
     "status",
     "supported_isas",
     "supports",
+    "w4a8_linear",
     "w8a8_linear",
     "w8a8_linear_quantized",
     "w8a8_matmul_int32",
@@ -86,6 +90,7 @@ def supports(kind: str, K: int, N: int, group_size: int | None, dtype) -> bool: 
     if group_size is not None:
         if kind == "w8a8":
             return False
-        if group_size < 2 or group_size % 2:
+        step = 8 if kind == "w4a8" else 2
+        if group_size < step or group_size % step:
             return False
     return not (kind == "w8a8" and K > W8A8_MAX_K)

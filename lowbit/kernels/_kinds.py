@@ -22,10 +22,11 @@ class KernelKind:
     """One kernel kind.
 
     name: the kind's name in `prepare` / `PreparedWeight.kind`.
-    kernel_id: the compiled weight-only kernel it runs on, None for w8a8 (its own targets).
+    kernel_id: the compiled weight-only kernel it runs on, None for w8a8 / w4a8 (int8
+      activations, their own targets).
     code_dtype: dtype of the logical codes `prepare` takes.
-    pair_bytes: bytes per pair row of a packed 16-column panel (16 for 4-bit codes, 32 for
-      8-bit weight-only codes); 4 for w8a8 (bytes per column per k-quad).
+    pair_bytes: packed bytes holding 2 k-rows of a 16-column panel (16 for 4-bit codes,
+      32 for 8-bit codes).
     lut: name of the 16-entry codebook the codes index (`_reference.CODEBOOKS`), else None.
     zero_point: one of `ZERO_POINTS`.
     formats: element-format names (`lowbit.formats`) of weight-only QArrays that run here.
@@ -48,10 +49,10 @@ _TABLE = (
     KernelKind("fp8", 4, np.dtype(jnp.float8_e4m3fn), 32, None, "none", ("fp8_e4m3fn",)),
     # E2M1 elements; block scales (E8M0, or e4m3 times a tensor scale) decode to float32 group
     # scales when the layout is built. Same kernel as nf4, another codebook.
-    KernelKind(
-        "fp4", 3, np.dtype(jnp.uint8), 16, "fp4", "none", ("fp4_e2m1", "mxfp4", "nvfp4")
-    ),
-    KernelKind("w8a8", None, np.dtype(jnp.int8), 4, None, "none"),
+    KernelKind("fp4", 3, np.dtype(jnp.uint8), 16, "fp4", "none", ("fp4_e2m1", "mxfp4", "nvfp4")),
+    # Dynamic per-token int8 activations (no kernel id: their own FFI targets).
+    KernelKind("w8a8", None, np.dtype(jnp.int8), 32, None, "none"),
+    KernelKind("w4a8", None, np.dtype(jnp.uint8), 16, None, "none"),
 )
 
 KERNEL_KINDS: types.MappingProxyType[str, KernelKind] = types.MappingProxyType(
@@ -64,6 +65,9 @@ KINDS = tuple(KERNEL_KINDS)
 
 WEIGHT_ONLY_KINDS = tuple(k.name for k in _TABLE if k.kernel_id is not None)
 """Kinds run by the weight-only kernel (float activations)."""
+
+ACTIVATION_KINDS = tuple(k.name for k in _TABLE if k.kernel_id is None)
+"""Kinds that quantize activations to int8 per token (w8a8, w4a8)."""
 
 KIND_IDS = types.MappingProxyType({k: KERNEL_KINDS[k].kernel_id for k in WEIGHT_ONLY_KINDS})
 """Weight-only kind -> compiled kernel id."""

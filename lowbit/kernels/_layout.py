@@ -21,6 +21,12 @@ Weight-only kinds (`data`: uint8 `[P, G * group_bytes]`): each panel is G groups
   by moving bits into a float16, so the e4m3fn NaN codes read as +-480 instead of NaN;
   quantizers never produce them.)
 
+w4a8 (`data`: uint8 `[P, G * (128 + 8 gs)]`): per group a header of 16 f32 scales and 16
+int32 column sums of the group's int4 codes, then gs/8 rows of 64 bytes; byte 4 j + i of row
+t holds column j, low nibble k = 8 t + i, high nibble k = 8 t + 4 + i (offset-binary, code ^ 8),
+so one row unpacks into two k-quads of the w8a8 layout below. Per channel, gs is a chunk as for
+weight-only kinds (a multiple of 8).
+
 w8a8 (`data`: int8 `[P, KQ * 64]`, KQ = ceil(K / 4)): panel p is `[KQ][16][4]`, the four
 k-consecutive codes of a column adjacent, as a u8 x s8 dot-product instruction reads them.
 `colsum` (int32 `[16 P]`) holds sum_k w[k, n]: the kernels feed activations as q + 128
@@ -42,6 +48,8 @@ from lowbit.kernels._kinds import KIND_IDS as KIND_IDS  # older import path
 PANEL = 16
 HEADER_BYTES = 128
 PER_CHANNEL_CHUNK = 256
+# Group sizes must be multiples of this (default 2): w4a8 unpacks rows of 8 k at a time.
+_GROUP_MULTIPLE = {"w4a8": 8}
 # Largest K for which u8 x s8 int32 accumulation cannot overflow (255 * 128 * K < 2**31).
 W8A8_MAX_K = 65536
 
@@ -50,7 +58,7 @@ W8A8_MAX_K = 65536
 class PreparedWeight:
     """A weight packed for the CPU kernels (a pytree: arrays are leaves, the rest static).
 
-    kind: one of "int8", "int4", "uint4", "nf4", "fp4", "fp8", "w8a8".
+    kind: one of "int8", "int4", "uint4", "nf4", "fp4", "fp8", "w8a8", "w4a8".
     k, n: logical weight shape [K, N]. group_size: logical group size along K, None for
     per-channel. storage_group: group size of the packed stream (see module docstring).
     data: packed codes (uint8 [P, bytes] weight-only, int8 [P, KQ * 64] w8a8).
@@ -92,10 +100,11 @@ def storage_group(kind: str, k: int, group_size: int | None) -> int:
     """
     if group_size is not None:
         return group_size
-    for chunk in range(PER_CHANNEL_CHUNK, 63, -2):
+    step = _GROUP_MULTIPLE.get(kind, 2)
+    for chunk in range(PER_CHANNEL_CHUNK, 63, -step):
         if k % chunk == 0:
             return chunk
-    return min(PER_CHANNEL_CHUNK, _round_up(max(k, 1), 2))
+    return min(PER_CHANNEL_CHUNK, _round_up(max(k, 1), step))
 
 
 def _check_2d(name: str, a, shape: tuple[int, int] | None = None) -> None:
@@ -110,8 +119,12 @@ def _check_group_size(kind: str, k: int, group_size: int | None) -> None:
         return
     if kind == "w8a8":
         raise ValueError(f"group_size={group_size} given for kind={kind!r}; it is per-channel only")
-    if not isinstance(group_size, int | np.integer) or group_size < 2 or group_size % 2:
-        raise ValueError(f"group_size={group_size!r} must be a positive even integer (or None)")
+    step = _GROUP_MULTIPLE.get(kind, 2)
+    if not isinstance(group_size, int | np.integer) or group_size < step or group_size % step:
+        raise ValueError(
+            f"group_size={group_size!r} for kind={kind!r} must be a positive multiple of {step}"
+            " (or None)"
+        )
 
 
 def prepare(
@@ -123,11 +136,12 @@ def prepare(
 ) -> PreparedWeight:
     """Packs a logical weight for the kernels.
 
-    kind: "int8" | "int4" | "uint4" | "nf4" | "fp4" | "fp8" (weight-only) or "w8a8".
-    codes: [K, N] (int8 for int8/w8a8; uint8 0..15 for 4-bit kinds; float8_e4m3fn for fp8).
+    kind: "int8" | "int4" | "uint4" | "nf4" | "fp4" | "fp8" (weight-only), "w8a8" or "w4a8".
+    codes: [K, N] (int8 for int8/w8a8; uint8 0..15 for 4-bit kinds, w4a8 as int4 two's-
+      complement nibbles; float8_e4m3fn for fp8).
     scale: [G, N] float32 with G = ceil(K / group_size), or [1, N] per channel.
     zero_point: [G, N] float32 in code units, uint4 only (w = (q - zp) * scale).
-    group_size: along K (even), None for per-channel; 4-bit kinds only.
+    group_size: along K (even; a multiple of 8 for w4a8), None for per-channel; 4-bit kinds.
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is not supported; expected one of {KINDS}")
@@ -153,6 +167,8 @@ def prepare(
     if kind == "w8a8":
         return _prepare_w8a8(codes, scale.astype(jnp.float32))
     group_size = None if group_size is None else int(group_size)
+    if kind == "w4a8":
+        return _prepare_w4a8(codes, scale.astype(jnp.float32), group_size)
     return _prepare_weight_only(kind, codes, scale.astype(jnp.float32), zero_point, group_size)
 
 
@@ -164,6 +180,48 @@ def _prepare_w8a8(codes: jax.Array, scale: jax.Array) -> PreparedWeight:
     data = padded.reshape(kq, 4, p, PANEL).transpose(2, 0, 3, 1).reshape(p, kq * 64)
     colsum = jnp.sum(padded.astype(jnp.int32), axis=0)
     return PreparedWeight("w8a8", k, n, None, 4, data, scale.reshape(n), colsum)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size",))
+def _prepare_w4a8(codes: jax.Array, scale: jax.Array, group_size: int | None) -> PreparedWeight:
+    k, n = codes.shape
+    gs = storage_group("w4a8", k, group_size)
+    groups = -(-k // gs)
+    kp, p = groups * gs, -(-n // PANEL)
+    u = jnp.pad((codes & 15) ^ 8, ((0, kp - k), (0, p * PANEL - n)), constant_values=8)
+    # k = g * gs + 8 t + 4 h + i; byte (t, column j, i) = u[h = 0] | u[h = 1] << 4.
+    u6 = u.reshape(groups, gs // 8, 2, 4, p, PANEL)
+    body = u6[:, :, 0] | (u6[:, :, 1] << 4)  # [G, gs/8, 4, P, 16]
+    body = body.transpose(3, 0, 1, 4, 2).reshape(p, groups, gs * 8)
+    signed = u.astype(jnp.int32) - 8
+    colsum = signed.reshape(groups, gs, p * PANEL).sum(axis=1)  # [G, 16 P]
+    s = scale if group_size is not None else jnp.broadcast_to(scale[:1], (groups, n))
+    s = jnp.pad(s, ((0, 0), (0, p * PANEL - n)))
+
+    def header(a: jax.Array) -> jax.Array:
+        a = a.reshape(groups, p, PANEL).transpose(1, 0, 2)
+        return jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(p, groups, 4 * PANEL)
+
+    data = jnp.concatenate([header(s), header(colsum), body], axis=-1).reshape(p, -1)
+    return PreparedWeight("w4a8", k, n, group_size, gs, data)
+
+
+def _w4a8_to_logical(w: PreparedWeight) -> dict[str, jax.Array | None]:
+    gs, p = w.storage_group, w.data.shape[0]
+    groups = w.data.shape[1] // (HEADER_BYTES + gs * 8)
+    blocks = w.data.reshape(p, groups, -1)
+    raw = blocks[:, :, : 4 * PANEL].reshape(p, groups, PANEL, 4)
+    scale = jax.lax.bitcast_convert_type(raw, jnp.float32).transpose(1, 0, 2)
+    scale = scale.reshape(groups, p * PANEL)[:, : w.n]
+    body = blocks[:, :, HEADER_BYTES:].reshape(p, groups, gs // 8, PANEL, 4)
+    body = body.transpose(1, 2, 4, 0, 3)  # [G, gs/8, 4, P, 16]
+    u = jnp.stack([body & 15, body >> 4], axis=2)  # [G, gs/8, 2, 4, P, 16]
+    codes = (u.reshape(groups * gs, p * PANEL) ^ 8)[: w.k, : w.n]
+    return {
+        "codes": codes,
+        "scale": scale if w.group_size is not None else scale[:1],
+        "zero_point": None,
+    }
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "group_size"))
@@ -223,6 +281,8 @@ def _prepare_weight_only(
 def prepared_to_logical(w: PreparedWeight) -> dict[str, jax.Array | None]:
     """Inverse of `prepare`: {"codes": [K, N], "scale": [G, N], "zero_point": [G, N] | None}."""
     k, n = w.k, w.n
+    if w.kind == "w4a8":
+        return _w4a8_to_logical(w)
     if w.kind == "w8a8":
         p = w.data.shape[0]
         kq = w.data.shape[1] // 64

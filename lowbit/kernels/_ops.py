@@ -182,3 +182,37 @@ def w8a8_matmul_int32(xq: jax.Array, w: PreparedWeight) -> jax.Array:
         "lowbit_w8a8_int32", jax.ShapeDtypeStruct((m, w.n), jnp.int32), vmap_method="sequential"
     )
     return call(xq, w.data, w.colsum, k=np.int64(w.k), n=np.int64(w.n))
+
+
+def w4a8_linear(
+    x: jax.Array,
+    w: PreparedWeight,
+    bias: jax.Array | None = None,
+    *,
+    out_dtype=None,
+) -> jax.Array:
+    """x: [..., K] float32|bfloat16 -> [..., N] with dynamic per-token int8 activations.
+
+    w: prepared with kind="w4a8" (int4 weights, per-group or per-channel scales). Each row of
+    x is quantized as in `w8a8_linear`; products are exact int32 per group, then scaled by the
+    group scale (groups summed in order), the row scale, plus bias [N] (optional).
+    """
+    if w.kind != "w4a8":
+        raise ValueError(f"w.kind={w.kind!r}; expected a weight prepared with kind='w4a8'")
+    x = jnp.asarray(x)
+    _check_x(x, w)
+    _check_float("x", x.dtype)
+    out = _check_float("out_dtype", out_dtype or x.dtype)
+    b = _check_bias(bias, w.n)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.k)
+    m = x2.shape[0]
+    if m == 0 or not _use_kernels():
+        logical = prepared_to_logical(w)
+        y = _reference.w4a8_linear(x2, logical["codes"], logical["scale"], w.group_size, b, out)
+        return y.reshape(*lead, w.n)
+    call = jax.ffi.ffi_call(
+        "lowbit_w4a8_linear", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
+    )
+    y = call(x2, w.data, b, k=np.int64(w.k), n=np.int64(w.n), gs=np.int64(w.storage_group))
+    return y.reshape(*lead, w.n)

@@ -147,3 +147,37 @@ def w8a8_linear(
     """x: [M, K] float32|bfloat16 -> [M, N]: per-token int8 activations times int8 weights."""
     xq, xs = quantize_per_token(x)
     return w8a8_linear_quantized(xq, xs, codes, w_scale, bias, out_dtype or x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "out_dtype"))
+def w4a8_linear(
+    x: jax.Array,
+    codes: jax.Array,
+    scale: jax.Array,
+    group_size: int | None = None,
+    bias: jax.Array | None = None,
+    out_dtype=None,
+) -> jax.Array:
+    """x: [M, K] float -> [M, N]: per-token int8 activations times int4 weights.
+
+    codes: [K, N] uint8 int4 two's-complement nibbles; scale: [G, N] float32 (G = 1 per
+    channel). y = x_scale * sum_g scale[g] * (exact int32 dot of group g) + bias, the groups
+    summed in order.
+    """
+    k, n = codes.shape
+    xq, xs = quantize_per_token(x)
+    q = ((codes.astype(jnp.int32) & 15) ^ 8) - 8
+    gs = k if group_size is None else group_size
+    groups = -(-k // gs)
+    pad = groups * gs - k
+    xg = jnp.pad(xq.astype(jnp.int32), ((0, 0), (0, pad))).reshape(-1, groups, gs)
+    qg = jnp.pad(q, ((0, pad), (0, 0))).reshape(groups, gs, n)
+    dots = jnp.einsum("mgk,gkn->gmn", xg, qg, preferred_element_type=jnp.int32)
+    s = jnp.broadcast_to(scale.astype(jnp.float32), (groups, n))
+    acc = jnp.zeros((x.shape[0], n), jnp.float32)
+    for g in range(groups):  # in order, as the kernel accumulates
+        acc = acc + dots[g].astype(jnp.float32) * s[g]
+    y = acc * xs[:, None]
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(out_dtype or x.dtype)
