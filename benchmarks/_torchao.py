@@ -35,7 +35,7 @@ def load() -> tuple[ModuleType, ModuleType] | None:
         import torchao
     except ImportError:
         return None
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or os.cpu_count() or 1)
     logging.getLogger("torch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="torch")
     warnings.filterwarnings("ignore", module="torchao")

@@ -8,7 +8,10 @@ are timed in the same process run, so ratios are like for like. Run with
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -37,11 +40,19 @@ WEIGHT_ONLY = {
     "mxfp4": ("fp4", 32),
     "fp8": ("fp8", None),
 }
+# int4 weights (group 128) x dynamic int8 activations.
+W4A8 = "w4a8 g128"
 # Linear K = N for the torchao comparison, and the MLP anchor (d_model, d_ffn, layers, tokens).
 PEER_SIZE = 4096
 MLP = (1024, 4096, 4, 512)
+# LOWBIT_BENCH_SMOKE=1 shrinks every shape and repeat count: a quick check that the benchmark
+# code runs (the 1-thread peer subprocess inherits it), not a measurement.
+if os.environ.get("LOWBIT_BENCH_SMOKE", "") not in ("", "0"):
+    SIZES, SMALL, PEER_SIZE, MLP = (256, 512), ((96, 160), (160, 96)), 256, (128, 256, 2, 64)
 MIN_SECONDS = 0.6  # per measurement: repeat until this much time has passed...
 MIN_REPS, MAX_REPS = 2, 30  # ...within these bounds; the minimum is reported
+if os.environ.get("LOWBIT_BENCH_SMOKE", "") not in ("", "0"):
+    MIN_SECONDS, MIN_REPS, MAX_REPS = 0.01, 1, 2
 TORCH_BUDGET_S = 2.0  # torch._int_mm calls slower than this end its column
 
 
@@ -86,6 +97,9 @@ def _weights(
     if names is None or "w8a8" in names:
         scale = jnp.asarray(rng.uniform(0.001, 0.01, (1, n)).astype(np.float32))
         out["w8a8"] = jax.block_until_ready(kernels.prepare("w8a8", int8, scale))
+    if names is None or W4A8 in names:
+        scale = jnp.asarray(rng.uniform(0.001, 0.01, (-(-k // 128), n)).astype(np.float32))
+        out[W4A8] = jax.block_until_ready(kernels.prepare("w4a8", nibbles, scale, None, 128))
     return out
 
 
@@ -127,10 +141,11 @@ def run() -> str:
     copy_bw, read_bw = _bandwidth()
     bw = max(copy_bw, read_bw)
     torch = _torch()
-    names = ["f32 jnp.dot", *WEIGHT_ONLY, "w8a8"] + (["torch._int_mm"] if torch else [])
+    names = ["f32 jnp.dot", *WEIGHT_ONLY, "w8a8", W4A8] + (["torch._int_mm"] if torch else [])
     dot = jax.jit(jnp.dot)
     wo = jax.jit(kernels.weight_only_linear)
     q8 = jax.jit(kernels.w8a8_linear)
+    q4 = jax.jit(kernels.w4a8_linear)
     results: dict[tuple[int, int], dict[str, float]] = {}
     wbytes: dict[tuple[int, str], int] = {}
     slow = False  # torch._int_mm has been too slow already: skip its larger shapes
@@ -146,6 +161,7 @@ def run() -> str:
             for name in WEIGHT_ONLY:
                 row[name] = _time(lambda x=x, w=ws[name]: wo(x, w))
             row["w8a8"] = _time(lambda x=x, w=ws["w8a8"]: q8(x, w))
+            row[W4A8] = _time(lambda x=x, w=ws[W4A8]: q4(x, w))
             if torch is not None:
                 row["torch._int_mm"] = _time_torch(torch, x, ws["w8a8"], slow)
                 slow = slow or row["torch._int_mm"] > TORCH_BUDGET_S
@@ -342,7 +358,11 @@ def _bw_targets(results, wbytes, small, bw) -> list[str]:
 
 
 def _peer_report(rng: np.random.Generator) -> str:
-    """torchao beside lowbit: linear K = N = PEER_SIZE at every M, and the MLP anchor."""
+    """torchao beside lowbit: linear K = N = PEER_SIZE at every M, and the MLP anchor.
+
+    Measured twice: in this process with every core, and in a subprocess with one thread on
+    each side (lowbit's pool, XLA's own ops, torch), which a loaded machine distorts less.
+    """
     from benchmarks import _torchao
 
     if _torchao.load() is None:
@@ -350,11 +370,109 @@ def _peer_report(rng: np.random.Generator) -> str:
             "\n### Against torchao\n\nSkipped: torch / torchao are not importable here"
             " (`make bench` installs them in .venv-bench).\n"
         )
+    threads = os.cpu_count() or 1
+    runs = {f"{threads} threads": _peer_measure(rng)}
+    load_all = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    one = _peer_measure_single_thread()
+    if one is not None:
+        runs["1 thread"] = one
+    load_one = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     k = PEER_SIZE
-    lowbit_w = _weights(k, k, rng, names=("int8", "int4 g128"))
-    int8 = jnp.asarray(rng.integers(-127, 128, (k, k), dtype=np.int8))
-    scale = jnp.asarray(rng.uniform(0.001, 0.01, (1, k)).astype(np.float32))
-    lowbit_w["w8a8"] = kernels.prepare("w8a8", int8, scale)
+    d, f, layers, tokens = MLP
+    lines = [
+        "",
+        f"### Against torchao ({_torchao.version()})",
+        "",
+        "lowbit and torchao timed back to back for each cell in one process; load average"
+        f" after the {threads}-thread run: {load_all}, after the 1-thread run: {load_one}."
+        " torchao models are `torch.compile`d; its int4 and int8 weight-only CPU paths take"
+        " bfloat16 activations, w8a8 and float32 take float32. Cells: lowbit ms / torchao ms"
+        " (torchao time / lowbit time: above 1 means lowbit is faster). On a loaded machine"
+        " torch's OpenMP regions wait for descheduled threads at every barrier while lowbit's"
+        " workers claim chunks dynamically, which widens the multi-thread gap in lowbit's"
+        " favour; the 1-thread tables have no barriers and are the fairer comparison there."
+        " torchao's int8-activation x int4-weight CPU kernel (`da8w4_linear_cpu`) is not"
+        " built into its wheel, so lowbit's w4a8 has no torchao row.",
+    ]
+    for run_name, res in runs.items():
+        linear, mlp = res["linear"], res["mlp"]
+        lines += [
+            "",
+            f"Linear {k} x {k}, {run_name}:",
+            "",
+            "| lowbit vs torchao | " + " | ".join(f"M = {m}" for m in BATCHES) + " |",
+            "|---" * (len(BATCHES) + 1) + "|",
+        ]
+        for label in res["labels"]:
+            cells = []
+            for m in BATCHES:
+                ours, theirs = linear[f"{label}|{m}"]
+                cells.append(f"{ours * 1e3:.3f} / {theirs * 1e3:.3f} ({theirs / ours:.2f}x)")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            f"{layers}-layer MLP (d = {d}, ffn = {f}, SiLU; weights only, no norms), {run_name}:"
+            f" decode is one token per call (M = 1), prefill {tokens} tokens per call."
+            " Tokens per second.",
+            "",
+            "| weights | lowbit decode | torchao decode | ratio | lowbit prefill |"
+            " torchao prefill | ratio |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for label, (dec, tdec, pre, tpre) in mlp.items():
+            if tdec is None:
+                lines.append(f"| {label} | {1 / dec:.0f} | n/a | | {tokens / pre:.0f} | n/a | |")
+                continue
+            lines.append(
+                f"| {label} | {1 / dec:.0f} | {1 / tdec:.0f} | {tdec / dec:.2f}x"
+                f" | {tokens / pre:.0f} | {tokens / tpre:.0f} | {tpre / pre:.2f}x |"
+            )
+        lines += ["", f"Peer targets, {run_name}:", ""]
+        i4 = linear["int4 g128 weight-only|1"]
+        q8m = linear[f"w8a8 (dynamic int8 activations)|{BATCHES[-1]}"]
+        mlp4 = mlp["int4 g128"]
+        for text, ok in (
+            (f"int4 g128 GEMV {k}^2 M=1 <= torchao's time: {i4[1] / i4[0]:.2f}x", i4[0] <= i4[1]),
+            (f"MLP int4 decode >= torchao's tok/s: {mlp4[1] / mlp4[0]:.2f}x", mlp4[0] <= mlp4[1]),
+            (f"w8a8 M={BATCHES[-1]} >= 1.0x torchao: {q8m[1] / q8m[0]:.2f}x", q8m[0] <= q8m[1]),
+        ):
+            lines.append(f"- {text}: **{'met' if ok else 'NOT met'}**")
+    return "\n".join(lines) + "\n"
+
+
+def _peer_measure_single_thread() -> dict | None:
+    """`_peer_measure` in a subprocess with one thread for lowbit, XLA and torch."""
+    env = dict(
+        os.environ,
+        LOWBIT_NUM_THREADS="1",
+        OMP_NUM_THREADS="1",
+        XLA_FLAGS=(
+            os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+            " intra_op_parallelism_threads=1"
+        ).strip(),
+    )
+    code = (
+        "import json, numpy as np; from benchmarks import kernels;"
+        " print('PEERS ' + json.dumps(kernels._peer_measure(np.random.default_rng(1))))"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
+    )
+    for line in out.stdout.splitlines():
+        if line.startswith("PEERS "):
+            return json.loads(line[len("PEERS ") :])
+    print(f"[kernels] 1-thread peer run failed:\n{out.stderr[-2000:]}", flush=True)
+    return None
+
+
+def _peer_measure(rng: np.random.Generator) -> dict:
+    """{"labels": [...], "linear": {"label|M": (lowbit s, torchao s)}, "mlp": {...}}."""
+    from benchmarks import _torchao
+
+    _torchao.load()
+    k = PEER_SIZE
+    lowbit_w = _weights(k, k, rng, names=("int8", "int4 g128", "w8a8"))
     wf = jnp.asarray(rng.standard_normal((k, k), dtype=np.float32))
     dot = jax.jit(jnp.dot)
     wo = jax.jit(kernels.weight_only_linear)
@@ -383,7 +501,7 @@ def _peer_report(rng: np.random.Generator) -> str:
         ),
     ]
     peers = {p: _torchao.build(p, [(k, k)]) for p in {pair[3] for pair in pairs}}
-    linear: dict[tuple[str, int], tuple[float, float]] = {}
+    linear: dict[str, tuple[float, float]] = {}
     for m in BATCHES:
         for label, fn, dtype, peer in pairs:
             x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32)).astype(dtype)
@@ -391,67 +509,18 @@ def _peer_report(rng: np.random.Generator) -> str:
             tx = tin(m)
             ours = _time(lambda fn=fn, x=x: fn(x))
             theirs = _time(lambda tfn=tfn, tx=tx: tfn(tx))
-            linear[(label, m)] = (ours, theirs)
+            linear[f"{label}|{m}"] = (ours, theirs)
             print(
                 f"[kernels] torchao K=N={k} M={m} {label}: lowbit {ours * 1e3:.3f} ms,"
                 f" {peer} {theirs * 1e3:.3f} ms",
                 flush=True,
             )
-    mlp = _mlp_rows(rng)
-    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
-    lines = [
-        "",
-        f"### Against torchao ({_torchao.version()})",
-        "",
-        f"Same process, lowbit and torchao timed back to back for each cell; load average after:"
-        f" {load}. torchao models are `torch.compile`d; its int4 and int8 weight-only CPU paths"
-        " take bfloat16 activations, w8a8 and float32 take float32. Cells: lowbit ms / torchao ms"
-        " (torchao time / lowbit time: above 1 means lowbit is faster). On a loaded machine"
-        " torch's OpenMP regions wait for descheduled threads at every barrier while lowbit's"
-        " workers claim chunks dynamically, so high load average widens the gap in lowbit's"
-        " favour; compare runs at similar load.",
-        "",
-        f"Linear {k} x {k}:",
-        "",
-        "| lowbit vs torchao | " + " | ".join(f"M = {m}" for m in BATCHES) + " |",
-        "|---" * (len(BATCHES) + 1) + "|",
-    ]
-    for label, *_rest in pairs:
-        cells = []
-        for m in BATCHES:
-            ours, theirs = linear[(label, m)]
-            cells.append(f"{ours * 1e3:.3f} / {theirs * 1e3:.3f} ({theirs / ours:.2f}x)")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    d, f, layers, tokens = MLP
-    lines += [
-        "",
-        f"{layers}-layer MLP (d = {d}, ffn = {f}, SiLU; weights only, no norms): decode is one"
-        f" token per call (M = 1), prefill {tokens} tokens per call. Tokens per second.",
-        "",
-        "| weights | lowbit decode | torchao decode | ratio | lowbit prefill | torchao prefill"
-        " | ratio |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for label, (dec, tdec, pre, tpre) in mlp.items():
-        lines.append(
-            f"| {label} | {1 / dec:.0f} | {1 / tdec:.0f} | {tdec / dec:.2f}x"
-            f" | {tokens / pre:.0f} | {tokens / tpre:.0f} | {tpre / pre:.2f}x |"
-        )
-    lines += ["", "Peer targets:", ""]
-    i4 = linear[("int4 g128 weight-only", 1)]
-    q8m = linear[("w8a8 (dynamic int8 activations)", 512)]
-    mlp4 = mlp["int4 g128"]
-    for text, ok in (
-        (f"int4 g128 GEMV {k}^2 M=1 <= torchao's time: {i4[1] / i4[0]:.2f}x", i4[0] <= i4[1]),
-        (f"MLP int4 decode >= torchao's tok/s: {mlp4[1] / mlp4[0]:.2f}x", mlp4[0] <= mlp4[1]),
-        (f"w8a8 M=512 >= 1.0x torchao: {q8m[1] / q8m[0]:.2f}x", q8m[0] <= q8m[1]),
-    ):
-        lines.append(f"- {text}: **{'met' if ok else 'NOT met'}**")
-    return "\n".join(lines) + "\n"
+    return {"labels": [p[0] for p in pairs], "linear": linear, "mlp": _mlp_rows(rng)}
 
 
-def _mlp_rows(rng: np.random.Generator) -> dict[str, tuple[float, float, float, float]]:
-    """(lowbit decode s, torchao decode s, lowbit prefill s, torchao prefill s) per weight type."""
+def _mlp_rows(rng: np.random.Generator) -> dict[str, tuple]:
+    """(lowbit decode s, torchao decode s, lowbit prefill s, torchao prefill s) per weight type
+    (torchao None where it has no peer)."""
     from benchmarks import _torchao
 
     d, f, layers, tokens = MLP
@@ -461,6 +530,7 @@ def _mlp_rows(rng: np.random.Generator) -> dict[str, tuple[float, float, float, 
         "int4 g128": ("int4 g128", "torchao int4 g128", jnp.float32),
         "int8 weight-only": ("int8", "torchao int8", jnp.float32),
         "w8a8": ("w8a8", "torchao w8a8", jnp.float32),
+        "w4a8 g128": (W4A8, None, jnp.float32),
     }
     out = {}
     for label, (name, peer, dtype) in setups.items():
@@ -483,17 +553,23 @@ def _mlp_rows(rng: np.random.Generator) -> dict[str, tuple[float, float, float, 
                     x = jnp.dot(x, w)
                 elif name == "w8a8":
                     x = kernels.w8a8_linear(x, w)
+                elif name == W4A8:
+                    x = kernels.w4a8_linear(x, w)
                 else:
                     x = kernels.weight_only_linear(x, w)
             return x
 
         fn = jax.jit(mlp)
-        tfn, tin = _torchao.build(peer, widths)
+        tfn, tin = _torchao.build(peer, widths) if peer else (None, None)
         times = []
         for m in (1, tokens):
             x = jnp.asarray(rng.standard_normal((m, d), dtype=np.float32)).astype(dtype)
+            times.append(_time(lambda x=x, fn=fn: fn(x)))
+            if tfn is None:
+                times.append(None)
+                continue
             tx = tin(m)
-            times += [_time(lambda x=x, fn=fn: fn(x)), _time(lambda tx=tx, tfn=tfn: tfn(tx))]
+            times.append(_time(lambda tx=tx, tfn=tfn: tfn(tx)))
         out[label] = tuple(times)
-        print(f"[kernels] MLP {label}: " + ", ".join(f"{t * 1e3:.2f} ms" for t in times))
+        print(f"[kernels] MLP {label}: {times}", flush=True)
     return out
