@@ -328,6 +328,14 @@ def _targets(results) -> list[str]:
         },
         3.0,
     )
+    m = BATCHES[-1]
+    ratios = {f"{name} {k}^2": _speedup(results, k, m, name) for k in SIZES for name in WEIGHT_ONLY}
+    worst = min(ratios, key=ratios.get)
+    ok = ratios[worst] >= 1.0
+    out.append(
+        f"- weight-only, M={m} (goal >= 1x float32): **{'met' if ok else 'NOT met'}** (lowest:"
+        f" {worst} {ratios[worst]:.2f}x, highest: {max(ratios.values()):.2f}x)"
+    )
     return out
 
 
