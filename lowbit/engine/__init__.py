@@ -3,10 +3,13 @@
 `interpret(fn)` returns a function that accepts `QArray` / `QatWeight` leaves wherever `fn`
 expects float arrays; every primitive that meets one either has a rule (quantized matmul, layout
 op on packed values, recursion into jit / scan / while / cond / remat / custom derivatives) or
-dequantizes it, counted in an `EngineReport` (or raised in strict mode).
+dequantizes it, counted in an `EngineReport` (or raised in strict mode). `probe(fn, ...)` runs
+the same interpreter with parameters tagged by path (`Probe`) and reports each op that reads one
+(`Use`): parameter-use discovery and calibration statistics.
 """
 
-from lowbit.engine._interpreter import interpret, trace_report
+from lowbit.engine._interpreter import interpret, probe, trace_report
+from lowbit.engine._probe import Probe, Use
 from lowbit.engine._report import EngineFallbackError, EngineReport
 
-__all__ = ["EngineFallbackError", "EngineReport", "interpret", "trace_report"]
+__all__ = ["EngineFallbackError", "EngineReport", "Probe", "Use", "interpret", "probe", "trace_report"]

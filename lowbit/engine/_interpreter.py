@@ -15,9 +15,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp  # noqa: F401 - used by the doctest of `probe`
 import numpy as np
 
-from lowbit.engine import _compat, _control_flow, _gather, _layout_rules, _op_rules, _shard_map
+from lowbit.engine import (
+    _compat,
+    _control_flow,
+    _gather,
+    _layout_rules,
+    _op_rules,
+    _probe,
+    _shard_map,
+)
 from lowbit.engine._report import EngineFallbackError, EngineReport, describe
 from lowbit.engine._values import NoRule, dequantize, is_quantized, logical_struct, map_layout
 
@@ -31,6 +40,8 @@ class Context:
     # Source location of the innermost enclosing equation that has one: equations inside
     # library functions (jnp.cumsum is itself a jit) point at the user's call through this.
     where: str = "unknown"
+    # Set when probing parameters (`probe`): equations reading a `Probe` go to its rules.
+    probe: _probe.ProbeState | None = None
 
     def muted(self) -> Context:
         """A context for throwaway shape probes: counts go nowhere, fallbacks never raise."""
@@ -57,15 +68,22 @@ def eval_jaxpr(ctx: Context, closed_jaxpr: Any, args: Sequence[Any]) -> list[Any
         env[var] = value
     for var, value in zip(jaxpr.invars, args, strict=True):
         env[var] = value
-    for eqn in jaxpr.eqns:
+    # A probing walk evaluates eagerly: drop each value after its last reader.
+    dead = _probe.last_uses(jaxpr) if ctx.probe is not None else None
+    for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(atom) for atom in eqn.invars]
-        if any(is_quantized(v) for v in invals):
+        if dead is not None and any(_probe.is_probe(v) for v in invals):
+            outvals = _probe.apply(eval_jaxpr, ctx, eqn, invals)
+        elif any(is_quantized(v) for v in invals):
             outvals = apply_rule(ctx, eqn, invals)
         else:
             outvals = _compat.bind_eqn(eqn, invals)
         for var, value in zip(eqn.outvars, outvals, strict=True):
             if not _compat.is_drop_var(var):
                 env[var] = value
+        if dead is not None:
+            for var in dead[i]:
+                env.pop(var, None)
     return [read(atom) for atom in jaxpr.outvars]
 
 
@@ -306,3 +324,60 @@ def trace_report(
     report = EngineReport()
     jax.eval_shape(interpret(fn, strict=strict, report=report), *args, **kwargs)
     return report
+
+
+def probe(
+    fn: Callable[..., Any],
+    params: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    visit: _probe.Visitor,
+    *,
+    name: Callable[[Any], str],
+    concrete: bool,
+) -> Any:
+    """Runs ``fn(params, *args, **kwargs)`` with every leaf of `params` probed (see `_probe`).
+
+    Args:
+      fn: any JAX-traceable function taking the params pytree first.
+      params: pytree of float arrays (shape/dtype structs are enough when not `concrete`).
+      args, kwargs: the other arguments.
+      visit: called with a `Use` for every op that reads a parameter (or a re-layout of one).
+      name: key path of a params leaf → its path string (the tag).
+      concrete: evaluate eagerly with the real values (loops step by step, the taken branch
+        only), or only follow tags abstractly (every loop body and branch once).
+    Returns:
+      fn's outputs (abstract when not `concrete`).
+
+    Example:
+      >>> seen = []
+      >>> _ = probe(lambda p, x: x @ p["w"], {"w": jnp.ones((3, 2))}, (jnp.ones((1, 3)),), {},
+      ...           seen.append, name=jax.tree_util.keystr, concrete=True)
+      >>> seen[0].op, sorted(seen[0].paths)
+      ('dot_general', ["['w']"])
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    tags = [frozenset({name(keys)}) for keys, _ in flat]
+    call_args = (params, tuple(args), dict(kwargs))
+    leaves, treedef = jax.tree.flatten(call_args)
+
+    def flat_fn(*values):
+        p, a, k = jax.tree.unflatten(treedef, values)
+        return fn(p, *a, **k)
+
+    stand_ins = list(jax.eval_shape(lambda *a: a, *leaves))
+    closed_jaxpr, out_shape = _compat.make_jaxpr(flat_fn, stand_ins)
+    ctx = Context(report=EngineReport(), strict=False, probe=_probe.ProbeState(visit, concrete))
+
+    def evaluate(*values):
+        values = [
+            _probe.Probe(v, tags[i], ()) if i < len(tags) else v for i, v in enumerate(values)
+        ]
+        return [_probe.raw(v) for v in eval_jaxpr(ctx, closed_jaxpr, values)]
+
+    outs = (
+        evaluate(*map(jax.numpy.asarray, leaves))
+        if concrete
+        else jax.eval_shape(evaluate, *stand_ins)
+    )
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

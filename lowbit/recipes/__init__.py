@@ -1,5 +1,6 @@
 """Recipes: rules that say which parameters to quantize and how, and named presets."""
 
+from lowbit.recipes._algorithm import ALGORITHMS, AWQ, GPTQ, HQQ, Algorithm, SmoothQuant
 from lowbit.recipes._builders import activation_config, matmul_rules, weight_config
 from lowbit.recipes._json import (
     format_calibration,
@@ -27,6 +28,12 @@ from lowbit.recipes._recipe import Decision, Recipe, RecipeReport
 from lowbit.recipes._rule import OPS, Rule, stack_granularity
 
 __all__ = [
+    "ALGORITHMS",
+    "AWQ",
+    "GPTQ",
+    "HQQ",
+    "Algorithm",
+    "SmoothQuant",
     "OPS",
     "Decision",
     "Recipe",

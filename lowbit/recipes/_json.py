@@ -39,6 +39,7 @@ from lowbit.qarray import (
     QuantConfig,
     parse_calibration,
 )
+from lowbit.recipes._algorithm import algorithm_to_dict, parse_algorithm
 from lowbit.recipes._recipe import Recipe
 from lowbit.recipes._rule import Rule
 
@@ -192,6 +193,8 @@ def rule_to_dict(rule: Rule) -> dict[str, Any]:
         value = getattr(rule, f.name)
         if isinstance(value, QuantConfig):
             value = config_to_dict(value)
+        elif f.name == "algorithm":
+            value = None if value is None else algorithm_to_dict(value)
         elif isinstance(value, tuple):
             value = list(value)
         out[f.name] = value
@@ -209,6 +212,8 @@ def parse_rule(value: Any, field: str) -> Rule:
     for key in ("weight", "activation", "gradient"):
         if key in kwargs:
             kwargs[key] = parse_config(kwargs[key], f"Rule.{key}")
+    if "algorithm" in kwargs:
+        kwargs["algorithm"] = parse_algorithm(kwargs["algorithm"])
     if kwargs.get("ops") is not None:
         if not isinstance(kwargs["ops"], list | tuple):
             raise ValueError(f"Rule.ops: {kwargs['ops']!r}; accepted: a list of op names or null")

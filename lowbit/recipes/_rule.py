@@ -19,6 +19,7 @@ import dataclasses
 import re
 
 from lowbit.qarray import PerBlock, PerChannel, PerGroup, PerTensor, PerToken, QuantConfig
+from lowbit.recipes._algorithm import Algorithm, parse_algorithm
 
 # Operation names a rule can filter on. `einsum` lowers to `dot_general`, so a weight that feeds
 # an einsum is seen as feeding a dot_general; the two names are interchangeable in a filter.
@@ -70,6 +71,9 @@ class Rule:
       min_ndim: parameters with fewer axes (not counting stacked axes) stay in float; 2 keeps
         biases and norm scales in float.
       stacked_axes: leading axes that index stacked layers (see module docstring).
+      algorithm: how weights are rounded beyond nearest: `GPTQ`, `AWQ`, `SmoothQuant`, `HQQ`
+        (`lowbit.recipes._algorithm`), or None for round-to-nearest. Data-driven ones need
+        calibration batches (`lowbit.algorithms.quantize_params`).
 
     Raises:
       TypeError / ValueError: naming the field, the value and what is accepted.
@@ -85,8 +89,15 @@ class Rule:
     min_size: int = 0
     min_ndim: int = 2
     stacked_axes: int = 0
+    algorithm: Algorithm | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "algorithm", parse_algorithm(self.algorithm))
+        if self.algorithm is not None and self.weight is None:
+            raise ValueError(
+                f"Rule(path={self.path!r}) sets algorithm={self.algorithm.name!r} but weight=None; "
+                "an algorithm rounds a quantized weight: set weight too"
+            )
         _check_regex("Rule.path", self.path)
         _check_regex("Rule.exclude", self.exclude)
         if self.ops is not None:

@@ -1,0 +1,31 @@
+"""Rounding better than nearest: GPTQ and HQQ, on statistics captured through the engine.
+
+`capture` streams per-weight input statistics (Gram matrix, mean/max |x|) from the float model
+on calibration batches; `quantize_params` / `quantize_model` apply the recipe, running each
+rule's algorithm (`lowbit.recipes.GPTQ`, `HQQ`) on its weights.
+"""
+
+from lowbit.algorithms._apply import (
+    AlgorithmReport,
+    algorithm_weights,
+    quantize_model,
+    quantize_params,
+    quantize_with_report,
+)
+from lowbit.algorithms._capture import CalibrationError, Statistics, WeightStats, capture
+from lowbit.algorithms._gptq import gptq_matrix
+from lowbit.algorithms._hqq import hqq_qarray
+
+__all__ = [
+    "AlgorithmReport",
+    "CalibrationError",
+    "Statistics",
+    "WeightStats",
+    "algorithm_weights",
+    "capture",
+    "gptq_matrix",
+    "hqq_qarray",
+    "quantize_model",
+    "quantize_params",
+    "quantize_with_report",
+]

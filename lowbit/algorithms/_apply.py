@@ -1,0 +1,248 @@
+"""Recipes whose rules carry an algorithm: capture statistics, then round with the algorithm.
+
+`quantize_params` is `lowbit.api.quantize_params` plus the rules' algorithms: weights whose rule
+has none are rounded to nearest exactly as there; the others get GPTQ / HQQ codes on the same
+layout. Data-driven algorithms read statistics captured from the float model on calibration
+batches through the engine (`capture`). Every weight an algorithm was asked for appears in the
+`AlgorithmReport` with what it got.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from flax import linen, nnx
+
+from lowbit.algorithms._capture import CalibrationError, Statistics, capture
+from lowbit.algorithms._gptq import gptq_qarray
+from lowbit.algorithms._hqq import hqq_qarray
+from lowbit.api import QuantizedLinen, QuantizedModel
+from lowbit.api import quantize_model as api_quantize_model
+from lowbit.api import quantize_params as api_quantize_params
+from lowbit.api._quantize import as_recipe, check_decisions
+from lowbit.ops import attach_kernel_layouts
+from lowbit.qarray import QArray
+from lowbit.recipes import GPTQ, HQQ, Recipe, map_params, param_leaves
+
+IMPLEMENTED = (GPTQ, HQQ)
+
+
+@dataclasses.dataclass
+class AlgorithmReport:
+    """Per weight whose rule names an algorithm: what it got.
+
+    Attributes:
+      applied: {path: description} e.g. ``"gptq (damp 0.01, 4096 tokens)"`` or
+        ``"rtn: Hessian singular after dampening"``.
+      notes: other remarks (fallbacks per layer).
+      statistics: the captured `Statistics` (None for data-free recipes).
+    """
+
+    applied: dict[str, str] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    statistics: Statistics | None = None
+
+    def lines(self) -> list[str]:
+        return [f"{path}: {what}" for path, what in self.applied.items()] + self.notes
+
+
+def _strip(recipe: Recipe) -> Recipe:
+    rules = tuple(dataclasses.replace(r, algorithm=None) for r in recipe.rules)
+    return Recipe(rules=rules, name=recipe.name)
+
+
+def algorithm_weights(recipe: Recipe, params: Any, uses=None) -> dict[str, Any]:
+    """{path: (decision, rule)} of the weights whose matching rule has an algorithm.
+
+    Raises:
+      ValueError: for an algorithm on a format it cannot serve, naming both.
+    """
+    decisions = check_decisions(recipe, params, uses)
+    out = {}
+    for path, d in decisions.items():
+        if not d.quantized:
+            continue
+        rule = recipe.rules[d.rule_index]
+        algorithm = rule.algorithm
+        if algorithm is None:
+            continue
+        if not isinstance(algorithm, IMPLEMENTED):
+            raise ValueError(
+                f"rule {d.rule_index} (path={rule.path!r}) asks for {algorithm.name!r}, which this "
+                f"version does not implement; accepted: {[a.name for a in IMPLEMENTED]}"
+            )
+        if isinstance(algorithm, HQQ) and d.config.symmetric:
+            raise ValueError(
+                f"rule {d.rule_index} (path={rule.path!r}): algorithm 'hqq' optimizes zero points "
+                f"but format {d.config.format!r} is symmetric (no zero point); use an asymmetric "
+                "uintN weight config (symmetric=False)"
+            )
+        out[path] = (d, rule)
+    return out
+
+
+def quantize_with_report(
+    params: Any,
+    recipe: Recipe | str,
+    *,
+    fn: Callable[..., Any] | None = None,
+    calibration: Iterable[Any] | None = None,
+    statistics: Statistics | None = None,
+    strict: bool = False,
+    uses: Mapping[str, frozenset[str]] | None = None,
+    kernel_layouts: bool = True,
+    on_batch: Callable[[int], None] | None = None,
+    on_weight: Callable[[int, int], None] | None = None,
+) -> tuple[Any, AlgorithmReport]:
+    """`quantize_params` that also returns the `AlgorithmReport`.
+
+    Args:
+      params: float params pytree.
+      recipe: a `Recipe` or preset name.
+      fn: ``fn(params, *batch)``, needed with `calibration`.
+      calibration: iterable of batches (a tuple is unpacked into arguments), for rules whose
+        algorithm needs data (GPTQ, AWQ, SmoothQuant).
+      statistics: already captured `Statistics` (shared between recipes) instead of batches.
+      strict: raise instead of falling back to RTN for a weight (singular Hessian, no stats).
+      uses: as for `lowbit.api.quantize_params`.
+      kernel_layouts: as for `lowbit.api.quantize_params`.
+      on_batch / on_weight: progress callbacks (batches done; weights done, total).
+    Returns:
+      (quantized params, report).
+    Raises:
+      ValueError: a rule needs data and none was given (naming the rule), an algorithm on a
+        format it cannot serve, too few calibration tokens (saying how many are needed), NaN/Inf
+        in calibration inputs (`CalibrationError`, naming the layer), and in strict mode a
+        weight that would fall back to RTN.
+    """
+    recipe = as_recipe(recipe)
+    wanted = algorithm_weights(recipe, params, uses)
+    rtn = api_quantize_params(params, _strip(recipe), uses=uses, kernel_layouts=False)
+    report = AlgorithmReport()
+    if not wanted:
+        return (attach_kernel_layouts(rtn) if kernel_layouts else rtn), report
+    data_paths = [p for p, (_, rule) in wanted.items() if rule.algorithm.needs_data]
+    if data_paths and statistics is None:
+        if calibration is None or fn is None:
+            first = wanted[data_paths[0]][1]
+            index = recipe.rules.index(first)
+            raise ValueError(
+                f"recipe {recipe.name!r}: rule {index} (path={first.path!r}) uses algorithm "
+                f"{first.algorithm.name!r}, which needs calibration data; pass fn=... and "
+                "calibration=<iterable of batches> (lowbit.algorithms.quantize_params), or use a "
+                "data-free algorithm (hqq)"
+            )
+        statistics = capture(fn, params, calibration, paths=data_paths, on_batch=on_batch)
+    report.statistics = statistics
+    floats = dict(param_leaves(params))
+    replaced: dict[str, QArray] = {}
+    rtn_leaves = dict(param_leaves(rtn))
+    for n, (path, (decision, rule)) in enumerate(wanted.items()):
+        algorithm = rule.algorithm
+        if isinstance(algorithm, HQQ):
+            q, history = hqq_qarray(floats[path], decision.config, algorithm)
+            replaced[path] = q
+            report.applied[path] = (
+                f"hqq ({algorithm.iters} iterations, lp error {float(history[0]):.4g} -> "
+                f"{float(history[-1]):.4g})"
+            )
+        else:
+            replaced[path] = _gptq_one(
+                path, floats[path], rtn_leaves[path], algorithm, statistics, strict, report
+            )
+        if on_weight is not None:
+            on_weight(n + 1, len(wanted))
+    out = map_params(lambda path, leaf: replaced.get(path, leaf), rtn)
+    return (attach_kernel_layouts(out) if kernel_layouts else out), report
+
+
+def _gptq_one(path, w, q, algorithm, statistics, strict, report) -> QArray:
+    stats = statistics.for_path(path)
+    if not stats:
+        reason = statistics.unmapped.get(path, "it was not seen feeding any matmul of fn")
+        message = f"{path}: no calibration statistics ({reason})"
+        if strict:
+            raise ValueError(message + "; strict mode does not fall back to RTN")
+        report.applied[path] = f"rtn: {message}"
+        return q
+    needed = max(int(s.gram.shape[0]) for s in stats)
+    have = min(s.count for s in stats)
+    if have < needed:
+        raise CalibrationError(
+            f"{path}: GPTQ needs at least {needed} calibration token rows (its input size) per "
+            f"layer, got {have}; give more or longer calibration sequences"
+        )
+    new, notes = gptq_qarray(w, q, stats, algorithm)
+    if notes and strict:
+        raise ValueError("; ".join(notes) + " (strict mode)")
+    report.notes += notes
+    report.applied[path] = (
+        f"gptq ({len(stats)} stats set{'s' if len(stats) > 1 else ''}, {have} tokens"
+        f"{', act_order' if algorithm.act_order else ''})"
+        if not notes
+        else "gptq with RTN fallback on some layers (see notes)"
+    )
+    return new
+
+
+def quantize_params(params: Any, recipe: Recipe | str, **options: Any) -> Any:
+    """`lowbit.quantize_params` with algorithms: `quantize_with_report` without the report.
+
+    Without an algorithm in the recipe this is `lowbit.api.quantize_params`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from lowbit.recipes import Recipe, Rule, GPTQ
+      >>> from lowbit.qarray import QuantConfig, PerGroup
+      >>> rule = Rule(weight=QuantConfig(format="int4", granularity=PerGroup(8, axis=0)),
+      ...             algorithm=GPTQ())
+      >>> w = jax.random.normal(jax.random.key(0), (16, 4))
+      >>> xs = [jax.random.normal(jax.random.key(1), (32, 16))]
+      >>> q = quantize_params({"w": w}, Recipe(rules=(rule,)), fn=lambda p, x: x @ p["w"],
+      ...                     calibration=xs)
+      >>> type(q["w"]).__name__
+      'QArray'
+    """
+    return quantize_with_report(params, recipe, **options)[0]
+
+
+def quantize_model(
+    model: nnx.Module | linen.Module,
+    recipe: Recipe | str,
+    *,
+    calibration: Iterable[Any] | None = None,
+    params: Any = None,
+    strict: bool = False,
+    uses: Mapping[str, frozenset[str]] | None = None,
+    **options: Any,
+) -> QuantizedModel | QuantizedLinen:
+    """`lowbit.quantize_model` with algorithms: calibration batches are the model's inputs
+    (``model(*batch)``, Linen: ``model.apply(params, *batch)``).
+
+    Without an algorithm in the recipe this is `lowbit.api.quantize_model`.
+    """
+    recipe = as_recipe(recipe)
+    if not any(r.algorithm is not None for r in recipe.rules):
+        return api_quantize_model(model, recipe, params=params, strict=strict, uses=uses)
+    if isinstance(model, nnx.Module):
+        if params is not None:
+            raise TypeError("quantize_model: params= is for Linen modules")
+        graphdef, state = nnx.split(model)
+        fn = lambda s, *batch: nnx.merge(graphdef, s)(*batch)
+        qstate = quantize_params(
+            state, recipe, fn=fn, calibration=calibration, uses=uses, strict=strict, **options
+        )
+        return QuantizedModel(nnx.merge(graphdef, qstate), strict=strict)
+    if isinstance(model, linen.Module):
+        if params is None:
+            raise TypeError("quantize_model: a Linen module needs params=variables")
+        fn = lambda p, *batch: model.apply(p, *batch)
+        qparams = quantize_params(
+            params, recipe, fn=fn, calibration=calibration, uses=uses, strict=strict, **options
+        )
+        return QuantizedLinen(model, qparams, strict)
+    raise TypeError(
+        f"quantize_model expects a flax nnx.Module or linen.Module, got {type(model).__name__}"
+    )

@@ -1,0 +1,291 @@
+"""Probes: follow parameters through a function with the interpreter, and see what meets them.
+
+A `Probe` is the third value type the interpreter carries (besides `QArray` and `QatWeight`): a
+float parameter tagged with its path(s). Layout ops (transpose, reshape, slice, cast, the
+implicit per-step slice of a `scan` over stacked weights, ...) keep the tag and record the step,
+so the layout of the value the op sees can be mapped back to the parameter's axes. A
+`dot_general`, conv, `ragged_dot` or `gather` that reads a probe is a *use*, reported to the
+probe's visitor with the other operand (the activation) and the equation's parameters; its
+output is an ordinary value. Every other op drops the tag.
+
+Two modes:
+  * symbolic — values are abstract (run under `jax.eval_shape`); each loop body and every
+    branch is visited once. Answers "which ops does each parameter feed".
+  * concrete — eager evaluation, one equation at a time; loops run step by step (a `scan` over
+    stacked weights reports each layer's step with its index) and only the taken branch runs.
+    The visitor sees the real activations: calibration statistics.
+
+In both modes dead intermediate values are dropped as soon as their last reader has run, so a
+concrete walk holds about as much as an eager forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit.engine import _compat
+
+# Primitives whose output is a re-layout of their first operand: a parameter passing through
+# them is still the same parameter.
+LAYOUT_PRIMITIVES = frozenset(
+    {
+        "transpose",
+        "reshape",
+        "convert_element_type",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "copy",
+        "copy_p",
+        "slice",
+        "dynamic_slice",
+        "rev",
+        "sharding_constraint",
+        "reduce_precision",
+        "optimization_barrier",
+    }
+)
+# Layout primitives that do not move elements: the index map passes through unchanged.
+_VALUE_ONLY = frozenset({"convert_element_type", "reduce_precision", "sharding_constraint"})
+# Primitive name -> the op name a use reports (the names of `lowbit.recipes.OPS`).
+USE_OPS = {
+    "dot_general": "dot_general",
+    "conv_general_dilated": "conv",
+    "ragged_dot": "ragged_dot",
+    "ragged_dot_general": "ragged_dot",
+    "gather": "gather",
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Probe:
+    """A parameter (or a re-layout of one) tagged with its path(s).
+
+    Attributes:
+      value: the array (abstract in symbolic mode).
+      paths: the parameter paths this value is a re-layout of.
+      steps: the layout steps from the parameter to this value, as ``(key, fn)`` pairs; `fn`
+        applies the same step to an index array (see `Use.weight_indices`).
+    """
+
+    value: Any
+    paths: frozenset[str]
+    steps: tuple[tuple[Any, Callable[[Any], Any]], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Use:
+    """One op reading a probed parameter.
+
+    Attributes:
+      op: ``"dot_general"``, ``"conv"``, ``"ragged_dot"`` or ``"gather"``.
+      paths: the parameter paths of the weight operand.
+      weight: the weight operand as the op sees it (a `Probe`).
+      weight_operand: its operand index (0 = lhs, 1 = rhs).
+      activation: the other operand (None for a gather or in symbolic mode).
+      params: the equation's parameters (dimension numbers, ...).
+      location: ``file:line (function)`` of the user code, or ``"unknown"``.
+    """
+
+    op: str
+    paths: frozenset[str]
+    weight: Probe
+    weight_operand: int
+    activation: Any
+    params: dict[str, Any]
+    location: str
+
+    @property
+    def layout_key(self) -> tuple[Any, ...]:
+        """Equal keys mean the same chain of layout steps (for caching `weight_indices`)."""
+        return tuple(key for key, _ in self.weight.steps)
+
+    def weight_indices(self, param_shape: Sequence[int]) -> jax.Array:
+        """For each element of the weight operand, its flat index in the parameter.
+
+        Args:
+          param_shape: shape of the parameter (`paths`' leaf).
+        Returns:
+          [*weight.value.shape] int32: ``indices[i] = ravel_multi_index(parameter position)``.
+        """
+        ids = jnp.arange(int(np.prod(param_shape)), dtype=jnp.int32).reshape(param_shape)
+        for _, fn in self.weight.steps:
+            ids = fn(ids)
+        return ids
+
+
+Visitor = Callable[[Use], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeState:
+    """What a probing interpretation reports to, and how it evaluates loops."""
+
+    visit: Visitor
+    concrete: bool
+
+
+def is_probe(x: Any) -> bool:
+    return isinstance(x, Probe)
+
+
+def raw(x: Any) -> Any:
+    return x.value if isinstance(x, Probe) else x
+
+
+def _step_key(eqn: Any, rest: list[Any]) -> tuple[Any, ...]:
+    keys = []
+    for value in rest:
+        try:
+            keys.append(int(value))
+        except (TypeError, jax.errors.ConcretizationTypeError):
+            keys.append(None)
+    return (id(eqn), tuple(keys))
+
+
+def _layout(eqn: Any, invals: list[Any]) -> list[Any]:
+    operand, *rest = invals
+    name = _compat.primitive_name(eqn)
+    outs = _compat.bind_eqn(eqn, [raw(v) for v in invals])
+    if not is_probe(operand) or any(is_probe(v) for v in rest):
+        if name == "optimization_barrier":
+            # Each output is its own operand: keep every tag.
+            return [
+                Probe(o, v.paths, v.steps) if is_probe(v) else o
+                for o, v in zip(outs, invals, strict=True)
+            ]
+        return outs
+    if name == "optimization_barrier":
+        return [Probe(outs[0], operand.paths, operand.steps), *outs[1:]]
+    if name in _VALUE_ONLY:
+        step = ((name,), lambda ids: ids)
+    else:
+        step = (
+            _step_key(eqn, rest),
+            lambda ids, eqn=eqn, rest=tuple(rest): _compat.bind_eqn(eqn, [ids, *rest])[0],
+        )
+    return [Probe(outs[0], operand.paths, (*operand.steps, step)), *outs[1:]]
+
+
+def _use(ctx: Any, eqn: Any, invals: list[Any], op: str) -> None:
+    state: ProbeState = ctx.probe
+    location = ctx.location(eqn)
+    if op == "gather":
+        if is_probe(invals[0]):
+            state.visit(Use(op, invals[0].paths, invals[0], 0, None, dict(eqn.params), location))
+        return
+    for weight_index, activation_index in ((1, 0), (0, 1)):
+        weight, activation = invals[weight_index], invals[activation_index]
+        if is_probe(weight) and not is_probe(activation):
+            activation = activation if state.concrete else None
+            state.visit(
+                Use(op, weight.paths, weight, weight_index, activation, dict(eqn.params), location)
+            )
+
+
+# --- sub-jaxprs ---
+def _call(eval_jaxpr, ctx, eqn, invals):
+    return eval_jaxpr(ctx.entering(eqn), _compat.call_body(eqn), invals)
+
+
+def _scan(eval_jaxpr, ctx, eqn, invals):
+    p = _compat.scan_params(eqn)
+    n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
+    consts = invals[:n_consts]
+    carry = [raw(v) for v in invals[n_consts : n_consts + n_carry]]
+    xs = invals[n_consts + n_carry :]
+    inner = ctx.entering(eqn)
+
+    def step_of(x, i):
+        if not is_probe(x):
+            return x[i]
+        step = (("scan_step", i), lambda ids, i=i: ids[i])
+        return Probe(x.value[i], x.paths, (*x.steps, step))
+
+    if not ctx.probe.concrete:
+        eval_jaxpr(inner, p["body"], [*consts, *carry, *[step_of(x, 0) for x in xs]])
+        return _compat.bind_eqn(eqn, [raw(v) for v in invals])
+    steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
+    ys: dict[int, list[Any]] = {}
+    for i in steps:
+        outs = [
+            raw(v)
+            for v in eval_jaxpr(inner, p["body"], [*consts, *carry, *[step_of(x, i) for x in xs]])
+        ]
+        carry, ys[i] = outs[:n_carry], outs[n_carry:]
+    n_ys = len(eqn.outvars) - n_carry
+    stacked = [jnp.stack([ys[i][k] for i in range(length)]) for k in range(n_ys)]
+    return [*carry, *stacked]
+
+
+def _while(eval_jaxpr, ctx, eqn, invals):
+    p = _compat.while_params(eqn)
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts = invals[:nc], invals[nc : nc + nb]
+    carry = [raw(v) for v in invals[nc + nb :]]
+    inner = ctx.entering(eqn)
+    if not ctx.probe.concrete:
+        eval_jaxpr(inner, p["body"], [*body_consts, *carry])
+        return _compat.bind_eqn(eqn, [raw(v) for v in invals])
+    while bool(raw(eval_jaxpr(inner, p["cond"], [*cond_consts, *carry])[0])):
+        carry = [raw(v) for v in eval_jaxpr(inner, p["body"], [*body_consts, *carry])]
+    return carry
+
+
+def _cond(eval_jaxpr, ctx, eqn, invals):
+    branches = _compat.cond_branches(eqn)
+    index, *operands = invals
+    inner = ctx.entering(eqn)
+    if not ctx.probe.concrete:
+        for branch in branches:
+            eval_jaxpr(inner, branch, operands)
+        return _compat.bind_eqn(eqn, [raw(v) for v in invals])
+    chosen = branches[int(np.clip(int(raw(index)), 0, len(branches) - 1))]
+    return [raw(v) for v in eval_jaxpr(inner, chosen, operands)]
+
+
+_SUB_JAXPRS = {
+    "jit": _call,
+    "call": _call,
+    "remat": _call,
+    "custom_jvp_call": _call,
+    "custom_vjp_call": _call,
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
+}
+
+
+def apply(eval_jaxpr: Callable[..., list[Any]], ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
+    """Evaluates one equation that has a probe among its operands (see the module docstring)."""
+    name = _compat.primitive_name(eqn)
+    if name in USE_OPS:
+        _use(ctx, eqn, invals, USE_OPS[name])
+    elif name in LAYOUT_PRIMITIVES:
+        return _layout(eqn, invals)
+    rule = _SUB_JAXPRS.get(_compat.rule_name(name) or "")
+    if rule is not None:
+        return rule(eval_jaxpr, ctx, eqn, invals)
+    return _compat.bind_eqn(eqn, [raw(v) for v in invals])
+
+
+def last_uses(jaxpr: Any) -> list[list[Any]]:
+    """For each equation of an open jaxpr, the variables read for the last time there."""
+    last: dict[Any, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for atom in eqn.invars:
+            if not _compat.is_literal(atom):
+                last[atom] = i
+    for atom in jaxpr.outvars:
+        if not _compat.is_literal(atom):
+            last.pop(atom, None)
+    dead: list[list[Any]] = [[] for _ in jaxpr.eqns]
+    for var, i in last.items():
+        dead[i].append(var)
+    return dead
