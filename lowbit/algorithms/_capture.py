@@ -19,7 +19,6 @@ gets statistics from its matmul use; its lookup (a gather) has no activation.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -75,12 +74,13 @@ class Statistics:
       unmapped: {path: reason} for uses whose input axes could not be mapped to the parameter
         (e.g. a batched matmul over the weight, a conv); those uses add no statistics.
       batches: number of batches run.
-      tokens: input rows per batch of the first use seen (for messages).
+      rows: input rows per batch at the first captured activation.
     """
 
     weights: dict[Key, WeightStats] = dataclasses.field(default_factory=dict)
     unmapped: dict[str, str] = dataclasses.field(default_factory=dict)
     batches: int = 0
+    rows: list[int] = dataclasses.field(default_factory=list)
 
     def for_path(self, path: str) -> list[WeightStats]:
         return [s for (p, _), s in self.weights.items() if p == path]
@@ -138,27 +138,24 @@ def _map_use(use: Use, shape: tuple[int, ...]) -> _Mapping | str:
     return _Mapping(tuple(input_axes), tuple(fixed), order)
 
 
-@jax.jit
-def _accumulate(gram, abs_sum, abs_max, x):
-    a = jnp.abs(x)
-    return (
-        gram + jnp.dot(x.T, x, precision=jax.lax.Precision.HIGHEST),
-        abs_sum + a.sum(0),
-        jnp.maximum(abs_max, a.max(0)),
-        jnp.all(jnp.isfinite(x)),
-    )
-
-
 def _rows(use: Use, mapping: _Mapping) -> jax.Array:
     """The activation as [rows, K] float32, columns in the parameter's input order."""
     (lc, rc), _ = use.params["dimension_numbers"]
     a_contract = lc if use.weight_operand == 1 else rc
     x = jnp.asarray(use.activation, jnp.float32)
     rest = [a for a in range(x.ndim) if a not in a_contract]
-    x = jnp.transpose(x, [*rest, *a_contract]).reshape(
-        -1, int(np.prod([x.shape[a] for a in a_contract]))
-    )
+    k = int(np.prod([x.shape[a] for a in a_contract]))
+    x = jnp.transpose(x, [*rest, *a_contract]).reshape(-1, k)
     return x if mapping.order is None else x[:, mapping.order]
+
+
+@dataclasses.dataclass
+class _Site:
+    """One activation read by one or more wanted weights (q, k and v read the same one)."""
+
+    rows: int
+    location: str
+    keys: list[Key]
 
 
 def capture(
@@ -172,8 +169,12 @@ def capture(
 ) -> Statistics:
     """Streams input statistics of the wanted weights over calibration batches.
 
+    The probe walk of one batch, with the statistics' updates, is compiled once (`jax.jit`)
+    and run per batch; statistics of an activation shared by several weights are stored once.
+
     Args:
-      fn: ``fn(params, *batch)`` (a batch that is not a tuple is one argument).
+      fn: ``fn(params, *batch)`` (a batch that is not a tuple is one argument). Batches
+        should share one shape (each new shape compiles the step again).
       params: float params pytree.
       batches: iterable of batches.
       paths: parameter paths to measure (default: every parameter with 2+ axes).
@@ -189,83 +190,109 @@ def capture(
     wanted = set(paths) if paths is not None else {p for p, s in shapes.items() if len(s) >= 2}
     stats = Statistics()
     mappings: dict[tuple[str, Any], _Mapping | str] = {}
+    meta: dict[str, Any] = {}  # of the last trace: sites and what each key is
 
-    def visit(use: Use, batch_index: int, shared: dict) -> None:
-        if use.activation is None or use.op != "dot_general":
+    def increments(params, args):
+        sites: list[_Site] = []
+        site_index: dict[Any, int] = {}
+        key_info: dict[Key, tuple[str, tuple[int, ...], tuple]] = {}
+        values: list[Any] = []
+        alive: list[Any] = []
+
+        def visit(use: Use) -> None:
+            if use.activation is None or use.op != "dot_general":
+                for path in use.paths & wanted:
+                    if use.op != "gather":
+                        stats.unmapped.setdefault(path, f"{use.op} inputs are not captured")
+                return
             for path in use.paths & wanted:
-                if use.op != "gather":
-                    stats.unmapped.setdefault(path, f"{use.op} inputs are not captured")
-            return
-        for path in use.paths & wanted:
-            cache_key = (path, use.layout_key, use.params["dimension_numbers"], use.weight_operand)
-            if cache_key not in mappings:
-                mappings[cache_key] = _map_use(use, shapes[path])
-            mapping = mappings[cache_key]
-            if isinstance(mapping, str):
-                stats.unmapped.setdefault(path, mapping)
-                continue
-            key = (path, mapping.fixed)
-            # q, k and v read the same activation: compute its statistics once.
-            site = (
-                id(use.activation),
-                use.params["dimension_numbers"],
-                use.weight_operand,
-                None if mapping.order is None else mapping.order.tobytes(),
-            )
-            x = shared.get(site)
-            if x is None:
-                x = shared[site] = (use.activation, _rows(use, mapping))
-            rows = x[1]
-            s = stats.weights.get(key)
-            if s is None:
-                k = rows.shape[1]
-                zeros = jnp.zeros((k,), jnp.float32)
-                s = stats.weights[key] = WeightStats(
-                    path,
-                    mapping.input_axes,
-                    mapping.fixed,
-                    jnp.zeros((k, k), jnp.float32),
-                    zeros,
-                    zeros,
-                )
-            gram, abs_sum, abs_max, finite = _accumulate(s.gram, s.abs_sum, s.abs_max, rows)
-            if not bool(finite):
-                layer = path + "".join(f"[{i}]" for _, i in mapping.fixed)
+                dims = use.params["dimension_numbers"]
+                cache_key = (path, use.layout_key, dims, use.weight_operand)
+                if cache_key not in mappings:
+                    mappings[cache_key] = _map_use(use, shapes[path])
+                mapping = mappings[cache_key]
+                if isinstance(mapping, str):
+                    stats.unmapped.setdefault(path, mapping)
+                    continue
+                key = (path, mapping.fixed)
+                key_info[key] = (path, mapping.input_axes, mapping.fixed)
+                order = None if mapping.order is None else mapping.order.tobytes()
+                site = (id(use.activation), dims, use.weight_operand, order)
+                if site not in site_index:
+                    rows = _rows(use, mapping)
+                    a = jnp.abs(rows)
+                    gram = jnp.dot(rows.T, rows, precision=jax.lax.Precision.HIGHEST)
+                    sample = rows[: min(sample_rows, rows.shape[0])] if sample_rows else None
+                    values.append((gram, a.sum(0), a.max(0), jnp.all(jnp.isfinite(rows)), sample))
+                    site_index[site] = len(sites)
+                    sites.append(_Site(int(rows.shape[0]), use.location, []))
+                    # Keep the activation alive so its id is not reused within this trace.
+                    alive.append(use.activation)
+                sites[site_index[site]].keys.append(key)
+
+        probe(fn, params, args, {}, visit, name=path_string, concrete=True)
+        meta["sites"], meta["key_info"] = sites, key_info
+        return values
+
+    step = jax.jit(increments)
+
+    @jax.jit
+    def add(acc, inc):
+        return [
+            (g + g2, s + s2, jnp.maximum(m, m2), f2, smp2)
+            for (g, s, m, _, _), (g2, s2, m2, f2, smp2) in zip(acc, inc, strict=True)
+        ]
+
+    acc = None
+    samples: dict[int, list[np.ndarray]] = {}
+    for i, batch in enumerate(batches):
+        args = tuple(jnp.asarray(a) for a in (batch if isinstance(batch, tuple) else (batch,)))
+        inc = step(params, args)
+        sites = meta["sites"]
+        for j, value in enumerate(inc):
+            if not bool(value[3]):
+                path, _, fixed = meta["key_info"][sites[j].keys[0]]
+                layer = path + "".join(f"[{k}]" for _, k in fixed)
                 raise CalibrationError(
-                    f"calibration batch {batch_index}: the inputs of {layer} at {use.location} "
+                    f"calibration batch {i}: the inputs of {layer} at {sites[j].location} "
                     "contain NaN or Inf; check the calibration data (token ids in range, no "
                     "empty sequences) and that the float model is finite on it"
                 )
-            s.gram, s.abs_sum, s.abs_max = gram, abs_sum, abs_max
-            s.count += int(rows.shape[0])
-            if sample_rows:
-                _add_sample(s, rows, sample_rows)
-
-    for i, batch in enumerate(batches):
-        args = batch if isinstance(batch, tuple) else (batch,)
-        shared: dict = {}
-        probe(
-            fn,
-            params,
-            args,
-            {},
-            functools.partial(visit, batch_index=i, shared=shared),
-            name=path_string,
-            concrete=True,
-        )
+        if sample_rows:
+            for j, value in enumerate(inc):
+                have = sum(len(x) for x in samples.get(j, []))
+                if have < sample_rows:
+                    samples.setdefault(j, []).append(np.asarray(value[4][: sample_rows - have]))
+        acc = inc if acc is None else add(acc, inc)
         stats.batches += 1
+        stats.rows.append(sites[0].rows if sites else 0)
         if on_batch is not None:
             on_batch(i + 1)
-    if stats.batches == 0:
+    if acc is None:
         raise CalibrationError("calibration: batches is empty; give at least one batch")
+    _collect(stats, acc, meta, samples)
     return stats
 
 
-def _add_sample(s: WeightStats, rows: jax.Array, limit: int) -> None:
-    have = 0 if s.sample is None else s.sample.shape[0]
-    if have >= limit:
-        return
-    take = min(limit - have, rows.shape[0])
-    stride = max(1, rows.shape[0] // take)
-    new = np.asarray(rows[::stride][:take])
-    s.sample = new if s.sample is None else np.concatenate([s.sample, new])
+def _collect(stats: Statistics, acc, meta, samples) -> None:
+    """WeightStats per key from per-site sums (a key read at several sites sums them)."""
+    per_key: dict[Key, list[int]] = {}
+    for j, site in enumerate(meta["sites"]):
+        for key in site.keys:
+            per_key.setdefault(key, []).append(j)
+    total_rows = sum(stats.rows)
+    first_rows = stats.rows[-1] if stats.rows else 1
+    for key, js in per_key.items():
+        path, input_axes, fixed = meta["key_info"][key]
+        gram, abs_sum, abs_max = acc[js[0]][:3]
+        for j in js[1:]:
+            gram, abs_sum = gram + acc[j][0], abs_sum + acc[j][1]
+            abs_max = jnp.maximum(abs_max, acc[j][2])
+        # Rows per batch at each site scale with the batch's rows at the first site.
+        count = sum(meta["sites"][j].rows for j in js) * total_rows // max(first_rows, 1)
+        sample = None
+        if samples:
+            sample = np.concatenate([x for j in js for x in samples.get(j, [])])
+        stats.weights[key] = WeightStats(
+            path, input_axes, fixed, gram, abs_sum, abs_max, count, sample
+        )

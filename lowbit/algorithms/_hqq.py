@@ -29,7 +29,7 @@ def _shrink(x, beta, p):
 
 @functools.partial(jax.jit, static_argnames=("fmt_name", "iters"))
 def hqq_zero_points(blocks, scale, zero, *, fmt_name, iters, p, beta, kappa):
-    """blocks: [..., G] float32; scale, zero: [...] → (zero [...], objective per iteration [iters+1]).
+    """blocks: [..., G] float32; scale, zero: [...] → (zero [...], objective [iters + 1]).
 
     The objective sequence is of the best iterate so far (non-increasing).
     """

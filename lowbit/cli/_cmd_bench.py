@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from lowbit.cli._common import (
+    add_calibration_arguments,
     open_target,
     print_json,
     progress,
@@ -46,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="print the result (or the error) as one JSON object: the only line on stdout, "
         "tables go to stderr",
     )
+    add_calibration_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if args.decode_steps < 1:
         raise ValueError(f"--decode-steps={args.decode_steps} must be >= 1")
     with progress() as bar:
-        target = open_target(args.target, args.recipe, bar)
+        target = open_target(args.target, args.recipe, bar, args)
         session = ModelSession(target.loaded)
         with step(bar, f"timing {target.recipe} (compile, warm up, then timed runs)"):
             speed = session.speed(target.params, decode_steps=args.decode_steps)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from lowbit.cli._common import (
+    add_calibration_arguments,
     open_target,
     print_json,
     progress,
@@ -63,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="print the result (or the error) as one JSON object: the only line on stdout, "
         "tables go to stderr",
     )
+    add_calibration_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         _too_short(args, f"{len(text.encode('utf-8'))} bytes")
     sentences = read_sentences(args.sentences) if args.sentences else None
     with progress() as bar:
-        target = open_target(args.target, args.recipe, bar)
+        target = open_target(args.target, args.recipe, bar, args)
         kind = target.loaded.kind
         if kind == "lm" and args.sentences:
             raise ValueError(

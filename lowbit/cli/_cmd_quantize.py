@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from lowbit.cli._common import META_KIND, META_MODEL, META_RECIPE, progress, step
+from lowbit.cli._common import (
+    META_KIND,
+    META_MODEL,
+    META_RECIPE,
+    add_calibration_arguments,
+    progress,
+    quantize_with_progress,
+    step,
+)
 from lowbit.eval import float32_bytes, param_bytes
-from lowbit.eval._variants import check_recipe_spec, load_model, quantize_variant, recipe_label
+from lowbit.eval._variants import check_recipe_spec, load_model, recipe_label
 
 NAME = "quantize"
 HELP = "quantize a model by a recipe and write a checkpoint directory"
@@ -26,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a preset (see `lowbit recipes`), a recipe JSON file, or gguf (GGUF models only)",
     )
     parser.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
+    add_calibration_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
             loaded = load_model(args.model)
         float_params = nnx.split(loaded.model)[1]
         with step(bar, f"quantizing with {args.recipe}"):
-            params, recipe = quantize_variant(loaded, float_params, args.recipe)
+            params, recipe = quantize_with_progress(bar, loaded, float_params, args.recipe, args)
         label = recipe_label(args.recipe)
         metadata = {META_MODEL: loaded.spec, META_RECIPE: label, META_KIND: loaded.kind}
         with step(bar, f"writing {args.out}"):

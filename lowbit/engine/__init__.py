@@ -12,4 +12,12 @@ from lowbit.engine._interpreter import interpret, probe, trace_report
 from lowbit.engine._probe import Probe, Use
 from lowbit.engine._report import EngineFallbackError, EngineReport
 
-__all__ = ["EngineFallbackError", "EngineReport", "Probe", "Use", "interpret", "probe", "trace_report"]
+__all__ = [
+    "EngineFallbackError",
+    "EngineReport",
+    "Probe",
+    "Use",
+    "interpret",
+    "probe",
+    "trace_report",
+]

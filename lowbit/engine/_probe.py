@@ -11,8 +11,11 @@ output is an ordinary value. Every other op drops the tag.
 Two modes:
   * symbolic — values are abstract (run under `jax.eval_shape`); each loop body and every
     branch is visited once. Answers "which ops does each parameter feed".
-  * concrete — eager evaluation, one equation at a time; loops run step by step (a `scan` over
-    stacked weights reports each layer's step with its index) and only the taken branch runs.
+  * concrete — evaluation one equation at a time with the actual values, eagerly or while being
+    traced by `jax.jit` (then the visitor's computations are part of the compiled step); a
+    `scan` is unrolled so each step of a scan over stacked weights reports its layer index, and
+    `while` / `cond` run step by step / only the taken branch when their predicate is known
+    (under jit a traced predicate runs the loop or branch as it is, without reporting inside).
     The visitor sees the real activations: calibration statistics.
 
 In both modes dead intermediate values are dropped as soon as their last reader has run, so a
@@ -114,10 +117,12 @@ class Use:
         Returns:
           [*weight.value.shape] int32: ``indices[i] = ravel_multi_index(parameter position)``.
         """
-        ids = jnp.arange(int(np.prod(param_shape)), dtype=jnp.int32).reshape(param_shape)
-        for _, fn in self.weight.steps:
-            ids = fn(ids)
-        return ids
+        # Concrete even while the probe itself is being traced (a jitted calibration step).
+        with jax.ensure_compile_time_eval():
+            ids = jnp.arange(int(np.prod(param_shape)), dtype=jnp.int32).reshape(param_shape)
+            for _, fn in self.weight.steps:
+                ids = fn(ids)
+            return ids
 
 
 Visitor = Callable[[Use], None]
@@ -233,6 +238,10 @@ def _while(eval_jaxpr, ctx, eqn, invals):
     if not ctx.probe.concrete:
         eval_jaxpr(inner, p["body"], [*body_consts, *carry])
         return _compat.bind_eqn(eqn, [raw(v) for v in invals])
+    first = raw(eval_jaxpr(inner, p["cond"], [*cond_consts, *carry])[0])
+    if not _compat.is_concrete(first):
+        # A traced trip count (the probe runs under jit): the loop runs as it is, unobserved.
+        return _compat.bind_eqn(eqn, [raw(v) for v in invals])
     while bool(raw(eval_jaxpr(inner, p["cond"], [*cond_consts, *carry])[0])):
         carry = [raw(v) for v in eval_jaxpr(inner, p["body"], [*body_consts, *carry])]
     return carry
@@ -245,6 +254,9 @@ def _cond(eval_jaxpr, ctx, eqn, invals):
     if not ctx.probe.concrete:
         for branch in branches:
             eval_jaxpr(inner, branch, operands)
+        return _compat.bind_eqn(eqn, [raw(v) for v in invals])
+    if not _compat.is_concrete(raw(index)):
+        # A traced branch index (the probe runs under jit): the branch runs unobserved.
         return _compat.bind_eqn(eqn, [raw(v) for v in invals])
     chosen = branches[int(np.clip(int(raw(index)), 0, len(branches) - 1))]
     return [raw(v) for v in eval_jaxpr(inner, chosen, operands)]

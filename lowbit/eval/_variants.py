@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,13 +147,30 @@ def recipe_label(spec: str) -> str:
     return Path(spec).stem if spec.endswith(".json") else spec
 
 
-def quantize_variant(loaded: LoadedModel, float_params: Any, recipe_spec: str) -> tuple[Any, Any]:
+def quantize_variant(
+    loaded: LoadedModel,
+    float_params: Any,
+    recipe_spec: str,
+    *,
+    calibration_file: str | None = None,
+    calibration_sequences: int | None = None,
+    on_batch: Callable[[int, int], None] | None = None,
+    on_weight: Callable[[int, int], None] | None = None,
+) -> tuple[Any, Any]:
     """The parameters of `loaded` under a recipe.
+
+    Recipes whose rules run a data-driven algorithm (GPTQ, ...) are calibrated on the default
+    calibration set (`lowbit.eval.calibration_text`, disjoint from the evaluation text) or on
+    `calibration_file`; the statistics are cached per model and calibration set, so recipes of
+    one model share one calibration pass.
 
     Args:
       loaded: the float model.
       float_params: its float parameters (``nnx.split(model)[1]``).
       recipe_spec: a preset name, a recipe JSON path, ``"float"`` or ``"gguf"``.
+      calibration_file: a text file to calibrate on instead of the default speeches.
+      calibration_sequences: number of calibration sequences (default 128 of 512 tokens).
+      on_batch / on_weight: progress callbacks ``(done, total)``.
     Returns:
       ``(params, recipe)``: a pure-dict parameter tree with QArrays where the recipe quantizes,
       and the `Recipe` (None for ``"gguf"``).
@@ -176,7 +194,37 @@ def quantize_variant(loaded: LoadedModel, float_params: Any, recipe_spec: str) -
     recipe = load_recipe(recipe_spec)
     if recipe_spec == FLOAT_RECIPE:
         return pure, recipe
-    return quantize_params(pure, recipe), recipe
+    if not any(r.algorithm is not None for r in recipe.rules):
+        return quantize_params(pure, recipe), recipe
+    from lowbit.algorithms import algorithm_weights, capture, quantize_with_report
+    from lowbit.eval import _calibration_set as calib
+    from lowbit.eval._corpus import read_text
+
+    data_paths = tuple(
+        sorted(
+            p
+            for p, (_, rule) in algorithm_weights(recipe, pure).items()
+            if rule.algorithm.needs_data
+        )
+    )
+    statistics = None
+    if data_paths:
+        text = None if calibration_file is None else read_text(calibration_file)
+        n = calib.SEQUENCES if calibration_sequences is None else calibration_sequences
+        if loaded.kind == "lm":
+            batches = calib.lm_batches(loaded.tokenizer, text, sequences=n)
+        else:
+            batches = calib.encoder_batches(loaded.tokenizer, text, sequences=n)
+        fn = calib.model_fn(loaded.model, loaded.kind)
+        progress = None if on_batch is None else (lambda done: on_batch(done, len(batches)))
+        key = (calibration_file, n, data_paths)
+        statistics = calib.cached_statistics(
+            loaded.model,
+            key,
+            lambda: capture(fn, pure, batches, paths=data_paths, on_batch=progress),
+        )
+    params, _ = quantize_with_report(pure, recipe, statistics=statistics, on_weight=on_weight)
+    return params, recipe
 
 
 def as_numpy_tokens(tokenizer: Any, text: str) -> np.ndarray:

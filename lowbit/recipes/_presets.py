@@ -29,6 +29,7 @@ import dataclasses
 from collections.abc import Callable
 
 from lowbit.qarray import MinMax, QuantConfig
+from lowbit.recipes._algorithm import GPTQ, HQQ, Algorithm
 from lowbit.recipes._builders import activation_config, matmul_rules
 from lowbit.recipes._recipe import Recipe
 from lowbit.recipes._rule import Rule
@@ -201,6 +202,51 @@ def _demo_4bit(name: str, rules: tuple[Rule, ...]) -> Recipe:
     # embedding rule; an int8 one takes its place.
     embedding = matmul_rules("int8")[0]
     return _recipe(name, (embedding, *rules[1:]))
+
+
+def _with_algorithm(name: str, base: Recipe, algorithm: Algorithm) -> Recipe:
+    # The embedding rule (first) stays round-to-nearest int8: it is a lookup table and, tied,
+    # the logits; the algorithm rounds the linear layers.
+    rules = (base.rules[0], *(dataclasses.replace(r, algorithm=algorithm) for r in base.rules[1:]))
+    return _recipe(name, rules)
+
+
+def _int_g64(bits: int) -> Recipe:
+    return _demo_4bit(f"int{bits}w_g64", matmul_rules(f"int{bits}", group_size=64))
+
+
+def _uint4_g64_asym() -> Recipe:
+    rules = matmul_rules("uint4", group_size=64, symmetric=False, calibration=MinMax())
+    return _demo_4bit("int4w_g64_asym", rules)
+
+
+_PRESETS.update(
+    {
+        "int4w_g64_asym": (
+            _uint4_g64_asym,
+            "uint4 asymmetric weights, groups of 64, min/max bounds; int8 embeddings",
+        ),
+        "int3w_g64": (lambda: _int_g64(3), "int3 symmetric weights, groups of 64; int8 embeddings"),
+        "int4w_g64_gptq": (
+            lambda: _with_algorithm("int4w_g64_gptq", _int_g64(4), GPTQ()),
+            "int4w_g64 rounded by GPTQ (needs calibration data)",
+        ),
+        "nf4_g64_gptq": (
+            lambda: _with_algorithm(
+                "nf4_g64_gptq", _demo_4bit("nf4_g64", nf4(64).rules), GPTQ()
+            ),
+            "nf4_g64 rounded by GPTQ (needs calibration data)",
+        ),
+        "int3w_g64_gptq": (
+            lambda: _with_algorithm("int3w_g64_gptq", _int_g64(3), GPTQ()),
+            "int3w_g64 rounded by GPTQ (needs calibration data)",
+        ),
+        "int4w_g64_hqq": (
+            lambda: _with_algorithm("int4w_g64_hqq", _uint4_g64_asym(), HQQ()),
+            "uint4 asymmetric g64 with HQQ zero points (data-free)",
+        ),
+    }
+)
 
 
 def preset_names() -> dict[str, str]:

@@ -1,0 +1,79 @@
+"""Calibration batches for data-driven algorithms (GPTQ, AWQ, SmoothQuant), and a cache of the
+statistics captured from them so several recipes of one model share one calibration pass.
+
+Language models: ``sequences`` consecutive windows of ``length`` tokens of the calibration text
+(default: `calibration_text`, speeches disjoint from the evaluation text), in batches of
+``batch`` windows. Encoders: the text's lines and sentences, padded in batches.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from lowbit.eval._corpus import calibration_text
+from lowbit.eval._harness import pad_batch
+
+SEQUENCES = 128
+LENGTH = 512
+BATCH = 4
+
+_STATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def lm_batches(
+    tokenizer: Any,
+    text: str | None = None,
+    *,
+    sequences: int = SEQUENCES,
+    length: int = LENGTH,
+    batch: int = BATCH,
+) -> list[np.ndarray]:
+    """[batch, length] int32 token windows (the last batch may be smaller).
+
+    Raises:
+      ValueError: if the text has fewer than `length` tokens.
+    """
+    text = calibration_text() if text is None else text
+    ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+    n = min(sequences, len(ids) // length)
+    if n < 1:
+        raise ValueError(
+            f"calibration text has {len(ids)} tokens; one sequence needs {length}: give a longer "
+            "text"
+        )
+    windows = ids[: n * length].reshape(n, length)
+    return [windows[i : i + batch] for i in range(0, n, batch)]
+
+
+def encoder_batches(
+    tokenizer: Any, text: str | None = None, *, sequences: int = SEQUENCES, batch: int = 16
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(tokens, mask) batches of up to `sequences` sentences of the text."""
+    text = calibration_text() if text is None else text
+    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+|\n+", text) if len(s.strip()) > 20]
+    if not sentences:
+        raise ValueError("calibration text has no sentence longer than 20 characters")
+    sentences = sentences[:sequences]
+    return [pad_batch(tokenizer, sentences[i : i + batch]) for i in range(0, len(sentences), batch)]
+
+
+def model_fn(model: nnx.Module, kind: str) -> Callable[..., Any]:
+    """``fn(params, *batch)`` calling the model (LM: tokens; encoder: tokens and mask)."""
+    graphdef = nnx.split(model)[0]
+    if kind == "lm":
+        return lambda state, tokens: nnx.merge(graphdef, state)(tokens)
+    return lambda state, tokens, mask: nnx.merge(graphdef, state)(tokens, mask)
+
+
+def cached_statistics(model: nnx.Module, key: Any, compute: Callable[[], Any]) -> Any:
+    """Statistics of `model` under `key` (calibration set and weights), computed once."""
+    per_model = _STATS.setdefault(model, {})
+    if key not in per_model:
+        per_model[key] = compute()
+    return per_model[key]

@@ -1,0 +1,100 @@
+"""Recipes with algorithms: quantize_params / quantize_model, presets and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import lowbit
+from lowbit.algorithms import CalibrationError, quantize_model, quantize_with_report
+from lowbit.qarray import MinMax, PerGroup, QuantConfig
+from lowbit.recipes import GPTQ, HQQ, Recipe, Rule, preset
+
+D_IN, D_OUT = 32, 16
+INT4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))
+
+
+def _fn(p, x):
+    return jnp.tanh(x @ p["a"]) @ p["b"]
+
+
+def _setup():
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"a": jax.random.normal(k[0], (D_IN, D_IN)), "b": jax.random.normal(k[1], (D_IN, D_OUT))}
+    basis = jax.random.normal(k[2], (8, D_IN))
+    batches = [
+        jax.random.normal(jax.random.key(i), (64, 8)) @ basis for i in range(1, 4)
+    ]  # correlated inputs
+    return params, batches
+
+
+def test_gptq_recipe_beats_rtn_and_reports_every_weight():
+    params, batches = _setup()
+    recipe = Recipe(rules=(Rule(weight=INT4, algorithm=GPTQ()),), name="g")
+    q, report = quantize_with_report(params, recipe, fn=_fn, calibration=batches)
+    rtn = lowbit.quantize_params(params, Recipe(rules=(Rule(weight=INT4),)))
+    x = batches[0]
+    err = lambda qp: float(jnp.mean((lowbit.run(_fn)(qp, x) - _fn(params, x)) ** 2))
+    assert err(q) < err(rtn)
+    assert sorted(report.applied) == ["a", "b"]
+    assert all(v.startswith("gptq") for v in report.applied.values())
+
+
+def test_data_algorithm_without_data_names_the_rule():
+    params, _ = _setup()
+    recipe = Recipe(rules=(Rule(path="a", weight=INT4, algorithm=GPTQ()),), name="r")
+    with pytest.raises(ValueError, match=r"rule 0 \(path='a'\).*'gptq'.*calibration"):
+        lowbit.algorithms.quantize_params(params, recipe)
+
+
+def test_too_few_tokens_says_how_many():
+    params, batches = _setup()
+    recipe = Recipe(rules=(Rule(weight=INT4, algorithm=GPTQ()),))
+    with pytest.raises(CalibrationError, match="at least 32"):
+        quantize_with_report(params, recipe, fn=_fn, calibration=[batches[0][:4]])
+
+
+def test_hqq_is_data_free_and_refuses_symmetric_formats():
+    params, _ = _setup()
+    asym = QuantConfig(
+        format="uint4", granularity=PerGroup(8, axis=0), symmetric=False, calibration=MinMax()
+    )
+    q, report = quantize_with_report(params, Recipe(rules=(Rule(weight=asym, algorithm=HQQ()),)))
+    assert isinstance(q["a"], lowbit.QArray) and report.applied["a"].startswith("hqq")
+    with pytest.raises(ValueError, match="'hqq'.*symmetric"):
+        quantize_with_report(params, Recipe(rules=(Rule(weight=INT4, algorithm=HQQ()),)))
+
+
+def test_quantize_model_takes_calibration_batches():
+    model = nnx.Linear(D_IN, D_OUT, rngs=nnx.Rngs(0))
+    _, batches = _setup()
+    recipe = Recipe(rules=(Rule(path=".*kernel", weight=INT4, algorithm=GPTQ()),))
+    qmodel = quantize_model(model, recipe, calibration=batches)
+    assert qmodel(batches[0]).shape == (64, D_OUT)
+    assert isinstance(nnx.state(qmodel.module)["kernel"].get_value(), lowbit.QArray)
+
+
+@pytest.mark.parametrize(
+    "name", ["int4w_g64_gptq", "nf4_g64_gptq", "int3w_g64_gptq", "int4w_g64_hqq"]
+)
+def test_algorithm_presets_round_trip_json(name):
+    recipe = preset(name)
+    assert Recipe.from_json(recipe.to_json()) == recipe
+    assert any(r.algorithm is not None for r in recipe.rules)
+
+
+def test_rule_algorithm_errors_name_field_and_accepted_values():
+    with pytest.raises(ValueError, match=r"Rule.algorithm.*accepted.*gptq"):
+        Rule(weight=INT4, algorithm="bogus")
+    with pytest.raises(ValueError, match=r"GPTQ.damp"):
+        GPTQ(damp=-1.0)
+    with pytest.raises(ValueError, match="weight=None"):
+        Rule(algorithm=GPTQ())
+
+
+def test_calibration_speeches_are_disjoint_from_evaluation_speeches():
+    from lowbit.eval._corpus import CALIBRATION_SPEECHES, SOTU_SPEECHES
+
+    assert not set(CALIBRATION_SPEECHES) & set(SOTU_SPEECHES)
+    np.testing.assert_equal(len(CALIBRATION_SPEECHES), 11)
