@@ -43,10 +43,20 @@ EXPECTED = {
     "int4w_g32_asym": ("uint4", None, None),
     "int4w_g64": ("int4", None, None),
     "nf4_g64": ("nf4", None, None),
+    "int4w_g64_asym": ("uint4", None, None),
+    "int3w_g64": ("int3", None, None),
+    "int4w_g64_gptq": ("int4", None, None),
+    "nf4_g64_gptq": ("nf4", None, None),
+    "int3w_g64_gptq": ("int3", None, None),
+    "int4w_g64_hqq": ("uint4", None, None),
 }
 
 # The 4-bit demo recipes keep embeddings at int8 per row.
-EMBEDDING_FORMAT = {"int4w_g32_asym": "int8", "int4w_g64": "int8", "nf4_g64": "int8"}
+EMBEDDING_FORMAT = {
+    name: "int8"
+    for name in EXPECTED
+    if name.startswith(("int4w_g", "nf4_g", "int3w_g"))
+}
 
 
 def test_every_preset_has_a_description():
