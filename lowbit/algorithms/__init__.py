@@ -1,8 +1,9 @@
-"""Rounding better than nearest: GPTQ and HQQ, on statistics captured through the engine.
+"""Rounding better than nearest: GPTQ, AWQ, SmoothQuant and HQQ, on statistics from the engine.
 
 `capture` streams per-weight input statistics (Gram matrix, mean/max |x|) from the float model
 on calibration batches; `quantize_params` / `quantize_model` apply the recipe, running each
-rule's algorithm (`lowbit.recipes.GPTQ`, `HQQ`) on its weights.
+rule's algorithm (`lowbit.recipes.GPTQ`, `HQQ`, `AWQ`, `SmoothQuant`) on its weights; AWQ and
+SmoothQuant scales are folded into the preceding norm where the probe shows it is exact.
 """
 
 from lowbit.algorithms._apply import (
@@ -11,6 +12,7 @@ from lowbit.algorithms._apply import (
     quantize_model,
     quantize_params,
     quantize_with_report,
+    sample_rows,
 )
 from lowbit.algorithms._capture import CalibrationError, Statistics, WeightStats, capture
 from lowbit.algorithms._gptq import gptq_matrix
@@ -28,4 +30,5 @@ __all__ = [
     "quantize_model",
     "quantize_params",
     "quantize_with_report",
+    "sample_rows",
 ]

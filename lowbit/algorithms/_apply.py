@@ -18,15 +18,23 @@ from flax import linen, nnx
 from lowbit.algorithms._capture import CalibrationError, Statistics, capture
 from lowbit.algorithms._gptq import gptq_qarray
 from lowbit.algorithms._hqq import hqq_qarray
+from lowbit.algorithms._smooth import apply_folds, plan_folds
 from lowbit.api import QuantizedLinen, QuantizedModel
 from lowbit.api import quantize_model as api_quantize_model
 from lowbit.api import quantize_params as api_quantize_params
 from lowbit.api._quantize import as_recipe, check_decisions
 from lowbit.ops import attach_kernel_layouts
 from lowbit.qarray import QArray
-from lowbit.recipes import GPTQ, HQQ, Recipe, map_params, param_leaves
+from lowbit.recipes import AWQ, GPTQ, HQQ, Recipe, SmoothQuant, map_params, param_leaves
 
-IMPLEMENTED = (GPTQ, HQQ)
+IMPLEMENTED = (GPTQ, HQQ, AWQ, SmoothQuant)
+# Input rows AWQ's search keeps per weight.
+AWQ_SAMPLE_ROWS = 512
+
+
+def sample_rows(recipe: Recipe) -> int:
+    """Input rows to sample per weight while capturing statistics for `recipe`."""
+    return AWQ_SAMPLE_ROWS if any(isinstance(r.algorithm, AWQ) for r in recipe.rules) else 0
 
 
 @dataclasses.dataclass
@@ -79,6 +87,13 @@ def algorithm_weights(recipe: Recipe, params: Any, uses=None) -> dict[str, Any]:
                 f"but format {d.config.format!r} is symmetric (no zero point); use an asymmetric "
                 "uintN weight config (symmetric=False)"
             )
+        if isinstance(algorithm, SmoothQuant) and rule.activation is None:
+            raise ValueError(
+                f"rule {d.rule_index} (path={rule.path!r}): algorithm 'smoothquant' moves "
+                f"activation outliers into the weights, but the rule quantizes weights only "
+                f"({d.config.format!r}, activation=None); give an activation config (w8a8, w4a8) "
+                "or use 'awq' / 'gptq' for weight-only formats"
+            )
         out[path] = (d, rule)
     return out
 
@@ -110,7 +125,8 @@ def quantize_with_report(
       kernel_layouts: as for `lowbit.api.quantize_params`.
       on_batch / on_weight: progress callbacks (batches done; weights done, total).
     Returns:
-      (quantized params, report).
+      (quantized params, report). With AWQ / SmoothQuant the returned tree also holds the
+      folded norm scales (float), so it is the whole model's parameters, not only weights.
     Raises:
       ValueError: a rule needs data and none was given (naming the rule), an algorithm on a
         format it cannot serve, too few calibration tokens (saying how many are needed), NaN/Inf
@@ -134,14 +150,38 @@ def quantize_with_report(
                 "calibration=<iterable of batches> (lowbit.algorithms.quantize_params), or use a "
                 "data-free algorithm (hqq)"
             )
-        statistics = capture(fn, params, calibration, paths=data_paths, on_batch=on_batch)
+        statistics = capture(
+            fn,
+            params,
+            calibration,
+            paths=data_paths,
+            sample_rows=sample_rows(recipe),
+            on_batch=on_batch,
+        )
     report.statistics = statistics
+    folding = {p: v for p, v in wanted.items() if isinstance(v[1].algorithm, AWQ | SmoothQuant)}
+    if folding:
+        floats = dict(param_leaves(params))
+        folds, skipped = plan_folds(floats, folding, statistics)
+        if skipped and strict:
+            lines = "; ".join(f"{p}: {why}" for p, why in skipped.items())
+            raise ValueError(f"strict mode: no scale to fold for {lines}")
+        axes = {p: statistics.for_path(p)[0].input_axes[0] for f in folds for p in f.weights}
+        params = apply_folds(params, folds, axes)
+        rtn = api_quantize_params(params, _strip(recipe), uses=uses, kernel_layouts=False)
+        for fold in folds:
+            for p in fold.weights:
+                report.applied[p] = fold.note
+        for p, why in skipped.items():
+            report.applied[p] = why
     floats = dict(param_leaves(params))
     replaced: dict[str, QArray] = {}
     rtn_leaves = dict(param_leaves(rtn))
     for n, (path, (decision, rule)) in enumerate(wanted.items()):
         algorithm = rule.algorithm
-        if isinstance(algorithm, HQQ):
+        if isinstance(algorithm, AWQ | SmoothQuant):
+            pass  # folded above; the weight is rounded to nearest on its new scale
+        elif isinstance(algorithm, HQQ):
             q, history = hqq_qarray(floats[path], decision.config, algorithm)
             replaced[path] = q
             report.applied[path] = (

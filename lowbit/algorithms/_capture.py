@@ -49,6 +49,8 @@ class WeightStats:
       abs_max: [K] float32 max |x|.
       count: input rows seen.
       sample: [n <= sample_rows, K] float32 input rows, or None.
+      activation_scale: path of the 1-D parameter (a norm's scale) every input row was
+        multiplied by channel-wise just before this weight, or None (`lowbit.engine.Scaled`).
     """
 
     path: str
@@ -59,6 +61,7 @@ class WeightStats:
     abs_max: jax.Array
     count: int = 0
     sample: np.ndarray | None = None
+    activation_scale: str | None = None
 
     @property
     def abs_mean(self) -> jax.Array:
@@ -73,12 +76,17 @@ class Statistics:
       weights: {(path, fixed): WeightStats}.
       unmapped: {path: reason} for uses whose input axes could not be mapped to the parameter
         (e.g. a batched matmul over the weight, a conv); those uses add no statistics.
+      escaped: parameters (and norm scales) also read by ops other than matmuls / gathers:
+        a scale folded into such a parameter would change the model.
+      scale_readers: {norm scale path: weights reading its scaled output} (any weight).
       batches: number of batches run.
       rows: input rows per batch at the first captured activation.
     """
 
     weights: dict[Key, WeightStats] = dataclasses.field(default_factory=dict)
     unmapped: dict[str, str] = dataclasses.field(default_factory=dict)
+    escaped: set[str] = dataclasses.field(default_factory=set)
+    scale_readers: dict[str, set[str]] = dataclasses.field(default_factory=dict)
     batches: int = 0
     rows: list[int] = dataclasses.field(default_factory=list)
 
@@ -200,11 +208,16 @@ def capture(
         alive: list[Any] = []
 
         def visit(use: Use) -> None:
+            if use.op == "other":
+                stats.escaped.update(use.paths)
+                return
             if use.activation is None or use.op != "dot_general":
                 for path in use.paths & wanted:
                     if use.op != "gather":
                         stats.unmapped.setdefault(path, f"{use.op} inputs are not captured")
                 return
+            if use.activation_scale is not None:
+                stats.scale_readers.setdefault(use.activation_scale, set()).update(use.paths)
             for path in use.paths & wanted:
                 dims = use.params["dimension_numbers"]
                 cache_key = (path, use.layout_key, dims, use.weight_operand)
@@ -215,7 +228,10 @@ def capture(
                     stats.unmapped.setdefault(path, mapping)
                     continue
                 key = (path, mapping.fixed)
-                key_info[key] = (path, mapping.input_axes, mapping.fixed)
+                scale = use.activation_scale if mapping.order is None else None
+                if key in key_info and key_info[key][3] != scale:
+                    scale = None  # read with different scales: nothing to fold into
+                key_info[key] = (path, mapping.input_axes, mapping.fixed, scale)
                 order = None if mapping.order is None else mapping.order.tobytes()
                 site = (id(use.activation), dims, use.weight_operand, order)
                 if site not in site_index:
@@ -251,7 +267,7 @@ def capture(
         sites = meta["sites"]
         for j, value in enumerate(inc):
             if not bool(value[3]):
-                path, _, fixed = meta["key_info"][sites[j].keys[0]]
+                path, _, fixed, _ = meta["key_info"][sites[j].keys[0]]
                 layer = path + "".join(f"[{k}]" for _, k in fixed)
                 raise CalibrationError(
                     f"calibration batch {i}: the inputs of {layer} at {sites[j].location} "
@@ -283,7 +299,7 @@ def _collect(stats: Statistics, acc, meta, samples) -> None:
     total_rows = sum(stats.rows)
     first_rows = stats.rows[-1] if stats.rows else 1
     for key, js in per_key.items():
-        path, input_axes, fixed = meta["key_info"][key]
+        path, input_axes, fixed, scale = meta["key_info"][key]
         gram, abs_sum, abs_max = acc[js[0]][:3]
         for j in js[1:]:
             gram, abs_sum = gram + acc[j][0], abs_sum + acc[j][1]
@@ -294,5 +310,5 @@ def _collect(stats: Statistics, acc, meta, samples) -> None:
         if samples:
             sample = np.concatenate([x for j in js for x in samples.get(j, [])])
         stats.weights[key] = WeightStats(
-            path, input_axes, fixed, gram, abs_sum, abs_max, count, sample
+            path, input_axes, fixed, gram, abs_sum, abs_max, count, sample, scale
         )

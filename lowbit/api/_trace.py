@@ -55,7 +55,12 @@ def walk(
 ) -> None:
     """`walk_uses` with a visitor taking ``(op, weight paths, activation or None)``."""
     walk_uses(
-        fn, params, args, kwargs, lambda u: visit(u.op, u.paths, u.activation), concrete=concrete
+        fn,
+        params,
+        args,
+        kwargs,
+        lambda u: None if u.op == "other" else visit(u.op, u.paths, u.activation),
+        concrete=concrete,
     )
 
 

@@ -9,13 +9,14 @@ the same interpreter with parameters tagged by path (`Probe`) and reports each o
 """
 
 from lowbit.engine._interpreter import interpret, probe, trace_report
-from lowbit.engine._probe import Probe, Use
+from lowbit.engine._probe import Probe, Scaled, Use
 from lowbit.engine._report import EngineFallbackError, EngineReport
 
 __all__ = [
     "EngineFallbackError",
     "EngineReport",
     "Probe",
+    "Scaled",
     "Use",
     "interpret",
     "probe",

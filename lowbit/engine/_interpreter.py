@@ -72,7 +72,7 @@ def eval_jaxpr(ctx: Context, closed_jaxpr: Any, args: Sequence[Any]) -> list[Any
     dead = _probe.last_uses(jaxpr) if ctx.probe is not None else None
     for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(atom) for atom in eqn.invars]
-        if dead is not None and any(_probe.is_probe(v) for v in invals):
+        if dead is not None and any(_probe.is_tagged(v) for v in invals):
             outvals = _probe.apply(eval_jaxpr, ctx, eqn, invals)
         elif any(is_quantized(v) for v in invals):
             outvals = apply_rule(ctx, eqn, invals)
@@ -371,7 +371,8 @@ def probe(
 
     def evaluate(*values):
         values = [
-            _probe.Probe(v, tags[i], ()) if i < len(tags) else v for i, v in enumerate(values)
+            _probe.Probe(v, tags[i], (), tuple(np.shape(v))) if i < len(tags) else v
+            for i, v in enumerate(values)
         ]
         return [_probe.raw(v) for v in eval_jaxpr(ctx, closed_jaxpr, values)]
 

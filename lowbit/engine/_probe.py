@@ -80,6 +80,21 @@ class Probe:
     value: Any
     paths: frozenset[str]
     steps: tuple[tuple[Any, Callable[[Any], Any]], ...] = ()
+    root_shape: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Scaled:
+    """An activation ``a * p`` with `p` a 1-D parameter broadcast along its last axis (the output
+    of a norm's scale): a per-channel scale of its matmul consumers can be folded into `p`.
+
+    Attributes:
+      value: the array.
+      path: the path of `p`.
+    """
+
+    value: Any
+    path: str
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -94,15 +109,21 @@ class Use:
       activation: the other operand (None for a gather or in symbolic mode).
       params: the equation's parameters (dimension numbers, ...).
       location: ``file:line (function)`` of the user code, or ``"unknown"``.
+      activation_scale: path of the 1-D parameter the activation was scaled by along its
+        contracted (last) axis (see `Scaled`), or None.
+
+    ``op == "other"`` reports a parameter (`paths`) or a `Scaled` activation read by any other
+    op: for a 1-D scale parameter it means a fold into it would change more than the matmuls.
     """
 
     op: str
     paths: frozenset[str]
-    weight: Probe
+    weight: Probe | None
     weight_operand: int
     activation: Any
     params: dict[str, Any]
     location: str
+    activation_scale: str | None = None
 
     @property
     def layout_key(self) -> tuple[Any, ...]:
@@ -140,8 +161,13 @@ def is_probe(x: Any) -> bool:
     return isinstance(x, Probe)
 
 
+def is_tagged(x: Any) -> bool:
+    """A value the probe rules handle: a `Probe` or a `Scaled` activation."""
+    return isinstance(x, Probe | Scaled)
+
+
 def raw(x: Any) -> Any:
-    return x.value if isinstance(x, Probe) else x
+    return x.value if isinstance(x, Probe | Scaled) else x
 
 
 def _step_key(eqn: Any, rest: list[Any]) -> tuple[Any, ...]:
@@ -154,20 +180,25 @@ def _step_key(eqn: Any, rest: list[Any]) -> tuple[Any, ...]:
     return (id(eqn), tuple(keys))
 
 
-def _layout(eqn: Any, invals: list[Any]) -> list[Any]:
+def _layout(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
     operand, *rest = invals
     name = _compat.primitive_name(eqn)
     outs = _compat.bind_eqn(eqn, [raw(v) for v in invals])
+    if isinstance(operand, Scaled):
+        if name in _VALUE_ONLY or name in ("copy", "copy_p"):
+            return [Scaled(outs[0], operand.path), *outs[1:]]
+        _other(ctx, eqn, invals)
+        return outs
     if not is_probe(operand) or any(is_probe(v) for v in rest):
         if name == "optimization_barrier":
             # Each output is its own operand: keep every tag.
             return [
-                Probe(o, v.paths, v.steps) if is_probe(v) else o
+                Probe(o, v.paths, v.steps, v.root_shape) if is_probe(v) else o
                 for o, v in zip(outs, invals, strict=True)
             ]
         return outs
     if name == "optimization_barrier":
-        return [Probe(outs[0], operand.paths, operand.steps), *outs[1:]]
+        return [Probe(outs[0], operand.paths, operand.steps, operand.root_shape), *outs[1:]]
     if name in _VALUE_ONLY:
         step = ((name,), lambda ids: ids)
     else:
@@ -175,7 +206,7 @@ def _layout(eqn: Any, invals: list[Any]) -> list[Any]:
             _step_key(eqn, rest),
             lambda ids, eqn=eqn, rest=tuple(rest): _compat.bind_eqn(eqn, [ids, *rest])[0],
         )
-    return [Probe(outs[0], operand.paths, (*operand.steps, step)), *outs[1:]]
+    return [Probe(outs[0], operand.paths, (*operand.steps, step), operand.root_shape), *outs[1:]]
 
 
 def _use(ctx: Any, eqn: Any, invals: list[Any], op: str) -> None:
@@ -188,10 +219,57 @@ def _use(ctx: Any, eqn: Any, invals: list[Any], op: str) -> None:
     for weight_index, activation_index in ((1, 0), (0, 1)):
         weight, activation = invals[weight_index], invals[activation_index]
         if is_probe(weight) and not is_probe(activation):
-            activation = activation if state.concrete else None
+            scale = None
+            if isinstance(activation, Scaled):
+                dims = eqn.params.get("dimension_numbers")
+                contract = None if dims is None else tuple(dims[0][activation_index])
+                if contract == (np.ndim(activation.value) - 1,):
+                    scale = activation.path
+                else:
+                    _other(ctx, eqn, [activation])
+            value = raw(activation) if state.concrete else None
             state.visit(
-                Use(op, weight.paths, weight, weight_index, activation, dict(eqn.params), location)
+                Use(
+                    op, weight.paths, weight, weight_index, value, dict(eqn.params), location, scale
+                )
             )
+        elif isinstance(activation, Scaled) and not is_probe(weight):
+            _other(ctx, eqn, [activation])
+
+
+def _other(ctx: Any, eqn: Any, invals: list[Any]) -> None:
+    """Reports parameters and scaled activations read by an op without a probe rule."""
+    paths = set()
+    for v in invals:
+        if is_probe(v):
+            paths |= v.paths
+        elif isinstance(v, Scaled):
+            paths.add(v.path)
+    if paths:
+        ctx.probe.visit(Use("other", frozenset(paths), None, -1, None, {}, ctx.location(eqn)))
+
+
+def _channel_scale(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any] | None:
+    """``a * p`` with `p` a 1-D parameter broadcast along the last axis, or ``a * s`` with `s`
+    already `Scaled` (elementwise products keep a per-channel factor) → a `Scaled` output."""
+    if len(invals) != 2 or sum(is_tagged(v) for v in invals) != 1:
+        return None
+    tagged, other = (invals[0], invals[1]) if is_tagged(invals[0]) else (invals[1], invals[0])
+    out = _compat.bind_eqn(eqn, [raw(v) for v in invals])[0]
+    if not np.shape(out) or np.shape(tagged.value)[-1:] != np.shape(out)[-1:]:
+        return None
+    if isinstance(tagged, Scaled):
+        return [Scaled(out, tagged.path)]
+    p = tagged
+    if len(p.paths) != 1 or len(p.root_shape) != 1:
+        return None
+    n = p.root_shape[0]
+    ids = np.asarray(Use("mul", p.paths, p, 0, None, {}, "").weight_indices(p.root_shape))
+    if ids.shape[-1] != n or not np.array_equal(
+        ids.reshape(-1, n), np.broadcast_to(np.arange(n), (ids.size // n, n))
+    ):
+        return None
+    return [Scaled(out, next(iter(p.paths)))]
 
 
 # --- sub-jaxprs ---
@@ -211,7 +289,7 @@ def _scan(eval_jaxpr, ctx, eqn, invals):
         if not is_probe(x):
             return x[i]
         step = (("scan_step", i), lambda ids, i=i: ids[i])
-        return Probe(x.value[i], x.paths, (*x.steps, step))
+        return Probe(x.value[i], x.paths, (*x.steps, step), x.root_shape)
 
     if not ctx.probe.concrete:
         eval_jaxpr(inner, p["body"], [*consts, *carry, *[step_of(x, 0) for x in xs]])
@@ -280,10 +358,16 @@ def apply(eval_jaxpr: Callable[..., list[Any]], ctx: Any, eqn: Any, invals: list
     if name in USE_OPS:
         _use(ctx, eqn, invals, USE_OPS[name])
     elif name in LAYOUT_PRIMITIVES:
-        return _layout(eqn, invals)
+        return _layout(ctx, eqn, invals)
+    elif name == "mul":
+        scaled = _channel_scale(ctx, eqn, invals)
+        if scaled is not None:
+            return scaled
     rule = _SUB_JAXPRS.get(_compat.rule_name(name) or "")
     if rule is not None:
         return rule(eval_jaxpr, ctx, eqn, invals)
+    if name not in USE_OPS:
+        _other(ctx, eqn, invals)
     return _compat.bind_eqn(eqn, [raw(v) for v in invals])
 
 

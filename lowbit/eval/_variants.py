@@ -196,7 +196,7 @@ def quantize_variant(
         return pure, recipe
     if not any(r.algorithm is not None for r in recipe.rules):
         return quantize_params(pure, recipe), recipe
-    from lowbit.algorithms import algorithm_weights, capture, quantize_with_report
+    from lowbit.algorithms import algorithm_weights, capture, quantize_with_report, sample_rows
     from lowbit.eval import _calibration_set as calib
     from lowbit.eval._corpus import read_text
 
@@ -217,11 +217,18 @@ def quantize_variant(
             batches = calib.encoder_batches(loaded.tokenizer, text, sequences=n)
         fn = calib.model_fn(loaded.model, loaded.kind)
         progress = None if on_batch is None else (lambda done: on_batch(done, len(batches)))
-        key = (calibration_file, n, data_paths)
+        key = (calibration_file, n, data_paths, sample_rows(recipe))
         statistics = calib.cached_statistics(
             loaded.model,
             key,
-            lambda: capture(fn, pure, batches, paths=data_paths, on_batch=progress),
+            lambda: capture(
+                fn,
+                pure,
+                batches,
+                paths=data_paths,
+                sample_rows=sample_rows(recipe),
+                on_batch=progress,
+            ),
         )
     params, _ = quantize_with_report(pure, recipe, statistics=statistics, on_weight=on_weight)
     return params, recipe

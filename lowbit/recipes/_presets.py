@@ -29,7 +29,7 @@ import dataclasses
 from collections.abc import Callable
 
 from lowbit.qarray import MinMax, QuantConfig
-from lowbit.recipes._algorithm import GPTQ, HQQ, Algorithm
+from lowbit.recipes._algorithm import AWQ, GPTQ, HQQ, Algorithm, SmoothQuant
 from lowbit.recipes._builders import activation_config, matmul_rules
 from lowbit.recipes._recipe import Recipe
 from lowbit.recipes._rule import Rule
@@ -240,6 +240,16 @@ _PRESETS.update(
         "int3w_g64_gptq": (
             lambda: _with_algorithm("int3w_g64_gptq", _int_g64(3), GPTQ()),
             "int3w_g64 rounded by GPTQ (needs calibration data)",
+        ),
+        "int4w_g64_awq": (
+            lambda: _with_algorithm("int4w_g64_awq", _int_g64(4), AWQ()),
+            "int4w_g64 with AWQ scales folded into the norms (needs calibration data)",
+        ),
+        "int8_smoothquant": (
+            lambda: _with_algorithm(
+                "int8_smoothquant", _maxtext("int8", "int8", "int8"), SmoothQuant()
+            ),
+            "int8 (w8a8) with SmoothQuant alpha 0.5 folded into the norms (needs calibration data)",
         ),
         "int4w_g64_hqq": (
             lambda: _with_algorithm("int4w_g64_hqq", _uint4_g64_asym(), HQQ()),

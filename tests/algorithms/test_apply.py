@@ -76,7 +76,15 @@ def test_quantize_model_takes_calibration_batches():
 
 
 @pytest.mark.parametrize(
-    "name", ["int4w_g64_gptq", "nf4_g64_gptq", "int3w_g64_gptq", "int4w_g64_hqq"]
+    "name",
+    [
+        "int4w_g64_gptq",
+        "nf4_g64_gptq",
+        "int3w_g64_gptq",
+        "int4w_g64_hqq",
+        "int4w_g64_awq",
+        "int8_smoothquant",
+    ],
 )
 def test_algorithm_presets_round_trip_json(name):
     recipe = preset(name)

@@ -49,6 +49,8 @@ EXPECTED = {
     "nf4_g64_gptq": ("nf4", None, None),
     "int3w_g64_gptq": ("int3", None, None),
     "int4w_g64_hqq": ("uint4", None, None),
+    "int4w_g64_awq": ("int4", None, None),
+    "int8_smoothquant": ("int8", "int8", None),
 }
 
 # The 4-bit demo recipes keep embeddings at int8 per row.

@@ -1,0 +1,103 @@
+"""AWQ and SmoothQuant: scales folded into the preceding norm leave the float model unchanged."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import lowbit
+from lowbit.algorithms import capture, quantize_with_report
+from lowbit.algorithms._smooth import apply_folds, plan_folds
+from lowbit.qarray import PerGroup, PerToken, QuantConfig
+from lowbit.recipes import AWQ, Recipe, Rule, SmoothQuant, param_leaves
+
+D, F = 32, 16
+
+
+class Block(nnx.Module):
+    def __init__(self, residual_reads_norm: bool = False):
+        self.norm = nnx.RMSNorm(D, rngs=nnx.Rngs(0))
+        self.up = nnx.Linear(D, F, use_bias=False, rngs=nnx.Rngs(1))
+        self.gate = nnx.Linear(D, F, use_bias=False, rngs=nnx.Rngs(2))
+        self.down = nnx.Linear(F, D, use_bias=False, rngs=nnx.Rngs(3))
+        self.residual_reads_norm = residual_reads_norm
+
+    def __call__(self, x):
+        h = self.norm(x)
+        out = self.down(jax.nn.silu(self.gate(h)) * self.up(h))
+        return out + (h if self.residual_reads_norm else x)
+
+
+def _setup(residual_reads_norm=False):
+    model = Block(residual_reads_norm)
+    model.norm.scale.set_value(jnp.linspace(0.5, 2.0, D))
+    graphdef, state = nnx.split(model)
+    fn = lambda s, x: nnx.merge(graphdef, s)(x)
+    # Activations with a few outlier channels, as in real transformers.
+    boost = jnp.ones(D).at[jnp.array([3, 17])].set(30.0)
+    batches = [jax.random.normal(jax.random.key(i), (64, D)) * boost for i in range(2)]
+    return fn, nnx.to_pure_dict(state), batches
+
+
+def _weights(recipe_rule):
+    return Recipe(rules=(Rule(path="(up|gate)/kernel", **recipe_rule),), name="t")
+
+
+@pytest.mark.parametrize("algorithm", [SmoothQuant(alpha=0.5), AWQ(grid=5)])
+def test_folding_alone_leaves_the_float_model_unchanged(algorithm):
+    fn, params, batches = _setup()
+    int4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))
+    rule = Rule(path="(up|gate)/kernel", weight=int4, algorithm=algorithm,
+                activation=QuantConfig(format="int8", granularity=PerToken()))
+    recipe = Recipe(rules=(rule,))
+    stats = capture(fn, params, batches, sample_rows=64)
+    wanted = lowbit.algorithms.algorithm_weights(recipe, params)
+    folds, skipped = plan_folds(dict(param_leaves(params)), wanted, stats)
+    assert skipped == {} and [f.norm for f in folds] == ["norm/scale"]
+    assert sorted(folds[0].weights) == ["gate/kernel", "up/kernel"]
+    assert not np.allclose(folds[0].scale, 1.0)
+    folded = apply_folds(params, folds, {"up/kernel": 0, "gate/kernel": 0})
+    x = batches[0]
+    np.testing.assert_allclose(fn(folded, x), fn(params, x), rtol=2e-5, atol=2e-5)
+
+
+def test_smoothquant_lowers_w8a8_error_on_outlier_channels():
+    fn, params, batches = _setup()
+    act = QuantConfig(format="int8", granularity=PerToken())
+    w8 = QuantConfig(format="int8", granularity=lowbit.PerChannel((-1,)))
+    base = dict(path="(up|gate)/kernel", weight=w8, activation=act)
+    rtn = lowbit.quantize_params(params, Recipe(rules=(Rule(**base),)))
+    sq, report = quantize_with_report(
+        params, Recipe(rules=(Rule(**base, algorithm=SmoothQuant()),)), fn=fn, calibration=batches
+    )
+    x = batches[1]
+    err = lambda q: float(jnp.mean((lowbit.run(fn)(q, x) - fn(params, x)) ** 2))
+    assert err(sq) < err(rtn)
+    assert report.applied["up/kernel"].startswith("smoothquant")
+
+
+def test_awq_is_no_worse_than_rtn_and_a_norm_read_elsewhere_is_not_folded():
+    fn, params, batches = _setup()
+    int4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))
+    rtn = lowbit.quantize_params(params, _weights(dict(weight=int4)))
+    awq, report = quantize_with_report(
+        params, _weights(dict(weight=int4, algorithm=AWQ(grid=10))), fn=fn, calibration=batches
+    )
+    x = jnp.concatenate(batches)
+    err = lambda q: float(jnp.mean((lowbit.run(fn)(q, x) - fn(params, x)) ** 2))
+    assert err(awq) <= err(rtn) * 1.0001
+    assert report.applied["gate/kernel"].startswith("awq")
+
+    fn2, params2, _ = _setup(residual_reads_norm=True)
+    _, report2 = quantize_with_report(
+        params2, _weights(dict(weight=int4, algorithm=AWQ(grid=2))), fn=fn2, calibration=batches
+    )
+    assert "read outside the matmuls" in report2.applied["up/kernel"]
+
+
+def test_smoothquant_on_weight_only_rule_names_both():
+    _, params, _ = _setup()
+    int4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))
+    with pytest.raises(ValueError, match="'smoothquant'.*'int4'.*activation=None"):
+        quantize_with_report(params, _weights(dict(weight=int4, algorithm=SmoothQuant())))
