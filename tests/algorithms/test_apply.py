@@ -21,7 +21,10 @@ def _fn(p, x):
 
 def _setup():
     k = jax.random.split(jax.random.key(0), 3)
-    params = {"a": jax.random.normal(k[0], (D_IN, D_IN)), "b": jax.random.normal(k[1], (D_IN, D_OUT))}
+    params = {
+        "a": jax.random.normal(k[0], (D_IN, D_IN)),
+        "b": jax.random.normal(k[1], (D_IN, D_OUT)),
+    }
     basis = jax.random.normal(k[2], (8, D_IN))
     batches = [
         jax.random.normal(jax.random.key(i), (64, 8)) @ basis for i in range(1, 4)

@@ -48,8 +48,12 @@ def _weights(recipe_rule):
 def test_folding_alone_leaves_the_float_model_unchanged(algorithm):
     fn, params, batches = _setup()
     int4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))
-    rule = Rule(path="(up|gate)/kernel", weight=int4, algorithm=algorithm,
-                activation=QuantConfig(format="int8", granularity=PerToken()))
+    rule = Rule(
+        path="(up|gate)/kernel",
+        weight=int4,
+        algorithm=algorithm,
+        activation=QuantConfig(format="int8", granularity=PerToken()),
+    )
     recipe = Recipe(rules=(rule,))
     stats = capture(fn, params, batches, sample_rows=64)
     wanted = lowbit.algorithms.algorithm_weights(recipe, params)
