@@ -7,6 +7,7 @@ which parameters get which formats. See the README for a tour.
 
 __version__ = "0.1.0"
 
+from lowbit import algorithms
 from lowbit.api import calibrate, convert, qat, quantize, quantize_model, quantize_params, run
 from lowbit.engine import EngineFallbackError, EngineReport, interpret, trace_report
 from lowbit.formats import FORMATS, Format, format_names, get_format
@@ -60,6 +61,7 @@ __all__ = [
     "QuantConfig",
     "Recipe",
     "Rule",
+    "algorithms",
     "calibrate",
     "convert",
     "dequantize",

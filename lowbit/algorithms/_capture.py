@@ -19,6 +19,7 @@ gets statistics from its matmul use; its lookup (a gather) has no activation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -252,7 +253,8 @@ def capture(
 
     step = jax.jit(increments)
 
-    @jax.jit
+    # The running sums are donated: updated in place, so memory holds them and one increment.
+    @functools.partial(jax.jit, donate_argnums=(0,))
     def add(acc, inc):
         return [
             (g + g2, s + s2, jnp.maximum(m, m2), f2, smp2)

