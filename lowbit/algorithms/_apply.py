@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import numpy as np
 from flax import linen, nnx
 
 from lowbit.algorithms._capture import CalibrationError, Statistics, capture
@@ -110,6 +111,7 @@ def quantize_with_report(
     kernel_layouts: bool = True,
     on_batch: Callable[[int], None] | None = None,
     on_weight: Callable[[int, int], None] | None = None,
+    sequential: int = 1,
 ) -> tuple[Any, AlgorithmReport]:
     """`quantize_params` that also returns the `AlgorithmReport`.
 
@@ -124,6 +126,10 @@ def quantize_with_report(
       uses: as for `lowbit.api.quantize_params`.
       kernel_layouts: as for `lowbit.api.quantize_params`.
       on_batch / on_weight: progress callbacks (batches done; weights done, total).
+      sequential: GPTQ in this many passes (as in the GPTQ paper, for deep models): the GPTQ
+        weights are split in groups in the order the model reads them, and group i is
+        calibrated on the model whose earlier groups are already quantized. Each pass runs
+        the calibration batches again (so `calibration` must be re-iterable, e.g. a list).
     Returns:
       (quantized params, report). With AWQ / SmoothQuant the returned tree also holds the
       folded norm scales (float), so it is the whole model's parameters, not only weights.
@@ -159,6 +165,11 @@ def quantize_with_report(
             on_batch=on_batch,
         )
     report.statistics = statistics
+    if sequential < 1 or (sequential > 1 and (fn is None or calibration is None)):
+        raise ValueError(
+            f"sequential={sequential!r}: accepted an int >= 1; sequential > 1 recalibrates "
+            "between passes, so it needs fn and calibration (not precomputed statistics)"
+        )
     folding = {p: v for p, v in wanted.items() if isinstance(v[1].algorithm, AWQ | SmoothQuant)}
     if folding:
         floats = dict(param_leaves(params))
@@ -177,9 +188,27 @@ def quantize_with_report(
     floats = dict(param_leaves(params))
     replaced: dict[str, QArray] = {}
     rtn_leaves = dict(param_leaves(rtn))
+    if sequential > 1:
+        gptq = [p for p, (_, rule) in wanted.items() if isinstance(rule.algorithm, GPTQ)]
+        _sequential_gptq(
+            gptq,
+            wanted,
+            params,
+            rtn_leaves,
+            statistics,
+            sequential,
+            fn,
+            calibration,
+            strict,
+            report,
+            replaced,
+            on_batch,
+        )
     for n, (path, (decision, rule)) in enumerate(wanted.items()):
         algorithm = rule.algorithm
-        if isinstance(algorithm, AWQ | SmoothQuant):
+        if path in replaced:
+            pass  # done by a sequential pass
+        elif isinstance(algorithm, AWQ | SmoothQuant):
             pass  # folded above; the weight is rounded to nearest on its new scale
         elif isinstance(algorithm, HQQ):
             q, history = hqq_qarray(floats[path], decision.config, algorithm)
@@ -196,6 +225,44 @@ def quantize_with_report(
             on_weight(n + 1, len(wanted))
     out = map_params(lambda path, leaf: replaced.get(path, leaf), rtn)
     return (attach_kernel_layouts(out) if kernel_layouts else out), report
+
+
+def _sequential_gptq(
+    paths,
+    wanted,
+    params,
+    rtn_leaves,
+    statistics,
+    passes,
+    fn,
+    calibration,
+    strict,
+    report,
+    replaced,
+    on_batch,
+) -> None:
+    """GPTQ in `passes` groups (in the order the model reads the weights), recalibrating each
+    group on the model with the earlier groups quantized (their dequantized values)."""
+    seen = list(dict.fromkeys(p for p, _ in statistics.weights))
+    order = [p for p in seen if p in paths] + [p for p in paths if p not in seen]
+    groups = [list(g) for g in np.array_split(np.array(order, dtype=object), passes) if len(g)]
+    batches = list(calibration)
+    current = params
+    for i, group in enumerate(groups):
+        stats = (
+            statistics if i == 0 else capture(fn, current, batches, paths=group, on_batch=on_batch)
+        )
+        floats = dict(param_leaves(current))
+        for path in group:
+            algorithm = wanted[path][1].algorithm
+            replaced[path] = _gptq_one(
+                path, floats[path], rtn_leaves[path], algorithm, stats, strict, report
+            )
+            report.applied[path] += f", sequential pass {i + 1}/{len(groups)}"
+        done = set(group)
+        current = map_params(
+            lambda p, leaf, done=done: replaced[p].dequantize() if p in done else leaf, current
+        )
 
 
 def _gptq_one(path, w, q, algorithm, statistics, strict, report) -> QArray:

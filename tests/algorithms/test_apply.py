@@ -109,3 +109,16 @@ def test_calibration_speeches_are_disjoint_from_evaluation_speeches():
 
     assert not set(CALIBRATION_SPEECHES) & set(SOTU_SPEECHES)
     np.testing.assert_equal(len(CALIBRATION_SPEECHES), 11)
+
+
+def test_sequential_gptq_recalibrates_later_weights_on_quantized_earlier_ones():
+    params, batches = _setup()
+    recipe = Recipe(rules=(Rule(weight=INT4, algorithm=GPTQ()),), name="g")
+    one, _ = quantize_with_report(params, recipe, fn=_fn, calibration=batches)
+    two, report = quantize_with_report(params, recipe, fn=_fn, calibration=batches, sequential=2)
+    assert report.applied["a"].endswith("pass 1/2") and report.applied["b"].endswith("pass 2/2")
+    # The first weight is the same; the second saw the quantized first layer's outputs.
+    np.testing.assert_array_equal(one["a"].codes, two["a"].codes)
+    assert not np.array_equal(one["b"].codes, two["b"].codes)
+    with pytest.raises(ValueError, match="sequential"):
+        quantize_with_report(params, recipe, statistics=report.statistics, sequential=2)
