@@ -129,7 +129,23 @@ def quantize_with_progress(
             calibration_sequences=sequences,
             on_batch=on_batch,
             on_weight=on_weight,
+            on_report=lambda report: _print_algorithm_report(bar, report),
         )
+
+
+def _print_algorithm_report(bar: Progress, report: Any) -> None:
+    """One summary line per algorithm outcome, and every weight that did not get its algorithm."""
+    counts: dict[str, int] = {}
+    for what in report.applied.values():
+        kind = what.split(" ", 1)[0].rstrip(":")
+        counts[kind] = counts.get(kind, 0) + 1
+    summary = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+    bar.console.print(f"algorithms: {summary}")
+    for path, what in report.applied.items():
+        if what.startswith("rtn") or "RTN" in what:
+            bar.console.print(f"  {path}: {what}")
+    for note in report.notes:
+        bar.console.print(f"  {note}")
 
 
 def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None) -> Target:

@@ -156,6 +156,7 @@ def quantize_variant(
     calibration_sequences: int | None = None,
     on_batch: Callable[[int, int], None] | None = None,
     on_weight: Callable[[int, int], None] | None = None,
+    on_report: Callable[[Any], None] | None = None,
 ) -> tuple[Any, Any]:
     """The parameters of `loaded` under a recipe.
 
@@ -171,6 +172,8 @@ def quantize_variant(
       calibration_file: a text file to calibrate on instead of the default speeches.
       calibration_sequences: number of calibration sequences (default 128 of 512 tokens).
       on_batch / on_weight: progress callbacks ``(done, total)``.
+      on_report: called with the `lowbit.algorithms.AlgorithmReport` of a recipe with
+        algorithms (what every such weight got).
     Returns:
       ``(params, recipe)``: a pure-dict parameter tree with QArrays where the recipe quantizes,
       and the `Recipe` (None for ``"gguf"``).
@@ -230,7 +233,11 @@ def quantize_variant(
                 on_batch=progress,
             ),
         )
-    params, _ = quantize_with_report(pure, recipe, statistics=statistics, on_weight=on_weight)
+    params, report = quantize_with_report(
+        pure, recipe, statistics=statistics, on_weight=on_weight
+    )
+    if on_report is not None:
+        on_report(report)
     return params, recipe
 
 

@@ -232,9 +232,7 @@ _PRESETS.update(
             "int4w_g64 rounded by GPTQ (needs calibration data)",
         ),
         "nf4_g64_gptq": (
-            lambda: _with_algorithm(
-                "nf4_g64_gptq", _demo_4bit("nf4_g64", nf4(64).rules), GPTQ()
-            ),
+            lambda: _with_algorithm("nf4_g64_gptq", _demo_4bit("nf4_g64", nf4(64).rules), GPTQ()),
             "nf4_g64 rounded by GPTQ (needs calibration data)",
         ),
         "int3w_g64_gptq": (
@@ -250,6 +248,10 @@ _PRESETS.update(
                 "int8_smoothquant", _maxtext("int8", "int8", "int8"), SmoothQuant()
             ),
             "int8 (w8a8) with SmoothQuant alpha 0.5 folded into the norms (needs calibration data)",
+        ),
+        "int4w_g32_asym_gptq": (
+            lambda: _with_algorithm("int4w_g32_asym_gptq", _PRESETS["int4w_g32_asym"][0](), GPTQ()),
+            "int4w_g32_asym rounded by GPTQ (needs calibration data)",
         ),
         "int4w_g64_hqq": (
             lambda: _with_algorithm("int4w_g64_hqq", _uint4_g64_asym(), HQQ()),

@@ -50,6 +50,7 @@ EXPECTED = {
     "int3w_g64_gptq": ("int3", None, None),
     "int4w_g64_hqq": ("uint4", None, None),
     "int4w_g64_awq": ("int4", None, None),
+    "int4w_g32_asym_gptq": ("uint4", None, None),
     "int8_smoothquant": ("int8", "int8", None),
 }
 
