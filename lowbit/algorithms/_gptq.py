@@ -124,15 +124,16 @@ def gptq_matrix(
     f, k = w.shape
     w = jnp.asarray(w, jnp.float32)
     scale, zp = grid.scale, grid.zero_point
+    gram = np.asarray(gram)
+    perm = None
+    if algorithm.act_order:
+        perm = np.argsort(-np.diag(gram), kind="stable")
+        gram = gram[perm][:, perm]
     upper, damp = inverse_hessian_factor(gram, algorithm.damp)
     if upper is None:
         fmt = get_format(fmt_name)
         return GPTQResult(_grid.encode(fmt, w, scale, zp, grid.symmetric), None)
-    perm = None
-    if algorithm.act_order:
-        perm = np.argsort(-np.diag(np.asarray(gram)), kind="stable")
-        # Re-factor in the permuted order.
-        upper, damp = inverse_hessian_factor(np.asarray(gram)[perm][:, perm], algorithm.damp)
+    if perm is not None:
         w, scale = w[:, perm], scale[:, perm]
         zp = None if zp is None else zp[:, perm]
     block = min(algorithm.block, k)

@@ -36,12 +36,13 @@ class GPTQ:
         up to 3 times, when the Cholesky factorization fails).
       block: columns per lazy batched update.
       act_order: quantize columns in order of decreasing Hessian diagonal (scales stay the
-        static RTN groups, so the stored layout does not change).
+        static RTN groups, so the stored layout does not change). On by default: on SmolLM2
+        int4 g64 it took Δppl from +33% to +18% (README).
     """
 
     damp: float = 0.01
     block: int = 128
-    act_order: bool = False
+    act_order: bool = True
     needs_data = True
     name = "gptq"
 
