@@ -114,6 +114,16 @@ def quantize_params(
     """
     recipe = as_recipe(recipe)
     decisions = check_decisions(recipe, params, uses)
+    for d in decisions.values():
+        rule = recipe.rules[d.rule_index] if d.quantized else None
+        if rule is not None and rule.algorithm is not None:
+            # Rounding to nearest here would silently drop the algorithm.
+            raise ValueError(
+                f"rule {d.rule_index} (path={rule.path!r}) of recipe {recipe.name!r} uses "
+                f"algorithm {rule.algorithm.name!r} for {d.path!r}: quantize with "
+                "lowbit.algorithms.quantize_params(params, recipe, fn=..., calibration=batches) "
+                "(or lowbit.algorithms.quantize_model(model, recipe, calibration=batches))"
+            )
     if not uncalibrated:
         for d in decisions.values():
             rule = recipe.rules[d.rule_index] if d.quantized else None

@@ -29,10 +29,23 @@ def _bound(recipe):
     fmt = get_format(recipe.rules[1].weight.format)
     if fmt.name.startswith("fp8"):
         return 0.08
-    return 0.03 if fmt.bits >= 8 else 0.35
+    return 0.03 if fmt.bits >= 8 else 0.35 if fmt.bits >= 4 else 0.7
 
 
-PRESETS = [n for n in preset_names() if n not in ("intmp", "float")]
+PRESETS = [
+    n
+    for n in preset_names()
+    if n not in ("intmp", "float") and all(r.algorithm is None for r in preset(n).rules)
+]
+ALGORITHM_PRESETS = [
+    n for n in preset_names() if n != "intmp" and any(r.algorithm for r in preset(n).rules)
+]
+
+
+@pytest.mark.parametrize("name", ALGORITHM_PRESETS)
+def test_algorithm_presets_are_not_silently_rounded_to_nearest(name, mlp):
+    with pytest.raises(ValueError, match="lowbit.algorithms.quantize_params"):
+        quantize_model(mlp, name)
 
 
 @pytest.mark.parametrize("name", PRESETS)
