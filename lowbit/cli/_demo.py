@@ -37,7 +37,7 @@ RECIPES = ("float", "int8w", "int8", "int4w_g32_asym", "int4w_g64", "nf4_g64", "
 # ones share one calibration pass per model (statistics are cached per calibration set), on
 # DEMO_CALIBRATION sequences of 512 tokens (the CLI default is 128) to bound the demo's time.
 ALGORITHM_RECIPES = {
-    "smollm2": ("int8_smoothquant", "int4w_g64_gptq", "int4w_g64_hqq", "nf4_g64_gptq"),
+    "smollm2": ("int8_smoothquant", "int4w_g64_gptq", "int4w_g64_hqq"),
     "minilm": ("int8_smoothquant",),
 }
 DEMO_CALIBRATION = 16
