@@ -1,18 +1,47 @@
-"""The user API: quantize params or Flax models by a recipe, run them, calibrate, QAT, convert."""
+"""The user API: quantize params or Flax models by a recipe, run them, calibrate, QAT, convert,
+LoRA adapters."""
 
 from lowbit.api._calibrate import METHODS, activation_ranges, calibrate, with_activation_bounds
+from lowbit.api._fp8 import FP8_PRESETS, Fp8Recipe, fp8_apply, fp8_init, fp8_recipe, fp8_scales
+from lowbit.api._lora import (
+    LoraConfig,
+    LoraRule,
+    check_adapters,
+    lora_apply,
+    lora_init,
+    lora_merge,
+    lora_param_count,
+)
 from lowbit.api._model import QuantizedLinen, QuantizedModel, quantize_model, run
 from lowbit.api._qat import convert, prepare, qat
 from lowbit.api._quantize import quantize, quantize_params, quantize_weight
+from lowbit.api._sparsity import SparseRule, apply_masks, nm_masks, nm_sparsify_params
 from lowbit.api._trace import param_uses
 
 __all__ = [
+    "FP8_PRESETS",
     "METHODS",
+    "SparseRule",
+    "Fp8Recipe",
+    "LoraConfig",
+    "LoraRule",
     "QuantizedLinen",
     "QuantizedModel",
     "activation_ranges",
+    "apply_masks",
     "calibrate",
+    "check_adapters",
     "convert",
+    "fp8_apply",
+    "fp8_init",
+    "fp8_recipe",
+    "fp8_scales",
+    "lora_apply",
+    "lora_init",
+    "lora_merge",
+    "lora_param_count",
+    "nm_masks",
+    "nm_sparsify_params",
     "param_uses",
     "prepare",
     "qat",

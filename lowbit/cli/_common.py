@@ -23,6 +23,7 @@ META_MODEL = "model"
 META_RECIPE = "recipe"
 META_KIND = "kind"
 MANIFEST = "manifest.json"
+ADAPTERS_DIR = "adapters"  # LoRA adapters of a `lowbit finetune` directory (lowbit.io.ADAPTERS_DIR)
 
 
 def stdout_console() -> Console:
@@ -164,7 +165,7 @@ def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None
                 f"--recipe {recipe!r} was given with checkpoint {target!r}, which already holds "
                 "quantized parameters; drop --recipe"
             )
-        from lowbit.io import load_checkpoint, read_manifest
+        from lowbit.io import has_adapters, load_adapted_checkpoint, read_manifest
 
         meta = read_manifest(target).get("metadata") or {}
         if META_MODEL not in meta:
@@ -176,12 +177,14 @@ def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None
             loaded = _variants.load_model(meta[META_MODEL])
         float_params = nnx.split(loaded.model)[1]
         with step(bar, f"reading {target}"):
-            params = load_checkpoint(target)
+            # A `lowbit finetune` directory: the quantized base with its LoRA adapters.
+            params = load_adapted_checkpoint(target)
+        label = str(meta.get(META_RECIPE, "custom"))
         return Target(
             loaded=loaded,
             float_params=float_params,
             params=params,
-            recipe=str(meta.get(META_RECIPE, "custom")),
+            recipe=f"{label}+lora" if has_adapters(target) else label,
             directory=Path(target),
         )
     if os.path.isdir(target):

@@ -17,14 +17,30 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from lowbit.cli import _cmd_bench, _cmd_eval, _cmd_quantize, _cmd_recipes, _cmd_report, _demo
+from lowbit.cli import (
+    _cmd_bench,
+    _cmd_eval,
+    _cmd_finetune,
+    _cmd_quantize,
+    _cmd_recipes,
+    _cmd_report,
+    _demo,
+)
 from lowbit.cli._common import print_json
 
 EXIT_OK = 0
 EXIT_ERROR = 2
 
 # Each command module exposes NAME, HELP, add_arguments(parser) and run(args) -> int.
-COMMANDS = (_cmd_quantize, _cmd_eval, _cmd_report, _cmd_bench, _demo, _cmd_recipes)
+COMMANDS = (
+    _cmd_quantize,
+    _cmd_eval,
+    _cmd_finetune,
+    _cmd_report,
+    _cmd_bench,
+    _demo,
+    _cmd_recipes,
+)
 
 
 class UsageError(Exception):

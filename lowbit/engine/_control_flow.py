@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from lowbit.engine import _compat
-from lowbit.engine._values import is_qat_weight, is_quantized, value_signature
+from lowbit.engine._values import is_lora_weight, is_qat_weight, is_quantized, value_signature
 from lowbit.qarray import QArray
 
 EvalFn = Callable[[Any, Any, Any], list[Any]]
@@ -57,6 +57,21 @@ def _stack_parts(x: Any, length: int) -> tuple[Any, Callable[[Any], Any]]:
         parts, rebuild_q = _stack_parts(x.qarray, length)
         return (x.value, parts), lambda p: dataclasses.replace(
             x, value=p[0], qarray=rebuild_q(p[1])
+        )
+    if hasattr(x, "meta") and hasattr(x, "values"):  # N:M sparse: runs dense
+        raise ValueError("is N:M sparse (compressed)")
+    if is_lora_weight(x):
+        if 0 not in x.batch_axes:
+            raise ValueError("is a LoRA-adapted weight whose adapter spans the scanned axis")
+        base_parts, rebuild_base = _stack_parts(x.base, length)
+        shift = lambda axes: tuple(i - 1 for i in axes)
+        return (base_parts, x.a, x.b), lambda p: dataclasses.replace(
+            x,
+            base=rebuild_base(p[0]),
+            a=p[1],
+            b=p[2],
+            in_axes=shift(x.in_axes),
+            out_axes=shift(x.out_axes),
         )
     if not isinstance(x, QArray):
         return x, lambda p: p
@@ -138,6 +153,8 @@ def scan_rule(eval_jaxpr: EvalFn, dequantize_counted: DequantizeFn, ctx, eqn, in
 
 
 def _stackable(y: Any) -> bool:
+    if is_lora_weight(y) or not hasattr(y, "qarray") and not isinstance(y, QArray):
+        return False
     q = y.qarray if is_qat_weight(y) else y
     return q.tensor_scale is None and q.activation_bounds is None
 

@@ -11,7 +11,14 @@ from typing import Any
 
 from lowbit import ops
 from lowbit.engine import _compat
-from lowbit.engine._values import NoRule, is_qat_weight, is_quantized
+from lowbit.engine._values import (
+    NoRule,
+    is_fp8_weight,
+    is_lora_weight,
+    is_nm_sparse,
+    is_qat_weight,
+    is_quantized,
+)
 
 
 def _match_aval(eqn: Any, out: Any) -> Any:
@@ -28,8 +35,22 @@ def dot_general(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
         "preferred_element_type": params.get("preferred_element_type"),
         "out_sharding": params.get("out_sharding"),
     }
+    if is_nm_sparse(lhs) or is_nm_sparse(rhs):
+        raise NoRule("is N:M sparse and no sparse matmul kernel exists here: runs dense")
     with _compat.eqn_context(eqn):
-        if is_qat_weight(lhs) or is_qat_weight(rhs):
+        if is_lora_weight(lhs) or is_lora_weight(rhs):
+            try:
+                out = ops.lora_dot_general(lhs, rhs, dimension_numbers, **kwargs)
+            except ops.LoraLayoutError as err:
+                raise NoRule(str(err)) from None
+            path = ops.lora_dot_general_path(lhs, rhs, dimension_numbers)
+        elif is_fp8_weight(lhs) or is_fp8_weight(rhs):
+            try:
+                out = ops.fp8_dot_general(lhs, rhs, dimension_numbers)
+            except ops.Fp8LayoutError as err:
+                raise NoRule(str(err)) from None
+            path = "fp8_scaled"
+        elif is_qat_weight(lhs) or is_qat_weight(rhs):
             out = ops.qat_dot_general(lhs, rhs, dimension_numbers, **kwargs)
             path = "qat"
         else:
@@ -39,8 +60,15 @@ def dot_general(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
     return [_match_aval(eqn, out)]
 
 
+def _only_qarrays_and_qat(values: list[Any], primitive: str) -> None:
+    for v in values:
+        if is_lora_weight(v) or is_fp8_weight(v) or is_nm_sparse(v):
+            raise NoRule(f"has no {primitive} rule for {type(v).__name__}: runs dense")
+
+
 def conv_general_dilated(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
     lhs, rhs = invals
+    _only_qarrays_and_qat(invals, "conv")
     with _compat.eqn_context(eqn):
         if is_qat_weight(lhs) or is_qat_weight(rhs):
             out = ops.qat_conv_general_dilated(lhs, rhs, **eqn.params)
@@ -54,6 +82,7 @@ def conv_general_dilated(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
 
 def ragged_dot_general(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
     lhs, rhs, group_sizes = invals
+    _only_qarrays_and_qat(invals, "ragged_dot")
     if is_quantized(group_sizes):
         raise NoRule("received quantized group sizes")
     with _compat.eqn_context(eqn):

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec
 
 from lowbit.engine import _compat
 from lowbit.engine._layout_rules import LayoutUnsupported, codes_per_group
-from lowbit.engine._values import is_qat_weight, is_quantized
+from lowbit.engine._values import is_lora_weight, is_qat_weight, is_quantized
 from lowbit.qarray import QArray
 
 
@@ -86,6 +86,12 @@ def _split(x: Any, spec: PartitionSpec, mesh: Any) -> tuple[Any, Any, Callable]:
 def shard_map_rule(eval_jaxpr, dequantize_counted, ctx, eqn, invals) -> list[Any]:
     p = _compat.shard_map_params(eqn)
     mesh = p["mesh"]
+    invals = [
+        dequantize_counted(ctx, eqn, x, "is a LoRA-adapted weight entering shard_map")
+        if is_lora_weight(x)
+        else x
+        for x in invals
+    ]
     splits = [_split(x, spec, mesh) for x, spec in zip(invals, p["in_specs"], strict=True)]
 
     def body(*local_parts):

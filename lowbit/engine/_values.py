@@ -1,9 +1,13 @@
 """The quantized value types the interpreter carries, and how to look inside them.
 
-Two types flow through the engine besides ordinary arrays: `QArray` (packed PTQ weights) and
-`lowbit.ops.QatWeight` (a float weight with its QAT recipe; leaves `value` and `qarray`). Layout
-rules are written once for `QArray`; on a `QatWeight` they apply to `qarray` while the float op
-applies to `value`, so both stay consistent.
+Three types flow through the engine besides ordinary arrays: `QArray` (packed PTQ weights),
+`lowbit.ops.QatWeight` (a float weight with its QAT recipe; leaves `value` and `qarray`) and
+`lowbit.ops.LoraWeight` (a frozen base weight with a low-rank adapter). Layout rules are written
+once for `QArray`; on a `QatWeight` they apply to `qarray` while the float op applies to `value`,
+so both stay consistent. A `LoraWeight` keeps only layout ops that leave its shape alone (copy,
+dtype casts of the base); others dequantize it (the merged weight, counted). So does an
+`lowbit.ops.Fp8Weight` (a float weight with fp8 amax histories). An N:M sparse weight
+(`lowbit.qarray.NMSparse`) has no kernel yet: every op dequantizes it to dense, counted.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lowbit.ops import QatWeight
-from lowbit.qarray import QArray
+from lowbit.ops import Fp8Weight, LoraWeight, QatWeight
+from lowbit.qarray import NMSparse, QArray
 
 
 class NoRule(Exception):
@@ -27,9 +31,22 @@ def is_qat_weight(x: Any) -> bool:
     return isinstance(x, QatWeight)
 
 
+def is_lora_weight(x: Any) -> bool:
+    return isinstance(x, LoraWeight)
+
+
+def is_fp8_weight(x: Any) -> bool:
+    return isinstance(x, Fp8Weight)
+
+
 def is_quantized(x: Any) -> bool:
-    """True for the values the engine treats specially: `QArray` and `QatWeight`."""
-    return isinstance(x, QArray) or is_qat_weight(x)
+    """True for the values the engine treats specially: `QArray`, `QatWeight`, `LoraWeight`,
+    `Fp8Weight`."""
+    return isinstance(x, QArray | QatWeight | LoraWeight | Fp8Weight | NMSparse)
+
+
+def is_nm_sparse(x: Any) -> bool:
+    return isinstance(x, NMSparse)
 
 
 def logical_struct(x: Any) -> jax.ShapeDtypeStruct:
@@ -60,6 +77,19 @@ def map_layout(x: Any, qarray_fn, float_fn) -> Any:
     """
     if isinstance(x, QArray):
         return qarray_fn(x)
+    if is_nm_sparse(x):
+        raise NoRule("is N:M sparse (compressed); it runs dense")
+    if is_lora_weight(x):
+        base = x.base
+        new_base = qarray_fn(base) if isinstance(base, QArray) else float_fn(base)
+        if tuple(new_base.shape) != tuple(base.shape):
+            raise NoRule("changes the shape of a LoRA-adapted weight")
+        return dataclasses.replace(x, base=new_base)
+    if is_fp8_weight(x):
+        value = float_fn(x.value)
+        if tuple(value.shape) != tuple(x.value.shape):
+            raise NoRule("changes the shape of an fp8-scaled weight")
+        return dataclasses.replace(x, value=value)
     return dataclasses.replace(x, value=float_fn(x.value), qarray=qarray_fn(x.qarray))
 
 

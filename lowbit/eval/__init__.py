@@ -8,6 +8,14 @@ from lowbit.eval._corpus import (
     read_sentences,
     read_text,
 )
+from lowbit.eval._finetune import (
+    FinetuneResult,
+    FinetuneSettings,
+    default_training_text,
+    finetune_lm,
+    lm_loss_fn,
+    make_train_step,
+)
 from lowbit.eval._harness import (
     EncoderRunner,
     LMRunner,
@@ -18,7 +26,7 @@ from lowbit.eval._harness import (
     pad_batch,
 )
 from lowbit.eval._perplexity import PerplexityResult, perplexity, token_nll, window_starts
-from lowbit.eval._plots import plot_layer_sqnr, plot_size_vs_quality
+from lowbit.eval._plots import plot_layer_sqnr, plot_loss_curve, plot_size_vs_quality
 from lowbit.eval._report import (
     ResultRow,
     print_table,
@@ -43,9 +51,16 @@ from lowbit.eval._variants import (
 )
 
 __all__ = [
+    "default_training_text",
+    "finetune_lm",
+    "lm_loss_fn",
+    "make_train_step",
+    "plot_loss_curve",
     "GGUF_RECIPE",
     "SOTU_SPEECHES",
     "EncoderRunner",
+    "FinetuneResult",
+    "FinetuneSettings",
     "LMRunner",
     "LoadedModel",
     "ModelSession",

@@ -127,3 +127,37 @@ def plot_size_vs_quality(rows: Sequence[ResultRow], path: str | os.PathLike[str]
         ax.set_title(model)
         ax.grid(True, alpha=0.3)
     return _save(fig, path)
+
+
+def plot_loss_curve(
+    losses: Sequence[float], path: str | os.PathLike[str], *, title: str = "training loss"
+) -> Path:
+    """Loss per step (faint) and its 10-step moving average.
+
+    Args:
+      losses: one value per step.
+      path: PNG file to write.
+      title: the plot title.
+    Returns:
+      The path written.
+    Raises:
+      ValueError: if `losses` is empty.
+    """
+    if not losses:
+        raise ValueError("plot_loss_curve needs at least one loss value")
+    steps = range(1, len(losses) + 1)
+    window = 10
+    averaged = [
+        sum(losses[max(0, i - window) : i]) / (i - max(0, i - window))
+        for i in range(1, len(losses) + 1)
+    ]
+    fig = Figure(figsize=(6.0, 3.8), layout="constrained")
+    ax = fig.subplots()
+    ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="per step")
+    ax.plot(steps, averaged, color="tab:blue", linewidth=2, label=f"{window}-step average")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -1,6 +1,14 @@
 """Quantized checkpoints (safetensors + JSON manifest, atomic, validated, never pickled) and
 importers from GGUF and Hugging Face safetensors files."""
 
+from lowbit.io._adapters import (
+    ADAPTERS_DIR,
+    has_adapters,
+    load_adapted_checkpoint,
+    load_adapters,
+    read_adapter_metadata,
+    save_adapters,
+)
 from lowbit.io._checkpoint import (
     check_save_path,
     load_checkpoint,
@@ -20,19 +28,25 @@ from lowbit.io._placement import Placement
 from lowbit.models import GGUFError, unpermute_rope_rows
 
 __all__ = [
+    "ADAPTERS_DIR",
     "CheckpointError",
     "GGUFError",
     "GGUFTensorData",
     "Placement",
     "check_save_path",
     "gguf_tensor_to_qarray",
+    "has_adapters",
     "import_gguf",
     "import_safetensors",
+    "load_adapted_checkpoint",
+    "load_adapters",
     "load_checkpoint",
     "quant_config_from_dict",
     "quant_config_to_dict",
     "read_gguf_file",
+    "read_adapter_metadata",
     "read_manifest",
+    "save_adapters",
     "save_checkpoint",
     "unpermute_rope_rows",
 ]

@@ -27,7 +27,8 @@ from lowbit.formats import get_format
 from lowbit.io._config_dict import quant_config_from_dict
 from lowbit.io._safetensors_file import DTYPES, dtype_from_name
 from lowbit.io._tree import QARRAY_ROLES, Key, Path, path_name
-from lowbit.qarray import QArray
+from lowbit.qarray import NMSparse, QArray
+from lowbit.qarray._sparse import meta_bits
 
 FORMAT_NAME = "lowbit.checkpoint"
 # 2: the tensor file's header carries the manifest's sha256 (version 1 files lack it).
@@ -127,6 +128,12 @@ def decode_tree(tree: Any, tensors: Mapping[str, Any], where: str) -> Plan:
         elif kind == "array":
             name = ref(node.get("tensor"), path, "value")
             plan.shapes[path] = table[name][1]
+        elif kind == "nm_sparse":
+            _check_nm_sparse(node, at)
+            walk(node["values"], (*path, "values"))
+            plan.shapes.pop((*path, "values"), None)
+            ref(node["meta"], path, "meta")
+            plan.shapes[path] = tuple(node["shape"])
         elif kind == "qarray":
             _check_qarray(node, at)
             roles = node["tensors"]
@@ -135,7 +142,8 @@ def decode_tree(tree: Any, tensors: Mapping[str, Any], where: str) -> Plan:
             plan.shapes[path] = tuple(node["shape"])
         else:
             raise CheckpointError(
-                f"{at}: kind {kind!r}; accepted: dict, list, tuple, none, scalar, array, qarray"
+                f"{at}: kind {kind!r}; accepted: dict, list, tuple, none, scalar, array, qarray, "
+                "nm_sparse"
             )
 
     walk(tree, ())
@@ -213,6 +221,39 @@ def _check_qarray(node: Mapping[str, Any], at: str) -> None:
         )
 
 
+def _check_nm_sparse(node: Mapping[str, Any], at: str) -> None:
+    expected = {"kind", "shape", "dtype", "axis", "n", "m", "values", "meta"}
+    if set(node) != expected:
+        raise CheckpointError(f"{at}: nm_sparse keys {sorted(node)} != {sorted(expected)}")
+    shape = _shape(node["shape"], at)
+    _checked(lambda: dtype_from_name(node["dtype"], "logical dtype"), at)
+    n, m, axis = node["n"], node["m"], node["axis"]
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (n, m, axis))
+    if not ints or not 1 <= n < m or not 0 <= axis < len(shape) or shape[axis] % m:
+        raise CheckpointError(f"{at}: N:M pattern n={n!r} m={m!r} axis={axis!r} for {shape}")
+    if not isinstance(node["values"], Mapping) or node["values"].get("kind") not in (
+        "array",
+        "qarray",
+    ):
+        raise CheckpointError(f"{at}: nm_sparse values must be an array or a qarray node")
+
+
+def _build_nm_sparse(node: Mapping[str, Any], values: Any, meta: Any, path: Path) -> NMSparse:
+    shape, axis, n, m = tuple(node["shape"]), node["axis"], node["n"], node["m"]
+    kept = list(shape)
+    kept[axis] = shape[axis] * n // m
+    groups = shape[axis] // m
+    meta_len = -(-groups * meta_bits(n, m) // 8)
+    if tuple(values.shape) != tuple(kept) or meta.shape[axis] < meta_len:
+        raise CheckpointError(
+            f"nm_sparse {path_name(path)!r}: values {tuple(values.shape)} / metadata "
+            f"{tuple(meta.shape)} do not fit the logical shape {shape} at {n}:{m}"
+        )
+    return NMSparse(
+        values=values, meta=meta, shape=shape, dtype=DTYPES[node["dtype"]], axis=axis, n=n, m=m
+    )
+
+
 def build_tree(plan: Plan, arrays: Mapping[str, Any]) -> Any:
     """Builds the params tree of a checked `plan` from its tensors (by name).
 
@@ -233,6 +274,9 @@ def build_tree(plan: Plan, arrays: Mapping[str, Any]) -> Any:
             return items if kind == "list" else tuple(items)
         if kind == "array":
             return arrays[node["tensor"]]
+        if kind == "nm_sparse":
+            values = walk(node["values"], (*path, "values"))
+            return _build_nm_sparse(node, values, arrays[node["meta"]], path)
         roles = node["tensors"]
         activation = node["activation"]
         q = QArray(

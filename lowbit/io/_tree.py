@@ -15,7 +15,7 @@ from flax import nnx
 
 from lowbit.io._config_dict import quant_config_to_dict
 from lowbit.io._safetensors_file import DTYPES
-from lowbit.qarray import QArray
+from lowbit.qarray import NMSparse, QArray
 
 QARRAY_ROLES = ("codes", "scale", "zero_point", "tensor_scale", "activation_bounds")
 
@@ -56,6 +56,17 @@ def encode_tree(params: Any) -> tuple[dict[str, Any], dict[str, tuple[Path, str,
             node = node.get_value()
         if node is None:
             return {"kind": "none"}
+        if isinstance(node, NMSparse):
+            return {
+                "kind": "nm_sparse",
+                "shape": list(node.shape),
+                "dtype": np.dtype(node.dtype).name,
+                "axis": node.axis,
+                "n": node.n,
+                "m": node.m,
+                "values": walk(node.values, (*path, "values")),
+                "meta": add(path, "meta", node.meta),
+            }
         if isinstance(node, QArray):
             meta = {
                 "kind": "qarray",

@@ -34,8 +34,14 @@ from lowbit.qarray._quantize import (
     dequantize,
     quantize,
 )
+from lowbit.qarray._sparse import NMSparse, is_nm_sparse, meta_bits, nm_mask, nm_sparsify
 
 __all__ = [
+    "NMSparse",
+    "is_nm_sparse",
+    "meta_bits",
+    "nm_mask",
+    "nm_sparsify",
     "MSE",
     "RMS",
     "AbsMax",

@@ -11,7 +11,15 @@ COMMAND_NAMES = [module.NAME for module in COMMANDS]
 
 
 def test_every_expected_command_exists():
-    assert set(COMMAND_NAMES) == {"quantize", "eval", "report", "bench", "demo", "recipes"}
+    assert set(COMMAND_NAMES) == {
+        "quantize",
+        "eval",
+        "finetune",
+        "report",
+        "bench",
+        "demo",
+        "recipes",
+    }
 
 
 @pytest.mark.parametrize("argv", [["--help"], *[[name, "--help"] for name in COMMAND_NAMES]])
@@ -71,6 +79,7 @@ def test_debug_shows_the_traceback(capsys):
 MINIMAL_ARGS = {
     "quantize": ["m", "--recipe", "r", "--out", "o"],
     "eval": ["m"],
+    "finetune": ["m", "--out", "o"],
     "report": ["d"],
     "bench": ["m"],
     "demo": [],
