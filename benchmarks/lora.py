@@ -96,9 +96,9 @@ def _env() -> dict:
 
 
 def _subprocess_json(args: list[str]) -> dict:
-    out = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, check=True, env=_env()
-    )
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=_env())
+    if out.returncode:
+        raise RuntimeError(f"benchmark subprocess failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

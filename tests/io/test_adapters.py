@@ -85,7 +85,7 @@ def test_tampered_adapters_are_refused(tmp_path):
     rank3["rules"][0]["rank"] = 3
     data["metadata"]["lora"]["config"] = json.dumps(rank3)
     manifest.write_text(json.dumps(data))
-    with pytest.raises(CheckpointError, match="rank"):
+    with pytest.raises(CheckpointError):  # the manifest is sealed: an edited one is refused
         load_adapters(tmp_path / "ad", base=params)
     with open(tmp_path / "ad" / "model.safetensors", "r+b") as f:
         f.seek(-4, os.SEEK_END)
