@@ -43,6 +43,7 @@ from lowbit.io import (
     save_adapters,
     save_checkpoint,
 )
+from lowbit.models import generate
 from lowbit.qarray import (
     MSE,
     RMS,
@@ -61,7 +62,7 @@ from lowbit.qarray import (
     dequantize,
     fake_quant,
 )
-from lowbit.recipes import Recipe, Rule, preset, preset_names
+from lowbit.recipes import KVCacheConfig, Recipe, Rule, preset, preset_names
 
 __all__ = [
     "FORMATS",
@@ -77,6 +78,7 @@ __all__ = [
     "Fp8Recipe",
     "LoraConfig",
     "LoraRule",
+    "KVCacheConfig",
     "Format",
     "MinMax",
     "PerBlock",
@@ -100,6 +102,7 @@ __all__ = [
     "fp8_apply",
     "fp8_init",
     "fp8_recipe",
+    "generate",
     "get_format",
     "import_gguf",
     "interpret",

@@ -7,9 +7,11 @@ import dataclasses
 
 from lowbit.cli._common import (
     add_calibration_arguments,
+    add_kv_cache_argument,
     open_target,
     print_json,
     progress,
+    resolve_kv_cache,
     stderr_console,
     stdout_console,
     step,
@@ -41,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode-steps", type=int, default=16, metavar="N", help="tokens per timed decode run"
     )
+    add_kv_cache_argument(parser)
     parser.add_argument(
         "--json",
         action="store_true",
@@ -54,14 +57,18 @@ def run(args: argparse.Namespace) -> int:
     """Runs the command with parsed `args`; returns the exit status (errors raise)."""
     if args.decode_steps < 1:
         raise ValueError(f"--decode-steps={args.decode_steps} must be >= 1")
+    kv = resolve_kv_cache(args.kv_cache, args.recipe)
     with progress() as bar:
         target = open_target(args.target, args.recipe, bar, args)
-        session = ModelSession(target.loaded)
+        if kv is not None and target.loaded.kind != "lm":
+            raise ValueError(f"--kv-cache is for language models; {target.loaded.name} is not")
+        session = ModelSession(target.loaded, kv_cache=kv)
         with step(bar, f"timing {target.recipe} (compile, warm up, then timed runs)"):
             speed = session.speed(target.params, decode_steps=args.decode_steps)
     decode = speed.decode_tokens_per_s if target.loaded.kind == "lm" else None
+    label = target.recipe if kv is None else f"{target.recipe} kv={kv.to_text()}"
     row = dataclasses.replace(
-        session.row(target.recipe, target.params, measure_quality=False),
+        session.row(label, target.params, measure_quality=False),
         prefill_tokens_per_s=speed.prefill_tokens_per_s,
         decode_tokens_per_s=decode,
     )
@@ -72,8 +79,36 @@ def run(args: argparse.Namespace) -> int:
     }
     console = stderr_console() if args.json else stdout_console()
     print_table([row], title=f"lowbit bench: {target.loaded.name}", console=console)
+    if target.loaded.kind == "lm":
+        cache = _cache_memory(target.loaded.model, kv, speed.prefill_tokens)
+        payload.update(cache)
+        console.print(
+            f"KV cache ({cache['kv_cache']}) for {speed.prefill_tokens} tokens, batch 1: "
+            f"{cache['kv_cache_bytes'] / 2**20:.2f} MiB, {cache['kv_cache_ratio']:.3f}x float32"
+        )
     if target.directory is not None:
         write_json(target.directory / BENCH_FILE, payload)
     if args.json:
         print_json(payload)
     return 0
+
+
+def _cache_memory(model, kv, tokens: int) -> dict:
+    """Bytes of a batch-1 KV cache of `tokens` slots, against a float32 cache."""
+    import jax
+    import jax.numpy as jnp
+
+    from lowbit.models import init_kv_cache
+
+    def nbytes(kv_cache):
+        shapes = jax.eval_shape(
+            lambda: init_kv_cache(model.config, 1, tokens, jnp.float32, kv_cache)
+        )
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+    used, f32 = nbytes(kv), nbytes(None)
+    return {
+        "kv_cache": kv.to_text() if kv else "float32",
+        "kv_cache_bytes": used,
+        "kv_cache_ratio": used / f32,
+    }

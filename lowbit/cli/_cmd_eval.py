@@ -6,9 +6,11 @@ import argparse
 
 from lowbit.cli._common import (
     add_calibration_arguments,
+    add_kv_cache_argument,
     open_target,
     print_json,
     progress,
+    resolve_kv_cache,
     stderr_console,
     stdout_console,
     step,
@@ -58,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--context", type=int, default=512, metavar="N", help="perplexity window (default 512)"
     )
+    add_kv_cache_argument(parser)
     parser.add_argument(
         "--json",
         action="store_true",
@@ -73,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--max-tokens={args.max_tokens} must be >= 1 and --context={args.context} >= 2"
         )
+    kv = resolve_kv_cache(args.kv_cache, args.recipe)
     # Input files are checked before any model is loaded, so their errors come at once.
     text = read_text(args.text) if args.text else None
     if text is not None and len(text.encode("utf-8")) < args.context + 1:
@@ -83,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
     with progress() as bar:
         target = open_target(args.target, args.recipe, bar, args)
         kind = target.loaded.kind
+        if kv is not None and kind != "lm":
+            raise ValueError(f"--kv-cache is for language models; {target.loaded.name} is not")
         if kind == "lm" and args.sentences:
             raise ValueError(
                 f"--sentences is for encoders; {target.loaded.name} is a language model"
@@ -95,15 +101,16 @@ def run(args: argparse.Namespace) -> int:
             sentences=sentences,
             context=args.context,
             max_tokens=args.max_tokens,
+            kv_cache=kv,
         )
         if text is not None and session.tokens().size < args.context + 1:
             _too_short(args, f"{session.tokens().size} tokens")
         what = "perplexity" if kind == "lm" else "embedding cosine"
         with step(bar, f"{what} of {target.recipe}") as advance:
-            row = session.row(target.recipe, target.params, on_window=advance)
+            row = session.row(_label(target.recipe, kv), target.params, on_window=advance)
     console = stderr_console() if args.json else stdout_console()
     print_table([row], title=f"lowbit eval: {target.loaded.name}", console=console)
-    payload = row.to_json()
+    payload = {**row.to_json(), "kv_cache": kv.to_text() if kv else None}
     if target.directory is not None:
         write_json(target.directory / EVAL_FILE, payload)
     if args.json:
@@ -123,3 +130,7 @@ def _settings(args: argparse.Namespace, session: ModelSession) -> dict:
     if session.loaded.kind == "lm":
         return {"context": session.context, "max_tokens": session.max_tokens}
     return {"sentences": len(session.sentences)}
+
+
+def _label(recipe: str, kv) -> str:
+    return recipe if kv is None else f"{recipe} kv={kv.to_text()}"

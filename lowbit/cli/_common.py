@@ -234,3 +234,31 @@ def read_json(path: Path) -> Any:
     if not path.is_file():
         return None
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+def add_kv_cache_argument(parser: Any) -> None:
+    """``--kv-cache FORMAT`` for commands that run a language model."""
+    parser.add_argument(
+        "--kv-cache",
+        metavar="FORMAT",
+        default=None,
+        help="store the KV cache quantized: int8 | int4 | fp8 (optionally ':gN' for one scale "
+        "per N channels, '+qk' for int8 integer QK^T); default float, or the recipe's kv_cache",
+    )
+
+
+def resolve_kv_cache(flag: str | None, recipe_spec: str | None) -> Any:
+    """The KV cache config: `flag` (``--kv-cache``) if given, else the recipe file's
+    ``kv_cache`` field, else None (float).
+
+    Raises:
+      ValueError: for an unknown format, naming ``--kv-cache``.
+    """
+    from lowbit.recipes import parse_kv_cache
+
+    if flag is not None:
+        return parse_kv_cache(flag, "--kv-cache")
+    if recipe_spec in (None, _variants.GGUF_RECIPE, _variants.FLOAT_RECIPE):
+        return None
+    return getattr(_variants.load_recipe(recipe_spec), "kv_cache", None)
+

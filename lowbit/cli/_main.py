@@ -21,6 +21,7 @@ from lowbit.cli import (
     _cmd_bench,
     _cmd_eval,
     _cmd_finetune,
+    _cmd_generate,
     _cmd_quantize,
     _cmd_recipes,
     _cmd_report,
@@ -38,6 +39,7 @@ COMMANDS = (
     _cmd_finetune,
     _cmd_report,
     _cmd_bench,
+    _cmd_generate,
     _demo,
     _cmd_recipes,
 )

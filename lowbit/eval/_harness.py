@@ -40,19 +40,26 @@ class LMRunner:
     init_cache: Callable[[int, int], Any]
 
 
-def lm_runner(model: nnx.Module) -> tuple[LMRunner, nnx.State]:
+def lm_runner(model: nnx.Module, kv_cache: Any = None) -> tuple[LMRunner, nnx.State]:
     """Splits an NNX causal LM into a runner and its float parameters.
 
     Args:
       model: a module called as ``model(tokens)`` -> logits and ``model(tokens, cache=cache)``
-        -> ``(logits, cache)``, with ``init_cache(batch, max_len)``.
+        -> ``(logits, cache)``, with ``init_cache(batch, max_len, kv_cache)``.
+      kv_cache: a quantized KV cache format (``"int8"``, a `KVCacheConfig`, ...) or None. With
+        one, `forward` writes the tokens into an empty cache of that format and attends to
+        what the cache gives back, so perplexity sees the cache's rounding.
     Returns:
       ``(runner, params)``.
     """
     graphdef, params = nnx.split(model)
 
     def forward(state, tokens):
-        return nnx.merge(graphdef, state)(tokens)
+        module = nnx.merge(graphdef, state)
+        if kv_cache is None:
+            return module(tokens)
+        cache = module.init_cache(tokens.shape[0], tokens.shape[1], kv_cache)
+        return module(tokens, cache=cache)[0]
 
     def step(state, tokens, cache):
         return nnx.merge(graphdef, state)(tokens, cache=cache)
@@ -61,7 +68,7 @@ def lm_runner(model: nnx.Module) -> tuple[LMRunner, nnx.State]:
         graphdef=graphdef,
         forward=jax.jit(interpret(forward)),
         step=jax.jit(interpret(step)),
-        init_cache=model.init_cache,
+        init_cache=lambda batch, max_len: model.init_cache(batch, max_len, kv_cache),
     )
     return runner, params
 

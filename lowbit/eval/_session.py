@@ -39,6 +39,8 @@ class ModelSession:
       sentences: sentences for encoders (default: `default_sentences`).
       context: perplexity window.
       max_tokens: tokens scored for perplexity.
+      kv_cache: LMs: a quantized KV cache (`lowbit.recipes.KVCacheConfig`) that perplexity and
+        decode run through; None for float.
     """
 
     def __init__(
@@ -49,21 +51,24 @@ class ModelSession:
         sentences: Sequence[str] | None = None,
         context: int = 512,
         max_tokens: int = 4096,
+        kv_cache: Any = None,
     ):
         self.loaded = loaded
+        self.kv_cache = kv_cache
         self.context = context
         self.max_tokens = max_tokens
         self._tokens: np.ndarray | None = None
         self._text = text
         self._reference: np.ndarray | None = None
-        if loaded not in _RUNNERS:
+        runners = _RUNNERS.setdefault(loaded, {})
+        if kv_cache not in runners:
             if loaded.kind == "lm":
-                _RUNNERS[loaded] = lm_runner(loaded.model)
+                runners[kv_cache] = lm_runner(loaded.model, kv_cache)
             else:
                 from lowbit.models import mean_pool
 
-                _RUNNERS[loaded] = encoder_runner(loaded.model, loaded.tokenizer, mean_pool)
-        self.runner, self.float_params = _RUNNERS[loaded]
+                runners[kv_cache] = encoder_runner(loaded.model, loaded.tokenizer, mean_pool)
+        self.runner, self.float_params = runners[kv_cache]
         self.sentences: list[str] = []
         if loaded.kind != "lm":
             self.sentences = list(sentences) if sentences is not None else default_sentences()

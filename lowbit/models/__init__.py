@@ -20,9 +20,18 @@ from ._bert_loader import (
     load_hf_bert,
     load_minilm,
 )
-from ._generate import generate_greedy
+from ._generate import (
+    Generation,
+    Sampling,
+    chat_template_from_gguf,
+    generate,
+    generate_greedy,
+    generate_tokens,
+    stream_tokens,
+)
 from ._gguf_reader import GGUFError, GGUFFile, GGUFTensor, read_gguf
-from ._llama import KVCache, Llama, LlamaConfig, apply_rope, init_kv_cache, rope_tables
+from ._kv_cache import KVCache, dequantize_kv, quantize_kv
+from ._llama import Llama, LlamaConfig, apply_rope, init_kv_cache, rope_tables
 from ._llama_loader import (
     gguf_llama_param_map,
     llama_config_from_gguf,
@@ -37,17 +46,23 @@ __all__ = [
     "BertConfig",
     "GGUFError",
     "GGUFFile",
+    "Generation",
     "GGUFTensor",
     "KVCache",
     "Llama",
     "LlamaConfig",
     "ParamMapping",
+    "Sampling",
     "apply_rope",
     "assign_params",
     "bert_config_from_hf",
     "chat_prompt",
+    "chat_template_from_gguf",
+    "dequantize_kv",
     "embed_sentences",
+    "generate",
     "generate_greedy",
+    "generate_tokens",
     "gguf_llama_param_map",
     "has_minilm",
     "has_smollm2",
@@ -61,9 +76,11 @@ __all__ = [
     "mean_pool",
     "minilm_dir",
     "path_str",
+    "quantize_kv",
     "read_gguf",
     "rope_tables",
     "smollm2_gguf_path",
+    "stream_tokens",
     "tokenizer_from_gguf",
     "unpermute_rope_rows",
     "wordpiece_tokenizer",

@@ -1,94 +1,458 @@
-"""Greedy decoding with the functional KV-cache path of `Llama`."""
+"""Text generation with a KV cache: the decode loop compiled into one program.
+
+`generate_tokens` runs a batch of token prompts; `generate` takes and returns text. Both work on
+float models and on quantized parameters (`QArray` leaves: any recipe, GGUF imports,
+checkpoints), through the quantization engine.
+
+How a call runs:
+
+1. Prompts are left-padded to a shared bucketed length ``P`` (rows start at different cache
+   slots; `KVCache.start` keeps each row's rotary positions at 0.. and masks the padding).
+2. One compiled prefill writes the prompts into the cache and samples the first token.
+3. One compiled decode loop (`lax.while_loop`) feeds each sampled token back, samples the next,
+   and stops when every row has produced a stop token or `max_new_tokens` tokens. Its state
+   (cache included) is donated, so the cache is updated in place. Streaming runs the same
+   compiled loop for a few steps per call (`chunk`) and hands each chunk's tokens back.
+
+Prompt lengths and cache sizes are rounded up to buckets (powers of two and three times powers
+of two), so new lengths reuse compiled programs. Sampling draws step ``i``'s token with
+``fold_in(key, i)``: a key gives the same tokens whether or not the loop is streamed.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tokenizers import Tokenizer
 
-from ._llama import KVCache, Llama
-
-# Prompt lengths and cache sizes are rounded up to these so that the jitted prefill and decode
-# step compile once per bucket rather than once per prompt.
-_PROMPT_BUCKET = 32
-_CACHE_BUCKET = 128
+from lowbit.engine import interpret
+from lowbit.models._kv_cache import KVCache
+from lowbit.models._tokenizer import chat_prompt
+from lowbit.recipes import KVCacheConfig, parse_kv_cache
 
 DEFAULT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+# Stop ids are passed as a fixed-size array (padded with -1) so their values never recompile.
+_MAX_STOP_IDS = 16
+_MIN_BUCKET = 16
+# Tokens per compiled call when streaming.
+DEFAULT_CHUNK = 8
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _prefill(
-    graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, n_real: jax.Array, cache: KVCache
-) -> tuple[jax.Array, KVCache]:
-    """Run the padded prompt; return the last real token's logits and a cache of length n_real.
+def bucket(n: int) -> int:
+    """The smallest of 16, 24, 32, 48, 64, 96, ... (2^k and 3 * 2^k) that is >= n."""
+    size = _MIN_BUCKET
+    while True:
+        if size >= n:
+            return size
+        if size * 3 // 2 >= n:
+            return size * 3 // 2
+        size *= 2
 
-    Padding after the prompt is harmless: causal attention keeps it out of the real positions,
-    and its cache slots are overwritten by the decode steps that follow.
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is picked from the logits.
+
+    Attributes:
+      temperature: 0 for greedy (argmax); otherwise logits are divided by it and sampled.
+      top_k: sample only among the k most likely tokens (None: all).
+      top_p: nucleus sampling: the smallest set of most likely tokens whose probability
+        reaches top_p (1.0: all). In (0, 1].
     """
-    model = nnx.merge(graphdef, state)
-    logits, cache = model(tokens, cache=cache)
-    last = jax.lax.dynamic_index_in_dim(logits, n_real - 1, axis=1, keepdims=False)
-    return last, dataclasses.replace(cache, length=n_real)
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k={self.top_k!r} must be a positive int or None")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
-@functools.partial(jax.jit, static_argnums=0)
+def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """logits ``[batch, vocab]`` -> token ids ``[batch]`` int32 (see `Sampling`)."""
+    logits = logits.astype(jnp.float32)
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    vocab = logits.shape[-1]
+    k = vocab if sampling.top_k is None else min(sampling.top_k, vocab)
+    if k == vocab and sampling.top_p >= 1.0:
+        return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    values, ids = jax.lax.top_k(logits, k)  # sorted, most likely first
+    if sampling.top_p < 1.0:
+        probs = jax.nn.softmax(values, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        # Keep a token while the mass before it is below top_p (the first is always kept).
+        values = jnp.where(before < sampling.top_p, values, -jnp.inf)
+    choice = jax.random.categorical(key, values, axis=-1)
+    return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """The decode loop's carry.
+
+    Attributes:
+      cache: the KV cache, holding every token fed so far.
+      token: ``[batch]`` int32, the last sampled token (fed next).
+      out: ``[batch, capacity]`` int32, sampled tokens; -1 after a row stopped.
+      count: ``int32 []``, tokens written to `out`.
+      done: ``[batch]`` bool, rows that produced a stop token.
+    """
+
+    cache: KVCache
+    token: jax.Array
+    out: jax.Array
+    count: jax.Array
+    done: jax.Array
+
+
+def _forward(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, cache: KVCache):
+    return nnx.merge(graphdef, params)(tokens, cache=cache)
+
+
+def _record(state: DecodeState, token: jax.Array, stop_ids: jax.Array) -> DecodeState:
+    """Writes sampled ``token [batch]`` at `state.count` (as -1 for rows already done)."""
+    token = jnp.where(state.done, -1, token)
+    out = jax.lax.dynamic_update_slice(state.out, token[:, None], (0, state.count))
+    done = state.done | jnp.any(token[:, None] == stop_ids[None, :], axis=-1)
+    return DecodeState(state.cache, token, out, state.count + 1, done)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
+def _prefill(
+    graphdef: nnx.GraphDef,
+    sampling: Sampling,
+    capacity: int,
+    params: Any,
+    tokens: jax.Array,
+    cache: KVCache,
+    stop_ids: jax.Array,
+    key: jax.Array,
+) -> DecodeState:
+    """Runs the left-padded prompts ``tokens [batch, P]`` and samples the first new token."""
+    logits, cache = interpret(functools.partial(_forward, graphdef))(params, tokens, cache)
+    first = sample_logits(logits[:, -1], jax.random.fold_in(key, 0), sampling)
+    b = tokens.shape[0]
+    state = DecodeState(
+        cache=cache,
+        token=first,
+        out=jnp.full((b, capacity), -1, jnp.int32),
+        count=jnp.zeros((), jnp.int32),
+        done=jnp.zeros((b,), bool),
+    )
+    return _record(state, first, stop_ids)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
 def _decode(
-    graphdef: nnx.GraphDef, state: nnx.State, token: jax.Array, cache: KVCache
-) -> tuple[jax.Array, KVCache]:
-    """One step: token ``[batch, 1]`` -> (logits ``[batch, vocab]``, new cache)."""
-    model = nnx.merge(graphdef, state)
-    logits, cache = model.decode_step(token, cache)
-    return logits[:, -1], cache
+    graphdef: nnx.GraphDef,
+    sampling: Sampling,
+    params: Any,
+    state: DecodeState,
+    steps: jax.Array,
+    limit: jax.Array,
+    stop_ids: jax.Array,
+    key: jax.Array,
+) -> DecodeState:
+    """Up to `steps` decode steps, stopping at `limit` tokens in `out` or when all rows are done."""
+
+    def run(params, state):
+        def cond(carry):
+            i, s = carry
+            return (i < steps) & (s.count < limit) & ~jnp.all(s.done)
+
+        def body(carry):
+            i, s = carry
+            logits, cache = _forward(graphdef, params, s.token[:, None], s.cache)
+            token = sample_logits(logits[:, -1], jax.random.fold_in(key, s.count), sampling)
+            s = dataclasses.replace(s, cache=cache)
+            return i + 1, _record(s, token, stop_ids)
+
+        return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
+
+    return interpret(run)(params, state)
 
 
-def _greedy(logits: jax.Array) -> jax.Array:
-    """logits ``[batch, vocab]`` -> next tokens ``[batch, 1]`` int32."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None]
+def _split(model: Any, params: Any) -> tuple[nnx.GraphDef, Any, nnx.Module]:
+    """(graphdef, params, module) of a `Llama`, a `QuantizedModel` or a module plus params."""
+    module = getattr(model, "module", model)  # QuantizedModel wraps the module
+    if not isinstance(module, nnx.Module):
+        raise TypeError(
+            f"model must be a flax nnx.Module (e.g. lowbit.models.Llama) or a QuantizedModel, "
+            f"got {type(model).__name__}"
+        )
+    graphdef, state = nnx.split(module)
+    if not hasattr(module, "init_cache") or not hasattr(module, "config"):
+        raise TypeError(f"model {type(module).__name__} has no KV cache (init_cache, config)")
+    return graphdef, state if params is None else params, module
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """The result of `generate_tokens`.
+
+    Attributes:
+      tokens: per row, the new token ids, without the stop token.
+      stopped: per row, True when it ended at a stop token (False: `max_new_tokens` reached).
+      prompt_lengths: per row, the prompt's token count.
+    """
+
+    tokens: list[list[int]]
+    stopped: list[bool]
+    prompt_lengths: list[int]
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]], context: int, max_new_tokens: int):
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens is {max_new_tokens}; it must be at least 1")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty; give at least one prompt")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompts[{i}] has no tokens; every prompt needs at least one token")
+        if len(p) + max_new_tokens > context:
+            raise ValueError(
+                f"prompts[{i}] has {len(p)} tokens; with max_new_tokens={max_new_tokens} that "
+                f"exceeds the model's context of {context} tokens. Shorten the prompt or lower "
+                "max_new_tokens"
+            )
+
+
+def stream_tokens(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    params: Any = None,
+    max_new_tokens: int = 64,
+    sampling: Sampling = Sampling(),
+    key: jax.Array | int | None = None,
+    stop_ids: Sequence[int] = (),
+    kv_cache: KVCacheConfig | str | None = None,
+    chunk: int | None = DEFAULT_CHUNK,
+) -> Iterator[np.ndarray]:
+    """Yields the new tokens as they are produced: ``[batch, n]`` int32 arrays, -1 for rows
+    that already stopped (a stop token is yielded, then -1s). Arguments as in `generate_tokens`;
+    `chunk` is the number of decode steps per compiled call (None: all in one call).
+    """
+    graphdef, params, module = _split(model, params)
+    prompts = [list(map(int, p)) for p in prompts]
+    _check_prompts(prompts, module.config.context_length, max_new_tokens)
+    kv = parse_kv_cache(kv_cache, "kv_cache")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk={chunk} must be >= 1 or None")
+    if key is None:
+        key = jax.random.key(0)
+    elif isinstance(key, int):
+        key = jax.random.key(key)
+    stops = list(dict.fromkeys(int(s) for s in stop_ids))
+    if len(stops) > _MAX_STOP_IDS:
+        raise ValueError(f"stop_ids has {len(stops)} ids; at most {_MAX_STOP_IDS} are supported")
+    stop_arr = jnp.asarray(stops + [-2] * (_MAX_STOP_IDS - len(stops)), jnp.int32)
+
+    b = len(prompts)
+    width = bucket(max(len(p) for p in prompts))
+    tokens = np.zeros((b, width), np.int32)
+    pad = np.zeros((b,), np.int32)
+    for row, p in enumerate(prompts):
+        pad[row] = width - len(p)
+        tokens[row, pad[row] :] = p
+    capacity = bucket(max_new_tokens)
+    # The last new token is never fed back: the cache needs width + max_new_tokens - 1 slots.
+    max_len = bucket(width + max_new_tokens - 1)
+    cache = module.init_cache(b, max_len, kv)
+    cache = dataclasses.replace(cache, start=jnp.asarray(pad))
+
+    state = _prefill(
+        graphdef, sampling, capacity, params, jnp.asarray(tokens), cache, stop_arr, key
+    )
+    emitted = 0
+    limit = jnp.int32(max_new_tokens)
+    steps = jnp.int32(max_new_tokens if chunk is None else chunk)
+    while True:
+        count = int(state.count)
+        if count > emitted:
+            yield np.asarray(state.out[:, emitted:count])
+            emitted = count
+        if count >= max_new_tokens or bool(jnp.all(state.done)):
+            return
+        state = _decode(graphdef, sampling, params, state, steps, limit, stop_arr, key)
+
+
+def generate_tokens(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    params: Any = None,
+    max_new_tokens: int = 64,
+    sampling: Sampling = Sampling(),
+    key: jax.Array | int | None = None,
+    stop_ids: Sequence[int] = (),
+    kv_cache: KVCacheConfig | str | None = None,
+    on_tokens: Callable[[np.ndarray], None] | None = None,
+    chunk: int | None = None,
+) -> Generation:
+    """Continues each of a batch of token prompts.
+
+    Args:
+      model: a `Llama` (float), a `QuantizedModel` of one, or the float module with `params`.
+      prompts: per row, the prompt's token ids (lengths may differ; none may be empty).
+      params: parameters to run instead of the module's own (e.g. quantized ones from
+        `quantize_params`, `import_gguf` or `load_checkpoint`).
+      max_new_tokens: at most this many new tokens per row (>= 1).
+      sampling: greedy by default; see `Sampling`.
+      key: a `jax.random.key` or an int seed for sampling (default seed 0). Same key, same
+        tokens.
+      stop_ids: token ids that end a row (the stop token is not returned).
+      kv_cache: a quantized KV cache format (`KVCacheConfig`, ``"int8"``, ``"int4"``,
+        ``"fp8"``) or None for float.
+      on_tokens: called with each new ``[batch, n]`` chunk of tokens (-1 after a row stopped);
+        for streaming.
+      chunk: decode steps per compiled call; None runs the whole loop in one call (default,
+        unless `on_tokens` is given, then `DEFAULT_CHUNK`).
+    Returns:
+      A `Generation`.
+    Raises:
+      ValueError: `max_new_tokens` < 1, an empty prompt or batch, a prompt plus
+        `max_new_tokens` longer than the model's context, an unknown `kv_cache` format.
+    """
+    if on_tokens is not None and chunk is None:
+        chunk = DEFAULT_CHUNK
+    b = len(prompts)
+    rows: list[list[int]] = [[] for _ in range(b)]
+    stopped = [False] * b
+    stop_set = set(int(s) for s in stop_ids)
+    for new in stream_tokens(
+        model,
+        prompts,
+        params=params,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        key=key,
+        stop_ids=stop_ids,
+        kv_cache=kv_cache,
+        chunk=chunk,
+    ):
+        for row in range(b):
+            for t in new[row]:
+                if stopped[row] or t < 0:
+                    break
+                if int(t) in stop_set:
+                    stopped[row] = True
+                    break
+                rows[row].append(int(t))
+        if on_tokens is not None:
+            on_tokens(new)
+    return Generation(tokens=rows, stopped=stopped, prompt_lengths=[len(p) for p in prompts])
+
+
+def stop_token_ids(tokenizer: Any, stop_tokens: Sequence[str]) -> list[int]:
+    """Ids of the `stop_tokens` the tokenizer knows (unknown ones are skipped)."""
+    ids = (tokenizer.token_to_id(t) for t in stop_tokens)
+    return [i for i in ids if i is not None]
+
+
+def chat_template_from_gguf(metadata: Mapping[str, Any]) -> Callable[[str], str]:
+    """A ``user text -> prompt`` function from a GGUF file's ``tokenizer.chat_template``.
+
+    ChatML templates (``<|im_start|>role\\n...<|im_end|>``) are rendered without a template
+    engine, keeping the default system turn the template inserts.
+
+    Raises:
+      ValueError: when the file has no chat template, or one that is not ChatML.
+    """
+    template = metadata.get("tokenizer.chat_template")
+    if not isinstance(template, str) or not template:
+        raise ValueError("--chat: the GGUF file has no tokenizer.chat_template metadata")
+    if "<|im_start|>" not in template:
+        raise ValueError(
+            "--chat: the GGUF chat template is not ChatML (<|im_start|>); only ChatML templates "
+            "are rendered. Format the prompt yourself and drop --chat"
+        )
+    found = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template, re.DOTALL)
+    system = found.group(1) if found else None
+    return functools.partial(chat_prompt, default_system=system)
+
+
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompt: str | Sequence[str],
+    *,
+    params: Any = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    key: jax.Array | int | None = None,
+    stop_tokens: Sequence[str] = DEFAULT_STOP_TOKENS,
+    kv_cache: KVCacheConfig | str | None = None,
+) -> str | list[str]:
+    """`lowbit.generate`: continue a text prompt (or a list of them, run as one batch).
+
+    Args:
+      model, params, max_new_tokens, key, kv_cache: as in `generate_tokens`.
+      tokenizer: a `tokenizers.Tokenizer` (e.g. from `load_smollm2`).
+      prompt: the prompt text, already formatted (e.g. by `chat_prompt`), or a list of them.
+      temperature, top_k, top_p: sampling (`Sampling`); temperature 0 is greedy.
+      stop_tokens: token strings that end a row (not included in the text).
+    Returns:
+      The new text (special tokens dropped): a str for a str prompt, else a list.
+
+    Example:
+      >>> model, tok = lowbit.models.load_smollm2()
+      >>> lowbit.generate(model, tok, chat_prompt("What is the capital of France?"),
+      ...                 max_new_tokens=16)
+      'The capital of France is Paris.'
+    """
+    texts = [prompt] if isinstance(prompt, str) else list(prompt)
+    ids = [tokenizer.encode(t).ids for t in texts]
+    for i, row in enumerate(ids):
+        if not row:
+            name = "prompt" if isinstance(prompt, str) else f"prompt[{i}]"
+            raise ValueError(f"{name} encodes to no tokens; give a non-empty prompt")
+    result = generate_tokens(
+        model,
+        ids,
+        params=params,
+        max_new_tokens=max_new_tokens,
+        sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p),
+        key=key,
+        stop_ids=stop_token_ids(tokenizer, stop_tokens),
+        kv_cache=kv_cache,
+    )
+    out = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+    return out[0] if isinstance(prompt, str) else out
 
 
 def generate_greedy(
-    model: Llama,
-    tokenizer: Tokenizer,
+    model: Any,
+    tokenizer: Any,
     prompt: str,
     max_new_tokens: int,
     *,
     stop_tokens: Sequence[str] = DEFAULT_STOP_TOKENS,
 ) -> str:
-    """Greedy continuation of `prompt` (already formatted, e.g. by `chat_prompt`).
-
-    Generation stops after `max_new_tokens` tokens or at the first of `stop_tokens` (which is
-    not included). Returns the decoded new text, special tokens dropped.
-    """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens is {max_new_tokens}; it must be at least 1")
-    ids = tokenizer.encode(prompt).ids
-    if not ids:
-        raise ValueError("prompt encodes to no tokens")
-    stop_ids = {tokenizer.token_to_id(t) for t in stop_tokens} - {None}
-    n = len(ids)
-    padded = np.zeros((1, _round_up(n, _PROMPT_BUCKET)), np.int32)
-    padded[0, :n] = ids
-    cache = model.init_cache(1, _round_up(padded.shape[1] + max_new_tokens, _CACHE_BUCKET))
-    graphdef, state = nnx.split(model)
-    logits, cache = _prefill(graphdef, state, jnp.asarray(padded), jnp.int32(n), cache)
-    token = _greedy(logits)
-    out: list[int] = []
-    for step in range(max_new_tokens):
-        tid = int(token[0, 0])
-        if tid in stop_ids:
-            break
-        out.append(tid)
-        if step + 1 < max_new_tokens:
-            logits, cache = _decode(graphdef, state, token, cache)
-            token = _greedy(logits)
-    return tokenizer.decode(out, skip_special_tokens=True)
+    """Greedy continuation of `prompt` (`generate` with temperature 0)."""
+    return generate(
+        model, tokenizer, prompt, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens
+    )

@@ -19,6 +19,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lowbit.models._kv_cache import KVCache, LayerKV, int8_scores
+from lowbit.models._kv_cache import init_kv_cache as _init_cache
+from lowbit.recipes import KVCacheConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -34,6 +38,7 @@ class LlamaConfig:
     rope_base: float = 100000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    context_length: int = 8192
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -44,34 +49,21 @@ class LlamaConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-    """Keys and values of the tokens seen so far, one entry per layer.
+def init_kv_cache(
+    config: LlamaConfig,
+    batch: int,
+    max_len: int,
+    dtype: Any,
+    kv_cache: KVCacheConfig | str | None = None,
+) -> KVCache:
+    """An empty cache for `batch` sequences of up to `max_len` tokens.
 
-    Attributes:
-      keys: per layer, ``[batch, max_len, n_kv_heads, head_dim]`` (rotary already applied).
-      values: per layer, ``[batch, max_len, n_kv_heads, head_dim]``.
-      length: ``int32 []``, how many leading slots hold tokens; new tokens go there.
+    `kv_cache`: a `KVCacheConfig` (or ``"int8"``, ``"int4"``, ``"fp8"``) for a quantized cache;
+    None for a float one in `dtype`.
     """
-
-    keys: tuple[jax.Array, ...]
-    values: tuple[jax.Array, ...]
-    length: jax.Array
-
-    @property
-    def max_len(self) -> int:
-        """Number of token slots."""
-        return self.keys[0].shape[1]
-
-
-def init_kv_cache(config: LlamaConfig, batch: int, max_len: int, dtype: Any) -> KVCache:
-    """An empty cache for `batch` sequences of up to `max_len` tokens."""
-    if batch < 1 or max_len < 1:
-        raise ValueError(f"batch={batch} and max_len={max_len} must both be positive")
-    shape = (batch, max_len, config.n_kv_heads, config.head_dim)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
-    return KVCache(keys=zeros, values=zeros, length=jnp.zeros((), jnp.int32))
+    return _init_cache(
+        config.n_layers, config.n_kv_heads, config.head_dim, batch, max_len, dtype, kv_cache
+    )
 
 
 def rope_tables(positions: jax.Array, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
@@ -94,6 +86,25 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """q ``[b, s, H, g, D]``, k ``[b, H, T, D]`` -> ``[b, H, g, s, T]``.
+
+    One query per row (decode) multiplies and sums in one fused loop that reads the cache in
+    its stored layout: as a dot, XLA's CPU backend copies every layer's keys to another layout
+    on every step, which at long contexts costs more than the weights.
+    """
+    if q.shape[1] == 1:
+        return jnp.sum(q[:, 0, :, :, None, :] * k[:, :, None], axis=-1)[:, :, :, None]
+    return jnp.einsum("bskgd,bktd->bkgst", q, k)
+
+
+def _weighted_values(probs: jax.Array, v: jax.Array) -> jax.Array:
+    """probs ``[b, H, g, s, T]``, v ``[b, H, T, D]`` -> ``[b, s, H, g, D]`` (as `_scores`)."""
+    if probs.shape[3] == 1:
+        return jnp.sum(probs[:, :, :, 0, :, None] * v[:, :, None], axis=3)[:, None]
+    return jnp.einsum("bkgst,bktd->bskgd", probs, v)
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary positions."""
 
@@ -112,13 +123,14 @@ class Attention(nnx.Module):
         cos: jax.Array,
         sin: jax.Array,
         mask: jax.Array,
-        kv: tuple[jax.Array, jax.Array] | None,
-        start: jax.Array | None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """x: ``[batch, seq, dim]``; mask: ``[seq, keys]`` bool, True where attending.
+        kv: LayerKV | None,
+        slot: jax.Array | None,
+    ) -> tuple[jax.Array, LayerKV | None]:
+        """x: ``[batch, seq, dim]``; mask: ``[batch, seq, keys]`` bool, True where attending.
 
-        With a cache (`kv` and `start`), the new keys/values are written at slot `start` and
-        attention runs over all cache slots; the updated ``(keys, values)`` is returned.
+        With a cache (`kv` and `slot`), the new keys/values are written at `slot` and attention
+        runs over all cache slots (read back from the cache, so a quantized cache's rounding is
+        what attention sees); the updated layer cache is returned.
         """
         c = self.config
         b, s, _ = x.shape
@@ -127,23 +139,28 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, s, c.n_kv_heads, c.head_dim)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        new_kv = None
-        if kv is not None:
-            zero = jnp.zeros((), jnp.int32)
-            idx = (zero, start, zero, zero)
-            k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), idx)
-            v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), idx)
-            new_kv = (k, v)
         group = c.n_heads // c.n_kv_heads
         # Query head h uses key/value head h // group, as in Hugging Face's repeat_kv.
         q = q.reshape(b, s, c.n_kv_heads, group, c.head_dim)
-        scores = jnp.einsum("bskgd,btkd->bkgst", q, k.astype(q.dtype))
+        if kv is not None:
+            kv = kv.write(k, v, slot)
+            q = kv.rotate(q)  # a rotated cache: scores are the same with rotated queries
+            if kv.config is not None and kv.config.integer_qk:
+                scores = int8_scores(q, kv)
+            else:
+                scores = _scores(q, kv.read_keys(q.dtype))
+            v = kv.read_values(x.dtype)
+        else:
+            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+            scores = _scores(q, k.astype(q.dtype))
         scores = scores.astype(jnp.float32) / jnp.sqrt(jnp.float32(c.head_dim))
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bkgst,btkd->bskgd", probs, v.astype(x.dtype))
+        out = _weighted_values(probs, v.astype(x.dtype))
+        if kv is not None:
+            out = kv.rotate(out)  # back from rotated values (the rotation is its own inverse)
         out = out.reshape(b, s, c.n_heads * c.head_dim)
-        return self.o_proj(out), new_kv
+        return self.o_proj(out), kv
 
 
 class MLP(nnx.Module):
@@ -176,11 +193,11 @@ class Block(nnx.Module):
         cos: jax.Array,
         sin: jax.Array,
         mask: jax.Array,
-        kv: tuple[jax.Array, jax.Array] | None,
-        start: jax.Array | None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        kv: LayerKV | None,
+        slot: jax.Array | None,
+    ) -> tuple[jax.Array, LayerKV | None]:
         """x: ``[batch, seq, dim]``; the other arguments and the result as in `Attention`."""
-        h, new_kv = self.attn(self.attn_norm(x), cos, sin, mask, kv, start)
+        h, new_kv = self.attn(self.attn_norm(x), cos, sin, mask, kv, slot)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), new_kv
 
@@ -228,9 +245,12 @@ class Llama(nnx.Module):
         model.layers = nnx.List([nnx.clone(block) for _ in range(config.n_layers)])
         return model
 
-    def init_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty KV cache for `batch` sequences of up to `max_len` tokens."""
-        return init_kv_cache(self.config, batch, max_len, self.dtype)
+    def init_cache(
+        self, batch: int, max_len: int, kv_cache: KVCacheConfig | str | None = None
+    ) -> KVCache:
+        """An empty KV cache for `batch` sequences of up to `max_len` tokens (see
+        `init_kv_cache`; `kv_cache` picks a quantized cache)."""
+        return init_kv_cache(self.config, batch, max_len, self.dtype, kv_cache)
 
     def __call__(
         self,
@@ -244,42 +264,53 @@ class Llama(nnx.Module):
         Args:
           tokens: ``[batch, seq]`` int32.
           positions: ``[batch, seq]`` or ``[seq]`` int rotary positions; by default
-            ``0..seq-1``, or following the cached tokens when a cache is given.
-          cache: a `KVCache`; the tokens are appended at slot ``cache.length`` and may attend
-            to everything before them. It must have room for them: writes past ``max_len``
-            are clipped by XLA and silently wrong.
+            ``0..seq-1``, or, with a cache, each token's slot minus its row's ``cache.start``.
+          cache: a `KVCache`; the tokens are written at slot ``cache.length`` and may attend
+            to every slot from their row's ``cache.start`` up to their own. It must have room
+            for them: writes past ``max_len`` are clipped by XLA and silently wrong.
 
         Returns:
           ``logits [batch, seq, vocab]`` without a cache; ``(logits, new_cache)`` with one.
         """
         b, s = tokens.shape
         if cache is None:
-            start = None
+            slot = None
             offsets = jnp.arange(s, dtype=jnp.int32)
             key_slots = offsets
+            first = jnp.zeros((b,), jnp.int32)
         else:
-            start = cache.length
-            offsets = start + jnp.arange(s, dtype=jnp.int32)
+            slot = cache.length
+            offsets = slot + jnp.arange(s, dtype=jnp.int32)
             key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
+            first = cache.start
         if positions is None:
-            positions = offsets
+            positions = jnp.maximum(offsets[None, :] - first[:, None], 0)
         positions = jnp.broadcast_to(positions, (b, s))
-        # Causal in slot order: a query sees keys in slots up to its own.
-        mask = key_slots[None, :] <= offsets[:, None]
+        # Causal in slot order: a query sees keys in slots up to its own, none before its row's
+        # first real slot.
+        causal = key_slots[None, :] <= offsets[:, None]
+        mask = causal[None] & (key_slots[None, None, :] >= first[:, None, None])
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_base)
         x = self.embed(tokens)
-        new_keys, new_values = [], []
+        layers_out = []
         for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.keys[i], cache.values[i])
-            x, new_kv = layer(x, cos, sin, mask, kv, start)
-            if new_kv is not None:
-                new_keys.append(new_kv[0])
-                new_values.append(new_kv[1])
+            kv = None if cache is None else cache.layer(i)
+            x, new_kv = layer(x, cos, sin, mask, kv, slot)
+            layers_out.append(new_kv)
         x = self.norm(x)
         logits = self.embed.attend(x) if self.config.tie_embeddings else self.lm_head(x)
         if cache is None:
             return logits
-        new_cache = KVCache(keys=tuple(new_keys), values=tuple(new_values), length=start + s)
+        quantized = cache.config is not None
+        new_cache = dataclasses.replace(
+            cache,
+            keys=tuple(kv.keys for kv in layers_out),
+            values=tuple(kv.values for kv in layers_out),
+            key_scales=tuple(kv.key_scales for kv in layers_out) if quantized else (),
+            value_scales=tuple(kv.value_scales for kv in layers_out) if quantized else (),
+            key_offsets=tuple(kv.key_offsets for kv in layers_out) if quantized else (),
+            length=slot + s,
+        )
         return logits, new_cache
 
     def decode_step(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:

@@ -85,6 +85,7 @@ def llama_config_from_gguf(gguf_file: GGUFFile) -> LlamaConfig:
         rope_base=float(get("rope.freq_base", 10000.0)),
         norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         tie_embeddings="output.weight" not in gguf_file.tensors,
+        context_length=int(get("context_length", 2048)),
     )
 
 

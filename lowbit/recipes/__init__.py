@@ -9,6 +9,7 @@ from lowbit.recipes._json import (
     parse_config,
     parse_granularity,
 )
+from lowbit.recipes._kv_cache import KV_FORMATS, KVCacheConfig, parse_kv_cache
 from lowbit.recipes._maxtext import preset_from_maxtext_json
 from lowbit.recipes._paths import map_params, param_leaves, path_string
 from lowbit.recipes._presets import (
@@ -34,7 +35,9 @@ __all__ = [
     "HQQ",
     "Algorithm",
     "SmoothQuant",
+    "KV_FORMATS",
     "OPS",
+    "KVCacheConfig",
     "Decision",
     "Recipe",
     "RecipeReport",
@@ -54,6 +57,7 @@ __all__ = [
     "nf4",
     "nvfp4",
     "param_leaves",
+    "parse_kv_cache",
     "parse_calibration_field",
     "parse_config",
     "parse_granularity",

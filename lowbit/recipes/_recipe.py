@@ -11,6 +11,7 @@ import numpy as np
 
 from lowbit.formats import get_format
 from lowbit.qarray import PerGroup, QuantConfig
+from lowbit.recipes._kv_cache import KVCacheConfig, parse_kv_cache
 from lowbit.recipes._paths import is_param_leaf, param_leaves
 from lowbit.recipes._rule import Rule
 
@@ -67,6 +68,8 @@ class Recipe:
     Attributes:
       rules: the rules, in priority order.
       name: a label (presets use their name).
+      kv_cache: how a language model's key/value cache is stored when the recipe runs it
+        (`KVCacheConfig`, or its text form such as ``"int8"``); None for a float cache.
 
     Example:
       >>> from lowbit.qarray import QuantConfig, PerChannel
@@ -81,8 +84,10 @@ class Recipe:
 
     rules: tuple[Rule, ...]
     name: str = "custom"
+    kv_cache: KVCacheConfig | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "kv_cache", parse_kv_cache(self.kv_cache, "Recipe.kv_cache"))
         rules = (self.rules,) if isinstance(self.rules, Rule) else tuple(self.rules)
         for i, rule in enumerate(rules):
             if not isinstance(rule, Rule):

@@ -17,6 +17,7 @@ def test_every_expected_command_exists():
         "finetune",
         "report",
         "bench",
+        "generate",
         "demo",
         "recipes",
     }
@@ -57,6 +58,9 @@ def test_recipes_lists_one_line_per_preset(capsys):
         (["demo", "--recipes", "int8w,int2"], "--recipes 'int8w,int2'"),
         (["quantize", "minilm", "--recipe", "int3w", "--out", "x"], "recipe 'int3w'"),
         (["report", "."], "not a checkpoint"),
+        (["generate", "smollm2", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["generate", "smollm2", "--prompt", "hi", "--top-p", "1.5"], "top_p"),
+        (["eval", "smollm2", "--kv-cache", "int3"], "--kv-cache: 'int3'"),
     ],
 )
 def test_errors_are_one_line_without_traceback(argv, fragment, capsys):
@@ -82,6 +86,7 @@ MINIMAL_ARGS = {
     "finetune": ["m", "--out", "o"],
     "report": ["d"],
     "bench": ["m"],
+    "generate": ["m", "--prompt", "p"],
     "demo": [],
     "recipes": [],
 }

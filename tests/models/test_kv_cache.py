@@ -1,0 +1,117 @@
+"""Quantized KV cache: codes and scales against NumPy / ml_dtypes, memory, attention through it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from lowbit.models import Llama, LlamaConfig, dequantize_kv, init_kv_cache, quantize_kv
+from lowbit.models._kv_cache import hadamard, unpack_int4
+from lowbit.recipes import KVCacheConfig, Recipe, parse_kv_cache
+
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((2, 3, 5, 16)).astype(np.float32) * np.linspace(0.1, 4, 16)
+
+
+def _config(text):
+    return parse_kv_cache(text)
+
+
+@pytest.mark.parametrize("text", ["int8", "int4", "int8:g4", "int4:g4"])
+def test_integer_codes_match_numpy(text):
+    config = _config(text)
+    codes, scales = quantize_kv(jnp.asarray(X), config)
+    group = config.group_size or X.shape[-1]
+    g = X.reshape(*X.shape[:-1], -1, group)
+    if config.format == "int8":
+        scale = (np.abs(g).max(-1, keepdims=True) / 127).astype(np.float16)
+        expected = np.clip(np.round(g / scale.astype(np.float32)), -127, 127)
+        offset = 0.0
+    else:  # 16 levels: code c stands for (c + 1/2) * scale
+        scale = (np.abs(g).max(-1, keepdims=True) / 8).astype(np.float16)
+        expected = np.clip(np.floor(g / scale.astype(np.float32)), -8, 7)
+        offset = 0.5
+    got = unpack_int4(codes) if config.format == "int4" else codes
+    np.testing.assert_array_equal(np.asarray(got), expected.reshape(X.shape))
+    np.testing.assert_array_equal(np.asarray(scales), scale[..., 0])
+    back = np.asarray(dequantize_kv(codes, scales, config, jnp.float32))
+    np.testing.assert_allclose(
+        back, ((expected + offset) * scale.astype(np.float32)).reshape(X.shape), rtol=1e-6
+    )
+    # At most half a step per element (plus the float16 rounding of the scale at the clip).
+    step = np.repeat(scale[..., 0].astype(np.float32), group, -1)
+    assert np.all(np.abs(back - X) <= 0.51 * step)
+
+
+def test_hadamard_is_orthogonal_and_its_own_inverse():
+    h = hadamard(64)
+    np.testing.assert_allclose(h @ h, np.eye(64), atol=1e-6)
+    np.testing.assert_array_equal(h, h.T)
+
+
+def test_int4_packs_two_codes_a_byte():
+    codes, _ = quantize_kv(jnp.asarray(X), _config("int4"))
+    assert codes.dtype == jnp.uint8 and codes.shape == (*X.shape[:-1], X.shape[-1] // 2)
+
+
+def test_fp8_codes_match_ml_dtypes():
+    codes, scales = quantize_kv(jnp.asarray(X), _config("fp8"))
+    scale = (np.abs(X).max(-1, keepdims=True) / 448.0).astype(np.float16).astype(np.float32)
+    expected = (X / scale).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(codes).view(np.uint8), expected.view(np.uint8))
+
+
+def test_zero_and_tiny_rows_get_finite_scales():
+    x = jnp.zeros((1, 1, 2, 8)).at[0, 0, 1].set(1e-30)
+    for text in ("int8", "int4", "fp8"):
+        codes, scales = quantize_kv(x, _config(text))
+        back = dequantize_kv(codes, scales, _config(text), jnp.float32)
+        assert np.all(np.isfinite(np.asarray(scales, np.float32))) and np.all(scales > 0)
+        assert np.all(np.isfinite(np.asarray(back)))
+
+
+@pytest.mark.parametrize("text, bound", [("int8", 0.26), ("fp8", 0.26), ("int4", 0.15)])
+def test_cache_bytes_against_float32_at_smollm2_shapes(text, bound):
+    config = LlamaConfig()
+    nbytes = lambda kv: init_kv_cache(config, 1, 512, jnp.float32, kv).nbytes()  # noqa: E731
+    assert nbytes(text) / nbytes(None) <= bound
+
+
+@pytest.mark.parametrize("text", ["int8", "int8+qk", "fp8", "int4", "int4:g4"])
+def test_attention_through_a_quantized_cache_stays_close(text):
+    config = LlamaConfig(
+        vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64
+    )
+    model = Llama(config, rngs=nnx.Rngs(1))
+    tokens = jnp.asarray(RNG.integers(0, 64, (2, 12)), jnp.int32)
+    ref = model(tokens)
+    logits, cache = model(tokens, cache=model.init_cache(2, 16, text))
+    assert cache.config == _config(text) and int(cache.length) == 12
+    err = float(jnp.max(jnp.abs(logits - ref)) / jnp.max(jnp.abs(ref)))
+    assert err < {"int4": 0.3, "int4:g4": 0.3, "fp8": 0.05}.get(text, 0.02), err
+    assert err > 0  # the cache really was quantized
+
+
+def test_recipe_kv_cache_round_trips_through_json():
+    recipe = Recipe(rules=(), name="r", kv_cache="int4:g32")
+    assert recipe.kv_cache == KVCacheConfig(format="int4", group_size=32)
+    back = Recipe.from_json(recipe.to_json())
+    assert back == recipe and back.kv_cache.to_text() == "int4:g32"
+    assert Recipe.from_json(Recipe(rules=(), name="r").to_json()).kv_cache is None
+
+
+@pytest.mark.parametrize("text", ["int3", "int4:32", "fp8+qk", "int4:g3", 8])
+def test_unknown_kv_formats_name_the_field(text):
+    with pytest.raises(ValueError, match="kv_cache"):
+        Recipe.from_json({"name": "r", "rules": [], "kv_cache": text})
+
+
+def test_cache_is_a_pytree_with_static_config():
+    cache = init_kv_cache(LlamaConfig(n_layers=2), 1, 8, jnp.float32, "int8")
+    leaves, treedef = jax.tree.flatten(cache)
+    assert len(leaves) == 5 * 2 + 2  # codes, scales (keys and values), key offsets; length, start
+    assert jax.tree.unflatten(treedef, leaves).config == cache.config
