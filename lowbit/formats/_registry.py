@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from lowbit.formats import _block, _codebook, _float, _integer, _ternary
+from lowbit.formats import _block, _codebook, _float, _gguf, _integer, _ternary
 from lowbit.formats._base import Format
 
 _TABLE: tuple[Format, ...] = (
@@ -31,6 +31,8 @@ _TABLE: tuple[Format, ...] = (
     _block.MXFP4,
     _block.MXINT8,
     _block.NVFP4,
+    # GGUF blocks stored as they are in a GGUF file (K-quants, Q5_0/Q5_1, IQ4_NL, TQ1_0/TQ2_0).
+    *_gguf.GGUF_BLOCK_FORMATS,
 )
 
 FORMATS: dict[str, Format] = {f.name: f for f in _TABLE}

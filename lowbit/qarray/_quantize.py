@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from lowbit.formats import Format, get_format
+from lowbit.formats import Format, GGUFBlockFormat, get_format
 from lowbit.qarray._calibration import MSE, AbsMax, Calibration, Fixed, MinMax
 from lowbit.qarray._granularity import Granularity, PerGroup, PerTensor
 from lowbit.qarray._qarray import QArray, broadcast_blocks
@@ -305,6 +305,8 @@ def quantize(
     fmt = get_format(config.format)
     x = _check_input(x)
     check_values(x, config)
+    if isinstance(fmt, GGUFBlockFormat):
+        return _quantize_gguf_blocks(x, fmt, config, pack_axis)
     logical_shape, logical_dtype = x.shape, x.dtype
     x32 = x.astype(jnp.float32)
     tile = _tile(config, fmt, x.shape)
@@ -361,6 +363,41 @@ def quantize(
         dtype=logical_dtype,
         packed_axis=packed_axis,
         scale_encoding=fmt.scale_encoding,
+    )
+
+
+def _quantize_gguf_blocks(
+    x: jax.Array, fmt: GGUFBlockFormat, config: QuantConfig, pack_axis: int | None
+) -> QArray:
+    """A GGUF block format: the blocks (scales inside) along one axis, as llama.cpp encodes them.
+
+    The block axis is `pack_axis`, else the granularity's axis for `PerGroup`, else axis 0 (the
+    contraction axis of a Flax ``[in, out]`` kernel). The QArray's scale is a unit placeholder.
+    """
+    ndim = x.ndim
+    if ndim == 0:
+        raise ValueError(f"format {fmt.name!r} needs at least one axis, got a scalar")
+    axis = pack_axis
+    if axis is None:
+        axis = config.granularity.axis if isinstance(config.granularity, PerGroup) else 0
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"format {fmt.name!r}: block axis {axis} is out of range for {x.shape}")
+    axis %= ndim
+    if x.shape[axis] % fmt.block.block_size:
+        raise ValueError(
+            f"format {fmt.name!r} needs axis {axis} of shape {tuple(x.shape)} to be a multiple of "
+            f"{fmt.block.block_size} (its block size); use a GGUF type with smaller blocks "
+            "(q5_0, q5_1, iq4_nl: 32) or another format for this weight"
+        )
+    return QArray(
+        codes=fmt.pack(x.astype(jnp.float32), axis),
+        scale=jnp.ones((1,) * ndim, jnp.uint8),
+        zero_point=None,
+        tensor_scale=None,
+        format=fmt.name,
+        shape=x.shape,
+        dtype=x.dtype,
+        packed_axis=axis,
     )
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import lowbit.io
-from lowbit.formats import FORMATS
+from lowbit.formats import FORMATS, GGUFBlockFormat
 from lowbit.io import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
 from lowbit.io import _atomic as atomic_module
 from lowbit.io import _checkpoint as checkpoint_module
@@ -50,6 +50,19 @@ def _synthetic(name: str, seed: int = 0) -> QArray:
     shape = (8, 64)
     grid = (8, 64 // (fmt.block_size or 32))
     packed = fmt.bits < 8
+    if isinstance(fmt, GGUFBlockFormat):  # GGUF blocks along the last axis, unit scale
+        shape = (8, 256)
+        codes = rng.integers(0, 256, (8, fmt.packed_length(256)), dtype=np.uint8)
+        return QArray(
+            codes=jnp.asarray(codes),
+            scale=jnp.ones((1, 1), jnp.uint8),
+            zero_point=None,
+            tensor_scale=None,
+            format=name,
+            shape=shape,
+            dtype=jnp.float32,
+            packed_axis=1,
+        ).check()
     code_shape = (8, fmt.packed_length(64)) if packed else shape
     codes = rng.integers(0, 256, code_shape, dtype=np.uint8)
     if not packed:
