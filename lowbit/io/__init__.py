@@ -1,5 +1,5 @@
 """Quantized checkpoints (safetensors + JSON manifest, atomic, validated, never pickled) and
-importers from GGUF and Hugging Face safetensors files."""
+importers from GGUF and Hugging Face safetensors files, and export to GGUF."""
 
 from lowbit.io._adapters import (
     ADAPTERS_DIR,
@@ -16,6 +16,7 @@ from lowbit.io._checkpoint import (
     save_checkpoint,
 )
 from lowbit.io._config_dict import quant_config_from_dict, quant_config_to_dict
+from lowbit.io._gguf_export import EXPORT_TYPES, ExportReport, TensorNote, export_gguf
 from lowbit.io._gguf_import import (
     GGUFTensorData,
     gguf_tensor_to_qarray,
@@ -29,11 +30,15 @@ from lowbit.models import GGUFError, unpermute_rope_rows
 
 __all__ = [
     "ADAPTERS_DIR",
+    "EXPORT_TYPES",
     "CheckpointError",
+    "ExportReport",
     "GGUFError",
     "GGUFTensorData",
     "Placement",
+    "TensorNote",
     "check_save_path",
+    "export_gguf",
     "gguf_tensor_to_qarray",
     "has_adapters",
     "import_gguf",

@@ -1,4 +1,4 @@
-"""GGUF import: Q8_0 / Q4_0 / Q4_1 tensors become QArrays directly, with no requantization.
+"""GGUF import: quantized tensors become QArrays directly, with no requantization.
 
 GGML's blocks hold 32 consecutive elements of a row (the last NumPy axis) and an fp16 scale
 ``d`` (Q4_1 also an fp16 minimum ``m``). They map onto `QArray` blocks of ``1 x 32``:
@@ -14,9 +14,13 @@ GGML's blocks hold 32 consecutive elements of a row (the last NumPy axis) and an
 
 The 4-bit codes are taken out of GGML's nibble order (byte ``j`` of a block holds element
 ``j`` low and ``j + 16`` high) and packed in this library's order (element ``2k`` low,
-``2k + 1`` high); the values are untouched. Other storage types (F32, F16, Q6_K, ...) are
-dequantized to float32 by `lowbit.models.GGUFTensor.dequantize`, which gives the same values as
-`gguf.quants.dequantize`.
+``2k + 1`` high); the values are untouched.
+
+The K-quants (Q2_K .. Q8_K), Q5_0, Q5_1, IQ4_NL, TQ1_0 and TQ2_0 keep their GGUF blocks as they
+are: a QArray of the matching `lowbit.formats.GGUFBlockFormat` (``q4_k``, ...) whose codes are
+the file's bytes, decoded bit-identically to llama.cpp. Other storage types (F32, F16, BF16,
+IQ2_XXS, ...) are dequantized to float32 by `lowbit.models.GGUFTensor.dequantize`, which gives
+the same values as `gguf.quants.dequantize`.
 
 Files are read by `lowbit.models.read_gguf`: metadata as Python values, each tensor's stored
 bytes as a read-only memory-mapped ``uint8 [*shape[:-1], row_bytes]`` view (NumPy shape order).
@@ -32,13 +36,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.formats import get_format
+from lowbit.formats import GGUF_BLOCK_FORMATS, get_format
 from lowbit.io._placement import NameMap, Placement, nest, resolve
 from lowbit.models import GGUFTensor, read_gguf, unpermute_rope_rows
 from lowbit.ops import attach_kernel_layouts
 from lowbit.qarray import QArray
 
 DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+BLOCK_TYPES = tuple(f.ggml_type for f in GGUF_BLOCK_FORMATS)
+"""GGUF types imported as `GGUFBlockFormat` QArrays (their blocks kept as stored)."""
 
 GGUFTensorData = GGUFTensor
 """One tensor read from a GGUF file: `lowbit.models.GGUFTensor` (name, ggml_type, shape, raw)."""
@@ -73,20 +79,33 @@ def _nibbles(blocks: np.ndarray) -> np.ndarray:
 
 
 def gguf_tensor_to_qarray(tensor: GGUFTensor) -> QArray:
-    """A Q8_0 / Q4_0 / Q4_1 tensor as a `QArray` in its GGUF layout (blocks along the last axis).
+    """A quantized GGUF tensor as a `QArray` in its GGUF layout (blocks along the last axis).
 
     Args:
       tensor: a tensor read from a GGUF file, shape ``[*lead, n]``.
     Returns:
-      QArray of shape ``[*lead, n]``, logical dtype float32, scale ``[*lead, n / 32]`` float16;
-      4-bit codes packed along the last axis.
+      QArray of shape ``[*lead, n]``, logical dtype float32. Q8_0 / Q4_0 / Q4_1: scale
+      ``[*lead, n / 32]`` float16, 4-bit codes packed along the last axis. `BLOCK_TYPES`: the
+      stored blocks as codes (packed along the last axis) and a unit scale ``[1, ..., 1]``.
     Raises:
       ValueError: for any other storage type.
     """
     kind = tensor.ggml_type.name
+    if kind in BLOCK_TYPES:
+        return QArray(
+            codes=jnp.asarray(np.ascontiguousarray(tensor.raw)),
+            scale=jnp.ones((1,) * len(tensor.shape), jnp.uint8),
+            zero_point=None,
+            tensor_scale=None,
+            format=kind.lower(),
+            shape=tensor.shape,
+            dtype=np.float32,
+            packed_axis=len(tensor.shape) - 1,
+        ).check()
     if kind not in DIRECT_TYPES:
         raise ValueError(
-            f"tensor {tensor.name!r} has type {kind}; direct import accepts {DIRECT_TYPES}"
+            f"tensor {tensor.name!r} has type {kind}; direct import accepts "
+            f"{DIRECT_TYPES + BLOCK_TYPES}"
         )
     blocks = tensor.blocks()
     d = _half(blocks, 0)
@@ -139,7 +158,7 @@ def _place(tensor: GGUFTensor, placement: Placement, quantized: bool) -> Any:
         # Whole rows move, so each row's blocks stay intact.
         raw = unpermute_rope_rows(tensor.raw, placement.unpermute_heads)
         tensor = GGUFTensor(tensor.name, tensor.ggml_type, tensor.shape, raw)
-    if quantized and tensor.ggml_type.name in DIRECT_TYPES:
+    if quantized and tensor.ggml_type.name in DIRECT_TYPES + BLOCK_TYPES:
         value = gguf_tensor_to_qarray(tensor)
         return value.T if placement.transpose else value
     value = tensor.dequantize()
@@ -153,7 +172,7 @@ def import_gguf(
     quantized: bool = True,
     kernel_layouts: bool = True,
 ) -> tuple[dict[Any, Any], dict[str, Any]]:
-    """Reads a GGUF file into a params tree, keeping Q8_0 / Q4_0 / Q4_1 tensors quantized.
+    """Reads a GGUF file into a params tree, keeping quantized tensors quantized as stored.
 
     Args:
       path: the ``.gguf`` file.
@@ -165,8 +184,8 @@ def import_gguf(
       kernel_layouts: also build the CPU kernels' weight layout for the QArrays a kernel will
         run, as placed (`lowbit.ops.attach_kernel_layouts`).
     Returns:
-      ``(params, metadata)``: nested dicts of `QArray`s (Q8_0 / Q4_0 / Q4_1) and float32
-      arrays (other types); the file's key/value metadata.
+      ``(params, metadata)``: nested dicts of `QArray`s (`DIRECT_TYPES` and `BLOCK_TYPES`)
+      and float32 arrays (other types); the file's key/value metadata.
     Raises:
       ValueError: for a malformed file, an undecodable tensor type, or two tensors mapped to
         one path.

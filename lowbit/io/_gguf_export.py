@@ -1,0 +1,446 @@
+"""GGUF export: a Llama params tree (float or quantized) to a file llama.cpp runs.
+
+Each weight is written in GGUF's layout (``[out, in]``, blocks along ``in``; query/key rows
+re-interleaved for llama.cpp's RoPE) and in one of three ways:
+
+  * **direct** (no requantization): a QArray whose codes map onto a GGML type as they are:
+      - a GGUF block format (``q4_k``, ``q6_k``, ...) with blocks along the input axis: its
+        bytes;
+      - ``int8`` symmetric, groups of 32 along the input axis -> Q8_0;
+      - ``int4`` symmetric, groups of 32 -> Q4_0;
+      - ``uint4`` (or ``int4`` with a zero point), groups of 32 -> Q4_1 (``d = s``,
+        ``m = -s z``).
+    Q8_0 / Q4_0 / Q4_1 store fp16 scales: a float32 scale that is not a float16 value is
+    rounded (printed). A Q4_1 block whose codes are all zero is written with ``d = 0``, as
+    llama.cpp writes constant blocks, so an imported file exports byte for byte.
+  * **requantized** to the requested type (or the type's fallback, below) from the weight's
+    values, with llama.cpp's reference quantizer (`lowbit.formats.gguf_encode`), printed.
+  * **float**: 1-D tensors (norms) as F32; other float weights as F32 unless a type is asked.
+
+Requested types: a GGML type (``Q8_0``, ``Q4_1``, ``Q4_K``, ``Q6_K``, ``IQ4_NL``, ``F16``,
+...) for every 2-D weight, or a llama.cpp mix (``Q4_K_M``, ``Q4_K_S``, ``Q5_K_M``, ``Q5_K_S``)
+with llama.cpp's per-tensor choices: Q6_K for the output / tied embedding and for ``attn_v``
+and ``ffn_down`` in the first and last eighth of the layers and every third layer between
+(``_M`` mixes). A row length that is not a multiple of the block size (256 for K-quants)
+falls back per tensor as llama.cpp does (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K /
+Q3_K -> IQ4_NL, TQ -> Q4_0 ...), printed, or raises with ``strict=True``.
+
+Metadata: every key of the source GGUF (architecture, tokenizer, chat template, ...) is copied
+with its type, except the file type, which is set for the output; without a source file the
+architecture keys are built from the `LlamaConfig` (no tokenizer then). The file is written to
+a temporary name beside the target, read back with `gguf.GGUFReader`, and renamed into place;
+on any error nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import gguf
+import numpy as np
+
+from lowbit.formats import GGUF_BLOCK_TYPES, GGUFBlockFormat, gguf_encode
+from lowbit.models import LlamaConfig, gguf_llama_param_map
+from lowbit.qarray import QArray
+
+K_FALLBACK = {
+    "Q2_K": "IQ4_NL",
+    "Q3_K": "IQ4_NL",
+    "Q4_K": "Q5_0",
+    "Q5_K": "Q5_1",
+    "Q6_K": "Q8_0",
+    "Q8_K": "Q8_0",
+    "TQ1_0": "Q4_0",
+    "TQ2_0": "Q4_0",
+    "IQ4_NL": "Q5_0",
+    "Q4_0": "Q5_0",
+    "Q4_1": "Q5_1",
+    "Q5_0": "Q8_0",
+    "Q5_1": "Q8_0",
+    "Q8_0": "F16",
+}
+"""Type -> what a tensor whose rows are not whole blocks of it is written as instead (llama.cpp's
+choices; applied until the rows fit)."""
+
+MIXES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S")
+FLOAT_TYPES = ("F32", "F16")
+EXPORT_TYPES = (*FLOAT_TYPES, *GGUF_BLOCK_TYPES, *MIXES)
+"""Accepted `type` values (besides None: keep quantized weights, floats as F32)."""
+
+_FILE_TYPES = {
+    "F32": "ALL_F32",
+    "F16": "MOSTLY_F16",
+    "Q4_K_M": "MOSTLY_Q4_K_M",
+    "Q4_K_S": "MOSTLY_Q4_K_S",
+    "Q5_K_M": "MOSTLY_Q5_K_M",
+    "Q5_K_S": "MOSTLY_Q5_K_S",
+    "Q3_K": "MOSTLY_Q3_K_M",
+}
+# Set for the output (the writer adds the architecture itself).
+_SKIP_KEYS = (
+    "general.architecture",
+    "general.file_type",
+    "general.quantization_version",
+    "general.alignment",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorNote:
+    """How one tensor was written.
+
+    Attributes:
+      name: GGUF tensor name.
+      ggml_type: the type written.
+      how: ``"direct"``, ``"requantized"``, ``"float"``.
+      note: what changed on the way, or ``""``.
+    """
+
+    name: str
+    ggml_type: str
+    how: str
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportReport:
+    """What `export_gguf` wrote: the path, the bytes, one `TensorNote` per tensor."""
+
+    path: str
+    nbytes: int
+    tensors: tuple[TensorNote, ...]
+
+
+def check_type(type_: str | None) -> str | None:
+    """The canonical spelling of an export type (upper case); ValueError listing the accepted."""
+    if type_ is None:
+        return None
+    canonical = type_.upper()
+    if canonical not in EXPORT_TYPES:
+        raise ValueError(
+            f"GGUF export type {type_!r} is not supported; accepted: {', '.join(EXPORT_TYPES)}"
+        )
+    return canonical
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    # llama.cpp's rule for the _M mixes.
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _requested(name: str, type_: str | None, n_layers: int, tied: bool) -> str | None:
+    """The type `type_` asks for tensor `name` (None: keep / float)."""
+    if type_ is None or type_ not in MIXES:
+        return type_
+    base = "Q4_K" if type_.startswith("Q4") else "Q5_K"
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        return "Q6_K"
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        layer = int(name.split(".")[1])
+        if type_.endswith("_M") and _use_more_bits(layer, n_layers):
+            return "Q6_K"
+        if type_ == "Q4_K_S" and layer < (4 if "attn_v" in name else n_layers // 8):
+            return "Q5_K"
+    return base
+
+
+def _fitting(type_: str, name: str, row: int, strict: bool) -> tuple[str, str]:
+    """`type_` or its fallback for rows of `row` elements: (type, note)."""
+    chosen = type_
+    while chosen not in FLOAT_TYPES and row % gguf.GGML_QUANT_SIZES[_ggml(chosen)][0]:
+        if strict:
+            raise ValueError(
+                f"tensor {name!r}: rows of {row} elements are not a multiple of the "
+                f"{chosen} block size {gguf.GGML_QUANT_SIZES[_ggml(chosen)][0]}; drop strict "
+                "(--strict) to fall back per tensor, or choose a type with blocks of 32"
+            )
+        chosen = K_FALLBACK[chosen]
+    note = "" if chosen == type_ else f"rows of {row} are not whole {type_} blocks: {chosen}"
+    return chosen, note
+
+
+def _ggml(type_: str) -> gguf.GGMLQuantizationType:
+    return gguf.GGMLQuantizationType[type_]
+
+
+def _nibbles_ggml(codes: np.ndarray) -> np.ndarray:
+    """codes [..., n] < 16 -> GGML 4-bit bytes [..., n/32, 16] (j low, j + 16 high)."""
+    blocks = codes.reshape(*codes.shape[:-1], -1, 32).astype(np.uint8)
+    return blocks[..., :16] | (blocks[..., 16:] << 4)
+
+
+def _fp16(values: np.ndarray) -> tuple[np.ndarray, bool]:
+    """float32 -> float16 bytes [..., 2], and whether that was exact."""
+    half = values.astype(np.float16)
+    exact = bool(np.array_equal(half.astype(np.float32), values.astype(np.float32)))
+    return half[..., None].view(np.uint8), exact
+
+
+def _direct(q: QArray) -> tuple[str, np.ndarray, str] | None:
+    """(type, raw bytes [out, row_bytes], note) for a QArray [out, in] that maps onto a GGML
+    type without requantizing, else None."""
+    fmt = q.fmt
+    last = q.ndim - 1
+    if isinstance(fmt, GGUFBlockFormat):
+        if q.packed_axis != last:
+            return None
+        return fmt.ggml_type, np.asarray(q.codes, np.uint8), ""
+    if (
+        q.ndim != 2
+        or q.tensor_scale is not None
+        or q.activation is not None
+        or q.scale_encoding != "float"
+        or q.block_shape != (1, 32)
+        or fmt.name not in ("int8", "int4", "uint4")
+    ):
+        return None
+    codes = np.asarray(q.unpacked_codes())
+    scale = np.asarray(q.scale, np.float32)
+    zero = None if q.zero_point is None else np.asarray(q.zero_point, np.float32)
+    d16, exact = _fp16(scale)
+    note = "" if exact else "float32 scales rounded to float16"
+    out = q.shape[0]
+    if fmt.name == "int8" and zero is None:
+        qs = codes.view(np.int8).reshape(out, -1, 32).view(np.uint8)
+        return "Q8_0", np.concatenate([d16, qs], -1).reshape(out, -1), note
+    if fmt.name == "int4" and zero is None:
+        values = codes.astype(np.int8)  # two's complement nibbles as uint8 bit patterns
+        q4 = (values ^ 8) & 15  # v + 8
+        return "Q4_0", np.concatenate([d16, _nibbles_ggml(q4)], -1).reshape(out, -1), note
+    # Q4_1: x = d q + m with d = s and m = -s z (int4 with a zero point: q = v + 8, z + 8).
+    q4 = codes.astype(np.uint8) & 15
+    if fmt.name == "int4":
+        q4 = (q4 ^ 8) & 15
+        zero = zero + 8.0
+    if zero is None:
+        zero = np.zeros_like(scale)
+    blocks_q = q4.reshape(out, -1, 32)
+    flat = ~blocks_q.any(-1)
+    m = -(scale * zero)
+    d = np.where(flat, np.float32(0), scale)
+    d16, _ = _fp16(d)
+    m16, _ = _fp16(m)
+    # m = -s z carries the float32 rounding of the zero point (about 2**-24 |m|), which the
+    # float16 rounding removes; only a larger change is worth a note.
+    moved = np.abs(m16.view(np.float16)[..., 0].astype(np.float32) - m) > 1e-6 * np.abs(m)
+    if moved.any() and not note:
+        note = "minimums rounded to float16"
+    raw = np.concatenate([d16, m16, _nibbles_ggml(q4)], -1).reshape(out, -1)
+    return "Q4_1", raw, note
+
+
+def _float_bytes(values: np.ndarray, type_: str) -> np.ndarray:
+    """float32 [out, in] -> the requested type's raw bytes (or a float array for F32/F16)."""
+    if type_ == "F32":
+        return values.astype(np.float32)
+    if type_ == "F16":
+        return values.astype(np.float16)
+    return gguf_encode(type_, values)
+
+
+def _permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of `lowbit.models.unpermute_rope_rows`: rotate-half rows -> interleaved."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _lookup(tree: Any, path: tuple) -> Any:
+    node = tree
+    for key in path:
+        if isinstance(node, dict):
+            if key in node:
+                node = node[key]
+            elif str(key) in node:
+                node = node[str(key)]
+            else:
+                return None
+        elif isinstance(node, list | tuple) and isinstance(key, int) and key < len(node):
+            node = node[key]
+        else:
+            node = getattr(node, str(key), None)
+            if node is None:
+                return None
+        if hasattr(node, "value") and not isinstance(node, np.ndarray | QArray):
+            node = node.value  # an nnx.Variable
+    return node
+
+
+def _config_metadata(config: LlamaConfig) -> dict[str, tuple[Any, gguf.GGUFValueType]]:
+    u32, f32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+    return {
+        "general.architecture": ("llama", gguf.GGUFValueType.STRING),
+        "llama.block_count": (config.n_layers, u32),
+        "llama.context_length": (8192, u32),
+        "llama.embedding_length": (config.dim, u32),
+        "llama.feed_forward_length": (config.ffn_dim, u32),
+        "llama.attention.head_count": (config.n_heads, u32),
+        "llama.attention.head_count_kv": (config.n_kv_heads, u32),
+        "llama.attention.key_length": (config.head_dim, u32),
+        "llama.attention.value_length": (config.head_dim, u32),
+        "llama.rope.freq_base": (float(config.rope_base), f32),
+        "llama.rope.dimension_count": (config.head_dim, u32),
+        "llama.attention.layer_norm_rms_epsilon": (float(config.norm_eps), f32),
+        "llama.vocab_size": (config.vocab_size, u32),
+    }
+
+
+def _source_metadata(path: str | os.PathLike[str]) -> list[tuple[str, Any, Any, Any]]:
+    """(key, value, type, array item type) of every field of a GGUF file, in file order."""
+    reader = gguf.GGUFReader(path)
+    fields = []
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in _SKIP_KEYS:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = field.contents()
+        if sub is not None:
+            value = list(value)
+            if not value:
+                continue  # the writer cannot write an empty array; llama.cpp reads none
+        fields.append((field.name, value, vtype, sub))
+    return fields
+
+
+def export_gguf(
+    params: Any,
+    path: str | os.PathLike[str],
+    *,
+    config: LlamaConfig,
+    type: str | None = None,  # noqa: A002 - the GGUF term
+    source: str | os.PathLike[str] | None = None,
+    strict: bool = False,
+    log: Callable[[str], None] | None = print,
+) -> ExportReport:
+    """Writes a Llama params tree as a GGUF file llama.cpp can run.
+
+    Args:
+      params: the model's parameters (pure dicts or an ``nnx.State``) with the `Llama`
+        module's paths (``embed/embedding``, ``layers/{i}/attn/q_proj/kernel``, ...): float
+        arrays and QArrays, e.g. from `lowbit.quantize`, `load_checkpoint` or `import_gguf`.
+      path: the ``.gguf`` file to write (replaced atomically).
+      config: the model's `LlamaConfig`.
+      type: None (keep quantized weights that map directly, the others as Q8_0; floats as
+        F32), a GGML type, or a llama.cpp mix; see `EXPORT_TYPES` and the module docstring.
+      source: a GGUF file to copy metadata (tokenizer, chat template, ...) from.
+      strict: raise instead of falling back when a tensor's rows are not whole blocks.
+      log: called with one line per tensor that was not written directly (None: silent).
+    Returns:
+      An `ExportReport`.
+    Raises:
+      ValueError: for an unknown type, a missing parameter, a tensor that cannot take the
+        type with `strict`, or a written file that does not read back.
+      OSError: when the file cannot be written (nothing is left behind).
+    """
+    type_ = check_type(type)
+    path = os.fspath(path)
+    mapping = gguf_llama_param_map(config)
+    notes: list[TensorNote] = []
+    tensors: list[tuple[str, np.ndarray, str]] = []
+    for name, where in mapping.items():
+        value = _lookup(params, tuple(where.path))
+        if value is None:
+            raise ValueError(
+                f"params have no {'/'.join(map(str, where.path))} for GGUF tensor {name!r}"
+            )
+        if where.transpose:
+            value = value.T
+        raw, written, how, note = _tensor(name, value, type_, config, strict)
+        if where.unpermute_heads is not None:
+            raw = _permute_rope_rows(raw, where.unpermute_heads)
+        tensors.append((name, raw, written))
+        notes.append(TensorNote(name, written, how, note))
+        if log is not None and (how == "requantized" or note):
+            log(f"{name}: {how} as {written}" + (f" ({note})" if note else ""))
+    file_type = _file_type(type_, [t for _, _, t in tensors])
+    metadata = _source_metadata(source) if source is not None else None
+    _write(path, tensors, metadata, config, file_type)
+    return ExportReport(path=path, nbytes=os.path.getsize(path), tensors=tuple(notes))
+
+
+def _tensor(name, value, type_, config, strict) -> tuple[np.ndarray, str, str, str]:
+    """One tensor in GGUF layout -> (raw or float array, type, how, note)."""
+    requested = _requested(name, type_, config.n_layers, config.tie_embeddings)
+    if isinstance(value, QArray):
+        direct = _direct(value)
+        if direct is not None:
+            written, raw, note = direct
+            return raw, written, "direct", note
+        values = np.asarray(value.dequantize(np.float32))
+        what = f"{value.format} {'x'.join(map(str, value.block_shape))} blocks"
+        target = requested or "Q8_0"
+    else:
+        values = np.asarray(value, np.float32)
+        what = None
+        target = requested
+        if values.ndim == 1 or target is None:
+            return values.astype(np.float32), "F32", "float", ""
+    chosen, note = _fitting(target, name, values.shape[-1], strict)
+    if what is not None:
+        note = f"from {what}" + (f"; {note}" if note else "")
+    how = "requantized" if chosen not in FLOAT_TYPES or what is not None else "float"
+    return _float_bytes(values, chosen), chosen, how, note
+
+
+def _file_type(type_: str | None, written: list[str]) -> int:
+    if type_ is not None:
+        key = _FILE_TYPES.get(type_, f"MOSTLY_{type_}")
+    else:
+        counts = {t: written.count(t) for t in set(written) if t != "F32"}
+        common = max(counts, key=counts.get) if counts else "F32"
+        key = _FILE_TYPES.get(common, f"MOSTLY_{common}")
+    member = getattr(gguf.LlamaFileType, key, gguf.LlamaFileType.GUESSED)
+    return int(member)
+
+
+def _write(path, tensors, metadata, config, file_type) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise OSError(f"cannot write {path!r}: directory {directory!r} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".gguf", dir=directory)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, "llama")
+        if metadata is None:
+            for key, (value, vtype) in _config_metadata(config).items():
+                writer.add_key_value(key, value, vtype)
+        else:
+            for key, value, vtype, sub in metadata:
+                writer.add_key_value(key, value, vtype, sub_type=sub)
+        writer.add_key_value("general.file_type", file_type, gguf.GGUFValueType.UINT32)
+        writer.add_key_value("general.quantization_version", 2, gguf.GGUFValueType.UINT32)
+        for name, raw, written in tensors:
+            if written in FLOAT_TYPES:
+                writer.add_tensor(name, np.ascontiguousarray(raw))
+            else:
+                writer.add_tensor(name, np.ascontiguousarray(raw), raw_dtype=_ggml(written))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        _validate(tmp, tensors)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _validate(path: str, tensors) -> None:
+    reader = gguf.GGUFReader(path)
+    found = {t.name: t for t in reader.tensors}
+    for name, raw, written in tensors:
+        t = found.get(name)
+        if t is None or t.tensor_type.name != written or t.n_bytes != raw.nbytes:
+            raise ValueError(f"written GGUF file does not read back tensor {name!r} as {written}")
