@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from lowbit.cli import (
     _cmd_bench,
     _cmd_eval,
+    _cmd_export,
     _cmd_finetune,
     _cmd_generate,
     _cmd_quantize,
@@ -40,6 +41,7 @@ COMMANDS = (
     _cmd_report,
     _cmd_bench,
     _cmd_generate,
+    _cmd_export,
     _demo,
     _cmd_recipes,
 )
