@@ -774,3 +774,40 @@ def encode(name: str, x: jax.Array | np.ndarray) -> np.ndarray:
             parts.append(np.asarray(_encode_jit(name, rows[n_full:])))
         out = np.concatenate(parts, axis=0)
     return out.reshape(*x.shape[:-1], -1)
+
+
+# --- linear-kernel views -----------------------------------------------------------------------
+
+
+def q4_k_fields(raw: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Q4_K blocks as an asymmetric 4-bit grouped weight: ``x = scale * q - minimum``.
+
+    Args:
+      raw: uint8 [..., n / 256 * 144].
+    Returns:
+      ``(q, scale, minimum)``: q uint8 [..., n] in [0, 16); scale ``d * sc`` and minimum
+      ``dmin * m`` float32 [..., n / 32] (both exact products of the stored fields).
+    """
+    b = raw.reshape(*raw.shape[:-1], -1, 144)
+    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
+    sc, mn = _k_scales_unpack(b[..., 4:16])
+    q = _unpack_nibbles_64(b[..., 16:144]).reshape(*raw.shape[:-1], -1)
+    scale = (d * sc.astype(jnp.float32)).reshape(*raw.shape[:-1], -1)
+    minimum = (dmin * mn.astype(jnp.float32)).reshape(*raw.shape[:-1], -1)
+    return q, scale, minimum
+
+
+def q6_k_fields(raw: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Q6_K blocks as a symmetric int8 weight in groups of 16: ``x = scale * q``.
+
+    Args:
+      raw: uint8 [..., n / 256 * 210].
+    Returns:
+      ``(q, scale)``: q int8 [..., n] in [-32, 32); scale ``d * sc`` float32 [..., n / 16]
+      (exact: an fp16 times an int8).
+    """
+    b = raw.reshape(*raw.shape[:-1], -1, 210)
+    q = (_q6k_codes(b).astype(jnp.int8) - jnp.int8(32)).reshape(*raw.shape[:-1], -1)
+    sc = jax.lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(jnp.float32)
+    scale = (_f16(b[..., 208:210])[..., None] * sc).reshape(*raw.shape[:-1], -1)
+    return q, scale

@@ -19,6 +19,9 @@ A `dot_general` is sent to a compiled kernel when all of these hold (else the pu
       - nf4 per channel or per group;
       - FP4 E2M1 (`fp4_e2m1`, `mxfp4`, `nvfp4`) per channel or per group / block along K;
       - fp8_e4m3fn per channel or per group;
+      - GGUF ``q4_k`` (as asymmetric uint4, groups of 32) and ``q6_k`` (as int8, groups of 16)
+        with blocks along K, converted when the layout is built
+        (`lowbit.formats.GGUFBlockFormat.kernel_view`);
 
     or w8a8: an int8 per-channel weight whose `activation` is exactly what the kernel does to
     the activations — symmetric int8, `PerToken`, `AbsMax(clip=1)`, round half to even,
@@ -53,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit import kernels
-from lowbit.formats import get_format
+from lowbit.formats import GGUFBlockFormat, get_format
 from lowbit.qarray import AbsMax, PerToken, QArray, QuantConfig
 
 KERNEL_PATHS = tuple(f"cpu_kernel_{kind}" for kind in kernels.KINDS)
@@ -64,7 +67,9 @@ MIN_WEIGHT_ELEMENTS = 1 << 16
 
 _FLOATS = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 # Element format name -> kernel kind of a weight without activation quantization.
-_WEIGHT_KINDS = kernels.FORMAT_KINDS
+# GGUF Q4_K / Q6_K blocks run through their grouped-integer view (scales and minimums decoded
+# when the layout is built).
+_WEIGHT_KINDS = {**kernels.FORMAT_KINDS, "q4_k": "uint4", "q6_k": "int8"}
 _PER_CHANNEL_ONLY = ("w8a8",)
 
 
@@ -154,6 +159,10 @@ def weight_route(w: QArray, axis: int = 0) -> KernelRoute | None:
     if columns not in (1, n):
         return None
     group_size = None if groups == 1 else k // groups
+    if isinstance(w.fmt, GGUFBlockFormat):
+        if w.packed_axis != axis:
+            return None
+        group_size = w.fmt.kernel_group
     if group_size is not None and kind in _PER_CHANNEL_ONLY:
         return None
     if not kernels.supports(kind, k, n, group_size, jnp.float32):
@@ -196,8 +205,11 @@ def _prepare(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
     no weight-sized temporaries in float.
     """
     k, n = q.shape
-    codes = q.unpacked_codes()
     rows = 1 if route.group_size is None else k // route.group_size
+    if isinstance(q.fmt, GGUFBlockFormat):
+        codes, scale, zero_point = q.fmt.kernel_view(q.codes, 0)
+        return kernels.prepare(route.kind, codes, scale, zero_point, route.group_size)
+    codes = q.unpacked_codes()
     scale = jnp.broadcast_to(q.scale_values(), (rows, n))
     zero_point = None
     if route.kind == "uint4":

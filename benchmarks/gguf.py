@@ -1,0 +1,202 @@
+"""GGUF round trip with llama.cpp: export SmolLM2 from lowbit, run it in llama.cpp.
+
+Rows: the same weights scored by `lowbit eval`'s perplexity (4096 tokens of the default
+speeches, windows of 512, no BOS) and by llama.cpp (`llama_cpp.Llama`, same token ids, same
+windows, logits of every position), for
+
+  * ``gguf``: the original Q4_1 file (lowbit imports its blocks);
+  * ``int8w`` and ``int4w_g32_asym``: lowbit recipes on the float model, exported with
+    `lowbit.io.export_gguf` (``int4w_g32_asym`` maps onto Q4_1 directly; per-channel int8
+    is requantized to Q8_0, so lowbit's row is the exported file imported back);
+  * ``Q4_K_M (lowbit)``: the float weights exported as Q4_K_M by lowbit's encoders, and
+    ``Q4_K_M (llama.cpp)``: the float weights exported as F32 and quantized by llama.cpp's
+    own `llama_model_quantize`; lowbit scores each file by importing it.
+
+Plus the encoders' weight error on the same float weights: per GGML type, relative RMS error of
+lowbit's blocks and llama.cpp's blocks in the two Q4_K_M files, and the share of identical
+blocks. Needs `llama_cpp` (the `.venv-bench` environment); without it the section says so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks._machine import cpu_model
+
+CONTEXT = 512
+MAX_TOKENS = 4096
+
+
+def _llama_ppl(path: str, tokens: np.ndarray) -> float:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model_path=path,
+        n_ctx=CONTEXT,
+        n_batch=CONTEXT,
+        n_ubatch=CONTEXT,
+        logits_all=True,
+        n_threads=2,
+        verbose=False,
+    )
+    nll, count = 0.0, 0
+    for start in range(0, MAX_TOKENS, CONTEXT):
+        window = tokens[start : start + CONTEXT + 1]
+        if len(window) < CONTEXT + 1:
+            break
+        llm.reset()
+        llm.eval(window[:-1].tolist())
+        logits = np.asarray(llm.scores[:CONTEXT], np.float64)
+        logits -= logits.max(-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        nll -= logp[np.arange(CONTEXT), window[1:]].sum()
+        count += CONTEXT
+    llm.close()
+    return math.exp(nll / count)
+
+
+def _llama_quantize(src: str, dst: str, ftype: str) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = int(getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"))
+    params.nthread = 2
+    status = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize failed ({status})")
+
+
+def _weight_errors(ours: str, theirs: str, float_params, config) -> list[tuple]:
+    """Per GGML type: (type, tensors, rel RMSE lowbit, rel RMSE llama.cpp, identical blocks)."""
+    from lowbit.io._gguf_export import _lookup, _permute_rope_rows
+    from lowbit.models import gguf_llama_param_map, read_gguf
+
+    a, b = read_gguf(ours), read_gguf(theirs)
+    mapping = gguf_llama_param_map(config)
+    stats: dict[str, list] = {}
+    for name, where in mapping.items():
+        ta, tb = a.tensors[name], b.tensors[name]
+        if ta.ggml_type != tb.ggml_type or ta.type_name in ("F32", "F16"):
+            continue
+        ref = np.asarray(_lookup(float_params, tuple(where.path)), np.float32)
+        ref = ref.T if where.transpose else ref
+        if where.unpermute_heads is not None:
+            ref = _permute_rope_rows(ref, where.unpermute_heads)
+        ea = float(((ta.dequantize() - ref) ** 2).sum())
+        eb = float(((tb.dequantize() - ref) ** 2).sum())
+        same = (ta.blocks() == tb.blocks()).all(-1)
+        s = stats.setdefault(ta.type_name, [0, 0.0, 0.0, 0.0, 0, 0])
+        s[0] += 1
+        s[1] += ea
+        s[2] += eb
+        s[3] += float((ref**2).sum())
+        s[4] += int(same.sum())
+        s[5] += same.size
+    return [
+        (t, s[0], math.sqrt(s[1] / s[3]), math.sqrt(s[2] / s[3]), s[4] / s[5])
+        for t, s in sorted(stats.items())
+    ]
+
+
+def run() -> str:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return "## GGUF round trip with llama.cpp\n\nSkipped: `llama_cpp` is not installed.\n"
+    from flax import nnx
+
+    from lowbit.eval._session import ModelSession
+    from lowbit.eval._variants import load_model, quantize_variant
+    from lowbit.io import export_gguf, import_gguf
+    from lowbit.models import gguf_llama_param_map
+
+    loaded = load_model("smollm2")
+    config = loaded.model.config
+    session = ModelSession(loaded, context=CONTEXT, max_tokens=MAX_TOKENS)
+    tokens = session.tokens()
+    float_params, _ = quantize_variant(loaded, nnx.split(loaded.model)[1], "float")
+    mapping = gguf_llama_param_map(config)
+    source = str(loaded.gguf_path)
+
+    def lowbit_ppl(params) -> float:
+        return session.quality(params)[0]
+
+    def imported(path):
+        return import_gguf(path, name_map=mapping.get)[0]
+
+    rows = []
+    timings = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        f32 = os.path.join(tmp, "f32.gguf")
+        start = time.perf_counter()
+        export_gguf(float_params, f32, config=config, type="F32", source=source, log=None)
+        timings["F32 export"] = time.perf_counter() - start
+        ppl_float = lowbit_ppl(float_params)
+        rows.append(("float (F32 export)", ppl_float, _llama_ppl(f32, tokens)))
+        rows.append(("gguf (original Q4_1 file)", lowbit_ppl(imported(source)),
+                     _llama_ppl(source, tokens)))
+        for recipe in ("int8w", "int4w_g32_asym"):
+            params, _ = quantize_variant(loaded, nnx.split(loaded.model)[1], recipe)
+            out = os.path.join(tmp, f"{recipe}.gguf")
+            start = time.perf_counter()
+            report = export_gguf(params, out, config=config, source=source, log=None)
+            timings[f"{recipe} export"] = time.perf_counter() - start
+            direct = sum(n.how == "direct" for n in report.tensors)
+            label = f"{recipe} ({direct} direct)"
+            rows.append((label + ", lowbit weights", lowbit_ppl(params), _llama_ppl(out, tokens)))
+            rows.append((label + ", exported file", lowbit_ppl(imported(out)), math.nan))
+        ours = os.path.join(tmp, "q4km-lowbit.gguf")
+        start = time.perf_counter()
+        export_gguf(float_params, ours, config=config, type="Q4_K_M", source=source, log=None)
+        timings["Q4_K_M export"] = time.perf_counter() - start
+        theirs = os.path.join(tmp, "q4km-llama.gguf")
+        start = time.perf_counter()
+        _llama_quantize(f32, theirs, "Q4_K_M")
+        timings["llama.cpp Q4_K_M quantize"] = time.perf_counter() - start
+        rows.append(("Q4_K_M (lowbit encoders)", lowbit_ppl(imported(ours)),
+                     _llama_ppl(ours, tokens)))
+        rows.append(("Q4_K_M (llama.cpp quantize)", lowbit_ppl(imported(theirs)),
+                     _llama_ppl(theirs, tokens)))
+        errors = _weight_errors(ours, theirs, float_params, config)
+    load = os.getloadavg()
+    lines = [
+        "## GGUF round trip with llama.cpp",
+        "",
+        f"{datetime.date.today()}, {cpu_model()}, {os.cpu_count()} cores, {platform.machine()}; "
+        f"load average {load[0]:.1f}. `python -m benchmarks gguf` in `.venv-bench` (llama_cpp "
+        f"{__import__('llama_cpp').__version__}). SmolLM2-135M, perplexity on {MAX_TOKENS} "
+        f"tokens of the default speeches, windows of {CONTEXT}, same token ids in both.",
+        "",
+        "| weights | lowbit ppl | llama.cpp ppl | llama.cpp / lowbit | Δppl vs float (llama.cpp) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    float_llama = rows[0][2]
+    for label, ours_ppl, llama_ppl in rows:
+        ratio = f"{llama_ppl / ours_ppl - 1:+.3%}" if not math.isnan(llama_ppl) else "-"
+        llama_txt = f"{llama_ppl:.3f}" if not math.isnan(llama_ppl) else "-"
+        delta = f"{llama_ppl - float_llama:+.3f}" if not math.isnan(llama_ppl) else "-"
+        lines.append(f"| {label} | {ours_ppl:.3f} | {llama_txt} | {ratio} | {delta} |")
+    lines += [
+        "",
+        "Weight error of the two Q4_K_M files against the float weights (per GGML type, over "
+        "the tensors both files store in that type):",
+        "",
+        "| type | tensors | rel. RMS error lowbit | rel. RMS error llama.cpp | identical blocks |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for t, n, ea, eb, same in errors:
+        lines.append(f"| {t} | {n} | {ea:.5f} | {eb:.5f} | {same:.1%} |")
+    lines += ["", "Export / quantize wall times (s): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(run())
