@@ -140,8 +140,9 @@ def run() -> str:
         timings["F32 export"] = time.perf_counter() - start
         ppl_float = lowbit_ppl(float_params)
         rows.append(("float (F32 export)", ppl_float, _llama_ppl(f32, tokens)))
-        rows.append(("gguf (original Q4_1 file)", lowbit_ppl(imported(source)),
-                     _llama_ppl(source, tokens)))
+        rows.append(
+            ("gguf (original Q4_1 file)", lowbit_ppl(imported(source)), _llama_ppl(source, tokens))
+        )
         for recipe in ("int8w", "int4w_g32_asym"):
             params, _ = quantize_variant(loaded, nnx.split(loaded.model)[1], recipe)
             out = os.path.join(tmp, f"{recipe}.gguf")
@@ -160,10 +161,16 @@ def run() -> str:
         start = time.perf_counter()
         _llama_quantize(f32, theirs, "Q4_K_M")
         timings["llama.cpp Q4_K_M quantize"] = time.perf_counter() - start
-        rows.append(("Q4_K_M (lowbit encoders)", lowbit_ppl(imported(ours)),
-                     _llama_ppl(ours, tokens)))
-        rows.append(("Q4_K_M (llama.cpp quantize)", lowbit_ppl(imported(theirs)),
-                     _llama_ppl(theirs, tokens)))
+        rows.append(
+            ("Q4_K_M (lowbit encoders)", lowbit_ppl(imported(ours)), _llama_ppl(ours, tokens))
+        )
+        rows.append(
+            (
+                "Q4_K_M (llama.cpp quantize)",
+                lowbit_ppl(imported(theirs)),
+                _llama_ppl(theirs, tokens),
+            )
+        )
         errors = _weight_errors(ours, theirs, float_params, config)
     load = os.getloadavg()
     lines = [
@@ -193,8 +200,12 @@ def run() -> str:
     ]
     for t, n, ea, eb, same in errors:
         lines.append(f"| {t} | {n} | {ea:.5f} | {eb:.5f} | {same:.1%} |")
-    lines += ["", "Export / quantize wall times (s): "
-              + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()) + "."]
+    lines += [
+        "",
+        "Export / quantize wall times (s): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in timings.items())
+        + ".",
+    ]
     return "\n".join(lines) + "\n"
 
 

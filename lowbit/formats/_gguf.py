@@ -153,6 +153,17 @@ class GGUFBlockFormat(Format):
 
 GGUF_BLOCK_FORMATS = tuple(
     GGUFBlockFormat(name=t.lower(), ggml_type=t)
-    for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "Q5_0", "Q5_1", "IQ4_NL", "TQ1_0",
-              "TQ2_0")
+    for t in (
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "Q8_K",
+        "Q5_0",
+        "Q5_1",
+        "IQ4_NL",
+        "TQ1_0",
+        "TQ2_0",
+    )
 )

@@ -110,6 +110,12 @@ def _shifts(*values: int) -> jax.Array:
     return jnp.asarray(values, jnp.uint8)
 
 
+def _reciprocal(x: jax.Array) -> jax.Array:
+    """1 / x as one rounded division (the barrier keeps XLA from folding it into x's own
+    division, which changes the last bit)."""
+    return 1 / jax.lax.optimization_barrier(x)
+
+
 def _nearest(x: jax.Array) -> jax.Array:
     """llama.cpp's `nearest_int`: round half to even (as int32)."""
     return jnp.round(x).astype(jnp.int32)
@@ -445,8 +451,11 @@ def _enc_iq4_nl(x, ntry=7):
     sumqx, sumq2 = (w * q * x).sum(-1), (w * q * q).sum(-1)
     d = _safe_div(sumqx, sumq2)
     best = d * sumqx
-    for itry in range(-ntry, ntry + 1):
-        q = values[_best_index_iq4(x * ((itry + values[0]) / mx_safe)[..., None])]
+    # llama.cpp's candidates, plus one mapping the extreme value onto the top level (113):
+    # it can only lower the error and makes decoded blocks re-encode to themselves.
+    candidates = [(itry + values[0]) / mx_safe for itry in range(-ntry, ntry + 1)]
+    for inv in [*candidates, values[15] / mx_safe]:
+        q = values[_best_index_iq4(x * inv[..., None])]
         sqx, sq2 = (w * q * x).sum(-1), (w * q * q).sum(-1)
         better = (sq2 > 0) & (sqx * sqx > best * sq2)
         d = jnp.where(better, _safe_div(sqx, sq2), d)
@@ -596,7 +605,7 @@ def _enc_q6_k(x):
     amax, max_scale = _signed_absmax(scales)
     flat = amax < GROUP_MAX_EPS
     iscale = -128.0 / jnp.where(flat, 1.0, max_scale)
-    d16 = _f16_bytes(jnp.where(flat, 0.0, 1 / iscale))
+    d16 = _f16_bytes(jnp.where(flat, 0.0, _reciprocal(iscale)))
     sc = jnp.minimum(127, _nearest(iscale[..., None] * scales))
     sc = jnp.where(flat[..., None], 0, sc)
     dl = _f16(d16)[..., None] * sc.astype(jnp.float32)
@@ -605,7 +614,10 @@ def _enc_q6_k(x):
     q = jnp.where(flat[..., None, None], 0.0, q)
     q = _u8(q.reshape(*x.shape[:-1], QK_K)).reshape(*x.shape[:-1], 2, 4, 32)
     ql = jnp.concatenate(
-        [q[..., 0, :] & 15 | (q[..., 2, :] & 15) << 4, q[..., 1, :] & 15 | (q[..., 3, :] & 15) << 4],
+        [
+            q[..., 0, :] & 15 | (q[..., 2, :] & 15) << 4,
+            q[..., 1, :] & 15 | (q[..., 3, :] & 15) << 4,
+        ],
         axis=-1,
     ).reshape(*x.shape[:-1], 128)
     qh = (
@@ -642,7 +654,7 @@ def _enc_q3_k(x):
     iscale = -32.0 / jnp.where(has, max_scale, 1.0)
     l6 = jnp.clip(_nearest(iscale[..., None] * scales), -32, 31) + 32
     l6 = jnp.where(has[..., None], l6, 0)
-    d16 = _f16_bytes(jnp.where(has, 1 / iscale, 0.0))
+    d16 = _f16_bytes(jnp.where(has, _reciprocal(iscale), 0.0))
     dl = _f16(d16)[..., None] * (l6 - 32).astype(jnp.float32)
     new = jnp.clip(_nearest(xs / jnp.where(dl == 0, 1, dl)[..., None]), -4, 3) + 4
     q = jnp.where((dl == 0)[..., None], q, new.astype(jnp.float32))
@@ -660,7 +672,7 @@ def _enc_q8_k(x):
     q = jnp.minimum(127, _nearest(iscale[..., None] * x))
     q = jnp.where(flat[..., None], 0, q).astype(jnp.int8)
     bsums = q.astype(jnp.int16).reshape(*x.shape[:-1], 16, 16).sum(-1, dtype=jnp.int16)
-    d = jnp.where(flat, 0.0, 1 / iscale).astype(jnp.float32)
+    d = jnp.where(flat, 0.0, _reciprocal(iscale)).astype(jnp.float32)
     parts = [
         jax.lax.bitcast_convert_type(d, jnp.uint8),
         jax.lax.bitcast_convert_type(q, jnp.uint8),
@@ -755,8 +767,7 @@ def encode(name: str, x: jax.Array | np.ndarray) -> np.ndarray:
     x = np.asarray(x, np.float32)
     if x.ndim == 0 or x.shape[-1] % t.block_size:
         raise ValueError(
-            f"{name} encodes rows whose length is a multiple of {t.block_size}, got shape "
-            f"{x.shape}"
+            f"{name} encodes rows whose length is a multiple of {t.block_size}, got shape {x.shape}"
         )
     if not np.isfinite(x).all():
         raise ValueError(f"{name}: cannot encode NaN or Inf values")
@@ -767,9 +778,7 @@ def encode(name: str, x: jax.Array | np.ndarray) -> np.ndarray:
     else:
         # Whole chunks plus one remainder: at most two compiled shapes per tensor width.
         n_full = rows.shape[0] // step * step
-        parts = [
-            np.asarray(_encode_jit(name, rows[i : i + step])) for i in range(0, n_full, step)
-        ]
+        parts = [np.asarray(_encode_jit(name, rows[i : i + step])) for i in range(0, n_full, step)]
         if n_full < rows.shape[0]:
             parts.append(np.asarray(_encode_jit(name, rows[n_full:])))
         out = np.concatenate(parts, axis=0)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from lowbit.formats import Format, GGUFBlockFormat, get_format
+from lowbit.formats import Format, GGUFBlockFormat, get_format, gguf_encode
 from lowbit.qarray._calibration import MSE, AbsMax, Calibration, Fixed, MinMax
 from lowbit.qarray._granularity import Granularity, PerGroup, PerTensor
 from lowbit.qarray._qarray import QArray, broadcast_blocks
@@ -389,8 +389,14 @@ def _quantize_gguf_blocks(
             f"{fmt.block.block_size} (its block size); use a GGUF type with smaller blocks "
             "(q5_0, q5_1, iq4_nl: 32) or another format for this weight"
         )
+    if isinstance(x, jax.core.Tracer):
+        codes = fmt.pack(x.astype(jnp.float32), axis)
+    else:
+        # Concrete: the codec's own compiled, chunked encoder (one compile per row length).
+        rows = np.moveaxis(np.asarray(x, np.float32), axis, -1)
+        codes = jnp.moveaxis(jnp.asarray(gguf_encode(fmt.ggml_type, rows)), -1, axis)
     return QArray(
-        codes=fmt.pack(x.astype(jnp.float32), axis),
+        codes=codes,
         scale=jnp.ones((1,) * ndim, jnp.uint8),
         zero_point=None,
         tensor_scale=None,

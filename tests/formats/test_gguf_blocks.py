@@ -1,0 +1,124 @@
+"""GGUF block codecs and formats: decode bit-identical to `gguf.quants`, encoders, QArrays."""
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowbit.formats import (
+    GGUF_BLOCK_FORMATS,
+    GGUF_BLOCK_TYPES,
+    get_format,
+    gguf_decode,
+    gguf_encode,
+)
+from lowbit.qarray import PerGroup, quantize
+
+TYPES = sorted(GGUF_BLOCK_TYPES)
+# Types `gguf.quants` can also encode (llama.cpp's simple reference quantizers).
+GGUF_ENCODES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "TQ1_0", "TQ2_0")
+# Types whose encoder re-encodes its own decoded output to the same values.
+VALUE_STABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q6_K", "TQ1_0", "TQ2_0")
+
+
+def _weights(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Gaussian rows of varied scale, with a zero row, a constant row and a negative one."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    x *= np.exp(rng.standard_normal((rows, 1))).astype(np.float32)
+    x[0] = 0.0
+    x[1] = 0.75
+    x[2] = -np.abs(x[2])
+    return x
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_decode_is_bit_identical_to_gguf_on_random_bytes(name):
+    t = GGUF_BLOCK_TYPES[name]
+    raw = np.random.default_rng(1).integers(0, 256, (3, 2 * t.type_size), dtype=np.uint8)
+    got = gguf_decode(name, raw)
+    assert got.shape == (3, 2 * t.block_size) and got.dtype == np.float32
+    if name == "Q8_K":  # gguf has no Q8_K decoder: d (float32) times int8 codes
+        blocks = raw.reshape(3, 2, t.type_size)
+        d = blocks[..., :4].copy().view(np.float32)
+        ref = (d * blocks[..., 4:260].view(np.int8).astype(np.float32)).reshape(3, -1)
+    else:
+        with np.errstate(all="ignore"):
+            ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name])
+    # Bit for bit (signed zeros, infinities); NaN where the reference has NaN (payloads vary).
+    nan = np.isnan(ref)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+
+
+@pytest.mark.parametrize("name", GGUF_ENCODES)
+def test_simple_encoders_match_gguf_byte_for_byte(name):
+    x = _weights(4, 512)
+    np.testing.assert_array_equal(
+        gguf_encode(name, x), gguf.quants.quantize(x, gguf.GGMLQuantizationType[name])
+    )
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_encode_round_trip(name):
+    t = GGUF_BLOCK_TYPES[name]
+    x = _weights(6, 512)
+    blocks = gguf_encode(name, x)
+    assert blocks.shape == (6, 512 // t.block_size * t.type_size) and blocks.dtype == np.uint8
+    y = gguf_decode(name, blocks)
+    assert np.isfinite(y).all()
+    assert np.all(y[0] == 0)  # a zero row stays zero, no NaN scales
+    again = gguf_encode(name, y)
+    if name in VALUE_STABLE:
+        np.testing.assert_array_equal(gguf_decode(name, again), y)
+    if name in GGUF_ENCODES:  # the zero row may flip the sign of a zero scale
+        np.testing.assert_array_equal(again[1:], blocks[1:])
+
+
+def test_error_shrinks_with_bits():
+    x = _weights(6, 512, seed=3)  # the round-trip test's shape: compiled encoders are reused
+    err = {  # Gaussian rows only (3:)
+        n: float(
+            np.sqrt(np.mean((gguf_decode(n, gguf_encode(n, x)) - x)[3:] ** 2) / np.mean(x[3:] ** 2))
+        )
+        for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
+    }
+    values = list(err.values())
+    assert values == sorted(values, reverse=True), err
+    # Reference points on Gaussian rows (llama.cpp's quantizers give about the same).
+    assert err["Q4_K"] < 0.11 and err["Q6_K"] < 0.03 and err["Q8_K"] < 0.01, err
+
+
+def test_encode_rejects_bad_input():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        gguf_encode("Q4_K", np.zeros((2, 576), np.float32))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        gguf_encode("Q8_0", np.full((1, 32), np.nan, np.float32))
+    with pytest.raises(ValueError, match="unknown GGUF block type 'Q7_K'"):
+        gguf_encode("Q7_K", np.zeros((1, 256), np.float32))
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [f for f in GGUF_BLOCK_FORMATS if f.name in ("q4_k", "q6_k", "q8_k", "iq4_nl", "tq1_0")],
+    ids=lambda f: f.name,
+)
+def test_qarray_of_block_format(fmt):
+    t = GGUF_BLOCK_TYPES[fmt.ggml_type]
+    w = _weights(6, 512)  # blocks along axis 1
+    q = quantize(jnp.asarray(w), fmt.name, granularity=PerGroup(t.block_size, axis=1))
+    assert q.packed_axis == 1 and q.codes.dtype == jnp.uint8
+    assert q.nbytes == 6 * 512 // t.block_size * t.type_size + 1  # GGUF bytes + unit scale
+    expected = gguf_decode(fmt.ggml_type, gguf_encode(fmt.ggml_type, w))
+    np.testing.assert_array_equal(np.asarray(q.dequantize()), expected)
+    # Transposed (blocks along axis 0, a Flax kernel), inside jit.
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: a.dequantize())(q.T)), expected.T)
+    assert fmt.bits_per_value == t.type_size * 8 / t.block_size
+
+
+def test_block_format_errors_name_the_fix():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quantize(jnp.ones((100, 8)), "q4_k")
+    with pytest.raises(ValueError, match="no element encoding"):
+        get_format("q6_k").encode(jnp.ones(3))
