@@ -12,7 +12,15 @@ from formats_support import jit
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lowbit.formats import FORMATS, GGUFBlockFormat, get_format, group_shape, pack, packed_length, unpack
+from lowbit.formats import (
+    FORMATS,
+    GGUFBlockFormat,
+    get_format,
+    group_shape,
+    pack,
+    packed_length,
+    unpack,
+)
 from lowbit.qarray import PerChannel, PerGroup, QuantConfig, quantize
 
 ROWS = 8
