@@ -37,11 +37,14 @@ MAX_TOKENS = 4096
 def _llama_ppl(path: str, tokens: np.ndarray) -> float:
     import llama_cpp
 
+    # One token per decode call: the bench environment's llama.cpp build (-march=native)
+    # crashes in multi-token batches on this machine; batch size does not change the logits
+    # beyond float summation order.
     llm = llama_cpp.Llama(
         model_path=path,
         n_ctx=CONTEXT,
-        n_batch=CONTEXT,
-        n_ubatch=CONTEXT,
+        n_batch=1,
+        n_ubatch=1,
         logits_all=True,
         n_threads=2,
         verbose=False,
@@ -179,7 +182,8 @@ def run() -> str:
         f"{datetime.date.today()}, {cpu_model()}, {os.cpu_count()} cores, {platform.machine()}; "
         f"load average {load[0]:.1f}. `python -m benchmarks gguf` in `.venv-bench` (llama_cpp "
         f"{__import__('llama_cpp').__version__}). SmolLM2-135M, perplexity on {MAX_TOKENS} "
-        f"tokens of the default speeches, windows of {CONTEXT}, same token ids in both.",
+        f"tokens of the default speeches, windows of {CONTEXT}, same token ids in both "
+        "(llama.cpp fed one token per decode call).",
         "",
         "| weights | lowbit ppl | llama.cpp ppl | llama.cpp / lowbit | Δppl vs float (llama.cpp) |",
         "|---|---:|---:|---:|---:|",

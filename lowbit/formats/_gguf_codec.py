@@ -744,9 +744,28 @@ def _encode_jit(name, x):
     return encode_traced(name, x)
 
 
-# Rows encoded per compiled call: bounds the temporaries of the scale searches (a few floats
-# per element and search step) on large tensors such as a 49k-row embedding.
-_CHUNK_ELEMENTS = 1 << 21
+# Blocks are encoded independently, so a tensor of any shape is encoded as a flat list of blocks
+# in chunks of two fixed sizes: each type compiles at most twice per process, whatever the
+# tensor shapes, and the large chunk bounds the scale searches' temporaries.
+_LARGE_CHUNK = 1 << 20
+_SMALL_CHUNK = 1 << 14
+
+
+def _encode_blocks(name: str, flat: np.ndarray, block_size: int) -> np.ndarray:
+    """flat: [n] float32, n a multiple of block_size -> [n / block_size, type_size] uint8."""
+    parts = []
+    n_large = flat.size // _LARGE_CHUNK * _LARGE_CHUNK
+    for i in range(0, n_large, _LARGE_CHUNK):
+        chunk = flat[i : i + _LARGE_CHUNK].reshape(-1, block_size)
+        parts.append(np.asarray(_encode_jit(name, chunk)))
+    rest = flat[n_large:]
+    for i in range(0, rest.size, _SMALL_CHUNK):
+        chunk = rest[i : i + _SMALL_CHUNK]
+        n_blocks = chunk.size // block_size
+        padded = np.zeros(_SMALL_CHUNK, np.float32)
+        padded[: chunk.size] = chunk
+        parts.append(np.asarray(_encode_jit(name, padded.reshape(-1, block_size)))[:n_blocks])
+    return np.concatenate(parts, axis=0)
 
 
 def encode(name: str, x: jax.Array | np.ndarray) -> np.ndarray:
@@ -771,17 +790,9 @@ def encode(name: str, x: jax.Array | np.ndarray) -> np.ndarray:
         )
     if not np.isfinite(x).all():
         raise ValueError(f"{name}: cannot encode NaN or Inf values")
-    rows = x.reshape(-1, x.shape[-1])
-    step = max(1, _CHUNK_ELEMENTS // max(1, x.shape[-1]))
-    if rows.shape[0] <= step:
-        out = np.asarray(_encode_jit(name, rows))
-    else:
-        # Whole chunks plus one remainder: at most two compiled shapes per tensor width.
-        n_full = rows.shape[0] // step * step
-        parts = [np.asarray(_encode_jit(name, rows[i : i + step])) for i in range(0, n_full, step)]
-        if n_full < rows.shape[0]:
-            parts.append(np.asarray(_encode_jit(name, rows[n_full:])))
-        out = np.concatenate(parts, axis=0)
+    if x.size == 0:
+        return np.zeros((*x.shape[:-1], 0), np.uint8)
+    out = _encode_blocks(name, np.ascontiguousarray(x).reshape(-1), t.block_size)
     return out.reshape(*x.shape[:-1], -1)
 
 

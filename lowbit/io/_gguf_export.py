@@ -96,7 +96,8 @@ class TensorNote:
     Attributes:
       name: GGUF tensor name.
       ggml_type: the type written.
-      how: ``"direct"``, ``"requantized"``, ``"float"``.
+      how: ``"direct"`` (codes kept), ``"requantized"`` (a QArray re-encoded), ``"quantized"``
+        (a float weight encoded), ``"float"`` (written as F32 / F16).
       note: what changed on the way, or ``""``.
     """
 
@@ -354,7 +355,7 @@ def export_gguf(
             raw = _permute_rope_rows(raw, where.unpermute_heads)
         tensors.append((name, raw, written))
         notes.append(TensorNote(name, written, how, note))
-        if log is not None and (how == "requantized" or note):
+        if log is not None and (how == "requantized" or note):  # not plain float -> type
             log(f"{name}: {how} as {written}" + (f" ({note})" if note else ""))
     file_type = _file_type(type_, [t for _, _, t in tensors])
     metadata = _source_metadata(source) if source is not None else None
@@ -382,7 +383,10 @@ def _tensor(name, value, type_, config, strict) -> tuple[np.ndarray, str, str, s
     chosen, note = _fitting(target, name, values.shape[-1], strict)
     if what is not None:
         note = f"from {what}" + (f"; {note}" if note else "")
-    how = "requantized" if chosen not in FLOAT_TYPES or what is not None else "float"
+    if what is not None:
+        how = "requantized"
+    else:
+        how = "float" if chosen in FLOAT_TYPES else "quantized"
     return _float_bytes(values, chosen), chosen, how, note
 
 
@@ -407,7 +411,8 @@ def _write(path, tensors, metadata, config, file_type) -> None:
         writer = gguf.GGUFWriter(tmp, "llama")
         if metadata is None:
             for key, (value, vtype) in _config_metadata(config).items():
-                writer.add_key_value(key, value, vtype)
+                if key not in _SKIP_KEYS:
+                    writer.add_key_value(key, value, vtype)
         else:
             for key, value, vtype, sub in metadata:
                 writer.add_key_value(key, value, vtype, sub_type=sub)
