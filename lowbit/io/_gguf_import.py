@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.formats import GGUF_BLOCK_FORMATS, get_format
+from lowbit.formats import GGUF_BLOCK_FORMATS, get_format, gguf_decode
 from lowbit.io._placement import NameMap, Placement, nest, resolve
 from lowbit.models import GGUFTensor, read_gguf, unpermute_rope_rows
 from lowbit.ops import attach_kernel_layouts
@@ -161,7 +161,11 @@ def _place(tensor: GGUFTensor, placement: Placement, quantized: bool) -> Any:
     if quantized and tensor.ggml_type.name in DIRECT_TYPES + BLOCK_TYPES:
         value = gguf_tensor_to_qarray(tensor)
         return value.T if placement.transpose else value
-    value = tensor.dequantize()
+    if tensor.ggml_type.name in BLOCK_TYPES:
+        # This library's decoder: the same values as gguf's, faster, and it knows Q8_K.
+        value = gguf_decode(tensor.ggml_type.name, tensor.raw).reshape(tensor.shape)
+    else:
+        value = tensor.dequantize()
     return jnp.asarray(value.T if placement.transpose else value)
 
 
