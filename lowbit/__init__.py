@@ -36,6 +36,7 @@ from lowbit.formats import FORMATS, Format, format_names, get_format
 from lowbit.io import (
     CheckpointError,
     GGUFError,
+    export_gguf,
     import_gguf,
     load_adapted_checkpoint,
     load_adapters,
@@ -104,6 +105,7 @@ __all__ = [
     "fp8_recipe",
     "generate",
     "get_format",
+    "export_gguf",
     "import_gguf",
     "interpret",
     "load_adapted_checkpoint",
