@@ -18,6 +18,7 @@ def test_every_expected_command_exists():
         "report",
         "bench",
         "generate",
+        "export",
         "demo",
         "recipes",
     }
@@ -61,6 +62,8 @@ def test_recipes_lists_one_line_per_preset(capsys):
         (["generate", "smollm2", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
         (["generate", "smollm2", "--prompt", "hi", "--top-p", "1.5"], "top_p"),
         (["eval", "smollm2", "--kv-cache", "int3"], "--kv-cache: 'int3'"),
+        (["export", "smollm2", "--gguf", "x.gguf", "--type", "Q7_K"], "'Q7_K' is not supported"),
+        (["export", "smollm2"], "--gguf"),
     ],
 )
 def test_errors_are_one_line_without_traceback(argv, fragment, capsys):
@@ -87,6 +90,7 @@ MINIMAL_ARGS = {
     "report": ["d"],
     "bench": ["m"],
     "generate": ["m", "--prompt", "p"],
+    "export": ["m", "--gguf", "o.gguf"],
     "demo": [],
     "recipes": [],
 }

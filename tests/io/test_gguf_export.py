@@ -177,7 +177,9 @@ def test_rows_that_are_not_whole_blocks_fall_back_or_fail(tmp_path):
     assert types["blk.0.attn_q.weight"] == "Q5_0"  # 96 is not whole 256 blocks
     assert types["blk.0.ffn_down.weight"] == "Q4_K"  # rows of 256
     assert any("blk.0.attn_q.weight" in line and "Q5_0" in line for line in lines)
-    with pytest.raises(ValueError, match="rows of 96 elements are not a multiple of the Q4_K block size 256"):
+    with pytest.raises(
+        ValueError, match="rows of 96 elements are not a multiple of the Q4_K block size 256"
+    ):
         export_gguf(_params(config), tmp_path / "s.gguf", config=config, type="Q4_K", strict=True)
     assert not (tmp_path / "s.gguf").exists()
 
