@@ -270,7 +270,10 @@ def test_smollm2_q8_0_q4_1_export_reproduces_the_file_tensors(smollm2_export):
 def test_smollm2_export_runs_in_llama_cpp(smollm2_export):
     llama_cpp = pytest.importorskip("llama_cpp")
     _, out, _ = smollm2_export
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False)
+    # One token per decode call (some native builds crash on multi-token CPU batches).
+    llm = llama_cpp.Llama(
+        model_path=str(out), n_ctx=64, n_batch=1, n_ubatch=1, logits_all=True, verbose=False
+    )
     tokens = llm.tokenize(b"The State of the Union is")
     llm.eval(tokens)
     assert np.isfinite(np.asarray(llm.scores[: len(tokens)])).all()
