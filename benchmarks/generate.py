@@ -292,6 +292,9 @@ def run() -> str:
         f"- Peer: {peer or 'llama.cpp not importable (llama-cpp-python): no peer rows'}.",
         f"- Prompts: batch 1 x {PROMPT[1]} tokens, batch 8 x {PROMPT[8]} tokens (State of the "
         f"Union text); then {DECODE} greedy tokens per row. Best of {REPS} runs each.",
+        "- Both engines share the machine with whatever else runs: with a load average above "
+        "the core count, the engines are starved unevenly and the ratios are not reliable; "
+        "rerun on a quiet machine before reading them.",
         "",
         "| engine / recipe | batch | prefill tok/s | x llama.cpp | decode tok/s | x llama.cpp |",
         "|---|---:|---:|---:|---:|---:|",
