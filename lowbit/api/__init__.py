@@ -14,7 +14,7 @@ from lowbit.api._lora import (
 )
 from lowbit.api._model import QuantizedLinen, QuantizedModel, quantize_model, run
 from lowbit.api._qat import convert, prepare, qat
-from lowbit.api._quantize import quantize, quantize_params, quantize_weight
+from lowbit.api._quantize import prepare_for_kernels, quantize, quantize_params, quantize_weight
 from lowbit.api._sparsity import SparseRule, apply_masks, nm_masks, nm_sparsify_params
 from lowbit.api._trace import param_uses
 
@@ -43,6 +43,7 @@ __all__ = [
     "nm_masks",
     "nm_sparsify_params",
     "param_uses",
+    "prepare_for_kernels",
     "prepare",
     "qat",
     "quantize",
