@@ -100,6 +100,12 @@ class _NnxMethod:
         return interpret(call, strict=self.strict)(state, args, kwargs)
 
 
+def _traced(tree: Any) -> bool:
+    """Whether a tree holds tracers (a call inside someone's `jax.jit`: prepare nothing there,
+    the layout would be rebuilt on every trace)."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+
+
 class QuantizedModel(nnx.Module):
     """An NNX module with quantized weights, called like the original (see module docstring).
 
@@ -145,9 +151,11 @@ class QuantizedModel(nnx.Module):
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Calls another method of the module, e.g. ``qmodel.call("attend", x)``."""
-        if not self.prepared:
-            self.prepare(method, *args, **kwargs)
         graphdef, state = nnx.split(self.module)
+        if not self.prepared and not _traced(state):
+            del state
+            self.prepare(method, *args, **kwargs)
+            graphdef, state = nnx.split(self.module)
         return jit_call(_NnxMethod(graphdef, method, self.strict), state, *args, **kwargs)
 
     def dequantized(self) -> nnx.Module:

@@ -196,13 +196,64 @@ def kernel_route(
     return weight_route(rhs, axis)
 
 
+# Columns per step when a layout is built in slices (a multiple of the kernels' 16-column panels).
+_CHUNK_COLUMNS = 1024
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def prepare_layout(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
     """Builds the kernel layout of `q` ([K, N], contracted over axis 0).
 
-    One compiled program: unpacking and repacking fuse, so building layouts at load time needs
-    no weight-sized temporaries in float.
+    One compiled program. Panels of 16 columns are independent, so a wide weight is laid out
+    `_CHUNK_COLUMNS` columns at a time (a `lax.map`): the unpacked codes and repacking
+    temporaries of one slice are alive at once, not of the whole weight, which keeps the peak
+    memory of preparing at load time near the size of the result.
     """
+    k, n = q.shape
+    chunk = _CHUNK_COLUMNS
+    if (
+        n <= chunk
+        or n % chunk
+        or isinstance(q.fmt, GGUFBlockFormat)
+        or (q.packed_axis == 1 and q.codes.shape[1] * 2 != n)
+    ):
+        return _prepare_dense(q, route)
+    parts = jax.lax.map(
+        lambda j: _prepare_dense(_columns(q, j * chunk, chunk), route), jnp.arange(n // chunk)
+    )
+    join = lambda a: None if a is None else a.reshape(-1, *a.shape[2:])
+    return kernels.PreparedWeight(
+        route.kind,
+        k,
+        n,
+        route.group_size,
+        parts.storage_group,
+        join(parts.data),
+        join(parts.scale),
+        join(parts.colsum),
+    )
+
+
+def _columns(q: QArray, start: jax.Array, size: int) -> QArray:
+    """Columns [start, start + size) of a 2-D QArray (`size` a multiple of every block)."""
+    n = q.shape[1]
+
+    def cols(a: jax.Array | None) -> jax.Array | None:
+        if a is None or a.shape[1] == 1:
+            return a
+        per = n // a.shape[1]
+        return jax.lax.dynamic_slice_in_dim(a, start // per, size // per, axis=1)
+
+    return dataclasses.replace(
+        q,
+        codes=cols(q.codes),
+        scale=cols(q.scale),
+        zero_point=cols(q.zero_point),
+        shape=(q.shape[0], size),
+    )
+
+
+def _prepare_dense(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
     k, n = q.shape
     rows = 1 if route.group_size is None else k // route.group_size
     if isinstance(q.fmt, GGUFBlockFormat):
