@@ -175,6 +175,7 @@ def quantize_params(
     uncalibrated: bool = False,
     layout_axes: Mapping[tuple, int] | None = None,
     strict: bool = False,
+    kernel_layouts: bool = False,
 ) -> Any:
     """Quantizes every parameter a recipe selects; the others are returned untouched.
 
@@ -192,6 +193,8 @@ def quantize_params(
         rule names by path (``w``, ``qkv``) is matched as the layout its use shows: an
         `[in, out]` ``kernel`` over axis 0, an `[out, in]` ``weight`` over axis 1.
       strict: raise instead of warning when the recipe matches no parameter at all.
+      kernel_layouts: False only, kept for callers of the former API (layouts need traced
+        contraction axes: `prepare_for_kernels`).
     Returns:
       The same pytree with QArrays in place of the quantized arrays (logical QArrays: serve
       them with `prepare_for_kernels`, which lays them out for the CPU kernels).
@@ -209,6 +212,11 @@ def quantize_params(
       >>> type(q["dense"]["kernel"]).__name__, q["dense"]["bias"].shape
       ('QArray', (3,))
     """
+    if kernel_layouts:
+        raise TypeError(
+            "quantize_params(kernel_layouts=True) is gone: lay weights out for the CPU kernels "
+            "with lowbit.prepare_for_kernels(fn, params, *example_args), which traces their use"
+        )
     recipe = as_recipe(recipe)
     decisions = check_decisions(recipe, params, uses, layout_axes)
     for d in decisions.values():

@@ -101,8 +101,9 @@ def test_peak_rss_while_loading_is_bounded_by_file_size(tmp_path, kernel_layouts
     assert result["prepared"] == (N_TENSORS if has_kernels else 0)
     # Resident quantized weights stay within 1.1x their logical size (layouts replace codes).
     assert result["resident"] <= 1.1 * result["nbytes"]
-    # Peak: the weights once plus one weight's read buffer and layout in flight, never a float32
-    # materialization (~512 MiB) nor a second copy of the tree (~80 MiB). Kept: the resident
-    # weights plus a little runtime state (compiled programs).
-    assert delta < 1.3 * file_size + 16 * mib
+    # Peak: the weights once plus one weight's read buffer and layout in flight and the first
+    # compilations' scratch (measured 1.25x the file logical, 1.55x with layouts, here), never a
+    # float32 materialization (~512 MiB) nor a second copy of the tree (+66 MiB). Kept: the
+    # resident weights plus a little runtime state (compiled programs).
+    assert delta < 1.3 * file_size + 40 * mib
     assert kept < result["resident"] + 48 * mib
