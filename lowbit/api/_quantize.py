@@ -85,7 +85,9 @@ def kernel_axes_of(
     def stand_in(x):
         if isinstance(x, QArray) or is_prepared(x):
             return x
-        if getattr(x, "ndim", None) == 2 and jnp.issubdtype(getattr(x, "dtype", None), jnp.floating):
+        if getattr(x, "ndim", None) == 2 and jnp.issubdtype(
+            getattr(x, "dtype", None), jnp.floating
+        ):
             config = QuantConfig(format="int8", granularity=PerTensor())
             struct = jax.ShapeDtypeStruct(x.shape, x.dtype)
             return jax.eval_shape(lambda w: quantize_array(w, config), struct)
@@ -118,9 +120,7 @@ def prepare_for_kernels(fn: Callable[..., Any], params: Any, *args: Any, **kwarg
     return prepare_weights(params, axes)
 
 
-def _use_aliases(
-    params: Any, layout_axes: Mapping[tuple, int] | None
-) -> dict[str, str]:
+def _use_aliases(params: Any, layout_axes: Mapping[tuple, int] | None) -> dict[str, str]:
     """{path: path the recipe matches it as} for 2-D parameters with a traced layout."""
     if not layout_axes:
         return {}

@@ -16,6 +16,7 @@ def is_quantized_leaf(x: Any) -> bool:
     """A quantized weight, logical (`QArray`) or laid out for the kernels (`PreparedQArray`)."""
     return isinstance(x, QArray | PreparedQArray)
 
+
 # Attribute keys that wrap a value (an NNX `Variable`'s `.value`) rather than name a parameter.
 _WRAPPER_KEYS = frozenset({"value", "raw_value"})
 

@@ -195,7 +195,6 @@ def quantize_variant(
         )
         return params, None
     from lowbit.api import quantize_params
-    from lowbit.ops import prepare_weights
 
     recipe = load_recipe(recipe_spec)
     if recipe_spec == FLOAT_RECIPE:
@@ -264,9 +263,7 @@ def serving_axes(loaded: LoadedModel) -> Any:
     tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
     if loaded.kind == "lm":
         return lambda p: kernel_axes_of(lambda s, t: nnx.merge(graphdef, s)(t), p, tokens)
-    return lambda p: kernel_axes_of(
-        lambda s, t, m: nnx.merge(graphdef, s)(t, m), p, tokens, tokens
-    )
+    return lambda p: kernel_axes_of(lambda s, t, m: nnx.merge(graphdef, s)(t, m), p, tokens, tokens)
 
 
 def as_numpy_tokens(tokenizer: Any, text: str) -> np.ndarray:

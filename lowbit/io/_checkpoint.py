@@ -75,7 +75,6 @@ from lowbit.qarray import is_qarray
 MANIFEST_DIGEST_KEY = "lowbit.manifest_sha256"
 
 
-
 def check_kernel_layouts(kernel_layouts: bool) -> None:
     """The former ``kernel_layouts=True`` guessed contraction axes; they must now be given."""
     if kernel_layouts:
@@ -85,6 +84,7 @@ def check_kernel_layouts(kernel_layouts: bool) -> None:
             "lambda p: lowbit.api.kernel_axes_of(fn, p, *example_args)), or call "
             "lowbit.prepare_for_kernels(fn, params, *example_args) after loading"
         )
+
 
 def _sha256(array: np.ndarray) -> str:
     data = np.require(array, requirements="C").reshape(-1).view(np.uint8)

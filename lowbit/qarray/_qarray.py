@@ -243,7 +243,6 @@ class QArray:
             raise ValueError(f"codes shape {tuple(self.codes.shape)} != expected {tuple(expected)}")
         return self
 
-
     # --- checkpoint manifest ----------------------------------------------------------------
     def manifest_metadata(self, encode_config: Any) -> dict[str, Any]:
         """The static metadata as a JSON-ready dict, one key per metadata field.

@@ -60,9 +60,10 @@ def test_kernel_axes_follow_transposes_and_tied_embeddings():
     params = {"w": w, "table": table}
     ids = jax.numpy.arange(3)
     axes = kernel_axes(model, params, ids)
-    key = lambda name: ((jax.tree_util.SequenceKey(0), jax.tree_util.SequenceKey(0)) + (
-        jax.tree_util.DictKey(name),
-    ))
+    key = lambda name: (
+        (jax.tree_util.SequenceKey(0), jax.tree_util.SequenceKey(0))
+        + (jax.tree_util.DictKey(name),)
+    )
     # `w` is contracted over axis 0 and (transposed) over axis 1: two layouts, left out.
     assert axes == {key("table"): 1}
     prepared = prepare_weights(params, {(jax.tree_util.DictKey("table"),): 1})
