@@ -202,24 +202,29 @@ _CHUNK_COLUMNS = 1024
 
 @functools.partial(jax.jit, static_argnums=1)
 def prepare_layout(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
-    """Builds the kernel layout of `q` ([K, N], contracted over axis 0).
+    """Builds the kernel layout of `q` ([K, N], or [N, K] when `route.transposed`).
 
     One compiled program. Panels of 16 columns are independent, so a wide weight is laid out
     `_CHUNK_COLUMNS` columns at a time (a `lax.map`): the unpacked codes and repacking
     temporaries of one slice are alive at once, not of the whole weight, which keeps the peak
     memory of preparing at load time near the size of the result.
     """
-    k, n = q.shape
+    axis = 1 if route.transposed else 0  # q's contracted axis; the other one is N
+    k, n = q.shape[axis], q.shape[1 - axis]
     chunk = _CHUNK_COLUMNS
+    packed_n = q.packed_axis == 1 - axis
     if (
         n <= chunk
         or n % chunk
         or isinstance(q.fmt, GGUFBlockFormat)
-        or (q.packed_axis == 1 and q.codes.shape[1] * 2 != n)
+        or (packed_n and q.codes.shape[1 - axis] * 2 != n)
     ):
-        return _prepare_dense(q, route)
+        return _prepare_dense(q.T if route.transposed else q, route)
+    # Slice the stored array along N first, then orient the slice: a transposed weight (a
+    # tied embedding) is never transposed whole.
     parts = jax.lax.map(
-        lambda j: _prepare_dense(_columns(q, j * chunk, chunk), route), jnp.arange(n // chunk)
+        lambda j: _prepare_dense(_oriented_slice(q, j * chunk, chunk, axis), route),
+        jnp.arange(n // chunk),
     )
     join = lambda a: None if a is None else a.reshape(-1, *a.shape[2:])
     return kernels.PreparedWeight(
@@ -234,23 +239,28 @@ def prepare_layout(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
     )
 
 
-def _columns(q: QArray, start: jax.Array, size: int) -> QArray:
-    """Columns [start, start + size) of a 2-D QArray (`size` a multiple of every block)."""
-    n = q.shape[1]
+def _oriented_slice(q: QArray, start: jax.Array, size: int, axis: int) -> QArray:
+    """[K, size]: entries [start, start + size) of q's non-contracted axis, oriented [K, N]
+    (`size` a multiple of every block; `axis` the contracted one)."""
+    along = 1 - axis
+    n = q.shape[along]
 
-    def cols(a: jax.Array | None) -> jax.Array | None:
-        if a is None or a.shape[1] == 1:
+    def part(a: jax.Array | None) -> jax.Array | None:
+        if a is None or a.shape[along] == 1:
             return a
-        per = n // a.shape[1]
-        return jax.lax.dynamic_slice_in_dim(a, start // per, size // per, axis=1)
+        per = n // a.shape[along]
+        return jax.lax.dynamic_slice_in_dim(a, start // per, size // per, axis=along)
 
-    return dataclasses.replace(
+    shape = list(q.shape)
+    shape[along] = size
+    piece = dataclasses.replace(
         q,
-        codes=cols(q.codes),
-        scale=cols(q.scale),
-        zero_point=cols(q.zero_point),
-        shape=(q.shape[0], size),
+        codes=part(q.codes),
+        scale=part(q.scale),
+        zero_point=part(q.zero_point),
+        shape=tuple(shape),
     )
+    return piece.T if axis == 1 else piece
 
 
 def _prepare_dense(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
@@ -290,7 +300,7 @@ def kernel_linear(x: jax.Array, q: Any, route: KernelRoute, out_dtype: Any) -> j
     out_dtype = np.dtype(out_dtype)
     kernel_out = out_dtype if out_dtype in _FLOATS else np.dtype(jnp.float32)
     if isinstance(q, QArray):
-        weight = prepare_layout(q.T if route.transposed else q, route)
+        weight = prepare_layout(q, route)
     else:
         weight = q.weight
     if route.kind == "w8a8":

@@ -274,12 +274,18 @@ def _logical(p: PreparedQArray) -> QArray:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _recovered_small(weight: kernels.PreparedWeight, p_static: Any, tensor_scale: Any):
-    """The scale and zero point the layout gives back (for the exactness check)."""
+def _prepare_checked(q: QArray, p_static: Any):
+    """The layout, and the scale and zero point it gives back (for the exactness check).
+
+    One program per weight layout: compiling fewer programs at load time keeps the compiler's
+    share of peak and retained memory down.
+    """
     route, axis, meta = p_static
+    weight = prepare_layout(q, route)
+    tensor_scale = None if q.tensor_scale is None else q.tensor_scale.reshape(1)
     p = PreparedQArray(weight, None, None, tensor_scale, axis, route, meta)
-    q = _assemble(p, kernels.prepared_to_logical(weight))
-    return q.scale, q.zero_point
+    back = _assemble(p, kernels.prepared_to_logical(weight))
+    return weight, back.scale, back.zero_point
 
 
 def _same_bits(a: Any, b: Any) -> bool:
@@ -306,8 +312,6 @@ def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
     route = weight_route(q, axis)
     if route is None:
         return q
-    oriented = q if axis == 0 else q.T
-    weight = prepare_layout(oriented, dataclasses.replace(route, transposed=False))
     meta = LogicalMeta(
         format=q.format,
         shape=q.shape,
@@ -321,9 +325,9 @@ def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
         zero_dtype=None if q.zero_point is None else np.dtype(q.zero_point.dtype),
     )
     tensor_scale = None if q.tensor_scale is None else q.tensor_scale.reshape(1)
+    weight, scale, zero = _prepare_checked(q, (route, axis, meta))
     kept_scale, kept_zero = q.scale, q.zero_point
-    if not isinstance(q.scale, jax.core.Tracer):
-        scale, zero = _recovered_small(weight, (route, axis, meta), tensor_scale)
+    if not isinstance(q.scale, jax.core.Tracer):  # traced: keep them (cannot compare)
         kept_scale = None if _same_bits(scale, q.scale) else q.scale
         kept_zero = None if _same_bits(zero, q.zero_point) else q.zero_point
     return PreparedQArray(weight, kept_scale, kept_zero, tensor_scale, axis, route, meta)
