@@ -167,7 +167,9 @@ def _layout(
             lambda value: _compat.bind_eqn(eqn, [value, *rest])[0],
         )
         if ctx.axis_probe is not None and same:
-            ctx.axis_probe.derive(out, operand, flipped=tuple(kwargs.get("permutation", ())) == (1, 0))
+            ctx.axis_probe.derive(
+                out, operand, flipped=tuple(kwargs.get("permutation", ())) == (1, 0)
+            )
         ctx.report.record_layout(name)
         return [out]
 

@@ -235,9 +235,7 @@ def quantize_variant(
                 on_batch=progress,
             ),
         )
-    params, report = quantize_with_report(
-        pure, recipe, statistics=statistics, on_weight=on_weight
-    )
+    params, report = quantize_with_report(pure, recipe, statistics=statistics, on_weight=on_weight)
     if on_report is not None:
         on_report(report)
     return _served(loaded, params), recipe
