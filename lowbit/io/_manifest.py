@@ -25,7 +25,7 @@ import numpy as np
 
 from lowbit.formats import get_format
 from lowbit.io._config_dict import quant_config_from_dict
-from lowbit.io._safetensors_file import dtype_from_name
+from lowbit.io._safetensors_file import DTYPES, dtype_from_name
 from lowbit.io._tree import QARRAY_ROLES, Key, Path, path_name
 from lowbit.qarray import META_FIELDS, NMSparse, QArray
 from lowbit.qarray._sparse import meta_bits

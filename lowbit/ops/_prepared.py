@@ -26,6 +26,7 @@ import numpy as np
 
 from lowbit import kernels
 from lowbit.ops._cpu_kernels import KernelRoute, prepare_layout, weight_route
+from lowbit.formats import GGUFBlockFormat
 from lowbit.qarray import QArray
 
 
@@ -310,7 +311,9 @@ def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
     if axis not in (0, 1):
         raise ValueError(f"axis={axis!r}: a 2-D weight is contracted over axis 0 or 1")
     route = weight_route(q, axis)
-    if route is None:
+    if route is None or isinstance(q.fmt, GGUFBlockFormat):
+        # GGUF K-quant superblocks are not recovered from the layout yet: they stay logical
+        # (the kernel route then lays them out per call).
         return q
     meta = LogicalMeta(
         format=q.format,
