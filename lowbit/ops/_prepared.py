@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit import kernels
-from lowbit.ops._cpu_kernels import KernelRoute, prepare_layout, weight_route
 from lowbit.formats import GGUFBlockFormat
+from lowbit.ops._cpu_kernels import KernelRoute, prepare_layout, weight_route
 from lowbit.qarray import QArray
 
 
