@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from lowbit.engine import kernel_axes
+from lowbit.engine._values import is_quantized as engine_value
 from lowbit.formats import FORMATS
-from lowbit.ops import is_prepared, prepare_weights
+from lowbit.ops import prepare_weights
 from lowbit.qarray import Fixed, PerTensor, QArray, QuantConfig, check_values
 from lowbit.qarray import quantize as quantize_array
 from lowbit.recipes import Recipe, Rule, map_params, param_leaves, path_string, preset
@@ -83,7 +84,7 @@ def kernel_axes_of(
     """
 
     def stand_in(x):
-        if isinstance(x, QArray) or is_prepared(x):
+        if engine_value(x):
             return x
         if getattr(x, "ndim", None) == 2 and jnp.issubdtype(
             getattr(x, "dtype", None), jnp.floating
@@ -93,8 +94,8 @@ def kernel_axes_of(
             return jax.eval_shape(lambda w: quantize_array(w, config), struct)
         return x
 
-    is_leaf = lambda x: isinstance(x, QArray) or is_prepared(x)
-    probe = jax.tree.map(stand_in, params, is_leaf=is_leaf)
+    # Values the engine treats specially (LoRA-adapted, QAT, fp8 weights) are left whole.
+    probe = jax.tree.map(stand_in, params, is_leaf=engine_value)
     found = kernel_axes(fn, probe, *args, **kwargs)
     # Key paths into ((params, *args), kwargs): keep those inside params.
     return {_strip(k, 2): a for k, a in found.items() if len(k) > 2 and k[1].idx == 0}
