@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import secrets
 import stat
 from collections.abc import Collection
@@ -221,9 +222,14 @@ def _is_temporary_name(name: str, base: str) -> bool:
     return len(token) == 16 and all(c in "0123456789abcdef" for c in token)
 
 
+# safetensors' writer (Rust `tempfile`) writes through ".tmp" + 6 alphanumerics beside its
+# target: a save killed mid-write leaves one in the temporary directory.
+_WRITER_TEMPORARY = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+
+
 def _only_files(directory: str, files: Collection[str]) -> bool:
     for name in os.listdir(directory):
-        if name not in files:
+        if name not in files and not _WRITER_TEMPORARY.fullmatch(name):
             return False
         if not stat.S_ISREG(os.lstat(os.path.join(directory, name)).st_mode):
             return False

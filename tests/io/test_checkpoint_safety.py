@@ -292,6 +292,8 @@ def test_the_next_save_removes_temporaries_of_dead_saves(tmp_path):
         _temporary(tmp_path, "fedcba9876543210", ("model.safetensors", "manifest.json")),
         _temporary(tmp_path, "00000000000000aa.old", ("manifest.json",)),
         _temporary(tmp_path, "00000000000000bb", ()),
+        # Killed inside the safetensors writer, which writes through its own ".tmpXXXXXX".
+        _temporary(tmp_path, "00000000000000cc", ("manifest.json", ".tmpAb3xY9")),
     ]
     save_checkpoint(tmp_path / "ck", NEW)
     assert not any(t.exists() for t in dead)
@@ -305,6 +307,7 @@ def test_temporaries_not_provably_ours_and_stale_are_kept(tmp_path):
     keep = [
         live,
         _temporary(tmp_path, "2222222222222222", ("model.safetensors", "user.txt")),
+        _temporary(tmp_path, "6666666666666666", (".tmp-not-the-writers",)),
         _temporary(tmp_path, "not-hex-digits!!"),
         _temporary(tmp_path, "333333333333333"),  # 15 digits
         _temporary(tmp_path, "4444444444444444", base="other"),
