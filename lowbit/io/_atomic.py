@@ -224,12 +224,12 @@ def _is_temporary_name(name: str, base: str) -> bool:
 
 # safetensors' writer (Rust `tempfile`) writes through ".tmp" + 6 alphanumerics beside its
 # target: a save killed mid-write leaves one in the temporary directory.
-_WRITER_TEMPORARY = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+_WRITER_TEMPORARY = r"\.tmp[A-Za-z0-9]{6}"
 
 
 def _only_files(directory: str, files: Collection[str]) -> bool:
     for name in os.listdir(directory):
-        if name not in files and not _WRITER_TEMPORARY.fullmatch(name):
+        if name not in files and not re.fullmatch(_WRITER_TEMPORARY, name):
             return False
         if not stat.S_ISREG(os.lstat(os.path.join(directory, name)).st_mode):
             return False
