@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -83,6 +84,7 @@ def quantize_params(
     uses: Mapping[str, frozenset[str]] | None = None,
     uncalibrated: bool = False,
     kernel_layouts: bool = True,
+    strict: bool = False,
 ) -> Any:
     """Quantizes every parameter a recipe selects; the others are returned untouched.
 
@@ -99,6 +101,7 @@ def quantize_params(
       kernel_layouts: also store, on each 2-D weight a CPU kernel will run, the kernel's own
         weight layout (`lowbit.ops.attach_kernel_layout`), so that calls do not rebuild it.
         It roughly doubles the resident size of those weights; False skips it.
+      strict: raise instead of warning when the recipe's rules match no parameter at all.
     Returns:
       The same pytree with QArrays in place of the quantized arrays.
     Raises:
@@ -114,6 +117,19 @@ def quantize_params(
     """
     recipe = as_recipe(recipe)
     decisions = check_decisions(recipe, params, uses)
+    if recipe.rules and decisions and not any(d.quantized for d in decisions.values()):
+        # A preset's rules match parameters by name (e.g. ".*kernel"): a tree named otherwise
+        # would come back all float, which must not pass unnoticed.
+        names = ", ".join(repr(p) for p in list(decisions)[:5])
+        message = (
+            f"recipe {recipe.name!r} quantizes none of the {len(decisions)} parameters "
+            f"({names}{', ...' if len(decisions) > 5 else ''}): its rules match by path "
+            f"({', '.join(repr(r.path) for r in recipe.rules[:3])}); write a Recipe whose "
+            "Rule(path=...) names these parameters"
+        )
+        if strict:
+            raise ValueError(message)
+        warnings.warn(message, stacklevel=3)
     for d in decisions.values():
         rule = recipe.rules[d.rule_index] if d.quantized else None
         if rule is not None and rule.algorithm is not None:

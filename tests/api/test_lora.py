@@ -117,7 +117,8 @@ def test_linen_and_plain_function():
 def test_scan_over_stacked_layers_and_remat():
     # Stacked weights [layers, in, out]: the adapters get a leading layer axis too.
     w = jax.random.normal(jax.random.key(0), (3, 16, 16)) / 4
-    params = {"w": lowbit.quantize_params({"w": w}, "int8w")["w"]}
+    with pytest.warns(UserWarning, match="quantizes none"):  # no preset rule names `w`
+        params = {"w": lowbit.quantize_params({"w": w}, "int8w")["w"]}
     config = LoraConfig(rules=(LoraRule(path="w", rank=2),))
     adapters = _bump(lora_init(params, config, jax.random.key(1)))
     assert adapters["w"]["a"].shape == (3, 16, 2) and adapters["w"]["b"].shape == (3, 2, 16)
