@@ -5,8 +5,8 @@ Three tables, each timed in one run with its float32 baseline beside it:
 1. One linear layer `y = x @ W`, K = N = 4096, M in {1, 64}, as `jax.jit(lowbit.run(fn))`
    with W a `lowbit.qarray.quantize`d QArray: float32, int8 weight-only (per channel), int4
    weight-only (groups of 128), w8a8 (int8 per channel, dynamic per-token int8 activations).
-   "stored layout" routes to `lowbit.kernels` with the kernel layout stored on the QArray
-   (`lowbit.ops.attach_kernel_layout`, what `quantize_params` and `load_checkpoint` do);
+   "stored layout" routes to `lowbit.kernels` with the weight prepared once
+   (`lowbit.ops.prepare_weight`: the kernel layout in place of the codes, the serving flow);
    "repack per call" is a QArray without it (the layout is rebuilt inside every call);
    "kernels off" is the same script in a subprocess with `LOWBIT_DISABLE_KERNELS=1` (the
    pure-JAX paths). The kernel alone on a pre-packed weight is timed too.
@@ -36,7 +36,7 @@ from jax import lax
 import lowbit
 from benchmarks._timing import best_time
 from lowbit import kernels
-from lowbit.ops import _cpu_kernels, attach_kernel_layout
+from lowbit.ops import _cpu_kernels, prepare_weight
 from lowbit.qarray import PerChannel, PerGroup, PerToken, QuantConfig, quantize
 
 SIZE = 4096
@@ -84,12 +84,12 @@ def _linear_times() -> dict[str, float]:
             route = _cpu_kernels.kernel_route(x, q, (((1,), (0,)), ((), ())))
             if route is None:
                 continue
-            stored = attach_kernel_layout(q)
+            stored = prepare_weight(q, 0)
             times[f"{name} M={m} stored"] = _time(lambda x=x, q=stored: run(x, q))
             call = kernels.w8a8_linear if route.kind == "w8a8" else kernels.weight_only_linear
             kernel_only = jax.jit(call)
             times[f"{name} M={m} kernel only"] = _time(
-                lambda x=x, p=stored.kernel, k=kernel_only: k(x, p)
+                lambda x=x, p=stored.weight, k=kernel_only: k(x, p)
             )
     return times
 
@@ -134,12 +134,14 @@ def _mlp_times() -> dict[str, float]:
     params = _mlp_params()
     x = jax.random.normal(jax.random.key(2), (MLP_TOKENS, MLP_WIDTH), jnp.float32)
     int8 = [_quantized(w, "int8 weight-only") for w in params]
-    w8a8 = [attach_kernel_layout(dataclasses.replace(q, activation=INT8_TOKEN)) for q in int8]
+    w8a8 = [prepare_weight(dataclasses.replace(q, activation=INT8_TOKEN), 0) for q in int8]
+    prepared = [prepare_weight(q, 0) for q in int8]
     hand = [(q.codes, q.scale_values()) for q in int8]
     run = lowbit.run(_mlp)
     return {
         "trace float": _trace_seconds(_mlp, params, x),
         "trace int8": _trace_seconds(run, int8, x),
+        "trace int8 prepared": _trace_seconds(run, prepared, x),
         "mlp float": _time(lambda: jax.jit(_mlp)(params, x)),
         "mlp w8a8 lowbit": _time(lambda: jax.jit(run)(w8a8, x)),
         "mlp w8a8 hand": _time(lambda: jax.jit(_hand_w8a8_mlp)(hand, x)),
@@ -198,12 +200,13 @@ def _mlp_tables(on: dict[str, float], off: dict[str, float]) -> list[str]:
         f"### Engine trace cost: {MLP_LAYERS}-layer MLP, d = {MLP_WIDTH} "
         "(`jax.jit(f).lower(params, x)`)",
         "",
-        "| | float ms | lowbit.run int8 ms | ratio |",
-        "|---|---|---|---|",
+        "| | float ms | lowbit.run int8 ms | ratio | int8 prepared ms | ratio |",
+        "|---|---|---|---|---|---|",
         f"| kernels on | {_ms(on['trace float'])} | {_ms(on['trace int8'])} "
-        f"| {on['trace int8'] / on['trace float']:.2f}x |",
+        f"| {on['trace int8'] / on['trace float']:.2f}x | {_ms(on['trace int8 prepared'])} "
+        f"| {on['trace int8 prepared'] / on['trace float']:.2f}x |",
         f"| kernels off | {_ms(off['trace float'])} | {_ms(off['trace int8'])} "
-        f"| {off['trace int8'] / off['trace float']:.2f}x |",
+        f"| {off['trace int8'] / off['trace float']:.2f}x | - | - |",
         "",
         f"### PTQ w8a8 MLP ({MLP_LAYERS} layers, d = {MLP_WIDTH}, {MLP_TOKENS} tokens) vs the "
         "same math by hand",
@@ -225,10 +228,10 @@ def run() -> str:
         "Quantized inference through the public path (`lowbit.run`), CPU kernels on and off.",
         f"{kernels.status()}. Best of up to {MAX_REPS} calls; kernels-off numbers come from a "
         "subprocess with `LOWBIT_DISABLE_KERNELS=1` that times its own float32 baseline.",
-        "Stored layout: the QArray carries the kernel layout (`attach_kernel_layout`, done by "
-        "`quantize_params` / `load_checkpoint`); repack per call: the same QArray without it; "
+        "Stored layout: the weight prepared once (`prepare_weight`, as `prepare_for_kernels` and "
+        "`load_checkpoint(kernel_axes=)` do); repack per call: the logical QArray; "
         '"kernel only" calls the kernel on the stored layout directly. In the MLP tables the '
-        "w8a8 weights carry stored layouts.",
+        "w8a8 weights are prepared.",
         "",
     ]
     return "\n".join(header + _linear_table(on, off) + _mlp_tables(on, off)) + "\n"

@@ -25,13 +25,14 @@ from lowbit.api import (
     lora_param_count,
     nm_masks,
     nm_sparsify_params,
+    prepare_for_kernels,
     qat,
     quantize,
     quantize_model,
     quantize_params,
     run,
 )
-from lowbit.engine import EngineFallbackError, EngineReport, interpret, trace_report
+from lowbit.engine import EngineFallbackError, EngineReport, interpret, kernel_axes, trace_report
 from lowbit.formats import FORMATS, Format, format_names, get_format
 from lowbit.io import (
     CheckpointError,
@@ -108,6 +109,7 @@ __all__ = [
     "export_gguf",
     "import_gguf",
     "interpret",
+    "kernel_axes",
     "load_adapted_checkpoint",
     "load_adapters",
     "load_checkpoint",
@@ -117,6 +119,7 @@ __all__ = [
     "lora_param_count",
     "nm_masks",
     "nm_sparsify_params",
+    "prepare_for_kernels",
     "preset",
     "preset_names",
     "qat",

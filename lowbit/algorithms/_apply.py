@@ -24,7 +24,6 @@ from lowbit.api import QuantizedLinen, QuantizedModel
 from lowbit.api import quantize_model as api_quantize_model
 from lowbit.api import quantize_params as api_quantize_params
 from lowbit.api._quantize import as_recipe, check_decisions
-from lowbit.ops import attach_kernel_layouts
 from lowbit.qarray import QArray
 from lowbit.recipes import AWQ, GPTQ, HQQ, Recipe, SmoothQuant, map_params, param_leaves
 
@@ -108,7 +107,7 @@ def quantize_with_report(
     statistics: Statistics | None = None,
     strict: bool = False,
     uses: Mapping[str, frozenset[str]] | None = None,
-    kernel_layouts: bool = True,
+    kernel_layouts: bool = False,
     on_batch: Callable[[int], None] | None = None,
     on_weight: Callable[[int, int], None] | None = None,
     sequential: int = 1,
@@ -124,7 +123,8 @@ def quantize_with_report(
       statistics: already captured `Statistics` (shared between recipes) instead of batches.
       strict: raise instead of falling back to RTN for a weight (singular Hessian, no stats).
       uses: as for `lowbit.api.quantize_params`.
-      kernel_layouts: as for `lowbit.api.quantize_params`.
+      kernel_layouts: as for `lowbit.api.quantize_params` (False: the result is logical; lay
+        it out for the CPU kernels with `lowbit.prepare_for_kernels`).
       on_batch / on_weight: progress callbacks (batches done; weights done, total).
       sequential: GPTQ in this many passes (as in the GPTQ paper, for deep models): the GPTQ
         weights are split in groups in the order the model reads them, and group i is
@@ -140,11 +140,13 @@ def quantize_with_report(
         weight that would fall back to RTN.
     """
     recipe = as_recipe(recipe)
+    if kernel_layouts:
+        api_quantize_params(params, recipe, kernel_layouts=True)  # raises, saying what to use
     wanted = algorithm_weights(recipe, params, uses)
-    rtn = api_quantize_params(params, _strip(recipe), uses=uses, kernel_layouts=False)
+    rtn = api_quantize_params(params, _strip(recipe), uses=uses)
     report = AlgorithmReport()
     if not wanted:
-        return (attach_kernel_layouts(rtn) if kernel_layouts else rtn), report
+        return rtn, report
     data_paths = [p for p, (_, rule) in wanted.items() if rule.algorithm.needs_data]
     if data_paths and statistics is None:
         if calibration is None or fn is None:
@@ -179,7 +181,7 @@ def quantize_with_report(
             raise ValueError(f"strict mode: no scale to fold for {lines}")
         axes = {p: statistics.for_path(p)[0].input_axes[0] for f in folds for p in f.weights}
         params = apply_folds(params, folds, axes)
-        rtn = api_quantize_params(params, _strip(recipe), uses=uses, kernel_layouts=False)
+        rtn = api_quantize_params(params, _strip(recipe), uses=uses)
         for fold in folds:
             for p in fold.weights:
                 report.applied[p] = fold.note
@@ -224,7 +226,7 @@ def quantize_with_report(
         if on_weight is not None:
             on_weight(n + 1, len(wanted))
     out = map_params(lambda path, leaf: replaced.get(path, leaf), rtn)
-    return (attach_kernel_layouts(out) if kernel_layouts else out), report
+    return out, report
 
 
 def _sequential_gptq(

@@ -14,7 +14,13 @@ from lowbit.api._lora import (
 )
 from lowbit.api._model import QuantizedLinen, QuantizedModel, quantize_model, run
 from lowbit.api._qat import convert, prepare, qat
-from lowbit.api._quantize import quantize, quantize_params, quantize_weight
+from lowbit.api._quantize import (
+    kernel_axes_of,
+    prepare_for_kernels,
+    quantize,
+    quantize_params,
+    quantize_weight,
+)
 from lowbit.api._sparsity import SparseRule, apply_masks, nm_masks, nm_sparsify_params
 from lowbit.api._trace import param_uses
 
@@ -36,6 +42,7 @@ __all__ = [
     "fp8_init",
     "fp8_recipe",
     "fp8_scales",
+    "kernel_axes_of",
     "lora_apply",
     "lora_init",
     "lora_merge",
@@ -43,6 +50,7 @@ __all__ = [
     "nm_masks",
     "nm_sparsify_params",
     "param_uses",
+    "prepare_for_kernels",
     "prepare",
     "qat",
     "quantize",

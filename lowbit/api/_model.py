@@ -26,8 +26,10 @@ import jax
 import numpy as np
 from flax import linen, nnx
 
-from lowbit.api._quantize import as_recipe, quantize_params
+from lowbit.api._quantize import as_recipe, kernel_axes_of, quantize_params
+from lowbit.api._trace import param_uses
 from lowbit.engine import EngineReport, interpret
+from lowbit.ops import is_prepared, prepare_weights
 from lowbit.qarray import QArray
 from lowbit.recipes import Recipe
 
@@ -36,6 +38,10 @@ def run(
     fn: Callable[..., Any], *, strict: bool = False, report: EngineReport | None = None
 ) -> Callable[..., Any]:
     """`lowbit.run`: wraps `fn` so it accepts quantized params (`QArray` / `QatWeight` leaves).
+
+    For serving on CPU, pass params prepared once with ``lowbit.prepare_for_kernels(fn, params,
+    *example_args)``: their weights then sit in the kernels' layout instead of their codes, and
+    calls cost only the kernels (logical QArrays work too, with the layout built per call).
 
     Args:
       fn: any JAX function, e.g. ``model.apply`` or ``lambda params, x: ...``.
@@ -94,6 +100,12 @@ class _NnxMethod:
         return interpret(call, strict=self.strict)(state, args, kwargs)
 
 
+def _traced(tree: Any) -> bool:
+    """Whether a tree holds tracers (a call inside someone's `jax.jit`: prepare nothing there,
+    the layout would be rebuilt on every trace)."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+
+
 class QuantizedModel(nnx.Module):
     """An NNX module with quantized weights, called like the original (see module docstring).
 
@@ -106,6 +118,23 @@ class QuantizedModel(nnx.Module):
     def __init__(self, module: nnx.Module, *, strict: bool = False):
         self.module = module
         self.strict = strict
+        # Weights are laid out for the CPU kernels once, from the first call's traced uses
+        # (or at `quantize_model` when given example inputs): see `prepare`.
+        self.prepared = False
+
+    def prepare(self, method: str = "__call__", *args: Any, **kwargs: Any) -> None:
+        """Replaces the weights the CPU kernels run by their kernel layout (once).
+
+        The contraction axis of each weight comes from tracing ``method(*args, **kwargs)``
+        (abstractly; nothing runs). The first call does this by itself.
+        """
+        graphdef, state = nnx.split(self.module)
+        fn = lambda s, *a, **k: getattr(nnx.merge(graphdef, s), method)(*a, **k)
+        axes = kernel_axes_of(fn, state, *args, **kwargs)
+        del state
+        graphdef, state = nnx.split(self.module)
+        nnx.update(self.module, prepare_weights(state, axes))
+        self.prepared = True
 
     @property
     def graphdef(self) -> Any:
@@ -123,15 +152,19 @@ class QuantizedModel(nnx.Module):
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Calls another method of the module, e.g. ``qmodel.call("attend", x)``."""
         graphdef, state = nnx.split(self.module)
+        if not self.prepared and not _traced(state):
+            del state
+            self.prepare(method, *args, **kwargs)
+            graphdef, state = nnx.split(self.module)
         return jit_call(_NnxMethod(graphdef, method, self.strict), state, *args, **kwargs)
 
     def dequantized(self) -> nnx.Module:
         """A float copy of the module with every quantized weight dequantized (for comparisons)."""
         graphdef, state = nnx.split(self.module)
         state = jax.tree_util.tree_map(
-            lambda x: x.dequantize() if isinstance(x, QArray) else x,
+            lambda x: x.dequantize() if isinstance(x, QArray) or is_prepared(x) else x,
             state,
-            is_leaf=lambda x: isinstance(x, QArray),
+            is_leaf=lambda x: isinstance(x, QArray) or is_prepared(x),
         )
         return nnx.merge(graphdef, state)
 
@@ -175,6 +208,7 @@ def quantize_model(
     params: Any = None,
     strict: bool = False,
     uses: Mapping[str, frozenset[str]] | None = None,
+    example_args: tuple[Any, ...] | None = None,
 ) -> QuantizedModel | QuantizedLinen:
     """`lowbit.quantize_model`: quantizes a Flax model's weights by a recipe.
 
@@ -183,7 +217,13 @@ def quantize_model(
       recipe: a `Recipe` or preset name.
       params: Linen variables (``{"params": ...}``); must be None for NNX.
       strict: raise on engine fallbacks (a quantized weight meeting an op with no quantized rule).
-      uses: ops each parameter feeds, for rules with an `ops` filter (`param_uses`).
+      uses: ops each parameter feeds, for rules with an `ops` filter (`param_uses`); traced
+        from `example_args` when those are given.
+      example_args: example inputs of a call (arrays or `jax.ShapeDtypeStruct`s). With them
+        the model is traced (abstractly) before quantizing, so presets also find weights by
+        use: a 2-D parameter the recipe names by no rule (``w``, ``qkv``) is quantized as the
+        layout its matmul shows. The weights are also laid out for the CPU kernels at once
+        (without them, at the first call).
     Returns:
       NNX: a `QuantizedModel` called like `model`. Linen: a `QuantizedLinen`
       (``apply_fn, qparams = quantize_model(...)`` also works).
@@ -204,15 +244,32 @@ def quantize_model(
                 "quantize_model: params= is for Linen modules; an NNX module holds its own state"
             )
         graphdef, state = nnx.split(model)
-        qmodule = nnx.merge(graphdef, quantize_params(state, recipe, uses=uses))
-        return QuantizedModel(qmodule, strict=strict)
+        layout_axes = None
+        if example_args is not None:
+            call = lambda s, *a: nnx.merge(graphdef, s)(*a)
+            layout_axes = kernel_axes_of(call, state, *example_args)
+            if uses is None:
+                uses = param_uses(call, state, *example_args)
+        qstate = quantize_params(state, recipe, uses=uses, layout_axes=layout_axes)
+        qmodel = QuantizedModel(nnx.merge(graphdef, qstate), strict=strict)
+        if example_args is not None:
+            qmodel.prepare("__call__", *example_args)
+        return qmodel
     if isinstance(model, linen.Module):
         if params is None:
             raise TypeError(
                 "quantize_model: a Linen module needs its variables: "
                 "quantize_model(module, recipe, params=variables)"
             )
-        return QuantizedLinen(model, quantize_params(params, recipe, uses=uses), strict)
+        layout_axes = None
+        if example_args is not None:
+            layout_axes = kernel_axes_of(model.apply, params, *example_args)
+            if uses is None:
+                uses = param_uses(model.apply, params, *example_args)
+        qparams = quantize_params(params, recipe, uses=uses, layout_axes=layout_axes)
+        if example_args is not None:
+            qparams = prepare_weights(qparams, kernel_axes_of(model.apply, qparams, *example_args))
+        return QuantizedLinen(model, qparams, strict)
     raise TypeError(
         f"quantize_model expects a flax nnx.Module or linen.Module, got {type(model).__name__}; "
         "for a plain function use quantize_params(params, recipe) and run(fn)"

@@ -6,17 +6,23 @@ import dataclasses
 import functools
 import inspect
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from lowbit.engine import kernel_axes
+from lowbit.engine._values import is_quantized as engine_value
 from lowbit.formats import FORMATS
-from lowbit.ops import attach_kernel_layouts
-from lowbit.qarray import Fixed, QArray, QuantConfig, check_values
+from lowbit.ops import prepare_weights
+from lowbit.qarray import Fixed, PerTensor, QArray, QuantConfig, check_values
 from lowbit.qarray import quantize as quantize_array
-from lowbit.recipes import Recipe, Rule, map_params, preset
+from lowbit.recipes import Recipe, Rule, map_params, param_leaves, path_string, preset
+
+# How a parameter no rule names is matched once a traced use shows its layout: contracted over
+# axis 0 it is an `[in, out]` weight like a Flax `kernel`, over axis 1 an `[out, in]` `weight`.
+_LAYOUT_BY_AXIS = {0: "kernel", 1: "weight"}
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -64,9 +70,90 @@ def as_recipe(recipe: Recipe | str) -> Recipe:
     return recipe
 
 
-def check_decisions(recipe: Recipe, params: Any, uses) -> dict[str, Any]:
-    """Decisions per path; raises on the ones a rule asked for but cannot apply."""
+def _strip(keys: tuple, n: int) -> tuple:
+    return tuple(keys[n:])
+
+
+def kernel_axes_of(
+    fn: Callable[..., Any], params: Any, *args: Any, **kwargs: Any
+) -> dict[tuple, int]:
+    """{key path in `params` (QArrays as leaves): axis} for `fn(params, *args, **kwargs)`.
+
+    Float 2-D leaves are traced as (abstract) int8 QArrays, so the axes of weights not yet
+    quantized are found too. Nothing is computed.
+    """
+
+    def stand_in(x):
+        if engine_value(x):
+            return x
+        if getattr(x, "ndim", None) == 2 and jnp.issubdtype(
+            getattr(x, "dtype", None), jnp.floating
+        ):
+            config = QuantConfig(format="int8", granularity=PerTensor())
+            struct = jax.ShapeDtypeStruct(x.shape, x.dtype)
+            return jax.eval_shape(lambda w: quantize_array(w, config), struct)
+        return x
+
+    # Values the engine treats specially (LoRA-adapted, QAT, fp8 weights) are left whole.
+    probe = jax.tree.map(stand_in, params, is_leaf=engine_value)
+    found = kernel_axes(fn, probe, *args, **kwargs)
+    # Key paths into ((params, *args), kwargs): keep those inside params.
+    return {_strip(k, 2): a for k, a in found.items() if len(k) > 2 and k[1].idx == 0}
+
+
+def prepare_for_kernels(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: Any) -> Any:
+    """`lowbit.prepare_for_kernels`: `params` ready to serve `fn` on the CPU kernels.
+
+    Traces ``fn(params, *args, **kwargs)`` abstractly (`lowbit.engine.kernel_axes`) to find
+    which axis each 2-D quantized weight is contracted over, then replaces every weight a
+    kernel runs by its `lowbit.ops.PreparedQArray` (`lowbit.ops.prepare_weights`): the kernel's
+    layout *instead of* the codes, so each weight is resident once. Saving, dequantizing and
+    any other use recover the logical QArray exactly. Other leaves are returned as they are.
+
+    Args:
+      fn: the function served, e.g. ``model.apply`` or ``lambda params, x: ...``.
+      params: its first argument, with `QArray` leaves.
+      *args, **kwargs: example inputs (arrays or `jax.ShapeDtypeStruct`s).
+    Returns:
+      `params` with `PreparedQArray`s in place of the weights prepared.
+    """
+    axes = kernel_axes_of(fn, params, *args, **kwargs)
+    return prepare_weights(params, axes)
+
+
+def _use_aliases(params: Any, layout_axes: Mapping[tuple, int] | None) -> dict[str, str]:
+    """{path: path the recipe matches it as} for 2-D parameters with a traced layout."""
+    if not layout_axes:
+        return {}
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QArray))[0]
+    out = {}
+    for keys, _ in flat:
+        axis = layout_axes.get(tuple(keys))
+        if axis is not None:
+            path = path_string(keys)
+            out[path] = f"{path}/{_LAYOUT_BY_AXIS[axis]}"
+    return out
+
+
+def check_decisions(
+    recipe: Recipe, params: Any, uses, layout_axes: Mapping[tuple, int] | None = None
+) -> dict[str, Any]:
+    """Decisions per path; raises on the ones a rule asked for but cannot apply.
+
+    `layout_axes` (traced contraction axes by key path): a 2-D parameter that no rule names is
+    decided as the layout its use shows (`_LAYOUT_BY_AXIS`), so presets find weights by use.
+    """
     report = recipe.report(params, uses)
+    aliases = _use_aliases(params, layout_axes)
+    if aliases:
+        leaves = dict(_param_items(params))
+        decisions = []
+        for d in report.decisions:
+            if d.rule_index is None and d.path in aliases:
+                alias = recipe.decide(aliases[d.path], leaves[d.path], uses)
+                d = dataclasses.replace(alias, path=d.path)
+            decisions.append(d)
+        report = dataclasses.replace(report, decisions=tuple(decisions))
     if report.errors:
         lines = "\n".join(f"  {d.path} {d.shape}: {d.reason}" for d in report.errors)
         raise ValueError(
@@ -77,14 +164,19 @@ def check_decisions(recipe: Recipe, params: Any, uses) -> dict[str, Any]:
     return {d.path: d for d in report.decisions}
 
 
+def _param_items(params: Any):
+    return param_leaves(params)
+
+
 def quantize_params(
     params: Any,
     recipe: Recipe | str,
     *,
     uses: Mapping[str, frozenset[str]] | None = None,
     uncalibrated: bool = False,
-    kernel_layouts: bool = True,
+    layout_axes: Mapping[tuple, int] | None = None,
     strict: bool = False,
+    kernel_layouts: bool = False,
 ) -> Any:
     """Quantizes every parameter a recipe selects; the others are returned untouched.
 
@@ -98,16 +190,22 @@ def quantize_params(
       uncalibrated: accept rules with `static_activation=True` (and a calibration other than
         `Fixed`) without bounds; their activations are then quantized dynamically until
         `calibrate` sets the bounds.
-      kernel_layouts: also store, on each 2-D weight a CPU kernel will run, the kernel's own
-        weight layout (`lowbit.ops.attach_kernel_layout`), so that calls do not rebuild it.
-        It roughly doubles the resident size of those weights; False skips it.
-      strict: raise instead of warning when the recipe's rules match no parameter at all.
+      layout_axes: traced contraction axes by key path (`kernel_axes_of`): a 2-D parameter no
+        rule names by path (``w``, ``qkv``) is matched as the layout its use shows: an
+        `[in, out]` ``kernel`` over axis 0, an `[out, in]` ``weight`` over axis 1.
+      strict: raise instead of warning when the recipe matches no parameter at all.
+      kernel_layouts: False only, kept for callers of the former API (layouts need traced
+        contraction axes: `prepare_for_kernels`).
     Returns:
-      The same pytree with QArrays in place of the quantized arrays.
+      The same pytree with QArrays in place of the quantized arrays (logical QArrays: serve
+      them with `prepare_for_kernels`, which lays them out for the CPU kernels).
     Raises:
       ValueError: if a rule asks for a quantization the parameter's shape cannot take (the
-        message names every such parameter), a rule filters on ops and `uses` is missing, or a
-        rule asks for static activation bounds (use `calibrate`, or pass `uncalibrated=True`).
+        message names every such parameter), a rule filters on ops and `uses` is missing, a
+        rule asks for static activation bounds (use `calibrate`, or pass `uncalibrated=True`),
+        or (strict) no rule matches any parameter.
+    Warns:
+      UserWarning: when no rule matches any parameter (nothing would be quantized).
 
     Example:
       >>> import jax.numpy as jnp
@@ -115,21 +213,13 @@ def quantize_params(
       >>> type(q["dense"]["kernel"]).__name__, q["dense"]["bias"].shape
       ('QArray', (3,))
     """
-    recipe = as_recipe(recipe)
-    decisions = check_decisions(recipe, params, uses)
-    if recipe.rules and decisions and not any(d.quantized for d in decisions.values()):
-        # A preset's rules match parameters by name (e.g. ".*kernel"): a tree named otherwise
-        # would come back all float, which must not pass unnoticed.
-        names = ", ".join(repr(p) for p in list(decisions)[:5])
-        message = (
-            f"recipe {recipe.name!r} quantizes none of the {len(decisions)} parameters "
-            f"({names}{', ...' if len(decisions) > 5 else ''}): its rules match by path "
-            f"({', '.join(repr(r.path) for r in recipe.rules[:3])}); write a Recipe whose "
-            "Rule(path=...) names these parameters"
+    if kernel_layouts:
+        raise TypeError(
+            "quantize_params(kernel_layouts=True) is gone: lay weights out for the CPU kernels "
+            "with lowbit.prepare_for_kernels(fn, params, *example_args), which traces their use"
         )
-        if strict:
-            raise ValueError(message)
-        warnings.warn(message, stacklevel=3)
+    recipe = as_recipe(recipe)
+    decisions = check_decisions(recipe, params, uses, layout_axes)
     for d in decisions.values():
         rule = recipe.rules[d.rule_index] if d.quantized else None
         if rule is not None and rule.algorithm is not None:
@@ -140,6 +230,20 @@ def quantize_params(
                 "lowbit.algorithms.quantize_params(params, recipe, fn=..., calibration=batches) "
                 "(or lowbit.algorithms.quantize_model(model, recipe, calibration=batches))"
             )
+    if decisions and all(d.rule_index is None for d in decisions.values()):
+        # A preset's rules match parameters by name (e.g. ".*kernel"): a tree named otherwise
+        # would come back all float, which must not pass unnoticed.
+        names = ", ".join(repr(p) for p in sorted(decisions)[:5])
+        message = (
+            f"recipe {recipe.name!r} quantizes none of the {len(decisions)} parameters "
+            f"({names}{', ...' if len(decisions) > 5 else ''}): its rules match by path "
+            f"({', '.join(repr(r.path) for r in recipe.rules[:3])}); pass example inputs "
+            "(quantize_model(..., example_args=(x,))) so weights are found by use, or write a "
+            "Recipe whose Rule(path=...) names these parameters"
+        )
+        if strict:
+            raise ValueError(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
     if not uncalibrated:
         for d in decisions.values():
             rule = recipe.rules[d.rule_index] if d.quantized else None
@@ -160,8 +264,7 @@ def quantize_params(
             return leaf
         return quantize_weight(leaf, decision.config, recipe.rules[decision.rule_index])
 
-    out = map_params(one, params)
-    return attach_kernel_layouts(out) if kernel_layouts else out
+    return map_params(one, params)
 
 
 _PARAMS_OPTIONS = frozenset(inspect.signature(quantize_params).parameters) - {"params", "recipe"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from lowbit.cli._common import open_target, progress, step
+from lowbit.ops import logical_weights
 
 NAME = "export"
 HELP = "export a checkpoint or a model to a GGUF file that llama.cpp, Ollama and LM Studio run"
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             )
         with step(bar, f"writing {args.gguf}"):
             report = export_gguf(
-                target.params,
+                logical_weights(target.params),
                 args.gguf,
                 config=config,
                 type=args.type,

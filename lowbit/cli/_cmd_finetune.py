@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         recipe_label,
     )
     from lowbit.io import save_adapters, save_checkpoint
+    from lowbit.ops import logical_weights
 
     check_recipe_spec(args.recipe)
     alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
@@ -111,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         float_params = nnx.split(loaded.model)[1]
         with step(bar, f"quantizing with {args.recipe}"):
             params, recipe = quantize_variant(loaded, float_params, args.recipe)
+            params = logical_weights(params)  # the frozen base trains on logical QArrays
         text = read_text(args.text) if args.text else default_training_text()
         with step(bar, "tokenizing"):
             tokens = as_numpy_tokens(loaded.tokenizer, text)

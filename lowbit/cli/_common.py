@@ -166,6 +166,7 @@ def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None
                 "quantized parameters; drop --recipe"
             )
         from lowbit.io import has_adapters, load_adapted_checkpoint, read_manifest
+        from lowbit.ops import prepare_weights
 
         meta = read_manifest(target).get("metadata") or {}
         if META_MODEL not in meta:
@@ -179,6 +180,7 @@ def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None
         with step(bar, f"reading {target}"):
             # A `lowbit finetune` directory: the quantized base with its LoRA adapters.
             params = load_adapted_checkpoint(target)
+            params = prepare_weights(params, _variants.serving_axes(loaded)(params))
         label = str(meta.get(META_RECIPE, "custom"))
         return Target(
             loaded=loaded,

@@ -8,6 +8,7 @@ the same interpreter with parameters tagged by path (`Probe`) and reports each o
 (`Use`): parameter-use discovery and calibration statistics.
 """
 
+from lowbit.engine._axes import kernel_axes
 from lowbit.engine._interpreter import interpret, probe, trace_report
 from lowbit.engine._probe import Probe, Scaled, Use
 from lowbit.engine._report import EngineFallbackError, EngineReport
@@ -19,6 +20,7 @@ __all__ = [
     "Scaled",
     "Use",
     "interpret",
+    "kernel_axes",
     "probe",
     "trace_report",
 ]

@@ -20,7 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from lowbit.engine import _compat
-from lowbit.engine._values import is_lora_weight, is_qat_weight, is_quantized, value_signature
+from lowbit.engine._values import (
+    is_lora_weight,
+    is_qat_weight,
+    is_quantized,
+    logical,
+    value_signature,
+)
 from lowbit.qarray import QArray
 
 EvalFn = Callable[[Any, Any, Any], list[Any]]
@@ -53,6 +59,7 @@ def _abstract(values: list[Any]) -> list[Any]:
 # --- scan ---
 def _stack_parts(x: Any, length: int) -> tuple[Any, Callable[[Any], Any]]:
     """Splits a scanned-over value into (per-step leaves with leading axis `length`, rebuild)."""
+    x = logical(x)
     if is_qat_weight(x):
         parts, rebuild_q = _stack_parts(x.qarray, length)
         return (x.value, parts), lambda p: dataclasses.replace(

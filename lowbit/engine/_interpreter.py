@@ -28,7 +28,15 @@ from lowbit.engine import (
     _shard_map,
 )
 from lowbit.engine._report import EngineFallbackError, EngineReport, describe
-from lowbit.engine._values import NoRule, dequantize, is_quantized, logical_struct, map_layout
+from lowbit.engine._values import (
+    NoRule,
+    dequantize,
+    is_prepared,
+    is_quantized,
+    logical,
+    logical_struct,
+    map_layout,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,10 +50,17 @@ class Context:
     where: str = "unknown"
     # Set when probing parameters (`probe`): equations reading a `Probe` go to its rules.
     probe: _probe.ProbeState | None = None
+    # `kernel_axes`' record of which weights reach which linear layers (None: not probing).
+    axis_probe: Any = None
 
     def muted(self) -> Context:
         """A context for throwaway shape probes: counts go nowhere, fallbacks never raise."""
-        return Context(report=EngineReport(), strict=False, where=self.where)
+        return Context(
+            report=EngineReport(),
+            strict=False,
+            where=self.where,
+            axis_probe=self.axis_probe,
+        )
 
     def entering(self, eqn: Any) -> Context:
         """The context for the sub-jaxprs of `eqn`."""
@@ -123,21 +138,39 @@ def dequantize_counted(ctx: Context, eqn: Any, value: Any, reason: str) -> Any:
 
 
 # --- rules: layout ops ---
-def _layout(qarray_fn: Callable[..., Any], params_fn: Callable[[Any], dict[str, Any]]):
+def _layout(
+    qarray_fn: Callable[..., Any],
+    params_fn: Callable[[Any], dict[str, Any]],
+    keeps_weight: Callable[[Any, dict[str, Any]], bool] | None = None,
+):
     """A rule applying a QArray layout function to the first operand (the other operands, if
-    any, are ordinary arrays such as dynamic-slice starts or gather indices)."""
+    any, are ordinary arrays such as dynamic-slice starts or gather indices).
+
+    `keeps_weight(operand, kwargs)`: the op leaves a 2-D weight the same weight (a transpose,
+    cast or copy), so a `PreparedQArray` keeps its kernel layout through it; any other layout
+    op makes it logical first (counted in the report as ``"<op>:from_kernel_layout"``).
+    """
 
     def rule(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
         operand, *rest = invals
         if not is_quantized(operand) or any(is_quantized(v) for v in rest):
             raise NoRule("has a quantized value in a non-operand position")
         kwargs = params_fn(eqn)
+        name = _compat.primitive_name(eqn)
+        same = keeps_weight is not None and operand.ndim == 2 and keeps_weight(operand, kwargs)
+        if is_prepared(operand) and not same:
+            operand = logical(operand)
+            name += ":from_kernel_layout"
         out = map_layout(
             operand,
             lambda q: qarray_fn(q, *rest, **kwargs),
             lambda value: _compat.bind_eqn(eqn, [value, *rest])[0],
         )
-        ctx.report.record_layout(_compat.primitive_name(eqn))
+        if ctx.axis_probe is not None and same:
+            ctx.axis_probe.derive(
+                out, operand, flipped=tuple(kwargs.get("permutation", ())) == (1, 0)
+            )
+        ctx.report.record_layout(name)
         return [out]
 
     return rule
@@ -149,6 +182,14 @@ def _out_shape(eqn: Any) -> tuple[int, ...]:
 
 def _identity(q: Any) -> Any:
     return q
+
+
+def _always(q: Any, kwargs: dict[str, Any]) -> bool:
+    return True
+
+
+def _float_cast(q: Any, kwargs: dict[str, Any]) -> bool:
+    return bool(jax.numpy.issubdtype(kwargs["dtype"], jax.numpy.floating))
 
 
 def _dynamic_slice(q: Any, *starts: Any, slice_sizes: tuple[int, ...]) -> Any:
@@ -166,8 +207,44 @@ def _gather_rows(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
     A gathered row is an activation (token embeddings), not a weight: returning it packed would
     only move the dequantization to its first consumer, counted there as a fallback.
     """
+    table, *rest = invals
+    if is_prepared(table) and not any(is_quantized(v) for v in rest):
+        rows = _prepared_rows(table, rest[0], eqn)
+        if rows is not None:
+            ctx.report.record_layout("gather")
+            return [rows]
     (rows,) = _gather_packed(ctx, eqn, invals)
     return [dequantize(rows)]
+
+
+def _prepared_rows(table: Any, indices: Any, eqn: Any) -> Any:
+    """`jnp.take(table, ids, axis=a)` on a 2-D `PreparedQArray` along its non-contracted axis,
+    read from the kernel panels (a tied embedding's lookup), or None for other gathers."""
+    params = _compat.gather_params(eqn)
+    dn, sizes = params["dimension_numbers"], params["slice_sizes"]
+    row_axis = 1 - table.axis
+    if (
+        not table.gathers_rows
+        or tuple(dn.start_index_map) != (row_axis,)
+        or tuple(dn.collapsed_slice_dims) != (row_axis,)
+        or tuple(getattr(dn, "operand_batching_dims", ()))
+        or sizes[row_axis] != 1
+        or sizes[table.axis] != table.shape[table.axis]
+        or indices.shape[-1:] != (1,)
+    ):
+        return None
+    n = table.shape[row_axis]
+    ids = indices.reshape(-1).astype(jax.numpy.int32)
+    valid = (ids >= 0) & (ids < n)
+    rows = table.rows(jax.numpy.clip(ids, 0, n - 1)).dequantize()  # [M, K]
+    if _compat.is_fill_mode(params["mode"]):
+        fill = params["fill_value"] if params["fill_value"] is not None else float("nan")
+        rows = jax.numpy.where(valid[:, None], rows, jax.numpy.asarray(fill, rows.dtype))
+    out_shape = _out_shape(eqn)
+    offset = tuple(dn.offset_dims)
+    if offset != (len(out_shape) - 1,):
+        return None
+    return rows.reshape(out_shape)
 
 
 _RULES: dict[str, Callable[[Context, Any, list[Any]], list[Any]]] = {
@@ -175,7 +252,7 @@ _RULES: dict[str, Callable[[Context, Any, list[Any]], list[Any]]] = {
     "conv_general_dilated": _op_rules.conv_general_dilated,
     "ragged_dot_general": _op_rules.ragged_dot_general,
     "transpose": _layout(
-        _layout_rules.transpose, lambda e: {"permutation": e.params["permutation"]}
+        _layout_rules.transpose, lambda e: {"permutation": e.params["permutation"]}, _always
     ),
     "reshape": _layout(_layout_rules.reshape, lambda e: {"new_shape": _out_shape(e)}),
     "squeeze": _layout(_layout_rules.reshape, lambda e: {"new_shape": _out_shape(e)}),
@@ -200,9 +277,11 @@ _RULES: dict[str, Callable[[Context, Any, list[Any]], list[Any]]] = {
     ),
     "gather": _gather_rows,
     "convert_element_type": _layout(
-        _layout_rules.astype, lambda e: {"dtype": _compat.aval_of(e.outvars[0]).dtype}
+        _layout_rules.astype,
+        lambda e: {"dtype": _compat.aval_of(e.outvars[0]).dtype},
+        _float_cast,
     ),
-    "copy": _layout(_identity, lambda e: {}),
+    "copy": _layout(_identity, lambda e: {}, _always),
 }
 
 
@@ -210,7 +289,7 @@ _RULES: dict[str, Callable[[Context, Any, list[Any]], list[Any]]] = {
 def _jit(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
     body = _compat.call_body(eqn)
     run = lambda *args: eval_jaxpr(ctx, body, args)
-    if _compat.jit_options(eqn)["inline"]:
+    if _compat.jit_options(eqn)["inline"] or ctx.axis_probe is not None:
         return run(*invals)
     # A fresh closure per trace, so the counts of the inner trace land in this trace's report.
     return list(jax.jit(run)(*invals))
@@ -223,6 +302,8 @@ def _call(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
 def _remat(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
     body = _compat.call_body(eqn)
     run = lambda *args: eval_jaxpr(ctx, body, args)
+    if ctx.axis_probe is not None:
+        return run(*invals)
     return list(jax.checkpoint(run, **_compat.remat_options(eqn))(*invals))
 
 
@@ -257,7 +338,11 @@ def _stand_in(leaf: Any) -> jax.ShapeDtypeStruct:
 
 
 def interpret(
-    fn: Callable[..., Any], *, strict: bool = False, report: EngineReport | None = None
+    fn: Callable[..., Any],
+    *,
+    strict: bool = False,
+    report: EngineReport | None = None,
+    axis_probe: Any = None,
 ) -> Callable[..., Any]:
     """Wraps `fn` so that it runs with `QArray` / `QatWeight` values in its arguments.
 
@@ -266,6 +351,7 @@ def interpret(
       strict: raise `EngineFallbackError` instead of dequantizing a quantized value that meets a
         primitive without a rule.
       report: an `EngineReport` to fill at trace time (reset at the start of each trace).
+      axis_probe: internal (`kernel_axes`): an `AxisProbe` to record weight uses in.
     Returns:
       A function with the signature of `fn`. Any leaf of its argument pytrees may be a `QArray` or
       a `QatWeight` where `fn` expects a float array of the same shape and dtype. Array leaves are
@@ -300,7 +386,11 @@ def interpret(
         )
         target = report if report is not None else EngineReport()
         target.reset()
-        ctx = Context(report=target, strict=strict)
+        ctx = Context(report=target, strict=strict, axis_probe=axis_probe)
+        if axis_probe is not None:
+            for i in dynamic:
+                if is_quantized(leaves[i]):
+                    axis_probe.mark(leaves[i], i)
         outs = eval_jaxpr(ctx, closed_jaxpr, [leaves[i] for i in dynamic])
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 

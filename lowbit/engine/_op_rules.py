@@ -18,6 +18,7 @@ from lowbit.engine._values import (
     is_nm_sparse,
     is_qat_weight,
     is_quantized,
+    logical,
 )
 
 
@@ -57,6 +58,8 @@ def dot_general(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
             path = ops.dot_general_path(lhs, rhs, dimension_numbers)
             out = ops.dot_general(lhs, rhs, dimension_numbers, **kwargs)
     ctx.report.record_op("dot_general", path)
+    if ctx.axis_probe is not None:
+        ctx.axis_probe.record_dot(lhs, rhs, dimension_numbers)
     return [_match_aval(eqn, out)]
 
 
@@ -67,7 +70,7 @@ def _only_qarrays_and_qat(values: list[Any], primitive: str) -> None:
 
 
 def conv_general_dilated(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
-    lhs, rhs = invals
+    lhs, rhs = invals = [logical(v) for v in invals]
     _only_qarrays_and_qat(invals, "conv")
     with _compat.eqn_context(eqn):
         if is_qat_weight(lhs) or is_qat_weight(rhs):
@@ -81,7 +84,7 @@ def conv_general_dilated(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
 
 
 def ragged_dot_general(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
-    lhs, rhs, group_sizes = invals
+    lhs, rhs, group_sizes = invals = [logical(v) for v in invals]
     _only_qarrays_and_qat(invals, "ragged_dot")
     if is_quantized(group_sizes):
         raise NoRule("received quantized group sizes")

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec
 
 from lowbit.engine import _compat
 from lowbit.engine._layout_rules import LayoutUnsupported, codes_per_group
-from lowbit.engine._values import is_lora_weight, is_qat_weight, is_quantized
+from lowbit.engine._values import is_lora_weight, is_qat_weight, is_quantized, logical
 from lowbit.qarray import QArray
 
 
@@ -78,6 +78,7 @@ def _split(x: Any, spec: PartitionSpec, mesh: Any) -> tuple[Any, Any, Callable]:
             (spec, specs),
             lambda local: dataclasses.replace(x, value=local[0], qarray=rebuild_q(local[1])),
         )
+    x = logical(x)
     if isinstance(x, QArray):
         return _split_qarray(x, spec, mesh)
     return x, spec, lambda local: local

@@ -8,6 +8,9 @@ so both stay consistent. A `LoraWeight` keeps only layout ops that leave its sha
 dtype casts of the base); others dequantize it (the merged weight, counted). So does an
 `lowbit.ops.Fp8Weight` (a float weight with fp8 amax histories). An N:M sparse weight
 (`lowbit.qarray.NMSparse`) has no kernel yet: every op dequantizes it to dense, counted.
+A `lowbit.ops.PreparedQArray` (a served weight held in the CPU kernels' layout instead of its
+codes) keeps its layout through transposes and casts and becomes its logical `QArray` for any
+other layout op.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lowbit.ops import Fp8Weight, LoraWeight, QatWeight
+from lowbit.ops import Fp8Weight, LoraWeight, PreparedQArray, QatWeight
 from lowbit.qarray import NMSparse, QArray
 
 
@@ -40,13 +43,22 @@ def is_fp8_weight(x: Any) -> bool:
 
 
 def is_quantized(x: Any) -> bool:
-    """True for the values the engine treats specially: `QArray`, `QatWeight`, `LoraWeight`,
-    `Fp8Weight`."""
-    return isinstance(x, QArray | QatWeight | LoraWeight | Fp8Weight | NMSparse)
+    """True for the values the engine treats specially: `QArray`, `PreparedQArray`,
+    `QatWeight`, `LoraWeight`, `Fp8Weight`."""
+    return isinstance(x, QArray | PreparedQArray | QatWeight | LoraWeight | Fp8Weight | NMSparse)
 
 
 def is_nm_sparse(x: Any) -> bool:
     return isinstance(x, NMSparse)
+
+
+def is_prepared(x: Any) -> bool:
+    return isinstance(x, PreparedQArray)
+
+
+def logical(x: Any) -> Any:
+    """A `PreparedQArray` as its logical `QArray` (a pass over its layout); others as they are."""
+    return x.logical() if isinstance(x, PreparedQArray) else x
 
 
 def logical_struct(x: Any) -> jax.ShapeDtypeStruct:
@@ -69,14 +81,14 @@ def map_layout(x: Any, qarray_fn, float_fn) -> Any:
     """Applies a layout op to a quantized value.
 
     Args:
-      x: a `QArray` or `QatWeight`.
+      x: a `QArray`, `PreparedQArray` (made logical first) or `QatWeight`.
       qarray_fn: QArray → QArray (may raise `LayoutUnsupported`).
       float_fn: float array → float array, the same op on ordinary values.
     Returns:
       a value of the same kind as `x`.
     """
-    if isinstance(x, QArray):
-        return qarray_fn(x)
+    if isinstance(x, QArray | PreparedQArray):
+        return qarray_fn(logical(x))
     if is_nm_sparse(x):
         raise NoRule("is N:M sparse (compressed); it runs dense")
     if is_lora_weight(x):

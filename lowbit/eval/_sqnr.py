@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit.eval._tree import named_leaves
+from lowbit.ops import PreparedQArray
 from lowbit.qarray import QArray, QuantConfig, quantize
 
 
@@ -56,6 +57,8 @@ def _pairs(float_params: Any, quant_params: Any) -> list[tuple[str, jax.Array, Q
     floats = named_leaves(float_params)
     pairs = []
     for path, leaf in named_leaves(quant_params).items():
+        if isinstance(leaf, PreparedQArray):
+            leaf = leaf.logical()
         if not isinstance(leaf, QArray):
             continue
         if path not in floats:

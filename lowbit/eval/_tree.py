@@ -8,7 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.qarray import QArray, is_qarray
+from lowbit.ops import PreparedQArray
+from lowbit.qarray import QArray
+
+
+def is_quantized_leaf(x: Any) -> bool:
+    """A quantized weight, logical (`QArray`) or laid out for the kernels (`PreparedQArray`)."""
+    return isinstance(x, QArray | PreparedQArray)
+
 
 # Attribute keys that wrap a value (an NNX `Variable`'s `.value`) rather than name a parameter.
 _WRAPPER_KEYS = frozenset({"value", "raw_value"})
@@ -29,7 +36,7 @@ def named_leaves(tree: Any) -> dict[str, Any]:
     Returns:
       ``{path: leaf}`` in flattening order, e.g. ``{"layers/0/mlp/up_proj/kernel": QArray}``.
     """
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_qarray)
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized_leaf)
     named = {}
     for path, leaf in flat:
         parts = [_key_name(k) for k in path]
@@ -41,7 +48,7 @@ def named_leaves(tree: Any) -> dict[str, Any]:
 
 def leaf_bytes(leaf: Any) -> int:
     """Bytes a leaf stores: `QArray.nbytes` (codes, scales, zero points) or the array's size."""
-    if isinstance(leaf, QArray):
+    if is_quantized_leaf(leaf):
         return leaf.nbytes
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         return int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
@@ -57,8 +64,8 @@ def float32_bytes(tree: Any) -> int:
     """Bytes the same parameters take as float32 (4 bytes per logical element)."""
     total = 0
     for leaf in named_leaves(tree).values():
-        if isinstance(leaf, QArray):
-            total += 4 * leaf.size
+        if is_quantized_leaf(leaf):
+            total += 4 * int(np.prod(leaf.shape))
         elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
             if jnp.issubdtype(leaf.dtype, jnp.floating):
                 total += 4 * int(np.prod(leaf.shape))

@@ -190,7 +190,9 @@ def quantize_variant(
         from lowbit.io import import_gguf
 
         mapping = _models().gguf_llama_param_map(loaded.model.config)
-        params, _ = import_gguf(loaded.gguf_path, name_map=mapping.get)
+        params, _ = import_gguf(
+            loaded.gguf_path, name_map=mapping.get, kernel_axes=serving_axes(loaded)
+        )
         return params, None
     from lowbit.api import quantize_params
 
@@ -198,7 +200,7 @@ def quantize_variant(
     if recipe_spec == FLOAT_RECIPE:
         return pure, recipe
     if not any(r.algorithm is not None for r in recipe.rules):
-        return quantize_params(pure, recipe), recipe
+        return _served(loaded, quantize_params(pure, recipe)), recipe
     from lowbit.algorithms import algorithm_weights, capture, quantize_with_report, sample_rows
     from lowbit.eval import _calibration_set as calib
     from lowbit.eval._corpus import read_text
@@ -233,12 +235,33 @@ def quantize_variant(
                 on_batch=progress,
             ),
         )
-    params, report = quantize_with_report(
-        pure, recipe, statistics=statistics, on_weight=on_weight
-    )
+    params, report = quantize_with_report(pure, recipe, statistics=statistics, on_weight=on_weight)
     if on_report is not None:
         on_report(report)
-    return params, recipe
+    return _served(loaded, params), recipe
+
+
+def _served(loaded: LoadedModel, params: Any) -> Any:
+    """`params` with the weights the CPU kernels run laid out for them (replacing the codes)."""
+    from lowbit.ops import prepare_weights
+
+    return prepare_weights(params, serving_axes(loaded)(params))
+
+
+def serving_axes(loaded: LoadedModel) -> Any:
+    """``params -> {key path: contraction axis}`` of the model's forward, traced abstractly:
+    what `load_checkpoint` / `import_gguf` / `prepare_weights` need to lay the quantized
+    weights out for the CPU kernels once (in place of their codes)."""
+    import jax
+    import jax.numpy as jnp
+
+    from lowbit.api import kernel_axes_of
+
+    graphdef = nnx.graphdef(loaded.model)
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    if loaded.kind == "lm":
+        return lambda p: kernel_axes_of(lambda s, t: nnx.merge(graphdef, s)(t), p, tokens)
+    return lambda p: kernel_axes_of(lambda s, t, m: nnx.merge(graphdef, s)(t, m), p, tokens, tokens)
 
 
 def as_numpy_tokens(tokenizer: Any, text: str) -> np.ndarray:

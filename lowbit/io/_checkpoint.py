@@ -66,12 +66,24 @@ from lowbit.io._safetensors_file import (
     write_safetensors,
 )
 from lowbit.io._tree import encode_tree, leaf_shapes, path_name
-from lowbit.ops import attach_kernel_layouts
+from lowbit.ops import prepare_leaves
+from lowbit.qarray import is_qarray
 
 # The tensor file's header records the sha256 of the manifest's bytes under this key, so the
 # manifest (tree, formats, dtypes, shapes, per-tensor digests, recipe, metadata: every field,
 # however the manifest lists them) is covered by the same integrity check as the tensors.
 MANIFEST_DIGEST_KEY = "lowbit.manifest_sha256"
+
+
+def check_kernel_layouts(kernel_layouts: bool) -> None:
+    """The former ``kernel_layouts=True`` guessed contraction axes; they must now be given."""
+    if kernel_layouts:
+        raise TypeError(
+            "kernel_layouts=True is gone: kernel layouts replace the codes and need each "
+            "weight's contraction axis from a traced use; pass kernel_axes= (e.g. "
+            "lambda p: lowbit.api.kernel_axes_of(fn, p, *example_args)), or call "
+            "lowbit.prepare_for_kernels(fn, params, *example_args) after loading"
+        )
 
 
 def _sha256(array: np.ndarray) -> str:
@@ -299,7 +311,8 @@ def load_checkpoint(
     like: Any = None,
     recipe: Any = None,
     sharding: Any = None,
-    kernel_layouts: bool = True,
+    kernel_axes: Any = None,
+    kernel_layouts: bool = False,
 ) -> Any:
     """Loads a checkpoint written by `save_checkpoint`, straight into QArrays.
 
@@ -315,8 +328,14 @@ def load_checkpoint(
         ``(path, role, shape) -> Sharding | None`` called per stored tensor (``path`` the leaf's
         key tuple, ``role`` ``"value"`` for plain arrays or a QArray field such as ``"codes"``,
         ``shape`` the stored shape), e.g. to shard codes and scales alike along one axis.
-      kernel_layouts: also build the CPU kernels' weight layout for the QArrays a kernel will
-        run (`lowbit.ops.attach_kernel_layouts`; checkpoints store only the logical form).
+      kernel_axes: lay the weights out for the CPU kernels as they load
+        (`lowbit.ops.prepare_weights`): a mapping {key path: contraction axis}, or a function
+        called with the checkpoint's abstract tree (QArrays of shape structs, before any data
+        is read) that returns one, e.g. ``lambda p: lowbit.api.kernel_axes_of(fn, p, x)``.
+        Each prepared weight replaces its codes as soon as it is read, so the tree is
+        resident once. None (default): logical QArrays.
+      kernel_layouts: False only (the logical form); kept for callers of the former API.
+        Layouts need the contraction axes: pass `kernel_axes`.
     Returns:
       The params tree, with dicts, lists and tuples as saved (``nnx.State`` comes back as a
       dict) and `QArray`s holding the stored codes.
@@ -346,10 +365,22 @@ def load_checkpoint(
         for name, entry in entries.items():
             _verify(f, entry, digests[name], data_file)
         # Every QArray's invariants, on shapes alone.
-        build_tree(plan, {n: jax.ShapeDtypeStruct(s, d) for n, (d, s) in plan.tensors.items()})
+        abstract = build_tree(
+            plan, {n: jax.ShapeDtypeStruct(s, d) for n, (d, s) in plan.tensors.items()}
+        )
+        if callable(kernel_axes):
+            kernel_axes = kernel_axes(abstract)
+        del abstract
         arrays = _read_arrays(f, plan, entries, digests, sharding, data_file)
     tree = build_tree(plan, arrays)
-    return attach_kernel_layouts(tree) if kernel_layouts else tree
+    if kernel_axes is None:
+        return tree
+    # Only `flat` references the weights now: each one's codes are freed as it is prepared.
+    del arrays
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_qarray)
+    del tree
+    prepare_leaves(flat, kernel_axes)
+    return jax.tree_util.tree_unflatten(treedef, [leaf for _, leaf in flat])
 
 
 def _check_tensor_file(plan: Any, entries: dict[str, Any], data_file: str) -> dict[str, Any]:

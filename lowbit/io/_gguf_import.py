@@ -37,10 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit.formats import GGUF_BLOCK_FORMATS, get_format, gguf_decode
+from lowbit.io._checkpoint import check_kernel_layouts
 from lowbit.io._placement import NameMap, Placement, nest, resolve
 from lowbit.models import GGUFTensor, read_gguf, unpermute_rope_rows
-from lowbit.ops import attach_kernel_layouts
-from lowbit.qarray import QArray
+from lowbit.ops import prepare_leaves
+from lowbit.qarray import QArray, is_qarray
 
 DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 BLOCK_TYPES = tuple(f.ggml_type for f in GGUF_BLOCK_FORMATS)
@@ -174,7 +175,8 @@ def import_gguf(
     *,
     name_map: NameMap | None = None,
     quantized: bool = True,
-    kernel_layouts: bool = True,
+    kernel_axes: Any = None,
+    kernel_layouts: bool = False,
 ) -> tuple[dict[Any, Any], dict[str, Any]]:
     """Reads a GGUF file into a params tree, keeping quantized tensors quantized as stored.
 
@@ -185,8 +187,11 @@ def import_gguf(
         ``[in, out]`` and un-interleave RoPE rows). Without one, the result is flat and keyed
         by GGUF name, in GGUF layout.
       quantized: False dequantizes every tensor to float32 instead.
-      kernel_layouts: also build the CPU kernels' weight layout for the QArrays a kernel will
-        run, as placed (`lowbit.ops.attach_kernel_layouts`).
+      kernel_axes: lay the weights out for the CPU kernels (`lowbit.ops.prepare_weights`):
+        {key path: contraction axis}, or a function of the placed (logical) tree returning
+        one, e.g. ``lambda p: lowbit.api.kernel_axes_of(fn, p, tokens)``; the layouts
+        replace the codes. None (default): logical QArrays.
+      kernel_layouts: False only (the logical form), as for `load_checkpoint`.
     Returns:
       ``(params, metadata)``: nested dicts of `QArray`s (`DIRECT_TYPES` and `BLOCK_TYPES`)
       and float32 arrays (other types); the file's key/value metadata.
@@ -195,6 +200,7 @@ def import_gguf(
         one path.
       TypeError: if `name_map` returns something other than the accepted kinds.
     """
+    check_kernel_layouts(kernel_layouts)
     gguf_file = read_gguf(path)
     placed = []
     for name, tensor in gguf_file.tensors.items():
@@ -202,6 +208,12 @@ def import_gguf(
         if placement is not None:
             placed.append((placement.path, _place(tensor, placement, quantized)))
     params = nest(placed)
-    if kernel_layouts:
-        params = attach_kernel_layouts(params)
-    return params, gguf_file.metadata
+    del placed
+    if kernel_axes is None:
+        return params, gguf_file.metadata
+    if callable(kernel_axes):
+        kernel_axes = kernel_axes(params)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_qarray)
+    del params
+    prepare_leaves(flat, kernel_axes)
+    return jax.tree_util.tree_unflatten(treedef, [leaf for _, leaf in flat]), gguf_file.metadata

@@ -27,7 +27,7 @@ from lowbit.formats import get_format
 from lowbit.io._config_dict import quant_config_from_dict
 from lowbit.io._safetensors_file import DTYPES, dtype_from_name
 from lowbit.io._tree import QARRAY_ROLES, Key, Path, path_name
-from lowbit.qarray import NMSparse, QArray
+from lowbit.qarray import META_FIELDS, NMSparse, QArray
 from lowbit.qarray._sparse import meta_bits
 
 FORMAT_NAME = "lowbit.checkpoint"
@@ -185,16 +185,7 @@ def _item_key(item: Any, at: str) -> Key:
 
 
 def _check_qarray(node: Mapping[str, Any], at: str) -> None:
-    expected = {
-        "kind",
-        "tensors",
-        "format",
-        "shape",
-        "dtype",
-        "packed_axis",
-        "scale_encoding",
-        "activation",
-    }
+    expected = {"kind", "tensors", *META_FIELDS}
     if set(node) != expected:
         raise CheckpointError(f"{at}: qarray keys {sorted(node)} != {sorted(expected)}")
     if not isinstance(node["format"], str):
@@ -278,15 +269,8 @@ def build_tree(plan: Plan, arrays: Mapping[str, Any]) -> Any:
             values = walk(node["values"], (*path, "values"))
             return _build_nm_sparse(node, values, arrays[node["meta"]], path)
         roles = node["tensors"]
-        activation = node["activation"]
-        q = QArray(
-            **{role: arrays[roles[role]] if role in roles else None for role in QARRAY_ROLES},
-            format=node["format"],
-            shape=tuple(node["shape"]),
-            dtype=DTYPES[node["dtype"]],
-            packed_axis=node["packed_axis"],
-            scale_encoding=node["scale_encoding"],
-            activation=None if activation is None else quant_config_from_dict(activation),
+        q = QArray.from_manifest(
+            node, {role: arrays[name] for role, name in roles.items()}, quant_config_from_dict
         )
         try:
             q.check()

@@ -15,9 +15,11 @@ from flax import nnx
 
 from lowbit.io._config_dict import quant_config_to_dict
 from lowbit.io._safetensors_file import DTYPES
-from lowbit.qarray import NMSparse, QArray
+from lowbit.ops import PreparedQArray
+from lowbit.qarray import DATA_FIELDS, NMSparse, QArray
 
-QARRAY_ROLES = ("codes", "scale", "zero_point", "tensor_scale", "activation_bounds")
+# A QArray's tensor roles are its data fields; its metadata is its own manifest encoding.
+QARRAY_ROLES = DATA_FIELDS
 
 Key = str | int
 Path = tuple[Key, ...]
@@ -56,6 +58,9 @@ def encode_tree(params: Any) -> tuple[dict[str, Any], dict[str, tuple[Path, str,
             node = node.get_value()
         if node is None:
             return {"kind": "none"}
+        if isinstance(node, PreparedQArray):
+            # Checkpoints hold the logical form only: recovered from the kernel layout here.
+            node = node.logical()
         if isinstance(node, NMSparse):
             return {
                 "kind": "nm_sparse",
@@ -68,21 +73,9 @@ def encode_tree(params: Any) -> tuple[dict[str, Any], dict[str, tuple[Path, str,
                 "meta": add(path, "meta", node.meta),
             }
         if isinstance(node, QArray):
-            meta = {
-                "kind": "qarray",
-                "format": node.format,
-                "shape": list(node.shape),
-                "dtype": np.dtype(node.dtype).name,
-                "packed_axis": node.packed_axis,
-                "scale_encoding": node.scale_encoding,
-                "activation": None
-                if node.activation is None
-                else quant_config_to_dict(node.activation),
-            }
+            meta = {"kind": "qarray", **node.manifest_metadata(quant_config_to_dict)}
             meta["tensors"] = {
-                role: add(path, role, getattr(node, role))
-                for role in QARRAY_ROLES
-                if getattr(node, role) is not None
+                role: add(path, role, array) for role, array in node.manifest_tensors().items()
             }
             return meta
         if isinstance(node, Mapping):
@@ -133,7 +126,7 @@ def leaf_shapes(like: Any) -> dict[Path, tuple[int, ...] | None]:
             node = node.get_value()
         if node is None:
             return
-        if isinstance(node, QArray):
+        if isinstance(node, QArray | PreparedQArray):
             out[path] = tuple(node.shape)
         elif isinstance(node, Mapping):
             for key, child in node.items():

@@ -38,6 +38,7 @@ from lowbit.kernels._layout import (
     W8A8_MAX_K,
     PreparedWeight,
     prepare,
+    prepared_columns,
     prepared_to_logical,
 )
 from lowbit.kernels._native import available, set_isa, status, supported_isas
@@ -60,6 +61,7 @@ __all__ = [
     "PreparedWeight",
     "available",
     "prepare",
+    "prepared_columns",
     "prepared_to_logical",
     "quantize_per_token",
     "set_isa",

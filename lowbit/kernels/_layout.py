@@ -312,3 +312,29 @@ def prepared_to_logical(w: PreparedWeight) -> dict[str, jax.Array | None]:
         codes = c ^ 8 if KERNEL_KINDS[w.kind].zero_point == "fixed8" else c
     zp = header(4 * PANEL) if KERNEL_KINDS[w.kind].zero_point == "per_group" else None
     return {"codes": codes, "scale": header(0), "zero_point": zp}
+
+
+@jax.jit
+def prepared_columns(w: PreparedWeight, cols: jax.Array) -> dict[str, jax.Array | None]:
+    """Columns `cols` of a prepared weight in logical form, reading only their panels.
+
+    cols: [M] int in [0, N). Returns {"codes": [K, M], "scale": [G, M], "zero_point": [G, M] |
+    None}, as `prepared_to_logical(w)` restricted to those columns (G = 1 per channel).
+    """
+    cols = jnp.asarray(cols, jnp.int32)
+    panels, lane = cols // PANEL, cols % PANEL
+
+    def one(data, lane, scale):
+        panel = dataclasses.replace(w, n=PANEL, data=data[None], scale=scale, colsum=None)
+        part = prepared_to_logical(panel)
+        pick = lambda a: None if a is None else a[:, lane]
+        return {k: pick(v) for k, v in part.items()}
+
+    scale = None
+    if w.kind == "w8a8":
+        padded = jnp.pad(w.scale, (0, w.data.shape[0] * PANEL - w.n))
+        scale = jax.vmap(lambda p: jax.lax.dynamic_slice(padded, (p * PANEL,), (PANEL,)))(panels)
+    out = jax.vmap(one, in_axes=(0, 0, None if scale is None else 0), out_axes=1)(
+        w.data[panels], lane, scale
+    )
+    return {k: None if v is None else v.reshape(v.shape[0], -1) for k, v in out.items()}

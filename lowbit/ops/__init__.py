@@ -4,6 +4,8 @@ Each op takes the arguments of its `jax.lax` primitive (the jaxpr equation param
 `QArray` (PTQ), `QatWeight` (QAT) or `LoraWeight` (adapters) where a float array would be, and
 has a `*_reference` twin (dequantize, then the float op) and a `*_path` function naming the
 implementation it picks.
+Served weights may be `PreparedQArray`s (`prepare_weights`): the CPU kernels' layout in place
+of the codes, used by the linear layer they were prepared for, logical everywhere else.
 """
 
 from lowbit.ops._conv import (
@@ -12,12 +14,8 @@ from lowbit.ops._conv import (
     conv_general_dilated_reference,
 )
 from lowbit.ops._conv_qat import qat_conv_general_dilated
-from lowbit.ops._cpu_kernels import (
-    KERNEL_PATHS,
-    MIN_WEIGHT_ELEMENTS,
-    attach_kernel_layout,
-    attach_kernel_layouts,
-)
+from lowbit.ops._cpu_kernels import KERNEL_PATHS, MIN_WEIGHT_ELEMENTS
+from lowbit.ops._cpu_kernels import contract_axis as linear_contraction_axis
 from lowbit.ops._dot_general import PATHS, dot_general, dot_general_path, dot_general_reference
 from lowbit.ops._fp8_scaling import (
     Fp8LayoutError,
@@ -35,6 +33,14 @@ from lowbit.ops._lora_weight import (
     lora_init,
 )
 from lowbit.ops._operand import quantize_activation
+from lowbit.ops._prepared import (
+    PreparedQArray,
+    is_prepared,
+    logical_weights,
+    prepare_leaves,
+    prepare_weight,
+    prepare_weights,
+)
 from lowbit.ops._qat import qat_dot_general
 from lowbit.ops._qat_weight import QatWeight, is_qat_weight, qat_weight
 from lowbit.ops._ragged_dot import (
@@ -55,9 +61,8 @@ __all__ = [
     "LoraWeight",
     "MIN_WEIGHT_ELEMENTS",
     "PATHS",
+    "PreparedQArray",
     "QatWeight",
-    "attach_kernel_layout",
-    "attach_kernel_layouts",
     "conv_general_dilated",
     "conv_general_dilated_path",
     "conv_general_dilated_reference",
@@ -66,10 +71,16 @@ __all__ = [
     "dot_general_reference",
     "fp8_dot_general",
     "is_lora_weight",
+    "is_prepared",
     "is_qat_weight",
+    "linear_contraction_axis",
+    "logical_weights",
     "lora_dot_general",
     "lora_dot_general_path",
     "lora_init",
+    "prepare_leaves",
+    "prepare_weight",
+    "prepare_weights",
     "qat_conv_general_dilated",
     "qat_dot_general",
     "qat_ragged_dot_general",

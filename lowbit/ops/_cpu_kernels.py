@@ -36,13 +36,11 @@ A per-tensor scale (`[1, 1]`) counts as per channel (broadcast to `[1, N]`). A w
 ``x @ E.T``) is routed as its transpose.
 
 Kernel layout. The kernels read their own packed layout (`lowbit.kernels.prepare`: column
-panels with the group scales inline, nibbles paired along K). `attach_kernel_layout` builds it
-once, at quantize or load time, and stores it on the QArray (`QArray.kernel`, for contraction
-over `QArray.kernel_axis`); a routed call then costs only the kernel. Without a stored layout
-(a weight built by hand, or one reshaped or sliced since) the layout is built inside the traced
-call, on every call: correct, but a full pass over the codes each time. The stored layout is a
-second copy of the weight (the logical codes stay, for every other backend and layout op), so
-resident memory is about twice the packed size; checkpoints store only the logical form.
+panels with the group scales inline, nibbles paired along K). Served weights are prepared once,
+by `lowbit.ops.prepare_weights`, into a `PreparedQArray` that holds that layout instead of the
+codes; a routed call on one costs only the kernel. A logical QArray reaching a kernel route
+(a weight nobody prepared, or one reshaped or sliced since) has its layout built inside the
+traced call, on every call: correct, but a full pass over the codes each time.
 """
 
 from __future__ import annotations
@@ -65,7 +63,8 @@ KERNEL_PATHS = tuple(f"cpu_kernel_{kind}" for kind in kernels.KINDS)
 MIN_WEIGHT_ELEMENTS = 1 << 16
 """Smallest weight (K * N) routed to a kernel, e.g. 256 x 256."""
 
-_FLOATS = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+FLOAT_ACTIVATIONS = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+_FLOATS = FLOAT_ACTIVATIONS
 # Element format name -> kernel kind of a weight without activation quantization.
 # GGUF Q4_K / Q6_K blocks run through their grouped-integer view (scales and minimums decoded
 # when the layout is built).
@@ -124,7 +123,7 @@ def _weight_kind(q: QArray) -> tuple[str, bool] | None:
     return kind, False
 
 
-def _contract_axis(lhs: Any, rhs: QArray, dimension_numbers) -> int | None:
+def contract_axis(lhs: Any, rhs: QArray, dimension_numbers) -> int | None:
     """The rhs axis a plain linear contracts (0 for `[K, N]`, 1 for `[N, K]`), or None."""
     (lc, rc), (lb, rb) = dimension_numbers
     if rhs.ndim != 2 or lhs.ndim < 1 or lb or rb or lc != (lhs.ndim - 1,):
@@ -191,19 +190,80 @@ def kernel_route(
         return None
     if not hasattr(lhs, "dtype") or np.dtype(lhs.dtype) not in _FLOATS:
         return None
-    axis = _contract_axis(lhs, rhs, dimension_numbers)
+    axis = contract_axis(lhs, rhs, dimension_numbers)
     if axis is None:
         return None
     return weight_route(rhs, axis)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _prepare(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
-    """Builds the kernel layout of `q` ([K, N], contracted over axis 0).
+# Columns per step when a layout is built in slices (a multiple of the kernels' 16-column panels).
+_CHUNK_COLUMNS = 1024
 
-    One compiled program: unpacking and repacking fuse, so building layouts at load time needs
-    no weight-sized temporaries in float.
+
+@functools.partial(jax.jit, static_argnums=1)
+def prepare_layout(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
+    """Builds the kernel layout of `q` ([K, N], or [N, K] when `route.transposed`).
+
+    One compiled program. Panels of 16 columns are independent, so a wide weight is laid out
+    `_CHUNK_COLUMNS` columns at a time (a `lax.map`): the unpacked codes and repacking
+    temporaries of one slice are alive at once, not of the whole weight, which keeps the peak
+    memory of preparing at load time near the size of the result.
     """
+    axis = 1 if route.transposed else 0  # q's contracted axis; the other one is N
+    k, n = q.shape[axis], q.shape[1 - axis]
+    chunk = _CHUNK_COLUMNS
+    packed_n = q.packed_axis == 1 - axis
+    if (
+        n <= chunk
+        or n % chunk
+        or isinstance(q.fmt, GGUFBlockFormat)
+        or (packed_n and q.codes.shape[1 - axis] * 2 != n)
+    ):
+        return _prepare_dense(q.T if route.transposed else q, route)
+    # Slice the stored array along N first, then orient the slice: a transposed weight (a
+    # tied embedding) is never transposed whole.
+    parts = jax.lax.map(
+        lambda j: _prepare_dense(_oriented_slice(q, j * chunk, chunk, axis), route),
+        jnp.arange(n // chunk),
+    )
+    join = lambda a: None if a is None else a.reshape(-1, *a.shape[2:])
+    return kernels.PreparedWeight(
+        route.kind,
+        k,
+        n,
+        route.group_size,
+        parts.storage_group,
+        join(parts.data),
+        join(parts.scale),
+        join(parts.colsum),
+    )
+
+
+def _oriented_slice(q: QArray, start: jax.Array, size: int, axis: int) -> QArray:
+    """[K, size]: entries [start, start + size) of q's non-contracted axis, oriented [K, N]
+    (`size` a multiple of every block; `axis` the contracted one)."""
+    along = 1 - axis
+    n = q.shape[along]
+
+    def part(a: jax.Array | None) -> jax.Array | None:
+        if a is None or a.shape[along] == 1:
+            return a
+        per = n // a.shape[along]
+        return jax.lax.dynamic_slice_in_dim(a, start // per, size // per, axis=along)
+
+    shape = list(q.shape)
+    shape[along] = size
+    piece = dataclasses.replace(
+        q,
+        codes=part(q.codes),
+        scale=part(q.scale),
+        zero_point=part(q.zero_point),
+        shape=tuple(shape),
+    )
+    return piece.T if axis == 1 else piece
+
+
+def _prepare_dense(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
     k, n = q.shape
     rows = 1 if route.group_size is None else k // route.group_size
     if isinstance(q.fmt, GGUFBlockFormat):
@@ -224,12 +284,13 @@ def _prepare(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
     return kernels.prepare(route.kind, codes, scale, zero_point, route.group_size)
 
 
-def kernel_linear(x: jax.Array, q: QArray, route: KernelRoute, out_dtype: Any) -> jax.Array:
+def kernel_linear(x: jax.Array, q: Any, route: KernelRoute, out_dtype: Any) -> jax.Array:
     """`x @ q` through a CPU kernel (forward only; `dot_general` adds the gradient).
 
     Args:
       x: [..., K] float32 | bfloat16.
-      q: QArray [K, N] (or [N, K] when `route.transposed`) accepted by `kernel_route`.
+      q: QArray [K, N] (or [N, K] when `route.transposed`) accepted by `kernel_route`, or a
+        `PreparedQArray` prepared for that contraction (its layout is used as it is).
       route: from `kernel_route(x, q, ...)`.
       out_dtype: output dtype; float32 and bfloat16 come out of the kernel directly, other
         float dtypes are cast from float32.
@@ -238,77 +299,12 @@ def kernel_linear(x: jax.Array, q: QArray, route: KernelRoute, out_dtype: Any) -
     """
     out_dtype = np.dtype(out_dtype)
     kernel_out = out_dtype if out_dtype in _FLOATS else np.dtype(jnp.float32)
-    if route.transposed:
-        q = q.T
-    weight = stored_layout(q, route)
-    if weight is None:
-        weight = _prepare(q, route)
+    if isinstance(q, QArray):
+        weight = prepare_layout(q, route)
+    else:
+        weight = q.weight
     if route.kind == "w8a8":
         y = kernels.w8a8_linear(x, weight, out_dtype=kernel_out)
     else:
         y = kernels.weight_only_linear(x, weight, out_dtype=kernel_out)
     return y.astype(out_dtype)
-
-
-def stored_layout(q: QArray, route: KernelRoute) -> kernels.PreparedWeight | None:
-    """The kernel layout stored on `q` ([K, N]) if it is the one `route` needs, else None."""
-    w = q.kernel
-    if not isinstance(w, kernels.PreparedWeight) or q.kernel_axis != 0:
-        return None
-    if (w.kind, w.k, w.n, w.group_size) != (route.kind, *q.shape, route.group_size):
-        return None
-    return w
-
-
-def default_kernel_axis(q: QArray) -> int:
-    """The axis a 2-D weight is most likely contracted over, judged from its scale layout.
-
-    A scale that is constant along one axis only (`[1, N]` per channel, `[K/g, N]` grouped)
-    marks the other as the output axis; so a per-row `[V, 1]` embedding is contracted over
-    axis 1 (``x @ E.T``), like one grouped along its rows (`[V, D/g]`). Otherwise (per tensor,
-    2-D blocks) axis 0, the Flax `[in, out]` kernel.
-    """
-    rows, cols = q.scale.shape
-    k, n = q.shape
-    if rows == k and k > 1 and cols < n:
-        return 1
-    return 0
-
-
-def attach_kernel_layout(q: Any, axis: int | None = None) -> Any:
-    """`q` with the CPU kernel layout stored on it, when a kernel would run it.
-
-    Anything else (a float array, a QArray that is not 2-D, a format, scale layout or size no
-    kernel takes, a non-CPU backend, kernels disabled) is returned unchanged, as is a QArray
-    that already stores the layout asked for.
-
-    Args:
-      q: a QArray `[K, N]` (contracted over `axis`) or any other value.
-      axis: the contraction axis (0 or 1); default `default_kernel_axis(q)`, or the other
-        axis if only that one has a kernel layout.
-    Returns:
-      A QArray with `kernel` / `kernel_axis` set, or `q`.
-    """
-    if not isinstance(q, QArray) or q.ndim != 2:
-        return q
-    if axis is not None and axis not in (0, 1):
-        raise ValueError(f"axis={axis!r}: a 2-D weight is contracted over axis 0 or 1")
-    if axis is None:
-        first = default_kernel_axis(q)
-        candidates = (first, 1 - first)
-    else:
-        candidates = (axis,)
-    for candidate in candidates:
-        route = weight_route(q, candidate)
-        if route is None:
-            continue
-        oriented = q if candidate == 0 else q.T
-        if stored_layout(oriented, route) is not None:
-            return q
-        return q.with_kernel(_prepare(oriented, route), candidate)
-    return q
-
-
-def attach_kernel_layouts(tree: Any) -> Any:
-    """`attach_kernel_layout` on every QArray leaf of a pytree (default axes)."""
-    return jax.tree.map(attach_kernel_layout, tree, is_leaf=lambda x: isinstance(x, QArray))

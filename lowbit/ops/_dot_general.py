@@ -26,10 +26,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from lowbit.ops import _dims, _dot_path
-from lowbit.ops._cpu_kernels import KERNEL_PATHS, KernelRoute, kernel_linear, kernel_route
+from lowbit.ops._cpu_kernels import (
+    FLOAT_ACTIVATIONS,
+    KERNEL_PATHS,
+    KernelRoute,
+    contract_axis,
+    kernel_linear,
+    kernel_route,
+)
 from lowbit.ops._dot_path import Plan, active_side, check_operand
 from lowbit.ops._dot_path import plan as choose_plan
 from lowbit.ops._operand import (
@@ -38,6 +46,7 @@ from lowbit.ops._operand import (
     from_qarray,
     quantize_activation,
 )
+from lowbit.ops._prepared import PreparedQArray
 from lowbit.qarray import QArray
 
 
@@ -250,7 +259,24 @@ def _kernel_fwd(lhs, rhs, route, dimension_numbers, precision, out_dtype):
 
 
 def _kernel_bwd(route, dimension_numbers, precision, out_dtype, residuals, g):
-    return _ste_bwd(dimension_numbers, precision, None, None, residuals, g)
+    lhs, rhs = residuals
+    if isinstance(rhs, PreparedQArray):
+        rhs = rhs.logical()
+    return _ste_bwd(dimension_numbers, precision, None, None, (lhs, rhs), g)
+
+
+def _prepared_route(lhs, rhs, dimension_numbers, out_sharding) -> tuple[Any, Any, Any]:
+    """(lhs, rhs, route): a `PreparedQArray` operand keeps its layout when the call is the
+    linear layer it was prepared for; anywhere else it becomes its logical QArray."""
+    route = None
+    if isinstance(rhs, PreparedQArray) and not isinstance(lhs, QArray | PreparedQArray):
+        dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
+        floats = hasattr(lhs, "dtype") and np.dtype(lhs.dtype) in FLOAT_ACTIVATIONS
+        if out_sharding is None and floats and contract_axis(lhs, rhs, dims) == rhs.axis:
+            route = rhs.route
+    if route is None:
+        lhs, rhs = (x.logical() if isinstance(x, PreparedQArray) else x for x in (lhs, rhs))
+    return lhs, rhs, route
 
 
 _kernel_dot.defvjp(_kernel_fwd, _kernel_bwd)
@@ -274,6 +300,9 @@ def dot_general_path(
     Returns:
       The path name.
     """
+    lhs, rhs, route = _prepared_route(lhs, rhs, dimension_numbers, out_sharding)
+    if route is not None:
+        return route.path
     dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
     route = kernel_route(lhs, rhs, dims, out_sharding=out_sharding)
     if route is not None:
@@ -318,9 +347,13 @@ def dot_general(
       TypeError: for an operand that is neither a float array nor a QArray.
       ValueError: for malformed dimension numbers or an unsupported activation granularity.
     """
+    lhs, rhs, route = _prepared_route(lhs, rhs, dimension_numbers, out_sharding)
     check_operand(lhs, "lhs")
     check_operand(rhs, "rhs")
     dimension_numbers = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
+    if route is not None:
+        out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
+        return _kernel_dot(lhs, rhs, route, dimension_numbers, precision, out_dtype)
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return lax.dot_general(
             lhs,

@@ -26,7 +26,14 @@ from lowbit.qarray._granularity import (
     PerTensor,
     PerToken,
 )
-from lowbit.qarray._qarray import QArray, broadcast_blocks, decode_scale, is_qarray
+from lowbit.qarray._qarray import (
+    DATA_FIELDS,
+    META_FIELDS,
+    QArray,
+    broadcast_blocks,
+    decode_scale,
+    is_qarray,
+)
 from lowbit.qarray._quantize import (
     QuantConfig,
     blocks_view,
@@ -37,6 +44,8 @@ from lowbit.qarray._quantize import (
 from lowbit.qarray._sparse import NMSparse, is_nm_sparse, meta_bits, nm_mask, nm_sparsify
 
 __all__ = [
+    "DATA_FIELDS",
+    "META_FIELDS",
     "NMSparse",
     "is_nm_sparse",
     "meta_bits",

@@ -17,17 +17,19 @@ with `zero_point` and `tensor_scale` optional. Its invariants, checked by `QArra
   * `codes` has the logical shape, except along `packed_axis` (sub-byte formats), where it holds
     `packed_length(shape[packed_axis], bits)` bytes.
 
-A 2-D `QArray` may also carry `kernel`: the same weight in the layout a compiled matmul kernel
-reads (built once by `lowbit.ops.attach_kernel_layout` at quantize or load time, opaque here),
-with `kernel_axis`, the logical axis it contracts over. It is a cache of the codes, never the
-only copy: it is not an `__init__` field, so every `dataclasses.replace` (all layout ops except
-`transpose` and `astype`, which keep it valid) drops it, and a reshaped, sliced or re-quantized
-array can never be paired with a stale layout.
+Fields are declared once, in the class body, as data (`_data()`: arrays, pytree leaves) or
+metadata (`_meta(...)`: static, part of the treedef); `DATA_FIELDS` and `META_FIELDS` are read
+off the declarations, and so are the pytree registration and the checkpoint manifest encoding
+(`manifest_metadata` / `from_manifest`), so a new field cannot be left out of either.
+
+A `QArray` is logical only: kernels that want another layout keep it in their own value type
+(`lowbit.ops.PreparedQArray`), never beside the codes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -40,6 +42,21 @@ from lowbit.formats import Format, get_format
 # How `scale` is stored: as a float array, as E8M0 exponents (uint8, value 2**(e - 127), the MX
 # block scale), or as float8_e4m3fn (the NVFP4 block scale).
 SCALE_ENCODINGS = ("float", "e8m0", "e4m3")
+
+
+def _data(**kwargs: Any) -> Any:
+    """A data field: an array (or None), a pytree leaf, stored as a checkpoint tensor."""
+    return dataclasses.field(metadata={"role": "data"}, **kwargs)
+
+
+def _meta(codec: Any = None, **kwargs: Any) -> Any:
+    """A static metadata field (part of the treedef).
+
+    codec: how the checkpoint manifest stores it: None for a JSON value as is, a pair
+    ``(encode, decode)``, or ``"config"`` for a `QuantConfig` (whose text form the caller of
+    `manifest_metadata` / `from_manifest` supplies).
+    """
+    return dataclasses.field(metadata={"role": "meta", "codec": codec}, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -62,19 +79,17 @@ class QArray:
         None to compute them per call (dynamic quantization).
     """
 
-    codes: jax.Array
-    scale: jax.Array
-    zero_point: jax.Array | None
-    tensor_scale: jax.Array | None
-    format: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    packed_axis: int | None = None
-    scale_encoding: str = "float"
-    activation: Any = None
-    activation_bounds: jax.Array | None = None
-    kernel: Any = dataclasses.field(default=None, init=False, repr=False)
-    kernel_axis: int | None = dataclasses.field(default=None, init=False, repr=False)
+    codes: jax.Array = _data()
+    scale: jax.Array = _data()
+    zero_point: jax.Array | None = _data()
+    tensor_scale: jax.Array | None = _data()
+    format: str = _meta(codec=(str, str))
+    shape: tuple[int, ...] = _meta(codec=(list, tuple))
+    dtype: np.dtype = _meta(codec=(lambda d: np.dtype(d).name, lambda n: np.dtype(jnp.dtype(n))))
+    packed_axis: int | None = _meta(default=None)
+    scale_encoding: str = _meta(default="float")
+    activation: Any = _meta(default=None, codec="config")
+    activation_bounds: jax.Array | None = _data(default=None)
 
     def __post_init__(self):
         # Normalise static metadata so equal layouts give equal treedefs (jit cache keys).
@@ -139,8 +154,6 @@ class QArray:
             extra.append(f"packed_axis={self.packed_axis}")
         if self.scale_encoding != "float":
             extra.append(f"scale={self.scale_encoding}")
-        if self.kernel is not None:
-            extra.append(f"kernel_layout(axis={self.kernel_axis})")
         blocks = "x".join(map(str, self.block_shape)) if hasattr(self.scale, "shape") else "?"
         tail = (", " + ", ".join(extra)) if extra else ""
         return (
@@ -177,31 +190,8 @@ class QArray:
         return values.astype(self.dtype if dtype is None else dtype)
 
     def astype(self, dtype: Any) -> QArray:
-        """Same codes (and kernel layout), another logical dtype."""
-        out = dataclasses.replace(self, dtype=np.dtype(dtype))
-        return out.with_kernel(self.kernel, self.kernel_axis)
-
-    # --- kernel layout cache --------------------------------------------------------------------
-    def with_kernel(self, kernel: Any, axis: int | None) -> QArray:
-        """A copy carrying `kernel` (a pytree) prepared for contraction over logical `axis`.
-
-        `kernel=None` gives a copy without one. Only the ops layer builds and reads kernels.
-        """
-        out = dataclasses.replace(self)
-        if kernel is not None:
-            if axis is None or not 0 <= axis < self.ndim:
-                raise ValueError(f"kernel axis={axis!r} must be an axis of shape {self.shape}")
-            object.__setattr__(out, "kernel", kernel)
-            object.__setattr__(out, "kernel_axis", int(axis))
-        return out
-
-    @property
-    def kernel_nbytes(self) -> int:
-        """Bytes of the kernel layout cache (0 without one); not part of `nbytes`."""
-        return sum(
-            int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-            for a in jax.tree_util.tree_leaves(self.kernel)
-        )
+        """Same codes, another logical dtype."""
+        return dataclasses.replace(self, dtype=np.dtype(dtype))
 
     # --- layout ops -----------------------------------------------------------------------------
     def transpose(self, axes: tuple[int, ...]) -> QArray:
@@ -210,7 +200,7 @@ class QArray:
         if sorted(axes) != list(range(self.ndim)):
             raise ValueError(f"axes must be a permutation of range({self.ndim}), got {axes}")
         perm = lambda a: None if a is None else jnp.transpose(a, axes)
-        out = dataclasses.replace(
+        return dataclasses.replace(
             self,
             codes=jnp.transpose(self.codes, axes),
             scale=perm(self.scale),
@@ -219,10 +209,6 @@ class QArray:
             shape=tuple(self.shape[a] for a in axes),
             packed_axis=None if self.packed_axis is None else axes.index(self.packed_axis),
         )
-        # A kernel layout names the axis it contracts over, so it survives any permutation.
-        if self.kernel is None:
-            return out
-        return out.with_kernel(self.kernel, axes.index(self.kernel_axis))
 
     def check(self) -> QArray:
         """Checks the invariants in the module docstring; returns self.
@@ -257,54 +243,80 @@ class QArray:
             raise ValueError(f"codes shape {tuple(self.codes.shape)} != expected {tuple(expected)}")
         return self
 
+    # --- checkpoint manifest ----------------------------------------------------------------
+    def manifest_metadata(self, encode_config: Any) -> dict[str, Any]:
+        """The static metadata as a JSON-ready dict, one key per metadata field.
 
-_DATA_FIELDS = ("codes", "scale", "zero_point", "tensor_scale", "activation_bounds", "kernel")
+        Args:
+          encode_config: `QuantConfig` -> JSON-ready dict (the recipes' text forms).
+        """
+        return {name: _encode(self, name, encode_config) for name in field_roles(type(self))[1]}
 
+    def manifest_tensors(self) -> dict[str, jax.Array]:
+        """The data fields that are set, by field name (the checkpoint's tensor roles)."""
+        data = field_roles(type(self))[0]
+        return {name: getattr(self, name) for name in data if getattr(self, name) is not None}
 
-def _flatten_with_keys(q: QArray):
-    children = tuple((jax.tree_util.GetAttrKey(f), getattr(q, f)) for f in _DATA_FIELDS)
-    return children, _flatten(q)[1]
+    @classmethod
+    def from_manifest(
+        cls, metadata: dict[str, Any], tensors: dict[str, Any], decode_config: Any
+    ) -> QArray:
+        """Inverse of `manifest_metadata` / `manifest_tensors` (no checks: see `check`).
 
-
-def _flatten(q: QArray):
-    # Spelled out: this runs for every QArray on every jit call (dispatch time).
-    return (
-        (q.codes, q.scale, q.zero_point, q.tensor_scale, q.activation_bounds, q.kernel),
-        (q.format, q.shape, q.dtype, q.packed_axis, q.scale_encoding, q.activation, q.kernel_axis),
-    )
-
-
-def _unflatten(aux, children) -> QArray:
-    fmt, shape, dtype, packed_axis, scale_encoding, activation, kernel_axis = aux
-    codes, scale, zero_point, tensor_scale, activation_bounds, kernel = children
-    q = QArray(
-        codes=codes,
-        scale=scale,
-        zero_point=zero_point,
-        tensor_scale=tensor_scale,
-        format=fmt,
-        shape=shape,
-        dtype=dtype,
-        packed_axis=packed_axis,
-        scale_encoding=scale_encoding,
-        activation=activation,
-        activation_bounds=activation_bounds,
-    )
-    if kernel is None:
-        return q
-    # Every child comes back, whatever it is: tree utilities (e.g. Orbax naming each leaf)
-    # unflatten with non-array leaves, and a dropped child would change the tree's structure.
-    object.__setattr__(q, "kernel", kernel)
-    if kernel_axis is not None:
-        # `vmap` / `scan` may have added or removed leading axes (see `__post_init__`).
-        object.__setattr__(q, "kernel_axis", kernel_axis + len(q.shape) - len(shape))
-    return q
+        Args:
+          metadata: one entry per metadata field.
+          tensors: the set data fields by name (absent ones are None).
+          decode_config: JSON dict -> `QuantConfig`.
+        """
+        data, meta = field_roles(cls)
+        values = {name: _decode(name, metadata[name], decode_config) for name in meta}
+        return cls(**{name: tensors.get(name) for name in data}, **values)
 
 
-# Registered by hand rather than with `register_dataclass`: `kernel` is a leaf but not an
-# `__init__` field.
-jax.tree_util.register_pytree_with_keys(
-    QArray, _flatten_with_keys, _unflatten, flatten_func=_flatten
+@functools.cache
+def field_roles(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(data fields, metadata fields) of `QArray` (or a subclass), in declaration order.
+
+    Raises:
+      TypeError: for a field declared without `_data()` / `_meta()`, which neither the pytree
+        nor a checkpoint would know how to carry.
+    """
+    data, meta = [], []
+    for f in dataclasses.fields(cls):
+        role = f.metadata.get("role")
+        if role not in ("data", "meta"):
+            raise TypeError(
+                f"{cls.__name__}.{f.name} is declared without _data() or _meta(): say whether "
+                "it is an array (a pytree leaf and checkpoint tensor) or static metadata"
+            )
+        (data if role == "data" else meta).append(f.name)
+    return tuple(data), tuple(meta)
+
+
+DATA_FIELDS, META_FIELDS = field_roles(QArray)
+"""QArray's array fields (pytree children, checkpoint tensor roles) and static metadata fields
+(treedef, checkpoint manifest keys), in declaration order."""
+_CODECS = {f.name: f.metadata.get("codec") for f in dataclasses.fields(QArray)}
+
+
+def _encode(q: QArray, name: str, encode_config: Any) -> Any:
+    value, codec = getattr(q, name), _CODECS.get(name)
+    if value is None or codec is None:
+        return value
+    return encode_config(value) if codec == "config" else codec[0](value)
+
+
+def _decode(name: str, value: Any, decode_config: Any) -> Any:
+    codec = _CODECS.get(name)
+    if value is None or codec is None:
+        return value
+    return decode_config(value) if codec == "config" else codec[1](value)
+
+
+# Registered from the declarations above (a C++ flatten: this runs for every QArray on every
+# jit dispatch and engine trace).
+jax.tree_util.register_dataclass(
+    QArray, data_fields=list(DATA_FIELDS), meta_fields=list(META_FIELDS)
 )
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from lowbit.ops import QatWeight
+from lowbit.ops import PreparedQArray, QatWeight
 from lowbit.qarray import QArray
 
 
@@ -40,7 +40,7 @@ def path_string(keys: tuple[Any, ...]) -> str:
 
 def is_param_leaf(x: Any) -> bool:
     """Leaves rules look at: arrays, and values already quantized (kept whole)."""
-    return isinstance(x, QArray | QatWeight)
+    return isinstance(x, QArray | PreparedQArray | QatWeight)
 
 
 def map_params(fn: Callable[[str, Any], Any], params: Any) -> Any:

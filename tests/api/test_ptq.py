@@ -7,6 +7,7 @@ import pytest
 from api_models import LinenMLP, init, linear
 from flax import nnx
 
+import lowbit
 from lowbit.api import param_uses, quantize, quantize_model, quantize_params, run
 from lowbit.engine import EngineReport, trace_report
 from lowbit.formats import get_format
@@ -211,15 +212,66 @@ def test_tied_embedding_lookup_and_attend_stay_packed():
     assert 0 < rel_error(qmodel(ids), nnx.jit(lambda m, x: m(x))(model, ids)) < 0.03
 
 
-def test_quantize_params_stores_kernel_layouts_where_a_kernel_runs():
+def test_prepare_for_kernels_replaces_codes_by_layouts_where_a_kernel_runs():
     from lowbit import kernels
+    from lowbit.ops import PreparedQArray
 
     params = {"big": {"kernel": jnp.ones((256, 512))}, "small": {"kernel": jnp.ones((8, 8))}}
     q = quantize_params(params, "int8w")
-    off = quantize_params(params, "int8w", kernel_layouts=False)
-    assert q["small"]["kernel"].kernel is None and off["big"]["kernel"].kernel is None
-    has_kernels = kernels.available() and jax.default_backend() == "cpu"
-    assert (q["big"]["kernel"].kernel is not None) == has_kernels
+    assert isinstance(q["big"]["kernel"], QArray)  # quantize_params is logical only
     x = jnp.linspace(-1, 1, 256).reshape(1, 256)
-    fn = lambda p, x: x @ p["big"]["kernel"]
-    np.testing.assert_array_equal(np.asarray(run(fn)(q, x)), np.asarray(run(fn)(off, x)))
+    fn = lambda p, x: x @ p["big"]["kernel"] + jnp.sum(p["small"]["kernel"])
+    served = lowbit.prepare_for_kernels(fn, q, x)
+    assert isinstance(served["small"]["kernel"], QArray)  # too small for a kernel
+    has_kernels = kernels.available() and jax.default_backend() == "cpu"
+    assert isinstance(served["big"]["kernel"], PreparedQArray) == has_kernels
+    np.testing.assert_array_equal(np.asarray(run(fn)(served, x)), np.asarray(run(fn)(q, x)))
+
+
+class _RawParams(nnx.Module):
+    """Matmul weights as raw Params whose names no preset pattern knows."""
+
+    def __init__(self, *, rngs):
+        self.qkv = nnx.Param(init(rngs.params(), (64, 96)))
+        self.w = nnx.Param(init(rngs.params(), (32, 96)))  # [out, in]: used as x @ w.T
+
+    def __call__(self, x):
+        return (x @ self.qkv[...]) @ self.w[...].T
+
+
+def test_presets_find_raw_param_weights_by_use_given_example_inputs():
+    model = _RawParams(rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (4, 64))
+    with pytest.warns(UserWarning, match="matches none"):
+        plain = quantize_model(model, "int8")
+    assert not any(isinstance(v, QArray) for v in jax.tree.leaves(plain.state, is_leaf=_is_q))
+    qmodel = quantize_model(model, "int8", example_args=(x,))
+    state = nnx.to_pure_dict(qmodel.state)
+    for name in ("qkv", "w"):
+        assert _is_q(state[name]), name
+    # `w` is an [out, in] weight (contracted over axis 1): per-channel scales per row.
+    w = state["w"]
+    w = w.logical() if hasattr(w, "logical") else w
+    assert w.scale.shape == (32, 1)
+    assert 0 < rel_error(qmodel(x), model(x)) < 0.05
+
+
+def _is_q(x):
+    from lowbit.ops import PreparedQArray
+
+    return isinstance(x, QArray | PreparedQArray)
+
+
+def test_quantize_matching_no_parameter_warns_or_raises():
+    w = jnp.ones((64, 64))
+    with pytest.warns(UserWarning, match="matches none of the 1 parameters"):
+        out = lowbit.quantize({"w": w}, "int8_weight_only")
+    assert out["w"] is w
+    with pytest.raises(ValueError, match="matches none"):
+        lowbit.quantize({"w": w}, "int8_weight_only", strict=True)
+    # The float recipe matches everything on purpose: no warning.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lowbit.quantize({"w": w}, "float")

@@ -1,12 +1,13 @@
-"""The engine's layout ops on a weight with a stored kernel layout never reuse it stale."""
+"""The engine on prepared weights: other layout ops see the logical weight, never a stale layout;
+the contraction axis of each weight comes from the traced use."""
 
 import jax
 import numpy as np
 import pytest
 
 from lowbit import kernels
-from lowbit.engine import interpret
-from lowbit.ops import attach_kernel_layout
+from lowbit.engine import EngineReport, interpret, kernel_axes
+from lowbit.ops import PreparedQArray, prepare_weight, prepare_weights
 from lowbit.qarray import PerChannel, QuantConfig, quantize
 
 pytestmark = pytest.mark.skipif(
@@ -25,8 +26,8 @@ def _weight():
 def test_sliced_or_reshaped_weights_do_not_use_a_stale_layout():
     # Inside a model, slicing or reshaping a weight builds a new QArray (no stored layout):
     # the result is that of the sliced weight, not of the full one.
-    stored = attach_kernel_layout(_weight())
-    assert stored.kernel is not None
+    stored = prepare_weight(_weight(), 0)
+    assert isinstance(stored, PreparedQArray)
     x = jax.random.normal(jax.random.key(5), (2, 128))
 
     def sliced(x, w):
@@ -42,3 +43,36 @@ def test_sliced_or_reshaped_weights_do_not_use_a_stale_layout():
     got = interpret(reshaped)(x, stored)
     want = np.asarray(x)[:, None, :] @ np.asarray(stored.dequantize()).reshape(2, 128, N)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_axes_follow_transposes_and_tied_embeddings():
+    w = _weight()
+    table = quantize(
+        jax.random.normal(jax.random.key(2), (N, K)),
+        QuantConfig(format="int8", granularity=PerChannel((0,))),
+    )
+
+    def model(p, ids):
+        h = jax.numpy.take(p["table"], ids, axis=0)  # [B, K]
+        h = jax.jit(lambda h, w: h @ w)(h, p["w"])  # [B, N]
+        return h @ p["w"].T @ p["table"].T  # tied output projection
+
+    params = {"w": w, "table": table}
+    ids = jax.numpy.arange(3)
+    axes = kernel_axes(model, params, ids)
+    key = lambda name: (
+        (jax.tree_util.SequenceKey(0), jax.tree_util.SequenceKey(0))
+        + (jax.tree_util.DictKey(name),)
+    )
+    # `w` is contracted over axis 0 and (transposed) over axis 1: two layouts, left out.
+    assert axes == {key("table"): 1}
+    prepared = prepare_weights(params, {(jax.tree_util.DictKey("table"),): 1})
+    assert isinstance(prepared["table"], PreparedQArray)
+    report = EngineReport()
+    got = jax.jit(interpret(model, report=report))(prepared, ids)
+    want = interpret(model)(params, ids)
+    want = np.asarray(want)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    # The lookup read rows from the kernel layout: no full conversion back to codes.
+    assert not any("from_kernel_layout" in k for k in report.layout_ops)
+    assert report.fallbacks == {}

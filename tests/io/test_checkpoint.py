@@ -462,24 +462,23 @@ def test_sharded_load_puts_codes_and_scales_on_a_mesh(good):
 
 def test_kernel_layouts_are_rebuilt_on_load_never_stored(tmp_path):
     from lowbit import kernels
-    from lowbit.ops import attach_kernel_layout
+    from lowbit.ops import PreparedQArray, prepare_weight
 
     w = jax.random.normal(jax.random.key(0), (256, 288))
     q = quantize(w, QuantConfig(format="int4", granularity=PerGroup(32, 0)))
-    stored = attach_kernel_layout(q)
+    stored = prepare_weight(q, 0)
     save_checkpoint(tmp_path / "ck", {"dense": {"kernel": stored}})
     roles = {name.rsplit(":", 1)[-1] for name in read_manifest(tmp_path / "ck")["tensors"]}
     assert roles == {"codes", "scale"}
-    loaded = load_checkpoint(tmp_path / "ck")["dense"]["kernel"]
-    plain = load_checkpoint(tmp_path / "ck", kernel_layouts=False)["dense"]["kernel"]
-    assert plain.kernel is None
-    np.testing.assert_array_equal(np.asarray(loaded.codes), np.asarray(q.codes))
+    plain = load_checkpoint(tmp_path / "ck")["dense"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(plain.codes), np.asarray(q.codes))
+    key = (jax.tree_util.DictKey("dense"), jax.tree_util.DictKey("kernel"))
+    loaded = load_checkpoint(tmp_path / "ck", kernel_axes={key: 0})["dense"]["kernel"]
     if kernels.available() and jax.default_backend() == "cpu":
-        assert loaded.kernel_axis == 0
-        for a, b in zip(
-            jax.tree.leaves(loaded.kernel), jax.tree.leaves(stored.kernel), strict=True
-        ):
+        assert isinstance(loaded, PreparedQArray) and loaded.axis == 0
+        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(stored), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(loaded.logical().codes), np.asarray(q.codes))
 
 
 @pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lowbit.formats import FORMATS
-from lowbit.ops import attach_kernel_layout
+from lowbit.ops import prepare_weight
 from lowbit.qarray import Fixed, PerGroup, PerToken, QArray, QuantConfig, quantize
 
 ocp = pytest.importorskip("orbax.checkpoint")
@@ -53,9 +53,9 @@ def _params():
     params["w8a8"] = _synthetic(
         "int8", rng, activation=ACTIVATION, activation_bounds=jnp.asarray([-4.0, 4.0])
     )
-    # As `quantize` / `load_checkpoint` leave it: with the CPU kernel's layout attached.
-    kernel = quantize(jnp.ones((64, 64)), "int4", granularity=PerGroup(32, axis=0))
-    params["dense"] = {"kernel": attach_kernel_layout(kernel), "bias": jnp.ones(64)}
+    # As served: laid out for the CPU kernels (a `PreparedQArray` where the kernels run).
+    kernel = quantize(jnp.ones((256, 256)), "int4", granularity=PerGroup(32, axis=0))
+    params["dense"] = {"kernel": prepare_weight(kernel, 0), "bias": jnp.ones(256)}
     params["nothing"] = None
     return params
 
@@ -77,7 +77,7 @@ def test_standard_checkpointer_round_trips_qarrays(tmp_path):
     # Same treedef (every QArray's static metadata) and the same bits in every leaf.
     _assert_same(restored, params)
     assert isinstance(restored["nvfp4"], QArray) and restored["w8a8"].activation == ACTIVATION
-    assert restored["dense"]["kernel"].kernel_axis == params["dense"]["kernel"].kernel_axis
+    assert type(restored["dense"]["kernel"]) is type(params["dense"]["kernel"])
 
 
 def test_standard_checkpointer_restores_sharded_qarrays(tmp_path):

@@ -1,5 +1,5 @@
-"""Kernel layouts stored on QArrays at quantize / load time: used by the kernel route, equal to
-the per-call layout, carried by transposes, dropped by every other layout change."""
+"""Prepared weights: the kernel layout replaces the codes, used by the kernel route with the
+per-call result, the logical QArray recovered bit for bit, carried by transposes and casts."""
 
 from __future__ import annotations
 
@@ -12,8 +12,16 @@ import pytest
 from ops_helpers import EPS32, iter_eqns, jit_quantize, normal
 
 from lowbit import kernels
-from lowbit.ops import attach_kernel_layout, dot_general, dot_general_path, dot_general_reference
-from lowbit.qarray import MinMax, PerChannel, PerGroup, PerToken, QArray, QuantConfig
+from lowbit.ops import (
+    PreparedQArray,
+    dot_general,
+    dot_general_path,
+    dot_general_reference,
+    logical_weights,
+    prepare_weight,
+    prepare_weights,
+)
+from lowbit.qarray import DATA_FIELDS, MinMax, PerChannel, PerGroup, PerToken, QArray, QuantConfig
 
 pytestmark = pytest.mark.skipif(
     not kernels.available() or jax.default_backend() != "cpu",
@@ -33,6 +41,10 @@ CONFIGS = {
     ),
     "nf4_group": (QuantConfig(format="nf4", granularity=PerGroup(64, 0)), None),
     "fp8": (QuantConfig(format="fp8_e4m3fn", granularity=PerChannel((1,))), None),
+    "int8_bf16_group": (
+        QuantConfig(format="int8", granularity=PerGroup(32, 0), scale_dtype=jnp.bfloat16),
+        None,
+    ),
     "w8a8": (
         QuantConfig(format="int8", granularity=PerChannel((1,))),
         QuantConfig(format="int8", granularity=PerToken()),
@@ -55,21 +67,57 @@ def _primitive_names(fn, *args) -> set[str]:
     return {eqn.primitive.name for eqn in iter_eqns(jax.make_jaxpr(fn)(*args).jaxpr)}
 
 
+def _assert_same_qarray(a: QArray, b: QArray) -> None:
+    assert type(a) is type(b) is QArray
+    for f in dataclasses.fields(QArray):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name in DATA_FIELDS and x is not None:
+            assert y is not None and x.dtype == y.dtype and x.shape == y.shape, f.name
+            assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), f.name
+        else:
+            assert x == y, f.name
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_stored_layout_gives_the_per_call_result_without_the_repack(name):
+def test_prepared_weight_replaces_the_codes_and_gives_the_per_call_result(name):
     q = _weight(name)
-    stored = attach_kernel_layout(q)
-    assert q.kernel is None
-    assert isinstance(stored.kernel, kernels.PreparedWeight) and stored.kernel_axis == 0
-    assert stored.kernel_nbytes > 0 and stored.nbytes == q.nbytes
+    prepared = prepare_weight(q, 0)
+    assert isinstance(prepared, PreparedQArray) and prepared.axis == 0
+    # Only the layout is held (plus nothing kept here): no codes beside it.
+    leaves = jax.tree.leaves(prepared)
+    assert all(not any(leaf is x for x in jax.tree.leaves(q)) for leaf in leaves)
+    assert prepared.nbytes == q.nbytes and prepared.resident_nbytes <= 1.25 * q.nbytes
+    _assert_same_qarray(prepared.logical(), q)
     x = normal(2, (5, K))
-    assert dot_general_path(x, stored, DIMS) == dot_general_path(x, q, DIMS)
-    np.testing.assert_array_equal(np.asarray(_dot(x, stored)), np.asarray(_dot(x, q)))
-    # The per-call route repacks (padding to whole panels); the stored one calls the kernel.
+    assert dot_general_path(x, prepared, DIMS) == dot_general_path(x, q, DIMS)
+    np.testing.assert_array_equal(np.asarray(_dot(x, prepared)), np.asarray(_dot(x, q)))
+    # The per-call route repacks (padding to whole panels); the prepared one calls the kernel.
     assert "pad" in _primitive_names(_dot, x, q)
-    assert "pad" not in _primitive_names(_dot, x, stored)
-    # Attaching twice is a no-op.
-    assert attach_kernel_layout(stored) is stored
+    assert "pad" not in _primitive_names(_dot, x, prepared)
+
+
+@pytest.mark.parametrize(
+    "fmt, shape", [("mxfp4", (256, 256)), ("nvfp4", (256, 256)), ("uint4", (256, 264))]
+)
+def test_block_scaled_and_zero_point_weights_come_back_exactly(fmt, shape):
+    config = QuantConfig(format=fmt)
+    if fmt == "uint4":
+        config = QuantConfig(
+            format=fmt, granularity=PerGroup(64, 0), symmetric=False, calibration=MinMax()
+        )
+    q = jit_quantize(normal(8, shape), config)
+    axis = 0 if fmt == "uint4" else 1  # MX / NV blocks run along the last axis: [N, K]
+    prepared = prepare_weight(q, axis)
+    assert isinstance(prepared, PreparedQArray)
+    _assert_same_qarray(prepared.logical(), q)
+    x = normal(9, (2, shape[axis]))
+    dims = DIMS if axis == 0 else DIMS_T
+    np.testing.assert_allclose(
+        np.asarray(dot_general(x, prepared, dims)),
+        np.asarray(dot_general(x, q, dims)),
+        rtol=1e-6,
+        atol=1e-5,
+    )
 
 
 def test_row_scaled_weight_is_laid_out_for_x_at_w_transposed():
@@ -77,48 +125,57 @@ def test_row_scaled_weight_is_laid_out_for_x_at_w_transposed():
     table = jit_quantize(
         normal(3, (N, K)), QuantConfig(format="int8", granularity=PerChannel((0,)))
     )
-    stored = attach_kernel_layout(table)
-    assert stored.kernel_axis == 1
+    prepared = prepare_weight(table, 1)
+    assert prepared.axis == 1
     x = normal(4, (3, K))
-    assert dot_general_path(x, stored, DIMS_T) == "cpu_kernel_int8"
+    assert dot_general_path(x, prepared, DIMS_T) == "cpu_kernel_int8"
     out = jax.jit(lambda x, q: dot_general(x, q, DIMS_T))
-    got = np.asarray(out(x, stored))
+    got = np.asarray(out(x, prepared))
     np.testing.assert_array_equal(got, np.asarray(out(x, table)))
     ref = np.asarray(dot_general_reference(x, table, DIMS_T))
     magnitude = np.abs(np.asarray(x)) @ np.abs(np.asarray(table.dequantize())).T
     np.testing.assert_array_less(np.abs(got - ref), (2 * K + 8) * EPS32 * magnitude + 1e-30)
-    # Asked for the other axis, it is laid out for x @ table instead (a [N, K] -> [K, N] use
-    # with the scale along K is not a kernel layout, so nothing is attached).
-    assert attach_kernel_layout(table, axis=0).kernel is None
+    # Rows (an embedding lookup) come from the panels that hold them.
+    ids = jnp.asarray([0, 7, 16, N - 1])
+    np.testing.assert_array_equal(
+        np.asarray(prepared.rows(ids).dequantize()), np.asarray(table.dequantize())[ids]
+    )
+    # For the other axis there is no kernel layout ([N, K] -> [K, N] with the scale along K).
+    assert prepare_weight(table, 0) is table
+    # Used another way (here x @ table with K = N rows), it becomes logical: same result.
+    y = normal(5, (2, N))
+    np.testing.assert_allclose(
+        np.asarray(dot_general(y, prepared, DIMS)),
+        np.asarray(dot_general(y, table, DIMS)),
+        rtol=1e-6,
+    )
 
 
-def test_transpose_and_astype_carry_the_layout_other_changes_drop_it():
-    stored = attach_kernel_layout(_weight("int8"))
-    assert stored.T.kernel is stored.kernel and stored.T.kernel_axis == 1
-    assert stored.T.T.kernel_axis == 0
-    assert stored.astype(jnp.bfloat16).kernel is stored.kernel
-    assert dataclasses.replace(stored, codes=stored.codes).kernel is None
-    assert dataclasses.replace(stored, activation=None).kernel is None
-    with pytest.raises(ValueError, match="kernel axis"):
-        stored.with_kernel(stored.kernel, 2)
+def test_transpose_and_astype_keep_the_layout():
+    prepared = prepare_weight(_weight("int8"), 0)
+    assert prepared.T.weight is prepared.weight and prepared.T.axis == 1
+    assert prepared.T.T.axis == 0 and prepared.T.shape == (N, K)
+    assert prepared.astype(jnp.bfloat16).weight is prepared.weight
+    _assert_same_qarray(prepared.T.logical(), prepared.logical().T)
 
 
-def test_layout_survives_jit_and_tree_maps():
-    stored = attach_kernel_layout(_weight("int4_group_asym"))
-    same = jax.jit(lambda q: q)(stored)
-    assert isinstance(same.kernel, kernels.PreparedWeight) and same.kernel_axis == 0
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(stored)[0]]
-    assert any(p.startswith(".kernel") for p in paths) and ".codes" in paths
-    doubled = jax.tree.map(lambda a: a, stored)
-    assert doubled.kernel is not None and doubled.kernel_axis == 0
+def test_prepared_weights_survive_jit_and_tree_maps():
+    params = {"a": _weight("int4_group_asym"), "b": jnp.ones(3)}
+    prepared = prepare_weights(params, {(jax.tree_util.DictKey("a"),): 0})
+    same = jax.jit(lambda p: p)(prepared)
+    assert isinstance(same["a"], PreparedQArray) and same["a"].axis == 0
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(same)[0]]
+    assert not any("codes" in p for p in paths)
+    back = logical_weights(same)
+    _assert_same_qarray(back["a"], params["a"])
 
 
 def test_non_kernel_values_are_returned_unchanged():
     small = jit_quantize(normal(6, (16, 16)), QuantConfig(format="int8"))
-    assert attach_kernel_layout(small) is small
+    assert prepare_weight(small, 0) is small
     array = jnp.ones((K, N))
-    assert attach_kernel_layout(array) is array
+    assert prepare_weight(array, 0) is array
     stacked = jit_quantize(normal(7, (2, K, N)), QuantConfig(format="int8"))
-    assert attach_kernel_layout(stacked) is stacked
+    assert prepare_weight(stacked, 0) is stacked
     with pytest.raises(ValueError, match="axis"):
-        attach_kernel_layout(_weight("int8"), axis=2)
+        prepare_weight(_weight("int8"), 2)

@@ -1,0 +1,383 @@
+"""Serving weights in the CPU kernels' layout, in place of their codes.
+
+`prepare_weights(tree, axes)` is the one place that builds kernel layouts: every 2-D `QArray`
+that `axes` names (its contraction axis, taken from a traced use, see
+`lowbit.engine.kernel_axes`) and that a kernel runs becomes a `PreparedQArray`, which holds the
+kernel's packed layout (`lowbit.kernels.prepare`) *instead of* the codes and scales. The logical
+`QArray` is recovered exactly from it (`PreparedQArray.logical()`, through
+`lowbit.kernels.prepared_to_logical`) for checkpoints, dequantization and any op other than the
+linear layer it was prepared for; only the few scale or zero-point values the layout's float32
+headers cannot return bit for bit (e.g. an asymmetric int4 zero point moved by 8) are kept
+beside it, checked when the weight is prepared.
+
+So a served weight is resident once: as kernel layout, or as logical codes, never both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit import kernels
+from lowbit.formats import GGUFBlockFormat
+from lowbit.ops._cpu_kernels import KernelRoute, prepare_layout, weight_route
+from lowbit.qarray import QArray
+
+
+@dataclasses.dataclass(frozen=True)
+class LogicalMeta:
+    """Static description of the QArray a `PreparedQArray` stands for (hashable)."""
+
+    format: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    packed_axis: int | None
+    scale_encoding: str
+    activation: Any
+    scale_shape: tuple[int, ...]
+    scale_dtype: np.dtype
+    zero_shape: tuple[int, ...] | None
+    zero_dtype: np.dtype | None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PreparedQArray:
+    """A 2-D quantized weight held in the CPU kernels' layout only.
+
+    Attributes:
+      weight: `lowbit.kernels.PreparedWeight` of the weight oriented `[K, N]` (contracted over
+        its axis 0).
+      scale, zero_point: the logical QArray's, kept only when the layout cannot return them
+        exactly (else None).
+      tensor_scale: the logical QArray's (one element), or None.
+      axis: the logical axis the weight is contracted over (0: stored `[K, N]`, 1: `[N, K]`).
+      route: the kernel route it was prepared for.
+      meta: the logical QArray's static metadata.
+    """
+
+    weight: kernels.PreparedWeight
+    scale: jax.Array | None
+    zero_point: jax.Array | None
+    tensor_scale: jax.Array | None
+    axis: int
+    route: KernelRoute
+    meta: LogicalMeta
+
+    # --- array-like surface (the logical array's) -------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.meta.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.meta.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.meta.shape)
+
+    @property
+    def format(self) -> str:
+        return self.meta.format
+
+    @property
+    def activation(self) -> Any:
+        return self.meta.activation
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the logical QArray (what a checkpoint stores), as `QArray.nbytes`."""
+        return _logical_nbytes(self.meta, self.tensor_scale)
+
+    @property
+    def resident_nbytes(self) -> int:
+        """Bytes actually held: the kernel layout plus any kept scale / zero point."""
+        return sum(
+            int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(self)
+        )
+
+    @property
+    def T(self) -> PreparedQArray:  # noqa: N802 - mirrors jax.Array.T
+        return self.transpose((1, 0))
+
+    def __repr__(self) -> str:
+        return (
+            f"PreparedQArray({self.format}, shape={self.shape}, "
+            f"dtype={np.dtype(self.dtype).name}, kernel={self.route.kind}, axis={self.axis})"
+        )
+
+    # --- cheap layout changes: the kernel layout stays ----------------------------------------
+    def transpose(self, axes: tuple[int, ...]) -> PreparedQArray:
+        axes = tuple(int(a) % 2 for a in axes)
+        if axes == (0, 1):
+            return self
+        if axes != (1, 0):
+            raise ValueError(f"axes must be a permutation of range(2), got {axes}")
+        m = self.meta
+        flip = lambda s: None if s is None else tuple(reversed(s))
+        meta = dataclasses.replace(
+            m,
+            shape=flip(m.shape),
+            packed_axis=None if m.packed_axis is None else 1 - m.packed_axis,
+            scale_shape=flip(m.scale_shape),
+            zero_shape=flip(m.zero_shape),
+        )
+        t = lambda a: None if a is None else a.T
+        return dataclasses.replace(
+            self,
+            scale=t(self.scale),
+            zero_point=t(self.zero_point),
+            axis=1 - self.axis,
+            route=dataclasses.replace(self.route, transposed=self.axis == 0),
+            meta=meta,
+        )
+
+    def astype(self, dtype: Any) -> PreparedQArray:
+        return dataclasses.replace(self, meta=dataclasses.replace(self.meta, dtype=np.dtype(dtype)))
+
+    # --- back to the logical form ---------------------------------------------------------------
+    def logical(self) -> QArray:
+        """The QArray this weight was prepared from, bit for bit (a full pass over the layout)."""
+        return _logical(self)
+
+    def dequantize(self, dtype: Any = None) -> jax.Array:
+        """The float array it stands for: [*shape] in `dtype` (default the logical dtype)."""
+        return self.logical().dequantize(dtype)
+
+    @property
+    def gathers_rows(self) -> bool:
+        """Whether `rows` can read rows straight from the layout."""
+        return self.scale is None and self.zero_point is None
+
+    def rows(self, ids: jax.Array) -> QArray:
+        """Rows of the logical array along its non-contracted axis, as a small QArray.
+
+        Reads only the kernel panels holding those rows (an embedding lookup on a tied
+        embedding prepared as the output projection), never the whole layout.
+
+        Only when `gathers_rows` (no scale or zero point kept beside the layout).
+
+        Args:
+          ids: [M] int indices along axis `1 - axis`, in range.
+        Returns:
+          QArray [M, K] (the contracted axis last, as logical rows of a `[N, K]` weight).
+        """
+        cols = kernels.prepared_columns(self.weight, ids)
+        return _assemble(self, cols, rows=True)
+
+
+jax.tree_util.register_dataclass(
+    PreparedQArray,
+    data_fields=["weight", "scale", "zero_point", "tensor_scale"],
+    meta_fields=["axis", "route", "meta"],
+)
+
+
+def is_prepared(x: Any) -> bool:
+    return isinstance(x, PreparedQArray)
+
+
+def _logical_nbytes(meta: LogicalMeta, tensor_scale: Any) -> int:
+    from lowbit.formats import get_format
+
+    fmt = get_format(meta.format)
+    shape = list(meta.shape)
+    if meta.packed_axis is None:
+        codes = int(np.prod(shape)) * np.dtype(fmt.code_dtype).itemsize
+    else:
+        shape[meta.packed_axis] = fmt.packed_length(shape[meta.packed_axis])
+        codes = int(np.prod(shape))
+    total = codes + int(np.prod(meta.scale_shape)) * np.dtype(meta.scale_dtype).itemsize
+    if meta.zero_shape is not None:
+        total += int(np.prod(meta.zero_shape)) * np.dtype(meta.zero_dtype).itemsize
+    if tensor_scale is not None:
+        total += int(np.prod(tensor_scale.shape)) * np.dtype(tensor_scale.dtype).itemsize
+    return total
+
+
+def _encode_scale(values: jax.Array, meta: LogicalMeta, tensor_scale: Any) -> jax.Array:
+    """float32 group scales (tensor scale folded in) back to the stored encoding."""
+    if tensor_scale is not None:
+        values = values / tensor_scale.reshape(()).astype(jnp.float32)
+    if meta.scale_encoding == "e8m0":
+        _, exponent = jnp.frexp(values)
+        return (exponent + 126).astype(jnp.uint8)
+    if meta.scale_encoding == "e4m3":
+        return values.astype(jnp.float8_e4m3fn)
+    return values.astype(meta.scale_dtype)
+
+
+def _assemble(p: PreparedQArray, parts: dict[str, Any], *, rows: bool = False) -> QArray:
+    """A QArray from `prepared_to_logical`-style parts of the `[K, N]` oriented weight.
+
+    `rows=False`: the whole weight, in the logical orientation. `rows=True`: the parts are
+    `[K, M]` columns (rows of the `[N, K]` view), returned as a QArray `[M, K]`.
+    """
+    m = p.meta
+    codes, scale, zero = parts["codes"], parts["scale"], parts["zero_point"]
+    if p.route.shift_int4:
+        codes = codes ^ jnp.uint8(8)
+        zero = zero - 8.0
+    oriented_scale = m.scale_shape if p.axis == 0 else m.scale_shape[::-1]
+    oriented_zero = None
+    if m.zero_shape is not None:
+        oriented_zero = m.zero_shape if p.axis == 0 else m.zero_shape[::-1]
+    if rows:
+        # Columns [K, M]: the scale rows stay, the column entries are per column (or one).
+        take_cols = lambda a, shape: a[: shape[0], :] if shape[1] != 1 else a[: shape[0], :1]
+        codes, shape = codes.T, (codes.shape[1], codes.shape[0])
+        scale = take_cols(scale, oriented_scale).T
+        zero = None if oriented_zero is None else take_cols(zero, oriented_zero).T
+        packed_axis = None  # a few rows: left unpacked (codes in `code_dtype`)
+        kept_scale = kept_zero = None  # `gathers_rows` is False when leaves were kept
+    else:
+        scale = scale[: oriented_scale[0], : oriented_scale[1]]
+        zero = None if oriented_zero is None else zero[: oriented_zero[0], : oriented_zero[1]]
+        if p.axis == 1:
+            codes, scale = codes.T, scale.T
+            zero = None if zero is None else zero.T
+        shape, packed_axis = m.shape, m.packed_axis
+        kept_scale, kept_zero = p.scale, p.zero_point
+    from lowbit.formats import get_format
+
+    fmt = get_format(m.format)
+    codes = codes.astype(fmt.code_dtype) if codes.dtype != fmt.code_dtype else codes
+    if packed_axis is not None:
+        codes = fmt.pack(codes, packed_axis)
+    scale = kept_scale if kept_scale is not None else _encode_scale(scale, m, p.tensor_scale)
+    if zero is not None:
+        zero = kept_zero if kept_zero is not None else zero.astype(m.zero_dtype)
+    ndim = len(shape)
+    tensor_scale = None if p.tensor_scale is None else p.tensor_scale.reshape((1,) * ndim)
+    return QArray(
+        codes=codes,
+        scale=scale,
+        zero_point=zero,
+        tensor_scale=tensor_scale,
+        format=m.format,
+        shape=shape,
+        dtype=m.dtype,
+        packed_axis=packed_axis,
+        scale_encoding=m.scale_encoding,
+        activation=m.activation,
+    )
+
+
+@jax.jit
+def _logical(p: PreparedQArray) -> QArray:
+    return _assemble(p, kernels.prepared_to_logical(p.weight))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _prepare_checked(q: QArray, p_static: Any):
+    """The layout, and the scale and zero point it gives back (for the exactness check).
+
+    One program per weight layout: compiling fewer programs at load time keeps the compiler's
+    share of peak and retained memory down.
+    """
+    route, axis, meta = p_static
+    weight = prepare_layout(q, route)
+    tensor_scale = None if q.tensor_scale is None else q.tensor_scale.reshape(1)
+    p = PreparedQArray(weight, None, None, tensor_scale, axis, route, meta)
+    back = _assemble(p, kernels.prepared_to_logical(weight))
+    return weight, back.scale, back.zero_point
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
+    """`q` in the kernel layout for contraction over `axis`, or `q` if no kernel runs it.
+
+    Args:
+      q: a QArray (2-D to be prepared; anything else is returned as is).
+      axis: the logical axis a traced use contracts it over (0 or 1).
+    Returns:
+      A `PreparedQArray` replacing `q`, or `q` unchanged (not 2-D, activation bounds set, or a
+      format, scale layout, size or backend no kernel takes).
+    """
+    if not isinstance(q, QArray) or q.ndim != 2 or q.activation_bounds is not None:
+        return q
+    if axis not in (0, 1):
+        raise ValueError(f"axis={axis!r}: a 2-D weight is contracted over axis 0 or 1")
+    route = weight_route(q, axis)
+    if route is None or isinstance(q.fmt, GGUFBlockFormat):
+        # GGUF K-quant superblocks are not recovered from the layout yet: they stay logical
+        # (the kernel route then lays them out per call).
+        return q
+    meta = LogicalMeta(
+        format=q.format,
+        shape=q.shape,
+        dtype=q.dtype,
+        packed_axis=q.packed_axis,
+        scale_encoding=q.scale_encoding,
+        activation=q.activation,
+        scale_shape=tuple(q.scale.shape),
+        scale_dtype=np.dtype(q.scale.dtype),
+        zero_shape=None if q.zero_point is None else tuple(q.zero_point.shape),
+        zero_dtype=None if q.zero_point is None else np.dtype(q.zero_point.dtype),
+    )
+    tensor_scale = None if q.tensor_scale is None else q.tensor_scale.reshape(1)
+    weight, scale, zero = _prepare_checked(q, (route, axis, meta))
+    kept_scale, kept_zero = q.scale, q.zero_point
+    if not isinstance(q.scale, jax.core.Tracer):  # traced: keep them (cannot compare)
+        kept_scale = None if _same_bits(scale, q.scale) else q.scale
+        kept_zero = None if _same_bits(zero, q.zero_point) else q.zero_point
+    return PreparedQArray(weight, kept_scale, kept_zero, tensor_scale, axis, route, meta)
+
+
+def prepare_leaves(
+    flat: list[tuple[Any, Any]], axes: Mapping[Any, int] | Callable[[Any], int | None]
+) -> None:
+    """`prepare_weights` on a flattened tree, in place: ``flat[i] = (key path, leaf)``.
+
+    Each entry is replaced as soon as its weight is prepared, so when `flat` holds the only
+    reference to the logical QArrays their codes are freed one weight at a time.
+    """
+    lookup = axes.get if isinstance(axes, Mapping) else axes
+    for i, (keys, leaf) in enumerate(flat):
+        if isinstance(leaf, QArray):
+            axis = lookup(tuple(keys))
+            if axis is not None:
+                flat[i] = (keys, prepare_weight(leaf, axis))
+        del leaf
+
+
+def prepare_weights(tree: Any, axes: Mapping[Any, int] | Callable[[Any], int | None]) -> Any:
+    """Every QArray that `axes` names replaced by its `PreparedQArray` (see `prepare_weight`).
+
+    The one function that lays served weights out for the CPU kernels: `QuantizedModel`,
+    `lowbit.prepare_for_kernels`, `load_checkpoint` and `import_gguf` all go through it.
+
+    Args:
+      tree: a params pytree with QArray leaves.
+      axes: key path of a leaf (as `jax.tree_util.tree_flatten_with_path` gives it, QArrays as
+        leaves) -> the axis a traced use contracts it over (`lowbit.engine.kernel_axes`), as a
+        mapping or a function; leaves absent (or mapped to None) stay logical.
+    Returns:
+      The tree with `PreparedQArray`s in place of the prepared QArrays.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, QArray)
+    )
+    prepare_leaves(flat, axes)
+    return jax.tree_util.tree_unflatten(treedef, [leaf for _, leaf in flat])
+
+
+def logical_weights(tree: Any) -> Any:
+    """Every `PreparedQArray` of a pytree back to its logical `QArray` (e.g. to save it)."""
+    return jax.tree.map(
+        lambda x: x.logical() if isinstance(x, PreparedQArray) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, PreparedQArray),
+    )
