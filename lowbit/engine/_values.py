@@ -81,14 +81,17 @@ def map_layout(x: Any, qarray_fn, float_fn) -> Any:
     """Applies a layout op to a quantized value.
 
     Args:
-      x: a `QArray`, `PreparedQArray` (made logical first) or `QatWeight`.
+      x: a `QArray`, `PreparedQArray` or `QatWeight`. A `PreparedQArray` goes to `qarray_fn`
+        as it is: only ops that leave the weight the same weight (transpose, float cast, copy)
+        reach here with one, and it implements those without leaving its kernel layout (the
+        caller makes it logical for any other op).
       qarray_fn: QArray → QArray (may raise `LayoutUnsupported`).
       float_fn: float array → float array, the same op on ordinary values.
     Returns:
       a value of the same kind as `x`.
     """
     if isinstance(x, QArray | PreparedQArray):
-        return qarray_fn(logical(x))
+        return qarray_fn(x)
     if is_nm_sparse(x):
         raise NoRule("is N:M sparse (compressed); it runs dense")
     if is_lora_weight(x):
