@@ -66,7 +66,8 @@ from lowbit.io._safetensors_file import (
     write_safetensors,
 )
 from lowbit.io._tree import encode_tree, leaf_shapes, path_name
-from lowbit.ops import prepare_leaves
+from lowbit.ops import prepare_weight
+from lowbit.ops._host_memory import release_free_memory
 from lowbit.qarray import is_qarray
 
 # The tensor file's header records the sha256 of the manifest's bytes under this key, so the
@@ -371,16 +372,21 @@ def load_checkpoint(
         if callable(kernel_axes):
             kernel_axes = kernel_axes(abstract)
         del abstract
-        arrays = _read_arrays(f, plan, entries, digests, sharding, data_file)
-    tree = build_tree(plan, arrays)
-    if kernel_axes is None:
-        return tree
-    # Only `flat` references the weights now: each one's codes are freed as it is prepared.
-    del arrays
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_qarray)
-    del tree
-    prepare_leaves(flat, kernel_axes)
-    return jax.tree_util.tree_unflatten(treedef, [leaf for _, leaf in flat])
+        reader = _TensorReader(f, plan, entries, digests, sharding, data_file)
+        if kernel_axes is None:
+            return build_tree(plan, reader)
+        # Each weight is laid out as soon as its tensors are read, and its codes dropped: the
+        # tree is never resident in both forms.
+        lookup = kernel_axes.get if isinstance(kernel_axes, Mapping) else kernel_axes
+        return build_tree(plan, reader, on_qarray=lambda keys, q: _prepared(q, lookup(keys)))
+
+
+def _prepared(q: Any, axis: int | None) -> Any:
+    if axis is None:
+        return q
+    prepared = prepare_weight(q, axis)
+    del q  # the caller's reference goes when this returns; the next read trims
+    return prepared
 
 
 def _check_tensor_file(plan: Any, entries: dict[str, Any], data_file: str) -> dict[str, Any]:
@@ -403,29 +409,43 @@ def _check_tensor_file(plan: Any, entries: dict[str, Any], data_file: str) -> di
     return entries
 
 
-def _read_arrays(f, plan, entries, digests, sharding, data_file) -> dict[str, jax.Array]:
-    """Pass 2: reads one tensor at a time straight to its device array, so the host holds one
-    tensor, not the whole tree. Digests are checked again in case the file changed since pass
-    1; a failure here still returns nothing to the caller."""
-    arrays: dict[str, jax.Array] = {}
-    for name, entry in entries.items():
+class _TensorReader(Mapping):
+    """Pass 2: tensor name -> device array, read when first asked for, so the host holds one
+    tensor at a time, not the whole tree. Digests are checked again in case the file changed
+    since pass 1; a failure here still returns nothing to the caller."""
+
+    def __init__(self, f, plan, entries, digests, sharding, data_file):
+        self._f, self._plan, self._entries = f, plan, entries
+        self._digests, self._sharding, self._data_file = digests, sharding, data_file
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __getitem__(self, name: str) -> jax.Array:
+        entry, plan, sharding = self._entries[name], self._plan, self._sharding
+        # What the last weight's layout freed (its codes, the compiler's scratch) goes back to
+        # the system before the next tensor is read.
+        release_free_memory()
         try:
-            host = read_tensor(f, entry)
+            host = read_tensor(self._f, entry)
         except ValueError as err:
             raise CheckpointError(str(err)) from None
-        if _sha256(host) != digests[name]:
-            raise CheckpointError(f"{data_file}: tensor {name!r} changed while loading")
+        if _sha256(host) != self._digests[name]:
+            raise CheckpointError(f"{self._data_file}: tensor {name!r} changed while loading")
         dtype, shape = plan.tensors[name]
         host = host.reshape(-1).view(dtype).reshape(shape)
         target = sharding
         if callable(sharding) and not isinstance(sharding, jax.sharding.Sharding):
             target = sharding(*plan.places[name], shape)
-        array = jnp.asarray(host) if target is None else jax.device_put(host, target)
+        # device_put, not jnp.asarray: the latter compiles a copy program per tensor shape,
+        # whose ~1 MiB executables stayed cached (30 MiB for SmolLM2).
+        array = jax.device_put(host, target)
         # Transfers are asynchronous: wait, so that this host buffer is released before the
         # next one is read (else a slow host could hold the whole file twice).
-        arrays[name] = array.block_until_ready()
-        del host, array
-    return arrays
+        return array.block_until_ready()
 
 
 _CHUNK = 4 * 2**20

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -245,28 +246,48 @@ def _build_nm_sparse(node: Mapping[str, Any], values: Any, meta: Any, path: Path
     )
 
 
-def build_tree(plan: Plan, arrays: Mapping[str, Any]) -> Any:
+def build_tree(
+    plan: Plan,
+    arrays: Mapping[str, Any],
+    on_qarray: Callable[[tuple[Any, ...], QArray], Any] | None = None,
+) -> Any:
     """Builds the params tree of a checked `plan` from its tensors (by name).
 
+    The tree is walked in order and each tensor looked up once, so `arrays` may read tensors
+    on demand: with `on_qarray` replacing each QArray as soon as it is built (e.g. by its
+    kernel layout), the tree never holds every weight in two forms.
+
+    Args:
+      plan: from `decode_tree`.
+      arrays: tensor name -> array (looked up once per tensor, in tree order).
+      on_qarray: ``(key path, qarray) -> leaf``, the key path as
+        `jax.tree_util.tree_flatten_with_path` gives it for the built tree (QArrays as
+        leaves); the leaf it returns takes the QArray's place.
     Raises:
       CheckpointError: if a rebuilt QArray breaks its invariants (`QArray.check`).
     """
 
-    def walk(node: Mapping[str, Any], path: Path) -> Any:
+    def walk(node: Mapping[str, Any], path: Path, keys: tuple[Any, ...] | None) -> Any:
         kind = node["kind"]
         if kind == "none":
             return None
         if kind == "scalar":
             return node["value"]
         if kind == "dict":
-            return {key: walk(child, (*path, key)) for key, child in node["items"]}
+            return {
+                key: walk(child, (*path, key), (*keys, jax.tree_util.DictKey(key)))
+                for key, child in node["items"]
+            }
         if kind in ("list", "tuple"):
-            items = [walk(child, (*path, i)) for i, child in enumerate(node["items"])]
+            items = [
+                walk(child, (*path, i), (*keys, jax.tree_util.SequenceKey(i)))
+                for i, child in enumerate(node["items"])
+            ]
             return items if kind == "list" else tuple(items)
         if kind == "array":
             return arrays[node["tensor"]]
         if kind == "nm_sparse":
-            values = walk(node["values"], (*path, "values"))
+            values = walk(node["values"], (*path, "values"), None)  # part of one leaf
             return _build_nm_sparse(node, values, arrays[node["meta"]], path)
         roles = node["tensors"]
         q = QArray.from_manifest(
@@ -281,6 +302,6 @@ def build_tree(plan: Plan, arrays: Mapping[str, Any]) -> Any:
                 f"qarray {path_name(path)!r}: codes of shape {tuple(q.codes.shape)} do not fit "
                 f"the logical shape {tuple(node['shape'])}"
             )
-        return q
+        return q if on_qarray is None or keys is None else on_qarray(keys, q)
 
-    return walk(plan.tree, ())
+    return walk(plan.tree, (), ())

@@ -27,6 +27,7 @@ import numpy as np
 from lowbit import kernels
 from lowbit.formats import GGUFBlockFormat
 from lowbit.ops._cpu_kernels import KernelRoute, prepare_layout, weight_route
+from lowbit.ops._host_memory import release_free_memory
 from lowbit.qarray import QArray
 
 
@@ -333,6 +334,8 @@ def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
     if not isinstance(q.scale, jax.core.Tracer):  # traced: keep them (cannot compare)
         kept_scale = None if _same_bits(scale, q.scale) else q.scale
         kept_zero = None if _same_bits(zero, q.zero_point) else q.zero_point
+        del scale, zero
+        release_free_memory()
     return PreparedQArray(weight, kept_scale, kept_zero, tensor_scale, axis, route, meta)
 
 

@@ -242,7 +242,7 @@ class _RawParams(nnx.Module):
 def test_presets_find_raw_param_weights_by_use_given_example_inputs():
     model = _RawParams(rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (4, 64))
-    with pytest.warns(UserWarning, match="matches none"):
+    with pytest.warns(UserWarning, match="quantizes none"):
         plain = quantize_model(model, "int8")
     assert not any(isinstance(v, QArray) for v in jax.tree.leaves(plain.state, is_leaf=_is_q))
     qmodel = quantize_model(model, "int8", example_args=(x,))
@@ -267,7 +267,7 @@ def test_quantize_matching_no_parameter_warns_or_raises():
     with pytest.warns(UserWarning, match="matches none of the 1 parameters"):
         out = lowbit.quantize({"w": w}, "int8_weight_only")
     assert out["w"] is w
-    with pytest.raises(ValueError, match="matches none"):
+    with pytest.raises(ValueError, match="quantizes none"):
         lowbit.quantize({"w": w}, "int8_weight_only", strict=True)
     # The float recipe matches everything on purpose: no warning.
     import warnings
