@@ -264,7 +264,7 @@ def _is_q(x):
 
 def test_quantize_matching_no_parameter_warns_or_raises():
     w = jnp.ones((64, 64))
-    with pytest.warns(UserWarning, match="matches none of the 1 parameters"):
+    with pytest.warns(UserWarning, match="quantizes none of the 1 parameters"):
         out = lowbit.quantize({"w": w}, "int8_weight_only")
     assert out["w"] is w
     with pytest.raises(ValueError, match="quantizes none"):
