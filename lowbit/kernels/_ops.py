@@ -27,7 +27,9 @@ def _check_x(x: jax.Array, w: PreparedWeight, name: str = "x") -> None:
 
 def _check_bias(bias: jax.Array | None, n: int) -> jax.Array:
     if bias is None:
-        return jnp.zeros((n,), jnp.float32)
+        # lax.broadcast binds one op; jnp.zeros would trace a jitted function per call, which
+        # showed in the engine's trace time (one call per quantized matmul).
+        return jax.lax.broadcast(np.float32(0), (n,))
     bias = jnp.asarray(bias)
     if bias.shape != (n,):
         raise ValueError(f"bias has shape {bias.shape}; expected ({n},)")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from typing import Any
 
@@ -280,6 +281,12 @@ def _prepared_route(lhs, rhs, dimension_numbers, out_sharding) -> tuple[Any, Any
 
 
 _kernel_dot.defvjp(_kernel_fwd, _kernel_bwd)
+
+# jax.custom_vjp computes its debug info from `inspect.signature(fun)` on every call; stored
+# once, the engine's trace of a model with many quantized matmuls gets measurably shorter.
+for _fn in (_ste_dot.fun, _kernel_dot.fun):
+    _fn.__signature__ = inspect.signature(_fn)
+del _fn
 
 PATHS = (*_dot_path.PATHS, *KERNEL_PATHS)
 """Every name `dot_general_path` returns."""
