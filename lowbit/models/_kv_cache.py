@@ -153,6 +153,20 @@ class LayerKV:
         """``x [..., D]`` times the rotation when the cache is rotated, else `x`."""
         return _hadamard_rotate(x) if self.rotated else x
 
+    def slots(self, first: jax.Array, size: int) -> LayerKV:
+        """Slots ``first .. first + size - 1`` (``first`` traced, ``size`` static) as a layer
+        cache of ``size`` slots (what attention over part of the cache reads)."""
+        take = lambda a: jax.lax.dynamic_slice_in_dim(a, first, size, axis=2)
+        if self.config is None:
+            return dataclasses.replace(self, keys=take(self.keys), values=take(self.values))
+        return dataclasses.replace(
+            self,
+            keys=take(self.keys),
+            values=take(self.values),
+            key_scales=take(self.key_scales),
+            value_scales=take(self.value_scales),
+        )
+
     def read_keys(self, dtype: Any) -> jax.Array:
         """``[batch, H, T, D]`` keys in `dtype`."""
         if self.config is None:

@@ -105,6 +105,70 @@ def _weighted_values(probs: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.einsum("bkgst,bktd->bskgd", probs, v)
 
 
+# Decode attention reads the cache in blocks of this many slots (or the largest power of two
+# below it that divides the cache length), and only the blocks up to the current token.
+DECODE_BLOCK = 128
+
+
+def decode_block(max_len: int) -> int | None:
+    """Slots per block for `_decode_attention` on a cache of `max_len` slots, or None when no
+    power of two from 32 to `DECODE_BLOCK` divides it (attention then reads every slot)."""
+    block = DECODE_BLOCK
+    while block >= 32:
+        if max_len % block == 0 and max_len > block:
+            return block
+        block //= 2
+    return None
+
+
+def _decode_attention(q: jax.Array, kv: LayerKV, slot: jax.Array, block: int) -> jax.Array:
+    """One query per row attending to cache slots ``start .. slot`` only.
+
+    The cost follows the filled length, not the cache's size: a loop over blocks of `block`
+    slots up to the one holding `slot`, with a running (online) softmax, so a long cache
+    barely filled costs one block; only those blocks of a quantized cache are dequantized.
+
+    Args:
+      q: ``[batch, 1, H, group, D]`` queries, already scaled by ``1 / sqrt(D)`` and rotated
+        like the cache.
+      kv: the layer cache after this token was written at `slot`.
+      slot: ``int32 []``, the query's slot.
+      block: slots per block, dividing the cache length.
+    Returns:
+      ``[batch, 1, H, group, D]`` float32.
+    """
+    b, _, h, g, d = q.shape
+    integer = kv.config is not None and kv.config.integer_qk
+
+    def step(i, state):
+        m, total, acc = state  # [b, H, g, 1], [b, H, g, 1], [b, H, g, D]
+        first = i * block
+        part = kv.slots(first, block)
+        if integer:
+            scores = int8_scores(q, part)
+        else:
+            scores = _scores(q, part.read_keys(q.dtype))
+        scores = scores[:, :, :, 0].astype(jnp.float32)  # [b, H, g, block]
+        t = first + jnp.arange(block, dtype=jnp.int32)
+        valid = (t[None, :] >= kv.start[:, None]) & (t[None, :] <= slot)  # [b, block]
+        valid = valid[:, None, None, :]
+        scores = jnp.where(valid, scores, jnp.finfo(jnp.float32).min)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
+        p = jnp.where(valid, jnp.exp(scores - m_new), 0.0)
+        carry = jnp.exp(m - m_new)
+        values = part.read_values(jnp.float32)  # [b, H, block, D]
+        pv = jnp.sum(p[..., None] * values[:, :, None], axis=3)  # [b, H, g, D]
+        return m_new, total * carry + jnp.sum(p, axis=-1, keepdims=True), acc * carry + pv
+
+    init = (
+        jnp.full((b, h, g, 1), jnp.finfo(jnp.float32).min, jnp.float32),
+        jnp.zeros((b, h, g, 1), jnp.float32),
+        jnp.zeros((b, h, g, d), jnp.float32),
+    )
+    _, total, acc = jax.lax.fori_loop(0, slot // block + 1, step, init)
+    return (acc / total)[:, None]
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary positions."""
 
@@ -129,8 +193,10 @@ class Attention(nnx.Module):
         """x: ``[batch, seq, dim]``; mask: ``[batch, seq, keys]`` bool, True where attending.
 
         With a cache (`kv` and `slot`), the new keys/values are written at `slot` and attention
-        runs over all cache slots (read back from the cache, so a quantized cache's rounding is
-        what attention sees); the updated layer cache is returned.
+        reads them back from the cache (so a quantized cache's rounding is what attention
+        sees); one decoded token per row reads only the blocks up to its slot
+        (`_decode_attention`), longer inputs every slot under `mask`. The updated layer cache
+        is returned.
         """
         c = self.config
         b, s, _ = x.shape
@@ -142,6 +208,13 @@ class Attention(nnx.Module):
         group = c.n_heads // c.n_kv_heads
         # Query head h uses key/value head h // group, as in Hugging Face's repeat_kv.
         q = q.reshape(b, s, c.n_kv_heads, group, c.head_dim)
+        if kv is not None and s == 1 and decode_block(kv.keys.shape[2]) is not None:
+            kv = kv.write(k, v, slot)
+            q = kv.rotate(q) / jnp.sqrt(jnp.float32(c.head_dim)).astype(q.dtype)
+            out = _decode_attention(q, kv, slot, decode_block(kv.keys.shape[2]))
+            out = kv.rotate(out.astype(x.dtype))
+            out = out.reshape(b, s, c.n_heads * c.head_dim)
+            return self.o_proj(out), kv
         if kv is not None:
             kv = kv.write(k, v, slot)
             q = kv.rotate(q)  # a rotated cache: scores are the same with rotated queries

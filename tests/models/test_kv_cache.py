@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -115,3 +117,33 @@ def test_cache_is_a_pytree_with_static_config():
     leaves, treedef = jax.tree.flatten(cache)
     assert len(leaves) == 5 * 2 + 2  # codes, scales (keys and values), key offsets; length, start
     assert jax.tree.unflatten(treedef, leaves).config == cache.config
+
+
+@pytest.mark.parametrize("text", [None, "int8", "int8+qk", "fp8", "int4"])
+def test_decode_reads_only_filled_blocks_and_matches_all_slots(text, monkeypatch):
+    # Left-padded rows (start > 0) and a token crossing a block boundary: block attention
+    # over slots start..slot gives what attention over every slot with a mask gives.
+    from lowbit.models import _llama
+
+    config = LlamaConfig(
+        vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64
+    )
+    model = Llama(config, rngs=nnx.Rngs(2))
+    prompt = jnp.asarray(RNG.integers(0, 64, (2, 30)), jnp.int32)
+    steps = jnp.asarray(RNG.integers(0, 64, (2, 4)), jnp.int32)
+
+    def run():
+        cache = model.init_cache(2, 64, text)
+        cache = dataclasses.replace(cache, start=jnp.asarray([0, 5], jnp.int32))
+        _, cache = model(prompt, cache=cache)
+        out = []
+        for i in range(steps.shape[1]):
+            logits, cache = model(steps[:, i : i + 1], cache=cache)
+            out.append(logits)
+        return jnp.concatenate(out, axis=1)
+
+    assert _llama.decode_block(64) == 32
+    blocks = run()
+    monkeypatch.setattr(_llama, "decode_block", lambda max_len: None)
+    every = run()
+    np.testing.assert_allclose(np.asarray(blocks), np.asarray(every), rtol=2e-5, atol=2e-5)
