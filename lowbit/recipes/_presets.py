@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from lowbit.qarray import MinMax, QuantConfig
+from lowbit.qarray import MSE, MinMax, QuantConfig
 from lowbit.recipes._algorithm import AWQ, GPTQ, HQQ, Algorithm, SmoothQuant
 from lowbit.recipes._builders import activation_config, matmul_rules
 from lowbit.recipes._recipe import Recipe
@@ -211,6 +211,16 @@ def _with_algorithm(name: str, base: Recipe, algorithm: Algorithm) -> Recipe:
     return _recipe(name, rules)
 
 
+def _gptq(name: str, base: Recipe) -> Recipe:
+    # GPTQ keeps the grid it is given, so the grid matters: group scales (and zero points) from
+    # a clip search minimising each group's squared error, as GPTQ implementations offer,
+    # instead of the absolute maximum. On SmolLM2 (16 calibration sequences) that took int4
+    # g64 from +18.1% to +14.4% perplexity.
+    mse = lambda r: dataclasses.replace(r, weight=dataclasses.replace(r.weight, calibration=MSE()))
+    base = dataclasses.replace(base, rules=(base.rules[0], *(mse(r) for r in base.rules[1:])))
+    return _with_algorithm(name, base, GPTQ())
+
+
 def _int_g64(bits: int) -> Recipe:
     return _demo_4bit(f"int{bits}w_g64", matmul_rules(f"int{bits}", group_size=64))
 
@@ -228,16 +238,21 @@ _PRESETS.update(
         ),
         "int3w_g64": (lambda: _int_g64(3), "int3 symmetric weights, groups of 64; int8 embeddings"),
         "int4w_g64_gptq": (
-            lambda: _with_algorithm("int4w_g64_gptq", _int_g64(4), GPTQ()),
-            "int4w_g64 rounded by GPTQ (needs calibration data)",
+            lambda: _gptq("int4w_g64_gptq", _int_g64(4)),
+            "int4w_g64 with clip-searched scales, rounded by GPTQ (needs calibration data)",
+        ),
+        "int4w_g64_asym_gptq": (
+            lambda: _gptq("int4w_g64_asym_gptq", _uint4_g64_asym()),
+            "uint4 asymmetric g64 with clip-searched scales and zero points, rounded by GPTQ "
+            "(needs calibration data)",
         ),
         "nf4_g64_gptq": (
-            lambda: _with_algorithm("nf4_g64_gptq", _demo_4bit("nf4_g64", nf4(64).rules), GPTQ()),
-            "nf4_g64 rounded by GPTQ (needs calibration data)",
+            lambda: _gptq("nf4_g64_gptq", _demo_4bit("nf4_g64", nf4(64).rules)),
+            "nf4_g64 with clip-searched scales, rounded by GPTQ (needs calibration data)",
         ),
         "int3w_g64_gptq": (
-            lambda: _with_algorithm("int3w_g64_gptq", _int_g64(3), GPTQ()),
-            "int3w_g64 rounded by GPTQ (needs calibration data)",
+            lambda: _gptq("int3w_g64_gptq", _int_g64(3)),
+            "int3w_g64 with clip-searched scales, rounded by GPTQ (needs calibration data)",
         ),
         "int4w_g64_awq": (
             lambda: _with_algorithm("int4w_g64_awq", _int_g64(4), AWQ()),
@@ -250,7 +265,7 @@ _PRESETS.update(
             "int8 (w8a8) with SmoothQuant alpha 0.5 folded into the norms (needs calibration data)",
         ),
         "int4w_g32_asym_gptq": (
-            lambda: _with_algorithm("int4w_g32_asym_gptq", _PRESETS["int4w_g32_asym"][0](), GPTQ()),
+            lambda: _gptq("int4w_g32_asym_gptq", _PRESETS["int4w_g32_asym"][0]()),
             "int4w_g32_asym rounded by GPTQ (needs calibration data)",
         ),
         "int4w_g64_hqq": (

@@ -46,6 +46,7 @@ EXPECTED = {
     "int4w_g64_asym": ("uint4", None, None),
     "int3w_g64": ("int3", None, None),
     "int4w_g64_gptq": ("int4", None, None),
+    "int4w_g64_asym_gptq": ("uint4", None, None),
     "nf4_g64_gptq": ("nf4", None, None),
     "int3w_g64_gptq": ("int3", None, None),
     "int4w_g64_hqq": ("uint4", None, None),
@@ -168,3 +169,15 @@ def test_stacked_axes_option_applies_to_every_rule():
     assert kernel.config.granularity.tile((4, 16, 32)) == (1, 16, 1)  # per layer and channel
     assert not report["layers/bias"].quantized
     assert Recipe.from_json(recipe.to_json()) == recipe
+
+
+def test_gptq_presets_search_their_group_scales():
+    # GPTQ keeps the grid it is given: the presets give it clip-searched scales, the
+    # embedding rule stays round-to-nearest absmax.
+    from lowbit.qarray import MSE
+
+    for name in ("int4w_g64_gptq", "int4w_g64_asym_gptq", "nf4_g64_gptq", "int3w_g64_gptq"):
+        embedding, *rules = preset(name).rules
+        assert isinstance(embedding.weight.calibration, AbsMax) and embedding.algorithm is None
+        assert all(isinstance(r.weight.calibration, MSE) for r in rules), name
+        assert all(r.algorithm is not None and r.algorithm.name == "gptq" for r in rules), name
