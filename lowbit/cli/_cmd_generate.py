@@ -1,4 +1,9 @@
-"""`lowbit generate DIR|MODEL --prompt TEXT`: stream a language model's continuation."""
+"""`lowbit generate DIR|MODEL --prompt TEXT`: stream a language model's continuation.
+
+One prompt streams its continuation to stdout. Several (``--prompt`` repeated, or
+``--prompts-file`` with one per line) run as one batch (left-padded, one compiled loop) and
+print each continuation when the batch is done. ``--json`` prints one JSON object instead.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,13 @@ import argparse
 import sys
 import time
 
-from lowbit.cli._common import add_kv_cache_argument, open_target, progress, resolve_kv_cache
+from lowbit.cli._common import (
+    add_kv_cache_argument,
+    open_target,
+    print_json,
+    progress,
+    resolve_kv_cache,
+)
 
 NAME = "generate"
 HELP = (
@@ -28,7 +39,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="quantize MODEL with this recipe first (default: float; 'gguf' runs the GGUF "
         "file's own quantized blocks); not with a checkpoint",
     )
-    parser.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt text")
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a prompt text; repeat for a batch of prompts",
+    )
+    parser.add_argument(
+        "--prompts-file",
+        metavar="FILE",
+        help="a UTF-8 text file with one prompt per line (blank lines skipped), run as a batch",
+    )
     parser.add_argument(
         "--chat",
         action="store_true",
@@ -46,6 +68,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
     add_kv_cache_argument(parser)
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (prompts, continuations, token counts, seconds) as the only "
+        "line on stdout, or the error as one",
+    )
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"--prompts-file {args.prompts_file}: not UTF-8 text ({err})"
+            ) from None
+        lines = [line.strip() for line in text.splitlines()]
+        from_file = [line for line in lines if line]
+        if not from_file:
+            raise ValueError(f"--prompts-file {args.prompts_file} holds no prompt (no text lines)")
+        prompts += from_file
+    if not prompts:
+        raise ValueError("give a prompt: --prompt TEXT (repeatable) or --prompts-file FILE")
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {i + 1} is empty; give the text to continue")
+    return prompts
 
 
 class _TextStream:
@@ -78,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         DEFAULT_STOP_TOKENS,
         Sampling,
         chat_template_from_gguf,
+        generate_tokens,
         stop_token_ids,
         stream_tokens,
     )
@@ -85,42 +137,71 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    if not args.prompt:
-        raise ValueError("--prompt is empty; give the text to continue")
+    prompts = _prompts(args)
     kv = resolve_kv_cache(args.kv_cache, args.recipe)
     with progress() as bar:
         target = open_target(args.target, args.recipe, bar)
     loaded = target.loaded
     if loaded.kind != "lm":
         raise ValueError(f"generate needs a language model; {loaded.name} is an encoder")
-    prompt = args.prompt
     if args.chat:
         if loaded.gguf_path is None:
             raise ValueError("--chat reads the chat template from a GGUF file; this model has none")
         from lowbit.models import read_gguf
 
-        prompt = chat_template_from_gguf(read_gguf(loaded.gguf_path).metadata)(prompt)
+        template = chat_template_from_gguf(read_gguf(loaded.gguf_path).metadata)
+        prompts = [template(p) for p in prompts]
     tokenizer = loaded.tokenizer
-    ids = tokenizer.encode(prompt).ids
-    if not ids:
-        raise ValueError("--prompt encodes to no tokens")
+    ids = [tokenizer.encode(p).ids for p in prompts]
+    for i, row in enumerate(ids):
+        if not row:
+            raise ValueError(f"prompt {i + 1} encodes to no tokens")
     stops = stop_token_ids(tokenizer, DEFAULT_STOP_TOKENS)
+    options = dict(
+        params=target.params,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        key=args.seed,
+        stop_ids=stops,
+        kv_cache=kv,
+    )
+    summary = f"recipe {target.recipe}; kv cache {kv.to_text() if kv else 'float'}"
+    if len(prompts) > 1 or args.json:
+        start = time.perf_counter()
+        result = generate_tokens(loaded.model, ids, **options)
+        seconds = time.perf_counter() - start
+        texts = [tokenizer.decode(row, skip_special_tokens=True) for row in result.tokens]
+        if args.json:
+            print_json(
+                {
+                    "completions": [
+                        {"prompt": p, "text": t, "new_tokens": len(r), "stopped": s}
+                        for p, t, r, s in zip(
+                            prompts, texts, result.tokens, result.stopped, strict=True
+                        )
+                    ],
+                    "prompt_tokens": result.prompt_lengths,
+                    "seconds": seconds,
+                    "recipe": str(target.recipe),
+                    "kv_cache": kv.to_text() if kv else "float",
+                }
+            )
+        else:
+            for i, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
+                print(f"--- prompt {i + 1}: {prompt}")
+                print(text)
+            new = sum(len(r) for r in result.tokens)
+            print(
+                f"[{len(prompts)} prompts, {new} new tokens in {seconds:.2f} s including "
+                f"compilation; {summary}]",
+                file=sys.stderr,
+            )
+        return 0
     stream = _TextStream(tokenizer, sys.stdout)
     start = time.perf_counter()
-    first = None
     interrupted = False
     try:
-        for new in stream_tokens(
-            loaded.model,
-            [ids],
-            params=target.params,
-            max_new_tokens=args.max_new_tokens,
-            sampling=sampling,
-            key=args.seed,
-            stop_ids=stops,
-            kv_cache=kv,
-        ):
-            first = first or time.perf_counter()
+        for new in stream_tokens(loaded.model, ids, **options):
             row = []
             for t in new[0]:
                 if t < 0 or int(t) in stops:
@@ -135,8 +216,7 @@ def run(args: argparse.Namespace) -> int:
     note = "interrupted; " if interrupted else ""
     print(
         f"[{note}{n} tokens in {seconds:.2f} s including compilation; "
-        f"prompt {len(ids)} tokens; recipe {target.recipe}; kv cache "
-        f"{kv.to_text() if kv else 'float'}]",
+        f"prompt {len(ids[0])} tokens; {summary}]",
         file=sys.stderr,
     )
     return 130 if interrupted else 0

@@ -63,3 +63,28 @@ def test_json_is_the_only_stdout_line(tmp_path, capfd):
     assert result["model"] == "minilm" and result["recipe"] == "int8w"
     assert 0.99 <= result["value"] <= 1.0 + 1e-6
     assert "lowbit eval: minilm" in captured.err  # the table went to stderr
+
+
+def test_generate_runs_several_prompts_as_one_batch_and_reports_json(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("One, two,\n\n", encoding="utf-8")
+    argv = ["generate", "smollm2", "--prompt", "The capital of France is"]
+    assert main([*argv, "--prompts-file", str(prompts), "--max-new-tokens", "3", "--json"]) == 0
+    result = _only_json_line(capsys.readouterr().out)
+    rows = result["completions"]
+    assert [r["prompt"] for r in rows] == ["The capital of France is", "One, two,"]
+    assert rows[0]["text"].startswith(" Paris")  # greedy, float: the README's answer
+    assert all(r["new_tokens"] <= 3 and r["text"] for r in rows)
+    assert len(result["prompt_tokens"]) == 2 and result["kv_cache"] == "float"
+
+
+def test_generate_needs_a_prompt_before_loading_anything(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n", encoding="utf-8")
+    for argv, fragment in [
+        (["generate", "smollm2", "--json"], "give a prompt"),
+        (["generate", "smollm2", "--prompts-file", str(empty), "--json"], "holds no prompt"),
+        (["generate", "smollm2", "--prompt", "", "--json"], "prompt 1 is empty"),
+    ]:
+        assert main(argv) == 2
+        assert fragment in _only_json_line(capsys.readouterr().out)["error"]
