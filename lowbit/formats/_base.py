@@ -64,6 +64,12 @@ class Format(abc.ABC):
     scale_encoding: str = "float"
 
     @property
+    def scales_in_codes(self) -> bool:
+        """True when the codes carry their own scales (GGUF blocks): a QArray's `scale` is
+        then a one-element placeholder, not part of the format's size."""
+        return False
+
+    @property
     @abc.abstractmethod
     def code_dtype(self) -> np.dtype:
         """dtype of the unpacked codes `encode` returns."""

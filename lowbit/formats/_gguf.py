@@ -2,8 +2,8 @@
 
 A QArray of one of these formats keeps a tensor exactly as a GGUF file stores it: the codes
 along `packed_axis` are the GGML blocks (``type_size`` bytes per ``block_size`` elements, the
-block scales inside them), so ``nbytes`` is the GGUF size (plus a one-byte unit `scale`, the
-QArray's generic per-tensor scale slot). Decoding is `lowbit.formats._gguf_codec.decode`
+block scales inside them), so ``nbytes`` is exactly the GGUF size (the QArray's one-byte unit
+`scale` is a placeholder, not counted: `Format.scales_in_codes`). Decoding is `lowbit.formats._gguf_codec.decode`
 (bit-identical to llama.cpp) and the "codes" a format hands to `decode` are already the decoded
 float32 values: `unpack` decodes, `decode` is the identity, and `pack` encodes float values to
 blocks with llama.cpp's reference quantizer.
@@ -47,6 +47,10 @@ class GGUFBlockFormat(Format):
 
     ggml_type: str
     bits: int = 8
+
+    @property
+    def scales_in_codes(self) -> bool:
+        return True
 
     @property
     def block(self) -> _gguf_codec.BlockType:

@@ -128,10 +128,11 @@ class QArray:
 
     @property
     def nbytes(self) -> int:
-        """Bytes actually stored: packed codes plus every scale and zero point."""
+        """Bytes actually stored: packed codes plus every scale and zero point (for formats
+        whose codes carry their scales, GGUF blocks, the codes alone)."""
         leaves = (
             self.codes,
-            self.scale,
+            None if self.fmt.scales_in_codes else self.scale,
             self.zero_point,
             self.tensor_scale,
             self.activation_bounds,

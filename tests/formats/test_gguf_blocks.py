@@ -109,7 +109,7 @@ def test_qarray_of_block_format(fmt):
     w = _weights(6, 512)  # blocks along axis 1
     q = quantize(jnp.asarray(w), fmt.name, granularity=PerGroup(t.block_size, axis=1))
     assert q.packed_axis == 1 and q.codes.dtype == jnp.uint8
-    assert q.nbytes == 6 * 512 // t.block_size * t.type_size + 1  # GGUF bytes + unit scale
+    assert q.nbytes == 6 * 512 // t.block_size * t.type_size  # exactly the GGUF bytes
     expected = gguf_decode(fmt.ggml_type, gguf_encode(fmt.ggml_type, w))
     np.testing.assert_array_equal(np.asarray(q.dequantize()), expected)
     # Transposed (blocks along axis 0, a Flax kernel), inside jit.

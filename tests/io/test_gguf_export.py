@@ -232,7 +232,7 @@ def test_import_every_block_type_decodes_like_gguf(tmp_path, ggml_type):
     writer.close()
     params, _ = import_gguf(path, kernel_layouts=False)
     q = params["w"]
-    assert q.format == ggml_type.lower() and q.nbytes == raw.nbytes + 1
+    assert q.format == ggml_type.lower() and q.nbytes == raw.nbytes  # exactly the GGUF bytes
     if ggml_type != "Q8_K":  # gguf has no Q8_K decoder
         ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml_type])
         np.testing.assert_array_equal(np.asarray(q.dequantize()), ref)
