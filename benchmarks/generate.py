@@ -41,7 +41,7 @@ from lowbit.eval._variants import load_model, quantize_variant
 from lowbit.models import _generate as gen
 from lowbit.models import has_smollm2
 
-RECIPES = ("gguf", "int4w_g32_asym")
+RECIPES = ("gguf", "int4w_g32_asym", "w4a8_g32")
 BATCHES = (1, 8)
 PROMPT = {1: 512, 8: 128}
 DECODE = 64

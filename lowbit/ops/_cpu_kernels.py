@@ -23,13 +23,18 @@ A `dot_general` is sent to a compiled kernel when all of these hold (else the pu
         with blocks along K, converted when the layout is built
         (`lowbit.formats.GGUFBlockFormat.kernel_view`);
 
-    or w8a8: an int8 per-channel weight whose `activation` is exactly what the kernel does to
-    the activations — symmetric int8, `PerToken`, `AbsMax(clip=1)`, round half to even,
-    float32 scales — with dynamic bounds (`activation_bounds is None`). Then `scale = absmax /
-    127` per token and `round(clip(x / scale, -127, 127))` in float32 are the same operations
-    in the same order on both paths, so the codes agree exactly for finite inputs and the
-    results differ only by float summation order. (For non-finite activations the two differ:
-    the quantizer leaves them out of the bound, the kernel does not.)
+    or, with activations quantized by the kernel:
+
+      - w8a8: an int8 per-channel weight;
+      - w4a8: a symmetric int4 weight per channel or per group along K (g a multiple of 8);
+
+    whose `activation` is exactly what the kernels do to the activations — symmetric int8,
+    `PerToken`, `AbsMax(clip=1)`, round half to even, float32 scales — with dynamic bounds
+    (`activation_bounds is None`). Then `scale = absmax / 127` per token and
+    `round(clip(x / scale, -127, 127))` in float32 are the same operations in the same order on
+    both paths, so the codes agree exactly for finite inputs and the results differ only by
+    float summation order. (For non-finite activations the two differ: the quantizer leaves
+    them out of the bound, the kernel does not.)
 
 A per-tensor scale (`[1, 1]`) counts as per channel (broadcast to `[1, N]`). A weight stored
 `[N, K]` (contracted over axis 1, e.g. a tied embedding used as the output projection,
@@ -113,9 +118,11 @@ def _weight_kind(q: QArray) -> tuple[str, bool] | None:
         return None
     has_zero = q.zero_point is not None
     if q.activation is not None:
-        if kind != "int8" or has_zero or q.activation_bounds is not None:
+        # int8 x int8 and int4 x int8 have integer kernels; other pairs stay on the JAX paths.
+        integer_kind = {"int8": "w8a8", "int4": "w4a8"}.get(kind)
+        if integer_kind is None or has_zero or q.activation_bounds is not None:
             return None
-        return ("w8a8", False) if _is_kernel_activation(q.activation) else None
+        return (integer_kind, False) if _is_kernel_activation(q.activation) else None
     if kind == "int4" and has_zero:
         return "uint4", True
     if has_zero and kind != "uint4":
@@ -271,6 +278,8 @@ def _prepare_dense(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
         return kernels.prepare(route.kind, codes, scale, zero_point, route.group_size)
     codes = q.unpacked_codes()
     scale = jnp.broadcast_to(q.scale_values(), (rows, n))
+    if route.kind == "w4a8":  # int4 values as two's-complement nibbles
+        return kernels.prepare("w4a8", codes.astype(jnp.uint8) & 15, scale, None, route.group_size)
     zero_point = None
     if route.kind == "uint4":
         if q.zero_point is None:
@@ -305,6 +314,8 @@ def kernel_linear(x: jax.Array, q: Any, route: KernelRoute, out_dtype: Any) -> j
         weight = q.weight
     if route.kind == "w8a8":
         y = kernels.w8a8_linear(x, weight, out_dtype=kernel_out)
+    elif route.kind == "w4a8":
+        y = kernels.w4a8_linear(x, weight, out_dtype=kernel_out)
     else:
         y = kernels.weight_only_linear(x, weight, out_dtype=kernel_out)
     return y.astype(out_dtype)

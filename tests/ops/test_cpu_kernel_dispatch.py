@@ -76,6 +76,12 @@ WEIGHTS = {
     "fp8_group": (QuantConfig(format="fp8_e4m3fn", granularity=PerGroup(32, 0)), None, "fp8"),
     "int8_group": (QuantConfig(format="int8", granularity=PerGroup(32, 0)), None, "int8"),
     "w8a8": (QuantConfig(format="int8", granularity=PerChannel((1,))), INT8_TOKEN, "w8a8"),
+    "w4a8_group": (QuantConfig(format="int4", granularity=PerGroup(32, 0)), INT8_TOKEN, "w4a8"),
+    "w4a8_channel": (
+        QuantConfig(format="int4", granularity=PerChannel((1,))),
+        INT8_TOKEN,
+        "w4a8",
+    ),
 }
 
 
@@ -229,9 +235,27 @@ KEEPS_OLD_PATH = {
         ),
         DIMS,
     ),
-    "int4_weight_int8_activation": (
+    "asymmetric_int4_weight_int8_activation": (
         jnp.ones((3, K)),
-        _spec(QuantConfig(format="int4", granularity=PerGroup(32, 0)), INT8_TOKEN),
+        _spec(
+            QuantConfig(
+                format="int4", granularity=PerGroup(32, 0), symmetric=False, calibration=MinMax()
+            ),
+            INT8_TOKEN,
+        ),
+        DIMS,
+    ),
+    "w4a8_groups_not_a_multiple_of_8": (
+        jnp.ones((3, K)),
+        _spec(QuantConfig(format="int4", granularity=PerGroup(4, 0)), INT8_TOKEN),
+        DIMS,
+    ),
+    "int4_weight_int4_activation": (
+        jnp.ones((3, K)),
+        _spec(
+            QuantConfig(format="int4", granularity=PerGroup(32, 0)),
+            QuantConfig(format="int4", granularity=PerToken()),
+        ),
         DIMS,
     ),
     "w8a8_bfloat16_activation_scales": (
@@ -281,7 +305,7 @@ def _grads(x, q, cotangent):
     return jax.grad(loss(dot_general, q))(x), jax.grad(loss(dot_general_reference, weight_only))(x)
 
 
-@pytest.mark.parametrize("name", ["int4_group", "w8a8"])
+@pytest.mark.parametrize("name", ["int4_group", "w8a8", "w4a8_group"])
 def test_gradient_wrt_lhs_matches_reference(name):
     q = _weight(name)
     x, cotangent = normal(7, (2, 3, K)), normal(6, (2, 3, N))
@@ -364,3 +388,18 @@ def test_without_kernels_the_pure_jax_paths_run(monkeypatch):
     assert "ffi" not in str(jaxpr) and "custom_call" not in str(jaxpr)
     monkeypatch.undo()
     assert "ffi" in str(jax.make_jaxpr(lambda x, q: dot_general(x, q, DIMS))(x, q))
+
+
+def test_w4a8_preset_runs_on_the_integer_kernels():
+    # Every linear layer of `w4a8_g32` must be a layout the w4a8 kernel takes as it is; one
+    # that is not would run the pure-JAX paths without saying so.
+    model = _MLP(rngs=nnx.Rngs(0))
+    model.up = nnx.Linear(K, 512, kernel_init=_init, rngs=nnx.Rngs(1))
+    model.down = nnx.Linear(512, K, kernel_init=_init, rngs=nnx.Rngs(2))  # 264 % 32 != 0
+    qmodel = lowbit.quantize_model(model, "w4a8_g32")
+    graphdef = qmodel.graphdef
+    apply = lambda state, x: nnx.merge(graphdef, state)(x)
+    report = lowbit.EngineReport()
+    out = jax.jit(lowbit.run(apply, report=report))(qmodel.state, normal(11, (4, K)))
+    assert report.quantized_ops == {"dot_general:cpu_kernel_w4a8": 2}
+    assert bool(jnp.all(jnp.isfinite(out)))

@@ -53,13 +53,15 @@ EXPECTED = {
     "int4w_g64_awq": ("int4", None, None),
     "int4w_g32_asym_gptq": ("uint4", None, None),
     "int8_smoothquant": ("int8", "int8", None),
+    "w4a8_g32": ("int4", "int8", None),
+    "w4a8_g32_gptq": ("int4", "int8", None),
 }
 
 # The 4-bit demo recipes keep embeddings at int8 per row.
 EMBEDDING_FORMAT = {
     name: "int8"
     for name in EXPECTED
-    if name.startswith(("int4w_g", "nf4_g", "int3w_g"))
+    if name.startswith(("int4w_g", "nf4_g", "int3w_g", "w4a8_g"))
 }
 
 
@@ -176,8 +178,10 @@ def test_gptq_presets_search_their_group_scales():
     # embedding rule stays round-to-nearest absmax.
     from lowbit.qarray import MSE
 
-    for name in ("int4w_g64_gptq", "int4w_g64_asym_gptq", "nf4_g64_gptq", "int3w_g64_gptq"):
+    names = ("int4w_g64_gptq", "int4w_g64_asym_gptq", "nf4_g64_gptq", "int3w_g64_gptq")
+    for name in (*names, "w4a8_g32_gptq"):
         embedding, *rules = preset(name).rules
         assert isinstance(embedding.weight.calibration, AbsMax) and embedding.algorithm is None
         assert all(isinstance(r.weight.calibration, MSE) for r in rules), name
         assert all(r.algorithm is not None and r.algorithm.name == "gptq" for r in rules), name
+
