@@ -263,4 +263,3 @@ def resolve_kv_cache(flag: str | None, recipe_spec: str | None) -> Any:
     if recipe_spec in (None, _variants.GGUF_RECIPE, _variants.FLOAT_RECIPE):
         return None
     return getattr(_variants.load_recipe(recipe_spec), "kv_cache", None)
-

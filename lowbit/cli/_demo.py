@@ -32,7 +32,7 @@ HELP = (
     "quantize SmolLM2-135M and all-MiniLM-L6-v2 with the demo recipes, print one table of size, "
     "perplexity / cosine and speed, and write plots"
 )
-RECIPES = ("float", "int8w", "int8", "int4w_g32_asym", "int4w_g64", "nf4_g64", "mxfp4")
+RECIPES = ("float", "int8w", "int8", "int4w_g32_asym", "w4a8_g32", "int4w_g64", "nf4_g64", "mxfp4")
 # Algorithm rows, each after its round-to-nearest counterpart in the table. The data-driven
 # ones share one calibration pass per model (statistics are cached per calibration set), on
 # DEMO_CALIBRATION sequences of 512 tokens (the CLI default is 128) to bound the demo's time.

@@ -3,10 +3,10 @@
 A QArray of one of these formats keeps a tensor exactly as a GGUF file stores it: the codes
 along `packed_axis` are the GGML blocks (``type_size`` bytes per ``block_size`` elements, the
 block scales inside them), so ``nbytes`` is exactly the GGUF size (the QArray's one-byte unit
-`scale` is a placeholder, not counted: `Format.scales_in_codes`). Decoding is `lowbit.formats._gguf_codec.decode`
-(bit-identical to llama.cpp) and the "codes" a format hands to `decode` are already the decoded
-float32 values: `unpack` decodes, `decode` is the identity, and `pack` encodes float values to
-blocks with llama.cpp's reference quantizer.
+`scale` is a placeholder, not counted: `Format.scales_in_codes`). Decoding is
+`lowbit.formats._gguf_codec.decode` (bit-identical to llama.cpp) and the "codes" a format hands
+to `decode` are already the decoded float32 values: `unpack` decodes, `decode` is the identity,
+and `pack` encodes float values to blocks with llama.cpp's reference quantizer.
 
   name     GGML type  block  bytes  bits/value
   q2_k     Q2_K        256     84   2.625

@@ -29,7 +29,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import lowbit
@@ -68,7 +67,6 @@ from lowbit.io._safetensors_file import (
 from lowbit.io._tree import encode_tree, leaf_shapes, path_name
 from lowbit.ops import prepare_weight
 from lowbit.ops._host_memory import release_free_memory
-from lowbit.qarray import is_qarray
 
 # The tensor file's header records the sha256 of the manifest's bytes under this key, so the
 # manifest (tree, formats, dtypes, shapes, per-tensor digests, recipe, metadata: every field,

@@ -253,9 +253,7 @@ def recipe_from_json(text: str | Mapping[str, Any]) -> Recipe:
         raise ValueError('recipe JSON must be an object {"name": str, "rules": [rule, ...]}')
     unknown = sorted(set(data) - {"name", "rules", "kv_cache"})
     if unknown:
-        raise ValueError(
-            f"Recipe: unknown keys {unknown}; accepted: ['name', 'rules', 'kv_cache']"
-        )
+        raise ValueError(f"Recipe: unknown keys {unknown}; accepted: ['name', 'rules', 'kv_cache']")
     rules = tuple(parse_rule(r, f"Recipe.rules[{i}]") for i, r in enumerate(data["rules"]))
     name = data.get("name", "custom")
     if not isinstance(name, str):

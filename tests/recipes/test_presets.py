@@ -59,9 +59,7 @@ EXPECTED = {
 
 # The 4-bit demo recipes keep embeddings at int8 per row.
 EMBEDDING_FORMAT = {
-    name: "int8"
-    for name in EXPECTED
-    if name.startswith(("int4w_g", "nf4_g", "int3w_g", "w4a8_g"))
+    name: "int8" for name in EXPECTED if name.startswith(("int4w_g", "nf4_g", "int3w_g", "w4a8_g"))
 }
 
 
@@ -184,4 +182,3 @@ def test_gptq_presets_search_their_group_scales():
         assert isinstance(embedding.weight.calibration, AbsMax) and embedding.algorithm is None
         assert all(isinstance(r.weight.calibration, MSE) for r in rules), name
         assert all(r.algorithm is not None and r.algorithm.name == "gptq" for r in rules), name
-
