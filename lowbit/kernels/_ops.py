@@ -218,3 +218,44 @@ def w4a8_linear(
     )
     y = call(x2, w.data, b, k=np.int64(w.k), n=np.int64(w.n), gs=np.int64(w.storage_group))
     return y.reshape(*lead, w.n)
+
+
+def decode_attention(
+    q: jax.Array, keys: jax.Array, values: jax.Array, start: jax.Array, slot: jax.Array
+) -> jax.Array:
+    """Attention of one query position per row over a float32 KV cache, in one kernel call.
+
+    Row b attends to slots ``start[b] .. slot`` only: the cost follows the filled length, not
+    the cache's size (split into chunks of 128 slots across threads, merged with the
+    running-softmax rescaling).
+
+    Args:
+      q: [B, H, G, D] float32: G query heads per KV head, already scaled by 1 / sqrt(D).
+      keys, values: [B, H, L, D] float32, the cache.
+      start: [B] int32, each row's first slot (left padding before it).
+      slot: [] int32, the query's slot (the last one attended to).
+    Returns:
+      [B, H, G, D] float32; zeros for a row with no slot to attend to.
+    """
+    b, h, g, d = q.shape
+    if keys.ndim != 4 or keys.shape[:2] != (b, h) or keys.shape[3] != d:
+        raise ValueError(f"keys have shape {keys.shape}; expected [{b}, {h}, L, {d}]")
+    if values.shape != keys.shape:
+        raise ValueError(f"values have shape {values.shape}; expected the keys' {keys.shape}")
+    for name, a in (("q", q), ("keys", keys), ("values", values)):
+        if jnp.dtype(a.dtype) != jnp.dtype(jnp.float32):
+            raise TypeError(
+                f"{name} dtype {jnp.dtype(a.dtype).name} is not supported; expected float32"
+            )
+    start = jnp.asarray(start, jnp.int32)
+    slot = jnp.asarray(slot, jnp.int32)
+    if start.shape != (b,) or slot.shape != ():
+        raise ValueError(f"start must be [{b}] and slot a scalar; got {start.shape}, {slot.shape}")
+    if not _use_kernels():
+        return _reference.decode_attention(q, keys, values, start, slot)
+    call = jax.ffi.ffi_call(
+        "lowbit_decode_attention",
+        jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        vmap_method="sequential",
+    )
+    return call(q, keys, values, start, slot)

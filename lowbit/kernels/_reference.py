@@ -181,3 +181,25 @@ def w4a8_linear(
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(out_dtype or x.dtype)
+
+
+@jax.jit
+def decode_attention(
+    q: jax.Array, keys: jax.Array, values: jax.Array, start: jax.Array, slot: jax.Array
+) -> jax.Array:
+    """Softmax attention of one query position per row over cache slots ``start[b] .. slot``.
+
+    q: [B, H, G, D] float32 (G queries per KV head, already scaled); keys, values:
+    [B, H, L, D] float32; start: [B] int32; slot: [] int32 -> [B, H, G, D] float32 (zeros
+    for a row with no slot to attend to).
+    """
+    scores = jnp.einsum("bhgd,bhld->bhgl", q, keys, precision=jax.lax.Precision.HIGHEST)
+    t = jnp.arange(keys.shape[2], dtype=jnp.int32)
+    valid = (t[None, :] >= start[:, None]) & (t[None, :] <= slot)  # [B, L]
+    valid = valid[:, None, None, :]
+    scores = jnp.where(valid, scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    p = jnp.where(valid, jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bhgl,bhld->bhgd", p, values, precision=jax.lax.Precision.HIGHEST)
+    return jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lowbit import kernels
 from lowbit.models._kv_cache import KVCache, LayerKV, int8_scores
 from lowbit.models._kv_cache import init_kv_cache as _init_cache
 from lowbit.recipes import KVCacheConfig
@@ -121,6 +122,22 @@ def decode_block(max_len: int) -> int | None:
     return None
 
 
+def _fused_decode(q: jax.Array, kv: LayerKV) -> bool:
+    """Whether a decode step runs as one CPU kernel call (`lowbit.kernels.decode_attention`):
+    a float32 cache and queries on the CPU backend with the kernels built. On XLA:CPU the
+    loop below costs mostly per-op dispatch (about 150 us a layer for SmolLM2 at 576 filled
+    slots, against 30 us for the kernel)."""
+    f32 = jnp.dtype(jnp.float32)
+    return (
+        kv.config is None
+        and jnp.dtype(q.dtype) == f32
+        and jnp.dtype(kv.keys.dtype) == f32
+        and jnp.dtype(kv.values.dtype) == f32
+        and jax.default_backend() == "cpu"
+        and kernels.available()
+    )
+
+
 def _decode_attention(q: jax.Array, kv: LayerKV, slot: jax.Array, block: int) -> jax.Array:
     """One query per row attending to cache slots ``start .. slot`` only.
 
@@ -138,6 +155,8 @@ def _decode_attention(q: jax.Array, kv: LayerKV, slot: jax.Array, block: int) ->
       ``[batch, 1, H, group, D]`` float32.
     """
     b, _, h, g, d = q.shape
+    if _fused_decode(q, kv):
+        return kernels.decode_attention(q[:, 0], kv.keys, kv.values, kv.start, slot)[:, None]
     integer = kv.config is not None and kv.config.integer_qk
 
     def step(i, state):

@@ -147,3 +147,39 @@ def test_decode_reads_only_filled_blocks_and_matches_all_slots(text, monkeypatch
     monkeypatch.setattr(_llama, "decode_block", lambda max_len: None)
     every = run()
     np.testing.assert_allclose(np.asarray(blocks), np.asarray(every), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("head_dim", [8, 32])
+def test_fused_decode_kernel_matches_the_block_loop(head_dim, monkeypatch):
+    # A float32 cache on the CPU decodes through one kernel call per layer
+    # (`lowbit.kernels.decode_attention`); the XLA block loop must give the same logits.
+    from lowbit import kernels
+    from lowbit.models import _llama
+
+    if not kernels.available():
+        pytest.skip(kernels.status())
+    config = LlamaConfig(
+        vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=head_dim, ffn_dim=64
+    )
+    model = Llama(config, rngs=nnx.Rngs(3))
+    prompt = jnp.asarray(RNG.integers(0, 64, (2, 30)), jnp.int32)
+    steps = jnp.asarray(RNG.integers(0, 64, (2, 3)), jnp.int32)
+
+    def run():
+        cache = model.init_cache(2, 64, None)
+        cache = dataclasses.replace(cache, start=jnp.asarray([0, 7], jnp.int32))
+        _, cache = model(prompt, cache=cache)
+        out = []
+        for i in range(steps.shape[1]):
+            logits, cache = model(steps[:, i : i + 1], cache=cache)
+            out.append(logits)
+        return jnp.concatenate(out, axis=1)
+
+    calls = []
+    real = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    fused = run()
+    assert calls, "the float32 cache did not take the kernel"
+    monkeypatch.setattr(_llama, "_fused_decode", lambda q, kv: False)
+    loop = run()
+    np.testing.assert_allclose(np.asarray(fused), np.asarray(loop), rtol=2e-5, atol=2e-5)

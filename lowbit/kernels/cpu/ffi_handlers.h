@@ -19,6 +19,10 @@ XLA_FFI_Error* LowbitW8A8LinearQ(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* LowbitW4A8Linear(XLA_FFI_CallFrame* call_frame);
 // Integer product only: (xq s8 [M,K], w, colsum) -> s32 [M,N].
 XLA_FFI_Error* LowbitW8A8Int32(XLA_FFI_CallFrame* call_frame);
+// Decode attention over a float32 cache (attention.cc): (q f32 [B,H,G,D], keys f32
+// [B,H,L,D], values f32 [B,H,L,D], start s32 [B], slot s32 []) -> f32 [B,H,G,D], each row
+// attending to slots start[b] .. slot.
+XLA_FFI_Error* LowbitDecodeAttention(XLA_FFI_CallFrame* call_frame);
 }
 
 #endif  // LOWBIT_KERNELS_CPU_FFI_HANDLERS_H_

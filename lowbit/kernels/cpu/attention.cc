@@ -1,0 +1,274 @@
+// Decode attention over a float32 KV cache: one query position per row, the cost following
+// the filled slots only. XLA runs the same math as a loop of small fused ops (scores, mask,
+// running softmax, weighted values) whose per-op dispatch dominates at decode sizes; here it
+// is one call per layer.
+//
+// Work is split into chunks of kChunk slots per (row, KV head), each producing a partial
+// softmax (max, sum, weighted values) that a final pass merges: the split-K scheme of
+// "flash decoding", so one long row still uses every worker.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ffi_handlers.h"
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace lowbit {
+namespace {
+
+constexpr int64_t kChunk = 128;
+// Below this many multiply-adds in all (scores and values) one thread does everything.
+constexpr int64_t kMinParallelMacs = int64_t{1} << 16;
+
+// 16 floats: GCC / Clang vector extensions, compiled to one AVX-512 register in the avx512f
+// clone of the functions below and to narrower registers in the others.
+typedef float V16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+
+inline V16 Load(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void Store(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
+
+// Horizontal sum by halves (register extracts, not a round trip through memory).
+inline float Sum(V16 v) {
+  V8 lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  const V8 s8 = lo + hi;
+  V4 a, b;
+  std::memcpy(&a, &s8, sizeof(a));
+  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof(a), sizeof(b));
+  const V4 s4 = a + b;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// exp(x) for x <= 0 (a score minus the running maximum), as Cephes' expf: n = round(x log2 e),
+// r = x - n ln 2 in two parts, a degree-6 polynomial, scaled by 2^n. Relative error about
+// 2e-7; below -87 it returns exp(-87), far below float32's resolution of the sum.
+inline V16 ExpNonPositive(V16 x) {
+  const V16 lo = V16{} - 87.0f;
+  x = x < lo ? lo : x;
+  // Round to nearest by the 1.5 * 2^23 trick (|x log2 e| < 2^22 here).
+  const V16 magic = V16{} + 12582912.0f;
+  const V16 n = (x * 1.44269504088896341f + magic) - magic;
+  V16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  V16 p = V16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const I16 bits = (__builtin_convertvector(n, I16) + 127) << 23;
+  V16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float ExpNonPositive(float x) {
+  V16 v = V16{} + x;
+  return ExpNonPositive(v)[0];
+}
+
+// Partial attention of `g` queries (rows of q, [g][d]) over slots [t0, t1) of one KV head
+// (k, v: [slots][d]). Writes the chunk's maximum score m[g], sum of exp(score - m) l[g] and
+// weighted values acc[g][d]. `scores` is scratch of g * (t1 - t0 + 15) floats. D16 = d / 16.
+template <int D16>
+__attribute__((target_clones("avx512f", "avx2", "default"))) void AttendChunkVec(
+    const float* q, int64_t g, const float* k, const float* v, int64_t t0, int64_t t1,
+    float* scores, float* m, float* l, float* acc) {
+  constexpr int64_t d = 16 * D16;
+  const int64_t n = t1 - t0;
+  const int64_t stride = (n + 15) / 16 * 16;
+  for (int64_t i = 0; i < g; ++i) {
+    V16 qv[D16];
+    for (int c = 0; c < D16; ++c) qv[c] = Load(q + i * d + 16 * c);
+    float* row = scores + i * stride;
+    for (int64_t t = 0; t < n; ++t) {
+      const float* kr = k + (t0 + t) * d;
+      V16 s = qv[0] * Load(kr);
+      for (int c = 1; c < D16; ++c) s += qv[c] * Load(kr + 16 * c);
+      row[t] = Sum(s);
+    }
+    float mx = row[0];
+    for (int64_t t = 1; t < n; ++t) mx = row[t] > mx ? row[t] : mx;
+    // Pad to whole vectors with weight 0 (exp of -inf clamps to exp(-87); zeroed below).
+    for (int64_t t = n; t < stride; ++t) row[t] = mx - 1000.0f;
+    V16 sum = V16{};
+    for (int64_t t = 0; t < stride; t += 16) {
+      V16 e = ExpNonPositive(Load(row + t) - mx);
+      Store(row + t, e);
+    }
+    for (int64_t t = n; t < stride; ++t) row[t] = 0.0f;
+    for (int64_t t = 0; t < stride; t += 16) sum += Load(row + t);
+    m[i] = mx;
+    l[i] = Sum(sum);
+    // Two slots per step into two sets of sums: twice the independent adds in flight.
+    V16 a[D16] = {}, b[D16] = {};
+    int64_t t = 0;
+    for (; t + 1 < n; t += 2) {
+      const V16 p0 = V16{} + row[t], p1 = V16{} + row[t + 1];
+      const float* vr = v + (t0 + t) * d;
+      for (int c = 0; c < D16; ++c) {
+        a[c] += p0 * Load(vr + 16 * c);
+        b[c] += p1 * Load(vr + d + 16 * c);
+      }
+    }
+    for (; t < n; ++t) {
+      const V16 p = V16{} + row[t];
+      const float* vr = v + (t0 + t) * d;
+      for (int c = 0; c < D16; ++c) a[c] += p * Load(vr + 16 * c);
+    }
+    for (int c = 0; c < D16; ++c) Store(acc + i * d + 16 * c, a[c] + b[c]);
+  }
+}
+
+// Any head size: the same computation with scalar loops.
+void AttendChunkScalar(const float* q, int64_t g, int64_t d, const float* k, const float* v,
+                       int64_t t0, int64_t t1, float* scores, float* m, float* l, float* acc) {
+  const int64_t n = t1 - t0;
+  for (int64_t i = 0; i < g; ++i) {
+    float* row = scores + i * n;
+    for (int64_t t = 0; t < n; ++t) {
+      const float* kr = k + (t0 + t) * d;
+      float s = 0.0f;
+      for (int64_t j = 0; j < d; ++j) s += q[i * d + j] * kr[j];
+      row[t] = s;
+    }
+    float mx = row[0];
+    for (int64_t t = 1; t < n; ++t) mx = row[t] > mx ? row[t] : mx;
+    float sum = 0.0f;
+    for (int64_t t = 0; t < n; ++t) sum += (row[t] = ExpNonPositive(row[t] - mx));
+    m[i] = mx;
+    l[i] = sum;
+    float* a = acc + i * d;
+    for (int64_t j = 0; j < d; ++j) a[j] = 0.0f;
+    for (int64_t t = 0; t < n; ++t) {
+      const float* vr = v + (t0 + t) * d;
+      for (int64_t j = 0; j < d; ++j) a[j] += row[t] * vr[j];
+    }
+  }
+}
+
+void AttendChunk(const float* q, int64_t g, int64_t d, const float* k, const float* v,
+                 int64_t t0, int64_t t1, float* scores, float* m, float* l, float* acc) {
+  switch (d) {
+    case 32:
+      return AttendChunkVec<2>(q, g, k, v, t0, t1, scores, m, l, acc);
+    case 64:
+      return AttendChunkVec<4>(q, g, k, v, t0, t1, scores, m, l, acc);
+    case 128:
+      return AttendChunkVec<8>(q, g, k, v, t0, t1, scores, m, l, acc);
+    default:
+      return AttendChunkScalar(q, g, d, k, v, t0, t1, scores, m, l, acc);
+  }
+}
+
+ffi::Error Invalid(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "lowbit: " + msg);
+}
+
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                               ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> slot,
+                               ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();
+  const auto kd = k.dimensions();
+  if (qd.size() != 4) return Invalid("decode attention: q must be [B, H, G, D]");
+  const int64_t b = qd[0], h = qd[1], g = qd[2], d = qd[3];
+  if (kd.size() != 4 || kd[0] != b || kd[1] != h || kd[3] != d)
+    return Invalid("decode attention: keys must be [B, H, L, D] matching q [B, H, G, D]");
+  const int64_t len = kd[2];
+  const auto vd = v.dimensions();
+  if (vd.size() != 4 || vd[0] != b || vd[1] != h || vd[2] != len || vd[3] != d)
+    return Invalid("decode attention: values must have the keys' shape");
+  if (start.element_count() != static_cast<size_t>(b))
+    return Invalid("decode attention: start must be [B]");
+  if (slot.element_count() != 1) return Invalid("decode attention: slot must be a scalar");
+  const auto od = out->dimensions();
+  if (od.size() != 4 || od[0] != b || od[1] != h || od[2] != g || od[3] != d)
+    return Invalid("decode attention: output must be [B, H, G, D]");
+  if (b * h * g * d == 0) return ffi::Error::Success();
+
+  const int32_t last = std::min<int64_t>(slot.typed_data()[0], len - 1);
+  // Chunks of every (row, head): tasks (row, head, chunk) with their slot ranges.
+  struct Task {
+    int64_t bh, t0, t1;
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> first_task(b * h + 1, 0);
+  int64_t macs = 0;
+  for (int64_t r = 0; r < b; ++r) {
+    const int64_t lo = std::max<int64_t>(0, start.typed_data()[r]);
+    for (int64_t head = 0; head < h; ++head) {
+      const int64_t bh = r * h + head;
+      first_task[bh] = static_cast<int64_t>(tasks.size());
+      for (int64_t t0 = lo; t0 <= last; t0 += kChunk)
+        tasks.push_back({bh, t0, std::min<int64_t>(last + 1, t0 + kChunk)});
+      macs += 2 * std::max<int64_t>(0, last + 1 - lo) * g * d;
+    }
+  }
+  first_task[b * h] = static_cast<int64_t>(tasks.size());
+
+  const int64_t nt = static_cast<int64_t>(tasks.size());
+  std::vector<float> ms(nt * g), ls(nt * g), accs(nt * g * d);
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  const int64_t workers = macs < kMinParallelMacs ? 1 : NumWorkers(pool);
+  ParallelFor(pool, workers, nt, [&](int64_t i) {
+    const Task& t = tasks[i];
+    std::vector<float> scores(g * ((t.t1 - t.t0 + 15) / 16 * 16));
+    AttendChunk(qp + t.bh * g * d, g, d, kp + t.bh * len * d, vp + t.bh * len * d, t.t0, t.t1,
+                scores.data(), ms.data() + i * g, ls.data() + i * g, accs.data() + i * g * d);
+  });
+
+  // Merge the chunks of each (row, head): rescale each to the overall maximum.
+  float* o = out->typed_data();
+  for (int64_t bh = 0; bh < b * h; ++bh) {
+    const int64_t c0 = first_task[bh], c1 = first_task[bh + 1];
+    for (int64_t i = 0; i < g; ++i) {
+      float* dst = o + (bh * g + i) * d;
+      for (int64_t j = 0; j < d; ++j) dst[j] = 0.0f;
+      if (c0 == c1) continue;  // no slot to attend to (start beyond slot): zeros
+      float mx = ms[c0 * g + i];
+      for (int64_t c = c0 + 1; c < c1; ++c) mx = std::max(mx, ms[c * g + i]);
+      float total = 0.0f;
+      for (int64_t c = c0; c < c1; ++c) {
+        const float w = std::exp(ms[c * g + i] - mx);
+        total += ls[c * g + i] * w;
+        const float* a = accs.data() + (c * g + i) * d;
+        for (int64_t j = 0; j < d; ++j) dst[j] += a[j] * w;
+      }
+      const float inv = 1.0f / total;
+      for (int64_t j = 0; j < d; ++j) dst[j] *= inv;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace lowbit
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitDecodeAttention, lowbit::DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
