@@ -220,42 +220,88 @@ def w4a8_linear(
     return y.reshape(*lead, w.n)
 
 
+# Cache code dtype -> the kernel's `fmt` attribute (see `decode_attention`).
+_CACHE_FORMATS = {
+    jnp.dtype(jnp.float32): 0,
+    jnp.dtype(jnp.int8): 1,
+    jnp.dtype(jnp.uint8): 2,
+    jnp.dtype(jnp.float8_e4m3fn): 3,
+}
+
+
 def decode_attention(
-    q: jax.Array, keys: jax.Array, values: jax.Array, start: jax.Array, slot: jax.Array
+    q: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    start: jax.Array,
+    slot: jax.Array,
+    key_scales: jax.Array | None = None,
+    value_scales: jax.Array | None = None,
 ) -> jax.Array:
-    """Attention of one query position per row over a float32 KV cache, in one kernel call.
+    """Attention of one query position per row over a KV cache, in one kernel call.
 
     Row b attends to slots ``start[b] .. slot`` only: the cost follows the filled length, not
     the cache's size (split into chunks of 128 slots across threads, merged with the
-    running-softmax rescaling).
+    running-softmax rescaling). A quantized cache is dequantized a chunk at a time.
 
     Args:
       q: [B, H, G, D] float32: G query heads per KV head, already scaled by 1 / sqrt(D).
-      keys, values: [B, H, L, D] float32, the cache.
+      keys, values: the cache, by dtype: float32 [B, H, L, D]; int8 codes [B, H, L, D]
+        (``x = code * scale``); float8_e4m3fn codes [B, H, L, D] (likewise); uint8 [B, H, L,
+        D / 2] int4 (channel j in the low nibble, j + D / 2 in the high one, signed nibbles c
+        with ``x = (c + 1/2) * scale``) — the layouts of `lowbit.models`' caches.
       start: [B] int32, each row's first slot (left padding before it).
       slot: [] int32, the query's slot (the last one attended to).
+      key_scales, value_scales: [B, H, L, S] float16, S scale groups along D (quantized
+        caches only).
     Returns:
       [B, H, G, D] float32; zeros for a row with no slot to attend to.
     """
     b, h, g, d = q.shape
-    if keys.ndim != 4 or keys.shape[:2] != (b, h) or keys.shape[3] != d:
-        raise ValueError(f"keys have shape {keys.shape}; expected [{b}, {h}, L, {d}]")
+    fmt = _CACHE_FORMATS.get(jnp.dtype(keys.dtype))
+    if fmt is None or jnp.dtype(values.dtype) != jnp.dtype(keys.dtype):
+        raise TypeError(
+            f"keys dtype {jnp.dtype(keys.dtype).name} / values dtype "
+            f"{jnp.dtype(values.dtype).name} are not a supported cache; expected both one of "
+            f"{[t.name for t in _CACHE_FORMATS]}"
+        )
+    if jnp.dtype(q.dtype) != jnp.dtype(jnp.float32):
+        raise TypeError(f"q dtype {jnp.dtype(q.dtype).name} is not supported; expected float32")
+    row = d // 2 if fmt == 2 else d
+    if keys.ndim != 4 or keys.shape[:2] != (b, h) or keys.shape[3] != row:
+        raise ValueError(f"keys have shape {keys.shape}; expected [{b}, {h}, L, {row}]")
     if values.shape != keys.shape:
         raise ValueError(f"values have shape {values.shape}; expected the keys' {keys.shape}")
-    for name, a in (("q", q), ("keys", keys), ("values", values)):
-        if jnp.dtype(a.dtype) != jnp.dtype(jnp.float32):
-            raise TypeError(
-                f"{name} dtype {jnp.dtype(a.dtype).name} is not supported; expected float32"
-            )
+    if fmt == 0:
+        if key_scales is not None or value_scales is not None:
+            raise ValueError("a float32 cache takes no scales")
+        key_scales = value_scales = jnp.zeros((1,), jnp.float16)
+    else:
+        for name, s in (("key_scales", key_scales), ("value_scales", value_scales)):
+            if (
+                s is None
+                or s.ndim != 4
+                or s.shape[:3] != keys.shape[:3]
+                or d % s.shape[3]
+                or jnp.dtype(s.dtype) != jnp.dtype(jnp.float16)
+            ):
+                shape = None if s is None else s.shape
+                raise ValueError(
+                    f"{name} is {shape}; a quantized cache needs float16 [{b}, {h}, "
+                    f"{keys.shape[2]}, S] scales with S dividing {d}"
+                )
     start = jnp.asarray(start, jnp.int32)
     slot = jnp.asarray(slot, jnp.int32)
     if start.shape != (b,) or slot.shape != ():
         raise ValueError(f"start must be [{b}] and slot a scalar; got {start.shape}, {slot.shape}")
     if not _use_kernels():
+        if fmt:
+            keys = _reference.dequantize_cache(keys, key_scales, d)
+            values = _reference.dequantize_cache(values, value_scales, d)
         return _reference.decode_attention(q, keys, values, start, slot)
     call = jax.ffi.ffi_call(
         "lowbit_decode_attention",
         jax.ShapeDtypeStruct(q.shape, jnp.float32),
         vmap_method="sequential",
     )
-    return call(q, keys, values, start, slot)
+    return call(q, keys, values, key_scales, value_scales, start, slot, fmt=np.int64(fmt))

@@ -203,3 +203,18 @@ def decode_attention(
     total = jnp.sum(p, axis=-1, keepdims=True)
     out = jnp.einsum("bhgl,bhld->bhgd", p, values, precision=jax.lax.Precision.HIGHEST)
     return jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("d",))
+def dequantize_cache(codes: jax.Array, scales: jax.Array, d: int) -> jax.Array:
+    """[B, H, L, D] float32 from cache codes and [B, H, L, S] scales (see `decode_attention`
+    in `lowbit.kernels` for the int8 / int4 / fp8 layouts)."""
+    if codes.dtype == jnp.uint8:  # int4: low nibbles are channels 0 .. D/2 - 1
+        signed = codes.astype(jnp.int8)
+        lo = jnp.left_shift(signed, 4) >> 4
+        x = jnp.concatenate([lo, signed >> 4], axis=-1).astype(jnp.float32) + 0.5
+    else:
+        x = codes.astype(jnp.float32)
+    groups = scales.shape[-1]
+    x = x.reshape(*x.shape[:-1], groups, d // groups) * scales.astype(jnp.float32)[..., None]
+    return x.reshape(*x.shape[:-2], d)

@@ -76,3 +76,63 @@ def test_bad_shapes_and_dtypes_are_named():
         kernels.decode_attention(q, keys.astype(jnp.bfloat16), values, start, 3)
     with pytest.raises(ValueError, match="start must be"):
         kernels.decode_attention(q, keys, values, np.zeros(2, np.int32), 3)
+
+
+def numpy_dequantize(codes, scales, fmt, d):
+    """float64 [B, H, L, D] from cache codes and float16 [B, H, L, S] scales (NumPy only)."""
+    if fmt == "int4":
+        c = np.asarray(codes).astype(np.int16)
+        lo = np.where(c & 15 >= 8, (c & 15) - 16, c & 15)
+        hi = np.where(c >> 4 >= 8, (c >> 4) - 16, c >> 4)
+        x = np.concatenate([lo, hi], axis=-1) + 0.5
+    else:  # int8, and fp8 codes through ml_dtypes' float8_e4m3fn
+        x = np.asarray(codes).astype(np.float64)
+    s = np.asarray(scales).astype(np.float64)
+    groups = s.shape[-1]
+    x = x.reshape(*x.shape[:-1], groups, d // groups) * s[..., None]
+    return x.reshape(*x.shape[:-2], d)
+
+
+def make_codes(fmt, shape, rng):
+    b, h, length, d = shape
+    if fmt == "int8":
+        return rng.integers(-127, 128, shape).astype(np.int8)
+    if fmt == "int4":
+        return rng.integers(0, 256, (b, h, length, d // 2)).astype(np.uint8)
+    values = rng.standard_normal(shape) * 50
+    return np.asarray(jnp.asarray(values, jnp.float32).astype(jnp.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("d", [24, 64])
+def test_quantized_caches_match_numpy(fmt, groups, d):
+    rng = np.random.default_rng(groups * 10 + d)
+    b, h, g, length = 2, 2, 3, 300
+    q = (rng.standard_normal((b, h, g, d)) / np.sqrt(d)).astype(np.float32)
+    keys = make_codes(fmt, (b, h, length, d), rng)
+    values = make_codes(fmt, (b, h, length, d), rng)
+    ks = rng.uniform(0.001, 0.05, (b, h, length, groups)).astype(np.float16)
+    vs = rng.uniform(0.001, 0.05, (b, h, length, groups)).astype(np.float16)
+    start, slot = np.array([0, 9], np.int32), 260
+    out = np.asarray(_kernel(q, keys, values, start, jnp.int32(slot), ks, vs))
+    ref = numpy_attention(
+        q,
+        numpy_dequantize(keys, ks, fmt, d),
+        numpy_dequantize(values, vs, fmt, d),
+        start,
+        slot,
+    )
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
+
+
+def test_quantized_cache_needs_its_scales():
+    q, keys, values = make(1, 2, 2, 32, 64)
+    codes = np.zeros((1, 2, 64, 32), np.int8)
+    start = np.zeros(1, np.int32)
+    with pytest.raises(ValueError, match="key_scales is None"):
+        kernels.decode_attention(q, codes, codes, start, 3)
+    with pytest.raises(ValueError, match="takes no scales"):
+        kernels.decode_attention(q, keys, values, start, 3, np.zeros((1, 2, 64, 1), np.float16))
+    with pytest.raises(TypeError, match="not a supported cache"):
+        kernels.decode_attention(q, codes, values, start, 3)

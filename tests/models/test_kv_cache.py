@@ -149,10 +149,13 @@ def test_decode_reads_only_filled_blocks_and_matches_all_slots(text, monkeypatch
     np.testing.assert_allclose(np.asarray(blocks), np.asarray(every), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("head_dim", [8, 32])
-def test_fused_decode_kernel_matches_the_block_loop(head_dim, monkeypatch):
-    # A float32 cache on the CPU decodes through one kernel call per layer
-    # (`lowbit.kernels.decode_attention`); the XLA block loop must give the same logits.
+@pytest.mark.parametrize(
+    "head_dim, text", [(8, None), (32, None), (32, "int8"), (32, "int4"), (32, "fp8:g16")]
+)
+def test_fused_decode_kernel_matches_the_block_loop(head_dim, text, monkeypatch):
+    # On the CPU a decode step reads the cache (float32, or int8 / int4 / fp8 dequantized a
+    # chunk at a time) in one kernel call per layer (`lowbit.kernels.decode_attention`); the
+    # XLA block loop must give the same logits.
     from lowbit import kernels
     from lowbit.models import _llama
 
@@ -166,7 +169,7 @@ def test_fused_decode_kernel_matches_the_block_loop(head_dim, monkeypatch):
     steps = jnp.asarray(RNG.integers(0, 64, (2, 3)), jnp.int32)
 
     def run():
-        cache = model.init_cache(2, 64, None)
+        cache = model.init_cache(2, 64, text)
         cache = dataclasses.replace(cache, start=jnp.asarray([0, 7], jnp.int32))
         _, cache = model(prompt, cache=cache)
         out = []

@@ -1,5 +1,5 @@
-// Decode attention over a float32 KV cache: one query position per row, the cost following
-// the filled slots only. XLA runs the same math as a loop of small fused ops (scores, mask,
+// Decode attention over a KV cache (float32, or int8 / int4 / fp8 codes with float16 scales):
+// one query position per row, the cost following the filled slots only. XLA runs the same math as a loop of small fused ops (scores, mask,
 // running softmax, weighted values) whose per-op dispatch dominates at decode sizes; here it
 // is one call per layer.
 //
@@ -177,24 +177,109 @@ void AttendChunk(const float* q, int64_t g, int64_t d, const float* k, const flo
   }
 }
 
+// Cache formats (attribute `fmt`), as `lowbit.models` stores them: codes [B, H, L, D] with
+// one float16 scale per (slot, head, channel group) for the quantized ones.
+enum CacheFormat : int64_t {
+  kFloat32 = 0,  // float32 values, no scales
+  kInt8 = 1,     // int8 codes: x = code * scale
+  kInt4 = 2,     // uint8 [.., D / 2]: channel j in the low nibble, j + D / 2 in the high one,
+                 // signed nibbles c with x = (c + 1/2) * scale
+  kFp8 = 3,      // float8_e4m3fn codes: x = code * scale
+};
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  float f;
+  if (exp == 0) {
+    f = std::ldexp(static_cast<float>(man), -24);  // zero or subnormal
+  } else if (exp == 31) {
+    f = man ? NAN : INFINITY;
+  } else {
+    const uint32_t bits = ((exp + 112) << 23) | (man << 13);
+    std::memcpy(&f, &bits, sizeof(f));
+  }
+  return sign ? -f : f;
+}
+
+// The 256 float8_e4m3fn values (no infinities; S.1111.111 is NaN).
+const float* Fp8Table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b) {
+      const int exp = (b >> 3) & 15, man = b & 7;
+      float v = exp == 0 ? std::ldexp(man / 8.0f, -6) : std::ldexp(1.0f + man / 8.0f, exp - 7);
+      if (exp == 15 && man == 7) v = NAN;
+      t[b] = (b & 0x80) ? -v : v;
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// Slots [t0, t1) of one head's codes (`row_bytes` bytes a slot) and scales (`groups` a slot)
+// as float32 [t1 - t0][d].
+void Dequantize(int64_t fmt, const uint8_t* codes, int64_t row_bytes, const uint16_t* scales,
+                int64_t groups, int64_t d, int64_t t0, int64_t t1, float* dst) {
+  const int64_t per = d / groups;
+  const float* fp8 = fmt == kFp8 ? Fp8Table() : nullptr;
+  for (int64_t t = t0; t < t1; ++t, dst += d) {
+    const uint8_t* c = codes + t * row_bytes;
+    if (fmt == kInt8) {
+      for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<float>(static_cast<int8_t>(c[j]));
+    } else if (fmt == kFp8) {
+      for (int64_t j = 0; j < d; ++j) dst[j] = fp8[c[j]];
+    } else {  // kInt4
+      const int64_t half = d / 2;
+      for (int64_t j = 0; j < half; ++j) {
+        const int lo = static_cast<int8_t>(static_cast<uint8_t>(c[j] << 4)) >> 4;
+        const int hi = static_cast<int8_t>(c[j]) >> 4;
+        dst[j] = static_cast<float>(lo) + 0.5f;
+        dst[j + half] = static_cast<float>(hi) + 0.5f;
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      const float sc = HalfToFloat(scales[t * groups + g]);
+      for (int64_t j = g * per; j < (g + 1) * per; ++j) dst[j] *= sc;
+    }
+  }
+}
+
 ffi::Error Invalid(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "lowbit: " + msg);
 }
 
-ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                               ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                               ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> slot,
-                               ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                               ffi::AnyBuffer v, ffi::Buffer<ffi::F16> k_scales,
+                               ffi::Buffer<ffi::F16> v_scales, ffi::Buffer<ffi::S32> start,
+                               ffi::Buffer<ffi::S32> slot, ffi::ResultBuffer<ffi::F32> out,
+                               int64_t fmt) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   if (qd.size() != 4) return Invalid("decode attention: q must be [B, H, G, D]");
   const int64_t b = qd[0], h = qd[1], g = qd[2], d = qd[3];
-  if (kd.size() != 4 || kd[0] != b || kd[1] != h || kd[3] != d)
+  const ffi::DataType want[] = {ffi::DataType::F32, ffi::DataType::S8, ffi::DataType::U8,
+                                ffi::DataType::F8E4M3FN};
+  if (fmt < kFloat32 || fmt > kFp8) return Invalid("decode attention: unknown cache format");
+  if (k.element_type() != want[fmt] || v.element_type() != want[fmt])
+    return Invalid("decode attention: cache codes have the wrong element type for the format");
+  const int64_t row = fmt == kInt4 ? d / 2 : d;  // codes per slot
+  if (fmt == kInt4 && d % 2 != 0) return Invalid("decode attention: int4 needs an even D");
+  if (kd.size() != 4 || kd[0] != b || kd[1] != h || kd[3] != row)
     return Invalid("decode attention: keys must be [B, H, L, D] matching q [B, H, G, D]");
   const int64_t len = kd[2];
   const auto vd = v.dimensions();
-  if (vd.size() != 4 || vd[0] != b || vd[1] != h || vd[2] != len || vd[3] != d)
+  if (vd.size() != 4 || vd[0] != b || vd[1] != h || vd[2] != len || vd[3] != row)
     return Invalid("decode attention: values must have the keys' shape");
+  int64_t groups = 0;
+  if (fmt != kFloat32) {
+    const auto sd = k_scales.dimensions();
+    groups = sd.size() == 4 ? sd[3] : 0;
+    if (sd.size() != 4 || sd[0] != b || sd[1] != h || sd[2] != len || groups < 1 ||
+        d % groups != 0 || v_scales.dimensions().size() != 4 ||
+        v_scales.element_count() != k_scales.element_count())
+      return Invalid("decode attention: scales must be [B, H, L, G] with G dividing D");
+  }
   if (start.element_count() != static_cast<size_t>(b))
     return Invalid("decode attention: start must be [B]");
   if (slot.element_count() != 1) return Invalid("decode attention: slot must be a scalar");
@@ -226,14 +311,32 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t nt = static_cast<int64_t>(tasks.size());
   std::vector<float> ms(nt * g), ls(nt * g), accs(nt * g * d);
   const float* qp = q.typed_data();
-  const float* kp = k.typed_data();
-  const float* vp = v.typed_data();
+  const int64_t code_bytes = fmt == kFloat32 ? 4 : 1;
+  const uint8_t* kp = static_cast<const uint8_t*>(k.untyped_data());
+  const uint8_t* vp = static_cast<const uint8_t*>(v.untyped_data());
+  const uint16_t* ksp = reinterpret_cast<const uint16_t*>(k_scales.typed_data());
+  const uint16_t* vsp = reinterpret_cast<const uint16_t*>(v_scales.typed_data());
   const int64_t workers = macs < kMinParallelMacs ? 1 : NumWorkers(pool);
   ParallelFor(pool, workers, nt, [&](int64_t i) {
     const Task& t = tasks[i];
-    std::vector<float> scores(g * ((t.t1 - t.t0 + 15) / 16 * 16));
-    AttendChunk(qp + t.bh * g * d, g, d, kp + t.bh * len * d, vp + t.bh * len * d, t.t0, t.t1,
-                scores.data(), ms.data() + i * g, ls.data() + i * g, accs.data() + i * g * d);
+    const int64_t n = t.t1 - t.t0;
+    std::vector<float> scores(g * ((n + 15) / 16 * 16));
+    const float* qi = qp + t.bh * g * d;
+    float *mi = ms.data() + i * g, *li = ls.data() + i * g, *ai = accs.data() + i * g * d;
+    const int64_t head = t.bh * len * row * code_bytes;
+    if (fmt == kFloat32) {
+      AttendChunk(qi, g, d, reinterpret_cast<const float*>(kp + head),
+                  reinterpret_cast<const float*>(vp + head), t.t0, t.t1, scores.data(), mi, li,
+                  ai);
+      return;
+    }
+    // A quantized cache: this chunk's keys and values dequantized into float scratch (32 KB
+    // each at D = 64), then the float path.
+    std::vector<float> kf(n * d), vf(n * d);
+    const int64_t sc = t.bh * len * groups;
+    Dequantize(fmt, kp + head, row, ksp + sc, groups, d, t.t0, t.t1, kf.data());
+    Dequantize(fmt, vp + head, row, vsp + sc, groups, d, t.t0, t.t1, vf.data());
+    AttendChunk(qi, g, d, kf.data(), vf.data(), 0, n, scores.data(), mi, li, ai);
   });
 
   // Merge the chunks of each (row, head): rescale each to the overall maximum.
@@ -267,8 +370,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitDecodeAttention, lowbit::DecodeAttentionImpl
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("fmt"));

@@ -19,9 +19,10 @@ XLA_FFI_Error* LowbitW8A8LinearQ(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* LowbitW4A8Linear(XLA_FFI_CallFrame* call_frame);
 // Integer product only: (xq s8 [M,K], w, colsum) -> s32 [M,N].
 XLA_FFI_Error* LowbitW8A8Int32(XLA_FFI_CallFrame* call_frame);
-// Decode attention over a float32 cache (attention.cc): (q f32 [B,H,G,D], keys f32
-// [B,H,L,D], values f32 [B,H,L,D], start s32 [B], slot s32 []) -> f32 [B,H,G,D], each row
-// attending to slots start[b] .. slot.
+// Decode attention over a KV cache (attention.cc): (q f32 [B,H,G,D], keys and values
+// [B,H,L,D] f32 | s8 | f8e4m3fn or u8 [B,H,L,D/2] (int4), key and value scales f16 [B,H,L,G],
+// start s32 [B], slot s32 []) -> f32 [B,H,G,D], each row attending to slots start[b] .. slot;
+// attr fmt (0 float32, 1 int8, 2 int4, 3 fp8).
 XLA_FFI_Error* LowbitDecodeAttention(XLA_FFI_CallFrame* call_frame);
 }
 
