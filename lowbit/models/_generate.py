@@ -125,7 +125,8 @@ class DecodeState:
 
 
 def _forward(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, cache: KVCache):
-    return nnx.merge(graphdef, params)(tokens, cache=cache)
+    # Only the last position's logits are sampled from.
+    return nnx.merge(graphdef, params)(tokens, cache=cache, last_only=True)
 
 
 def _record(state: DecodeState, token: jax.Array, stop_ids: jax.Array) -> DecodeState:

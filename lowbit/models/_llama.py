@@ -356,6 +356,7 @@ class Llama(nnx.Module):
         *,
         positions: jax.Array | None = None,
         cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> jax.Array | tuple[jax.Array, KVCache]:
         """Next-token logits.
 
@@ -366,6 +367,9 @@ class Llama(nnx.Module):
           cache: a `KVCache`; the tokens are written at slot ``cache.length`` and may attend
             to every slot from their row's ``cache.start`` up to their own. It must have room
             for them: writes past ``max_len`` are clipped by XLA and silently wrong.
+          last_only: logits of the last position only, ``[batch, 1, vocab]`` (what generation
+            samples from): the output projection then runs on one row per sequence instead
+            of `seq` (a kernel call cannot be sliced after the fact).
 
         Returns:
           ``logits [batch, seq, vocab]`` without a cache; ``(logits, new_cache)`` with one.
@@ -395,7 +399,7 @@ class Llama(nnx.Module):
             kv = None if cache is None else cache.layer(i)
             x, new_kv = layer(x, cos, sin, mask, kv, slot)
             layers_out.append(new_kv)
-        x = self.norm(x)
+        x = self.norm(x[:, -1:] if last_only else x)
         logits = self.embed.attend(x) if self.config.tie_embeddings else self.lm_head(x)
         if cache is None:
             return logits

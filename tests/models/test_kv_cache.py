@@ -186,3 +186,18 @@ def test_fused_decode_kernel_matches_the_block_loop(head_dim, text, monkeypatch)
     monkeypatch.setattr(_llama, "_fused_decode", lambda q, kv: False)
     loop = run()
     np.testing.assert_allclose(np.asarray(fused), np.asarray(loop), rtol=2e-5, atol=2e-5)
+
+
+def test_last_only_logits_are_the_last_position():
+    # Generation samples from the last position only; computing just that row must give the
+    # same logits and the same cache as the full forward.
+    config = LlamaConfig(
+        vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64
+    )
+    model = Llama(config, rngs=nnx.Rngs(4))
+    prompt = jnp.asarray(RNG.integers(0, 64, (2, 9)), jnp.int32)
+    full, cache_full = model(prompt, cache=model.init_cache(2, 16))
+    last, cache_last = model(prompt, cache=model.init_cache(2, 16), last_only=True)
+    assert last.shape == (2, 1, 64)
+    np.testing.assert_allclose(np.asarray(last), np.asarray(full[:, -1:]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(cache_last.keys[1]), np.asarray(cache_full.keys[1]))
