@@ -12,6 +12,8 @@ by the kernels on plain arrays:
   int4 weights (per group or per channel), exact int32 products per group.
 - `w8a8_linear_quantized(xq, x_scale, w, bias=None, *, out_dtype=float32)` and
   `w8a8_matmul_int32(xq, w)`: the same on already-quantized activations `xq [M, K] int8`.
+- `dequantize_weight(w)`: the float32 `[K, N]` of a prepared weight-only layout (for a GEMM
+  outside the kernels at prefill sizes).
 - `decode_attention(q, keys, values, start, slot)`: one query position per row attending to
   the filled slots of a float32 KV cache (the decode step of `lowbit.models`), one call per
   layer instead of a loop of small XLA ops.
@@ -47,6 +49,7 @@ from lowbit.kernels._layout import (
 from lowbit.kernels._native import available, set_isa, status, supported_isas
 from lowbit.kernels._ops import (
     decode_attention,
+    dequantize_weight,
     w4a8_linear,
     w8a8_linear,
     w8a8_linear_quantized,
@@ -65,6 +68,7 @@ __all__ = [
     "PreparedWeight",
     "available",
     "decode_attention",
+    "dequantize_weight",
     "prepare",
     "prepared_columns",
     "prepared_to_logical",

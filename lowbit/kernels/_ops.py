@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit.kernels import _native, _reference
-from lowbit.kernels._kinds import KIND_IDS
+from lowbit.kernels._kinds import KERNEL_KINDS, KIND_IDS
 from lowbit.kernels._layout import PreparedWeight, prepared_to_logical
 
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -89,6 +89,38 @@ def weight_only_linear(
         gs=np.int64(w.storage_group),
     )
     return y.reshape(*lead, w.n)
+
+
+def dequantize_weight(w: PreparedWeight) -> jax.Array:
+    """The float32 weight ``[K, N]`` of a weight-only layout, ``(q - zp) * scale`` exactly.
+
+    For a float GEMM outside the kernels: at prefill sizes (hundreds of rows) XLA's GEMM on
+    the dequantized weight beats the kernels' own float tiles, and the float weight is a
+    temporary of that one call.
+    """
+    if w.kind not in KIND_IDS:
+        raise ValueError(f"w.kind={w.kind!r} is not a weight-only kind; expected {tuple(KIND_IDS)}")
+    if not _use_kernels():
+        logical = prepared_to_logical(w)
+        return _reference.dequantize(
+            w.kind, logical["codes"], logical["scale"], logical["zero_point"], w.group_size
+        )
+    panels = w.data.shape[0]
+    group_bytes = 128 + w.storage_group // 2 * KERNEL_KINDS[w.kind].pair_bytes
+    groups = w.data.shape[1] // group_bytes
+    call = jax.ffi.ffi_call(
+        "lowbit_wo_dequantize",
+        jax.ShapeDtypeStruct((groups * w.storage_group, 16 * panels), jnp.float32),
+        vmap_method="sequential",
+    )
+    full = call(
+        w.data,
+        jnp.asarray(_reference.LUTS.get(w.kind, _reference.NF4_LEVELS)),
+        kind=np.int64(KIND_IDS[w.kind]),
+        n=np.int64(w.n),
+        gs=np.int64(w.storage_group),
+    )
+    return full[: w.k, : w.n]
 
 
 def _check_w8a8(w: PreparedWeight) -> None:

@@ -136,3 +136,17 @@ def test_isa_paths_agree():
     for y in outs.values():
         np.testing.assert_allclose(y, outs["scalar"], rtol=1e-5, atol=1e-4)
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(("kind", "k", "n", "group_size"), CASES)
+def test_dequantize_weight_is_the_reference_exactly(kind, k, n, group_size):
+    # The float weight a prefill-sized product multiplies must be the logical weight's own
+    # values, bit for bit, on every ISA path (ragged groups and panels included).
+    codes, scale, zp = make_weight(kind, k, n, group_size, seed=k + n)
+    w = kernels.prepare(kind, codes, scale, zp, group_size)
+    ref = np.asarray(_reference.dequantize(kind, codes, scale, zp, group_size))
+    for name, out in on_each_isa(lambda: _dequantize(w)).items():
+        np.testing.assert_array_equal(out, ref, err_msg=name)
+
+
+_dequantize = jax.jit(kernels.dequantize_weight)

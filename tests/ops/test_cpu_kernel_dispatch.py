@@ -403,3 +403,16 @@ def test_w4a8_preset_runs_on_the_integer_kernels():
     out = jax.jit(lowbit.run(apply, report=report))(qmodel.state, normal(11, (4, K)))
     assert report.quantized_ops == {"dot_general:cpu_kernel_w4a8": 2}
     assert bool(jnp.all(jnp.isfinite(out)))
+
+
+@pytest.mark.parametrize("name", ["int4_group_asym", "nf4_group", "int8"])
+def test_prefill_sized_products_match_reference(name):
+    # From GEMM_MIN_ROWS rows a weight-only product is XLA's GEMM on the kernel-dequantized
+    # weight: the same values, so the same bound against the reference.
+    from lowbit.ops._cpu_kernels import GEMM_MIN_ROWS
+
+    q = _weight(name)
+    x = normal(9, (GEMM_MIN_ROWS + 3, K))
+    assert dot_general_path(x, q, DIMS) == f"cpu_kernel_{WEIGHTS[name][2]}"
+    ((outs, ref, magnitude),) = _kernel_and_reference([[x]], q)
+    _check_against_reference(jnp.float32, [x], outs, ref, magnitude)

@@ -128,6 +128,8 @@ struct IsaKernels {
   void (*w4)(const W4Args&, int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* c,
              int64_t ldc) = nullptr;
   int w4_act_rows = 0;  // activation tile rows of `w4` (tile layout, never blocked)
+  // out[k][16 p + j] = the dequantized weight of panels [p0, p1), ldo floats a row.
+  void (*wo_dequant)(const WoArgs&, int64_t p0, int64_t p1, float* out, int64_t ldo) = nullptr;
 };
 
 const IsaKernels* IsaScalar();

@@ -197,6 +197,45 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
+// The dequantized weight [Kp, 16 P] float32 of a prepared weight-only layout, for a float
+// GEMM outside (large M: XLA's GEMM is faster than the kernels' register-tiled one there).
+ffi::Error WoDequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> blob,
+                            ffi::Buffer<ffi::F32> lut, ffi::ResultBuffer<ffi::F32> w,
+                            int64_t kind, int64_t n, int64_t gs) {
+  const KindInfo* info = FindKind(kind);
+  if (info == nullptr) return Invalid("unknown weight kind " + std::to_string(kind));
+  if (gs <= 0 || gs % 2 != 0) return Invalid("group size must be positive and even");
+  const int64_t group_bytes = kGroupHeader + gs / 2 * info->pair_bytes;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const auto bd = blob.dimensions();
+  if (bd.size() != 2 || bd[0] != panels || bd[1] % group_bytes != 0)
+    return Invalid("packed weight has the wrong shape for N and the group size");
+  const int64_t groups = bd[1] / group_bytes;
+  const auto wd = w->dimensions();
+  if (wd.size() != 2 || wd[0] != groups * gs || wd[1] != panels * kPanel)
+    return Invalid("dequantized weight must be [Kp, 16 P]");
+  if (lut.element_count() != 16) return Invalid("codebook must have 16 entries");
+  WoArgs a;
+  a.kind = static_cast<int>(kind);
+  a.kp = groups * gs;
+  a.gs = gs;
+  a.groups = groups;
+  a.panel_bytes = bd[1];
+  a.group_bytes = group_bytes;
+  a.blob = blob.typed_data();
+  a.lut = lut.typed_data();
+  const IsaKernels* isa = ActiveIsa();
+  float* out = w->typed_data();
+  const int64_t ldo = panels * kPanel;
+  const int64_t workers = a.kp * ldo < (int64_t{1} << 16) ? 1 : NumWorkers(pool);
+  const int64_t chunks = std::min<int64_t>(panels, workers * kChunksPerWorker);
+  ParallelFor(pool, workers, chunks, [&](int64_t c) {
+    const int64_t p0 = panels * c / chunks, p1 = panels * (c + 1) / chunks;
+    if (p1 > p0) isa->wo_dequant(a, p0, p1, out, ldo);
+  });
+  return ffi::Error::Success();
+}
+
 // Quads per packed activation row: kq, rounded up to whole blocks for blocked packing.
 int64_t PackedQuads(int64_t kq, const IsaKernels& isa) {
   const int64_t tk = isa.act_tile_k;
@@ -522,6 +561,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitW8A8Int32, lowbit::W8A8Int32Impl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("n"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitWoDequantize, lowbit::WoDequantizeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("kind")
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("gs"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitW4A8Linear, lowbit::W4A8LinearImpl,
                               ffi::Ffi::Bind()

@@ -17,6 +17,9 @@ XLA_FFI_Error* LowbitW8A8LinearQ(XLA_FFI_CallFrame* call_frame);
 // int4 weights x dynamic per-token int8 activations: (x [M,K] f32|bf16, blob u8
 // [P, G * (128 + 8 gs)], bias f32 [N]) -> y [M,N]; attrs k, n, gs.
 XLA_FFI_Error* LowbitW4A8Linear(XLA_FFI_CallFrame* call_frame);
+// The dequantized weight of a weight-only layout: (blob u8 [P, panel_bytes], codebook f32
+// [16]) -> f32 [Kp, 16 P]; attrs kind, n, gs.
+XLA_FFI_Error* LowbitWoDequantize(XLA_FFI_CallFrame* call_frame);
 // Integer product only: (xq s8 [M,K], w, colsum) -> s32 [M,N].
 XLA_FFI_Error* LowbitW8A8Int32(XLA_FFI_CallFrame* call_frame);
 // Decode attention over a KV cache (attention.cc): (q f32 [B,H,G,D], keys and values

@@ -156,7 +156,7 @@ const IsaKernels* IsaAmx() {
   static const IsaKernels table = [] {
     const IsaKernels* vnni = IsaAvx512Vnni();
     return IsaKernels{"amx", 1, 16, vnni->gemm_rows, vnni->wo, isa_amx::q8_run, 16,
-                      vnni->quantize_row, vnni->w4, vnni->w4_act_rows};
+                      vnni->quantize_row, vnni->w4, vnni->w4_act_rows, vnni->wo_dequant};
   }();
   return &table;
 }

@@ -26,7 +26,7 @@ namespace isa_avx2 {
 
 namespace lowbit {
 const IsaKernels* IsaAvx2() {
-  static const IsaKernels table{"avx2", isa_avx2::kActWords, isa_avx2::kQMR, isa_avx2::kFMR, isa_avx2::wo_run, isa_avx2::q8_run, 0, nullptr, isa_avx2::w4_run, isa_avx2::kQMR};
+  static const IsaKernels table{"avx2", isa_avx2::kActWords, isa_avx2::kQMR, isa_avx2::kFMR, isa_avx2::wo_run, isa_avx2::q8_run, 0, nullptr, isa_avx2::w4_run, isa_avx2::kQMR, isa_avx2::wo_dequant};
   return &table;
 }
 }  // namespace lowbit

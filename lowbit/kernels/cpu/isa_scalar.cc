@@ -9,7 +9,7 @@ namespace isa_scalar {
 
 const IsaKernels* IsaScalar() {
   static const IsaKernels table{"scalar", isa_scalar::kActWords, isa_scalar::kQMR, isa_scalar::kFMR, isa_scalar::wo_run,
-                                isa_scalar::q8_run, 0, nullptr, isa_scalar::w4_run, isa_scalar::kQMR};
+                                isa_scalar::q8_run, 0, nullptr, isa_scalar::w4_run, isa_scalar::kQMR, isa_scalar::wo_dequant};
   return &table;
 }
 }  // namespace lowbit

@@ -243,6 +243,35 @@ static void wo_run_kind(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int
   }
 }
 
+template <int KIND>
+static void wo_dequant_kind(const WoArgs& a, int64_t p0, int64_t p1, float* out, int64_t ldo) {
+  const Lut lut = make_lut(KIND == kNf4 ? a.lut : KIND == kInt4 ? kInt4Table : kUint4Table);
+  wo_dequant_block<KIND>(a, a.blob + p0 * a.panel_bytes, p1 - p0, 0, a.groups, lut,
+                         out + p0 * kPanel, ldo);
+}
+
+// The whole weight of panels [p0, p1) as float32 out[k][16 p + j] (ldo floats a row): what
+// the large-M path dequantizes block by block, for an external GEMM.
+static void wo_dequant(const WoArgs& a, int64_t p0, int64_t p1, float* out, int64_t ldo) {
+  switch (a.kind) {
+    case kInt8:
+      wo_dequant_kind<kInt8>(a, p0, p1, out, ldo);
+      break;
+    case kInt4:
+      wo_dequant_kind<kInt4>(a, p0, p1, out, ldo);
+      break;
+    case kUint4:
+      wo_dequant_kind<kUint4>(a, p0, p1, out, ldo);
+      break;
+    case kNf4:
+      wo_dequant_kind<kNf4>(a, p0, p1, out, ldo);
+      break;
+    default:
+      wo_dequant_kind<kFp8>(a, p0, p1, out, ldo);
+      break;
+  }
+}
+
 static void wo_run(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* c,
                    int64_t ldc) {
   switch (a.kind) {

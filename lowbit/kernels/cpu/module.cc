@@ -26,6 +26,7 @@ PyObject* Targets(PyObject*, PyObject*) {
       {"lowbit_w8a8_int32", reinterpret_cast<void*>(&LowbitW8A8Int32)},
       {"lowbit_w4a8_linear", reinterpret_cast<void*>(&LowbitW4A8Linear)},
       {"lowbit_decode_attention", reinterpret_cast<void*>(&LowbitDecodeAttention)},
+      {"lowbit_wo_dequantize", reinterpret_cast<void*>(&LowbitWoDequantize)},
   };
   for (const auto& e : entries) {
     PyObject* cap = Capsule(e.fn);
