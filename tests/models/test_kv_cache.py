@@ -119,6 +119,19 @@ def test_cache_is_a_pytree_with_static_config():
     assert jax.tree.unflatten(treedef, leaves).config == cache.config
 
 
+def _decode_after_prompt(model, text, start, prompt, steps):
+    """Logits [2, S, vocab] of `steps` [2, S] decoded one token at a time after `prompt`
+    [2, P], in a 64-slot cache of format `text` whose rows begin at slots `start`."""
+    cache = model.init_cache(2, 64, text)
+    cache = dataclasses.replace(cache, start=jnp.asarray(start, jnp.int32))
+    _, cache = model(prompt, cache=cache)
+    out = []
+    for i in range(steps.shape[1]):
+        logits, cache = model(steps[:, i : i + 1], cache=cache)
+        out.append(logits)
+    return jnp.concatenate(out, axis=1)
+
+
 @pytest.mark.parametrize("text", [None, "int8", "int8+qk", "fp8", "int4"])
 def test_decode_reads_only_filled_blocks_and_matches_all_slots(text, monkeypatch):
     # Left-padded rows (start > 0) and a token crossing a block boundary: block attention
@@ -132,16 +145,7 @@ def test_decode_reads_only_filled_blocks_and_matches_all_slots(text, monkeypatch
     prompt = jnp.asarray(RNG.integers(0, 64, (2, 30)), jnp.int32)
     steps = jnp.asarray(RNG.integers(0, 64, (2, 4)), jnp.int32)
 
-    def run():
-        cache = model.init_cache(2, 64, text)
-        cache = dataclasses.replace(cache, start=jnp.asarray([0, 5], jnp.int32))
-        _, cache = model(prompt, cache=cache)
-        out = []
-        for i in range(steps.shape[1]):
-            logits, cache = model(steps[:, i : i + 1], cache=cache)
-            out.append(logits)
-        return jnp.concatenate(out, axis=1)
-
+    run = lambda: _decode_after_prompt(model, text, [0, 5], prompt, steps)
     assert _llama.decode_block(64) == 32
     blocks = run()
     monkeypatch.setattr(_llama, "decode_block", lambda max_len: None)
@@ -168,16 +172,7 @@ def test_fused_decode_kernel_matches_the_block_loop(head_dim, text, monkeypatch)
     prompt = jnp.asarray(RNG.integers(0, 64, (2, 30)), jnp.int32)
     steps = jnp.asarray(RNG.integers(0, 64, (2, 3)), jnp.int32)
 
-    def run():
-        cache = model.init_cache(2, 64, text)
-        cache = dataclasses.replace(cache, start=jnp.asarray([0, 7], jnp.int32))
-        _, cache = model(prompt, cache=cache)
-        out = []
-        for i in range(steps.shape[1]):
-            logits, cache = model(steps[:, i : i + 1], cache=cache)
-            out.append(logits)
-        return jnp.concatenate(out, axis=1)
-
+    run = lambda: _decode_after_prompt(model, text, [0, 7], prompt, steps)
     calls = []
     real = kernels.decode_attention
     monkeypatch.setattr(kernels, "decode_attention", lambda *a: calls.append(1) or real(*a))

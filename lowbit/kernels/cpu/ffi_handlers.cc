@@ -108,6 +108,19 @@ int64_t WorkersFor(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n) {
   return m * k * n < kMinParallelMacs ? 1 : NumWorkers(pool);
 }
 
+// Checks a weight-only blob [P, G * group_bytes] against N columns and group size gs.
+ffi::Error WoBlobShape(const KindInfo& info, const ffi::Buffer<ffi::U8>& blob, int64_t n,
+                       int64_t gs, int64_t* group_bytes, int64_t* panels, int64_t* groups) {
+  if (gs <= 0 || gs % 2 != 0) return Invalid("group size must be positive and even");
+  *group_bytes = kGroupHeader + gs / 2 * info.pair_bytes;
+  *panels = (n + kPanel - 1) / kPanel;
+  const auto bd = blob.dimensions();
+  if (bd.size() != 2 || bd[0] != *panels || bd[1] % *group_bytes != 0)
+    return Invalid("packed weight has the wrong shape for N and the group size");
+  *groups = bd[1] / *group_bytes;
+  return ffi::Error::Success();
+}
+
 ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> blob,
                         ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> lut,
                         ffi::Result<ffi::AnyBuffer> y, int64_t kind, int64_t k, int64_t n,
@@ -120,12 +133,9 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   const auto bd = blob.dimensions();
   const auto yd = y->dimensions();
   if (xd.size() != 2 || xd[1] != k) return Invalid("x must be [M, K] with K = " + std::to_string(k));
-  if (gs <= 0 || gs % 2 != 0) return Invalid("group size must be positive and even");
-  const int64_t group_bytes = kGroupHeader + gs / 2 * info->pair_bytes;
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  if (bd.size() != 2 || bd[0] != panels || bd[1] % group_bytes != 0)
-    return Invalid("packed weight has the wrong shape for K, N and the group size");
-  const int64_t groups = bd[1] / group_bytes;
+  int64_t group_bytes, panels, groups;
+  if (ffi::Error e = WoBlobShape(*info, blob, n, gs, &group_bytes, &panels, &groups); e.failure())
+    return e;
   const int64_t kp = groups * gs;
   if (kp < k || kp - k >= gs) return Invalid("packed weight does not match K");
   const int64_t m = xd[0];
@@ -204,13 +214,10 @@ ffi::Error WoDequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> blob,
                             int64_t kind, int64_t n, int64_t gs) {
   const KindInfo* info = FindKind(kind);
   if (info == nullptr) return Invalid("unknown weight kind " + std::to_string(kind));
-  if (gs <= 0 || gs % 2 != 0) return Invalid("group size must be positive and even");
-  const int64_t group_bytes = kGroupHeader + gs / 2 * info->pair_bytes;
-  const int64_t panels = (n + kPanel - 1) / kPanel;
+  int64_t group_bytes, panels, groups;
+  if (ffi::Error e = WoBlobShape(*info, blob, n, gs, &group_bytes, &panels, &groups); e.failure())
+    return e;
   const auto bd = blob.dimensions();
-  if (bd.size() != 2 || bd[0] != panels || bd[1] % group_bytes != 0)
-    return Invalid("packed weight has the wrong shape for N and the group size");
-  const int64_t groups = bd[1] / group_bytes;
   const auto wd = w->dimensions();
   if (wd.size() != 2 || wd[0] != groups * gs || wd[1] != panels * kPanel)
     return Invalid("dequantized weight must be [Kp, 16 P]");
