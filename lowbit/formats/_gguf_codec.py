@@ -4,7 +4,8 @@ Every GGML quantization type stores a row as consecutive blocks of `block_size` 
 `type_size` bytes, each block carrying its own scales. Decoders here reproduce llama.cpp's
 dequantization bit for bit (same float32 operations in the same order, so the values equal
 `gguf.quants.dequantize`); encoders are vectorised ports of llama.cpp's reference quantizers
-(``quantize_row_*_ref``: the same scale searches, on every block at once).
+(``quantize_row_*_ref``: the same scale searches, on every block at once), except that Q8_K
+keeps the scale of values that already are a decoded Q8_K block (so it re-encodes them exactly).
 
   type     block bytes  bits/value  layout (little-endian)
   Q8_0       32    34     8.5      d f16, q int8[32]                          x = d q
@@ -670,9 +671,22 @@ def _enc_q8_k(x):
     flat = amax == 0
     iscale = -127.0 / jnp.where(flat, 1.0, mx)
     q = jnp.minimum(127, _nearest(iscale[..., None] * x))
+    d = jnp.where(flat, 0.0, _reciprocal(iscale)).astype(jnp.float32)
+    # Values that are already a Q8_K block's (d q, the extreme one at q = -127) keep that d
+    # and those codes: the reference's d = 1 / (-127 / mx) can land one ulp away from it, so
+    # re-encoding decoded blocks would not give them back. mx / -127 is d or one ulp from it.
+    found = flat
+    for toward in (None, jnp.inf, -jnp.inf):
+        d_try = mx / -127.0
+        if toward is not None:
+            d_try = jnp.nextafter(d_try, jnp.float32(toward))
+        q_try = jnp.clip(_nearest(x / jnp.where(flat, 1.0, d_try)[..., None]), -128, 127)
+        exact = ~found & jnp.all(d_try[..., None] * q_try.astype(jnp.float32) == x, axis=-1)
+        q = jnp.where(exact[..., None], q_try, q)
+        d = jnp.where(exact, d_try, d).astype(jnp.float32)
+        found = found | exact
     q = jnp.where(flat[..., None], 0, q).astype(jnp.int8)
     bsums = q.astype(jnp.int16).reshape(*x.shape[:-1], 16, 16).sum(-1, dtype=jnp.int16)
-    d = jnp.where(flat, 0.0, _reciprocal(iscale)).astype(jnp.float32)
     parts = [
         jax.lax.bitcast_convert_type(d, jnp.uint8),
         jax.lax.bitcast_convert_type(q, jnp.uint8),
