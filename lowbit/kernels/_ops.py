@@ -269,6 +269,8 @@ def decode_attention(
     slot: jax.Array,
     key_scales: jax.Array | None = None,
     value_scales: jax.Array | None = None,
+    *,
+    integer_qk: bool = False,
 ) -> jax.Array:
     """Attention of one query position per row over a KV cache, in one kernel call.
 
@@ -286,6 +288,9 @@ def decode_attention(
       slot: [] int32, the query's slot (the last one attended to).
       key_scales, value_scales: [B, H, L, S] float16, S scale groups along D (quantized
         caches only).
+      integer_qk: int8 keys only: the scores are exact int32 products of the int8 keys with
+        the queries quantized to int8 per scale group (``lowbit.models``' ``int8+qk`` caches),
+        instead of float products with the dequantized keys.
     Returns:
       [B, H, G, D] float32; zeros for a row with no slot to attend to.
     """
@@ -322,18 +327,33 @@ def decode_attention(
                     f"{name} is {shape}; a quantized cache needs float16 [{b}, {h}, "
                     f"{keys.shape[2]}, S] scales with S dividing {d}"
                 )
+    if integer_qk and fmt != 1:
+        raise ValueError(f"integer_qk needs an int8 cache; keys are {jnp.dtype(keys.dtype).name}")
     start = jnp.asarray(start, jnp.int32)
     slot = jnp.asarray(slot, jnp.int32)
     if start.shape != (b,) or slot.shape != ():
         raise ValueError(f"start must be [{b}] and slot a scalar; got {start.shape}, {slot.shape}")
     if not _use_kernels():
+        scores = None
+        if integer_qk:
+            scores = _reference.int8_qk_scores(q, keys, key_scales)
         if fmt:
             keys = _reference.dequantize_cache(keys, key_scales, d)
             values = _reference.dequantize_cache(values, value_scales, d)
-        return _reference.decode_attention(q, keys, values, start, slot)
+        return _reference.decode_attention(q, keys, values, start, slot, scores)
     call = jax.ffi.ffi_call(
         "lowbit_decode_attention",
         jax.ShapeDtypeStruct(q.shape, jnp.float32),
         vmap_method="sequential",
     )
-    return call(q, keys, values, key_scales, value_scales, start, slot, fmt=np.int64(fmt))
+    return call(
+        q,
+        keys,
+        values,
+        key_scales,
+        value_scales,
+        start,
+        slot,
+        fmt=np.int64(fmt),
+        integer_qk=np.int64(integer_qk),
+    )

@@ -185,15 +185,21 @@ def w4a8_linear(
 
 @jax.jit
 def decode_attention(
-    q: jax.Array, keys: jax.Array, values: jax.Array, start: jax.Array, slot: jax.Array
+    q: jax.Array,
+    keys: jax.Array | None,
+    values: jax.Array,
+    start: jax.Array,
+    slot: jax.Array,
+    scores: jax.Array | None = None,
 ) -> jax.Array:
     """Softmax attention of one query position per row over cache slots ``start[b] .. slot``.
 
     q: [B, H, G, D] float32 (G queries per KV head, already scaled); keys, values:
     [B, H, L, D] float32; start: [B] int32; slot: [] int32 -> [B, H, G, D] float32 (zeros
-    for a row with no slot to attend to).
+    for a row with no slot to attend to). With `scores` [B, H, G, L] given, keys are unused.
     """
-    scores = jnp.einsum("bhgd,bhld->bhgl", q, keys, precision=jax.lax.Precision.HIGHEST)
+    if scores is None:
+        scores = jnp.einsum("bhgd,bhld->bhgl", q, keys, precision=jax.lax.Precision.HIGHEST)
     t = jnp.arange(keys.shape[2], dtype=jnp.int32)
     valid = (t[None, :] >= start[:, None]) & (t[None, :] <= slot)  # [B, L]
     valid = valid[:, None, None, :]
@@ -218,3 +224,21 @@ def dequantize_cache(codes: jax.Array, scales: jax.Array, d: int) -> jax.Array:
     groups = scales.shape[-1]
     x = x.reshape(*x.shape[:-1], groups, d // groups) * scales.astype(jnp.float32)[..., None]
     return x.reshape(*x.shape[:-2], d)
+
+
+@jax.jit
+def int8_qk_scores(q: jax.Array, codes: jax.Array, scales: jax.Array) -> jax.Array:
+    """[B, H, G, L] scores of queries q [B, H, G, D] against int8 keys codes [B, H, L, D] with
+    [B, H, L, S] scales: each query quantized per channel group to int8 (scale max(absmax /
+    127, 1e-30), round half to even), exact int32 dots per group, then both scales."""
+    b, h, g, d = q.shape
+    groups = scales.shape[-1]
+    qg = q.reshape(b, h, g, groups, d // groups)
+    q_scale = jnp.maximum(jnp.max(jnp.abs(qg), axis=-1) / 127.0, 1e-30)  # [B, H, G, S]
+    q_codes = jnp.round(qg / q_scale[..., None]).astype(jnp.int8)
+    k_codes = codes.reshape(*codes.shape[:3], groups, d // groups)
+    dots = jnp.einsum("bhgsd,bhlsd->bhgls", q_codes, k_codes, preferred_element_type=jnp.int32)
+    weighted = (
+        dots.astype(jnp.float32) * q_scale[:, :, :, None] * scales.astype(jnp.float32)[:, :, None]
+    )
+    return jnp.sum(weighted, axis=-1)

@@ -124,15 +124,14 @@ def decode_block(max_len: int) -> int | None:
 
 def _fused_decode(q: jax.Array, kv: LayerKV) -> bool:
     """Whether a decode step runs as one CPU kernel call (`lowbit.kernels.decode_attention`):
-    float32 queries and a float32 cache, or an int8 / int4 / fp8 one read by dequantizing (not
-    `integer_qk`, whose scores are an integer product), on the CPU backend with the kernels
-    built. On XLA:CPU the block loop below costs mostly per-op dispatch (about 150 us a layer
-    for SmolLM2 at 576 filled slots, against 30 us for the kernel)."""
+    float32 queries and a float32 cache, or an int8 / int4 / fp8 one (read by dequantizing,
+    or for `integer_qk` by int8 products), on the CPU backend with the kernels built. On
+    XLA:CPU the block loop below costs mostly per-op dispatch (about 150 us a layer for
+    SmolLM2 at 576 filled slots, against 30 us for the kernel)."""
     f32 = jnp.dtype(jnp.float32)
-    if kv.config is None:
-        cache_ok = jnp.dtype(kv.keys.dtype) == f32 and jnp.dtype(kv.values.dtype) == f32
-    else:
-        cache_ok = not kv.config.integer_qk
+    cache_ok = kv.config is not None or (
+        jnp.dtype(kv.keys.dtype) == f32 and jnp.dtype(kv.values.dtype) == f32
+    )
     return (
         cache_ok
         and jnp.dtype(q.dtype) == f32
@@ -160,7 +159,14 @@ def _decode_attention(q: jax.Array, kv: LayerKV, slot: jax.Array, block: int) ->
     b, _, h, g, d = q.shape
     if _fused_decode(q, kv):
         out = kernels.decode_attention(
-            q[:, 0], kv.keys, kv.values, kv.start, slot, kv.key_scales, kv.value_scales
+            q[:, 0],
+            kv.keys,
+            kv.values,
+            kv.start,
+            slot,
+            kv.key_scales,
+            kv.value_scales,
+            integer_qk=kv.config is not None and kv.config.integer_qk,
         )
         return out[:, None]
     integer = kv.config is not None and kv.config.integer_qk

@@ -136,3 +136,39 @@ def test_quantized_cache_needs_its_scales():
         kernels.decode_attention(q, keys, values, start, 3, np.zeros((1, 2, 64, 1), np.float16))
     with pytest.raises(TypeError, match="not a supported cache"):
         kernels.decode_attention(q, codes, values, start, 3)
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_integer_qk_matches_numpy(groups):
+    # int8 keys read by exact integer products: each query quantized to int8 per scale group
+    # (scale max(absmax / 127, 1e-30), round half to even, in float32).
+    rng = np.random.default_rng(groups)
+    b, h, g, d, length = 2, 2, 3, 64, 300
+    q = (rng.standard_normal((b, h, g, d)) / 8).astype(np.float32)
+    keys = make_codes("int8", (b, h, length, d), rng)
+    values = make_codes("int8", (b, h, length, d), rng)
+    ks = rng.uniform(0.001, 0.05, (b, h, length, groups)).astype(np.float16)
+    vs = rng.uniform(0.001, 0.05, (b, h, length, groups)).astype(np.float16)
+    start, slot = np.array([0, 9], np.int32), 260
+    out = np.asarray(
+        jax.jit(kernels.decode_attention, static_argnames="integer_qk")(
+            q, keys, values, start, jnp.int32(slot), ks, vs, integer_qk=True
+        )
+    )
+    qg = q.reshape(b, h, g, groups, d // groups)
+    q_scale = np.maximum(np.abs(qg).max(-1) / np.float32(127), np.float32(1e-30))
+    q_codes = np.round(qg / q_scale[..., None]).astype(np.int64)
+    k_codes = keys.astype(np.int64).reshape(b, h, length, groups, d // groups)
+    dots = np.einsum("bhgsd,bhlsd->bhgls", q_codes, k_codes).astype(np.float64)
+    scores = (dots * q_scale[:, :, :, None] * ks.astype(np.float64)[:, :, None]).sum(-1)
+    v = numpy_dequantize(values, vs, "int8", d)
+    ref = np.zeros(out.shape)
+    for r in range(b):
+        lo = start[r]
+        s = scores[r, :, :, lo : slot + 1]
+        p = np.exp(s - s.max(-1, keepdims=True))
+        ref[r] = np.einsum("hgl,hld->hgd", p / p.sum(-1, keepdims=True), v[r, :, lo : slot + 1])
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
+    with pytest.raises(ValueError, match="integer_qk needs an int8 cache"):
+        f32 = keys.astype(np.float32)
+        kernels.decode_attention(q, f32, f32, start, 3, integer_qk=True)

@@ -154,12 +154,13 @@ def test_decode_reads_only_filled_blocks_and_matches_all_slots(text, monkeypatch
 
 
 @pytest.mark.parametrize(
-    "head_dim, text", [(8, None), (32, None), (32, "int8"), (32, "int4"), (32, "fp8:g16")]
+    "head_dim, text",
+    [(8, None), (32, None), (32, "int8"), (32, "int4"), (32, "fp8:g16"), (32, "int8:g16+qk")],
 )
 def test_fused_decode_kernel_matches_the_block_loop(head_dim, text, monkeypatch):
-    # On the CPU a decode step reads the cache (float32, or int8 / int4 / fp8 dequantized a
-    # chunk at a time) in one kernel call per layer (`lowbit.kernels.decode_attention`); the
-    # XLA block loop must give the same logits.
+    # On the CPU a decode step reads the cache (float32; int8 / int4 / fp8 dequantized a chunk
+    # at a time; int8 keys by integer products) in one kernel call per layer
+    # (`lowbit.kernels.decode_attention`); the XLA block loop must give the same logits.
     from lowbit import kernels
     from lowbit.models import _llama
 
@@ -175,7 +176,9 @@ def test_fused_decode_kernel_matches_the_block_loop(head_dim, text, monkeypatch)
     run = lambda: _decode_after_prompt(model, text, [0, 7], prompt, steps)
     calls = []
     real = kernels.decode_attention
-    monkeypatch.setattr(kernels, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(
+        kernels, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
     fused = run()
     assert calls, "the float32 cache did not take the kernel"
     monkeypatch.setattr(_llama, "_fused_decode", lambda q, kv: False)

@@ -83,6 +83,11 @@ inline float ExpNonPositive(float x) {
   return ExpNonPositive(v)[0];
 }
 
+// Floats per query row of a chunk's score scratch: whole vectors on the vector paths.
+constexpr int64_t ScoreStride(int64_t d, int64_t n) {
+  return d == 32 || d == 64 || d == 128 ? (n + 15) / 16 * 16 : n;
+}
+
 // Partial attention of `g` queries (rows of q, [g][d]) over slots [t0, t1) of one KV head
 // (k, v: [slots][d]). Writes the chunk's maximum score m[g], sum of exp(score - m) l[g] and
 // weighted values acc[g][d]. `scores` is scratch of g * (t1 - t0 + 15) floats. D16 = d / 16.
@@ -92,16 +97,18 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void AttendChunkVec
     float* scores, float* m, float* l, float* acc) {
   constexpr int64_t d = 16 * D16;
   const int64_t n = t1 - t0;
-  const int64_t stride = (n + 15) / 16 * 16;
+  const int64_t stride = ScoreStride(d, n);
   for (int64_t i = 0; i < g; ++i) {
-    V16 qv[D16];
-    for (int c = 0; c < D16; ++c) qv[c] = Load(q + i * d + 16 * c);
     float* row = scores + i * stride;
-    for (int64_t t = 0; t < n; ++t) {
-      const float* kr = k + (t0 + t) * d;
-      V16 s = qv[0] * Load(kr);
-      for (int c = 1; c < D16; ++c) s += qv[c] * Load(kr + 16 * c);
-      row[t] = Sum(s);
+    if (k != nullptr) {
+      V16 qv[D16];
+      for (int c = 0; c < D16; ++c) qv[c] = Load(q + i * d + 16 * c);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* kr = k + (t0 + t) * d;
+        V16 s = qv[0] * Load(kr);
+        for (int c = 1; c < D16; ++c) s += qv[c] * Load(kr + 16 * c);
+        row[t] = Sum(s);
+      }
     }
     float mx = row[0];
     for (int64_t t = 1; t < n; ++t) mx = row[t] > mx ? row[t] : mx;
@@ -141,8 +148,8 @@ void AttendChunkScalar(const float* q, int64_t g, int64_t d, const float* k, con
                        int64_t t0, int64_t t1, float* scores, float* m, float* l, float* acc) {
   const int64_t n = t1 - t0;
   for (int64_t i = 0; i < g; ++i) {
-    float* row = scores + i * n;
-    for (int64_t t = 0; t < n; ++t) {
+    float* row = scores + i * ScoreStride(d, n);
+    for (int64_t t = 0; k != nullptr && t < n; ++t) {
       const float* kr = k + (t0 + t) * d;
       float s = 0.0f;
       for (int64_t j = 0; j < d; ++j) s += q[i * d + j] * kr[j];
@@ -163,6 +170,8 @@ void AttendChunkScalar(const float* q, int64_t g, int64_t d, const float* k, con
   }
 }
 
+// The chunk's attention; with k == nullptr the scores are already in `scores` (query row i at
+// scores + i * ScoreStride(d, t1 - t0)) and only the softmax and the values remain.
 void AttendChunk(const float* q, int64_t g, int64_t d, const float* k, const float* v,
                  int64_t t0, int64_t t1, float* scores, float* m, float* l, float* acc) {
   switch (d) {
@@ -245,6 +254,42 @@ void Dequantize(int64_t fmt, const uint8_t* codes, int64_t row_bytes, const uint
   }
 }
 
+// Scores of `g` queries (q: [g][d], already scaled) against int8 key codes of slots
+// [t0, t1) (kc: [slots][d], one float16 scale per slot and channel group): each query is
+// quantized per group to int8 (scale max(absmax / 127, 1e-30), round half to even) and each
+// group's dot is an exact int32 product, as `lowbit.models`' `integer_qk` caches define it.
+__attribute__((target_clones("arch=skylake-avx512", "avx2", "default"))) void IntScores(
+    const float* q, int64_t g, int64_t d, int64_t groups, const int8_t* kc, const uint16_t* ks,
+    int64_t t0, int64_t t1, float* scores, int64_t stride) {
+  const int64_t per = d / groups;
+  std::vector<int8_t> qc(g * d);
+  std::vector<float> qs(g * groups);
+  for (int64_t i = 0; i < g; ++i) {
+    for (int64_t c = 0; c < groups; ++c) {
+      const float* src = q + i * d + c * per;
+      float amax = 0.0f;
+      for (int64_t j = 0; j < per; ++j) amax = std::max(amax, std::fabs(src[j]));
+      const float scale = std::max(amax / 127.0f, 1e-30f);
+      qs[i * groups + c] = scale;
+      for (int64_t j = 0; j < per; ++j)
+        qc[i * d + c * per + j] = static_cast<int8_t>(std::nearbyint(src[j] / scale));
+    }
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    const int8_t* kr = kc + t * d;
+    for (int64_t i = 0; i < g; ++i) {
+      float total = 0.0f;
+      for (int64_t c = 0; c < groups; ++c) {
+        int32_t dot = 0;
+        for (int64_t j = c * per; j < (c + 1) * per; ++j)
+          dot += static_cast<int32_t>(qc[i * d + j]) * static_cast<int32_t>(kr[j]);
+        total += static_cast<float>(dot) * qs[i * groups + c] * HalfToFloat(ks[t * groups + c]);
+      }
+      scores[i * stride + (t - t0)] = total;
+    }
+  }
+}
+
 ffi::Error Invalid(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "lowbit: " + msg);
 }
@@ -253,7 +298,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                ffi::AnyBuffer v, ffi::Buffer<ffi::F16> k_scales,
                                ffi::Buffer<ffi::F16> v_scales, ffi::Buffer<ffi::S32> start,
                                ffi::Buffer<ffi::S32> slot, ffi::ResultBuffer<ffi::F32> out,
-                               int64_t fmt) {
+                               int64_t fmt, int64_t integer_qk) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   if (qd.size() != 4) return Invalid("decode attention: q must be [B, H, G, D]");
@@ -261,6 +306,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const ffi::DataType want[] = {ffi::DataType::F32, ffi::DataType::S8, ffi::DataType::U8,
                                 ffi::DataType::F8E4M3FN};
   if (fmt < kFloat32 || fmt > kFp8) return Invalid("decode attention: unknown cache format");
+  if (integer_qk && fmt != kInt8) return Invalid("decode attention: integer QK needs int8 keys");
   if (k.element_type() != want[fmt] || v.element_type() != want[fmt])
     return Invalid("decode attention: cache codes have the wrong element type for the format");
   const int64_t row = fmt == kInt4 ? d / 2 : d;  // codes per slot
@@ -320,7 +366,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   ParallelFor(pool, workers, nt, [&](int64_t i) {
     const Task& t = tasks[i];
     const int64_t n = t.t1 - t.t0;
-    std::vector<float> scores(g * ((n + 15) / 16 * 16));
+    std::vector<float> scores(g * ScoreStride(d, n));
     const float* qi = qp + t.bh * g * d;
     float *mi = ms.data() + i * g, *li = ls.data() + i * g, *ai = accs.data() + i * g * d;
     const int64_t head = t.bh * len * row * code_bytes;
@@ -332,11 +378,17 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     }
     // A quantized cache: this chunk's keys and values dequantized into float scratch (32 KB
     // each at D = 64), then the float path.
-    std::vector<float> kf(n * d), vf(n * d);
+    std::vector<float> kf(integer_qk ? 0 : n * d), vf(n * d);
     const int64_t sc = t.bh * len * groups;
-    Dequantize(fmt, kp + head, row, ksp + sc, groups, d, t.t0, t.t1, kf.data());
+    if (integer_qk) {
+      IntScores(qi, g, d, groups, reinterpret_cast<const int8_t*>(kp + head), ksp + sc, t.t0,
+                t.t1, scores.data(), ScoreStride(d, n));
+    } else {
+      Dequantize(fmt, kp + head, row, ksp + sc, groups, d, t.t0, t.t1, kf.data());
+    }
     Dequantize(fmt, vp + head, row, vsp + sc, groups, d, t.t0, t.t1, vf.data());
-    AttendChunk(qi, g, d, kf.data(), vf.data(), 0, n, scores.data(), mi, li, ai);
+    AttendChunk(qi, g, d, integer_qk ? nullptr : kf.data(), vf.data(), 0, n, scores.data(), mi,
+                li, ai);
   });
 
   // Merge the chunks of each (row, head): rescale each to the overall maximum.
@@ -377,4 +429,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitDecodeAttention, lowbit::DecodeAttentionImpl
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("fmt"));
+                                  .Attr<int64_t>("fmt")
+                                  .Attr<int64_t>("integer_qk"));
