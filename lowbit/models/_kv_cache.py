@@ -22,8 +22,10 @@ never looks at slots before a row's start.
 
 Shapes (``T`` = max_len, ``H`` = n_kv_heads, ``D`` = head_dim, ``G`` = scale groups per head):
   float codes ``[batch, H, T, D]`` in the cache dtype; int8 ``[batch, H, T, D]`` int8; fp8
-  ``[batch, H, T, D]`` float8_e4m3fn; int4 ``[batch, H, T, D / 2]`` uint8 (channel ``d`` in the
-  low nibble, channel ``d + D / 2`` in the high one); scales ``[batch, H, T, G]`` float16.
+  ``[batch, H, T, D]`` uint8 holding float8_e4m3fn bits (XLA:CPU updates a uint8 buffer in
+  place, but rewrites a whole float8 one for every written slot); int4 ``[batch, H, T, D / 2]``
+  uint8 (channel ``d`` in the low nibble, channel ``d + D / 2`` in the high one); scales
+  ``[batch, H, T, G]`` float16.
 Heads come before slots so that attention's products batch over (batch, head) on the stored
 layout: with slots first, XLA transposes every layer's whole cache on every step.
 """
@@ -258,7 +260,7 @@ def _code_layout(shape: tuple[int, ...], config: KVCacheConfig) -> tuple[tuple[i
     if config.format == "int4":
         return (*shape[:-1], shape[-1] // 2), jnp.uint8
     if config.format == "fp8":
-        return shape, jnp.float8_e4m3fn
+        return shape, jnp.uint8
     return shape, jnp.int8
 
 
@@ -283,7 +285,7 @@ def quantize_kv(x: jax.Array, config: KVCacheConfig) -> tuple[jax.Array, jax.Arr
     y = g / scale.astype(jnp.float32)
     if config.format == "fp8":
         codes = jnp.clip(y, -qmax, qmax).astype(jnp.float8_e4m3fn).reshape(x.shape)
-        return codes, scale[..., 0]
+        return jax.lax.bitcast_convert_type(codes, jnp.uint8), scale[..., 0]
     if config.format == "int4":
         # 16 levels, none wasted: code c in [-8, 7] stands for (c + 1/2) * scale.
         codes = jnp.clip(jnp.floor(y), -8, 7).astype(jnp.int8).reshape(x.shape)
@@ -311,9 +313,16 @@ def dequantize_kv(codes: jax.Array, scales: jax.Array, config: KVCacheConfig, dt
         g = _grouped(unpack_int4(codes).astype(jnp.float32) + 0.5, config)
         out = g * scales.astype(jnp.float32)[..., None]
         return out.reshape(*codes.shape[:-1], -1).astype(dtype)
+    if config.format == "fp8":
+        codes = fp8_codes(codes)
     g = _grouped(codes.astype(jnp.float32), config)
     out = g * scales.astype(jnp.float32)[..., None]
     return out.reshape(codes.shape).astype(dtype)
+
+
+def fp8_codes(stored: jax.Array) -> jax.Array:
+    """An fp8 cache's uint8 storage as float8_e4m3fn codes (a bitcast, no copy)."""
+    return jax.lax.bitcast_convert_type(stored, jnp.float8_e4m3fn)
 
 
 def int8_scores(q: jax.Array, layer: LayerKV) -> jax.Array:

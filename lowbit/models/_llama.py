@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lowbit import kernels
-from lowbit.models._kv_cache import KVCache, LayerKV, int8_scores
+from lowbit.models._kv_cache import KVCache, LayerKV, fp8_codes, int8_scores
 from lowbit.models._kv_cache import init_kv_cache as _init_cache
 from lowbit.recipes import KVCacheConfig
 
@@ -158,10 +158,11 @@ def _decode_attention(q: jax.Array, kv: LayerKV, slot: jax.Array, block: int) ->
     """
     b, _, h, g, d = q.shape
     if _fused_decode(q, kv):
+        fp8 = kv.config is not None and kv.config.format == "fp8"
         out = kernels.decode_attention(
             q[:, 0],
-            kv.keys,
-            kv.values,
+            fp8_codes(kv.keys) if fp8 else kv.keys,
+            fp8_codes(kv.values) if fp8 else kv.values,
             kv.start,
             slot,
             kv.key_scales,
