@@ -8,7 +8,7 @@ import numpy as np
 
 from lowbit.kernels import _native, _reference
 from lowbit.kernels._kinds import KERNEL_KINDS, KIND_IDS
-from lowbit.kernels._layout import PreparedWeight, prepared_to_logical
+from lowbit.kernels._layout import HEADER_BYTES, PreparedWeight, prepared_to_logical
 
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -106,7 +106,7 @@ def dequantize_weight(w: PreparedWeight) -> jax.Array:
             w.kind, logical["codes"], logical["scale"], logical["zero_point"], w.group_size
         )
     panels = w.data.shape[0]
-    group_bytes = 128 + w.storage_group // 2 * KERNEL_KINDS[w.kind].pair_bytes
+    group_bytes = HEADER_BYTES + w.storage_group // 2 * KERNEL_KINDS[w.kind].pair_bytes
     groups = w.data.shape[1] // group_bytes
     call = jax.ffi.ffi_call(
         "lowbit_wo_dequantize",

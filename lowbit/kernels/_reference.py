@@ -200,7 +200,7 @@ def decode_attention(
     """
     if scores is None:
         scores = jnp.einsum("bhgd,bhld->bhgl", q, keys, precision=jax.lax.Precision.HIGHEST)
-    t = jnp.arange(keys.shape[2], dtype=jnp.int32)
+    t = jnp.arange(values.shape[2], dtype=jnp.int32)
     valid = (t[None, :] >= start[:, None]) & (t[None, :] <= slot)  # [B, L]
     valid = valid[:, None, None, :]
     scores = jnp.where(valid, scores, -jnp.inf)

@@ -318,23 +318,26 @@ def kernel_linear(x: jax.Array, q: Any, route: KernelRoute, out_dtype: Any) -> j
     """
     out_dtype = np.dtype(out_dtype)
     kernel_out = out_dtype if out_dtype in _FLOATS else np.dtype(jnp.float32)
-    if isinstance(q, QArray):
-        weight = prepare_layout(q, route)
-    else:
-        weight = q.weight
+    k, n = q.shape[::-1] if route.transposed else q.shape
     rows = int(np.prod(x.shape[:-1]))
     if (
         route.kind not in ("w8a8", "w4a8")
         and rows >= GEMM_MIN_ROWS
         and np.dtype(x.dtype) == np.dtype(jnp.float32)
-        and weight.k * weight.n * 4 <= GEMM_MAX_WEIGHT_BYTES
+        and k * n * 4 <= GEMM_MAX_WEIGHT_BYTES
     ):
-        # Prefill sizes: XLA's float GEMM on the weight dequantized by the kernels (exactly
-        # the logical weight's values) is faster than the kernels' own float tiles; the float
-        # weight lives for this call only.
-        w = kernels.dequantize_weight(weight)
-        y = jnp.dot(x, w, preferred_element_type=jnp.float32)
-    elif route.kind == "w8a8":
+        # Prefill sizes: XLA's float GEMM on the dequantized weight is faster than the
+        # kernels' own float tiles; the float weight lives for this call only. A prepared
+        # weight is dequantized by the kernels from its layout, a logical one directly
+        # (building a layout just to read it back would be a second pass).
+        if isinstance(q, QArray):
+            w = q.dequantize(jnp.float32)
+            w = w.T if route.transposed else w
+        else:
+            w = kernels.dequantize_weight(q.weight)
+        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+    weight = prepare_layout(q, route) if isinstance(q, QArray) else q.weight
+    if route.kind == "w8a8":
         y = kernels.w8a8_linear(x, weight, out_dtype=kernel_out)
     elif route.kind == "w4a8":
         y = kernels.w4a8_linear(x, weight, out_dtype=kernel_out)

@@ -275,15 +275,17 @@ __attribute__((target_clones("arch=skylake-avx512", "avx2", "default"))) void In
         qc[i * d + c * per + j] = static_cast<int8_t>(std::nearbyint(src[j] / scale));
     }
   }
+  std::vector<float> kscale(groups);
   for (int64_t t = t0; t < t1; ++t) {
     const int8_t* kr = kc + t * d;
+    for (int64_t c = 0; c < groups; ++c) kscale[c] = HalfToFloat(ks[t * groups + c]);
     for (int64_t i = 0; i < g; ++i) {
       float total = 0.0f;
       for (int64_t c = 0; c < groups; ++c) {
         int32_t dot = 0;
         for (int64_t j = c * per; j < (c + 1) * per; ++j)
           dot += static_cast<int32_t>(qc[i * d + j]) * static_cast<int32_t>(kr[j]);
-        total += static_cast<float>(dot) * qs[i * groups + c] * HalfToFloat(ks[t * groups + c]);
+        total += static_cast<float>(dot) * qs[i * groups + c] * kscale[c];
       }
       scores[i * stride + (t - t0)] = total;
     }
