@@ -3,7 +3,8 @@
 `capture` streams per-weight input statistics (Gram matrix, mean/max |x|) from the float model
 on calibration batches; `quantize_params` / `quantize_model` apply the recipe, running each
 rule's algorithm (`lowbit.recipes.GPTQ`, `HQQ`, `AWQ`, `SmoothQuant`) on its weights; AWQ and
-SmoothQuant scales are folded into the preceding norm where the probe shows it is exact.
+SmoothQuant scales are folded into the preceding norm or linear layer where the probe shows
+it is exact; AWQ also searches a clipping range per scale block.
 """
 
 from lowbit.algorithms._apply import (

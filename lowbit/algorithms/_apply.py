@@ -13,10 +13,12 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
 
 from lowbit.algorithms._capture import CalibrationError, Statistics, capture
+from lowbit.algorithms._clip import clip_search
 from lowbit.algorithms._gptq import gptq_qarray
 from lowbit.algorithms._hqq import hqq_qarray
 from lowbit.algorithms._smooth import apply_folds, plan_folds
@@ -28,13 +30,14 @@ from lowbit.qarray import QArray
 from lowbit.recipes import AWQ, GPTQ, HQQ, Recipe, SmoothQuant, map_params, param_leaves
 
 IMPLEMENTED = (GPTQ, HQQ, AWQ, SmoothQuant)
-# Input rows AWQ's search keeps per weight.
-AWQ_SAMPLE_ROWS = 512
+# Input rows kept per weight for SmoothQuant's alpha search.
+SMOOTHQUANT_SAMPLE_ROWS = 1024
 
 
 def sample_rows(recipe: Recipe) -> int:
     """Input rows to sample per weight while capturing statistics for `recipe`."""
-    return AWQ_SAMPLE_ROWS if any(isinstance(r.algorithm, AWQ) for r in recipe.rules) else 0
+    search = any(isinstance(r.algorithm, SmoothQuant) and r.algorithm.grid for r in recipe.rules)
+    return SMOOTHQUANT_SAMPLE_ROWS if search else 0
 
 
 @dataclasses.dataclass
@@ -181,12 +184,13 @@ def quantize_with_report(
             raise ValueError(f"strict mode: no scale to fold for {lines}")
         axes = {p: statistics.for_path(p)[0].input_axes[0] for f in folds for p in f.weights}
         params = apply_folds(params, folds, axes)
-        rtn = api_quantize_params(params, _strip(recipe), uses=uses)
         for fold in folds:
             for p in fold.weights:
                 report.applied[p] = fold.note
         for p, why in skipped.items():
             report.applied[p] = why
+        params = _clip_awq(params, folding, folds, statistics, report)
+        rtn = api_quantize_params(params, _strip(recipe), uses=uses)
     floats = dict(param_leaves(params))
     replaced: dict[str, QArray] = {}
     rtn_leaves = dict(param_leaves(rtn))
@@ -227,6 +231,33 @@ def quantize_with_report(
             on_weight(n + 1, len(wanted))
     out = map_params(lambda path, leaf: replaced.get(path, leaf), rtn)
     return out, report
+
+
+def _clip_awq(params, folding, folds, statistics, report) -> Any:
+    """`params` with the weights of AWQ rules that ask for it clipped (`clip_search`), on the
+    Gram matrix of their inputs as the quantizer sees them (divided by a folded scale)."""
+    input_scale = {p: f.scale for f in folds for p in f.weights}
+    clipped = {}
+    floats = dict(param_leaves(params))
+    for path, (decision, rule) in folding.items():
+        if not (isinstance(rule.algorithm, AWQ) and rule.algorithm.clip):
+            continue
+        stats = statistics.for_path(path)
+        if len(stats) != 1 or len(stats[0].input_axes) != 1 or stats[0].fixed:
+            report.applied[path] += "; no clip search (needs one 2-D use with statistics)"
+            continue
+        h = stats[0].gram / max(stats[0].count, 1)
+        if path in input_scale:
+            s = jnp.asarray(input_scale[path], jnp.float32)
+            h = h / (s[:, None] * s[None, :])
+        found = clip_search(floats[path], stats[0].input_axes[0], decision.config, h)
+        if isinstance(found, str):
+            report.applied[path] += f"; no clip search ({found})"
+            continue
+        w, ratio = found
+        clipped[path] = w.astype(floats[path].dtype)
+        report.applied[path] += f"; clipped (mean range ratio {ratio:.3f})"
+    return map_params(lambda p, leaf: clipped.get(p, leaf), params)
 
 
 def _sequential_gptq(

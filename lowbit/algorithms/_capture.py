@@ -50,8 +50,9 @@ class WeightStats:
       abs_max: [K] float32 max |x|.
       count: input rows seen.
       sample: [n <= sample_rows, K] float32 input rows, or None.
-      activation_scale: path of the 1-D parameter (a norm's scale) every input row was
-        multiplied by channel-wise just before this weight, or None (`lowbit.engine.Scaled`).
+      activation_scale: the parameters that could absorb a per-channel scale of every input
+        row, ``frozenset({(path, axis), ...})``: a norm's 1-D scale (axis 0), or a linear
+        layer's weight and its output axis (`lowbit.engine.Scaled`); None if there is none.
     """
 
     path: str
@@ -62,7 +63,7 @@ class WeightStats:
     abs_max: jax.Array
     count: int = 0
     sample: np.ndarray | None = None
-    activation_scale: str | None = None
+    activation_scale: frozenset[tuple[str, int]] | None = None
 
     @property
     def abs_mean(self) -> jax.Array:
@@ -77,9 +78,10 @@ class Statistics:
       weights: {(path, fixed): WeightStats}.
       unmapped: {path: reason} for uses whose input axes could not be mapped to the parameter
         (e.g. a batched matmul over the weight, a conv); those uses add no statistics.
-      escaped: parameters (and norm scales) also read by ops other than matmuls / gathers:
-        a scale folded into such a parameter would change the model.
-      scale_readers: {norm scale path: weights reading its scaled output} (any weight).
+      escaped: parameters also read by ops other than matmuls / gathers, and parameters whose
+        scaled output (`lowbit.engine.Scaled`) is: a scale folded into them would change the
+        model.
+      scale_readers: {path of a `Scaled` source: weights reading an activation it can scale}.
       batches: number of batches run.
       rows: input rows per batch at the first captured activation.
     """
@@ -187,7 +189,8 @@ def capture(
       params: float params pytree.
       batches: iterable of batches.
       paths: parameter paths to measure (default: every parameter with 2+ axes).
-      sample_rows: keep up to this many input rows per weight (0: none).
+      sample_rows: keep up to this many input rows per weight (0: none), evenly spaced over
+        the first batch (and the next ones if it has fewer).
       on_batch: called with the number of batches done after each batch (progress).
     Returns:
       `Statistics`.
@@ -217,8 +220,8 @@ def capture(
                     if use.op != "gather":
                         stats.unmapped.setdefault(path, f"{use.op} inputs are not captured")
                 return
-            if use.activation_scale is not None:
-                stats.scale_readers.setdefault(use.activation_scale, set()).update(use.paths)
+            for source, _ in use.activation_scale or ():
+                stats.scale_readers.setdefault(source, set()).update(use.paths)
             for path in use.paths & wanted:
                 dims = use.params["dimension_numbers"]
                 cache_key = (path, use.layout_key, dims, use.weight_operand)
@@ -239,7 +242,9 @@ def capture(
                     rows = _rows(use, mapping)
                     a = jnp.abs(rows)
                     gram = jnp.dot(rows.T, rows, precision=jax.lax.Precision.HIGHEST)
-                    sample = rows[: min(sample_rows, rows.shape[0])] if sample_rows else None
+                    # Evenly spaced rows: a batch's first rows are one sequence's start.
+                    stride = max(1, rows.shape[0] // max(sample_rows, 1))
+                    sample = rows[::stride][:sample_rows] if sample_rows else None
                     values.append((gram, a.sum(0), a.max(0), jnp.all(jnp.isfinite(rows)), sample))
                     site_index[site] = len(sites)
                     sites.append(_Site(int(rows.shape[0]), use.location, []))

@@ -1,23 +1,29 @@
-"""Per-input-channel scales folded into the preceding norm: SmoothQuant and AWQ.
+"""Per-input-channel scales folded into the parameter that produced the input: SmoothQuant, AWQ.
 
-Both rescale input channel j of the weights that read a normalized activation ``h = a · p``
-(`p` the norm's 1-D scale parameter) by ``s_j`` and divide ``p_j`` by ``s_j``: ``(h / s)(s W)``
-is the float model's product, so the folding alone leaves the float model unchanged (up to
-float rounding), while the quantizers see ``h / s`` and ``s W``.
+Both rescale input channel j of the weights that read an activation `h` by ``s_j`` and divide
+the channel of `h` by ``s_j`` where it is made: ``(h / s)(s W)`` is the float model's product,
+so the folding alone leaves the float model unchanged (up to float rounding), while the
+quantizers see ``h / s`` and ``s W``. `h` can absorb the division where the probe saw it made
+(`lowbit.engine.Scaled`): as ``a · p`` with `p` a norm's 1-D scale (divide `p`), or as the
+output of a linear layer ``x @ U`` (divide U's output columns; in a gated MLP
+``down(act(x @ G) * (x @ U))`` that is the up projection, which folds `down`'s scale).
 
   * SmoothQuant (Xiao et al., 2022): ``s = max|h|^α / max|W|^(1-α)`` per channel (max over all
     the weights reading `h`), moving activation outliers into the weights for w8a8 / w4a8.
-  * AWQ (Lin et al., 2023): ``s = mean|h|^α`` (normalized), α searched on a grid to minimize
-    the quantized weights' output error ``Σ ‖X W - (X / s) Q(s W)‖²`` on sampled inputs.
+  * AWQ (Lin et al., 2023): ``s = mean|h|^α / mean|Ŵ|^(1-α)`` (Ŵ: |W| over its block's max,
+    as AutoAWQ's scales), α searched on a grid to minimize the quantized weights' output error
+    on all calibration rows, ``Σ ‖X W - (X / s) Q(s W)‖² = Σ tr(Δᵀ XᵀX Δ)`` with
+    ``Δ = W - Q(s W) / s``, read off the captured Gram matrix.
 
-A scale is folded only where the probe saw the pattern (`lowbit.engine.Scaled`): `p` is read
-by nothing but that product, and every weight reading `h` is one the recipe rescales with the
-same algorithm. Other weights keep round-to-nearest, and the report says why.
+A scale is folded only where every weight reading `h` is one the recipe rescales with the same
+algorithm and `h` (or the parameter making it) is read by nothing but those products. Other
+weights keep round-to-nearest, and the report says why.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -32,47 +38,114 @@ from lowbit.recipes import SmoothQuant, map_params
 
 @dataclasses.dataclass(frozen=True)
 class Fold:
-    """One folded scale: the norm parameter, the weights rescaled, the scale [K], and how."""
+    """One folded scale.
 
-    norm: str
+    Attributes:
+      target: the parameter that absorbs ``1 / scale``: a norm's 1-D scale or a linear
+        layer's weight.
+      axis: the axis of `target` divided (0 for a norm's scale, the output axis of a weight).
+      weights: the weights multiplied by `scale` along their input axis.
+      scale: [K] float32.
+      note: what the report says for each of `weights`.
+    """
+
+    target: str
+    axis: int
     weights: tuple[str, ...]
     scale: np.ndarray
     note: str
 
 
-def _fake_quant(w: jax.Array, config: QuantConfig) -> jax.Array:
+def as_matrix(w: jax.Array, axis: int) -> jax.Array:
+    """[K, N]: `w` with its input axis first and the others flattened."""
+    return jnp.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _fake_quant_jit(w: jax.Array, config: QuantConfig) -> jax.Array:
     return quantize_array(w, config).dequantize()
 
 
-_fake_quant_jit = jax.jit(_fake_quant, static_argnums=1)
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _scaled_error(h: jax.Array, w: jax.Array, s: jax.Array, axis: int, config: QuantConfig):
+    """``tr(Δᵀ H Δ)`` with ``Δ = W - Q(s W) / s`` (s along `axis`): the output error of the
+    quantized, rescaled weight on the rows whose Gram matrix is `h` [K, K]."""
+    shape = [1] * w.ndim
+    shape[axis] = -1
+    s = s.reshape(shape)
+    d = as_matrix(w - _fake_quant_jit(w * s, config) / s, axis)
+    return jnp.sum(d * jnp.dot(h, d, precision=jax.lax.Precision.HIGHEST))
+
+
+def block_max(w: jax.Array, config: QuantConfig) -> jax.Array:
+    """max |w| over each scale block of `config`'s quantization of `w`, broadcast to w.shape."""
+    block = quantize_array(w, config).block_shape
+    shape = [d for n, b in zip(w.shape, block, strict=True) for d in (n // b, b)]
+    m = jnp.max(jnp.abs(w).reshape(shape), axis=tuple(range(1, len(shape), 2)), keepdims=True)
+    return jnp.broadcast_to(m, shape).reshape(w.shape)
 
 
 def _awq_scale(
-    x: np.ndarray, weights: list[tuple[jax.Array, int, QuantConfig]], mean_abs: jax.Array, grid: int
+    h: jax.Array, weights: list[tuple[jax.Array, int, QuantConfig]], mean_abs: jax.Array, grid: int
 ) -> tuple[np.ndarray, float]:
-    """The AWQ scale minimizing the group's output error on sample rows `x` [n, K].
-
-    `weights`: (parameter, its input axis, its weight config) per weight of the group.
-    """
-    x = jnp.asarray(x, jnp.float32)
-    k = x.shape[1]
-    as_matrix = lambda w, axis: jnp.moveaxis(w, axis, 0).reshape(k, -1)
-    refs = [x @ as_matrix(w, axis) for w, axis, _ in weights]
-    best, best_alpha, best_err = None, 0.0, np.inf
-    base = jnp.maximum(mean_abs, 1e-8)
+    """The AWQ scale [K] minimizing the group's output error; `h` [K, K] the inputs' Gram
+    matrix over rows, `weights` (parameter, its input axis, its weight config) per weight."""
+    k = h.shape[0]
+    relative = jnp.concatenate(
+        [as_matrix(jnp.abs(w) / jnp.maximum(block_max(w, c), 1e-8), a) for w, a, c in weights],
+        axis=1,
+    )
+    w_mean = jnp.maximum(relative.mean(axis=1), 1e-4)
+    x_mean = jnp.maximum(mean_abs, 1e-8)
+    best, best_alpha, best_err = jnp.ones(k), 0.0, np.inf
     for i in range(grid):
         alpha = i / grid
-        s = base**alpha
+        s = jnp.clip(x_mean**alpha / w_mean ** (1 - alpha), 1e-4, None)
         s = s / jnp.sqrt(s.max() * s.min())
-        err = 0.0
-        for (w, axis, config), ref in zip(weights, refs, strict=True):
-            shape = [1] * w.ndim
-            shape[axis] = k
-            q = _fake_quant_jit(w * s.reshape(shape), config)
-            err += float(jnp.sum(((x / s) @ as_matrix(q, axis) - ref) ** 2))
-        if err < best_err:
+        err = sum(float(_scaled_error(h, w, s, a, c)) for w, a, c in weights)
+        if np.isfinite(err) and err < best_err:
             best, best_alpha, best_err = s, alpha, err
     return np.asarray(best), best_alpha
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _w8a8_error(x, ref, w, s, axis: int, config: QuantConfig, activation: QuantConfig):
+    """``‖ref - Qa(x / s) Qw(s W)‖²`` on rows `x` [n, K] (s along W's input `axis`)."""
+    shape = [1] * w.ndim
+    shape[axis] = -1
+    xq = _fake_quant_jit(x / s, activation)
+    wq = as_matrix(_fake_quant_jit(w * s.reshape(shape), config), axis)
+    return jnp.sum((jnp.dot(xq, wq, precision=jax.lax.Precision.HIGHEST) - ref) ** 2)
+
+
+def _smoothquant_alpha(sample, group, activations, smooth, algorithm) -> float:
+    """The alpha (of `algorithm.grid` values in [0, 1), and `algorithm.alpha`) whose scales give
+    the group the least output error with weights and activations quantized, on `sample`."""
+    if sample is None:
+        raise ValueError("SmoothQuant(grid > 0) needs sampled inputs: capture(..., sample_rows=)")
+    x = jnp.asarray(sample, jnp.float32)
+    refs = [jnp.dot(x, as_matrix(w, a), precision=jax.lax.Precision.HIGHEST) for w, a, _ in group]
+    best, best_err = algorithm.alpha, np.inf
+    for alpha in sorted({algorithm.alpha, *(i / algorithm.grid for i in range(algorithm.grid))}):
+        s = smooth(alpha)
+        err = sum(
+            float(_w8a8_error(x, ref, w, s, a, c, act))
+            for (w, a, c), ref, act in zip(group, refs, activations, strict=True)
+        )
+        if np.isfinite(err) and err < best_err:
+            best, best_err = alpha, err
+    return best
+
+
+def _source_problem(source: str, readers: set[str], wanted: dict, statistics: Statistics):
+    """Why a scale cannot be folded into `source` (None if it can)."""
+    if source in statistics.escaped:
+        return f"{source} (or its output) is also read outside the matmuls"
+    if readers - set(wanted):
+        return f"{source} also feeds {sorted(readers - set(wanted))}, not rescaled by the recipe"
+    if len({type(wanted[p][1].algorithm) for p in readers}) > 1:
+        return f"the weights reading {source} ask for different algorithms"
+    return None
 
 
 def plan_folds(
@@ -80,86 +153,96 @@ def plan_folds(
     wanted: dict[str, tuple[Any, Any]],
     statistics: Statistics,
 ) -> tuple[list[Fold], dict[str, str]]:
-    """Which norm scales to fold, with which scales.
+    """Which scales to fold, into what.
 
     Args:
       params: {path: float array} of the float params.
       wanted: {path: (decision, rule)} of the weights whose rule is AWQ or SmoothQuant.
-      statistics: captured with samples (AWQ).
+      statistics: captured on the float model.
     Returns:
       (folds, {path: reason} for wanted weights that get no scale).
     """
-    groups: dict[str, list[str]] = {}
     skipped: dict[str, str] = {}
+    sources: dict[str, dict[str, int]] = {}  # weight -> {source: axis}
     for path in wanted:
         stats = statistics.for_path(path)
         if len(stats) != 1 or stats[0].fixed or len(stats[0].input_axes) != 1:
             skipped[path] = "needs one 2-D use with statistics (stacked or einsum weights: rtn)"
-            continue
-        norm = stats[0].activation_scale
-        if norm is None:
-            skipped[path] = "its input is not a norm's output (no scale to fold into): rtn"
-            continue
-        groups.setdefault(norm, []).append(path)
-    folds = []
-    for norm, paths in groups.items():
-        readers = statistics.scale_readers.get(norm, set())
-        algorithms = {type(wanted[p][1].algorithm) for p in paths}
-        reason = None
-        if norm in statistics.escaped:
-            reason = f"{norm} is also read outside the matmuls"
-        elif readers - set(paths):
-            reason = f"{norm} also feeds {sorted(readers - set(paths))}, not rescaled by the recipe"
-        elif len(algorithms) > 1:
-            reason = f"the weights reading {norm} ask for different algorithms"
-        if reason is not None:
-            for p in paths:
-                skipped[p] = f"{reason}: rtn"
-            continue
-        algorithm = wanted[paths[0]][1].algorithm
-        stats = [statistics.for_path(p)[0] for p in paths]
-        axes = [s.input_axes[0] for s in stats]
-        arrays = [jnp.asarray(params[p], jnp.float32) for p in paths]
-        if isinstance(algorithm, SmoothQuant):
-            act = jnp.maximum(stats[0].abs_max, 1e-5)
-            wmax = jnp.max(
-                jnp.stack(
-                    [
-                        jnp.abs(jnp.moveaxis(w, a, 0)).reshape(w.shape[a], -1).max(axis=1)
-                        for w, a in zip(arrays, axes, strict=True)
-                    ]
-                ),
-                axis=0,
+        elif not stats[0].activation_scale:
+            skipped[path] = (
+                "its input is not made by a norm's scale or a linear layer (nothing to fold a "
+                "scale into): rtn"
             )
-            s = act**algorithm.alpha / jnp.maximum(wmax, 1e-5) ** (1 - algorithm.alpha)
-            s = jnp.where(jnp.isfinite(s) & (s > 0), s, 1.0)
-            scale = np.asarray(jnp.clip(s, 1e-5, None))
-            note = f"smoothquant (alpha {algorithm.alpha}"
         else:
-            if stats[0].sample is None:
-                raise ValueError("AWQ needs sampled inputs: capture(..., sample_rows=...)")
-            group = [
-                (w, a, wanted[p][0].config) for w, a, p in zip(arrays, axes, paths, strict=True)
-            ]
-            scale, alpha = _awq_scale(stats[0].sample, group, stats[0].abs_mean, algorithm.grid)
-            note = f"awq (alpha {alpha:.2f}"
-        folds.append(Fold(norm, tuple(paths), scale, f"{note}, folded into {norm})"))
+            sources[path] = dict(stats[0].activation_scale)
+    folds, done, problems = [], set(), {}
+    for source in sorted({s for axes in sources.values() for s in axes}):
+        readers = statistics.scale_readers.get(source, set())
+        if readers & done or not readers <= set(sources):
+            continue
+        problem = _source_problem(source, readers, wanted, statistics)
+        if problem is not None:
+            for p in readers:
+                problems.setdefault(p, problem)
+            continue
+        paths = sorted(readers)
+        axis = sources[paths[0]][source]
+        folds.append(_fold(source, axis, paths, params, wanted, statistics))
+        done |= readers
+    for path in sources:
+        if path not in done:
+            skipped[path] = problems.get(path, "its input is scaled with other weights': rtn")
+            skipped[path] += "" if skipped[path].endswith("rtn") else ": rtn"
     return folds, skipped
 
 
+def _fold(source, axis, paths, params, wanted, statistics) -> Fold:
+    algorithm = wanted[paths[0]][1].algorithm
+    stats = [statistics.for_path(p)[0] for p in paths]
+    group = [
+        (jnp.asarray(params[p], jnp.float32), s.input_axes[0], wanted[p][0].config)
+        for p, s in zip(paths, stats, strict=True)
+    ]
+    if isinstance(algorithm, SmoothQuant):
+        act = jnp.maximum(stats[0].abs_max, 1e-5)
+        wmax = jnp.max(jnp.stack([jnp.abs(as_matrix(w, a)).max(axis=1) for w, a, _ in group]), 0)
+
+        def smooth(alpha: float) -> jax.Array:
+            s = act**alpha / jnp.maximum(wmax, 1e-5) ** (1 - alpha)
+            return jnp.clip(jnp.where(jnp.isfinite(s) & (s > 0), s, 1.0), 1e-5, None)
+
+        alpha = algorithm.alpha
+        if algorithm.grid:
+            activations = [wanted[p][1].activation for p in paths]
+            alpha = _smoothquant_alpha(stats[0].sample, group, activations, smooth, algorithm)
+        scale = np.asarray(smooth(alpha))
+        searched = f", searched on {algorithm.grid}" if algorithm.grid else ""
+        note = f"smoothquant (alpha {alpha:.2f}{searched}"
+    else:
+        h = stats[0].gram / max(stats[0].count, 1)
+        scale, alpha = _awq_scale(h, group, stats[0].abs_mean, algorithm.grid)
+        note = f"awq (alpha {alpha:.2f}"
+    where = source if axis == 0 and np.ndim(params[source]) == 1 else f"{source}'s output"
+    return Fold(source, axis, tuple(paths), scale, f"{note}, folded into {where})")
+
+
 def apply_folds(params: Any, folds: list[Fold], input_axes: dict[str, int]) -> Any:
-    """`params` with each fold's weights scaled along their input axis and the norm divided."""
-    weight_scale = {p: (f.scale, input_axes[p]) for f in folds for p in f.weights}
-    norm_scale = {f.norm: f.scale for f in folds}
+    """`params` with each fold's weights scaled along their input axis and its target divided
+    along its axis (a weight can be both: scaled inputs and divided outputs)."""
+    factors: dict[str, list[tuple[np.ndarray, int]]] = {}
+    for f in folds:
+        for p in f.weights:
+            factors.setdefault(p, []).append((f.scale, input_axes[p]))
+        factors.setdefault(f.target, []).append((1.0 / f.scale, f.axis))
 
     def one(path: str, leaf: Any) -> Any:
-        if path in weight_scale:
-            s, axis = weight_scale[path]
+        if path not in factors:
+            return leaf
+        out = jnp.asarray(leaf, jnp.float32)
+        for s, axis in factors[path]:
             shape = [1] * np.ndim(leaf)
             shape[axis] = -1
-            return (jnp.asarray(leaf, jnp.float32) * s.reshape(shape)).astype(leaf.dtype)
-        if path in norm_scale:
-            return (jnp.asarray(leaf, jnp.float32) / norm_scale[path]).astype(leaf.dtype)
-        return leaf
+            out = out * jnp.asarray(s, jnp.float32).reshape(shape)
+        return out.astype(leaf.dtype)
 
     return map_params(one, params)

@@ -85,16 +85,22 @@ class Probe:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Scaled:
-    """An activation ``a * p`` with `p` a 1-D parameter broadcast along its last axis (the output
-    of a norm's scale): a per-channel scale of its matmul consumers can be folded into `p`.
+    """An activation with a per-channel factor along its last axis that a parameter can absorb:
+    a per-channel scale of its matmul consumers can be folded into one of `sources`.
+
+    A source ``(path, axis)`` is either a 1-D parameter `p` of ``a * p`` (the output of a
+    norm's scale; axis 0), or a 2-D weight `W` of ``x @ W`` whose output axis `axis` is the
+    activation's last axis (a linear layer feeding another). Elementwise products keep the
+    factor, so the product of two `Scaled` values (a gated MLP's ``act(x @ G) * (x @ U)``) can
+    fold into either's sources.
 
     Attributes:
       value: the array.
-      path: the path of `p`.
+      sources: ``frozenset({(path, axis), ...})``.
     """
 
     value: Any
-    path: str
+    sources: frozenset[tuple[str, int]]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -109,8 +115,8 @@ class Use:
       activation: the other operand (None for a gather or in symbolic mode).
       params: the equation's parameters (dimension numbers, ...).
       location: ``file:line (function)`` of the user code, or ``"unknown"``.
-      activation_scale: path of the 1-D parameter the activation was scaled by along its
-        contracted (last) axis (see `Scaled`), or None.
+      activation_scale: the `Scaled.sources` of the activation when the op contracts its last
+        axis, or None.
 
     ``op == "other"`` reports a parameter (`paths`) or a `Scaled` activation read by any other
     op: for a 1-D scale parameter it means a fold into it would change more than the matmuls.
@@ -123,7 +129,7 @@ class Use:
     activation: Any
     params: dict[str, Any]
     location: str
-    activation_scale: str | None = None
+    activation_scale: frozenset[tuple[str, int]] | None = None
 
     @property
     def layout_key(self) -> tuple[Any, ...]:
@@ -186,7 +192,7 @@ def _layout(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
     outs = _compat.bind_eqn(eqn, [raw(v) for v in invals])
     if isinstance(operand, Scaled):
         if name in _VALUE_ONLY or name in ("copy", "copy_p"):
-            return [Scaled(outs[0], operand.path), *outs[1:]]
+            return [Scaled(outs[0], operand.sources), *outs[1:]]
         _other(ctx, eqn, invals)
         return outs
     if not is_probe(operand) or any(is_probe(v) for v in rest):
@@ -224,7 +230,7 @@ def _use(ctx: Any, eqn: Any, invals: list[Any], op: str) -> None:
                 dims = eqn.params.get("dimension_numbers")
                 contract = None if dims is None else tuple(dims[0][activation_index])
                 if contract == (np.ndim(activation.value) - 1,):
-                    scale = activation.path
+                    scale = activation.sources
                 else:
                     _other(ctx, eqn, [activation])
             value = raw(activation) if state.concrete else None
@@ -244,22 +250,30 @@ def _other(ctx: Any, eqn: Any, invals: list[Any]) -> None:
         if is_probe(v):
             paths |= v.paths
         elif isinstance(v, Scaled):
-            paths.add(v.path)
+            paths |= {path for path, _ in v.sources}
     if paths:
         ctx.probe.visit(Use("other", frozenset(paths), None, -1, None, {}, ctx.location(eqn)))
 
 
 def _channel_scale(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any] | None:
-    """``a * p`` with `p` a 1-D parameter broadcast along the last axis, or ``a * s`` with `s`
-    already `Scaled` (elementwise products keep a per-channel factor) → a `Scaled` output."""
-    if len(invals) != 2 or sum(is_tagged(v) for v in invals) != 1:
+    """``a * p`` with `p` a 1-D parameter broadcast along the last axis, ``a * s`` with `s`
+    already `Scaled`, or the product of two `Scaled` values → a `Scaled` output."""
+    if len(invals) != 2 or not any(is_tagged(v) for v in invals):
         return None
-    tagged, other = (invals[0], invals[1]) if is_tagged(invals[0]) else (invals[1], invals[0])
     out = _compat.bind_eqn(eqn, [raw(v) for v in invals])[0]
-    if not np.shape(out) or np.shape(tagged.value)[-1:] != np.shape(out)[-1:]:
+    if not np.shape(out):
+        return None
+    if all(isinstance(v, Scaled) for v in invals):
+        if any(np.shape(v.value)[-1:] != np.shape(out)[-1:] for v in invals):
+            return None
+        return [Scaled(out, invals[0].sources | invals[1].sources)]
+    if sum(is_tagged(v) for v in invals) != 1:
+        return None
+    tagged = invals[0] if is_tagged(invals[0]) else invals[1]
+    if np.shape(tagged.value)[-1:] != np.shape(out)[-1:]:
         return None
     if isinstance(tagged, Scaled):
-        return [Scaled(out, tagged.path)]
+        return [Scaled(out, tagged.sources)]
     p = tagged
     if len(p.paths) != 1 or len(p.root_shape) != 1:
         return None
@@ -269,7 +283,21 @@ def _channel_scale(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any] | None:
         ids.reshape(-1, n), np.broadcast_to(np.arange(n), (ids.size // n, n))
     ):
         return None
-    return [Scaled(out, next(iter(p.paths)))]
+    return [Scaled(out, frozenset({(next(iter(p.paths)), 0)}))]
+
+
+def _linear_output(eqn: Any, invals: list[Any], out: Any) -> Any:
+    """``x @ W`` with `W` a 2-D parameter used as it is (rhs, one free axis, no batch axes)
+    → a `Scaled` output (its last axis is W's output axis); anything else → `out`."""
+    weight = invals[1]
+    if not is_probe(weight) or is_probe(invals[0]) or len(weight.paths) != 1:
+        return out
+    (_, rc), (_, rb) = eqn.params["dimension_numbers"]
+    if rb or len(weight.root_shape) != 2 or np.ndim(weight.value) != 2 or len(rc) != 1:
+        return out
+    if any(len(key) != 1 for key, _ in weight.steps):  # only value-only steps (casts)
+        return out
+    return Scaled(out, frozenset({(next(iter(weight.paths)), 1 - int(rc[0]))}))
 
 
 # --- sub-jaxprs ---
@@ -355,6 +383,10 @@ _SUB_JAXPRS = {
 def apply(eval_jaxpr: Callable[..., list[Any]], ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
     """Evaluates one equation that has a probe among its operands (see the module docstring)."""
     name = _compat.primitive_name(eqn)
+    if name == "dot_general":
+        _use(ctx, eqn, invals, USE_OPS[name])
+        out = _compat.bind_eqn(eqn, [raw(v) for v in invals])[0]
+        return [_linear_output(eqn, invals, out)]
     if name in USE_OPS:
         _use(ctx, eqn, invals, USE_OPS[name])
     elif name in LAYOUT_PRIMITIVES:

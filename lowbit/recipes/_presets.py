@@ -266,13 +266,15 @@ _PRESETS.update(
         ),
         "int4w_g64_awq": (
             lambda: _with_algorithm("int4w_g64_awq", _int_g64(4), AWQ()),
-            "int4w_g64 with AWQ scales folded into the norms (needs calibration data)",
+            "int4w_g64 with AWQ scales folded into the norms and up projections, and AWQ's "
+            "clipping search (needs calibration data)",
         ),
         "int8_smoothquant": (
             lambda: _with_algorithm(
-                "int8_smoothquant", _maxtext("int8", "int8", "int8"), SmoothQuant()
+                "int8_smoothquant", _maxtext("int8", "int8", "int8"), SmoothQuant(grid=10)
             ),
-            "int8 (w8a8) with SmoothQuant alpha 0.5 folded into the norms (needs calibration data)",
+            "int8 (w8a8) with SmoothQuant scales folded into the norms and up projections, alpha "
+            "searched per layer (needs calibration data)",
         ),
         "int4w_g32_asym_gptq": (
             lambda: _gptq("int4w_g32_asym_gptq", _PRESETS["int4w_g32_asym"][0]()),

@@ -58,7 +58,7 @@ def test_folding_alone_leaves_the_float_model_unchanged(algorithm):
     stats = capture(fn, params, batches, sample_rows=64)
     wanted = lowbit.algorithms.algorithm_weights(recipe, params)
     folds, skipped = plan_folds(dict(param_leaves(params)), wanted, stats)
-    assert skipped == {} and [f.norm for f in folds] == ["norm/scale"]
+    assert [f.target for f in folds] == ["norm/scale"]
     assert sorted(folds[0].weights) == ["gate/kernel", "up/kernel"]
     assert not np.allclose(folds[0].scale, 1.0)
     folded = apply_folds(params, folds, {"up/kernel": 0, "gate/kernel": 0})
@@ -105,3 +105,64 @@ def test_smoothquant_on_weight_only_rule_names_both():
     int4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))
     with pytest.raises(ValueError, match="'smoothquant'.*'int4'.*activation=None"):
         quantize_with_report(params, _weights(dict(weight=int4, algorithm=SmoothQuant())))
+
+
+@pytest.mark.parametrize("algorithm", [SmoothQuant(alpha=0.5), AWQ(grid=5)])
+def test_down_projection_scale_folds_into_the_up_projection(algorithm):
+    # down reads silu(gate(h)) * up(h): the factor can go into up's output columns (gate's
+    # output also passes through the sigmoid, so not into gate).
+    fn, params, batches = _setup()
+    int4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))
+    rule = Rule(
+        path="(up|gate|down)/kernel",
+        weight=int4,
+        algorithm=algorithm,
+        activation=QuantConfig(format="int8", granularity=PerToken()),
+    )
+    stats = capture(fn, params, batches)
+    assert stats.for_path("down/kernel")[0].activation_scale == frozenset(
+        {("gate/kernel", 1), ("up/kernel", 1)}
+    )
+    wanted = lowbit.algorithms.algorithm_weights(Recipe(rules=(rule,)), params)
+    folds, skipped = plan_folds(dict(param_leaves(params)), wanted, stats)
+    assert skipped == {}
+    assert {(f.target, f.axis, f.weights) for f in folds} == {
+        ("norm/scale", 0, ("gate/kernel", "up/kernel")),
+        ("up/kernel", 1, ("down/kernel",)),
+    }
+    axes = {"up/kernel": 0, "gate/kernel": 0, "down/kernel": 0}
+    folded = apply_folds(params, folds, axes)
+    assert not np.allclose(folded["up"]["kernel"], params["up"]["kernel"])
+    x = batches[0]
+    np.testing.assert_allclose(fn(folded, x), fn(params, x), rtol=2e-5, atol=2e-5)
+
+
+def test_awq_search_error_is_the_output_error_on_the_rows():
+    from lowbit.algorithms._smooth import _fake_quant_jit, _scaled_error
+
+    x = np.random.default_rng(0).normal(size=(40, 16)).astype(np.float32)
+    w = np.random.default_rng(1).normal(size=(16, 6)).astype(np.float32)
+    s = np.linspace(0.5, 2.0, 16).astype(np.float32)
+    int4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))
+    q = np.asarray(_fake_quant_jit(jnp.asarray(w * s[:, None]), int4))
+    direct = np.sum((x @ w - (x / s) @ q) ** 2)
+    gram = _scaled_error(jnp.asarray(x.T @ x), jnp.asarray(w), jnp.asarray(s), 0, int4)
+    np.testing.assert_allclose(float(gram), direct, rtol=1e-4)
+
+
+def test_smoothquant_alpha_search_is_no_worse_than_its_default_on_the_sample():
+    fn, params, batches = _setup()
+    act = QuantConfig(format="int8", granularity=PerToken())
+    w4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))
+    base = dict(path="(up|gate|down)/kernel", weight=w4, activation=act)
+    x = jnp.concatenate(batches)
+    err = lambda q: float(jnp.mean((lowbit.run(fn)(q, x) - fn(params, x)) ** 2))
+    errors = {}
+    for grid in (0, 8):
+        recipe = Recipe(rules=(Rule(**base, algorithm=SmoothQuant(grid=grid)),))
+        q, report = quantize_with_report(params, recipe, fn=fn, calibration=batches)
+        errors[grid] = err(q)
+        assert ("searched on 8" in report.applied["up/kernel"]) == (grid == 8)
+    assert errors[8] <= errors[0] * 1.05
+    with pytest.raises(ValueError, match=r"SmoothQuant.grid: -1; accepted: an int >= 0"):
+        SmoothQuant(grid=-1)

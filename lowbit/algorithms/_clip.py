@@ -1,0 +1,86 @@
+"""AWQ's clipping search: shrink each scale block's range where that lowers the output error.
+
+Round-to-nearest with absmax scales spends the grid on the block's largest weight; clipping the
+block to a fraction `r` of its range rounds the rest more finely. AWQ (Lin et al., 2023) picks
+`r` per block (here per scale block and output column) on a grid, minimizing the block's output
+error on the calibration inputs, ``δᵀ H_b δ`` with ``δ = w - Q(clip(w, r))`` and ``H_b`` the
+block's diagonal block of the inputs' Gram matrix (all calibration rows, not a sample). The
+weight is clipped in float, so round-to-nearest then finds the clipped range's scales: the
+stored layout is the recipe's own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit.algorithms._smooth import _fake_quant_jit
+from lowbit.qarray import QuantConfig
+from lowbit.qarray import quantize as quantize_array
+
+# AutoAWQ's grid: r = 1, 0.95, ..., 0.55.
+RATIOS = tuple(1.0 - i / 20 for i in range(10))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _block_errors(w, hb, axis: int, config: QuantConfig, ratio: jax.Array):
+    """(clipped w, [groups, N] error of each block): `w` 2-D with input axis `axis`, `hb`
+    [groups, bk, bk] the diagonal blocks of the Gram matrix."""
+    kn = jnp.moveaxis(w, axis, 0)
+    g, bk, _ = hb.shape
+    blocks = kn.reshape(g, bk, -1)
+    if config.symmetric:  # the grid is symmetric: clip both sides to the shrunk absmax
+        hi = jnp.max(jnp.abs(blocks), axis=1, keepdims=True)
+        lo = -hi
+    else:
+        lo = jnp.minimum(blocks.min(axis=1, keepdims=True), 0.0)
+        hi = jnp.maximum(blocks.max(axis=1, keepdims=True), 0.0)
+    clipped = jnp.clip(blocks, ratio * lo, ratio * hi)
+    clipped_w = jnp.moveaxis(clipped.reshape(kn.shape), 0, axis)
+    q = jnp.moveaxis(_fake_quant_jit(clipped_w, config), axis, 0).reshape(blocks.shape)
+    d = blocks - q
+    err = jnp.einsum("gkn,gkl,gln->gn", d, hb, d, precision=jax.lax.Precision.HIGHEST)
+    return clipped, err
+
+
+def clip_search(
+    w: jax.Array, axis: int, config: QuantConfig, h: jax.Array, ratios=RATIOS
+) -> tuple[jax.Array, float] | str:
+    """`w` clipped per scale block and output column to the range minimizing its output error.
+
+    Args:
+      w: [K, N] or [N, K] float weight (2-D), input axis `axis`.
+      axis: its input (contracted) axis.
+      config: its weight config (the scale blocks searched are its quantization's).
+      h: [K, K] Gram matrix of its inputs (as the quantizer sees them: after any folded scale).
+      ratios: range fractions tried (1 keeps round-to-nearest's range).
+    Returns:
+      (clipped weight like `w`, mean chosen ratio), or why it cannot be searched.
+    """
+    if w.ndim != 2:
+        return "clip search needs a 2-D weight"
+    block = quantize_array(w, config).block_shape
+    bk, bn = block[axis], block[1 - axis]
+    if bn != 1:
+        return f"clip search needs one scale per output column (blocks {block})"
+    k = w.shape[axis]
+    g = k // bk
+    idx = jnp.arange(g)[:, None] * bk + jnp.arange(bk)[None, :]
+    hb = h[idx[:, :, None], idx[:, None, :]]
+    w = jnp.asarray(w, jnp.float32)
+    best = best_err = best_ratio = None
+    for r in ratios:
+        clipped, err = _block_errors(w, hb, axis, config, jnp.float32(r))
+        if best is None:
+            best, best_err, best_ratio = clipped, err, jnp.full(err.shape, r)
+            continue
+        better = err < best_err
+        best = jnp.where(better[:, None, :], clipped, best)
+        best_err = jnp.where(better, err, best_err)
+        best_ratio = jnp.where(better, r, best_ratio)
+    kn_shape = (k, w.size // k)
+    out = jnp.moveaxis(best.reshape(kn_shape), 0, axis)
+    return out, float(np.mean(np.asarray(best_ratio)))
