@@ -175,7 +175,8 @@ def quantize_with_report(
             f"sequential={sequential!r}: accepted an int >= 1; sequential > 1 recalibrates "
             "between passes, so it needs fn and calibration (not precomputed statistics)"
         )
-    folding = {p: v for p, v in wanted.items() if isinstance(v[1].algorithm, AWQ | SmoothQuant)}
+    folding = {p: v for p, v in wanted.items() if _folds(v[1].algorithm)}
+    folds: list = []
     if folding:
         floats = dict(param_leaves(params))
         folds, skipped = plan_folds(floats, folding, statistics)
@@ -189,8 +190,15 @@ def quantize_with_report(
                 report.applied[p] = fold.note
         for p, why in skipped.items():
             report.applied[p] = why
-        params = _clip_awq(params, folding, folds, statistics, report)
-        rtn = api_quantize_params(params, _strip(recipe), uses=uses)
+        statistics = _rescaled(statistics, folds)
+    clipped = _clip_search(params, wanted, statistics, report)
+    if folding or clipped:
+        # AWQ rounds its clipped weights; GPTQ keeps the float weight and rounds onto the grid
+        # of the clipped one.
+        awq = {p: w for p, w in clipped.items() if isinstance(wanted[p][1].algorithm, AWQ)}
+        params = map_params(lambda p, leaf: awq.get(p, leaf), params)
+        grid_params = map_params(lambda p, leaf: clipped.get(p, leaf), params)
+        rtn = api_quantize_params(grid_params, _strip(recipe), uses=uses)
     floats = dict(param_leaves(params))
     replaced: dict[str, QArray] = {}
     rtn_leaves = dict(param_leaves(rtn))
@@ -233,31 +241,55 @@ def quantize_with_report(
     return out, report
 
 
-def _clip_awq(params, folding, folds, statistics, report) -> Any:
-    """`params` with the weights of AWQ rules that ask for it clipped (`clip_search`), on the
-    Gram matrix of their inputs as the quantizer sees them (divided by a folded scale)."""
-    input_scale = {p: f.scale for f in folds for p in f.weights}
+def _folds(algorithm: Any) -> bool:
+    """Whether a rule's algorithm folds per-input-channel scales."""
+    return isinstance(algorithm, AWQ | SmoothQuant) or (
+        isinstance(algorithm, GPTQ) and algorithm.scale
+    )
+
+
+def _rescaled(statistics: Statistics, folds: list) -> Statistics:
+    """`statistics` as the rescaled weights see their inputs: divided by the folded scale (the
+    Gram matrix by ``s sᵀ``, mean and max |x| by `s`)."""
+    scale = {p: jnp.asarray(f.scale, jnp.float32) for f in folds for p in f.weights}
+    weights = {}
+    for key, st in statistics.weights.items():
+        s = scale.get(key[0])
+        if s is not None:
+            st = dataclasses.replace(
+                st,
+                gram=st.gram / (s[:, None] * s[None, :]),
+                abs_sum=st.abs_sum / s,
+                abs_max=st.abs_max / s,
+                sample=None if st.sample is None else np.asarray(st.sample / np.asarray(s)),
+            )
+        weights[key] = st
+    return dataclasses.replace(statistics, weights=weights)
+
+
+def _clip_search(params, wanted, statistics, report) -> dict[str, Any]:
+    """{path: clipped float weight} for the rules that ask for AWQ's clipping search
+    (`AWQ.clip`, `GPTQ.clip`), on the Gram matrix of the weight's inputs."""
     clipped = {}
     floats = dict(param_leaves(params))
-    for path, (decision, rule) in folding.items():
-        if not (isinstance(rule.algorithm, AWQ) and rule.algorithm.clip):
+    for path, (decision, rule) in wanted.items():
+        if not (isinstance(rule.algorithm, AWQ | GPTQ) and rule.algorithm.clip):
             continue
         stats = statistics.for_path(path)
+        note = report.applied.setdefault(path, "")
+        sep = "; " if note else ""
         if len(stats) != 1 or len(stats[0].input_axes) != 1 or stats[0].fixed:
-            report.applied[path] += "; no clip search (needs one 2-D use with statistics)"
+            report.applied[path] = f"{note}{sep}no clip search (needs one 2-D use with statistics)"
             continue
         h = stats[0].gram / max(stats[0].count, 1)
-        if path in input_scale:
-            s = jnp.asarray(input_scale[path], jnp.float32)
-            h = h / (s[:, None] * s[None, :])
         found = clip_search(floats[path], stats[0].input_axes[0], decision.config, h)
         if isinstance(found, str):
-            report.applied[path] += f"; no clip search ({found})"
+            report.applied[path] = f"{note}{sep}no clip search ({found})"
             continue
         w, ratio = found
         clipped[path] = w.astype(floats[path].dtype)
-        report.applied[path] += f"; clipped (mean range ratio {ratio:.3f})"
-    return map_params(lambda p, leaf: clipped.get(p, leaf), params)
+        report.applied[path] = f"{note}{sep}clipped (mean range ratio {ratio:.3f})"
+    return clipped
 
 
 def _sequential_gptq(
@@ -318,12 +350,13 @@ def _gptq_one(path, w, q, algorithm, statistics, strict, report) -> QArray:
     if notes and strict:
         raise ValueError("; ".join(notes) + " (strict mode)")
     report.notes += notes
+    before = report.applied.get(path)  # the folded scale and clip search, if any
     report.applied[path] = (
         f"gptq ({len(stats)} stats set{'s' if len(stats) > 1 else ''}, {have} tokens"
         f"{', act_order' if algorithm.act_order else ''})"
         if not notes
         else "gptq with RTN fallback on some layers (see notes)"
-    )
+    ) + (f" on {before}" if before else "")
     return new
 
 

@@ -33,7 +33,7 @@ import numpy as np
 from lowbit.algorithms._capture import Statistics
 from lowbit.qarray import QuantConfig
 from lowbit.qarray import quantize as quantize_array
-from lowbit.recipes import SmoothQuant, map_params
+from lowbit.recipes import AWQ, SmoothQuant, map_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,9 +218,10 @@ def _fold(source, axis, paths, params, wanted, statistics) -> Fold:
         scale = np.asarray(smooth(alpha))
         searched = f", searched on {algorithm.grid}" if algorithm.grid else ""
         note = f"smoothquant (alpha {alpha:.2f}{searched}"
-    else:
+    else:  # AWQ, or GPTQ(scale=True): AWQ's scales
         h = stats[0].gram / max(stats[0].count, 1)
-        scale, alpha = _awq_scale(h, group, stats[0].abs_mean, algorithm.grid)
+        grid = getattr(algorithm, "grid", AWQ.grid)
+        scale, alpha = _awq_scale(h, group, stats[0].abs_mean, grid)
         note = f"awq (alpha {alpha:.2f}"
     where = source if axis == 0 and np.ndim(params[source]) == 1 else f"{source}'s output"
     return Fold(source, axis, tuple(paths), scale, f"{note}, folded into {where})")

@@ -166,3 +166,20 @@ def test_smoothquant_alpha_search_is_no_worse_than_its_default_on_the_sample():
     assert errors[8] <= errors[0] * 1.05
     with pytest.raises(ValueError, match=r"SmoothQuant.grid: -1; accepted: an int >= 0"):
         SmoothQuant(grid=-1)
+
+
+def test_gptq_with_awq_scales_and_clip_search_beats_rtn_and_says_what_it_did():
+    from lowbit.recipes import GPTQ
+
+    fn, params, batches = _setup()
+    int4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))
+    base = dict(path="(up|gate|down)/kernel", weight=int4)
+    rtn = lowbit.quantize_params(params, Recipe(rules=(Rule(**base),)))
+    recipe = Recipe(rules=(Rule(**base, algorithm=GPTQ(clip=True, scale=True)),))
+    q, report = quantize_with_report(params, recipe, fn=fn, calibration=batches * 4)
+    x = jnp.concatenate(batches)
+    err = lambda q: float(jnp.mean((lowbit.run(fn)(q, x) - fn(params, x)) ** 2))
+    assert err(q) < err(rtn)
+    down = report.applied["down/kernel"]
+    assert down.startswith("gptq (") and "folded into up/kernel's output" in down
+    assert "clipped (mean range ratio" in down

@@ -8,6 +8,7 @@ import pytest
 from lowbit.formats import get_format
 from lowbit.qarray import AbsMax, MinMax, PerChannel, PerGroup, PerToken
 from lowbit.recipes import (
+    GPTQ,
     Recipe,
     int4_weight_only,
     preset,
@@ -172,13 +173,10 @@ def test_stacked_axes_option_applies_to_every_rule():
 
 
 def test_gptq_presets_search_their_group_scales():
-    # GPTQ keeps the grid it is given: the presets give it clip-searched scales, the
-    # embedding rule stays round-to-nearest absmax.
-    from lowbit.qarray import MSE
-
+    # GPTQ keeps the grid it is given: the presets choose it by AWQ's scales and clip search
+    # on the calibration data; the embedding rule stays round-to-nearest absmax.
     names = ("int4w_g64_gptq", "int4w_g64_asym_gptq", "nf4_g64_gptq", "int3w_g64_gptq")
     for name in (*names, "w4a8_g32_gptq"):
         embedding, *rules = preset(name).rules
         assert isinstance(embedding.weight.calibration, AbsMax) and embedding.algorithm is None
-        assert all(isinstance(r.weight.calibration, MSE) for r in rules), name
-        assert all(r.algorithm is not None and r.algorithm.name == "gptq" for r in rules), name
+        assert all(r.algorithm == GPTQ(clip=True, scale=True) for r in rules), name
