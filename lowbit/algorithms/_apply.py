@@ -25,7 +25,7 @@ from lowbit.algorithms._smooth import apply_folds, plan_folds
 from lowbit.api import QuantizedLinen, QuantizedModel
 from lowbit.api import quantize_model as api_quantize_model
 from lowbit.api import quantize_params as api_quantize_params
-from lowbit.api._quantize import as_recipe, check_decisions
+from lowbit.api._quantize import as_recipe, check_decisions, quantize_weight
 from lowbit.qarray import QArray
 from lowbit.recipes import AWQ, GPTQ, HQQ, Recipe, SmoothQuant, map_params, param_leaves
 
@@ -146,10 +146,9 @@ def quantize_with_report(
     if kernel_layouts:
         api_quantize_params(params, recipe, kernel_layouts=True)  # raises, saying what to use
     wanted = algorithm_weights(recipe, params, uses)
-    rtn = api_quantize_params(params, _strip(recipe), uses=uses)
     report = AlgorithmReport()
     if not wanted:
-        return rtn, report
+        return api_quantize_params(params, _strip(recipe), uses=uses), report
     data_paths = [p for p, (_, rule) in wanted.items() if rule.algorithm.needs_data]
     if data_paths and statistics is None:
         if calibration is None or fn is None:
@@ -190,15 +189,12 @@ def quantize_with_report(
                 report.applied[p] = fold.note
         for p, why in skipped.items():
             report.applied[p] = why
-        statistics = _rescaled(statistics, folds)
-    clipped = _clip_search(params, wanted, statistics, report)
-    if folding or clipped:
-        # AWQ rounds its clipped weights; GPTQ keeps the float weight and rounds onto the grid
-        # of the clipped one.
-        awq = {p: w for p, w in clipped.items() if isinstance(wanted[p][1].algorithm, AWQ)}
-        params = map_params(lambda p, leaf: awq.get(p, leaf), params)
-        grid_params = map_params(lambda p, leaf: clipped.get(p, leaf), params)
-        rtn = api_quantize_params(grid_params, _strip(recipe), uses=uses)
+        statistics = _Rescaled(statistics, folds)
+    # AWQ's clipped weights are rounded as they are; GPTQ rounds the float weight onto the
+    # clipped one's grid. Each is rounded as it is found (no second float copy of the model).
+    grids = _clip_search(params, wanted, statistics, report)
+    rtn = api_quantize_params(params, _strip(recipe), uses=uses)
+    rtn = map_params(lambda p, leaf: grids.pop(p, leaf), rtn)
     floats = dict(param_leaves(params))
     replaced: dict[str, QArray] = {}
     rtn_leaves = dict(param_leaves(rtn))
@@ -248,29 +244,40 @@ def _folds(algorithm: Any) -> bool:
     )
 
 
-def _rescaled(statistics: Statistics, folds: list) -> Statistics:
-    """`statistics` as the rescaled weights see their inputs: divided by the folded scale (the
-    Gram matrix by ``s sᵀ``, mean and max |x| by `s`)."""
-    scale = {p: jnp.asarray(f.scale, jnp.float32) for f in folds for p in f.weights}
-    weights = {}
-    for key, st in statistics.weights.items():
-        s = scale.get(key[0])
-        if s is not None:
-            st = dataclasses.replace(
+class _Rescaled:
+    """`Statistics` as the rescaled weights see their inputs: divided by the folded scale (the
+    Gram matrix by ``s sᵀ``, mean and max |x| by `s`). Computed per weight when asked, so the
+    captured Gram matrices (cached per calibration set) are not held twice."""
+
+    def __init__(self, statistics: Statistics, folds: list):
+        self.base = statistics
+        self.unmapped = statistics.unmapped
+        self.scale = {p: jnp.asarray(f.scale, jnp.float32) for f in folds for p in f.weights}
+
+    def read_order(self) -> list[str]:
+        return list(dict.fromkeys(p for p, _ in self.base.weights))
+
+    def for_path(self, path: str) -> list:
+        s = self.scale.get(path)
+        stats = self.base.for_path(path)
+        if s is None:
+            return stats
+        return [
+            dataclasses.replace(
                 st,
                 gram=st.gram / (s[:, None] * s[None, :]),
                 abs_sum=st.abs_sum / s,
                 abs_max=st.abs_max / s,
                 sample=None if st.sample is None else np.asarray(st.sample / np.asarray(s)),
             )
-        weights[key] = st
-    return dataclasses.replace(statistics, weights=weights)
+            for st in stats
+        ]
 
 
-def _clip_search(params, wanted, statistics, report) -> dict[str, Any]:
-    """{path: clipped float weight} for the rules that ask for AWQ's clipping search
-    (`AWQ.clip`, `GPTQ.clip`), on the Gram matrix of the weight's inputs."""
-    clipped = {}
+def _clip_search(params, wanted, statistics, report) -> dict[str, QArray]:
+    """{path: round-to-nearest QArray of the clipped weight} for the rules that ask for AWQ's
+    clipping search (`AWQ.clip`, `GPTQ.clip`), on the Gram matrix of the weight's inputs."""
+    grids = {}
     floats = dict(param_leaves(params))
     for path, (decision, rule) in wanted.items():
         if not (isinstance(rule.algorithm, AWQ | GPTQ) and rule.algorithm.clip):
@@ -287,9 +294,9 @@ def _clip_search(params, wanted, statistics, report) -> dict[str, Any]:
             report.applied[path] = f"{note}{sep}no clip search ({found})"
             continue
         w, ratio = found
-        clipped[path] = w.astype(floats[path].dtype)
+        grids[path] = quantize_weight(w.astype(floats[path].dtype), decision.config, rule)
         report.applied[path] = f"{note}{sep}clipped (mean range ratio {ratio:.3f})"
-    return clipped
+    return grids
 
 
 def _sequential_gptq(
@@ -308,7 +315,11 @@ def _sequential_gptq(
 ) -> None:
     """GPTQ in `passes` groups (in the order the model reads the weights), recalibrating each
     group on the model with the earlier groups quantized (their dequantized values)."""
-    seen = list(dict.fromkeys(p for p, _ in statistics.weights))
+    seen = (
+        statistics.read_order()
+        if isinstance(statistics, _Rescaled)
+        else list(dict.fromkeys(p for p, _ in statistics.weights))
+    )
     order = [p for p in seen if p in paths] + [p for p in paths if p not in seen]
     groups = [list(g) for g in np.array_split(np.array(order, dtype=object), passes) if len(g)]
     batches = list(calibration)
