@@ -40,6 +40,12 @@ def _setup(residual_reads_norm=False):
     return fn, nnx.to_pure_dict(state), batches
 
 
+def _w4a8_rule(path, algorithm):
+    int4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))
+    act = QuantConfig(format="int8", granularity=PerToken())
+    return Rule(path=path, weight=int4, algorithm=algorithm, activation=act)
+
+
 def _weights(recipe_rule):
     return Recipe(rules=(Rule(path="(up|gate)/kernel", **recipe_rule),), name="t")
 
@@ -47,14 +53,7 @@ def _weights(recipe_rule):
 @pytest.mark.parametrize("algorithm", [SmoothQuant(alpha=0.5), AWQ(grid=5)])
 def test_folding_alone_leaves_the_float_model_unchanged(algorithm):
     fn, params, batches = _setup()
-    int4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))
-    rule = Rule(
-        path="(up|gate)/kernel",
-        weight=int4,
-        algorithm=algorithm,
-        activation=QuantConfig(format="int8", granularity=PerToken()),
-    )
-    recipe = Recipe(rules=(rule,))
+    recipe = Recipe(rules=(_w4a8_rule("(up|gate)/kernel", algorithm),))
     stats = capture(fn, params, batches, sample_rows=64)
     wanted = lowbit.algorithms.algorithm_weights(recipe, params)
     folds, skipped = plan_folds(dict(param_leaves(params)), wanted, stats)
@@ -112,13 +111,7 @@ def test_down_projection_scale_folds_into_the_up_projection(algorithm):
     # down reads silu(gate(h)) * up(h): the factor can go into up's output columns (gate's
     # output also passes through the sigmoid, so not into gate).
     fn, params, batches = _setup()
-    int4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))
-    rule = Rule(
-        path="(up|gate|down)/kernel",
-        weight=int4,
-        algorithm=algorithm,
-        activation=QuantConfig(format="int8", granularity=PerToken()),
-    )
+    rule = _w4a8_rule("(up|gate|down)/kernel", algorithm)
     stats = capture(fn, params, batches)
     assert stats.for_path("down/kernel")[0].activation_scale == frozenset(
         {("gate/kernel", 1), ("up/kernel", 1)}
