@@ -255,7 +255,7 @@ class _Rescaled:
         self.scale = {p: jnp.asarray(f.scale, jnp.float32) for f in folds for p in f.weights}
 
     def read_order(self) -> list[str]:
-        return list(dict.fromkeys(p for p, _ in self.base.weights))
+        return self.base.read_order()
 
     def for_path(self, path: str) -> list:
         s = self.scale.get(path)
@@ -315,11 +315,7 @@ def _sequential_gptq(
 ) -> None:
     """GPTQ in `passes` groups (in the order the model reads the weights), recalibrating each
     group on the model with the earlier groups quantized (their dequantized values)."""
-    seen = (
-        statistics.read_order()
-        if isinstance(statistics, _Rescaled)
-        else list(dict.fromkeys(p for p, _ in statistics.weights))
-    )
+    seen = statistics.read_order()
     order = [p for p in seen if p in paths] + [p for p in paths if p not in seen]
     groups = [list(g) for g in np.array_split(np.array(order, dtype=object), passes) if len(g)]
     batches = list(calibration)

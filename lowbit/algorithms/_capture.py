@@ -96,6 +96,10 @@ class Statistics:
     def for_path(self, path: str) -> list[WeightStats]:
         return [s for (p, _), s in self.weights.items() if p == path]
 
+    def read_order(self) -> list[str]:
+        """The measured paths in the order the model first read them."""
+        return list(dict.fromkeys(p for p, _ in self.weights))
+
 
 @dataclasses.dataclass(frozen=True)
 class _Mapping:

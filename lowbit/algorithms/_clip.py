@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.algorithms._smooth import _fake_quant_jit
+from lowbit.algorithms._smooth import block_shape, fake_quant
 from lowbit.qarray import QuantConfig
-from lowbit.qarray import quantize as quantize_array
 
 # AutoAWQ's grid: r = 1, 0.95, ..., 0.55.
 RATIOS = tuple(1.0 - i / 20 for i in range(10))
@@ -40,7 +39,7 @@ def _block_errors(w, hb, axis: int, config: QuantConfig, ratio: jax.Array):
         hi = jnp.maximum(blocks.max(axis=1, keepdims=True), 0.0)
     clipped = jnp.clip(blocks, ratio * lo, ratio * hi)
     clipped_w = jnp.moveaxis(clipped.reshape(kn.shape), 0, axis)
-    q = jnp.moveaxis(_fake_quant_jit(clipped_w, config), axis, 0).reshape(blocks.shape)
+    q = jnp.moveaxis(fake_quant(clipped_w, config), axis, 0).reshape(blocks.shape)
     d = blocks - q
     err = jnp.einsum("gkn,gkl,gln->gn", d, hb, d, precision=jax.lax.Precision.HIGHEST)
     return clipped, err
@@ -62,7 +61,7 @@ def clip_search(
     """
     if w.ndim != 2:
         return "clip search needs a 2-D weight"
-    block = quantize_array(w, config).block_shape
+    block = block_shape(w, config)
     bk, bn = block[axis], block[1 - axis]
     if bn != 1:
         return f"clip search needs one scale per output column (blocks {block})"

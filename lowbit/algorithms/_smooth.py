@@ -62,8 +62,14 @@ def as_matrix(w: jax.Array, axis: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
-def _fake_quant_jit(w: jax.Array, config: QuantConfig) -> jax.Array:
+def fake_quant(w: jax.Array, config: QuantConfig) -> jax.Array:
+    """`w` rounded to nearest by `config` and dequantized (same shape and dtype)."""
     return quantize_array(w, config).dequantize()
+
+
+def block_shape(w: jax.Array, config: QuantConfig) -> tuple[int, ...]:
+    """Elements per scale along each axis of `config`'s quantization of `w` (traced only)."""
+    return jax.eval_shape(lambda x: quantize_array(x, config), w).block_shape
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
@@ -73,13 +79,13 @@ def _scaled_error(h: jax.Array, w: jax.Array, s: jax.Array, axis: int, config: Q
     shape = [1] * w.ndim
     shape[axis] = -1
     s = s.reshape(shape)
-    d = as_matrix(w - _fake_quant_jit(w * s, config) / s, axis)
+    d = as_matrix(w - fake_quant(w * s, config) / s, axis)
     return jnp.sum(d * jnp.dot(h, d, precision=jax.lax.Precision.HIGHEST))
 
 
 def block_max(w: jax.Array, config: QuantConfig) -> jax.Array:
     """max |w| over each scale block of `config`'s quantization of `w`, broadcast to w.shape."""
-    block = quantize_array(w, config).block_shape
+    block = block_shape(w, config)
     shape = [d for n, b in zip(w.shape, block, strict=True) for d in (n // b, b)]
     m = jnp.max(jnp.abs(w).reshape(shape), axis=tuple(range(1, len(shape), 2)), keepdims=True)
     return jnp.broadcast_to(m, shape).reshape(w.shape)
@@ -113,8 +119,8 @@ def _w8a8_error(x, ref, w, s, axis: int, config: QuantConfig, activation: QuantC
     """``‖ref - Qa(x / s) Qw(s W)‖²`` on rows `x` [n, K] (s along W's input `axis`)."""
     shape = [1] * w.ndim
     shape[axis] = -1
-    xq = _fake_quant_jit(x / s, activation)
-    wq = as_matrix(_fake_quant_jit(w * s.reshape(shape), config), axis)
+    xq = fake_quant(x / s, activation)
+    wq = as_matrix(fake_quant(w * s.reshape(shape), config), axis)
     return jnp.sum((jnp.dot(xq, wq, precision=jax.lax.Precision.HIGHEST) - ref) ** 2)
 
 

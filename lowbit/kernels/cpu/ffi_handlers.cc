@@ -121,6 +121,21 @@ ffi::Error WoBlobShape(const KindInfo& info, const ffi::Buffer<ffi::U8>& blob, i
   return ffi::Error::Success();
 }
 
+// The weight fields of WoArgs for a blob checked by WoBlobShape (activation fields unset).
+WoArgs WoWeightArgs(int64_t kind, int64_t gs, int64_t groups, int64_t group_bytes,
+                    const ffi::Buffer<ffi::U8>& blob, const ffi::Buffer<ffi::F32>& lut) {
+  WoArgs a;
+  a.kind = static_cast<int>(kind);
+  a.kp = groups * gs;
+  a.gs = gs;
+  a.groups = groups;
+  a.panel_bytes = blob.dimensions()[1];
+  a.group_bytes = group_bytes;
+  a.blob = blob.typed_data();
+  a.lut = lut.typed_data();
+  return a;
+}
+
 ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> blob,
                         ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> lut,
                         ffi::Result<ffi::AnyBuffer> y, int64_t kind, int64_t k, int64_t n,
@@ -130,7 +145,6 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   if (!IsFloat(x.element_type()) || !IsFloat(y->element_type()))
     return Invalid("x and the output must be float32 or bfloat16");
   const auto xd = x.dimensions();
-  const auto bd = blob.dimensions();
   const auto yd = y->dimensions();
   if (xd.size() != 2 || xd[1] != k) return Invalid("x must be [M, K] with K = " + std::to_string(k));
   int64_t group_bytes, panels, groups;
@@ -176,18 +190,10 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
     }
   });
 
-  WoArgs a;
-  a.kind = static_cast<int>(kind);
-  a.kp = kp;
-  a.gs = gs;
-  a.groups = groups;
-  a.panel_bytes = bd[1];
-  a.group_bytes = group_bytes;
+  WoArgs a = WoWeightArgs(kind, gs, groups, group_bytes, blob, lut);
   a.x = xp.data();
   a.xt = xt.empty() ? nullptr : xt.data();
   a.sumx = sumx.data();
-  a.blob = blob.typed_data();
-  a.lut = lut.typed_data();
   const float* b = bias.typed_data();
   void* out = y->untyped_data();
 
@@ -217,20 +223,11 @@ ffi::Error WoDequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> blob,
   int64_t group_bytes, panels, groups;
   if (ffi::Error e = WoBlobShape(*info, blob, n, gs, &group_bytes, &panels, &groups); e.failure())
     return e;
-  const auto bd = blob.dimensions();
   const auto wd = w->dimensions();
   if (wd.size() != 2 || wd[0] != groups * gs || wd[1] != panels * kPanel)
     return Invalid("dequantized weight must be [Kp, 16 P]");
   if (lut.element_count() != 16) return Invalid("codebook must have 16 entries");
-  WoArgs a;
-  a.kind = static_cast<int>(kind);
-  a.kp = groups * gs;
-  a.gs = gs;
-  a.groups = groups;
-  a.panel_bytes = bd[1];
-  a.group_bytes = group_bytes;
-  a.blob = blob.typed_data();
-  a.lut = lut.typed_data();
+  const WoArgs a = WoWeightArgs(kind, gs, groups, group_bytes, blob, lut);
   const IsaKernels* isa = ActiveIsa();
   float* out = w->typed_data();
   const int64_t ldo = panels * kPanel;

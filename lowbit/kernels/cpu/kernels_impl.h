@@ -250,47 +250,38 @@ static void wo_dequant_kind(const WoArgs& a, int64_t p0, int64_t p1, float* out,
                          out + p0 * kPanel, ldo);
 }
 
-// The whole weight of panels [p0, p1) as float32 out[k][16 p + j] (ldo floats a row): what
-// the large-M path dequantizes block by block, for an external GEMM.
-static void wo_dequant(const WoArgs& a, int64_t p0, int64_t p1, float* out, int64_t ldo) {
-  switch (a.kind) {
+// Calls f(std::integral_constant<int, KIND>{}) for the weight-only kind `kind` (fp8 for any
+// other value): one switch for every entry point templated on the kind.
+template <typename F>
+static void with_wo_kind(int kind, F&& f) {
+  switch (kind) {
     case kInt8:
-      wo_dequant_kind<kInt8>(a, p0, p1, out, ldo);
+      f(std::integral_constant<int, kInt8>{});
       break;
     case kInt4:
-      wo_dequant_kind<kInt4>(a, p0, p1, out, ldo);
+      f(std::integral_constant<int, kInt4>{});
       break;
     case kUint4:
-      wo_dequant_kind<kUint4>(a, p0, p1, out, ldo);
+      f(std::integral_constant<int, kUint4>{});
       break;
     case kNf4:
-      wo_dequant_kind<kNf4>(a, p0, p1, out, ldo);
+      f(std::integral_constant<int, kNf4>{});
       break;
     default:
-      wo_dequant_kind<kFp8>(a, p0, p1, out, ldo);
+      f(std::integral_constant<int, kFp8>{});
       break;
   }
 }
 
+// The whole weight of panels [p0, p1) as float32 out[k][16 p + j] (ldo floats a row): what
+// the large-M path dequantizes block by block, for an external GEMM.
+static void wo_dequant(const WoArgs& a, int64_t p0, int64_t p1, float* out, int64_t ldo) {
+  with_wo_kind(a.kind, [&](auto k) { wo_dequant_kind<decltype(k)::value>(a, p0, p1, out, ldo); });
+}
+
 static void wo_run(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* c,
                    int64_t ldc) {
-  switch (a.kind) {
-    case kInt8:
-      wo_run_kind<kInt8>(a, m0, m1, p0, p1, c, ldc);
-      break;
-    case kInt4:
-      wo_run_kind<kInt4>(a, m0, m1, p0, p1, c, ldc);
-      break;
-    case kUint4:
-      wo_run_kind<kUint4>(a, m0, m1, p0, p1, c, ldc);
-      break;
-    case kNf4:
-      wo_run_kind<kNf4>(a, m0, m1, p0, p1, c, ldc);
-      break;
-    default:
-      wo_run_kind<kFp8>(a, m0, m1, p0, p1, c, ldc);
-      break;
-  }
+  with_wo_kind(a.kind, [&](auto k) { wo_run_kind<decltype(k)::value>(a, m0, m1, p0, p1, c, ldc); });
 }
 
 // MR x (NP * 16) int32 tile over k-quads [q0, q1).
