@@ -4,7 +4,8 @@
 on calibration batches; `quantize_params` / `quantize_model` apply the recipe, running each
 rule's algorithm (`lowbit.recipes.GPTQ`, `HQQ`, `AWQ`, `SmoothQuant`) on its weights; AWQ and
 SmoothQuant scales are folded into the preceding norm or linear layer where the probe shows
-it is exact; AWQ also searches a clipping range per scale block.
+it is exact; AWQ also searches a clipping range per scale block. `sparsegpt_params` prunes to
+N:M with the same statistics (SparseGPT).
 """
 
 from lowbit.algorithms._apply import (
@@ -18,6 +19,7 @@ from lowbit.algorithms._apply import (
 from lowbit.algorithms._capture import CalibrationError, Statistics, WeightStats, capture
 from lowbit.algorithms._gptq import gptq_matrix
 from lowbit.algorithms._hqq import hqq_qarray
+from lowbit.algorithms._sparsegpt import sparsegpt_matrix, sparsegpt_params
 
 __all__ = [
     "AlgorithmReport",
@@ -32,4 +34,6 @@ __all__ = [
     "quantize_params",
     "quantize_with_report",
     "sample_rows",
+    "sparsegpt_matrix",
+    "sparsegpt_params",
 ]

@@ -126,9 +126,16 @@ def apply_masks(params: Any, masks: dict[str, jax.Array]) -> Any:
     )
 
 
-def nm_sparsify_params(params: Any, rule: SparseRule) -> Any:
+def nm_sparsify_params(
+    params: Any, rule: SparseRule, masks: dict[str, jax.Array] | None = None
+) -> Any:
     """`lowbit.nm_sparsify_params`: the selected weights as compressed `NMSparse` values.
 
+    Args:
+      params: float params.
+      rule: which weights, which pattern, which value format.
+      masks: optional {path: keep mask} (the masks sparse-aware training ended with, or
+        SparseGPT's); weights without one are pruned by magnitude.
     Returns:
       The params with `NMSparse` leaves (values quantized with `rule.values` if given).
     Raises:
@@ -143,7 +150,10 @@ def nm_sparsify_params(params: Any, rule: SparseRule) -> Any:
         if path not in selected:
             return leaf
         try:
-            return nm_sparsify(leaf, rule.n, rule.m, rule.axis, quantize_values=quantize_values)
+            mask = None if masks is None else masks.get(path)
+            return nm_sparsify(
+                leaf, rule.n, rule.m, rule.axis, quantize_values=quantize_values, mask=mask
+            )
         except ValueError as err:
             raise ValueError(f"{path} {tuple(leaf.shape)}: {err}") from None
 

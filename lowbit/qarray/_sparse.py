@@ -154,8 +154,9 @@ def nm_sparsify(
     axis: int = 0,
     *,
     quantize_values: Any = None,
+    mask: jax.Array | None = None,
 ) -> NMSparse:
-    """`lowbit.nm_sparsify`: magnitude-prunes `x` to N:M along `axis` and compresses it.
+    """`lowbit.nm_sparsify`: prunes `x` to N:M along `axis` and compresses it.
 
     Args:
       x: [*shape] float (e.g. a kernel ``[in, out]``, pruned along ``in``).
@@ -163,13 +164,26 @@ def nm_sparsify(
       axis: the contracted axis.
       quantize_values: optional function ``values -> QArray`` (e.g.
         ``lambda v: quantize(v, "int8", granularity=PerChannel((-1,)))``) for sparse int8 / fp8.
+      mask: optional [*shape] bool keep mask with `n` of every `m` (e.g. chosen by SparseGPT or
+        kept from sparse-aware training); default: the magnitude mask `nm_mask`.
     Returns:
       An `NMSparse`.
     Raises:
-      ValueError: if `m` does not divide the axis.
+      ValueError: if `m` does not divide the axis, or `mask` is not an N:M mask of `x`.
     """
     axis = _check(tuple(x.shape), n, m, axis)
-    keep = nm_mask(x, n, m, axis)
+    if mask is None:
+        keep = nm_mask(x, n, m, axis)
+    else:
+        keep = jnp.asarray(mask, bool)
+        if keep.shape != x.shape:
+            raise ValueError(f"mask shape {keep.shape} differs from the array's {x.shape}")
+        counts = _groups(keep.astype(jnp.int32), m, axis).sum(-1)
+        # Under a trace the count cannot be checked; a concrete mask always is.
+        if not isinstance(counts, jax.core.Tracer) and not bool(jnp.all(counts == n)):
+            raise ValueError(
+                f"mask keeps other than n={n} of some group of m={m} along axis {axis}"
+            )
     moved = jnp.moveaxis(x, axis, -1)
     moved_keep = jnp.moveaxis(keep, axis, -1)
     size = moved.shape[-1]
