@@ -360,7 +360,8 @@ def _gptq_one(path, w, q, algorithm, statistics, strict, report) -> QArray:
     before = report.applied.get(path)  # the folded scale and clip search, if any
     report.applied[path] = (
         f"gptq ({len(stats)} stats set{'s' if len(stats) > 1 else ''}, {have} tokens"
-        f"{', act_order' if algorithm.act_order else ''})"
+        f"{', act_order' if algorithm.act_order else ''}"
+        f"{f', {algorithm.refine} refinement sweep(s)' if algorithm.refine else ''})"
         if not notes
         else "gptq with RTN fallback on some layers (see notes)"
     ) + (f" on {before}" if before else "")

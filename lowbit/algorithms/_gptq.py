@@ -103,6 +103,65 @@ def _gptq_columns(w, upper, scale, zero_point, *, fmt_name, symmetric, block):
     return codes
 
 
+@functools.partial(jax.jit, static_argnames=("fmt_name", "symmetric", "block", "sweeps"))
+def _refine_codes(w, codes, h, scale, zero_point, *, fmt_name, symmetric, block, sweeps):
+    """Greedy coordinate descent on the codes: column by column, each row's code moves one grid
+    level up or down when that lowers ``eᵀ H e`` (e = w - dequantized row), and the gradient
+    ``g = e H`` follows (lazily per block of columns, like GPTQ's updates).
+
+    w, codes, scale, zero_point: [F, K] (K a multiple of block); h: [K, K] → codes [F, K].
+    """
+    fmt = get_format(fmt_name)
+    levels = np.asarray(fmt.levels(), np.float32)
+    if symmetric:
+        levels = levels[np.abs(levels) <= fmt.max_value]
+    level_codes = fmt.encode(jnp.asarray(levels))
+    levels = jnp.asarray(levels)
+    n_levels = levels.shape[0]
+    f, k = w.shape
+    zp = jnp.zeros_like(w) if zero_point is None else zero_point
+    unit = fmt.decode(codes).astype(jnp.float32)
+    index = jnp.clip(jnp.searchsorted(levels, unit), 0, n_levels - 1)
+    q = (levels[index] - zp) * scale
+    g = jnp.dot(w - q, h, precision=jax.lax.Precision.HIGHEST)
+
+    def block_step(b, state):
+        index, g = state
+        i1 = b * block
+        idx1 = jax.lax.dynamic_slice(index, (0, i1), (f, block))
+        g1 = jax.lax.dynamic_slice(g, (0, i1), (f, block))
+        h11 = jax.lax.dynamic_slice(h, (i1, i1), (block, block))
+        s1 = jax.lax.dynamic_slice(scale, (0, i1), (f, block))
+        z1 = jax.lax.dynamic_slice(zp, (0, i1), (f, block))
+
+        def column(i, inner):
+            idx1, g1, d1 = inner
+            cur = idx1[:, i]
+            s, z = s1[:, i], z1[:, i]
+            value = (levels[cur] - z) * s
+            best_gain, best_idx = jnp.zeros_like(s), cur
+            for step in (-1, 1):
+                cand = jnp.clip(cur + step, 0, n_levels - 1)
+                de = value - (levels[cand] - z) * s  # change of e = w - q
+                gain = -(2 * de * g1[:, i] + de * de * h11[i, i])
+                better = (gain > best_gain) & (cand != cur)
+                best_gain = jnp.where(better, gain, best_gain)
+                best_idx = jnp.where(better, cand, best_idx)
+            de = value - (levels[best_idx] - z) * s
+            g1 = g1 + de[:, None] * h11[i][None, :]
+            return idx1.at[:, i].set(best_idx), g1, d1.at[:, i].set(de)
+
+        d0 = jnp.zeros((f, block), w.dtype)
+        idx1, _, d1 = jax.lax.fori_loop(0, block, column, (idx1, g1, d0))
+        rows = jax.lax.dynamic_slice(h, (i1, 0), (block, k))
+        g = g + jnp.dot(d1, rows, precision=jax.lax.Precision.HIGHEST)
+        return jax.lax.dynamic_update_slice(index, idx1, (0, i1)), g
+
+    for _ in range(sweeps):
+        index, g = jax.lax.fori_loop(0, k // block, block_step, (index, g))
+    return level_codes[index]
+
+
 def gptq_matrix(
     w: jax.Array,
     gram: jax.Array,
@@ -147,7 +206,25 @@ def gptq_matrix(
         )
     codes = _gptq_columns(
         w, upper, scale, zp, fmt_name=fmt_name, symmetric=grid.symmetric, block=block
-    )[:, :k]
+    )
+    if algorithm.refine:
+        h = np.asarray(gram, np.float64)
+        diag = np.diag(h).copy()
+        h[diag <= 0, diag <= 0] = 1.0
+        h = h + damp * float(np.mean(np.diag(h))) * np.eye(k)
+        h = jnp.pad(jnp.asarray(h, jnp.float32), ((0, pad), (0, pad)))
+        codes = _refine_codes(
+            w,
+            codes,
+            h,
+            scale,
+            zp,
+            fmt_name=fmt_name,
+            symmetric=grid.symmetric,
+            block=block,
+            sweeps=algorithm.refine,
+        )
+    codes = codes[:, :k]
     if perm is not None:
         codes = codes[:, np.argsort(perm)]
     return GPTQResult(codes, damp)

@@ -43,6 +43,9 @@ class GPTQ:
         Gram matrix) instead of the weight config's own calibration.
       scale: first fold AWQ's per-input-channel scales into the preceding norm or linear
         layer (where exact, as `AWQ` does), then run GPTQ on the rescaled weights.
+      refine: sweeps of greedy coordinate descent after GPTQ: each code moves to a
+        neighbouring grid level where that lowers the layer's output error on the calibration
+        Gram matrix (GPTQ rounds each column once, knowing only the columns before it).
     """
 
     damp: float = 0.01
@@ -50,6 +53,7 @@ class GPTQ:
     act_order: bool = True
     clip: bool = False
     scale: bool = False
+    refine: int = 0
     needs_data = True
     name = "gptq"
 
@@ -67,6 +71,13 @@ class GPTQ:
         for field in ("act_order", "clip", "scale"):
             value = getattr(self, field)
             _check("GPTQ", field, value, isinstance(value, bool), "true or false")
+        _check(
+            "GPTQ",
+            "refine",
+            self.refine,
+            isinstance(self.refine, int) and not isinstance(self.refine, bool) and self.refine >= 0,
+            "an int >= 0",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

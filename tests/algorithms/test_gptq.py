@@ -36,8 +36,10 @@ def _correlated_inputs(n=256, seed=1):
 def test_identity_hessian_gives_rtn_codes_exactly(name):
     w = _weight()
     q = quantize_array(w, CONFIGS[name])
-    result = gptq_matrix(w, jnp.eye(K), _grid.grid_of(q), q.fmt.name, GPTQ(block=16))
-    np.testing.assert_array_equal(np.asarray(result.codes), np.asarray(q.unpacked_codes()))
+    for refine in (0, 2):  # RTN is already optimal coordinate-wise when nothing correlates
+        algorithm = GPTQ(block=16, refine=refine)
+        result = gptq_matrix(w, jnp.eye(K), _grid.grid_of(q), q.fmt.name, algorithm)
+        np.testing.assert_array_equal(np.asarray(result.codes), np.asarray(q.unpacked_codes()))
 
 
 def _numpy_gptq(w, h, scale, zp, levels_fn, damp=0.01):
@@ -97,3 +99,28 @@ def test_singular_hessian_falls_back_to_rtn():
     result = gptq_matrix(w, gram, _grid.grid_of(q), "int4", GPTQ())
     assert result.damp is None
     np.testing.assert_array_equal(np.asarray(result.codes), np.asarray(q.unpacked_codes()))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_refinement_sweeps_never_raise_the_output_error(name):
+    k = 64  # wider than the other tests: enough codes that some move
+    w = jax.random.normal(jax.random.key(3), (32, k), jnp.float32)
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(512, k // 4)) @ rng.normal(size=(k // 4, k))
+    x = (x + 0.05 * rng.normal(size=(512, k))).astype(np.float32)
+    q = quantize_array(w, CONFIGS[name])
+    grid = _grid.grid_of(q)
+    gram = jnp.asarray(x.T @ x)
+    h = x.T @ x + 0.01 * np.mean(np.diag(x.T @ x)) * np.eye(k)  # the damped objective
+    errors = []
+    for refine in (0, 1, 2):
+        codes = gptq_matrix(w, gram, grid, q.fmt.name, GPTQ(block=12, refine=refine)).codes
+        e = np.asarray(w - _grid.decode(q.fmt, codes, grid.scale, grid.zero_point), np.float64)
+        errors.append(float(np.einsum("fi,ij,fj->", e, h, e)))
+        assert set(np.unique(np.asarray(codes))) <= set(np.asarray(q.fmt.codes()).tolist())
+    assert errors[2] <= errors[1] * (1 + 1e-5) and errors[1] < errors[0]
+
+
+def test_refine_must_be_a_count():
+    with pytest.raises(ValueError, match=r"GPTQ.refine: -1; accepted: an int >= 0"):
+        GPTQ(refine=-1)

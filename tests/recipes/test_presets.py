@@ -179,4 +179,4 @@ def test_gptq_presets_search_their_group_scales():
     for name in (*names, "w4a8_g32_gptq"):
         embedding, *rules = preset(name).rules
         assert isinstance(embedding.weight.calibration, AbsMax) and embedding.algorithm is None
-        assert all(r.algorithm == GPTQ(clip=True, scale=True) for r in rules), name
+        assert all(r.algorithm == GPTQ(clip=True, scale=True, refine=1) for r in rules), name
