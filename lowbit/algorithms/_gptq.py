@@ -62,6 +62,11 @@ def inverse_hessian_factor(gram: jax.Array, damp: float) -> tuple[jax.Array | No
     return None, damp
 
 
+def column_block(i1, block: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Columns ``i1 .. i1 + block`` of each [F, K] array (a lazy-update block)."""
+    return tuple(jax.lax.dynamic_slice(a, (0, i1), (a.shape[0], block)) for a in arrays)
+
+
 @functools.partial(jax.jit, static_argnames=("fmt_name", "symmetric", "block"))
 def _gptq_columns(w, upper, scale, zero_point, *, fmt_name, symmetric, block):
     """w, scale, zero_point: [F, K] (K a multiple of block); upper: [K, K] → codes [F, K]."""
@@ -74,10 +79,8 @@ def _gptq_columns(w, upper, scale, zero_point, *, fmt_name, symmetric, block):
     def block_step(b, state):
         w, codes = state
         i1 = b * block
-        w1 = jax.lax.dynamic_slice(w, (0, i1), (f, block))
+        w1, s1, z1 = column_block(i1, block, w, scale, zp)
         u1 = jax.lax.dynamic_slice(upper, (i1, i1), (block, block))
-        s1 = jax.lax.dynamic_slice(scale, (0, i1), (f, block))
-        z1 = jax.lax.dynamic_slice(zp, (0, i1), (f, block))
 
         def column(i, inner):
             w1, c1, e1 = inner
@@ -128,11 +131,8 @@ def _refine_codes(w, codes, h, scale, zero_point, *, fmt_name, symmetric, block,
     def block_step(b, state):
         index, g = state
         i1 = b * block
-        idx1 = jax.lax.dynamic_slice(index, (0, i1), (f, block))
-        g1 = jax.lax.dynamic_slice(g, (0, i1), (f, block))
+        idx1, g1, s1, z1 = column_block(i1, block, index, g, scale, zp)
         h11 = jax.lax.dynamic_slice(h, (i1, i1), (block, block))
-        s1 = jax.lax.dynamic_slice(scale, (0, i1), (f, block))
-        z1 = jax.lax.dynamic_slice(zp, (0, i1), (f, block))
 
         def column(i, inner):
             idx1, g1, d1 = inner

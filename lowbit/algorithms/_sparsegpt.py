@@ -19,7 +19,12 @@ import jax
 import jax.numpy as jnp
 
 from lowbit.algorithms._capture import capture
-from lowbit.algorithms._gptq import as_matrix, from_matrix, inverse_hessian_factor
+from lowbit.algorithms._gptq import (
+    as_matrix,
+    column_block,
+    from_matrix,
+    inverse_hessian_factor,
+)
 from lowbit.api import SparseRule, nm_masks
 from lowbit.recipes import map_params, param_leaves
 
@@ -33,7 +38,7 @@ def _prune_columns(w, upper, *, n, m, block):
     def block_step(b, state):
         w, kept = state
         i1 = b * block
-        w1 = jax.lax.dynamic_slice(w, (0, i1), (f, block))
+        (w1,) = column_block(i1, block, w)
         u1 = jax.lax.dynamic_slice(upper, (i1, i1), (block, block))
         d1 = jnp.diag(u1)
 
