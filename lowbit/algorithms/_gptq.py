@@ -67,8 +67,8 @@ def column_block(i1, block: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(jax.lax.dynamic_slice(a, (0, i1), (a.shape[0], block)) for a in arrays)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt_name", "symmetric", "block"))
-def _gptq_columns(w, upper, scale, zero_point, *, fmt_name, symmetric, block):
+@functools.partial(jax.jit, static_argnames=("fmt_name", "symmetric", "full_range", "block"))
+def _gptq_columns(w, upper, scale, zero_point, *, fmt_name, symmetric, full_range, block):
     """w, scale, zero_point: [F, K] (K a multiple of block); upper: [K, K] → codes [F, K]."""
     fmt = get_format(fmt_name)
     f, k = w.shape
@@ -86,7 +86,7 @@ def _gptq_columns(w, upper, scale, zero_point, *, fmt_name, symmetric, block):
             w1, c1, e1 = inner
             col = w1[:, i]
             s, z = s1[:, i], None if zp_or_none is None else z1[:, i]
-            code = _grid.encode(fmt, col, s, z, symmetric)
+            code = _grid.encode(fmt, col, s, z, symmetric, full_range=full_range)
             q = _grid.decode(fmt, code, s, z)
             err = (col - q) / u1[i, i]
             # U is upper triangular: row i touches columns >= i only.
@@ -106,8 +106,12 @@ def _gptq_columns(w, upper, scale, zero_point, *, fmt_name, symmetric, block):
     return codes
 
 
-@functools.partial(jax.jit, static_argnames=("fmt_name", "symmetric", "block", "sweeps"))
-def _refine_codes(w, codes, h, scale, zero_point, *, fmt_name, symmetric, block, sweeps):
+@functools.partial(
+    jax.jit, static_argnames=("fmt_name", "symmetric", "full_range", "block", "sweeps")
+)
+def _refine_codes(
+    w, codes, h, scale, zero_point, *, fmt_name, symmetric, full_range, block, sweeps
+):
     """Greedy coordinate descent on the codes: column by column, each row's code moves one grid
     level up or down when that lowers ``eᵀ H e`` (e = w - dequantized row), and the gradient
     ``g = e H`` follows (lazily per block of columns, like GPTQ's updates).
@@ -117,7 +121,8 @@ def _refine_codes(w, codes, h, scale, zero_point, *, fmt_name, symmetric, block,
     fmt = get_format(fmt_name)
     levels = np.asarray(fmt.levels(), np.float32)
     if symmetric:
-        levels = levels[np.abs(levels) <= fmt.max_value]
+        low = _grid.lowest(fmt, full_range)
+        levels = levels[(levels >= low) & (levels <= fmt.max_value)]
     level_codes = fmt.encode(jnp.asarray(levels))
     levels = jnp.asarray(levels)
     n_levels = levels.shape[0]
@@ -205,7 +210,14 @@ def gptq_matrix(
             jnp.concatenate([jnp.zeros(k), jnp.ones(pad)])
         )
     codes = _gptq_columns(
-        w, upper, scale, zp, fmt_name=fmt_name, symmetric=grid.symmetric, block=block
+        w,
+        upper,
+        scale,
+        zp,
+        fmt_name=fmt_name,
+        symmetric=grid.symmetric,
+        full_range=algorithm.full_range,
+        block=block,
     )
     if algorithm.refine:
         h = np.asarray(gram, np.float64)
@@ -221,6 +233,7 @@ def gptq_matrix(
             zp,
             fmt_name=fmt_name,
             symmetric=grid.symmetric,
+            full_range=algorithm.full_range,
             block=block,
             sweeps=algorithm.refine,
         )

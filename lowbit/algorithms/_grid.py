@@ -37,15 +37,32 @@ def grid_of(q: QArray) -> Grid:
     return Grid(scale, zp, q.zero_point is None)
 
 
-def encode(fmt: Format, x: jax.Array, scale: jax.Array, zero_point, symmetric: bool) -> jax.Array:
-    """Codes of `x` on the grid (as `quantize` computes them)."""
+def encode(
+    fmt: Format,
+    x: jax.Array,
+    scale: jax.Array,
+    zero_point,
+    symmetric: bool,
+    *,
+    full_range: bool = False,
+) -> jax.Array:
+    """Codes of `x` on the grid (as `quantize` computes them).
+
+    With `full_range`, a symmetric grid also reaches the format's levels below
+    ``-max_value`` (int4's -8), which `quantize` leaves unused.
+    """
     y = x / scale
     if zero_point is not None:
         y = y + zero_point
     y = jnp.where(jnp.isnan(y), 0.0, y)
     if symmetric:
-        y = jnp.clip(y, -fmt.max_value, fmt.max_value)
+        y = jnp.clip(y, lowest(fmt, full_range), fmt.max_value)
     return fmt.encode(y)
+
+
+def lowest(fmt: Format, full_range: bool) -> float:
+    """The lowest level a symmetric grid rounds to."""
+    return float(fmt.levels().min()) if full_range else -fmt.max_value
 
 
 def decode(fmt: Format, codes: jax.Array, scale: jax.Array, zero_point) -> jax.Array:

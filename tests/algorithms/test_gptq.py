@@ -7,6 +7,7 @@ import pytest
 
 from lowbit.algorithms import _grid
 from lowbit.algorithms._gptq import gptq_matrix
+from lowbit.formats import get_format
 from lowbit.qarray import MinMax, PerGroup, QuantConfig
 from lowbit.qarray import quantize as quantize_array
 from lowbit.recipes import GPTQ
@@ -124,3 +125,14 @@ def test_refinement_sweeps_never_raise_the_output_error(name):
 def test_refine_must_be_a_count():
     with pytest.raises(ValueError, match=r"GPTQ.refine: -1; accepted: an int >= 0"):
         GPTQ(refine=-1)
+
+
+def test_full_range_reaches_the_extra_negative_level_only_when_asked():
+    w = jnp.asarray([[-1.0, -0.95, 0.5, 0.9]])
+    grid = _grid.Grid(jnp.full((1, 4), 0.125), None, True)  # int4: -1.0 is -8 steps
+    fmt = get_format("int4")
+    plain = gptq_matrix(w, jnp.eye(4), grid, fmt.name, GPTQ(refine=1)).codes
+    full = gptq_matrix(w, jnp.eye(4), grid, fmt.name, GPTQ(refine=1, full_range=True)).codes
+    decode = lambda c: np.asarray(_grid.decode(fmt, c, grid.scale, None))
+    np.testing.assert_array_equal(decode(plain), [[-0.875, -0.875, 0.5, 0.875]])
+    np.testing.assert_array_equal(decode(full), [[-1.0, -1.0, 0.5, 0.875]])

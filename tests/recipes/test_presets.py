@@ -179,4 +179,6 @@ def test_gptq_presets_search_their_group_scales():
     for name in (*names, "w4a8_g32_gptq"):
         embedding, *rules = preset(name).rules
         assert isinstance(embedding.weight.calibration, AbsMax) and embedding.algorithm is None
-        assert all(r.algorithm == GPTQ(clip=True, scale=True, refine=1) for r in rules), name
+        full = name == "int3w_g64_gptq"
+        expected = GPTQ(clip=True, scale=True, refine=1, full_range=full)
+        assert all(r.algorithm == expected for r in rules), name
