@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import re
 import sys
@@ -51,14 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in available]
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; available: {available}")
-    text = args.output.read_text() if args.output.exists() else TITLE
     for name in names:
         start = time.perf_counter()
         print(f"[benchmarks] {name} ...", file=sys.stderr, flush=True)
         module = importlib.import_module(f"benchmarks.{name}")
         body = module.run()
-        text = update_section(text, name, body)
-        args.output.write_text(text)  # after each module, so a later failure keeps results
+        # Read the file again now: a run takes minutes, and edits made to other sections
+        # meanwhile must survive. Written after each module, so a later failure keeps results.
+        text = args.output.read_text() if args.output.exists() else TITLE
+        temporary = args.output.with_name(args.output.name + ".tmp")
+        temporary.write_text(update_section(text, name, body))
+        os.replace(temporary, args.output)
         print(f"[benchmarks] {name} done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
 
