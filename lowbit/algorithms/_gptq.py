@@ -209,34 +209,17 @@ def gptq_matrix(
         upper = jnp.pad(upper, ((0, pad), (0, pad))) + jnp.diag(
             jnp.concatenate([jnp.zeros(k), jnp.ones(pad)])
         )
-    codes = _gptq_columns(
-        w,
-        upper,
-        scale,
-        zp,
-        fmt_name=fmt_name,
-        symmetric=grid.symmetric,
-        full_range=algorithm.full_range,
-        block=block,
+    on_grid = dict(
+        fmt_name=fmt_name, symmetric=grid.symmetric, full_range=algorithm.full_range, block=block
     )
+    codes = _gptq_columns(w, upper, scale, zp, **on_grid)
     if algorithm.refine:
         h = np.asarray(gram, np.float64)
         diag = np.diag(h).copy()
         h[diag <= 0, diag <= 0] = 1.0
         h = h + damp * float(np.mean(np.diag(h))) * np.eye(k)
         h = jnp.pad(jnp.asarray(h, jnp.float32), ((0, pad), (0, pad)))
-        codes = _refine_codes(
-            w,
-            codes,
-            h,
-            scale,
-            zp,
-            fmt_name=fmt_name,
-            symmetric=grid.symmetric,
-            full_range=algorithm.full_range,
-            block=block,
-            sweeps=algorithm.refine,
-        )
+        codes = _refine_codes(w, codes, h, scale, zp, **on_grid, sweeps=algorithm.refine)
     codes = codes[:, :k]
     if perm is not None:
         codes = codes[:, np.argsort(perm)]
