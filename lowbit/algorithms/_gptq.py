@@ -34,6 +34,27 @@ class GPTQResult:
     damp: float | None  # None: the Hessian stayed singular (RTN codes returned)
 
 
+def _live(gram: jax.Array) -> np.ndarray:
+    """``gram`` in float64 with 1 on the diagonal of dead inputs (never nonzero)."""
+    h = np.array(gram, np.float64)
+    dead = np.diag(h) <= 0
+    h[dead, dead] = 1.0
+    return h
+
+
+def _damped(h: np.ndarray, frac: float) -> np.ndarray:
+    """``h + frac · mean(diag h) · I``: the Hessian GPTQ factorizes and refines against."""
+    return h + frac * float(np.mean(np.diag(h))) * np.eye(len(h))
+
+
+def pad_columns(w: jax.Array, upper: jax.Array, pad: int) -> tuple[jax.Array, jax.Array]:
+    """w [F, K] and U [K, K] padded by `pad` inputs that nothing reads (U gets 1 there)."""
+    k = upper.shape[0]
+    w = jnp.pad(w, ((0, 0), (0, pad)))
+    ones = jnp.concatenate([jnp.zeros(k), jnp.ones(pad)])
+    return w, jnp.pad(upper, ((0, pad), (0, pad))) + jnp.diag(ones)
+
+
 def inverse_hessian_factor(gram: jax.Array, damp: float) -> tuple[jax.Array | None, float]:
     """Upper Cholesky factor of ``(H + λI)⁻¹`` for ``H = gram`` (dead inputs get 1 on the
     diagonal), with ``λ = damp · mean diag`` raised x10 up to 3 times until it factorizes.
@@ -41,17 +62,14 @@ def inverse_hessian_factor(gram: jax.Array, damp: float) -> tuple[jax.Array | No
     Returns:
       (U [K, K] or None when it never factorized, the fraction used).
     """
-    h = np.asarray(gram, np.float64)
-    diag = np.diag(h).copy()
-    dead = diag <= 0
-    h[dead, dead] = 1.0
+    h = _live(gram)
     mean = float(np.mean(np.diag(h))) if np.all(np.isfinite(h)) else np.nan
     if not np.isfinite(mean) or mean <= 0:
         return None, damp
     for attempt in range(4):
         frac = damp * 10**attempt
         try:
-            lower = np.linalg.cholesky(h + frac * mean * np.eye(len(h)))
+            lower = np.linalg.cholesky(_damped(h, frac))
             inv = np.linalg.inv(lower)
             hinv = inv.T @ inv
             upper = np.linalg.cholesky(hinv).T
@@ -203,22 +221,15 @@ def gptq_matrix(
     block = min(algorithm.block, k)
     pad = -k % block
     if pad:
-        w = jnp.pad(w, ((0, 0), (0, pad)))
+        w, upper = pad_columns(w, upper, pad)
         scale = jnp.pad(scale, ((0, 0), (0, pad)), constant_values=1.0)
         zp = None if zp is None else jnp.pad(zp, ((0, 0), (0, pad)))
-        upper = jnp.pad(upper, ((0, pad), (0, pad))) + jnp.diag(
-            jnp.concatenate([jnp.zeros(k), jnp.ones(pad)])
-        )
     on_grid = dict(
         fmt_name=fmt_name, symmetric=grid.symmetric, full_range=algorithm.full_range, block=block
     )
     codes = _gptq_columns(w, upper, scale, zp, **on_grid)
     if algorithm.refine:
-        h = np.asarray(gram, np.float64)
-        diag = np.diag(h).copy()
-        h[diag <= 0, diag <= 0] = 1.0
-        h = h + damp * float(np.mean(np.diag(h))) * np.eye(k)
-        h = jnp.pad(jnp.asarray(h, jnp.float32), ((0, pad), (0, pad)))
+        h = jnp.pad(jnp.asarray(_damped(_live(gram), damp), jnp.float32), ((0, pad), (0, pad)))
         codes = _refine_codes(w, codes, h, scale, zp, **on_grid, sweeps=algorithm.refine)
     codes = codes[:, :k]
     if perm is not None:

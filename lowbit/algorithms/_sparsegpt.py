@@ -24,6 +24,7 @@ from lowbit.algorithms._gptq import (
     column_block,
     from_matrix,
     inverse_hessian_factor,
+    pad_columns,
 )
 from lowbit.api import SparseRule, nm_masks
 from lowbit.recipes import map_params, param_leaves
@@ -98,10 +99,7 @@ def sparsegpt_matrix(
     pad = -k % block
     w = jnp.asarray(w, jnp.float32)
     if pad:
-        w = jnp.pad(w, ((0, 0), (0, pad)))
-        upper = jnp.pad(upper, ((0, pad), (0, pad))) + jnp.diag(
-            jnp.concatenate([jnp.zeros(k), jnp.ones(pad)])
-        )
+        w, upper = pad_columns(w, upper, pad)
     pruned, keep = _prune_columns(w, upper, n=n, m=m, block=block)
     return pruned[:, :k], keep[:, :k]
 
