@@ -2,7 +2,8 @@
 
 Both engines run in this process, interleaved per batch size, on the bundled SmolLM2-135M Q4_1
 GGUF file. lowbit runs `gguf` (the file's own quantized blocks), `int4w_g32_asym` (the float
-model re-quantized) and `w4a8_g32` (int4 weights with int8 activations), through
+model re-quantized) and `w4a8_g32` (int4 weights with int8 activations), the first two also
+with `lowbit.ops.with_int8_activations` (int8 activations on batches), through
 `lowbit.models` generation: one compiled prefill, then one compiled `while_loop` of greedy
 decode steps. llama.cpp (``llama-cpp-python``, an optional benchmark dependency: the section
 says so when it is not importable) runs through its C API with the same thread count, prompts
@@ -15,9 +16,9 @@ sequence, greedy argmax in NumPy. On a CPU that lists AMX, llama.cpp runs withou
 - decode tok/s: ``batch * DECODE`` new tokens per second after the prompt.
 Each number is the best of `REPS` runs after a warm-up (compilation stays out).
 
-The section also profiles one batch-1 lowbit decode loop (XLA's per-op trace) and splits a step
-into the FFI matmul kernels (the tied 49152-row output projection separately), attention (the
-decode-attention FFI kernel for a float32 cache, else XLA's ops) and the rest.
+The section also profiles a batch-1 and a batch-8 lowbit decode loop (XLA's per-op trace) and
+splits a step into the FFI matmul kernels (the tied 49152-row output projection separately),
+attention (the decode-attention FFI kernel for a float32 cache, else XLA's ops) and the rest.
 """
 
 from __future__ import annotations
@@ -42,8 +43,13 @@ from lowbit import kernels
 from lowbit.eval._variants import load_model, quantize_variant
 from lowbit.models import _generate as gen
 from lowbit.models import has_smollm2
+from lowbit.ops import with_int8_activations
 
 RECIPES = ("gguf", "int4w_g32_asym", "w4a8_g32")
+# Also run with `with_int8_activations` (int8 activations on batches of 2-16 rows; one row is
+# unchanged), under this suffix.
+INT8_ACTIVATIONS = ("gguf", "int4w_g32_asym")
+INT8_SUFFIX = " + int8 act."
 BATCHES = (1, 8)
 PROMPT = {1: 512, 8: 128}
 DECODE = 64
@@ -288,6 +294,8 @@ def run() -> str:
     runners = {
         r: _Lowbit(loaded.model, quantize_variant(loaded, float_params, r)[0]) for r in RECIPES
     }
+    for r in INT8_ACTIVATIONS:
+        runners[r + INT8_SUFFIX] = _Lowbit(loaded.model, with_int8_activations(runners[r].params))
     try:
         import llama_cpp
 
@@ -308,6 +316,9 @@ def run() -> str:
             pre, dec = min(peer_times[0], again[0]), min(peer_times[1], again[1])
             rows.append(("llama.cpp", batch, prompts.size / pre, batch * DECODE / dec))
     profile = profile_decode(runners["gguf"], _prompts(loaded.tokenizer, 1, PROMPT[1]))
+    profile8 = profile_decode(
+        runners["gguf" + INT8_SUFFIX], _prompts(loaded.tokenizer, 8, PROMPT[8])
+    )
     if llama is not None:
         llama.close()
     load = os.getloadavg()
@@ -339,20 +350,25 @@ def run() -> str:
     decode = {(name, b): d for name, b, _, d in rows}
     scaling = ", ".join(
         f"{name} {decode[(name, 8)] / decode[(name, 1)]:.1f}x"
-        for name in [*RECIPES, *(["llama.cpp"] if llama else [])]
+        for name in [*runners, *(["llama.cpp"] if llama else [])]
     )
     lines += [
         "",
         f"Batch-8 decode throughput over batch 1: {scaling} (target >= 4x for lowbit).",
         "",
-        f"Profile of one batch-1 `gguf` decode step (lowbit, {PROMPT[1]}-token prompt, XLA "
-        "per-op trace; ms per step):",
+        f"`{INT8_SUFFIX.strip(' +')}`: the same weights with `lowbit.ops.with_int8_activations` "
+        "(activations rounded to int8 per row and 32-wide weight group on batches of 2-16 rows, "
+        "as llama.cpp's Q8 blocks; batch 1 runs as without it).",
         "",
-        "| part | ms / step |",
-        "|---|---:|",
+        f"Profile of a `gguf` decode step (lowbit, XLA per-op trace; ms per step): batch 1 with "
+        f"a {PROMPT[1]}-token prompt, and batch 8 with {PROMPT[8]}-token prompts and int8 "
+        "activations:",
+        "",
+        "| part | batch 1 | batch 8, int8 act. |",
+        "|---|---:|---:|",
     ]
     for part, ms in profile.items():
-        lines.append(f"| {part} | {ms:.2f} |")
+        lines.append(f"| {part} | {ms:.2f} | {profile8[part]:.2f} |")
     lines += ["", f"Section time: {time.perf_counter() - begin:.0f} s.", ""]
     return "\n".join(lines)
 

@@ -69,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
     add_kv_cache_argument(parser)
     parser.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="with a batch of prompts, quantize the activations of int8 / int4 / uint4 weights "
+        "to int8 per row and weight group in the CPU kernels (llama.cpp's Q8 blocks): about 1.3x "
+        "the batch's decode speed, at the activations' rounding error (AVX-512 CPUs)",
+    )
+    parser.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object (prompts, continuations, token counts, seconds) as the only "
@@ -157,8 +164,13 @@ def run(args: argparse.Namespace) -> int:
         if not row:
             raise ValueError(f"prompt {i + 1} encodes to no tokens")
     stops = stop_token_ids(tokenizer, DEFAULT_STOP_TOKENS)
+    params = target.params
+    if args.int8_activations:
+        from lowbit.ops import with_int8_activations
+
+        params = with_int8_activations(params)
     options = dict(
-        params=target.params,
+        params=params,
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
         key=args.seed,
@@ -166,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
         kv_cache=kv,
     )
     summary = f"recipe {target.recipe}; kv cache {kv.to_text() if kv else 'float'}"
+    if args.int8_activations:
+        summary += "; int8 activations"
     if len(prompts) > 1 or args.json:
         start = time.perf_counter()
         result = generate_tokens(loaded.model, ids, **options)
@@ -184,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
                     "seconds": seconds,
                     "recipe": str(target.recipe),
                     "kv_cache": kv.to_text() if kv else "float",
+                    "int8_activations": bool(args.int8_activations),
                 }
             )
         else:

@@ -46,7 +46,13 @@ from lowbit.kernels._layout import (
     prepared_columns,
     prepared_to_logical,
 )
-from lowbit.kernels._native import available, set_isa, status, supported_isas
+from lowbit.kernels._native import (
+    available,
+    int8_activations_supported,
+    set_isa,
+    status,
+    supported_isas,
+)
 from lowbit.kernels._ops import (
     decode_attention,
     dequantize_weight,
@@ -67,6 +73,7 @@ __all__ = [
     "NF4_LEVELS",
     "PreparedWeight",
     "available",
+    "int8_activations_supported",
     "decode_attention",
     "dequantize_weight",
     "prepare",

@@ -6,6 +6,7 @@ import functools
 import importlib
 import logging
 import os
+import types
 from types import ModuleType
 
 import jax
@@ -84,3 +85,21 @@ def supported_isas() -> list[str]:
     """Paths this CPU can run, slowest first (empty when the kernels are unavailable)."""
     mod = _load()[0]
     return [] if mod is None else list(mod.supported_isas())
+
+
+INT8_ACTIVATION_ISAS = types.MappingProxyType(
+    {
+        "avx512bw": ("int4", "uint4"),
+        "avx512vnni": ("int8", "int4", "uint4"),
+        "amx": ("int8", "int4", "uint4"),
+    }
+)
+"""Path -> weight-only kinds its kernel multiplies with int8 activations (int8 weights need
+VNNI: without it the offset activations would saturate the int16 pair sums)."""
+
+
+def int8_activations_supported(kind: str) -> bool:
+    """Whether `weight_only_linear(..., int8_activations=True)` takes integer dots for `kind`
+    on the active path (elsewhere the float path runs)."""
+    mod = module()
+    return mod is not None and kind in INT8_ACTIVATION_ISAS.get(mod.isa(), ())

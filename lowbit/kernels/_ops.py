@@ -46,11 +46,19 @@ def weight_only_linear(
     bias: jax.Array | None = None,
     *,
     out_dtype=None,
+    int8_activations: bool = False,
 ) -> jax.Array:
     """x: [..., K] float32|bfloat16, w: prepared int8/int4/uint4/nf4/fp4/fp8 [K, N] -> [..., N].
 
     The weight is dequantized in registers inside the kernel. bias: [N] (optional);
     out_dtype: float32 | bfloat16, default x.dtype.
+
+    int8_activations: for int4 / uint4 (and, with AVX-512 VNNI, int8) weights whose storage
+    group is a multiple of 4, at most 16 rows (a decode batch), and a CPU path that has it
+    (`int8_activations_supported(kind)`: AVX-512), the kernel quantizes the activations to int8
+    with one scale per row and weight group (absmax / 127, round half to even: llama.cpp's Q8
+    blocks) and takes integer dots with the codes, 1.5-2.5x faster at 8 rows. Elsewhere the
+    float path runs, as it always does without the flag.
     """
     if w.kind not in KIND_IDS:
         raise ValueError(f"w.kind={w.kind!r} is not a weight-only kind; expected {tuple(KIND_IDS)}")
@@ -87,6 +95,7 @@ def weight_only_linear(
         k=np.int64(w.k),
         n=np.int64(w.n),
         gs=np.int64(w.storage_group),
+        act_q8=np.int64(bool(int8_activations)),
     )
     return y.reshape(*lead, w.n)
 

@@ -40,6 +40,7 @@ from lowbit.ops._prepared import (
     prepare_leaves,
     prepare_weight,
     prepare_weights,
+    with_int8_activations,
 )
 from lowbit.ops._qat import qat_dot_general
 from lowbit.ops._qat_weight import QatWeight, is_qat_weight, qat_weight
@@ -90,4 +91,5 @@ __all__ = [
     "ragged_dot_general",
     "ragged_dot_general_path",
     "ragged_dot_general_reference",
+    "with_int8_activations",
 ]

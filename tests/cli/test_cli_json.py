@@ -78,6 +78,16 @@ def test_generate_runs_several_prompts_as_one_batch_and_reports_json(tmp_path, c
     assert len(result["prompt_tokens"]) == 2 and result["kv_cache"] == "float"
 
 
+def test_generate_with_int8_activations_keeps_the_answer(capsys):
+    # The GGUF's own Q4_1 / Q8_0 blocks times int8 activations on the 2-row batch.
+    argv = ["generate", "smollm2", "--recipe", "gguf", "--int8-activations", "--json"]
+    argv += ["--prompt", "The capital of France is", "--prompt", "One, two,"]
+    assert main([*argv, "--max-new-tokens", "3"]) == 0
+    result = _only_json_line(capsys.readouterr().out)
+    assert result["int8_activations"] is True
+    assert result["completions"][0]["text"].startswith(" Paris")
+
+
 def test_generate_needs_a_prompt_before_loading_anything(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n", encoding="utf-8")

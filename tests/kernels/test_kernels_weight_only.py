@@ -150,3 +150,77 @@ def test_dequantize_weight_is_the_reference_exactly(kind, k, n, group_size):
 
 
 _dequantize = jax.jit(kernels.dequantize_weight)
+
+
+def _per_group_int8_reference(x, w_float, gs):
+    """x [M, K] with each row's groups of `gs` rounded to int8 (absmax / 127, half to even;
+    zero groups stay zero), times the float weight, in float64."""
+    m, k = x.shape
+    kp = -(-k // gs) * gs
+    groups = np.pad(np.asarray(x, np.float64), ((0, 0), (0, kp - k))).reshape(m, -1, gs)
+    scale = (np.abs(groups).max(-1, keepdims=True).astype(np.float32) / np.float32(127)).astype(
+        np.float64
+    )
+    codes = np.round(np.clip(groups / np.where(scale > 0, scale, 1), -127, 127))
+    xq = (codes * scale).reshape(m, kp)[:, :k]
+    return xq @ np.asarray(w_float, np.float64)
+
+
+INT8_ACTIVATION_CASES = [
+    # kind, K, N, group_size
+    ("uint4", 128, 40, 32),  # GGUF Q4_1 blocks
+    ("uint4", 200, 33, 40),  # ragged last group, odd panel
+    ("int4", 96, 20, 32),
+    ("int4", 576, 24, None),  # per channel: storage chunks of 192
+    ("int8", 128, 40, 32),  # GGUF Q8_0 blocks
+    ("int8", 132, 17, None),
+]
+
+
+@pytest.mark.parametrize(("kind", "k", "n", "group_size"), INT8_ACTIVATION_CASES)
+def test_int8_activations_match_a_per_group_reference(kind, k, n, group_size):
+    codes, scale, zp = make_weight(kind, k, n, group_size, seed=11)
+    w = kernels.prepare(kind, codes, scale, zp, group_size)
+    w_float = np.asarray(_reference.dequantize(kind, codes, scale, zp, group_size))
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((16, k)).astype(np.float32)
+    x[3, : w.storage_group] = 0.0  # an all-zero group: codes 0, no NaN scale
+    q8_ref = _per_group_int8_reference(x, w_float, w.storage_group)
+    float_ref = x.astype(np.float64) @ w_float
+    served = []  # per ISA path, in the order `on_each_isa` runs them
+
+    def run():
+        served.append(kernels.int8_activations_supported(kind))
+        return [
+            kernels.weight_only_linear(jnp.asarray(x[:m]), w, int8_activations=True)
+            for m in (1, 2, 5, 8, 16)
+        ]
+
+    outs = on_each_isa(run)
+    magnitude = np.abs(x) @ np.abs(w_float)
+    for (name, ys), integer in zip(outs.items(), served, strict=True):
+        for y, m in zip(ys, (1, 2, 5, 8, 16), strict=True):
+            want = q8_ref[:m] if integer else float_ref[:m]  # float where the ISA has no path
+            np.testing.assert_array_less(
+                np.abs(y - want), 1e-5 * magnitude[:m] + 1e-6, err_msg=f"{name} M={m}"
+            )
+    # Above 16 rows (prefill sizes) the flag changes nothing.
+    x17 = jnp.asarray(x[np.arange(17) % 16])
+    np.testing.assert_array_equal(
+        np.asarray(kernels.weight_only_linear(x17, w, int8_activations=True)),
+        np.asarray(kernels.weight_only_linear(x17, w)),
+    )
+    if kernels.int8_activations_supported(kind):
+        # The activations' rounding is visible: not the float result.
+        y = np.asarray(kernels.weight_only_linear(jnp.asarray(x[:8]), w, int8_activations=True))
+        assert np.abs(y - float_ref[:8]).max() > 1e-4 * np.abs(float_ref[:8]).max()
+
+
+def test_int8_activations_propagate_non_finite_inputs():
+    codes, scale, zp = make_weight("uint4", 64, 32, 32, seed=13)
+    w = kernels.prepare("uint4", codes, scale, zp, 32)
+    x = np.random.default_rng(14).standard_normal((4, 64)).astype(np.float32)
+    x[1, 5], x[2, 40] = np.nan, np.inf
+    y = np.asarray(kernels.weight_only_linear(jnp.asarray(x), w, int8_activations=True))
+    assert np.isfinite(y[[0, 3]]).all()
+    assert np.isnan(y[1]).all() and np.isnan(y[2]).all()

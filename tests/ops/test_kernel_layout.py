@@ -20,6 +20,7 @@ from lowbit.ops import (
     logical_weights,
     prepare_weight,
     prepare_weights,
+    with_int8_activations,
 )
 from lowbit.qarray import DATA_FIELDS, MinMax, PerChannel, PerGroup, PerToken, QArray, QuantConfig
 
@@ -179,3 +180,32 @@ def test_non_kernel_values_are_returned_unchanged():
     assert prepare_weight(stacked, 0) is stacked
     with pytest.raises(ValueError, match="axis"):
         prepare_weight(_weight("int8"), 2)
+
+
+@pytest.mark.parametrize("name", ["int4_group_asym", "int8"])
+def test_with_int8_activations_changes_decode_batches_only(name):
+    prepared = prepare_weight(_weight(name), 0)
+    tree = {"w": prepared, "bias": jnp.ones(3)}
+    fast = with_int8_activations(tree)
+    assert fast["w"].route.int8_activations and not prepared.route.int8_activations
+    assert fast["w"].weight is prepared.weight  # the layout is shared, not copied
+    assert fast["bias"] is tree["bias"]
+    assert with_int8_activations(fast, enabled=False)["w"].route == prepared.route
+    x = normal(3, (8, K))
+    w_float = np.asarray(prepared.logical().dequantize(jnp.float32), np.float64)
+    # One row, and prefill sizes, keep float activations: bit-identical to the default route.
+    for rows in (x[:1], jnp.concatenate([x] * 3)):
+        np.testing.assert_array_equal(
+            np.asarray(_dot(rows, fast["w"])), np.asarray(_dot(rows, prepared))
+        )
+    y = np.asarray(_dot(x, fast["w"]), np.float64)
+    if not kernels.int8_activations_supported(prepared.route.kind):
+        np.testing.assert_array_equal(y, np.asarray(_dot(x, prepared)))
+        return
+    # Each row rounded to int8 per weight group (32 rows of K; per channel: one chunk of K).
+    gs = prepared.weight.storage_group
+    groups = np.asarray(x, np.float64).reshape(8, K // gs, gs)
+    scale = np.abs(groups).max(-1, keepdims=True).astype(np.float32) / np.float32(127)
+    xq = (np.round(groups / scale) * scale).reshape(8, K)
+    np.testing.assert_allclose(y, xq @ w_float, rtol=1e-5, atol=1e-4)
+    assert np.abs(y - np.asarray(x, np.float64) @ w_float).max() > 1e-3

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -77,6 +78,11 @@ struct WoArgs {
   const float* xt;       // the same k-major in tiles of `gemm_rows` rows, [M/rows][kp][rows]
                          // (null when M <= 16: only the large-M path reads it)
   const float* sumx;     // per-group activation sums [M][G]
+  // int8 activations (IsaKernels::wo_q8 only): codes [M][kp], and per row and group the
+  // scale and the scale times the group's code sum, [M][G] each.
+  const int8_t* xq = nullptr;
+  const float* xq_scale = nullptr;
+  const float* xq_sum = nullptr;
   const uint8_t* blob;   // [P][panel_bytes]
   const float* lut;      // 16 NF4 levels
 };
@@ -131,6 +137,17 @@ struct IsaKernels {
   int w4_act_rows = 0;  // activation tile rows of `w4` (tile layout, never blocked)
   // out[k][16 p + j] = the dequantized weight of panels [p0, p1), ldo floats a row.
   void (*wo_dequant)(const WoArgs&, int64_t p0, int64_t p1, float* out, int64_t ldo) = nullptr;
+  // Weight-only layouts (the kinds `wo_q8_kind` accepts) times int8 activations quantized per
+  // row and group (WoArgs::xq*), small M only; like `wo`, C = x @ W * scale. Null where the
+  // ISA has no such path (the float path serves those calls).
+  void (*wo_q8)(const WoArgs&, int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* c,
+                int64_t ldc) = nullptr;
+  // Its activations: row x [kp] -> q [kp] int8 per group of gs, scale [G] = absmax / 127 and
+  // scaled_sum [G] = scale * sum(q) (see WoArgs::xq).
+  void (*quantize_groups)(const float* x, int64_t kp, int64_t gs, int8_t* q, float* scale,
+                          float* scaled_sum) = nullptr;
+  // Whether wo_q8 serves a weight-only kind (int4 / uint4; int8 too with VNNI).
+  bool (*wo_q8_kind)(int kind) = nullptr;
 };
 
 const IsaKernels* IsaScalar();

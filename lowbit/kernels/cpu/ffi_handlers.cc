@@ -3,6 +3,7 @@
 #include "ffi_handlers.h"
 
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -139,7 +140,7 @@ WoArgs WoWeightArgs(int64_t kind, int64_t gs, int64_t groups, int64_t group_byte
 ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> blob,
                         ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> lut,
                         ffi::Result<ffi::AnyBuffer> y, int64_t kind, int64_t k, int64_t n,
-                        int64_t gs) {
+                        int64_t gs, int64_t act_q8) {
   const KindInfo* info = FindKind(kind);
   if (info == nullptr) return Invalid("unknown weight kind " + std::to_string(kind));
   if (!IsFloat(x.element_type()) || !IsFloat(y->element_type()))
@@ -173,6 +174,13 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   const bool zero_points = info->zero_point != kNoZeroPoint;
   std::vector<float> xp(m * kp), sumx(zero_points ? m * groups : 0);
   std::vector<float> xt(m > kSmallM ? (m + fr - 1) / fr * fr * kp : 0, 0.0f);
+  // int8 activations, one scale per row and weight group (as llama.cpp's Q8 blocks): asked
+  // for, small M, whole k-quads per group, and an ISA with the path for this kind (elsewhere
+  // the float path serves the call).
+  const bool q8 = act_q8 != 0 && m <= kSmallM && gs % 4 == 0 && isa->wo_q8 != nullptr &&
+                  isa->wo_q8_kind(static_cast<int>(kind));
+  std::vector<int8_t> xq(q8 ? m * kp : 0);
+  std::vector<float> xq_scale(q8 ? m * groups : 0), xq_sum(q8 ? m * groups : 0);
   ParallelFor(pool, m >= 64 ? workers : 1, m, [&](int64_t r) {
     float* row = xp.data() + r * kp;
     LoadRow(x.untyped_data(), xbf16, r, k, row);
@@ -184,6 +192,9 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
         sumx[r * groups + g] = s;
       }
     }
+    if (q8)
+      isa->quantize_groups(row, kp, gs, xq.data() + r * kp, xq_scale.data() + r * groups,
+                           xq_sum.data() + r * groups);
     if (!xt.empty()) {
       float* dst = xt.data() + (r / fr) * kp * fr + r % fr;
       for (int64_t i = 0; i < k; ++i) dst[i * fr] = row[i];
@@ -194,15 +205,19 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.x = xp.data();
   a.xt = xt.empty() ? nullptr : xt.data();
   a.sumx = sumx.data();
+  a.xq = xq.data();
+  a.xq_scale = xq_scale.data();
+  a.xq_sum = xq_sum.data();
   const float* b = bias.typed_data();
   void* out = y->untyped_data();
+  const auto run = q8 ? isa->wo_q8 : isa->wo;
 
   const std::vector<Task> tasks = SplitWork(m, panels, workers, 2);
   ParallelFor(pool, workers, static_cast<int64_t>(tasks.size()), [&](int64_t i) {
     const Task& t = tasks[i];
     const int64_t ldc = (t.p1 - t.p0) * kPanel;
     std::vector<float> c((t.m1 - t.m0) * ldc);
-    isa->wo(a, t.m0, t.m1, t.p0, t.p1, c.data(), ldc);
+    run(a, t.m0, t.m1, t.p0, t.p1, c.data(), ldc);
     const int64_t n0 = t.p0 * kPanel, cols = std::min(n, t.p1 * kPanel) - n0;
     for (int64_t r = t.m0; r < t.m1; ++r) {
       float* row = c.data() + (r - t.m0) * ldc;
@@ -529,7 +544,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitWoLinear, lowbit::WoLinearImpl,
                                   .Attr<int64_t>("kind")
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("n")
-                                  .Attr<int64_t>("gs"));
+                                  .Attr<int64_t>("gs")
+                                  .Attr<int64_t>("act_q8"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitW8A8Linear, lowbit::W8A8LinearImpl,
                               ffi::Ffi::Bind()

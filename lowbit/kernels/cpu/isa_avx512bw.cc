@@ -27,7 +27,9 @@ namespace isa_avx512bw {
 namespace lowbit {
 const IsaKernels* IsaAvx512Bw() {
   static const IsaKernels table{"avx512bw", isa_avx512bw::kActWords, isa_avx512bw::kQMR, isa_avx512bw::kFMR, isa_avx512bw::wo_run, isa_avx512bw::q8_run, 0, isa_avx512bw::quantize_row,
-                                isa_avx512bw::w4_run, isa_avx512bw::kQMR, isa_avx512bw::wo_dequant};
+                                isa_avx512bw::w4_run, isa_avx512bw::kQMR, isa_avx512bw::wo_dequant,
+                                isa_avx512bw::wo_q8, isa_avx512bw::quantize_groups,
+                                isa_avx512bw::wo_q8_kind};
   return &table;
 }
 }  // namespace lowbit

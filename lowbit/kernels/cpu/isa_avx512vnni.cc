@@ -27,7 +27,9 @@ namespace isa_avx512vnni {
 namespace lowbit {
 const IsaKernels* IsaAvx512Vnni() {
   static const IsaKernels table{"avx512vnni", isa_avx512vnni::kActWords, isa_avx512vnni::kQMR, isa_avx512vnni::kFMR, isa_avx512vnni::wo_run, isa_avx512vnni::q8_run, 0, isa_avx512vnni::quantize_row,
-                                isa_avx512vnni::w4_run, isa_avx512vnni::kQMR, isa_avx512vnni::wo_dequant};
+                                isa_avx512vnni::w4_run, isa_avx512vnni::kQMR, isa_avx512vnni::wo_dequant,
+                                isa_avx512vnni::wo_q8, isa_avx512vnni::quantize_groups,
+                                isa_avx512vnni::wo_q8_kind};
   return &table;
 }
 }  // namespace lowbit

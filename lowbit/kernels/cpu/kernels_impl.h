@@ -430,3 +430,123 @@ static void w4_run(const W4Args& a, int64_t m0, int64_t m1, int64_t p0, int64_t 
     }
   }
 }
+
+#if defined(LOWBIT_HAS_WO_Q8)
+// 4-bit (int4, uint4) and, with VNNI, int8 weight-only panels times int8 activations (small M,
+// IsaKernels::wo_q8). Per group g and row r, the integer dot of the codes c with the
+// activation codes q, then acc += s * (dx * dot - zp * dx * sum(q)) with dx the row's scale
+// for the group and zp the group's zero point (8 for int4, whose codes are stored
+// offset-binary; none for int8). The 4-bit codes are the dot's unsigned operand. int8 codes
+// are signed, so there the activations are (q + 128) and the dot loses 128 * sum(c), summed
+// by one more dot with ones. The weight stream is read as the float path reads it (same
+// layout); MR rows share each unpacked k-quad.
+constexpr int kQ8Rows = 8;
+
+template <int KIND, int MR>
+static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, int64_t ldc) {
+  constexpr bool kInt8Codes = KIND == kInt8;
+  V acc[MR];
+  LOWBIT_UNROLL for (int r = 0; r < MR; ++r) acc[r] = vzero();
+  const int64_t nq = a.gs / 4;
+  const int64_t quad_bytes = kInt8Codes ? 64 : 32;
+  const int8_t* xr = a.xq + m * a.kp;
+  const float* xs = a.xq_scale + m * a.groups;
+  const float* xz = a.xq_sum + m * a.groups;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const uint8_t* gp = pan + g * a.group_bytes;
+    const uint8_t* body = gp + kGroupHeader;
+    const int8_t* xg = xr + g * a.gs;
+    __m512i iacc[MR];
+    LOWBIT_UNROLL for (int r = 0; r < MR; ++r) iacc[r] = _mm512_setzero_si512();
+    __m512i csum = _mm512_setzero_si512();
+    for (int64_t q = 0; q < nq; ++q) {
+      const uint8_t* p = body + q * quad_bytes;
+      if (kInt8Codes || (q & 1) == 0) __builtin_prefetch(p + kPrefetch);
+      if constexpr (kInt8Codes) {
+#if defined(LOWBIT_HAS_WO_Q8_INT8)
+        const __m512i w = q8_quad(p);
+        csum = sdot(csum, w, 0x01010101);
+        LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
+          uint32_t x4;
+          std::memcpy(&x4, xg + r * a.kp + 4 * q, 4);
+          iacc[r] = sdot(iacc[r], w, static_cast<int32_t>(x4 ^ 0x80808080u));
+        }
+#endif
+      } else {
+        const __m512i w = q4_quad(p);
+        LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, xg + r * a.kp + 4 * q, 4);
+          iacc[r] = udot(iacc[r], w, x4);
+        }
+      }
+    }
+    const float* hdr = reinterpret_cast<const float*>(gp);
+    const V s = vload(hdr);
+    if constexpr (kInt8Codes) {
+      const __m512i off = _mm512_slli_epi32(csum, 7);  // 128 * sum(c)
+      LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
+        const V t = vmul(vcvt(_mm512_sub_epi32(iacc[r], off)), vbcast(xs[r * a.groups + g]));
+        acc[r] = vfmadd(s, t, acc[r]);
+      }
+    } else {
+      const V zp = KIND == kInt4 ? vbcast(8.0f) : vload(hdr + kPanel);
+      LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
+        V t = vmul(vcvt(iacc[r]), vbcast(xs[r * a.groups + g]));
+        t = vfnmadd(zp, vbcast(xz[r * a.groups + g]), t);
+        acc[r] = vfmadd(s, t, acc[r]);
+      }
+    }
+  }
+  LOWBIT_UNROLL for (int r = 0; r < MR; ++r) vstore(c + r * ldc, acc[r]);
+}
+
+template <int KIND, int R>
+static inline void wq8_tile_rows(int64_t mr, const WoArgs& a, int64_t m, const uint8_t* pan,
+                                 float* c, int64_t ldc) {
+  if constexpr (R > 1) {
+    if (mr < R) {
+      wq8_tile_rows<KIND, R - 1>(mr, a, m, pan, c, ldc);
+      return;
+    }
+  }
+  wq8_tile<KIND, R>(a, m, pan, c, ldc);
+}
+
+template <int KIND>
+static void wq8_run_kind(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1,
+                         float* c, int64_t ldc) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* pan = a.blob + p * a.panel_bytes;
+    for (int64_t m = m0; m < m1; m += kQ8Rows) {
+      const int64_t mr = std::min<int64_t>(kQ8Rows, m1 - m);
+      wq8_tile_rows<KIND, kQ8Rows>(mr, a, m, pan, c + (m - m0) * ldc + (p - p0) * kPanel, ldc);
+    }
+  }
+}
+
+// The kinds wo_q8 serves here.
+static bool wo_q8_kind(int kind) {
+#if defined(LOWBIT_HAS_WO_Q8_INT8)
+  if (kind == kInt8) return true;
+#endif
+  return kind == kInt4 || kind == kUint4;
+}
+
+static void wo_q8(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* c,
+                  int64_t ldc) {
+  switch (a.kind) {
+    case kInt4:
+      wq8_run_kind<kInt4>(a, m0, m1, p0, p1, c, ldc);
+      break;
+#if defined(LOWBIT_HAS_WO_Q8_INT8)
+    case kInt8:
+      wq8_run_kind<kInt8>(a, m0, m1, p0, p1, c, ldc);
+      break;
+#endif
+    default:
+      wq8_run_kind<kUint4>(a, m0, m1, p0, p1, c, ldc);
+      break;
+  }
+}
+#endif  // LOWBIT_HAS_WO_Q8

@@ -87,6 +87,110 @@ static inline VI idot(VI acc, const WQ& w, const uint32_t* a) {
 }
 #endif
 
+// int4 / uint4 weight-only panels with int8 activations (wo_q8 in kernels_impl.h): the
+// unsigned 4-bit codes are the u8 operand of the dot, the activations the s8 one, so no
+// offset correction is needed and products stay far from int16 saturation (15 * 127 * 2).
+#define LOWBIT_HAS_WO_Q8 1
+
+// One k-quad (pair rows t, t + 1: 32 bytes) of a 16-column 4-bit panel as 16 dwords, column
+// j holding its codes for k = 4q .. 4q + 3 in byte order. With a = byte j of row t and b of
+// row t + 1, d = a | b << 16 has bytes (a, 0, b, 0); d << 4 moves the high nibbles into
+// bytes 1 and 3 and leaves zeros in the low nibbles of bytes 0 and 2, so
+// (d | d << 4) & 0x0F0F0F0F (one ternary-logic op: 0xA8 = (A | B) & C) is (a_lo, a_hi, b_lo, b_hi).
+static inline __m512i q4_quad(const uint8_t* p) {
+  const __m512i a = _mm512_cvtepu8_epi32(load16(p));
+  const __m512i b = _mm512_cvtepu8_epi32(load16(p + 16));
+  const __m512i d = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+  return _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 4), _mm512_set1_epi32(0x0F0F0F0F),
+                                   0xA8);
+}
+
+// acc + per-lane sum of 4 (u8 code x s8 activation) products, the activation dword broadcast.
+static inline __m512i udot(__m512i acc, __m512i codes, int32_t x4) {
+#if defined(LOWBIT_VNNI)
+  return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(x4));
+#else
+  const __m512i pairs = _mm512_maddubs_epi16(codes, _mm512_set1_epi32(x4));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
+static inline V vcvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
+
+#if defined(LOWBIT_VNNI)
+// int8 panels too (only with vpdpbusd: the offset activations, up to 255, times int8 codes
+// would saturate vpmaddubsw's int16 pairs).
+#define LOWBIT_HAS_WO_Q8_INT8 1
+
+// One k-quad (pair rows t, t + 1 of an int8 panel: 16 codes of k = 4q, then 4q + 1, 4q + 2,
+// 4q + 3) as 16 dwords, column j holding its 4 codes in k order: dword 4 r + l of the input
+// (k-row r, columns 4 l .. 4 l + 3) moves to lane l, then each lane's 4 x 4 bytes transpose.
+static inline __m512i q8_quad(const uint8_t* p) {
+  const __m512i rows = _mm512_loadu_si512(p);
+  const __m512i lanes = _mm512_permutexvar_epi32(
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), rows);
+  const __m512i transpose = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  return _mm512_shuffle_epi8(lanes, transpose);
+}
+
+// acc + per-lane sum of 4 (u8 activation x s8 code) products, the activation dword broadcast.
+static inline __m512i sdot(__m512i acc, __m512i codes, int32_t x4) {
+  return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(x4), codes);
+}
+#endif
+
+// One activation row [kp] to int8 codes per group of gs (IsaKernels::quantize_groups): scale =
+// absmax / 127 (codes 0 for an all-zero group; a NaN scale when the group holds a non-finite
+// value, so the outputs it touches are NaN as on the float path), round half to even, and
+// per group the scale times the codes' sum.
+static void quantize_groups(const float* x, int64_t kp, int64_t gs, int8_t* q, float* scale,
+                            float* scaled_sum) {
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 big = _mm512_set1_ps(std::numeric_limits<float>::max());
+  for (int64_t g = 0; g * gs < kp; ++g) {
+    const float* v = x + g * gs;
+    int8_t* c = q + g * gs;
+    int64_t i = 0;
+    __m512 vmax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (; i + 16 <= gs; i += 16) {
+      const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(v + i));
+      bad |= _mm512_cmp_ps_mask(a, big, _CMP_NLE_UQ);  // NaN or inf
+      vmax = _mm512_max_ps(a, vmax);
+    }
+    float amax = _mm512_reduce_max_ps(vmax);
+    bool finite = bad == 0;
+    for (int64_t j = i; j < gs; ++j) {
+      finite = finite && std::isfinite(v[j]);
+      amax = std::max(amax, std::fabs(v[j]));
+    }
+    const float s = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const bool zero = !finite || !(amax > 0.0f);
+    const __m512 vs = _mm512_set1_ps(zero ? 1.0f : s);
+    __m512i vsum = _mm512_setzero_si512();
+    for (i = 0; i + 16 <= gs; i += 16) {
+      __m512 t = _mm512_div_ps(_mm512_loadu_ps(v + i), vs);
+      t = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
+      t = _mm512_sub_ps(_mm512_add_ps(t, magic), magic);
+      __m512i k = _mm512_cvttps_epi32(t);
+      if (zero) k = _mm512_setzero_si512();
+      vsum = _mm512_add_epi32(vsum, k);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm512_cvtepi32_epi8(k));
+    }
+    int32_t sum = _mm512_reduce_add_epi32(vsum);
+    for (; i < gs; ++i) {
+      float t = std::min(127.0f, std::max(-127.0f, v[i] / (zero ? 1.0f : s)));
+      t = (t + 12582912.0f) - 12582912.0f;
+      const int32_t k = zero ? 0 : static_cast<int32_t>(t);
+      c[i] = static_cast<int8_t>(k);
+      sum += k;
+    }
+    scale[g] = s;
+    scaled_sum[g] = s * static_cast<float>(sum);
+  }
+}
+
 // Per-token activation quantization (IsaKernels::quantize_row). Operand order of max / min
 // matches std::max / std::min in the handler's scalar loop, so NaN inputs behave the same.
 static void quantize_row(const float* x, int64_t k, uint8_t* u, float* scale_out) {
