@@ -6,6 +6,7 @@
 // Work is split into chunks of kChunk slots per (row, KV head), each producing a partial
 // softmax (max, sum, weighted values) that a final pass merges: the split-K scheme of
 // "flash decoding", so one long row still uses every worker.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -88,14 +89,69 @@ constexpr int64_t ScoreStride(int64_t d, int64_t n) {
   return d == 32 || d == 64 || d == 128 ? (n + 15) / 16 * 16 : n;
 }
 
+// Two-vector lane shuffle with constant indices (0-15 pick from a, 16-31 from b): one
+// vpermt2ps in the avx512f clones.
+#if defined(__clang__)
+#define LOWBIT_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define LOWBIT_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, I16{__VA_ARGS__})
+#endif
+
+// The 16 horizontal sums of p[0..15] as one vector (lane u = sum of p[u]'s lanes): four
+// levels of pairwise shuffle-and-add, 45 operations where 16 separate sums take about 110.
+__attribute__((always_inline)) inline V16 Sum16(const V16* p) {
+  V16 c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i)
+    c[i] = LOWBIT_SHUFFLE(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                          22, 23) +
+           LOWBIT_SHUFFLE(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                          28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    d[i] = LOWBIT_SHUFFLE(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24,
+                          25, 26, 27) +
+           LOWBIT_SHUFFLE(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
+                          29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    e[i] = LOWBIT_SHUFFLE(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24,
+                          25, 28, 29) +
+           LOWBIT_SHUFFLE(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26,
+                          27, 30, 31);
+  return LOWBIT_SHUFFLE(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         LOWBIT_SHUFFLE(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// acc[i][d] = sum over slots t of w[i][t] * v[t0 + t] for GB query rows (w: row i at
+// w + i * stride): each value row is loaded once for all GB queries.
+template <int D16, int GB>
+__attribute__((always_inline)) inline void WeightedValues(const float* w, int64_t stride, const float* v, int64_t t0,
+                           int64_t n, float* acc) {
+  constexpr int64_t d = 16 * D16;
+  V16 a[GB][D16] = {};
+  for (int64_t t = 0; t < n; ++t) {
+    const float* vr = v + (t0 + t) * d;
+    V16 vv[D16];
+    for (int c = 0; c < D16; ++c) vv[c] = Load(vr + 16 * c);
+    for (int i = 0; i < GB; ++i) {
+      const V16 p = V16{} + w[i * stride + t];
+      for (int c = 0; c < D16; ++c) a[i][c] += p * vv[c];
+    }
+  }
+  for (int i = 0; i < GB; ++i)
+    for (int c = 0; c < D16; ++c) Store(acc + i * d + 16 * c, a[i][c]);
+}
+
 // Partial attention of `g` queries (rows of q, [g][d]) over slots [t0, t1) of one KV head
 // (k, v: [slots][d]). Writes the chunk's maximum score m[g], sum of exp(score - m) l[g] and
 // weighted values acc[g][d]. `scores` is scratch of g * (t1 - t0 + 15) floats. D16 = d / 16.
+// Scores come 16 slots at a time (the key block stays in L1 across the queries); the values
+// pass reads each value row once for up to GB queries.
 template <int D16>
 __attribute__((target_clones("avx512f", "avx2", "default"))) void AttendChunkVec(
     const float* q, int64_t g, const float* k, const float* v, int64_t t0, int64_t t1,
     float* scores, float* m, float* l, float* acc) {
   constexpr int64_t d = 16 * D16;
+  // Query rows per values pass: their accumulators (GB x D16 vectors) stay in registers.
+  constexpr int GB = D16 <= 4 ? 4 : 2;
   const int64_t n = t1 - t0;
   const int64_t stride = ScoreStride(d, n);
   for (int64_t i = 0; i < g; ++i) {
@@ -103,7 +159,18 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void AttendChunkVec
     if (k != nullptr) {
       V16 qv[D16];
       for (int c = 0; c < D16; ++c) qv[c] = Load(q + i * d + 16 * c);
-      for (int64_t t = 0; t < n; ++t) {
+      int64_t t = 0;
+      for (; t + 16 <= n; t += 16) {
+        V16 p[16];
+        for (int u = 0; u < 16; ++u) {
+          const float* kr = k + (t0 + t + u) * d;
+          V16 s = qv[0] * Load(kr);
+          for (int c = 1; c < D16; ++c) s += qv[c] * Load(kr + 16 * c);
+          p[u] = s;
+        }
+        Store(row + t, Sum16(p));
+      }
+      for (; t < n; ++t) {
         const float* kr = k + (t0 + t) * d;
         V16 s = qv[0] * Load(kr);
         for (int c = 1; c < D16; ++c) s += qv[c] * Load(kr + 16 * c);
@@ -123,23 +190,24 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void AttendChunkVec
     for (int64_t t = 0; t < stride; t += 16) sum += Load(row + t);
     m[i] = mx;
     l[i] = Sum(sum);
-    // Two slots per step into two sets of sums: twice the independent adds in flight.
-    V16 a[D16] = {}, b[D16] = {};
-    int64_t t = 0;
-    for (; t + 1 < n; t += 2) {
-      const V16 p0 = V16{} + row[t], p1 = V16{} + row[t + 1];
-      const float* vr = v + (t0 + t) * d;
-      for (int c = 0; c < D16; ++c) {
-        a[c] += p0 * Load(vr + 16 * c);
-        b[c] += p1 * Load(vr + d + 16 * c);
-      }
+  }
+  for (int64_t i = 0; i < g; i += GB) {
+    const float* w = scores + i * stride;
+    float* out = acc + i * d;
+    switch (std::min<int64_t>(GB, g - i)) {
+      case 1:
+        WeightedValues<D16, 1>(w, stride, v, t0, n, out);
+        break;
+      case 2:
+        WeightedValues<D16, 2>(w, stride, v, t0, n, out);
+        break;
+      case 3:
+        WeightedValues<D16, (GB >= 3 ? 3 : 1)>(w, stride, v, t0, n, out);
+        break;
+      default:
+        WeightedValues<D16, GB>(w, stride, v, t0, n, out);
+        break;
     }
-    for (; t < n; ++t) {
-      const V16 p = V16{} + row[t];
-      const float* vr = v + (t0 + t) * d;
-      for (int c = 0; c < D16; ++c) a[c] += p * Load(vr + 16 * c);
-    }
-    for (int c = 0; c < D16; ++c) Store(acc + i * d + 16 * c, a[c] + b[c]);
   }
 }
 
