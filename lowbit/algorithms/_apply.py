@@ -21,11 +21,12 @@ from lowbit.algorithms._capture import CalibrationError, Statistics, capture
 from lowbit.algorithms._clip import clip_search
 from lowbit.algorithms._gptq import gptq_qarray
 from lowbit.algorithms._hqq import hqq_qarray
-from lowbit.algorithms._smooth import apply_folds, plan_folds
+from lowbit.algorithms._smooth import apply_factors, fold_factors, plan_folds, scale_leaf
 from lowbit.api import QuantizedLinen, QuantizedModel
 from lowbit.api import quantize_model as api_quantize_model
 from lowbit.api import quantize_params as api_quantize_params
 from lowbit.api._quantize import as_recipe, check_decisions, quantize_weight
+from lowbit.ops._host_memory import release_free_memory
 from lowbit.qarray import QArray
 from lowbit.recipes import AWQ, GPTQ, HQQ, Recipe, SmoothQuant, map_params, param_leaves
 
@@ -175,35 +176,45 @@ def quantize_with_report(
             "between passes, so it needs fn and calibration (not precomputed statistics)"
         )
     folding = {p: v for p, v in wanted.items() if _folds(v[1].algorithm)}
-    folds: list = []
+    factors: dict[str, list] = {}
     if folding:
-        floats = dict(param_leaves(params))
-        folds, skipped = plan_folds(floats, folding, statistics)
+        folds, skipped = plan_folds(dict(param_leaves(params)), folding, statistics)
         if skipped and strict:
             lines = "; ".join(f"{p}: {why}" for p, why in skipped.items())
             raise ValueError(f"strict mode: no scale to fold for {lines}")
         axes = {p: statistics.for_path(p)[0].input_axes[0] for f in folds for p in f.weights}
-        params = apply_folds(params, folds, axes)
+        factors = fold_factors(folds, axes)
+        # Parameters no algorithm rounds (norm scales) absorb their factors now; the rounded
+        # weights are scaled one at a time as each is rounded, so the model never has a second
+        # float copy of its weights.
+        params = apply_factors(params, {p: f for p, f in factors.items() if p not in wanted})
         for fold in folds:
             for p in fold.weights:
                 report.applied[p] = fold.note
         for p, why in skipped.items():
             report.applied[p] = why
         statistics = _Rescaled(statistics, folds)
-    # AWQ's clipped weights are rounded as they are; GPTQ rounds the float weight onto the
-    # clipped one's grid. Each is rounded as it is found (no second float copy of the model).
-    grids = _clip_search(params, wanted, statistics, report)
-    rtn = api_quantize_params(params, _strip(recipe), uses=uses)
-    rtn = map_params(lambda p, leaf: grids.pop(p, leaf), rtn)
     floats = dict(param_leaves(params))
+
+    def scaled(path: str) -> Any:
+        """The float weight at `path` with its folded scales."""
+        return scale_leaf(floats[path], factors[path]) if path in factors else floats[path]
+
+    # Weights without an algorithm are rounded to nearest here; the algorithm's weights are
+    # replaced below one at a time (each set to None once done, freeing its first rounding).
+    out = dict(param_leaves(api_quantize_params(params, _strip(recipe), uses=uses)))
     replaced: dict[str, QArray] = {}
-    rtn_leaves = dict(param_leaves(rtn))
     if sequential > 1:
+        folded = apply_factors(params, factors)
+        rtn_leaves = {
+            path: _first_rounding(path, scaled(path), wanted[path], statistics, report)
+            for path in wanted
+        }
         gptq = [p for p, (_, rule) in wanted.items() if isinstance(rule.algorithm, GPTQ)]
         _sequential_gptq(
             gptq,
             wanted,
-            params,
+            folded,
             rtn_leaves,
             statistics,
             sequential,
@@ -214,27 +225,32 @@ def quantize_with_report(
             replaced,
             on_batch,
         )
+        del folded, rtn_leaves
     for n, (path, (decision, rule)) in enumerate(wanted.items()):
         algorithm = rule.algorithm
         if path in replaced:
-            pass  # done by a sequential pass
-        elif isinstance(algorithm, AWQ | SmoothQuant):
-            pass  # folded above; the weight is rounded to nearest on its new scale
+            out[path] = replaced.pop(path)  # done by a sequential pass
         elif isinstance(algorithm, HQQ):
-            q, history = hqq_qarray(floats[path], decision.config, algorithm)
-            replaced[path] = q
+            out[path] = None
+            q, history = hqq_qarray(scaled(path), decision.config, algorithm)
+            out[path] = q
             report.applied[path] = (
                 f"hqq ({algorithm.iters} iterations, lp error {float(history[0]):.4g} -> "
                 f"{float(history[-1]):.4g})"
             )
         else:
-            replaced[path] = _gptq_one(
-                path, floats[path], rtn_leaves[path], algorithm, statistics, strict, report
-            )
+            out[path] = None
+            w = scaled(path)
+            q = _first_rounding(path, w, (decision, rule), statistics, report)
+            if isinstance(algorithm, GPTQ):
+                q = _gptq_one(path, w, q, algorithm, statistics, strict, report)
+            # AWQ / SmoothQuant: folded above, rounded to nearest (or onto the clipped grid).
+            out[path] = q
+            del w, q
+        release_free_memory()
         if on_weight is not None:
             on_weight(n + 1, len(wanted))
-    out = map_params(lambda path, leaf: replaced.get(path, leaf), rtn)
-    return out, report
+    return map_params(lambda path, leaf: out.get(path, leaf), params), report
 
 
 def _folds(algorithm: Any) -> bool:
@@ -274,29 +290,28 @@ class _Rescaled:
         ]
 
 
-def _clip_search(params, wanted, statistics, report) -> dict[str, QArray]:
-    """{path: round-to-nearest QArray of the clipped weight} for the rules that ask for AWQ's
-    clipping search (`AWQ.clip`, `GPTQ.clip`), on the Gram matrix of the weight's inputs."""
-    grids = {}
-    floats = dict(param_leaves(params))
-    for path, (decision, rule) in wanted.items():
-        if not (isinstance(rule.algorithm, AWQ | GPTQ) and rule.algorithm.clip):
-            continue
+def _first_rounding(path, w, wanted_entry, statistics, report) -> QArray:
+    """Round-to-nearest of weight `w` (float, folded scales applied) by its rule, on the range
+    AWQ's clipping search picks when the rule asks for it (`AWQ.clip`, `GPTQ.clip`; searched
+    on the Gram matrix of the weight's inputs): what AWQ / SmoothQuant store and the grid GPTQ
+    rounds onto."""
+    decision, rule = wanted_entry
+    if isinstance(rule.algorithm, AWQ | GPTQ) and rule.algorithm.clip:
         stats = statistics.for_path(path)
         note = report.applied.setdefault(path, "")
         sep = "; " if note else ""
         if len(stats) != 1 or len(stats[0].input_axes) != 1 or stats[0].fixed:
             report.applied[path] = f"{note}{sep}no clip search (needs one 2-D use with statistics)"
-            continue
-        h = stats[0].gram / max(stats[0].count, 1)
-        found = clip_search(floats[path], stats[0].input_axes[0], decision.config, h)
-        if isinstance(found, str):
-            report.applied[path] = f"{note}{sep}no clip search ({found})"
-            continue
-        w, ratio = found
-        grids[path] = quantize_weight(w.astype(floats[path].dtype), decision.config, rule)
-        report.applied[path] = f"{note}{sep}clipped (mean range ratio {ratio:.3f})"
-    return grids
+        else:
+            h = stats[0].gram / max(stats[0].count, 1)
+            found = clip_search(w, stats[0].input_axes[0], decision.config, h)
+            if isinstance(found, str):
+                report.applied[path] = f"{note}{sep}no clip search ({found})"
+            else:
+                clipped, ratio = found
+                report.applied[path] = f"{note}{sep}clipped (mean range ratio {ratio:.3f})"
+                return quantize_weight(clipped.astype(w.dtype), decision.config, rule)
+    return quantize_weight(w, decision.config, rule)
 
 
 def _sequential_gptq(

@@ -260,21 +260,29 @@ def capture(
         meta["sites"], meta["key_info"] = sites, key_info
         return values
 
-    step = jax.jit(increments)
-
-    # The running sums are donated: updated in place, so memory holds them and one increment.
+    # The running sums are donated and each batch's statistics are added inside the compiled
+    # walk, so memory holds the sums once (plus one site's increment at a time), not the sums
+    # and a whole batch's increments.
     @functools.partial(jax.jit, donate_argnums=(0,))
-    def add(acc, inc):
+    def step(acc, params, args):
+        inc = increments(params, args)
         return [
             (g + g2, s + s2, jnp.maximum(m, m2), f2, smp2)
             for (g, s, m, _, _), (g2, s2, m2, f2, smp2) in zip(acc, inc, strict=True)
         ]
 
+    def zeros(params, args):  # |x| >= 0, so 0 also starts the running max
+        return jax.tree.map(
+            lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(increments, params, args)
+        )
+
     acc = None
     samples: dict[int, list[np.ndarray]] = {}
     for i, batch in enumerate(batches):
         args = tuple(jnp.asarray(a) for a in (batch if isinstance(batch, tuple) else (batch,)))
-        inc = step(params, args)
+        if acc is None:
+            acc = zeros(params, args)
+        inc = acc = step(acc, params, args)
         sites = meta["sites"]
         for j, value in enumerate(inc):
             if not bool(value[3]):
@@ -290,7 +298,6 @@ def capture(
                 have = sum(len(x) for x in samples.get(j, []))
                 if have < sample_rows:
                     samples.setdefault(j, []).append(np.asarray(value[4][: sample_rows - have]))
-        acc = inc if acc is None else add(acc, inc)
         stats.batches += 1
         stats.rows.append(sites[0].rows if sites else 0)
         if on_batch is not None:

@@ -233,23 +233,34 @@ def _fold(source, axis, paths, params, wanted, statistics) -> Fold:
     return Fold(source, axis, tuple(paths), scale, f"{note}, folded into {where})")
 
 
-def apply_folds(params: Any, folds: list[Fold], input_axes: dict[str, int]) -> Any:
-    """`params` with each fold's weights scaled along their input axis and its target divided
-    along its axis (a weight can be both: scaled inputs and divided outputs)."""
-    factors: dict[str, list[tuple[np.ndarray, int]]] = {}
+def fold_factors(folds: list[Fold], input_axes: dict[str, int]) -> dict[str, list]:
+    """{path: [(factor [K] float, axis), ...]}: each fold's weights are multiplied by its scale
+    along their input axis and its target divided along its axis (a weight can be both:
+    scaled inputs and divided outputs)."""
+    factors: dict[str, list] = {}
     for f in folds:
         for p in f.weights:
             factors.setdefault(p, []).append((f.scale, input_axes[p]))
         factors.setdefault(f.target, []).append((1.0 / f.scale, f.axis))
+    return factors
 
-    def one(path: str, leaf: Any) -> Any:
-        if path not in factors:
-            return leaf
-        out = jnp.asarray(leaf, jnp.float32)
-        for s, axis in factors[path]:
-            shape = [1] * np.ndim(leaf)
-            shape[axis] = -1
-            out = out * jnp.asarray(s, jnp.float32).reshape(shape)
-        return out.astype(leaf.dtype)
 
-    return map_params(one, params)
+def scale_leaf(leaf: Any, factors: list) -> jax.Array:
+    """`leaf` multiplied by each ``(factor [n], axis)`` of `factors` along its axis."""
+    out = jnp.asarray(leaf, jnp.float32)
+    for s, axis in factors:
+        shape = [1] * np.ndim(leaf)
+        shape[axis] = -1
+        out = out * jnp.asarray(s, jnp.float32).reshape(shape)
+    return out.astype(leaf.dtype)
+
+
+def apply_factors(params: Any, factors: dict[str, list]) -> Any:
+    """`params` with the leaves `factors` names multiplied by their factors (`fold_factors`)."""
+    return map_params(lambda p, x: scale_leaf(x, factors[p]) if p in factors else x, params)
+
+
+def apply_folds(params: Any, folds: list[Fold], input_axes: dict[str, int]) -> Any:
+    """`params` with each fold's weights scaled along their input axis and its target divided
+    along its axis (a weight can be both: scaled inputs and divided outputs)."""
+    return apply_factors(params, fold_factors(folds, input_axes))

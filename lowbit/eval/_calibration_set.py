@@ -21,7 +21,7 @@ from lowbit.eval._harness import pad_batch
 
 SEQUENCES = 128
 LENGTH = 512
-BATCH = 4
+BATCH = 2
 
 _STATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
