@@ -283,6 +283,27 @@ def profile_decode(runner: _Lowbit, prompts: np.ndarray, steps: int = 32) -> dic
     }
 
 
+COST_CONTEXT = 16
+
+
+def _int8_activation_cost(loaded, runners) -> dict[str, tuple[float, float]]:
+    """{recipe: (perplexity, perplexity with int8 activations)} in COST_CONTEXT-token windows."""
+    from lowbit.eval._harness import lm_perplexity
+    from lowbit.eval._session import ModelSession
+
+    session = ModelSession(loaded)
+    out = {}
+    for recipe in INT8_ACTIVATIONS:
+        ppl = [
+            lm_perplexity(
+                session.runner, runners[name].params, session.tokens(), context=COST_CONTEXT
+            ).perplexity
+            for name in (recipe, recipe + INT8_SUFFIX)
+        ]
+        out[recipe] = (ppl[0], ppl[1])
+    return out
+
+
 def run() -> str:
     """Markdown: prefill and decode tok/s of lowbit and llama.cpp at batch 1 and 8."""
     lines = ["## Generation against llama.cpp (SmolLM2-135M, same GGUF file)", ""]
@@ -315,6 +336,7 @@ def run() -> str:
             again = llama.seconds(prompts)  # before and after lowbit: the better of the two
             pre, dec = min(peer_times[0], again[0]), min(peer_times[1], again[1])
             rows.append(("llama.cpp", batch, prompts.size / pre, batch * DECODE / dec))
+    cost = _int8_activation_cost(loaded, runners).items()
     profile = profile_decode(runners["gguf"], _prompts(loaded.tokenizer, 1, PROMPT[1]))
     profile8 = profile_decode(
         runners["gguf" + INT8_SUFFIX], _prompts(loaded.tokenizer, 8, PROMPT[8])
@@ -363,7 +385,11 @@ def run() -> str:
         "",
         f"`{INT8_SUFFIX.strip(' +')}`: the same weights with `lowbit.ops.with_int8_activations` "
         "(activations rounded to int8 per row and 32-wide weight group on batches of 2-16 rows, "
-        "as llama.cpp's Q8 blocks; batch 1 runs as without it).",
+        "as llama.cpp's Q8 blocks; batch 1 runs as without it). Its accuracy cost: perplexity on "
+        f"the evaluation text in windows of {COST_CONTEXT} tokens (so every product has "
+        f"{COST_CONTEXT} rows and takes the int8 path), without -> with: "
+        + ", ".join(f"{r} {a:.3f} -> {b:.3f} ({(b / a - 1) * 100:+.2f}%)" for r, (a, b) in cost)
+        + ".",
         "",
         f"Profile of a `gguf` decode step (lowbit, XLA per-op trace; ms per step): batch 1 with "
         f"a {PROMPT[1]}-token prompt, and batch 8 with {PROMPT[8]}-token prompts and int8 "
