@@ -246,8 +246,9 @@ def capture(
                     rows = _rows(use, mapping)
                     a = jnp.abs(rows)
                     gram = jnp.dot(rows.T, rows, precision=jax.lax.Precision.HIGHEST)
-                    # Evenly spaced rows: a batch's first rows are one sequence's start.
-                    stride = max(1, rows.shape[0] // max(sample_rows, 1))
+                    # Evenly spaced rows (a batch's first rows are one sequence's start), half
+                    # the sample from each of the first two batches: more sequences in it.
+                    stride = max(1, rows.shape[0] // max(sample_rows // 2, 1))
                     sample = rows[::stride][:sample_rows] if sample_rows else None
                     values.append((gram, a.sum(0), a.max(0), jnp.all(jnp.isfinite(rows)), sample))
                     site_index[site] = len(sites)
