@@ -247,8 +247,9 @@ def capture(
                     a = jnp.abs(rows)
                     gram = jnp.dot(rows.T, rows, precision=jax.lax.Precision.HIGHEST)
                     # Evenly spaced rows (a batch's first rows are one sequence's start), half
-                    # the sample from each of the first two batches: more sequences in it.
-                    stride = max(1, rows.shape[0] // max(sample_rows // 2, 1))
+                    # the sample from each of the first two batches: more sequences in it
+                    # (a single batch gives half a sample).
+                    stride = max(1, rows.shape[0] // max(-(-sample_rows // 2), 1))
                     sample = rows[::stride][:sample_rows] if sample_rows else None
                     values.append((gram, a.sum(0), a.max(0), jnp.all(jnp.isfinite(rows)), sample))
                     site_index[site] = len(sites)
