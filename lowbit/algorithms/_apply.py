@@ -200,17 +200,17 @@ def quantize_with_report(
         """The float weight at `path` with its folded scales."""
         return scale_leaf(floats[path], factors[path]) if path in factors else floats[path]
 
-    # Weights without an algorithm are rounded to nearest here; the algorithm's weights are
-    # replaced below one at a time (each set to None once done, freeing its first rounding).
-    out = dict(param_leaves(api_quantize_params(params, _strip(recipe), uses=uses)))
+    # Weights without an algorithm are rounded to nearest here; the algorithm's weights stay
+    # float (the arrays `params` holds) and are replaced below one at a time.
+    out = dict(param_leaves(api_quantize_params(params, _strip(recipe), uses=uses, skip=wanted)))
     replaced: dict[str, QArray] = {}
     if sequential > 1:
         folded = apply_factors(params, factors)
+        gptq = [p for p, (_, rule) in wanted.items() if isinstance(rule.algorithm, GPTQ)]
         rtn_leaves = {
             path: _first_rounding(path, scaled(path), wanted[path], statistics, report)
-            for path in wanted
+            for path in gptq
         }
-        gptq = [p for p, (_, rule) in wanted.items() if isinstance(rule.algorithm, GPTQ)]
         _sequential_gptq(
             gptq,
             wanted,
@@ -231,7 +231,6 @@ def quantize_with_report(
         if path in replaced:
             out[path] = replaced.pop(path)  # done by a sequential pass
         elif isinstance(algorithm, HQQ):
-            out[path] = None
             q, history = hqq_qarray(scaled(path), decision.config, algorithm)
             out[path] = q
             report.applied[path] = (
@@ -239,7 +238,6 @@ def quantize_with_report(
                 f"{float(history[-1]):.4g})"
             )
         else:
-            out[path] = None
             w = scaled(path)
             q = _first_rounding(path, w, (decision, rule), statistics, report)
             if isinstance(algorithm, GPTQ):

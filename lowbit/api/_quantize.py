@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import inspect
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
@@ -177,6 +177,7 @@ def quantize_params(
     layout_axes: Mapping[tuple, int] | None = None,
     strict: bool = False,
     kernel_layouts: bool = False,
+    skip: Collection[str] = (),
 ) -> Any:
     """Quantizes every parameter a recipe selects; the others are returned untouched.
 
@@ -196,6 +197,8 @@ def quantize_params(
       strict: raise instead of warning when the recipe matches no parameter at all.
       kernel_layouts: False only, kept for callers of the former API (layouts need traced
         contraction axes: `prepare_for_kernels`).
+      skip: parameter paths returned as they are although a rule selects them (a caller that
+        rounds them itself, as `lowbit.algorithms` does).
     Returns:
       The same pytree with QArrays in place of the quantized arrays (logical QArrays: serve
       them with `prepare_for_kernels`, which lays them out for the CPU kernels).
@@ -260,7 +263,7 @@ def quantize_params(
 
     def one(path: str, leaf: Any) -> Any:
         decision = decisions[path]
-        if not decision.quantized:
+        if not decision.quantized or path in skip:
             return leaf
         return quantize_weight(leaf, decision.config, recipe.rules[decision.rule_index])
 

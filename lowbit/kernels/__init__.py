@@ -3,9 +3,10 @@
 Weights are packed once with `prepare` (layouts in `lowbit.kernels._layout`) and then used
 by the kernels on plain arrays:
 
-- `weight_only_linear(x, w, bias=None, *, out_dtype=None)`: x `[..., K]` float32|bfloat16
-  times an int8 / int4 / uint4 / nf4 / fp4 (E2M1) / fp8 weight `[K, N]` dequantized in
-  registers.
+- `weight_only_linear(x, w, bias=None, *, out_dtype=None, int8_activations=False)`: x
+  `[..., K]` float32|bfloat16 times an int8 / int4 / uint4 / nf4 / fp4 (E2M1) / fp8 weight
+  `[K, N]` dequantized in registers (or, asked for on up to 16 rows, int8 activations per row
+  and weight group in integer dots: `int8_activations_supported(kind)`).
 - `w8a8_linear(x, w, bias=None, *, out_dtype=None)`: dynamic per-token int8 activations
   times an int8 weight, int32 accumulation, per-channel scale epilogue.
 - `w4a8_linear(x, w, bias=None, *, out_dtype=None)`: the same dynamic int8 activations times
@@ -47,6 +48,7 @@ from lowbit.kernels._layout import (
     prepared_to_logical,
 )
 from lowbit.kernels._native import (
+    INT8_ACTIVATION_KINDS,
     available,
     int8_activations_supported,
     set_isa,
@@ -70,6 +72,7 @@ __all__ = [
     "KERNEL_KINDS",
     "KINDS",
     "KernelKind",
+    "INT8_ACTIVATION_KINDS",
     "NF4_LEVELS",
     "PreparedWeight",
     "available",

@@ -97,6 +97,9 @@ INT8_ACTIVATION_ISAS = types.MappingProxyType(
 """Path -> weight-only kinds its kernel multiplies with int8 activations (int8 weights need
 VNNI: without it the offset activations would saturate the int16 pair sums)."""
 
+INT8_ACTIVATION_KINDS = tuple(sorted({k for kinds in INT8_ACTIVATION_ISAS.values() for k in kinds}))
+"""Weight-only kinds with an int8-activation path on some CPU."""
+
 
 def int8_activations_supported(kind: str) -> bool:
     """Whether `weight_only_linear(..., int8_activations=True)` takes integer dots for `kind`

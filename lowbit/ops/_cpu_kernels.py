@@ -81,9 +81,6 @@ int8_activations=True)`; AVX-512 CPUs, int8 weights with VNNI): a decode batch o
 multiply-adds. One row keeps float activations: reading the weight bounds it either way, so
 int8 activations would cost accuracy for no speed."""
 
-INT8_ACTIVATION_KINDS = ("int8", "int4", "uint4")
-"""Weight-only kernel kinds with the int8-activation path."""
-
 GEMM_MAX_WEIGHT_BYTES = 16 << 20
 """Largest float32 copy of a weight that path makes (a temporary of one call). Measured
 (2 cores, M = 512): SmolLM2's 576 x 1536, 1536 x 576 and 576 x 576 layers run 1.3-1.6x faster
@@ -110,8 +107,8 @@ class KernelRoute:
       transposed: the weight is stored `[N, K]` (contracted over its axis 1).
       int8_activations: products of `INT8_ACTIVATION_ROWS` rows quantize the activations to
         int8 per row and weight group inside the kernel (llama.cpp's Q8 blocks; kinds
-        `INT8_ACTIVATION_KINDS`), trading a little accuracy for about twice the speed of a
-        decode batch. Off unless asked for (`lowbit.ops.with_int8_activations`).
+        `lowbit.kernels.INT8_ACTIVATION_KINDS`), trading a little accuracy for about twice
+        the speed of a decode batch. Off unless asked for (`lowbit.ops.with_int8_activations`).
     """
 
     kind: str
@@ -364,8 +361,6 @@ def kernel_linear(x: jax.Array, q: Any, route: KernelRoute, out_dtype: Any) -> j
             x,
             weight,
             out_dtype=kernel_out,
-            int8_activations=(
-                route.int8_activations and route.kind in INT8_ACTIVATION_KINDS and lo <= rows <= hi
-            ),
+            int8_activations=route.int8_activations and lo <= rows <= hi,
         )
     return y.astype(out_dtype)

@@ -26,12 +26,7 @@ import numpy as np
 
 from lowbit import kernels
 from lowbit.formats import GGUFBlockFormat
-from lowbit.ops._cpu_kernels import (
-    INT8_ACTIVATION_KINDS,
-    KernelRoute,
-    prepare_layout,
-    weight_route,
-)
+from lowbit.ops._cpu_kernels import KernelRoute, prepare_layout, weight_route
 from lowbit.ops._host_memory import release_free_memory
 from lowbit.qarray import QArray
 
@@ -394,7 +389,7 @@ def with_int8_activations(tree: Any, enabled: bool = True) -> Any:
     """
 
     def one(x):
-        if isinstance(x, PreparedQArray) and x.route.kind in INT8_ACTIVATION_KINDS:
+        if isinstance(x, PreparedQArray) and x.route.kind in kernels.INT8_ACTIVATION_KINDS:
             route = dataclasses.replace(x.route, int8_activations=bool(enabled))
             return dataclasses.replace(x, route=route)
         return x
