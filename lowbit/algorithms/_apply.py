@@ -21,7 +21,13 @@ from lowbit.algorithms._capture import CalibrationError, Statistics, capture
 from lowbit.algorithms._clip import clip_search
 from lowbit.algorithms._gptq import gptq_qarray
 from lowbit.algorithms._hqq import hqq_qarray
-from lowbit.algorithms._smooth import apply_factors, fold_factors, plan_folds, scale_leaf
+from lowbit.algorithms._smooth import (
+    apply_factors,
+    fold_factors,
+    input_scales,
+    plan_folds,
+    scale_leaf,
+)
 from lowbit.api import QuantizedLinen, QuantizedModel
 from lowbit.api import quantize_model as api_quantize_model
 from lowbit.api import quantize_params as api_quantize_params
@@ -177,6 +183,7 @@ def quantize_with_report(
         )
     folding = {p: v for p, v in wanted.items() if _folds(v[1].algorithm)}
     factors: dict[str, list] = {}
+    in_op: dict[str, Any] = {}  # weights whose scale the op applies: {path: input_scale}
     if folding:
         folds, skipped = plan_folds(dict(param_leaves(params)), folding, statistics)
         if skipped and strict:
@@ -184,6 +191,8 @@ def quantize_with_report(
             raise ValueError(f"strict mode: no scale to fold for {lines}")
         axes = {p: statistics.for_path(p)[0].input_axes[0] for f in folds for p in f.weights}
         factors = fold_factors(folds, axes)
+        ndims = {p: np.ndim(leaf) for p, leaf in param_leaves(params) if p in axes}
+        in_op = input_scales(folds, axes, ndims)
         # Parameters no algorithm rounds (norm scales) absorb their factors now; the rounded
         # weights are scaled one at a time as each is rounded, so the model never has a second
         # float copy of its weights.
@@ -245,6 +254,8 @@ def quantize_with_report(
             # AWQ / SmoothQuant: folded above, rounded to nearest (or onto the clipped grid).
             out[path] = q
             del w, q
+        if path in in_op:
+            out[path] = dataclasses.replace(out[path], input_scale=in_op[path])
         release_free_memory()
         if on_weight is not None:
             on_weight(n + 1, len(wanted))

@@ -16,8 +16,10 @@ output of a linear layer ``x @ U`` (divide U's output columns; in a gated MLP
     ``Δ = W - Q(s W) / s``, read off the captured Gram matrix.
 
 A scale is folded only where every weight reading `h` is one the recipe rescales with the same
-algorithm and `h` (or the parameter making it) is read by nothing but those products. Other
-weights keep round-to-nearest, and the report says why.
+algorithm and `h` (or the parameter making it) is read by nothing but those products. Where
+that fails, SmoothQuant (with ``in_op=True``) keeps its scale with the weight instead
+(`QArray.input_scale`: the op divides `h` by it before quantizing it, a `Fold` without a
+target); other weights keep round-to-nearest, and the report says why.
 """
 
 from __future__ import annotations
@@ -42,14 +44,14 @@ class Fold:
 
     Attributes:
       target: the parameter that absorbs ``1 / scale``: a norm's 1-D scale or a linear
-        layer's weight.
+        layer's weight; None for a scale applied inside the op (`QArray.input_scale`).
       axis: the axis of `target` divided (0 for a norm's scale, the output axis of a weight).
       weights: the weights multiplied by `scale` along their input axis.
       scale: [K] float32.
       note: what the report says for each of `weights`.
     """
 
-    target: str
+    target: str | None
     axis: int
     weights: tuple[str, ...]
     scale: np.ndarray
@@ -199,6 +201,14 @@ def plan_folds(
         if path not in done:
             skipped[path] = problems.get(path, "its input is scaled with other weights': rtn")
             skipped[path] += "" if skipped[path].endswith("rtn") else ": rtn"
+    for path in list(skipped):
+        algorithm = wanted[path][1].algorithm
+        stats = statistics.for_path(path)
+        one_use = len(stats) == 1 and not stats[0].fixed and len(stats[0].input_axes) == 1
+        if isinstance(algorithm, SmoothQuant) and algorithm.in_op and one_use:
+            why = skipped.pop(path).removesuffix(": rtn")
+            fold = _fold(None, -1, [path], params, wanted, statistics)
+            folds.append(dataclasses.replace(fold, note=f"{fold.note}; no fold: {why}"))
     return folds, skipped
 
 
@@ -229,8 +239,13 @@ def _fold(source, axis, paths, params, wanted, statistics) -> Fold:
         grid = getattr(algorithm, "grid", AWQ.grid)
         scale, alpha = _awq_scale(h, group, stats[0].abs_mean, grid)
         note = f"awq (alpha {alpha:.2f}"
-    where = source if axis == 0 and np.ndim(params[source]) == 1 else f"{source}'s output"
-    return Fold(source, axis, tuple(paths), scale, f"{note}, folded into {where})")
+    if source is None:
+        where = "applied to the input inside the op"
+    elif axis == 0 and np.ndim(params[source]) == 1:
+        where = f"folded into {source}"
+    else:
+        where = f"folded into {source}'s output"
+    return Fold(source, axis, tuple(paths), scale, f"{note}, {where})")
 
 
 def fold_factors(folds: list[Fold], input_axes: dict[str, int]) -> dict[str, list]:
@@ -241,8 +256,22 @@ def fold_factors(folds: list[Fold], input_axes: dict[str, int]) -> dict[str, lis
     for f in folds:
         for p in f.weights:
             factors.setdefault(p, []).append((f.scale, input_axes[p]))
-        factors.setdefault(f.target, []).append((1.0 / f.scale, f.axis))
+        if f.target is not None:
+            factors.setdefault(f.target, []).append((1.0 / f.scale, f.axis))
     return factors
+
+
+def input_scales(folds: list[Fold], input_axes: dict[str, int], ndims: dict[str, int]):
+    """{path: [*shape with 1 off the input axis] float32}: the `QArray.input_scale` (``1 / s``)
+    of each weight whose scale is applied inside the op (folds without a target)."""
+    out = {}
+    for f in folds:
+        if f.target is None:
+            for p in f.weights:
+                shape = [1] * ndims[p]
+                shape[input_axes[p]] = -1
+                out[p] = jnp.asarray(1.0 / f.scale, jnp.float32).reshape(shape)
+    return out
 
 
 def scale_leaf(leaf: Any, factors: list) -> jax.Array:

@@ -106,7 +106,8 @@ def add_calibration_arguments(parser: Any) -> None:
         "--calibration-sequences",
         type=int,
         metavar="N",
-        help="calibration sequences of 512 tokens (default 128)",
+        help="calibration sequences of 512 tokens (default 128; for an encoder, sentences: "
+        "default 4096)",
     )
 
 

@@ -30,6 +30,8 @@ def gather(q: QArray, indices: jax.Array, out_shape: Sequence[int], **params: An
     slice_sizes = params["slice_sizes"]
     if tuple(getattr(dn, "operand_batching_dims", ())):
         raise LayoutUnsupported("gathers with batching dimensions")
+    if q.input_scale is not None:
+        raise LayoutUnsupported("gathers from a weight with an input_scale")
     indexed = tuple(dn.start_index_map)
     for axis in range(q.ndim):
         if axis in indexed:

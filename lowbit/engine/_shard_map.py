@@ -55,6 +55,12 @@ def _split_qarray(q: QArray, spec: PartitionSpec, mesh: Any) -> tuple[dict, dict
         if getattr(q, name) is not None:
             leaves[name] = getattr(q, name)
             specs[name] = scale_spec if name == "zero_point" else PartitionSpec()
+    if q.input_scale is not None:
+        # Full along the axes it varies on (sharded like the codes there), 1 elsewhere.
+        leaves["input_scale"] = q.input_scale
+        specs["input_scale"] = PartitionSpec(
+            *[codes_spec[a] if q.input_scale.shape[a] != 1 else None for a in range(q.ndim)]
+        )
 
     def rebuild(local):
         fields = {name: local.get(name) for name in ("zero_point", "tensor_scale")}
@@ -63,6 +69,7 @@ def _split_qarray(q: QArray, spec: PartitionSpec, mesh: Any) -> tuple[dict, dict
             codes=local["codes"],
             scale=local["scale"],
             activation_bounds=local.get("activation_bounds"),
+            input_scale=local.get("input_scale"),
             shape=tuple(local_shape),
             **fields,
         )

@@ -170,7 +170,8 @@ def quantize_variant(
       float_params: its float parameters (``nnx.split(model)[1]``).
       recipe_spec: a preset name, a recipe JSON path, ``"float"`` or ``"gguf"``.
       calibration_file: a text file to calibrate on instead of the default speeches.
-      calibration_sequences: number of calibration sequences (default 128 of 512 tokens).
+      calibration_sequences: number of calibration sequences (default 128 of 512 tokens; for
+        an encoder, sentences: default 4096).
       on_batch / on_weight: progress callbacks ``(done, total)``.
       on_report: called with the `lowbit.algorithms.AlgorithmReport` of a recipe with
         algorithms (what every such weight got).
@@ -215,10 +216,11 @@ def quantize_variant(
     statistics = None
     if data_paths:
         text = None if calibration_file is None else read_text(calibration_file)
-        n = calib.SEQUENCES if calibration_sequences is None else calibration_sequences
         if loaded.kind == "lm":
+            n = calib.SEQUENCES if calibration_sequences is None else calibration_sequences
             batches = calib.lm_batches(loaded.tokenizer, text, sequences=n)
         else:
+            n = calib.ENCODER_SENTENCES if calibration_sequences is None else calibration_sequences
             batches = calib.encoder_batches(loaded.tokenizer, text, sequences=n)
         fn = calib.model_fn(loaded.model, loaded.kind)
         progress = None if on_batch is None else (lambda done: on_batch(done, len(batches)))

@@ -186,6 +186,8 @@ def _direct(q: QArray) -> tuple[str, np.ndarray, str] | None:
     type without requantizing, else None."""
     fmt = q.fmt
     last = q.ndim - 1
+    if q.input_scale is not None:
+        return None  # llama.cpp has no per-input-channel factor: requantize the weight it means
     if isinstance(fmt, GGUFBlockFormat):
         if q.packed_axis != last:
             return None

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lowbit.formats import get_format
+from lowbit.ops._input_scale import reject_input_scale
 from lowbit.ops._operand import format_kind, from_float, from_qarray
 from lowbit.qarray import (
     PerChannel,
@@ -213,6 +214,7 @@ def conv_general_dilated(
     )
     if not isinstance(lhs, QArray) and not jnp.issubdtype(lhs.dtype, jnp.floating):
         raise TypeError(f"conv_general_dilated lhs must be float or a QArray, got {lhs.dtype}")
+    reject_input_scale("conv_general_dilated", lhs, rhs)
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return lax.conv_general_dilated(lhs, rhs, **params)
     if isinstance(rhs, QArray) and not isinstance(lhs, QArray) and rhs.activation is not None:

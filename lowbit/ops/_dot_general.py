@@ -41,6 +41,7 @@ from lowbit.ops._cpu_kernels import (
 )
 from lowbit.ops._dot_path import Plan, active_side, check_operand
 from lowbit.ops._dot_path import plan as choose_plan
+from lowbit.ops._input_scale import apply_input_scale
 from lowbit.ops._operand import (
     Operand,
     from_float,
@@ -291,6 +292,17 @@ for _fn in (_ste_dot.fun, _kernel_dot.fun):
     _fn.__signature__ = inspect.signature(_fn)
 del _fn
 
+
+def _without_input_scale(lhs: Any, rhs: Any) -> tuple[Any, Any]:
+    """The operands as the path choice sees them: an input scale (applied to the float
+    operand first) changes no path."""
+    if isinstance(lhs, QArray | PreparedQArray) and lhs.input_scale is not None:
+        lhs = dataclasses.replace(lhs, input_scale=None)
+    if isinstance(rhs, QArray | PreparedQArray) and rhs.input_scale is not None:
+        rhs = dataclasses.replace(rhs, input_scale=None)
+    return lhs, rhs
+
+
 PATHS = (*_dot_path.PATHS, *KERNEL_PATHS)
 """Every name `dot_general_path` returns."""
 
@@ -310,6 +322,7 @@ def dot_general_path(
     Returns:
       The path name.
     """
+    lhs, rhs = _without_input_scale(lhs, rhs)
     lhs, rhs, route = _prepared_route(lhs, rhs, dimension_numbers, out_sharding)
     if route is not None:
         return route.path
@@ -335,7 +348,8 @@ def dot_general(
     other operand stays float; the scale is applied after the dot, per group if the scale is
     grouped along the contraction); a `QuantConfig` quantizes the float operand per token (or
     with the static `activation_bounds`) and multiplies stored codes (int8 x int8 -> int32,
-    fp8 x fp8 -> f32). With two QArrays their stored codes are multiplied as they are.
+    fp8 x fp8 -> f32). With two QArrays their stored codes are multiplied as they are. A
+    weight's `input_scale` multiplies the float operand first (before it is quantized).
 
     On CPU, a plain linear layer (`x: [..., K]`, `w: QArray [K, N]`) in a layout the compiled
     kernels read runs in `lowbit.kernels` (see `dot_general_path`); ``LOWBIT_DISABLE_KERNELS=1``
@@ -357,6 +371,7 @@ def dot_general(
       TypeError: for an operand that is neither a float array nor a QArray.
       ValueError: for malformed dimension numbers or an unsupported activation granularity.
     """
+    lhs, rhs = apply_input_scale(lhs, rhs, dimension_numbers)
     lhs, rhs, route = _prepared_route(lhs, rhs, dimension_numbers, out_sharding)
     check_operand(lhs, "lhs")
     check_operand(rhs, "rhs")

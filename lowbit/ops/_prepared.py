@@ -60,6 +60,8 @@ class PreparedQArray:
       axis: the logical axis the weight is contracted over (0: stored `[K, N]`, 1: `[N, K]`).
       route: the kernel route it was prepared for.
       meta: the logical QArray's static metadata.
+      input_scale: the logical QArray's `input_scale` (applied to the other operand of a dot
+        before the kernel runs), or None.
     """
 
     weight: kernels.PreparedWeight
@@ -69,6 +71,7 @@ class PreparedQArray:
     axis: int
     route: KernelRoute
     meta: LogicalMeta
+    input_scale: jax.Array | None = None
 
     # --- array-like surface (the logical array's) -------------------------------------------
     @property
@@ -94,7 +97,7 @@ class PreparedQArray:
     @property
     def nbytes(self) -> int:
         """Bytes of the logical QArray (what a checkpoint stores), as `QArray.nbytes`."""
-        return _logical_nbytes(self.meta, self.tensor_scale)
+        return _logical_nbytes(self.meta, self.tensor_scale, self.input_scale)
 
     @property
     def resident_nbytes(self) -> int:
@@ -134,6 +137,7 @@ class PreparedQArray:
             self,
             scale=t(self.scale),
             zero_point=t(self.zero_point),
+            input_scale=t(self.input_scale),
             axis=1 - self.axis,
             route=dataclasses.replace(self.route, transposed=self.axis == 0),
             meta=meta,
@@ -154,7 +158,7 @@ class PreparedQArray:
     @property
     def gathers_rows(self) -> bool:
         """Whether `rows` can read rows straight from the layout."""
-        return self.scale is None and self.zero_point is None
+        return self.scale is None and self.zero_point is None and self.input_scale is None
 
     def rows(self, ids: jax.Array) -> QArray:
         """Rows of the logical array along its non-contracted axis, as a small QArray.
@@ -175,7 +179,7 @@ class PreparedQArray:
 
 jax.tree_util.register_dataclass(
     PreparedQArray,
-    data_fields=["weight", "scale", "zero_point", "tensor_scale"],
+    data_fields=["weight", "scale", "zero_point", "tensor_scale", "input_scale"],
     meta_fields=["axis", "route", "meta"],
 )
 
@@ -184,7 +188,7 @@ def is_prepared(x: Any) -> bool:
     return isinstance(x, PreparedQArray)
 
 
-def _logical_nbytes(meta: LogicalMeta, tensor_scale: Any) -> int:
+def _logical_nbytes(meta: LogicalMeta, tensor_scale: Any, input_scale: Any) -> int:
     from lowbit.formats import get_format
 
     fmt = get_format(meta.format)
@@ -197,8 +201,9 @@ def _logical_nbytes(meta: LogicalMeta, tensor_scale: Any) -> int:
     total = codes + int(np.prod(meta.scale_shape)) * np.dtype(meta.scale_dtype).itemsize
     if meta.zero_shape is not None:
         total += int(np.prod(meta.zero_shape)) * np.dtype(meta.zero_dtype).itemsize
-    if tensor_scale is not None:
-        total += int(np.prod(tensor_scale.shape)) * np.dtype(tensor_scale.dtype).itemsize
+    for extra in (tensor_scale, input_scale):
+        if extra is not None:
+            total += int(np.prod(extra.shape)) * np.dtype(extra.dtype).itemsize
     return total
 
 
@@ -267,6 +272,7 @@ def _assemble(p: PreparedQArray, parts: dict[str, Any], *, rows: bool = False) -
         packed_axis=packed_axis,
         scale_encoding=m.scale_encoding,
         activation=m.activation,
+        input_scale=None if rows else p.input_scale,
     )
 
 
@@ -336,7 +342,9 @@ def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
         kept_zero = None if _same_bits(zero, q.zero_point) else q.zero_point
         del scale, zero
         release_free_memory()
-    return PreparedQArray(weight, kept_scale, kept_zero, tensor_scale, axis, route, meta)
+    return PreparedQArray(
+        weight, kept_scale, kept_zero, tensor_scale, axis, route, meta, q.input_scale
+    )
 
 
 def prepare_leaves(

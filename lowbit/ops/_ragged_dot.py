@@ -24,6 +24,7 @@ from jax import lax
 
 from lowbit.formats import get_format
 from lowbit.ops._dims import expand_axis
+from lowbit.ops._input_scale import reject_input_scale
 from lowbit.ops._operand import (
     activation_scale_shape,
     format_kind,
@@ -153,6 +154,7 @@ def ragged_dot_general(
       TypeError / ValueError: for a non-float operand or an lhs with an activation config.
     """
     _check(lhs, rhs)
+    reject_input_scale("ragged_dot_general", lhs, rhs)
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return lax.ragged_dot_general(
             lhs,

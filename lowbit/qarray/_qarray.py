@@ -2,9 +2,10 @@
 
 A `QArray` stands for the float array
 
-    x = (decode(codes) - zero_point) * scale * tensor_scale
+    x = (decode(codes) - zero_point) * scale * tensor_scale * input_scale
 
-with `zero_point` and `tensor_scale` optional. Its invariants, checked by `QArray.check`:
+with `zero_point`, `tensor_scale` and `input_scale` optional. Its invariants, checked by
+`QArray.check`:
 
   * `shape`, `dtype`, `format`, `packed_axis`, `scale_encoding` are static metadata (part of the
     treedef, never traced), so jit caches key on them;
@@ -14,6 +15,9 @@ with `zero_point` and `tensor_scale` optional. Its invariants, checked by `QArra
     slicing whole blocks) apply to codes and scales alike;
   * `zero_point`, if present, has the shape of `scale` and is in code units;
   * `tensor_scale`, if present, has shape `(1,) * ndim` (a second-level scale, as in NVFP4);
+  * `input_scale`, if present, has `ndim` axes, each 1 or the full axis: a per-input-channel
+    factor that a dot applies to its *other* operand before the product (SmoothQuant's scale
+    where no layer can absorb it: ``x @ W == (x * s) @ (W / s)``, with `W / s` the codes);
   * `codes` has the logical shape, except along `packed_axis` (sub-byte formats), where it holds
     `packed_length(shape[packed_axis], bits)` bytes.
 
@@ -77,6 +81,10 @@ class QArray:
         or None for weight-only. A `lowbit.qarray.QuantConfig`; static.
       activation_bounds: [2] float32 `(lo, hi)` static (calibrated) bounds for that operand, or
         None to compute them per call (dynamic quantization).
+      input_scale: [*shape with 1 on the axes it does not vary along] float32, or None: the
+        ops multiply the float operand of a dot by it (along the contracted axes) before
+        quantizing it, and `dequantize` folds it in, so the QArray still stands for the
+        weight the float model had.
     """
 
     codes: jax.Array = _data()
@@ -90,6 +98,7 @@ class QArray:
     scale_encoding: str = _meta(default="float")
     activation: Any = _meta(default=None, codec="config")
     activation_bounds: jax.Array | None = _data(default=None)
+    input_scale: jax.Array | None = _data(default=None)
 
     def __post_init__(self):
         # Normalise static metadata so equal layouts give equal treedefs (jit cache keys).
@@ -136,6 +145,7 @@ class QArray:
             self.zero_point,
             self.tensor_scale,
             self.activation_bounds,
+            self.input_scale,
         )
         return sum(
             int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in leaves if a is not None
@@ -155,6 +165,8 @@ class QArray:
             extra.append(f"packed_axis={self.packed_axis}")
         if self.scale_encoding != "float":
             extra.append(f"scale={self.scale_encoding}")
+        if self.input_scale is not None:
+            extra.append("input_scale")
         blocks = "x".join(map(str, self.block_shape)) if hasattr(self.scale, "shape") else "?"
         tail = (", " + ", ".join(extra)) if extra else ""
         return (
@@ -188,6 +200,8 @@ class QArray:
         if self.zero_point is not None:
             values = values - broadcast_blocks(self.zero_point.astype(jnp.float32), self.shape)
         values = values * broadcast_blocks(self.scale_values(), self.shape)
+        if self.input_scale is not None:
+            values = values * self.input_scale.astype(jnp.float32)
         return values.astype(self.dtype if dtype is None else dtype)
 
     def astype(self, dtype: Any) -> QArray:
@@ -207,6 +221,7 @@ class QArray:
             scale=perm(self.scale),
             zero_point=perm(self.zero_point),
             tensor_scale=perm(self.tensor_scale),
+            input_scale=perm(self.input_scale),
             shape=tuple(self.shape[a] for a in axes),
             packed_axis=None if self.packed_axis is None else axes.index(self.packed_axis),
         )
@@ -235,6 +250,14 @@ class QArray:
             )
         if self.tensor_scale is not None and tuple(self.tensor_scale.shape) != (1,) * nd:
             raise ValueError(f"tensor_scale shape {tuple(self.tensor_scale.shape)} != {(1,) * nd}")
+        if self.input_scale is not None and (
+            self.input_scale.ndim != nd
+            or any(s not in (1, n) for n, s in zip(self.shape, self.input_scale.shape, strict=True))
+        ):
+            raise ValueError(
+                f"input_scale shape {tuple(self.input_scale.shape)} must have one entry per axis "
+                f"of {self.shape}, each 1 or the full axis"
+            )
         expected = list(self.shape)
         if self.packed_axis is not None:
             if not 0 <= self.packed_axis < nd:

@@ -117,10 +117,16 @@ class SmoothQuant:
         in [0, 1), minimizing the group's output error with weights *and* activations
         quantized, on sampled calibration rows (the paper picks one alpha per model by hand;
         the best one differs between layers).
+      in_op: where no layer can absorb the scale (the input is also read elsewhere, as a
+        post-norm transformer's LayerNorm output feeding the residual, or is made by a
+        nonlinearity), store it with the weight (`QArray.input_scale`) and apply it to the
+        activation inside the quantized op, one elementwise product per call. False keeps
+        round-to-nearest for those weights.
     """
 
     alpha: float = 0.5
     grid: int = 0
+    in_op: bool = True
     needs_data = True
     name = "smoothquant"
 
@@ -139,6 +145,7 @@ class SmoothQuant:
             isinstance(self.grid, int) and not isinstance(self.grid, bool) and self.grid >= 0,
             "an int >= 0 (0: no search)",
         )
+        _check("SmoothQuant", "in_op", self.in_op, isinstance(self.in_op, bool), "true or false")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

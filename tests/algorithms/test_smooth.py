@@ -176,3 +176,37 @@ def test_gptq_with_awq_scales_and_clip_search_beats_rtn_and_says_what_it_did():
     down = report.applied["down/kernel"]
     assert down.startswith("gptq (") and "folded into up/kernel's output" in down
     assert "clipped (mean range ratio" in down
+
+
+def test_smoothquant_applies_its_scale_inside_the_op_where_no_layer_absorbs_it():
+    # The norm's output also feeds the residual: nothing can absorb the scale, so the weights
+    # keep it (`QArray.input_scale`) and the op divides their input by it before quantizing.
+    fn, params, batches = _setup(residual_reads_norm=True)
+    act = QuantConfig(format="int8", granularity=PerToken())
+    w8 = QuantConfig(format="int8", granularity=lowbit.PerChannel((-1,)))
+    base = dict(path="(up|gate)/kernel", weight=w8, activation=act)
+    rtn = lowbit.quantize_params(params, Recipe(rules=(Rule(**base),)))
+    sq, report = quantize_with_report(
+        params, Recipe(rules=(Rule(**base, algorithm=SmoothQuant()),)), fn=fn, calibration=batches
+    )
+    assert "inside the op" in report.applied["up/kernel"]
+    assert "read outside the matmuls" in report.applied["up/kernel"]
+    assert sq["norm"]["scale"] is params["norm"]["scale"] or np.array_equal(
+        sq["norm"]["scale"], params["norm"]["scale"]
+    )
+    q = sq["up"]["kernel"]
+    assert q.input_scale.shape == (D, 1)
+    # The QArray still stands for the float weight (dequantize folds the scale back in).
+    w = params["up"]["kernel"]
+    assert float(jnp.max(jnp.abs(q.dequantize() - w))) < 0.05 * float(jnp.max(jnp.abs(w)))
+    x = batches[1]
+    err = lambda q: float(jnp.mean((lowbit.run(fn)(q, x) - fn(params, x)) ** 2))
+    assert err(sq) < 0.5 * err(rtn)
+
+    _, report_off = quantize_with_report(
+        params,
+        Recipe(rules=(Rule(**base, algorithm=SmoothQuant(in_op=False)),)),
+        fn=fn,
+        calibration=batches,
+    )
+    assert report_off.applied["up/kernel"].endswith("rtn")

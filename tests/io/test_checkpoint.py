@@ -139,6 +139,16 @@ def test_round_trip_quantized_with_activation_config(tmp_path, make):
     assert np.array_equal(np.asarray(dequantize(got)), np.asarray(dequantize(q)))
 
 
+def test_round_trip_input_scale(tmp_path):
+    # SmoothQuant's in-op scale is a data field like the others: stored, checked, restored.
+    q = quantize(X, "int8", granularity=PerToken())
+    q = dataclasses.replace(q, input_scale=jnp.linspace(0.5, 2.0, X.shape[0])[:, None])
+    save_checkpoint(tmp_path / "ck", {"w": q})
+    got = load_checkpoint(tmp_path / "ck")["w"]
+    _assert_same({"w": got}, {"w": q})
+    assert np.array_equal(np.asarray(got.input_scale), np.asarray(q.input_scale))
+
+
 def test_stored_dtypes_and_manifest(tmp_path):
     q = _synthetic("nvfp4")
     save_checkpoint(tmp_path / "ck", {"w": q}, metadata={"note": "x"}, recipe='{"rules": []}')

@@ -25,6 +25,7 @@ def _every_field_set() -> QArray:
         scale_encoding="float",
         activation=QuantConfig(format="int8", granularity=PerToken(), calibration=Fixed(-1, 1)),
         activation_bounds=jnp.asarray([-1.0, 1.0], jnp.float32),
+        input_scale=jnp.linspace(0.5, 2.0, 4, dtype=jnp.float32)[:, None],
     ).check()
 
 
