@@ -235,6 +235,7 @@ def quantize_with_report(
             on_batch,
         )
         del folded, rtn_leaves
+    factors_seen: dict = {}  # inverse-Hessian factors of recent Gram matrices (q/k/v share one)
     for n, (path, (decision, rule)) in enumerate(wanted.items()):
         algorithm = rule.algorithm
         if path in replaced:
@@ -250,7 +251,7 @@ def quantize_with_report(
             w = scaled(path)
             q = _first_rounding(path, w, (decision, rule), statistics, report)
             if isinstance(algorithm, GPTQ):
-                q = _gptq_one(path, w, q, algorithm, statistics, strict, report)
+                q = _gptq_one(path, w, q, algorithm, statistics, strict, report, factors_seen)
             # AWQ / SmoothQuant: folded above, rounded to nearest (or onto the clipped grid).
             out[path] = q
             del w, q
@@ -361,7 +362,7 @@ def _sequential_gptq(
         )
 
 
-def _gptq_one(path, w, q, algorithm, statistics, strict, report) -> QArray:
+def _gptq_one(path, w, q, algorithm, statistics, strict, report, factors=None) -> QArray:
     stats = statistics.for_path(path)
     if not stats:
         reason = statistics.unmapped.get(path, "it was not seen feeding any matmul of fn")
@@ -377,7 +378,7 @@ def _gptq_one(path, w, q, algorithm, statistics, strict, report) -> QArray:
             f"{path}: GPTQ needs at least {needed} calibration token rows (its input size) per "
             f"layer, got {have}; give more or longer calibration sequences"
         )
-    new, notes = gptq_qarray(w, q, stats, algorithm)
+    new, notes = gptq_qarray(w, q, stats, algorithm, factors)
     if notes and strict:
         raise ValueError("; ".join(notes) + " (strict mode)")
     report.notes += notes

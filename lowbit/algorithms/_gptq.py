@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,24 @@ def inverse_hessian_factor(gram: jax.Array, damp: float) -> tuple[jax.Array | No
         if np.all(np.isfinite(upper)):
             return jnp.asarray(upper, jnp.float32), frac
     return None, damp
+
+
+SHARED_FACTORS = 4
+
+
+def _shared_factor(gram: np.ndarray, damp: float, factors: dict | None):
+    """`inverse_hessian_factor`, looked up in `factors` by the Gram matrix's bytes first."""
+    if factors is None:
+        return inverse_hessian_factor(gram, damp)
+    gram = np.ascontiguousarray(gram)
+    key = (gram.shape, gram.dtype.str, damp, hashlib.blake2b(gram.tobytes()).digest())
+    if key not in factors:
+        # A few recent ones: the weights reading one input are rounded close together (a
+        # layer's q/k/v around o), and each factor is K x K float32.
+        while len(factors) >= SHARED_FACTORS:
+            factors.pop(next(iter(factors)))
+        factors[key] = inverse_hessian_factor(gram, damp)
+    return factors[key]
 
 
 def column_block(i1, block: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
@@ -191,6 +210,7 @@ def gptq_matrix(
     grid: _grid.Grid,
     fmt_name: str,
     algorithm: GPTQ,
+    factors: dict | None = None,
 ) -> GPTQResult:
     """GPTQ codes of one matrix.
 
@@ -200,6 +220,8 @@ def gptq_matrix(
       grid: per-element scale / zero point, [F, K] each.
       fmt_name: the element format.
       algorithm: the `GPTQ` settings.
+      factors: a dict the caller keeps across weights to reuse the inverse-Hessian factor of
+        an identical Gram matrix (q, k and v projections read the same input); None: none.
     Returns:
       `GPTQResult`; `damp` None when the Hessian never factorized (then codes are RTN's).
     """
@@ -211,7 +233,7 @@ def gptq_matrix(
     if algorithm.act_order:
         perm = np.argsort(-np.diag(gram), kind="stable")
         gram = gram[perm][:, perm]
-    upper, damp = inverse_hessian_factor(gram, algorithm.damp)
+    upper, damp = _shared_factor(gram, algorithm.damp, factors)
     if upper is None:
         fmt = get_format(fmt_name)
         return GPTQResult(_grid.encode(fmt, w, scale, zp, grid.symmetric), None)
@@ -252,7 +274,9 @@ def from_matrix(m: jax.Array, perm: tuple[int, ...], moved_shape: tuple[int, ...
     return jnp.transpose(m.reshape(moved_shape), np.argsort(perm))
 
 
-def gptq_qarray(w: jax.Array, q: QArray, stats: list, algorithm: GPTQ) -> tuple[QArray, list[str]]:
+def gptq_qarray(
+    w: jax.Array, q: QArray, stats: list, algorithm: GPTQ, factors: dict | None = None
+) -> tuple[QArray, list[str]]:
     """GPTQ on a parameter, per stats entry (one per stacked layer index).
 
     Args:
@@ -260,6 +284,7 @@ def gptq_qarray(w: jax.Array, q: QArray, stats: list, algorithm: GPTQ) -> tuple[
       q: its RTN QArray (the layout and scales kept).
       stats: `WeightStats` of this parameter (one per fixed index).
       algorithm: settings.
+      factors: as for `gptq_matrix`.
     Returns:
       (QArray with GPTQ codes, notes such as singular-Hessian fallbacks).
     """
@@ -281,7 +306,7 @@ def gptq_qarray(w: jax.Array, q: QArray, stats: list, algorithm: GPTQ) -> tuple[
             None if grid.zero_point is None else as_matrix(grid.zero_point[index], input_axes)[0],
             grid.symmetric,
         )
-        result = gptq_matrix(wm, s.gram, sub_grid, fmt.name, algorithm)
+        result = gptq_matrix(wm, s.gram, sub_grid, fmt.name, algorithm, factors)
         if result.damp is None:
             layer = s.path + "".join(f"[{i}]" for _, i in s.fixed)
             notes.append(f"{layer}: Hessian singular after dampening, RTN codes kept")

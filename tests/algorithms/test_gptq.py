@@ -136,3 +136,23 @@ def test_full_range_reaches_the_extra_negative_level_only_when_asked():
     decode = lambda c: np.asarray(_grid.decode(fmt, c, grid.scale, None))
     np.testing.assert_array_equal(decode(plain), [[-0.875, -0.875, 0.5, 0.875]])
     np.testing.assert_array_equal(decode(full), [[-1.0, -1.0, 0.5, 0.875]])
+
+
+def test_weights_reading_one_input_share_its_inverse_hessian_factor(monkeypatch):
+    from lowbit.algorithms import _gptq
+
+    calls = []
+    factor = _gptq.inverse_hessian_factor
+    monkeypatch.setattr(_gptq, "inverse_hessian_factor", lambda *a: calls.append(1) or factor(*a))
+    x = _correlated_inputs()
+    gram = jnp.asarray(x.T @ x)
+    factors: dict = {}
+    for seed in range(3):  # q, k, v: three weights, one input
+        w = _weight(seed)
+        q = quantize_array(w, CONFIGS["int4_g8"])
+        shared = gptq_matrix(w, gram, _grid.grid_of(q), "int4", GPTQ(refine=1), factors)
+        alone = gptq_matrix(w, gram, _grid.grid_of(q), "int4", GPTQ(refine=1))
+        np.testing.assert_array_equal(np.asarray(shared.codes), np.asarray(alone.codes))
+    assert len(calls) == 1 + 3  # one shared factorization, and three without the cache
+    gptq_matrix(_weight(), 2 * gram, _grid.grid_of(q), "int4", GPTQ(), factors)
+    assert len(calls) == 5  # another Gram matrix is factorized again
