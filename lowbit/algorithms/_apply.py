@@ -214,7 +214,10 @@ def quantize_with_report(
     out = dict(param_leaves(api_quantize_params(params, _strip(recipe), uses=uses, skip=wanted)))
     replaced: dict[str, QArray] = {}
     if sequential > 1:
-        folded = apply_factors(params, factors)
+        # `params` already holds the norms' factors: scale only the weights here (applying
+        # every factor again divided each norm twice, so the later passes calibrated on a
+        # model that was not the one being quantized).
+        folded = apply_factors(params, {p: f for p, f in factors.items() if p in wanted})
         gptq = [p for p, (_, rule) in wanted.items() if isinstance(rule.algorithm, GPTQ)]
         rtn_leaves = {
             path: _first_rounding(path, scaled(path), wanted[path], statistics, report)

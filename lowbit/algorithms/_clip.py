@@ -24,7 +24,6 @@ from lowbit.qarray import QuantConfig
 RATIOS = tuple(1.0 - i / 20 for i in range(10))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
 def _block_errors(w, hb, axis: int, config: QuantConfig, ratio: jax.Array):
     """(clipped w, [groups, N] error of each block): `w` 2-D with input axis `axis`, `hb`
     [groups, bk, bk] the diagonal blocks of the Gram matrix."""
@@ -69,17 +68,27 @@ def clip_search(
     g = k // bk
     idx = jnp.arange(g)[:, None] * bk + jnp.arange(bk)[None, :]
     hb = h[idx[:, :, None], idx[:, None, :]]
-    w = jnp.asarray(w, jnp.float32)
-    best = best_err = best_ratio = None
-    for r in ratios:
-        clipped, err = _block_errors(w, hb, axis, config, jnp.float32(r))
-        if best is None:
-            best, best_err, best_ratio = clipped, err, jnp.full(err.shape, r)
-            continue
-        better = err < best_err
-        best = jnp.where(better[:, None, :], clipped, best)
-        best_err = jnp.where(better, err, best_err)
-        best_ratio = jnp.where(better, r, best_ratio)
-    kn_shape = (k, w.size // k)
-    out = jnp.moveaxis(best.reshape(kn_shape), 0, axis)
-    return out, float(np.mean(np.asarray(best_ratio)))
+    out, mean_ratio = _search(jnp.asarray(w, jnp.float32), hb, axis, config, tuple(ratios))
+    return out, float(mean_ratio)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _search(w, hb, axis: int, config: QuantConfig, ratios: tuple[float, ...]):
+    """(w clipped per block and column to its best ratio, mean ratio): one compiled loop over
+    the ratios, so a weight's search is one dispatch."""
+
+    def step(best, r):
+        clipped, err, ratio = best
+        c, e = _block_errors(w, hb, axis, config, r)
+        better = e < err
+        return (
+            jnp.where(better[:, None, :], c, clipped),
+            jnp.where(better, e, err),
+            jnp.where(better, r, ratio),
+        ), None
+
+    clipped, err = _block_errors(w, hb, axis, config, jnp.float32(ratios[0]))
+    first = (clipped, err, jnp.full(err.shape, ratios[0], jnp.float32))
+    (best, _, ratio), _ = jax.lax.scan(step, first, jnp.asarray(ratios[1:], jnp.float32))
+    k = w.shape[axis]
+    return jnp.moveaxis(best.reshape(k, w.size // k), 0, axis), jnp.mean(ratio)

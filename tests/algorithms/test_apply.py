@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import lowbit
-from lowbit.algorithms import CalibrationError, quantize_model, quantize_with_report
+from lowbit.algorithms import CalibrationError, capture, quantize_model, quantize_with_report
 from lowbit.qarray import MinMax, PerGroup, QuantConfig
 from lowbit.recipes import GPTQ, HQQ, Recipe, Rule, preset
 
@@ -122,3 +122,42 @@ def test_sequential_gptq_recalibrates_later_weights_on_quantized_earlier_ones():
     assert not np.array_equal(one["b"].codes, two["b"].codes)
     with pytest.raises(ValueError, match="sequential"):
         quantize_with_report(params, recipe, statistics=report.statistics, sequential=2)
+
+
+def test_sequential_passes_calibrate_on_the_model_being_quantized(monkeypatch):
+    # With folded scales (GPTQ(scale=True)), the model a later pass calibrates on must be the
+    # quantized model's float twin: folded norms once, earlier weights at their codes' values.
+    from lowbit.algorithms import _apply
+    from lowbit.recipes import map_params
+
+    class Block(nnx.Module):
+        def __init__(self):
+            self.norm = nnx.RMSNorm(D_IN, rngs=nnx.Rngs(0))
+            self.up = nnx.Linear(D_IN, 2 * D_IN, use_bias=False, rngs=nnx.Rngs(1))
+            self.down = nnx.Linear(2 * D_IN, D_IN, use_bias=False, rngs=nnx.Rngs(2))
+
+        def __call__(self, x):
+            return self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+    block = Block()
+    block.norm.scale.set_value(jnp.linspace(0.5, 2.0, D_IN))
+    graphdef, state = nnx.split(block)
+    fn = lambda s, x: nnx.merge(graphdef, s)(x)
+    params = nnx.to_pure_dict(state)
+    boost = jnp.ones(D_IN).at[3].set(20.0)
+    batches = [jax.random.normal(jax.random.key(i), (64, D_IN)) * boost for i in range(2)]
+    seen = []
+    monkeypatch.setattr(
+        _apply, "capture", lambda fn, p, *a, **k: seen.append(p) or capture(fn, p, *a, **k)
+    )
+    rule = Rule(path=".*kernel", weight=INT4, algorithm=GPTQ(scale=True))
+    two, report = quantize_with_report(
+        params, Recipe(rules=(rule,)), fn=fn, calibration=batches, sequential=2
+    )
+    assert "awq" in report.applied["up/kernel"] and report.applied["down/kernel"].endswith("2/2")
+    second = seen[-1]  # the pass calibrating `down`, with `up` already quantized
+    twin = map_params(
+        lambda p, leaf: two["down"]["kernel"].dequantize() if p == "down/kernel" else leaf, second
+    )
+    x = batches[0]
+    np.testing.assert_allclose(fn(twin, x), lowbit.run(fn)(two, x), rtol=1e-4, atol=1e-4)
