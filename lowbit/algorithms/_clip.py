@@ -15,7 +15,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from lowbit.algorithms._smooth import block_shape, fake_quant
 from lowbit.qarray import QuantConfig
