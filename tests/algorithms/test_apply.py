@@ -86,6 +86,7 @@ def test_quantize_model_takes_calibration_batches():
         "int3w_g64_gptq",
         "int4w_g64_hqq",
         "int4w_g64_awq",
+        "int4w_g64_sym_awq",
         "int8_smoothquant",
     ],
 )
