@@ -216,8 +216,10 @@ def quantize_with_report(
     if sequential > 1:
         # `params` already holds the norms' factors: scale only the weights here (applying
         # every factor again divided each norm twice, so the later passes calibrated on a
-        # model that was not the one being quantized).
-        folded = apply_factors(params, {p: f for p, f in factors.items() if p in wanted})
+        # model that was not the one being quantized). Weights with an in-op scale stay as
+        # they are: nothing divides their input in this float model.
+        weights = {p: f for p, f in factors.items() if p in wanted and p not in in_op}
+        folded = apply_factors(params, weights)
         gptq = [p for p, (_, rule) in wanted.items() if isinstance(rule.algorithm, GPTQ)]
         rtn_leaves = {
             path: _first_rounding(path, scaled(path), wanted[path], statistics, report)

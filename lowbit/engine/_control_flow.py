@@ -163,7 +163,7 @@ def _stackable(y: Any) -> bool:
     if is_lora_weight(y) or not hasattr(y, "qarray") and not isinstance(y, QArray):
         return False
     q = y.qarray if is_qat_weight(y) else y
-    return q.tensor_scale is None and q.activation_bounds is None
+    return q.tensor_scale is None and q.activation_bounds is None and q.input_scale is None
 
 
 def _unstack_parts(y: Any) -> Any:

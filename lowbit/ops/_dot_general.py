@@ -41,7 +41,7 @@ from lowbit.ops._cpu_kernels import (
 )
 from lowbit.ops._dot_path import Plan, active_side, check_operand
 from lowbit.ops._dot_path import plan as choose_plan
-from lowbit.ops._input_scale import apply_input_scale
+from lowbit.ops._input_scale import apply_input_scale, strip_input_scale
 from lowbit.ops._operand import (
     Operand,
     from_float,
@@ -292,17 +292,6 @@ for _fn in (_ste_dot.fun, _kernel_dot.fun):
     _fn.__signature__ = inspect.signature(_fn)
 del _fn
 
-
-def _without_input_scale(lhs: Any, rhs: Any) -> tuple[Any, Any]:
-    """The operands as the path choice sees them: an input scale (applied to the float
-    operand first) changes no path."""
-    if isinstance(lhs, QArray | PreparedQArray) and lhs.input_scale is not None:
-        lhs = dataclasses.replace(lhs, input_scale=None)
-    if isinstance(rhs, QArray | PreparedQArray) and rhs.input_scale is not None:
-        rhs = dataclasses.replace(rhs, input_scale=None)
-    return lhs, rhs
-
-
 PATHS = (*_dot_path.PATHS, *KERNEL_PATHS)
 """Every name `dot_general_path` returns."""
 
@@ -322,7 +311,7 @@ def dot_general_path(
     Returns:
       The path name.
     """
-    lhs, rhs = _without_input_scale(lhs, rhs)
+    lhs, rhs = strip_input_scale(lhs), strip_input_scale(rhs)
     lhs, rhs, route = _prepared_route(lhs, rhs, dimension_numbers, out_sharding)
     if route is not None:
         return route.path

@@ -27,6 +27,12 @@ def _scaled_weight(x: Any) -> bool:
     return isinstance(x, QArray | PreparedQArray) and x.input_scale is not None
 
 
+def strip_input_scale(x: Any) -> Any:
+    """`x` without its input scale (as the path choice sees a weight: the scale, applied to
+    the other operand first, changes no path)."""
+    return dataclasses.replace(x, input_scale=None) if _scaled_weight(x) else x
+
+
 def _scale_operand(x, scale, x_axes: tuple[int, ...], w_axes: tuple[int, ...]):
     """`x` multiplied by `scale` (laid out along the weight's axes) along `x_axes`, where
     `x_axes[i]` is contracted with the weight's `w_axes[i]`."""
@@ -62,10 +68,8 @@ def apply_input_scale(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[Any, 
     dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
     (lc, rc), _ = dims
     if _scaled_weight(rhs):
-        lhs = _scale_operand(lhs, rhs.input_scale, tuple(lc), tuple(rc))
-        return lhs, dataclasses.replace(rhs, input_scale=None)
-    rhs = _scale_operand(rhs, lhs.input_scale, tuple(rc), tuple(lc))
-    return dataclasses.replace(lhs, input_scale=None), rhs
+        return _scale_operand(lhs, rhs.input_scale, tuple(lc), tuple(rc)), strip_input_scale(rhs)
+    return strip_input_scale(lhs), _scale_operand(rhs, lhs.input_scale, tuple(rc), tuple(lc))
 
 
 def reject_input_scale(op: str, *operands: Any) -> None:
