@@ -65,17 +65,26 @@ def test_folding_alone_leaves_the_float_model_unchanged(algorithm):
     np.testing.assert_allclose(fn(folded, x), fn(params, x), rtol=2e-5, atol=2e-5)
 
 
-def test_smoothquant_lowers_w8a8_error_on_outlier_channels():
-    fn, params, batches = _setup()
+def _w8a8(residual_reads_norm=False, algorithm=None):
+    """(float params, RTN w8a8 params, SmoothQuant params, report, output error of params)."""
+    fn, params, batches = _setup(residual_reads_norm)
     act = QuantConfig(format="int8", granularity=PerToken())
     w8 = QuantConfig(format="int8", granularity=lowbit.PerChannel((-1,)))
     base = dict(path="(up|gate)/kernel", weight=w8, activation=act)
     rtn = lowbit.quantize_params(params, Recipe(rules=(Rule(**base),)))
     sq, report = quantize_with_report(
-        params, Recipe(rules=(Rule(**base, algorithm=SmoothQuant()),)), fn=fn, calibration=batches
+        params,
+        Recipe(rules=(Rule(**base, algorithm=algorithm or SmoothQuant()),)),
+        fn=fn,
+        calibration=batches,
     )
     x = batches[1]
     err = lambda q: float(jnp.mean((lowbit.run(fn)(q, x) - fn(params, x)) ** 2))
+    return params, rtn, sq, report, err
+
+
+def test_smoothquant_lowers_w8a8_error_on_outlier_channels():
+    _, rtn, sq, report, err = _w8a8()
     assert err(sq) < err(rtn)
     assert report.applied["up/kernel"].startswith("smoothquant")
 
@@ -181,32 +190,16 @@ def test_gptq_with_awq_scales_and_clip_search_beats_rtn_and_says_what_it_did():
 def test_smoothquant_applies_its_scale_inside_the_op_where_no_layer_absorbs_it():
     # The norm's output also feeds the residual: nothing can absorb the scale, so the weights
     # keep it (`QArray.input_scale`) and the op divides their input by it before quantizing.
-    fn, params, batches = _setup(residual_reads_norm=True)
-    act = QuantConfig(format="int8", granularity=PerToken())
-    w8 = QuantConfig(format="int8", granularity=lowbit.PerChannel((-1,)))
-    base = dict(path="(up|gate)/kernel", weight=w8, activation=act)
-    rtn = lowbit.quantize_params(params, Recipe(rules=(Rule(**base),)))
-    sq, report = quantize_with_report(
-        params, Recipe(rules=(Rule(**base, algorithm=SmoothQuant()),)), fn=fn, calibration=batches
-    )
+    params, rtn, sq, report, err = _w8a8(residual_reads_norm=True)
     assert "inside the op" in report.applied["up/kernel"]
     assert "read outside the matmuls" in report.applied["up/kernel"]
-    assert sq["norm"]["scale"] is params["norm"]["scale"] or np.array_equal(
-        sq["norm"]["scale"], params["norm"]["scale"]
-    )
+    np.testing.assert_array_equal(sq["norm"]["scale"], params["norm"]["scale"])
     q = sq["up"]["kernel"]
     assert q.input_scale.shape == (D, 1)
     # The QArray still stands for the float weight (dequantize folds the scale back in).
     w = params["up"]["kernel"]
     assert float(jnp.max(jnp.abs(q.dequantize() - w))) < 0.05 * float(jnp.max(jnp.abs(w)))
-    x = batches[1]
-    err = lambda q: float(jnp.mean((lowbit.run(fn)(q, x) - fn(params, x)) ** 2))
     assert err(sq) < 0.5 * err(rtn)
 
-    _, report_off = quantize_with_report(
-        params,
-        Recipe(rules=(Rule(**base, algorithm=SmoothQuant(in_op=False)),)),
-        fn=fn,
-        calibration=batches,
-    )
+    report_off = _w8a8(residual_reads_norm=True, algorithm=SmoothQuant(in_op=False))[3]
     assert report_off.applied["up/kernel"].endswith("rtn")
