@@ -64,7 +64,9 @@ def encoder_batches(
     sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+|\n+", text) if len(s.strip()) > 20]
     if not sentences:
         raise ValueError("calibration text has no sentence longer than 20 characters")
-    sentences = sentences[:sequences]
+    # Batched by length: padded positions run through the model like tokens and would enter
+    # the statistics (and each padded width is one more compilation of the capture walk).
+    sentences = sorted(sentences[:sequences], key=len)
     return [pad_batch(tokenizer, sentences[i : i + batch]) for i in range(0, len(sentences), batch)]
 
 
