@@ -17,7 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
 
-from lowbit.algorithms._capture import CalibrationError, Statistics, capture
+from lowbit.algorithms._capture import (
+    CalibrationError,
+    Statistics,
+    capture,
+    single_matrix_use,
+)
 from lowbit.algorithms._clip import clip_search
 from lowbit.algorithms._gptq import gptq_qarray
 from lowbit.algorithms._hqq import hqq_qarray
@@ -315,7 +320,7 @@ def _first_rounding(path, w, wanted_entry, statistics, report) -> QArray:
         stats = statistics.for_path(path)
         note = report.applied.setdefault(path, "")
         sep = "; " if note else ""
-        if len(stats) != 1 or len(stats[0].input_axes) != 1 or stats[0].fixed:
+        if not single_matrix_use(stats):
             report.applied[path] = f"{note}{sep}no clip search (needs one 2-D use with statistics)"
         else:
             h = stats[0].gram / max(stats[0].count, 1)

@@ -70,6 +70,12 @@ class WeightStats:
         return self.abs_sum / max(self.count, 1)
 
 
+def single_matrix_use(stats: list[WeightStats]) -> bool:
+    """Whether a weight's statistics are one use as a plain matrix (one input axis, no stacked
+    layer index): what per-input-channel scales and the clip search need."""
+    return len(stats) == 1 and not stats[0].fixed and len(stats[0].input_axes) == 1
+
+
 @dataclasses.dataclass
 class Statistics:
     """What `capture` measured: per (path, fixed index) stats, and uses it could not map.

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.algorithms._capture import Statistics
+from lowbit.algorithms._capture import Statistics, single_matrix_use
 from lowbit.qarray import QuantConfig
 from lowbit.qarray import quantize as quantize_array
 from lowbit.recipes import AWQ, SmoothQuant, map_params
@@ -174,7 +174,7 @@ def plan_folds(
     sources: dict[str, dict[str, int]] = {}  # weight -> {source: axis}
     for path in wanted:
         stats = statistics.for_path(path)
-        if len(stats) != 1 or stats[0].fixed or len(stats[0].input_axes) != 1:
+        if not single_matrix_use(stats):
             skipped[path] = "needs one 2-D use with statistics (stacked or einsum weights: rtn)"
         elif not stats[0].activation_scale:
             skipped[path] = (
@@ -203,8 +203,7 @@ def plan_folds(
             skipped[path] += "" if skipped[path].endswith("rtn") else ": rtn"
     for path in list(skipped):
         algorithm = wanted[path][1].algorithm
-        stats = statistics.for_path(path)
-        one_use = len(stats) == 1 and not stats[0].fixed and len(stats[0].input_axes) == 1
+        one_use = single_matrix_use(statistics.for_path(path))
         if isinstance(algorithm, SmoothQuant) and algorithm.in_op and one_use:
             why = skipped.pop(path).removesuffix(": rtn")
             fold = _fold(None, -1, [path], params, wanted, statistics)
