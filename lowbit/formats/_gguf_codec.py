@@ -4,8 +4,12 @@ Every GGML quantization type stores a row as consecutive blocks of `block_size` 
 `type_size` bytes, each block carrying its own scales. Decoders here reproduce llama.cpp's
 dequantization bit for bit (same float32 operations in the same order, so the values equal
 `gguf.quants.dequantize`); encoders are vectorised ports of llama.cpp's reference quantizers
-(``quantize_row_*_ref``: the same scale searches, on every block at once), except that Q8_K
-keeps the scale of values that already are a decoded Q8_K block (so it re-encodes them exactly).
+(``quantize_row_*_ref``: the same scale searches, on every block at once). Values that already
+are decoded blocks come back with the same values: Q8_K keeps such a block's own scale; where
+some K-quant sub-block already decodes exactly from the search's result, the blocks are
+re-fitted onto the grid the values lie on (Q2_K / Q4_K / Q5_K / Q6_K levels near the searched
+ones or from the values' own steps, Q3_K's recovered outright); float weights never take that
+path.
 
   type     block bytes  bits/value  layout (little-endian)
   Q8_0       32    34     8.5      d f16, q int8[32]                          x = d q
@@ -567,6 +571,127 @@ def _make_q3(x, nmax=4, tries=5):
     return jnp.where(flat, 0.0, scale), jnp.where(flat[..., None], 0.0, q + nmax)
 
 
+def _exact_sub_blocks(xs, d, dmin, ls, lm, q, codes, levels, reach):
+    """K-quant sub-blocks re-fitted to decode exactly to `xs` where they can.
+
+    When `xs` already are decoded values, the reference search usually lands on the same
+    super-scales `d`, `dmin` but can miss a sub-block's scale or min level (1 decoded Q5_K block
+    in 16, by one to five levels; 1 real Q6_K block in 100, by one). Scale levels within
+    `reach` of the searched one are tried, nearest first, with the searched min level, its
+    neighbours and the levels that put the sub-block's smallest value at code 0, 1 or 2; the
+    first pair that reproduces every value exactly is kept.
+
+    Args:
+      xs: [..., n_sub, sub] values, ``x = d ls q - dmin lm``; d, dmin: [...] super-scales (as
+        decoded from float16; `dmin` zero for the types without mins); ls, lm: [..., n_sub]
+        searched levels; q: [..., n_sub, sub] codes; codes, levels: (lowest, highest) code and
+        scale level; reach: largest scale change tried.
+    Returns:
+      (ls, lm, q) with the exact fits substituted, and done [..., n_sub]: which are exact.
+    """
+    ls, lm = ls.astype(jnp.int32), lm.astype(jnp.int32)
+    x_min = xs.min(-1)
+    inv_dmin = _safe_div(1.0, dmin)[..., None]
+
+    def attempt(k, state):
+        out_ls, out_lm, out_q, done = state
+        # Offsets 0, -1, +1, -2, +2, ...
+        ls2 = ls + jnp.where(k % 2 == 1, -1, 1) * ((k + 1) // 2)
+        dl = d[..., None] * ls2.astype(jnp.float32)
+        # The min level that gives the smallest value code 0, 1 or 2: x = dl q - ml.
+        at_code = [_nearest(inv_dmin * (dl * c - x_min)) for c in range(3)]
+        for lm_try in (lm, lm - 1, lm + 1, *at_code):
+            lm2 = jnp.clip(lm_try, 0, levels[1])
+            ml = dmin[..., None] * lm2.astype(jnp.float32)
+            q2 = _nearest((xs + ml[..., None]) / jnp.where(dl == 0, 1, dl)[..., None])
+            q2 = jnp.where((dl == 0)[..., None], q, jnp.clip(q2, *codes).astype(jnp.float32))
+            ok = jnp.all(dl[..., None] * q2 - ml[..., None] == xs, axis=-1)
+            ok &= (ls2 >= levels[0]) & (ls2 <= levels[1]) & ~done
+            out_ls, out_lm = jnp.where(ok, ls2, out_ls), jnp.where(ok, lm2, out_lm)
+            out_q = jnp.where(ok[..., None], q2, out_q)
+            done |= ok
+        return out_ls, out_lm, out_q, done
+
+    init = (ls, lm, q, jnp.zeros(ls.shape, bool))
+    return jax.lax.fori_loop(0, 2 * reach + 1, attempt, init)
+
+
+def _exact_k_min(xs, d16, dmin16, ls, lm, q, nmax, smax):
+    """Q2_K / Q4_K / Q5_K blocks re-fitted to decode exactly to `xs` where they can.
+
+    First around the searched super-scales (`_exact_sub_blocks`); where that leaves a
+    sub-block inexact, around super-scales recovered from the values the way the reference
+    sets them: the sub-blocks of largest scale and largest min have level ``smax``, so the
+    steepest line through a sub-block's codes and values is ``smax`` times `d`, the largest
+    offset ``smax`` times `dmin`. (The search misses them, by a few float16 steps or by a
+    sub-block's whole level, on 1 decoded Q5_K block in 100 and 1 Q2_K block in 200.)
+
+    Args:
+      xs: [..., n_sub, sub] values; d16, dmin16: [..., 2] float16 bytes; ls, lm: [..., n_sub]
+      levels; q: [..., n_sub, sub] codes; nmax: largest code; smax: largest level.
+    Returns:
+      (d16, dmin16, ls, lm, q).
+    """
+    d, dmin = _f16(d16), _f16(dmin16)
+    ls, lm = ls.astype(jnp.int32), lm.astype(jnp.int32)
+    searched = (d16, dmin16, ls, lm, q)
+    dl = d[..., None] * ls.astype(jnp.float32)
+    ml = dmin[..., None] * lm.astype(jnp.float32)
+    hit = jnp.all(dl[..., None] * q - ml[..., None] == xs, axis=-1)
+    return jax.lax.cond(
+        _looks_decoded(xs, hit),
+        lambda: _refit_k_min(xs, *searched, nmax, smax),
+        lambda: searched,
+    )
+
+
+def _looks_decoded(xs: jax.Array, hit: jax.Array) -> jax.Array:
+    """Whether some sub-block of `xs` [..., n_sub, sub] that is not constant already decodes
+    exactly from the search's result (`hit` [..., n_sub]). Float weights never do, so the exact
+    refits (a few times the search's cost) run only on values that were decoded blocks."""
+    return jnp.any(hit & (xs.max(-1) > xs.min(-1)))
+
+
+def _refit_k_min(xs, d16, dmin16, ls, lm, q, nmax, smax):
+    """`_exact_k_min`'s refits, on every block."""
+
+    def fit(d, dmin, ls, lm):
+        return _exact_sub_blocks(xs, d, dmin, ls, lm, q, (0, nmax), (0, smax), smax)
+
+    d, dmin = _f16(d16), _f16(dmin16)
+    best = (d16, dmin16, *fit(d, dmin, ls, lm))
+    found = jnp.all(best[-1], axis=-1)
+    # Lines x = slope q - offset through each sub-block, from the searched levels' codes or
+    # from codes that count the smallest gap between two values from the smallest value.
+    gaps = jnp.diff(jnp.sort(xs, axis=-1), axis=-1)
+    min_gap = jnp.min(jnp.where(gaps > 0, gaps, jnp.inf), axis=-1)
+    starts = (
+        (d[..., None] * ls.astype(jnp.float32), dmin[..., None] * lm.astype(jnp.float32)),
+        (jnp.where(jnp.isfinite(min_gap), min_gap, 0.0), -xs.min(-1)),
+    )
+    for slope, offset in starts:
+        for _ in range(2):
+            codes = _nearest((xs + offset[..., None]) / jnp.where(slope == 0, 1, slope)[..., None])
+            codes = jnp.clip(codes, 0, nmax).astype(jnp.float32)
+            q_mean, x_mean = codes.mean(-1), xs.mean(-1)
+            centred = codes - q_mean[..., None]
+            slope = _safe_div((centred * xs).sum(-1), (centred * centred).sum(-1))
+            offset = slope * q_mean - x_mean
+        d_c16 = _f16_bytes(slope.max(-1) / smax)
+        dmin_c16 = _f16_bytes(jnp.maximum(offset.max(-1), 0.0) / smax)
+        d_c, dmin_c = _f16(d_c16), _f16(dmin_c16)
+        ls_c = jnp.clip(_nearest(_safe_div(1.0, d_c)[..., None] * slope), 0, smax)
+        lm_c = jnp.clip(_nearest(_safe_div(1.0, dmin_c)[..., None] * offset), 0, smax)
+        candidate = (d_c16, dmin_c16, *fit(d_c, dmin_c, ls_c, lm_c))
+        use = jnp.all(candidate[-1], axis=-1) & ~found
+        best = tuple(
+            jnp.where(use.reshape(use.shape + (1,) * (new.ndim - use.ndim)), new, old)
+            for new, old in zip(candidate, best, strict=True)
+        )
+        found |= use
+    return best[:5]
+
+
 def _k_min_encode(x, nmax, rmin, nstep):
     """Q4_K / Q5_K: (d, dmin bytes, 12 scale bytes, codes [..., 256] in [0, nmax])."""
     xs = x.reshape(*x.shape[:-1], 8, 32)
@@ -584,6 +709,7 @@ def _k_min_encode(x, nmax, rmin, nstep):
     ml = _f16(dmin16)[..., None] * lm.astype(jnp.float32)
     new = jnp.clip(_nearest((xs + ml[..., None]) / jnp.where(dl == 0, 1, dl)[..., None]), 0, nmax)
     q = jnp.where((dl == 0)[..., None], q, new.astype(jnp.float32))
+    d16, dmin16, ls, lm, q = _exact_k_min(xs, d16, dmin16, ls, lm, q, nmax, 63)
     header = [d16, dmin16, _k_scales_pack(ls, lm)]
     return header, q.reshape(*x.shape[:-1], QK_K).astype(jnp.uint8)
 
@@ -613,6 +739,16 @@ def _enc_q6_k(x):
     new = jnp.clip(_nearest(xs / jnp.where(dl == 0, 1, dl)[..., None]), -32, 31) + 32
     q = jnp.where((dl == 0)[..., None], q, new.astype(jnp.float32))
     q = jnp.where(flat[..., None, None], 0.0, q)
+    hit = jnp.all(dl[..., None] * (q - 32) == xs, axis=-1)
+
+    def refit():
+        zero = jnp.zeros_like(d16[..., 0], jnp.float32)
+        out = _exact_sub_blocks(
+            xs, _f16(d16), zero, sc, jnp.zeros_like(sc), q - 32, (-32, 31), (-128, 127), 8
+        )
+        return out[0], out[2] + 32
+
+    sc, q = jax.lax.cond(_looks_decoded(xs, hit), refit, lambda: (sc.astype(jnp.int32), q))
     q = _u8(q.reshape(*x.shape[:-1], QK_K)).reshape(*x.shape[:-1], 2, 4, 32)
     ql = jnp.concatenate(
         [
@@ -643,6 +779,7 @@ def _enc_q2_k(x):
     ml = _f16(dmin16)[..., None] * lm.astype(jnp.float32)
     new = jnp.clip(_nearest((xs + ml[..., None]) / jnp.where(dl == 0, 1, dl)[..., None]), 0, 3)
     q = jnp.where((dl == 0)[..., None], q, new.astype(jnp.float32))
+    d16, dmin16, ls, lm, q = _exact_k_min(xs, d16, dmin16, ls, lm, q, 3, 15)
     qs = _pack_2bit_128(q.reshape(*x.shape[:-1], QK_K))
     return jnp.concatenate([_u8(ls | (lm << 4)), qs, d16, dmin16], -1)
 
@@ -659,11 +796,95 @@ def _enc_q3_k(x):
     dl = _f16(d16)[..., None] * (l6 - 32).astype(jnp.float32)
     new = jnp.clip(_nearest(xs / jnp.where(dl == 0, 1, dl)[..., None]), -4, 3) + 4
     q = jnp.where((dl == 0)[..., None], q, new.astype(jnp.float32))
-    q = _u8(q.reshape(*x.shape[:-1], QK_K))
-    high = (q > 3).reshape(*x.shape[:-1], 8, 32).astype(jnp.uint8)
+    searched = _pack_q3_k(d16, l6, q)
+    hit = jnp.all(dl[..., None] * (q - 4) == xs, axis=-1)
+
+    def lattice():
+        found, exact = _q3_k_lattice(x)
+        return jnp.where(found[..., None], exact, searched)
+
+    return jax.lax.cond(_looks_decoded(xs, hit), lattice, lambda: searched)
+
+
+def _pack_q3_k(d16, l6, q):
+    """d16 [..., 2] bytes, l6 [..., 16] (scale + 32), q [..., 16, 16] codes 0..7 -> blocks."""
+    q = _u8(q.reshape(*q.shape[:-2], QK_K))
+    high = (q > 3).reshape(*q.shape[:-1], 8, 32).astype(jnp.uint8)
     hmask = jnp.sum(high << jnp.arange(8, dtype=jnp.uint8)[:, None], axis=-2, dtype=jnp.uint8)
     q = jnp.where(q > 3, q - 4, q)
     return jnp.concatenate([hmask, _pack_2bit_128(q), _q3_scales_pack(l6), d16], -1)
+
+
+def _q3_k_lattice(x):
+    """The Q3_K block whose decoded values are exactly `x`, when there is one.
+
+    The scale search does not find the grid that decoded values already lie on (about half of
+    decoded Q3_K blocks came back different), so it is recovered directly. A Q3_K value is
+    ``d * sc * q`` with every product exact in float32 (11 + 6 + 3 significant bits), so
+    ``x / d`` is an integer in [-128, 128] for every element when `d` is right. The reference
+    quantizer gives the sub-block of largest scale ``sc = -32`` and maps a sub-block's largest
+    value to a negative code (-4, or -3 after its refinement): those name the candidates for
+    `d`, tried on the sub-blocks in order of their largest values. Each sub-block's scale is
+    then the smallest one (sign first: its largest value's code negative) that leaves every
+    code an integer in [-4, 3].
+
+    Args:
+      x: [..., 256] float32 values.
+    Returns:
+      (found [...] bool: the blocks decode exactly to `x`, blocks [..., 110] uint8).
+    """
+    xs = x.reshape(*x.shape[:-1], 16, 16)
+    peak = jnp.max(jnp.abs(xs), axis=-1)
+    # The sign of each sub-block's first largest value. (Decoding can tie the reference's
+    # largest value with one of the other sign; neither the first, nor the larger or smaller
+    # group of tied values names it right much more than half the time.)
+    sign = jnp.where(_signed_absmax(xs)[1] < 0, -1.0, 1.0)
+    order = jnp.argsort(-peak, axis=-1)
+
+    def candidate(k, state):
+        d, found = state
+        j = order[..., k, None]
+        top = jnp.take_along_axis(peak, j, axis=-1)[..., 0]
+        sub = jnp.take_along_axis(xs, j[..., None], axis=-2)[..., 0, :]
+        top_sign = jnp.take_along_axis(sign, j, axis=-1)[..., 0]
+        for flip, code in ((1, 4), (1, 3), (-1, 3)):
+            # Sub-block j has sc = -32 and its peak elements (of sign top_sign * flip) code
+            # -code: x = d * -32 * -code.
+            c = flip * top_sign * top / (32.0 * code)
+            safe = jnp.where(c == 0, 1, c)[..., None]
+            # round(x / c) * c == x, not x / c == round(x / c): XLA divides by a broadcast
+            # as a multiply by its reciprocal, which is not exact.
+            n = jnp.round(x / safe)
+            n_sub = jnp.round(sub / safe)
+            ok = (c != 0) & (c.astype(jnp.float16).astype(jnp.float32) == c)
+            ok &= jnp.all((n * c[..., None] == x) & (jnp.abs(n) <= 128), axis=-1)
+            ok &= jnp.all((n_sub % 32 == 0) & (n_sub <= 128) & (n_sub >= -96), axis=-1)
+            d = jnp.where(ok & ~found, c, d)
+            found |= ok
+        return d, found
+
+    init = (jnp.zeros(x.shape[:-1], jnp.float32), jnp.zeros(x.shape[:-1], bool))
+    d, found = jax.lax.fori_loop(0, 16, candidate, init)
+    n = jnp.round(xs / jnp.where(found, d, 1)[..., None, None])
+    first = jnp.where(_signed_absmax(n)[1] < 0, 1.0, -1.0)
+
+    def scale(magnitude, state):
+        sc, done = state
+        for direction in (first, -first):
+            s = direction * magnitude.astype(jnp.float32)
+            q = jnp.round(n / s[..., None])
+            ok = (s <= 31) & jnp.all((q * s[..., None] == n) & (q >= -4) & (q <= 3), axis=-1)
+            sc = jnp.where(ok & ~done, s, sc)
+            done |= ok
+        return sc, done
+
+    init = (jnp.zeros(first.shape, jnp.float32), jnp.all(n == 0, axis=-1))
+    sc, done = jax.lax.fori_loop(1, 33, scale, init)
+    q = jnp.where((sc == 0)[..., None], 0.0, jnp.round(n / jnp.where(sc == 0, 1, sc)[..., None]))
+    blocks = _pack_q3_k(_f16_bytes(d), (sc + 32).astype(jnp.int32), q + 4)
+    found &= jnp.all(done, axis=-1)
+    found &= jnp.all(_dec_q3_k(blocks) == x, axis=-1)
+    return found, blocks
 
 
 def _enc_q8_k(x):

@@ -18,11 +18,11 @@ from lowbit.qarray import PerGroup, quantize
 TYPES = sorted(GGUF_BLOCK_TYPES)
 # Types `gguf.quants` can also encode (llama.cpp's simple reference quantizers).
 GGUF_ENCODES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "TQ1_0", "TQ2_0")
-# Types whose encoder re-encodes its own decoded output to the same values.
-VALUE_STABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q6_K", "TQ1_0", "TQ2_0")
 # Types whose encoder gives decoded blocks back byte for byte (beyond the simple ones gguf
-# also encodes): Q8_K keeps a decoded block's own scale instead of recomputing it.
-BYTE_STABLE = (*GGUF_ENCODES, "IQ4_NL", "Q4_K", "Q8_K")
+# also encodes): Q8_K keeps a decoded block's own scale, the K-quants with mins re-fit
+# decoded values exactly. Every type gives decoded values back exactly (Q3_K and Q6_K not
+# always in the same bytes: `test_k_quants_re_encode_decoded_blocks`).
+BYTE_STABLE = (*GGUF_ENCODES, "IQ4_NL", "Q2_K", "Q4_K", "Q5_K", "Q8_K")
 
 
 def _weights(rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -73,8 +73,7 @@ def test_encode_round_trip(name):
     assert np.isfinite(y).all()
     assert np.all(y[0] == 0)  # a zero row stays zero, no NaN scales
     again = gguf_encode(name, y)
-    if name in VALUE_STABLE:
-        np.testing.assert_array_equal(gguf_decode(name, again), y)
+    np.testing.assert_array_equal(gguf_decode(name, again), y)
     if name in BYTE_STABLE:  # the zero row may flip the sign of a zero scale
         np.testing.assert_array_equal(again[1:], blocks[1:])
 
@@ -133,3 +132,36 @@ def test_q8_k_re_encodes_decoded_blocks_exactly():
     x = np.random.default_rng(5).standard_normal((16, 1024)).astype(np.float32)
     blocks = gguf_encode("Q8_K", x)
     np.testing.assert_array_equal(gguf_encode("Q8_K", gguf_decode("Q8_K", blocks)), blocks)
+
+
+# Share of decoded blocks re-encoded byte for byte, measured on this test's blocks (0.709 and
+# 0.805 on 1024 Gaussian blocks). Q3_K and Q6_K blocks whose sub-block has no code at the
+# negative end (-4 / -32) decode the same with that sub-block's scale and codes negated, and
+# when its largest value is tied with one of the other sign nothing in the values says which
+# one the reference stored.
+K_BYTE_SHARE = {"Q2_K": 1.0, "Q3_K": 0.6, "Q4_K": 1.0, "Q5_K": 1.0, "Q6_K": 0.7}
+
+
+@pytest.mark.parametrize("name", sorted(K_BYTE_SHARE))
+def test_k_quants_re_encode_decoded_blocks(name):
+    t = GGUF_BLOCK_TYPES[name]
+    x = np.random.default_rng(7).standard_normal((16, 2048)).astype(np.float32)
+    x *= np.exp(np.random.default_rng(8).standard_normal((16, 1))).astype(np.float32)
+    blocks = gguf_encode(name, x)
+    y = gguf_decode(name, blocks)
+    again = gguf_encode(name, y)
+    np.testing.assert_array_equal(gguf_decode(name, again), y)  # every block, value-exact
+    same = np.all(again.reshape(-1, t.type_size) == blocks.reshape(-1, t.type_size), axis=-1)
+    assert same.mean() >= K_BYTE_SHARE[name], same.mean()
+
+
+@pytest.mark.parametrize("name", ["Q3_K", "Q5_K"])
+def test_k_quant_refits_leave_float_inputs_to_the_search(name, monkeypatch):
+    # The exact refits run only where some sub-block already decodes exactly from the search,
+    # which float weights never do; run on float weights anyway, they change nothing.
+    from lowbit.formats import _gguf_codec as codec
+
+    x = _weights(4, 512)
+    monkeypatch.setattr(codec, "_looks_decoded", lambda xs, hit: jnp.asarray(True))
+    got = jax.jit(lambda v: codec.encode_traced(name, v))(x)
+    np.testing.assert_array_equal(np.asarray(got), gguf_encode(name, x))
