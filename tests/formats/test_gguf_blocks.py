@@ -162,6 +162,6 @@ def test_k_quant_refits_leave_float_inputs_to_the_search(name, monkeypatch):
     from lowbit.formats import _gguf_codec as codec
 
     x = _weights(4, 512)
-    monkeypatch.setattr(codec, "_looks_decoded", lambda xs, hit: jnp.asarray(True))
+    monkeypatch.setattr(codec, "_needs_refit", lambda xs, hit: jnp.asarray(True))
     got = jax.jit(lambda v: codec.encode_traced(name, v))(x)
     np.testing.assert_array_equal(np.asarray(got), gguf_encode(name, x))
