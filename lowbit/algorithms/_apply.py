@@ -119,6 +119,7 @@ def quantize_with_report(
     *,
     fn: Callable[..., Any] | None = None,
     calibration: Iterable[Any] | None = None,
+    row_mask: Callable[..., Any] | None = None,
     statistics: Statistics | None = None,
     strict: bool = False,
     uses: Mapping[str, frozenset[str]] | None = None,
@@ -135,6 +136,9 @@ def quantize_with_report(
       fn: ``fn(params, *batch)``, needed with `calibration`.
       calibration: iterable of batches (a tuple is unpacked into arguments), for rules whose
         algorithm needs data (GPTQ, AWQ, SmoothQuant).
+      row_mask: ``row_mask(*batch)``: the positions of a batch that count (e.g.
+        ``lambda tokens, mask: mask`` for padded encoder batches), as for
+        `lowbit.algorithms.capture`.
       statistics: already captured `Statistics` (shared between recipes) instead of batches.
       strict: raise instead of falling back to RTN for a weight (singular Hessian, no stats).
       uses: as for `lowbit.api.quantize_params`.
@@ -178,6 +182,7 @@ def quantize_with_report(
             calibration,
             paths=data_paths,
             sample_rows=sample_rows(recipe),
+            row_mask=row_mask,
             on_batch=on_batch,
         )
     report.statistics = statistics
@@ -239,6 +244,7 @@ def quantize_with_report(
             sequential,
             fn,
             calibration,
+            row_mask,
             strict,
             report,
             replaced,
@@ -343,6 +349,7 @@ def _sequential_gptq(
     passes,
     fn,
     calibration,
+    row_mask,
     strict,
     report,
     replaced,
@@ -356,9 +363,9 @@ def _sequential_gptq(
     batches = list(calibration)
     current = params
     for i, group in enumerate(groups):
-        stats = (
-            statistics if i == 0 else capture(fn, current, batches, paths=group, on_batch=on_batch)
-        )
+        stats = statistics
+        if i > 0:
+            stats = capture(fn, current, batches, paths=group, row_mask=row_mask, on_batch=on_batch)
         floats = dict(param_leaves(current))
         for path in group:
             algorithm = wanted[path][1].algorithm

@@ -159,15 +159,17 @@ def _map_use(use: Use, shape: tuple[int, ...]) -> _Mapping | str:
     return _Mapping(tuple(input_axes), tuple(fixed), order)
 
 
-def _rows(use: Use, mapping: _Mapping) -> jax.Array:
-    """The activation as [rows, K] float32, columns in the parameter's input order."""
+def _rows(use: Use, mapping: _Mapping) -> tuple[jax.Array, tuple[int, ...]]:
+    """The activation as [rows, K] float32, columns in the parameter's input order, and the
+    shape its rows were flattened from (the activation's axes that are not contracted)."""
     (lc, rc), _ = use.params["dimension_numbers"]
     a_contract = lc if use.weight_operand == 1 else rc
     x = jnp.asarray(use.activation, jnp.float32)
     rest = [a for a in range(x.ndim) if a not in a_contract]
     k = int(np.prod([x.shape[a] for a in a_contract]))
+    row_shape = tuple(x.shape[a] for a in rest)
     x = jnp.transpose(x, [*rest, *a_contract]).reshape(-1, k)
-    return x if mapping.order is None else x[:, mapping.order]
+    return (x if mapping.order is None else x[:, mapping.order]), row_shape
 
 
 @dataclasses.dataclass
@@ -186,6 +188,7 @@ def capture(
     *,
     paths: Sequence[str] | None = None,
     sample_rows: int = 0,
+    row_mask: Callable[..., Any] | None = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> Statistics:
     """Streams input statistics of the wanted weights over calibration batches.
@@ -201,6 +204,12 @@ def capture(
       paths: parameter paths to measure (default: every parameter with 2+ axes).
       sample_rows: keep up to this many input rows per weight (0: none), evenly spaced over
         the first batch (and the next ones if it has fewer).
+      row_mask: ``row_mask(*batch) -> [*row_shape]`` nonzero for the positions that count,
+        e.g. ``lambda tokens, mask: mask`` for a padded encoder batch: rows of an activation
+        whose non-contracted axes have that shape (``[batch, seq, hidden]`` inputs of
+        ``[batch, seq]`` masks) enter the statistics only where the mask is set, so padded
+        positions, which run through the model like tokens, do not. Activations of other
+        shapes count every row.
       on_batch: called with the number of batches done after each batch (progress).
     Returns:
       `Statistics`.
@@ -249,21 +258,36 @@ def capture(
                 order = None if mapping.order is None else mapping.order.tobytes()
                 site = (id(use.activation), dims, use.weight_operand, order)
                 if site not in site_index:
-                    rows = _rows(use, mapping)
+                    rows, row_shape = _rows(use, mapping)
+                    finite = jnp.all(jnp.isfinite(rows))
+                    count = jnp.asarray(rows.shape[0], jnp.int32)
+                    keep = None
+                    if mask is not None and tuple(mask.shape) == row_shape:
+                        keep = mask.reshape(-1) != 0
+                        rows = jnp.where(keep[:, None], rows, 0.0)
+                        count = jnp.sum(keep, dtype=jnp.int32)
                     a = jnp.abs(rows)
                     gram = jnp.dot(rows.T, rows, precision=jax.lax.Precision.HIGHEST)
                     # Evenly spaced rows (a batch's first rows are one sequence's start), half
                     # the sample from each of the first two batches: more sequences in it
-                    # (a single batch gives half a sample).
+                    # (a single batch gives half a sample). Masked rows go last.
                     stride = max(1, rows.shape[0] // max(-(-sample_rows // 2), 1))
-                    sample = rows[::stride][:sample_rows] if sample_rows else None
-                    values.append((gram, a.sum(0), a.max(0), jnp.all(jnp.isfinite(rows)), sample))
+                    sample = valid = None
+                    if sample_rows:
+                        sample = rows[::stride]
+                        valid = jnp.asarray(sample.shape[0], jnp.int32)
+                        if keep is not None:
+                            sample = sample[jnp.argsort(~keep[::stride], stable=True)]
+                            valid = jnp.sum(keep[::stride], dtype=jnp.int32)
+                        sample = sample[:sample_rows]
+                    values.append((gram, a.sum(0), a.max(0), finite, sample, valid, count))
                     site_index[site] = len(sites)
                     sites.append(_Site(int(rows.shape[0]), use.location, []))
                     # Keep the activation alive so its id is not reused within this trace.
                     alive.append(use.activation)
                 sites[site_index[site]].keys.append(key)
 
+        mask = None if row_mask is None else jnp.asarray(row_mask(*args))
         probe(fn, params, args, {}, visit, name=path_string, concrete=True)
         meta["sites"], meta["key_info"] = sites, key_info
         return values
@@ -275,8 +299,8 @@ def capture(
     def step(acc, params, args):
         inc = increments(params, args)
         return [
-            (g + g2, s + s2, jnp.maximum(m, m2), f2, smp2)
-            for (g, s, m, _, _), (g2, s2, m2, f2, smp2) in zip(acc, inc, strict=True)
+            (g + g2, s + s2, jnp.maximum(m, m2), f2, smp2, v2, n + n2)
+            for (g, s, m, *_, n), (g2, s2, m2, f2, smp2, v2, n2) in zip(acc, inc, strict=True)
         ]
 
     def zeros(params, args):  # |x| >= 0, so 0 also starts the running max
@@ -305,7 +329,8 @@ def capture(
             for j, value in enumerate(inc):
                 have = sum(len(x) for x in samples.get(j, []))
                 if have < sample_rows:
-                    samples.setdefault(j, []).append(np.asarray(value[4][: sample_rows - have]))
+                    take = min(sample_rows - have, int(value[5]))  # masked rows are last
+                    samples.setdefault(j, []).append(np.asarray(value[4][:take]))
         stats.batches += 1
         stats.rows.append(sites[0].rows if sites else 0)
         if on_batch is not None:
@@ -322,16 +347,13 @@ def _collect(stats: Statistics, acc, meta, samples) -> None:
     for j, site in enumerate(meta["sites"]):
         for key in site.keys:
             per_key.setdefault(key, []).append(j)
-    total_rows = sum(stats.rows)
-    first_rows = stats.rows[-1] if stats.rows else 1
     for key, js in per_key.items():
         path, input_axes, fixed, scale = meta["key_info"][key]
         gram, abs_sum, abs_max = acc[js[0]][:3]
         for j in js[1:]:
             gram, abs_sum = gram + acc[j][0], abs_sum + acc[j][1]
             abs_max = jnp.maximum(abs_max, acc[j][2])
-        # Rows per batch at each site scale with the batch's rows at the first site.
-        count = sum(meta["sites"][j].rows for j in js) * total_rows // max(first_rows, 1)
+        count = sum(int(acc[j][6]) for j in js)
         sample = None
         if samples:
             sample = np.concatenate([x for j in js for x in samples.get(j, [])])

@@ -64,10 +64,17 @@ def encoder_batches(
     sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+|\n+", text) if len(s.strip()) > 20]
     if not sentences:
         raise ValueError("calibration text has no sentence longer than 20 characters")
-    # Batched by length: padded positions run through the model like tokens and would enter
-    # the statistics (and each padded width is one more compilation of the capture walk).
+    # Batched by length: few padded positions run through the model (`row_mask` keeps them
+    # out of the statistics) and few padded widths compile the capture walk.
     sentences = sorted(sentences[:sequences], key=len)
     return [pad_batch(tokenizer, sentences[i : i + batch]) for i in range(0, len(sentences), batch)]
+
+
+def row_mask(kind: str) -> Callable[..., Any] | None:
+    """The calibration positions that count (`capture`'s `row_mask`): an encoder batch's
+    attention mask (its padded positions run through the model like tokens); None for LMs,
+    whose windows are all tokens."""
+    return None if kind == "lm" else (lambda tokens, mask: mask)
 
 
 def model_fn(model: nnx.Module, kind: str) -> Callable[..., Any]:

@@ -234,6 +234,7 @@ def quantize_variant(
                 batches,
                 paths=data_paths,
                 sample_rows=sample_rows(recipe),
+                row_mask=calib.row_mask(loaded.kind),
                 on_batch=progress,
             ),
         )

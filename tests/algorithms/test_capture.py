@@ -70,3 +70,30 @@ def test_nan_inputs_name_the_layer():
 def test_no_batches_is_an_error():
     with pytest.raises(CalibrationError, match="empty"):
         capture(lambda p, ids: _model(p, ids)[0], _params(), [])
+
+
+def test_row_mask_keeps_padded_positions_out():
+    # An encoder batch [b, s] with padding: padded positions carry huge activations that must
+    # not reach the Gram matrix, the sums, the max, the row count or the sample.
+    k = jax.random.split(jax.random.key(3), 3)
+    params = {"w": jax.random.normal(k[0], (D, 4)), "v": jax.random.normal(k[1], (4, 3))}
+    x = np.array(jax.random.normal(k[2], (2, 5, D)))
+    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], np.int32)
+    x[mask == 0] = 1e3
+
+    def fn(p, x, mask):
+        return jnp.tanh(x @ p["w"]) @ p["v"]
+
+    stats = capture(fn, params, [(x, mask)], sample_rows=16, row_mask=lambda x, mask: mask)
+    real = np.asarray(x, np.float64)[mask == 1]  # [8, D]
+    (w,) = stats.for_path("w")
+    np.testing.assert_allclose(np.asarray(w.gram), real.T @ real, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(w.abs_max), np.abs(real).max(0), rtol=1e-6)
+    assert w.count == 8 and w.sample.shape == (8, D)
+    np.testing.assert_allclose(np.sort(w.sample[:, 0]), np.sort(real[:, 0]), rtol=1e-6)
+    (v,) = stats.for_path("v")
+    assert v.count == 8  # the next layer's input is masked the same way
+    # Without the mask every position counts.
+    plain = capture(fn, params, [(x, mask)])
+    assert plain.for_path("w")[0].count == 10
+    assert float(plain.for_path("w")[0].abs_max.max()) == 1e3
