@@ -116,7 +116,9 @@ def run() -> str:
         _fixed_width(loaded.tokenizer, calibration[i : i + 32]) for i in range(0, CALIBRATION, 32)
     ]
     start = time.perf_counter()
-    pruned, masks, notes = sparsegpt_params(embed, floats, batches, rule)
+    pruned, masks, notes = sparsegpt_params(
+        embed, floats, batches, rule, row_mask=lambda tokens, mask: mask
+    )
     sparsegpt_seconds = time.perf_counter() - start
     cos_sparsegpt = session.quality(nm_sparsify_params(pruned, rule, masks))[0]
 

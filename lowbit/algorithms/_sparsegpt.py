@@ -112,6 +112,7 @@ def sparsegpt_params(
     *,
     damp: float = 0.01,
     passes: int = 1,
+    row_mask: Callable[..., Any] | None = None,
 ) -> tuple[Any, dict[str, jax.Array], list[str]]:
     """`lowbit.algorithms.sparsegpt_params`: prune every weight `rule` selects with SparseGPT.
 
@@ -129,6 +130,8 @@ def sparsegpt_params(
       rule: the `SparseRule` (pattern and axis; `rule.values` applies at compression).
       damp: dampening of the Hessian, a fraction of its mean diagonal.
       passes: number of sequential groups (1: one capture of the float model).
+      row_mask: ``row_mask(*batch)``, the positions that count (e.g. a padded encoder batch's
+        attention mask), as for `lowbit.algorithms.capture`.
     Returns:
       (pruned float params, {path: bool keep mask}, notes: weights that fell back to magnitude
       pruning — no statistics, inputs not along the rule's axis, or a singular Hessian).
@@ -140,7 +143,7 @@ def sparsegpt_params(
         raise ValueError(f"sparsegpt_params: passes={passes!r}; accepted: an int >= 1")
     masks = nm_masks(params, rule)
     batches = list(batches)
-    statistics = capture(fn, params, batches, paths=list(masks))
+    statistics = capture(fn, params, batches, paths=list(masks), row_mask=row_mask)
     seen = statistics.read_order()
     order = [p for p in seen if p in masks] + [p for p in masks if p not in seen]
     size = -(-len(order) // passes)
@@ -148,7 +151,7 @@ def sparsegpt_params(
     current, notes = params, []
     for i, group in enumerate(groups):
         if i:
-            statistics = capture(fn, current, batches, paths=group)
+            statistics = capture(fn, current, batches, paths=group, row_mask=row_mask)
         leaves = dict(param_leaves(current))
         pruned = {}
         for path in group:
