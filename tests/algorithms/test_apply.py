@@ -162,3 +162,18 @@ def test_sequential_passes_calibrate_on_the_model_being_quantized(monkeypatch):
     )
     x = batches[0]
     np.testing.assert_allclose(fn(twin, x), lowbit.run(fn)(two, x), rtol=1e-4, atol=1e-4)
+
+
+def test_row_mask_reaches_the_statistics():
+    # (x, mask) batches: the mask says which rows count; GPTQ's statistics see only those.
+    params, batches = _setup()
+    mask = (jnp.arange(64) % 4 != 0).astype(jnp.int32)  # 48 of 64 rows
+    recipe = Recipe(rules=(Rule(path="a", weight=INT4, algorithm=GPTQ()),))
+    _, report = quantize_with_report(
+        params,
+        recipe,
+        fn=lambda p, x, m: _fn(p, x),
+        calibration=[(x, mask) for x in batches],
+        row_mask=lambda x, m: m,
+    )
+    assert report.statistics.for_path("a")[0].count == 48 * len(batches)
