@@ -259,13 +259,13 @@ def capture(
                 site = (id(use.activation), dims, use.weight_operand, order)
                 if site not in site_index:
                     rows, row_shape = _rows(use, mapping)
-                    finite = jnp.all(jnp.isfinite(rows))
                     count = jnp.asarray(rows.shape[0], jnp.int32)
                     keep = None
                     if mask is not None and tuple(mask.shape) == row_shape:
                         keep = mask.reshape(-1) != 0
                         rows = jnp.where(keep[:, None], rows, 0.0)
                         count = jnp.sum(keep, dtype=jnp.int32)
+                    finite = jnp.all(jnp.isfinite(rows))  # of the rows that count
                     a = jnp.abs(rows)
                     gram = jnp.dot(rows.T, rows, precision=jax.lax.Precision.HIGHEST)
                     # Evenly spaced rows (a batch's first rows are one sequence's start), half

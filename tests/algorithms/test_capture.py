@@ -80,6 +80,7 @@ def test_row_mask_keeps_padded_positions_out():
     x = np.array(jax.random.normal(k[2], (2, 5, D)))
     mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], np.int32)
     x[mask == 0] = 1e3
+    x[0, 4] = np.nan  # a padded position's NaN does not count either
 
     def fn(p, x, mask):
         return jnp.tanh(x @ p["w"]) @ p["v"]
@@ -93,7 +94,11 @@ def test_row_mask_keeps_padded_positions_out():
     np.testing.assert_allclose(np.sort(w.sample[:, 0]), np.sort(real[:, 0]), rtol=1e-6)
     (v,) = stats.for_path("v")
     assert v.count == 8  # the next layer's input is masked the same way
-    # Without the mask every position counts.
+    # Without the mask every position counts (and the NaN is an error).
+    x[0, 4] = 1e3
     plain = capture(fn, params, [(x, mask)])
     assert plain.for_path("w")[0].count == 10
     assert float(plain.for_path("w")[0].abs_max.max()) == 1e3
+    x[0, 4] = np.nan
+    with pytest.raises(CalibrationError, match="NaN or Inf"):
+        capture(fn, params, [(x, mask)])
