@@ -661,6 +661,22 @@ def _needs_refit(xs: jax.Array, hit: jax.Array) -> jax.Array:
     return jnp.any(hit & varied) & ~jnp.all(hit | ~varied)
 
 
+def _smallest_gap(xs: jax.Array) -> jax.Array:
+    """[..., n] -> [...]: the smallest positive difference between two values (0 if all are
+    equal): a decoded sub-block's step, when two of its values sit on neighbouring codes."""
+    gaps = jnp.diff(jnp.sort(xs, axis=-1), axis=-1)
+    gap = jnp.min(jnp.where(gaps > 0, gaps, jnp.inf), axis=-1)
+    return jnp.where(jnp.isfinite(gap), gap, 0.0)
+
+
+def _per_block(use: jax.Array, new: tuple, old: tuple) -> tuple:
+    """Fields of `new` where `use` [...] is set, of `old` elsewhere (fields [..., *rest])."""
+    return tuple(
+        jnp.where(use.reshape(use.shape + (1,) * (a.ndim - use.ndim)), a, b)
+        for a, b in zip(new, old, strict=True)
+    )
+
+
 def _refit_k_min(xs, d16, dmin16, ls, lm, q, nmax, smax):
     """`_exact_k_min`'s refits, on every block."""
 
@@ -672,11 +688,9 @@ def _refit_k_min(xs, d16, dmin16, ls, lm, q, nmax, smax):
     found = jnp.all(best[-1], axis=-1)
     # Lines x = slope q - offset through each sub-block, from the searched levels' codes or
     # from codes that count the smallest gap between two values from the smallest value.
-    gaps = jnp.diff(jnp.sort(xs, axis=-1), axis=-1)
-    min_gap = jnp.min(jnp.where(gaps > 0, gaps, jnp.inf), axis=-1)
     starts = (
         (d[..., None] * ls.astype(jnp.float32), dmin[..., None] * lm.astype(jnp.float32)),
-        (jnp.where(jnp.isfinite(min_gap), min_gap, 0.0), -xs.min(-1)),
+        (_smallest_gap(xs), -xs.min(-1)),
     )
     for slope, offset in starts:
         for _ in range(2):
@@ -693,10 +707,7 @@ def _refit_k_min(xs, d16, dmin16, ls, lm, q, nmax, smax):
         lm_c = jnp.clip(_nearest(_safe_div(1.0, dmin_c)[..., None] * offset), 0, smax)
         candidate = (d_c16, dmin_c16, *fit(d_c, dmin_c, ls_c, lm_c, skip=found))
         use = jnp.all(candidate[-1], axis=-1) & ~found
-        best = tuple(
-            jnp.where(use.reshape(use.shape + (1,) * (new.ndim - use.ndim)), new, old)
-            for new, old in zip(candidate, best, strict=True)
-        )
+        best = _per_block(use, candidate, best)
         found |= use
     return best[:5]
 
@@ -766,9 +777,7 @@ def _refit_q6_k(xs, d16, sc, q):
     best = (d16, *fit(_f16(d16), sc))
     # Lines x = slope q through each sub-block, codes counting the smallest gap between two
     # values (the searched scales' codes lead straight back to the searched `d`).
-    gaps = jnp.diff(jnp.sort(xs, axis=-1), axis=-1)
-    slope = jnp.min(jnp.where(gaps > 0, gaps, jnp.inf), axis=-1)
-    slope = jnp.where(jnp.isfinite(slope), slope, 0.0)
+    slope = _smallest_gap(xs)
     for _ in range(2):
         codes = jnp.clip(_nearest(xs / jnp.where(slope == 0, 1, slope)[..., None]), -32, 31)
         codes = codes.astype(jnp.float32)
@@ -780,10 +789,7 @@ def _refit_q6_k(xs, d16, sc, q):
     found = jnp.all(best[-1], axis=-1)
     candidate = (d_c16, *fit(d_c, sc_c, skip=found))
     use = jnp.all(candidate[-1], axis=-1) & ~found
-    return tuple(
-        jnp.where(use.reshape(use.shape + (1,) * (new.ndim - use.ndim)), new, old)
-        for new, old in zip(candidate[:3], best[:3], strict=True)
-    )
+    return _per_block(use, candidate[:3], best[:3])
 
 
 def _enc_q6_k(x):
