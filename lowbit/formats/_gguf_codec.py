@@ -630,7 +630,9 @@ def _exact_k_min(xs, d16, dmin16, ls, lm, q, nmax, smax):
     sets them: the sub-blocks of largest scale and largest min have level ``smax``, so the
     steepest line through a sub-block's codes and values is ``smax`` times `d`, the largest
     offset ``smax`` times `dmin`. (The search misses them, by a few float16 steps or by a
-    sub-block's whole level, on 1 decoded Q5_K block in 100 and 1 Q2_K block in 200.)
+    sub-block's whole level, on 1 decoded Q5_K block in 100 and 1 Q2_K block in 200; on 1
+    real Q2_K block in 1500 it lands on 2/3 of `d`, fooled by an outlier sub-block that uses
+    only codes 0 and 2.)
 
     Args:
       xs: [..., n_sub, sub] values; d16, dmin16: [..., 2] float16 bytes; ls, lm: [..., n_sub]
@@ -645,20 +647,27 @@ def _exact_k_min(xs, d16, dmin16, ls, lm, q, nmax, smax):
     ml = dmin[..., None] * lm.astype(jnp.float32)
     hit = jnp.all(dl[..., None] * q - ml[..., None] == xs, axis=-1)
     return jax.lax.cond(
-        _needs_refit(xs, hit),
+        _needs_refit(xs, hit, nmax + 1),
         lambda: _refit_k_min(xs, *searched, nmax, smax),
         lambda: searched,
     )
 
 
-def _needs_refit(xs: jax.Array, hit: jax.Array) -> jax.Array:
-    """Whether the exact refits should run on these blocks: some sub-block of `xs`
-    [..., n_sub, sub] that is not constant already decodes exactly from the search's result
-    (`hit` [..., n_sub]), so the values are decoded blocks, and some other does not. Float
-    weights never have the first, decoded blocks the search gives back have no second; the
-    refits (a few times the search's cost) run on neither."""
+def _needs_refit(xs: jax.Array, hit: jax.Array, codes: int | None = None) -> jax.Array:
+    """Whether the exact refits should run on these blocks: the values look decoded, and some
+    varied sub-block of `xs` [..., n_sub, sub] does not decode exactly from the search's
+    result (`hit` [..., n_sub]). Decoded values: some varied sub-block already decodes
+    exactly, or (given `codes`, the number of codes, when fewer than a sub-block's size)
+    every sub-block holds at most `codes` distinct values: a search that lands on the wrong
+    super-scale (2/3 of the right one, for a Q2_K outlier block) leaves no sub-block exact.
+    Float weights look decoded by neither test; decoded blocks the search gives back need no
+    refit. The refits (a few times the search's cost) run on neither."""
     varied = xs.max(-1) > xs.min(-1)
-    return jnp.any(hit & varied) & ~jnp.all(hit | ~varied)
+    decoded = jnp.any(hit & varied)
+    if codes is not None and codes < xs.shape[-1]:
+        distinct = 1 + jnp.sum(jnp.diff(jnp.sort(xs, axis=-1), axis=-1) > 0, axis=-1)
+        decoded |= jnp.any(varied) & jnp.all(distinct <= codes)
+    return decoded & ~jnp.all(hit | ~varied)
 
 
 def _smallest_gap(xs: jax.Array) -> jax.Array:
@@ -700,15 +709,19 @@ def _refit_k_min(xs, d16, dmin16, ls, lm, q, nmax, smax):
             centred = codes - q_mean[..., None]
             slope = _safe_div((centred * xs).sum(-1), (centred * centred).sum(-1))
             offset = slope * q_mean - x_mean
-        d_c16 = _f16_bytes(slope.max(-1) / smax)
         dmin_c16 = _f16_bytes(jnp.maximum(offset.max(-1), 0.0) / smax)
-        d_c, dmin_c = _f16(d_c16), _f16(dmin_c16)
-        ls_c = jnp.clip(_nearest(_safe_div(1.0, d_c)[..., None] * slope), 0, smax)
+        dmin_c = _f16(dmin_c16)
         lm_c = jnp.clip(_nearest(_safe_div(1.0, dmin_c)[..., None] * offset), 0, smax)
-        candidate = (d_c16, dmin_c16, *fit(d_c, dmin_c, ls_c, lm_c, skip=found))
-        use = jnp.all(candidate[-1], axis=-1) & ~found
-        best = _per_block(use, candidate, best)
-        found |= use
+        # A sub-block that uses only some codes (an outlier at level smax holding codes 0
+        # and 2, say) has a line `skip` times too steep: try d / 2 and d / 3 as well.
+        for skip in (1, 2, 3):
+            d_c16 = _f16_bytes(slope.max(-1) / (smax * skip))
+            d_c = _f16(d_c16)
+            ls_c = jnp.clip(_nearest(_safe_div(1.0, d_c)[..., None] * slope), 0, smax)
+            candidate = (d_c16, dmin_c16, *fit(d_c, dmin_c, ls_c, lm_c, skip=found))
+            use = jnp.all(candidate[-1], axis=-1) & ~found
+            best = _per_block(use, candidate, best)
+            found |= use
     return best[:5]
 
 

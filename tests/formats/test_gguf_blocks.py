@@ -155,13 +155,33 @@ def test_k_quants_re_encode_decoded_blocks(name):
     assert same.mean() >= K_BYTE_SHARE[name], same.mean()
 
 
-@pytest.mark.parametrize("name", ["Q3_K", "Q5_K"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q5_K"])
 def test_k_quant_refits_leave_float_inputs_to_the_search(name, monkeypatch):
-    # The exact refits run only where some sub-block already decodes exactly from the search,
-    # which float weights never do; run on float weights anyway, they change nothing.
+    # The exact refits run only where the values look decoded, which float weights never do;
+    # run on float weights anyway, they change nothing.
     from lowbit.formats import _gguf_codec as codec
 
     x = _weights(4, 512)
-    monkeypatch.setattr(codec, "_needs_refit", lambda xs, hit: jnp.asarray(True))
+    monkeypatch.setattr(codec, "_needs_refit", lambda *args: jnp.asarray(True))
     got = jax.jit(lambda v: codec.encode_traced(name, v))(x)
     np.testing.assert_array_equal(np.asarray(got), gguf_encode(name, x))
+
+
+def test_q2_k_outlier_block_re_encodes_alone():
+    # A real SmolLM2 Q2_K block shape: one outlier sub-block at level 15 holding codes 0 and 2
+    # only, the others at small, mostly odd levels. The reference search lands on 2/3 of its
+    # super-scale, where no sub-block decodes exactly; the block must still come back whole,
+    # on its own (no other block in the tensor to show the values are decoded).
+    from lowbit.formats import _gguf_codec as codec
+
+    rng = np.random.default_rng(3)
+    ls = np.array([2, 4, 3, 3, 3, 3, 3, 15, 3, 4, 6, 12, 3, 2, 3, 9], np.uint8)
+    lm = np.array([1, 4, 2, 3, 1, 3, 3, 0, 3, 4, 3, 3, 2, 2, 4, 15], np.uint8)
+    q = rng.integers(0, 4, (16, 16))
+    q[7] = 0
+    q[7, 3] = 2
+    qs = np.asarray(codec._pack_2bit_128(jnp.asarray(q.reshape(256), jnp.uint8)))
+    d = np.array([0.02577, 0.0409], np.float16).view(np.uint8)
+    block = np.concatenate([ls | (lm << 4), qs, d])
+    values = gguf_decode("Q2_K", block)
+    np.testing.assert_array_equal(gguf_encode("Q2_K", values), block)
