@@ -712,10 +712,10 @@ def _refit_k_min(xs, d16, dmin16, ls, lm, q, nmax, smax):
         dmin_c16 = _f16_bytes(jnp.maximum(offset.max(-1), 0.0) / smax)
         dmin_c = _f16(dmin_c16)
         lm_c = jnp.clip(_nearest(_safe_div(1.0, dmin_c)[..., None] * offset), 0, smax)
-        # A sub-block that uses only some codes (an outlier at level smax holding codes 0
-        # and 2, say) has a line `skip` times too steep: try d / 2 and d / 3 as well.
-        for skip in (1, 2, 3):
-            d_c16 = _f16_bytes(slope.max(-1) / (smax * skip))
+        # A sub-block that uses only every other (or third) code, like an outlier at level
+        # smax holding codes 0 and 2, has a line `stride` times too steep: try d / 2, d / 3.
+        for stride in (1, 2, 3):
+            d_c16 = _f16_bytes(slope.max(-1) / (smax * stride))
             d_c = _f16(d_c16)
             ls_c = jnp.clip(_nearest(_safe_div(1.0, d_c)[..., None] * slope), 0, smax)
             candidate = (d_c16, dmin_c16, *fit(d_c, dmin_c, ls_c, lm_c, skip=found))
