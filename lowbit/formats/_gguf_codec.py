@@ -622,7 +622,7 @@ def _exact_sub_blocks(xs, d, dmin, ls, lm, q, codes, levels, reach, skip=None):
     return jax.lax.while_loop(more, attempt, (0, ls, lm, q, done))[1:]
 
 
-def _exact_k_min(xs, d16, dmin16, ls, lm, q, nmax, smax, count_values=False):
+def _exact_k_min(xs, d16, dmin16, ls, lm, q, nmax, smax, codes=None):
     """Q2_K / Q4_K / Q5_K blocks re-fitted to decode exactly to `xs` where they can.
 
     First around the searched super-scales (`_exact_sub_blocks`); where that leaves a
@@ -637,7 +637,7 @@ def _exact_k_min(xs, d16, dmin16, ls, lm, q, nmax, smax, count_values=False):
     Args:
       xs: [..., n_sub, sub] values; d16, dmin16: [..., 2] float16 bytes; ls, lm: [..., n_sub]
       levels; q: [..., n_sub, sub] codes; nmax: largest code; smax: largest level;
-      count_values: let `_needs_refit` count distinct values too (Q2_K: its 4 codes in
+      codes: for `_needs_refit` to count distinct values against (Q2_K: its 4 codes in
       sub-blocks of 16; Q4_K blocks re-encode without it, and the sort costs its float
       encoding 10%).
     Returns:
@@ -650,7 +650,7 @@ def _exact_k_min(xs, d16, dmin16, ls, lm, q, nmax, smax, count_values=False):
     ml = dmin[..., None] * lm.astype(jnp.float32)
     hit = jnp.all(dl[..., None] * q - ml[..., None] == xs, axis=-1)
     return jax.lax.cond(
-        _needs_refit(xs, hit, nmax + 1 if count_values else None),
+        _needs_refit(xs, hit, codes),
         lambda: _refit_k_min(xs, *searched, nmax, smax),
         lambda: searched,
     )
@@ -660,14 +660,14 @@ def _needs_refit(xs: jax.Array, hit: jax.Array, codes: int | None = None) -> jax
     """Whether the exact refits should run on these blocks: the values look decoded, and some
     varied sub-block of `xs` [..., n_sub, sub] does not decode exactly from the search's
     result (`hit` [..., n_sub]). Decoded values: some varied sub-block already decodes
-    exactly, or (given `codes`, the number of codes, when fewer than a sub-block's size)
-    every sub-block holds at most `codes` distinct values: a search that lands on the wrong
-    super-scale (2/3 of the right one, for a Q2_K outlier block) leaves no sub-block exact.
-    Float weights look decoded by neither test; decoded blocks the search gives back need no
-    refit. The refits (a few times the search's cost) run on neither."""
+    exactly, or (given `codes`, a number of codes below a sub-block's size) every sub-block
+    holds at most `codes` distinct values: a search that lands on the wrong super-scale (2/3
+    of the right one, for a Q2_K outlier block) leaves no sub-block exact. Float weights look
+    decoded by neither test; decoded blocks the search gives back need no refit. The refits
+    (a few times the search's cost) run on neither."""
     varied = xs.max(-1) > xs.min(-1)
     decoded = jnp.any(hit & varied)
-    if codes is not None and codes < xs.shape[-1]:
+    if codes is not None:
         distinct = 1 + jnp.sum(jnp.diff(jnp.sort(xs, axis=-1), axis=-1) > 0, axis=-1)
         decoded |= jnp.any(varied) & jnp.all(distinct <= codes)
     return decoded & ~jnp.all(hit | ~varied)
@@ -858,7 +858,7 @@ def _enc_q2_k(x):
     ml = _f16(dmin16)[..., None] * lm.astype(jnp.float32)
     new = jnp.clip(_nearest((xs + ml[..., None]) / jnp.where(dl == 0, 1, dl)[..., None]), 0, 3)
     q = jnp.where((dl == 0)[..., None], q, new.astype(jnp.float32))
-    d16, dmin16, ls, lm, q = _exact_k_min(xs, d16, dmin16, ls, lm, q, 3, 15, count_values=True)
+    d16, dmin16, ls, lm, q = _exact_k_min(xs, d16, dmin16, ls, lm, q, 3, 15, codes=4)
     qs = _pack_2bit_128(q.reshape(*x.shape[:-1], QK_K))
     return jnp.concatenate([_u8(ls | (lm << 4)), qs, d16, dmin16], -1)
 
