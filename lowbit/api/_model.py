@@ -39,9 +39,11 @@ def run(
 ) -> Callable[..., Any]:
     """`lowbit.run`: wraps `fn` so it accepts quantized params (`QArray` / `QatWeight` leaves).
 
-    For serving on CPU, pass params prepared once with ``lowbit.prepare_for_kernels(fn, params,
-    *example_args)``: their weights then sit in the kernels' layout instead of their codes, and
-    calls cost only the kernels (logical QArrays work too, with the layout built per call).
+    `lowbit.quantize` returns the weights the CPU kernels run already in the kernels' layout,
+    so calls cost only the kernels. Weights it could not place by convention (not named
+    ``kernel``) are laid out for their traced use by ``lowbit.prepare_for_kernels(fn, params,
+    *example_args)``. A logical QArray that reaches a kernel still works, but is repacked on
+    every call: the report counts it as a fallback and `strict` refuses it.
 
     Args:
       fn: any JAX function, e.g. ``model.apply`` or ``lambda params, x: ...``.
@@ -250,7 +252,9 @@ def quantize_model(
             layout_axes = kernel_axes_of(call, state, *example_args)
             if uses is None:
                 uses = param_uses(call, state, *example_args)
-        qstate = quantize_params(state, recipe, uses=uses, layout_axes=layout_axes)
+        qstate = quantize_params(
+            state, recipe, uses=uses, layout_axes=layout_axes, kernel_layouts=True
+        )
         qmodel = QuantizedModel(nnx.merge(graphdef, qstate), strict=strict)
         if example_args is not None:
             qmodel.prepare("__call__", *example_args)
@@ -266,7 +270,9 @@ def quantize_model(
             layout_axes = kernel_axes_of(model.apply, params, *example_args)
             if uses is None:
                 uses = param_uses(model.apply, params, *example_args)
-        qparams = quantize_params(params, recipe, uses=uses, layout_axes=layout_axes)
+        qparams = quantize_params(
+            params, recipe, uses=uses, layout_axes=layout_axes, kernel_layouts=True
+        )
         if example_args is not None:
             qparams = prepare_weights(qparams, kernel_axes_of(model.apply, qparams, *example_args))
         return QuantizedLinen(model, qparams, strict)

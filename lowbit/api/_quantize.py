@@ -195,13 +195,18 @@ def quantize_params(
         rule names by path (``w``, ``qkv``) is matched as the layout its use shows: an
         `[in, out]` ``kernel`` over axis 0, an `[out, in]` ``weight`` over axis 1.
       strict: raise instead of warning when the recipe matches no parameter at all.
-      kernel_layouts: False only, kept for callers of the former API (layouts need traced
-        contraction axes: `prepare_for_kernels`).
+      kernel_layouts: lay the quantized weights the CPU kernels run out in the kernels'
+        layout at once (`lowbit.ops.PreparedQArray`, which holds that layout *instead of* the
+        codes; `.logical()` gives the QArray back exactly), so no call repacks them. Weights
+        whose use is known are laid out for it (`layout_axes`); without a traced use, a 2-D
+        ``kernel`` is taken as contracted over axis 0 (Flax's `Linear` / `Dense`). Only
+        weights held on CPU devices (concrete arrays, not tracers) are laid out; others stay
+        logical QArrays. `lowbit.quantize` and `quantize_model` turn it on.
       skip: parameter paths returned as they are although a rule selects them (a caller that
         rounds them itself, as `lowbit.algorithms` does).
     Returns:
-      The same pytree with QArrays in place of the quantized arrays (logical QArrays: serve
-      them with `prepare_for_kernels`, which lays them out for the CPU kernels).
+      The same pytree with QArrays in place of the quantized arrays (`PreparedQArray`s where
+      `kernel_layouts` laid them out).
     Raises:
       ValueError: if a rule asks for a quantization the parameter's shape cannot take (the
         message names every such parameter), a rule filters on ops and `uses` is missing, a
@@ -216,11 +221,6 @@ def quantize_params(
       >>> type(q["dense"]["kernel"]).__name__, q["dense"]["bias"].shape
       ('QArray', (3,))
     """
-    if kernel_layouts:
-        raise TypeError(
-            "quantize_params(kernel_layouts=True) is gone: lay weights out for the CPU kernels "
-            "with lowbit.prepare_for_kernels(fn, params, *example_args), which traces their use"
-        )
     recipe = as_recipe(recipe)
     decisions = check_decisions(recipe, params, uses, layout_axes)
     for d in decisions.values():
@@ -267,7 +267,37 @@ def quantize_params(
             return leaf
         return quantize_weight(leaf, decision.config, recipe.rules[decision.rule_index])
 
-    return map_params(one, params)
+    quantized = map_params(one, params)
+    if not kernel_layouts:
+        return quantized
+    flat = jax.tree_util.tree_flatten_with_path(quantized, is_leaf=lambda x: isinstance(x, QArray))
+    axes = {}
+    for keys, leaf in flat[0]:
+        axis = _serving_axis(layout_axes or {}, tuple(keys))
+        if isinstance(leaf, QArray) and axis is not None and _on_cpu(leaf):
+            axes[tuple(keys)] = axis
+    del flat
+    return prepare_weights(quantized, axes)
+
+
+def _on_cpu(q: QArray) -> bool:
+    """Whether a quantized weight is concrete and held on CPU devices only."""
+    codes = q.codes
+    if not isinstance(codes, jax.Array) or isinstance(codes, jax.core.Tracer):
+        return False
+    return all(device.platform == "cpu" for device in codes.devices())
+
+
+def _serving_axis(layout_axes: Mapping[tuple, int], keys: tuple) -> int | None:
+    """The axis a weight is laid out for at quantize time: its traced use, else the Flax
+    convention (a ``kernel`` is `[in, out]`, contracted over axis 0), else None (logical)."""
+    axis = layout_axes.get(keys)
+    if axis is not None:
+        return axis
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in keys]
+    while names and names[-1] in ("value", "raw_value"):  # an NNX Variable's own field
+        names.pop()
+    return 0 if names and names[-1] == "kernel" else None
 
 
 _PARAMS_OPTIONS = frozenset(inspect.signature(quantize_params).parameters) - {"params", "recipe"}
@@ -275,6 +305,10 @@ _PARAMS_OPTIONS = frozenset(inspect.signature(quantize_params).parameters) - {"p
 
 def quantize(params: Any, recipe: Recipe | str, **options: Any) -> Any:
     """`lowbit.quantize`: quantizes a params pytree by a recipe (`quantize_params`).
+
+    The weights the CPU kernels run come back in the kernels' layout (`kernel_layouts=True`,
+    see `quantize_params`), so ``jax.jit(lowbit.run(fn))(qparams, x)`` runs at serving speed
+    with no per-call repacking; ``kernel_layouts=False`` gives logical QArrays throughout.
 
     Options of `quantize_params` (``uses``, ``uncalibrated``, ``kernel_layouts``) are passed to
     it; with a preset name, any other option goes to the preset:
@@ -304,4 +338,5 @@ def quantize(params: Any, recipe: Recipe | str, **options: Any) -> Any:
             )
         recipe = preset(recipe, **preset_options)
     params_options = {k: v for k, v in options.items() if k in _PARAMS_OPTIONS}
+    params_options.setdefault("kernel_layouts", True)
     return quantize_params(params, recipe, **params_options)

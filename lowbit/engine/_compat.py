@@ -4,7 +4,8 @@ The interpreter walks jaxprs, which are not a public API: class locations, primi
 parameter names move between JAX releases (``pjit`` became ``jit``, ``checkpoint`` is bound as
 ``remat2``, ``custom_vjp_call_jaxpr`` became ``custom_vjp_call``, ``get_bind_params`` changed its
 return type). Everything that depends on such details lives here, so supporting another JAX
-version means editing this module only. Tested on the range the package pins (``jax>=0.9,<0.11``).
+version means editing this module only. Tested on the oldest supported release (0.9, `make
+test-jax-compat`) and the newest (`make test`).
 """
 
 from __future__ import annotations
@@ -193,10 +194,16 @@ def remat_options(eqn: Any) -> dict[str, Any]:
 def scan_params(eqn: Any) -> dict[str, Any]:
     """Scan parameters under stable names: body, num_consts, num_carry, length, reverse, unroll."""
     p = eqn.params
+    if "num_consts" in p:
+        num_consts, num_carry = int(p["num_consts"]), int(p["num_carry"])
+    else:
+        # JAX 0.12 describes the operands as a flat tree of (consts, carry, xs) groups.
+        consts, carry, _ = p["ft_in"].unpack()
+        num_consts, num_carry = len(consts), len(carry)
     return {
         "body": closed(p["jaxpr"]),
-        "num_consts": int(p["num_consts"]),
-        "num_carry": int(p["num_carry"]),
+        "num_consts": num_consts,
+        "num_carry": num_carry,
         "length": int(p["length"]),
         "reverse": bool(p["reverse"]),
         "unroll": p.get("unroll", 1),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -52,6 +52,8 @@ class Context:
     probe: _probe.ProbeState | None = None
     # `kernel_axes`' record of which weights reach which linear layers (None: not probing).
     axis_probe: Any = None
+    # Key paths of the quantized arguments by `id`, to name a weight in reports and errors.
+    names: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
     def muted(self) -> Context:
         """A context for throwaway shape probes: counts go nowhere, fallbacks never raise."""
@@ -60,6 +62,7 @@ class Context:
             strict=False,
             where=self.where,
             axis_probe=self.axis_probe,
+            names=self.names,
         )
 
     def entering(self, eqn: Any) -> Context:
@@ -125,6 +128,34 @@ def fallback(ctx: Context, eqn: Any, invals: list[Any], reason: str) -> list[Any
     for value in quantized:
         ctx.report.record_fallback(primitive, describe(value), location, reason)
     return _compat.bind_eqn(eqn, [dequantize(v) if is_quantized(v) else v for v in invals])
+
+
+def relaid_counted(ctx: Context, eqn: Any, value: Any) -> None:
+    """Counts a weight that an op re-lays out on every call as a fallback (strict: raises).
+
+    The op still computes on packed values (nothing is dequantized), but repeats per call a
+    pass over the weight's codes that preparing it once for this use would save.
+    """
+    primitive = _compat.primitive_name(eqn)
+    location = ctx.location(eqn)
+    name = ctx.names.get(id(value))
+    what = describe(value) + (f" at {name}" if name else "")
+    if type(value).__name__ == "PreparedQArray":
+        reason = (
+            f"was laid out for contraction over axis {value.axis} but is used otherwise here, "
+            "so its codes are recovered on every call; lay it out for this use with "
+            "lowbit.prepare_for_kernels(fn, params, *example_args)"
+        )
+    else:
+        reason = (
+            "is a logical QArray that the CPU kernel lays out on every call; quantize with "
+            "lowbit.quantize (kernel_layouts=True, the default) or lay it out once with "
+            "lowbit.prepare_for_kernels(fn, params, *example_args)"
+        )
+    if ctx.strict:
+        fix = "in strict mode the engine does not re-lay weights out per call"
+        raise EngineFallbackError(primitive, what, location, reason, fix=fix)
+    ctx.report.record_fallback(primitive, what, location, reason, materialized=False)
 
 
 def dequantize_counted(ctx: Context, eqn: Any, value: Any, reason: str) -> Any:
@@ -248,7 +279,7 @@ def _prepared_rows(table: Any, indices: Any, eqn: Any) -> Any:
 
 
 _RULES: dict[str, Callable[[Context, Any, list[Any]], list[Any]]] = {
-    "dot_general": _op_rules.dot_general,
+    "dot_general": functools.partial(_op_rules.dot_general, relaid_counted),
     "conv_general_dilated": _op_rules.conv_general_dilated,
     "ragged_dot_general": _op_rules.ragged_dot_general,
     "transpose": _layout(
@@ -386,7 +417,12 @@ def interpret(
         )
         target = report if report is not None else EngineReport()
         target.reset()
-        ctx = Context(report=target, strict=strict, axis_probe=axis_probe)
+        named = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_quantized)[0]
+        # Paths as the user wrote them: past the (args, kwargs) pair and the argument index.
+        names = {
+            id(leaf): jax.tree_util.keystr(keys[2:]) for keys, leaf in named if is_quantized(leaf)
+        }
+        ctx = Context(report=target, strict=strict, axis_probe=axis_probe, names=names)
         if axis_probe is not None:
             for i in dynamic:
                 if is_quantized(leaves[i]):

@@ -7,6 +7,7 @@ took (e.g. ``"int8_int32"``, or ``"reference"`` when it dequantized).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lowbit import ops
@@ -27,7 +28,8 @@ def _match_aval(eqn: Any, out: Any) -> Any:
     return out if out.dtype == dtype else out.astype(dtype)
 
 
-def dot_general(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
+def dot_general(relaid: Callable[..., None], ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
+    """`relaid(ctx, eqn, value)` counts a weight the op re-lays out on every call."""
     lhs, rhs = invals
     params = eqn.params
     dimension_numbers = params["dimension_numbers"]
@@ -56,6 +58,11 @@ def dot_general(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
             path = "qat"
         else:
             path = ops.dot_general_path(lhs, rhs, dimension_numbers)
+            relaid_value = ops.per_call_layout(
+                lhs, rhs, dimension_numbers, out_sharding=kwargs["out_sharding"]
+            )
+            if relaid_value is not None:
+                relaid(ctx, eqn, relaid_value)
             out = ops.dot_general(lhs, rhs, dimension_numbers, **kwargs)
     ctx.report.record_op("dot_general", path)
     if ctx.axis_probe is not None:

@@ -17,15 +17,20 @@ class EngineFallbackError(ValueError):
       reason: why no rule applied.
     """
 
-    def __init__(self, primitive: str, value: str, location: str, reason: str):
+    def __init__(
+        self, primitive: str, value: str, location: str, reason: str, *, fix: str | None = None
+    ):
         self.primitive = primitive
         self.value = value
         self.location = location
         self.reason = reason
+        fix = fix or (
+            "in strict mode the engine does not dequantize. Keep this weight in float (exclude "
+            "it from the recipe), or run with strict=False to dequantize it here."
+        )
         super().__init__(
             f"primitive {primitive!r} at {location} received quantized value {value} and "
-            f"{reason}; in strict mode the engine does not dequantize. Keep this weight in "
-            "float (exclude it from the recipe), or run with strict=False to dequantize it here."
+            f"{reason}; {fix}"
         )
 
 
@@ -43,7 +48,8 @@ class EngineReport:
         reshape, slice, ...), which never dequantize; ``gather`` (embedding lookup) gathers
         packed rows and dequantizes only those rows.
       fallbacks: ``{"<primitive>": count}`` primitives where a quantized value was dequantized
-        because no rule applied.
+        because no rule applied, or re-laid out on every call (a logical QArray reaching a CPU
+        kernel, a prepared weight used other than as the layer it was prepared for).
       fallback_details: one line per fallback: primitive, value, location and reason.
       materialized: how many times a full float copy of a weight was computed (each fallback,
         plus every op whose implementation dequantized, e.g. the ``"reference"`` path).
@@ -91,10 +97,12 @@ class EngineReport:
     def record_layout(self, primitive: str) -> None:
         self.layout_ops[primitive] += 1
 
-    def record_fallback(self, primitive: str, value: str, location: str, reason: str) -> None:
+    def record_fallback(
+        self, primitive: str, value: str, location: str, reason: str, *, materialized: bool = True
+    ) -> None:
         self.fallbacks[primitive] += 1
         self.fallback_details.append(f"{primitive} at {location}: {value} {reason}")
-        self.materialized += 1
+        self.materialized += int(materialized)
 
 
 def describe(value: Any) -> str:
@@ -111,4 +119,4 @@ def describe(value: Any) -> str:
     inner = getattr(value, "qarray", None)
     if inner is not None:
         return f"QatWeight({describe(inner)})"
-    return f"QArray({value.format}, shape={tuple(value.shape)})"
+    return f"{type(value).__name__}({value.format}, shape={tuple(value.shape)})"

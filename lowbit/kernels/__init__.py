@@ -30,8 +30,10 @@ element format to its kind.
 The compiled module picks the best instruction-set path at run time (AMX-INT8 tiles for w8a8,
 AVX-512 VNNI, AVX-512BW, AVX2 with or without AVX-VNNI, portable); `LOWBIT_CPU_ISA` caps it
 and `set_isa` switches it.
-When the module is missing, `LOWBIT_DISABLE_KERNELS=1` is set or the default backend is not
-CPU, every entry point computes the same result with the pure-JAX reference instead, and
+Each entry point is chosen per lowering platform (`jax.lax.platform_dependent`): the FFI
+call where the program is lowered for CPU, the pure-JAX reference (same result) for CUDA, TPU
+or any other platform, so a program traced on a CPU host exports to accelerators. When the
+module is missing or `LOWBIT_DISABLE_KERNELS=1` is set, every platform takes the reference, and
 `status()` says why.
 """
 

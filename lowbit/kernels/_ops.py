@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,8 +39,18 @@ def _check_bias(bias: jax.Array | None, n: int) -> jax.Array:
     return bias.astype(jnp.float32)
 
 
-def _use_kernels() -> bool:
-    return jax.default_backend() == "cpu" and _native.module() is not None
+def _by_platform(native: Callable[[], Any], reference: Callable[[], Any]) -> Any:
+    """`native()` (an FFI call into the CPU kernels) where the program is lowered for CPU,
+    `reference()` (pure JAX) on every other platform.
+
+    Chosen per lowering platform, not by the host's default backend: a program traced on a CPU
+    host and lowered for CUDA or TPU carries no CPU FFI call, and one exported for several
+    platforms carries it on its CPU branch only. Without the compiled module every platform
+    takes the reference.
+    """
+    if _native.module() is None:
+        return reference()
+    return jax.lax.platform_dependent(cpu=native, default=reference)
 
 
 def weight_only_linear(
@@ -70,9 +83,10 @@ def weight_only_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     m = x2.shape[0]
-    if m == 0 or not _use_kernels():
+
+    def reference():
         logical = prepared_to_logical(w)
-        y = _reference.weight_only_linear(
+        return _reference.weight_only_linear(
             x2,
             w.kind,
             logical["codes"],
@@ -82,21 +96,24 @@ def weight_only_linear(
             b,
             out,
         )
-        return y.reshape(*lead, w.n)
-    call = jax.ffi.ffi_call(
-        "lowbit_wo_linear", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
-    )
-    y = call(
-        x2,
-        w.data,
-        b,
-        jnp.asarray(_reference.LUTS.get(w.kind, _reference.NF4_LEVELS)),
-        kind=np.int64(KIND_IDS[w.kind]),
-        k=np.int64(w.k),
-        n=np.int64(w.n),
-        gs=np.int64(w.storage_group),
-        act_q8=np.int64(bool(int8_activations)),
-    )
+
+    def native():
+        call = jax.ffi.ffi_call(
+            "lowbit_wo_linear", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
+        )
+        return call(
+            x2,
+            w.data,
+            b,
+            jnp.asarray(_reference.LUTS.get(w.kind, _reference.NF4_LEVELS)),
+            kind=np.int64(KIND_IDS[w.kind]),
+            k=np.int64(w.k),
+            n=np.int64(w.n),
+            gs=np.int64(w.storage_group),
+            act_q8=np.int64(bool(int8_activations)),
+        )
+
+    y = reference() if m == 0 else _by_platform(native, reference)
     return y.reshape(*lead, w.n)
 
 
@@ -109,27 +126,32 @@ def dequantize_weight(w: PreparedWeight) -> jax.Array:
     """
     if w.kind not in KIND_IDS:
         raise ValueError(f"w.kind={w.kind!r} is not a weight-only kind; expected {tuple(KIND_IDS)}")
-    if not _use_kernels():
+
+    def reference():
         logical = prepared_to_logical(w)
         return _reference.dequantize(
             w.kind, logical["codes"], logical["scale"], logical["zero_point"], w.group_size
         )
-    panels = w.data.shape[0]
-    group_bytes = HEADER_BYTES + w.storage_group // 2 * KERNEL_KINDS[w.kind].pair_bytes
-    groups = w.data.shape[1] // group_bytes
-    call = jax.ffi.ffi_call(
-        "lowbit_wo_dequantize",
-        jax.ShapeDtypeStruct((groups * w.storage_group, 16 * panels), jnp.float32),
-        vmap_method="sequential",
-    )
-    full = call(
-        w.data,
-        jnp.asarray(_reference.LUTS.get(w.kind, _reference.NF4_LEVELS)),
-        kind=np.int64(KIND_IDS[w.kind]),
-        n=np.int64(w.n),
-        gs=np.int64(w.storage_group),
-    )
-    return full[: w.k, : w.n]
+
+    def native():
+        panels = w.data.shape[0]
+        group_bytes = HEADER_BYTES + w.storage_group // 2 * KERNEL_KINDS[w.kind].pair_bytes
+        groups = w.data.shape[1] // group_bytes
+        call = jax.ffi.ffi_call(
+            "lowbit_wo_dequantize",
+            jax.ShapeDtypeStruct((groups * w.storage_group, 16 * panels), jnp.float32),
+            vmap_method="sequential",
+        )
+        full = call(
+            w.data,
+            jnp.asarray(_reference.LUTS.get(w.kind, _reference.NF4_LEVELS)),
+            kind=np.int64(KIND_IDS[w.kind]),
+            n=np.int64(w.n),
+            gs=np.int64(w.storage_group),
+        )
+        return full[: w.k, : w.n]
+
+    return _by_platform(native, reference)
 
 
 def _check_w8a8(w: PreparedWeight) -> None:
@@ -159,14 +181,17 @@ def w8a8_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     m = x2.shape[0]
-    if m == 0 or not _use_kernels():
-        logical = prepared_to_logical(w)
-        y = _reference.w8a8_linear(x2, logical["codes"], w.scale, b, out)
-        return y.reshape(*lead, w.n)
-    call = jax.ffi.ffi_call(
-        "lowbit_w8a8_linear", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
-    )
-    y = call(x2, w.data, w.colsum, w.scale, b, k=np.int64(w.k), n=np.int64(w.n))
+
+    def reference():
+        return _reference.w8a8_linear(x2, prepared_to_logical(w)["codes"], w.scale, b, out)
+
+    def native():
+        call = jax.ffi.ffi_call(
+            "lowbit_w8a8_linear", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
+        )
+        return call(x2, w.data, w.colsum, w.scale, b, k=np.int64(w.k), n=np.int64(w.n))
+
+    y = reference() if m == 0 else _by_platform(native, reference)
     return y.reshape(*lead, w.n)
 
 
@@ -196,22 +221,27 @@ def w8a8_linear_quantized(
     if x_scale.shape != (m,):
         raise ValueError(f"x_scale has shape {x_scale.shape}; expected ({m},)")
     b = _check_bias(bias, w.n)
-    if m == 0 or not _use_kernels():
+
+    def reference():
         codes = prepared_to_logical(w)["codes"]
         return _reference.w8a8_linear_quantized(xq, x_scale, codes, w.scale, b, out)
-    call = jax.ffi.ffi_call(
-        "lowbit_w8a8_linear_q", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
-    )
-    return call(
-        xq,
-        x_scale.astype(jnp.float32),
-        w.data,
-        w.colsum,
-        w.scale,
-        b,
-        k=np.int64(w.k),
-        n=np.int64(w.n),
-    )
+
+    def native():
+        call = jax.ffi.ffi_call(
+            "lowbit_w8a8_linear_q", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
+        )
+        return call(
+            xq,
+            x_scale.astype(jnp.float32),
+            w.data,
+            w.colsum,
+            w.scale,
+            b,
+            k=np.int64(w.k),
+            n=np.int64(w.n),
+        )
+
+    return reference() if m == 0 else _by_platform(native, reference)
 
 
 def w8a8_matmul_int32(xq: jax.Array, w: PreparedWeight) -> jax.Array:
@@ -219,12 +249,17 @@ def w8a8_matmul_int32(xq: jax.Array, w: PreparedWeight) -> jax.Array:
     _check_w8a8(w)
     xq = _check_xq(xq, w)
     m = xq.shape[0]
-    if m == 0 or not _use_kernels():
+
+    def reference():
         return _reference.w8a8_matmul_int32(xq, prepared_to_logical(w)["codes"])
-    call = jax.ffi.ffi_call(
-        "lowbit_w8a8_int32", jax.ShapeDtypeStruct((m, w.n), jnp.int32), vmap_method="sequential"
-    )
-    return call(xq, w.data, w.colsum, k=np.int64(w.k), n=np.int64(w.n))
+
+    def native():
+        call = jax.ffi.ffi_call(
+            "lowbit_w8a8_int32", jax.ShapeDtypeStruct((m, w.n), jnp.int32), vmap_method="sequential"
+        )
+        return call(xq, w.data, w.colsum, k=np.int64(w.k), n=np.int64(w.n))
+
+    return reference() if m == 0 else _by_platform(native, reference)
 
 
 def w4a8_linear(
@@ -250,14 +285,18 @@ def w4a8_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     m = x2.shape[0]
-    if m == 0 or not _use_kernels():
+
+    def reference():
         logical = prepared_to_logical(w)
-        y = _reference.w4a8_linear(x2, logical["codes"], logical["scale"], w.group_size, b, out)
-        return y.reshape(*lead, w.n)
-    call = jax.ffi.ffi_call(
-        "lowbit_w4a8_linear", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
-    )
-    y = call(x2, w.data, b, k=np.int64(w.k), n=np.int64(w.n), gs=np.int64(w.storage_group))
+        return _reference.w4a8_linear(x2, logical["codes"], logical["scale"], w.group_size, b, out)
+
+    def native():
+        call = jax.ffi.ffi_call(
+            "lowbit_w4a8_linear", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
+        )
+        return call(x2, w.data, b, k=np.int64(w.k), n=np.int64(w.n), gs=np.int64(w.storage_group))
+
+    y = reference() if m == 0 else _by_platform(native, reference)
     return y.reshape(*lead, w.n)
 
 
@@ -342,27 +381,33 @@ def decode_attention(
     slot = jnp.asarray(slot, jnp.int32)
     if start.shape != (b,) or slot.shape != ():
         raise ValueError(f"start must be [{b}] and slot a scalar; got {start.shape}, {slot.shape}")
-    if not _use_kernels():
+
+    def reference():
         scores = None
         if integer_qk:
             scores = _reference.int8_qk_scores(q, keys, key_scales)
+        k, v = keys, values
         if fmt:
-            keys = _reference.dequantize_cache(keys, key_scales, d)
-            values = _reference.dequantize_cache(values, value_scales, d)
-        return _reference.decode_attention(q, keys, values, start, slot, scores)
-    call = jax.ffi.ffi_call(
-        "lowbit_decode_attention",
-        jax.ShapeDtypeStruct(q.shape, jnp.float32),
-        vmap_method="sequential",
-    )
-    return call(
-        q,
-        keys,
-        values,
-        key_scales,
-        value_scales,
-        start,
-        slot,
-        fmt=np.int64(fmt),
-        integer_qk=np.int64(integer_qk),
-    )
+            k = _reference.dequantize_cache(keys, key_scales, d)
+            v = _reference.dequantize_cache(values, value_scales, d)
+        return _reference.decode_attention(q, k, v, start, slot, scores)
+
+    def native():
+        call = jax.ffi.ffi_call(
+            "lowbit_decode_attention",
+            jax.ShapeDtypeStruct(q.shape, jnp.float32),
+            vmap_method="sequential",
+        )
+        return call(
+            q,
+            keys,
+            values,
+            key_scales,
+            value_scales,
+            start,
+            slot,
+            fmt=np.int64(fmt),
+            integer_qk=np.int64(integer_qk),
+        )
+
+    return _by_platform(native, reference)

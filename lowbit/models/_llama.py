@@ -135,7 +135,6 @@ def _fused_decode(q: jax.Array, kv: LayerKV) -> bool:
     return (
         cache_ok
         and jnp.dtype(q.dtype) == f32
-        and jax.default_backend() == "cpu"
         and kernels.available()
     )
 

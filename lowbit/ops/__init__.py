@@ -16,7 +16,13 @@ from lowbit.ops._conv import (
 from lowbit.ops._conv_qat import qat_conv_general_dilated
 from lowbit.ops._cpu_kernels import KERNEL_PATHS, MIN_WEIGHT_ELEMENTS
 from lowbit.ops._cpu_kernels import contract_axis as linear_contraction_axis
-from lowbit.ops._dot_general import PATHS, dot_general, dot_general_path, dot_general_reference
+from lowbit.ops._dot_general import (
+    PATHS,
+    dot_general,
+    dot_general_path,
+    dot_general_reference,
+    per_call_layout,
+)
 from lowbit.ops._fp8_scaling import (
     Fp8LayoutError,
     Fp8Scaling,
@@ -69,6 +75,7 @@ __all__ = [
     "conv_general_dilated_reference",
     "dot_general",
     "dot_general_path",
+    "per_call_layout",
     "dot_general_reference",
     "fp8_dot_general",
     "is_lora_weight",

@@ -176,7 +176,7 @@ def weight_route(w: QArray, axis: int = 0) -> KernelRoute | None:
       w: QArray [K, N] (axis 0) or [N, K] (axis 1).
       axis: the contracted axis.
     """
-    if w.ndim != 2 or jax.default_backend() != "cpu":
+    if w.ndim != 2 or not kernels.available():
         return None
     k, n = w.shape if axis == 0 else w.shape[::-1]
     if k * n < MIN_WEIGHT_ELEMENTS:
@@ -317,6 +317,24 @@ def _prepare_dense(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
     return kernels.prepare(route.kind, codes, scale, zero_point, route.group_size)
 
 
+def _float_gemm(x: Any, q: Any, route: KernelRoute) -> bool:
+    """Whether `kernel_linear` runs XLA's float GEMM on the dequantized weight (prefill)."""
+    k, n = q.shape[::-1] if route.transposed else q.shape
+    rows = int(np.prod(x.shape[:-1]))
+    return (
+        route.kind not in ("w8a8", "w4a8")
+        and rows >= GEMM_MIN_ROWS
+        and np.dtype(x.dtype) == np.dtype(jnp.float32)
+        and k * n * 4 <= GEMM_MAX_WEIGHT_BYTES
+    )
+
+
+def builds_layout_per_call(x: Any, q: Any, route: KernelRoute) -> bool:
+    """Whether `kernel_linear(x, q, route)` lays a logical QArray out inside the call: a full
+    pass over its codes on every call, which a weight prepared once does not pay."""
+    return isinstance(q, QArray) and not _float_gemm(x, q, route)
+
+
 def kernel_linear(x: jax.Array, q: Any, route: KernelRoute, out_dtype: Any) -> jax.Array:
     """`x @ q` through a CPU kernel (forward only; `dot_general` adds the gradient).
 
@@ -332,14 +350,8 @@ def kernel_linear(x: jax.Array, q: Any, route: KernelRoute, out_dtype: Any) -> j
     """
     out_dtype = np.dtype(out_dtype)
     kernel_out = out_dtype if out_dtype in _FLOATS else np.dtype(jnp.float32)
-    k, n = q.shape[::-1] if route.transposed else q.shape
     rows = int(np.prod(x.shape[:-1]))
-    if (
-        route.kind not in ("w8a8", "w4a8")
-        and rows >= GEMM_MIN_ROWS
-        and np.dtype(x.dtype) == np.dtype(jnp.float32)
-        and k * n * 4 <= GEMM_MAX_WEIGHT_BYTES
-    ):
+    if _float_gemm(x, q, route):
         # Prefill sizes: XLA's float GEMM on the dequantized weight is faster than the
         # kernels' own float tiles; the float weight lives for this call only. A prepared
         # weight is dequantized by the kernels from its layout, a logical one directly

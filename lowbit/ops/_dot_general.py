@@ -12,9 +12,10 @@ scales split the contracting axis into `[G, n]` and make `G` a batch axis of the
 Other layouts use `dot_general_reference` (dequantize, then `lax.dot_general`), reported by
 `dot_general_path` as ``"reference"`` so callers can count fallbacks.
 
-On CPU, plain linear layers with a layout the compiled kernels read go to `lowbit.kernels`
-instead (`_cpu_kernels`; paths ``"cpu_kernel_<kind>"``), with the pure-JAX weight-only product
-as their gradient.
+Plain linear layers with a layout the compiled kernels read go to `lowbit.kernels` where the
+program is lowered for CPU (`_cpu_kernels`; paths ``"cpu_kernel_<kind>"``), with the pure-JAX
+weight-only product as their gradient; the same traced program lowers to the pure-JAX paths
+on CUDA, TPU and other platforms (`lax.platform_dependent`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from lowbit.ops._cpu_kernels import (
     FLOAT_ACTIVATIONS,
     KERNEL_PATHS,
     KernelRoute,
+    builds_layout_per_call,
     contract_axis,
     kernel_linear,
     kernel_route,
@@ -322,6 +324,28 @@ def dot_general_path(
     return _dot_path.dot_general_path(lhs, rhs, dims)
 
 
+def per_call_layout(lhs: Any, rhs: Any, dimension_numbers: Any, *, out_sharding: Any = None):
+    """The weight operand that `dot_general` re-lays out on every call, or None.
+
+    Two cases cost a full pass over a weight's codes per call, which a weight prepared once for
+    its use does not: a logical `QArray` routed to a CPU kernel (its layout is built inside the
+    call), and a `PreparedQArray` used other than as the linear layer it was prepared for (its
+    logical QArray is recovered inside the call). The engine counts both as fallbacks.
+    """
+    lhs, rhs = strip_input_scale(lhs), strip_input_scale(rhs)
+    prepared = next((x for x in (rhs, lhs) if isinstance(x, PreparedQArray)), None)
+    lhs, rhs, route = _prepared_route(lhs, rhs, dimension_numbers, out_sharding)
+    if route is not None:
+        return None
+    if prepared is not None:
+        return prepared
+    dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
+    route = kernel_route(lhs, rhs, dims, out_sharding=out_sharding)
+    if route is not None and builds_layout_per_call(lhs, rhs, route):
+        return rhs
+    return None
+
+
 def dot_general(
     lhs: jax.Array | QArray,
     rhs: jax.Array | QArray,
@@ -366,8 +390,7 @@ def dot_general(
     check_operand(rhs, "rhs")
     dimension_numbers = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
     if route is not None:
-        out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
-        return _kernel_dot_jit(lhs, rhs, route, dimension_numbers, precision, out_dtype)
+        return _routed(lhs, rhs, route, dimension_numbers, precision, preferred_element_type)
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return lax.dot_general(
             lhs,
@@ -379,11 +402,32 @@ def dot_general(
         )
     route = kernel_route(lhs, rhs, dimension_numbers, out_sharding=out_sharding)
     if route is not None:
-        out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
-        return _kernel_dot_jit(lhs, rhs, route, dimension_numbers, precision, out_dtype)
+        return _routed(lhs, rhs, route, dimension_numbers, precision, preferred_element_type)
+    return _portable(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
+
+
+def _portable(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
+    """The pure-JAX product of a float operand or QArray with a QArray (every platform)."""
     side, _ = active_side(lhs, rhs)
     if side is None:
         return _forward(
             lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding
         )
     return _ste_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
+
+
+def _routed(lhs, rhs, route, dimension_numbers, precision, preferred_element_type):
+    """A kernel-routed product: the CPU kernel where the program is lowered for CPU, the
+    portable product on every other platform (a prepared weight recovers its logical QArray
+    there), chosen per lowering platform so one traced program exports anywhere."""
+    out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
+
+    def on_cpu(lhs, rhs):
+        return _kernel_dot_jit(lhs, rhs, route, dimension_numbers, precision, out_dtype)
+
+    def elsewhere(lhs, rhs):
+        rhs = rhs.logical() if isinstance(rhs, PreparedQArray) else rhs
+        out = _portable(lhs, rhs, dimension_numbers, precision, preferred_element_type, None)
+        return out.astype(out_dtype)
+
+    return lax.platform_dependent(lhs, rhs, cpu=on_cpu, default=elsewhere)

@@ -361,6 +361,12 @@ def prepare_leaves(
             axis = lookup(tuple(keys))
             if axis is not None:
                 flat[i] = (keys, prepare_weight(leaf, axis))
+        elif isinstance(leaf, PreparedQArray):
+            # Laid out by convention (a `kernel` contracted over axis 0) but used along the
+            # other axis: laid out again for the use, else every call would unpack it.
+            axis = lookup(tuple(keys))
+            if axis is not None and axis != leaf.axis:
+                flat[i] = (keys, prepare_weight(leaf.logical(), axis))
         del leaf
 
 
@@ -379,7 +385,7 @@ def prepare_weights(tree: Any, axes: Mapping[Any, int] | Callable[[Any], int | N
       The tree with `PreparedQArray`s in place of the prepared QArrays.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, QArray)
+        tree, is_leaf=lambda x: isinstance(x, QArray | PreparedQArray)
     )
     prepare_leaves(flat, axes)
     return jax.tree_util.tree_unflatten(treedef, [leaf for _, leaf in flat])

@@ -1,0 +1,111 @@
+"""A quantized decode step traced on this CPU host exports for CUDA and TPU.
+
+Kernel choice follows the platform a program is lowered for, not the host's backend: lowered
+for an accelerator, the module must hold none of the CPU kernels' FFI targets; exported for
+several platforms, the CPU branch keeps them and still computes what the direct call does.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import export
+
+import lowbit
+from lowbit.models import Llama, LlamaConfig
+
+_CPU_TARGET = re.compile(r"custom_call @(lowbit_\w+)")
+_ALLOW_CPU_TARGETS = [
+    export.DisabledSafetyCheck.custom_call(name)
+    for name in (
+        "lowbit_wo_linear",
+        "lowbit_wo_dequantize",
+        "lowbit_w8a8_linear",
+        "lowbit_w8a8_linear_q",
+        "lowbit_w8a8_int32",
+        "lowbit_w4a8_linear",
+        "lowbit_decode_attention",
+    )
+]
+
+# SmolLM2's shape of block (GQA 3:1, head_dim 64, gated MLP), fewer and narrower layers; every
+# projection is large enough for the CPU kernels, so a CPU lowering does carry FFI calls.
+_CONFIG = LlamaConfig(
+    vocab_size=512,
+    dim=256,
+    n_layers=2,
+    n_heads=6,
+    n_kv_heads=2,
+    head_dim=64,
+    ffn_dim=512,
+    context_length=64,
+)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    model = Llama(_CONFIG, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    return model, graphdef, nnx.to_pure_dict(state)
+
+
+def _decode_step(graphdef):
+    def step(params, tokens, cache):
+        return nnx.merge(graphdef, params)(tokens, cache=cache, last_only=True)
+
+    return jax.jit(lowbit.run(step))
+
+
+def _targets(exported) -> set[str]:
+    return set(_CPU_TARGET.findall(exported.mlir_module()))
+
+
+@pytest.mark.parametrize(
+    ("recipe", "kv_cache"),
+    [
+        ("int4_weight_only", "int8"),
+        ("int8_dynamic_activation_int8_weight", None),
+        ("nf4", "int4"),
+    ],
+)
+def test_decode_step_exports_for_accelerators_without_cpu_targets(llm, recipe, kv_cache):
+    model, graphdef, params = llm
+    qparams = lowbit.quantize(params, recipe)
+    cache = model.init_cache(2, 16, kv_cache)
+    tokens = jnp.array([[3], [7]], jnp.int32)
+    step = _decode_step(graphdef)
+
+    on_cpu = export.export(step, platforms=("cpu",), disabled_checks=_ALLOW_CPU_TARGETS)
+    assert _targets(on_cpu(qparams, tokens, cache)), "the CPU lowering should use the kernels"
+    for platforms in (("cuda",), ("tpu",)):
+        exported = export.export(step, platforms=platforms)(qparams, tokens, cache)
+        assert _targets(exported) == set(), platforms
+
+    everywhere = export.export(
+        step, platforms=("cpu", "cuda", "tpu"), disabled_checks=_ALLOW_CPU_TARGETS
+    )(qparams, tokens, cache)
+    (logits, _), (want, _) = everywhere.call(qparams, tokens, cache), step(qparams, tokens, cache)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_prepared_weights_export_for_accelerators(llm):
+    """Weights laid out for the CPU kernels still lower for CUDA (their logical form)."""
+    model, graphdef, params = llm
+    qparams = lowbit.quantize(params, "int8_weight_only")
+    tokens = jnp.array([[3]], jnp.int32)
+    cache = model.init_cache(1, 16, None)
+    step = _decode_step(graphdef)
+    prepared = lowbit.prepare_for_kernels(
+        lambda p, t, c: nnx.merge(graphdef, p)(t, cache=c, last_only=True), qparams, tokens, cache
+    )
+    assert any(
+        type(w).__name__ == "PreparedQArray"
+        for w in jax.tree.leaves(prepared, is_leaf=lambda x: type(x).__name__ == "PreparedQArray")
+    )
+    exported = export.export(step, platforms=("cuda",))(prepared, tokens, cache)
+    assert _targets(exported) == set()
