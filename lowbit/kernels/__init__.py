@@ -28,8 +28,8 @@ formats that run on them) are one table, `KERNEL_KINDS`; `FORMAT_KINDS` maps a w
 element format to its kind.
 
 The compiled module picks the best instruction-set path at run time (AMX-INT8 tiles for w8a8,
-AVX-512 VNNI, AVX-512BW, AVX2 with or without AVX-VNNI, portable); `LOWBIT_CPU_ISA` caps it
-and `set_isa` switches it.
+AVX-512 VNNI, AVX-512BW, AVX2 with or without AVX-VNNI, portable); `LOWBIT_CPU_ISA` or
+`set_isa` forces a lower one (a path the CPU lacks is refused with an error).
 Each entry point is chosen per lowering platform (`jax.lax.platform_dependent`): the FFI
 call where the program is lowered for CPU, the pure-JAX reference (same result) for CUDA, TPU
 or any other platform, so a program traced on a CPU host exports to accelerators. When the
@@ -51,6 +51,7 @@ from lowbit.kernels._layout import (
 )
 from lowbit.kernels._native import (
     INT8_ACTIVATION_KINDS,
+    ISAS,
     available,
     int8_activations_supported,
     set_isa,
@@ -85,6 +86,7 @@ __all__ = [
     "prepared_columns",
     "prepared_to_logical",
     "quantize_per_token",
+    "ISAS",
     "set_isa",
     "status",
     "supported_isas",

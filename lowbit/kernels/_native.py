@@ -24,7 +24,27 @@ def _load() -> tuple[ModuleType | None, str]:
         mod = importlib.import_module("lowbit.kernels._cpu_kernels")
     except ImportError as e:
         return None, f"compiled module lowbit.kernels._cpu_kernels not importable ({e})"
+    forced = os.environ.get(_ISA_ENV, "")
+    if forced:
+        _check_isa(mod, forced, f"{_ISA_ENV}={forced}")
     return mod, ""
+
+
+_ISA_ENV = "LOWBIT_CPU_ISA"
+ISAS = ("scalar", "avx2", "avx2vnni", "avx512bw", "avx512vnni", "amx")
+"""Every instruction-set path the kernels are built with, slowest first."""
+
+
+def _check_isa(mod: ModuleType, name: str, what: str) -> None:
+    """Refuses a path that is unknown or that this CPU cannot run (never a silent cap)."""
+    supported = list(mod.supported_isas())
+    if name not in ISAS:
+        raise ValueError(f"{what}: unknown instruction-set path; expected one of {ISAS}")
+    if name not in supported:
+        raise ValueError(
+            f"{what}: this CPU cannot run the {name!r} kernels; it supports {supported} "
+            f"(pick one of those, or unset {_ISA_ENV} for the best one)"
+        )
 
 
 @functools.cache
@@ -70,14 +90,19 @@ def status() -> str:
 
 
 def set_isa(name: str) -> str:
-    """Selects an instruction-set path, capped by the CPU; returns the one now active.
+    """Selects an instruction-set path; returns the one now active.
 
-    name: "scalar" | "avx2" | "avx2vnni" | "avx512bw" | "avx512vnni" | "amx". The initial choice is
-    the best supported path, capped by the LOWBIT_CPU_ISA environment variable if set.
+    name: "scalar" | "avx2" | "avx2vnni" | "avx512bw" | "avx512vnni" | "amx", one this CPU runs
+    (`supported_isas()`). The initial choice is the best supported path, or the one the
+    LOWBIT_CPU_ISA environment variable names.
+
+    Raises:
+      ValueError: for an unknown path or one this CPU cannot run.
     """
     mod = module()
     if mod is None:
         raise RuntimeError(status())
+    _check_isa(mod, name, f"set_isa({name!r})")
     return mod.set_isa(name)
 
 

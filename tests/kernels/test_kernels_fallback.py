@@ -67,13 +67,14 @@ ISA_SCRIPT = textwrap.dedent(
     xq = jnp.asarray(np.random.default_rng(1).integers(-128, 128, (3, 40)), jnp.int8)
     got = kernels.w8a8_matmul_int32(xq, kernels.prepare("w8a8", q, jnp.ones((1, 9))))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(_reference.w8a8_matmul_int32(xq, q)))
-    print(kernels.set_isa("amx"), kernels.supported_isas()[-1])
+    best = kernels.supported_isas()[-1]
+    print(kernels.set_isa(best), best)
     """
 )
 
 
 @pytest.mark.skipif(not kernels.available(), reason=kernels.status())
-def test_isa_env_var_selects_and_caps():
+def test_isa_env_var_selects_a_path():
     env = dict(os.environ, LOWBIT_CPU_ISA="scalar")
     env.pop("LOWBIT_DISABLE_KERNELS", None)
     out = subprocess.run(
@@ -83,4 +84,22 @@ def test_isa_env_var_selects_and_caps():
     first, last = out.stdout.strip().splitlines()
     assert "isa=scalar" in first
     chosen, best = last.split()
-    assert chosen == best  # a request above the CPU's level is capped to the best it has
+    assert chosen == best
+
+
+@pytest.mark.skipif(not kernels.available(), reason=kernels.status())
+def test_an_isa_the_cpu_lacks_is_refused_not_capped():
+    with pytest.raises(ValueError, match="unknown instruction-set path"):
+        kernels.set_isa("avx1024")
+    missing = [isa for isa in kernels.ISAS if isa not in kernels.supported_isas()]
+    if not missing:
+        pytest.skip("this CPU runs every path")
+    with pytest.raises(ValueError, match=f"cannot run the '{missing[-1]}' kernels"):
+        kernels.set_isa(missing[-1])
+    env = dict(os.environ, LOWBIT_CPU_ISA=missing[-1])
+    env.pop("LOWBIT_DISABLE_KERNELS", None)
+    out = subprocess.run(
+        [sys.executable, "-c", ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode != 0
+    assert f"LOWBIT_CPU_ISA={missing[-1]}: this CPU cannot run" in out.stderr
