@@ -458,11 +458,14 @@ def _enc_iq4_nl(x, ntry=7):
     best = d * sumqx
     # llama.cpp's candidates, plus one mapping the extreme value onto the top level (113):
     # it can only lower the error and makes decoded blocks re-encode to themselves.
+    # A tie with it (a constant block fits every candidate exactly) goes to the extra one:
+    # which of equal scores wins is otherwise float rounding, which differs across XLA builds.
     candidates = [(itry + values[0]) / mx_safe for itry in range(-ntry, ntry + 1)]
-    for inv in [*candidates, values[15] / mx_safe]:
+    for i, inv in enumerate([*candidates, values[15] / mx_safe]):
         q = values[_best_index_iq4(x * inv[..., None])]
         sqx, sq2 = (w * q * x).sum(-1), (w * q * q).sum(-1)
-        better = (sq2 > 0) & (sqx * sqx > best * sq2)
+        slack = 1 - 1e-6 if i == len(candidates) else 1.0
+        better = (sq2 > 0) & (sqx * sqx > best * sq2 * slack)
         d = jnp.where(better, _safe_div(sqx, sq2), d)
         best = jnp.where(better, d * sqx, best)
     d = jnp.where(flat, 0.0, d)

@@ -20,6 +20,7 @@ from lowbit.ops import (
     KERNEL_PATHS,
     MIN_WEIGHT_ELEMENTS,
     PATHS,
+    PreparedQArray,
     _dot_path,
     dot_general,
     dot_general_path,
@@ -358,7 +359,7 @@ class _MLP(nnx.Module):
 
 @jax.jit
 def _dequantized(state):
-    is_q = lambda v: isinstance(v, QArray)
+    is_q = lambda v: isinstance(v, QArray | PreparedQArray)
     return jax.tree.map(lambda v: v.dequantize() if is_q(v) else v, state, is_leaf=is_q)
 
 
