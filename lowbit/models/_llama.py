@@ -125,18 +125,15 @@ def decode_block(max_len: int) -> int | None:
 def _fused_decode(q: jax.Array, kv: LayerKV) -> bool:
     """Whether a decode step runs as one CPU kernel call (`lowbit.kernels.decode_attention`):
     float32 queries and a float32 cache, or an int8 / int4 / fp8 one (read by dequantizing,
-    or for `integer_qk` by int8 products), on the CPU backend with the kernels built. On
+    or for `integer_qk` by int8 products), with the kernels built (lowered for another
+    platform, that call is its pure-JAX reference). On
     XLA:CPU the block loop below costs mostly per-op dispatch (about 150 us a layer for
     SmolLM2 at 576 filled slots, against 30 us for the kernel)."""
     f32 = jnp.dtype(jnp.float32)
     cache_ok = kv.config is not None or (
         jnp.dtype(kv.keys.dtype) == f32 and jnp.dtype(kv.values.dtype) == f32
     )
-    return (
-        cache_ok
-        and jnp.dtype(q.dtype) == f32
-        and kernels.available()
-    )
+    return cache_ok and jnp.dtype(q.dtype) == f32 and kernels.available()
 
 
 def _decode_attention(q: jax.Array, kv: LayerKV, slot: jax.Array, block: int) -> jax.Array:
