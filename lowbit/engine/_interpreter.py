@@ -317,9 +317,17 @@ _RULES: dict[str, Callable[[Context, Any, list[Any]], list[Any]]] = {
 
 
 # --- rules: sub-jaxprs ---
+def _named(ctx: Context, outer: Sequence[Any], inner: Sequence[Any]) -> Context:
+    """`ctx` also naming the values a `jit` / `remat` body receives after their outer ones."""
+    names = {
+        id(i): ctx.names[id(o)] for o, i in zip(outer, inner, strict=True) if id(o) in ctx.names
+    }
+    return dataclasses.replace(ctx, names={**ctx.names, **names}) if names else ctx
+
+
 def _jit(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
     body = _compat.call_body(eqn)
-    run = lambda *args: eval_jaxpr(ctx, body, args)
+    run = lambda *args: eval_jaxpr(_named(ctx, invals, args), body, args)
     if _compat.jit_options(eqn)["inline"] or ctx.axis_probe is not None:
         return run(*invals)
     # A fresh closure per trace, so the counts of the inner trace land in this trace's report.
@@ -332,7 +340,7 @@ def _call(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
 
 def _remat(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
     body = _compat.call_body(eqn)
-    run = lambda *args: eval_jaxpr(ctx, body, args)
+    run = lambda *args: eval_jaxpr(_named(ctx, invals, args), body, args)
     if ctx.axis_probe is not None:
         return run(*invals)
     return list(jax.checkpoint(run, **_compat.remat_options(eqn))(*invals))

@@ -1,4 +1,9 @@
-"""Loading the compiled module, registering its FFI targets, and reporting why not."""
+"""Loading the compiled module, registering its FFI targets, and reporting why not.
+
+A module that does not load or whose targets do not register (built against another jaxlib)
+leaves the kernels unavailable, with the reason in `status()`: every entry point then runs its
+pure-JAX reference.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +32,14 @@ def _load() -> tuple[ModuleType | None, str]:
     forced = os.environ.get(_ISA_ENV, "")
     if forced:
         _check_isa(mod, forced, f"{_ISA_ENV}={forced}")
+    try:
+        for name, capsule in mod.targets().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    except Exception as e:  # noqa: BLE001 - e.g. built against another jaxlib's FFI version
+        return None, (
+            f"its FFI targets do not register with this jaxlib ({e}); rebuild lowbit against the "
+            "installed jaxlib (pip install --no-build-isolation -e .)"
+        )
     return mod, ""
 
 
@@ -47,16 +60,6 @@ def _check_isa(mod: ModuleType, name: str, what: str) -> None:
         )
 
 
-@functools.cache
-def _registered() -> bool:
-    mod, _ = _load()
-    if mod is None:
-        return False
-    for name, capsule in mod.targets().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-    return True
-
-
 _noticed = False
 
 
@@ -69,7 +72,6 @@ def module() -> ModuleType | None:
             _noticed = True
             _log.warning("lowbit CPU kernels unavailable: %s; using the pure-JAX path", reason)
         return None
-    _registered()
     return mod
 
 
