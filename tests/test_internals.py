@@ -1,10 +1,12 @@
-"""Only `lowbit/engine/_compat.py` touches JAX internals (one place to change per JAX release)."""
+"""Only `lowbit/engine/_compat.py` touches JAX internals (one place to change per JAX release),
+and `lowbit/ops/_platform.py`, which defines one primitive (per-platform lowering rules) through
+`jax.extend`, the extension API, and sits below the engine."""
 
 import ast
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "lowbit"
-ALLOWED = PACKAGE / "engine" / "_compat.py"
+ALLOWED = (PACKAGE / "engine" / "_compat.py", PACKAGE / "ops" / "_platform.py")
 INTERNAL = ("jax.extend", "jax._src")
 
 
@@ -35,7 +37,7 @@ def test_only_compat_touches_jax_internals():
     offenders = {
         str(path.relative_to(PACKAGE)): v
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path != ALLOWED and (v := _violations(path))
+        if path not in ALLOWED and (v := _violations(path))
     }
     assert offenders == {}
 

@@ -127,8 +127,8 @@ def _fused_decode(q: jax.Array, kv: LayerKV) -> bool:
     """Whether a decode step runs as one CPU kernel call (`lowbit.kernels.decode_attention`):
     float32 queries and a float32 cache, or an int8 / int4 / fp8 one (read by dequantizing,
     or for `integer_qk` by int8 products), with the kernels built, where the step is
-    lowered for CPU. On XLA:CPU the block loop below costs mostly per-op dispatch (about 150 us a layer for
-    SmolLM2 at 576 filled slots, against 30 us for the kernel)."""
+    lowered for CPU. On XLA:CPU the block loop below costs mostly per-op dispatch (about
+    150 us a layer for SmolLM2 at 576 filled slots, against 30 us for the kernel)."""
     f32 = jnp.dtype(jnp.float32)
     cache_ok = kv.config is not None or (
         jnp.dtype(kv.keys.dtype) == f32 and jnp.dtype(kv.values.dtype) == f32

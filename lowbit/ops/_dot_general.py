@@ -14,8 +14,9 @@ Other layouts use `dot_general_reference` (dequantize, then `lax.dot_general`), 
 
 Plain linear layers with a layout the compiled kernels read go to `lowbit.kernels` where the
 program is lowered for CPU (`_cpu_kernels`; paths ``"cpu_kernel_<kind>"``), with the pure-JAX
-weight-only product as their gradient; the same traced program lowers to the pure-JAX paths
-on CUDA, TPU and other platforms (`lax.platform_dependent`).
+weight-only product as their gradient. The same traced program lowers, per platform
+(`_platform.by_platform`), weight-only int4 / uint4 / nf4 / int8 linear layers to the Pallas
+kernel on CUDA (`lowbit.kernels.pallas`) and everything else to the pure-JAX paths.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from lowbit.ops import _dims, _dot_path
 from lowbit.ops._cpu_kernels import (
     FLOAT_ACTIVATIONS,
     KERNEL_PATHS,
+    MIN_WEIGHT_ELEMENTS,
     KernelRoute,
     builds_layout_per_call,
     contract_axis,
@@ -50,6 +52,7 @@ from lowbit.ops._operand import (
     from_qarray,
     quantize_activation,
 )
+from lowbit.ops._platform import by_platform
 from lowbit.ops._prepared import PreparedQArray
 from lowbit.qarray import QArray
 
@@ -401,9 +404,31 @@ def dot_general(
             out_sharding=out_sharding,
         )
     route = kernel_route(lhs, rhs, dimension_numbers, out_sharding=out_sharding)
-    if route is not None:
-        return _routed(lhs, rhs, route, dimension_numbers, precision, preferred_element_type)
+    gpu = out_sharding is None and gpu_weight_only(lhs, rhs, dimension_numbers)
+    if route is not None or gpu:
+        return _routed(
+            lhs, rhs, route, dimension_numbers, precision, preferred_element_type, gpu=gpu
+        )
     return _portable(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
+
+
+def gpu_weight_only(lhs: Any, rhs: Any, dimension_numbers: Any) -> bool:
+    """Whether a CUDA lowering runs this product in the Pallas weight-only kernel
+    (`lowbit.kernels.pallas`: int4 / uint4 / nf4 / int8 codes dequantized in registers, read
+    as stored). Only plain linear layers `x [..., K] @ q [K, N]`; activation-quantized
+    weights (w8a8, fp8) take the portable path, whose int8 / fp8 `dot_general` XLA already
+    gives to cuBLASLt's integer and fp8 GEMMs."""
+    if isinstance(lhs, QArray) or not isinstance(rhs, QArray) or rhs.activation is not None:
+        return False
+    if not hasattr(lhs, "dtype") or np.dtype(lhs.dtype) not in FLOAT_ACTIVATIONS:
+        return False
+    if contract_axis(lhs, rhs, dimension_numbers) != 0:
+        return False
+    if math.prod(rhs.shape) < MIN_WEIGHT_ELEMENTS:  # small layers: XLA's own fusion will do
+        return False
+    from lowbit.kernels import pallas  # imported on first use: Pallas is slow to import
+
+    return pallas.supports(rhs, math.prod(lhs.shape[:-1]), lhs.dtype) == "pallas"
 
 
 def _portable(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
@@ -416,18 +441,48 @@ def _portable(lhs, rhs, dimension_numbers, precision, preferred_element_type, ou
     return _ste_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
 
 
-def _routed(lhs, rhs, route, dimension_numbers, precision, preferred_element_type):
-    """A kernel-routed product: the CPU kernel where the program is lowered for CPU, the
-    portable product on every other platform (a prepared weight recovers its logical QArray
-    there), chosen per lowering platform so one traced program exports anywhere."""
+def _routed(lhs, rhs, route, dimension_numbers, precision, preferred_element_type, *, gpu=False):
+    """A product with a kernel on some platform, chosen per lowering platform so one traced
+    program exports anywhere: the CPU kernel (`route`) where the program is lowered for CPU,
+    the Pallas kernel (`gpu`) for CUDA, the portable product everywhere else (a prepared
+    weight recovers its logical QArray there). One straight-through derivative rule covers
+    every branch."""
     out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
+    return _by_platform(
+        lhs, rhs, route, dimension_numbers, precision, preferred_element_type, out_dtype, gpu
+    )
 
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _by_platform(lhs, rhs, route, dimension_numbers, precision, preferred, out_dtype, gpu):
     def on_cpu(lhs, rhs):
         return _kernel_dot_jit(lhs, rhs, route, dimension_numbers, precision, out_dtype)
 
+    def on_cuda(lhs, rhs):
+        from lowbit.kernels import pallas
+
+        return pallas.weight_only_matmul(lhs, rhs, out_dtype=out_dtype, differentiable=False)
+
     def elsewhere(lhs, rhs):
         rhs = rhs.logical() if isinstance(rhs, PreparedQArray) else rhs
-        out = _portable(lhs, rhs, dimension_numbers, precision, preferred_element_type, None)
-        return out.astype(out_dtype)
+        return _portable(lhs, rhs, dimension_numbers, precision, preferred, None).astype(out_dtype)
 
-    return lax.platform_dependent(lhs, rhs, cpu=on_cpu, default=elsewhere)
+    rules = {"cpu": on_cpu} if route is not None else {}
+    if gpu:
+        rules["cuda"] = on_cuda
+    return by_platform((lhs, rhs), rules, elsewhere)
+
+
+def _by_platform_fwd(lhs, rhs, route, dimension_numbers, precision, preferred, out_dtype, gpu):
+    out = _by_platform(lhs, rhs, route, dimension_numbers, precision, preferred, out_dtype, gpu)
+    return out, (lhs, rhs)
+
+
+def _by_platform_bwd(route, dimension_numbers, precision, preferred, out_dtype, gpu, res, g):
+    lhs, rhs = res
+    if isinstance(rhs, PreparedQArray):
+        rhs = rhs.logical()
+    return _ste_bwd(dimension_numbers, precision, None, None, (lhs, rhs), g)
+
+
+_by_platform.defvjp(_by_platform_fwd, _by_platform_bwd)

@@ -20,6 +20,9 @@ import lowbit
 from lowbit.models import Llama, LlamaConfig
 
 _CPU_TARGET = re.compile(r"custom_call @(lowbit_\w+)")
+_TRITON = re.compile(r"custom_call @__gpu\$xla\.gpu\.triton")
+# Pallas kernels lower through Triton for CUDA (a target without JAX's compatibility promise).
+_ALLOW_TRITON = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 _ALLOW_CPU_TARGETS = [
     export.DisabledSafetyCheck.custom_call(name)
     for name in (
@@ -65,6 +68,19 @@ def _targets(exported) -> set[str]:
     return set(_CPU_TARGET.findall(exported.mlir_module()))
 
 
+def _export(fn, platforms, *args, allow=()):
+    """`jax.export` for `platforms` from this CPU host. Lowering a Pallas kernel for CUDA asks
+    for the GPU's kind, which a host without one names through an abstract mesh."""
+    disabled = [*allow, *_ALLOW_TRITON]
+    if "cuda" not in platforms or jax.default_backend() == "gpu":
+        return export.export(fn, platforms=platforms, disabled_checks=disabled)(*args)
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+    auto = (jax.sharding.AxisType.Auto,)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=auto, abstract_device=h100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return export.export(fn, platforms=platforms, disabled_checks=disabled)(*args)
+
+
 @pytest.mark.parametrize(
     ("recipe", "kv_cache"),
     [
@@ -80,15 +96,19 @@ def test_decode_step_exports_for_accelerators_without_cpu_targets(llm, recipe, k
     tokens = jnp.array([[3], [7]], jnp.int32)
     step = _decode_step(graphdef)
 
-    on_cpu = export.export(step, platforms=("cpu",), disabled_checks=_ALLOW_CPU_TARGETS)
-    assert _targets(on_cpu(qparams, tokens, cache)), "the CPU lowering should use the kernels"
-    for platforms in (("cuda",), ("tpu",)):
-        exported = export.export(step, platforms=platforms)(qparams, tokens, cache)
-        assert _targets(exported) == set(), platforms
+    on_cpu = _export(step, ("cpu",), qparams, tokens, cache, allow=_ALLOW_CPU_TARGETS)
+    assert _targets(on_cpu), "the CPU lowering should use the kernels"
+    assert not _TRITON.search(on_cpu.mlir_module())
+    cuda, tpu = (_export(step, p, qparams, tokens, cache) for p in (("cuda",), ("tpu",)))
+    assert _targets(cuda) == set() and _targets(tpu) == set()
+    # Weight-only int4 / nf4 layers run the Pallas kernel on CUDA (w8a8: XLA's int8 GEMM).
+    gpu_kernel = recipe != "int8_dynamic_activation_int8_weight"
+    assert bool(_TRITON.search(cuda.mlir_module())) == gpu_kernel
+    assert not _TRITON.search(tpu.mlir_module())
 
-    everywhere = export.export(
-        step, platforms=("cpu", "cuda", "tpu"), disabled_checks=_ALLOW_CPU_TARGETS
-    )(qparams, tokens, cache)
+    everywhere = _export(
+        step, ("cpu", "cuda", "tpu"), qparams, tokens, cache, allow=_ALLOW_CPU_TARGETS
+    )
     (logits, _), (want, _) = everywhere.call(qparams, tokens, cache), step(qparams, tokens, cache)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
 
@@ -107,5 +127,5 @@ def test_prepared_weights_export_for_accelerators(llm):
         type(w).__name__ == "PreparedQArray"
         for w in jax.tree.leaves(prepared, is_leaf=lambda x: type(x).__name__ == "PreparedQArray")
     )
-    exported = export.export(step, platforms=("cuda",))(prepared, tokens, cache)
+    exported = _export(step, ("cuda",), prepared, tokens, cache)
     assert _targets(exported) == set()

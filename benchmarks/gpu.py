@@ -1,0 +1,379 @@
+"""GPU benchmark: quantized matmuls (Pallas and XLA paths) against bf16, and Llama decode.
+
+Matmuls `x [M, K] @ W [K, N]` at K = N in {4096, 8192}, M in {1, 16, 256, 4096}, through
+`lowbit.kernels.pallas`: bf16 (XLA's dot), w8a8 int8 (`int8_matmul`: per-token int8
+activations, per-channel int8 weight, XLA), fp8 e4m3 (`fp8_matmul`, XLA), int4 group 128 and
+NF4 group 64 weight-only (`weight_only_matmul`, Pallas/Triton). A row's time is the median of
+a few measurements, each a run of back-to-back calls (every call inside one compiled program
+repeats the product `UNROLL` times behind optimisation barriers, so neither dispatch latency
+nor loop-invariant hoisting hides the kernel's time). TB/s counts the weight bytes as stored
+plus the bf16 activations read, once per product; TFLOP/s counts 2 M K N.
+
+For int4, a few tile configurations are timed per shape and the fastest is reported (its
+tiles in the last column); NF4 reuses int4's choice at the same shape.
+
+Decode: a SmolLM2-135M-shaped `lowbit.models.Llama` with random bf16 weights (float, `int8w`,
+`int4w_g64` recipes) through `lowbit.models.stream_tokens`, batch 1 and 8: tokens per second
+of the compiled decode loop (prefill and compilation excluded).
+
+Without a GPU every row says "not measured (no GPU)" at once. Run with
+`python -m benchmarks gpu`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SIZES = (4096, 8192)
+BATCHES = (1, 16, 256, 4096)
+PATHS = (
+    "bf16 (XLA)",
+    "w8a8 int8 (XLA)",
+    "fp8 e4m3 (XLA)",
+    "int4 g128 (Pallas)",
+    "nf4 g64 (Pallas)",
+)
+BASELINE = PATHS[0]
+LLAMA_WEIGHTS = (("bf16", None), ("int8 weights", "int8w"), ("int4 weights g64", "int4w_g64"))
+LLAMA_BATCHES = (1, 8)
+LLAMA_SHAPE = dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536)
+LLAMA_VOCAB = 49152
+DECODE_CHUNK, DECODE_CHUNKS = 32, 4  # steps per compiled decode call; calls (first compiles)
+PROMPT = 8
+UNROLL = 8  # products per compiled call
+MEASUREMENTS = 5
+MIN_CALL_SECONDS = 0.02  # each measurement runs calls until about this long
+# Budgets from the start: no matmul row starts after the first, no decode row after the
+# second (a decode row compiles a 30-layer model twice: it needs a margin). Rows left say so.
+MATMUL_BUDGET_S, DECODE_BUDGET_S = 200.0, 240.0
+# int4 tile candidates (block_m, block_n, block_k, split_k, num_warps; 0 = choose).
+SMALL_M_TILES = ((0, 0, 0, 0, 0), (0, 64, 128, 0, 0))
+LARGE_M_TILES = ((0, 0, 0, 0, 0), (128, 128, 64, 0, 8), (128, 256, 64, 1, 8))
+SMOKE = os.environ.get("LOWBIT_BENCH_SMOKE", "") not in ("", "0")
+if SMOKE:
+    # A quick check that this code runs (CPU: kernels interpreted), not a measurement.
+    SIZES, BATCHES, UNROLL, MEASUREMENTS, MIN_CALL_SECONDS = (256,), (1, 16), 2, 1, 0.0
+    LLAMA_SHAPE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128)
+    LLAMA_VOCAB, DECODE_CHUNK, DECODE_CHUNKS = 256, 2, 2
+    SMALL_M_TILES, LARGE_M_TILES = SMALL_M_TILES[:2], LARGE_M_TILES[:2]
+
+
+@dataclasses.dataclass
+class Row:
+    """One timed product (time None: not measured, `note` says why)."""
+
+    size: int
+    m: int
+    path: str
+    seconds: float | None = None
+    weight_bytes: int = 0
+    tiles: str = ""
+    note: str = ""
+
+
+def _has_gpu() -> bool:
+    try:
+        return jax.default_backend() == "gpu"
+    except RuntimeError:
+        return False
+
+
+# --- timing -------------------------------------------------------------------------------------
+def _repeated(fn: Callable[[jax.Array, Any], jax.Array]) -> Callable:
+    """A jitted `(x, w, carry) -> carry` running `fn(x, w)` UNROLL times in sequence.
+
+    The barriers make each product depend on the previous one's carry (no hoisting, no common
+    subexpression) and keep XLA from shrinking a product to the one element read from it.
+    """
+
+    def run(x, w, carry):
+        for _ in range(UNROLL):
+            x, w, carry = jax.lax.optimization_barrier((x, w, carry))
+            y = fn(x, w)
+            carry, y = jax.lax.optimization_barrier((carry, y))
+            carry = carry + y[0, 0].astype(jnp.float32)
+        return carry
+
+    return jax.jit(run)
+
+
+def _time_product(fn: Callable, x: jax.Array, w: Any) -> float:
+    """Median seconds per product of `fn(x, w)` (compile and warm-up excluded)."""
+    run = _repeated(fn)
+    carry = jax.block_until_ready(run(x, w, jnp.float32(0)))  # compiles
+    start = time.perf_counter()
+    carry = jax.block_until_ready(run(x, w, carry))
+    calls = max(1, min(200, int(MIN_CALL_SECONDS / max(time.perf_counter() - start, 1e-6))))
+    samples = []
+    for _ in range(MEASUREMENTS):
+        start = time.perf_counter()
+        for _ in range(calls):
+            carry = run(x, w, carry)
+        jax.block_until_ready(carry)
+        samples.append((time.perf_counter() - start) / (calls * UNROLL))
+    return statistics.median(samples)
+
+
+# --- weights ------------------------------------------------------------------------------------
+def _weights(k: int, key: jax.Array) -> dict[str, Any]:
+    """Every path's weight for a [k, k] random matrix (quantized on the device)."""
+    from lowbit.qarray import PerChannel, PerGroup, QuantConfig, quantize
+
+    w = jax.random.normal(key, (k, k), jnp.float32) / np.sqrt(k)
+    with_activation = lambda q, fmt: dataclasses.replace(q, activation=QuantConfig(format=fmt))
+    per_channel = PerChannel((1,))
+    out = {
+        BASELINE: w.astype(jnp.bfloat16),
+        PATHS[1]: with_activation(quantize(w, "int8", granularity=per_channel), "int8"),
+        PATHS[2]: with_activation(quantize(w, "fp8_e4m3fn", granularity=per_channel), "fp8"),
+        PATHS[3]: quantize(w, "int4", granularity=PerGroup(128, 0)),
+        PATHS[4]: quantize(w, "nf4", granularity=PerGroup(64, 0)),
+    }
+    return jax.block_until_ready(out)
+
+
+def _nbytes(w: Any) -> int:
+    return int(w.nbytes)
+
+
+def _product(path: str, tiles: tuple[int, ...] = ()) -> Callable:
+    from lowbit.kernels import pallas
+
+    if path == BASELINE:
+        return lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    if path == PATHS[1]:
+        return pallas.int8_matmul
+    if path == PATHS[2]:
+        return pallas.fp8_matmul
+    names = ("block_m", "block_n", "block_k", "split_k", "num_warps")
+    kwargs = {n: v for n, v in zip(names, tiles, strict=False) if v}
+    return lambda x, w: pallas.weight_only_matmul(x, w, interpret=not _has_gpu(), **kwargs)
+
+
+def _tiles_label(m: int, w: Any, tiles: tuple[int, ...]) -> str:
+    from lowbit.kernels import pallas
+
+    names = ("m", "n", "k", "split_k", "num_warps")
+    want = pallas.Blocks(**dict(zip(names, (*tiles, 0, 0, 0, 0, 0)[:5], strict=True)))
+    return str(pallas.blocks_for(w, m, want))
+
+
+def _nf4_candidates(int4_tiles: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """int4's tiles with block_k capped at NF4's group of 64, then the default choice."""
+    if not int4_tiles:
+        return [()]
+    bm, bn, bk, *rest = int4_tiles
+    return [(bm, bn, min(bk, 64) if bk else 0, *rest), ()]
+
+
+def _time_pallas(path: str, m: int, x: jax.Array, w: Any, candidates, deadline: float):
+    """(seconds, tiles label, candidate) of the fastest candidate tiles that run."""
+    best: tuple[float, str, tuple] | None = None
+    errors = []
+    for tiles in candidates:
+        if best is not None and time.perf_counter() > deadline:
+            break
+        try:
+            seconds = _time_product(_product(path, tiles), x, w)
+        except Exception as e:  # a candidate Triton rejects: try the next one
+            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            print(f"[gpu] {path} M={m} tiles {tiles}: {errors[-1]}", file=sys.stderr, flush=True)
+            continue
+        if best is None or seconds < best[0]:
+            best = (seconds, _tiles_label(m, w, tiles), tiles)
+    if best is None:
+        raise RuntimeError("; ".join(errors) or "no candidate tiles")
+    return best
+
+
+def _matmul_rows(deadline: float) -> list[Row]:
+    rows = []
+    key = jax.random.key(0)
+    for k in SIZES:
+        weights = _weights(k, key)
+        for m in BATCHES:
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
+            chosen: tuple = ()
+            for path in PATHS:
+                row = Row(k, m, path, weight_bytes=_nbytes(weights[path]))
+                if time.perf_counter() > deadline:
+                    row.note = "not measured (time budget)"
+                    rows.append(row)
+                    continue
+                try:
+                    if path == PATHS[3]:
+                        candidates = SMALL_M_TILES if m <= 64 else LARGE_M_TILES
+                        row.seconds, row.tiles, chosen = _time_pallas(
+                            path, m, x, weights[path], candidates, deadline
+                        )
+                    elif path == PATHS[4]:
+                        candidates = _nf4_candidates(chosen)
+                        row.seconds, row.tiles, _ = _time_pallas(
+                            path, m, x, weights[path], candidates, deadline
+                        )
+                    else:
+                        row.seconds = _time_product(_product(path), x, weights[path])
+                except Exception as e:
+                    row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                rows.append(row)
+                print(f"[gpu] K=N={k} M={m} {path}: {_ms(row)}", file=sys.stderr, flush=True)
+        del weights
+    return rows
+
+
+# --- Llama decode -------------------------------------------------------------------------------
+def _llama_params(recipe: str | None):
+    from flax import nnx
+
+    import lowbit
+    from lowbit.models import Llama, LlamaConfig
+
+    config = LlamaConfig(vocab_size=LLAMA_VOCAB, **LLAMA_SHAPE)
+    model = Llama(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.split(model)[1])
+    if recipe is not None:
+        params = lowbit.quantize(params, recipe)
+    return model, jax.block_until_ready(params)
+
+
+def _decode_tok_s(model, params, batch: int) -> float:
+    """Tokens per second (all rows) of the decode loop, after its first (compiling) call."""
+    from lowbit.models import stream_tokens
+
+    prompts = [[1 + (i + j) % 100 for j in range(PROMPT)] for i in range(batch)]
+    stream = stream_tokens(
+        model,
+        prompts,
+        params=params,
+        max_new_tokens=1 + DECODE_CHUNK * DECODE_CHUNKS,
+        chunk=DECODE_CHUNK,
+    )
+    next(stream)  # prefill (compiles)
+    next(stream)  # first decode call (compiles)
+    start = time.perf_counter()
+    steps = sum(chunk.shape[1] for chunk in stream)
+    return batch * steps / (time.perf_counter() - start)
+
+
+def _decode_rows(deadline: float) -> list[tuple[str, int, str]]:
+    """(weights, batch, tok/s text) per decode row."""
+    out = []
+    for label, recipe in LLAMA_WEIGHTS:
+        failed = "not measured (time budget)" if time.perf_counter() > deadline else ""
+        if not failed:
+            try:
+                model, params = _llama_params(recipe)
+            except Exception as e:
+                failed = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        for batch in LLAMA_BATCHES:
+            if not failed and time.perf_counter() > deadline:
+                failed = "not measured (time budget)"
+            if failed:
+                out.append((label, batch, failed))
+                continue
+            try:
+                text = f"{_decode_tok_s(model, params, batch):.0f}"
+            except Exception as e:
+                text = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            out.append((label, batch, text))
+            print(f"[gpu] decode {label} batch {batch}: {text}", file=sys.stderr, flush=True)
+    return out
+
+
+# --- report -------------------------------------------------------------------------------------
+def _ms(row: Row) -> str:
+    return row.note or ("n/a" if row.seconds is None else f"{row.seconds * 1e3:.4f} ms")
+
+
+def _matmul_table(rows: list[Row]) -> list[str]:
+    base = {(r.size, r.m): r.seconds for r in rows if r.path == BASELINE}
+    lines = [
+        "| K = N | M | path | median ms | TB/s | TFLOP/s | vs bf16 | tiles |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        if r.seconds is None:
+            lines.append(f"| {r.size} | {r.m} | {r.path} | {r.note} | | | | |")
+            continue
+        moved = r.weight_bytes + r.m * r.size * 2
+        flops = 2 * r.m * r.size * r.size
+        ref = base.get((r.size, r.m))
+        ratio = f"{ref / r.seconds:.2f}x" if ref else "n/a"
+        lines.append(
+            f"| {r.size} | {r.m} | {r.path} | {r.seconds * 1e3:.4f} | "
+            f"{moved / r.seconds / 1e12:.2f} | {flops / r.seconds / 1e12:.1f} | {ratio} | "
+            f"{r.tiles} |"
+        )
+    return lines
+
+
+def _decode_table(rows: list[tuple[str, int, str]]) -> list[str]:
+    lines = ["| weights | batch | decode tok/s (all rows) |", "| --- | ---: | ---: |"]
+    lines += [f"| {label} | {batch} | {text} |" for label, batch, text in rows]
+    return lines
+
+
+def _device_line() -> str:
+    if not _has_gpu():
+        return "no GPU (default backend: " + jax.default_backend() + ")"
+    device = jax.devices()[0]
+    return f"{device.device_kind}, JAX {jax.__version__}"
+
+
+def _report(matmuls: list[Row], decode: list[tuple[str, int, str]], seconds: float) -> str:
+    today = datetime.date.today().isoformat()
+    lines = [
+        "## GPU: quantized matmuls and decode",
+        "",
+        f"{today}, {_device_line()}; whole section {seconds:.0f} s"
+        + (" (smoke run: interpreted kernels, not a measurement)" if SMOKE else "")
+        + ".",
+        "",
+        "`x [M, K] bf16 @ W [K, N]`. Median of "
+        f"{MEASUREMENTS} measurements, each a run of back-to-back calls of {UNROLL} "
+        "products; TB/s = (weight bytes as stored + bf16 activation bytes) / time, TFLOP/s = "
+        "2 M K N / time, vs bf16 = bf16 time / this time at the same shape. w8a8 and fp8 include "
+        "the per-token activation quantization; int4 / NF4 are `weight_only_matmul` (Pallas, "
+        "Triton), tiles `block_m x block_n x block_k`, K split, warps.",
+        "",
+        *_matmul_table(matmuls),
+        "",
+        "Decode: SmolLM2-135M-shaped Llama (dim 576, 30 layers, 9 heads / 3 KV heads, ffn "
+        f"1536, vocab {LLAMA_VOCAB}), random bf16 weights, `lowbit.models.stream_tokens`, "
+        f"{PROMPT}-token prompts, {DECODE_CHUNK} steps per compiled call, timed over "
+        f"{DECODE_CHUNKS - 1} calls after the first. Quantized weights run through the engine's "
+        "ops (its GPU lowering), not yet through the Pallas kernels.",
+        "",
+        *_decode_table(decode),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _not_measured(reason: str) -> tuple[list[Row], list[tuple[str, int, str]]]:
+    rows = [Row(k, m, p, note=reason) for k in SIZES for m in BATCHES for p in PATHS]
+    decode = [(label, b, reason) for label, _ in LLAMA_WEIGHTS for b in LLAMA_BATCHES]
+    return rows, decode
+
+
+def run() -> str:
+    start = time.perf_counter()
+    if not _has_gpu() and not SMOKE:
+        return _report(*_not_measured("not measured (no GPU)"), time.perf_counter() - start)
+    matmuls = _matmul_rows(start + MATMUL_BUDGET_S)
+    decode = _decode_rows(start + DECODE_BUDGET_S)
+    return _report(matmuls, decode, time.perf_counter() - start)
+
+
+if __name__ == "__main__":
+    print(run())

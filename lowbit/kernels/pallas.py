@@ -1,0 +1,666 @@
+"""Accelerator (GPU) matmuls on quantized weights: Pallas kernels and the XLA paths.
+
+Three products of activations `x [M, K]` (bfloat16 or float32) and a 2-D `QArray` weight
+`q [K, N]` contracted over its axis 0 (a Flax ``[in, out]`` kernel):
+
+- `weight_only_matmul`: int4 (symmetric), uint4 (zero point), nf4 and int8 weights, one Pallas
+  kernel. It reads the QArray's codes exactly as stored (two 4-bit codes a byte, packed along
+  K or N as `packed_axis` says, low nibble first) and its scales and zero points, and
+  decodes each `[block_k, block_n]` tile in registers: no float copy of the weight is
+  written to memory and nothing is repacked outside the kernel. Tiles of up to 64 rows
+  (decode) multiply the decoded codes and apply zero points and scales to the dot's result;
+  larger ones dequantize the weight tile first. Products accumulate in float32. On CUDA it
+  lowers through Triton; `interpret=True` runs the same kernel body anywhere (the tests use
+  it on CPU).
+- `int8_matmul` (w8a8): dynamic per-token int8 activations times int8 per-channel weights.
+- `fp8_matmul`: per-token float8_e4m3fn activations times float8_e4m3fn per-channel weights.
+
+The two activation-quantized products are plain XLA on purpose: XLA lowers a
+`lax.dot_general` of int8 operands with int32 accumulation (or of float8 operands with
+float32 accumulation) to its integer / fp8 tensor-core GEMMs on GPU (cuBLASLt or its own
+Triton GEMMs), so a hand-written kernel would re-implement a library call. Scales are
+applied to the int32 / float32 result.
+
+`supports(q, m)` says which of these a weight takes ("pallas", "xla") or None, so a caller
+falls back to `q.dequantize()` and a float matmul and can count the fallbacks; `matmul`
+dispatches on it.
+
+Block sizes: Triton wants power-of-two tiles of at least 16 along each dot axis, so `block_k`
+and `block_n` must divide K and N (and, with grouped scales, `block_k` must divide the group
+so each K step reads one scale row). M is padded to `block_m` internally, so any M works.
+Small M (decode) splits K across programs (`split_k`) so that enough programs stream the
+weight to fill the GPU; the float32 partial sums are added afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from lowbit.formats import get_format
+from lowbit.qarray import QArray, broadcast_blocks
+
+PALLAS_FORMATS = ("int4", "uint4", "nf4", "int8")
+"""Weight formats `weight_only_matmul` reads in its kernel."""
+FP8_FORMAT = "fp8_e4m3fn"
+_MIN_BLOCK = 16  # Triton's smallest dot tile along each axis
+_MAX_BLOCK_M = 128
+# Decode (small M) splits K until the grid has about this many programs: two per SM of an
+# H100 or H200 (132 SMs), enough to keep the memory busy while each program streams its slice.
+_TARGET_PROGRAMS = 256
+_SMALL_M = 64  # at or below this, the product is weight-bandwidth bound: split K
+_INT8_MAX = 127.0
+_E4M3_MAX = 448.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Tile sizes of `weight_only_matmul`: output tiles `[m, n]`, K steps of `k`, and K split
+    over `split_k` programs whose float32 partial sums are added at the end; `num_warps` and
+    `num_stages` are Triton's (0: its defaults, 4 warps and 3 pipeline stages)."""
+
+    m: int
+    n: int
+    k: int
+    split_k: int = 1
+    num_warps: int = 0
+    num_stages: int = 0
+
+    def __str__(self) -> str:
+        extra = f" w{self.num_warps}" if self.num_warps else ""
+        extra += f" s{self.num_stages}" if self.num_stages else ""
+        return f"{self.m}x{self.n}x{self.k} split {self.split_k}{extra}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """What the kernel needs to know about a weight: static, hashable.
+
+    kind: one of PALLAS_FORMATS. k, n: logical weight shape. groups: scale rows G (K / G
+    elements each; 1 per channel). packed: "k", "n" or None (int8: unpacked).
+    zero: has a zero point.
+    """
+
+    kind: str
+    k: int
+    n: int
+    groups: int
+    packed: str | None
+    zero: bool
+
+    @property
+    def group(self) -> int:
+        """K elements per scale row."""
+        return self.k // self.groups
+
+
+# --- which path ---------------------------------------------------------------------------------
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _pow2_divisors(n: int, lo: int, hi: int) -> list[int]:
+    """Powers of two p with lo <= p <= hi dividing n, ascending."""
+    out, p = [], lo
+    while p <= hi:
+        if n % p == 0:
+            out.append(p)
+        p *= 2
+    return out
+
+
+def _activation_format(q: QArray) -> str | None:
+    """The activation format of a weight with a (symmetric) activation config, else None."""
+    config = q.activation
+    if config is None:
+        return None
+    if not getattr(config, "symmetric", False):
+        return "asymmetric"
+    return get_format(config.format).name
+
+
+def _layout(q: QArray) -> _Layout | None:
+    """The kernel's view of a weight-only QArray `[K, N]`, or None if the kernel cannot read it.
+
+    Scales must vary along K in groups (or not at all) and along N per column or not at all;
+    the packed axis must be 0 or 1 with two codes a byte.
+    """
+    if q.ndim != 2 or q.format not in PALLAS_FORMATS or q.activation is not None:
+        return None
+    if q.input_scale is not None and q.input_scale.shape[1] != 1:
+        return None
+    k, n = q.shape
+    groups, scale_n = q.scale.shape
+    if scale_n not in (1, n) or k % groups:
+        return None
+    packed = {None: None, 0: "k", 1: "n"}.get(q.packed_axis, "bad")
+    if packed == "bad" or (q.format == "int8") != (packed is None):
+        return None
+    return _Layout(q.format, k, n, groups, packed, q.zero_point is not None)
+
+
+def supports(q: Any, m: int, x_dtype: Any = jnp.bfloat16) -> str | None:
+    """Which accelerator path multiplies `x [m, K]` by the weight `q [K, N]`.
+
+    Returns:
+      "pallas" (`weight_only_matmul`: int4 / uint4 / nf4 / int8 weights, no activation
+      quantization), "xla" (`int8_matmul` for int8 per-channel weights with int8 activations,
+      `fp8_matmul` for fp8 e4m3 per-channel weights with fp8 activations), or None: the caller
+      falls back to `q.dequantize()` and a float matmul (and counts it).
+    """
+    if not isinstance(q, QArray) or q.ndim != 2 or m < 1:
+        return None
+    if jnp.dtype(x_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        return None
+    if q.activation is not None:
+        return "xla" if _xla_kind(q) is not None else None
+    layout = _layout(q)
+    if layout is None:
+        return None
+    try:
+        _choose_blocks(m, layout)
+    except ValueError:
+        return None
+    return "pallas"
+
+
+def _xla_kind(q: QArray) -> str | None:
+    """The XLA product (`int8_matmul`: "int8", `fp8_matmul`: "fp8") for `q`, else None."""
+    per_channel = q.scale.shape[0] == 1 and q.zero_point is None and q.input_scale is None
+    if q.ndim != 2 or not per_channel or q.scale_encoding != "float":
+        return None
+    activation = _activation_format(q)
+    if q.format == "int8" and activation == "int8":
+        return "int8"
+    if q.format == FP8_FORMAT and activation == FP8_FORMAT:
+        return "fp8"
+    return None
+
+
+# --- blocks -------------------------------------------------------------------------------------
+def _min_block(layout: _Layout, axis: str) -> int:
+    # Nibbles packed along an axis are unpacked into two half tiles that each enter a dot,
+    # so that axis's tile needs twice Triton's minimum.
+    return 2 * _MIN_BLOCK if layout.packed == axis else _MIN_BLOCK
+
+
+def _shape_error(layout: _Layout, axis: str, size: int, floor: int, extra: str = "") -> ValueError:
+    return ValueError(
+        f"weight_only_matmul: weight shape (K, N) = ({layout.k}, {layout.n}) has {axis}={size}, "
+        f"which no power-of-two block >= {floor} divides{extra}. Pad {axis} to a multiple of "
+        f"{floor} (zero weights), or multiply `q.dequantize()` with a float matmul instead"
+    )
+
+
+def _choose_blocks(m: int, layout: _Layout, requested: Blocks | None = None) -> Blocks:
+    """Tile sizes for `x [m, K]` times a weight of `layout`, honouring `requested` fields > 0.
+
+    Raises:
+      ValueError: naming the shape and the fix, when K, N or the group has no valid block, or a
+        requested block is not a power of two >= 16 dividing its axis.
+    """
+    want = requested or Blocks(0, 0, 0, 0)
+    k_floor, n_floor = _min_block(layout, "k"), _min_block(layout, "n")
+    # A K step must stay inside one scale group (one scale row per step).
+    k_limit = layout.group if layout.groups > 1 else layout.k
+    n_options = _pow2_divisors(layout.n, n_floor, 256)
+    k_options = _pow2_divisors(math.gcd(layout.k, k_limit), k_floor, 256)
+    if not n_options:
+        raise _shape_error(layout, "N", layout.n, n_floor)
+    if not k_options:
+        extra = f" together with the group size {layout.group}" if layout.groups > 1 else ""
+        raise _shape_error(layout, "K", layout.k, k_floor, extra)
+    bm = want.m or min(_MAX_BLOCK_M, max(_MIN_BLOCK, 1 << (max(m, 1) - 1).bit_length()))
+    small = m <= _SMALL_M
+    # From a tile sweep on an H200 (K = N = 4096, 8192): 128-wide tiles beat 64-wide ones at
+    # every M; decode wants long K steps (more bytes in flight), large M the usual 64.
+    bn = want.n or max(b for b in n_options if b <= 128)
+    bk = want.k or max(b for b in k_options if b <= (128 if small else 64))
+    _check_block("block_m", bm, None, _MIN_BLOCK)
+    _check_block("block_n", bn, layout.n, n_floor, layout)
+    _check_block("block_k", bk, math.gcd(layout.k, k_limit), k_floor, layout)
+    # Decode wants ~2 programs an SM streaming the weight; larger M only a full first wave.
+    target = _TARGET_PROGRAMS if small else _TARGET_PROGRAMS // 2
+    split = want.split_k or _split_k(m, bm, bn, bk, layout, target)
+    bad_groups = layout.groups > 1 and layout.groups % split
+    if not _is_pow2(split) or layout.k % (split * bk) or bad_groups:
+        raise ValueError(
+            f"weight_only_matmul: split_k={split} must be a power of two with split_k * block_k "
+            f"dividing K={layout.k} (and the {layout.groups} scale groups); pick a smaller one"
+        )
+    return Blocks(bm, bn, bk, split, want.num_warps, want.num_stages)
+
+
+def _check_block(
+    name: str, value: int, divides: int | None, floor: int, layout: _Layout | None = None
+) -> None:
+    if not _is_pow2(value) or value < floor or (divides is not None and divides % value):
+        where = "" if divides is None else f" dividing {divides}"
+        shape = "" if layout is None else f" for weight shape (K, N) = ({layout.k}, {layout.n})"
+        raise ValueError(
+            f"weight_only_matmul: {name}={value}{shape} must be a power of two >= {floor}"
+            f"{where} (grouped scales: block_k must divide the group size); pass another "
+            f"{name} or None to choose one"
+        )
+
+
+def _split_k(m: int, bm: int, bn: int, bk: int, layout: _Layout, target: int) -> int:
+    """Smallest power-of-two split of K that gives at least `target` programs (if K allows)."""
+    programs = -(-m // bm) * (layout.n // bn)
+    split = 1
+    while programs * split < target:
+        nxt = split * 2
+        if layout.k % (nxt * bk) or (layout.groups > 1 and layout.groups % nxt):
+            break
+        split = nxt
+    return split
+
+
+# --- the kernel ---------------------------------------------------------------------------------
+def _nf4_table() -> tuple[float, ...]:
+    return tuple(float(v) for v in get_format("nf4").values)
+
+
+def _decode_codes(codes: jax.Array, kind: str) -> jax.Array:
+    """4-bit / 8-bit codes (int32, one a value) to their grid values, float32.
+
+    NF4's 16 levels are a 4-level select tree on the code's bits rather than a table lookup:
+    Triton has no gather from a small constant table, and selects cost one op a level.
+    """
+    if kind == "int4":
+        return ((codes ^ 8) - 8).astype(jnp.float32)  # two's complement nibble
+    if kind in ("uint4", "int8"):
+        return codes.astype(jnp.float32)
+    levels = [jnp.float32(v) for v in _nf4_table()]
+    for bit in range(4):
+        take_high = (codes & (1 << bit)) != 0
+        levels = [
+            jnp.where(take_high, high, low)
+            for low, high in zip(levels[0::2], levels[1::2], strict=True)
+        ]
+    return jnp.broadcast_to(levels[0], codes.shape)
+
+
+def blocks_for(q: QArray, m: int, requested: Blocks | None = None) -> Blocks:
+    """The tiles `weight_only_matmul` runs `x [m, K] @ q` with (`requested` fields > 0 kept).
+
+    Raises:
+      ValueError: for a weight the kernel cannot read, or a shape or block no tile fits.
+    """
+    layout = _layout(q) if isinstance(q, QArray) else None
+    if layout is None:
+        raise ValueError(f"weight_only_matmul cannot read {q!r} (see `supports`)")
+    return _choose_blocks(m, layout, requested)
+
+
+# At or below this many rows a tile scales its [bm, bn] dot result per K step instead of its
+# [bk, bn] weight tile: fewer multiplies, and the dot then reads exact integer codes.
+_SCALE_AFTER_DOT_M = 64
+
+
+def _partial_product(x, codes, scale, zero, kind: str, dtype, after_dot: bool, grouped: bool):
+    """x [bm, r] `dtype` times the weight tile of codes [r, c] (int32) -> [bm, c] float32.
+
+    scale, zero: [1, c] (zero may be None). With `after_dot`, the dot multiplies the decoded
+    codes and the zero point and scale apply to its result,
+    (x @ v - rowsum(x) z) s, the scale only if `grouped` (else once at the end); otherwise
+    the tile is dequantized first, x @ ((v - z) s).
+    """
+    values = _decode_codes(codes, kind)
+    if not after_dot:
+        if zero is not None:
+            values = values - zero.astype(jnp.float32)
+        w = (values * scale.astype(jnp.float32)).astype(dtype)
+        return jax.lax.dot(x, w, preferred_element_type=jnp.float32)
+    part = jax.lax.dot(x, values.astype(dtype), preferred_element_type=jnp.float32)
+    if zero is not None:
+        row_sums = jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True)
+        part = part - row_sums * zero.astype(jnp.float32)
+    return part * scale.astype(jnp.float32) if grouped else part
+
+
+def _interleave_columns(even: jax.Array, odd: jax.Array) -> jax.Array:
+    """[r, c] and [r, c] -> [r, 2c] with `even` in the even columns (Triton's join + reshape)."""
+    rows, cols = even.shape
+    return jnp.stack([even, odd], axis=-1).reshape(rows, 2 * cols)
+
+
+def _kernel(x_ref, c_ref, s_ref, *refs, layout: _Layout, blocks: Blocks, dtype):
+    """One `[block_m, block_n]` output tile over one K split.
+
+    Refs: x [bm, K/S]; codes [K/S, bn] (int8), [K/S, bn/2] (packed along N) or [K/(2S), bn]
+    (packed along K); scale and zero point [G/S, bn] (grouped) or [1, bn]; out [bm, bn].
+
+    Nibbles packed along N are never interleaved into a [bk, bn] tile (a shuffle through
+    shared memory every K step): low and high nibbles multiply into two accumulators for the
+    even and odd columns, with the scales read at stride 2, and the two are interleaved once
+    at the end. Nibbles packed along K multiply the even and odd activation columns instead.
+    """
+    z_ref = refs[0] if layout.zero else None
+    o_ref = refs[-1]
+    bk, bn = blocks.k, blocks.n
+    steps = layout.k // blocks.split_k // bk
+    grouped = layout.groups > 1
+    after_dot = blocks.m <= _SCALE_AFTER_DOT_M
+    halves = layout.packed == "n"
+    width = bn // 2 if halves else bn
+    product = functools.partial(
+        _partial_product, kind=layout.kind, dtype=dtype, after_dot=after_dot, grouped=grouped
+    )
+
+    def scales(row, half: int | None):
+        """scale and zero point [1, width] of scale row `row` (one column parity if half)."""
+        cols = slice(None) if half is None else pl.ds(half, width, stride=2)
+        scale = s_ref[pl.ds(row, 1), cols]
+        return scale, None if z_ref is None else z_ref[pl.ds(row, 1), cols]
+
+    def step(t, accs):
+        row = (t * bk) // layout.group if grouped else 0
+        if layout.packed == "k":
+            # Byte j holds rows 2j (low nibble) and 2j+1 (high nibble).
+            packed = c_ref[pl.ds(t * (bk // 2), bk // 2), :].astype(jnp.int32)
+            x_even = x_ref[:, pl.ds(t * bk, bk // 2, stride=2)].astype(dtype)
+            x_odd = x_ref[:, pl.ds(t * bk + 1, bk // 2, stride=2)].astype(dtype)
+            scale, zero = scales(row, None)
+            low = product(x_even, packed & 15, scale, zero)
+            return (accs[0] + low + product(x_odd, packed >> 4, scale, zero),)
+        codes = c_ref[pl.ds(t * bk, bk), :].astype(jnp.int32)
+        x = x_ref[:, pl.ds(t * bk, bk)].astype(dtype)
+        if not halves:
+            return (accs[0] + product(x, codes, *scales(row, None)),)
+        return (
+            accs[0] + product(x, codes & 15, *scales(row, 0)),
+            accs[1] + product(x, codes >> 4, *scales(row, 1)),
+        )
+
+    zeros = jnp.zeros((blocks.m, width), jnp.float32)
+    accs = jax.lax.fori_loop(0, steps, step, (zeros, zeros) if halves else (zeros,))
+    if after_dot and not grouped:
+        parities = (0, 1) if halves else (None,)
+        accs = tuple(
+            acc * scales(0, h)[0].astype(jnp.float32) for acc, h in zip(accs, parities, strict=True)
+        )
+    out = _interleave_columns(*accs) if halves else accs[0]
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _specs(layout: _Layout, blocks: Blocks) -> tuple[list, pl.BlockSpec]:
+    """BlockSpecs over the grid (M blocks, N blocks, K splits)."""
+    k_split = layout.k // blocks.split_k
+    code_block = {
+        None: (k_split, blocks.n),
+        "n": (k_split, blocks.n // 2),
+        "k": (k_split // 2, blocks.n),
+    }[layout.packed]
+    scale_rows = layout.groups // blocks.split_k if layout.groups > 1 else 1
+    scale_index = (lambda i, j, s: (s, j)) if layout.groups > 1 else (lambda i, j, s: (0, j))
+    specs = [
+        pl.BlockSpec((blocks.m, k_split), lambda i, j, s: (i, s)),
+        pl.BlockSpec(code_block, lambda i, j, s: (s, j)),
+        pl.BlockSpec((scale_rows, blocks.n), scale_index),
+    ]
+    if layout.zero:
+        specs.append(pl.BlockSpec((scale_rows, blocks.n), scale_index))
+    n_blocks = layout.n // blocks.n
+    # Split partial sums sit side by side along N: [M, S * N], block (i, s * N/bn + j).
+    out = pl.BlockSpec((blocks.m, blocks.n), lambda i, j, s: (i, s * n_blocks + j))
+    return specs, out
+
+
+def _weight_operands(q: QArray, layout: _Layout) -> list[jax.Array]:
+    """codes, scale [G, N] (and zero point [G, N]) as the kernel reads them.
+
+    Stored float scales go in as they are (the kernel converts them); E8M0 / E4M3 scales and
+    tensor scales are decoded first (`scale_values`, G x N floats: small next to the codes).
+    Scales that do not vary along N are broadcast to one per column.
+    """
+    plain = q.scale_encoding == "float" and q.tensor_scale is None
+    scale = q.scale if plain else q.scale_values()
+    shape = (layout.groups, layout.n)
+    operands = [q.codes, broadcast_blocks(scale, shape)]
+    if layout.zero:
+        operands.append(broadcast_blocks(q.zero_point, shape))
+    return operands
+
+
+def _pallas_forward(
+    x: jax.Array, q: QArray, layout: _Layout, blocks: Blocks, out_dtype, interpret: bool
+) -> jax.Array:
+    """x [M, K] -> [M, N] `out_dtype` through the kernel."""
+    m = x.shape[0]
+    m_pad = -(-m // blocks.m) * blocks.m
+    if m_pad != m:
+        x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
+    dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
+    split = blocks.split_k
+    in_specs, out_spec = _specs(layout, blocks)
+    partial_dtype = jnp.float32 if split > 1 else out_dtype
+    kernel = functools.partial(_kernel, layout=layout, blocks=blocks, dtype=dtype)
+    params = None
+    if (blocks.num_warps or blocks.num_stages) and not interpret:
+        params = pl_triton.CompilerParams(
+            num_warps=blocks.num_warps or None, num_stages=blocks.num_stages or None
+        )
+    y = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m_pad, split * layout.n), partial_dtype),
+        grid=(m_pad // blocks.m, layout.n // blocks.n, split),
+        in_specs=in_specs,
+        out_specs=out_spec,
+        interpret=interpret,
+        compiler_params=params,
+        name=f"lowbit_{layout.kind}_matmul",
+    )(x, *_weight_operands(q, layout))
+    if split > 1:
+        y = y.reshape(m_pad, split, layout.n).sum(axis=1)
+    return y[:m].astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _weight_only(x, q, layout, blocks, out_dtype, interpret):
+    return _pallas_forward(x, q, layout, blocks, out_dtype, interpret)
+
+
+def _weight_only_fwd(x, q, layout, blocks, out_dtype, interpret):
+    # x itself is not needed, only its dtype: keep an empty array of it.
+    return _pallas_forward(x, q, layout, blocks, out_dtype, interpret), (q, x[:0, :0])
+
+
+def _weight_only_bwd(layout, blocks, out_dtype, interpret, residuals, g):
+    # dx = g @ W^T with W dequantized in float: the backward pass is rare (fine-tuning
+    # adapters through a frozen quantized base), so a float copy of W is acceptable here.
+    q, x_like = residuals
+    w = q.dequantize(jnp.float32)
+    dx = jax.lax.dot(g.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
+    zeros = jax.tree_util.tree_map(_zero_cotangent, q)
+    return dx.astype(x_like.dtype), zeros
+
+
+def _zero_cotangent(leaf: jax.Array) -> jax.Array:
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+        return jnp.zeros_like(leaf)
+    return np.zeros(leaf.shape, jax.dtypes.float0)
+
+
+_weight_only.defvjp(_weight_only_fwd, _weight_only_bwd)
+
+
+def _flatten(x: jax.Array, k: int, fn: str) -> tuple[jax.Array, tuple[int, ...]]:
+    """x [..., K] -> ([M, K], leading shape)."""
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(
+            f"{fn}: x has shape {tuple(x.shape)}; expected [..., {k}] (K = q.shape[0])"
+        )
+    return x.reshape(-1, k), tuple(x.shape[:-1])
+
+
+def _input_scaled(x: jax.Array, q: QArray) -> jax.Array:
+    """x times the weight's per-input-channel SmoothQuant factor, if any ([K, 1])."""
+    if q.input_scale is None:
+        return x
+    return (x.astype(jnp.float32) * q.input_scale[:, 0].astype(jnp.float32)).astype(x.dtype)
+
+
+def weight_only_matmul(
+    x: jax.Array,
+    q: QArray,
+    *,
+    out_dtype: Any = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    split_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+    differentiable: bool = True,
+) -> jax.Array:
+    """`x @ q.dequantize()` with the weight dequantized tile by tile inside a Pallas kernel.
+
+    Args:
+      x: [..., K] bfloat16 or float32 (bfloat16 products in bfloat16, float32 ones at the
+        dot's default precision, TF32 on recent NVIDIA GPUs; float32 accumulation either way).
+      q: [K, N] int4 / uint4 / nf4 / int8 QArray, weight-only, scales per group along K or per
+        channel, zero points allowed.
+      out_dtype: result dtype (default: x's).
+      block_m, block_n, block_k, split_k: tile sizes (powers of two >= 16; block_n and
+        block_k dividing N and K; block_k dividing the scale group), None to choose.
+      num_warps, num_stages: Triton launch parameters, None for the defaults.
+      interpret: run the kernel body in the Pallas interpreter (any backend, e.g. CPU tests).
+      differentiable: False leaves out the derivative rule, for a caller that puts one around
+        a choice of kernels by platform (a rule inside a `platform_dependent` branch is
+        lowered out of line, for every platform of a multi-platform export, where the Pallas
+        call cannot lower).
+    Returns:
+      [..., N] in `out_dtype`. Differentiable in x (the gradient uses the dequantized weight).
+    Raises:
+      ValueError: for a weight this kernel cannot read (see `supports`), or a shape or block
+        size no tile fits, naming the shape and the fix.
+    """
+    layout = _layout(q) if isinstance(q, QArray) else None
+    if layout is None:
+        raise ValueError(
+            f"weight_only_matmul reads 2-D weight-only {'/'.join(PALLAS_FORMATS)} QArrays with "
+            f"scales per K group or per column; got {q!r}. Use `matmul` (which falls back) or "
+            "`q.dequantize()` with a float matmul"
+        )
+    x2, lead = _flatten(jnp.asarray(x), layout.k, "weight_only_matmul")
+    if x2.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"weight_only_matmul: x dtype {x2.dtype}; accepted: bfloat16, float32")
+    requested = Blocks(
+        block_m or 0, block_n or 0, block_k or 0, split_k or 0, num_warps or 0, num_stages or 0
+    )
+    blocks = _choose_blocks(x2.shape[0], layout, requested)
+    out_dtype = jnp.dtype(x2.dtype if out_dtype is None else out_dtype)
+    product = _weight_only if differentiable else _pallas_forward
+    y = product(_input_scaled(x2, q), q, layout, blocks, out_dtype, bool(interpret))
+    return y.reshape(*lead, layout.n)
+
+
+# --- XLA paths: int8 x int8 and fp8 x fp8 -------------------------------------------------------
+def _static_bound(q: QArray) -> jax.Array | None:
+    """The calibrated activation bound max(|lo|, |hi|), or None for dynamic scales."""
+    if q.activation_bounds is None:
+        return None
+    bounds = jnp.abs(q.activation_bounds.astype(jnp.float32))
+    return jnp.max(bounds)
+
+
+def quantize_rows(x: jax.Array, fmt: str, bound: jax.Array | None = None):
+    """Per-token symmetric quantization of activations.
+
+    Args:
+      x: [M, K] float.
+      fmt: "int8" or "fp8_e4m3fn".
+      bound: a static absolute bound (one scale for all rows), or None: each row's max |x|.
+    Returns:
+      (codes [M, K] int8 or float8_e4m3fn, scale [M, 1] float32) with x ~ codes * scale.
+    """
+    x = x.astype(jnp.float32)
+    top = _INT8_MAX if fmt == "int8" else _E4M3_MAX
+    amax = jnp.max(jnp.abs(x), axis=1, keepdims=True) if bound is None else bound
+    scale = jnp.broadcast_to(amax / top, (x.shape[0], 1))
+    # An all-zero row has no range: scale 1 quantizes it to exact zeros instead of NaN.
+    scale = jnp.where(jnp.isfinite(scale) & (scale > 0), scale, 1.0)
+    y = jnp.clip(x / scale, -top, top)
+    if fmt == "int8":
+        return jnp.round(y).astype(jnp.int8), scale
+    return y.astype(jnp.float8_e4m3fn), scale
+
+
+def _activation_product(x: jax.Array, q: QArray, fmt: str, acc_dtype, out_dtype, fn: str):
+    x2, lead = _flatten(jnp.asarray(x), q.shape[0], fn)
+    out_dtype = jnp.dtype(x2.dtype if out_dtype is None else out_dtype)
+    codes, x_scale = quantize_rows(x2, fmt, _static_bound(q))
+    acc = jax.lax.dot_general(
+        codes, q.codes, (((1,), (0,)), ((), ())), preferred_element_type=acc_dtype
+    )
+    w_scale = broadcast_blocks(q.scale_values(), (1, q.shape[1]))
+    y = acc.astype(jnp.float32) * x_scale * w_scale
+    return y.astype(out_dtype).reshape(*lead, q.shape[1])
+
+
+def int8_matmul(x: jax.Array, q: QArray, *, out_dtype: Any = None) -> jax.Array:
+    """w8a8: per-token int8 activations times an int8 per-channel weight, int32 accumulation.
+
+    Plain XLA: the int8 x int8 -> int32 `dot_general` is what XLA lowers to cuBLASLt's int8
+    tensor-core GEMM on GPU. Activation scales are per token (max |x| / 127), or one static
+    scale when the weight carries calibrated `activation_bounds`.
+
+    Args:
+      x: [..., K] float.
+      q: [K, N] int8 QArray with scale [1, N] (or [1, 1]) and no zero point.
+      out_dtype: result dtype (default: x's).
+    Returns:
+      [..., N].
+    """
+    if q.ndim != 2 or q.format != "int8" or q.scale.shape[0] != 1 or q.zero_point is not None:
+        raise ValueError(
+            f"int8_matmul needs a [K, N] int8 QArray with per-channel scales ([1, N]) and no "
+            f"zero point; got {q!r}"
+        )
+    return _activation_product(x, q, "int8", jnp.int32, out_dtype, "int8_matmul")
+
+
+def fp8_matmul(x: jax.Array, q: QArray, *, out_dtype: Any = None) -> jax.Array:
+    """Per-token float8_e4m3fn activations times an e4m3 per-channel weight, float32
+    accumulation: an fp8 `dot_general`, which XLA runs on cuBLASLt's fp8 GEMM on Hopper.
+
+    Args:
+      x: [..., K] float.
+      q: [K, N] fp8_e4m3fn QArray with scale [1, N] (or [1, 1]).
+      out_dtype: result dtype (default: x's).
+    Returns:
+      [..., N].
+    """
+    if q.ndim != 2 or q.format != FP8_FORMAT or q.scale.shape[0] != 1:
+        raise ValueError(
+            f"fp8_matmul needs a [K, N] {FP8_FORMAT} QArray with per-channel scales ([1, N]); "
+            f"got {q!r}"
+        )
+    return _activation_product(x, q, FP8_FORMAT, jnp.float32, out_dtype, "fp8_matmul")
+
+
+def matmul(x: jax.Array, q: QArray, *, out_dtype: Any = None, interpret: bool = False) -> jax.Array:
+    """`x [..., K] @ q [K, N]` by the path `supports` names; the dequantized float product
+    where it names none.
+    """
+    x = jnp.asarray(x)
+    m = math.prod(x.shape[:-1]) if x.ndim > 1 else 1
+    path = supports(q, m, x.dtype)
+    if path == "pallas":
+        return weight_only_matmul(x, q, out_dtype=out_dtype, interpret=interpret)
+    if path == "xla":
+        fn = int8_matmul if _xla_kind(q) == "int8" else fp8_matmul
+        return fn(x, q, out_dtype=out_dtype)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    w = q.dequantize(jnp.float32)
+    return jnp.matmul(x.astype(jnp.float32), w).astype(out_dtype)
