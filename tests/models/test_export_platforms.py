@@ -129,3 +129,51 @@ def test_prepared_weights_export_for_accelerators(llm):
     )
     exported = _export(step, ("cuda",), prepared, tokens, cache)
     assert _targets(exported) == set()
+
+
+def _mlp_params():
+    keys = jax.random.split(jax.random.key(3), 2)
+    return {
+        "up": {"kernel": jax.random.normal(keys[0], (256, 512)) / 16},
+        "down": {"kernel": jax.random.normal(keys[1], (512, 256)) / 22},
+    }
+
+
+def _mlp(p, x):
+    return jax.nn.gelu(x @ p["up"]["kernel"]) @ p["down"]["kernel"]
+
+
+def _train_steps():
+    """name -> (step(state, x) -> gradients, state) for the three kinds of training."""
+    params = _mlp_params()
+    forward = lowbit.run(_mlp)
+    config = lowbit.LoraConfig(rules=(lowbit.LoraRule(path=r".*kernel", rank=4, alpha=8.0),))
+    base = lowbit.quantize(params, "nf4", kernel_layouts=False)
+    adapters = lowbit.lora_init(base, config, jax.random.key(0))
+    qlora = lambda a, x: forward(lowbit.lora_apply(base, a, config), x).sum()
+    to_qat = lowbit.qat.prepare("int8")
+    qat = lambda p, x: forward(to_qat(p), x).sum()
+    fp8 = lowbit.fp8_recipe("fp8_delayed", history_length=4)
+    fp8_step = lambda s, x: forward(lowbit.fp8_apply(s[0], s[1], fp8), x).sum()
+    return {
+        "qlora": (jax.jit(jax.grad(qlora)), adapters),
+        "qat": (jax.jit(jax.grad(qat)), params),
+        "fp8": (jax.jit(jax.grad(fp8_step)), (params, lowbit.fp8_init(params, fp8))),
+    }
+
+
+@pytest.mark.parametrize("name", ["qlora", "qat", "fp8"])
+def test_training_steps_export_for_accelerators(name):
+    step, state = _train_steps()[name]
+    x = jnp.ones((4, 256))
+    for platforms in (("cuda",), ("tpu",)):
+        exported = _export(step, platforms, state, x)
+        assert _targets(exported) == set(), platforms
+    # The QLoRA base (NF4) runs the Pallas kernel forward on CUDA, its gradient in XLA.
+    cuda = _export(step, ("cuda",), state, x).mlir_module()
+    assert bool(_TRITON.search(cuda)) == (name == "qlora")
+    want = step(state, x)
+    everywhere = _export(step, ("cpu", "cuda", "tpu"), state, x, allow=_ALLOW_CPU_TARGETS)
+    got = everywhere.call(state, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
