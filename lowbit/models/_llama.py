@@ -13,7 +13,6 @@ query/key rows interleaved instead; the GGUF loader undoes that permutation.)
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -169,9 +168,14 @@ def _decode_attention(q: jax.Array, kv: LayerKV, slot: jax.Array, block: int) ->
         )
         return out[:, None]
 
-    # The kernel where the step is lowered for CPU; the block loop on GPU / TPU.
-    loop = functools.partial(_block_loop, block=block)
-    return jax.lax.platform_dependent(q, kv, slot, cpu=fused, default=loop)
+    # The kernel where the step is lowered for CPU; the block loop on GPU / TPU. (The cache
+    # is closed over: a LayerKV is not a pytree.)
+    return jax.lax.platform_dependent(
+        q,
+        slot,
+        cpu=lambda q, slot: fused(q, kv, slot),
+        default=lambda q, slot: _block_loop(q, kv, slot, block),
+    )
 
 
 def _block_loop(q: jax.Array, kv: LayerKV, slot: jax.Array, block: int) -> jax.Array:
