@@ -116,6 +116,8 @@ def supported_isas() -> list[str]:
 
 INT8_ACTIVATION_ISAS = types.MappingProxyType(
     {
+        "avx2": ("int4", "uint4"),
+        "avx2vnni": ("int4", "uint4"),
         "avx512bw": ("int4", "uint4"),
         "avx512vnni": ("int8", "int4", "uint4"),
         "amx": ("int8", "int4", "uint4"),

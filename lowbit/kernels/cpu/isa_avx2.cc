@@ -26,7 +26,8 @@ namespace isa_avx2 {
 
 namespace lowbit {
 const IsaKernels* IsaAvx2() {
-  static const IsaKernels table{"avx2", isa_avx2::kActWords, isa_avx2::kQMR, isa_avx2::kFMR, isa_avx2::wo_run, isa_avx2::q8_run, 0, nullptr, isa_avx2::w4_run, isa_avx2::kQMR, isa_avx2::wo_dequant};
+  static const IsaKernels table{"avx2", isa_avx2::kActWords, isa_avx2::kQMR, isa_avx2::kFMR, isa_avx2::wo_run, isa_avx2::q8_run, 0, nullptr, isa_avx2::w4_run, isa_avx2::kQMR, isa_avx2::wo_dequant,
+                                isa_avx2::wo_q8, isa_avx2::quantize_groups, isa_avx2::wo_q8_kind};
   return &table;
 }
 }  // namespace lowbit

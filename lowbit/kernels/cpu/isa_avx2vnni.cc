@@ -26,7 +26,8 @@ namespace isa_avx2vnni {
 
 namespace lowbit {
 const IsaKernels* IsaAvx2Vnni() {
-  static const IsaKernels table{"avx2vnni", isa_avx2vnni::kActWords, isa_avx2vnni::kQMR, isa_avx2vnni::kFMR, isa_avx2vnni::wo_run, isa_avx2vnni::q8_run, 0, nullptr, isa_avx2vnni::w4_run, isa_avx2vnni::kQMR, isa_avx2vnni::wo_dequant};
+  static const IsaKernels table{"avx2vnni", isa_avx2vnni::kActWords, isa_avx2vnni::kQMR, isa_avx2vnni::kFMR, isa_avx2vnni::wo_run, isa_avx2vnni::q8_run, 0, nullptr, isa_avx2vnni::w4_run, isa_avx2vnni::kQMR, isa_avx2vnni::wo_dequant,
+                                isa_avx2vnni::wo_q8, isa_avx2vnni::quantize_groups, isa_avx2vnni::wo_q8_kind};
   return &table;
 }
 }  // namespace lowbit

@@ -456,9 +456,11 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
     const uint8_t* gp = pan + g * a.group_bytes;
     const uint8_t* body = gp + kGroupHeader;
     const int8_t* xg = xr + g * a.gs;
-    __m512i iacc[MR];
-    LOWBIT_UNROLL for (int r = 0; r < MR; ++r) iacc[r] = _mm512_setzero_si512();
+    VI iacc[MR];
+    LOWBIT_UNROLL for (int r = 0; r < MR; ++r) iacc[r] = izero();
+#if defined(LOWBIT_HAS_WO_Q8_INT8)
     __m512i csum = _mm512_setzero_si512();
+#endif
     for (int64_t q = 0; q < nq; ++q) {
       const uint8_t* p = body + q * quad_bytes;
       if (kInt8Codes || (q & 1) == 0) __builtin_prefetch(p + kPrefetch);
@@ -473,7 +475,7 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
         }
 #endif
       } else {
-        const __m512i w = q4_quad(p);
+        const auto w = q4_quad(p);
         LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
           int32_t x4;
           std::memcpy(&x4, xg + r * a.kp + 4 * q, 4);
@@ -484,11 +486,13 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
     const float* hdr = reinterpret_cast<const float*>(gp);
     const V s = vload(hdr);
     if constexpr (kInt8Codes) {
+#if defined(LOWBIT_HAS_WO_Q8_INT8)
       const __m512i off = _mm512_slli_epi32(csum, 7);  // 128 * sum(c)
       LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
         const V t = vmul(vcvt(_mm512_sub_epi32(iacc[r], off)), vbcast(xs[r * a.groups + g]));
         acc[r] = vfmadd(s, t, acc[r]);
       }
+#endif
     } else {
       const V zp = KIND == kInt4 ? vbcast(8.0f) : vload(hdr + kPanel);
       LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
