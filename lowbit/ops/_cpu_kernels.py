@@ -77,9 +77,9 @@ INT8_ACTIVATION_ROWS = (2, 16)
 (`KernelRoute.int8_activations`) quantizes its activations to int8 per row and weight group
 inside the kernel and takes integer dots (`lowbit.kernels.weight_only_linear(
 int8_activations=True)`; AVX2 and AVX-512 CPUs, int8 weights with AVX-512 VNNI): a decode
-batch of 8 rows runs 1.5-2.5x faster than with float activations, which at that size are bound by float
-multiply-adds. One row keeps float activations: reading the weight bounds it either way, so
-int8 activations would cost accuracy for no speed."""
+batch of 8 rows runs 1.5-2.5x faster than with float activations, which at that size are
+bound by float multiply-adds. One row keeps float activations: reading the weight bounds it
+either way, so int8 activations would cost accuracy for no speed."""
 
 GEMM_MAX_WEIGHT_BYTES = 16 << 20
 """Largest float32 copy of a weight that path makes (a temporary of one call). Measured
