@@ -44,7 +44,7 @@ fi
 
 status=0
 set -o pipefail
-timeout 150 "$PY" -m pytest -q tests/kernels/test_pallas.py 2>&1 |
+timeout 150 "$PY" -m pytest -q tests/kernels/test_pallas.py tests/ops/test_platform_dispatch.py 2>&1 |
   tee "$OUT/pytest-gpu.log" || status=1
 timeout 330 "$PY" -m benchmarks gpu --output "$OUT/BENCHMARKS-gpu.md" 2>&1 |
   tee "$OUT/bench-gpu.log" || status=1

@@ -1,0 +1,70 @@
+"""The quantized `dot_general` chooses its implementation per lowering platform.
+
+On CPU: the traced product carries one `lowbit_by_platform` equation whose CUDA branch is the
+Pallas kernel and whose CPU branch is the C++ kernel, and its value is the CPU one. On a GPU
+(`benchmarks/gpu_check.sh` runs this file there) the same call runs the Pallas kernel and
+matches the dequantized reference, and its gradient is the straight-through one.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowbit.ops import dot_general
+from lowbit.ops._platform import by_platform_p
+from lowbit.qarray import PerGroup, quantize
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
+)
+
+DIMS = (((1,), (0,)), ((), ()))
+K, N = 512, 256
+
+
+def _weight(fmt):
+    w = np.random.default_rng(0).standard_normal((K, N)).astype(np.float32) / np.sqrt(K)
+    return quantize(jnp.asarray(w), fmt, granularity=PerGroup(64))
+
+
+def _equations(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple) else (value,):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    yield from _equations(inner)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "uint4", "nf4"])
+def test_product_carries_a_branch_per_platform(fmt):
+    q = _weight(fmt)
+    x = jnp.ones((2, K), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda x, q: dot_general(x, q, DIMS))(x, q).jaxpr
+    (eqn,) = [e for e in _equations(jaxpr) if e.primitive is by_platform_p]
+    assert "cuda" in eqn.params["platforms"]
+    cuda = eqn.params["branches"][eqn.params["platforms"].index("cuda")]
+    assert any(e.primitive.name == "pallas_call" for e in _equations(cuda.jaxpr))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "uint4", "nf4", "int8"])
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_product_matches_the_dequantized_reference_on_this_platform(fmt, m):
+    q = _weight(fmt)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((m, K)), jnp.float32)
+    got = jax.jit(lambda x, q: dot_general(x, q, DIMS))(x, q)
+    want = np.asarray(x, np.float64) @ np.asarray(q.dequantize(jnp.float32), np.float64)
+    # TF32 dots on NVIDIA GPUs; float32 on CPU.
+    tol = 1e-2 if jax.default_backend() == "gpu" else 1e-5
+    np.testing.assert_allclose(np.asarray(got), want, atol=tol * np.abs(want).max())
+
+
+def test_gradient_is_straight_through_on_this_platform():
+    q = _weight("nf4")
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, K)), jnp.float32)
+    g = jax.jit(jax.grad(lambda x: dot_general(x, q, DIMS).sum()))(x)
+    want = np.broadcast_to(np.asarray(q.dequantize(jnp.float32)).sum(axis=1), (3, K))
+    tol = 1e-2 if jax.default_backend() == "gpu" else 1e-5
+    np.testing.assert_allclose(np.asarray(g), want, atol=tol * np.abs(want).max())
