@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from lowbit.engine import kernel_axes
 from lowbit.engine._values import is_quantized as engine_value
 from lowbit.formats import FORMATS
-from lowbit.ops import prepare_weights
+from lowbit.ops import is_prepared, prepare_weights
 from lowbit.qarray import Fixed, PerTensor, QArray, QuantConfig, check_values
 from lowbit.qarray import quantize as quantize_array
 from lowbit.recipes import Recipe, Rule, map_params, param_leaves, path_string, preset
@@ -199,7 +199,9 @@ def quantize_params(
         layout at once (`lowbit.ops.PreparedQArray`, which holds that layout *instead of* the
         codes; `.logical()` gives the QArray back exactly), so no call repacks them. Weights
         whose use is known are laid out for it (`layout_axes`); without a traced use, a 2-D
-        ``kernel`` is taken as contracted over axis 0 (Flax's `Linear` / `Dense`). Only
+        ``kernel`` is taken as contracted over axis 0 (Flax's `Linear` / `Dense`) and a 2-D
+        ``embedding`` over axis 1 (an `Embed` tied as the output projection; its rows are
+        still read from the layout, or it stays logical where they cannot be). Only
         weights held on CPU devices (concrete arrays, not tracers) are laid out; others stay
         logical QArrays. `lowbit.quantize` and `quantize_model` turn it on.
       skip: parameter paths returned as they are although a rule selects them (a caller that
@@ -277,7 +279,12 @@ def quantize_params(
         if isinstance(leaf, QArray) and axis is not None and _on_cpu(leaf):
             axes[tuple(keys)] = axis
     del flat
-    return prepare_weights(quantized, axes)
+    prepared = prepare_weights(quantized, axes)
+    return jax.tree_util.tree_map_with_path(
+        lambda keys, leaf: _unless_rows_need_codes(tuple(keys), leaf),
+        prepared,
+        is_leaf=lambda x: isinstance(x, QArray) or is_prepared(x),
+    )
 
 
 def _on_cpu(q: QArray) -> bool:
@@ -288,16 +295,35 @@ def _on_cpu(q: QArray) -> bool:
     return all(device.platform == "cpu" for device in codes.devices())
 
 
-def _serving_axis(layout_axes: Mapping[tuple, int], keys: tuple) -> int | None:
-    """The axis a weight is laid out for at quantize time: its traced use, else the Flax
-    convention (a ``kernel`` is `[in, out]`, contracted over axis 0), else None (logical)."""
-    axis = layout_axes.get(keys)
-    if axis is not None:
-        return axis
+# Flax names -> the axis a use contracts: a `Linear` / `Dense` ``kernel`` is `[in, out]`; an
+# `Embed` ``embedding`` `[vocab, dim]` is gathered by rows and, tied as the output projection
+# (`Embed.attend`, ``x @ E.T``), contracted over axis 1.
+_CONVENTIONAL_AXES = {"kernel": 0, "embedding": 1}
+
+
+def _param_name(keys: tuple) -> str | None:
     names = [getattr(k, "key", getattr(k, "name", None)) for k in keys]
     while names and names[-1] in ("value", "raw_value"):  # an NNX Variable's own field
         names.pop()
-    return 0 if names and names[-1] == "kernel" else None
+    return names[-1] if names else None
+
+
+def _serving_axis(layout_axes: Mapping[tuple, int], keys: tuple) -> int | None:
+    """The axis a weight is laid out for at quantize time: its traced use, else the Flax
+    convention (`_CONVENTIONAL_AXES`), else None (logical)."""
+    axis = layout_axes.get(keys)
+    if axis is not None:
+        return axis
+    return _CONVENTIONAL_AXES.get(_param_name(keys))
+
+
+def _unless_rows_need_codes(keys: tuple, leaf: Any) -> Any:
+    """An embedding laid out by convention whose rows the layout cannot return alone (it
+    keeps a scale or zero point beside it) goes back to its logical QArray: a lookup would
+    otherwise recover the whole table on every call."""
+    if is_prepared(leaf) and _param_name(keys) == "embedding" and not leaf.gathers_rows:
+        return leaf.logical()
+    return leaf
 
 
 _PARAMS_OPTIONS = frozenset(inspect.signature(quantize_params).parameters) - {"params", "recipe"}
