@@ -62,8 +62,10 @@ class LoraRule:
         the `uses` of `lowbit.api.param_uses`.
       in_axes: the weight's axes its matmul contracts (``(-2,)`` for ``[..., in, out]`` kernels).
       out_axes: the weight's output axes; all other axes are stacked-layer axes.
-      select: the `lowbit.recipes.Select` built from `path`, `exclude` and `ops` (not an
-        argument): how every rule type picks its parameters.
+      min_ndim: parameters with fewer axes are skipped: an adapter needs an in and an out
+        axis, so biases and norm scales a broad `path` matches stay as they are.
+      select: the `lowbit.recipes.Select` built from `path`, `exclude`, `ops` and `min_ndim`
+        (not an argument): how every rule type picks its parameters.
 
     Raises:
       TypeError / ValueError: naming the field, the value and what is accepted.
@@ -77,10 +79,17 @@ class LoraRule:
     ops: tuple[str, ...] | None = None
     in_axes: tuple[int, ...] = (-2,)
     out_axes: tuple[int, ...] = (-1,)
+    min_ndim: int = 2
     select: Select = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        select = Select(path=self.path, exclude=self.exclude, ops=self.ops, owner="LoraRule")
+        select = Select(
+            path=self.path,
+            exclude=self.exclude,
+            ops=self.ops,
+            min_ndim=self.min_ndim,
+            owner="LoraRule",
+        )
         object.__setattr__(self, "select", select)
         object.__setattr__(self, "ops", select.ops)
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
