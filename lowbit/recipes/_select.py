@@ -53,10 +53,13 @@ def check_regex(field: str, pattern: Any) -> None:
     try:
         re.compile(pattern)
     except re.error as err:
+        fix = r"escape a literal '.', '(', '[' or '*' with a backslash"
+        if "*" in pattern and ".*" not in pattern:
+            # The usual slip: a shell glob where a regex is expected.
+            fix = f"for a glob write the regex {pattern.replace('*', '.*')!r}"
         raise ValueError(
             f"{field}: {pattern!r} is not a valid regex ({err}); accepted: a Python regex fully "
-            r"matching '/'-joined parameter paths, e.g. '.*kernel' (escape literal '.', '(', '[' "
-            r"with a backslash)"
+            f"matching '/'-joined parameter paths, e.g. '.*kernel' ({fix})"
         ) from None
 
 
@@ -217,10 +220,12 @@ def no_match_error(
     near = [(p, select.rejects(p, leaf, uses)) for p, leaf in leaves if select.matches_path(p)]
     if near:
         path, why = near[0]
-        why = why or "an earlier rule selects it (the first match wins)"
+        fix = "loosen that filter or widen the path"
+        if not why:
+            why, fix = "an earlier rule selects it (the first match wins)", "reorder the rules"
         return ValueError(
             f"{label} selects no parameter: its path matches {len(near)} parameter(s), all left "
-            f"out, e.g. {path!r}: {why}; fix: loosen that filter or reorder the rules"
+            f"out, e.g. {path!r}: {why}; fix: {fix}"
         )
     shown = ", ".join(repr(p) for p, _ in leaves[:8]) + (" ..." if len(leaves) > 8 else "")
     return ValueError(

@@ -138,6 +138,8 @@ def test_bad_patterns_name_the_rule_the_field_and_the_fix(name, make, field):
         make(**{field: "("})
     with pytest.raises(TypeError, match=rf"^{name}\.{field} must be a regex string, got int"):
         make(**{field: 3})
+    with pytest.raises(ValueError, match=r"for a glob write the regex '\.\*/kernel'"):
+        make(**{field: "*/kernel"})
 
 
 @pytest.mark.parametrize("name, make", RULE_TYPES, ids=[n for n, _ in RULE_TYPES])
@@ -173,14 +175,14 @@ def test_selecting_nothing_says_why():
     with pytest.raises(
         ValueError,
         match=r"^Fp8Recipe\(path='\.\*bias'\) selects no parameter: its path matches 1 "
-        r"parameter\(s\), all left out, e.g. 'dense/bias': 1 axes .* < min_ndim 2; fix",
+        r"parameter\(s\), all left out, e.g. 'dense/bias': 1 axes .* < min_ndim 2; fix: loosen",
     ):
         fp8_init(params, Fp8Recipe(path=r".*bias"))
     shadowed = LoraConfig(rules=(LoraRule(rank=2), LoraRule(path=r".*kernel", rank=2)))
     with pytest.raises(
         ValueError,
         match=r"^LoraRule\(path='\.\*kernel'\) \(rule 1\) selects no parameter: .*'dense/kernel': "
-        r"an earlier rule selects it \(the first match wins\)",
+        r"an earlier rule selects it \(the first match wins\); fix: reorder the rules",
     ):
         lora_plan({"dense": {"kernel": jnp.ones((8, 8))}}, shadowed)
 
