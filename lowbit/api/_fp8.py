@@ -62,14 +62,7 @@ class Fp8Recipe:
     select: Select = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        select = Select(
-            path=self.path,
-            exclude=self.exclude,
-            min_ndim=self.min_ndim,
-            stacked_axes=self.stacked_axes,
-            owner="Fp8Recipe",
-        )
-        object.__setattr__(self, "select", select)
+        object.__setattr__(self, "select", Select.of(self))
         if not isinstance(self.scaling, Fp8Scaling):
             raise TypeError(f"Fp8Recipe.scaling must be an Fp8Scaling, got {self.scaling!r}")
 

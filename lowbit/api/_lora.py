@@ -83,15 +83,8 @@ class LoraRule:
     select: Select = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        select = Select(
-            path=self.path,
-            exclude=self.exclude,
-            ops=self.ops,
-            min_ndim=self.min_ndim,
-            owner="LoraRule",
-        )
-        object.__setattr__(self, "select", select)
-        object.__setattr__(self, "ops", select.ops)
+        object.__setattr__(self, "select", Select.of(self))
+        object.__setattr__(self, "ops", self.select.ops)
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise ValueError(f"LoraRule.rank: {self.rank!r}; accepted: an int >= 1")
         if not isinstance(self.alpha, int | float) or not self.alpha > 0:

@@ -61,10 +61,7 @@ class SparseRule:
     select: Select = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        select = Select(
-            path=self.path, exclude=self.exclude, min_ndim=self.min_ndim, owner="SparseRule"
-        )
-        object.__setattr__(self, "select", select)
+        object.__setattr__(self, "select", Select.of(self))
         for field in ("n", "m", "update_every"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

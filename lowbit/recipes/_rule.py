@@ -84,17 +84,8 @@ class Rule:
                 f"Rule(path={self.path!r}) sets algorithm={self.algorithm.name!r} but weight=None; "
                 "an algorithm rounds a quantized weight: set weight too"
             )
-        select = Select(
-            path=self.path,
-            exclude=self.exclude,
-            ops=self.ops,
-            min_size=self.min_size,
-            min_ndim=self.min_ndim,
-            stacked_axes=self.stacked_axes,
-            owner="Rule",
-        )
-        object.__setattr__(self, "select", select)
-        object.__setattr__(self, "ops", select.ops)
+        object.__setattr__(self, "select", Select.of(self))
+        object.__setattr__(self, "ops", self.select.ops)
         for field in ("weight", "activation", "gradient"):
             _check_config(f"Rule.{field}", getattr(self, field))
         if self.weight is None and (self.activation is not None or self.gradient is not None):

@@ -117,6 +117,19 @@ class Select:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{self.owner}.{field}: {value!r}; accepted: an int >= 0")
 
+    @classmethod
+    def of(cls, rule: Any) -> Select:
+        """The selector a rule's own fields spell: those named like `Select`'s (`path`,
+        `exclude`, `ops`, `min_ndim`, `min_size`, `stacked_axes`), the rest at their defaults;
+        errors name the rule's type (``LoraRule.path: ...``).
+
+        Raises:
+          TypeError / ValueError: as `Select`.
+        """
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "owner"]
+        given = {name: getattr(rule, name) for name in names if hasattr(rule, name)}
+        return cls(**given, owner=type(rule).__name__)
+
     @property
     def label(self) -> str:
         """How errors name the rule: ``LoraRule(path='.*kernel')``."""
