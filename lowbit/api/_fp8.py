@@ -26,14 +26,13 @@ scaled per output channel).
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import jax
 
 from lowbit.ops import Fp8Scaling, Fp8State, Fp8Weight
 from lowbit.ops._fp8_scaling import init_state
-from lowbit.recipes import map_params, param_leaves
+from lowbit.recipes import Select, map_params, param_leaves, select_params
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,6 +46,11 @@ class Fp8Recipe:
       scaling: the `Fp8Scaling`.
       min_ndim: parameters with fewer axes (biases, norm scales) stay float.
       stacked_axes: leading axes indexing stacked layers (each layer gets its own histories).
+      select: the `lowbit.recipes.Select` built from `path`, `exclude`, `min_ndim` and
+        `stacked_axes` (not an argument): how every rule type picks its parameters.
+
+    Raises:
+      TypeError / ValueError: naming the field, the value and what is accepted.
     """
 
     name: str = "fp8_delayed"
@@ -55,25 +59,16 @@ class Fp8Recipe:
     scaling: Fp8Scaling = Fp8Scaling()
     min_ndim: int = 2
     stacked_axes: int = 0
+    select: Select = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        for field in ("path", "exclude"):
-            pattern = getattr(self, field)
-            if pattern is None:
-                continue
-            try:
-                re.compile(pattern)
-            except (re.error, TypeError) as err:
-                raise ValueError(f"Fp8Recipe.{field}: {pattern!r} is not a regex ({err})") from None
+        object.__setattr__(self, "select", Select.of(self))
         if not isinstance(self.scaling, Fp8Scaling):
             raise TypeError(f"Fp8Recipe.scaling must be an Fp8Scaling, got {self.scaling!r}")
 
     def selects(self, path: str, leaf: Any) -> bool:
-        if not hasattr(leaf, "shape") or len(leaf.shape) - self.stacked_axes < self.min_ndim:
-            return False
-        if re.fullmatch(self.path, path) is None:
-            return False
-        return self.exclude is None or re.fullmatch(self.exclude, path) is None
+        """True if the parameter `leaf` at `path` trains through fp8 matmuls."""
+        return self.select.matches(path, leaf)
 
 
 FP8_PRESETS = {
@@ -101,7 +96,7 @@ def fp8_recipe(name: str, **overrides: Any) -> Fp8Recipe:
         raise ValueError(f"fp8 recipe {name!r} is unknown; accepted: {', '.join(FP8_PRESETS)}")
     recipe = FP8_PRESETS[name]
     scaling_fields = {f.name for f in dataclasses.fields(Fp8Scaling)}
-    recipe_fields = {f.name for f in dataclasses.fields(Fp8Recipe)}
+    recipe_fields = {f.name for f in dataclasses.fields(Fp8Recipe) if f.init}
     unknown = set(overrides) - scaling_fields - recipe_fields
     if unknown:
         raise ValueError(
@@ -128,19 +123,10 @@ def fp8_init(params: Any, recipe: Fp8Recipe | str) -> dict[str, Fp8State]:
       ValueError: if the recipe selects no parameter.
     """
     recipe = _as_recipe(recipe)
-    leaves = param_leaves(params)
-    state = {
+    return {
         path: init_state(tuple(leaf.shape), recipe.scaling, recipe.stacked_axes)
-        for path, leaf in leaves
-        if recipe.selects(path, leaf)
+        for path, leaf in select_params(params, recipe.select).items()
     }
-    if not state:
-        shown = ", ".join(p for p, _ in leaves[:8])
-        raise ValueError(
-            f"Fp8Recipe(path={recipe.path!r}) selects no parameter; accepted: a regex fully "
-            f"matching paths such as {shown}"
-        )
-    return state
 
 
 def fp8_apply(params: Any, state: dict[str, Fp8State], recipe: Fp8Recipe | str) -> Any:
@@ -156,7 +142,7 @@ def fp8_apply(params: Any, state: dict[str, Fp8State], recipe: Fp8Recipe | str) 
             return leaf
         return Fp8Weight(value=leaf, state=state[path], scaling=recipe.scaling)
 
-    selected = {p for p, leaf in param_leaves(params) if recipe.selects(p, leaf)}
+    selected = {p for p, leaf in param_leaves(params) if recipe.select.matches(p, leaf)}
     if selected != set(state):
         raise ValueError(
             f"the fp8 state has paths {sorted(set(state) - selected)[:4]} the params lack and "

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,7 +35,8 @@ from lowbit.api._quantize import quantize_params
 from lowbit.ops import LoraWeight
 from lowbit.ops import lora_init as init_factors
 from lowbit.qarray import QArray
-from lowbit.recipes import OPS, Recipe, map_params, param_leaves
+from lowbit.recipes import Recipe, Select, map_params, param_leaves
+from lowbit.recipes._select import check_regex, first_matches, no_match_error
 
 Adapters = dict[str, dict[str, jax.Array]]
 
@@ -62,9 +62,13 @@ class LoraRule:
         the `uses` of `lowbit.api.param_uses`.
       in_axes: the weight's axes its matmul contracts (``(-2,)`` for ``[..., in, out]`` kernels).
       out_axes: the weight's output axes; all other axes are stacked-layer axes.
+      min_ndim: parameters with fewer axes are skipped: an adapter needs an in and an out
+        axis, so biases and norm scales a broad `path` matches stay as they are.
+      select: the `lowbit.recipes.Select` built from `path`, `exclude`, `ops` and `min_ndim`
+        (not an argument): how every rule type picks its parameters.
 
     Raises:
-      ValueError: naming the field, the value and what is accepted.
+      TypeError / ValueError: naming the field, the value and what is accepted.
     """
 
     path: str = ".*"
@@ -75,27 +79,18 @@ class LoraRule:
     ops: tuple[str, ...] | None = None
     in_axes: tuple[int, ...] = (-2,)
     out_axes: tuple[int, ...] = (-1,)
+    min_ndim: int = 2
+    select: Select = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        for field in ("path", "exclude"):
-            pattern = getattr(self, field)
-            if pattern is None and field == "exclude":
-                continue
-            try:
-                re.compile(pattern)
-            except (re.error, TypeError) as err:
-                raise ValueError(f"LoraRule.{field}: {pattern!r} is not a regex ({err})") from None
+        object.__setattr__(self, "select", Select.of(self))
+        object.__setattr__(self, "ops", self.select.ops)
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise ValueError(f"LoraRule.rank: {self.rank!r}; accepted: an int >= 1")
         if not isinstance(self.alpha, int | float) or not self.alpha > 0:
             raise ValueError(f"LoraRule.alpha: {self.alpha!r}; accepted: a number > 0")
         if not isinstance(self.dropout, int | float) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoraRule.dropout: {self.dropout!r}; accepted: 0 <= dropout < 1")
-        if self.ops is not None:
-            ops = (self.ops,) if isinstance(self.ops, str) else tuple(self.ops)
-            if not ops or any(op not in OPS for op in ops):
-                raise ValueError(f"LoraRule.ops: {self.ops!r}; accepted: names from {OPS} or None")
-            object.__setattr__(self, "ops", ops)
         object.__setattr__(self, "in_axes", _axes("in_axes", self.in_axes))
         object.__setattr__(self, "out_axes", _axes("out_axes", self.out_axes))
         object.__setattr__(self, "alpha", float(self.alpha))
@@ -106,20 +101,12 @@ class LoraRule:
         return self.alpha / self.rank
 
     def matches(self, path: str, uses: Mapping[str, frozenset[str]] | None) -> bool:
-        if re.fullmatch(self.path, path) is None:
-            return False
-        if self.exclude is not None and re.fullmatch(self.exclude, path) is not None:
-            return False
-        if self.ops is None:
-            return True
-        if uses is None:
-            raise ValueError(
-                f"LoraRule(path={self.path!r}) filters on ops={self.ops}: pass uses= "
-                "(lowbit.api.param_uses(fn, params, *args))"
-            )
-        wanted = {"dot_general" if op == "einsum" else op for op in self.ops}
-        seen = {"dot_general" if op == "einsum" else op for op in uses.get(path, ())}
-        return bool(wanted & seen)
+        """True if `path` matches and, with an `ops` filter, the weight feeds one of them.
+
+        Raises:
+          ValueError: if the rule filters on ops and `uses` is None.
+        """
+        return self.select.matches_path(path) and not self.select.op_rejects(path, uses)
 
     def resolved_axes(self, path: str, shape: tuple[int, ...]) -> tuple[tuple, tuple]:
         """(in_axes, out_axes) as sorted non-negative axes of a weight of `shape`.
@@ -154,7 +141,7 @@ class LoraRule:
         return in_axes, out_axes
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         for field in ("ops", "in_axes", "out_axes"):
             if out[field] is not None:
                 out[field] = list(out[field])
@@ -168,23 +155,23 @@ class LoraConfig:
     Attributes:
       rules: `LoraRule`s; each must match at least one weight.
       train: optional regex of float parameters trained in full (e.g. ``".*norm.*"``).
+      train_select: the `lowbit.recipes.Select` built from `train` (not an argument).
     """
 
     rules: tuple[LoraRule, ...]
     train: str | None = None
+    train_select: Select | None = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         rules = (self.rules,) if isinstance(self.rules, LoraRule) else tuple(self.rules)
         if not rules or not all(isinstance(r, LoraRule) for r in rules):
             raise ValueError(f"LoraConfig.rules: {self.rules!r}; accepted: one or more LoraRule")
         object.__setattr__(self, "rules", rules)
+        select = None
         if self.train is not None:
-            try:
-                re.compile(self.train)
-            except (re.error, TypeError) as err:
-                raise ValueError(
-                    f"LoraConfig.train: {self.train!r} is not a regex ({err})"
-                ) from None
+            check_regex("LoraConfig.train", self.train)
+            select = Select(path=self.train, owner="LoraConfig.train")
+        object.__setattr__(self, "train_select", select)
 
     def to_json(self) -> str:
         return json.dumps({"rules": [r.to_dict() for r in self.rules], "train": self.train})
@@ -235,32 +222,22 @@ def lora_plan(
     """
     plans: dict[str, _Plan] = {}
     full: list[str] = []
-    used = [False] * len(config.rules)
     leaves = param_leaves(params)
-    for path, leaf in leaves:
-        if not isinstance(leaf, QArray) and not hasattr(leaf, "shape"):
-            continue
-        for i, rule in enumerate(config.rules):
-            if rule.matches(path, uses):
-                used[i] = True
-                shape = tuple(leaf.shape)
-                plans[path] = _Plan(rule, *rule.resolved_axes(path, shape))
-                break
-        else:
-            if config.train is not None and re.fullmatch(config.train, path):
-                if isinstance(leaf, QArray):
-                    raise ValueError(
-                        f"LoraConfig.train={config.train!r} selects {path!r}, which is quantized; "
-                        "only float parameters train in full (adapt it with a LoraRule instead)"
-                    )
-                full.append(path)
+    found = first_matches(leaves, [rule.select for rule in config.rules], uses)
+    for (path, leaf), index in zip(leaves, found, strict=True):
+        if index is not None:
+            rule = config.rules[index]
+            plans[path] = _Plan(rule, *rule.resolved_axes(path, tuple(leaf.shape)))
+        elif config.train_select is not None and config.train_select.matches(path, leaf):
+            if isinstance(leaf, QArray):
+                raise ValueError(
+                    f"LoraConfig.train={config.train!r} selects {path!r}, which is quantized; "
+                    "only float parameters train in full (adapt it with a LoraRule instead)"
+                )
+            full.append(path)
     for i, rule in enumerate(config.rules):
-        if not used[i]:
-            shown = ", ".join(p for p, _ in leaves[:8])
-            raise ValueError(
-                f"LoraRule(path={rule.path!r}) (rule {i}) matches no parameter; accepted: a regex "
-                f"fully matching paths such as {shown}{' ...' if len(leaves) > 8 else ''}"
-            )
+        if i not in found:
+            raise no_match_error(rule.select, leaves, uses, index=i)
     return plans, full
 
 

@@ -21,14 +21,13 @@ sparse kernel exists.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from lowbit.qarray import NMSparse, QuantConfig, nm_mask, nm_sparsify, quantize
-from lowbit.recipes import map_params, param_leaves
+from lowbit.recipes import Select, map_params, select_params
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,6 +43,11 @@ class SparseRule:
       values: optional `QuantConfig` for the kept values (sparse int8 / fp8); its
         granularity applies to the compressed values array.
       min_ndim: parameters with fewer axes stay dense.
+      select: the `lowbit.recipes.Select` built from `path`, `exclude` and `min_ndim` (not an
+        argument): how every rule type picks its parameters.
+
+    Raises:
+      TypeError / ValueError: naming the field, the value and what is accepted.
     """
 
     path: str = r".*kernel"
@@ -54,18 +58,10 @@ class SparseRule:
     update_every: int = 100
     values: QuantConfig | None = None
     min_ndim: int = 2
+    select: Select = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        for field in ("path", "exclude"):
-            pattern = getattr(self, field)
-            if pattern is None:
-                continue
-            try:
-                re.compile(pattern)
-            except (re.error, TypeError) as err:
-                raise ValueError(
-                    f"SparseRule.{field}: {pattern!r} is not a regex ({err})"
-                ) from None
+        object.__setattr__(self, "select", Select.of(self))
         for field in ("n", "m", "update_every"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -76,27 +72,12 @@ class SparseRule:
             raise TypeError(f"SparseRule.values must be a QuantConfig or None, got {self.values!r}")
 
     def selects(self, path: str, leaf: Any) -> bool:
-        if not hasattr(leaf, "shape") or len(leaf.shape) < self.min_ndim:
-            return False
-        if re.fullmatch(self.path, path) is None:
-            return False
-        return self.exclude is None or re.fullmatch(self.exclude, path) is None
+        """True if the parameter `leaf` at `path` is made sparse."""
+        return self.select.matches(path, leaf)
 
     def refresh(self, step: int) -> bool:
         """Whether sparse-aware training recomputes its masks before `step`."""
         return step % self.update_every == 0
-
-
-def _selected(params: Any, rule: SparseRule) -> list[str]:
-    leaves = param_leaves(params)
-    paths = [p for p, leaf in leaves if rule.selects(p, leaf)]
-    if not paths:
-        shown = ", ".join(p for p, _ in leaves[:8])
-        raise ValueError(
-            f"SparseRule(path={rule.path!r}) selects no parameter; accepted: a regex fully "
-            f"matching paths such as {shown}"
-        )
-    return paths
 
 
 def nm_masks(params: Any, rule: SparseRule) -> dict[str, jax.Array]:
@@ -105,13 +86,12 @@ def nm_masks(params: Any, rule: SparseRule) -> dict[str, jax.Array]:
     Raises:
       ValueError: if the rule selects nothing, or `m` does not divide a weight's axis.
     """
-    leaves = dict(param_leaves(params))
     masks = {}
-    for path in _selected(params, rule):
+    for path, leaf in select_params(params, rule.select).items():
         try:
-            masks[path] = nm_mask(leaves[path], rule.n, rule.m, rule.axis)
+            masks[path] = nm_mask(leaf, rule.n, rule.m, rule.axis)
         except ValueError as err:
-            raise ValueError(f"{path} {tuple(leaves[path].shape)}: {err}") from None
+            raise ValueError(f"{path} {tuple(leaf.shape)}: {err}") from None
     return masks
 
 
@@ -141,7 +121,7 @@ def nm_sparsify_params(
     Raises:
       ValueError: as `nm_masks`.
     """
-    selected = set(_selected(params, rule))
+    selected = set(select_params(params, rule.select))
     quantize_values = None
     if rule.values is not None:
         quantize_values = lambda v: quantize(v, rule.values)

@@ -26,7 +26,8 @@ from lowbit.recipes._presets import (
     preset_names,
 )
 from lowbit.recipes._recipe import Decision, Recipe, RecipeReport
-from lowbit.recipes._rule import OPS, Rule, stack_granularity
+from lowbit.recipes._rule import Rule, stack_granularity
+from lowbit.recipes._select import OPS, Select, select_params
 
 __all__ = [
     "ALGORITHMS",
@@ -34,6 +35,7 @@ __all__ = [
     "GPTQ",
     "HQQ",
     "Algorithm",
+    "Select",
     "SmoothQuant",
     "KV_FORMATS",
     "OPS",
@@ -65,6 +67,7 @@ __all__ = [
     "preset",
     "preset_from_maxtext_json",
     "preset_names",
+    "select_params",
     "stack_granularity",
     "weight_config",
 ]

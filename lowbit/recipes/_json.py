@@ -191,6 +191,8 @@ def parse_config(value: Any, field: str) -> QuantConfig | None:
 def rule_to_dict(rule: Rule) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(Rule):
+        if not f.init:  # `select` is derived from the other fields
+            continue
         value = getattr(rule, f.name)
         if isinstance(value, QuantConfig):
             value = config_to_dict(value)
@@ -205,7 +207,7 @@ def rule_to_dict(rule: Rule) -> dict[str, Any]:
 def parse_rule(value: Any, field: str) -> Rule:
     if not isinstance(value, Mapping):
         raise ValueError(f"{field}: {value!r} is not an object with Rule fields")
-    known = {f.name for f in dataclasses.fields(Rule)}
+    known = {f.name for f in dataclasses.fields(Rule) if f.init}
     unknown = sorted(set(value) - known)
     if unknown:
         raise ValueError(f"{field}: unknown keys {unknown}; accepted: {sorted(known)}")

@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 from lowbit.formats import get_format
 from lowbit.qarray import PerGroup, QuantConfig
@@ -137,28 +136,9 @@ class Recipe:
             return Decision(**keep, reason=f"not a floating-point array (dtype {dtype})")
         if rule.weight is None:
             return Decision(**keep, reason=f"rule {index} keeps it in float (weight=None)")
-        ndim = len(shape) - rule.stacked_axes
-        if ndim < rule.min_ndim:
-            return Decision(
-                **keep,
-                reason=f"{ndim} axes ({rule.stacked_axes} stacked not counted) < min_ndim "
-                f"{rule.min_ndim}",
-            )
-        size = int(np.prod(shape))
-        if size < rule.min_size:
-            return Decision(**keep, reason=f"size {size} < min_size {rule.min_size}")
-        if rule.ops is not None:
-            if uses is None:
-                raise ValueError(
-                    f"rule {index} (path={rule.path!r}) filters on ops={rule.ops}, which needs the "
-                    f"ops each parameter feeds: pass uses=lowbit.api.param_uses(fn, params, *args)"
-                )
-            fed = frozenset(uses.get(path, frozenset()))
-            if not rule.feeds(fed):
-                fed_text = ", ".join(sorted(fed)) or "no op"
-                return Decision(
-                    **keep, reason=f"feeds only {fed_text}; rule {index} has ops={rule.ops}"
-                )
+        reason = rule.select.rejects(path, leaf, uses)
+        if reason:
+            return Decision(**keep, reason=reason)
         config = rule.weight_config(len(shape))
         problem = _fits(config, shape)
         if problem:

@@ -1,10 +1,10 @@
 """`Rule`: which parameters to quantize, and how.
 
-A rule selects parameters by the '/'-joined path of the leaf in the params pytree
-(``layers/0/mlp/up/kernel``; NNX `Variable`s contribute no ``value`` component) with
-`re.fullmatch`, and says how the weight, the operand it meets in a matmul (the activation) and
-its gradient (QAT) are quantized. Rules are frozen, keyword-only and hashable, so a recipe can
-sit in static jit metadata.
+A rule selects parameters as every rule type does, through a `Select` (`lowbit.recipes._select`):
+by the '/'-joined path of the leaf in the params pytree (``layers/0/mlp/up/kernel``; NNX
+`Variable`s contribute no ``value`` component) with `re.fullmatch`. It says how the weight, the
+operand it meets in a matmul (the activation) and its gradient (QAT) are quantized. Rules are
+frozen, keyword-only and hashable, so a recipe can sit in static jit metadata.
 
 Stacked (scanned) weights: a parameter of shape ``[layers, in, out]`` holds one weight per layer
 along its leading axis. `stacked_axes=1` says so: the rule's weight granularity then applies to
@@ -16,27 +16,10 @@ axes given as negative numbers already count from the end and need no change.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from lowbit.qarray import PerBlock, PerChannel, PerGroup, PerTensor, PerToken, QuantConfig
 from lowbit.recipes._algorithm import Algorithm, parse_algorithm
-
-# Operation names a rule can filter on. `einsum` lowers to `dot_general`, so a weight that feeds
-# an einsum is seen as feeding a dot_general; the two names are interchangeable in a filter.
-OPS = ("dot_general", "einsum", "conv", "ragged_dot", "gather")
-
-
-def _check_regex(field: str, pattern: str | None) -> None:
-    if pattern is None:
-        return
-    if not isinstance(pattern, str):
-        raise TypeError(
-            f"{field} must be a regex string, got {type(pattern).__name__}: {pattern!r}"
-        )
-    try:
-        re.compile(pattern)
-    except re.error as err:
-        raise ValueError(f"{field}: {pattern!r} is not a valid regex ({err})") from None
+from lowbit.recipes._select import Select
 
 
 def _check_config(field: str, config: object) -> None:
@@ -74,6 +57,8 @@ class Rule:
       algorithm: how weights are rounded beyond nearest: `GPTQ`, `AWQ`, `SmoothQuant`, `HQQ`
         (`lowbit.recipes._algorithm`), or None for round-to-nearest. Data-driven ones need
         calibration batches (`lowbit.algorithms.quantize_params`).
+      select: the `Select` built from `path`, `exclude`, `ops`, `min_size`, `min_ndim` and
+        `stacked_axes` (not an argument): how every rule type picks its parameters.
 
     Raises:
       TypeError / ValueError: naming the field, the value and what is accepted.
@@ -90,6 +75,7 @@ class Rule:
     min_ndim: int = 2
     stacked_axes: int = 0
     algorithm: Algorithm | None = None
+    select: Select = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "algorithm", parse_algorithm(self.algorithm))
@@ -98,23 +84,10 @@ class Rule:
                 f"Rule(path={self.path!r}) sets algorithm={self.algorithm.name!r} but weight=None; "
                 "an algorithm rounds a quantized weight: set weight too"
             )
-        _check_regex("Rule.path", self.path)
-        _check_regex("Rule.exclude", self.exclude)
-        if self.ops is not None:
-            ops = (self.ops,) if isinstance(self.ops, str) else tuple(self.ops)
-            bad = [op for op in ops if op not in OPS]
-            if bad or not ops:
-                raise ValueError(
-                    f"Rule.ops: {self.ops!r} has unknown op names {bad}; accepted: {OPS} "
-                    "(or None for every op)"
-                )
-            object.__setattr__(self, "ops", ops)
+        object.__setattr__(self, "select", Select.of(self))
+        object.__setattr__(self, "ops", self.select.ops)
         for field in ("weight", "activation", "gradient"):
             _check_config(f"Rule.{field}", getattr(self, field))
-        for field in ("min_size", "min_ndim", "stacked_axes"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"Rule.{field}: {value!r}; accepted: an int >= 0")
         if self.weight is None and (self.activation is not None or self.gradient is not None):
             raise ValueError(
                 f"Rule(path={self.path!r}) sets activation/gradient but weight=None: activation "
@@ -128,17 +101,11 @@ class Rule:
 
     def matches(self, path: str) -> bool:
         """True if `path` fully matches `self.path` and not `self.exclude`."""
-        if re.fullmatch(self.path, path) is None:
-            return False
-        return self.exclude is None or re.fullmatch(self.exclude, path) is None
+        return self.select.matches_path(path)
 
     def feeds(self, ops: frozenset[str]) -> bool:
         """True if a weight feeding `ops` passes this rule's op filter."""
-        if self.ops is None:
-            return True
-        wanted = {"dot_general" if op == "einsum" else op for op in self.ops}
-        seen = {"dot_general" if op == "einsum" else op for op in ops}
-        return bool(wanted & seen)
+        return self.select.feeds(ops)
 
     def weight_config(self, ndim: int) -> QuantConfig:
         """The weight config for a parameter with `ndim` axes, with stacked axes kept whole.
