@@ -35,6 +35,7 @@ from lowbit.algorithms._rounding import (
     sample_rows,
 )
 from lowbit.algorithms._sparsegpt import prune_one, sparsegpt_matrix
+from lowbit.algorithms._walk import activation_rows, batch_args, kept_rows, walk_batch
 
 # Names defined in `lowbit.api`, above this layer: {name: attribute of lowbit.api}.
 _FROM_API = {
@@ -63,6 +64,8 @@ __all__ = [
     "Rounding",
     "Statistics",
     "WeightStats",
+    "activation_rows",
+    "batch_args",
     "algorithm_weights",
     "capture",
     "check_algorithm",
@@ -71,6 +74,7 @@ __all__ = [
     "gptq_matrix",
     "gptq_one",
     "hqq_qarray",
+    "kept_rows",
     "prune_one",
     "quantize_model",
     "quantize_params",
@@ -79,4 +83,5 @@ __all__ = [
     "sample_rows",
     "sparsegpt_matrix",
     "sparsegpt_params",
+    "walk_batch",
 ]
