@@ -108,8 +108,9 @@ def round_with_algorithms(
             index = recipe.rules.index(first)
             raise ValueError(
                 f"lowbit.quantize_params: recipe {recipe.name!r}, rule {index} "
-                f"(path={first.path!r}) uses algorithm {first.algorithm.name!r}, which needs "
-                "calibration data; pass fn=... and calibration=<iterable of batches> "
+                f"(path={first.path!r}) uses algorithm {first.algorithm.name!r} for "
+                f"{data_paths[0]!r}, which needs calibration data; pass fn=... and "
+                "calibration=<iterable of batches> "
                 "(lowbit.quantize_model(model, recipe, calibration=batches) for a Flax model), "
                 "or use a data-free algorithm (hqq)"
             )
