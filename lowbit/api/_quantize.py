@@ -389,7 +389,8 @@ def quantize(params: Any, recipe: Recipe | str, **options: Any) -> Any:
     see `quantize_params`), so ``jax.jit(lowbit.run(fn))(qparams, x)`` runs at serving speed
     with no per-call repacking; ``kernel_layouts=False`` gives logical QArrays throughout.
 
-    Options of `quantize_params` (``uses``, ``uncalibrated``, ``kernel_layouts``) are passed to
+    Options of `quantize_params` (``uses``, ``uncalibrated``, ``kernel_layouts``, and for rules
+    with an algorithm ``fn``, ``calibration``, ``algorithm_options``, ``report``) are passed to
     it; with a preset name, any other option goes to the preset:
     ``quantize(params, "int4_weight_only", group_size=32)`` is
     ``quantize(params, preset("int4_weight_only", group_size=32))``.
