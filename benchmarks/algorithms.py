@@ -38,7 +38,8 @@ def run() -> str:
     import jax
     from flax import nnx
 
-    from lowbit.algorithms import algorithm_weights, capture, quantize_with_report
+    from lowbit.algorithms import AlgorithmReport, capture
+    from lowbit.api import AlgorithmOptions, algorithm_weights, quantize_params
     from lowbit.eval import _calibration_set as calib
     from lowbit.eval._tree import float32_bytes
     from lowbit.eval._variants import load_model
@@ -58,7 +59,9 @@ def run() -> str:
     t0 = time.perf_counter()
     stats = capture(fn, pure, batches, paths=paths)
     t1 = time.perf_counter()
-    params, report = quantize_with_report(pure, recipe, statistics=stats)
+    report = AlgorithmReport()
+    options = AlgorithmOptions(statistics=stats)
+    params = quantize_params(pure, recipe, algorithm_options=options, report=report)
     jax.block_until_ready(params)
     t2 = time.perf_counter()
     peak = _status("VmHWM") - base

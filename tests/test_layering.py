@@ -7,8 +7,9 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "lowbit"
 
-# Bottom to top. Kernels sit below ops (the ops layer picks kernels); models (plain float
-# reference networks) sit below io, whose importers map checkpoints onto them.
+# Bottom to top. Kernels sit below ops (the ops layer picks kernels); algorithms (rounding
+# math and calibration statistics) sit below the api that runs them from `quantize`; models
+# (plain float reference networks) sit below io, whose importers map checkpoints onto them.
 LAYERS = [
     "formats",
     "qarray",
@@ -16,8 +17,8 @@ LAYERS = [
     "ops",
     "engine",
     "recipes",
-    "api",
     "algorithms",
+    "api",
     "models",
     "io",
     "eval",

@@ -1,39 +1,87 @@
 """Rounding better than nearest: GPTQ, AWQ, SmoothQuant and HQQ, on statistics from the engine.
 
 `capture` streams per-weight input statistics (Gram matrix, mean/max |x|) from the float model
-on calibration batches; `quantize_params` / `quantize_model` apply the recipe, running each
-rule's algorithm (`lowbit.recipes.GPTQ`, `HQQ`, `AWQ`, `SmoothQuant`) on its weights; AWQ and
-SmoothQuant scales are folded into the preceding norm or linear layer where the probe shows
-it is exact; AWQ also searches a clipping range per scale block. `sparsegpt_params` prunes to
-N:M with the same statistics (SparseGPT).
+on calibration batches; `rounding_for(rule.algorithm)` is each algorithm's implementation
+(`needs_data`, `round(...)`), which `lowbit.quantize_params` / `lowbit.quantize_model` run for
+every rule that carries one (`lowbit.recipes.GPTQ`, `HQQ`, `AWQ`, `SmoothQuant`). AWQ and
+SmoothQuant scales are folded into the preceding norm or linear layer where the probe shows it
+is exact (`_smooth`); AWQ also searches a clipping range per scale block (`_clip`).
+`sparsegpt_matrix` prunes one matrix to N:M with the same statistics (SparseGPT).
+
+This layer sits below `lowbit.api`. The names `quantize_params`, `quantize_model` and
+`quantize_with_report` (deprecated: use `lowbit.quantize_params` / `lowbit.quantize_model`),
+`algorithm_weights` and `sparsegpt_params` live in `lowbit.api`; they are still reachable here,
+resolved on first use so that this module imports nothing above it.
 """
 
-from lowbit.algorithms._apply import (
-    AlgorithmReport,
-    algorithm_weights,
-    quantize_model,
-    quantize_params,
-    quantize_with_report,
-    sample_rows,
-)
+import importlib
+
 from lowbit.algorithms._capture import CalibrationError, Statistics, WeightStats, capture
 from lowbit.algorithms._gptq import gptq_matrix
 from lowbit.algorithms._hqq import hqq_qarray
-from lowbit.algorithms._sparsegpt import sparsegpt_matrix, sparsegpt_params
+from lowbit.algorithms._rounding import (
+    IMPLEMENTED,
+    AlgorithmReport,
+    Context,
+    GptqRounding,
+    HqqRounding,
+    NearestRounding,
+    Rounding,
+    check_algorithm,
+    first_rounding,
+    folds,
+    gptq_one,
+    rounding_for,
+    sample_rows,
+)
+from lowbit.algorithms._sparsegpt import prune_one, sparsegpt_matrix
+from lowbit.algorithms._walk import activation_rows, batch_args, kept_rows, walk_batch
+
+# Names defined in `lowbit.api`, above this layer: {name: attribute of lowbit.api}.
+_FROM_API = {
+    "algorithm_weights": "algorithm_weights",
+    "quantize_model": "deprecated_quantize_model",
+    "quantize_params": "deprecated_quantize_params",
+    "quantize_with_report": "deprecated_quantize_with_report",
+    "sparsegpt_params": "sparsegpt_params",
+}
+
+
+def __getattr__(name: str):
+    if name in _FROM_API:
+        return getattr(importlib.import_module("lowbit.api"), _FROM_API[name])
+    raise AttributeError(f"module 'lowbit.algorithms' has no attribute {name!r}")
+
 
 __all__ = [
+    "IMPLEMENTED",
     "AlgorithmReport",
     "CalibrationError",
+    "Context",
+    "GptqRounding",
+    "HqqRounding",
+    "NearestRounding",
+    "Rounding",
     "Statistics",
     "WeightStats",
+    "activation_rows",
+    "batch_args",
     "algorithm_weights",
     "capture",
+    "check_algorithm",
+    "first_rounding",
+    "folds",
     "gptq_matrix",
+    "gptq_one",
     "hqq_qarray",
+    "kept_rows",
+    "prune_one",
     "quantize_model",
     "quantize_params",
     "quantize_with_report",
+    "rounding_for",
     "sample_rows",
     "sparsegpt_matrix",
     "sparsegpt_params",
+    "walk_batch",
 ]

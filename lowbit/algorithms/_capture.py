@@ -1,8 +1,9 @@
 """Calibration statistics per weight, streamed from the engine's probe.
 
 `capture` runs the float model on calibration batches through `lowbit.engine.probe` (the same
-interpreter that serves quantized models) and, at every matmul that reads a wanted weight,
-accumulates in float32, over the weight's contracted (input) axes:
+interpreter that serves quantized models; the walk `lowbit.calibrate` shares, `_walk`) and,
+at every matmul that reads a wanted weight, accumulates in float32, over the weight's
+contracted (input) axes:
 
   * the Gram matrix ``XᵀX`` (GPTQ's Hessian up to a factor), [K, K];
   * the per-input-channel sum of |x| and max |x| (AWQ, SmoothQuant), [K];
@@ -27,8 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.engine import Use, probe
-from lowbit.recipes import param_leaves, path_string
+from lowbit.algorithms._walk import activation_rows, batch_args, kept_rows, walk_batch
+from lowbit.engine import Use
+from lowbit.recipes import param_leaves
 
 Key = tuple[str, tuple[tuple[int, int], ...]]
 
@@ -160,15 +162,8 @@ def _map_use(use: Use, shape: tuple[int, ...]) -> _Mapping | str:
 
 
 def _rows(use: Use, mapping: _Mapping) -> tuple[jax.Array, tuple[int, ...]]:
-    """The activation as [rows, K] float32, columns in the parameter's input order, and the
-    shape its rows were flattened from (the activation's axes that are not contracted)."""
-    (lc, rc), _ = use.params["dimension_numbers"]
-    a_contract = lc if use.weight_operand == 1 else rc
-    x = jnp.asarray(use.activation, jnp.float32)
-    rest = [a for a in range(x.ndim) if a not in a_contract]
-    k = int(np.prod([x.shape[a] for a in a_contract]))
-    row_shape = tuple(x.shape[a] for a in rest)
-    x = jnp.transpose(x, [*rest, *a_contract]).reshape(-1, k)
+    """`activation_rows` with the columns in the parameter's input order."""
+    x, row_shape = activation_rows(use)
     return (x if mapping.order is None else x[:, mapping.order]), row_shape
 
 
@@ -230,7 +225,7 @@ def capture(
         values: list[Any] = []
         alive: list[Any] = []
 
-        def visit(use: Use) -> None:
+        def visit(use: Use, mask: jax.Array | None) -> None:
             if use.op == "other":
                 stats.escaped.update(use.paths)
                 return
@@ -260,9 +255,8 @@ def capture(
                 if site not in site_index:
                     rows, row_shape = _rows(use, mapping)
                     count = jnp.asarray(rows.shape[0], jnp.int32)
-                    keep = None
-                    if mask is not None and tuple(mask.shape) == row_shape:
-                        keep = mask.reshape(-1) != 0
+                    keep = kept_rows(mask, row_shape)
+                    if keep is not None:
                         rows = jnp.where(keep[:, None], rows, 0.0)
                         count = jnp.sum(keep, dtype=jnp.int32)
                     finite = jnp.all(jnp.isfinite(rows))  # of the rows that count
@@ -287,8 +281,7 @@ def capture(
                     alive.append(use.activation)
                 sites[site_index[site]].keys.append(key)
 
-        mask = None if row_mask is None else jnp.asarray(row_mask(*args))
-        probe(fn, params, args, {}, visit, name=path_string, concrete=True)
+        walk_batch(fn, params, args, visit, row_mask=row_mask)
         meta["sites"], meta["key_info"] = sites, key_info
         return values
 
@@ -311,7 +304,7 @@ def capture(
     acc = None
     samples: dict[int, list[np.ndarray]] = {}
     for i, batch in enumerate(batches):
-        args = tuple(jnp.asarray(a) for a in (batch if isinstance(batch, tuple) else (batch,)))
+        args = tuple(jnp.asarray(a) for a in batch_args(batch))
         if acc is None:
             acc = zeros(params, args)
         inc = acc = step(acc, params, args)

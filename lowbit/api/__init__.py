@@ -1,7 +1,13 @@
 """The user API: quantize params or Flax models by a recipe, run them, calibrate, QAT, convert,
 LoRA adapters."""
 
+from lowbit.api._algorithms import AlgorithmOptions
 from lowbit.api._calibrate import METHODS, activation_ranges, calibrate, with_activation_bounds
+from lowbit.api._deprecated import (
+    deprecated_quantize_model,
+    deprecated_quantize_params,
+    deprecated_quantize_with_report,
+)
 from lowbit.api._fp8 import FP8_PRESETS, Fp8Recipe, fp8_apply, fp8_init, fp8_recipe, fp8_scales
 from lowbit.api._lora import (
     LoraConfig,
@@ -15,16 +21,19 @@ from lowbit.api._lora import (
 from lowbit.api._model import QuantizedLinen, QuantizedModel, quantize_model, run
 from lowbit.api._qat import convert, prepare, qat
 from lowbit.api._quantize import (
+    algorithm_weights,
     kernel_axes_of,
     prepare_for_kernels,
     quantize,
     quantize_params,
     quantize_weight,
 )
+from lowbit.api._sparsegpt import sparsegpt_params
 from lowbit.api._sparsity import SparseRule, apply_masks, nm_masks, nm_sparsify_params
 from lowbit.api._trace import param_uses
 
 __all__ = [
+    "AlgorithmOptions",
     "FP8_PRESETS",
     "METHODS",
     "SparseRule",
@@ -34,10 +43,14 @@ __all__ = [
     "QuantizedLinen",
     "QuantizedModel",
     "activation_ranges",
+    "algorithm_weights",
     "apply_masks",
     "calibrate",
     "check_adapters",
     "convert",
+    "deprecated_quantize_model",
+    "deprecated_quantize_params",
+    "deprecated_quantize_with_report",
     "fp8_apply",
     "fp8_init",
     "fp8_recipe",
@@ -58,5 +71,6 @@ __all__ = [
     "quantize_params",
     "quantize_weight",
     "run",
+    "sparsegpt_params",
     "with_activation_bounds",
 ]

@@ -2,7 +2,8 @@
 
 For every weight whose rule has an activation quantizer, `calibrate` evaluates the float model on
 sample batches, records the range of the operand that meets the weight in each matmul / conv
-(found by following the weight through the jaxpr, see `_trace`), and stores the result as the
+(found by following the weight through the jaxpr: the calibration walk
+`lowbit.algorithms.walk_batch`, which `capture` shares), and stores the result as the
 QArray's ``activation_bounds = [lo, hi]``; the quantized ops then use these fixed bounds instead of
 computing a scale per call.
 
@@ -30,9 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lowbit.algorithms import activation_rows, batch_args, kept_rows, walk_batch
 from lowbit.api._model import QuantizedModel
 from lowbit.api._quantize import as_recipe, quantize_params
-from lowbit.api._trace import walk
+from lowbit.engine import Use
 from lowbit.qarray import Fixed, QArray
 from lowbit.recipes import Recipe, map_params
 
@@ -58,6 +60,7 @@ def activation_ranges(
     method: str = "max",
     momentum: float = 0.9,
     q: float = 99.99,
+    row_mask: Callable[..., Any] | None = None,
 ) -> dict[str, tuple[float, float]]:
     """Measured (lo, hi) activation range per calibrated weight path (see module docstring).
 
@@ -69,6 +72,10 @@ def activation_ranges(
       method: one of METHODS.
       momentum: history weight of ``"moving_average"``.
       q: percentile of ``"percentile"``.
+      row_mask: ``row_mask(*batch)``: the positions of a batch that count (e.g.
+        ``lambda tokens, mask: mask`` for padded batches); a matmul input whose rows (its
+        non-contracted axes) have the mask's shape is measured only where the mask is set.
+        The same walk as `lowbit.algorithms.capture`'s.
     Returns:
       {weight path: (lo, hi)}.
     Raises:
@@ -90,19 +97,26 @@ def activation_ranges(
     count = 0
     for batch in batches:
         count += 1
-        args = batch if isinstance(batch, tuple) else (batch,)
         seen: dict[str, tuple[float, float]] = {}
 
-        def visit(op, paths, activation, seen=seen):
-            observed.update(paths)
-            if activation is None:
+        def visit(use: Use, mask: Any, seen=seen) -> None:
+            if use.op == "other":
                 return
-            for path in paths & wanted:
+            observed.update(use.paths)
+            activation = use.activation
+            if activation is None or not use.paths & wanted:
+                return
+            if mask is not None and use.op == "dot_general":
+                rows, row_shape = activation_rows(use)
+                keep = kept_rows(mask, row_shape)
+                if keep is not None:  # padded positions run through the model but do not count
+                    activation = np.asarray(rows)[np.asarray(keep)]
+            for path in use.paths & wanted:
                 lo, hi = _batch_bounds(activation, method, q)
                 old = seen.get(path, (lo, hi))
                 seen[path] = (min(old[0], lo), max(old[1], hi))
 
-        walk(fn, params, args, {}, visit, concrete=True)
+        walk_batch(fn, params, batch_args(batch), visit, row_mask=row_mask)
         for path, bounds in seen.items():
             history.setdefault(path, []).append(bounds)
     if count == 0:
@@ -159,6 +173,7 @@ def calibrate(
     method: str = "max",
     momentum: float = 0.9,
     q: float = 99.99,
+    row_mask: Callable[..., Any] | None = None,
 ) -> Any:
     """`lowbit.calibrate`: PTQ with static activation bounds measured on sample batches.
 
@@ -172,6 +187,8 @@ def calibrate(
       method: ``"max"``, ``"moving_average"`` or ``"percentile"`` (see module docstring).
       momentum: history weight for ``"moving_average"``.
       q: percentile for ``"percentile"``.
+      row_mask: ``row_mask(*batch)``, the positions of a batch that count (see
+        `activation_ranges`), e.g. ``lambda tokens, mask: mask``.
     Returns:
       Quantized params with `activation_bounds` set (a `QuantizedModel` for an NNX module).
     Raises:
@@ -187,9 +204,11 @@ def calibrate(
             return nnx.merge(graphdef, state)(*args)
 
         ranges = activation_ranges(
-            call, params, batches, recipe, method=method, momentum=momentum, q=q
+            call, params, batches, recipe, method=method, momentum=momentum, q=q, row_mask=row_mask
         )
         state = with_activation_bounds(quantize_params(params, recipe, uncalibrated=True), ranges)
         return QuantizedModel(nnx.merge(graphdef, state))
-    ranges = activation_ranges(fn, params, batches, recipe, method=method, momentum=momentum, q=q)
+    ranges = activation_ranges(
+        fn, params, batches, recipe, method=method, momentum=momentum, q=q, row_mask=row_mask
+    )
     return with_activation_bounds(quantize_params(params, recipe, uncalibrated=True), ranges)

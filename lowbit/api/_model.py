@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 from flax import linen, nnx
 
+from lowbit.algorithms import AlgorithmReport
+from lowbit.api._algorithms import AlgorithmOptions
 from lowbit.api._quantize import as_recipe, kernel_axes_of, quantize_params
 from lowbit.api._trace import param_uses
 from lowbit.engine import EngineReport, interpret
@@ -211,6 +213,9 @@ def quantize_model(
     strict: bool = False,
     uses: Mapping[str, frozenset[str]] | None = None,
     example_args: tuple[Any, ...] | None = None,
+    calibration: Iterable[Any] | None = None,
+    algorithm_options: AlgorithmOptions | None = None,
+    report: AlgorithmReport | None = None,
 ) -> QuantizedModel | QuantizedLinen:
     """`lowbit.quantize_model`: quantizes a Flax model's weights by a recipe.
 
@@ -226,12 +231,20 @@ def quantize_model(
         use: a 2-D parameter the recipe names by no rule (``w``, ``qkv``) is quantized as the
         layout its matmul shows. The weights are also laid out for the CPU kernels at once
         (without them, at the first call).
+      calibration: batches of the model's inputs (``model(*batch)``, Linen:
+        ``model.apply(params, *batch)``; a batch that is not a tuple is one argument), for
+        rules whose algorithm needs data (GPTQ, AWQ, SmoothQuant).
+      algorithm_options: `lowbit.api.AlgorithmOptions` for rules with an algorithm (padding
+        mask, precomputed statistics, sequential GPTQ passes, progress).
+      report: an `lowbit.algorithms.AlgorithmReport` to fill with what each algorithm's
+        weight got.
     Returns:
       NNX: a `QuantizedModel` called like `model`. Linen: a `QuantizedLinen`
       (``apply_fn, qparams = quantize_model(...)`` also works).
     Raises:
       TypeError: for another model type, or `params` given for NNX / missing for Linen.
-      ValueError: from `quantize_params`.
+      ValueError: from `quantize_params` (e.g. a rule whose algorithm needs data, without
+        `calibration`).
 
     Example:
       >>> model = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
@@ -240,20 +253,35 @@ def quantize_model(
       (2, 32)
     """
     recipe = as_recipe(recipe)
+    # `strict` here refuses engine fallbacks, and with algorithms their fallbacks to
+    # round-to-nearest; a recipe matching no parameter stays a warning, as it always was.
+    with_algorithms = any(r.algorithm is not None for r in recipe.rules)
+    algorithms = dict(
+        calibration=calibration,
+        algorithm_options=algorithm_options,
+        report=report,
+        strict=strict and with_algorithms,
+    )
     if isinstance(model, nnx.Module):
         if params is not None:
             raise TypeError(
                 "quantize_model: params= is for Linen modules; an NNX module holds its own state"
             )
         graphdef, state = nnx.split(model)
+        call = lambda s, *a: nnx.merge(graphdef, s)(*a)
         layout_axes = None
         if example_args is not None:
-            call = lambda s, *a: nnx.merge(graphdef, s)(*a)
             layout_axes = kernel_axes_of(call, state, *example_args)
             if uses is None:
                 uses = param_uses(call, state, *example_args)
         qstate = quantize_params(
-            state, recipe, uses=uses, layout_axes=layout_axes, kernel_layouts=True
+            state,
+            recipe,
+            fn=call,
+            uses=uses,
+            layout_axes=layout_axes,
+            kernel_layouts=True,
+            **algorithms,
         )
         qmodel = QuantizedModel(nnx.merge(graphdef, qstate), strict=strict)
         if example_args is not None:
@@ -271,7 +299,13 @@ def quantize_model(
             if uses is None:
                 uses = param_uses(model.apply, params, *example_args)
         qparams = quantize_params(
-            params, recipe, uses=uses, layout_axes=layout_axes, kernel_layouts=True
+            params,
+            recipe,
+            fn=model.apply,
+            uses=uses,
+            layout_axes=layout_axes,
+            kernel_layouts=True,
+            **algorithms,
         )
         if example_args is not None:
             qparams = prepare_weights(qparams, kernel_axes_of(model.apply, qparams, *example_args))

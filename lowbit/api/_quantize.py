@@ -6,12 +6,14 @@ import dataclasses
 import functools
 import inspect
 import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from lowbit.algorithms import AlgorithmReport, check_algorithm
+from lowbit.api._algorithms import AlgorithmOptions, round_with_algorithms
 from lowbit.engine import kernel_axes
 from lowbit.engine._values import is_quantized as engine_value
 from lowbit.formats import FORMATS
@@ -168,10 +170,39 @@ def _param_items(params: Any):
     return param_leaves(params)
 
 
+def _with_algorithm(recipe: Recipe, decisions: Mapping[str, Any]) -> dict[str, tuple[Any, Rule]]:
+    """{path: (decision, rule)} of the quantized weights whose rule has an algorithm (checked
+    against the weight's format by `lowbit.algorithms.check_algorithm`)."""
+    out = {}
+    for path, d in decisions.items():
+        rule = recipe.rules[d.rule_index] if d.quantized else None
+        if rule is None or rule.algorithm is None:
+            continue
+        check_algorithm(d.rule_index, rule, d.config)
+        out[path] = (d, rule)
+    return out
+
+
+def algorithm_weights(
+    recipe: Recipe, params: Any, uses=None, layout_axes: Mapping[tuple, int] | None = None
+) -> dict[str, tuple[Any, Rule]]:
+    """{path: (decision, rule)} of the weights whose matching rule has an algorithm.
+
+    Raises:
+      ValueError: as `check_decisions`, and for an algorithm on a format it cannot serve,
+        naming both.
+    """
+    return _with_algorithm(recipe, check_decisions(recipe, params, uses, layout_axes))
+
+
 def quantize_params(
     params: Any,
     recipe: Recipe | str,
     *,
+    fn: Callable[..., Any] | None = None,
+    calibration: Iterable[Any] | None = None,
+    algorithm_options: AlgorithmOptions | None = None,
+    report: AlgorithmReport | None = None,
     uses: Mapping[str, frozenset[str]] | None = None,
     uncalibrated: bool = False,
     layout_axes: Mapping[tuple, int] | None = None,
@@ -182,11 +213,20 @@ def quantize_params(
     """Quantizes every parameter a recipe selects; the others are returned untouched.
 
     Weights become packed `QArray`s straight from the float arrays (nothing is re-materialized
-    in float). Run the model on the result with `lowbit.api.run`.
+    in float). Run the model on the result with `lowbit.api.run`. A weight whose rule has an
+    algorithm (`lowbit.recipes.GPTQ`, `AWQ`, `SmoothQuant`, `HQQ`) is rounded by it; those
+    that need data read statistics of ``fn(params, *batch)`` over the `calibration` batches.
 
     Args:
       params: a params pytree (dicts, lists, NNX `State`, Linen variables) of float arrays.
       recipe: a `Recipe` or a preset name.
+      fn: ``fn(params, *batch)``, the model the calibration batches run through (needed with
+        `calibration`).
+      calibration: iterable of batches (a tuple is unpacked into arguments), for rules whose
+        algorithm needs data (GPTQ, AWQ, SmoothQuant).
+      algorithm_options: `AlgorithmOptions` (padding mask, precomputed statistics,
+        sequential GPTQ passes, progress callbacks) for rules with an algorithm.
+      report: an `AlgorithmReport` to fill with what each algorithm's weight got.
       uses: ops each parameter feeds (`param_uses`), needed by rules with an `ops` filter.
       uncalibrated: accept rules with `static_activation=True` (and a calibration other than
         `Fixed`) without bounds; their activations are then quantized dynamically until
@@ -194,7 +234,8 @@ def quantize_params(
       layout_axes: traced contraction axes by key path (`kernel_axes_of`): a 2-D parameter no
         rule names by path (``w``, ``qkv``) is matched as the layout its use shows: an
         `[in, out]` ``kernel`` over axis 0, an `[out, in]` ``weight`` over axis 1.
-      strict: raise instead of warning when the recipe matches no parameter at all.
+      strict: raise instead of warning when the recipe matches no parameter at all, and
+        instead of falling back to round-to-nearest where an algorithm cannot run.
       kernel_layouts: lay the quantized weights the CPU kernels run out in the kernels'
         layout at once (`lowbit.ops.PreparedQArray`, which holds that layout *instead of* the
         codes; `.logical()` gives the QArray back exactly), so no call repacks them. Weights
@@ -205,15 +246,20 @@ def quantize_params(
         weights held on CPU devices (concrete arrays, not tracers) are laid out; others stay
         logical QArrays. `lowbit.quantize` and `quantize_model` turn it on.
       skip: parameter paths returned as they are although a rule selects them (a caller that
-        rounds them itself, as `lowbit.algorithms` does).
+        rounds them itself).
     Returns:
       The same pytree with QArrays in place of the quantized arrays (`PreparedQArray`s where
-      `kernel_layouts` laid them out).
+      `kernel_layouts` laid them out). With AWQ / SmoothQuant the tree also holds the folded
+      norm scales (float), so it is the whole model's parameters, not only weights.
     Raises:
       ValueError: if a rule asks for a quantization the parameter's shape cannot take (the
         message names every such parameter), a rule filters on ops and `uses` is missing, a
         rule asks for static activation bounds (use `calibrate`, or pass `uncalibrated=True`),
-        or (strict) no rule matches any parameter.
+        or (strict) no rule matches any parameter; for rules with an algorithm: an algorithm
+        on a format it cannot serve, a rule that needs data without `fn` and `calibration`
+        (naming the rule), too few calibration tokens, NaN/Inf in the calibration inputs
+        (`lowbit.algorithms.CalibrationError`), and (strict) a weight that would fall back to
+        round-to-nearest.
     Warns:
       UserWarning: when no rule matches any parameter (nothing would be quantized).
 
@@ -225,16 +271,7 @@ def quantize_params(
     """
     recipe = as_recipe(recipe)
     decisions = check_decisions(recipe, params, uses, layout_axes)
-    for d in decisions.values():
-        rule = recipe.rules[d.rule_index] if d.quantized else None
-        if rule is not None and rule.algorithm is not None:
-            # Rounding to nearest here would silently drop the algorithm.
-            raise ValueError(
-                f"rule {d.rule_index} (path={rule.path!r}) of recipe {recipe.name!r} uses "
-                f"algorithm {rule.algorithm.name!r} for {d.path!r}: quantize with "
-                "lowbit.algorithms.quantize_params(params, recipe, fn=..., calibration=batches) "
-                "(or lowbit.algorithms.quantize_model(model, recipe, calibration=batches))"
-            )
+    wanted = {p: v for p, v in _with_algorithm(recipe, decisions).items() if p not in skip}
     if decisions and all(d.rule_index is None for d in decisions.values()):
         # A preset's rules match parameters by name (e.g. ".*kernel"): a tree named otherwise
         # would come back all float, which must not pass unnoticed.
@@ -263,8 +300,24 @@ def quantize_params(
                     "recipe), or pass uncalibrated=True to quantize them per call until then"
                 )
 
+    rounded: dict[str, QArray] = {}
+    if wanted:
+        params, rounded = round_with_algorithms(
+            params,
+            recipe,
+            wanted,
+            quantize_weight,
+            fn=fn,
+            calibration=calibration,
+            options=algorithm_options or AlgorithmOptions(),
+            report=AlgorithmReport() if report is None else report,
+            strict=strict,
+        )
+
     def one(path: str, leaf: Any) -> Any:
         decision = decisions[path]
+        if path in rounded:
+            return rounded.pop(path)  # held once: in the result only
         if not decision.quantized or path in skip:
             return leaf
         return quantize_weight(leaf, decision.config, recipe.rules[decision.rule_index])
@@ -336,7 +389,8 @@ def quantize(params: Any, recipe: Recipe | str, **options: Any) -> Any:
     see `quantize_params`), so ``jax.jit(lowbit.run(fn))(qparams, x)`` runs at serving speed
     with no per-call repacking; ``kernel_layouts=False`` gives logical QArrays throughout.
 
-    Options of `quantize_params` (``uses``, ``uncalibrated``, ``kernel_layouts``) are passed to
+    Options of `quantize_params` (``uses``, ``uncalibrated``, ``kernel_layouts``, and for rules
+    with an algorithm ``fn``, ``calibration``, ``algorithm_options``, ``report``) are passed to
     it; with a preset name, any other option goes to the preset:
     ``quantize(params, "int4_weight_only", group_size=32)`` is
     ``quantize(params, preset("int4_weight_only", group_size=32))``.

@@ -202,7 +202,8 @@ def quantize_variant(
         return pure, recipe
     if not any(r.algorithm is not None for r in recipe.rules):
         return _served(loaded, quantize_params(pure, recipe)), recipe
-    from lowbit.algorithms import algorithm_weights, capture, quantize_with_report, sample_rows
+    from lowbit.algorithms import AlgorithmReport, capture, sample_rows
+    from lowbit.api import AlgorithmOptions, algorithm_weights
     from lowbit.eval import _calibration_set as calib
     from lowbit.eval._corpus import read_text
 
@@ -238,7 +239,13 @@ def quantize_variant(
                 on_batch=progress,
             ),
         )
-    params, report = quantize_with_report(pure, recipe, statistics=statistics, on_weight=on_weight)
+    report = AlgorithmReport()
+    params = quantize_params(
+        pure,
+        recipe,
+        algorithm_options=AlgorithmOptions(statistics=statistics, on_weight=on_weight),
+        report=report,
+    )
     if on_report is not None:
         on_report(report)
     return _served(loaded, params), recipe

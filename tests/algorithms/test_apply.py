@@ -7,9 +7,24 @@ import pytest
 from flax import nnx
 
 import lowbit
-from lowbit.algorithms import CalibrationError, capture, quantize_model, quantize_with_report
+from lowbit import quantize_model
+from lowbit.algorithms import AlgorithmReport, CalibrationError, capture
+from lowbit.api import AlgorithmOptions
 from lowbit.qarray import MinMax, PerGroup, QuantConfig
 from lowbit.recipes import GPTQ, HQQ, Recipe, Rule, preset
+
+
+def _quantize(params, recipe, *, row_mask=None, statistics=None, sequential=1, **options):
+    """`lowbit.quantize_params` with its `AlgorithmReport`: (quantized params, report)."""
+    report = AlgorithmReport()
+    algorithm_options = AlgorithmOptions(
+        row_mask=row_mask, statistics=statistics, sequential=sequential
+    )
+    q = lowbit.quantize_params(
+        params, recipe, algorithm_options=algorithm_options, report=report, **options
+    )
+    return q, report
+
 
 D_IN, D_OUT = 32, 16
 INT4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))
@@ -35,7 +50,7 @@ def _setup():
 def test_gptq_recipe_beats_rtn_and_reports_every_weight():
     params, batches = _setup()
     recipe = Recipe(rules=(Rule(weight=INT4, algorithm=GPTQ()),), name="g")
-    q, report = quantize_with_report(params, recipe, fn=_fn, calibration=batches)
+    q, report = _quantize(params, recipe, fn=_fn, calibration=batches)
     rtn = lowbit.quantize_params(params, Recipe(rules=(Rule(weight=INT4),)))
     x = batches[0]
     err = lambda qp: float(jnp.mean((lowbit.run(_fn)(qp, x) - _fn(params, x)) ** 2))
@@ -47,15 +62,53 @@ def test_gptq_recipe_beats_rtn_and_reports_every_weight():
 def test_data_algorithm_without_data_names_the_rule():
     params, _ = _setup()
     recipe = Recipe(rules=(Rule(path="a", weight=INT4, algorithm=GPTQ()),), name="r")
-    with pytest.raises(ValueError, match=r"rule 0 \(path='a'\).*'gptq'.*calibration"):
-        lowbit.algorithms.quantize_params(params, recipe)
+    with pytest.raises(ValueError, match=r"rule 0 \(path='a'\).*'gptq'.*calibration="):
+        lowbit.quantize_params(params, recipe)
+    with pytest.raises(ValueError, match=r"rule 0 \(path='a'\).*'gptq'.*calibration="):
+        lowbit.quantize(params, recipe)
+
+
+def test_lowbit_quantize_runs_the_algorithm_and_lays_weights_out():
+    params, batches = _setup()
+    recipe = Recipe(rules=(Rule(weight=INT4, algorithm=GPTQ()),), name="g")
+    report = AlgorithmReport()
+    q = lowbit.quantize(params, recipe, fn=_fn, calibration=batches, report=report)
+    logical = lowbit.quantize_params(params, recipe, fn=_fn, calibration=batches)
+    assert sorted(report.applied) == ["a", "b"]
+    x = batches[0]
+    np.testing.assert_allclose(
+        lowbit.run(_fn)(q, x), lowbit.run(_fn)(logical, x), rtol=1e-4, atol=1e-4
+    )
+
+
+def test_deprecated_algorithm_entry_points_warn_and_call_the_one_quantize():
+    params, batches = _setup()
+    recipe = Recipe(rules=(Rule(weight=INT4, algorithm=GPTQ()),), name="g")
+    expected = lowbit.quantize_params(params, recipe, fn=_fn, calibration=batches)
+    with pytest.warns(DeprecationWarning, match="lowbit.quantize_params"):
+        old = lowbit.algorithms.quantize_params(params, recipe, fn=_fn, calibration=batches)
+    with pytest.warns(DeprecationWarning, match="report=AlgorithmReport"):
+        old2, report = lowbit.algorithms.quantize_with_report(
+            params, recipe, fn=_fn, calibration=batches, sequential=1
+        )
+    for tree in (old, old2):
+        np.testing.assert_array_equal(tree["a"].codes, expected["a"].codes)
+    assert sorted(report.applied) == ["a", "b"]
+    model = nnx.Linear(D_IN, D_OUT, rngs=nnx.Rngs(0))
+    with pytest.warns(DeprecationWarning, match="lowbit.quantize_model"):
+        qmodel = lowbit.algorithms.quantize_model(
+            model,
+            Recipe(rules=(Rule(path=".*kernel", weight=INT4, algorithm=GPTQ()),)),
+            calibration=batches,
+        )
+    assert qmodel(batches[0]).shape == (64, D_OUT)
 
 
 def test_too_few_tokens_says_how_many():
     params, batches = _setup()
     recipe = Recipe(rules=(Rule(weight=INT4, algorithm=GPTQ()),))
     with pytest.raises(CalibrationError, match="at least 32"):
-        quantize_with_report(params, recipe, fn=_fn, calibration=[batches[0][:4]])
+        _quantize(params, recipe, fn=_fn, calibration=[batches[0][:4]])
 
 
 def test_hqq_is_data_free_and_refuses_symmetric_formats():
@@ -63,19 +116,43 @@ def test_hqq_is_data_free_and_refuses_symmetric_formats():
     asym = QuantConfig(
         format="uint4", granularity=PerGroup(8, axis=0), symmetric=False, calibration=MinMax()
     )
-    q, report = quantize_with_report(params, Recipe(rules=(Rule(weight=asym, algorithm=HQQ()),)))
+    q, report = _quantize(params, Recipe(rules=(Rule(weight=asym, algorithm=HQQ()),)))
     assert isinstance(q["a"], lowbit.QArray) and report.applied["a"].startswith("hqq")
     with pytest.raises(ValueError, match="'hqq'.*symmetric"):
-        quantize_with_report(params, Recipe(rules=(Rule(weight=INT4, algorithm=HQQ()),)))
+        _quantize(params, Recipe(rules=(Rule(weight=INT4, algorithm=HQQ()),)))
 
 
 def test_quantize_model_takes_calibration_batches():
     model = nnx.Linear(D_IN, D_OUT, rngs=nnx.Rngs(0))
     _, batches = _setup()
     recipe = Recipe(rules=(Rule(path=".*kernel", weight=INT4, algorithm=GPTQ()),))
-    qmodel = quantize_model(model, recipe, calibration=batches)
+    report = AlgorithmReport()
+    qmodel = quantize_model(model, recipe, calibration=batches, report=report)
     assert qmodel(batches[0]).shape == (64, D_OUT)
-    assert isinstance(nnx.state(qmodel.module)["kernel"].get_value(), lowbit.QArray)
+    assert report.applied["kernel"].startswith("gptq")
+    kernel = nnx.state(qmodel.module)["kernel"].get_value()
+    assert isinstance(kernel, lowbit.QArray) or lowbit.ops.is_prepared(kernel)
+    with pytest.raises(ValueError, match=r"rule 0 \(path='.\*kernel'\).*calibration="):
+        quantize_model(model, recipe)
+
+
+def test_quantize_model_with_calibration_keeps_example_args():
+    # Example inputs find a weight no rule names by path (`w`) by its use, with GPTQ too.
+    class Plain(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jax.random.normal(jax.random.key(0), (D_IN, D_OUT)))
+
+        def __call__(self, x):
+            return x @ self.w
+
+    _, batches = _setup()
+    recipe = Recipe(rules=(Rule(path=".*kernel", weight=INT4, algorithm=GPTQ()),))
+    report = AlgorithmReport()
+    qmodel = quantize_model(
+        Plain(), recipe, calibration=batches, example_args=(batches[0],), report=report
+    )
+    assert report.applied["w"].startswith("gptq")
+    assert qmodel(batches[0]).shape == (64, D_OUT)
 
 
 @pytest.mark.parametrize(
@@ -115,20 +192,20 @@ def test_calibration_speeches_are_disjoint_from_evaluation_speeches():
 def test_sequential_gptq_recalibrates_later_weights_on_quantized_earlier_ones():
     params, batches = _setup()
     recipe = Recipe(rules=(Rule(weight=INT4, algorithm=GPTQ()),), name="g")
-    one, _ = quantize_with_report(params, recipe, fn=_fn, calibration=batches)
-    two, report = quantize_with_report(params, recipe, fn=_fn, calibration=batches, sequential=2)
+    one, _ = _quantize(params, recipe, fn=_fn, calibration=batches)
+    two, report = _quantize(params, recipe, fn=_fn, calibration=batches, sequential=2)
     assert report.applied["a"].endswith("pass 1/2") and report.applied["b"].endswith("pass 2/2")
     # The first weight is the same; the second saw the quantized first layer's outputs.
     np.testing.assert_array_equal(one["a"].codes, two["a"].codes)
     assert not np.array_equal(one["b"].codes, two["b"].codes)
     with pytest.raises(ValueError, match="sequential"):
-        quantize_with_report(params, recipe, statistics=report.statistics, sequential=2)
+        _quantize(params, recipe, statistics=report.statistics, sequential=2)
 
 
 def test_sequential_passes_calibrate_on_the_model_being_quantized(monkeypatch):
     # With folded scales (GPTQ(scale=True)), the model a later pass calibrates on must be the
     # quantized model's float twin: folded norms once, earlier weights at their codes' values.
-    from lowbit.algorithms import _apply
+    from lowbit.api import _algorithms
     from lowbit.recipes import map_params
 
     class Block(nnx.Module):
@@ -149,12 +226,10 @@ def test_sequential_passes_calibrate_on_the_model_being_quantized(monkeypatch):
     batches = [jax.random.normal(jax.random.key(i), (64, D_IN)) * boost for i in range(2)]
     seen = []
     monkeypatch.setattr(
-        _apply, "capture", lambda fn, p, *a, **k: seen.append(p) or capture(fn, p, *a, **k)
+        _algorithms, "capture", lambda fn, p, *a, **k: seen.append(p) or capture(fn, p, *a, **k)
     )
     rule = Rule(path=".*kernel", weight=INT4, algorithm=GPTQ(scale=True))
-    two, report = quantize_with_report(
-        params, Recipe(rules=(rule,)), fn=fn, calibration=batches, sequential=2
-    )
+    two, report = _quantize(params, Recipe(rules=(rule,)), fn=fn, calibration=batches, sequential=2)
     assert "awq" in report.applied["up/kernel"] and report.applied["down/kernel"].endswith("2/2")
     second = seen[-1]  # the pass calibrating `down`, with `up` already quantized
     twin = map_params(
@@ -169,7 +244,7 @@ def test_row_mask_reaches_the_statistics():
     params, batches = _setup()
     mask = (jnp.arange(64) % 4 != 0).astype(jnp.int32)  # 48 of 64 rows
     recipe = Recipe(rules=(Rule(path="a", weight=INT4, algorithm=GPTQ()),))
-    _, report = quantize_with_report(
+    _, report = _quantize(
         params,
         recipe,
         fn=lambda p, x, m: _fn(p, x),

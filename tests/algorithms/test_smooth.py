@@ -7,10 +7,24 @@ import pytest
 from flax import nnx
 
 import lowbit
-from lowbit.algorithms import capture, quantize_with_report
+from lowbit.algorithms import AlgorithmReport, capture
 from lowbit.algorithms._smooth import apply_folds, plan_folds
+from lowbit.api import AlgorithmOptions
 from lowbit.qarray import PerGroup, PerToken, QuantConfig
 from lowbit.recipes import AWQ, Recipe, Rule, SmoothQuant, param_leaves
+
+
+def _quantize(params, recipe, *, row_mask=None, statistics=None, sequential=1, **options):
+    """`lowbit.quantize_params` with its `AlgorithmReport`: (quantized params, report)."""
+    report = AlgorithmReport()
+    algorithm_options = AlgorithmOptions(
+        row_mask=row_mask, statistics=statistics, sequential=sequential
+    )
+    q = lowbit.quantize_params(
+        params, recipe, algorithm_options=algorithm_options, report=report, **options
+    )
+    return q, report
+
 
 D, F = 32, 16
 
@@ -55,7 +69,7 @@ def test_folding_alone_leaves_the_float_model_unchanged(algorithm):
     fn, params, batches = _setup()
     recipe = Recipe(rules=(_w4a8_rule("(up|gate)/kernel", algorithm),))
     stats = capture(fn, params, batches, sample_rows=64)
-    wanted = lowbit.algorithms.algorithm_weights(recipe, params)
+    wanted = lowbit.api.algorithm_weights(recipe, params)
     folds, skipped = plan_folds(dict(param_leaves(params)), wanted, stats)
     assert [f.target for f in folds] == ["norm/scale"]
     assert sorted(folds[0].weights) == ["gate/kernel", "up/kernel"]
@@ -72,7 +86,7 @@ def _w8a8(residual_reads_norm=False, algorithm=None):
     w8 = QuantConfig(format="int8", granularity=lowbit.PerChannel((-1,)))
     base = dict(path="(up|gate)/kernel", weight=w8, activation=act)
     rtn = lowbit.quantize_params(params, Recipe(rules=(Rule(**base),)))
-    sq, report = quantize_with_report(
+    sq, report = _quantize(
         params,
         Recipe(rules=(Rule(**base, algorithm=algorithm or SmoothQuant()),)),
         fn=fn,
@@ -93,7 +107,7 @@ def test_awq_is_no_worse_than_rtn_and_a_norm_read_elsewhere_is_not_folded():
     fn, params, batches = _setup()
     int4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))
     rtn = lowbit.quantize_params(params, _weights(dict(weight=int4)))
-    awq, report = quantize_with_report(
+    awq, report = _quantize(
         params, _weights(dict(weight=int4, algorithm=AWQ(grid=10))), fn=fn, calibration=batches
     )
     x = jnp.concatenate(batches)
@@ -102,7 +116,7 @@ def test_awq_is_no_worse_than_rtn_and_a_norm_read_elsewhere_is_not_folded():
     assert report.applied["gate/kernel"].startswith("awq")
 
     fn2, params2, _ = _setup(residual_reads_norm=True)
-    _, report2 = quantize_with_report(
+    _, report2 = _quantize(
         params2, _weights(dict(weight=int4, algorithm=AWQ(grid=2))), fn=fn2, calibration=batches
     )
     assert "read outside the matmuls" in report2.applied["up/kernel"]
@@ -112,7 +126,7 @@ def test_smoothquant_on_weight_only_rule_names_both():
     _, params, _ = _setup()
     int4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))
     with pytest.raises(ValueError, match="'smoothquant'.*'int4'.*activation=None"):
-        quantize_with_report(params, _weights(dict(weight=int4, algorithm=SmoothQuant())))
+        _quantize(params, _weights(dict(weight=int4, algorithm=SmoothQuant())))
 
 
 @pytest.mark.parametrize("algorithm", [SmoothQuant(alpha=0.5), AWQ(grid=5)])
@@ -125,7 +139,7 @@ def test_down_projection_scale_folds_into_the_up_projection(algorithm):
     assert stats.for_path("down/kernel")[0].activation_scale == frozenset(
         {("gate/kernel", 1), ("up/kernel", 1)}
     )
-    wanted = lowbit.algorithms.algorithm_weights(Recipe(rules=(rule,)), params)
+    wanted = lowbit.api.algorithm_weights(Recipe(rules=(rule,)), params)
     folds, skipped = plan_folds(dict(param_leaves(params)), wanted, stats)
     assert skipped == {}
     assert {(f.target, f.axis, f.weights) for f in folds} == {
@@ -162,7 +176,7 @@ def test_smoothquant_alpha_search_is_no_worse_than_its_default_on_the_sample():
     errors = {}
     for grid in (0, 8):
         recipe = Recipe(rules=(Rule(**base, algorithm=SmoothQuant(grid=grid)),))
-        q, report = quantize_with_report(params, recipe, fn=fn, calibration=batches)
+        q, report = _quantize(params, recipe, fn=fn, calibration=batches)
         errors[grid] = err(q)
         assert ("searched on 8" in report.applied["up/kernel"]) == (grid == 8)
     assert errors[8] <= errors[0] * 1.05
@@ -178,7 +192,7 @@ def test_gptq_with_awq_scales_and_clip_search_beats_rtn_and_says_what_it_did():
     base = dict(path="(up|gate|down)/kernel", weight=int4)
     rtn = lowbit.quantize_params(params, Recipe(rules=(Rule(**base),)))
     recipe = Recipe(rules=(Rule(**base, algorithm=GPTQ(clip=True, scale=True)),))
-    q, report = quantize_with_report(params, recipe, fn=fn, calibration=batches * 4)
+    q, report = _quantize(params, recipe, fn=fn, calibration=batches * 4)
     x = jnp.concatenate(batches)
     err = lambda q: float(jnp.mean((lowbit.run(fn)(q, x) - fn(params, x)) ** 2))
     assert err(q) < err(rtn)

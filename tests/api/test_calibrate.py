@@ -132,3 +132,19 @@ def test_static_weight_never_reached_is_an_error():
     unused = {**PARAMS, "spare": {"kernel": jnp.ones((8, 8))}}
     with pytest.raises(ValueError, match=r"\['spare/kernel'\] ask for static activation bounds"):
         calibrate(fn, unused, BATCHES[:1], static_int8())
+
+
+def test_row_mask_leaves_padded_positions_out_of_the_bounds():
+    # (x, mask) batches whose padded rows are huge: with the mask they do not count, as in
+    # `lowbit.algorithms.capture` (one walk for both).
+    mask = (jnp.arange(8) < 6).astype(jnp.int32)
+    padded = [x.at[6:].set(1e3) for x in BATCHES]
+    batches = [(x, mask) for x in padded]
+    recipe = static_int8()
+    masked = calibrate(lambda p, x, m: fn(p, x), PARAMS, batches, recipe, row_mask=lambda x, m: m)
+    unmasked = calibrate(lambda p, x, m: fn(p, x), PARAMS, batches, recipe)
+    kept = jnp.concatenate([x[:6] for x in padded])
+    np.testing.assert_array_equal(
+        masked["up"]["kernel"].activation_bounds, [kept.min(), kept.max()]
+    )
+    assert float(unmasked["up"]["kernel"].activation_bounds[1]) == 1e3

@@ -44,9 +44,17 @@ ALGORITHM_PRESETS = [
 
 
 @pytest.mark.parametrize("name", ALGORITHM_PRESETS)
-def test_algorithm_presets_are_not_silently_rounded_to_nearest(name, mlp):
-    with pytest.raises(ValueError, match="lowbit.algorithms.quantize_params"):
-        quantize_model(mlp, name)
+def test_algorithm_presets_run_their_algorithm_or_ask_for_data(name, mlp):
+    # Never silently rounded to nearest: a data-free algorithm runs, the others ask for data.
+    if any(r.algorithm is not None and r.algorithm.needs_data for r in preset(name).rules):
+        with pytest.raises(
+            ValueError, match=r"rule \d+ \(path=.*needs calibration data.*calibration="
+        ):
+            quantize_model(mlp, name)
+        return
+    report = lowbit.algorithms.AlgorithmReport()
+    quantize_model(mlp, name, report=report)
+    assert report.applied and all(what.startswith("hqq") for what in report.applied.values())
 
 
 @pytest.mark.parametrize("name", PRESETS)
