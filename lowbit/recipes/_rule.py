@@ -56,7 +56,7 @@ class Rule:
       stacked_axes: leading axes that index stacked layers (see module docstring).
       algorithm: how weights are rounded beyond nearest: `GPTQ`, `AWQ`, `SmoothQuant`, `HQQ`
         (`lowbit.recipes._algorithm`), or None for round-to-nearest. Data-driven ones need
-        calibration batches (`lowbit.algorithms.quantize_params`).
+        calibration batches (`lowbit.quantize_params(..., fn=..., calibration=...)`).
       select: the `Select` built from `path`, `exclude`, `ops`, `min_size`, `min_ndim` and
         `stacked_axes` (not an argument): how every rule type picks its parameters.
 
