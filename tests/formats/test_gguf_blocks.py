@@ -159,11 +159,11 @@ def test_k_quants_re_encode_decoded_blocks(name):
 def test_k_quant_refits_leave_float_inputs_to_the_search(name, monkeypatch):
     # The exact refits run only where the values look decoded, which float weights never do;
     # run on float weights anyway, they change nothing.
-    from lowbit.formats import _gguf_codec as codec
+    from lowbit.formats import _gguf_encode, _gguf_refit
 
     x = _weights(4, 512)
-    monkeypatch.setattr(codec, "_needs_refit", lambda *args: jnp.asarray(True))
-    got = jax.jit(lambda v: codec.encode_traced(name, v))(x)
+    monkeypatch.setattr(_gguf_refit, "needs_refit", lambda *args: jnp.asarray(True))
+    got = jax.jit(lambda v: _gguf_encode.encode_traced(name, v))(x)
     np.testing.assert_array_equal(np.asarray(got), gguf_encode(name, x))
 
 
@@ -172,7 +172,7 @@ def test_q2_k_outlier_block_re_encodes_alone():
     # only, the others at small, mostly odd levels. The reference search lands on 2/3 of its
     # super-scale, where no sub-block decodes exactly; the block must still come back whole,
     # on its own (no other block in the tensor to show the values are decoded).
-    from lowbit.formats import _gguf_codec as codec
+    from lowbit.formats._gguf_blocks import pack_2bit_128
 
     rng = np.random.default_rng(3)
     ls = np.array([2, 4, 3, 3, 3, 3, 3, 15, 3, 4, 6, 12, 3, 2, 3, 9], np.uint8)
@@ -180,7 +180,7 @@ def test_q2_k_outlier_block_re_encodes_alone():
     q = rng.integers(0, 4, (16, 16))
     q[7] = 0
     q[7, 3] = 2
-    qs = np.asarray(codec._pack_2bit_128(jnp.asarray(q.reshape(256), jnp.uint8)))
+    qs = np.asarray(pack_2bit_128(jnp.asarray(q.reshape(256), jnp.uint8)))
     d = np.array([0.02577, 0.0409], np.float16).view(np.uint8)
     block = np.concatenate([ls | (lm << 4), qs, d])
     values = gguf_decode("Q2_K", block)
