@@ -5,9 +5,8 @@ of a float array; a small jaxpr interpreter (`run`) evaluates the model with the
 which parameters get which formats. See the README for a tour.
 """
 
-__version__ = "0.1.0"
-
 from lowbit import algorithms
+from lowbit._version import __version__ as __version__
 from lowbit.api import (
     Fp8Recipe,
     LoraConfig,

@@ -27,14 +27,31 @@ LAYERS = [
 
 
 def _imports(path: pathlib.Path) -> set[str]:
+    """Modules `path` imports. ``from lowbit import kernels`` counts as ``lowbit.kernels``, and
+    ``from lowbit import quantize`` (a name, not a layer) as the package root ``lowbit``."""
     tree = ast.parse(path.read_text())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+            if node.module != "lowbit":
+                names.add(node.module)
+                continue
+            names.update(
+                f"lowbit.{alias.name}" if alias.name in LAYERS else "lowbit" for alias in node.names
+            )
     return names
+
+
+def _rank(name: str) -> int | None:
+    """The layer `name` sits in (the package root above every layer), None outside lowbit."""
+    parts = name.split(".")
+    if parts[0] != "lowbit":
+        return None
+    if len(parts) == 1:
+        return len(LAYERS)
+    return LAYERS.index(parts[1]) if parts[1] in LAYERS else None
 
 
 def _layer_files():
@@ -47,10 +64,23 @@ def _layer_files():
 def test_imports_only_from_lower_layers(layer, path):
     rank = LAYERS.index(layer)
     for name in _imports(path):
-        parts = name.split(".")
-        if parts[0] != "lowbit" or len(parts) < 2 or parts[1] not in LAYERS:
-            continue
-        assert LAYERS.index(parts[1]) <= rank, f"{path.name} ({layer}) imports {name}"
+        other = _rank(name)
+        assert other is None or other <= rank, f"{path.name} ({layer}) imports {name}"
+
+
+def test_the_check_reads_every_import_form(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import lowbit\nimport lowbit.io._gguf_import\nfrom lowbit import kernels, quantize\n"
+        "from lowbit.api import quantize_model\n"
+    )
+    ranks = {name: _rank(name) for name in _imports(source)}
+    assert ranks == {
+        "lowbit": len(LAYERS),
+        "lowbit.io._gguf_import": LAYERS.index("io"),
+        "lowbit.kernels": LAYERS.index("kernels"),
+        "lowbit.api": LAYERS.index("api"),
+    }
 
 
 def test_no_pickle_anywhere():

@@ -5,9 +5,9 @@ from lowbit.formats._block import BlockFormat
 from lowbit.formats._codebook import CodebookFormat, normal_float_levels
 from lowbit.formats._float import FloatFormat
 from lowbit.formats._gguf import GGUF_BLOCK_FORMATS, GGUFBlockFormat
-from lowbit.formats._gguf_codec import BLOCK_TYPES as GGUF_BLOCK_TYPES
-from lowbit.formats._gguf_codec import decode as gguf_decode
-from lowbit.formats._gguf_codec import encode as gguf_encode
+from lowbit.formats._gguf_blocks import BLOCK_TYPES as GGUF_BLOCK_TYPES
+from lowbit.formats._gguf_decode import decode as gguf_decode
+from lowbit.formats._gguf_encode import encode as gguf_encode
 from lowbit.formats._integer import FixedPointFormat, IntFormat
 from lowbit.formats._packing import group_shape, pack, packed_length, unpack
 from lowbit.formats._registry import ALIASES, FORMATS, format_names, get_format

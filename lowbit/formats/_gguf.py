@@ -4,7 +4,7 @@ A QArray of one of these formats keeps a tensor exactly as a GGUF file stores it
 along `packed_axis` are the GGML blocks (``type_size`` bytes per ``block_size`` elements, the
 block scales inside them), so ``nbytes`` is exactly the GGUF size (the QArray's one-byte unit
 `scale` is a placeholder, not counted: `Format.scales_in_codes`). Decoding is
-`lowbit.formats._gguf_codec.decode` (bit-identical to llama.cpp) and the "codes" a format hands
+`lowbit.formats.gguf_decode` (bit-identical to llama.cpp) and the "codes" a format hands
 to `decode` are already the decoded float32 values: `unpack` decodes, `decode` is the identity,
 and `pack` encodes float values to blocks with llama.cpp's reference quantizer.
 
@@ -33,8 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.formats import _gguf_codec
 from lowbit.formats._base import Format
+from lowbit.formats._gguf_blocks import BlockType, block_type
+from lowbit.formats._gguf_decode import decode_traced, q4_k_fields, q6_k_fields
+from lowbit.formats._gguf_encode import encode_traced
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,8 +55,8 @@ class GGUFBlockFormat(Format):
         return True
 
     @property
-    def block(self) -> _gguf_codec.BlockType:
-        return _gguf_codec.block_type(self.ggml_type)
+    def block(self) -> BlockType:
+        return block_type(self.ggml_type)
 
     @property
     def code_dtype(self) -> np.dtype:
@@ -98,7 +100,7 @@ class GGUFBlockFormat(Format):
         """values: [..., n, ...] float → [..., packed_length(n), ...] uint8 GGML blocks."""
         values = jnp.moveaxis(jnp.asarray(codes, jnp.float32), axis, -1)
         self.check_length(values.shape[-1])
-        return jnp.moveaxis(_gguf_codec.encode_traced(self.ggml_type, values), -1, axis)
+        return jnp.moveaxis(encode_traced(self.ggml_type, values), -1, axis)
 
     def unpack(self, packed: jax.Array, n: int, axis: int) -> jax.Array:
         """GGML blocks [..., packed_length(n), ...] uint8 → [..., n, ...] float32 values."""
@@ -108,7 +110,7 @@ class GGUFBlockFormat(Format):
                 f"packed axis has {raw.shape[-1]} bytes, expected {self.packed_length(n)} for "
                 f"{n} {self.ggml_type} values"
             )
-        return jnp.moveaxis(_gguf_codec.decode_traced(self.ggml_type, raw), -1, axis)
+        return jnp.moveaxis(decode_traced(self.ggml_type, raw), -1, axis)
 
     @property
     def kernel_group(self) -> int | None:
@@ -135,11 +137,11 @@ class GGUFBlockFormat(Format):
         raw = jnp.moveaxis(jnp.asarray(packed), axis, -1)
         back = lambda a: None if a is None else jnp.moveaxis(a, -1, axis)  # noqa: E731
         if self.ggml_type == "Q6_K":
-            q, scale = _gguf_codec.q6_k_fields(raw)
+            q, scale = q6_k_fields(raw)
             return back(q), back(scale), None
         if self.ggml_type != "Q4_K":
             raise ValueError(f"format {self.name!r} has no linear-kernel view")
-        q, scale, minimum = _gguf_codec.q4_k_fields(raw)
+        q, scale, minimum = q4_k_fields(raw)
         flat = scale == 0
         flat_scale = jnp.where(minimum == 0, 1.0, jnp.abs(minimum))
         zero = jnp.where(flat, jnp.sign(minimum), minimum / jnp.where(flat, 1.0, scale))

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
-import lowbit
+from lowbit._version import __version__
 from lowbit.io._atomic import (
     make_temporary,
     publish_permissions,
@@ -165,7 +165,7 @@ def save_checkpoint(
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
-        "library_version": lowbit.__version__,
+        "library_version": __version__,
         "recipe": _recipe_json(recipe),
         "metadata": metadata,
         "tree": tree,
@@ -267,7 +267,7 @@ def _parse_manifest(raw: bytes, file: str) -> dict[str, Any]:
     if manifest.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"{file}: format version {manifest.get('format_version')!r}; this lowbit "
-            f"({lowbit.__version__}) reads versions {', '.join(map(str, READABLE_VERSIONS))}"
+            f"({__version__}) reads versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
     missing = {"recipe", "metadata", "tree", "tensors"} - set(manifest)
     if missing:

@@ -39,6 +39,22 @@ def _check_bias(bias: jax.Array | None, n: int) -> jax.Array:
     return bias.astype(jnp.float32)
 
 
+def _float_rows(
+    x: jax.Array, w: PreparedWeight, bias: jax.Array | None, out_dtype
+) -> tuple[jax.Array, tuple[int, ...], jnp.dtype, jax.Array]:
+    """The checked inputs of a float-activation linear kernel.
+
+    Returns:
+      (x as rows [M, K], x's leading shape, the output dtype (`out_dtype`, default x's), the
+      bias float32 [N] (zeros when None)).
+    """
+    x = jnp.asarray(x)
+    _check_x(x, w)
+    _check_float("x", x.dtype)
+    out = _check_float("out_dtype", out_dtype or x.dtype)
+    return x.reshape(-1, w.k), x.shape[:-1], out, _check_bias(bias, w.n)
+
+
 def _by_platform(native: Callable[[], Any], reference: Callable[[], Any]) -> Any:
     """`native()` (an FFI call into the CPU kernels) where the program is lowered for CPU,
     `reference()` (pure JAX) on every other platform.
@@ -75,13 +91,7 @@ def weight_only_linear(
     """
     if w.kind not in KIND_IDS:
         raise ValueError(f"w.kind={w.kind!r} is not a weight-only kind; expected {tuple(KIND_IDS)}")
-    x = jnp.asarray(x)
-    _check_x(x, w)
-    _check_float("x", x.dtype)
-    out = _check_float("out_dtype", out_dtype or x.dtype)
-    b = _check_bias(bias, w.n)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, w.k)
+    x2, lead, out, b = _float_rows(x, w, bias, out_dtype)
     m = x2.shape[0]
 
     def reference():
@@ -173,13 +183,7 @@ def w8a8_linear(
     row and channel scales; bias: [N] optional; out_dtype float32 | bfloat16 (default x.dtype).
     """
     _check_w8a8(w)
-    x = jnp.asarray(x)
-    _check_x(x, w)
-    _check_float("x", x.dtype)
-    out = _check_float("out_dtype", out_dtype or x.dtype)
-    b = _check_bias(bias, w.n)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, w.k)
+    x2, lead, out, b = _float_rows(x, w, bias, out_dtype)
     m = x2.shape[0]
 
     def reference():
@@ -277,13 +281,7 @@ def w4a8_linear(
     """
     if w.kind != "w4a8":
         raise ValueError(f"w.kind={w.kind!r}; expected a weight prepared with kind='w4a8'")
-    x = jnp.asarray(x)
-    _check_x(x, w)
-    _check_float("x", x.dtype)
-    out = _check_float("out_dtype", out_dtype or x.dtype)
-    b = _check_bias(bias, w.n)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, w.k)
+    x2, lead, out, b = _float_rows(x, w, bias, out_dtype)
     m = x2.shape[0]
 
     def reference():

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lowbit.models._abstract import abstract_stack
+
 
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
@@ -143,15 +145,9 @@ class Bert(nnx.Module):
         """A shape-only instance whose parameters are `jax.ShapeDtypeStruct` placeholders.
 
         What `nnx.eval_shape(lambda: Bert(...))` gives, built by tracing one layer and cloning
-        it, which is several times faster (see `Llama.abstract`).
+        it, which is several times faster (`lowbit.models._abstract.abstract_stack`).
         """
-        kw = dict(dtype=dtype, param_dtype=param_dtype)
-        empty = dataclasses.replace(config, n_layers=0)
-        model = nnx.eval_shape(lambda: cls(empty, **kw, rngs=nnx.Rngs(0)))
-        layer = nnx.eval_shape(lambda: EncoderLayer(config, **kw, rngs=nnx.Rngs(0)))
-        model.config = config
-        model.layers = nnx.List([nnx.clone(layer) for _ in range(config.n_layers)])
-        return model
+        return abstract_stack(cls, config, EncoderLayer, dtype=dtype, param_dtype=param_dtype)
 
     def __call__(
         self,

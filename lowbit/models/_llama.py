@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lowbit import kernels
+from lowbit.models._abstract import abstract_stack
 from lowbit.models._kv_cache import KVCache, LayerKV, fp8_codes, int8_scores
 from lowbit.models._kv_cache import init_kv_cache as _init_cache
 from lowbit.recipes import KVCacheConfig
@@ -353,13 +354,7 @@ class Llama(nnx.Module):
         built by tracing one layer and cloning it: NNX's tracing cost grows with the length
         of the trace, which makes tracing all layers at once take seconds.
         """
-        kw = dict(dtype=dtype, param_dtype=param_dtype)
-        empty = dataclasses.replace(config, n_layers=0)
-        model = nnx.eval_shape(lambda: cls(empty, **kw, rngs=nnx.Rngs(0)))
-        block = nnx.eval_shape(lambda: Block(config, **kw, rngs=nnx.Rngs(0)))
-        model.config = config
-        model.layers = nnx.List([nnx.clone(block) for _ in range(config.n_layers)])
-        return model
+        return abstract_stack(cls, config, Block, dtype=dtype, param_dtype=param_dtype)
 
     def init_cache(
         self, batch: int, max_len: int, kv_cache: KVCacheConfig | str | None = None

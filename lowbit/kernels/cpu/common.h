@@ -162,4 +162,17 @@ bool AmxUsable();
 
 }  // namespace lowbit
 
+// Functions between LOWBIT_TARGET_PUSH("avx2,fma,...") and LOWBIT_TARGET_POP compile for those
+// target features, with GCC or Clang: the per-ISA files wrap their kernels in them.
+#define LOWBIT_PRAGMA_TEXT(text) _Pragma(#text)
+#define LOWBIT_PRAGMA(text) LOWBIT_PRAGMA_TEXT(text)
+#if defined(__clang__)
+#define LOWBIT_TARGET_PUSH(features) \
+  LOWBIT_PRAGMA(clang attribute push(__attribute__((target(features))), apply_to = function))
+#define LOWBIT_TARGET_POP _Pragma("clang attribute pop")
+#else
+#define LOWBIT_TARGET_PUSH(features) _Pragma("GCC push_options") LOWBIT_PRAGMA(GCC target(features))
+#define LOWBIT_TARGET_POP _Pragma("GCC pop_options")
+#endif
+
 #endif  // LOWBIT_KERNELS_CPU_COMMON_H_

@@ -16,12 +16,7 @@
 
 #include <cpuid.h>
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")
-#endif
+LOWBIT_TARGET_PUSH("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")
 
 namespace lowbit {
 namespace isa_amx {
@@ -131,11 +126,7 @@ static void q8_run(const Q8Args& a, int64_t m0, int64_t m1, int64_t p0, int64_t 
 }  // namespace isa_amx
 }  // namespace lowbit
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+LOWBIT_TARGET_POP
 
 namespace lowbit {
 

@@ -11,27 +11,33 @@ constexpr int kFNP = 1;
 constexpr bool kLutNibbles = false;
 constexpr int kQNP = 1;
 
-struct V {
-  float v[16];
+// 16 lanes of T, the stand-in for a vector register (V: float, VI: int32).
+template <typename T>
+struct Lanes {
+  T v[16];
 };
-static inline V vzero() {
-  V r;
-  for (int i = 0; i < 16; ++i) r.v[i] = 0.0f;
-  return r;
-}
-static inline V vload(const float* p) {
-  V r;
-  for (int i = 0; i < 16; ++i) r.v[i] = p[i];
-  return r;
-}
-static inline void vstore(float* p, const V& a) {
-  for (int i = 0; i < 16; ++i) p[i] = a.v[i];
-}
-static inline V vbcast(float x) {
-  V r;
+template <typename T>
+static inline Lanes<T> lanes_fill(T x) {
+  Lanes<T> r;
   for (int i = 0; i < 16; ++i) r.v[i] = x;
   return r;
 }
+template <typename T>
+static inline Lanes<T> lanes_load(const T* p) {
+  Lanes<T> r;
+  for (int i = 0; i < 16; ++i) r.v[i] = p[i];
+  return r;
+}
+template <typename T>
+static inline void lanes_store(T* p, const Lanes<T>& a) {
+  for (int i = 0; i < 16; ++i) p[i] = a.v[i];
+}
+
+using V = Lanes<float>;
+static inline V vzero() { return lanes_fill(0.0f); }
+static inline V vload(const float* p) { return lanes_load(p); }
+static inline void vstore(float* p, const V& a) { lanes_store(p, a); }
+static inline V vbcast(float x) { return lanes_fill(x); }
 static inline V vadd(const V& a, const V& b) {
   V r;
   for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] + b.v[i];
@@ -106,22 +112,10 @@ static inline V deq_fp8(const uint8_t* p) {
   return r;
 }
 
-struct VI {
-  int32_t v[16];
-};
-static inline VI izero() {
-  VI r;
-  for (int i = 0; i < 16; ++i) r.v[i] = 0;
-  return r;
-}
-static inline VI iload(const int32_t* p) {
-  VI r;
-  for (int i = 0; i < 16; ++i) r.v[i] = p[i];
-  return r;
-}
-static inline void istore(int32_t* p, const VI& a) {
-  for (int i = 0; i < 16; ++i) p[i] = a.v[i];
-}
+using VI = Lanes<int32_t>;
+static inline VI izero() { return lanes_fill(int32_t{0}); }
+static inline VI iload(const int32_t* p) { return lanes_load(p); }
+static inline void istore(int32_t* p, const VI& a) { lanes_store(p, a); }
 
 constexpr int kActWords = 1;
 struct WQ {
