@@ -162,3 +162,15 @@ def test_layout_ops_carry_the_input_scale(op, scale_name):
     np.testing.assert_array_equal(
         np.asarray(out.dequantize()), np.asarray(fn(q.dequantize(), i)), err_msg=op
     )
+
+
+def test_embedding_gather_carries_the_input_scale():
+    q = dataclasses.replace(QARRAYS["int4_group"], input_scale=_INPUT_SCALES["axis1"]).check()
+    ids = jnp.array([[0, 3, 1], [2, 2, 0]], jnp.int32)
+    values, expected = _TAKE(q, ids)
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(expected))
+    # A scale that varies along the gathered axis is not carried: dequantized, counted.
+    q = dataclasses.replace(q, input_scale=_INPUT_SCALES["axes01"]).check()
+    report = trace_report(lambda e, i: jnp.take(e, i, axis=0), q, ids)
+    assert report.fallbacks == {"gather": 1}
+    assert "input_scale varies" in report.fallback_details[0]
