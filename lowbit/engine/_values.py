@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from lowbit.ops import PreparedQArray
-from lowbit.qarray import EngineValue, NoRule
-
-__all__ = ["NoRule", "is_quantized", "is_prepared", "logical", "logical_struct"]
+from lowbit.qarray import EngineValue
+from lowbit.qarray import NoRule as NoRule  # re-exported: the engine rules raise it
 
 
 def is_quantized(x: Any) -> bool:
