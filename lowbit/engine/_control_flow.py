@@ -13,6 +13,7 @@ the loop (counted), found by a shape-only probe of the body.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,13 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from lowbit.engine import _compat
-from lowbit.engine._values import (
-    is_lora_weight,
-    is_qat_weight,
-    is_quantized,
-    logical,
-    value_signature,
-)
+from lowbit.engine._values import NoRule, is_quantized, logical, value_signature
 from lowbit.qarray import QArray
 
 EvalFn = Callable[[Any, Any, Any], list[Any]]
@@ -59,38 +54,26 @@ def _abstract(values: list[Any]) -> list[Any]:
 # --- scan ---
 def _stack_parts(x: Any, length: int) -> tuple[Any, Callable[[Any], Any]]:
     """Splits a scanned-over value into (per-step leaves with leading axis `length`, rebuild)."""
-    x = logical(x)
-    if is_qat_weight(x):
-        parts, rebuild_q = _stack_parts(x.qarray, length)
-        return (x.value, parts), lambda p: dataclasses.replace(
-            x, value=p[0], qarray=rebuild_q(p[1])
-        )
-    if hasattr(x, "meta") and hasattr(x, "values"):  # N:M sparse: runs dense
-        raise ValueError("is N:M sparse (compressed)")
-    if is_lora_weight(x):
-        if 0 not in x.batch_axes:
-            raise ValueError("is a LoRA-adapted weight whose adapter spans the scanned axis")
-        base_parts, rebuild_base = _stack_parts(x.base, length)
-        shift = lambda axes: tuple(i - 1 for i in axes)
-        return (base_parts, x.a, x.b), lambda p: dataclasses.replace(
-            x,
-            base=rebuild_base(p[0]),
-            a=p[1],
-            b=p[2],
-            in_axes=shift(x.in_axes),
-            out_axes=shift(x.out_axes),
-        )
-    if not isinstance(x, QArray):
+    if not is_quantized(x):
         return x, lambda p: p
+    return logical(x).scan_parts(functools.partial(_qarray_step_parts, length=length))
+
+
+def _qarray_step_parts(x: QArray, length: int) -> tuple[Any, Callable[[Any], Any]]:
     if x.packed_axis == 0:
-        raise ValueError("packed along the scanned axis")
+        raise NoRule("packed along the scanned axis")
     # One scale entry per step: repeat block scales that span several steps (scales are small).
     repeat = length // x.scale.shape[0]
     per_step = lambda a: None if a is None else jnp.repeat(a, repeat, axis=0)
     parts = {"codes": x.codes, "scale": per_step(x.scale), "zero_point": per_step(x.zero_point)}
-    tensor_scale = (
-        None if x.tensor_scale is None else x.tensor_scale.reshape(x.tensor_scale.shape[1:])
-    )
+    drop_axis = lambda a: None if a is None else a.reshape(a.shape[1:])
+    tensor_scale = drop_axis(x.tensor_scale)
+    # The input scale is full or 1 along the scanned axis: scanned with the codes, or dropped.
+    input_scale = x.input_scale
+    if input_scale is not None and input_scale.shape[0] != 1:
+        parts["input_scale"] = input_scale
+        input_scale = None
+    input_scale = drop_axis(input_scale)
 
     def rebuild(p):
         return dataclasses.replace(
@@ -99,6 +82,7 @@ def _stack_parts(x: Any, length: int) -> tuple[Any, Callable[[Any], Any]]:
             scale=p["scale"],
             zero_point=p["zero_point"],
             tensor_scale=tensor_scale,
+            input_scale=p.get("input_scale", input_scale),
             shape=x.shape[1:],
             packed_axis=None if x.packed_axis is None else x.packed_axis - 1,
         )
@@ -116,7 +100,7 @@ def scan_rule(eval_jaxpr: EvalFn, dequantize_counted: DequantizeFn, ctx, eqn, in
     for i, x in enumerate(xs):
         try:
             parts, rebuild = _stack_parts(x, length)
-        except ValueError as err:
+        except NoRule as err:
             xs[i] = dequantize_counted(ctx, eqn, x, str(err))
             parts, rebuild = xs[i], lambda part: part
         stacked.append(parts)
@@ -124,20 +108,21 @@ def scan_rule(eval_jaxpr: EvalFn, dequantize_counted: DequantizeFn, ctx, eqn, in
 
     # Per-step quantized outputs (e.g. a module's weights handed back by nnx.scan) leave the
     # loop as their leaves, stacked, and are rebuilt around the per-step value seen in the body.
-    y_templates: dict[int, Any] = {}
+    restacks: dict[int, Callable[[Any, int], Any]] = {}
 
     def step(step_ctx, carry_in, x_parts):
         x_values = [rebuild(part) for rebuild, part in zip(rebuilds, x_parts, strict=True)]
         out = eval_jaxpr(step_ctx, p["body"], [*consts, *carry_in, *x_values])
         ys = []
         for i, y in enumerate(out[n_carry:]):
-            if is_quantized(y) and _stackable(y):
-                y_templates[i] = y
-                ys.append(_unstack_parts(y))
-            elif is_quantized(y):
-                ys.append(dequantize_counted(step_ctx, eqn, y, "is a per-step scan output"))
-            else:
+            if not is_quantized(y):
                 ys.append(y)
+                continue
+            try:
+                parts, restacks[i] = y.scan_output_parts(_qarray_output_parts)
+            except NoRule as err:
+                parts = dequantize_counted(step_ctx, eqn, y, str(err))
+            ys.append(parts)
         return list(out[:n_carry]), ys
 
     def probe(carry_in):
@@ -155,36 +140,26 @@ def scan_rule(eval_jaxpr: EvalFn, dequantize_counted: DequantizeFn, ctx, eqn, in
         reverse=p["reverse"],
         unroll=p["unroll"],
     )
-    ys = [_stacked(y_templates[i], y, length) if i in y_templates else y for i, y in enumerate(ys)]
+    ys = [restacks[i](y, length) if i in restacks else y for i, y in enumerate(ys)]
     return [*final, *ys]
 
 
-def _stackable(y: Any) -> bool:
-    if is_lora_weight(y) or not hasattr(y, "qarray") and not isinstance(y, QArray):
-        return False
-    q = y.qarray if is_qat_weight(y) else y
-    return q.tensor_scale is None and q.activation_bounds is None and q.input_scale is None
-
-
-def _unstack_parts(y: Any) -> Any:
-    q = y.qarray if is_qat_weight(y) else y
+def _qarray_output_parts(q: QArray) -> tuple[Any, Callable[[Any, int], Any]]:
+    """A per-step QArray as (codes, scales, zero points), and the stacked QArray from them."""
+    if q.tensor_scale is not None or q.activation_bounds is not None or q.input_scale is not None:
+        raise NoRule("is a per-step scan output")
     parts = {"codes": q.codes, "scale": q.scale, "zero_point": q.zero_point}
-    return (y.value, parts) if is_qat_weight(y) else parts
 
+    def restack(stacked: Any, length: int) -> QArray:
+        packed = q.packed_axis
+        return dataclasses.replace(
+            q,
+            **stacked,
+            shape=(length, *q.shape),
+            packed_axis=None if packed is None else packed + 1,
+        )
 
-def _stacked(template: Any, parts: Any, length: int) -> Any:
-    """The per-step value `template` with a new leading axis of `length` steps."""
-    if is_qat_weight(template):
-        value, q_parts = parts
-        qarray = _stacked(template.qarray, q_parts, length)
-        return dataclasses.replace(template, value=value, qarray=qarray)
-    packed = template.packed_axis
-    return dataclasses.replace(
-        template,
-        **parts,
-        shape=(length, *template.shape),
-        packed_axis=None if packed is None else packed + 1,
-    )
+    return parts, restack
 
 
 # --- while ---

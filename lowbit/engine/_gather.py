@@ -30,9 +30,9 @@ def gather(q: QArray, indices: jax.Array, out_shape: Sequence[int], **params: An
     slice_sizes = params["slice_sizes"]
     if tuple(getattr(dn, "operand_batching_dims", ())):
         raise LayoutUnsupported("gathers with batching dimensions")
-    if q.input_scale is not None:
-        raise LayoutUnsupported("gathers from a weight with an input_scale")
     indexed = tuple(dn.start_index_map)
+    if q.input_scale is not None and any(q.input_scale.shape[a] != 1 for a in indexed):
+        raise LayoutUnsupported("gathers along an axis its input_scale varies on")
     for axis in range(q.ndim):
         if axis in indexed:
             if slice_sizes[axis] != 1 or axis not in dn.collapsed_slice_dims:
@@ -82,10 +82,24 @@ def gather(q: QArray, indices: jax.Array, out_shape: Sequence[int], **params: An
         tensor_scale=_reshaped_tensor_scale(
             dataclasses.replace(q, tensor_scale=tensor_scale), len(out_shape)
         ),
+        input_scale=_gathered_input_scale(q, offset_axes, dn.offset_dims, len(out_shape)),
         shape=tuple(int(n) for n in out_shape),
         packed_axis=packed_axis,
         scale_encoding=encoding,
     )
+
+
+def _gathered_input_scale(
+    q: QArray, offset_axes: Sequence[int], offset_dims: Sequence[int], ndim: int
+) -> jax.Array | None:
+    """The input scale of the gathered rows: 1 along the indexed axes (checked), so it keeps
+    its entries along the axes taken whole, now at their output positions (in order)."""
+    if q.input_scale is None:
+        return None
+    shape = [1] * ndim
+    for axis, out_axis in zip(offset_axes, offset_dims, strict=True):
+        shape[out_axis] = q.input_scale.shape[axis]
+    return q.input_scale.reshape(shape)
 
 
 def _reshaped_tensor_scale(q: QArray, ndim: int) -> jax.Array | None:

@@ -140,7 +140,7 @@ def relaid_counted(ctx: Context, eqn: Any, value: Any) -> None:
     location = ctx.location(eqn)
     name = ctx.names.get(id(value))
     what = describe(value) + (f" at {name}" if name else "")
-    if type(value).__name__ == "PreparedQArray":
+    if is_prepared(value):
         reason = (
             f"was laid out for contraction over axis {value.axis} but is used otherwise here, "
             "so its codes are recovered on every call; lay it out for this use with "

@@ -62,6 +62,43 @@ def _tensor_scale(q: QArray, ndim: int) -> jax.Array | None:
     return None if q.tensor_scale is None else q.tensor_scale.reshape((1,) * ndim)
 
 
+# --- input_scale: each axis 1 or the full axis (QArray's invariant), kept so by every op ---
+def _reshaped_input_scale(q: QArray, new_shape: tuple[int, ...]) -> jax.Array | None:
+    """The input scale for `q` reshaped to `new_shape`: a group of merged or split axes (see
+    `_groups`) keeps 1s when the scale is constant over all of it, else is spelled out in full
+    over the group (the same values, each new axis full)."""
+    s = q.input_scale
+    if s is None:
+        return None
+    old_core = [n for n in q.shape if n != 1]
+    s = jnp.squeeze(s, axis=tuple(i for i, n in enumerate(q.shape) if n == 1))
+    target = [n for n in new_shape if n != 1]
+    full_shape, core_shape = [], []
+    for olds, news in _groups(old_core, target):
+        varies = any(s.shape[i] != 1 for i in olds)
+        full_shape += [old_core[i] if varies else 1 for i in olds]
+        core_shape += [target[j] if varies else 1 for j in news]
+    core = jnp.broadcast_to(s, full_shape).reshape(core_shape)
+    out_shape, axes = [1] * len(new_shape), iter(core_shape)
+    for i, n in enumerate(new_shape):
+        if n != 1:
+            out_shape[i] = next(axes)
+    return core.reshape(out_shape)
+
+
+def _window_input_scale(q: QArray, starts: Sequence[Any], sizes: Sequence[int]):
+    """The input scale of a window: cut along the axes it varies on, kept (1) elsewhere."""
+    s = q.input_scale
+    if s is None:
+        return None
+    full = [s.shape[a] != 1 for a in range(q.ndim)]
+    return jax.lax.dynamic_slice(
+        s,
+        [jnp.asarray(st if f else 0, jnp.int32) for st, f in zip(starts, full, strict=True)],
+        [sz if f else 1 for sz, f in zip(sizes, full, strict=True)],
+    )
+
+
 def transpose(q: QArray, permutation: Sequence[int]) -> QArray:
     return q.transpose(tuple(permutation))
 
@@ -160,8 +197,10 @@ def reshape(q: QArray, new_shape: Sequence[int]) -> QArray:
         raise LayoutUnsupported("squeezes the packed axis")
     kept = [i for i in range(q.ndim) if i not in ones]
     core_shape = tuple(q.shape[i] for i in kept)
+    input_scale = _reshaped_input_scale(q, new_shape)
     squeezed = dataclasses.replace(
         q,
+        input_scale=None,  # reshaped in one step above
         codes=jnp.squeeze(q.codes, axis=tuple(ones)),
         **_map_scales(q, lambda a: jnp.squeeze(a, axis=tuple(ones))),
         tensor_scale=_tensor_scale(q, len(kept)),
@@ -181,6 +220,7 @@ def reshape(q: QArray, new_shape: Sequence[int]) -> QArray:
         codes=core.codes.reshape(codes_shape),
         **_map_scales(core, lambda a: a.reshape(scale_shape)),
         tensor_scale=_tensor_scale(core, len(new_shape)),
+        input_scale=input_scale,
         shape=new_shape,
         packed_axis=None if core.packed_axis is None else positions[core.packed_axis],
     )
@@ -192,10 +232,13 @@ def broadcast_in_dim(
     """Adds axes (and broadcasts size-1 axes) to codes and scales; new axes get one scale."""
     shape = tuple(int(n) for n in shape)
     codes_shape, scale_shape = list(shape), [1] * len(shape)
+    input_scale_shape = [1] * len(shape)
     for axis, out_axis in enumerate(broadcast_dimensions):
         if q.shape[axis] == shape[out_axis]:
             codes_shape[out_axis] = q.codes.shape[axis]
             scale_shape[out_axis] = q.scale.shape[axis]
+            if q.input_scale is not None:
+                input_scale_shape[out_axis] = q.input_scale.shape[axis]
         elif axis == q.packed_axis:
             raise LayoutUnsupported("broadcasts the packed axis")
     dims = tuple(broadcast_dimensions)
@@ -204,6 +247,9 @@ def broadcast_in_dim(
         codes=jax.lax.broadcast_in_dim(q.codes, codes_shape, dims),
         **_map_scales(q, lambda a: jax.lax.broadcast_in_dim(a, scale_shape, dims)),
         tensor_scale=_tensor_scale(q, len(shape)),
+        input_scale=None
+        if q.input_scale is None
+        else jax.lax.broadcast_in_dim(q.input_scale, input_scale_shape, dims),
         shape=shape,
         packed_axis=None if q.packed_axis is None else dims[q.packed_axis],
     )
@@ -273,6 +319,7 @@ def _window(q: QArray, starts: list[Any], sizes: list[int]) -> QArray:
         q,
         codes=cut(q.codes, code_starts, code_sizes),
         **_map_scales(q, lambda a: cut(a, scale_starts, scale_sizes)),
+        input_scale=_window_input_scale(q, starts, sizes),
         shape=tuple(sizes),
     )
 

@@ -12,15 +12,7 @@ from typing import Any
 
 from lowbit import ops
 from lowbit.engine import _compat
-from lowbit.engine._values import (
-    NoRule,
-    is_fp8_weight,
-    is_lora_weight,
-    is_nm_sparse,
-    is_qat_weight,
-    is_quantized,
-    logical,
-)
+from lowbit.engine._values import NoRule, is_quantized, logical, rule_owner
 
 
 def _match_aval(eqn: Any, out: Any) -> Any:
@@ -38,69 +30,44 @@ def dot_general(relaid: Callable[..., None], ctx: Any, eqn: Any, invals: list[An
         "preferred_element_type": params.get("preferred_element_type"),
         "out_sharding": params.get("out_sharding"),
     }
-    if is_nm_sparse(lhs) or is_nm_sparse(rhs):
-        raise NoRule("is N:M sparse and no sparse matmul kernel exists here: runs dense")
     with _compat.eqn_context(eqn):
-        if is_lora_weight(lhs) or is_lora_weight(rhs):
-            try:
-                out = ops.lora_dot_general(lhs, rhs, dimension_numbers, **kwargs)
-            except ops.LoraLayoutError as err:
-                raise NoRule(str(err)) from None
-            path = ops.lora_dot_general_path(lhs, rhs, dimension_numbers)
-        elif is_fp8_weight(lhs) or is_fp8_weight(rhs):
-            try:
-                out = ops.fp8_dot_general(lhs, rhs, dimension_numbers)
-            except ops.Fp8LayoutError as err:
-                raise NoRule(str(err)) from None
-            path = "fp8_scaled"
-        elif is_qat_weight(lhs) or is_qat_weight(rhs):
-            out = ops.qat_dot_general(lhs, rhs, dimension_numbers, **kwargs)
-            path = "qat"
-        else:
+        result = rule_owner(invals).dot_general(lhs, rhs, dimension_numbers, **kwargs)
+        if result is NotImplemented:  # packed operands: lowbit.ops' own quantized matmul
             path = ops.dot_general_path(lhs, rhs, dimension_numbers)
             relaid_value = ops.per_call_layout(
                 lhs, rhs, dimension_numbers, out_sharding=kwargs["out_sharding"]
             )
             if relaid_value is not None:
                 relaid(ctx, eqn, relaid_value)
-            out = ops.dot_general(lhs, rhs, dimension_numbers, **kwargs)
+            result = ops.dot_general(lhs, rhs, dimension_numbers, **kwargs), path
+    out, path = result
     ctx.report.record_op("dot_general", path)
     if ctx.axis_probe is not None:
         ctx.axis_probe.record_dot(lhs, rhs, dimension_numbers)
     return [_match_aval(eqn, out)]
 
 
-def _only_qarrays_and_qat(values: list[Any], primitive: str) -> None:
-    for v in values:
-        if is_lora_weight(v) or is_fp8_weight(v) or is_nm_sparse(v):
-            raise NoRule(f"has no {primitive} rule for {type(v).__name__}: runs dense")
-
-
 def conv_general_dilated(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
     lhs, rhs = invals = [logical(v) for v in invals]
-    _only_qarrays_and_qat(invals, "conv")
     with _compat.eqn_context(eqn):
-        if is_qat_weight(lhs) or is_qat_weight(rhs):
-            out = ops.qat_conv_general_dilated(lhs, rhs, **eqn.params)
-            path = "qat"
-        else:
+        result = rule_owner(invals).conv_general_dilated(lhs, rhs, **eqn.params)
+        if result is NotImplemented:
             path = ops.conv_general_dilated_path(lhs, rhs, **eqn.params)
-            out = ops.conv_general_dilated(lhs, rhs, **eqn.params)
+            result = ops.conv_general_dilated(lhs, rhs, **eqn.params), path
+    out, path = result
     ctx.report.record_op("conv_general_dilated", path)
     return [_match_aval(eqn, out)]
 
 
 def ragged_dot_general(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
-    lhs, rhs, group_sizes = invals = [logical(v) for v in invals]
-    _only_qarrays_and_qat(invals, "ragged_dot")
+    lhs, rhs, group_sizes = [logical(v) for v in invals]
     if is_quantized(group_sizes):
         raise NoRule("received quantized group sizes")
     with _compat.eqn_context(eqn):
-        if is_qat_weight(lhs) or is_qat_weight(rhs):
-            out = ops.qat_ragged_dot_general(lhs, rhs, group_sizes, **eqn.params)
-            path = "qat"
-        else:
+        result = rule_owner([lhs, rhs]).ragged_dot_general(lhs, rhs, group_sizes, **eqn.params)
+        if result is NotImplemented:
             path = ops.ragged_dot_general_path(lhs, rhs, group_sizes, **eqn.params)
-            out = ops.ragged_dot_general(lhs, rhs, group_sizes, **eqn.params)
+            result = ops.ragged_dot_general(lhs, rhs, group_sizes, **eqn.params), path
+    out, path = result
     ctx.report.record_op("ragged_dot_general", path)
     return [_match_aval(eqn, out)]

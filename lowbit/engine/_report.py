@@ -106,17 +106,5 @@ class EngineReport:
 
 
 def describe(value: Any) -> str:
-    """Short description of a quantized value for reports and errors."""
-    if hasattr(value, "meta") and hasattr(value, "values"):
-        return f"NMSparse({value.n}:{value.m}, shape={tuple(value.shape)})"
-    scaling = getattr(value, "scaling", None)
-    if scaling is not None:
-        return f"Fp8Weight(shape={tuple(value.shape)}, {scaling.weight_mode})"
-    base = getattr(value, "base", None)
-    if base is not None:
-        inner = describe(base) if hasattr(base, "format") else f"float{tuple(base.shape)}"
-        return f"LoraWeight({inner}, rank={value.a.shape[-1]})"
-    inner = getattr(value, "qarray", None)
-    if inner is not None:
-        return f"QatWeight({describe(inner)})"
-    return f"{type(value).__name__}({value.format}, shape={tuple(value.shape)})"
+    """Short description of a quantized value for reports and errors (its `describe()`)."""
+    return value.describe()

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec
 
 from lowbit.engine import _compat
 from lowbit.engine._layout_rules import LayoutUnsupported, codes_per_group
-from lowbit.engine._values import is_lora_weight, is_qat_weight, is_quantized, logical
+from lowbit.engine._values import NoRule, is_quantized, logical
 from lowbit.qarray import QArray
 
 
@@ -78,29 +78,28 @@ def _split_qarray(q: QArray, spec: PartitionSpec, mesh: Any) -> tuple[dict, dict
 
 
 def _split(x: Any, spec: PartitionSpec, mesh: Any) -> tuple[Any, Any, Callable]:
-    if is_qat_weight(x):
-        leaves, specs, rebuild_q = _split_qarray(x.qarray, spec, mesh)
-        return (
-            (x.value, leaves),
-            (spec, specs),
-            lambda local: dataclasses.replace(x, value=local[0], qarray=rebuild_q(local[1])),
-        )
-    x = logical(x)
-    if isinstance(x, QArray):
-        return _split_qarray(x, spec, mesh)
-    return x, spec, lambda local: local
+    if not is_quantized(x):
+        return x, spec, lambda local: local
+    return logical(x).shard_parts(spec, lambda q, q_spec: _split_qarray(q, q_spec, mesh))
+
+
+def _enterable(ctx, eqn, dequantize_counted, x: Any, spec: PartitionSpec, mesh: Any):
+    """`_split` of `x`, or of its dequantized value when it cannot enter as it is (counted)."""
+    try:
+        return _split(x, spec, mesh)
+    except NoRule as err:
+        if isinstance(err, LayoutUnsupported):
+            raise  # the equation falls back as a whole
+        return _split(dequantize_counted(ctx, eqn, x, str(err)), spec, mesh)
 
 
 def shard_map_rule(eval_jaxpr, dequantize_counted, ctx, eqn, invals) -> list[Any]:
     p = _compat.shard_map_params(eqn)
     mesh = p["mesh"]
-    invals = [
-        dequantize_counted(ctx, eqn, x, "is a LoRA-adapted weight entering shard_map")
-        if is_lora_weight(x)
-        else x
-        for x in invals
+    splits = [
+        _enterable(ctx, eqn, dequantize_counted, x, spec, mesh)
+        for x, spec in zip(invals, p["in_specs"], strict=True)
     ]
-    splits = [_split(x, spec, mesh) for x, spec in zip(invals, p["in_specs"], strict=True)]
 
     def body(*local_parts):
         values = [rebuild(part) for (_, _, rebuild), part in zip(splits, local_parts, strict=True)]

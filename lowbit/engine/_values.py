@@ -1,111 +1,70 @@
-"""The quantized value types the interpreter carries, and how to look inside them.
+"""The values the interpreter carries in place of arrays, seen through one protocol.
 
-Three types flow through the engine besides ordinary arrays: `QArray` (packed PTQ weights),
-`lowbit.ops.QatWeight` (a float weight with its QAT recipe; leaves `value` and `qarray`) and
-`lowbit.ops.LoraWeight` (a frozen base weight with a low-rank adapter). Layout rules are written
-once for `QArray`; on a `QatWeight` they apply to `qarray` while the float op applies to `value`,
-so both stay consistent. A `LoraWeight` keeps only layout ops that leave its shape alone (copy,
-dtype casts of the base); others dequantize it (the merged weight, counted). So does an
-`lowbit.ops.Fp8Weight` (a float weight with fp8 amax histories). An N:M sparse weight
-(`lowbit.qarray.NMSparse`) has no kernel yet: every op dequantizes it to dense, counted.
-A `lowbit.ops.PreparedQArray` (a served weight held in the CPU kernels' layout instead of its
-codes) keeps its layout through transposes and casts and becomes its logical `QArray` for any
-other layout op.
+Every such value (`QArray`, `lowbit.ops.PreparedQArray`, `QatWeight`, `LoraWeight`,
+`Fp8Weight`, `lowbit.qarray.NMSparse`) is a `lowbit.qarray.EngineValue`: it says its shape and
+dtype, how it dequantizes, how layout ops map over it, how it takes part in a matmul and how it
+reads in the report. The engine asks it, and never asks which kind it is, so a new kind of
+weight is one class in its own module. Layout rules are written once for `QArray`; each value's
+`map_layout` applies them to its packed parts (and the float op to its float parts).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from lowbit.ops import Fp8Weight, LoraWeight, PreparedQArray, QatWeight
-from lowbit.qarray import NMSparse, QArray
-
-
-class NoRule(Exception):
-    """Raised by a rule that cannot handle these operands; the interpreter then falls back
-    (dequantizes, counted) or, in strict mode, raises `EngineFallbackError` with this reason."""
-
-
-def is_qat_weight(x: Any) -> bool:
-    return isinstance(x, QatWeight)
-
-
-def is_lora_weight(x: Any) -> bool:
-    return isinstance(x, LoraWeight)
-
-
-def is_fp8_weight(x: Any) -> bool:
-    return isinstance(x, Fp8Weight)
+from lowbit.ops import PreparedQArray
+from lowbit.qarray import EngineValue
+from lowbit.qarray import NoRule as NoRule  # re-exported: the engine rules raise it
 
 
 def is_quantized(x: Any) -> bool:
-    """True for the values the engine treats specially: `QArray`, `PreparedQArray`,
-    `QatWeight`, `LoraWeight`, `Fp8Weight`."""
-    return isinstance(x, QArray | PreparedQArray | QatWeight | LoraWeight | Fp8Weight | NMSparse)
-
-
-def is_nm_sparse(x: Any) -> bool:
-    return isinstance(x, NMSparse)
+    """True for the values the engine treats specially: every `EngineValue`."""
+    return isinstance(x, EngineValue)
 
 
 def is_prepared(x: Any) -> bool:
+    """A weight held in a kernel's layout (it keeps that layout through transposes and casts,
+    and reads embedding rows from it)."""
     return isinstance(x, PreparedQArray)
 
 
 def logical(x: Any) -> Any:
-    """A `PreparedQArray` as its logical `QArray` (a pass over its layout); others as they are."""
-    return x.logical() if isinstance(x, PreparedQArray) else x
+    """An engine value in its logical form (`EngineValue.logical`); others as they are."""
+    return x.logical() if isinstance(x, EngineValue) else x
 
 
-def logical_struct(x: Any) -> jax.ShapeDtypeStruct:
+def logical_struct(x: EngineValue) -> jax.ShapeDtypeStruct:
     """The float array a quantized value stands for, as a shape/dtype stand-in for tracing."""
-    if is_qat_weight(x):
-        return jax.ShapeDtypeStruct(x.value.shape, x.value.dtype)
     return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
 
 
-def dequantize(x: Any) -> jax.Array:
-    """The float array a quantized value stands for in the forward pass.
-
-    A `QatWeight` becomes its fake-quantized value with a straight-through gradient to `value`:
-    forward numerics of the quantized weight, gradients of the float one.
-    """
+def dequantize(x: EngineValue) -> jax.Array:
+    """The float array a quantized value stands for in the forward pass (`EngineValue`)."""
     return x.dequantize()
 
 
-def map_layout(x: Any, qarray_fn, float_fn) -> Any:
-    """Applies a layout op to a quantized value.
+def map_layout(x: EngineValue, qarray_fn, float_fn) -> Any:
+    """Applies a layout op to a quantized value (`EngineValue.map_layout`).
 
     Args:
-      x: a `QArray`, `PreparedQArray` or `QatWeight`. A `PreparedQArray` goes to `qarray_fn`
-        as it is: only ops that leave the weight the same weight (transpose, float cast, copy)
-        reach here with one, and it implements those without leaving its kernel layout (the
-        caller makes it logical for any other op).
+      x: the value. A `PreparedQArray` reaches here only for ops that leave the weight the
+        same weight (transpose, float cast, copy); the caller makes it logical for others.
       qarray_fn: QArray → QArray (may raise `LayoutUnsupported`).
       float_fn: float array → float array, the same op on ordinary values.
     Returns:
       a value of the same kind as `x`.
+    Raises:
+      NoRule: when the op cannot keep the value's kind.
     """
-    if isinstance(x, QArray | PreparedQArray):
-        return qarray_fn(x)
-    if is_nm_sparse(x):
-        raise NoRule("is N:M sparse (compressed); it runs dense")
-    if is_lora_weight(x):
-        base = x.base
-        new_base = qarray_fn(base) if isinstance(base, QArray) else float_fn(base)
-        if tuple(new_base.shape) != tuple(base.shape):
-            raise NoRule("changes the shape of a LoRA-adapted weight")
-        return dataclasses.replace(x, base=new_base)
-    if is_fp8_weight(x):
-        value = float_fn(x.value)
-        if tuple(value.shape) != tuple(x.value.shape):
-            raise NoRule("changes the shape of an fp8-scaled weight")
-        return dataclasses.replace(x, value=value)
-    return dataclasses.replace(x, value=float_fn(x.value), qarray=qarray_fn(x.qarray))
+    return x.map_layout(qarray_fn, float_fn)
+
+
+def rule_owner(values: list[Any]) -> EngineValue:
+    """The engine value among `values` whose op rule runs: the first of highest priority."""
+    return max((v for v in values if is_quantized(v)), key=lambda v: v.engine_priority)
 
 
 def value_signature(x: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 from typing import Any
 
 import jax
@@ -30,6 +31,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax import lax
+
+from lowbit.qarray import EngineValue, NoRule
 
 MODES = ("delayed", "static", "dynamic")
 WEIGHT_AXES = ("tensor", "channel")
@@ -138,8 +141,9 @@ def init_state(shape: tuple[int, ...], scaling: Fp8Scaling, stacked_axes: int = 
     return {"weight": zeros(*per), "activation": zeros(), "gradient": zeros()}
 
 
+@typing.final
 @dataclasses.dataclass(frozen=True, eq=False)
-class Fp8Weight:
+class Fp8Weight(EngineValue):
     """A float weight trained through fp8 matmuls, with its amax state.
 
     Attributes:
@@ -160,9 +164,7 @@ class Fp8Weight:
     def dtype(self) -> np.dtype:
         return self.value.dtype
 
-    @property
-    def ndim(self) -> int:
-        return self.value.ndim
+    engine_priority = 2
 
     def dequantize(self) -> jax.Array:
         """The weight rounded as the forward pass sees it, straight-through to `value`."""
@@ -172,6 +174,24 @@ class Fp8Weight:
         scale = scale_from(self.state["weight"], current, s.weight_mode, s.margin, s.forward_format)
         rounded = _qdq(lax.stop_gradient(self.value), scale, s.forward_format)
         return self.value + lax.stop_gradient(rounded - self.value)
+
+    # --- the engine's protocol (`EngineValue`) -------------------------------------------------
+    def map_layout(self, qarray_fn: Any, float_fn: Any) -> Fp8Weight:
+        """Layout ops that leave the shape alone (copies, casts) keep the fp8 state; others
+        dequantize the weight (counted)."""
+        value = float_fn(self.value)
+        if tuple(value.shape) != tuple(self.value.shape):
+            raise NoRule("changes the shape of an fp8-scaled weight")
+        return dataclasses.replace(self, value=value)
+
+    def describe(self) -> str:
+        return f"Fp8Weight(shape={tuple(self.shape)}, {self.scaling.weight_mode})"
+
+    def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, **kwargs: Any):
+        try:
+            return fp8_dot_general(lhs, rhs, dimension_numbers), "fp8_scaled"
+        except Fp8LayoutError as err:
+            raise NoRule(str(err)) from None
 
 
 jax.tree_util.register_dataclass(Fp8Weight, data_fields=["value", "state"], meta_fields=["scaling"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from typing import Any
 
 import jax
@@ -22,11 +23,12 @@ import numpy as np
 from jax import lax
 
 from lowbit.ops._dot_general import dot_general, dot_general_path
-from lowbit.qarray import QArray
+from lowbit.qarray import EngineValue, NoRule, QArray
 
 
+@typing.final
 @dataclasses.dataclass(frozen=True, eq=False)
-class LoraWeight:
+class LoraWeight(EngineValue):
     """A frozen base weight plus ``scale * a @ b``.
 
     Attributes:
@@ -57,9 +59,7 @@ class LoraWeight:
     def dtype(self) -> np.dtype:
         return self.base.dtype
 
-    @property
-    def ndim(self) -> int:
-        return len(self.base.shape)
+    engine_priority = 3
 
     @property
     def rank(self) -> int:
@@ -91,6 +91,49 @@ class LoraWeight:
         base = self.base_float()
         dtype = base.dtype if dtype is None else dtype
         return (base.astype(jnp.float32) + self.delta()).astype(dtype)
+
+    # --- the engine's protocol (`EngineValue`) -------------------------------------------------
+    def map_layout(self, qarray_fn: Any, float_fn: Any) -> LoraWeight:
+        """Only layout ops that leave the shape alone (copies, dtype casts of the base) keep
+        the adapter; others dequantize the merged weight (counted)."""
+        base = self.base
+        new_base = qarray_fn(base) if isinstance(base, QArray) else float_fn(base)
+        if tuple(new_base.shape) != tuple(base.shape):
+            raise NoRule("changes the shape of a LoRA-adapted weight")
+        return dataclasses.replace(self, base=new_base)
+
+    def describe(self) -> str:
+        base = self.base
+        inner = base.describe() if isinstance(base, EngineValue) else f"float{tuple(base.shape)}"
+        return f"LoraWeight({inner}, rank={self.a.shape[-1]})"
+
+    def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, **kwargs: Any):
+        try:
+            out = lora_dot_general(lhs, rhs, dimension_numbers, **kwargs)
+        except LoraLayoutError as err:
+            raise NoRule(str(err)) from None
+        return out, lora_dot_general_path(lhs, rhs, dimension_numbers)
+
+    def scan_parts(self, qarray_parts: Any) -> Any:
+        if 0 not in self.batch_axes:
+            raise NoRule("is a LoRA-adapted weight whose adapter spans the scanned axis")
+        base = self.base
+        if isinstance(base, EngineValue):
+            base_parts, rebuild_base = base.logical().scan_parts(qarray_parts)
+        else:
+            base_parts, rebuild_base = base, lambda part: part
+        shift = lambda axes: tuple(i - 1 for i in axes)
+        return (base_parts, self.a, self.b), lambda p: dataclasses.replace(
+            self,
+            base=rebuild_base(p[0]),
+            a=p[1],
+            b=p[2],
+            in_axes=shift(self.in_axes),
+            out_axes=shift(self.out_axes),
+        )
+
+    def shard_parts(self, spec: Any, qarray_parts: Any) -> Any:
+        raise NoRule("is a LoRA-adapted weight entering shard_map")
 
 
 jax.tree_util.register_dataclass(

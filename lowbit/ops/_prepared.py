@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,7 +29,7 @@ from lowbit import kernels
 from lowbit.formats import GGUFBlockFormat
 from lowbit.ops._cpu_kernels import KernelRoute, prepare_layout, weight_route
 from lowbit.ops._host_memory import release_free_memory
-from lowbit.qarray import QArray
+from lowbit.qarray import EngineValue, QArray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +48,9 @@ class LogicalMeta:
     zero_dtype: np.dtype | None
 
 
+@typing.final
 @dataclasses.dataclass(frozen=True, eq=False)
-class PreparedQArray:
+class PreparedQArray(EngineValue):
     """A 2-D quantized weight held in the CPU kernels' layout only.
 
     Attributes:
@@ -81,10 +83,6 @@ class PreparedQArray:
     @property
     def dtype(self) -> np.dtype:
         return self.meta.dtype
-
-    @property
-    def ndim(self) -> int:
-        return len(self.meta.shape)
 
     @property
     def format(self) -> str:
@@ -154,6 +152,19 @@ class PreparedQArray:
     def dequantize(self, dtype: Any = None) -> jax.Array:
         """The float array it stands for: [*shape] in `dtype` (default the logical dtype)."""
         return self.logical().dequantize(dtype)
+
+    # --- the engine's protocol (`EngineValue`) -------------------------------------------------
+    def map_layout(self, qarray_fn: Any, float_fn: Any) -> Any:
+        """Only ops that leave the weight the same weight (transpose, float cast, copy) reach
+        here: `qarray_fn` implements them on the layout (`transpose`, `astype`); the engine
+        makes the weight logical for any other layout op."""
+        return qarray_fn(self)
+
+    def describe(self) -> str:
+        return f"PreparedQArray({self.format}, shape={tuple(self.shape)})"
+
+    def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, **kwargs: Any) -> Any:
+        return NotImplemented  # `lowbit.ops.dot_general` runs the kernel it was laid out for
 
     @property
     def gathers_rows(self) -> bool:

@@ -9,17 +9,19 @@ pytree metadata: a change of recipe is a new jit cache entry, never a stale trac
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.qarray import QArray, QuantConfig, quantize
+from lowbit.qarray import EngineValue, QArray, QuantConfig, quantize
 
 
+@typing.final
 @dataclasses.dataclass(frozen=True, eq=False)
-class QatWeight:
+class QatWeight(EngineValue):
     """A float weight with its quantization recipe for quantization-aware training.
 
     Attributes:
@@ -42,9 +44,7 @@ class QatWeight:
     def dtype(self) -> np.dtype:
         return self.value.dtype
 
-    @property
-    def ndim(self) -> int:
-        return len(self.value.shape)
+    engine_priority = 1
 
     def served(self) -> QArray:
         """The QArray a converted (served) model holds: `qarray` with the activation config."""
@@ -55,6 +55,50 @@ class QatWeight:
         """The fake-quantized weight: forward values of `qarray`, gradient straight to `value`."""
         quantized = self.qarray.dequantize(self.value.dtype)
         return self.value + jax.lax.stop_gradient(quantized - self.value)
+
+    # --- the engine's protocol (`EngineValue`) -------------------------------------------------
+    def map_layout(self, qarray_fn: Any, float_fn: Any) -> QatWeight:
+        """The float op on `value`, the packed op on `qarray`: both stay consistent."""
+        return dataclasses.replace(self, value=float_fn(self.value), qarray=qarray_fn(self.qarray))
+
+    def describe(self) -> str:
+        return f"QatWeight({self.qarray.describe()})"
+
+    def scan_parts(self, qarray_parts: Any) -> Any:
+        parts, rebuild = qarray_parts(self.qarray)
+        return (self.value, parts), lambda p: dataclasses.replace(
+            self, value=p[0], qarray=rebuild(p[1])
+        )
+
+    def scan_output_parts(self, qarray_parts: Any) -> Any:
+        parts, restack = qarray_parts(self.qarray)
+        return (self.value, parts), lambda p, length: dataclasses.replace(
+            self, value=p[0], qarray=restack(p[1], length)
+        )
+
+    def shard_parts(self, spec: Any, qarray_parts: Any) -> Any:
+        leaves, specs, rebuild = qarray_parts(self.qarray, spec)
+        return (
+            (self.value, leaves),
+            (spec, specs),
+            lambda local: dataclasses.replace(self, value=local[0], qarray=rebuild(local[1])),
+        )
+
+    # The QAT ops import this module: they are imported where they are used.
+    def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, **kwargs: Any):
+        from lowbit.ops._qat import qat_dot_general
+
+        return qat_dot_general(lhs, rhs, dimension_numbers, **kwargs), "qat"
+
+    def conv_general_dilated(self, lhs: Any, rhs: Any, **params: Any):
+        from lowbit.ops._conv_qat import qat_conv_general_dilated
+
+        return qat_conv_general_dilated(lhs, rhs, **params), "qat"
+
+    def ragged_dot_general(self, lhs: Any, rhs: Any, group_sizes: Any, **params: Any):
+        from lowbit.ops._ragged_dot_qat import qat_ragged_dot_general
+
+        return qat_ragged_dot_general(lhs, rhs, group_sizes, **params), "qat"
 
     def transpose(self, axes: tuple[int, ...]) -> QatWeight:
         return dataclasses.replace(

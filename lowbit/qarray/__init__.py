@@ -42,9 +42,12 @@ from lowbit.qarray._quantize import (
     quantize,
 )
 from lowbit.qarray._sparse import NMSparse, is_nm_sparse, meta_bits, nm_mask, nm_sparsify
+from lowbit.qarray._value import EngineValue, NoRule
 
 __all__ = [
     "DATA_FIELDS",
+    "EngineValue",
+    "NoRule",
     "META_FIELDS",
     "NMSparse",
     "is_nm_sparse",

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import typing
 from typing import Any
 
 import jax
@@ -42,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit.formats import Format, get_format
+from lowbit.qarray._value import EngineValue
 
 # How `scale` is stored: as a float array, as E8M0 exponents (uint8, value 2**(e - 127), the MX
 # block scale), or as float8_e4m3fn (the NVFP4 block scale).
@@ -63,8 +65,9 @@ def _meta(codec: Any = None, **kwargs: Any) -> Any:
     return dataclasses.field(metadata={"role": "meta", "codec": codec}, **kwargs)
 
 
+@typing.final
 @dataclasses.dataclass(frozen=True, eq=False)
-class QArray:
+class QArray(EngineValue):
     """A quantized array: packed codes, scales and static format metadata.
 
     Attributes:
@@ -118,10 +121,6 @@ class QArray:
         object.__setattr__(self, "shape", shape)
 
     # --- array-like surface -------------------------------------------------------------------
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
     @property
     def size(self) -> int:
         return math.prod(self.shape)
@@ -207,6 +206,33 @@ class QArray:
     def astype(self, dtype: Any) -> QArray:
         """Same codes, another logical dtype."""
         return dataclasses.replace(self, dtype=np.dtype(dtype))
+
+    # --- the engine's protocol (`EngineValue`) -------------------------------------------------
+    def map_layout(self, qarray_fn: Any, float_fn: Any) -> QArray:
+        return qarray_fn(self)
+
+    def describe(self) -> str:
+        return f"QArray({self.format}, shape={tuple(self.shape)})"
+
+    # `lowbit.ops`' dot_general, conv_general_dilated and ragged_dot_general take a QArray as
+    # an operand as it is.
+    def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, **kwargs: Any) -> Any:
+        return NotImplemented
+
+    def conv_general_dilated(self, lhs: Any, rhs: Any, **params: Any) -> Any:
+        return NotImplemented
+
+    def ragged_dot_general(self, lhs: Any, rhs: Any, group_sizes: Any, **params: Any) -> Any:
+        return NotImplemented
+
+    def scan_parts(self, qarray_parts: Any) -> Any:
+        return qarray_parts(self)
+
+    def scan_output_parts(self, qarray_parts: Any) -> Any:
+        return qarray_parts(self)
+
+    def shard_parts(self, spec: Any, qarray_parts: Any) -> Any:
+        return qarray_parts(self, spec)
 
     # --- layout ops -----------------------------------------------------------------------------
     def transpose(self, axes: tuple[int, ...]) -> QArray:

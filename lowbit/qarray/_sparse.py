@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import typing
 from typing import Any
 
 import jax
@@ -22,6 +23,7 @@ import numpy as np
 
 from lowbit.formats._packing import pack, packed_length, unpack
 from lowbit.qarray._qarray import QArray
+from lowbit.qarray._value import EngineValue, NoRule
 
 
 def _check(shape: tuple[int, ...], n: int, m: int, axis: int) -> int:
@@ -85,8 +87,9 @@ def nm_mask(x: jax.Array, n: int = 2, m: int = 4, axis: int = 0) -> jax.Array:
     return jnp.moveaxis(keep, -1, axis)
 
 
+@typing.final
 @dataclasses.dataclass(frozen=True, eq=False)
-class NMSparse:
+class NMSparse(EngineValue):
     """An N:M sparse array in compressed form.
 
     Attributes:
@@ -107,9 +110,21 @@ class NMSparse:
     n: int = 2
     m: int = 4
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
+    # No sparse kernel exists here: every op dequantizes it to dense, counted, before anything
+    # else sees it.
+    engine_priority = 4
+
+    def map_layout(self, qarray_fn: Any, float_fn: Any) -> Any:
+        raise NoRule("is N:M sparse (compressed); it runs dense")
+
+    def describe(self) -> str:
+        return f"NMSparse({self.n}:{self.m}, shape={tuple(self.shape)})"
+
+    def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, **kwargs: Any) -> Any:
+        raise NoRule("is N:M sparse and no sparse matmul kernel exists here: runs dense")
+
+    def scan_parts(self, qarray_parts: Any) -> Any:
+        raise NoRule("is N:M sparse (compressed)")
 
     @property
     def nbytes(self) -> int:

@@ -1,5 +1,7 @@
 """Quantized values through scan (xs, consts, carry), while, cond/switch and shard_map."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,3 +170,19 @@ def test_qat_weights_through_scan_and_transpose():
     report = trace_report(apply, qat_weight(STACK, config), X, strict=True)
     assert report.quantized_ops == {"dot_general:qat": 1}
     assert report.layout_ops == {"transpose": 1}
+
+
+@pytest.mark.parametrize("per_layer", [True, False], ids=["per_layer", "shared"])
+def test_scan_over_stacked_weights_carries_their_input_scale(per_layer):
+    scale = jnp.linspace(0.5, 2.0, 16, dtype=jnp.float32).reshape(1, 16, 1)
+    if per_layer:
+        scale = scale * jnp.arange(1.0, 4.0).reshape(3, 1, 1)
+    q = dataclasses.replace(Q_STACK, input_scale=scale).check()
+
+    def apply(stack, x):
+        return jax.lax.scan(lambda h, layer: (jnp.tanh(h @ layer), None), x, stack)[0]
+
+    report = EngineReport()
+    out = jax.jit(interpret(apply, strict=True, report=report))(q, X)
+    np.testing.assert_allclose(out, apply(jit_dequantize(q), X), rtol=1e-4, atol=1e-5)
+    assert report.fallbacks == {}

@@ -1,6 +1,8 @@
 """Layout ops on packed values are exact: interpreting them equals the float op on the
 dequantized array, bit for bit, and they never dequantize (strict mode passes)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,3 +124,53 @@ def test_gather_clip_mode_clamps_rows():
         lambda q, i: (interpret(take, strict=True)(q, i), take(q.dequantize(), i))
     )(q, ids)
     np.testing.assert_array_equal(out, expected)
+
+
+# A weight with an input scale (SmoothQuant's in-op scale) varying along some axes: every
+# layout op carries it, so the result still stands for the same float array.
+_INPUT_SCALES = {
+    "axis1": jnp.linspace(0.5, 2.0, 6, dtype=jnp.float32).reshape(1, 6, 1),
+    "axes01": jnp.linspace(0.5, 2.0, 24, dtype=jnp.float32).reshape(4, 6, 1),
+}
+
+# `i` is a traced int32 argument (2), for slices at a traced offset.
+_SCALED_OPS = {
+    "transpose": lambda w, i: jnp.transpose(w, (2, 0, 1)),
+    "merge_leading": lambda w, i: w.reshape(24, 16),
+    "merge_trailing": lambda w, i: w.reshape(4, 96),
+    "split_leading": lambda w, i: w.reshape(2, 2, 6, 16),
+    "expand_squeeze": lambda w, i: jnp.squeeze(jnp.expand_dims(w, 1), 1)[None],
+    "broadcast": lambda w, i: jnp.broadcast_to(w, (3, 4, 6, 16)),
+    "slice_rows": lambda w, i: w[1:3],
+    "slice_middle": lambda w, i: w[:, 2:5],
+    "dynamic_slice_layer": lambda w, i: jax.lax.dynamic_index_in_dim(w, jnp.int32(3), 0, False),
+    "dynamic_slice_traced": lambda w, i: jax.lax.dynamic_slice_in_dim(w, i, 3, 1),
+}
+
+
+@pytest.mark.parametrize("scale_name", sorted(_INPUT_SCALES))
+@pytest.mark.parametrize("op", sorted(_SCALED_OPS))
+def test_layout_ops_carry_the_input_scale(op, scale_name):
+    q = QARRAYS["int8_tensor"]
+    q = dataclasses.replace(q, input_scale=_INPUT_SCALES[scale_name]).check()
+    fn, i = _SCALED_OPS[op], jnp.int32(2)
+    report = EngineReport()
+    out = jax.jit(interpret(fn, strict=True, report=report))(q, i)
+    assert isinstance(out, QArray) and out.input_scale is not None
+    out.check()
+    assert report.fallbacks == {}
+    np.testing.assert_array_equal(
+        np.asarray(out.dequantize()), np.asarray(fn(q.dequantize(), i)), err_msg=op
+    )
+
+
+def test_embedding_gather_carries_the_input_scale():
+    q = dataclasses.replace(QARRAYS["int4_group"], input_scale=_INPUT_SCALES["axis1"]).check()
+    ids = jnp.array([[0, 3, 1], [2, 2, 0]], jnp.int32)
+    values, expected = _TAKE(q, ids)
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(expected))
+    # A scale that varies along the gathered axis is not carried: dequantized, counted.
+    q = dataclasses.replace(q, input_scale=_INPUT_SCALES["axes01"]).check()
+    report = trace_report(lambda e, i: jnp.take(e, i, axis=0), q, ids)
+    assert report.fallbacks == {"gather": 1}
+    assert "input_scale varies" in report.fallback_details[0]
