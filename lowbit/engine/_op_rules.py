@@ -65,8 +65,6 @@ def dot_general(relaid: Callable[..., None], ctx: Any, eqn: Any, invals: list[An
                 relaid(ctx, eqn, relaid_value)
             out = ops.dot_general(lhs, rhs, dimension_numbers, **kwargs)
     ctx.report.record_op("dot_general", path)
-    if ctx.axis_probe is not None:
-        ctx.axis_probe.record_dot(lhs, rhs, dimension_numbers)
     return [_match_aval(eqn, out)]
 
 
