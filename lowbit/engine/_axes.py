@@ -15,12 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Any
 
-import jax
 import numpy as np
 
-from lowbit.engine import _compat
-from lowbit.engine._values import is_quantized, logical_struct
-from lowbit.engine._walker import Record, Step, walk
+from lowbit.engine._values import is_quantized
+from lowbit.engine._walker import Record, Step, trace
 
 
 def _flipped(steps: tuple[Step, ...]) -> bool | None:
@@ -73,42 +71,6 @@ def contraction_axes(record: Record, quantized: Collection[int]) -> dict[int, in
     return {leaf: next(iter(a)) for leaf, a in found.items() if len(a) == 1}
 
 
-def _stand_in(leaf: Any) -> jax.ShapeDtypeStruct:
-    if is_quantized(leaf):
-        return logical_struct(leaf)
-    return jax.ShapeDtypeStruct(
-        np.shape(leaf), leaf.dtype, weak_type=bool(getattr(leaf, "weak_type", False))
-    )
-
-
-def trace_leaves(
-    fn: Callable[..., Any], args: tuple, kwargs: dict, *, is_leaf: Callable[[Any], bool]
-) -> tuple[Any, list[tuple], list[Any]]:
-    """Traces ``fn(*args, **kwargs)`` once, with its array leaves as shape stand-ins.
-
-    Args:
-      fn: any JAX-traceable function.
-      args, kwargs: its arguments; leaves (by `is_leaf`) with a shape are traced, the others
-        (flags such as ``deterministic=True``) stay Python constants.
-      is_leaf: which pytree nodes are leaves (e.g. `is_quantized`: a `QArray` is one value).
-    Returns:
-      (closed jaxpr, key paths into ``(args, kwargs)`` of its inputs, those inputs' leaves).
-    """
-    flat, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_leaf)
-    leaves = [leaf for _, leaf in flat]
-    dynamic = [i for i, x in enumerate(leaves) if is_quantized(x) or hasattr(x, "shape")]
-
-    def call(*values):
-        full = list(leaves)
-        for i, v in zip(dynamic, values, strict=True):
-            full[i] = v
-        call_args, call_kwargs = jax.tree.unflatten(treedef, full)
-        return fn(*call_args, **call_kwargs)
-
-    closed_jaxpr, _ = _compat.make_jaxpr(call, [_stand_in(leaves[i]) for i in dynamic])
-    return closed_jaxpr, [tuple(flat[i][0]) for i in dynamic], [leaves[i] for i in dynamic]
-
-
 def kernel_axes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[tuple, int]:
     """The contraction axis of every 2-D quantized argument leaf `fn` uses as a linear weight.
 
@@ -123,7 +85,7 @@ def kernel_axes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[tuple
     Returns:
       {key path into ``(args, kwargs)`` (quantized values as leaves): axis 0 or 1}.
     """
-    closed_jaxpr, paths, leaves = trace_leaves(fn, args, kwargs, is_leaf=is_quantized)
-    quantized = [i for i, leaf in enumerate(leaves) if is_quantized(leaf)]
-    axes = contraction_axes(walk(closed_jaxpr, quantized), quantized)
-    return {paths[i]: axis for i, axis in axes.items()}
+    traced = trace(fn, args, kwargs, lambda _, leaf: is_quantized(leaf))
+    quantized = [i for i, leaf in enumerate(traced.leaves) if is_quantized(leaf)]
+    axes = contraction_axes(traced.record, quantized)
+    return {traced.paths[i]: axis for i, axis in axes.items()}

@@ -22,7 +22,11 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+import numpy as np
+
 from lowbit.engine import _compat
+from lowbit.engine._values import is_quantized, logical_struct
 
 # Primitives whose output is a re-layout of their first operand: a parameter passing through
 # them is still the same parameter.
@@ -306,3 +310,63 @@ def ops_fed(record: Record) -> dict[int, frozenset[str]]:
             continue
         found.setdefault(use.leaf, set()).add(use.op)
     return {leaf: frozenset(ops) for leaf, ops in found.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """One trace of a function, walked.
+
+    Attributes:
+      record: the walk (`Use.leaf` indexes `paths` and `leaves`).
+      paths: key path into ``(args, kwargs)`` of each traced input leaf.
+      leaves: the arguments' leaves traced, in order (engine values such as a `QArray` are one
+        leaf, traced as its logical shape and dtype).
+    """
+
+    record: Record
+    paths: tuple[tuple, ...]
+    leaves: tuple[Any, ...]
+
+
+def _stand_in(leaf: Any) -> jax.ShapeDtypeStruct:
+    if is_quantized(leaf):
+        return logical_struct(leaf)
+    return jax.ShapeDtypeStruct(
+        np.shape(leaf), leaf.dtype, weak_type=bool(getattr(leaf, "weak_type", False))
+    )
+
+
+def trace(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: Mapping[str, Any],
+    follow: Callable[[tuple, Any], bool],
+) -> Traced:
+    """Traces ``fn(*args, **kwargs)`` once (abstractly: nothing runs) and walks it.
+
+    Args:
+      fn: any JAX-traceable function.
+      args, kwargs: its arguments. Leaves with a shape (arrays, `jax.ShapeDtypeStruct`s, engine
+        values) are traced; the others (flags such as ``deterministic=True``) stay Python.
+      follow: ``follow(key path into (args, kwargs), leaf)``: whether the walk follows that
+        traced leaf (the parameters; an activation is not followed, or it would hide that a
+        matmul's other operand is no parameter).
+    Returns:
+      The `Traced` walk.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path((args, dict(kwargs)), is_leaf=is_quantized)
+    leaves = [leaf for _, leaf in flat]
+    dynamic = [i for i, x in enumerate(leaves) if is_quantized(x) or hasattr(x, "shape")]
+
+    def call(*values):
+        full = list(leaves)
+        for i, v in zip(dynamic, values, strict=True):
+            full[i] = v
+        call_args, call_kwargs = jax.tree.unflatten(treedef, full)
+        return fn(*call_args, **call_kwargs)
+
+    closed_jaxpr, _ = _compat.make_jaxpr(call, [_stand_in(leaves[i]) for i in dynamic])
+    paths = tuple(tuple(flat[i][0]) for i in dynamic)
+    traced = tuple(leaves[i] for i in dynamic)
+    followed = [i for i, (p, leaf) in enumerate(zip(paths, traced, strict=True)) if follow(p, leaf)]
+    return Traced(walk(closed_jaxpr, followed), paths, traced)
