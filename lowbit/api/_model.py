@@ -27,7 +27,7 @@ import numpy as np
 from flax import linen, nnx
 
 from lowbit.api._quantize import as_recipe, kernel_axes_of, quantize_params
-from lowbit.api._trace import param_uses
+from lowbit.api._trace import layout_axes, ops_by_path, trace_params
 from lowbit.engine import EngineReport, interpret
 from lowbit.ops import is_prepared, prepare_weights
 from lowbit.qarray import QArray
@@ -246,18 +246,25 @@ def quantize_model(
                 "quantize_model: params= is for Linen modules; an NNX module holds its own state"
             )
         graphdef, state = nnx.split(model)
-        layout_axes = None
+        traced = None
         if example_args is not None:
+            # One trace serves the uses, the layouts before quantizing and the kernel axes after.
             call = lambda s, *a: nnx.merge(graphdef, s)(*a)
-            layout_axes = kernel_axes_of(call, state, *example_args)
+            traced = trace_params(call, state, *example_args)
             if uses is None:
-                uses = param_uses(call, state, *example_args)
+                uses = ops_by_path(traced)
         qstate = quantize_params(
-            state, recipe, uses=uses, layout_axes=layout_axes, kernel_layouts=True
+            state,
+            recipe,
+            uses=uses,
+            layout_axes=None if traced is None else layout_axes(traced),
+            kernel_layouts=True,
         )
+        if traced is not None:
+            qstate = prepare_weights(qstate, layout_axes(traced, qstate))
         qmodel = QuantizedModel(nnx.merge(graphdef, qstate), strict=strict)
-        if example_args is not None:
-            qmodel.prepare("__call__", *example_args)
+        if traced is not None:
+            qmodel.prepared = True
         return qmodel
     if isinstance(model, linen.Module):
         if params is None:
@@ -265,16 +272,20 @@ def quantize_model(
                 "quantize_model: a Linen module needs its variables: "
                 "quantize_model(module, recipe, params=variables)"
             )
-        layout_axes = None
+        traced = None
         if example_args is not None:
-            layout_axes = kernel_axes_of(model.apply, params, *example_args)
+            traced = trace_params(model.apply, params, *example_args)
             if uses is None:
-                uses = param_uses(model.apply, params, *example_args)
+                uses = ops_by_path(traced)
         qparams = quantize_params(
-            params, recipe, uses=uses, layout_axes=layout_axes, kernel_layouts=True
+            params,
+            recipe,
+            uses=uses,
+            layout_axes=None if traced is None else layout_axes(traced),
+            kernel_layouts=True,
         )
-        if example_args is not None:
-            qparams = prepare_weights(qparams, kernel_axes_of(model.apply, qparams, *example_args))
+        if traced is not None:
+            qparams = prepare_weights(qparams, layout_axes(traced, qparams))
         return QuantizedLinen(model, qparams, strict)
     raise TypeError(
         f"quantize_model expects a flax nnx.Module or linen.Module, got {type(model).__name__}; "
