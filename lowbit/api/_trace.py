@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lowbit.engine import Use, probe
@@ -109,7 +110,7 @@ def _laid_out(leaf: Any) -> bool:
     if is_quantized(leaf):
         return True
     dtype = getattr(leaf, "dtype", None)
-    return np.ndim(leaf) == 2 and dtype is not None and np.issubdtype(dtype, np.floating)
+    return np.ndim(leaf) == 2 and dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def layout_axes(traced: Traced, params: Any = None) -> dict[tuple, int]:

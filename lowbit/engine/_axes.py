@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Any
 
-import numpy as np
+import jax.numpy as jnp
 
 from lowbit.engine._values import is_quantized
 from lowbit.engine._walker import Record, Step, trace
@@ -30,7 +30,7 @@ def _flipped(steps: tuple[Step, ...]) -> bool | None:
         if step.primitive == "transpose":
             flipped ^= tuple(step.params["permutation"]) == (1, 0)
         elif step.primitive == "convert_element_type":
-            if not np.issubdtype(step.out_dtype, np.floating):
+            if not jnp.issubdtype(step.out_dtype, jnp.floating):
                 return None
         elif step.primitive not in ("copy", "copy_p"):
             return None

@@ -145,3 +145,10 @@ def test_trace_follows_only_what_it_is_told():
     (use,) = traced.record.uses
     assert use.leaf == 0 and use.partners == (None, traced.record.uses[0].partners[1])
     assert ops_fed(traced.record) == {0: frozenset({"dot_general"})}
+
+
+def test_kernel_axes_follow_bfloat16_casts_not_integer_ones():
+    bf16 = lambda w, x: x.astype(jnp.bfloat16) @ w.T.astype(jnp.bfloat16)
+    assert contraction_axes(_walk(bf16, W.T, X), {0}) == {0: 1}
+    as_int = lambda w, x: x.astype(jnp.int32) @ w.astype(jnp.int32)
+    assert contraction_axes(_walk(as_int, W, X), {0}) == {}
