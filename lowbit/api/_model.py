@@ -222,10 +222,10 @@ def quantize_model(
       uses: ops each parameter feeds, for rules with an `ops` filter (`param_uses`); traced
         from `example_args` when those are given.
       example_args: example inputs of a call (arrays or `jax.ShapeDtypeStruct`s). With them
-        the model is traced (abstractly) before quantizing, so presets also find weights by
-        use: a 2-D parameter the recipe names by no rule (``w``, ``qkv``) is quantized as the
-        layout its matmul shows. The weights are also laid out for the CPU kernels at once
-        (without them, at the first call).
+        the model is traced once (abstractly) before quantizing, so presets also find weights
+        by use: a 2-D parameter the recipe names by no rule (``w``, ``qkv``) is quantized as the
+        layout its matmul shows. The weights are also laid out for the CPU kernels at once,
+        from the same trace (without them, at the first call).
     Returns:
       NNX: a `QuantizedModel` called like `model`. Linen: a `QuantizedLinen`
       (``apply_fn, qparams = quantize_model(...)`` also works).
