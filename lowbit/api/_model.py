@@ -29,7 +29,7 @@ from flax import linen, nnx
 from lowbit.algorithms import AlgorithmReport
 from lowbit.api._algorithms import AlgorithmOptions
 from lowbit.api._quantize import as_recipe, kernel_axes_of, quantize_params
-from lowbit.api._trace import param_uses
+from lowbit.api._trace import layout_axes, ops_by_path, trace_params
 from lowbit.engine import EngineReport, interpret
 from lowbit.ops import is_prepared, prepare_weights
 from lowbit.qarray import QArray
@@ -227,10 +227,10 @@ def quantize_model(
       uses: ops each parameter feeds, for rules with an `ops` filter (`param_uses`); traced
         from `example_args` when those are given.
       example_args: example inputs of a call (arrays or `jax.ShapeDtypeStruct`s). With them
-        the model is traced (abstractly) before quantizing, so presets also find weights by
-        use: a 2-D parameter the recipe names by no rule (``w``, ``qkv``) is quantized as the
-        layout its matmul shows. The weights are also laid out for the CPU kernels at once
-        (without them, at the first call).
+        the model is traced once (abstractly) before quantizing, so presets also find weights
+        by use: a 2-D parameter the recipe names by no rule (``w``, ``qkv``) is quantized as the
+        layout its matmul shows. The weights are also laid out for the CPU kernels at once,
+        from the same trace (without them, at the first call).
       calibration: batches of the model's inputs (``model(*batch)``, Linen:
         ``model.apply(params, *batch)``; a batch that is not a tuple is one argument), for
         rules whose algorithm needs data (GPTQ, AWQ, SmoothQuant).
@@ -269,23 +269,26 @@ def quantize_model(
             )
         graphdef, state = nnx.split(model)
         call = lambda s, *a: nnx.merge(graphdef, s)(*a)
-        layout_axes = None
+        traced = None
         if example_args is not None:
-            layout_axes = kernel_axes_of(call, state, *example_args)
+            # One trace serves the uses, the layouts before quantizing and the kernel axes after.
+            traced = trace_params(call, state, *example_args)
             if uses is None:
-                uses = param_uses(call, state, *example_args)
+                uses = ops_by_path(traced)
         qstate = quantize_params(
             state,
             recipe,
             fn=call,
             uses=uses,
-            layout_axes=layout_axes,
+            layout_axes=None if traced is None else layout_axes(traced),
             kernel_layouts=True,
             **algorithms,
         )
+        if traced is not None:
+            qstate = prepare_weights(qstate, layout_axes(traced, qstate))
         qmodel = QuantizedModel(nnx.merge(graphdef, qstate), strict=strict)
-        if example_args is not None:
-            qmodel.prepare("__call__", *example_args)
+        if traced is not None:
+            qmodel.prepared = True
         return qmodel
     if isinstance(model, linen.Module):
         if params is None:
@@ -293,22 +296,22 @@ def quantize_model(
                 "quantize_model: a Linen module needs its variables: "
                 "quantize_model(module, recipe, params=variables)"
             )
-        layout_axes = None
+        traced = None
         if example_args is not None:
-            layout_axes = kernel_axes_of(model.apply, params, *example_args)
+            traced = trace_params(model.apply, params, *example_args)
             if uses is None:
-                uses = param_uses(model.apply, params, *example_args)
+                uses = ops_by_path(traced)
         qparams = quantize_params(
             params,
             recipe,
             fn=model.apply,
             uses=uses,
-            layout_axes=layout_axes,
+            layout_axes=None if traced is None else layout_axes(traced),
             kernel_layouts=True,
             **algorithms,
         )
-        if example_args is not None:
-            qparams = prepare_weights(qparams, kernel_axes_of(model.apply, qparams, *example_args))
+        if traced is not None:
+            qparams = prepare_weights(qparams, layout_axes(traced, qparams))
         return QuantizedLinen(model, qparams, strict)
     raise TypeError(
         f"quantize_model expects a flax nnx.Module or linen.Module, got {type(model).__name__}; "

@@ -14,11 +14,10 @@ import jax.numpy as jnp
 
 from lowbit.algorithms import AlgorithmReport, check_algorithm
 from lowbit.api._algorithms import AlgorithmOptions, round_with_algorithms
-from lowbit.engine import kernel_axes
-from lowbit.engine._values import is_quantized as engine_value
+from lowbit.api._trace import layout_axes, trace_params
 from lowbit.formats import FORMATS
 from lowbit.ops import is_prepared, prepare_weights
-from lowbit.qarray import Fixed, PerTensor, QArray, QuantConfig, check_values
+from lowbit.qarray import Fixed, QArray, QuantConfig, check_values
 from lowbit.qarray import quantize as quantize_array
 from lowbit.recipes import Recipe, Rule, map_params, param_leaves, path_string, preset
 
@@ -72,35 +71,15 @@ def as_recipe(recipe: Recipe | str) -> Recipe:
     return recipe
 
 
-def _strip(keys: tuple, n: int) -> tuple:
-    return tuple(keys[n:])
-
-
 def kernel_axes_of(
     fn: Callable[..., Any], params: Any, *args: Any, **kwargs: Any
 ) -> dict[tuple, int]:
     """{key path in `params` (QArrays as leaves): axis} for `fn(params, *args, **kwargs)`.
 
-    Float 2-D leaves are traced as (abstract) int8 QArrays, so the axes of weights not yet
-    quantized are found too. Nothing is computed.
+    Float 2-D leaves count as the weights they will be once quantized, so the axes of weights
+    not yet quantized are found too. Nothing is computed (`trace_params`, `layout_axes`).
     """
-
-    def stand_in(x):
-        if engine_value(x):
-            return x
-        if getattr(x, "ndim", None) == 2 and jnp.issubdtype(
-            getattr(x, "dtype", None), jnp.floating
-        ):
-            config = QuantConfig(format="int8", granularity=PerTensor())
-            struct = jax.ShapeDtypeStruct(x.shape, x.dtype)
-            return jax.eval_shape(lambda w: quantize_array(w, config), struct)
-        return x
-
-    # Values the engine treats specially (LoRA-adapted, QAT, fp8 weights) are left whole.
-    probe = jax.tree.map(stand_in, params, is_leaf=engine_value)
-    found = kernel_axes(fn, probe, *args, **kwargs)
-    # Key paths into ((params, *args), kwargs): keep those inside params.
-    return {_strip(k, 2): a for k, a in found.items() if len(k) > 2 and k[1].idx == 0}
+    return layout_axes(trace_params(fn, params, *args, **kwargs))
 
 
 def prepare_for_kernels(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: Any) -> Any:

@@ -5,7 +5,9 @@ expects float arrays; every primitive that meets one either has a rule (quantize
 op on packed values, recursion into jit / scan / while / cond / remat / custom derivatives) or
 dequantizes it, counted in an `EngineReport` (or raised in strict mode). `probe(fn, ...)` runs
 the same interpreter with parameters tagged by path (`Probe`) and reports each op that reads one
-(`Use`): parameter-use discovery and calibration statistics.
+(`Use`) with its real activation: calibration statistics. Questions that need no values (which
+ops a parameter feeds, which axis `kernel_axes` lays a weight out for) are reductions over one
+abstract walk of the jaxpr (`_walker`), which follows every sub-jaxpr through one table.
 """
 
 from lowbit.engine._axes import kernel_axes

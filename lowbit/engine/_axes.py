@@ -2,59 +2,81 @@
 
 Serving prepares a weight for the CPU kernels once, for one contraction axis (`[K, N]` or
 `[N, K]`), and that axis is a fact about how the model *uses* the weight, not about its scales:
-an `nnx.Embed` table is gathered by rows and, tied, multiplied as ``x @ E.T``. `kernel_axes`
-finds it by running the engine on the function abstractly (no compute) while following each
-quantized argument through the ops that keep it the same weight (2-D transposes, casts, copies)
-to the `dot_general`s that read it as a linear layer's weight.
+an `nnx.Embed` table is gathered by rows and, tied, multiplied as ``x @ E.T``. It is a reduction
+over the engine's walk (`lowbit.engine._walker`): the `dot_general`s that read a 2-D weight as
+a linear layer's rhs, through the ops that keep it the same weight (2-D transposes, float
+casts, copies), at the top level or inside `jit`, `scan`, `while` and `cond` bodies. A use
+inside `shard_map` does not count: each device sees a block, and a kernel layout of the whole
+weight is not split by the specs.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
-import jax
+import jax.numpy as jnp
 
 from lowbit.engine._values import is_quantized
+from lowbit.engine._walker import Record, Step, trace
 
 
-class AxisProbe:
-    """Per-trace record: quantized argument index -> contraction axes seen (in its own frame)."""
+def _flipped(steps: tuple[Step, ...]) -> bool | None:
+    """Whether `steps` transpose a 2-D weight (None: they make it another weight)."""
+    flipped = False
+    for step in steps:
+        if len(step.in_shape) != 2 or len(step.out_shape) != 2:
+            return None
+        if step.primitive == "transpose":
+            flipped ^= tuple(step.params["permutation"]) == (1, 0)
+        elif step.primitive == "convert_element_type":
+            if not jnp.issubdtype(step.out_dtype, jnp.floating):
+                return None
+        elif step.primitive not in ("copy", "copy_p"):
+            return None
+    return flipped
 
-    def __init__(self) -> None:
-        self._roots: dict[int, tuple[int, bool]] = {}
-        self._alive: list[Any] = []  # keeps ids unique while the trace runs
-        self.axes: dict[int, set[int]] = defaultdict(set)
 
-    def mark(self, value: Any, index: int) -> None:
-        self._roots[id(value)] = (index, False)
-        self._alive.append(value)
+def contraction_axes(record: Record, quantized: Collection[int]) -> dict[int, int]:
+    """{leaf: the axis its linear uses contract} for the 2-D leaves in `quantized`.
 
-    def derive(self, out: Any, operand: Any, *, flipped: bool) -> None:
-        """`out` is `operand` (transposed when `flipped`): the same weight."""
-        root = self._roots.get(id(operand))
-        if root is not None:
-            self._roots[id(out)] = (root[0], root[1] ^ flipped)
-            self._alive.append(out)
+    A use counts when the leaf (through `_flipped` steps) is the rhs of a `dot_general` whose
+    lhs is not itself a leaf of `quantized`, and `lowbit.ops.linear_contraction_axis` accepts
+    it. A leaf contracted over both axes (or never) is left out.
 
-    def record_dot(self, lhs: Any, rhs: Any, dimension_numbers: Any) -> None:
-        from lowbit.ops import linear_contraction_axis
+    Args:
+      record: a walk of the traced function (`lowbit.engine._walker.walk`).
+      quantized: indices of the leaves that are (or will be) quantized weights.
+    Returns:
+      {leaf index: 0 or 1}.
+    """
+    from lowbit.ops import linear_contraction_axis
 
-        root = self._roots.get(id(rhs))
-        if root is None or is_quantized(lhs):
-            return
-        axis = linear_contraction_axis(lhs, rhs, dimension_numbers)
+    quantized = set(quantized)
+    found: dict[int, set[int]] = {}
+    for use in record.uses:
+        if use.primitive != "dot_general" or use.operand != 1 or use.leaf not in quantized:
+            continue
+        if len(record.leaves[use.leaf].shape) != 2:
+            continue
+        lhs = use.partners[0]
+        if lhs is not None and lhs.leaf in quantized:
+            continue
+        flipped = _flipped(use.steps)
+        if flipped is None or any(w == "shard_map" for w in use.where):
+            continue
+        axis = linear_contraction_axis(*use.operands[:2], use.params["dimension_numbers"])
         if axis is not None:
-            self.axes[root[0]].add(axis ^ int(root[1]))
+            found.setdefault(use.leaf, set()).add(axis ^ int(flipped))
+    return {leaf: next(iter(a)) for leaf, a in found.items() if len(a) == 1}
 
 
 def kernel_axes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[tuple, int]:
     """The contraction axis of every 2-D quantized argument leaf `fn` uses as a linear weight.
 
-    Traced abstractly (`jax.eval_shape`): nothing is computed. Uses inside `scan`, `while`,
-    `cond` and `shard_map` bodies are not followed; a weight contracted over both axes (or
-    never) is left out.
+    Traced abstractly (`jax.make_jaxpr`): nothing is computed. Uses inside `jit`, `remat`,
+    `scan`, `while` and `cond` bodies count; uses inside `shard_map` do not (see module
+    docstring); a weight contracted over both axes (or never) is left out.
 
     Args:
       fn: as for `lowbit.engine.interpret`.
@@ -63,21 +85,7 @@ def kernel_axes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[tuple
     Returns:
       {key path into ``(args, kwargs)`` (quantized values as leaves): axis 0 or 1}.
     """
-    from lowbit.engine._interpreter import interpret
-
-    probe = AxisProbe()
-    flat, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_quantized)
-    leaves = [leaf for _, leaf in flat]
-    # Only arrays (and stand-ins) are traced; flags such as ``deterministic=True`` stay Python.
-    dynamic = [i for i, x in enumerate(leaves) if is_quantized(x) or hasattr(x, "shape")]
-
-    def call(*values):
-        full = list(leaves)
-        for i, v in zip(dynamic, values, strict=True):
-            full[i] = v
-        call_args, call_kwargs = jax.tree.unflatten(treedef, full)
-        return fn(*call_args, **call_kwargs)
-
-    jax.eval_shape(interpret(call, axis_probe=probe), *[leaves[i] for i in dynamic])
-    paths = [tuple(keys) for keys, _ in flat]
-    return {paths[dynamic[i]]: next(iter(a)) for i, a in probe.axes.items() if len(a) == 1}
+    traced = trace(fn, args, kwargs, lambda _, leaf: is_quantized(leaf))
+    quantized = [i for i, leaf in enumerate(traced.leaves) if is_quantized(leaf)]
+    axes = contraction_axes(traced.record, quantized)
+    return {traced.paths[i]: axis for i, axis in axes.items()}

@@ -50,8 +50,6 @@ class Context:
     where: str = "unknown"
     # Set when probing parameters (`probe`): equations reading a `Probe` go to its rules.
     probe: _probe.ProbeState | None = None
-    # `kernel_axes`' record of which weights reach which linear layers (None: not probing).
-    axis_probe: Any = None
     # Key paths of the quantized arguments by `id`, to name a weight in reports and errors.
     names: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
@@ -61,7 +59,6 @@ class Context:
             report=EngineReport(),
             strict=False,
             where=self.where,
-            axis_probe=self.axis_probe,
             names=self.names,
         )
 
@@ -197,10 +194,6 @@ def _layout(
             lambda q: qarray_fn(q, *rest, **kwargs),
             lambda value: _compat.bind_eqn(eqn, [value, *rest])[0],
         )
-        if ctx.axis_probe is not None and same:
-            ctx.axis_probe.derive(
-                out, operand, flipped=tuple(kwargs.get("permutation", ())) == (1, 0)
-            )
         ctx.report.record_layout(name)
         return [out]
 
@@ -328,7 +321,7 @@ def _named(ctx: Context, outer: Sequence[Any], inner: Sequence[Any]) -> Context:
 def _jit(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
     body = _compat.call_body(eqn)
     run = lambda *args: eval_jaxpr(_named(ctx, invals, args), body, args)
-    if _compat.jit_options(eqn)["inline"] or ctx.axis_probe is not None:
+    if _compat.jit_options(eqn)["inline"]:
         return run(*invals)
     # A fresh closure per trace, so the counts of the inner trace land in this trace's report.
     return list(jax.jit(run)(*invals))
@@ -341,8 +334,6 @@ def _call(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
 def _remat(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
     body = _compat.call_body(eqn)
     run = lambda *args: eval_jaxpr(_named(ctx, invals, args), body, args)
-    if ctx.axis_probe is not None:
-        return run(*invals)
     return list(jax.checkpoint(run, **_compat.remat_options(eqn))(*invals))
 
 
@@ -381,7 +372,6 @@ def interpret(
     *,
     strict: bool = False,
     report: EngineReport | None = None,
-    axis_probe: Any = None,
 ) -> Callable[..., Any]:
     """Wraps `fn` so that it runs with `QArray` / `QatWeight` values in its arguments.
 
@@ -390,7 +380,6 @@ def interpret(
       strict: raise `EngineFallbackError` instead of dequantizing a quantized value that meets a
         primitive without a rule.
       report: an `EngineReport` to fill at trace time (reset at the start of each trace).
-      axis_probe: internal (`kernel_axes`): an `AxisProbe` to record weight uses in.
     Returns:
       A function with the signature of `fn`. Any leaf of its argument pytrees may be a `QArray` or
       a `QatWeight` where `fn` expects a float array of the same shape and dtype. Array leaves are
@@ -430,11 +419,7 @@ def interpret(
         names = {
             id(leaf): jax.tree_util.keystr(keys[2:]) for keys, leaf in named if is_quantized(leaf)
         }
-        ctx = Context(report=target, strict=strict, axis_probe=axis_probe, names=names)
-        if axis_probe is not None:
-            for i in dynamic:
-                if is_quantized(leaves[i]):
-                    axis_probe.mark(leaves[i], i)
+        ctx = Context(report=target, strict=strict, names=names)
         outs = eval_jaxpr(ctx, closed_jaxpr, [leaves[i] for i in dynamic])
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 

@@ -42,8 +42,6 @@ def dot_general(relaid: Callable[..., None], ctx: Any, eqn: Any, invals: list[An
             result = ops.dot_general(lhs, rhs, dimension_numbers, **kwargs), path
     out, path = result
     ctx.report.record_op("dot_general", path)
-    if ctx.axis_probe is not None:
-        ctx.axis_probe.record_dot(lhs, rhs, dimension_numbers)
     return [_match_aval(eqn, out)]
 
 

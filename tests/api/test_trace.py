@@ -72,3 +72,17 @@ def test_concrete_walk_sees_each_activation():
     h = X @ (W["w"] * 0.5)
     np.testing.assert_allclose(seen[1][1], h, rtol=1e-6)
     np.testing.assert_allclose(seen[2][1], jnp.tanh(h @ (W["v"] * 0.5)), rtol=1e-6)
+
+
+def test_param_uses_follow_shard_map_bodies():
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
+    specs = {"in_specs": (P(None, "model"), P()), "out_specs": P(None, "model")}
+
+    def fn(p, x):
+        return jax.shard_map(lambda w, x: x @ w, mesh=mesh, **specs)(p["w"], x)
+
+    uses = param_uses(fn, {"w": jnp.ones((16, 8))}, jnp.ones((2, 16)))
+    assert uses == {"w": frozenset({"dot_general"})}
