@@ -26,10 +26,11 @@ import jax
 import numpy as np
 from flax import linen, nnx
 
+from lowbit.api._prepare import prepare_module, prepare_params
 from lowbit.api._quantize import as_recipe, kernel_axes_of, quantize_params
 from lowbit.api._trace import param_uses
 from lowbit.engine import EngineReport, interpret
-from lowbit.ops import is_prepared, prepare_weights
+from lowbit.ops import is_prepared
 from lowbit.qarray import QArray
 from lowbit.recipes import Recipe
 
@@ -41,7 +42,7 @@ def run(
 
     `lowbit.quantize` returns the weights the CPU kernels run already in the kernels' layout,
     so calls cost only the kernels. Weights it could not place by convention (not named
-    ``kernel``) are laid out for their traced use by ``lowbit.prepare_for_kernels(fn, params,
+    ``kernel``) are laid out for their traced use by ``lowbit.prepare(params, fn,
     *example_args)``. A logical QArray that reaches a kernel still works, but is repacked on
     every call: the report counts it as a fallback and `strict` refuses it.
 
@@ -128,14 +129,10 @@ class QuantizedModel(nnx.Module):
         """Replaces the weights the CPU kernels run by their kernel layout (once).
 
         The contraction axis of each weight comes from tracing ``method(*args, **kwargs)``
-        (abstractly; nothing runs). The first call does this by itself.
+        (abstractly; nothing runs): `lowbit.prepare`. The first call does this by itself,
+        unless it runs inside your own `jax.jit` (then prepare first, or every call repacks).
         """
-        graphdef, state = nnx.split(self.module)
-        fn = lambda s, *a, **k: getattr(nnx.merge(graphdef, s), method)(*a, **k)
-        axes = kernel_axes_of(fn, state, *args, **kwargs)
-        del state
-        graphdef, state = nnx.split(self.module)
-        nnx.update(self.module, prepare_weights(state, axes))
+        prepare_module(self.module, method, *args, **kwargs)
         self.prepared = True
 
     @property
@@ -274,7 +271,7 @@ def quantize_model(
             params, recipe, uses=uses, layout_axes=layout_axes, kernel_layouts=True
         )
         if example_args is not None:
-            qparams = prepare_weights(qparams, kernel_axes_of(model.apply, qparams, *example_args))
+            qparams = prepare_params(model.apply, qparams, *example_args)
         return QuantizedLinen(model, qparams, strict)
     raise TypeError(
         f"quantize_model expects a flax nnx.Module or linen.Module, got {type(model).__name__}; "

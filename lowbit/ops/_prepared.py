@@ -374,7 +374,7 @@ def prepare_weights(tree: Any, axes: Mapping[Any, int] | Callable[[Any], int | N
     """Every QArray that `axes` names replaced by its `PreparedQArray` (see `prepare_weight`).
 
     The one function that lays served weights out for the CPU kernels: `QuantizedModel`,
-    `lowbit.prepare_for_kernels`, `load_checkpoint` and `import_gguf` all go through it.
+    `lowbit.prepare`, `load_checkpoint` and `import_gguf` all go through it.
 
     Args:
       tree: a params pytree with QArray leaves.
