@@ -3,7 +3,7 @@
 `prepare_weights(tree, axes)` is the one place that builds kernel layouts: every 2-D `QArray`
 that `axes` names (its contraction axis, taken from a traced use, see
 `lowbit.engine.kernel_axes`) and that a kernel runs becomes a `PreparedQArray`, which holds the
-kernel's packed layout (`lowbit.kernels.prepare`) *instead of* the codes and scales. The logical
+kernel's packed layout (`lowbit.kernels.pack`) *instead of* the codes and scales. The logical
 `QArray` is recovered exactly from it (`PreparedQArray.logical()`, through
 `lowbit.kernels.prepared_to_logical`) for checkpoints, dequantization and any op other than the
 linear layer it was prepared for; only the few scale or zero-point values the layout's float32
