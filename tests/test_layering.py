@@ -20,6 +20,7 @@ LAYERS = [
     "algorithms",
     "models",
     "io",
+    "serving",
     "eval",
     "cli",
 ]
