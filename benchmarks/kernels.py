@@ -93,13 +93,13 @@ def _weights(
             codes = int8.astype(jnp.float8_e4m3fn)
         else:
             codes = nibbles
-        out[name] = jax.block_until_ready(kernels.prepare(kind, codes, scale, zp, gs))
+        out[name] = jax.block_until_ready(kernels.pack(kind, codes, scale, zp, gs))
     if names is None or "w8a8" in names:
         scale = jnp.asarray(rng.uniform(0.001, 0.01, (1, n)).astype(np.float32))
-        out["w8a8"] = jax.block_until_ready(kernels.prepare("w8a8", int8, scale))
+        out["w8a8"] = jax.block_until_ready(kernels.pack("w8a8", int8, scale))
     if names is None or W4A8 in names:
         scale = jnp.asarray(rng.uniform(0.001, 0.01, (-(-k // 128), n)).astype(np.float32))
-        out[W4A8] = jax.block_until_ready(kernels.prepare("w4a8", nibbles, scale, None, 128))
+        out[W4A8] = jax.block_until_ready(kernels.pack("w4a8", nibbles, scale, None, 128))
     return out
 
 
@@ -549,7 +549,7 @@ def _mlp_rows(rng: np.random.Generator) -> dict[str, tuple]:
             elif name == "w8a8":
                 codes = jnp.asarray(rng.integers(-127, 128, (k, n), dtype=np.int8))
                 scale = jnp.full((1, n), 0.01, jnp.float32)
-                ws.append(kernels.prepare("w8a8", codes, scale))
+                ws.append(kernels.pack("w8a8", codes, scale))
             else:
                 ws.append(_weights(k, n, rng, names=(name,))[name])
 

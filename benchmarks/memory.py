@@ -140,7 +140,7 @@ for i in range(LAYERS):  # one float weight alive at a time
         del w
     params.append(layer)
 x = jnp.ones((1, D))
-params = lowbit.prepare_for_kernels(mlp, params, x)
+params = lowbit.prepare(params, mlp, x)
 jax.block_until_ready(params)
 is_q = lambda x: isinstance(x, QArray | PreparedQArray)
 leaves = [q for q in jax.tree.leaves(params, is_leaf=is_q) if is_q(q)]
@@ -202,7 +202,7 @@ def run() -> str:
     lines += [
         "",
         "4-layer MLP anchor (d 1024, ffn 4096), quantized one float weight at a time and "
-        "prepared with `lowbit.prepare_for_kernels`; kept = growth of RssAnon (fixed mmap "
+        "prepared with `lowbit.prepare`; kept = growth of RssAnon (fixed mmap "
         "threshold), MiB:",
         "",
         "| recipe | weights nbytes | resident | resident / nbytes | kept |",

@@ -228,7 +228,7 @@ def run() -> str:
         "Quantized inference through the public path (`lowbit.run`), CPU kernels on and off.",
         f"{kernels.status()}. Best of up to {MAX_REPS} calls; kernels-off numbers come from a "
         "subprocess with `LOWBIT_DISABLE_KERNELS=1` that times its own float32 baseline.",
-        "Stored layout: the weight prepared once (`prepare_weight`, as `prepare_for_kernels` and "
+        "Stored layout: the weight prepared once (`prepare_weight`, as `lowbit.prepare` and "
         "`load_checkpoint(kernel_axes=)` do); repack per call: the logical QArray; "
         '"kernel only" calls the kernel on the stored layout directly. In the MLP tables the '
         "w8a8 weights are prepared.",

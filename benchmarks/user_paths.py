@@ -2,7 +2,7 @@
 
 The README's code (``lowbit.quantize(params, recipe)`` then ``jax.jit(lowbit.run(fn))``), the
 NNX path (``quantize_model`` then ``nnx.split`` and ``jax.jit(lowbit.run(...))``), the explicit
-``prepare_for_kernels`` path, and logical QArrays (``kernel_layouts=False``: what the README
+``lowbit.prepare`` path, and logical QArrays (``kernel_layouts=False``: what the README
 path gave before weights were laid out at quantize time) on a linear layer K = N = 4096 at
 M in {1, 8, 64, 512}; then the MLP anchor's int4 decode through the NNX path beside torchao's
 int4 CPU path in the same process (when torch and torchao import: `make bench-env`).
@@ -51,7 +51,7 @@ def _paths(w: jax.Array, preset: str, x_example: jax.Array) -> dict[str, Callabl
     readme = jax.jit(lowbit.run(forward))
     q_readme = lowbit.quantize(params, preset)
     q_logical = lowbit.quantize(params, preset, kernel_layouts=False)
-    q_prepared = lowbit.prepare_for_kernels(forward, q_logical, x_example)
+    q_prepared = lowbit.prepare(q_logical, forward, x_example)
 
     layer = nnx.Linear(w.shape[0], w.shape[1], use_bias=False, rngs=nnx.Rngs(0))
     layer.kernel.value = w
@@ -141,7 +141,7 @@ def run() -> str:
         f" Linear K = N = {K}, float32 activations, best wall time of up to 15 calls, ms."
         " README: `lowbit.quantize(params, preset)` + `jax.jit(lowbit.run(fn))`; nnx: "
         "`quantize_model` + `nnx.split` + `jax.jit(lowbit.run(...))`; prepared: "
-        "`prepare_for_kernels` on the logical QArrays; logical: `kernel_layouts=False`, the layout"
+        "`lowbit.prepare` on the logical QArrays; logical: `kernel_layouts=False`, the layout"
         " built inside every call (what the README path ran before). Ratio: prepared time / path"
         " time (>= 0.9 is the target; above 1 is faster).",
     ]

@@ -21,6 +21,7 @@ LAYERS = [
     "api",
     "models",
     "io",
+    "serving",
     "eval",
     "cli",
 ]

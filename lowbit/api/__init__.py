@@ -19,11 +19,11 @@ from lowbit.api._lora import (
     lora_param_count,
 )
 from lowbit.api._model import QuantizedLinen, QuantizedModel, quantize_model, run
-from lowbit.api._qat import convert, prepare, qat
+from lowbit.api._prepare import prepare, prepare_for_kernels
+from lowbit.api._qat import convert, qat
 from lowbit.api._quantize import (
     algorithm_weights,
     kernel_axes_of,
-    prepare_for_kernels,
     quantize,
     quantize_params,
     quantize_weight,

@@ -28,10 +28,11 @@ from flax import linen, nnx
 
 from lowbit.algorithms import AlgorithmReport
 from lowbit.api._algorithms import AlgorithmOptions
-from lowbit.api._quantize import as_recipe, kernel_axes_of, quantize_params
+from lowbit.api._prepare import prepare_module, prepare_traced
+from lowbit.api._quantize import as_recipe, quantize_params
 from lowbit.api._trace import layout_axes, ops_by_path, trace_params
 from lowbit.engine import EngineReport, interpret
-from lowbit.ops import is_prepared, prepare_weights
+from lowbit.ops import is_prepared
 from lowbit.qarray import QArray
 from lowbit.recipes import Recipe
 
@@ -43,7 +44,7 @@ def run(
 
     `lowbit.quantize` returns the weights the CPU kernels run already in the kernels' layout,
     so calls cost only the kernels. Weights it could not place by convention (not named
-    ``kernel``) are laid out for their traced use by ``lowbit.prepare_for_kernels(fn, params,
+    ``kernel``) are laid out for their traced use by ``lowbit.prepare(params, fn,
     *example_args)``. A logical QArray that reaches a kernel still works, but is repacked on
     every call: the report counts it as a fallback and `strict` refuses it.
 
@@ -130,14 +131,10 @@ class QuantizedModel(nnx.Module):
         """Replaces the weights the CPU kernels run by their kernel layout (once).
 
         The contraction axis of each weight comes from tracing ``method(*args, **kwargs)``
-        (abstractly; nothing runs). The first call does this by itself.
+        (abstractly; nothing runs): `lowbit.prepare`. The first call does this by itself,
+        unless it runs inside your own `jax.jit` (then prepare first, or every call repacks).
         """
-        graphdef, state = nnx.split(self.module)
-        fn = lambda s, *a, **k: getattr(nnx.merge(graphdef, s), method)(*a, **k)
-        axes = kernel_axes_of(fn, state, *args, **kwargs)
-        del state
-        graphdef, state = nnx.split(self.module)
-        nnx.update(self.module, prepare_weights(state, axes))
+        prepare_module(self.module, method, *args, **kwargs)
         self.prepared = True
 
     @property
@@ -285,7 +282,7 @@ def quantize_model(
             **algorithms,
         )
         if traced is not None:
-            qstate = prepare_weights(qstate, layout_axes(traced, qstate))
+            qstate = prepare_traced(qstate, traced)
         qmodel = QuantizedModel(nnx.merge(graphdef, qstate), strict=strict)
         if traced is not None:
             qmodel.prepared = True
@@ -311,7 +308,7 @@ def quantize_model(
             **algorithms,
         )
         if traced is not None:
-            qparams = prepare_weights(qparams, layout_axes(traced, qparams))
+            qparams = prepare_traced(qparams, traced)
         return QuantizedLinen(model, qparams, strict)
     raise TypeError(
         f"quantize_model expects a flax nnx.Module or linen.Module, got {type(model).__name__}; "

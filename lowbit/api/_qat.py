@@ -1,15 +1,15 @@
 """Quantization-aware training: float params in, QAT values inside the loss, PTQ params out.
 
 The float params stay the training state (optax sees ordinary arrays of the usual shapes). Inside
-the loss, `qat.prepare(recipe)` wraps every weight the recipe selects as a `QatWeight` holding the
+the loss, `qat.wrapper(recipe)` wraps every weight the recipe selects as a `QatWeight` holding the
 float `value` and `qarray = quantize(value)`; the model runs through `lowbit.api.run`, whose
 quantized ops use `qarray` in the forward pass and send straight-through gradients to `value`, so
 `jax.grad` of the loss returns gradients in the float params' pytree shape:
 
-    prepare = lowbit.qat.prepare(recipe)
+    wrap = lowbit.qat.wrapper(recipe)
 
     def loss(params, x, y):
-        logits = lowbit.run(apply)(prepare(params), x)
+        logits = lowbit.run(apply)(wrap(params), x)
         return cross_entropy(logits, y)
 
     grads = jax.grad(loss)(params, x, y)        # same pytree as params
@@ -22,6 +22,7 @@ to the QAT forward pass.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,7 +33,7 @@ from lowbit.ops import QatWeight
 from lowbit.recipes import Recipe, map_params
 
 
-def prepare(
+def wrapper(
     recipe: Recipe | str, *, uses: Mapping[str, frozenset[str]] | None = None
 ) -> Callable[[Any], Any]:
     """A function mapping float params to QAT params (call it inside the loss).
@@ -68,21 +69,34 @@ def prepare(
 def qat(params: Any, recipe: Recipe | str, **options: Any) -> Any:
     """`lowbit.qat`: wraps the weights a recipe selects as `QatWeight`s.
 
-    The same as ``prepare(recipe)(params)``.
+    The same as ``wrapper(recipe)(params)``.
 
-    Call it inside the loss (or use `qat.prepare`) so gradients flow to the float params.
+    Call it inside the loss (or use `qat.wrapper`) so gradients flow to the float params.
 
     Args:
       params: float params pytree.
       recipe: a `Recipe` or preset name.
-      **options: as for `prepare`.
+      **options: as for `wrapper`.
     Returns:
       The params with `QatWeight` leaves.
     """
-    return prepare(recipe, **options)(params)
+    return wrapper(recipe, **options)(params)
 
 
-qat.prepare = prepare  # type: ignore[attr-defined]
+qat.wrapper = wrapper  # type: ignore[attr-defined]
+
+
+def _deprecated_prepare(recipe: Recipe | str, **options: Any) -> Callable[[Any], Any]:
+    """Deprecated name of `qat.wrapper` (`lowbit.prepare` now means kernel layouts only)."""
+    warnings.warn(
+        "lowbit.qat.prepare(recipe) is deprecated; use lowbit.qat.wrapper(recipe)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return wrapper(recipe, **options)
+
+
+qat.prepare = _deprecated_prepare  # type: ignore[attr-defined]
 
 
 def convert(params: Any, recipe: Recipe | str, **options: Any) -> Any:

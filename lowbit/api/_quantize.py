@@ -82,26 +82,6 @@ def kernel_axes_of(
     return layout_axes(trace_params(fn, params, *args, **kwargs))
 
 
-def prepare_for_kernels(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: Any) -> Any:
-    """`lowbit.prepare_for_kernels`: `params` ready to serve `fn` on the CPU kernels.
-
-    Traces ``fn(params, *args, **kwargs)`` abstractly (`lowbit.engine.kernel_axes`) to find
-    which axis each 2-D quantized weight is contracted over, then replaces every weight a
-    kernel runs by its `lowbit.ops.PreparedQArray` (`lowbit.ops.prepare_weights`): the kernel's
-    layout *instead of* the codes, so each weight is resident once. Saving, dequantizing and
-    any other use recover the logical QArray exactly. Other leaves are returned as they are.
-
-    Args:
-      fn: the function served, e.g. ``model.apply`` or ``lambda params, x: ...``.
-      params: its first argument, with `QArray` leaves.
-      *args, **kwargs: example inputs (arrays or `jax.ShapeDtypeStruct`s).
-    Returns:
-      `params` with `PreparedQArray`s in place of the weights prepared.
-    """
-    axes = kernel_axes_of(fn, params, *args, **kwargs)
-    return prepare_weights(params, axes)
-
-
 def _use_aliases(params: Any, layout_axes: Mapping[tuple, int] | None) -> dict[str, str]:
     """{path: path the recipe matches it as} for 2-D parameters with a traced layout."""
     if not layout_axes:

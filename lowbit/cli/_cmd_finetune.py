@@ -13,6 +13,7 @@ import argparse
 import time
 from pathlib import Path
 
+from lowbit import serving
 from lowbit.cli._common import (
     ADAPTERS_DIR,
     META_KIND,
@@ -80,17 +81,11 @@ def run(args: argparse.Namespace) -> int:
         read_text,
     )
     from lowbit.eval._tree import named_leaves
-    from lowbit.eval._variants import (
-        as_numpy_tokens,
-        check_recipe_spec,
-        load_model,
-        quantize_variant,
-        recipe_label,
-    )
+    from lowbit.eval._variants import quantize_variant
     from lowbit.io import save_adapters, save_checkpoint
     from lowbit.ops import logical_weights
 
-    check_recipe_spec(args.recipe)
+    serving.check_recipe_spec(args.recipe)
     alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
     rule = LoraRule(
         path=args.lora_targets, rank=args.lora_rank, alpha=alpha, dropout=args.lora_dropout
@@ -106,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     with progress() as bar:
         with step(bar, f"loading {args.model}"):
-            loaded = load_model(args.model)
+            loaded = serving.load_model(args.model)
         if loaded.kind != "lm":
             raise ValueError(f"finetune trains language models; {loaded.name} is an encoder")
         float_params = nnx.split(loaded.model)[1]
@@ -115,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             params = logical_weights(params)  # the frozen base trains on logical QArrays
         text = read_text(args.text) if args.text else default_training_text()
         with step(bar, "tokenizing"):
-            tokens = as_numpy_tokens(loaded.tokenizer, text)
+            tokens = serving.as_numpy_tokens(loaded.tokenizer, text)
         losses: list[float] = []
         with step(bar, f"training ({args.recipe} base, rank {args.lora_rank})") as advance:
 
@@ -130,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             result = finetune_lm(loaded.model, params, config, tokens, settings, on_step=on_step)
             seconds = time.perf_counter() - start
-        label = recipe_label(args.recipe)
+        label = serving.recipe_label(args.recipe)
         metadata = {META_MODEL: loaded.spec, META_RECIPE: label, META_KIND: loaded.kind}
         with step(bar, f"writing {out}"):
             save_checkpoint(out, params, recipe=recipe, metadata=metadata)

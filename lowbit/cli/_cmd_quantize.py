@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from lowbit import serving
 from lowbit.cli._common import (
     META_KIND,
     META_MODEL,
@@ -14,7 +15,6 @@ from lowbit.cli._common import (
     step,
 )
 from lowbit.eval import float32_bytes, param_bytes
-from lowbit.eval._variants import check_recipe_spec, load_model, recipe_label
 
 NAME = "quantize"
 HELP = "quantize a model by a recipe and write a checkpoint directory"
@@ -43,15 +43,15 @@ def run(args: argparse.Namespace) -> int:
 
     from lowbit.io import check_save_path, save_checkpoint
 
-    check_recipe_spec(args.recipe)
+    serving.check_recipe_spec(args.recipe)
     check_save_path(args.out)  # before the work, not after: refuse a directory that is not ours
     with progress() as bar:
         with step(bar, f"loading {args.model}"):
-            loaded = load_model(args.model)
+            loaded = serving.load_model(args.model)
         float_params = nnx.split(loaded.model)[1]
         with step(bar, f"quantizing with {args.recipe}"):
             params, recipe = quantize_with_progress(bar, loaded, float_params, args.recipe, args)
-        label = recipe_label(args.recipe)
+        label = serving.recipe_label(args.recipe)
         metadata = {META_MODEL: loaded.spec, META_RECIPE: label, META_KIND: loaded.kind}
         with step(bar, f"writing {args.out}"):
             save_checkpoint(args.out, params, recipe=recipe, metadata=metadata)

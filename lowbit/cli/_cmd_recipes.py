@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lowbit.eval._variants import GGUF_RECIPE
+from lowbit.serving import GGUF_RECIPE
 
 NAME = "recipes"
 HELP = "list the preset recipes (one line each: name and description)"

@@ -16,13 +16,13 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from lowbit.eval import _variants
+from lowbit import serving
 
 # Metadata keys the CLI stores in a checkpoint manifest to find the float model again.
-META_MODEL = "model"
-META_RECIPE = "recipe"
-META_KIND = "kind"
-MANIFEST = "manifest.json"
+META_MODEL = serving.META_MODEL
+META_RECIPE = serving.META_RECIPE
+META_KIND = serving.META_KIND
+MANIFEST = serving.MANIFEST
 ADAPTERS_DIR = "adapters"  # LoRA adapters of a `lowbit finetune` directory (lowbit.io.ADAPTERS_DIR)
 
 
@@ -71,8 +71,7 @@ def step(bar: Progress, description: str, total: int | None = None) -> Iterator[
         bar.console.print(f"done: {description} ({time.perf_counter() - start:.1f} s)")
 
 
-def is_checkpoint(target: str) -> bool:
-    return Path(target, MANIFEST).is_file()
+is_checkpoint = serving.is_checkpoint
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -87,7 +86,7 @@ class Target:
       directory: the checkpoint directory, or None when quantized in memory.
     """
 
-    loaded: _variants.LoadedModel
+    loaded: serving.LoadedModel
     float_params: Any
     params: Any
     recipe: str
@@ -114,7 +113,10 @@ def add_calibration_arguments(parser: Any) -> None:
 def quantize_with_progress(
     bar: Progress, loaded: Any, float_params: Any, spec: str, args: Any = None
 ) -> tuple[Any, Any]:
-    """`quantize_variant` with progress tasks for calibration batches and algorithm weights."""
+    """`lowbit.serving.apply_recipe` with progress tasks for calibration batches and algorithm
+    weights; data-driven recipes calibrate on `lowbit.eval.calibrator`'s set."""
+    from lowbit.eval import calibrator
+
     calibration = getattr(args, "calibration", None)
     sequences = getattr(args, "calibration_sequences", None)
     if sequences is not None and sequences < 1:
@@ -123,13 +125,11 @@ def quantize_with_progress(
         step(bar, f"calibrating {spec}") as on_batch,
         step(bar, f"rounding weights of {spec}") as on_weight,
     ):
-        return _variants.quantize_variant(
+        return serving.apply_recipe(
             loaded,
             float_params,
             spec,
-            calibration_file=calibration,
-            calibration_sequences=sequences,
-            on_batch=on_batch,
+            calibrate=calibrator(calibration, sequences, on_batch=on_batch),
             on_weight=on_weight,
             on_report=lambda report: _print_algorithm_report(bar, report),
         )
@@ -166,45 +166,35 @@ def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None
                 f"--recipe {recipe!r} was given with checkpoint {target!r}, which already holds "
                 "quantized parameters; drop --recipe"
             )
-        from lowbit.io import has_adapters, load_adapted_checkpoint, read_manifest
-        from lowbit.ops import prepare_weights
-
-        meta = read_manifest(target).get("metadata") or {}
-        if META_MODEL not in meta:
-            raise ValueError(
-                f"checkpoint {target!r} has no '{META_MODEL}' in its metadata; it was not written "
-                "by `lowbit quantize`, so its float model is unknown"
-            )
+        meta = serving.checkpoint_metadata(target)
         with step(bar, f"loading {meta[META_MODEL]}"):
-            loaded = _variants.load_model(meta[META_MODEL])
+            loaded = serving.load_model(meta[META_MODEL])
         float_params = nnx.split(loaded.model)[1]
         with step(bar, f"reading {target}"):
             # A `lowbit finetune` directory: the quantized base with its LoRA adapters.
-            params = load_adapted_checkpoint(target)
-            params = prepare_weights(params, _variants.serving_axes(loaded)(params))
-        label = str(meta.get(META_RECIPE, "custom"))
+            params = serving.read_checkpoint(target, loaded)
         return Target(
             loaded=loaded,
             float_params=float_params,
             params=params,
-            recipe=f"{label}+lora" if has_adapters(target) else label,
+            recipe=serving.checkpoint_recipe_label(target),
             directory=Path(target),
         )
-    if os.path.isdir(target):
+    if os.path.isdir(target) and not serving.is_hf_directory(target):
         raise ValueError(f"{target!r} is a directory without {MANIFEST}; it is not a checkpoint")
     if recipe is not None:
-        _variants.check_recipe_spec(recipe)
+        serving.check_recipe_spec(recipe)
     with step(bar, f"loading {target}"):
-        loaded = _variants.load_model(target)
+        loaded = serving.load_model(target)
     float_params = nnx.split(loaded.model)[1]
-    spec = recipe or _variants.FLOAT_RECIPE
+    spec = recipe or serving.FLOAT_RECIPE
     with step(bar, f"quantizing with {spec}"):
         params, _ = quantize_with_progress(bar, loaded, float_params, spec, args)
     return Target(
         loaded=loaded,
         float_params=float_params,
         params=params,
-        recipe=_variants.recipe_label(spec),
+        recipe=serving.recipe_label(spec),
         directory=None,
     )
 
@@ -261,6 +251,6 @@ def resolve_kv_cache(flag: str | None, recipe_spec: str | None) -> Any:
 
     if flag is not None:
         return parse_kv_cache(flag, "--kv-cache")
-    if recipe_spec in (None, _variants.GGUF_RECIPE, _variants.FLOAT_RECIPE):
+    if recipe_spec in (None, serving.GGUF_RECIPE, serving.FLOAT_RECIPE):
         return None
-    return getattr(_variants.load_recipe(recipe_spec), "kv_cache", None)
+    return getattr(serving.load_recipe(recipe_spec), "kv_cache", None)

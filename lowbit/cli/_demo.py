@@ -25,7 +25,7 @@ from lowbit.eval import (
     relative_change,
     write_report,
 )
-from lowbit.eval._variants import GGUF_RECIPE
+from lowbit.serving import GGUF_RECIPE
 
 NAME = "demo"
 HELP = (

@@ -141,13 +141,13 @@ def relaid_counted(ctx: Context, eqn: Any, value: Any) -> None:
         reason = (
             f"was laid out for contraction over axis {value.axis} but is used otherwise here, "
             "so its codes are recovered on every call; lay it out for this use with "
-            "lowbit.prepare_for_kernels(fn, params, *example_args)"
+            "lowbit.prepare(params, fn, *example_args)"
         )
     else:
         reason = (
             "is a logical QArray that the CPU kernel lays out on every call; quantize with "
             "lowbit.quantize (kernel_layouts=True, the default) or lay it out once with "
-            "lowbit.prepare_for_kernels(fn, params, *example_args)"
+            "lowbit.prepare(params, fn, *example_args)"
         )
     if ctx.strict:
         fix = "in strict mode the engine does not re-lay weights out per call"

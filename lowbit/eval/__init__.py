@@ -1,5 +1,6 @@
 """Evaluation: perplexity, embedding similarity, per-layer SQNR, sizes, speed, reports and plots."""
 
+from lowbit.eval._calibration_set import calibrator
 from lowbit.eval._corpus import (
     SOTU_SPEECHES,
     default_sentences,
@@ -69,6 +70,7 @@ __all__ = [
     "SimilarityResult",
     "SpeedResult",
     "SuiteResult",
+    "calibrator",
     "contraction_axis",
     "cosine_similarity",
     "decode_tokens_per_s",

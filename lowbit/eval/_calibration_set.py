@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from lowbit.eval._corpus import calibration_text
+from lowbit.eval._corpus import calibration_text, read_text
 from lowbit.eval._harness import pad_batch
+from lowbit.serving import Calibrate, LoadedModel, model_fn
 
 SEQUENCES = 128
 LENGTH = 512
@@ -77,17 +78,57 @@ def row_mask(kind: str) -> Callable[..., Any] | None:
     return None if kind == "lm" else (lambda tokens, mask: mask)
 
 
-def model_fn(model: nnx.Module, kind: str) -> Callable[..., Any]:
-    """``fn(params, *batch)`` calling the model (LM: tokens; encoder: tokens and mask)."""
-    graphdef = nnx.split(model)[0]
-    if kind == "lm":
-        return lambda state, tokens: nnx.merge(graphdef, state)(tokens)
-    return lambda state, tokens, mask: nnx.merge(graphdef, state)(tokens, mask)
-
-
 def cached_statistics(model: nnx.Module, key: Any, compute: Callable[[], Any]) -> Any:
     """Statistics of `model` under `key` (calibration set and weights), computed once."""
     per_model = _STATS.setdefault(model, {})
     if key not in per_model:
         per_model[key] = compute()
     return per_model[key]
+
+
+def calibrator(
+    calibration_file: str | None = None,
+    sequences: int | None = None,
+    *,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> Calibrate:
+    """`lowbit.eval.calibrator`: the `lowbit.serving.Calibrate` of this calibration set.
+
+    The statistics are cached per model and calibration set, so recipes of one model share one
+    calibration pass.
+
+    Args:
+      calibration_file: a text file to calibrate on instead of the default speeches.
+      sequences: number of calibration sequences (default `SEQUENCES` of `LENGTH` tokens; for
+        an encoder, sentences: default `ENCODER_SENTENCES`).
+      on_batch: progress callback ``(done, total)`` over the calibration batches.
+    """
+
+    def calibrate(loaded: LoadedModel, params: Any, paths: tuple[str, ...], rows: Any) -> Any:
+        from lowbit.algorithms import capture
+
+        text = None if calibration_file is None else read_text(calibration_file)
+        if loaded.kind == "lm":
+            n = SEQUENCES if sequences is None else sequences
+            batches = lm_batches(loaded.tokenizer, text, sequences=n)
+        else:
+            n = ENCODER_SENTENCES if sequences is None else sequences
+            batches = encoder_batches(loaded.tokenizer, text, sequences=n)
+        fn = model_fn(loaded.model, loaded.kind)
+        progress = None if on_batch is None else (lambda done: on_batch(done, len(batches)))
+        key = (calibration_file, n, paths, rows)
+        return cached_statistics(
+            loaded.model,
+            key,
+            lambda: capture(
+                fn,
+                params,
+                batches,
+                paths=paths,
+                sample_rows=rows,
+                row_mask=row_mask(loaded.kind),
+                on_batch=progress,
+            ),
+        )
+
+    return calibrate

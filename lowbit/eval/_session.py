@@ -21,7 +21,7 @@ from lowbit.eval._report import ResultRow
 from lowbit.eval._similarity import embedding_similarity
 from lowbit.eval._speed import SpeedResult, time_call
 from lowbit.eval._tree import float32_bytes, param_bytes
-from lowbit.eval._variants import LoadedModel, as_numpy_tokens
+from lowbit.serving import LoadedModel, as_numpy_tokens
 
 Progress = Callable[[int, int], None] | None
 

@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterator, Sequence
 from lowbit.eval._report import ResultRow
 from lowbit.eval._session import ModelSession
 from lowbit.eval._sqnr import output_sqnr, weight_sqnr
-from lowbit.eval._variants import FLOAT_RECIPE, load_model, quantize_variant
+from lowbit.eval._variants import quantize_variant
+from lowbit.serving import FLOAT_RECIPE, load_model
 
 # ``stage(description)`` -> context manager yielding ``advance(done, total)``: progress display.
 Stage = Callable[[str], contextlib.AbstractContextManager[Callable[[int, int], None]]]
@@ -47,7 +48,7 @@ def evaluate_recipes(
     """Loads `model` once and measures each recipe: size, quality, speed, per-layer SQNR.
 
     Args:
-      model: a model spec (`lowbit.eval.load_model`), e.g. ``"smollm2"``.
+      model: a model spec (`lowbit.serving.load_model`), e.g. ``"smollm2"``.
       recipes: recipe specs: preset names, recipe JSON paths, ``"float"``, ``"gguf"``.
       max_tokens: tokens scored for perplexity (language models).
       context: perplexity window, also the prefill length timed.

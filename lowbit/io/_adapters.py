@@ -108,7 +108,7 @@ def load_adapters(
                 f"{stored.get(name)}, but this model has {current.get(name)}: another model or "
                 "recipe; load them onto the base they were trained on"
             )
-    adapters = load_checkpoint(path, kernel_layouts=False)
+    adapters = load_checkpoint(path)
     try:
         check_adapters(base, adapters, config, where=f"adapters at {os.fspath(path)!r}")
     except ValueError as err:

@@ -74,17 +74,6 @@ from lowbit.ops._host_memory import release_free_memory
 MANIFEST_DIGEST_KEY = "lowbit.manifest_sha256"
 
 
-def check_kernel_layouts(kernel_layouts: bool) -> None:
-    """The former ``kernel_layouts=True`` guessed contraction axes; they must now be given."""
-    if kernel_layouts:
-        raise TypeError(
-            "kernel_layouts=True is gone: kernel layouts replace the codes and need each "
-            "weight's contraction axis from a traced use; pass kernel_axes= (e.g. "
-            "lambda p: lowbit.api.kernel_axes_of(fn, p, *example_args)), or call "
-            "lowbit.prepare_for_kernels(fn, params, *example_args) after loading"
-        )
-
-
 def _sha256(array: np.ndarray) -> str:
     data = np.require(array, requirements="C").reshape(-1).view(np.uint8)
     return hashlib.sha256(data).hexdigest()
@@ -311,7 +300,6 @@ def load_checkpoint(
     recipe: Any = None,
     sharding: Any = None,
     kernel_axes: Any = None,
-    kernel_layouts: bool = False,
 ) -> Any:
     """Loads a checkpoint written by `save_checkpoint`, straight into QArrays.
 
@@ -333,8 +321,6 @@ def load_checkpoint(
         is read) that returns one, e.g. ``lambda p: lowbit.api.kernel_axes_of(fn, p, x)``.
         Each prepared weight replaces its codes as soon as it is read, so the tree is
         resident once. None (default): logical QArrays.
-      kernel_layouts: False only (the logical form); kept for callers of the former API.
-        Layouts need the contraction axes: pass `kernel_axes`.
     Returns:
       The params tree, with dicts, lists and tuples as saved (``nnx.State`` comes back as a
       dict) and `QArray`s holding the stored codes.

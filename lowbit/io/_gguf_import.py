@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit.formats import GGUF_BLOCK_FORMATS, get_format, gguf_decode
-from lowbit.io._checkpoint import check_kernel_layouts
 from lowbit.io._placement import NameMap, Placement, nest, resolve
 from lowbit.models import GGUFTensor, read_gguf, unpermute_rope_rows
 from lowbit.ops import prepare_leaves
@@ -176,7 +175,6 @@ def import_gguf(
     name_map: NameMap | None = None,
     quantized: bool = True,
     kernel_axes: Any = None,
-    kernel_layouts: bool = False,
 ) -> tuple[dict[Any, Any], dict[str, Any]]:
     """Reads a GGUF file into a params tree, keeping quantized tensors quantized as stored.
 
@@ -191,7 +189,6 @@ def import_gguf(
         {key path: contraction axis}, or a function of the placed (logical) tree returning
         one, e.g. ``lambda p: lowbit.api.kernel_axes_of(fn, p, tokens)``; the layouts
         replace the codes. None (default): logical QArrays.
-      kernel_layouts: False only (the logical form), as for `load_checkpoint`.
     Returns:
       ``(params, metadata)``: nested dicts of `QArray`s (`DIRECT_TYPES` and `BLOCK_TYPES`)
       and float32 arrays (other types); the file's key/value metadata.
@@ -200,7 +197,6 @@ def import_gguf(
         one path.
       TypeError: if `name_map` returns something other than the accepted kinds.
     """
-    check_kernel_layouts(kernel_layouts)
     gguf_file = read_gguf(path)
     placed = []
     for name, tensor in gguf_file.tensors.items():

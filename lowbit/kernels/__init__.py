@@ -1,6 +1,6 @@
 """Fast CPU kernels for quantized linear layers, through XLA's FFI.
 
-Weights are packed once with `prepare` (layouts in `lowbit.kernels._layout`) and then used
+Weights are packed once with `pack` (layouts in `lowbit.kernels._layout`) and then used
 by the kernels on plain arrays:
 
 - `weight_only_linear(x, w, bias=None, *, out_dtype=None, int8_activations=False)`: x
@@ -19,7 +19,7 @@ by the kernels on plain arrays:
   the filled slots of a float32 KV cache (the decode step of `lowbit.models`), one call per
   layer instead of a loop of small XLA ops.
 
-Logical weights (inputs to `prepare`, outputs of `prepared_to_logical`): codes `[K, N]`
+Logical weights (inputs to `pack`, outputs of `prepared_to_logical`): codes `[K, N]`
 (contraction axis first, like a Flax `Dense` kernel); scale `[G, N]` float32 with
 G = ceil(K / group_size) or `[1, N]` per channel; zero_point `[G, N]` float32 (uint4 only).
 
@@ -39,13 +39,15 @@ module is missing or `LOWBIT_DISABLE_KERNELS=1` is set, every platform takes the
 
 from __future__ import annotations
 
+import warnings
+
 import jax.numpy as jnp
 
 from lowbit.kernels._kinds import FORMAT_KINDS, KERNEL_KINDS, KINDS, KernelKind
 from lowbit.kernels._layout import (
     W8A8_MAX_K,
     PreparedWeight,
-    prepare,
+    pack,
     prepared_columns,
     prepared_to_logical,
 )
@@ -69,6 +71,15 @@ from lowbit.kernels._ops import (
 )
 from lowbit.kernels._reference import FP4_LEVELS, NF4_LEVELS, quantize_per_token
 
+
+def prepare(*args, **kwargs) -> PreparedWeight:
+    """Deprecated name of `pack` (`lowbit.prepare` is the serving transform)."""
+    warnings.warn(
+        "lowbit.kernels.prepare is deprecated; use lowbit.kernels.pack", DeprecationWarning, 2
+    )
+    return pack(*args, **kwargs)
+
+
 __all__ = [
     "FORMAT_KINDS",
     "FP4_LEVELS",
@@ -82,6 +93,7 @@ __all__ = [
     "int8_activations_supported",
     "decode_attention",
     "dequantize_weight",
+    "pack",
     "prepare",
     "prepared_columns",
     "prepared_to_logical",

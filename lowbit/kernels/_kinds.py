@@ -21,10 +21,10 @@ ZERO_POINTS = ("none", "fixed8", "per_group")
 class KernelKind:
     """One kernel kind.
 
-    name: the kind's name in `prepare` / `PreparedWeight.kind`.
+    name: the kind's name in `pack` / `PreparedWeight.kind`.
     kernel_id: the compiled weight-only kernel it runs on, None for w8a8 / w4a8 (int8
       activations, their own targets).
-    code_dtype: dtype of the logical codes `prepare` takes.
+    code_dtype: dtype of the logical codes `pack` takes.
     pair_bytes: packed bytes holding 2 k-rows of a 16-column panel (16 for 4-bit codes,
       32 for 8-bit codes).
     lut: name of the 16-entry codebook the codes index (`_reference.CODEBOOKS`), else None.
@@ -61,7 +61,7 @@ KERNEL_KINDS: types.MappingProxyType[str, KernelKind] = types.MappingProxyType(
 """Kind name -> `KernelKind`, in table order."""
 
 KINDS = tuple(KERNEL_KINDS)
-"""Every kind `prepare` accepts."""
+"""Every kind `pack` accepts."""
 
 WEIGHT_ONLY_KINDS = tuple(k.name for k in _TABLE if k.kernel_id is not None)
 """Kinds run by the weight-only kernel (float activations)."""

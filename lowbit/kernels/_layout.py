@@ -127,7 +127,7 @@ def _check_group_size(kind: str, k: int, group_size: int | None) -> None:
         )
 
 
-def prepare(
+def pack(
     kind: str,
     codes: jax.Array,
     scale: jax.Array,
@@ -279,7 +279,7 @@ def _prepare_weight_only(
 
 @jax.jit
 def prepared_to_logical(w: PreparedWeight) -> dict[str, jax.Array | None]:
-    """Inverse of `prepare`: {"codes": [K, N], "scale": [G, N], "zero_point": [G, N] | None}."""
+    """Inverse of `pack`: {"codes": [K, N], "scale": [G, N], "zero_point": [G, N] | None}."""
     k, n = w.k, w.n
     if w.kind == "w4a8":
         return _w4a8_to_logical(w)

@@ -40,7 +40,7 @@ A per-tensor scale (`[1, 1]`) counts as per channel (broadcast to `[1, N]`). A w
 `[N, K]` (contracted over axis 1, e.g. a tied embedding used as the output projection,
 ``x @ E.T``) is routed as its transpose.
 
-Kernel layout. The kernels read their own packed layout (`lowbit.kernels.prepare`: column
+Kernel layout. The kernels read their own packed layout (`lowbit.kernels.pack`: column
 panels with the group scales inline, nibbles paired along K). Served weights are prepared once,
 by `lowbit.ops.prepare_weights`, into a `PreparedQArray` that holds that layout instead of the
 codes; a routed call on one costs only the kernel. A logical QArray reaching a kernel route
@@ -299,11 +299,11 @@ def _prepare_dense(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
     rows = 1 if route.group_size is None else k // route.group_size
     if isinstance(q.fmt, GGUFBlockFormat):
         codes, scale, zero_point = q.fmt.kernel_view(q.codes, 0)
-        return kernels.prepare(route.kind, codes, scale, zero_point, route.group_size)
+        return kernels.pack(route.kind, codes, scale, zero_point, route.group_size)
     codes = q.unpacked_codes()
     scale = jnp.broadcast_to(q.scale_values(), (rows, n))
     if route.kind == "w4a8":  # int4 values as two's-complement nibbles
-        return kernels.prepare("w4a8", codes.astype(jnp.uint8) & 15, scale, None, route.group_size)
+        return kernels.pack("w4a8", codes.astype(jnp.uint8) & 15, scale, None, route.group_size)
     zero_point = None
     if route.kind == "uint4":
         if q.zero_point is None:
@@ -314,7 +314,7 @@ def _prepare_dense(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
         # Two's-complement nibble c of value v: c ^ 8 = v + 8, so (v - z) = (c ^ 8) - (z + 8).
         codes = codes ^ jnp.uint8(8)
         zero_point = zero_point + 8.0
-    return kernels.prepare(route.kind, codes, scale, zero_point, route.group_size)
+    return kernels.pack(route.kind, codes, scale, zero_point, route.group_size)
 
 
 def _float_gemm(x: Any, q: Any, route: KernelRoute) -> bool:

@@ -3,7 +3,7 @@
 `prepare_weights(tree, axes)` is the one place that builds kernel layouts: every 2-D `QArray`
 that `axes` names (its contraction axis, taken from a traced use, see
 `lowbit.engine.kernel_axes`) and that a kernel runs becomes a `PreparedQArray`, which holds the
-kernel's packed layout (`lowbit.kernels.prepare`) *instead of* the codes and scales. The logical
+kernel's packed layout (`lowbit.kernels.pack`) *instead of* the codes and scales. The logical
 `QArray` is recovered exactly from it (`PreparedQArray.logical()`, through
 `lowbit.kernels.prepared_to_logical`) for checkpoints, dequantization and any op other than the
 linear layer it was prepared for; only the few scale or zero-point values the layout's float32
@@ -385,7 +385,7 @@ def prepare_weights(tree: Any, axes: Mapping[Any, int] | Callable[[Any], int | N
     """Every QArray that `axes` names replaced by its `PreparedQArray` (see `prepare_weight`).
 
     The one function that lays served weights out for the CPU kernels: `QuantizedModel`,
-    `lowbit.prepare_for_kernels`, `load_checkpoint` and `import_gguf` all go through it.
+    `lowbit.prepare`, `load_checkpoint` and `import_gguf` all go through it.
 
     Args:
       tree: a params pytree with QArray leaves.

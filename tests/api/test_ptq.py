@@ -220,7 +220,7 @@ def test_tied_embedding_lookup_and_attend_stay_packed():
     assert 0 < rel_error(qmodel(ids), nnx.jit(lambda m, x: m(x))(model, ids)) < 0.03
 
 
-def test_prepare_for_kernels_replaces_codes_by_layouts_where_a_kernel_runs():
+def test_prepare_replaces_codes_by_layouts_where_a_kernel_runs():
     from lowbit import kernels
     from lowbit.ops import PreparedQArray
 
@@ -229,7 +229,7 @@ def test_prepare_for_kernels_replaces_codes_by_layouts_where_a_kernel_runs():
     assert isinstance(q["big"]["kernel"], QArray)  # quantize_params is logical only
     x = jnp.linspace(-1, 1, 256).reshape(1, 256)
     fn = lambda p, x: x @ p["big"]["kernel"] + jnp.sum(p["small"]["kernel"])
-    served = lowbit.prepare_for_kernels(fn, q, x)
+    served = lowbit.prepare(q, fn, x)
     assert isinstance(served["small"]["kernel"], QArray)  # too small for a kernel
     has_kernels = kernels.available() and jax.default_backend() == "cpu"
     assert isinstance(served["big"]["kernel"], PreparedQArray) == has_kernels

@@ -73,8 +73,8 @@ def accuracy(logits, labels):
 
 def test_qat_int8_matches_float_accuracy_and_convert_is_bit_identical(digits):
     recipe = preset("int8")  # w8a8: int8 per-channel weights, int8 per-token activations
-    prepare = qat.prepare(recipe)
-    qat_forward = lambda params, x: run(mlp)(prepare(params), x)
+    wrap = qat.wrapper(recipe)
+    qat_forward = lambda params, x: run(mlp)(wrap(params), x)
 
     float_params = train(mlp, digits)
     qat_params = train(qat_forward, digits)
@@ -101,13 +101,13 @@ def test_fp8_full_gradients_follow_the_float_gradients():
     params = init(jax.random.key(2))
     x = jax.random.uniform(jax.random.key(3), (32, 64))
     labels = jnp.arange(32) % 10
-    prepare = qat.prepare("fp8_full")  # e4m3 forward, e5m2 gradient matmuls
+    wrap = qat.wrapper("fp8_full")  # e4m3 forward, e5m2 gradient matmuls
 
     def loss(forward, params):
         return optax.softmax_cross_entropy_with_integer_labels(forward(params, x), labels).mean()
 
     g_float = jax.jit(jax.grad(lambda p: loss(mlp, p)))(params)
-    g_qat = jax.jit(jax.grad(lambda p: loss(lambda p, x: run(mlp)(prepare(p), x), p)))(params)
+    g_qat = jax.jit(jax.grad(lambda p: loss(lambda p, x: run(mlp)(wrap(p), x), p)))(params)
     for path in (("hidden", "kernel"), ("out", "kernel"), ("out", "bias")):
         a, b = g_qat[path[0]][path[1]], g_float[path[0]][path[1]]
         # e4m3/e5m2 keep 3/2 mantissa bits: a few % relative error per matmul.
@@ -147,9 +147,9 @@ def test_qlora_gradients_through_frozen_quantized_weights():
 def test_qat_on_nnx_state_gradients_and_convert():
     graphdef, state = nnx.split(MLP((16, 32, 4), rngs=nnx.Rngs(0)), nnx.Param)
     forward = run(lambda s, x: nnx.merge(graphdef, s)(x))
-    prepare = qat.prepare("int8")
+    wrap = qat.wrapper("int8")
     x = jax.random.normal(jax.random.key(8), (4, 16))
-    qat_forward = jax.jit(lambda s, x: forward(prepare(s), x))
+    qat_forward = jax.jit(lambda s, x: forward(wrap(s), x))
     grads = jax.jit(jax.grad(lambda s: jnp.mean(qat_forward(s, x) ** 2)))(state)
     assert jax.tree.structure(grads) == jax.tree.structure(state)
     assert all(bool(jnp.any(g != 0)) for g in jax.tree.leaves(grads))

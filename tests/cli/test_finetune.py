@@ -6,8 +6,8 @@ import pytest
 from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from lowbit import serving
 from lowbit.cli import main
-from lowbit.eval import _variants
 
 WORDS = [f"w{i}" for i in range(63)]
 
@@ -23,16 +23,16 @@ def tiny_model(monkeypatch, tmp_path):
         models.WordLevel({w: i for i, w in enumerate(["<unk>", *WORDS])}, "<unk>")
     )
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    loaded = _variants.LoadedModel(
+    loaded = serving.LoadedModel(
         name="tiny",
         spec="tiny",
         kind="lm",
         model=Llama(config, rngs=nnx.Rngs(0)),
         tokenizer=tokenizer,
     )
-    real = _variants.load_model
+    real = serving.load_model
     monkeypatch.setattr(
-        _variants, "load_model", lambda spec: loaded if spec == "tiny" else real(spec)
+        serving, "load_model", lambda spec: loaded if spec == "tiny" else real(spec)
     )
     text = tmp_path / "train.txt"
     # A repeating pattern the adapters can learn.

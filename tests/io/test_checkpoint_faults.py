@@ -121,7 +121,7 @@ class _Readers:
     def _run(self):
         while not self.stop.is_set():
             try:
-                self.seen.append(_generation(load_checkpoint(self.path, kernel_layouts=False)))
+                self.seen.append(_generation(load_checkpoint(self.path)))
             except BaseException as err:  # noqa: BLE001 - every failure is a finding
                 self.errors.append(repr(err))
 
@@ -176,7 +176,7 @@ def test_killed_saves_leave_old_or_new_never_mixed(tmp_path):
                         status = int(number)
                 assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
                 done = max(saved, default=last)
-                g = _generation(load_checkpoint(path, kernel_layouts=False))
+                g = _generation(load_checkpoint(path))
                 assert g in (done, done + 1), (mode, saved, g)
                 if mode == "before_swap":
                     assert g == last
@@ -196,4 +196,4 @@ def test_killed_saves_leave_old_or_new_never_mixed(tmp_path):
     save_checkpoint(path, tree(start))
     left = {n: sorted(os.listdir(tmp_path / n)) for n in os.listdir(tmp_path) if n != "ck"}
     assert left == {}
-    assert _generation(load_checkpoint(path, kernel_layouts=False)) == start
+    assert _generation(load_checkpoint(path)) == start

@@ -91,7 +91,7 @@ def test_requantized_export_reads_back_through_import(tmp_path, capsys):
     assert types["blk.1.attn_v.weight"] == "Q6_K" and types["blk.1.ffn_down.weight"] == "Q6_K"
     assert types["blk.0.ffn_norm.weight"] == "F32"
     assert capsys.readouterr().out == ""  # float weights, whole blocks: nothing to note
-    back, metadata = import_gguf(path, name_map=MAPPING.get, kernel_layouts=False)
+    back, metadata = import_gguf(path, name_map=MAPPING.get)
     assert metadata["llama.block_count"] == 2 and metadata["general.architecture"] == "llama"
     checked = (
         "token_embd.weight",
@@ -132,7 +132,7 @@ def test_direct_export_keeps_codes(tmp_path):
     how = {n.name: (n.how, n.ggml_type) for n in report.tensors}
     assert how["blk.1.attn_k.weight"] == ("direct", "Q8_0")
     assert how["token_embd.weight"] == ("float", "F32")
-    back, _ = import_gguf(tmp_path / "m.gguf", name_map=MAPPING.get, kernel_layouts=False)
+    back, _ = import_gguf(tmp_path / "m.gguf", name_map=MAPPING.get)
     for name in ("blk.1.attn_q.weight", "blk.1.attn_k.weight", "blk.0.ffn_down.weight"):
         where = MAPPING[name]
         np.testing.assert_array_equal(
@@ -149,7 +149,7 @@ def test_k_quant_qarrays_export_directly_and_import_as_stored(tmp_path):
     how = {n.name: (n.how, n.ggml_type) for n in report.tensors}
     assert how["blk.0.attn_q.weight"] == ("direct", "Q6_K")
     assert how["blk.0.ffn_down.weight"] == ("quantized", "Q8_0")  # float [512, 256]
-    back, _ = import_gguf(tmp_path / "m.gguf", name_map=MAPPING.get, kernel_layouts=False)
+    back, _ = import_gguf(tmp_path / "m.gguf", name_map=MAPPING.get)
     q = _get(back, ("layers", 0, "attn", "q_proj", "kernel"))
     original = _get(quantized, ("layers", 0, "attn", "q_proj", "kernel"))
     assert q.format == "q6_k" and q.nbytes == original.nbytes
@@ -230,7 +230,7 @@ def test_import_every_block_type_decodes_like_gguf(tmp_path, ggml_type):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    params, _ = import_gguf(path, kernel_layouts=False)
+    params, _ = import_gguf(path)
     q = params["w"]
     assert q.format == ggml_type.lower() and q.nbytes == raw.nbytes  # exactly the GGUF bytes
     if ggml_type != "Q8_K":  # gguf has no Q8_K decoder
@@ -249,7 +249,7 @@ def smollm2_export(tmp_path_factory):
     source = str(smollm2_gguf_path())
     config = llama_config_from_gguf(read_gguf(source))
     mapping = gguf_llama_param_map(config)
-    params, _ = import_gguf(source, name_map=mapping.get, kernel_layouts=False)
+    params, _ = import_gguf(source, name_map=mapping.get)
     out = tmp_path_factory.mktemp("smol") / "smollm2.gguf"
     report = export_gguf(params, out, config=config, source=source, log=None)
     return source, out, report

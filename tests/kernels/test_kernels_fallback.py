@@ -24,14 +24,14 @@ SCRIPT = textwrap.dedent(
     codes = jnp.asarray(rng.integers(0, 16, (40, 9)), jnp.uint8)
     scale = jnp.asarray(rng.uniform(0.1, 1, (2, 9)), jnp.float32)
     zp = jnp.full((2, 9), 7.5, jnp.float32)
-    w = kernels.prepare("uint4", codes, scale, zp, 32)
+    w = kernels.pack("uint4", codes, scale, zp, 32)
     x = jnp.asarray(rng.standard_normal((3, 40)), jnp.float32)
     got = kernels.weight_only_linear(x, w)
     kernels.weight_only_linear(x, w)
     ref = _reference.weight_only_linear(x, "uint4", codes, scale, zp, 32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6)
     q = jnp.asarray(rng.integers(-128, 128, (40, 9)), jnp.int8)
-    w8 = kernels.prepare("w8a8", q, jnp.ones((1, 9)))
+    w8 = kernels.pack("w8a8", q, jnp.ones((1, 9)))
     xq, xs = kernels.quantize_per_token(x)
     np.testing.assert_array_equal(
         np.asarray(kernels.w8a8_matmul_int32(xq, w8)),
@@ -65,7 +65,7 @@ ISA_SCRIPT = textwrap.dedent(
     print(kernels.status())
     q = jnp.asarray(np.random.default_rng(0).integers(-128, 128, (40, 9)), jnp.int8)
     xq = jnp.asarray(np.random.default_rng(1).integers(-128, 128, (3, 40)), jnp.int8)
-    got = kernels.w8a8_matmul_int32(xq, kernels.prepare("w8a8", q, jnp.ones((1, 9))))
+    got = kernels.w8a8_matmul_int32(xq, kernels.pack("w8a8", q, jnp.ones((1, 9))))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(_reference.w8a8_matmul_int32(xq, q)))
     best = kernels.supported_isas()[-1]
     print(kernels.set_isa(best), best)

@@ -46,7 +46,7 @@ def test_codes_round_trip_with_table_dtype(name):
         codes = jnp.asarray(rng.integers(0, 16, (20, 18)), kind.code_dtype)
     scale = jnp.ones((1, 18), jnp.float32)
     zp = jnp.full((1, 18), 3.0) if kind.zero_point == "per_group" else None
-    w = kernels.prepare(name, codes, scale, zp)
+    w = kernels.pack(name, codes, scale, zp)
     back = kernels.prepared_to_logical(w)
     assert back["codes"].dtype == kind.code_dtype
     np.testing.assert_array_equal(

@@ -37,7 +37,7 @@ def test_round_trip(kind, k, n, group_size):
     groups = 1 if group_size is None else -(-k // group_size)
     scale = jnp.asarray(rng.uniform(0.1, 1.0, (groups, n)), jnp.float32)
     zp = jnp.asarray(rng.uniform(0, 15, (groups, n)), jnp.float32) if kind == "uint4" else None
-    w = kernels.prepare(kind, codes, scale, zp, group_size)
+    w = kernels.pack(kind, codes, scale, zp, group_size)
     assert isinstance(w, PreparedWeight) and (w.k, w.n) == (k, n)
     back = kernels.prepared_to_logical(w)
     np.testing.assert_array_equal(
@@ -55,16 +55,16 @@ def test_prepare_rejects_bad_arguments():
     rng = np.random.default_rng(1)
     codes = codes_for("int4", 64, 8, rng)
     with pytest.raises(ValueError, match="kind"):
-        kernels.prepare("int3", codes, jnp.ones((1, 8)))
+        kernels.pack("int3", codes, jnp.ones((1, 8)))
     with pytest.raises(TypeError, match="codes"):
-        kernels.prepare("int8", codes, jnp.ones((1, 8)))
+        kernels.pack("int8", codes, jnp.ones((1, 8)))
     with pytest.raises(ValueError, match="scale"):
-        kernels.prepare("int4", codes, jnp.ones((3, 8)), group_size=32)
+        kernels.pack("int4", codes, jnp.ones((3, 8)), group_size=32)
     with pytest.raises(ValueError, match="group_size"):
-        kernels.prepare("int4", codes, jnp.ones((3, 8)), group_size=21)
+        kernels.pack("int4", codes, jnp.ones((3, 8)), group_size=21)
     with pytest.raises(ValueError, match="zero_point"):
-        kernels.prepare("uint4", codes, jnp.ones((1, 8)))
-    w = kernels.prepare("int4", codes, jnp.ones((1, 8)))
+        kernels.pack("uint4", codes, jnp.ones((1, 8)))
+    w = kernels.pack("int4", codes, jnp.ones((1, 8)))
     with pytest.raises(ValueError, match="x has shape"):
         kernels.weight_only_linear(jnp.ones((2, 63)), w)
     with pytest.raises(TypeError, match="x dtype"):

@@ -35,7 +35,7 @@ def make(k, n, m, group_size, seed=0, dtype=jnp.float32):
 @pytest.mark.parametrize(("k", "n", "gs"), [(8, 1, None), (100, 17, 32), (300, 40, None)])
 def test_layout_round_trip(k, n, gs):
     codes, scale, _ = make(k, n, 1, gs)
-    w = kernels.prepare("w4a8", codes, scale, group_size=gs)
+    w = kernels.pack("w4a8", codes, scale, group_size=gs)
     back = kernels.prepared_to_logical(w)
     np.testing.assert_array_equal(np.asarray(back["codes"]), np.asarray(codes))
     np.testing.assert_array_equal(np.asarray(back["scale"]), np.asarray(scale))
@@ -48,7 +48,7 @@ def test_layout_round_trip(k, n, gs):
 def test_matches_reference_on_every_isa(k, n, m, gs):
     codes, scale, x = make(k, n, m, gs, seed=k)
     x = x.at[0].set(0.0)  # an all-zero row gives the bias, no NaN
-    w = kernels.prepare("w4a8", codes, scale, group_size=gs)
+    w = kernels.pack("w4a8", codes, scale, group_size=gs)
     bias = jnp.linspace(-1.0, 1.0, n, dtype=jnp.float32)
     ref = np.asarray(_reference.w4a8_linear(x, codes, scale, gs, bias, jnp.float32))
     outs = on_each_isa(lambda: kernels.w4a8_linear(x, w, bias))
@@ -59,7 +59,7 @@ def test_matches_reference_on_every_isa(k, n, m, gs):
 
 def test_reference_is_close_to_float_math_and_bf16_runs():
     codes, scale, x = make(128, 24, 3, 64, seed=7, dtype=jnp.bfloat16)
-    w = kernels.prepare("w4a8", codes, scale, group_size=64)
+    w = kernels.pack("w4a8", codes, scale, group_size=64)
     wf = _reference.dequantize("int4", codes, scale, None, 64)
     exact = np.asarray(x.astype(jnp.float32) @ wf)
     got = kernels.w4a8_linear(x, w)
@@ -72,4 +72,4 @@ def test_reference_is_close_to_float_math_and_bf16_runs():
 def test_bad_group_size_names_the_rule():
     codes, scale, _ = make(64, 16, 1, 12)
     with pytest.raises(ValueError, match="multiple of 8"):
-        kernels.prepare("w4a8", codes, scale, group_size=12)
+        kernels.pack("w4a8", codes, scale, group_size=12)

@@ -35,7 +35,7 @@ def make(k, n, m, seed=0, dtype=jnp.float32):
 @pytest.mark.parametrize(("k", "n"), [(1, 1), (13, 7), (97, 33), (131, 160)])
 def test_int32_bit_exact(k, n):
     codes, scale, x = make(k, n, 21)
-    w = kernels.prepare("w8a8", codes, scale)
+    w = kernels.pack("w8a8", codes, scale)
     xq, _ = _reference.quantize_per_token(x)
     xq = xq.at[0, 0].set(-128)  # the full int8 range is accepted, not only [-127, 127]
     ref = np.asarray(_reference.w8a8_matmul_int32(xq, codes))
@@ -51,7 +51,7 @@ def test_int32_bit_exact(k, n):
 def test_int32_extreme_values():
     k, n = 515, 19
     codes = jnp.full((k, n), -128, jnp.int8)
-    w = kernels.prepare("w8a8", codes, jnp.ones((1, n)))
+    w = kernels.pack("w8a8", codes, jnp.ones((1, n)))
     xq = jnp.asarray(np.repeat(np.array([[-128], [127], [0]], np.int8), k, axis=1))
     ref = np.asarray(_reference.w8a8_matmul_int32(xq, codes))
     for got in on_each_isa(lambda: kernels.w8a8_matmul_int32(xq, w)).values():
@@ -60,7 +60,7 @@ def test_int32_extreme_values():
 
 def test_quantized_entry_matches_reference():
     codes, scale, x = make(150, 45, 6, seed=1)
-    w = kernels.prepare("w8a8", codes, scale)
+    w = kernels.pack("w8a8", codes, scale)
     xq, xs = _reference.quantize_per_token(x)
     bias = jnp.linspace(-2.0, 2.0, 45, dtype=jnp.float32)
     ref = np.asarray(_reference.w8a8_linear_quantized(xq, xs, codes, scale, bias, jnp.float32))
@@ -80,7 +80,7 @@ def test_quantized_entry_matches_reference():
 def test_fused_quantization_matches_reference(dtype):
     codes, scale, x = make(200, 40, 9, seed=2, dtype=dtype)
     x = x.at[3].set(0.0)  # all-zero row: scale 1, output = bias, no NaN
-    w = kernels.prepare("w8a8", codes, scale)
+    w = kernels.pack("w8a8", codes, scale)
     bias = jnp.arange(40, dtype=jnp.float32) / 10
     ref = np.asarray(_reference.w8a8_linear(x, codes, scale, bias, jnp.float32))
     outs = on_each_isa(
@@ -95,7 +95,7 @@ def test_fused_quantization_matches_reference(dtype):
 
 def test_blocked_large_batch():
     codes, scale, x = make(2100, 40, 70, seed=3)
-    w = kernels.prepare("w8a8", codes, scale)
+    w = kernels.pack("w8a8", codes, scale)
     xq, _ = _reference.quantize_per_token(x)
     ref = np.asarray(_reference.w8a8_matmul_int32(xq, codes))
     for got in on_each_isa(lambda: kernels.w8a8_matmul_int32(xq, w)).values():
@@ -104,7 +104,7 @@ def test_blocked_large_batch():
 
 def test_empty_batch_and_transposed_input():
     codes, scale, x = make(33, 17, 4, seed=4)
-    w = kernels.prepare("w8a8", codes, scale)
+    w = kernels.pack("w8a8", codes, scale)
     assert kernels.w8a8_linear(jnp.zeros((0, 33)), w).shape == (0, 17)
     assert kernels.w8a8_matmul_int32(jnp.zeros((0, 33), jnp.int8), w).shape == (0, 17)
     xt = jnp.asarray(x.T)
@@ -119,7 +119,7 @@ def test_fused_quantization_is_identical_on_every_isa():
     codes, scale, x = make(203, 33, 37, seed=5)
     x = x * jnp.logspace(-3, 3, 37)[:, None]
     x = x.at[1, :8].set(jnp.asarray([0.5, -0.5, 1.5, -2.5, 127.0, -127.0, 63.5, 0.0]))
-    w = kernels.prepare("w8a8", codes, scale)
+    w = kernels.pack("w8a8", codes, scale)
     outs = on_each_isa(lambda: kernels.w8a8_linear(x, w))
     for got in outs.values():
         np.testing.assert_array_equal(got, outs["scalar"])

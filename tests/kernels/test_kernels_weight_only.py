@@ -60,7 +60,7 @@ CASES = [
 @pytest.mark.parametrize(("kind", "k", "n", "group_size"), CASES)
 def test_matches_reference(kind, k, n, group_size):
     codes, scale, zp = make_weight(kind, k, n, group_size)
-    w = kernels.prepare(kind, codes, scale, zp, group_size)
+    w = kernels.pack(kind, codes, scale, zp, group_size)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((7, k)), jnp.float32)
     bias = jnp.linspace(-1.0, 1.0, n, dtype=jnp.float32)
     ref = np.asarray(_reference.weight_only_linear(x, kind, codes, scale, zp, group_size, bias))
@@ -77,7 +77,7 @@ def test_matches_reference(kind, k, n, group_size):
 def test_bf16_in_and_out(kind):
     group_size = 32 if kind in ("int4", "nf4") else None
     codes, scale, zp = make_weight(kind, 96, 40, group_size, seed=3)
-    w = kernels.prepare(kind, codes, scale, zp, group_size)
+    w = kernels.pack(kind, codes, scale, zp, group_size)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((5, 96)), jnp.bfloat16)
     ref = _reference.weight_only_linear(x, kind, codes, scale, zp, group_size, None, jnp.float32)
     ref = np.asarray(ref)
@@ -99,7 +99,7 @@ def test_large_batch_uses_blocked_path(m):
     # 70 rows end in a 6-row block (register path), 100 in a 36-row block whose last GEMM
     # tile is partial. N = 70 leaves an odd panel.
     codes, scale, zp = make_weight("uint4", 1100, 70, 50)
-    w = kernels.prepare("uint4", codes, scale, zp, 50)
+    w = kernels.pack("uint4", codes, scale, zp, 50)
     x = jnp.asarray(np.random.default_rng(4).standard_normal((m, 1100)), jnp.float32)
     ref = np.asarray(_reference.weight_only_linear(x, "uint4", codes, scale, zp, 50))
     for y in on_each_isa(lambda: kernels.weight_only_linear(x, w)).values():
@@ -108,7 +108,7 @@ def test_large_batch_uses_blocked_path(m):
 
 def test_empty_batch_and_leading_dims():
     codes, scale, zp = make_weight("int4", 64, 20, 32)
-    w = kernels.prepare("int4", codes, scale, zp, 32)
+    w = kernels.pack("int4", codes, scale, zp, 32)
     assert kernels.weight_only_linear(jnp.zeros((0, 64)), w).shape == (0, 20)
     x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 3, 64)), jnp.float32)
     y = kernels.weight_only_linear(x, w)
@@ -118,7 +118,7 @@ def test_empty_batch_and_leading_dims():
 
 def test_transposed_input_under_jit():
     codes, scale, zp = make_weight("nf4", 64, 24, 64)
-    w = kernels.prepare("nf4", codes, scale, zp, 64)
+    w = kernels.pack("nf4", codes, scale, zp, 64)
     xt = jnp.asarray(np.random.default_rng(6).standard_normal((64, 9)), jnp.float32)
     y = jax.jit(lambda a, ww: kernels.weight_only_linear(a.T, ww))(xt, w)
     ref = _reference.weight_only_linear(xt.T, "nf4", codes, scale, zp, 64)
@@ -127,7 +127,7 @@ def test_transposed_input_under_jit():
 
 def test_isa_paths_agree():
     codes, scale, zp = make_weight("uint4", 160, 50, 32)
-    w = kernels.prepare("uint4", codes, scale, zp, 32)
+    w = kernels.pack("uint4", codes, scale, zp, 32)
     # 13 rows: two register tiles of the small-batch path on the wider ISAs.
     x = jnp.asarray(np.random.default_rng(7).standard_normal((13, 160)), jnp.float32)
     ref = np.asarray(_reference.weight_only_linear(x, "uint4", codes, scale, zp, 32))
@@ -143,7 +143,7 @@ def test_dequantize_weight_is_the_reference_exactly(kind, k, n, group_size):
     # The float weight a prefill-sized product multiplies must be the logical weight's own
     # values, bit for bit, on every ISA path (ragged groups and panels included).
     codes, scale, zp = make_weight(kind, k, n, group_size, seed=k + n)
-    w = kernels.prepare(kind, codes, scale, zp, group_size)
+    w = kernels.pack(kind, codes, scale, zp, group_size)
     ref = np.asarray(_reference.dequantize(kind, codes, scale, zp, group_size))
     for name, out in on_each_isa(lambda: _dequantize(w)).items():
         np.testing.assert_array_equal(out, ref, err_msg=name)
@@ -180,7 +180,7 @@ INT8_ACTIVATION_CASES = [
 @pytest.mark.parametrize(("kind", "k", "n", "group_size"), INT8_ACTIVATION_CASES)
 def test_int8_activations_match_a_per_group_reference(kind, k, n, group_size):
     codes, scale, zp = make_weight(kind, k, n, group_size, seed=11)
-    w = kernels.prepare(kind, codes, scale, zp, group_size)
+    w = kernels.pack(kind, codes, scale, zp, group_size)
     w_float = np.asarray(_reference.dequantize(kind, codes, scale, zp, group_size))
     rng = np.random.default_rng(12)
     x = rng.standard_normal((16, k)).astype(np.float32)
@@ -218,7 +218,7 @@ def test_int8_activations_match_a_per_group_reference(kind, k, n, group_size):
 
 def test_int8_activations_propagate_non_finite_inputs():
     codes, scale, zp = make_weight("uint4", 64, 32, 32, seed=13)
-    w = kernels.prepare("uint4", codes, scale, zp, 32)
+    w = kernels.pack("uint4", codes, scale, zp, 32)
     x = np.random.default_rng(14).standard_normal((4, 64)).astype(np.float32)
     x[1, 5], x[2, 40] = np.nan, np.inf
     y = np.asarray(kernels.weight_only_linear(jnp.asarray(x), w, int8_activations=True))

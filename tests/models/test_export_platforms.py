@@ -122,8 +122,8 @@ def test_prepared_weights_export_for_accelerators(llm):
     tokens = jnp.array([[3]], jnp.int32)
     cache = model.init_cache(1, 16, None)
     step = _decode_step(graphdef)
-    prepared = lowbit.prepare_for_kernels(
-        lambda p, t, c: nnx.merge(graphdef, p)(t, cache=c, last_only=True), qparams, tokens, cache
+    prepared = lowbit.prepare(
+        qparams, lambda p, t, c: nnx.merge(graphdef, p)(t, cache=c, last_only=True), tokens, cache
     )
     assert any(
         type(w).__name__ == "PreparedQArray"
@@ -153,7 +153,7 @@ def _train_steps():
     base = lowbit.quantize(params, "nf4", kernel_layouts=False)
     adapters = lowbit.lora_init(base, config, jax.random.key(0))
     qlora = lambda a, x: forward(lowbit.lora_apply(base, a, config), x).sum()
-    to_qat = lowbit.qat.prepare("int8")
+    to_qat = lowbit.qat.wrapper("int8")
     qat = lambda p, x: forward(to_qat(p), x).sum()
     fp8 = lowbit.fp8_recipe("fp8_delayed", history_length=4)
     fp8_step = lambda s, x: forward(lowbit.fp8_apply(s[0], s[1], fp8), x).sum()

@@ -1,0 +1,103 @@
+"""`lowbit.prepare`: quantized weights laid out once for the CPU kernels that serve them.
+
+Preparation is one explicit transform with one home. Its two forms:
+
+    served = lowbit.prepare(qparams, fn, *example_args)   # params of `fn(params, *args)`
+    lowbit.prepare(qmodel, *example_args)                  # an NNX module, updated in place
+
+trace the call abstractly (nothing runs) to find the axis each 2-D quantized weight is
+contracted over, then replace every weight a kernel runs by its `lowbit.ops.PreparedQArray`
+(`lowbit.ops.prepare_weights`): the kernel's layout *instead of* the codes, so each weight is
+resident once and no call repacks it. Saving, dequantizing and any other use recover the
+logical QArray exactly; other leaves are returned as they are. The CLI, the loaders
+(`lowbit.serving`) and `QuantizedModel` all prepare through this module.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from lowbit.api._trace import Traced, layout_axes, trace_params
+from lowbit.ops import prepare_weights
+
+
+def prepare_params(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: Any) -> Any:
+    """`params` (with `QArray` leaves) laid out for ``fn(params, *args, **kwargs)``.
+
+    Args:
+      fn: the function served, e.g. ``model.apply`` or ``lambda params, x: ...``.
+      params: its first argument.
+      *args, **kwargs: example inputs (arrays or `jax.ShapeDtypeStruct`s).
+    Returns:
+      `params` with `PreparedQArray`s in place of the weights a CPU kernel runs.
+    """
+    return prepare_traced(params, trace_params(fn, params, *args, **kwargs))
+
+
+def prepare_traced(params: Any, traced: Traced) -> Any:
+    """`params` laid out by a walk already made (`trace_params` of the function they serve,
+    possibly on their float form): `quantize_model` traces once for the uses, the layouts
+    before quantizing and this."""
+    return prepare_weights(params, layout_axes(traced, params))
+
+
+def prepare_module(module: nnx.Module, method: str, *args: Any, **kwargs: Any) -> nnx.Module:
+    """Lays out `module`'s quantized weights for ``module.method(*args, **kwargs)``, in place.
+
+    Returns:
+      `module` itself (its state updated).
+    """
+    graphdef, state = nnx.split(module)
+    call = lambda s, *a, **k: getattr(nnx.merge(graphdef, s), method)(*a, **k)
+    nnx.update(module, prepare_params(call, state, *args, **kwargs))
+    return module
+
+
+def prepare(target: Any, *args: Any, **kwargs: Any) -> Any:
+    """`lowbit.prepare`: quantized weights laid out once for the CPU kernels (module docstring).
+
+    ``prepare(qparams, fn, *example_args, **example_kwargs)`` returns the params prepared for
+    ``fn(qparams, *example_args, **example_kwargs)``.
+    ``prepare(module, *example_args, **example_kwargs)`` prepares an NNX module (a
+    `QuantizedModel`, or any module whose state holds QArrays) for its ``__call__``, in place,
+    and returns it.
+
+    Raises:
+      TypeError: for params given without the function they serve.
+
+    Example:
+      >>> qparams = lowbit.quantize(params, "int8")
+      >>> served = lowbit.prepare(qparams, model.apply, x)
+    """
+    if isinstance(target, nnx.Module):
+        # The wrapper records that it is prepared, so its first call does not trace again;
+        # imported here because `_model` prepares through this module.
+        from lowbit.api._model import QuantizedModel
+
+        if isinstance(target, QuantizedModel):
+            target.prepare("__call__", *args, **kwargs)
+            return target
+        return prepare_module(target, "__call__", *args, **kwargs)
+    if not args or not callable(args[0]):
+        raise TypeError(
+            "lowbit.prepare(qparams, fn, *example_args): params need the function they serve "
+            f"as the second argument, got {type(args[0]).__name__ if args else 'nothing'}; "
+            "for an NNX module call lowbit.prepare(model, *example_args)"
+        )
+    fn, *example = args
+    return prepare_params(fn, target, *example, **kwargs)
+
+
+def prepare_for_kernels(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: Any) -> Any:
+    """Deprecated: `lowbit.prepare(params, fn, *args)` (params first, as everywhere else)."""
+    warnings.warn(
+        "lowbit.prepare_for_kernels(fn, params, *args) is deprecated; use "
+        "lowbit.prepare(params, fn, *args)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return prepare_params(fn, params, *args, **kwargs)

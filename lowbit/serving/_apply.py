@@ -1,0 +1,99 @@
+"""A recipe applied to a loaded model: quantized (and calibrated) parameters, ready to run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from lowbit.serving._load import LoadedModel
+from lowbit.serving._ready import kernel_axes_fn, ready
+from lowbit.serving._recipe_spec import FLOAT_RECIPE, GGUF_RECIPE, load_recipe
+
+# ``calibrate(loaded, params, paths, sample_rows) -> statistics``: runs the model on
+# calibration data and captures what the data-driven algorithms of the weights at `paths`
+# need (`lowbit.algorithms.capture`); `params` is the float pure-dict tree.
+Calibrate = Callable[[LoadedModel, Any, tuple[str, ...], Any], Any]
+
+
+def apply_recipe(
+    loaded: LoadedModel,
+    float_params: Any,
+    recipe_spec: str,
+    *,
+    calibrate: Calibrate | None = None,
+    on_weight: Callable[[int, int], None] | None = None,
+    on_report: Callable[[Any], None] | None = None,
+) -> tuple[Any, Any]:
+    """`lowbit.serving.apply_recipe`: the parameters of `loaded` under a recipe, ready to run.
+
+    Args:
+      loaded: the float model.
+      float_params: its float parameters (``nnx.split(model)[1]``).
+      recipe_spec: a preset name, a recipe JSON path, ``"float"`` or ``"gguf"``.
+      calibrate: what runs calibration data through the model, for recipes whose rules run a
+        data-driven algorithm (GPTQ, ...): `Calibrate`. `lowbit.eval.calibrator` gives the
+        default calibration set's.
+      on_weight: progress callback ``(done, total)`` over the algorithms' weights.
+      on_report: called with the `lowbit.algorithms.AlgorithmReport` of a recipe with
+        algorithms (what every such weight got).
+    Returns:
+      ``(params, recipe)``: a pure-dict parameter tree with the weights the recipe quantizes
+      laid out for the CPU kernels (`ready`), and the `Recipe` (None for ``"gguf"``).
+    Raises:
+      ValueError: for ``"gguf"`` on a model not read from a GGUF file, a bad recipe, or a
+        recipe that needs calibration data given no `calibrate`.
+    """
+    pure = nnx.to_pure_dict(float_params)
+    if recipe_spec == GGUF_RECIPE:
+        if loaded.gguf_path is None:
+            raise ValueError(
+                f"recipe 'gguf' imports a GGUF file's own quantization; model {loaded.name!r} "
+                "was not read from a GGUF file"
+            )
+        from lowbit.io import import_gguf
+        from lowbit.models import gguf_llama_param_map
+
+        mapping = gguf_llama_param_map(loaded.model.config)
+        # Laid out as each tensor is read, so the tree is resident once.
+        params, _ = import_gguf(
+            loaded.gguf_path, name_map=mapping.get, kernel_axes=kernel_axes_fn(loaded)
+        )
+        return params, None
+    from lowbit.api import quantize_params
+
+    recipe = load_recipe(recipe_spec)
+    if recipe_spec == FLOAT_RECIPE:
+        return pure, recipe
+    if not any(r.algorithm is not None for r in recipe.rules):
+        return ready(loaded, quantize_params(pure, recipe)), recipe
+    from lowbit.algorithms import AlgorithmReport, sample_rows
+    from lowbit.api import AlgorithmOptions, algorithm_weights
+
+    data_paths = tuple(
+        sorted(
+            p
+            for p, (_, rule) in algorithm_weights(recipe, pure).items()
+            if rule.algorithm.needs_data
+        )
+    )
+    statistics = None
+    if data_paths:
+        if calibrate is None:
+            raise ValueError(
+                f"serving.apply_recipe: recipe {recipe_spec!r} runs data-driven algorithms on "
+                f"{len(data_paths)} weights (e.g. {data_paths[0]}) and needs calibration data; "
+                "pass calibrate= (lowbit.eval.calibrator() gives the default calibration set)"
+            )
+        statistics = calibrate(loaded, pure, data_paths, sample_rows(recipe))
+    report = AlgorithmReport()
+    params = quantize_params(
+        pure,
+        recipe,
+        algorithm_options=AlgorithmOptions(statistics=statistics, on_weight=on_weight),
+        report=report,
+    )
+    if on_report is not None:
+        on_report(report)
+    return ready(loaded, params), recipe

@@ -1,0 +1,48 @@
+"""Quantized parameters of a loaded model made ready to run: laid out for the CPU kernels.
+
+Every path that serves a model (a recipe applied in memory, a checkpoint read back, a GGUF
+file's own blocks) ends here, so the weights are prepared once, by `lowbit.prepare`, from the
+model's own forward traced abstractly on a ``[1, 8]`` token batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lowbit.api import kernel_axes_of, prepare
+from lowbit.serving._load import LoadedModel, model_fn
+
+# The example batch the forward is traced on (abstractly: nothing runs). The contraction
+# axes do not depend on its size.
+_EXAMPLE_TOKENS = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+
+
+def _example_batch(loaded: LoadedModel) -> tuple[Any, ...]:
+    return (_EXAMPLE_TOKENS,) if loaded.kind == "lm" else (_EXAMPLE_TOKENS, _EXAMPLE_TOKENS)
+
+
+def ready(loaded: LoadedModel, params: Any) -> Any:
+    """`params` of `loaded` with the weights the CPU kernels run laid out for them.
+
+    Args:
+      loaded: the float model whose forward the params serve.
+      params: its parameters (a pure dict or `nnx.State`) with `QArray` leaves.
+    Returns:
+      The params with `PreparedQArray`s in place of the weights a kernel runs.
+    """
+    return prepare(params, model_fn(loaded.model, loaded.kind), *_example_batch(loaded))
+
+
+def kernel_axes_fn(loaded: LoadedModel) -> Callable[[Any], dict[tuple, int]]:
+    """``params -> {key path: contraction axis}`` of the model's forward, traced abstractly.
+
+    For the loaders that lay each weight out as it is read (`lowbit.io.import_gguf`'s
+    ``kernel_axes``), so the tree is resident once: the same axes `ready` finds.
+    """
+    fn = model_fn(loaded.model, loaded.kind)
+    batch = _example_batch(loaded)
+    return lambda params: kernel_axes_of(fn, params, *batch)
