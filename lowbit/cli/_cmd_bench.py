@@ -6,18 +6,14 @@ import argparse
 import dataclasses
 
 from lowbit.cli._common import (
-    add_calibration_arguments,
-    add_kv_cache_argument,
-    open_target,
-    print_json,
+    add_measure_arguments,
+    open_measured,
     progress,
+    report_row,
     resolve_kv_cache,
-    stderr_console,
-    stdout_console,
+    row_label,
     step,
-    write_json,
 )
-from lowbit.eval import print_table
 from lowbit.eval._session import ModelSession
 
 NAME = "bench"
@@ -30,27 +26,13 @@ BENCH_FILE = "bench.json"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds this command's arguments to its sub-parser."""
-    parser.add_argument(
-        "target",
-        metavar="DIR|MODEL",
-        help="a checkpoint written by `lowbit quantize`, or smollm2 | minilm | a model file",
-    )
-    parser.add_argument(
-        "--recipe",
-        metavar="NAME|FILE.json",
-        help="quantize MODEL with this recipe first (default: float); not with a checkpoint",
-    )
+    add_measure_arguments(parser, _add_decode_steps)
+
+
+def _add_decode_steps(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode-steps", type=int, default=16, metavar="N", help="tokens per timed decode run"
     )
-    add_kv_cache_argument(parser)
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print the result (or the error) as one JSON object: the only line on stdout, "
-        "tables go to stderr",
-    )
-    add_calibration_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,16 +41,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--decode-steps={args.decode_steps} must be >= 1")
     kv = resolve_kv_cache(args.kv_cache, args.recipe)
     with progress() as bar:
-        target = open_target(args.target, args.recipe, bar, args)
-        if kv is not None and target.loaded.kind != "lm":
-            raise ValueError(f"--kv-cache is for language models; {target.loaded.name} is not")
+        target = open_measured(args, bar, kv)
         session = ModelSession(target.loaded, kv_cache=kv)
         with step(bar, f"timing {target.recipe} (compile, warm up, then timed runs)"):
             speed = session.speed(target.params, decode_steps=args.decode_steps)
     decode = speed.decode_tokens_per_s if target.loaded.kind == "lm" else None
-    label = target.recipe if kv is None else f"{target.recipe} kv={kv.to_text()}"
     row = dataclasses.replace(
-        session.row(label, target.params, measure_quality=False),
+        session.row(row_label(target.recipe, kv), target.params, measure_quality=False),
         prefill_tokens_per_s=speed.prefill_tokens_per_s,
         decode_tokens_per_s=decode,
     )
@@ -77,19 +56,15 @@ def run(args: argparse.Namespace) -> int:
         "prefill_tokens": speed.prefill_tokens,
         "decode_steps": speed.decode_steps,
     }
-    console = stderr_console() if args.json else stdout_console()
-    print_table([row], title=f"lowbit bench: {target.loaded.name}", console=console)
+    notes = ()
     if target.loaded.kind == "lm":
         cache = _cache_memory(target.loaded.model, kv, speed.prefill_tokens)
         payload.update(cache)
-        console.print(
+        notes = (
             f"KV cache ({cache['kv_cache']}) for {speed.prefill_tokens} tokens, batch 1: "
-            f"{cache['kv_cache_bytes'] / 2**20:.2f} MiB, {cache['kv_cache_ratio']:.3f}x float32"
+            f"{cache['kv_cache_bytes'] / 2**20:.2f} MiB, {cache['kv_cache_ratio']:.3f}x float32",
         )
-    if target.directory is not None:
-        write_json(target.directory / BENCH_FILE, payload)
-    if args.json:
-        print_json(payload)
+    report_row(row, payload, target, args, command=NAME, file=BENCH_FILE, notes=notes)
     return 0
 
 

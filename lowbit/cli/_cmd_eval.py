@@ -5,18 +5,15 @@ from __future__ import annotations
 import argparse
 
 from lowbit.cli._common import (
-    add_calibration_arguments,
-    add_kv_cache_argument,
-    open_target,
-    print_json,
+    add_measure_arguments,
+    open_measured,
     progress,
+    report_row,
     resolve_kv_cache,
-    stderr_console,
-    stdout_console,
+    row_label,
     step,
-    write_json,
 )
-from lowbit.eval import print_table, read_sentences, read_text
+from lowbit.eval import read_sentences, read_text
 from lowbit.eval._session import ModelSession
 
 NAME = "eval"
@@ -29,16 +26,10 @@ EVAL_FILE = "eval.json"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds this command's arguments to its sub-parser."""
-    parser.add_argument(
-        "target",
-        metavar="DIR|MODEL",
-        help="a checkpoint written by `lowbit quantize`, or smollm2 | minilm | a model file",
-    )
-    parser.add_argument(
-        "--recipe",
-        metavar="NAME|FILE.json",
-        help="quantize MODEL with this recipe first (default: float); not with a checkpoint",
-    )
+    add_measure_arguments(parser, _add_input_arguments)
+
+
+def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
         "--text",
@@ -60,14 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--context", type=int, default=512, metavar="N", help="perplexity window (default 512)"
     )
-    add_kv_cache_argument(parser)
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print the result (or the error) as one JSON object: the only line on stdout, "
-        "tables go to stderr",
-    )
-    add_calibration_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,10 +68,8 @@ def run(args: argparse.Namespace) -> int:
         _too_short(args, f"{len(text.encode('utf-8'))} bytes")
     sentences = read_sentences(args.sentences) if args.sentences else None
     with progress() as bar:
-        target = open_target(args.target, args.recipe, bar, args)
+        target = open_measured(args, bar, kv)
         kind = target.loaded.kind
-        if kv is not None and kind != "lm":
-            raise ValueError(f"--kv-cache is for language models; {target.loaded.name} is not")
         if kind == "lm" and args.sentences:
             raise ValueError(
                 f"--sentences is for encoders; {target.loaded.name} is a language model"
@@ -107,14 +88,10 @@ def run(args: argparse.Namespace) -> int:
             _too_short(args, f"{session.tokens().size} tokens")
         what = "perplexity" if kind == "lm" else "embedding cosine"
         with step(bar, f"{what} of {target.recipe}") as advance:
-            row = session.row(_label(target.recipe, kv), target.params, on_window=advance)
-    console = stderr_console() if args.json else stdout_console()
-    print_table([row], title=f"lowbit eval: {target.loaded.name}", console=console)
+            row = session.row(row_label(target.recipe, kv), target.params, on_window=advance)
     payload = {**row.to_json(), "kv_cache": kv.to_text() if kv else None}
-    if target.directory is not None:
-        write_json(target.directory / EVAL_FILE, payload)
-    if args.json:
-        print_json({**payload, "ratio": row.ratio, **_settings(args, session)})
+    json_extra = {"ratio": row.ratio, **_settings(args, session)}
+    report_row(row, payload, target, args, command=NAME, file=EVAL_FILE, json_extra=json_extra)
     return 0
 
 
@@ -130,7 +107,3 @@ def _settings(args: argparse.Namespace, session: ModelSession) -> dict:
     if session.loaded.kind == "lm":
         return {"context": session.context, "max_tokens": session.max_tokens}
     return {"sentences": len(session.sentences)}
-
-
-def _label(recipe: str, kv) -> str:
-    return recipe if kv is None else f"{recipe} kv={kv.to_text()}"

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from lowbit.cli._common import open_target, progress, step
+from lowbit.cli._common import (
+    add_recipe_argument,
+    add_target_argument,
+    open_target,
+    progress,
+    step,
+)
 from lowbit.ops import logical_weights
 
 NAME = "export"
@@ -15,11 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds this command's arguments to its sub-parser."""
     from lowbit.io import EXPORT_TYPES
 
-    parser.add_argument(
-        "target",
-        metavar="DIR|MODEL",
-        help="a checkpoint written by `lowbit quantize`, or smollm2 | a Llama .gguf file",
-    )
+    add_target_argument(parser, "smollm2 | a Llama .gguf file")
     parser.add_argument("--gguf", required=True, metavar="OUT.gguf", help="the file to write")
     parser.add_argument(
         "--type",
@@ -28,11 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(EXPORT_TYPES)
         + " (default: keep quantized weights, the rest Q8_0; floats F32)",
     )
-    parser.add_argument(
-        "--recipe",
-        metavar="NAME|FILE.json",
-        help="quantize MODEL with this recipe first (default: float); not with a checkpoint",
-    )
+    add_recipe_argument(parser)
     parser.add_argument(
         "--strict",
         action="store_true",

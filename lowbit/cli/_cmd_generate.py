@@ -12,7 +12,10 @@ import sys
 import time
 
 from lowbit.cli._common import (
+    add_json_argument,
     add_kv_cache_argument,
+    add_recipe_argument,
+    add_target_argument,
     open_target,
     print_json,
     progress,
@@ -28,14 +31,9 @@ HELP = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds this command's arguments to its sub-parser."""
-    parser.add_argument(
-        "target",
-        metavar="DIR|MODEL",
-        help="a checkpoint written by `lowbit quantize`, or smollm2 | a .gguf file",
-    )
-    parser.add_argument(
-        "--recipe",
-        metavar="NAME|FILE.json",
+    add_target_argument(parser, "smollm2 | a .gguf file")
+    add_recipe_argument(
+        parser,
         help="quantize MODEL with this recipe first (default: float; 'gguf' runs the GGUF "
         "file's own quantized blocks); not with a checkpoint",
     )
@@ -75,9 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "to int8 per row and weight group in the CPU kernels (llama.cpp's Q8 blocks): about 1.3x "
         "the batch's decode speed, at the activations' rounding error (AVX-512 CPUs)",
     )
-    parser.add_argument(
-        "--json",
-        action="store_true",
+    add_json_argument(
+        parser,
         help="print one JSON object (prompts, continuations, token counts, seconds) as the only "
         "line on stdout, or the error as one",
     )

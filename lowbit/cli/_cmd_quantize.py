@@ -10,6 +10,7 @@ from lowbit.cli._common import (
     META_MODEL,
     META_RECIPE,
     add_calibration_arguments,
+    add_recipe_argument,
     progress,
     quantize_with_progress,
     step,
@@ -27,11 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help="smollm2 | minilm | path to a .gguf (Llama) or .safetensors (BERT) file",
     )
-    parser.add_argument(
-        "--recipe",
-        required=True,
-        metavar="NAME|FILE.json",
+    add_recipe_argument(
+        parser,
         help="a preset (see `lowbit recipes`), a recipe JSON file, or gguf (GGUF models only)",
+        required=True,
     )
     parser.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
     add_calibration_arguments(parser)

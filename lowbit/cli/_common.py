@@ -93,6 +93,44 @@ class Target:
     directory: Path | None
 
 
+RECIPE_HELP = "quantize MODEL with this recipe first (default: float); not with a checkpoint"
+JSON_HELP = (
+    "print the result (or the error) as one JSON object: the only line on stdout, "
+    "tables go to stderr"
+)
+
+
+def add_target_argument(parser: Any, models: str) -> None:
+    """The positional ``DIR|MODEL``: a checkpoint directory, or one of `models` (help text)."""
+    parser.add_argument(
+        "target",
+        metavar="DIR|MODEL",
+        help=f"a checkpoint written by `lowbit quantize`, or {models}",
+    )
+
+
+def add_recipe_argument(parser: Any, help: str = RECIPE_HELP, required: bool = False) -> None:
+    """``--recipe NAME|FILE.json``: a preset name or a recipe JSON file."""
+    parser.add_argument("--recipe", required=required, metavar="NAME|FILE.json", help=help)
+
+
+def add_json_argument(parser: Any, help: str = JSON_HELP) -> None:
+    """``--json``: the result as one JSON object, the only line on stdout."""
+    parser.add_argument("--json", action="store_true", help=help)
+
+
+def add_measure_arguments(parser: Any, add_own: Callable[[Any], None]) -> None:
+    """The arguments of a command that measures a model (`bench`, `eval`), in help order:
+    ``DIR|MODEL``, ``--recipe``, the command's own (`add_own`), ``--kv-cache``, ``--json``,
+    then the calibration pair."""
+    add_target_argument(parser, "smollm2 | minilm | a model file")
+    add_recipe_argument(parser)
+    add_own(parser)
+    add_kv_cache_argument(parser)
+    add_json_argument(parser)
+    add_calibration_arguments(parser)
+
+
 def add_calibration_arguments(parser: Any) -> None:
     """``--calibration FILE`` and ``--calibration-sequences N`` (recipes with GPTQ, ...)."""
     parser.add_argument(
@@ -197,6 +235,51 @@ def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None
         recipe=serving.recipe_label(spec),
         directory=None,
     )
+
+
+def open_measured(args: Any, bar: Progress, kv_cache: Any) -> Target:
+    """`open_target` of ``args.target`` with ``args.recipe`` (calibrated as ``args`` says) for a
+    command that measures it (`bench`, `eval`).
+
+    Raises:
+      ValueError: as `open_target`, and for a quantized `kv_cache` with an encoder.
+    """
+    target = open_target(args.target, args.recipe, bar, args)
+    if kv_cache is not None and target.loaded.kind != "lm":
+        raise ValueError(f"--kv-cache is for language models; {target.loaded.name} is not")
+    return target
+
+
+def row_label(recipe: str, kv_cache: Any) -> str:
+    """A result row's label: the recipe, and the KV cache format when one is quantized."""
+    return recipe if kv_cache is None else f"{recipe} kv={kv_cache.to_text()}"
+
+
+def report_row(
+    row: Any,
+    payload: dict[str, Any],
+    target: Target,
+    args: Any,
+    *,
+    command: str,
+    file: str,
+    notes: tuple[str, ...] = (),
+    json_extra: dict[str, Any] | None = None,
+) -> None:
+    """Shows a measuring command's result: `row` as a table titled ``lowbit COMMAND: MODEL``
+    with `notes` below it (on stderr with ``--json``, so stdout holds only the JSON line),
+    `payload` written to `file` in a checkpoint directory, and with ``--json`` `payload` plus
+    `json_extra` printed as the JSON line."""
+    from lowbit.eval import print_table
+
+    console = stderr_console() if args.json else stdout_console()
+    print_table([row], title=f"lowbit {command}: {target.loaded.name}", console=console)
+    for note in notes:
+        console.print(note)
+    if target.directory is not None:
+        write_json(target.directory / file, payload)
+    if args.json:
+        print_json({**payload, **(json_extra or {})})
 
 
 def _finite(value: Any) -> Any:

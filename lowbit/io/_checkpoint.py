@@ -65,6 +65,7 @@ from lowbit.io._safetensors_file import (
     write_safetensors,
 )
 from lowbit.io._tree import encode_tree, leaf_shapes, path_name
+from lowbit.io._untrusted_json import load_json
 from lowbit.ops import prepare_weight
 from lowbit.ops._host_memory import release_free_memory
 
@@ -244,12 +245,7 @@ def _verified_manifest(snapshot: Snapshot, path: str) -> tuple[dict[str, Any], d
 def _parse_manifest(raw: bytes, file: str) -> dict[str, Any]:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CheckpointError(f"{file}: larger than {MAX_MANIFEST_BYTES >> 20} MiB")
-    try:
-        manifest = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{file}: not valid JSON ({err})") from None
-    except RecursionError:
-        raise CheckpointError(f"{file}: JSON nested too deeply to be a manifest") from None
+    manifest = load_json(raw, file, CheckpointError)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         got = manifest.get("format") if isinstance(manifest, dict) else manifest
         raise CheckpointError(f"{file}: format {got!r} is not {FORMAT_NAME!r}")

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 from collections.abc import Iterator
 from typing import BinaryIO
 
 from lowbit.io._atomic import same_directory
 from lowbit.io._manifest import FORMAT_NAME, FORMAT_VERSION, CheckpointError
+from lowbit.io._untrusted_json import load_json
 
 TENSORS_FILE = "model.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -79,10 +79,11 @@ def _not_a_checkpoint(directory: str) -> str | None:
     file = os.path.join(directory, MANIFEST_FILE)
     if os.path.getsize(file) > MAX_MANIFEST_BYTES:
         return f"has a {MANIFEST_FILE} larger than {MAX_MANIFEST_BYTES >> 20} MiB"
+    with open(file, "rb") as f:
+        raw = f.read()
     try:
-        with open(file, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        manifest = load_json(raw, file)
+    except ValueError:  # also a manifest nested too deeply for the parser
         return f"has a {MANIFEST_FILE} that is not JSON"
     if not isinstance(manifest, dict):
         return f"has a {MANIFEST_FILE} that is not a JSON object"

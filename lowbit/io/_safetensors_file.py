@@ -13,7 +13,6 @@ bytes, ``uint8 [nbytes]``, and the caller records the real dtype and shape besid
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -23,6 +22,8 @@ from typing import Any, BinaryIO
 import ml_dtypes
 import numpy as np
 import safetensors.numpy
+
+from lowbit.io._untrusted_json import load_json
 
 # numpy / ml_dtypes dtype name -> safetensors dtype code.
 _CODES = {
@@ -155,13 +156,7 @@ def read_file_header(f: BinaryIO) -> tuple[dict[str, TensorEntry], dict[str, str
             f"{path}: truncated or corrupt: header claims {n} bytes, file has {size - 8} "
             "after the length field"
         )
-    raw = f.read(n)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: header is not valid JSON ({err})") from None
-    except RecursionError:
-        raise ValueError(f"{path}: header JSON is nested too deeply") from None
+    header = load_json(f.read(n), f"{path}: header")
     if not isinstance(header, dict):
         raise ValueError(f"{path}: header is not a JSON object")
     metadata = header.get("__metadata__", {})
