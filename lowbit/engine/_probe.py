@@ -34,36 +34,13 @@ import numpy as np
 
 from lowbit.engine import _compat
 
-# Primitives whose output is a re-layout of their first operand: a parameter passing through
-# them is still the same parameter.
-LAYOUT_PRIMITIVES = frozenset(
-    {
-        "transpose",
-        "reshape",
-        "convert_element_type",
-        "squeeze",
-        "expand_dims",
-        "broadcast_in_dim",
-        "copy",
-        "copy_p",
-        "slice",
-        "dynamic_slice",
-        "rev",
-        "sharding_constraint",
-        "reduce_precision",
-        "optimization_barrier",
-    }
-)
+# One home for the primitive tables: the walker's (a re-layout keeps the parameter; a use is
+# one of `USE_OPS`).
+from lowbit.engine._walker import LAYOUT_PRIMITIVES as LAYOUT_PRIMITIVES
+from lowbit.engine._walker import USE_OPS as USE_OPS
+
 # Layout primitives that do not move elements: the index map passes through unchanged.
 _VALUE_ONLY = frozenset({"convert_element_type", "reduce_precision", "sharding_constraint"})
-# Primitive name -> the op name a use reports (the names of `lowbit.recipes.OPS`).
-USE_OPS = {
-    "dot_general": "dot_general",
-    "conv_general_dilated": "conv",
-    "ragged_dot": "ragged_dot",
-    "ragged_dot_general": "ragged_dot",
-    "gather": "gather",
-}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -23,10 +23,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from lowbit.engine import _compat
-from lowbit.engine._values import is_quantized, logical_struct
+from lowbit.engine._values import is_quantized, trace_leaves
 
 # Primitives whose output is a re-layout of their first operand: a parameter passing through
 # them is still the same parameter.
@@ -328,14 +327,6 @@ class Traced:
     leaves: tuple[Any, ...]
 
 
-def _stand_in(leaf: Any) -> jax.ShapeDtypeStruct:
-    if is_quantized(leaf):
-        return logical_struct(leaf)
-    return jax.ShapeDtypeStruct(
-        np.shape(leaf), leaf.dtype, weak_type=bool(getattr(leaf, "weak_type", False))
-    )
-
-
 def trace(
     fn: Callable[..., Any],
     args: tuple,
@@ -358,14 +349,7 @@ def trace(
     leaves = [leaf for _, leaf in flat]
     dynamic = [i for i, x in enumerate(leaves) if is_quantized(x) or hasattr(x, "shape")]
 
-    def call(*values):
-        full = list(leaves)
-        for i, v in zip(dynamic, values, strict=True):
-            full[i] = v
-        call_args, call_kwargs = jax.tree.unflatten(treedef, full)
-        return fn(*call_args, **call_kwargs)
-
-    closed_jaxpr, _ = _compat.make_jaxpr(call, [_stand_in(leaves[i]) for i in dynamic])
+    closed_jaxpr, _ = trace_leaves(fn, leaves, treedef, dynamic)
     paths = tuple(tuple(flat[i][0]) for i in dynamic)
     traced = tuple(leaves[i] for i in dynamic)
     followed = [i for i, (p, leaf) in enumerate(zip(paths, traced, strict=True)) if follow(p, leaf)]
