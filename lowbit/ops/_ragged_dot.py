@@ -30,7 +30,9 @@ from lowbit.ops._operand import (
     format_kind,
     from_float,
     from_qarray,
+    product_dtype,
     quantize_activation,
+    reference_product,
 )
 from lowbit.qarray import QArray
 
@@ -195,7 +197,7 @@ def _forward(
         return ragged_dot_general_reference(
             lhs, rhs, group_sizes, ragged_dot_dimension_numbers, **kwargs
         )
-    out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
+    out_dtype = product_dtype(lhs, rhs, preferred_element_type)
     axes = _axes(ragged_dot_dimension_numbers, lhs.shape, rhs.shape)
     lc = axes[0]
     if not isinstance(lhs, QArray) and rhs.activation is not None:
@@ -256,13 +258,6 @@ def _ste_bwd(dims, precision, preferred, out_sharding, residuals, g):
 _ste_ragged.defvjp(_ste_fwd, _ste_bwd)
 
 
-def _out_dtype(lhs, rhs, preferred_element_type):
-    if preferred_element_type is not None:
-        return jnp.dtype(preferred_element_type)
-    floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QArray)]
-    return jnp.dtype(floats[0] if floats else jnp.result_type(lhs.dtype, rhs.dtype))
-
-
 def ragged_dot_general_reference(
     lhs: jax.Array | QArray,
     rhs: jax.Array | QArray,
@@ -276,7 +271,7 @@ def ragged_dot_general_reference(
     """Dequantize-then-`lax.ragged_dot_general`; a float lhs facing a weight with an
     activation config is quantized exactly as `ragged_dot_general` does first."""
     _check(lhs, rhs)
-    out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
+    out_dtype = product_dtype(lhs, rhs, preferred_element_type)
     (lc, _), _ = ragged_dot_dimension_numbers.dot_dimension_numbers
     if isinstance(rhs, QArray) and not isinstance(lhs, QArray) and rhs.activation is not None:
         lhs = quantize_activation(lhs, lc, rhs.activation, rhs.activation_bounds).dequantize(
@@ -284,17 +279,17 @@ def ragged_dot_general_reference(
         )
     lhs_f = lhs.dequantize() if isinstance(lhs, QArray) else lhs
     rhs_f = rhs.dequantize() if isinstance(rhs, QArray) else rhs
-    out = lax.ragged_dot_general(
+    return reference_product(
+        lax.ragged_dot_general,
         lhs_f,
         rhs_f,
         group_sizes,
         ragged_dot_dimension_numbers,
+        out_dtype=out_dtype,
         precision=precision,
-        preferred_element_type=jnp.promote_types(jnp.result_type(lhs_f, rhs_f), out_dtype),
         group_offset=group_offset,
         **_sharding_kwargs(out_sharding),
     )
-    return out.astype(out_dtype)
 
 
 def ragged_dot(
