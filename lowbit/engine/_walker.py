@@ -202,17 +202,34 @@ def _shard_map(eqn: Any, origins: list[Origin | None]) -> tuple[list[Sub], bool]
     return [Sub(body, inputs, ("shard_map",))], False
 
 
-SUB_JAXPRS: dict[str, Callable[[Any, list[Origin | None]], tuple[list[Sub], bool]]] = {
-    "jit": _call,
-    "call": _call,
-    "remat": _call,
-    "custom_jvp_call": _call,
-    "custom_vjp_call": _call,
-    "scan": _scan,
-    "while": _while,
-    "cond": _cond,
-    "shard_map": _shard_map,
+# The primitives that carry sub-jaxprs, by how their bodies run: once as written (``"call"``:
+# jit, remat, custom derivatives), per iteration (``"scan"``, ``"while"``), one branch
+# (``"cond"``), per device (``"shard_map"``). Every walk over jaxprs (this one, the probe's
+# concrete evaluation) builds its table of rules from this one.
+SUB_JAXPR_KINDS: dict[str, str] = {
+    "jit": "call",
+    "call": "call",
+    "remat": "call",
+    "custom_jvp_call": "call",
+    "custom_vjp_call": "call",
+    "scan": "scan",
+    "while": "while",
+    "cond": "cond",
+    "shard_map": "shard_map",
 }
+
+
+def sub_jaxpr_rules(by_kind: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+    """Primitive name -> rule, from one rule per kind of `SUB_JAXPR_KINDS` (kinds left out of
+    `by_kind` are not followed)."""
+    return {name: by_kind[kind] for name, kind in SUB_JAXPR_KINDS.items() if kind in by_kind}
+
+
+SUB_JAXPRS: dict[str, Callable[[Any, list[Origin | None]], tuple[list[Sub], bool]]] = (
+    sub_jaxpr_rules(
+        {"call": _call, "scan": _scan, "while": _while, "cond": _cond, "shard_map": _shard_map}
+    )
+)
 
 
 # --- the walk ---
