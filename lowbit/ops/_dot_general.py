@@ -48,6 +48,7 @@ from lowbit.ops._dot_path import plan as choose_plan
 from lowbit.ops._input_scale import apply_input_scale, strip_input_scale
 from lowbit.ops._operand import (
     Operand,
+    core_dtypes,
     from_float,
     from_qarray,
     product_dtype,
@@ -90,15 +91,6 @@ def _group_sums(op: Operand, contracting, groups: dict[int, int]) -> jax.Array:
     return jnp.sum(sums, axis=inner)
 
 
-def _core_dtypes(lkind: str, rkind: str):
-    """(lhs values dtype or None to keep, rhs ..., accumulation dtype) of the core dot."""
-    if lkind == rkind == "int":
-        return None, None, jnp.int32
-    if lkind == rkind == "fp8" or "float" in (lkind, rkind):
-        return None, None, jnp.float32
-    return jnp.float32, jnp.float32, jnp.float32
-
-
 def _fast(
     lhs_op: Operand,
     rhs_op: Operand,
@@ -113,7 +105,7 @@ def _fast(
     lgroups = {lc[p]: g for p, g in plan.groups}
     rgroups = {rc[p]: g for p, g in plan.groups}
     lvalues, rvalues = lhs_op.values, rhs_op.values
-    ldtype, rdtype, acc_dtype = _core_dtypes(lhs_op.kind, rhs_op.kind)
+    ldtype, rdtype, acc_dtype = core_dtypes(lhs_op.kind, rhs_op.kind)
     if ldtype is not None:
         lvalues, rvalues = lvalues.astype(ldtype), rvalues.astype(rdtype)
     core_dims = dimension_numbers

@@ -190,3 +190,15 @@ def reference_product(
     """
     accumulate = jnp.promote_types(jnp.result_type(lhs_f, rhs_f), out_dtype)
     return op(lhs_f, rhs_f, *args, preferred_element_type=accumulate, **kwargs).astype(out_dtype)
+
+
+def core_dtypes(lkind: str, rkind: str) -> tuple[Any, Any, Any]:
+    """The core product of two operands of these kinds (`KINDS`): (lhs values dtype, or None
+    to keep them as stored; rhs ...; accumulation dtype). int8 x int8 accumulates in int32,
+    fp8 x fp8 and anything with a float operand in float32 as stored; other pairs are cast to
+    float32 first."""
+    if lkind == rkind == "int":
+        return None, None, jnp.int32
+    if lkind == rkind == "fp8" or "float" in (lkind, rkind):
+        return None, None, jnp.float32
+    return jnp.float32, jnp.float32, jnp.float32

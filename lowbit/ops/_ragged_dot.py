@@ -27,6 +27,7 @@ from lowbit.ops._dims import expand_axis
 from lowbit.ops._input_scale import reject_input_scale
 from lowbit.ops._operand import (
     activation_scale_shape,
+    core_dtypes,
     format_kind,
     from_float,
     from_qarray,
@@ -204,10 +205,10 @@ def _forward(
         lhs = quantize_activation(lhs, (lc,), rhs.activation, rhs.activation_bounds)
     x = from_qarray(lhs) if isinstance(lhs, QArray) else from_float(lhs)
     w = from_qarray(rhs)
-    acc_dtype = jnp.int32 if x.kind == w.kind == "int" else jnp.float32
+    xdtype, wdtype, acc_dtype = core_dtypes(x.kind, w.kind)
     xv, wv = x.values, w.values
-    if x.kind != "float" and (x.kind, w.kind) not in (("int", "int"), ("fp8", "fp8")):
-        xv, wv = xv.astype(jnp.float32), wv.astype(jnp.float32)
+    if xdtype is not None:
+        xv, wv = xv.astype(xdtype), wv.astype(wdtype)
     acc = lax.ragged_dot_general(
         xv,
         wv,
