@@ -34,8 +34,8 @@ from lowbit.engine._values import (
     is_prepared,
     is_quantized,
     logical,
-    logical_struct,
     map_layout,
+    trace_leaves,
 )
 
 
@@ -359,14 +359,6 @@ def _is_dynamic(leaf: Any) -> bool:
     return is_quantized(leaf) or isinstance(leaf, jax.Array | np.ndarray | np.generic)
 
 
-def _stand_in(leaf: Any) -> jax.ShapeDtypeStruct:
-    if is_quantized(leaf):
-        return logical_struct(leaf)
-    return jax.ShapeDtypeStruct(
-        np.shape(leaf), leaf.dtype, weak_type=bool(getattr(leaf, "weak_type", False))
-    )
-
-
 def interpret(
     fn: Callable[..., Any],
     *,
@@ -402,16 +394,7 @@ def interpret(
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_quantized)
         dynamic = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
 
-        def flat_fn(*values):
-            full = list(leaves)
-            for i, value in zip(dynamic, values, strict=True):
-                full[i] = value
-            call_args, call_kwargs = jax.tree.unflatten(treedef, full)
-            return fn(*call_args, **call_kwargs)
-
-        closed_jaxpr, out_shape = _compat.make_jaxpr(
-            flat_fn, [_stand_in(leaves[i]) for i in dynamic]
-        )
+        closed_jaxpr, out_shape = trace_leaves(fn, leaves, treedef, dynamic)
         target = report if report is not None else EngineReport()
         target.reset()
         named = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_quantized)[0]

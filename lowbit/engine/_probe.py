@@ -34,36 +34,14 @@ import numpy as np
 
 from lowbit.engine import _compat
 
-# Primitives whose output is a re-layout of their first operand: a parameter passing through
-# them is still the same parameter.
-LAYOUT_PRIMITIVES = frozenset(
-    {
-        "transpose",
-        "reshape",
-        "convert_element_type",
-        "squeeze",
-        "expand_dims",
-        "broadcast_in_dim",
-        "copy",
-        "copy_p",
-        "slice",
-        "dynamic_slice",
-        "rev",
-        "sharding_constraint",
-        "reduce_precision",
-        "optimization_barrier",
-    }
-)
+# One home for the primitive tables: the walker's (a re-layout keeps the parameter; a use is
+# one of `USE_OPS`).
+from lowbit.engine._walker import LAYOUT_PRIMITIVES as LAYOUT_PRIMITIVES
+from lowbit.engine._walker import USE_OPS as USE_OPS
+from lowbit.engine._walker import sub_jaxpr_rules
+
 # Layout primitives that do not move elements: the index map passes through unchanged.
 _VALUE_ONLY = frozenset({"convert_element_type", "reduce_precision", "sharding_constraint"})
-# Primitive name -> the op name a use reports (the names of `lowbit.recipes.OPS`).
-USE_OPS = {
-    "dot_general": "dot_general",
-    "conv_general_dilated": "conv",
-    "ragged_dot": "ragged_dot",
-    "ragged_dot_general": "ragged_dot",
-    "gather": "gather",
-}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -368,16 +346,8 @@ def _cond(eval_jaxpr, ctx, eqn, invals):
     return [raw(v) for v in eval_jaxpr(inner, chosen, operands)]
 
 
-_SUB_JAXPRS = {
-    "jit": _call,
-    "call": _call,
-    "remat": _call,
-    "custom_jvp_call": _call,
-    "custom_vjp_call": _call,
-    "scan": _scan,
-    "while": _while,
-    "cond": _cond,
-}
+# No shard_map rule: a probe meeting a shard_map is an "other" use there, its tag dropped.
+_SUB_JAXPRS = sub_jaxpr_rules({"call": _call, "scan": _scan, "while": _while, "cond": _cond})
 
 
 def apply(eval_jaxpr: Callable[..., list[Any]], ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:

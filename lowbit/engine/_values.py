@@ -10,11 +10,14 @@ weight is one class in its own module. Layout rules are written once for `QArray
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from lowbit.engine import _compat
 from lowbit.ops import PreparedQArray
 from lowbit.qarray import EngineValue
 from lowbit.qarray import NoRule as NoRule  # re-exported: the engine rules raise it
@@ -39,6 +42,38 @@ def logical(x: Any) -> Any:
 def logical_struct(x: EngineValue) -> jax.ShapeDtypeStruct:
     """The float array a quantized value stands for, as a shape/dtype stand-in for tracing."""
     return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+
+
+def stand_in(leaf: Any) -> jax.ShapeDtypeStruct:
+    """The shape/dtype stand-in a traced leaf is traced as (an engine value: its logical array)."""
+    if is_quantized(leaf):
+        return logical_struct(leaf)
+    return jax.ShapeDtypeStruct(
+        np.shape(leaf), leaf.dtype, weak_type=bool(getattr(leaf, "weak_type", False))
+    )
+
+
+def trace_leaves(
+    fn: Callable[..., Any], leaves: Sequence[Any], treedef: Any, dynamic: Sequence[int]
+) -> tuple[Any, Any]:
+    """Traces ``fn(*args, **kwargs)`` with the leaves at `dynamic` as its traced inputs.
+
+    Args:
+      fn: the function.
+      leaves, treedef: the flattened ``(args, kwargs)`` pair (engine values are leaves).
+      dynamic: indices of the leaves traced (as their `stand_in`); the others are constants.
+    Returns:
+      ``(closed_jaxpr, out_shape)`` as `jax.make_jaxpr(..., return_shape=True)` gives them.
+    """
+
+    def call(*values):
+        full = list(leaves)
+        for i, value in zip(dynamic, values, strict=True):
+            full[i] = value
+        call_args, call_kwargs = jax.tree.unflatten(treedef, full)
+        return fn(*call_args, **call_kwargs)
+
+    return _compat.make_jaxpr(call, [stand_in(leaves[i]) for i in dynamic])
 
 
 def dequantize(x: EngineValue) -> jax.Array:

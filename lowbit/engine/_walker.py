@@ -23,10 +23,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from lowbit.engine import _compat
-from lowbit.engine._values import is_quantized, logical_struct
+from lowbit.engine._values import is_quantized, trace_leaves
 
 # Primitives whose output is a re-layout of their first operand: a parameter passing through
 # them is still the same parameter.
@@ -203,17 +202,34 @@ def _shard_map(eqn: Any, origins: list[Origin | None]) -> tuple[list[Sub], bool]
     return [Sub(body, inputs, ("shard_map",))], False
 
 
-SUB_JAXPRS: dict[str, Callable[[Any, list[Origin | None]], tuple[list[Sub], bool]]] = {
-    "jit": _call,
-    "call": _call,
-    "remat": _call,
-    "custom_jvp_call": _call,
-    "custom_vjp_call": _call,
-    "scan": _scan,
-    "while": _while,
-    "cond": _cond,
-    "shard_map": _shard_map,
+# The primitives that carry sub-jaxprs, by how their bodies run: once as written (``"call"``:
+# jit, remat, custom derivatives), per iteration (``"scan"``, ``"while"``), one branch
+# (``"cond"``), per device (``"shard_map"``). Every walk over jaxprs (this one, the probe's
+# concrete evaluation) builds its table of rules from this one.
+SUB_JAXPR_KINDS: dict[str, str] = {
+    "jit": "call",
+    "call": "call",
+    "remat": "call",
+    "custom_jvp_call": "call",
+    "custom_vjp_call": "call",
+    "scan": "scan",
+    "while": "while",
+    "cond": "cond",
+    "shard_map": "shard_map",
 }
+
+
+def sub_jaxpr_rules(by_kind: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+    """Primitive name -> rule, from one rule per kind of `SUB_JAXPR_KINDS` (kinds left out of
+    `by_kind` are not followed)."""
+    return {name: by_kind[kind] for name, kind in SUB_JAXPR_KINDS.items() if kind in by_kind}
+
+
+SUB_JAXPRS: dict[str, Callable[[Any, list[Origin | None]], tuple[list[Sub], bool]]] = (
+    sub_jaxpr_rules(
+        {"call": _call, "scan": _scan, "while": _while, "cond": _cond, "shard_map": _shard_map}
+    )
+)
 
 
 # --- the walk ---
@@ -328,14 +344,6 @@ class Traced:
     leaves: tuple[Any, ...]
 
 
-def _stand_in(leaf: Any) -> jax.ShapeDtypeStruct:
-    if is_quantized(leaf):
-        return logical_struct(leaf)
-    return jax.ShapeDtypeStruct(
-        np.shape(leaf), leaf.dtype, weak_type=bool(getattr(leaf, "weak_type", False))
-    )
-
-
 def trace(
     fn: Callable[..., Any],
     args: tuple,
@@ -358,14 +366,7 @@ def trace(
     leaves = [leaf for _, leaf in flat]
     dynamic = [i for i, x in enumerate(leaves) if is_quantized(x) or hasattr(x, "shape")]
 
-    def call(*values):
-        full = list(leaves)
-        for i, v in zip(dynamic, values, strict=True):
-            full[i] = v
-        call_args, call_kwargs = jax.tree.unflatten(treedef, full)
-        return fn(*call_args, **call_kwargs)
-
-    closed_jaxpr, _ = _compat.make_jaxpr(call, [_stand_in(leaves[i]) for i in dynamic])
+    closed_jaxpr, _ = trace_leaves(fn, leaves, treedef, dynamic)
     paths = tuple(tuple(flat[i][0]) for i in dynamic)
     traced = tuple(leaves[i] for i in dynamic)
     followed = [i for i, (p, leaf) in enumerate(zip(paths, traced, strict=True)) if follow(p, leaf)]

@@ -69,6 +69,29 @@ def _by_platform(native: Callable[[], Any], reference: Callable[[], Any]) -> Any
     return jax.lax.platform_dependent(cpu=native, default=reference)
 
 
+def _row_kernel(
+    target: str,
+    rows: int,
+    n: int,
+    dtype: Any,
+    reference: Callable[[], jax.Array],
+    /,
+    *operands: Any,
+    **attributes: int,
+) -> jax.Array:
+    """A ``[rows, n]`` `dtype` product: the CPU kernel `target` on `operands` (its integer
+    `attributes` passed as int64) where the program is lowered for CPU (see `_by_platform`),
+    `reference()` elsewhere and for zero rows (no kernel call for an empty batch)."""
+
+    def native():
+        call = jax.ffi.ffi_call(
+            target, jax.ShapeDtypeStruct((rows, n), dtype), vmap_method="sequential"
+        )
+        return call(*operands, **{name: np.int64(v) for name, v in attributes.items()})
+
+    return reference() if rows == 0 else _by_platform(native, reference)
+
+
 def weight_only_linear(
     x: jax.Array,
     w: PreparedWeight,
@@ -107,23 +130,22 @@ def weight_only_linear(
             out,
         )
 
-    def native():
-        call = jax.ffi.ffi_call(
-            "lowbit_wo_linear", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
-        )
-        return call(
-            x2,
-            w.data,
-            b,
-            jnp.asarray(_reference.LUTS.get(w.kind, _reference.NF4_LEVELS)),
-            kind=np.int64(KIND_IDS[w.kind]),
-            k=np.int64(w.k),
-            n=np.int64(w.n),
-            gs=np.int64(w.storage_group),
-            act_q8=np.int64(bool(int8_activations)),
-        )
-
-    y = reference() if m == 0 else _by_platform(native, reference)
+    y = _row_kernel(
+        "lowbit_wo_linear",
+        m,
+        w.n,
+        out,
+        reference,
+        x2,
+        w.data,
+        b,
+        jnp.asarray(_reference.LUTS.get(w.kind, _reference.NF4_LEVELS)),
+        kind=KIND_IDS[w.kind],
+        k=w.k,
+        n=w.n,
+        gs=w.storage_group,
+        act_q8=int(bool(int8_activations)),
+    )
     return y.reshape(*lead, w.n)
 
 
@@ -164,9 +186,9 @@ def dequantize_weight(w: PreparedWeight) -> jax.Array:
     return _by_platform(native, reference)
 
 
-def _check_w8a8(w: PreparedWeight) -> None:
-    if w.kind != "w8a8":
-        raise ValueError(f"w.kind={w.kind!r}; expected a weight prepared with kind='w8a8'")
+def _check_kind(w: PreparedWeight, kind: str) -> None:
+    if w.kind != kind:
+        raise ValueError(f"w.kind={w.kind!r}; expected a weight prepared with kind={kind!r}")
 
 
 def w8a8_linear(
@@ -182,20 +204,16 @@ def w8a8_linear(
     all-zero rows get scale 1), multiplied with the int8 weight in int32, then scaled by the
     row and channel scales; bias: [N] optional; out_dtype float32 | bfloat16 (default x.dtype).
     """
-    _check_w8a8(w)
+    _check_kind(w, "w8a8")
     x2, lead, out, b = _float_rows(x, w, bias, out_dtype)
     m = x2.shape[0]
 
     def reference():
         return _reference.w8a8_linear(x2, prepared_to_logical(w)["codes"], w.scale, b, out)
 
-    def native():
-        call = jax.ffi.ffi_call(
-            "lowbit_w8a8_linear", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
-        )
-        return call(x2, w.data, w.colsum, w.scale, b, k=np.int64(w.k), n=np.int64(w.n))
-
-    y = reference() if m == 0 else _by_platform(native, reference)
+    y = _row_kernel(
+        "lowbit_w8a8_linear", m, w.n, out, reference, x2, w.data, w.colsum, w.scale, b, k=w.k, n=w.n
+    )
     return y.reshape(*lead, w.n)
 
 
@@ -217,7 +235,7 @@ def w8a8_linear_quantized(
     out_dtype=jnp.float32,
 ) -> jax.Array:
     """xq: [M, K] int8, x_scale: [M] float32 -> [M, N] = (xq @ W) * x_scale * w.scale + bias."""
-    _check_w8a8(w)
+    _check_kind(w, "w8a8")
     xq = _check_xq(xq, w)
     out = _check_float("out_dtype", out_dtype)
     m = xq.shape[0]
@@ -230,40 +248,35 @@ def w8a8_linear_quantized(
         codes = prepared_to_logical(w)["codes"]
         return _reference.w8a8_linear_quantized(xq, x_scale, codes, w.scale, b, out)
 
-    def native():
-        call = jax.ffi.ffi_call(
-            "lowbit_w8a8_linear_q", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
-        )
-        return call(
-            xq,
-            x_scale.astype(jnp.float32),
-            w.data,
-            w.colsum,
-            w.scale,
-            b,
-            k=np.int64(w.k),
-            n=np.int64(w.n),
-        )
-
-    return reference() if m == 0 else _by_platform(native, reference)
+    return _row_kernel(
+        "lowbit_w8a8_linear_q",
+        m,
+        w.n,
+        out,
+        reference,
+        xq,
+        x_scale.astype(jnp.float32),
+        w.data,
+        w.colsum,
+        w.scale,
+        b,
+        k=w.k,
+        n=w.n,
+    )
 
 
 def w8a8_matmul_int32(xq: jax.Array, w: PreparedWeight) -> jax.Array:
     """xq: [M, K] int8 -> [M, N] int32, the exact integer product with the w8a8 weight codes."""
-    _check_w8a8(w)
+    _check_kind(w, "w8a8")
     xq = _check_xq(xq, w)
     m = xq.shape[0]
 
     def reference():
         return _reference.w8a8_matmul_int32(xq, prepared_to_logical(w)["codes"])
 
-    def native():
-        call = jax.ffi.ffi_call(
-            "lowbit_w8a8_int32", jax.ShapeDtypeStruct((m, w.n), jnp.int32), vmap_method="sequential"
-        )
-        return call(xq, w.data, w.colsum, k=np.int64(w.k), n=np.int64(w.n))
-
-    return reference() if m == 0 else _by_platform(native, reference)
+    return _row_kernel(
+        "lowbit_w8a8_int32", m, w.n, jnp.int32, reference, xq, w.data, w.colsum, k=w.k, n=w.n
+    )
 
 
 def w4a8_linear(
@@ -279,8 +292,7 @@ def w4a8_linear(
     x is quantized as in `w8a8_linear`; products are exact int32 per group, then scaled by the
     group scale (groups summed in order), the row scale, plus bias [N] (optional).
     """
-    if w.kind != "w4a8":
-        raise ValueError(f"w.kind={w.kind!r}; expected a weight prepared with kind='w4a8'")
+    _check_kind(w, "w4a8")
     x2, lead, out, b = _float_rows(x, w, bias, out_dtype)
     m = x2.shape[0]
 
@@ -288,13 +300,19 @@ def w4a8_linear(
         logical = prepared_to_logical(w)
         return _reference.w4a8_linear(x2, logical["codes"], logical["scale"], w.group_size, b, out)
 
-    def native():
-        call = jax.ffi.ffi_call(
-            "lowbit_w4a8_linear", jax.ShapeDtypeStruct((m, w.n), out), vmap_method="sequential"
-        )
-        return call(x2, w.data, b, k=np.int64(w.k), n=np.int64(w.n), gs=np.int64(w.storage_group))
-
-    y = reference() if m == 0 else _by_platform(native, reference)
+    y = _row_kernel(
+        "lowbit_w4a8_linear",
+        m,
+        w.n,
+        out,
+        reference,
+        x2,
+        w.data,
+        b,
+        k=w.k,
+        n=w.n,
+        gs=w.storage_group,
+    )
     return y.reshape(*lead, w.n)
 
 

@@ -48,29 +48,32 @@ from lowbit.ops._dot_path import plan as choose_plan
 from lowbit.ops._input_scale import apply_input_scale, strip_input_scale
 from lowbit.ops._operand import (
     Operand,
+    core_dtypes,
     from_float,
     from_qarray,
+    product_dtype,
     quantize_activation,
+    reference_product,
 )
 from lowbit.ops._platform import by_platform
 from lowbit.ops._prepared import PreparedQArray
 from lowbit.qarray import QArray
 
 
-def _out_dtype(lhs, rhs, preferred_element_type):
-    if preferred_element_type is not None:
-        return jnp.dtype(preferred_element_type)
-    floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QArray)]
-    return jnp.dtype(floats[0] if floats else jnp.result_type(lhs.dtype, rhs.dtype))
-
-
-def _to_operands(lhs, rhs, dimension_numbers):
+def _quantize_activation_side(lhs, rhs, dimension_numbers):
+    """(lhs, rhs) with the float operand facing a weight with an `activation` config quantized
+    (per token, or with the static `activation_bounds`); others as they are."""
     (lc, rc), _ = dimension_numbers
     side, weight = active_side(lhs, rhs)
     if side == "lhs":
         lhs = quantize_activation(lhs, lc, weight.activation, weight.activation_bounds)
     elif side == "rhs":
         rhs = quantize_activation(rhs, rc, weight.activation, weight.activation_bounds)
+    return lhs, rhs
+
+
+def _to_operands(lhs, rhs, dimension_numbers):
+    lhs, rhs = _quantize_activation_side(lhs, rhs, dimension_numbers)
     as_operand = lambda x: from_qarray(x) if isinstance(x, QArray) else from_float(x)
     return as_operand(lhs), as_operand(rhs)
 
@@ -88,15 +91,6 @@ def _group_sums(op: Operand, contracting, groups: dict[int, int]) -> jax.Array:
     return jnp.sum(sums, axis=inner)
 
 
-def _core_dtypes(lkind: str, rkind: str):
-    """(lhs values dtype or None to keep, rhs ..., accumulation dtype) of the core dot."""
-    if lkind == rkind == "int":
-        return None, None, jnp.int32
-    if lkind == rkind == "fp8" or "float" in (lkind, rkind):
-        return None, None, jnp.float32
-    return jnp.float32, jnp.float32, jnp.float32
-
-
 def _fast(
     lhs_op: Operand,
     rhs_op: Operand,
@@ -111,7 +105,7 @@ def _fast(
     lgroups = {lc[p]: g for p, g in plan.groups}
     rgroups = {rc[p]: g for p, g in plan.groups}
     lvalues, rvalues = lhs_op.values, rhs_op.values
-    ldtype, rdtype, acc_dtype = _core_dtypes(lhs_op.kind, rhs_op.kind)
+    ldtype, rdtype, acc_dtype = core_dtypes(lhs_op.kind, rhs_op.kind)
     if ldtype is not None:
         lvalues, rvalues = lvalues.astype(ldtype), rvalues.astype(rdtype)
     core_dims = dimension_numbers
@@ -168,12 +162,7 @@ def _fast(
 
 
 def _dequantized(lhs, rhs, dimension_numbers):
-    (lc, rc), _ = dimension_numbers
-    side, weight = active_side(lhs, rhs)
-    if side == "lhs":
-        lhs = quantize_activation(lhs, lc, weight.activation, weight.activation_bounds)
-    elif side == "rhs":
-        rhs = quantize_activation(rhs, rc, weight.activation, weight.activation_bounds)
+    lhs, rhs = _quantize_activation_side(lhs, rhs, dimension_numbers)
     deq = lambda x, like: x.dequantize(like.dtype) if isinstance(x, QArray) else x
     return deq(lhs, lhs), deq(rhs, rhs)
 
@@ -197,17 +186,16 @@ def dot_general_reference(
     dimension_numbers = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
     check_operand(lhs, "lhs")
     check_operand(rhs, "rhs")
-    out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
     lhs_f, rhs_f = _dequantized(lhs, rhs, dimension_numbers)
-    out = lax.dot_general(
+    return reference_product(
+        lax.dot_general,
         lhs_f,
         rhs_f,
         dimension_numbers,
+        out_dtype=product_dtype(lhs, rhs, preferred_element_type),
         precision=precision,
-        preferred_element_type=jnp.promote_types(jnp.result_type(lhs_f, rhs_f), out_dtype),
         out_sharding=out_sharding,
     )
-    return out.astype(out_dtype)
 
 
 def _forward(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
@@ -222,7 +210,7 @@ def _forward(lhs, rhs, dimension_numbers, precision, preferred_element_type, out
             out_sharding=out_sharding,
         )
     lhs_op, rhs_op = _to_operands(lhs, rhs, dimension_numbers)
-    out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
+    out_dtype = product_dtype(lhs, rhs, preferred_element_type)
     return _fast(lhs_op, rhs_op, dimension_numbers, plan, precision, out_dtype, out_sharding)
 
 
@@ -265,11 +253,17 @@ def _kernel_fwd(lhs, rhs, route, dimension_numbers, precision, out_dtype):
     return kernel_linear(lhs, rhs, route, out_dtype), (lhs, rhs)
 
 
-def _kernel_bwd(route, dimension_numbers, precision, out_dtype, residuals, g):
+def _logical_ste_bwd(dimension_numbers, precision, residuals, g):
+    """The straight-through gradient of a kernel call: that of the weight-only product with the
+    weight in its logical form (a prepared layout is for the forward kernel only)."""
     lhs, rhs = residuals
     if isinstance(rhs, PreparedQArray):
         rhs = rhs.logical()
     return _ste_bwd(dimension_numbers, precision, None, None, (lhs, rhs), g)
+
+
+def _kernel_bwd(route, dimension_numbers, precision, out_dtype, residuals, g):
+    return _logical_ste_bwd(dimension_numbers, precision, residuals, g)
 
 
 def _prepared_route(lhs, rhs, dimension_numbers, out_sharding) -> tuple[Any, Any, Any]:
@@ -447,7 +441,7 @@ def _routed(lhs, rhs, route, dimension_numbers, precision, preferred_element_typ
     the Pallas kernel (`gpu`) for CUDA, the portable product everywhere else (a prepared
     weight recovers its logical QArray there). One straight-through derivative rule covers
     every branch."""
-    out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
+    out_dtype = product_dtype(lhs, rhs, preferred_element_type)
     return _by_platform(
         lhs, rhs, route, dimension_numbers, precision, preferred_element_type, out_dtype, gpu
     )
@@ -479,10 +473,7 @@ def _by_platform_fwd(lhs, rhs, route, dimension_numbers, precision, preferred, o
 
 
 def _by_platform_bwd(route, dimension_numbers, precision, preferred, out_dtype, gpu, res, g):
-    lhs, rhs = res
-    if isinstance(rhs, PreparedQArray):
-        rhs = rhs.logical()
-    return _ste_bwd(dimension_numbers, precision, None, None, (lhs, rhs), g)
+    return _logical_ste_bwd(dimension_numbers, precision, res, g)
 
 
 _by_platform.defvjp(_by_platform_fwd, _by_platform_bwd)

@@ -32,7 +32,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from lowbit.qarray import EngineValue, NoRule
+from lowbit.qarray import ArrayBacked, NoRule
 
 MODES = ("delayed", "static", "dynamic")
 WEIGHT_AXES = ("tensor", "channel")
@@ -143,7 +143,7 @@ def init_state(shape: tuple[int, ...], scaling: Fp8Scaling, stacked_axes: int = 
 
 @typing.final
 @dataclasses.dataclass(frozen=True, eq=False)
-class Fp8Weight(EngineValue):
+class Fp8Weight(ArrayBacked):
     """A float weight trained through fp8 matmuls, with its amax state.
 
     Attributes:
@@ -156,14 +156,7 @@ class Fp8Weight(EngineValue):
     state: Fp8State
     scaling: Fp8Scaling = Fp8Scaling()
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.value.shape)
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.value.dtype
-
+    backing = "value"  # shape and dtype are those of `value`
     engine_priority = 2
 
     def dequantize(self) -> jax.Array:

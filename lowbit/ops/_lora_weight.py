@@ -19,16 +19,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from lowbit.ops._dot_general import dot_general, dot_general_path
-from lowbit.qarray import EngineValue, NoRule, QArray
+from lowbit.qarray import ArrayBacked, EngineValue, NoRule, QArray
 
 
 @typing.final
 @dataclasses.dataclass(frozen=True, eq=False)
-class LoraWeight(EngineValue):
+class LoraWeight(ArrayBacked):
     """A frozen base weight plus ``scale * a @ b``.
 
     Attributes:
@@ -51,14 +50,7 @@ class LoraWeight(EngineValue):
     scale: float = 1.0
     dropout: float = 0.0
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.base.shape)
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.base.dtype
-
+    backing = "base"  # shape and dtype are those of `base`
     engine_priority = 3
 
     @property

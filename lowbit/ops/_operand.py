@@ -17,7 +17,8 @@ block in code units.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -158,3 +159,46 @@ def quantize_activation(
     granularity = activation_granularity(x.shape, contracting, config, bounds is not None)
     pair = None if bounds is None else (bounds[0], bounds[1])
     return quantize(x, config, key=key, bounds=pair, granularity=granularity, pack=False)
+
+
+def product_dtype(lhs: Any, rhs: Any, preferred_element_type: Any) -> np.dtype:
+    """The output dtype of a product with quantized operands: `preferred_element_type`, else the
+    float operand's dtype, else the operands' logical dtypes promoted."""
+    if preferred_element_type is not None:
+        return jnp.dtype(preferred_element_type)
+    floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QArray)]
+    return jnp.dtype(floats[0] if floats else jnp.result_type(lhs.dtype, rhs.dtype))
+
+
+def reference_product(
+    op: Callable[..., jax.Array],
+    lhs_f: jax.Array,
+    rhs_f: jax.Array,
+    *args: Any,
+    out_dtype: Any,
+    **kwargs: Any,
+) -> jax.Array:
+    """``op(lhs_f, rhs_f, *args, **kwargs)`` on dequantized operands, as a reference path
+    computes it: accumulated in at least `out_dtype` (never narrower than the operands), then
+    cast to `out_dtype`.
+
+    Args:
+      op: the float `lax` product (`lax.dot_general`, `lax.ragged_dot_general`).
+      lhs_f, rhs_f: the dequantized operands.
+      *args, **kwargs: the product's other arguments (not `preferred_element_type`).
+      out_dtype: the output dtype.
+    """
+    accumulate = jnp.promote_types(jnp.result_type(lhs_f, rhs_f), out_dtype)
+    return op(lhs_f, rhs_f, *args, preferred_element_type=accumulate, **kwargs).astype(out_dtype)
+
+
+def core_dtypes(lkind: str, rkind: str) -> tuple[Any, Any, Any]:
+    """The core product of two operands of these kinds (`KINDS`): (lhs values dtype, or None
+    to keep them as stored; rhs ...; accumulation dtype). int8 x int8 accumulates in int32,
+    fp8 x fp8 and anything with a float operand in float32 as stored; other pairs are cast to
+    float32 first."""
+    if lkind == rkind == "int":
+        return None, None, jnp.int32
+    if lkind == rkind == "fp8" or "float" in (lkind, rkind):
+        return None, None, jnp.float32
+    return jnp.float32, jnp.float32, jnp.float32

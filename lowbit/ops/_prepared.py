@@ -29,7 +29,7 @@ from lowbit import kernels
 from lowbit.formats import GGUFBlockFormat
 from lowbit.ops._cpu_kernels import KernelRoute, prepare_layout, weight_route
 from lowbit.ops._host_memory import release_free_memory
-from lowbit.qarray import EngineValue, QArray
+from lowbit.qarray import ArrayBacked, QArray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ class LogicalMeta:
 
 @typing.final
 @dataclasses.dataclass(frozen=True, eq=False)
-class PreparedQArray(EngineValue):
+class PreparedQArray(ArrayBacked):
     """A 2-D quantized weight held in the CPU kernels' layout only.
 
     Attributes:
@@ -76,13 +76,7 @@ class PreparedQArray(EngineValue):
     input_scale: jax.Array | None = None
 
     # --- array-like surface (the logical array's) -------------------------------------------
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.meta.shape
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.meta.dtype
+    backing = "meta"  # shape and dtype are those of the logical QArray (`meta`)
 
     @property
     def format(self) -> str:

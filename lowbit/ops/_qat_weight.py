@@ -14,14 +14,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from lowbit.qarray import EngineValue, QArray, QuantConfig, quantize
+from lowbit.qarray import ArrayBacked, QArray, QuantConfig, quantize
 
 
 @typing.final
 @dataclasses.dataclass(frozen=True, eq=False)
-class QatWeight(EngineValue):
+class QatWeight(ArrayBacked):
     """A float weight with its quantization recipe for quantization-aware training.
 
     Attributes:
@@ -36,14 +35,7 @@ class QatWeight(EngineValue):
     activation: QuantConfig | None = None
     gradient: QuantConfig | None = None
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.value.shape)
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.value.dtype
-
+    backing = "value"  # shape and dtype are those of `value`
     engine_priority = 1
 
     def served(self) -> QArray:

@@ -27,10 +27,13 @@ from lowbit.ops._dims import expand_axis
 from lowbit.ops._input_scale import reject_input_scale
 from lowbit.ops._operand import (
     activation_scale_shape,
+    core_dtypes,
     format_kind,
     from_float,
     from_qarray,
+    product_dtype,
     quantize_activation,
+    reference_product,
 )
 from lowbit.qarray import QArray
 
@@ -195,17 +198,17 @@ def _forward(
         return ragged_dot_general_reference(
             lhs, rhs, group_sizes, ragged_dot_dimension_numbers, **kwargs
         )
-    out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
+    out_dtype = product_dtype(lhs, rhs, preferred_element_type)
     axes = _axes(ragged_dot_dimension_numbers, lhs.shape, rhs.shape)
     lc = axes[0]
     if not isinstance(lhs, QArray) and rhs.activation is not None:
         lhs = quantize_activation(lhs, (lc,), rhs.activation, rhs.activation_bounds)
     x = from_qarray(lhs) if isinstance(lhs, QArray) else from_float(lhs)
     w = from_qarray(rhs)
-    acc_dtype = jnp.int32 if x.kind == w.kind == "int" else jnp.float32
+    xdtype, wdtype, acc_dtype = core_dtypes(x.kind, w.kind)
     xv, wv = x.values, w.values
-    if x.kind != "float" and (x.kind, w.kind) not in (("int", "int"), ("fp8", "fp8")):
-        xv, wv = xv.astype(jnp.float32), wv.astype(jnp.float32)
+    if xdtype is not None:
+        xv, wv = xv.astype(xdtype), wv.astype(wdtype)
     acc = lax.ragged_dot_general(
         xv,
         wv,
@@ -256,13 +259,6 @@ def _ste_bwd(dims, precision, preferred, out_sharding, residuals, g):
 _ste_ragged.defvjp(_ste_fwd, _ste_bwd)
 
 
-def _out_dtype(lhs, rhs, preferred_element_type):
-    if preferred_element_type is not None:
-        return jnp.dtype(preferred_element_type)
-    floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QArray)]
-    return jnp.dtype(floats[0] if floats else jnp.result_type(lhs.dtype, rhs.dtype))
-
-
 def ragged_dot_general_reference(
     lhs: jax.Array | QArray,
     rhs: jax.Array | QArray,
@@ -276,7 +272,7 @@ def ragged_dot_general_reference(
     """Dequantize-then-`lax.ragged_dot_general`; a float lhs facing a weight with an
     activation config is quantized exactly as `ragged_dot_general` does first."""
     _check(lhs, rhs)
-    out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
+    out_dtype = product_dtype(lhs, rhs, preferred_element_type)
     (lc, _), _ = ragged_dot_dimension_numbers.dot_dimension_numbers
     if isinstance(rhs, QArray) and not isinstance(lhs, QArray) and rhs.activation is not None:
         lhs = quantize_activation(lhs, lc, rhs.activation, rhs.activation_bounds).dequantize(
@@ -284,17 +280,17 @@ def ragged_dot_general_reference(
         )
     lhs_f = lhs.dequantize() if isinstance(lhs, QArray) else lhs
     rhs_f = rhs.dequantize() if isinstance(rhs, QArray) else rhs
-    out = lax.ragged_dot_general(
+    return reference_product(
+        lax.ragged_dot_general,
         lhs_f,
         rhs_f,
         group_sizes,
         ragged_dot_dimension_numbers,
+        out_dtype=out_dtype,
         precision=precision,
-        preferred_element_type=jnp.promote_types(jnp.result_type(lhs_f, rhs_f), out_dtype),
         group_offset=group_offset,
         **_sharding_kwargs(out_sharding),
     )
-    return out.astype(out_dtype)
 
 
 def ragged_dot(

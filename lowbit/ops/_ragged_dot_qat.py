@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit.ops._operand import from_qarray, quantize_activation
+from lowbit.ops._operand import core_dtypes, from_qarray, quantize_activation
 from lowbit.ops._qat import companion_config, derived_key, fake_quantized_activation
 from lowbit.ops._qat_weight import QatWeight
 from lowbit.ops._ragged_dot import BASIC_DIMENSION_NUMBERS, ragged_dot_general
@@ -98,10 +98,10 @@ def _quantized_ragged_backward(x, w, group_sizes, g, gradient, key, precision):
     gq_cols = from_qarray(
         quantize(g, gradient, key=keys[1], granularity=PerChannel(axes=(1,)), pack=False)
     )
-    acc_dtype = jnp.int32 if xq.kind == gq_cols.kind == "int" else jnp.float32
+    xdtype, gdtype, acc_dtype = core_dtypes(xq.kind, gq_cols.kind)
     xv, gv = xq.values, gq_cols.values
-    if acc_dtype == jnp.float32 and (xq.kind, gq_cols.kind) != ("fp8", "fp8"):
-        xv, gv = xv.astype(jnp.float32), gv.astype(jnp.float32)
+    if xdtype is not None:
+        xv, gv = xv.astype(xdtype), gv.astype(gdtype)
     acc = lax.ragged_dot_general(
         xv, gv, group_sizes, _RAGGED_CONTRACTION, preferred_element_type=acc_dtype
     ).astype(jnp.float32)

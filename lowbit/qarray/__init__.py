@@ -42,10 +42,11 @@ from lowbit.qarray._quantize import (
     quantize,
 )
 from lowbit.qarray._sparse import NMSparse, is_nm_sparse, meta_bits, nm_mask, nm_sparsify
-from lowbit.qarray._value import EngineValue, NoRule
+from lowbit.qarray._value import ArrayBacked, EngineValue, NoRule
 
 __all__ = [
     "DATA_FIELDS",
+    "ArrayBacked",
     "EngineValue",
     "NoRule",
     "META_FIELDS",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,13 @@ from lowbit.formats import Format
 
 def _finite_abs(blocks: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(blocks), jnp.abs(blocks), 0.0)
+
+
+def _finite_mean(blocks: jax.Array, fn: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """Mean of `fn(blocks)` over each block's finite elements (0 for a block with none)."""
+    finite = jnp.isfinite(blocks)
+    count = jnp.maximum(jnp.sum(finite, axis=-1), 1)
+    return jnp.sum(jnp.where(finite, fn(blocks), 0.0), axis=-1) / count
 
 
 def _finite_min_max(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -37,18 +45,28 @@ def _check_positive(field: str, value: object) -> None:
         raise ValueError(f"{field}={value!r}; accepted: a positive finite number")
 
 
+class _PositiveFields:
+    """A calibrator whose `positive` fields must each be a positive finite number, checked on
+    construction (``ValueError`` naming ``<Class>.<field>``)."""
+
+    positive: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        for field in self.positive:
+            _check_positive(f"{type(self).__name__}.{field}", getattr(self, field))
+
+
 def _symmetric(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
     return -amax, amax
 
 
 @dataclasses.dataclass(frozen=True)
-class AbsMax:
+class AbsMax(_PositiveFields):
     """Bound = `clip` × max |x| (`clip` < 1 clips outliers)."""
 
     clip: float = 1.0
 
-    def __post_init__(self):
-        _check_positive("AbsMax.clip", self.clip)
+    positive = ("clip",)
 
     def bounds(self, blocks: jax.Array, *, fmt: Format, symmetric: bool):
         if not symmetric:
@@ -58,19 +76,16 @@ class AbsMax:
 
 
 @dataclasses.dataclass(frozen=True)
-class AbsMean:
+class AbsMean(_PositiveFields):
     """Bound = `multiplier` × mean |x|: BitNet b1.58's ternary scale (with `fmt.max_value` 1,
     scale = mean |x| and codes = clip(round(x / scale), -1, 1))."""
 
     multiplier: float = 1.0
 
-    def __post_init__(self):
-        _check_positive("AbsMean.multiplier", self.multiplier)
+    positive = ("multiplier",)
 
     def bounds(self, blocks: jax.Array, *, fmt: Format, symmetric: bool):
-        finite = jnp.isfinite(blocks)
-        count = jnp.maximum(jnp.sum(finite, axis=-1), 1)
-        amean = jnp.sum(_finite_abs(blocks), axis=-1) / count
+        amean = _finite_mean(blocks, jnp.abs)
         amax = self.multiplier * amean * fmt.max_value
         if symmetric:
             return _symmetric(amax)
@@ -115,19 +130,15 @@ class Percentile:
 
 
 @dataclasses.dataclass(frozen=True)
-class RMS:
+class RMS(_PositiveFields):
     """Bound = `multiplier` × root-mean-square of x (robust to rare outliers)."""
 
     multiplier: float = 3.0
 
-    def __post_init__(self):
-        _check_positive("RMS.multiplier", self.multiplier)
+    positive = ("multiplier",)
 
     def bounds(self, blocks: jax.Array, *, fmt: Format, symmetric: bool):
-        finite = jnp.isfinite(blocks)
-        count = jnp.maximum(jnp.sum(finite, axis=-1), 1)
-        sq = jnp.sum(jnp.where(finite, blocks * blocks, 0.0), axis=-1)
-        amax = self.multiplier * jnp.sqrt(sq / count)
+        amax = self.multiplier * jnp.sqrt(_finite_mean(blocks, lambda b: b * b))
         if symmetric:
             return _symmetric(amax)
         lo, hi = _finite_min_max(blocks)

@@ -147,3 +147,25 @@ class EngineValue(abc.ABC):
           NoRule: the value cannot be sharded as it is (the engine dequantizes it, counted).
         """
         return self, spec, lambda local: local
+
+
+class ArrayBacked(EngineValue):
+    """An `EngineValue` whose logical shape and dtype are those of one of its fields.
+
+    A value wrapping an array (a QAT or fp8 weight's float `value`, a LoRA weight's `base`, a
+    prepared weight's logical `meta`) names that field once in `backing`, instead of writing
+    the same `shape` / `dtype` pair of properties again.
+
+    Attributes:
+      backing: the name of the field whose `shape` and `dtype` this value has.
+    """
+
+    backing: ClassVar[str]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, self.backing).shape)
+
+    @property
+    def dtype(self) -> Any:
+        return getattr(self, self.backing).dtype

@@ -14,21 +14,41 @@ JSON form: ``{"name": "gptq", "damp": 0.01, ...}`` (see `algorithm_to_dict`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
-
-
-def _check(owner: str, field: str, value: Any, ok: bool, accepted: str) -> None:
-    if not ok:
-        raise ValueError(f"{owner}.{field}: {value!r}; accepted: {accepted}")
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+_TRUE_OR_FALSE = (_is_bool, "true or false")
+
+
+class _Checked:
+    """A settings dataclass whose fields are checked on construction against one table.
+
+    Attributes:
+      checks: field name -> (predicate on its value, the accepted values in words), checked
+        in order; the first failure raises ``ValueError("<Class>.<field>: <value>; accepted:
+        <words>")``.
+    """
+
+    checks: ClassVar[Mapping[str, tuple[Callable[[Any], bool], str]]] = {}
+
+    def __post_init__(self) -> None:
+        for field, (ok, accepted) in self.checks.items():
+            value = getattr(self, field)
+            if not ok(value):
+                raise ValueError(f"{type(self).__name__}.{field}: {value!r}; accepted: {accepted}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GPTQ:
+class GPTQ(_Checked):
     """GPTQ (Frantar et al., 2022).
 
     Attributes:
@@ -61,32 +81,22 @@ class GPTQ:
     full_range: bool = False
     needs_data = True
     name = "gptq"
-
-    def __post_init__(self):
-        _check(
-            "GPTQ", "damp", self.damp, _is_number(self.damp) and 0 < self.damp < 10, "0 < damp < 10"
-        )
-        _check(
-            "GPTQ",
-            "block",
-            self.block,
-            isinstance(self.block, int) and self.block > 0,
-            "an int > 0",
-        )
-        for field in ("act_order", "clip", "scale", "full_range"):
-            value = getattr(self, field)
-            _check("GPTQ", field, value, isinstance(value, bool), "true or false")
-        _check(
-            "GPTQ",
-            "refine",
-            self.refine,
-            isinstance(self.refine, int) and not isinstance(self.refine, bool) and self.refine >= 0,
+    checks = {
+        "damp": (lambda v: _is_number(v) and 0 < v < 10, "0 < damp < 10"),
+        "block": (lambda v: isinstance(v, int) and v > 0, "an int > 0"),
+        "act_order": _TRUE_OR_FALSE,
+        "clip": _TRUE_OR_FALSE,
+        "scale": _TRUE_OR_FALSE,
+        "full_range": _TRUE_OR_FALSE,
+        "refine": (
+            lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
             "an int >= 0",
-        )
+        ),
+    }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AWQ:
+class AWQ(_Checked):
     """AWQ (Lin et al., 2023): scales ``s = mean|x|**alpha / mean|w|**(1 - alpha)``, alpha
     searched on a grid, then a clipping search.
 
@@ -101,14 +111,14 @@ class AWQ:
     clip: bool = True
     needs_data = True
     name = "awq"
-
-    def __post_init__(self):
-        _check("AWQ", "grid", self.grid, isinstance(self.grid, int) and self.grid > 0, "an int > 0")
-        _check("AWQ", "clip", self.clip, isinstance(self.clip, bool), "true or false")
+    checks = {
+        "grid": (lambda v: isinstance(v, int) and v > 0, "an int > 0"),
+        "clip": _TRUE_OR_FALSE,
+    }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SmoothQuant:
+class SmoothQuant(_Checked):
     """SmoothQuant (Xiao et al., 2022): ``s = max|x|**alpha / max|w|**(1 - alpha)``.
 
     Attributes:
@@ -129,27 +139,18 @@ class SmoothQuant:
     in_op: bool = True
     needs_data = True
     name = "smoothquant"
-
-    def __post_init__(self):
-        _check(
-            "SmoothQuant",
-            "alpha",
-            self.alpha,
-            _is_number(self.alpha) and 0 <= self.alpha <= 1,
-            "a number in [0, 1]",
-        )
-        _check(
-            "SmoothQuant",
-            "grid",
-            self.grid,
-            isinstance(self.grid, int) and not isinstance(self.grid, bool) and self.grid >= 0,
+    checks = {
+        "alpha": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+        "grid": (
+            lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
             "an int >= 0 (0: no search)",
-        )
-        _check("SmoothQuant", "in_op", self.in_op, isinstance(self.in_op, bool), "true or false")
+        ),
+        "in_op": _TRUE_OR_FALSE,
+    }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class HQQ:
+class HQQ(_Checked):
     """HQQ (Badri & Shaji, 2023): data-free lp (p < 1) half-quadratic zero-point optimization.
 
     Attributes:
@@ -165,16 +166,12 @@ class HQQ:
     kappa: float = 1.01
     needs_data = False
     name = "hqq"
-
-    def __post_init__(self):
-        _check(
-            "HQQ", "iters", self.iters, isinstance(self.iters, int) and self.iters > 0, "an int > 0"
-        )
-        _check("HQQ", "p", self.p, _is_number(self.p) and 0 < self.p < 1, "0 < p < 1")
-        _check("HQQ", "beta", self.beta, _is_number(self.beta) and self.beta > 0, "a number > 0")
-        _check(
-            "HQQ", "kappa", self.kappa, _is_number(self.kappa) and self.kappa > 1, "a number > 1"
-        )
+    checks = {
+        "iters": (lambda v: isinstance(v, int) and v > 0, "an int > 0"),
+        "p": (lambda v: _is_number(v) and 0 < v < 1, "0 < p < 1"),
+        "beta": (lambda v: _is_number(v) and v > 0, "a number > 0"),
+        "kappa": (lambda v: _is_number(v) and v > 1, "a number > 1"),
+    }
 
 
 Algorithm = GPTQ | AWQ | SmoothQuant | HQQ

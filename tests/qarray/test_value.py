@@ -7,7 +7,16 @@ import jax.numpy as jnp
 import pytest
 
 from lowbit import ops
-from lowbit.qarray import EngineValue, NMSparse, NoRule, PerChannel, QArray, nm_sparsify, quantize
+from lowbit.qarray import (
+    ArrayBacked,
+    EngineValue,
+    NMSparse,
+    NoRule,
+    PerChannel,
+    QArray,
+    nm_sparsify,
+    quantize,
+)
 
 _W = jax.random.normal(jax.random.key(0), (8, 4))
 _Q = quantize(_W, "int8", granularity=PerChannel((1,)))
@@ -29,6 +38,23 @@ def test_every_engine_value_is_a_concrete_protocol_class(cls):
     assert not inspect.isabstract(cls)
     # The array surface is the base's: ndim follows from shape, once.
     assert "ndim" not in vars(cls)
+
+
+@pytest.mark.parametrize(
+    "cls",
+    (ops.PreparedQArray, ops.QatWeight, ops.LoraWeight, ops.Fp8Weight),
+    ids=lambda c: c.__name__,
+)
+def test_wrapping_values_take_shape_and_dtype_from_their_backing_field(cls):
+    assert issubclass(cls, ArrayBacked)
+    assert "shape" not in vars(cls) and "dtype" not in vars(cls)
+
+
+@pytest.mark.parametrize("name", ["QatWeight", "LoraWeight", "Fp8Weight"])
+def test_array_backed_shape_and_dtype_are_the_backing_arrays(name):
+    value = VALUES[name]
+    backing = getattr(value, value.backing)
+    assert value.shape == tuple(backing.shape) and value.dtype == backing.dtype
 
 
 @pytest.mark.parametrize("name", sorted(VALUES))
