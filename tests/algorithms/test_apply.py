@@ -4,27 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from algorithm_support import quantize_with_report as _quantize
 from flax import nnx
 
 import lowbit
 from lowbit import quantize_model
 from lowbit.algorithms import AlgorithmReport, CalibrationError, capture
-from lowbit.api import AlgorithmOptions
 from lowbit.qarray import MinMax, PerGroup, QuantConfig
 from lowbit.recipes import GPTQ, HQQ, Recipe, Rule, preset
-
-
-def _quantize(params, recipe, *, row_mask=None, statistics=None, sequential=1, **options):
-    """`lowbit.quantize_params` with its `AlgorithmReport`: (quantized params, report)."""
-    report = AlgorithmReport()
-    algorithm_options = AlgorithmOptions(
-        row_mask=row_mask, statistics=statistics, sequential=sequential
-    )
-    q = lowbit.quantize_params(
-        params, recipe, algorithm_options=algorithm_options, report=report, **options
-    )
-    return q, report
-
 
 D_IN, D_OUT = 32, 16
 INT4 = QuantConfig(format="int4", granularity=PerGroup(8, axis=0))

@@ -4,27 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from algorithm_support import quantize_with_report as _quantize
 from flax import nnx
 
 import lowbit
-from lowbit.algorithms import AlgorithmReport, capture
+from lowbit.algorithms import capture
 from lowbit.algorithms._smooth import apply_folds, plan_folds
-from lowbit.api import AlgorithmOptions
 from lowbit.qarray import PerGroup, PerToken, QuantConfig
 from lowbit.recipes import AWQ, Recipe, Rule, SmoothQuant, param_leaves
-
-
-def _quantize(params, recipe, *, row_mask=None, statistics=None, sequential=1, **options):
-    """`lowbit.quantize_params` with its `AlgorithmReport`: (quantized params, report)."""
-    report = AlgorithmReport()
-    algorithm_options = AlgorithmOptions(
-        row_mask=row_mask, statistics=statistics, sequential=sequential
-    )
-    q = lowbit.quantize_params(
-        params, recipe, algorithm_options=algorithm_options, report=report, **options
-    )
-    return q, report
-
 
 D, F = 32, 16
 

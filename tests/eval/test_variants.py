@@ -2,32 +2,15 @@
 
 import jax
 from flax import nnx
-from tokenizers import Tokenizer, models, pre_tokenizers
+from lm_support import WORDS, tiny_lm
 
-from lowbit import serving
 from lowbit.eval import quantize_variant
 from lowbit.ops import PreparedQArray
 from lowbit.qarray import QArray
 
-WORDS = [f"w{i}" for i in range(63)]
-
-
-def _tiny_lm():
-    from lowbit.models import Llama, LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128
-    )
-    tokenizer = Tokenizer(
-        models.WordLevel({w: i for i, w in enumerate(["<unk>", *WORDS])}, "<unk>")
-    )
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    model = Llama(config, rngs=nnx.Rngs(0))
-    return serving.LoadedModel(name="t", spec="t", kind="lm", model=model, tokenizer=tokenizer)
-
 
 def test_gptq_variant_calibrates_on_the_given_text(tmp_path):
-    loaded = _tiny_lm()
+    loaded = tiny_lm(dim=64, ffn_dim=128)
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(WORDS[i % 11] for i in range(600)))
     batches = []
