@@ -74,6 +74,8 @@ test-jax-compat: $(STAMP)
 	$(COMPAT_VENV)/bin/pip install -q "jax[cpu]==0.9.2" "flax>=0.12,<0.12.8" ml_dtypes numpy \
 		safetensors gguf tokenizers rich matplotlib pytest hypothesis optax scikit-learn \
 		"setuptools>=68" wheel
+	# Objects left in build/ by a build against another jaxlib would be linked in as they are.
+	rm -rf build/temp.* build/lib.*
 	$(COMPAT_VENV)/bin/pip install -q --no-build-isolation --no-deps --force-reinstall .
 	cd tests && $(CURDIR)/$(COMPAT_VENV)/bin/python -c "import jax, lowbit, lowbit.kernels as k; \
 		print('jax', jax.__version__, 'lowbit from', lowbit.__file__); print(k.status())"
