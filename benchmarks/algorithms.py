@@ -42,8 +42,8 @@ def run() -> str:
     from lowbit.api import AlgorithmOptions, algorithm_weights, quantize_params
     from lowbit.eval import _calibration_set as calib
     from lowbit.eval._tree import float32_bytes
-    from lowbit.eval._variants import load_model
     from lowbit.recipes import preset
+    from lowbit.serving import load_model
 
     loaded = load_model("smollm2")
     state = nnx.split(loaded.model)[1]

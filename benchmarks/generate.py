@@ -42,10 +42,11 @@ from flax import nnx
 import lowbit
 from benchmarks._machine import cpu_model
 from lowbit import kernels
-from lowbit.eval._variants import load_model, quantize_variant
+from lowbit.eval import quantize_variant
 from lowbit.models import _generate as gen
 from lowbit.models import has_smollm2
 from lowbit.ops import with_int8_activations
+from lowbit.serving import load_model
 
 RECIPES = ("gguf", "int4w_g32_asym", "w4a8_g32")
 # Also run with `with_int8_activations` (int8 activations on batches of 2-16 rows; one row is

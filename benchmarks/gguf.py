@@ -118,10 +118,11 @@ def run() -> str:
         return "## GGUF round trip with llama.cpp\n\nSkipped: `llama_cpp` is not installed.\n"
     from flax import nnx
 
+    from lowbit.eval import quantize_variant
     from lowbit.eval._session import ModelSession
-    from lowbit.eval._variants import load_model, quantize_variant
     from lowbit.io import export_gguf, import_gguf
     from lowbit.models import gguf_llama_param_map
+    from lowbit.serving import load_model
 
     loaded = load_model("smollm2")
     config = loaded.model.config

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lowbit.eval._session import ModelSession
-from lowbit.eval._variants import load_model
 from lowbit.models import has_smollm2, init_kv_cache
 from lowbit.recipes import parse_kv_cache
+from lowbit.serving import load_model
 
 FORMATS = (None, "int8", "fp8", "int4", "int8+qk")
 TARGETS = {"int8": 0.003, "int8+qk": 0.003, "fp8": 0.01, "int4": 0.03}

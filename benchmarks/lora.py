@@ -121,7 +121,7 @@ def _measure() -> dict:
     )
     from lowbit.eval._finetune import make_optimizer, sample_windows
     from lowbit.eval._tree import named_leaves
-    from lowbit.eval._variants import as_numpy_tokens, load_model
+    from lowbit.serving import as_numpy_tokens, load_model
 
     loaded = load_model("smollm2")
     graphdef, state = nnx.split(loaded.model)

@@ -24,9 +24,9 @@ from flax import nnx
 
 from lowbit import kernels
 from lowbit.engine import interpret
-from lowbit.eval import ResultRow, evaluate_recipes, relative_change
-from lowbit.eval._variants import load_model, quantize_variant
+from lowbit.eval import ResultRow, evaluate_recipes, quantize_variant, relative_change
 from lowbit.models import has_minilm, has_smollm2
+from lowbit.serving import load_model
 
 SECTIONS = (
     (

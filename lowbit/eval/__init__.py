@@ -42,14 +42,10 @@ from lowbit.eval._speed import SpeedResult, decode_tokens_per_s, prefill_tokens_
 from lowbit.eval._sqnr import contraction_axis, output_sqnr, sqnr_db, weight_sqnr
 from lowbit.eval._suite import SuiteResult, evaluate_recipes
 from lowbit.eval._tree import float32_bytes, leaf_bytes, named_leaves, param_bytes
-from lowbit.eval._variants import (
-    GGUF_RECIPE,
-    LoadedModel,
-    load_model,
-    load_recipe,
-    quantize_variant,
-    recipe_label,
-)
+from lowbit.eval._variants import quantize_variant
+
+# Model loading lives in `lowbit.serving`; these names stay here for existing callers.
+from lowbit.serving import GGUF_RECIPE, LoadedModel, load_model, load_recipe, recipe_label
 
 __all__ = [
     "default_training_text",

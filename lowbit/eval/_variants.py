@@ -3,8 +3,7 @@ calibrated on the evaluation's calibration set (`lowbit.eval.calibration_text`, 
 the evaluation text).
 
 Models and recipes are read by `lowbit.serving` (model specs: `lowbit.serving.load_model`;
-recipe specs: `lowbit.serving.load_recipe`); their names are re-exported here for
-`lowbit.eval`'s users.
+recipe specs: `lowbit.serving.load_recipe`).
 """
 
 from __future__ import annotations
@@ -13,33 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lowbit.eval._calibration_set import calibrator
-from lowbit.serving import (
-    FLOAT_RECIPE,
-    GGUF_RECIPE,
-    KINDS,
-    MODEL_NAMES,
-    LoadedModel,
-    apply_recipe,
-    as_numpy_tokens,
-    check_recipe_spec,
-    load_model,
-    load_recipe,
-    recipe_label,
-)
-
-__all__ = [
-    "FLOAT_RECIPE",
-    "GGUF_RECIPE",
-    "KINDS",
-    "MODEL_NAMES",
-    "LoadedModel",
-    "as_numpy_tokens",
-    "check_recipe_spec",
-    "load_model",
-    "load_recipe",
-    "quantize_variant",
-    "recipe_label",
-]
+from lowbit.serving import LoadedModel, apply_recipe
 
 
 def quantize_variant(
