@@ -82,10 +82,10 @@ def _llama_quantize(src: str, dst: str, ftype: str) -> None:
 def _weight_errors(ours: str, theirs: str, float_params, config) -> list[tuple]:
     """Per GGML type: (type, tensors, rel RMSE lowbit, rel RMSE llama.cpp, identical blocks)."""
     from lowbit.io._gguf_export import _lookup, _permute_rope_rows
-    from lowbit.models import gguf_llama_param_map, read_gguf
+    from lowbit.models import gguf_param_map, read_gguf
 
     a, b = read_gguf(ours), read_gguf(theirs)
-    mapping = gguf_llama_param_map(config)
+    mapping = gguf_param_map(config)
     stats: dict[str, list] = {}
     for name, where in mapping.items():
         ta, tb = a.tensors[name], b.tensors[name]
@@ -121,7 +121,7 @@ def run() -> str:
     from lowbit.eval import quantize_variant
     from lowbit.eval._session import ModelSession
     from lowbit.io import export_gguf, import_gguf
-    from lowbit.models import gguf_llama_param_map
+    from lowbit.models import gguf_param_map
     from lowbit.serving import load_model
 
     loaded = load_model("smollm2")
@@ -129,7 +129,7 @@ def run() -> str:
     session = ModelSession(loaded, context=CONTEXT, max_tokens=MAX_TOKENS)
     tokens = session.tokens()
     float_params, _ = quantize_variant(loaded, nnx.split(loaded.model)[1], "float")
-    mapping = gguf_llama_param_map(config)
+    mapping = gguf_param_map(config)
     source = str(loaded.gguf_path)
 
     def lowbit_ppl(params) -> float:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from lowbit.api import kernel_axes_of
 from lowbit.io import load_checkpoint
-from lowbit.models import Llama, llama_config_from_gguf, read_gguf, smollm2_gguf_path
+from lowbit.models import Llama, decoder_config_from_gguf, read_gguf, smollm2_gguf_path
 from lowbit.ops import PreparedQArray
 from lowbit.qarray import QArray
 
@@ -50,7 +50,7 @@ def status(key):
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
 
-config = llama_config_from_gguf(read_gguf(smollm2_gguf_path()))
+config = decoder_config_from_gguf(read_gguf(smollm2_gguf_path()))
 graphdef = nnx.graphdef(Llama.abstract(config))
 forward = lambda p, t: nnx.merge(graphdef, p)(t)
 tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)

@@ -44,7 +44,7 @@ import gguf
 import numpy as np
 
 from lowbit.formats import GGUF_BLOCK_TYPES, GGUFBlockFormat, gguf_encode
-from lowbit.models import LlamaConfig, gguf_llama_param_map
+from lowbit.models import LlamaConfig, gguf_param_map, swap_last
 from lowbit.qarray import QArray
 
 K_FALLBACK = {
@@ -341,7 +341,7 @@ def export_gguf(
     """
     type_ = check_type(type)
     path = os.fspath(path)
-    mapping = gguf_llama_param_map(config)
+    mapping = gguf_param_map(config)
     notes: list[TensorNote] = []
     tensors: list[tuple[str, np.ndarray, str]] = []
     for name, where in mapping.items():
@@ -351,7 +351,7 @@ def export_gguf(
                 f"params have no {'/'.join(map(str, where.path))} for GGUF tensor {name!r}"
             )
         if where.transpose:
-            value = value.T
+            value = swap_last(value)
         raw, written, how, note = _tensor(name, value, type_, config, strict)
         if where.unpermute_heads is not None:
             raw = _permute_rope_rows(raw, where.unpermute_heads)

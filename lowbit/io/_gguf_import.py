@@ -38,7 +38,7 @@ import numpy as np
 
 from lowbit.formats import GGUF_BLOCK_FORMATS, get_format, gguf_decode
 from lowbit.io._placement import NameMap, Placement, nest, resolve
-from lowbit.models import GGUFTensor, read_gguf, unpermute_rope_rows
+from lowbit.models import GGUFTensor, read_gguf, swap_last, unpermute_rope_rows
 from lowbit.ops import prepare_leaves
 from lowbit.qarray import QArray, is_qarray
 
@@ -160,13 +160,13 @@ def _place(tensor: GGUFTensor, placement: Placement, quantized: bool) -> Any:
         tensor = GGUFTensor(tensor.name, tensor.ggml_type, tensor.shape, raw)
     if quantized and tensor.ggml_type.name in DIRECT_TYPES + BLOCK_TYPES:
         value = gguf_tensor_to_qarray(tensor)
-        return value.T if placement.transpose else value
+        return swap_last(value) if placement.transpose else value
     if tensor.ggml_type.name in BLOCK_TYPES:
         # This library's decoder: the same values as gguf's, faster, and it knows Q8_K.
         value = gguf_decode(tensor.ggml_type.name, tensor.raw).reshape(tensor.shape)
     else:
         value = tensor.dequantize()
-    return jnp.asarray(value.T if placement.transpose else value)
+    return jnp.asarray(swap_last(value) if placement.transpose else value)
 
 
 def import_gguf(

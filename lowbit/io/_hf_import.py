@@ -10,7 +10,7 @@ import numpy as np
 
 from lowbit.io._placement import NameMap, nest, resolve
 from lowbit.io._safetensors_file import read_header, read_tensor
-from lowbit.models import unpermute_rope_rows
+from lowbit.models import swap_last, unpermute_rope_rows
 
 
 def import_safetensors(
@@ -47,7 +47,7 @@ def import_safetensors(
             if placement.unpermute_heads is not None:
                 value = unpermute_rope_rows(value, placement.unpermute_heads)
             if placement.transpose:
-                value = np.ascontiguousarray(value.T)
+                value = np.ascontiguousarray(swap_last(value))
             if dtype is not None and np.issubdtype(value.dtype, np.floating):
                 value = value.astype(dtype)
             placed.append((placement.path, jnp.asarray(value)))

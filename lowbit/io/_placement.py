@@ -25,8 +25,8 @@ class Placement:
 
     Attributes:
       path: the params path.
-      transpose: reverse the axes (a file's linear weight ``[out, in]`` -> a Flax kernel
-        ``[in, out]``).
+      transpose: swap the last two axes (a file's linear weight ``[out, in]`` -> a Flax
+        kernel ``[in, out]``; stacked experts ``[E, out, in]`` -> ``[E, in, out]``).
       unpermute_heads: if set, first undo llama.cpp's interleaving of query/key rows for this
         many heads (see `lowbit.models.unpermute_rope_rows`); None or a positive int.
     """

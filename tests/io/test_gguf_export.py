@@ -12,7 +12,7 @@ import pytest
 from lowbit.formats import gguf_decode, gguf_encode
 from lowbit.io import export_gguf, import_gguf
 from lowbit.io._gguf_export import _permute_rope_rows
-from lowbit.models import LlamaConfig, gguf_llama_param_map, read_gguf, unpermute_rope_rows
+from lowbit.models import LlamaConfig, gguf_param_map, read_gguf, unpermute_rope_rows
 from lowbit.qarray import PerGroup, QArray, quantize
 
 CONFIG = LlamaConfig(
@@ -27,7 +27,7 @@ CONFIG = LlamaConfig(
     norm_eps=1e-5,
     tie_embeddings=True,
 )
-MAPPING = gguf_llama_param_map(CONFIG)
+MAPPING = gguf_param_map(CONFIG)
 
 
 def _params(config=CONFIG, seed=0):
@@ -242,13 +242,13 @@ def test_import_every_block_type_decodes_like_gguf(tmp_path, ggml_type):
 
 @pytest.fixture(scope="module")
 def smollm2_export(tmp_path_factory):
-    from lowbit.models import has_smollm2, llama_config_from_gguf, smollm2_gguf_path
+    from lowbit.models import has_smollm2, decoder_config_from_gguf, smollm2_gguf_path
 
     if not has_smollm2():
         pytest.skip("SmolLM2 GGUF asset not installed")
     source = str(smollm2_gguf_path())
-    config = llama_config_from_gguf(read_gguf(source))
-    mapping = gguf_llama_param_map(config)
+    config = decoder_config_from_gguf(read_gguf(source))
+    mapping = gguf_param_map(config)
     params, _ = import_gguf(source, name_map=mapping.get)
     out = tmp_path_factory.mktemp("smol") / "smollm2.gguf"
     report = export_gguf(params, out, config=config, source=source, log=None)

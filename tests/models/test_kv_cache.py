@@ -136,7 +136,7 @@ def _decode_after_prompt(model, text, start, prompt, steps):
 def test_decode_reads_only_filled_blocks_and_matches_all_slots(text, monkeypatch):
     # Left-padded rows (start > 0) and a token crossing a block boundary: block attention
     # over slots start..slot gives what attention over every slot with a mask gives.
-    from lowbit.models import _llama
+    from lowbit.models import _decoder
 
     config = LlamaConfig(
         vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64
@@ -146,9 +146,9 @@ def test_decode_reads_only_filled_blocks_and_matches_all_slots(text, monkeypatch
     steps = jnp.asarray(RNG.integers(0, 64, (2, 4)), jnp.int32)
 
     run = lambda: _decode_after_prompt(model, text, [0, 5], prompt, steps)
-    assert _llama.decode_block(64) == 32
+    assert _decoder.decode_block(64) == 32
     blocks = run()
-    monkeypatch.setattr(_llama, "decode_block", lambda max_len: None)
+    monkeypatch.setattr(_decoder, "decode_block", lambda max_len: None)
     every = run()
     np.testing.assert_allclose(np.asarray(blocks), np.asarray(every), rtol=2e-5, atol=2e-5)
 
@@ -162,7 +162,7 @@ def test_fused_decode_kernel_matches_the_block_loop(head_dim, text, monkeypatch)
     # at a time; int8 keys by integer products) in one kernel call per layer
     # (`lowbit.kernels.decode_attention`); the XLA block loop must give the same logits.
     from lowbit import kernels
-    from lowbit.models import _llama
+    from lowbit.models import _decoder
 
     if not kernels.available():
         pytest.skip(kernels.status())
@@ -181,7 +181,7 @@ def test_fused_decode_kernel_matches_the_block_loop(head_dim, text, monkeypatch)
     )
     fused = run()
     assert calls, "the float32 cache did not take the kernel"
-    monkeypatch.setattr(_llama, "_fused_decode", lambda q, kv: False)
+    monkeypatch.setattr(_decoder, "_fused_decode", lambda q, kv, cap: False)
     loop = run()
     np.testing.assert_allclose(np.asarray(fused), np.asarray(loop), rtol=2e-5, atol=2e-5)
 

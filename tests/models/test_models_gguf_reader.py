@@ -124,7 +124,7 @@ def test_errors_name_the_problem(tmp_path):
     path = tmp_path / "bert.gguf"
     _write_small_gguf(path, arch="bert")
     with pytest.raises(ValueError, match="'bert'"):
-        models.llama_config_from_gguf(models.read_gguf(path))
+        models.decoder_config_from_gguf(models.read_gguf(path))
     # A tensor whose ggml type id this gguf package does not know: the error names the file
     # and the tensor. Tensor info: name, n_dims (u32), dims (u64 each), type (u32), offset.
     raw = bytearray(path.read_bytes())

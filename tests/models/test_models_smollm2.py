@@ -62,7 +62,7 @@ def test_parameter_paths_and_mapping(smollm2):
     assert params["embed/embedding"] == (49152, 576)
     assert params["norm/scale"] == (576,)
     assert "lm_head/kernel" not in params  # tied: logits come from the embedding
-    mapping = models.gguf_llama_param_map(model.config)
+    mapping = models.gguf_param_map(model.config)
     assert len(params) == len(mapping) == 2 + 30 * 9
     assert {models.path_str(m.path) for m in mapping.values()} == set(params)
     q = mapping["blk.7.attn_q.weight"]
