@@ -1,4 +1,4 @@
-"""GGUF export: a Llama params tree (float or quantized) to a file llama.cpp runs.
+"""GGUF export: a decoder params tree (float or quantized) to a file llama.cpp runs.
 
 Each weight is written in GGUF's layout (``[out, in]``, blocks along ``in``; query/key rows
 re-interleaved for llama.cpp's RoPE) and in one of three ways:
@@ -44,7 +44,7 @@ import gguf
 import numpy as np
 
 from lowbit.formats import GGUF_BLOCK_TYPES, GGUFBlockFormat, gguf_encode
-from lowbit.models import LlamaConfig, gguf_param_map, swap_last
+from lowbit.models import DecoderConfig, gguf_metadata, gguf_param_map, swap_last
 from lowbit.qarray import QArray
 
 K_FALLBACK = {
@@ -135,6 +135,8 @@ def _use_more_bits(i: int, n: int) -> bool:
 
 def _requested(name: str, type_: str | None, n_layers: int, tied: bool) -> str | None:
     """The type `type_` asks for tensor `name` (None: keep / float)."""
+    if name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
+        return None  # expert routers stay float, as llama.cpp's quantizer keeps them
     if type_ is None or type_ not in MIXES:
         return type_
     base = "Q4_K" if type_.startswith("Q4") else "Q5_K"
@@ -182,8 +184,9 @@ def _fp16(values: np.ndarray) -> tuple[np.ndarray, bool]:
 
 
 def _direct(q: QArray) -> tuple[str, np.ndarray, str] | None:
-    """(type, raw bytes [out, row_bytes], note) for a QArray [out, in] that maps onto a GGML
-    type without requantizing, else None."""
+    """(type, raw bytes [..., out, row_bytes], note) for a QArray [..., out, in] (stacked
+    experts have a leading axis) that maps onto a GGML type without requantizing, else
+    None."""
     fmt = q.fmt
     last = q.ndim - 1
     if q.input_scale is not None:
@@ -193,11 +196,11 @@ def _direct(q: QArray) -> tuple[str, np.ndarray, str] | None:
             return None
         return fmt.ggml_type, np.asarray(q.codes, np.uint8), ""
     if (
-        q.ndim != 2
+        q.ndim < 2
         or q.tensor_scale is not None
         or q.activation is not None
         or q.scale_encoding != "float"
-        or q.block_shape != (1, 32)
+        or q.block_shape != (1,) * (q.ndim - 1) + (32,)
         or fmt.name not in ("int8", "int4", "uint4")
     ):
         return None
@@ -206,14 +209,14 @@ def _direct(q: QArray) -> tuple[str, np.ndarray, str] | None:
     zero = None if q.zero_point is None else np.asarray(q.zero_point, np.float32)
     d16, exact = _fp16(scale)
     note = "" if exact else "float32 scales rounded to float16"
-    out = q.shape[0]
+    lead = q.shape[:-1]
     if fmt.name == "int8" and zero is None:
-        qs = codes.view(np.int8).reshape(out, -1, 32).view(np.uint8)
-        return "Q8_0", np.concatenate([d16, qs], -1).reshape(out, -1), note
+        qs = codes.view(np.int8).reshape(*lead, -1, 32).view(np.uint8)
+        return "Q8_0", np.concatenate([d16, qs], -1).reshape(*lead, -1), note
     if fmt.name == "int4" and zero is None:
         values = codes.astype(np.int8)  # two's complement nibbles as uint8 bit patterns
         q4 = (values ^ 8) & 15  # v + 8
-        return "Q4_0", np.concatenate([d16, _nibbles_ggml(q4)], -1).reshape(out, -1), note
+        return "Q4_0", np.concatenate([d16, _nibbles_ggml(q4)], -1).reshape(*lead, -1), note
     # Q4_1: x = d q + m with d = s and m = -s z (int4 with a zero point: q = v + 8, z + 8).
     q4 = codes.astype(np.uint8) & 15
     if fmt.name == "int4":
@@ -221,7 +224,7 @@ def _direct(q: QArray) -> tuple[str, np.ndarray, str] | None:
         zero = zero + 8.0
     if zero is None:
         zero = np.zeros_like(scale)
-    blocks_q = q4.reshape(out, -1, 32)
+    blocks_q = q4.reshape(*lead, -1, 32)
     flat = ~blocks_q.any(-1)
     m = -(scale * zero)
     d = np.where(flat, np.float32(0), scale)
@@ -232,7 +235,7 @@ def _direct(q: QArray) -> tuple[str, np.ndarray, str] | None:
     moved = np.abs(m16.view(np.float16)[..., 0].astype(np.float32) - m) > 1e-6 * np.abs(m)
     if moved.any() and not note:
         note = "minimums rounded to float16"
-    raw = np.concatenate([d16, m16, _nibbles_ggml(q4)], -1).reshape(out, -1)
+    raw = np.concatenate([d16, m16, _nibbles_ggml(q4)], -1).reshape(*lead, -1)
     return "Q4_1", raw, note
 
 
@@ -272,22 +275,11 @@ def _lookup(tree: Any, path: tuple) -> Any:
     return node
 
 
-def _config_metadata(config: LlamaConfig) -> dict[str, tuple[Any, gguf.GGUFValueType]]:
-    u32, f32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+def _config_metadata(config: DecoderConfig) -> dict[str, tuple[Any, gguf.GGUFValueType]]:
+    types = {int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32}
     return {
-        "general.architecture": ("llama", gguf.GGUFValueType.STRING),
-        "llama.block_count": (config.n_layers, u32),
-        "llama.context_length": (8192, u32),
-        "llama.embedding_length": (config.dim, u32),
-        "llama.feed_forward_length": (config.ffn_dim, u32),
-        "llama.attention.head_count": (config.n_heads, u32),
-        "llama.attention.head_count_kv": (config.n_kv_heads, u32),
-        "llama.attention.key_length": (config.head_dim, u32),
-        "llama.attention.value_length": (config.head_dim, u32),
-        "llama.rope.freq_base": (float(config.rope_base), f32),
-        "llama.rope.dimension_count": (config.head_dim, u32),
-        "llama.attention.layer_norm_rms_epsilon": (float(config.norm_eps), f32),
-        "llama.vocab_size": (config.vocab_size, u32),
+        key: (value, types.get(type(value), gguf.GGUFValueType.STRING))
+        for key, value in gguf_metadata(config).items()
     }
 
 
@@ -313,20 +305,21 @@ def export_gguf(
     params: Any,
     path: str | os.PathLike[str],
     *,
-    config: LlamaConfig,
+    config: DecoderConfig,
     type: str | None = None,  # noqa: A002 - the GGUF term
     source: str | os.PathLike[str] | None = None,
     strict: bool = False,
     log: Callable[[str], None] | None = print,
 ) -> ExportReport:
-    """Writes a Llama params tree as a GGUF file llama.cpp can run.
+    """Writes a `Decoder` params tree as a GGUF file llama.cpp can run (its architecture
+    from `config`).
 
     Args:
-      params: the model's parameters (pure dicts or an ``nnx.State``) with the `Llama`
+      params: the model's parameters (pure dicts or an ``nnx.State``) with the `Decoder`
         module's paths (``embed/embedding``, ``layers/{i}/attn/q_proj/kernel``, ...): float
         arrays and QArrays, e.g. from `lowbit.quantize`, `load_checkpoint` or `import_gguf`.
       path: the ``.gguf`` file to write (replaced atomically).
-      config: the model's `LlamaConfig`.
+      config: the model's `DecoderConfig`.
       type: None (keep quantized weights that map directly, the others as Q8_0; floats as
         F32), a GGML type, or a llama.cpp mix; see `EXPORT_TYPES` and the module docstring.
       source: a GGUF file to copy metadata (tokenizer, chat template, ...) from.
@@ -352,6 +345,10 @@ def export_gguf(
             )
         if where.transpose:
             value = swap_last(value)
+        if name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")) and isinstance(
+            value, QArray
+        ):
+            value = value.dequantize(np.float32)  # llama.cpp reads routers as floats only
         raw, written, how, note = _tensor(name, value, type_, config, strict)
         if where.unpermute_heads is not None:
             raw = _permute_rope_rows(raw, where.unpermute_heads)
@@ -359,6 +356,11 @@ def export_gguf(
         notes.append(TensorNote(name, written, how, note))
         if log is not None and (how == "requantized" or note):  # not plain float -> type
             log(f"{name}: {how} as {written}" + (f" ({note})" if note else ""))
+    if config.rope_freq_factors is not None:
+        # Llama 3's frequency divisors travel as a tensor, not as metadata.
+        tensors.append(
+            ("rope_freqs.weight", np.asarray(config.rope_freq_factors, np.float32), "F32")
+        )
     file_type = _file_type(type_, [t for _, _, t in tensors])
     metadata = _source_metadata(source) if source is not None else None
     _write(path, tensors, metadata, config, file_type)
@@ -410,7 +412,7 @@ def _write(path, tensors, metadata, config, file_type) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".gguf", dir=directory)
     os.close(fd)
     try:
-        writer = gguf.GGUFWriter(tmp, "llama")
+        writer = gguf.GGUFWriter(tmp, config.architecture)
         if metadata is None:
             for key, (value, vtype) in _config_metadata(config).items():
                 if key not in _SKIP_KEYS:

@@ -35,6 +35,7 @@ from ._decoder import (
 from ._decoder_gguf import (
     ARCHITECTURES,
     decoder_config_from_gguf,
+    gguf_metadata,
     gguf_param_map,
     load_decoder_gguf,
     load_smollm2,
@@ -78,6 +79,7 @@ __all__ = [
     "generate",
     "generate_greedy",
     "generate_tokens",
+    "gguf_metadata",
     "gguf_param_map",
     "has_minilm",
     "has_smollm2",

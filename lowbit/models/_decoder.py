@@ -524,26 +524,34 @@ class MoE(nnx.Module):
     The router's softmax runs over all experts in float32; the `n_experts_used` best are
     kept (renormalized when `norm_topk`). Each (token, expert) pair becomes one row; rows are
     sorted by expert so that each projection is one `ragged_dot` over all experts.
+
+    The router (``router`` ``[dim, n_experts]``) and the shared expert's gate (``shared_gate``
+    ``[dim, 1]``) are plain params, not ``kernel``s: the presets, which quantize every
+    ``kernel``, leave them in float, as llama.cpp's mixes do. A flipped choice of expert costs
+    more than the few bytes they take. Select them by path to quantize them anyway.
     """
 
     def __init__(self, config: DecoderConfig, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
         c = config
         self.config = config
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.router = nnx.Linear(c.dim, c.n_experts, use_bias=False, **kw)
+        self.dtype = dtype
+        init = nnx.initializers.lecun_normal()
+        self.router = nnx.Param(init(rngs.params(), (c.dim, c.n_experts), param_dtype))
         self.gate_proj = ExpertLinear(c.n_experts, c.dim, c.expert_ffn_dim, **kw)
         self.up_proj = ExpertLinear(c.n_experts, c.dim, c.expert_ffn_dim, **kw)
         self.down_proj = ExpertLinear(c.n_experts, c.expert_ffn_dim, c.dim, **kw)
         if c.shared_ffn_dim:
             self.shared = MLP(c, **kw, ffn_dim=c.shared_ffn_dim)
-            self.shared_gate = nnx.Linear(c.dim, 1, use_bias=False, **kw)
+            self.shared_gate = nnx.Param(init(rngs.params(), (c.dim, 1), param_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: ``[batch, seq, dim]`` -> ``[batch, seq, dim]``."""
         c = self.config
         b, s, d = x.shape
         flat = x.reshape(b * s, d)
-        probs = jax.nn.softmax(self.router(flat).astype(jnp.float32), axis=-1)
+        flat = flat.astype(self.dtype)
+        probs = jax.nn.softmax((flat @ self.router[...]).astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, c.n_experts_used)  # [T, k]
         if c.norm_topk:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -556,7 +564,7 @@ class MoE(nnx.Module):
         out = out * weights.reshape(-1)[order][:, None]
         y = jnp.zeros((b * s, d), jnp.float32).at[token].add(out)
         if c.shared_ffn_dim:
-            gate = jax.nn.sigmoid(self.shared_gate(flat).astype(jnp.float32))
+            gate = jax.nn.sigmoid((flat @ self.shared_gate[...]).astype(jnp.float32))
             y = y + gate * self.shared(flat[None])[0].astype(jnp.float32)
         return y.reshape(b, s, d).astype(x.dtype)
 

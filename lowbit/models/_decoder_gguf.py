@@ -11,10 +11,11 @@ the way in.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -68,14 +69,14 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": (("mlp", "gate_proj", "kernel"), None, "T"),
     "ffn_up.weight": (("mlp", "up_proj", "kernel"), None, "T"),
     "ffn_down.weight": (("mlp", "down_proj", "kernel"), None, "T"),
-    "ffn_gate_inp.weight": (("moe", "router", "kernel"), None, "T"),
+    "ffn_gate_inp.weight": (("moe", "router"), None, "T"),
     "ffn_gate_exps.weight": (("moe", "gate_proj", "kernel"), None, "experts"),
     "ffn_up_exps.weight": (("moe", "up_proj", "kernel"), None, "experts"),
     "ffn_down_exps.weight": (("moe", "down_proj", "kernel"), None, "experts"),
     "ffn_gate_shexp.weight": (("moe", "shared", "gate_proj", "kernel"), None, "T"),
     "ffn_up_shexp.weight": (("moe", "shared", "up_proj", "kernel"), None, "T"),
     "ffn_down_shexp.weight": (("moe", "shared", "down_proj", "kernel"), None, "T"),
-    "ffn_gate_inp_shexp.weight": (("moe", "shared_gate", "kernel"), None, "T"),
+    "ffn_gate_inp_shexp.weight": (("moe", "shared_gate"), None, "T"),
 }
 
 # Tensors that configure the model rather than hold parameters: RoPE frequency factors
@@ -109,17 +110,17 @@ class _Dequantized(Mapping[str, np.ndarray]):
 class _Metadata:
     """``{arch}.*`` lookups that name the file and the key when one is missing or bad."""
 
-    def __init__(self, gguf_file: GGUFFile):
-        self.file = gguf_file
-        self.arch = gguf_file.architecture
+    def __init__(self, metadata: Mapping[str, Any], path: str):
+        self.metadata, self.path = metadata, path
+        self.arch = str(metadata.get("general.architecture", ""))
 
     def get(self, key: str, default: Any = ..., kind: type = int) -> Any:
         full = f"{self.arch}.{key}"
-        if full not in self.file.metadata:
+        if full not in self.metadata:
             if default is ...:
-                raise ValueError(f"GGUF file {self.file.path!r} has no metadata key {full!r}")
+                raise ValueError(f"GGUF file {self.path!r} has no metadata key {full!r}")
             return default
-        value = self.file.metadata[full]
+        value = self.metadata[full]
         try:
             number = kind(value)
         except (TypeError, ValueError, OverflowError):
@@ -127,7 +128,7 @@ class _Metadata:
         ok = number is not None and (kind is not float or math.isfinite(number))
         if not ok or number < 0:
             raise ValueError(
-                f"GGUF file {self.file.path!r}: metadata {full!r} is {value!r}; expected a "
+                f"GGUF file {self.path!r}: metadata {full!r} is {value!r}; expected a "
                 f"non-negative {kind.__name__}"
             )
         return number
@@ -156,25 +157,45 @@ def decoder_config_from_gguf(gguf_file: GGUFFile) -> DecoderConfig:
       ValueError: naming the file and key for an architecture not in `ARCHITECTURES`, a
         missing or out-of-range hyper-parameter, or tensors that disagree with them.
     """
-    arch = gguf_file.architecture
+    tensors = gguf_file.tensors
+    vocab = int(tensors["token_embd.weight"].shape[0]) if "token_embd.weight" in tensors else 0
+    config = _config_from(
+        gguf_file.metadata,
+        gguf_file.path,
+        vocab,
+        "output.weight" not in tensors,
+        lambda head_dim: _freq_factors(gguf_file, head_dim),
+    )
+    return config
+
+
+def _config_from(
+    metadata: Mapping[str, Any],
+    path: str,
+    vocab_size: int,
+    tie_embeddings: bool,
+    rope_freq_factors: Callable[[int], tuple[float, ...] | None],
+) -> DecoderConfig:
+    """`decoder_config_from_gguf` on metadata alone: the vocabulary size and tying come from
+    the tensor table, `rope_freq_factors` (of head_dim) from a tensor."""
+    arch = str(metadata.get("general.architecture", ""))
     if arch not in ARCHITECTURES:
         raise ValueError(
-            f"GGUF file {gguf_file.path!r} has general.architecture {arch!r}; supported: "
+            f"GGUF file {path!r} has general.architecture {arch!r}; supported: "
             f"{', '.join(ARCHITECTURES)} (Mistral and Mixtral files are 'llama')"
         )
-    md = _Metadata(gguf_file)
+    md = _Metadata(metadata, path)
     dim = md.get("embedding_length")
     n_heads = md.get("attention.head_count")
     if n_heads == 0:
-        raise ValueError(f"GGUF file {gguf_file.path!r}: {arch}.attention.head_count is 0")
+        raise ValueError(f"GGUF file {path!r}: {arch}.attention.head_count is 0")
     head_dim = md.get("attention.key_length", dim // n_heads)
-    if "token_embd.weight" not in gguf_file.tensors:
-        raise ValueError(f"GGUF file {gguf_file.path!r} has no tensor 'token_embd.weight'")
-    embed = gguf_file.tensor("token_embd.weight")
     n_layers = md.get("block_count")
+    if vocab_size < 1:
+        raise ValueError(f"GGUF file {path!r} has no tensor 'token_embd.weight'")
     fields: dict[str, Any] = dict(
         architecture=arch,
-        vocab_size=int(embed.shape[0]),
+        vocab_size=vocab_size,
         dim=dim,
         n_layers=n_layers,
         n_heads=n_heads,
@@ -183,11 +204,11 @@ def decoder_config_from_gguf(gguf_file: GGUFFile) -> DecoderConfig:
         ffn_dim=md.get("feed_forward_length", 0),
         rope_base=md.get("rope.freq_base", 10000.0, float),
         norm_eps=md.get("attention.layer_norm_rms_epsilon", 1e-6, float),
-        tie_embeddings="output.weight" not in gguf_file.tensors,
+        tie_embeddings=tie_embeddings,
         context_length=md.get("context_length", 2048),
         qkv_bias=arch in _QKV_BIAS,
         qk_norm=arch in _QK_NORM,
-        rope_freq_factors=_freq_factors(gguf_file, head_dim),
+        rope_freq_factors=rope_freq_factors(head_dim),
     )
     n_experts = md.get("expert_count", 0)
     if n_experts:
@@ -216,7 +237,7 @@ def decoder_config_from_gguf(gguf_file: GGUFFile) -> DecoderConfig:
         fields.update(
             global_every=md.get("attention.sliding_window_pattern", 6), rope_base_local=10000.0
         )
-        if gguf_file.metadata.get("gemma3.rope.scaling.type") == "linear":
+        if metadata.get("gemma3.rope.scaling.type") == "linear":
             fields["rope_scale"] = md.get("rope.scaling.factor", 1.0, float)
     if arch == "phi3":
         fields.update(fused_qkv=True, fused_gate_up=True)
@@ -226,7 +247,63 @@ def decoder_config_from_gguf(gguf_file: GGUFFile) -> DecoderConfig:
     try:
         return DecoderConfig(**fields)
     except ValueError as err:
-        raise ValueError(f"GGUF file {gguf_file.path!r}: {err}") from None
+        raise ValueError(f"GGUF file {path!r}: {err}") from None
+
+
+def gguf_metadata(config: DecoderConfig) -> dict[str, Any]:
+    """The ``general.architecture`` and ``{arch}.*`` metadata llama.cpp reads for `config`
+    (the inverse of `decoder_config_from_gguf`), as key -> Python value (int, float or str).
+
+    Raises:
+      ValueError: naming the field when `config` is not one llama.cpp's architecture of that
+        name can express (e.g. q/k norms on ``llama``): reading the metadata back must give
+        `config` again.
+    """
+    c = config
+    arch = c.architecture
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"DecoderConfig.architecture is {arch!r}; GGUF export writes {', '.join(ARCHITECTURES)}"
+        )
+    md: dict[str, Any] = {
+        "general.architecture": arch,
+        f"{arch}.block_count": c.n_layers,
+        f"{arch}.context_length": c.context_length,
+        f"{arch}.embedding_length": c.dim,
+        f"{arch}.feed_forward_length": c.ffn_dim,
+        f"{arch}.attention.head_count": c.n_heads,
+        f"{arch}.attention.head_count_kv": c.n_kv_heads,
+        f"{arch}.attention.key_length": c.head_dim,
+        f"{arch}.attention.value_length": c.head_dim,
+        f"{arch}.rope.freq_base": float(c.rope_base),
+        f"{arch}.rope.dimension_count": c.head_dim,
+        f"{arch}.attention.layer_norm_rms_epsilon": float(c.norm_eps),
+        f"{arch}.vocab_size": c.vocab_size,
+    }
+    if c.n_experts:
+        md[f"{arch}.expert_count"] = c.n_experts
+        md[f"{arch}.expert_used_count"] = c.n_experts_used
+        md[f"{arch}.expert_feed_forward_length"] = c.expert_ffn_dim
+        if c.shared_ffn_dim:
+            md[f"{arch}.expert_shared_feed_forward_length"] = c.shared_ffn_dim
+    if c.sliding_window is not None:
+        md[f"{arch}.attention.sliding_window"] = c.sliding_window
+    if arch == "gemma2":
+        md["gemma2.attn_logit_softcapping"] = float(c.attn_softcap or 0.0)
+        md["gemma2.final_logit_softcapping"] = float(c.final_softcap or 0.0)
+    if arch == "gemma3" and c.rope_scale != 1.0:
+        md["gemma3.rope.scaling.type"] = "linear"
+        md["gemma3.rope.scaling.factor"] = float(c.rope_scale)
+    back = _config_from(
+        md, "<export>", c.vocab_size, c.tie_embeddings, lambda _: c.rope_freq_factors
+    )
+    for field in dataclasses.fields(c):
+        if getattr(back, field.name) != getattr(c, field.name):
+            raise ValueError(
+                f"DecoderConfig.{field.name}={getattr(c, field.name)!r} cannot be written as "
+                f"llama.cpp's {arch!r} architecture (it reads {getattr(back, field.name)!r})"
+            )
+    return md
 
 
 def gguf_param_map(config: DecoderConfig) -> dict[str, ParamMapping]:
