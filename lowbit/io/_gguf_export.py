@@ -44,7 +44,14 @@ import gguf
 import numpy as np
 
 from lowbit.formats import GGUF_BLOCK_TYPES, GGUFBlockFormat, gguf_encode
-from lowbit.models import DecoderConfig, gguf_metadata, gguf_param_map, swap_last
+from lowbit.models import (
+    DecoderConfig,
+    decoder_config_from_gguf,
+    gguf_metadata,
+    gguf_param_map,
+    read_gguf,
+    swap_last,
+)
 from lowbit.qarray import QArray
 
 K_FALLBACK = {
@@ -283,6 +290,13 @@ def _config_metadata(config: DecoderConfig) -> dict[str, tuple[Any, gguf.GGUFVal
     }
 
 
+def _decoder_config(path: str | os.PathLike[str]) -> DecoderConfig | None:
+    try:
+        return decoder_config_from_gguf(read_gguf(path))
+    except ValueError:
+        return None
+
+
 def _source_metadata(path: str | os.PathLike[str]) -> list[tuple[str, Any, Any, Any]]:
     """(key, value, type, array item type) of every field of a GGUF file, in file order."""
     reader = gguf.GGUFReader(path)
@@ -322,7 +336,9 @@ def export_gguf(
       config: the model's `DecoderConfig`.
       type: None (keep quantized weights that map directly, the others as Q8_0; floats as
         F32), a GGML type, or a llama.cpp mix; see `EXPORT_TYPES` and the module docstring.
-      source: a GGUF file to copy metadata (tokenizer, chat template, ...) from.
+      source: a GGUF file to copy metadata (tokenizer, chat template, ...) from. Its
+        hyper-parameters are kept when they describe `config`; otherwise (another
+        architecture or other shapes) only its ``general.*`` and ``tokenizer.*`` keys are.
       strict: raise instead of falling back when a tensor's rows are not whole blocks.
       log: called with one line per tensor that was not written directly (None: silent).
     Returns:
@@ -362,7 +378,16 @@ def export_gguf(
             ("rope_freqs.weight", np.asarray(config.rope_freq_factors, np.float32), "F32")
         )
     file_type = _file_type(type_, [t for _, _, t in tensors])
-    metadata = _source_metadata(source) if source is not None else None
+    metadata = None
+    if source is not None:
+        metadata = _source_metadata(source)
+        arch_keys = [m for m in metadata if m[0].startswith(f"{config.architecture}.")]
+        if not arch_keys or _decoder_config(source) != config:
+            # Another architecture's file (its tokenizer wanted), or other shapes: the
+            # hyper-parameters come from `config`, everything else from the file.
+            ours = [(k, v, t, None) for k, (v, t) in _config_metadata(config).items()]
+            metadata = [m for m in metadata if m[0].startswith(("general.", "tokenizer."))]
+            metadata += [m for m in ours if m[0] not in _SKIP_KEYS]
     _write(path, tensors, metadata, config, file_type)
     return ExportReport(path=path, nbytes=os.path.getsize(path), tensors=tuple(notes))
 
