@@ -1,6 +1,8 @@
 """Runs benchmark modules and writes each one's markdown into its own BENCHMARKS.md section.
 
-Usage: python -m benchmarks [name ...]   (default: every public module in this package)
+Usage: python -m benchmarks [name ...] [--model PATH]
+  (default: every public module in this package; `--model` runs the modules that take a model,
+  such as `generate`, on that file into their own section, ``<name>:<file name>``)
 
 A section is delimited by `<!-- benchmark:<name> begin -->` / `<!-- benchmark:<name> end -->`
 markers: a re-run replaces its own section and leaves the others alone; new sections are
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import os
 import pkgutil
 import re
@@ -46,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("names", nargs="*", help="benchmark modules to run (default: all)")
     parser.add_argument("--output", type=Path, default=OUTPUT, help="markdown file to update")
+    parser.add_argument(
+        "--model", help="a model file or directory for the modules that take one (generate)"
+    )
     args = parser.parse_args(argv)
     available = discover()
     names = args.names or available
@@ -56,10 +62,18 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         print(f"[benchmarks] {name} ...", file=sys.stderr, flush=True)
         module = importlib.import_module(f"benchmarks.{name}")
-        body = module.run()
+        section = name
+        if args.model is not None:
+            if "model" not in inspect.signature(module.run).parameters:
+                print(f"[benchmarks] {name} takes no --model; skipped", file=sys.stderr)
+                continue
+            section = f"{name}:{Path(args.model.rstrip('/')).name}"
+            body = module.run(model=args.model)
+        else:
+            body = module.run()
         text = args.output.read_text() if args.output.exists() else TITLE
         if body is None:  # nothing measured here (e.g. the GPU section on a CPU machine)
-            if f"<!-- benchmark:{name} begin -->" in text:
+            if f"<!-- benchmark:{section} begin -->" in text:
                 print(f"[benchmarks] {name}: not measurable here; section kept", file=sys.stderr)
                 continue
             body = module.not_measured()
@@ -67,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         # meanwhile must survive. Written after each module, so a later failure keeps results.
         text = args.output.read_text() if args.output.exists() else TITLE
         temporary = args.output.with_name(args.output.name + ".tmp")
-        temporary.write_text(update_section(text, name, body))
+        temporary.write_text(update_section(text, section, body))
         os.replace(temporary, args.output)
         print(f"[benchmarks] {name} done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0

