@@ -397,7 +397,11 @@ def load_decoder_gguf(
         assign_params(model, _Dequantized(gguf_file), mapping, dtype)
     except ValueError as err:
         raise ValueError(f"GGUF file {gguf_file.path!r}: {err}") from None
-    return model, tokenizer_from_gguf(gguf_file.metadata)
+    try:
+        tokenizer = tokenizer_from_gguf(gguf_file.metadata)
+    except ValueError as err:
+        raise ValueError(f"GGUF file {gguf_file.path!r}: {err}") from None
+    return model, tokenizer
 
 
 def load_smollm2(dtype: Any = jnp.float32) -> tuple[Decoder, Tokenizer]:

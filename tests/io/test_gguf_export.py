@@ -242,7 +242,7 @@ def test_import_every_block_type_decodes_like_gguf(tmp_path, ggml_type):
 
 @pytest.fixture(scope="module")
 def smollm2_export(tmp_path_factory):
-    from lowbit.models import has_smollm2, decoder_config_from_gguf, smollm2_gguf_path
+    from lowbit.models import decoder_config_from_gguf, has_smollm2, smollm2_gguf_path
 
     if not has_smollm2():
         pytest.skip("SmolLM2 GGUF asset not installed")

@@ -1,0 +1,190 @@
+"""The one decoder: every architecture's variation is consistent between prefill and cached
+decode, sliding windows hide exactly the positions they should, experts match a per-token
+reference, and quantized experts run through the engine's ragged_dot."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import lowbit
+from lowbit.models import Decoder, DecoderConfig
+from lowbit.qarray import is_qarray
+
+BASE = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48)
+VARIANTS = {
+    "qwen2": dict(qkv_bias=True),
+    "qwen3": dict(qk_norm=True),
+    "gemma2": dict(
+        activation="gelu_tanh",
+        embed_scale=True,
+        post_norms=True,
+        attn_softcap=5.0,
+        final_softcap=3.0,
+        sliding_window=4,
+        global_every=2,
+        query_scale=0.2,
+    ),
+    "gemma3": dict(
+        activation="gelu_tanh",
+        embed_scale=True,
+        post_norms=True,
+        qk_norm=True,
+        sliding_window=4,
+        global_every=3,
+        rope_base_local=100.0,
+        rope_scale=2.0,
+    ),
+    "mistral": dict(sliding_window=5),
+    "phi3": dict(fused_qkv=True, fused_gate_up=True),
+    "llama3": dict(rope_freq_factors=(1.0, 2.0, 4.0, 8.0)),
+    "qwen2moe": dict(
+        n_experts=4,
+        n_experts_used=2,
+        expert_ffn_dim=16,
+        shared_ffn_dim=24,
+        norm_topk=False,
+    ),
+}
+RNG = np.random.default_rng(0)
+TOKENS = jnp.asarray(RNG.integers(0, 64, (2, 12)), jnp.int32)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("kv_cache", [None, "int8"])
+def test_cached_decode_matches_one_prefill(name, kv_cache):
+    # Prefill 8 tokens, then decode 4 one at a time through the block-wise decode attention
+    # (a 64-slot cache): the logits of every position are those of one uncached pass.
+    model = Decoder(DecoderConfig(**BASE, **VARIANTS[name]), rngs=nnx.Rngs(0))
+    full = model(TOKENS)
+    cache = model.init_cache(2, 64, kv_cache)
+    logits, cache = model(TOKENS[:, :8], cache=cache)
+    outs = [logits]
+    for t in range(8, 12):
+        logits, cache = model(TOKENS[:, t : t + 1], cache=cache)
+        outs.append(logits)
+    tol = 1e-4 if kv_cache is None else 0.15
+    err = jnp.max(jnp.abs(jnp.concatenate(outs, 1) - full))
+    assert err < tol, err
+    if kv_cache is None:
+        assert jnp.argmax(jnp.concatenate(outs, 1), -1).tolist() == jnp.argmax(full, -1).tolist()
+
+
+@pytest.mark.parametrize("global_every, local", [(0, True), (2, True), (2, False)])
+def test_sliding_window_hides_exactly_the_positions_behind_it(global_every, local):
+    # One layer (layer 0): local unless every layer is global. A query at position p sees
+    # positions p - window + 1 .. p: changing the token at p - window leaves its output as it
+    # was; changing the token at p - window + 1 does not.
+    window, p = 4, 9
+    n_layers = 1 if local else 2
+    config = DecoderConfig(
+        **{**BASE, "n_layers": n_layers}, sliding_window=window, global_every=global_every
+    )
+    model = Decoder(config, rngs=nnx.Rngs(1))
+    if not local:
+        model.layers = nnx.List([model.layers[1]])  # layer index 0 -> 1: keep one global layer
+        model.config = DecoderConfig(**{**BASE, "n_layers": 1})
+    base = TOKENS[:1, :10]
+    at = lambda i: base.at[0, i].set((base[0, i] + 1) % 64)
+    out = model(base)[0, p]
+    outside, inside = model(at(p - window))[0, p], model(at(p - window + 1))[0, p]
+    assert jnp.max(jnp.abs(inside - out)) > 1e-4
+    if local:
+        np.testing.assert_allclose(outside, out, atol=1e-6)
+    else:
+        assert jnp.max(jnp.abs(outside - out)) > 1e-4
+
+
+def _dense_moe_reference(moe, x: np.ndarray) -> np.ndarray:
+    """Per token: softmax router, top-k, each chosen expert's gated MLP, weighted sum."""
+    c = moe.config
+    router = np.asarray(moe.router[...])
+    out = np.zeros_like(x)
+    silu = lambda v: v / (1 + np.exp(-v))
+    for t, row in enumerate(x):
+        logits = row @ router
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        chosen = np.argsort(-probs, kind="stable")[: c.n_experts_used]
+        weights = probs[chosen] / (probs[chosen].sum() if c.norm_topk else 1.0)
+        for e, w in zip(chosen, weights, strict=True):
+            g = row @ np.asarray(moe.gate_proj.kernel[...])[e]
+            u = row @ np.asarray(moe.up_proj.kernel[...])[e]
+            out[t] += w * (silu(g) * u) @ np.asarray(moe.down_proj.kernel[...])[e]
+        if c.shared_ffn_dim:
+            s = moe.shared
+            h = silu(row @ np.asarray(s.gate_proj.kernel[...])) * (
+                row @ np.asarray(s.up_proj.kernel[...])
+            )
+            gate = 1 / (1 + np.exp(-(row @ np.asarray(moe.shared_gate[...]))))
+            out[t] += gate[0] * (h @ np.asarray(s.down_proj.kernel[...]))
+    return out
+
+
+@pytest.mark.parametrize("norm_topk, shared", [(True, 0), (False, 24)])
+def test_experts_match_a_per_token_reference(norm_topk, shared):
+    config = DecoderConfig(
+        **BASE,
+        n_experts=4,
+        n_experts_used=2,
+        expert_ffn_dim=16,
+        norm_topk=norm_topk,
+        shared_ffn_dim=shared,
+    )
+    moe = Decoder(config, rngs=nnx.Rngs(2)).layers[0].moe
+    x = RNG.standard_normal((2, 5, 32)).astype(np.float32)
+    got = np.asarray(moe(jnp.asarray(x))).reshape(10, 32)
+    np.testing.assert_allclose(got, _dense_moe_reference(moe, x.reshape(10, 32)), atol=2e-5)
+
+
+@pytest.mark.parametrize("recipe", ["int8w", "int4w_g32_asym", "int8"])
+def test_quantized_experts_run_through_the_engines_ragged_dot(recipe):
+    # Every expert kernel [E, in, out] is quantized and runs as a quantized ragged_dot (no
+    # fallback); weight-only, the result is the float model's with the dequantized weights
+    # (w8a8 also rounds activations). Routers stay float under the presets.
+    config = DecoderConfig(
+        **{**BASE, "dim": 64, "head_dim": 16},
+        n_experts=4,
+        n_experts_used=2,
+        expert_ffn_dim=32,
+        shared_ffn_dim=32,
+        norm_topk=False,
+    )
+    graphdef, state = nnx.split(Decoder(config, rngs=nnx.Rngs(3)))
+    params = nnx.to_pure_dict(state)
+    fn = lambda p, t: nnx.merge(graphdef, p)(t)
+    q = lowbit.quantize_params(params, recipe)
+    assert is_qarray(q["layers"][0]["moe"]["gate_proj"]["kernel"])
+    assert not is_qarray(q["layers"][0]["moe"]["router"])
+    report = lowbit.EngineReport()
+    out = jax.jit(lowbit.run(fn, report=report, strict=True))(q, TOKENS)
+    ragged = sum(n for k, n in report.quantized_ops.items() if k.startswith("ragged_dot"))
+    assert ragged == 3 * config.n_layers
+    dequantized = jax.tree.map(
+        lambda v: v.dequantize(jnp.float32) if is_qarray(v) else v, q, is_leaf=is_qarray
+    )
+    reference = fn(dequantized, TOKENS)
+    if recipe == "int8":
+        assert jnp.linalg.norm(out - reference) < 0.05 * jnp.linalg.norm(reference)
+    else:
+        np.testing.assert_allclose(out, reference, atol=5e-4)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(activation="relu"), "DecoderConfig.activation"),
+        (dict(sliding_window=0), "DecoderConfig.sliding_window"),
+        (dict(rope_freq_factors=(1.0,)), "DecoderConfig.rope_freq_factors"),
+        (dict(n_experts=4, n_experts_used=5, expert_ffn_dim=8), "n_experts_used"),
+        (dict(n_heads=3), "DecoderConfig.n_heads"),
+        (dict(rope_base=float("nan")), "DecoderConfig.rope_base"),
+        (dict(attn_softcap=-1.0), "DecoderConfig.attn_softcap"),
+    ],
+)
+def test_config_refuses_out_of_range_fields(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DecoderConfig(**{**BASE, **fields})
