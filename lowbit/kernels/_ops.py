@@ -335,6 +335,7 @@ def decode_attention(
     value_scales: jax.Array | None = None,
     *,
     integer_qk: bool = False,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Attention of one query position per row over a KV cache, in one kernel call.
 
@@ -355,6 +356,8 @@ def decode_attention(
       integer_qk: int8 keys only: the scores are exact int32 products of the int8 keys with
         the queries quantized to int8 per scale group (``lowbit.models``' ``int8+qk`` caches),
         instead of float products with the dequantized keys.
+      softcap: ``c * tanh(s / c)`` on the (scaled) scores before the softmax (Gemma 2), or
+        None.
     Returns:
       [B, H, G, D] float32; zeros for a row with no slot to attend to.
     """
@@ -406,7 +409,7 @@ def decode_attention(
         if fmt:
             k = _reference.dequantize_cache(keys, key_scales, d)
             v = _reference.dequantize_cache(values, value_scales, d)
-        return _reference.decode_attention(q, k, v, start, slot, scores)
+        return _reference.decode_attention(q, k, v, start, slot, scores, softcap)
 
     def native():
         call = jax.ffi.ffi_call(
@@ -424,6 +427,7 @@ def decode_attention(
             slot,
             fmt=np.int64(fmt),
             integer_qk=np.int64(integer_qk),
+            softcap=np.float32(softcap or 0.0),
         )
 
     return _by_platform(native, reference)

@@ -183,7 +183,7 @@ def w4a8_linear(
     return y.astype(out_dtype or x.dtype)
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("softcap",))
 def decode_attention(
     q: jax.Array,
     keys: jax.Array | None,
@@ -191,18 +191,22 @@ def decode_attention(
     start: jax.Array,
     slot: jax.Array,
     scores: jax.Array | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Softmax attention of one query position per row over cache slots ``start[b] .. slot``.
 
     q: [B, H, G, D] float32 (G queries per KV head, already scaled); keys, values:
     [B, H, L, D] float32; start: [B] int32; slot: [] int32 -> [B, H, G, D] float32 (zeros
     for a row with no slot to attend to). With `scores` [B, H, G, L] given, keys are unused.
+    `softcap` c: scores become ``c * tanh(s / c)`` before the softmax.
     """
     if scores is None:
         scores = jnp.einsum("bhgd,bhld->bhgl", q, keys, precision=jax.lax.Precision.HIGHEST)
     t = jnp.arange(values.shape[2], dtype=jnp.int32)
     valid = (t[None, :] >= start[:, None]) & (t[None, :] <= slot)  # [B, L]
     valid = valid[:, None, None, :]
+    if softcap:
+        scores = softcap * jnp.tanh(scores / softcap)
     scores = jnp.where(valid, scores, -jnp.inf)
     top = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.where(valid, jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)

@@ -269,18 +269,17 @@ def decode_block(max_len: int) -> int | None:
     return None
 
 
-def _fused_decode(q: jax.Array, kv: LayerKV, cap: float | None) -> bool:
+def _fused_decode(q: jax.Array, kv: LayerKV) -> bool:
     """Whether a decode step runs as one CPU kernel call (`lowbit.kernels.decode_attention`):
     float32 queries and a float32 cache, or an int8 / int4 / fp8 one (read by dequantizing,
     or for `integer_qk` by int8 products), with the kernels built, where the step is
     lowered for CPU. On XLA:CPU the block loop below costs mostly per-op dispatch (about
-    150 us a layer for SmolLM2 at 576 filled slots, against 30 us for the kernel). The kernel
-    has no soft cap: capped scores (Gemma 2) take the block loop."""
+    150 us a layer for SmolLM2 at 576 filled slots, against 30 us for the kernel)."""
     f32 = jnp.dtype(jnp.float32)
     cache_ok = kv.config is not None or (
         jnp.dtype(kv.keys.dtype) == f32 and jnp.dtype(kv.values.dtype) == f32
     )
-    return cap is None and cache_ok and jnp.dtype(q.dtype) == f32 and kernels.available()
+    return cache_ok and jnp.dtype(q.dtype) == f32 and kernels.available()
 
 
 def _decode_attention(
@@ -309,7 +308,7 @@ def _decode_attention(
     Returns:
       ``[batch, 1, H, group, D]`` float32.
     """
-    if not _fused_decode(q, kv, cap):
+    if not _fused_decode(q, kv):
         return _block_loop(q, kv, slot, block, first, cap)
 
     def fused(q, kv, slot):
@@ -323,6 +322,7 @@ def _decode_attention(
             kv.key_scales,
             kv.value_scales,
             integer_qk=kv.config is not None and kv.config.integer_qk,
+            softcap=cap,
         )
         return out[:, None]
 

@@ -11,8 +11,9 @@ from lowbit.kernels import _reference
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.status())
 
 
-def numpy_attention(q, keys, values, start, slot):
-    """q [B,H,G,D], keys/values [B,H,L,D]: softmax over slots start[b] .. slot, in float64."""
+def numpy_attention(q, keys, values, start, slot, softcap=None):
+    """q [B,H,G,D], keys/values [B,H,L,D]: softmax over slots start[b] .. slot, in float64
+    (scores soft-capped as ``c * tanh(s / c)`` with `softcap` c)."""
     q, keys, values = (np.asarray(a, np.float64) for a in (q, keys, values))
     out = np.zeros(q.shape)
     for b in range(q.shape[0]):
@@ -20,6 +21,8 @@ def numpy_attention(q, keys, values, start, slot):
         if lo > hi:
             continue
         s = np.einsum("hgd,hld->hgl", q[b], keys[b, :, lo : hi + 1])
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
         p = np.exp(s - s.max(-1, keepdims=True))
         out[b] = np.einsum("hgl,hld->hgd", p / p.sum(-1, keepdims=True), values[b, :, lo : hi + 1])
     return out
@@ -53,6 +56,39 @@ def test_matches_numpy(d, slot):
     # The pure-JAX path (no kernels) computes the same.
     jref = np.asarray(_jax_reference(q, keys, values, jnp.asarray(start), jnp.int32(slot)))
     np.testing.assert_allclose(jref, ref, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("d", [24, 64])
+@pytest.mark.parametrize("fmt", [None, "int8"])
+def test_soft_capped_scores_match_numpy(d, fmt):
+    # Gemma 2's cap on (scaled) scores, on the vector and scalar paths, float and int8 caches:
+    # scores near and far beyond the cap (q scaled up) are capped before the softmax.
+    q, keys, values = make(2, 2, 2, d, 256, seed=d)
+    q = q * np.float32(8)
+    start, slot, cap = np.array([0, 7], np.int32), 200, 5.0
+    key_scales = value_scales = None
+    if fmt == "int8":
+        k_scale = np.abs(keys).max(-1, keepdims=True) / 127
+        v_scale = np.abs(values).max(-1, keepdims=True) / 127
+        k_codes = np.round(keys / k_scale).astype(np.int8)
+        v_codes = np.round(values / v_scale).astype(np.int8)
+        key_scales, value_scales = k_scale.astype(np.float16), v_scale.astype(np.float16)
+        keys = k_codes * key_scales.astype(np.float32)
+        values = v_codes * value_scales.astype(np.float32)
+        args = (k_codes, v_codes)
+    else:
+        args = (keys, values)
+    out = kernels.decode_attention(
+        q, *args, start, jnp.int32(slot), key_scales, value_scales, softcap=cap
+    )
+    ref = numpy_attention(q, keys, values, start, slot, softcap=cap)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=3e-5)
+    uncapped = numpy_attention(q, keys, values, start, slot)
+    assert np.abs(uncapped - ref).max() > 1e-2  # the cap changed the result
+    jref = _reference.decode_attention(
+        q, keys, values, jnp.asarray(start), jnp.int32(slot), softcap=cap
+    )
+    np.testing.assert_allclose(np.asarray(jref), ref, rtol=1e-4, atol=3e-5)
 
 
 def test_large_score_range_stays_finite():

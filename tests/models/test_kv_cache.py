@@ -181,7 +181,7 @@ def test_fused_decode_kernel_matches_the_block_loop(head_dim, text, monkeypatch)
     )
     fused = run()
     assert calls, "the float32 cache did not take the kernel"
-    monkeypatch.setattr(_decoder, "_fused_decode", lambda q, kv, cap: False)
+    monkeypatch.setattr(_decoder, "_fused_decode", lambda q, kv: False)
     loop = run()
     np.testing.assert_allclose(np.asarray(fused), np.asarray(loop), rtol=2e-5, atol=2e-5)
 

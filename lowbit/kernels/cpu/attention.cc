@@ -140,6 +140,13 @@ __attribute__((always_inline)) inline void WeightedValues(const float* w, int64_
     for (int c = 0; c < D16; ++c) Store(acc + i * d + 16 * c, a[i][c]);
 }
 
+// Gemma 2's soft cap on attention scores, cap * tanh(s / cap); cap <= 0 leaves them as they are.
+inline void SoftCap(float* row, int64_t n, float cap) {
+  if (cap <= 0.0f) return;
+  const float inv = 1.0f / cap;
+  for (int64_t t = 0; t < n; ++t) row[t] = cap * std::tanh(row[t] * inv);
+}
+
 // Partial attention of `g` queries (rows of q, [g][d]) over slots [t0, t1) of one KV head
 // (k, v: [slots][d]). Writes the chunk's maximum score m[g], sum of exp(score - m) l[g] and
 // weighted values acc[g][d]. `scores` is scratch of g * (t1 - t0 + 15) floats. D16 = d / 16.
@@ -148,7 +155,7 @@ __attribute__((always_inline)) inline void WeightedValues(const float* w, int64_
 template <int D16>
 __attribute__((target_clones("avx512f", "avx2", "default"))) void AttendChunkVec(
     const float* q, int64_t g, const float* k, const float* v, int64_t t0, int64_t t1,
-    float* scores, float* m, float* l, float* acc) {
+    float* scores, float* m, float* l, float* acc, float cap) {
   constexpr int64_t d = 16 * D16;
   // Query rows per values pass: their accumulators (GB x D16 vectors) stay in registers.
   constexpr int GB = D16 <= 4 ? 4 : 2;
@@ -177,6 +184,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void AttendChunkVec
         row[t] = Sum(s);
       }
     }
+    SoftCap(row, n, cap);
     float mx = row[0];
     for (int64_t t = 1; t < n; ++t) mx = row[t] > mx ? row[t] : mx;
     // Pad to whole vectors with weight 0 (exp of -inf clamps to exp(-87); zeroed below).
@@ -213,7 +221,8 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void AttendChunkVec
 
 // Any head size: the same computation with scalar loops.
 void AttendChunkScalar(const float* q, int64_t g, int64_t d, const float* k, const float* v,
-                       int64_t t0, int64_t t1, float* scores, float* m, float* l, float* acc) {
+                       int64_t t0, int64_t t1, float* scores, float* m, float* l, float* acc,
+                       float cap) {
   const int64_t n = t1 - t0;
   for (int64_t i = 0; i < g; ++i) {
     float* row = scores + i * ScoreStride(d, n);
@@ -223,6 +232,7 @@ void AttendChunkScalar(const float* q, int64_t g, int64_t d, const float* k, con
       for (int64_t j = 0; j < d; ++j) s += q[i * d + j] * kr[j];
       row[t] = s;
     }
+    SoftCap(row, n, cap);
     float mx = row[0];
     for (int64_t t = 1; t < n; ++t) mx = row[t] > mx ? row[t] : mx;
     float sum = 0.0f;
@@ -241,16 +251,17 @@ void AttendChunkScalar(const float* q, int64_t g, int64_t d, const float* k, con
 // The chunk's attention; with k == nullptr the scores are already in `scores` (query row i at
 // scores + i * ScoreStride(d, t1 - t0)) and only the softmax and the values remain.
 void AttendChunk(const float* q, int64_t g, int64_t d, const float* k, const float* v,
-                 int64_t t0, int64_t t1, float* scores, float* m, float* l, float* acc) {
+                 int64_t t0, int64_t t1, float* scores, float* m, float* l, float* acc,
+                 float cap) {
   switch (d) {
     case 32:
-      return AttendChunkVec<2>(q, g, k, v, t0, t1, scores, m, l, acc);
+      return AttendChunkVec<2>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
     case 64:
-      return AttendChunkVec<4>(q, g, k, v, t0, t1, scores, m, l, acc);
+      return AttendChunkVec<4>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
     case 128:
-      return AttendChunkVec<8>(q, g, k, v, t0, t1, scores, m, l, acc);
+      return AttendChunkVec<8>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
     default:
-      return AttendChunkScalar(q, g, d, k, v, t0, t1, scores, m, l, acc);
+      return AttendChunkScalar(q, g, d, k, v, t0, t1, scores, m, l, acc, cap);
   }
 }
 
@@ -368,7 +379,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                ffi::AnyBuffer v, ffi::Buffer<ffi::F16> k_scales,
                                ffi::Buffer<ffi::F16> v_scales, ffi::Buffer<ffi::S32> start,
                                ffi::Buffer<ffi::S32> slot, ffi::ResultBuffer<ffi::F32> out,
-                               int64_t fmt, int64_t integer_qk) {
+                               int64_t fmt, int64_t integer_qk, float softcap) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   if (qd.size() != 4) return Invalid("decode attention: q must be [B, H, G, D]");
@@ -443,7 +454,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     if (fmt == kFloat32) {
       AttendChunk(qi, g, d, reinterpret_cast<const float*>(kp + head),
                   reinterpret_cast<const float*>(vp + head), t.t0, t.t1, scores.data(), mi, li,
-                  ai);
+                  ai, softcap);
       return;
     }
     // A quantized cache: this chunk's keys and values dequantized into float scratch (32 KB
@@ -458,7 +469,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     }
     Dequantize(fmt, vp + head, row, vsp + sc, groups, d, t.t0, t.t1, vf.data());
     AttendChunk(qi, g, d, integer_qk ? nullptr : kf.data(), vf.data(), 0, n, scores.data(), mi,
-                li, ai);
+                li, ai, softcap);
   });
 
   // Merge the chunks of each (row, head): rescale each to the overall maximum.
@@ -500,4 +511,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitDecodeAttention, lowbit::DecodeAttentionImpl
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("fmt")
-                                  .Attr<int64_t>("integer_qk"));
+                                  .Attr<int64_t>("integer_qk")
+                                  .Attr<float>("softcap"));
