@@ -153,7 +153,7 @@ def _moe(h: np.ndarray, w: dict[str, np.ndarray], p: str, n_used: int, renorm: b
         weights = probs[s, top]
         if renorm:
             weights = weights / weights.sum()
-        for e, g in zip(top, weights):
+        for e, g in zip(top, weights, strict=True):
             gate = w[p + "ffn_gate_exps.weight"][e] @ h[s]
             up = w[p + "ffn_up_exps.weight"][e] @ h[s]
             out[s] += g * (w[p + "ffn_down_exps.weight"][e] @ (_silu(gate) * up))
@@ -171,7 +171,11 @@ def decoder_logits(meta: dict, w: dict[str, np.ndarray], tokens: list[int]) -> n
     arch = meta["general.architecture"]
     rules = RULES[arch]
     k = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
-    n_embd, n_head, n_kv = k("embedding_length"), k("attention.head_count"), k("attention.head_count_kv")
+    n_embd, n_head, n_kv = (
+        k("embedding_length"),
+        k("attention.head_count"),
+        k("attention.head_count_kv"),
+    )
     d = k("attention.key_length", n_embd // n_head)
     eps = k("attention.layer_norm_rms_epsilon")
     base = k("rope.freq_base", 10000.0)
@@ -193,7 +197,11 @@ def decoder_logits(meta: dict, w: dict[str, np.ndarray], tokens: list[int]) -> n
         else:
             q, kk, v = (h @ w[p + f"attn_{n}.weight"].T for n in "qkv")
             if p + "attn_q.bias" in w:
-                q, kk, v = q + w[p + "attn_q.bias"], kk + w[p + "attn_k.bias"], v + w[p + "attn_v.bias"]
+                q, kk, v = (
+                    q + w[p + "attn_q.bias"],
+                    kk + w[p + "attn_k.bias"],
+                    v + w[p + "attn_v.bias"],
+                )
         q, kk, v = q.reshape(seq, n_head, d), kk.reshape(seq, n_kv, d), v.reshape(seq, n_kv, d)
         if p + "attn_q_norm.weight" in w:
             q = _rms_norm(q, w[p + "attn_q_norm.weight"], eps)

@@ -22,14 +22,40 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.models.tiny_gguf import ARCHITECTURES, bos_token_id, write_tiny_gguf
-
 HERE = Path(__file__).resolve().parent
+# tiny_gguf lives one directory up; the tests import it the same way (as a top-level module).
+sys.path.insert(0, str(HERE.parent))
+
+from tiny_gguf import ARCHITECTURES, bos_token_id, write_tiny_gguf  # noqa: E402
+
 N_GREEDY = 32
 N_CTX = 128
 # Byte-ish token ids after BOS: varied, and all present in both tiny vocabularies.
-_BODY = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 84, 105, 110, 121,
-         32, 109, 111, 100, 101]
+_BODY = [
+    72,
+    101,
+    108,
+    108,
+    111,
+    44,
+    32,
+    119,
+    111,
+    114,
+    108,
+    100,
+    33,
+    32,
+    84,
+    105,
+    110,
+    121,
+    32,
+    109,
+    111,
+    100,
+    101,
+]
 
 
 def prompt_for(arch: str) -> list[int]:
@@ -74,6 +100,7 @@ def run_llama_cpp(path: Path, prompt: list[int], n_greedy: int = N_GREEDY):
 
 
 def main(archs: list[str]) -> None:
+    """Record every architecture (all of them: the npz is rewritten whole)."""
     import llama_cpp
 
     out: dict[str, np.ndarray] = {}
@@ -83,8 +110,10 @@ def main(archs: list[str]) -> None:
             prompt = prompt_for(arch)
             logits, greedy = run_llama_cpp(path, prompt)
             top2 = np.sort(logits)[-2:]
-            print(f"{arch:9s} logits std {logits.std():.3f} top gap {top2[1] - top2[0]:.4f} "
-                  f"greedy {greedy.tolist()} ({len(set(greedy.tolist()))} distinct)")
+            print(
+                f"{arch:9s} logits std {logits.std():.3f} top gap {top2[1] - top2[0]:.4f} "
+                f"greedy {greedy.tolist()} ({len(set(greedy.tolist()))} distinct)"
+            )
             out[f"{arch}/prompt"] = np.asarray(prompt, dtype=np.int32)
             out[f"{arch}/logits"] = logits
             out[f"{arch}/greedy"] = greedy
@@ -92,7 +121,7 @@ def main(archs: list[str]) -> None:
     np.savez(HERE / "decoders.npz", **out)
     meta = {
         "llama_cpp_python": llama_cpp.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
         "n_ctx": N_CTX,
         "n_threads": 2,
         "kv_cache": "f32",
@@ -104,4 +133,4 @@ def main(archs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(ARCHITECTURES))
+    main(list(ARCHITECTURES))
