@@ -211,7 +211,7 @@ def _vocab_size(kind: str) -> int:
     return len(_spm_tokens() if kind == "llama" else _gpt2_tokens())
 
 
-def _add_tokenizer(w: gguf.GGUFWriter, kind: str) -> None:
+def _add_tokenizer(w: gguf.GGUFWriter, kind: str, gguf_arch: str) -> None:
     normal, control, byte, unknown = (
         int(gguf.TokenType.NORMAL),
         int(gguf.TokenType.CONTROL),
@@ -242,6 +242,8 @@ def _add_tokenizer(w: gguf.GGUFWriter, kind: str) -> None:
         w.add_eos_token_id(GPT2_EOS)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
+    if gguf_arch.startswith("gemma"):
+        w.add_add_space_prefix(False)
 
 
 def _tensors(spec: _Spec, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -333,7 +335,9 @@ def _add_hparams(w: gguf.GGUFWriter, arch: str, spec: _Spec) -> None:
     w.add_head_count(N_HEAD)
     w.add_head_count_kv(N_HEAD_KV)
     w.add_layer_norm_rms_eps(spec.rms_eps)
-    w.add_rope_freq_base(spec.rope_base)
+    if spec.gguf_arch not in ("gemma", "gemma2"):
+        # The Gemma 1/2 converters write no base: llama.cpp's default, 10000, applies.
+        w.add_rope_freq_base(spec.rope_base)
     if spec.gguf_arch in ("llama", "phi3"):
         w.add_rope_dimension_count(HEAD_DIM)
     if spec.gguf_arch == "llama":
@@ -347,6 +351,7 @@ def _add_hparams(w: gguf.GGUFWriter, arch: str, spec: _Spec) -> None:
     if spec.gguf_arch in ("gemma2", "gemma3"):
         w.add_sliding_window(SLIDING_WINDOW)
     if spec.gguf_arch == "phi3":
+        w.add_rope_scaling_orig_ctx_len(N_CTX_TRAIN)
         w.add_sliding_window(PHI3_SLIDING_WINDOW)
     if spec.n_expert:
         w.add_expert_count(spec.n_expert)
@@ -370,7 +375,7 @@ def write_tiny_gguf(arch: str, path: str | Path, *, seed: int = 0) -> Path:
     tensors = _tensors(spec, rng)
     w = gguf.GGUFWriter(str(path), spec.gguf_arch)
     _add_hparams(w, arch, spec)
-    _add_tokenizer(w, spec.tokenizer)
+    _add_tokenizer(w, spec.tokenizer, spec.gguf_arch)
     for name, arr in tensors.items():
         w.add_tensor(name, arr)
     w.write_header_to_file()
