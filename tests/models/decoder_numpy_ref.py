@@ -12,9 +12,11 @@ What differs between architectures (all of it is in `ArchRules` below):
   others here): rotates `(i, i + d/2)`; rows are stored as HF has them. Angle for pair i at
   position p: `p * base**(-2i/d) / freq_factor[i]` (`rope_freqs.weight`, Llama 3.1; else 1).
 - Gemma family: input embeddings times `sqrt(n_embd)`; GELU (tanh form) gates instead of
-  SiLU; norm weights are used as stored (the converter already added Gemma's `1 +`); the
-  output matrix is the token embedding. Gemma 2 and 3 add `post_attention_norm` (on the
-  attention output, before the residual add) and `post_ffw_norm` (same for the FFN).
+  SiLU (llama.cpp's CPU backend rounds the GELU's input and output to float16, which moves
+  the tiny models' logits by up to ~1e-2: see `float16_gelu`); norm weights are used as
+  stored (the converter already added Gemma's `1 +`); the output matrix is the token
+  embedding. Gemma 2 and 3 add `post_attention_norm` (on the attention output, before the
+  residual add) and `post_ffw_norm` (same for the FFN).
 - Gemma 2: attention scores `50 * tanh(s / 50)` after the `1/sqrt(head_dim)` scale and
   before the mask; final logits `30 * tanh(z / 30)` (the values come from the file's keys).
   Layers 0, 2, 4, ... use the sliding window.
@@ -103,6 +105,13 @@ def _gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
 
 
+def _gelu_tanh_float16_table(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's CPU GELU: tanh GELU looked up in a float16 table (input and output rounded
+    to float16), exact outside (-10, 10). Differs from `_gelu_tanh` by up to ~1e-3 relative."""
+    f16 = lambda v: v.astype(np.float16).astype(np.float64)  # noqa: E731
+    return np.where(x <= -10.0, 0.0, np.where(x >= 10.0, x, f16(_gelu_tanh(f16(x)))))
+
+
 def _rope(x: np.ndarray, base: float, neox: bool, factors: np.ndarray | None) -> np.ndarray:
     """x: [seq, heads, d] -> same, position p = row index."""
     seq, _, d = x.shape
@@ -166,8 +175,14 @@ def _moe(h: np.ndarray, w: dict[str, np.ndarray], p: str, n_used: int, renorm: b
     return out
 
 
-def decoder_logits(meta: dict, w: dict[str, np.ndarray], tokens: list[int]) -> np.ndarray:
-    """Logits [seq, vocab] (float64) of the GGUF decoder `(meta, w)` for `tokens`."""
+def decoder_logits(
+    meta: dict, w: dict[str, np.ndarray], tokens: list[int], *, float16_gelu: bool = False
+) -> np.ndarray:
+    """Logits [seq, vocab] (float64) of the GGUF decoder `(meta, w)` for `tokens`.
+
+    `float16_gelu` evaluates the Gemma GELU as llama.cpp's CPU backend does (through a
+    float16 table); by default it is the exact tanh form, which is what the models mean.
+    """
     arch = meta["general.architecture"]
     rules = RULES[arch]
     k = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
@@ -233,7 +248,10 @@ def decoder_logits(meta: dict, w: dict[str, np.ndarray], tokens: list[int]) -> n
                 gate, up = h @ w[p + "ffn_gate.weight"].T, h @ w[p + "ffn_up.weight"].T
             else:  # Phi-3: ffn_up holds [gate | up]
                 gate, up = np.split(h @ w[p + "ffn_up.weight"].T, 2, axis=-1)
-            act = _gelu_tanh if rules.gemma else _silu
+            if rules.gemma:
+                act = _gelu_tanh_float16_table if float16_gelu else _gelu_tanh
+            else:
+                act = _silu
             out = (act(gate) * up) @ w[p + "ffn_down.weight"].T
         if rules.post_norms:
             out = _rms_norm(out, w[p + "post_ffw_norm.weight"], eps)
