@@ -219,7 +219,6 @@ def _add_tokenizer(w: gguf.GGUFWriter, kind: str, gguf_arch: str) -> None:
         int(gguf.TokenType.UNKNOWN),
     )
     if kind == "llama":
-        # <unk> <s> </s>, the 256 byte-fallback tokens, one word piece: 260 tokens.
         tokens = _spm_tokens()
         types = [unknown, control, control] + [byte] * 256 + [normal, control, control]
         scores = [0.0] * 259 + [-1.0, 0.0, 0.0]
