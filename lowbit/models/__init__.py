@@ -20,6 +20,7 @@ from ._bert_loader import (
     load_hf_bert,
     load_minilm,
 )
+from ._chat_template import ChatTemplate, render_chat_template
 from ._generate import (
     Generation,
     Sampling,
@@ -30,6 +31,7 @@ from ._generate import (
     stream_tokens,
 )
 from ._gguf_reader import GGUFError, GGUFFile, GGUFTensor, read_gguf
+from ._gguf_tokenizer import SpecialTokens, special_token_ids
 from ._kv_cache import KVCache, dequantize_kv, quantize_kv
 from ._llama import Llama, LlamaConfig, apply_rope, init_kv_cache, rope_tables
 from ._llama_loader import (
@@ -44,6 +46,7 @@ from ._weights import ParamMapping, assign_params, path_str, unpermute_rope_rows
 __all__ = [
     "Bert",
     "BertConfig",
+    "ChatTemplate",
     "GGUFError",
     "GGUFFile",
     "Generation",
@@ -53,6 +56,7 @@ __all__ = [
     "LlamaConfig",
     "ParamMapping",
     "Sampling",
+    "SpecialTokens",
     "apply_rope",
     "assign_params",
     "bert_config_from_hf",
@@ -78,8 +82,10 @@ __all__ = [
     "path_str",
     "quantize_kv",
     "read_gguf",
+    "render_chat_template",
     "rope_tables",
     "smollm2_gguf_path",
+    "special_token_ids",
     "stream_tokens",
     "tokenizer_from_gguf",
     "unpermute_rope_rows",
