@@ -292,8 +292,11 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
 
     ``tok.encode(text).ids`` equals llama.cpp's ``tokenize(text, add_bos=True, special=True)``
     (BOS/EOS added as the file says, see `special_token_ids`); with
-    ``add_special_tokens=False`` the same without them. ``tok.decode(ids)`` gives the text
-    llama.cpp's detokenizer renders (special tokens dropped).
+    ``add_special_tokens=False`` the same without them. ``tok.decode(ids)`` gives the text of
+    llama.cpp's token pieces (control tokens render as nothing; ``skip_special_tokens=False``
+    keeps their text). For SentencePiece vocabs with a space prefix, one leading space is
+    dropped, as llama.cpp's detokenizer does after BOS, so ``decode(encode(text))`` is
+    ``text`` when no special token is written in it (llama.cpp adds a "▁" after each one).
 
     Raises:
       ValueError: for a ``tokenizer.ggml.model`` or ``tokenizer.ggml.pre`` lowbit does not
