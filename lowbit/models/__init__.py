@@ -23,6 +23,7 @@ from ._bert_loader import (
     load_hf_bert,
     load_minilm,
 )
+from ._chat_template import ChatTemplate, render_chat_template
 from ._decoder import (
     Decoder,
     DecoderConfig,
@@ -50,6 +51,7 @@ from ._generate import (
     stream_tokens,
 )
 from ._gguf_reader import GGUFError, GGUFFile, GGUFTensor, read_gguf
+from ._gguf_tokenizer import SpecialTokens, special_token_ids
 from ._kv_cache import KVCache, dequantize_kv, quantize_kv
 from ._tokenizer import chat_prompt, tokenizer_from_gguf, wordpiece_tokenizer
 from ._weights import ParamMapping, assign_params, path_str, swap_last, unpermute_rope_rows
@@ -60,6 +62,7 @@ __all__ = [
     "DecoderConfig",
     "Bert",
     "BertConfig",
+    "ChatTemplate",
     "GGUFError",
     "GGUFFile",
     "Generation",
@@ -69,6 +72,7 @@ __all__ = [
     "LlamaConfig",
     "ParamMapping",
     "Sampling",
+    "SpecialTokens",
     "apply_rope",
     "assign_params",
     "bert_config_from_hf",
@@ -95,8 +99,10 @@ __all__ = [
     "path_str",
     "quantize_kv",
     "read_gguf",
+    "render_chat_template",
     "rope_tables",
     "smollm2_gguf_path",
+    "special_token_ids",
     "stream_tokens",
     "tokenizer_from_gguf",
     "swap_last",

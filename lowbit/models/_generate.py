@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -33,8 +32,8 @@ import numpy as np
 from flax import nnx
 
 from lowbit.engine import interpret
+from lowbit.models._chat_template import chat_template_from_gguf as chat_template_from_gguf
 from lowbit.models._kv_cache import KVCache
-from lowbit.models._tokenizer import chat_prompt
 from lowbit.recipes import KVCacheConfig, parse_kv_cache
 
 DEFAULT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -370,28 +369,6 @@ def stop_token_ids(tokenizer: Any, stop_tokens: Sequence[str]) -> list[int]:
     """Ids of the `stop_tokens` the tokenizer knows (unknown ones are skipped)."""
     ids = (tokenizer.token_to_id(t) for t in stop_tokens)
     return [i for i in ids if i is not None]
-
-
-def chat_template_from_gguf(metadata: Mapping[str, Any]) -> Callable[[str], str]:
-    """A ``user text -> prompt`` function from a GGUF file's ``tokenizer.chat_template``.
-
-    ChatML templates (``<|im_start|>role\\n...<|im_end|>``) are rendered without a template
-    engine, keeping the default system turn the template inserts.
-
-    Raises:
-      ValueError: when the file has no chat template, or one that is not ChatML.
-    """
-    template = metadata.get("tokenizer.chat_template")
-    if not isinstance(template, str) or not template:
-        raise ValueError("--chat: the GGUF file has no tokenizer.chat_template metadata")
-    if "<|im_start|>" not in template:
-        raise ValueError(
-            "--chat: the GGUF chat template is not ChatML (<|im_start|>); only ChatML templates "
-            "are rendered. Format the prompt yourself and drop --chat"
-        )
-    found = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template, re.DOTALL)
-    system = found.group(1) if found else None
-    return functools.partial(chat_prompt, default_system=system)
 
 
 def generate(

@@ -1,61 +1,19 @@
-"""Tokenizers for the reference models: GGUF byte-level BPE, and MiniLM's WordPiece file."""
+"""Tokenizers for the reference models: GGUF vocabularies (built in `_gguf_tokenizer`), SmolLM2's
+ChatML prompt, and MiniLM's WordPiece file."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
 
-# ggml token types (`tokenizer.ggml.token_type`): these must never be split by BPE.
-_CONTROL = 3
-_USER_DEFINED = 4
+from ._gguf_tokenizer import tokenizer_from_gguf
 
-# The `tokenizer.ggml.pre` names whose pre-tokenization is "each digit alone, then the GPT-2
-# regex": SmolLM's family. Plain GPT-2 omits the digit split.
-_DIGIT_SPLIT_PRE = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell"})
-_GPT2_PRE = frozenset({"gpt2", "default", "mpt", "olmo", "jais"})
+__all__ = ["chat_prompt", "tokenizer_from_gguf", "wordpiece_tokenizer"]
 
 # SmolLM2's chat template (ChatML) inserts this system turn when the first message is not one.
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-
-
-def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
-    """Build a byte-level BPE `tokenizers.Tokenizer` from GGUF `tokenizer.ggml.*` metadata.
-
-    Control tokens (``<|im_start|>``, ``<|im_end|>``, ...) are registered as special tokens,
-    so they are matched whole in input text and dropped by ``decode(..., skip_special_tokens=
-    True)``. No BOS is prepended (SmolLM2 sets ``add_bos_token`` false; the chat template
-    starts with ``<|im_start|>`` instead).
-    """
-    model_kind = metadata.get("tokenizer.ggml.model")
-    if model_kind != "gpt2":
-        raise ValueError(
-            f"tokenizer.ggml.model is {model_kind!r}; only byte-level BPE ('gpt2') is supported"
-        )
-    pre = metadata.get("tokenizer.ggml.pre", "default")
-    if pre not in _DIGIT_SPLIT_PRE | _GPT2_PRE:
-        raise ValueError(f"tokenizer.ggml.pre is {pre!r}, which has no known pre-tokenizer")
-    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _DIGIT_SPLIT_PRE:
-        digits = pre_tokenizers.Digits(individual_digits=True)
-        tok.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    types = metadata.get("tokenizer.ggml.token_type", [])
-    special = [
-        AddedToken(tokens[i], special=True, normalized=False)
-        for i, t in enumerate(types)
-        if t in (_CONTROL, _USER_DEFINED)
-    ]
-    tok.add_special_tokens(special)
-    return tok
 
 
 def chat_prompt(
