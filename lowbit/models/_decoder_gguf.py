@@ -240,10 +240,9 @@ def _config_from(
         if metadata.get("gemma3.rope.scaling.type") == "linear":
             fields["rope_scale"] = md.get("rope.scaling.factor", 1.0, float)
     if arch == "phi3":
+        # The converter writes Phi-3's sliding window, but llama.cpp attends globally, and
+        # its outputs are the reference for a GGUF file.
         fields.update(fused_qkv=True, fused_gate_up=True)
-        window = md.get("attention.sliding_window", 0)
-        if window:
-            fields["sliding_window"] = window
     try:
         return DecoderConfig(**fields)
     except ValueError as err:

@@ -233,7 +233,8 @@ def _add_tokenizer(w: gguf.GGUFWriter, kind: str, gguf_arch: str) -> None:
         tokens = _gpt2_tokens()
         types = [normal] * 257 + [control] * 3
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("default")
+        # What the converter writes for these families (llama.cpp and lowbit both read it).
+        w.add_tokenizer_pre("llama-bpe" if gguf_arch == "llama" else "qwen2")
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(["\u0120 t"])
