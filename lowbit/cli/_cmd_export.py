@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds this command's arguments to its sub-parser."""
     from lowbit.io import EXPORT_TYPES
 
-    add_target_argument(parser, "smollm2 | a Llama .gguf file")
+    add_target_argument(parser, "smollm2 | a decoder .gguf file (any supported architecture)")
     parser.add_argument("--gguf", required=True, metavar="OUT.gguf", help="the file to write")
     parser.add_argument(
         "--type",

@@ -33,7 +33,7 @@ DEFAULT_TARGETS = r".*attn/(q|k|v|o)_proj/kernel"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds this command's arguments to its sub-parser."""
-    parser.add_argument("model", metavar="MODEL", help="smollm2 | path to a Llama .gguf file")
+    parser.add_argument("model", metavar="MODEL", help="smollm2 | a decoder .gguf file")
     parser.add_argument(
         "--recipe",
         default="nf4_g64",

@@ -148,12 +148,15 @@ def run(args: argparse.Namespace) -> int:
     loaded = target.loaded
     if loaded.kind != "lm":
         raise ValueError(f"generate needs a language model; {loaded.name} is an encoder")
-    if args.chat:
-        if loaded.gguf_path is None:
-            raise ValueError("--chat reads the chat template from a GGUF file; this model has none")
+    metadata = None
+    if loaded.gguf_path is not None:
         from lowbit.models import read_gguf
 
-        template = chat_template_from_gguf(read_gguf(loaded.gguf_path).metadata)
+        metadata = read_gguf(loaded.gguf_path).metadata
+    if args.chat:
+        if metadata is None:
+            raise ValueError("--chat reads the chat template from a GGUF file; this model has none")
+        template = chat_template_from_gguf(metadata)
         prompts = [template(p) for p in prompts]
     tokenizer = loaded.tokenizer
     ids = [tokenizer.encode(p).ids for p in prompts]
@@ -161,6 +164,11 @@ def run(args: argparse.Namespace) -> int:
         if not row:
             raise ValueError(f"prompt {i + 1} encodes to no tokens")
     stops = stop_token_ids(tokenizer, DEFAULT_STOP_TOKENS)
+    if metadata is not None:
+        # The file's own end-of-generation ids (EOS, end of turn) beside the common names.
+        from lowbit.models import special_token_ids
+
+        stops = sorted(set(stops) | set(special_token_ids(metadata).end_of_generation))
     params = target.params
     if args.int8_activations:
         from lowbit.ops import with_int8_activations

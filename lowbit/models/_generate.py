@@ -36,7 +36,18 @@ from lowbit.models._chat_template import chat_template_from_gguf as chat_templat
 from lowbit.models._kv_cache import KVCache
 from lowbit.recipes import KVCacheConfig, parse_kv_cache
 
-DEFAULT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+# End-of-turn / end-of-text tokens of the supported families (ChatML, Llama 3, Gemma, Phi-3,
+# SentencePiece); those a tokenizer does not know are skipped.
+DEFAULT_STOP_TOKENS = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "<eos>",
+    "</s>",
+)
 # Stop ids are passed as a fixed-size array (padded with -1) so their values never recompile.
 _MAX_STOP_IDS = 16
 _MIN_BUCKET = 16
