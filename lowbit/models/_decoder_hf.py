@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 from ._decoder import Decoder, DecoderConfig
 from ._weights import ParamMapping, assign_params
 
-MODEL_TYPES = (
+HF_MODEL_TYPES = (
     "llama",
     "mistral",
     "mixtral",
@@ -89,8 +89,9 @@ class _Fields:
         ok = ok and (kind is float or float(value).is_integer())
         if not ok or not math.isfinite(value) or value < minimum:
             raise self.error(
-                field, f"is {value!r}; expected {'a number' if kind is float else 'an integer'} "
-                f">= {minimum}"
+                field,
+                f"is {value!r}; expected {'a number' if kind is float else 'an integer'} "
+                f">= {minimum}",
             )
         return kind(value)
 
@@ -173,8 +174,10 @@ def _layer_types(f: _Fields, model_type: str, n_layers: int) -> list[bool]:
     if "layer_types" in c and c["layer_types"] is not None:
         types = c["layer_types"]
         allowed = ("full_attention", "sliding_attention")
-        if not isinstance(types, list) or len(types) != n_layers or any(
-            t not in allowed for t in types
+        if (
+            not isinstance(types, list)
+            or len(types) != n_layers
+            or any(t not in allowed for t in types)
         ):
             raise f.error(
                 "layer_types",
@@ -260,16 +263,16 @@ def decoder_config_from_hf(
 
     Raises:
       ValueError: naming `path` and the field: an unknown ``model_type`` (the message lists
-        `MODEL_TYPES`), a missing or out-of-range field, or a feature the decoder lacks
+        `HF_MODEL_TYPES`), a missing or out-of-range field, or a feature the decoder lacks
         (partial rotary embeddings, RoPE scaling other than linear and llama3, output-projection
         or MLP biases, a layer pattern other than every k-th layer global, dense layers in a
         mixture of experts).
     """
     path = os.fspath(path)
     model_type = config_json.get("model_type")
-    if model_type not in MODEL_TYPES:
+    if model_type not in HF_MODEL_TYPES:
         raise ValueError(
-            f"{path}: field 'model_type' is {model_type!r}; supported: {', '.join(MODEL_TYPES)}"
+            f"{path}: field 'model_type' is {model_type!r}; supported: {', '.join(HF_MODEL_TYPES)}"
         )
     c = _text_config(config_json, path)
     model_type = c["model_type"]
@@ -459,8 +462,12 @@ _GEMMA3_PREFIXES = {
     "language_model.model.": "model.",
     "language_model.lm_head.": "lm_head.",
 }
-_GEMMA3_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                  "model.multi_modal_projector.")
+_GEMMA3_VISION = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
 
 
 def _our_name(name: str, model_type: str) -> str | None:

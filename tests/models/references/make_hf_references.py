@@ -6,12 +6,14 @@ Run with an environment that has ``torch`` and ``transformers`` (never a test de
     python tests/models/references/make_hf_references.py
 
 For each model type it builds a tiny random model (hidden 64, 4 heads, 2 key/value heads,
-head_dim 16, vocabulary 256, 2-4 layers, windows of 8 so a 24-token prompt exercises them),
+head_dim 16, vocabulary 256, 2-3 layers, windows of 8 so a 24-token prompt exercises them),
 saves it with ``save_pretrained(safe_serialization=True)`` into ``hf/<type>/`` with a tiny
-word-level ``tokenizer.json``, and stores the float32 logits of a fixed 24-token prompt
-(eager attention) in ``hf_logits.npz`` under the type's name. Four checkpoints are bfloat16 (to keep the directory small), one
-is split into two shards with an index, one Qwen3-MoE is saved with transformers' fused expert
-tensors (``save_original_format=False``) and the other mixtures of experts per expert.
+word-level ``tokenizer.json`` (``t0`` .. ``t255``), and stores the float32 logits of a fixed
+24-token prompt (eager attention, the saved checkpoint read back in float32) in
+``hf_logits.npz`` under the type's name. Four checkpoints are bfloat16 (to keep the directory
+small), Llama's is split into shards with an index, Qwen3-MoE's is saved with transformers 5's
+fused expert tensors (``save_original_format=False``) and the other mixtures of experts per
+expert (the original format).
 """
 
 from __future__ import annotations
@@ -56,23 +58,42 @@ SPECS = {
                 factor=8.0,
                 low_freq_factor=1.0,
                 high_freq_factor=4.0,
-                original_max_position_embeddings=32,
+                original_max_position_embeddings=64,
             ),
-            rope_theta=500000.0,
+            rope_theta=10000.0,
         ),
         dict(max_shard_size="200KB"),
     ),
     "mistral": (
-        "MistralConfig", "MistralForCausalLM", dict(num_hidden_layers=2, sliding_window=8), dict(bf16=True)
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(num_hidden_layers=2, sliding_window=8),
+        dict(bf16=True),
     ),
     "mixtral": (
         "MixtralConfig",
         "MixtralForCausalLM",
-        dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=24, sliding_window=8),
+        dict(
+            num_hidden_layers=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=24,
+            sliding_window=8,
+        ),
         {},
     ),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=2, tie_word_embeddings=True), {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=2, tie_word_embeddings=True), dict(bf16=True)),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(num_hidden_layers=2, tie_word_embeddings=True),
+        {},
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(num_hidden_layers=2, tie_word_embeddings=True),
+        dict(bf16=True),
+    ),
     "qwen2_moe": (
         "Qwen2MoeConfig",
         "Qwen2MoeForCausalLM",
@@ -89,7 +110,13 @@ SPECS = {
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
-        dict(num_hidden_layers=2, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+        dict(
+            num_hidden_layers=2,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        ),
         {},
     ),
     "gemma3_text": (
@@ -106,7 +133,12 @@ SPECS = {
         ),
         {},
     ),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_hidden_layers=2, sliding_window=8, tie_word_embeddings=False), {}),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(num_hidden_layers=2, sliding_window=8, tie_word_embeddings=False),
+        {},
+    ),
 }
 
 
@@ -147,9 +179,11 @@ def main() -> None:
         _tokenizer().save(str(target / "tokenizer.json"))
         # The reference runs the saved checkpoint read back in float32 (so bfloat16 weights
         # are rounded as the loader sees them, and RoPE tables are computed afresh).
-        reloaded = getattr(transformers, model_cls).from_pretrained(
-            target, dtype=torch.float32, attn_implementation="eager"
-        ).eval()
+        reloaded = (
+            getattr(transformers, model_cls)
+            .from_pretrained(target, dtype=torch.float32, attn_implementation="eager")
+            .eval()
+        )
         with torch.no_grad():
             out = reloaded(torch.tensor(PROMPT[None]), use_cache=False).logits
         logits[name] = out[0].numpy().astype(np.float32)
