@@ -25,6 +25,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from ._decoder import Decoder, DecoderConfig
+from ._decoder_hf_defaults import HF_DEFAULTS
 from ._weights import ParamMapping, assign_params
 
 HF_MODEL_TYPES = (
@@ -111,7 +112,7 @@ def _text_config(config: Mapping[str, Any], path: str) -> dict[str, Any]:
     text = config.get("text_config")
     if not isinstance(text, dict):
         raise ValueError(f"{path}: model_type 'gemma3' needs a 'text_config' object")
-    return {"model_type": "gemma3_text", **text}
+    return {**text, "model_type": "gemma3_text"}
 
 
 def _rope_parameters(f: _Fields, model_type: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -134,9 +135,9 @@ def _rope_parameters(f: _Fields, model_type: str) -> tuple[dict[str, Any], dict[
         if scaling is not None and not isinstance(scaling, dict):
             raise f.error("rope_scaling", f"is {scaling!r}; expected an object or null")
         full.update(scaling or {})
-        if model_type == "gemma3_text":
-            # Gemma 3's scaling applies to its global layers; local ones have their own base.
-            local = {"rope_theta": c.get("rope_local_base_freq", 10000.0)}
+    if model_type == "gemma3_text" and local is None:
+        # Gemma 3's scaling applies to its global layers; local ones have their own base.
+        local = {"rope_theta": c.get("rope_local_base_freq", 10000.0)}
     for kind in (full, local or {}):
         kind.setdefault("rope_type", kind.get("type", "default"))
         kind.setdefault("rope_theta", c.get("rope_theta", 10000.0))
@@ -261,6 +262,9 @@ def decoder_config_from_hf(
 ) -> DecoderConfig:
     """A `DecoderConfig` from a Hugging Face ``config.json`` dict read from `path`.
 
+    Fields the file leaves out take transformers' defaults for its model type
+    (`HF_DEFAULTS`), as transformers itself reads them.
+
     Raises:
       ValueError: naming `path` and the field: an unknown ``model_type`` (the message lists
         `HF_MODEL_TYPES`), a missing or out-of-range field, or a feature the decoder lacks
@@ -276,6 +280,7 @@ def decoder_config_from_hf(
         )
     c = _text_config(config_json, path)
     model_type = c["model_type"]
+    c = {**HF_DEFAULTS[model_type], **c}
     f = _Fields(c, path)
     dim = f.get("hidden_size")
     n_heads = f.get("num_attention_heads")

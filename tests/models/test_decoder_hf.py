@@ -276,3 +276,56 @@ def test_unknown_model_type_in_a_directory_is_named(tmp_path):
     _edit_config(directory, model_type="falcon")
     with pytest.raises(ValueError, match=r"config.json: field 'model_type' is 'falcon'"):
         load_decoder_hf(directory)
+
+
+@pytest.mark.parametrize("language", ["model.language_model.", "language_model.model."])
+def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path, language):
+    # transformers 5 (then 4) names; the vision tower is left out.
+    from safetensors.numpy import load_file, save_file
+
+    directory = _copy(tmp_path, "gemma3_text")
+    arrays = load_file(directory / "model.safetensors")
+    renamed = {language + k.removeprefix("model."): v for k, v in arrays.items()}
+    renamed["model.vision_tower.patch.weight"] = np.zeros((2, 2), np.float32)
+    renamed["multi_modal_projector.norm.weight"] = np.zeros((2,), np.float32)
+    save_file(renamed, directory / "model.safetensors")
+    text = _config("gemma3_text")
+    nested = {"model_type": "gemma3", "text_config": text, "vision_config": {}}
+    (directory / "config.json").write_text(json.dumps(nested))
+    model, _ = load_decoder_hf(directory, tokenizer=False)
+    logits = np.asarray(model(jnp.asarray(LOGITS["prompt"][None])))[0]
+    np.testing.assert_allclose(logits, LOGITS["gemma3_text"], atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("name", "fields"),
+    [
+        ("mistral", {"sliding_window": None}),
+        ("gemma2", {"layer_types": ["full_attention"] * 2}),
+        ("qwen2_moe", {"norm_topk_prob": True}),
+        ("gemma2", {"attn_logit_softcapping": None}),
+    ],
+)
+def test_the_references_depend_on_each_feature(tmp_path, name, fields):
+    directory = _copy(tmp_path, name)
+    _edit_config(directory, **fields)
+    model, _ = load_decoder_hf(directory, tokenizer=False)
+    logits = np.asarray(model(jnp.asarray(LOGITS["prompt"][None])))[0]
+    assert np.abs(logits - LOGITS[name]).max() > 1e-3
+
+
+def test_fields_left_out_take_transformers_defaults():
+    # Gemma 3's multimodal configs keep only what differs from Gemma3TextConfig's defaults.
+    sparse = {
+        "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "num_hidden_layers": 34, "sliding_window": 1024},
+    }
+    c = decoder_config_from_hf(sparse)
+    assert (c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size) == (8, 4, 256, 262208)
+    assert (c.rope_base, c.rope_base_local, c.global_every) == (1e6, 1e4, 6)
+    assert c.query_scale == 256**-0.5 and c.sliding_window == 1024
+    # An explicit null is kept: Mistral v0.2 has no window although the class default has.
+    assert (
+        decoder_config_from_hf({**_config("mistral"), "sliding_window": None}).sliding_window
+        is None
+    )
