@@ -167,9 +167,10 @@ def _llama3_freq_factors(f: _Fields, rope: dict[str, Any], head_dim: int) -> tup
     return tuple(float(x) for x in inv_freq / scaled)
 
 
-def _layer_types(f: _Fields, model_type: str, n_layers: int) -> list[bool]:
+def _layer_types(f: _Fields, model_type: str, n_layers: int) -> tuple[list[bool], str]:
     """Whether each layer attends through the sliding window: ``layer_types`` when the file
-    lists them, else each family's rule as transformers applies it."""
+    lists them, else each family's rule as transformers applies it; and the field that
+    decided it (for messages)."""
     c = f.config
     window = c.get("sliding_window")
     if "layer_types" in c and c["layer_types"] is not None:
@@ -184,24 +185,25 @@ def _layer_types(f: _Fields, model_type: str, n_layers: int) -> list[bool]:
                 "layer_types",
                 f"is {types!r}; expected {n_layers} entries, each one of {allowed}",
             )
-        return [t == "sliding_attention" for t in types]
+        return [t == "sliding_attention" for t in types], "layer_types"
     if model_type in ("mistral", "mixtral", "phi3"):
-        return [bool(window)] * n_layers
+        return [bool(window)] * n_layers, "sliding_window"
     if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if not f.flag("use_sliding_window", False) or not window:
-            return [False] * n_layers
+            return [False] * n_layers, "use_sliding_window"
         first = f.get("max_window_layers", n_layers, minimum=0)
-        return [i >= first for i in range(n_layers)]
+        return [i >= first for i in range(n_layers)], "max_window_layers"
     if model_type == "gemma2":
-        return [i % 2 == 0 for i in range(n_layers)]
+        return [i % 2 == 0 for i in range(n_layers)], "model_type"
     if model_type == "gemma3_text":
         every = f.get("sliding_window_pattern", 6)
-        return [(i + 1) % every != 0 for i in range(n_layers)]
-    return [False] * n_layers
+        return [(i + 1) % every != 0 for i in range(n_layers)], "sliding_window_pattern"
+    return [False] * n_layers, "model_type"
 
 
-def _window_fields(f: _Fields, sliding: list[bool]) -> dict[str, Any]:
-    """`sliding_window` and `global_every` for a per-layer sliding pattern."""
+def _window_fields(f: _Fields, sliding: list[bool], source: str) -> dict[str, Any]:
+    """`sliding_window` and `global_every` for a per-layer sliding pattern (decided by the
+    field `source`)."""
     if not any(sliding):
         return {}
     window = f.get("sliding_window")
@@ -210,9 +212,9 @@ def _window_fields(f: _Fields, sliding: list[bool]) -> dict[str, Any]:
     every = sliding.index(False) + 1
     if sliding != [(i + 1) % every != 0 for i in range(len(sliding))]:
         raise f.error(
-            "layer_types",
-            "mixes sliding and full attention in a pattern other than every k-th layer "
-            "global; the decoder supports only that pattern",
+            source,
+            f"makes layers {['sliding' if s else 'full' for s in sliding]}: a pattern other "
+            "than every k-th layer global, which is the only one the decoder supports",
         )
     return dict(sliding_window=window, global_every=every)
 
@@ -326,8 +328,8 @@ def decoder_config_from_hf(
             "rope_scaling",
             f"has rope_type {rope_type!r}; supported: default, linear, llama3",
         )
-    sliding = _layer_types(f, model_type, n_layers)
-    fields.update(_window_fields(f, sliding))
+    sliding, source = _layer_types(f, model_type, n_layers)
+    fields.update(_window_fields(f, sliding, source))
     if any(sliding) and local is not None and local != full:
         if local["rope_type"] != "default":
             raise f.error(

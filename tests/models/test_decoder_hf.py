@@ -172,8 +172,13 @@ def test_moe_with_dense_layers_is_refused(fields, match):
 
 
 def test_a_layer_pattern_the_decoder_lacks_is_refused():
+    qwen = {**_config("qwen2"), "use_sliding_window": True, "sliding_window": 8}
+    del qwen["layer_types"]
+    with pytest.raises(ValueError, match="'max_window_layers' makes layers"):
+        decoder_config_from_hf({**qwen, "max_window_layers": 1})
+    assert decoder_config_from_hf({**qwen, "max_window_layers": 0}).sliding_window == 8
     config = {**_config("gemma2"), "layer_types": ["full_attention", "sliding_attention"]}
-    with pytest.raises(ValueError, match="'layer_types' mixes sliding and full"):
+    with pytest.raises(ValueError, match=r"'layer_types' makes layers \['full', 'sliding'\]"):
         decoder_config_from_hf(config)
     with pytest.raises(ValueError, match="'layer_types' is"):
         decoder_config_from_hf({**config, "layer_types": ["sliding_attention"]})
