@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 
 from ._decoder import Decoder, DecoderConfig
 from ._decoder_hf_defaults import HF_DEFAULTS
-from ._weights import ParamMapping, assign_params
+from ._weights import CheckpointError, ParamMapping, assign_params
 
 HF_MODEL_TYPES = (
     "llama",
@@ -492,12 +492,14 @@ def _our_name(name: str, model_type: str) -> str | None:
 
 class _Checkpoint(Mapping[str, np.ndarray]):
     """The tensors of ``model.safetensors`` or of the shards an index lists, by the names
-    `hf_param_map` uses, read one at a time as float32."""
+    `hf_param_map` uses, read one at a time as float32. `listing` is the file that lists
+    them (the index, or ``model.safetensors`` itself), for messages."""
 
     def __init__(self, directory: Path, model_type: str, stack: contextlib.ExitStack):
         index = directory / INDEX_FILE
         single = directory / SINGLE_FILE
-        if index.is_file():
+        where_from_index = index.is_file()
+        if where_from_index:
             where = _read_index(index)
         elif single.is_file():
             where = None
@@ -528,6 +530,7 @@ class _Checkpoint(Mapping[str, np.ndarray]):
                         "not hold it"
                     )
         self._directory = directory
+        self.listing = index if where_from_index else single
         self._handles = handles
         self._where: dict[str, tuple[str, str]] = {}
         for tensor, name in where.items():
@@ -632,6 +635,9 @@ def load_decoder_hf(
         model = Decoder.abstract(config, dtype=dtype, param_dtype=dtype)
         try:
             assign_params(model, checkpoint, mapping, dtype)
-        except ValueError as err:
-            raise ValueError(f"{directory}: {err}") from None
+        except CheckpointError as err:
+            found = err.tensor is not None and err.tensor in checkpoint
+            raise ValueError(
+                f"{checkpoint.file_of(err.tensor) if found else checkpoint.listing}: {err}"
+            ) from None
     return model, Tokenizer.from_file(str(tokenizer_path)) if tokenizer else None

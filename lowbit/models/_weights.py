@@ -88,6 +88,15 @@ def swap_last(w: Any) -> Any:
     return w.transpose(axes)
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the module; `tensor` is the checkpoint name at fault
+    (None when a parameter has no tensor), so a loader can name the file holding it."""
+
+    def __init__(self, message: str, tensor: str | None = None):
+        super().__init__(message)
+        self.tensor = tensor
+
+
 def _variable_at(module: nnx.Module, path: ParamPath) -> nnx.Variable:
     node: Any = module
     for part in path:
@@ -117,14 +126,15 @@ def assign_params(
     besides the module's parameters.
 
     Every mapped name must be present and every parameter of `module` must be filled; the
-    ValueError names the first tensor or parameter that is missing or mis-shaped.
+    `CheckpointError` (a ValueError) names the first tensor or parameter that is missing or
+    mis-shaped.
     """
     filled = set()
     stacks: dict[ParamPath, np.ndarray] = {}
     experts: dict[ParamPath, set[int]] = {}
     for name, targets in mapping.items():
         if name not in arrays:
-            raise ValueError(f"checkpoint has no tensor named {name!r}")
+            raise CheckpointError(f"checkpoint has no tensor named {name!r}", name)
         array = np.asarray(arrays[name])
         for m in targets if isinstance(targets, tuple) else (targets,):
             value = m.apply(array)
@@ -132,9 +142,10 @@ def assign_params(
             want = tuple(var.shape) if m.expert is None else tuple(var.shape[1:])
             if tuple(value.shape) != want or (m.expert is not None and m.expert >= var.shape[0]):
                 where = "" if m.expert is None else f" (expert {m.expert} of {var.shape[0]})"
-                raise ValueError(
+                raise CheckpointError(
                     f"tensor {name!r} has shape {value.shape} after layout mapping, but "
-                    f"{path_str(m.path)!r}{where} expects {want}"
+                    f"{path_str(m.path)!r}{where} expects {want}",
+                    name,
                 )
             if m.expert is None:
                 var.set_value(jnp.asarray(value, dtype=dtype))
@@ -147,11 +158,13 @@ def assign_params(
     for path, stack in stacks.items():
         if len(experts[path]) != stack.shape[0]:
             absent = min(set(range(stack.shape[0])) - experts[path])
-            raise ValueError(f"no checkpoint tensor maps to expert {absent} of {path_str(path)!r}")
+            raise CheckpointError(
+                f"no checkpoint tensor maps to expert {absent} of {path_str(path)!r}"
+            )
         _variable_at(module, path).set_value(jnp.asarray(stack, dtype=dtype))
         filled.add(path)
     params = nnx.to_flat_state(nnx.state(module, nnx.Param))
     missing = [path_str(tuple(path)) for path, _ in params if tuple(path) not in filled]
     if missing:
-        raise ValueError(f"no checkpoint tensor maps to parameter {missing[0]!r}")
+        raise CheckpointError(f"no checkpoint tensor maps to parameter {missing[0]!r}")
     return module

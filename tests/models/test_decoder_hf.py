@@ -220,7 +220,8 @@ def test_a_missing_tensor_is_named(tmp_path):
     directory = _copy(tmp_path, "llama")
     _edit_index(directory, lambda m: m.pop("model.layers.1.self_attn.k_proj.weight"))
     with pytest.raises(
-        ValueError, match="no tensor named 'model.layers.1.self_attn.k_proj.weight'"
+        ValueError,
+        match=r"index.json: checkpoint has no tensor named 'model.layers.1.self_attn.k_proj",
     ):
         load_decoder_hf(directory)
 
@@ -232,7 +233,7 @@ def test_a_missing_expert_is_named(tmp_path):
     arrays = load_file(directory / "model.safetensors")
     del arrays["model.layers.0.block_sparse_moe.experts.3.w2.weight"]
     save_file(arrays, directory / "model.safetensors")
-    with pytest.raises(ValueError, match="experts.3.w2.weight"):
+    with pytest.raises(ValueError, match="model.safetensors: .*experts.3.w2.weight"):
         load_decoder_hf(directory)
 
 
@@ -265,7 +266,10 @@ def test_tied_embeddings_have_no_lm_head(tmp_path):
 def test_a_shape_that_disagrees_with_the_config_is_named(tmp_path):
     directory = _copy(tmp_path, "qwen2")
     _edit_config(directory, intermediate_size=96)
-    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.gate_proj.weight' has shape"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' has shape",
+    ):
         load_decoder_hf(directory)
 
 
