@@ -325,7 +325,7 @@ def decoder_config_from_hf(
         fields["rope_freq_factors"] = _llama3_freq_factors(f, full, head_dim)
     elif rope_type != "default":
         raise f.error(
-            "rope_scaling",
+            "rope_parameters" if c.get("rope_parameters") else "rope_scaling",
             f"has rope_type {rope_type!r}; supported: default, linear, llama3",
         )
     sliding, source = _layer_types(f, model_type, n_layers)

@@ -152,7 +152,7 @@ def assign_params(
                 filled.add(m.path)
             else:
                 if m.path not in stacks:
-                    stacks[m.path] = np.zeros(var.shape, np.float32)
+                    stacks[m.path] = np.zeros(var.shape, np.dtype(dtype))
                 stacks[m.path][m.expert] = value
                 experts.setdefault(m.path, set()).add(m.expert)
     for path, stack in stacks.items():

@@ -125,6 +125,12 @@ def test_tokenizer_is_optional_only_when_asked(tmp_path):
 def test_dtype_sets_the_parameters_dtype():
     model, _ = load_decoder_hf(HF / "qwen3", dtype=jnp.bfloat16, tokenizer=False)
     assert model.layers[0].attn.q_proj.kernel.dtype == jnp.bfloat16
+    model, _ = load_decoder_hf(HF / "mixtral", dtype=jnp.bfloat16, tokenizer=False)
+    stacked = model.layers[1].moe.down_proj.kernel
+    assert stacked.dtype == jnp.bfloat16 and stacked.shape == (4, 24, 64)
+    logits = np.asarray(model(jnp.asarray(LOGITS["prompt"][None])), np.float32)[0]
+    want = LOGITS["mixtral"]
+    assert np.sum(logits * want) / np.linalg.norm(logits) / np.linalg.norm(want) > 0.99
 
 
 @pytest.mark.parametrize(
@@ -140,7 +146,7 @@ def test_dtype_sets_the_parameters_dtype():
         ({"num_key_value_heads": 3}, r"n_heads=4 is not a multiple of n_kv_heads=3"),
         (
             {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-            r"'rope_scaling' has rope_type 'yarn'",
+            r"'rope_parameters' has rope_type 'yarn'",
         ),
     ],
 )
