@@ -291,6 +291,8 @@ def decoder_config_from_hf(
     for field in ("attention_bias", "mlp_bias"):
         if model_type not in ("qwen2", "qwen2_moe") and f.flag(field, False):
             raise f.error(field, "is true; biases on o_proj / MLP projections are not supported")
+    if f.flag("use_bidirectional_attention", False):
+        raise f.error("use_bidirectional_attention", "is true; the decoder is causal")
     full, local = _rope_parameters(f, model_type)
     partial = full.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
     if partial != 1.0:

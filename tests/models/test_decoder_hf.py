@@ -143,6 +143,7 @@ def test_dtype_sets_the_parameters_dtype():
         ({"hidden_act": "relu"}, r"'hidden_act' is 'relu'; supported"),
         ({"attention_bias": True}, r"'attention_bias' is true"),
         ({"tie_word_embeddings": "yes"}, r"'tie_word_embeddings' is 'yes'"),
+        ({"use_bidirectional_attention": True}, r"'use_bidirectional_attention' is true"),
         ({"num_key_value_heads": 3}, r"n_heads=4 is not a multiple of n_kv_heads=3"),
         (
             {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
