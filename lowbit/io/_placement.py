@@ -61,6 +61,16 @@ def _placement(name: str, target: Any) -> Placement | None:
     if isinstance(target, tuple) and all(isinstance(p, str | int) for p in target):
         return Placement(path=target)
     if all(hasattr(target, a) for a in ("path", "transpose", "unpermute_heads")):
+        # A `lowbit.models.ParamMapping` may also add an offset, fill one expert's slice or
+        # take part of a fused tensor; placing the whole tensor as stored would be wrong.
+        extra = {a: getattr(target, a, None) for a in ("offset", "expert", "part")}
+        extra = {a: v for a, v in extra.items() if v not in (None, 0, 0.0)}
+        if extra:
+            raise ValueError(
+                f"name_map({name!r}) gave a mapping with {extra}; importers place whole "
+                "tensors as stored (load Hugging Face decoders with "
+                "lowbit.models.load_decoder_hf)"
+            )
         return Placement(
             path=tuple(target.path),
             transpose=bool(target.transpose),

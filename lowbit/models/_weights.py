@@ -44,17 +44,40 @@ class ParamMapping:
       transpose: the checkpoint stores ``[..., out, in]`` and the NNX kernel is
         ``[..., in, out]`` (the last two axes swap: a linear weight, or stacked experts).
       unpermute_heads: if set, first apply `unpermute_rope_rows` with this many heads.
+      offset: added to every value after the layout change (Gemma's checkpoints store a
+        norm's factor as ``1 + w``'s ``w``).
+      expert: the tensor is one expert's slice, index `expert` along the leading axis, of a
+        stacked ``[n_experts, in, out]`` parameter (checkpoints that store experts one by
+        one); None for a whole parameter.
+      part: ``(i, n)``: the tensor holds `n` parameters side by side along its output axis
+        (the last axis after the layout change) and this mapping takes the `i`-th equal
+        slice (a fused gate/up projection); None for all of it.
     """
 
     path: ParamPath
     transpose: bool = False
     unpermute_heads: int | None = None
+    offset: float = 0.0
+    expert: int | None = None
+    part: tuple[int, int] | None = None
 
     def apply(self, w: np.ndarray) -> np.ndarray:
         """Checkpoint array (NumPy order) -> array in the module's layout."""
         if self.unpermute_heads is not None:
             w = unpermute_rope_rows(w, self.unpermute_heads)
-        return swap_last(w) if self.transpose else w
+        w = swap_last(w) if self.transpose else w
+        if self.part is not None:
+            i, n = self.part
+            if w.shape[-1] % n:
+                raise ValueError(
+                    f"a tensor of shape {w.shape} cannot be split into {n} equal parts along "
+                    "its last axis"
+                )
+            size = w.shape[-1] // n
+            w = w[..., i * size : (i + 1) * size]
+        if self.offset:
+            w = np.asarray(w, np.float32) + np.float32(self.offset)
+        return w
 
 
 def swap_last(w: Any) -> Any:
@@ -63,6 +86,15 @@ def swap_last(w: Any) -> Any:
         return w
     axes = (*range(w.ndim - 2), w.ndim - 1, w.ndim - 2)
     return w.transpose(axes)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the module; `tensor` is the checkpoint name at fault
+    (None when a parameter has no tensor), so a loader can name the file holding it."""
+
+    def __init__(self, message: str, tensor: str | None = None):
+        super().__init__(message)
+        self.tensor = tensor
 
 
 def _variable_at(module: nnx.Module, path: ParamPath) -> nnx.Variable:
@@ -81,32 +113,58 @@ def _variable_at(module: nnx.Module, path: ParamPath) -> nnx.Variable:
 def assign_params(
     module: nnx.Module,
     arrays: Mapping[str, np.ndarray],
-    mapping: Mapping[str, ParamMapping],
+    mapping: Mapping[str, ParamMapping | tuple[ParamMapping, ...]],
     dtype: Any,
 ) -> nnx.Module:
     """Fill `module`'s parameters from checkpoint `arrays` (by checkpoint name) via `mapping`.
+
+    A name may map to several parameters (a tuple: one fused tensor split with
+    `ParamMapping.part`), and several names to one stacked parameter (`ParamMapping.expert`:
+    each fills one expert's slice of a buffer the size of that parameter).
 
     `arrays` is read one name at a time, so a lazy mapping keeps only one float tensor alive
     besides the module's parameters.
 
     Every mapped name must be present and every parameter of `module` must be filled; the
-    ValueError names the first tensor or parameter that is missing or mis-shaped.
+    `CheckpointError` (a ValueError) names the first tensor or parameter that is missing or
+    mis-shaped.
     """
     filled = set()
-    for name, m in mapping.items():
+    stacks: dict[ParamPath, np.ndarray] = {}
+    experts: dict[ParamPath, set[int]] = {}
+    for name, targets in mapping.items():
         if name not in arrays:
-            raise ValueError(f"checkpoint has no tensor named {name!r}")
-        value = m.apply(np.asarray(arrays[name]))
-        var = _variable_at(module, m.path)
-        if tuple(value.shape) != tuple(var.shape):
-            raise ValueError(
-                f"tensor {name!r} has shape {value.shape} after layout mapping, but "
-                f"{path_str(m.path)!r} expects {tuple(var.shape)}"
+            raise CheckpointError(f"checkpoint has no tensor named {name!r}", name)
+        array = np.asarray(arrays[name])
+        for m in targets if isinstance(targets, tuple) else (targets,):
+            value = m.apply(array)
+            var = _variable_at(module, m.path)
+            want = tuple(var.shape) if m.expert is None else tuple(var.shape[1:])
+            if tuple(value.shape) != want or (m.expert is not None and m.expert >= var.shape[0]):
+                where = "" if m.expert is None else f" (expert {m.expert} of {var.shape[0]})"
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {value.shape} after layout mapping, but "
+                    f"{path_str(m.path)!r}{where} expects {want}",
+                    name,
+                )
+            if m.expert is None:
+                var.set_value(jnp.asarray(value, dtype=dtype))
+                filled.add(m.path)
+            else:
+                if m.path not in stacks:
+                    stacks[m.path] = np.zeros(var.shape, np.dtype(dtype))
+                stacks[m.path][m.expert] = value
+                experts.setdefault(m.path, set()).add(m.expert)
+    for path, stack in stacks.items():
+        if len(experts[path]) != stack.shape[0]:
+            absent = min(set(range(stack.shape[0])) - experts[path])
+            raise CheckpointError(
+                f"no checkpoint tensor maps to expert {absent} of {path_str(path)!r}"
             )
-        var.set_value(jnp.asarray(value, dtype=dtype))
-        filled.add(m.path)
+        _variable_at(module, path).set_value(jnp.asarray(stack, dtype=dtype))
+        filled.add(path)
     params = nnx.to_flat_state(nnx.state(module, nnx.Param))
     missing = [path_str(tuple(path)) for path, _ in params if tuple(path) not in filled]
     if missing:
-        raise ValueError(f"no checkpoint tensor maps to parameter {missing[0]!r}")
+        raise CheckpointError(f"no checkpoint tensor maps to parameter {missing[0]!r}")
     return module

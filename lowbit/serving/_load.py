@@ -1,9 +1,11 @@
 """Float reference models by name, GGUF file or Hugging Face directory.
 
 Model specs: ``"smollm2"`` (SmolLM2-135M-Instruct from its Q4_1 GGUF, dequantized to float32:
-the float baseline), ``"minilm"`` (all-MiniLM-L6-v2), a path to a Llama ``.gguf`` file, or a
-BERT checkpoint in the Hugging Face layout: a directory holding ``model.safetensors``,
-``config.json`` and ``tokenizer.json``, or the path of its ``model.safetensors``.
+the float baseline), ``"minilm"`` (all-MiniLM-L6-v2), a path to a decoder ``.gguf`` file, or a
+checkpoint in the Hugging Face layout: a directory holding ``config.json``, ``tokenizer.json``
+and ``model.safetensors`` (or shards listed in ``model.safetensors.index.json``), or the path of
+its ``model.safetensors``. A ``config.json`` whose ``model_type`` is a decoder's
+(`lowbit.models.HF_MODEL_TYPES`) loads as a language model, a BERT one as an encoder.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from flax import nnx
 MODEL_NAMES = ("smollm2", "minilm")
 KINDS = ("lm", "encoder")
 HF_FILES = ("model.safetensors", "config.json", "tokenizer.json")
+HF_INDEX = "model.safetensors.index.json"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -50,8 +53,29 @@ def _models():
 
 
 def is_hf_directory(path: str | Path) -> bool:
-    """Whether `path` is a directory holding a Hugging Face BERT checkpoint (`HF_FILES`)."""
-    return Path(path).is_dir() and all(Path(path, name).is_file() for name in HF_FILES)
+    """Whether `path` is a directory holding a Hugging Face checkpoint: `HF_FILES`, or a
+    sharded one (`HF_INDEX` in place of ``model.safetensors``)."""
+    path = Path(path)
+    weights = Path(path, HF_FILES[0]).is_file() or Path(path, HF_INDEX).is_file()
+    return path.is_dir() and weights and all(Path(path, n).is_file() for n in HF_FILES[1:])
+
+
+def _hf_decoder_type(directory: Path) -> bool:
+    """Whether `directory`'s ``config.json`` names a decoder model type."""
+    models = _models()
+    config = directory / "config.json"
+    return (
+        config.is_file()
+        and models.read_hf_config(directory).get("model_type") in models.HF_MODEL_TYPES
+    )
+
+
+def _load_hf_decoder(directory: Path) -> LoadedModel:
+    directory = directory.resolve()
+    model, tokenizer = _models().load_decoder_hf(directory)
+    return LoadedModel(
+        name=directory.name, spec=str(directory), kind="lm", model=model, tokenizer=tokenizer
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -79,11 +103,13 @@ def load_model(spec: str) -> LoadedModel:
         )
     path = Path(spec)
     if is_hf_directory(path):
+        if _hf_decoder_type(path):
+            return _load_hf_decoder(path)
         path = path / "model.safetensors"
     if path.suffix not in (".gguf", ".safetensors"):
         raise ValueError(
-            f"MODEL {spec!r} is not a known model; accepted: {', '.join(MODEL_NAMES)}, or a path "
-            "to a .gguf or .safetensors file"
+            f"MODEL {spec!r} is not a known model; accepted: {', '.join(MODEL_NAMES)}, a path "
+            "to a .gguf or .safetensors file, or a Hugging Face checkpoint directory"
         )
     if not path.is_file():
         raise FileNotFoundError(f"model file {spec!r} does not exist")
@@ -98,6 +124,8 @@ def load_model(spec: str) -> LoadedModel:
             tokenizer=tokenizer,
             gguf_path=path,
         )
+    if path.name == "model.safetensors" and _hf_decoder_type(path.parent):
+        return _load_hf_decoder(path.parent)
     missing = [n for n in HF_FILES[1:] if not (path.parent / n).is_file()]
     if path.name != "model.safetensors" or missing:
         raise ValueError(

@@ -67,3 +67,12 @@ def test_minilm_file():
         want = f.get_tensor("encoder.layer.5.output.dense.weight")
     assert np.array_equal(np.asarray(layer["output"]["dense"]["kernel"]), want.T)
     assert "position_ids" not in params["embeddings"]
+
+
+def test_a_mapping_that_reshapes_the_tensor_is_refused(tmp_path):
+    from lowbit.models import ParamMapping
+
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"norm.weight": np.ones(4, np.float32)}, str(path))
+    with pytest.raises(ValueError, match=r"'norm.weight'.*'offset': 1.0"):
+        import_safetensors(path, lambda name: ParamMapping(("norm", "scale"), offset=1.0))

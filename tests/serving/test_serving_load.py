@@ -1,5 +1,7 @@
 """`lowbit.serving.load_model`: names, GGUF files, Hugging Face directories; clear errors."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -43,3 +45,21 @@ def test_model_fn_calls_the_model_on_its_params(tiny_lm):
 def test_as_numpy_tokens(tiny_lm):
     ids = serving.as_numpy_tokens(tiny_lm.tokenizer, "w0 w1 w5")
     assert ids.dtype == np.int32 and ids.tolist() == [1, 2, 6]
+
+
+HF_REFERENCES = Path(__file__).parents[1] / "models" / "references" / "hf"
+
+
+def test_a_sharded_hf_decoder_directory_loads_as_a_language_model():
+    directory = HF_REFERENCES / "llama"
+    assert serving.is_hf_directory(directory)
+    loaded = serving.load_model(str(directory))
+    assert (loaded.kind, loaded.name, loaded.spec) == ("lm", "llama", str(directory.resolve()))
+    assert loaded.model.config.architecture == "llama" and loaded.gguf_path is None
+    logits = loaded.model(np.array([[1, 2, 3]], np.int32))
+    assert logits.shape == (1, 3, 256)
+
+
+def test_an_hf_decoder_safetensors_path_loads_its_directory():
+    loaded = serving.load_model(str(HF_REFERENCES / "gemma2" / "model.safetensors"))
+    assert loaded.kind == "lm" and loaded.model.config.architecture == "gemma2"
