@@ -80,10 +80,8 @@ _LAYER_TENSORS = {
 }
 
 # Tensors that configure the model rather than hold parameters: RoPE frequency factors
-# (Llama 3 scaling; Phi-3's long/short factors) and precomputed rotary tables.
-_CONFIG_TENSORS = re.compile(
-    r"^(rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd\.weight)$"
-)
+# (Llama 3 scaling) and precomputed rotary tables.
+_CONFIG_TENSORS = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
 
 
 class _Dequantized(Mapping[str, np.ndarray]):
@@ -135,9 +133,16 @@ class _Metadata:
 
 
 def _freq_factors(gguf_file: GGUFFile, head_dim: int) -> tuple[float, ...] | None:
-    # Llama 3 files store their scaled frequencies as divisors; Phi-3's short factors apply
-    # up to its original context (the longer ones past it are not read).
-    for name in ("rope_freqs.weight", "rope_factors_short.weight"):
+    # Llama 3 files store their scaled frequencies as divisors.
+    if "rope_factors_long.weight" in gguf_file.tensors:
+        # Phi-3's long-context RoPE also scales cos/sin by an attention factor and switches
+        # factors with the context: not expressed by `DecoderConfig`.
+        raise ValueError(
+            f"GGUF file {gguf_file.path!r} uses long-context RoPE (tensor "
+            "'rope_factors_long.weight', Phi-3 128k / 3.5), which lowbit does not run; use a "
+            "4k-context Phi-3 file"
+        )
+    for name in ("rope_freqs.weight",):
         if name in gguf_file.tensors:
             factors = np.asarray(gguf_file.tensors[name].dequantize(), np.float64).reshape(-1)
             if factors.size != head_dim // 2 or not np.all(np.isfinite(factors) & (factors > 0)):

@@ -438,7 +438,7 @@ def _expert_map(
     mixtral_names = c.architecture == "mixtral" and not fused
     block = f"model.layers.{i}." + ("block_sparse_moe" if mixtral_names else "mlp")
     out: dict[str, ParamMapping | tuple[ParamMapping, ...]] = {
-        f"{block}.gate.weight": ParamMapping(kernel("router"), transpose=True)
+        f"{block}.gate.weight": ParamMapping((*moe, "router"), transpose=True)
     }
     if fused:
         out[f"{block}.experts.gate_up_proj"] = tuple(
@@ -459,7 +459,7 @@ def _expert_map(
                 (*moe, "shared", ours, "kernel"), transpose=True
             )
         out[f"{block}.shared_expert_gate.weight"] = ParamMapping(
-            kernel("shared_gate"), transpose=True
+            (*moe, "shared_gate"), transpose=True
         )
     return out
 
