@@ -221,3 +221,31 @@ def test_a_config_round_trips_through_metadata_alone():
         md = gguf_metadata(config)
         assert md["general.architecture"] == config.architecture, name
         assert dataclasses.replace(config) == config
+
+
+@pytest.mark.parametrize("arch", ["llama3", "gemma3", "phi3", "qwen2moe", "qwen3moe"])
+def test_llama_cpp_runs_the_exported_file(arch, tmp_path):
+    # A tiny reference file read by lowbit and written back by `export_gguf` (with the source's
+    # tokenizer): llama.cpp gives its stored last-token logits again. Only with
+    # llama-cpp-python (the benchmark environment).
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import sys
+    from pathlib import Path
+
+    models_tests = Path(__file__).resolve().parents[1] / "models"
+    sys.path.insert(0, str(models_tests))
+    from tiny_gguf import write_tiny_gguf
+
+    refs = np.load(models_tests / "references" / "decoders.npz")
+    source = write_tiny_gguf(arch, tmp_path / "source.gguf")
+    model, _ = load_decoder_gguf(source)
+    out = tmp_path / "exported.gguf"
+    params = nnx.to_pure_dict(nnx.split(model)[1])
+    export_gguf(params, out, config=model.config, source=source, log=None)
+    llm = llama_cpp.Llama(
+        model_path=str(out), n_ctx=128, n_threads=2, logits_all=True, verbose=False
+    )
+    prompt = refs[f"{arch}/prompt"].tolist()
+    llm.eval(prompt)
+    got, want = np.asarray(llm.scores[len(prompt) - 1]), refs[f"{arch}/logits"]
+    assert got @ want / np.linalg.norm(got) / np.linalg.norm(want) >= 0.9999
