@@ -397,7 +397,7 @@ def capture(
             ragged = use.op == "ragged_dot"
             for path in use.paths:
                 stats.reader_scales.setdefault(path, set()).add(use.activation_scale)
-                if path not in wanted and use.activation_scale:
+                if use.activation_scale:
                     stats.reader_axes.setdefault(path, set()).add(reader_axis(use, path))
             for path in use.paths & wanted:
                 mapping = mapping_of(use, path)
@@ -413,9 +413,9 @@ def capture(
                     key_info[key] = (path, m.input_axes, m.fixed, key_scale, ragged)
                 first = group_mappings[0]
                 order = None if first.order is None else first.order.tobytes()
-                dims = use.params.get("dimension_numbers", use.params.get(
-                    "ragged_dot_dimension_numbers"
-                ))
+                dims = use.params.get(
+                    "dimension_numbers", use.params.get("ragged_dot_dimension_numbers")
+                )
                 site = (id(use.activation), dims, use.weight_operand, order)
                 if ragged:
                     site = (*site, id(use.group_sizes))

@@ -293,7 +293,9 @@ def gptq_one(
             f"; rtn: expert {s.fixed[0][1]} received no calibration rows" for s in empty
         )
     else:
-        what = f"gptq ({len(stats)} stats set{'s' if len(stats) > 1 else ''}, {have} tokens{options})"
+        what = (
+            f"gptq ({len(stats)} stats set{'s' if len(stats) > 1 else ''}, {have} tokens{options})"
+        )
     before = report.applied.get(path)  # the folded scale and clip search, if any
     report.applied[path] = (
         what if not notes else "gptq with RTN fallback on some layers (see notes)"
