@@ -20,8 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.algorithms._capture import CalibrationError, Statistics, single_matrix_use
-from lowbit.algorithms._clip import clip_search
+from lowbit.algorithms._capture import (
+    CalibrationError,
+    Statistics,
+    expert_use,
+    single_matrix_use,
+)
+from lowbit.algorithms._clip import clip_experts, clip_search
 from lowbit.algorithms._gptq import gptq_qarray
 from lowbit.algorithms._hqq import hqq_qarray
 from lowbit.qarray import QArray, QuantConfig
@@ -225,7 +230,20 @@ def first_rounding(
         stats = ctx.statistics.for_path(path)
         note = report.applied.setdefault(path, "")
         sep = "; " if note else ""
-        if not single_matrix_use(stats):
+        if expert_use(stats):
+            grams = [
+                s.gram / s.count if s.count else None for s in sorted(stats, key=lambda s: s.fixed)
+            ]
+            found = clip_experts(w, grams, config)
+            if isinstance(found, str):
+                report.applied[path] = f"{note}{sep}no clip search ({found})"
+            else:
+                clipped, ratio = found
+                report.applied[path] = (
+                    f"{note}{sep}clipped per expert (mean range ratio {ratio:.3f})"
+                )
+                return nearest(clipped.astype(w.dtype))
+        elif not single_matrix_use(stats):
             report.applied[path] = f"{note}{sep}no clip search (needs one 2-D use with statistics)"
         else:
             h = stats[0].gram / max(stats[0].count, 1)

@@ -10,6 +10,7 @@ from flax import nnx
 
 import lowbit
 from lowbit.algorithms import capture
+from lowbit.algorithms._clip import clip_experts
 from lowbit.algorithms._smooth import apply_folds, plan_folds
 from lowbit.models import Decoder, DecoderConfig
 from lowbit.models._decoder import MoE
@@ -31,7 +32,7 @@ CONFIG = DecoderConfig(
     norm_topk=False,
 )
 EXPERTS = [f"layers/{i}/moe/{n}_proj/kernel" for i in range(2) for n in ("gate", "up", "down")]
-INT4 = QuantConfig(format="int4", granularity=PerGroup(16, axis=1))
+INT4 = QuantConfig(format="int4", granularity=PerGroup(16, axis=-2))
 
 
 def _model(dead_expert: bool = False):
@@ -210,13 +211,22 @@ def test_awq_through_quantize_params_reports_the_expert_fold():
     q, report = quantize_with_report(params, recipe, fn=fn, calibration=batches)
     note = report.applied["layers/0/moe/gate_proj/kernel"]
     assert "folded into layers/0/mlp_norm/scale" in note and "router" in note, note
-    assert (
-        "folded into layers/0/moe/up_proj/kernel's output"
-        in (report.applied["layers/0/moe/down_proj/kernel"])
-    )
+    down = report.applied["layers/0/moe/down_proj/kernel"]
+    assert "folded into layers/0/moe/up_proj/kernel's output" in down
+    assert "clipped per expert" in note and "clipped per expert" in down
     # The router stays float and absorbs the scale.
     router = dict(param_leaves(q))["layers/0/moe/router"]
     assert not np.allclose(router, params["layers"][0]["moe"]["router"])
     tokens = batches[0][0]
     out, ref = lowbit.run(fn)(q, tokens), fn(params, tokens)
     assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 0.5
+
+
+def test_clip_search_per_expert_needs_blocks_within_one_expert():
+    w = jax.random.normal(jax.random.key(0), (2, 32, 8))
+    grams = [jnp.eye(32), None]
+    clipped, ratio = clip_experts(w, grams, INT4)
+    np.testing.assert_array_equal(clipped[1], w[1])  # no rows: full range kept
+    assert clipped.shape == w.shape and 0.5 <= ratio <= 1.0
+    across = QuantConfig(format="int4", granularity=PerGroup(2, axis=0))
+    assert isinstance(clip_experts(w, grams, across), str)
