@@ -1,5 +1,6 @@
 """Calibration algorithms on routed experts: per-expert statistics (only each expert's rows),
-GPTQ per expert, AWQ / SmoothQuant scales folded exactly with the router compensated."""
+GPTQ, clip search and SparseGPT per expert, AWQ / SmoothQuant scales folded exactly with the
+router compensated."""
 
 import jax
 import jax.numpy as jnp
@@ -9,9 +10,10 @@ from algorithm_support import quantize_with_report
 from flax import nnx
 
 import lowbit
-from lowbit.algorithms import capture
+from lowbit.algorithms import capture, sparsegpt_params
 from lowbit.algorithms._clip import clip_experts
 from lowbit.algorithms._smooth import apply_folds, plan_folds
+from lowbit.api import SparseRule, nm_masks
 from lowbit.models import Decoder, DecoderConfig
 from lowbit.models._decoder import MoE
 from lowbit.qarray import PerGroup, PerToken, QuantConfig
@@ -230,3 +232,27 @@ def test_clip_search_per_expert_needs_blocks_within_one_expert():
     assert clipped.shape == w.shape and 0.5 <= ratio <= 1.0
     across = QuantConfig(format="int4", granularity=PerGroup(2, axis=0))
     assert isinstance(clip_experts(w, grams, across), str)
+
+
+def test_sparsegpt_prunes_every_expert_on_its_own_rows():
+    fn, params, batches = _model(dead_expert=True)
+    rule = SparseRule(path=r"layers/0/moe/(gate|up|down)_proj/kernel")
+    pruned, masks, notes = sparsegpt_params(fn, params, batches, rule)
+    stats = capture(fn, params, batches, paths=list(masks))
+    magnitude = nm_masks(params, rule)
+    leaves, new = dict(param_leaves(params)), dict(param_leaves(pruned))
+    for path, mask in masks.items():
+        # 2 of every 4 inputs kept in every expert, and the pruned entries are zero.
+        groups = np.asarray(mask).reshape(4, -1, 4, mask.shape[-1]).sum(axis=2)
+        assert np.all(groups == 2)
+        assert not np.any(np.asarray(new[path])[~np.asarray(mask)])
+        for s in stats.for_path(path):
+            e = s.fixed[0][1]
+            if s.count == 0:  # the dead expert: magnitude mask, noted
+                np.testing.assert_array_equal(mask[e], magnitude[path][e])
+                assert f"{path}[expert {e}]: received no calibration rows" in " ".join(notes)
+                continue
+            w = leaves[path][e]
+            ours = _output_error(w, new[path][e], s.gram)
+            by_magnitude = _output_error(w, jnp.where(magnitude[path][e], w, 0.0), s.gram)
+            assert ours < by_magnitude, (path, e)
