@@ -421,11 +421,11 @@ def capture(
                     site = (*site, id(use.group_sizes))
                 if site not in site_index:
                     if ragged:
-                        increments_ = _ragged_increments(use, first, sample_rows)
+                        new_values = _ragged_increments(use, first, sample_rows)
                     else:
-                        increments_ = [_increment(use, first, mask, sample_rows)]
+                        new_values = [_increment(use, first, mask, sample_rows)]
                     site_index[site] = len(sites)
-                    for inc in increments_:
+                    for inc in new_values:
                         values.append(inc)
                         n_rows = int(np.size(use.activation)) // int(inc[0].shape[-1])
                         sites.append(_Site(n_rows, use.location, []))
