@@ -8,6 +8,11 @@ SmoothQuant scales are folded into the preceding norm or linear layer where the 
 is exact (`_smooth`); AWQ also searches a clipping range per scale block (`_clip`).
 `sparsegpt_matrix` prunes one matrix to N:M with the same statistics (SparseGPT).
 
+Routed experts (``[E, in, out]`` weights of a ``ragged_dot``) get statistics per expert, from
+only the rows routed to it: GPTQ and the clip search run per expert; AWQ / SmoothQuant fold one
+scale shared by all experts (the router, left in float, absorbs it too); SparseGPT prunes each
+expert on its own statistics.
+
 This layer sits below `lowbit.api`. The names `quantize_params`, `quantize_model` and
 `quantize_with_report` (deprecated: use `lowbit.quantize_params` / `lowbit.quantize_model`),
 `algorithm_weights` and `sparsegpt_params` live in `lowbit.api`; they are still reachable here,

@@ -7,6 +7,10 @@ error on the calibration inputs, ``δᵀ H_b δ`` with ``δ = w - Q(clip(w, r))`
 block's diagonal block of the inputs' Gram matrix (all calibration rows, not a sample). The
 weight is clipped in float, so round-to-nearest then finds the clipped range's scales: the
 stored layout is the recipe's own.
+
+Routed experts (``[E, K, N]``, input axis 1) are searched one expert at a time on that
+expert's own Gram matrix (`clip_experts`), where the config's scale blocks never span two
+experts; an expert that received no calibration rows keeps its full range.
 """
 
 from __future__ import annotations
@@ -91,3 +95,40 @@ def _search(w, hb, axis: int, config: QuantConfig, ratios: tuple[float, ...]):
     (best, _, ratio), _ = jax.lax.scan(step, first, jnp.asarray(ratios[1:], jnp.float32))
     k = w.shape[axis]
     return jnp.moveaxis(best.reshape(k, w.size // k), 0, axis), jnp.mean(ratio)
+
+
+def clip_experts(
+    w: jax.Array, grams: list[jax.Array | None], config: QuantConfig, ratios=RATIOS
+) -> tuple[jax.Array, float] | str:
+    """`clip_search` per expert of `w` [E, K, N] (input axis 1).
+
+    Args:
+      w: the experts' weight.
+      grams: per expert its inputs' Gram matrix [K, K] (over its rows), or None for an expert
+        that received no rows (kept unclipped).
+      config: the weight's config; its scale blocks must be one expert's blocks (block shape
+        ``(1, *block of one expert)``).
+      ratios: as for `clip_search`.
+    Returns:
+      (clipped weight like `w`, mean chosen ratio over the searched experts), or why not.
+    """
+    if w.ndim != 3:
+        return "clip search per expert needs an [experts, in, out] weight"
+    try:
+        one = block_shape(w[0], config)
+    except ValueError as error:
+        return f"the config does not apply to one expert's [in, out] slice ({error})"
+    if block_shape(w, config) != (1, *one):
+        return "the config's scale blocks are not one expert's blocks"
+    out, ratios_seen = [], []
+    for e, gram in enumerate(grams):
+        if gram is None:
+            out.append(jnp.asarray(w[e]))
+            continue
+        found = clip_search(w[e], 0, config, gram, ratios)
+        if isinstance(found, str):
+            return found
+        out.append(found[0].astype(w.dtype))
+        ratios_seen.append(found[1])
+    mean = sum(ratios_seen) / len(ratios_seen) if ratios_seen else 1.0
+    return jnp.stack(out), mean

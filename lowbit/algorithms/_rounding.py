@@ -20,8 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.algorithms._capture import CalibrationError, Statistics, single_matrix_use
-from lowbit.algorithms._clip import clip_search
+from lowbit.algorithms._capture import (
+    CalibrationError,
+    Statistics,
+    expert_use,
+    single_matrix_use,
+)
+from lowbit.algorithms._clip import clip_experts, clip_search
 from lowbit.algorithms._gptq import gptq_qarray
 from lowbit.algorithms._hqq import hqq_qarray
 from lowbit.qarray import QArray, QuantConfig
@@ -225,7 +230,20 @@ def first_rounding(
         stats = ctx.statistics.for_path(path)
         note = report.applied.setdefault(path, "")
         sep = "; " if note else ""
-        if not single_matrix_use(stats):
+        if expert_use(stats):
+            grams = [
+                s.gram / s.count if s.count else None for s in sorted(stats, key=lambda s: s.fixed)
+            ]
+            found = clip_experts(w, grams, config)
+            if isinstance(found, str):
+                report.applied[path] = f"{note}{sep}no clip search ({found})"
+            else:
+                clipped, ratio = found
+                report.applied[path] = (
+                    f"{note}{sep}clipped per expert (mean range ratio {ratio:.3f})"
+                )
+                return nearest(clipped.astype(w.dtype))
+        elif not single_matrix_use(stats):
             report.applied[path] = f"{note}{sep}no clip search (needs one 2-D use with statistics)"
         else:
             h = stats[0].gram / max(stats[0].count, 1)
@@ -253,23 +271,51 @@ def gptq_one(
             raise ValueError(message + "; strict mode does not fall back to RTN")
         report.applied[path] = f"rtn: {message}"
         return q
+    plain = [s for s in stats if not s.ragged]
+    experts = [s for s in stats if s.ragged]
+    # Routed experts see what the router sends them: a rare expert may get fewer rows than
+    # its inputs (GPTQ runs on the dampened Hessian) or none (its RTN codes are kept).
+    empty = [s for s in experts if s.count == 0]
+    if empty and ctx.strict:
+        e = empty[0].fixed[0][1]
+        raise ValueError(
+            f"{path}: expert {e} received no calibration rows; strict mode does not fall back "
+            "to RTN (give more calibration data)"
+        )
     needed = max(int(s.gram.shape[0]) for s in stats)
-    have = min(s.count for s in stats)
-    if have < needed:
+    have = min((s.count for s in plain), default=0)
+    if plain and have < needed:
         raise CalibrationError(
             f"{path}: GPTQ needs at least {needed} calibration token rows (its input size) per "
             f"layer, got {have}; give more or longer calibration sequences"
         )
-    new, notes = gptq_qarray(w, q, stats, algorithm, factors)
+    solved = [s for s in stats if not (s.ragged and s.count == 0)]
+    new, notes = gptq_qarray(w, q, solved, algorithm, factors) if solved else (q, [])
     if notes and ctx.strict:
         raise ValueError("; ".join(notes) + " (strict mode)")
     report.notes += notes
+    for s in empty:
+        e = s.fixed[0][1]
+        report.notes.append(f"{path}[expert {e}]: rtn: expert {e} received no calibration rows")
+    options = (
+        f"{', act_order' if algorithm.act_order else ''}"
+        f"{f', {algorithm.refine} refinement sweep(s)' if algorithm.refine else ''}"
+    )
+    if experts:
+        rows = [s.count for s in experts]
+        what = (
+            f"gptq per expert ({len(experts) - len(empty)} of {len(experts)} experts, "
+            f"{min(rows)}-{max(rows)} rows each{options})"
+        )
+        what += "".join(
+            f"; rtn: expert {s.fixed[0][1]} received no calibration rows" for s in empty
+        )
+    else:
+        what = (
+            f"gptq ({len(stats)} stats set{'s' if len(stats) > 1 else ''}, {have} tokens{options})"
+        )
     before = report.applied.get(path)  # the folded scale and clip search, if any
     report.applied[path] = (
-        f"gptq ({len(stats)} stats set{'s' if len(stats) > 1 else ''}, {have} tokens"
-        f"{', act_order' if algorithm.act_order else ''}"
-        f"{f', {algorithm.refine} refinement sweep(s)' if algorithm.refine else ''})"
-        if not notes
-        else "gptq with RTN fallback on some layers (see notes)"
+        what if not notes else "gptq with RTN fallback on some layers (see notes)"
     ) + (f" on {before}" if before else "")
     return new

@@ -16,10 +16,24 @@ output of a linear layer ``x @ U`` (divide U's output columns; in a gated MLP
     ``Δ = W - Q(s W) / s``, read off the captured Gram matrix.
 
 A scale is folded only where every weight reading `h` is one the recipe rescales with the same
-algorithm and `h` (or the parameter making it) is read by nothing but those products. Where
+algorithm, or a parameter the recipe leaves in float that reads `h` only as a plain matrix (a
+MoE router ``flat @ router``, a shared expert's gate ``[dim, 1]``: its input rows are multiplied
+by the scale, ``(h / s)(s R) = h R``, and it stays in float), and `h` (or the parameter making
+it) is read by nothing but those products. Where
 that fails, SmoothQuant (with ``in_op=True``) keeps its scale with the weight instead
 (`QArray.input_scale`: the op divides `h` by it before quantizing it, a `Fold` without a
 target); other weights keep round-to-nearest, and the report says why.
+
+Routed experts (``[E, in, out]`` weights read by ``ragged_dot`` over rows gathered from `h`,
+per-expert statistics from `capture`) take one scale for all experts: the rows every expert
+reads are rows of the same `h`, so only a scale shared by all experts (and by every other
+reader of `h`: the router, the shared expert) folds exactly into the norm making `h`. Its
+search minimizes the summed output error of every reader on its own rows (each expert's error
+on its Gram matrix, the shared expert's on all tokens); mean |h| and max |h| are pooled over
+the readers' rows. The experts' down projection reads ``act(x G_e) * (x U_e)``; one scale for
+all experts folds exactly into every up projection's output columns (``U_e[:, j] / s_j``), as
+for a dense gated MLP. Per-expert scales would need a scale per (expert, channel) in the fold,
+which this module does not do.
 """
 
 from __future__ import annotations
@@ -32,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.algorithms._capture import Statistics, single_matrix_use
+from lowbit.algorithms._capture import Statistics, WeightStats, expert_use, single_matrix_use
 from lowbit.qarray import QuantConfig
 from lowbit.qarray import quantize as quantize_array
 from lowbit.recipes import AWQ, SmoothQuant, map_params
@@ -49,6 +63,8 @@ class Fold:
       weights: the weights multiplied by `scale` along their input axis.
       scale: [K] float32.
       note: what the report says for each of `weights`.
+      compensate: ``((path, input axis), ...)``: parameters left in float that read the same
+        input; multiplied by `scale` along that axis so their products are unchanged.
     """
 
     target: str | None
@@ -56,6 +72,7 @@ class Fold:
     weights: tuple[str, ...]
     scale: np.ndarray
     note: str
+    compensate: tuple[tuple[str, int], ...] = ()
 
 
 def as_matrix(w: jax.Array, axis: int) -> jax.Array:
@@ -77,10 +94,15 @@ def block_shape(w: jax.Array, config: QuantConfig) -> tuple[int, ...]:
 @functools.partial(jax.jit, static_argnums=(3, 4))
 def _scaled_error(h: jax.Array, w: jax.Array, s: jax.Array, axis: int, config: QuantConfig):
     """``tr(Δᵀ H Δ)`` with ``Δ = W - Q(s W) / s`` (s along `axis`): the output error of the
-    quantized, rescaled weight on the rows whose Gram matrix is `h` [K, K]."""
+    quantized, rescaled weight on the rows whose Gram matrix is `h` [K, K]; for experts
+    (`w` [E, K, N], axis 1) `h` is [E, K, K], each expert's error on its own rows, summed."""
     shape = [1] * w.ndim
     shape[axis] = -1
     s = s.reshape(shape)
+    if h.ndim == 3:
+        d = w - fake_quant(w * s, config) / s
+        hd = jnp.einsum("ekl,eln->ekn", h, d, precision=jax.lax.Precision.HIGHEST)
+        return jnp.sum(d * hd)
     d = as_matrix(w - fake_quant(w * s, config) / s, axis)
     return jnp.sum(d * jnp.dot(h, d, precision=jax.lax.Precision.HIGHEST))
 
@@ -94,11 +116,15 @@ def block_max(w: jax.Array, config: QuantConfig) -> jax.Array:
 
 
 def _awq_scale(
-    h: jax.Array, weights: list[tuple[jax.Array, int, QuantConfig]], mean_abs: jax.Array, grid: int
+    hs: list[jax.Array],
+    weights: list[tuple[jax.Array, int, QuantConfig]],
+    mean_abs: jax.Array,
+    grid: int,
 ) -> tuple[np.ndarray, float]:
-    """The AWQ scale [K] minimizing the group's output error; `h` [K, K] the inputs' Gram
-    matrix over rows, `weights` (parameter, its input axis, its weight config) per weight."""
-    k = h.shape[0]
+    """The AWQ scale [K] minimizing the group's output error; `hs` per weight the Gram matrix
+    of its input rows ([K, K], or [E, K, K] per expert), `weights` (parameter, its input axis,
+    its weight config) per weight."""
+    k = mean_abs.shape[0]
     relative = jnp.concatenate(
         [as_matrix(jnp.abs(w) / jnp.maximum(block_max(w, c), 1e-8), a) for w, a, c in weights],
         axis=1,
@@ -110,7 +136,9 @@ def _awq_scale(
         alpha = i / grid
         s = jnp.clip(x_mean**alpha / w_mean ** (1 - alpha), 1e-4, None)
         s = s / jnp.sqrt(s.max() * s.min())
-        err = sum(float(_scaled_error(h, w, s, a, c)) for w, a, c in weights)
+        err = sum(
+            float(_scaled_error(h, w, s, a, c)) for h, (w, a, c) in zip(hs, weights, strict=True)
+        )
         if np.isfinite(err) and err < best_err:
             best, best_alpha, best_err = s, alpha, err
     return np.asarray(best), best_alpha
@@ -156,10 +184,25 @@ def _source_problem(source: str, readers: set[str], wanted: dict, statistics: St
     return None
 
 
+def _compensable(reader: str, source: str, floats: frozenset[str], statistics: Statistics):
+    """The input axis along which float parameter `reader` can absorb a scale folded into
+    `source` (every use of it a plain matmul of an input `source` scales), or None."""
+    if reader not in floats or reader in statistics.read_directly:
+        return None
+    axes = statistics.reader_axes.get(reader, set())
+    scales = statistics.reader_scales.get(reader, set())
+    if len(axes) != 1 or min(axes) < 0:
+        return None
+    if not scales or not all(sc and source in {p for p, _ in sc} for sc in scales):
+        return None
+    return next(iter(axes))
+
+
 def plan_folds(
     params: dict[str, Any],
     wanted: dict[str, tuple[Any, Any]],
     statistics: Statistics,
+    floats: frozenset[str] = frozenset(),
 ) -> tuple[list[Fold], dict[str, str]]:
     """Which scales to fold, into what.
 
@@ -167,6 +210,8 @@ def plan_folds(
       params: {path: float array} of the float params.
       wanted: {path: (decision, rule)} of the weights whose rule is AWQ or SmoothQuant.
       statistics: captured on the float model.
+      floats: parameters the recipe leaves in float: those reading a folded input as a plain
+        matrix are compensated (multiplied by the scale) instead of preventing the fold.
     Returns:
       (folds, {path: reason} for wanted weights that get no scale).
     """
@@ -174,7 +219,7 @@ def plan_folds(
     sources: dict[str, dict[str, int]] = {}  # weight -> {source: axis}
     for path in wanted:
         stats = statistics.for_path(path)
-        if not single_matrix_use(stats):
+        if not (single_matrix_use(stats) or expert_use(stats)):
             skipped[path] = "needs one 2-D use with statistics (stacked or einsum weights: rtn)"
         elif not stats[0].activation_scale:
             skipped[path] = (
@@ -186,6 +231,12 @@ def plan_folds(
     folds, done, problems = [], set(), {}
     for source in sorted({s for axes in sources.values() for s in axes}):
         readers = statistics.scale_readers.get(source, set())
+        compensate = {
+            r: a
+            for r in readers - set(wanted)
+            if (a := _compensable(r, source, floats, statistics)) is not None
+        }
+        readers = readers - set(compensate)
         if readers & done or not readers <= set(sources):
             continue
         problem = _source_problem(source, readers, wanted, statistics)
@@ -195,7 +246,15 @@ def plan_folds(
             continue
         paths = sorted(readers)
         axis = sources[paths[0]][source]
-        folds.append(_fold(source, axis, paths, params, wanted, statistics))
+        fold = _fold(source, axis, paths, params, wanted, statistics)
+        if compensate:
+            kept = ", ".join(sorted(compensate))
+            fold = dataclasses.replace(
+                fold,
+                compensate=tuple(sorted(compensate.items())),
+                note=fold.note[:-1] + f"; {kept} compensated in float)",
+            )
+        folds.append(fold)
         done |= readers
     for path in sources:
         if path not in done:
@@ -211,15 +270,44 @@ def plan_folds(
     return folds, skipped
 
 
+def _expert_gram(stats: list[WeightStats], norm: int) -> jax.Array:
+    """[E, K, K] per-expert Gram matrices (expert order) over `norm` rows."""
+    by_expert = sorted(stats, key=lambda s: s.fixed)
+    return jnp.stack([s.gram for s in by_expert]) / max(norm, 1)
+
+
+def _pooled(per_weight: list[list[WeightStats]]):
+    """(Gram per weight, mean |h|, max |h|, sample rows) of a group's input `h`: of its one
+    set of statistics where every weight has one, else pooled over all the weights' rows (the
+    Gram matrices over one row count, so each weight's error weighs the rows it reads)."""
+    if all(len(st) == 1 and not st[0].ragged for st in per_weight):
+        first = per_weight[0][0]
+        h = first.gram / max(first.count, 1)
+        return [h] * len(per_weight), first.abs_mean, first.abs_max, first.sample
+    every = [s for st in per_weight for s in st]
+    norm = max(s.count for s in every)
+    hs = [
+        _expert_gram(st, norm) if st[0].ragged else st[0].gram / max(norm, 1) for st in per_weight
+    ]
+    count = sum(s.count for s in every)
+    mean_abs = sum(s.abs_sum for s in every) / max(count, 1)
+    abs_max = functools.reduce(jnp.maximum, [s.abs_max for s in every])
+    dense = [s.sample for s in every if not s.ragged and s.sample is not None]
+    routed = [s.sample for s in every if s.ragged and s.sample is not None]
+    sample = dense[0] if dense else (np.concatenate(routed) if routed else None)
+    return hs, mean_abs, abs_max, sample
+
+
 def _fold(source, axis, paths, params, wanted, statistics) -> Fold:
     algorithm = wanted[paths[0]][1].algorithm
-    stats = [statistics.for_path(p)[0] for p in paths]
+    per_weight = [statistics.for_path(p) for p in paths]
     group = [
-        (jnp.asarray(params[p], jnp.float32), s.input_axes[0], wanted[p][0].config)
-        for p, s in zip(paths, stats, strict=True)
+        (jnp.asarray(params[p], jnp.float32), st[0].input_axes[0], wanted[p][0].config)
+        for p, st in zip(paths, per_weight, strict=True)
     ]
+    hs, mean_abs, abs_max, sample = _pooled(per_weight)
     if isinstance(algorithm, SmoothQuant):
-        act = jnp.maximum(stats[0].abs_max, 1e-5)
+        act = jnp.maximum(abs_max, 1e-5)
         wmax = jnp.max(jnp.stack([jnp.abs(as_matrix(w, a)).max(axis=1) for w, a, _ in group]), 0)
 
         def smooth(alpha: float) -> jax.Array:
@@ -229,14 +317,13 @@ def _fold(source, axis, paths, params, wanted, statistics) -> Fold:
         alpha = algorithm.alpha
         if algorithm.grid:
             activations = [wanted[p][1].activation for p in paths]
-            alpha = _smoothquant_alpha(stats[0].sample, group, activations, smooth, algorithm)
+            alpha = _smoothquant_alpha(sample, group, activations, smooth, algorithm)
         scale = np.asarray(smooth(alpha))
         searched = f", searched on {algorithm.grid}" if algorithm.grid else ""
         note = f"smoothquant (alpha {alpha:.2f}{searched}"
     else:  # AWQ, or GPTQ(scale=True): AWQ's scales
-        h = stats[0].gram / max(stats[0].count, 1)
         grid = getattr(algorithm, "grid", AWQ.grid)
-        scale, alpha = _awq_scale(h, group, stats[0].abs_mean, grid)
+        scale, alpha = _awq_scale(hs, group, mean_abs, grid)
         note = f"awq (alpha {alpha:.2f}"
     if source is None:
         where = "applied to the input inside the op"
@@ -248,13 +335,15 @@ def _fold(source, axis, paths, params, wanted, statistics) -> Fold:
 
 
 def fold_factors(folds: list[Fold], input_axes: dict[str, int]) -> dict[str, list]:
-    """{path: [(factor [K] float, axis), ...]}: each fold's weights are multiplied by its scale
-    along their input axis and its target divided along its axis (a weight can be both:
-    scaled inputs and divided outputs)."""
+    """{path: [(factor [K] float, axis), ...]}: each fold's weights (and the float parameters it
+    compensates) are multiplied by its scale along their input axis and its target divided
+    along its axis (a weight can be both: scaled inputs and divided outputs)."""
     factors: dict[str, list] = {}
     for f in folds:
         for p in f.weights:
             factors.setdefault(p, []).append((f.scale, input_axes[p]))
+        for p, axis in f.compensate:
+            factors.setdefault(p, []).append((f.scale, axis))
         if f.target is not None:
             factors.setdefault(f.target, []).append((1.0 / f.scale, f.axis))
     return factors

@@ -7,6 +7,10 @@ every group of ``m`` columns it keeps, per output row, the ``n`` entries with th
 ``H⁻¹``), sets the others to zero, and pushes each column's change onto the columns not yet
 visited, so the kept weights absorb what the pruned ones did on the calibration inputs.
 With ``XᵀX = I`` nothing propagates and the masks are magnitude masks.
+
+Routed experts (``[E, in, out]`` with per-expert statistics from `capture`) are pruned one
+expert at a time on that expert's own Gram matrix; an expert that received no calibration rows
+keeps its magnitude mask (noted).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from lowbit.algorithms._capture import expert_use
 from lowbit.algorithms._gptq import (
     as_matrix,
     column_block,
@@ -99,11 +104,18 @@ def sparsegpt_matrix(
     return pruned[:, :k], keep[:, :k]
 
 
-def prune_one(path, w, stats, rule, damp, notes) -> tuple[jax.Array, jax.Array] | None:
+def prune_one(
+    path, w, stats, rule, damp, notes, magnitude=None
+) -> tuple[jax.Array, jax.Array] | None:
     """(pruned w, keep mask) of one weight `w` [*shape] float32 by `rule` (an N:M
     `SparseRule`: ``n``, ``m``, ``axis``) on its statistics; None (noted) where it has no
-    single use contracting the rule's axis or its Hessian stays singular."""
+    single use contracting the rule's axis or its Hessian stays singular. Routed experts
+    (`expert_use` statistics, the rule's axis their input axis 1) are pruned per expert;
+    an expert without rows, or whose Hessian stays singular, takes its slice of `magnitude`
+    (the magnitude keep mask like `w`; None: the whole weight falls back)."""
     axis = rule.axis % w.ndim
+    if expert_use(stats) and axis == 1 and magnitude is not None:
+        return _prune_experts(path, w, stats, rule, damp, notes, magnitude)
     if len(stats) != 1 or stats[0].fixed or stats[0].input_axes != (axis,):
         notes.append(f"{path}: no single use contracting axis {axis}; magnitude masks kept")
         return None
@@ -113,3 +125,23 @@ def prune_one(path, w, stats, rule, damp, notes) -> tuple[jax.Array, jax.Array] 
         notes.append(f"{path}: Hessian singular after dampening; magnitude masks kept")
         return None
     return from_matrix(result[0], perm, moved), from_matrix(result[1], perm, moved)
+
+
+def _prune_experts(path, w, stats, rule, damp, notes, magnitude) -> tuple[jax.Array, jax.Array]:
+    """`prune_one` per expert of `w` [E, K, N] on each expert's Gram matrix."""
+    pruned, keep = [], []
+    for s in sorted(stats, key=lambda s: s.fixed):
+        e = s.fixed[0][1]
+        result = None
+        if s.count:
+            wm, perm, moved = as_matrix(w[e], (0,))
+            result = sparsegpt_matrix(wm, s.gram, rule.n, rule.m, damp=damp)
+        if result is None:
+            why = "received no calibration rows" if not s.count else "Hessian singular"
+            notes.append(f"{path}[expert {e}]: {why}; magnitude mask kept")
+            pruned.append(jnp.where(magnitude[e], w[e], 0.0))
+            keep.append(jnp.asarray(magnitude[e], bool))
+        else:
+            pruned.append(from_matrix(result[0], perm, moved))
+            keep.append(from_matrix(result[1], perm, moved))
+    return jnp.stack(pruned), jnp.stack(keep)

@@ -80,6 +80,7 @@ def round_with_algorithms(
     options: AlgorithmOptions,
     report: AlgorithmReport,
     strict: bool,
+    floats: frozenset[str] = frozenset(),
 ) -> tuple[Any, dict[str, QArray]]:
     """Rounds the weights in `wanted` by their rules' algorithms.
 
@@ -93,6 +94,8 @@ def round_with_algorithms(
       options: `AlgorithmOptions`.
       report: filled with what each weight got.
       strict: raise instead of falling back to RTN for a weight.
+      floats: parameters the recipe leaves in float; one reading an input whose scale is
+        folded (a MoE router) is multiplied by the scale so the float model is unchanged.
     Returns:
       (params with the folded norm scales, {path: QArray} of the weights in `wanted`).
     Raises:
@@ -134,7 +137,7 @@ def round_with_algorithms(
     factors: dict[str, list] = {}
     in_op: dict[str, Any] = {}  # weights whose scale the op applies: {path: input_scale}
     if folding:
-        fold_list, skipped = plan_folds(dict(param_leaves(params)), folding, statistics)
+        fold_list, skipped = plan_folds(dict(param_leaves(params)), folding, statistics, floats)
         if skipped and strict:
             lines = "; ".join(f"{p}: {why}" for p, why in skipped.items())
             raise ValueError(f"strict mode: no scale to fold for {lines}")

@@ -271,6 +271,7 @@ def quantize_params(
             options=algorithm_options or AlgorithmOptions(),
             report=AlgorithmReport() if report is None else report,
             strict=strict,
+            floats=frozenset(p for p, d in decisions.items() if not d.quantized),
         )
 
     def one(path: str, leaf: Any) -> Any:

@@ -69,7 +69,8 @@ def sparsegpt_params(
         pruned = {}
         for path in group:
             w = jnp.asarray(leaves[path], jnp.float32)
-            new = prune_one(path, w, statistics.for_path(path), rule, damp, notes)
+            stats = statistics.for_path(path)
+            new = prune_one(path, w, stats, rule, damp, notes, magnitude=masks[path])
             if new is None:
                 pruned[path] = jnp.where(masks[path], leaves[path], 0)
             else:

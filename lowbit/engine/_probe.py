@@ -5,8 +5,15 @@ float parameter tagged with its path(s). Layout ops (transpose, reshape, slice, 
 implicit per-step slice of a `scan` over stacked weights, ...) keep the tag and record the step,
 so the layout of the value the op sees can be mapped back to the parameter's axes. A
 `dot_general`, conv, `ragged_dot` or `gather` that reads a probe is a *use*, reported to the
-probe's visitor with the other operand (the activation) and the equation's parameters; its
-output is an ordinary value. Every other op drops the tag.
+probe's visitor with the other operand (the activation), the equation's parameters and, for a
+`ragged_dot`, its group sizes (rows ``offset_e .. offset_e + size_e`` of the activation meet
+group `e` of the weight: one expert); its output is an ordinary value. Every other op drops the
+tag.
+
+A `Scaled` activation (a per-channel factor along its last axis that a parameter can absorb)
+keeps its tag through layout ops that keep every element in its last-axis channel: casts, a
+reshape or broadcast of the leading axes, a gather of whole rows (``flat[token]``, how routed
+experts read their tokens). Anything else reading it is an ``"other"`` use.
 
 Two modes:
   * symbolic — values are abstract (run under `jax.eval_shape`); each loop body and every
@@ -95,6 +102,9 @@ class Use:
       location: ``file:line (function)`` of the user code, or ``"unknown"``.
       activation_scale: the `Scaled.sources` of the activation when the op contracts its last
         axis, or None.
+      group_sizes: for a `ragged_dot`, its ``[groups]`` int operand (None in symbolic mode and
+        for other ops): the activation's rows come grouped contiguously, group `e` being rows
+        ``sum(group_sizes[:e]) .. sum(group_sizes[:e + 1])``.
 
     ``op == "other"`` reports a parameter (`paths`) or a `Scaled` activation read by any other
     op: for a 1-D scale parameter it means a fold into it would change more than the matmuls.
@@ -108,6 +118,7 @@ class Use:
     params: dict[str, Any]
     location: str
     activation_scale: frozenset[tuple[str, int]] | None = None
+    group_sizes: Any = None
 
     @property
     def layout_key(self) -> tuple[Any, ...]:
@@ -169,7 +180,7 @@ def _layout(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
     name = _compat.primitive_name(eqn)
     outs = _compat.bind_eqn(eqn, [raw(v) for v in invals])
     if isinstance(operand, Scaled):
-        if name in _VALUE_ONLY or name in ("copy", "copy_p"):
+        if name in _VALUE_ONLY or name in ("copy", "copy_p") or _keeps_channels(eqn, invals):
             return [Scaled(outs[0], operand.sources), *outs[1:]]
         _other(ctx, eqn, invals)
         return outs
@@ -193,6 +204,45 @@ def _layout(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
     return [Probe(outs[0], operand.paths, (*operand.steps, step), operand.root_shape), *outs[1:]]
 
 
+# Layout ops that can keep every element of a `Scaled` value in its last-axis channel (checked
+# per equation by `_keeps_channels`); one data operand each, the rest are indices.
+_CHANNEL_LAYOUT = frozenset(
+    {"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "slice", "rev"}
+    | {"gather", "dynamic_slice"}
+)
+
+
+def _keeps_channels(eqn: Any, invals: list[Any]) -> bool:
+    """Whether the op sends every element of its `Scaled` operand (operand 0) to an element of
+    the same last-axis channel, so the output carries the same per-channel factor.
+
+    Checked by running the op on channel ids. Index operands unknown at trace time (a jitted
+    walk) are taken as zeros: an op whose output keeps the last axis whole reads it at offset
+    0 whatever the index (gathers and dynamic slices clamp), so the ids answer for any index.
+    """
+    operand, *rest = invals
+    shape = np.shape(raw(operand))
+    if _compat.primitive_name(eqn) not in _CHANNEL_LAYOUT or not shape:
+        return False
+    n = shape[-1]
+    with jax.ensure_compile_time_eval():
+        ids = np.broadcast_to(np.arange(n, dtype=np.int32), shape)
+        rest = [
+            raw(v) if _compat.is_concrete(raw(v)) else np.zeros(np.shape(raw(v)), raw(v).dtype)
+            for v in rest
+        ]
+        out = np.asarray(_compat.bind_eqn(eqn, [jnp.asarray(ids), *rest])[0])
+    return out.shape[-1:] == (n,) and np.array_equal(out, np.broadcast_to(np.arange(n), out.shape))
+
+
+def _dot_dims(params: dict[str, Any]) -> Any:
+    """``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))`` of a dot_general or a
+    ragged_dot (None for a conv)."""
+    if "ragged_dot_dimension_numbers" in params:
+        return params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+    return params.get("dimension_numbers")
+
+
 def _use(ctx: Any, eqn: Any, invals: list[Any], op: str) -> None:
     state: ProbeState = ctx.probe
     location = ctx.location(eqn)
@@ -205,16 +255,25 @@ def _use(ctx: Any, eqn: Any, invals: list[Any], op: str) -> None:
         if is_probe(weight) and not is_probe(activation):
             scale = None
             if isinstance(activation, Scaled):
-                dims = eqn.params.get("dimension_numbers")
+                dims = _dot_dims(eqn.params) if op != "conv" else None
                 contract = None if dims is None else tuple(dims[0][activation_index])
                 if contract == (np.ndim(activation.value) - 1,):
                     scale = activation.sources
                 else:
                     _other(ctx, eqn, [activation])
             value = raw(activation) if state.concrete else None
+            sizes = raw(invals[2]) if op == "ragged_dot" and state.concrete else None
             state.visit(
                 Use(
-                    op, weight.paths, weight, weight_index, value, dict(eqn.params), location, scale
+                    op,
+                    weight.paths,
+                    weight,
+                    weight_index,
+                    value,
+                    dict(eqn.params),
+                    location,
+                    scale,
+                    sizes,
                 )
             )
         elif isinstance(activation, Scaled) and not is_probe(weight):
@@ -222,15 +281,20 @@ def _use(ctx: Any, eqn: Any, invals: list[Any], op: str) -> None:
 
 
 def _other(ctx: Any, eqn: Any, invals: list[Any]) -> None:
-    """Reports parameters and scaled activations read by an op without a probe rule."""
-    paths = set()
+    """Reports parameters and scaled activations read by an op without a probe rule (the
+    parameters read themselves with ``params={"direct": True}``, the sources of scaled
+    activations without)."""
+    direct, sources = set(), set()
     for v in invals:
         if is_probe(v):
-            paths |= v.paths
+            direct |= v.paths
         elif isinstance(v, Scaled):
-            paths |= {path for path, _ in v.sources}
-    if paths:
-        ctx.probe.visit(Use("other", frozenset(paths), None, -1, None, {}, ctx.location(eqn)))
+            sources |= {path for path, _ in v.sources}
+    for paths, params in ((direct, {"direct": True}), (sources, {})):
+        if paths:
+            ctx.probe.visit(
+                Use("other", frozenset(paths), None, -1, None, params, ctx.location(eqn))
+            )
 
 
 def _channel_scale(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any] | None:
@@ -265,17 +329,30 @@ def _channel_scale(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any] | None:
 
 
 def _linear_output(eqn: Any, invals: list[Any], out: Any) -> Any:
-    """``x @ W`` with `W` a 2-D parameter used as it is (rhs, one free axis, no batch axes)
-    → a `Scaled` output (its last axis is W's output axis); anything else → `out`."""
+    """``x @ W`` with `W` a 2-D parameter used as it is (rhs, one free axis, no batch axes), or
+    ``ragged_dot(x, W, sizes)`` with `W` a ``[groups, in, out]`` parameter used as it is
+    → a `Scaled` output (its last axis is W's output axis, the same channel for every group);
+    anything else → `out`."""
     weight = invals[1]
     if not is_probe(weight) or is_probe(invals[0]) or len(weight.paths) != 1:
         return out
-    (_, rc), (_, rb) = eqn.params["dimension_numbers"]
-    if rb or len(weight.root_shape) != 2 or np.ndim(weight.value) != 2 or len(rc) != 1:
+    ndim = 2
+    if "ragged_dot_dimension_numbers" in eqn.params:
+        ragged = eqn.params["ragged_dot_dimension_numbers"]
+        if tuple(ragged.rhs_group_dimensions) != (0,) or tuple(ragged.lhs_ragged_dimensions) != (
+            0,
+        ):
+            return out
+        ndim = 3
+    (lc, rc), (_, rb) = _dot_dims(eqn.params)
+    if rb or len(weight.root_shape) != ndim or np.ndim(weight.value) != ndim or len(rc) != 1:
+        return out
+    if ndim == 3 and (tuple(rc) != (1,) or tuple(lc) != (np.ndim(raw(invals[0])) - 1,)):
         return out
     if any(len(key) != 1 for key, _ in weight.steps):  # only value-only steps (casts)
         return out
-    return Scaled(out, frozenset({(next(iter(weight.paths)), 1 - int(rc[0]))}))
+    axis = 2 if ndim == 3 else 1 - int(rc[0])
+    return Scaled(out, frozenset({(next(iter(weight.paths)), axis)}))
 
 
 # --- sub-jaxprs ---
@@ -353,10 +430,12 @@ _SUB_JAXPRS = sub_jaxpr_rules({"call": _call, "scan": _scan, "while": _while, "c
 def apply(eval_jaxpr: Callable[..., list[Any]], ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
     """Evaluates one equation that has a probe among its operands (see the module docstring)."""
     name = _compat.primitive_name(eqn)
-    if name == "dot_general":
+    if name in ("dot_general", "ragged_dot_general"):
         _use(ctx, eqn, invals, USE_OPS[name])
         out = _compat.bind_eqn(eqn, [raw(v) for v in invals])[0]
         return [_linear_output(eqn, invals, out)]
+    if name == "gather" and isinstance(invals[0], Scaled):
+        return _layout(ctx, eqn, invals)
     if name in USE_OPS:
         _use(ctx, eqn, invals, USE_OPS[name])
     elif name in LAYOUT_PRIMITIVES:

@@ -1,0 +1,77 @@
+"""The probe on routed experts: ragged_dot uses carry their group sizes, and a scaled activation
+keeps its tag through channel-preserving reshapes and row gathers only."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowbit.engine import probe
+from lowbit.recipes import path_string
+
+D, F, E = 8, 6, 3
+
+
+def _params():
+    k = jax.random.split(jax.random.key(0), 3)
+    return {
+        "norm": jnp.linspace(0.5, 2.0, D),
+        "router": jax.random.normal(k[0], (D, E)),
+        "up": jax.random.normal(k[1], (E, D, F)),
+        "down": jax.random.normal(k[2], (E, F, D)),
+    }
+
+
+def _moe(p, x, token, sizes, mix=False):
+    flat = (x * p["norm"]).reshape(-1, D)  # [batch, seq, D] -> [tokens, D]
+    logits = flat @ p["router"]
+    rows = flat[token]
+    if mix:
+        rows = rows[:, ::-1]  # moves channels: nothing may fold into the norm
+    h = jax.lax.ragged_dot(rows, p["up"], sizes)
+    return jax.lax.ragged_dot(h, p["down"], sizes), logits
+
+
+def _uses(mix=False, jit=False):
+    x = jax.random.normal(jax.random.key(1), (2, 3, D))
+    token = jnp.array([0, 2, 5, 1, 3, 4, 4, 0])
+    sizes = jnp.array([3, 0, 5], jnp.int32)
+    seen = []
+
+    def run(p, x, token, sizes):
+        probe(
+            lambda p, *a: _moe(p, *a, mix=mix),
+            p,
+            (x, token, sizes),
+            {},
+            seen.append,
+            name=path_string,
+            concrete=True,
+        )
+        return 0
+
+    (jax.jit(run) if jit else run)(_params(), x, token, sizes)
+    return seen
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_ragged_dot_uses_carry_group_sizes_and_the_norm_scale_through_the_gather(jit):
+    uses = {next(iter(u.paths)): u for u in _uses(jit=jit) if u.op != "other"}
+    up, down, router = uses["up"], uses["down"], uses["router"]
+    assert up.op == "ragged_dot" and down.op == "ragged_dot"
+    if not jit:
+        np.testing.assert_array_equal(up.group_sizes, [3, 0, 5])
+    assert up.group_sizes is not None and router.group_sizes is None
+    assert up.activation_scale == frozenset({("norm", 0)})
+    assert router.activation_scale == frozenset({("norm", 0)})
+    # The ragged_dot's output channels are the up kernel's axis 2, for every expert.
+    assert down.activation_scale == frozenset({("up", 2)})
+    others = {p for u in _uses(jit=jit) if u.op == "other" for p in u.paths}
+    assert "norm" not in others
+
+
+def test_a_gather_that_moves_channels_drops_the_scale_and_reports_the_norm():
+    uses = _uses(mix=True)
+    up = next(u for u in uses if u.paths == frozenset({"up"}))
+    assert up.activation_scale is None
+    assert any(u.op == "other" and "norm" in u.paths for u in uses)
