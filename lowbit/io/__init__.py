@@ -15,6 +15,7 @@ from lowbit.io._checkpoint import (
     read_manifest,
     save_checkpoint,
 )
+from lowbit.io._checkpoint_leaves import CheckpointLeaves, checkpoint_leaves
 from lowbit.io._checkpoint_writer import CheckpointWriter
 from lowbit.io._config_dict import quant_config_from_dict, quant_config_to_dict
 from lowbit.io._convert import ConvertReport, convert_checkpoint, streaming_problem
@@ -35,6 +36,7 @@ __all__ = [
     "ADAPTERS_DIR",
     "EXPORT_TYPES",
     "CheckpointError",
+    "CheckpointLeaves",
     "CheckpointWriter",
     "ConvertReport",
     "ExportReport",
@@ -44,6 +46,7 @@ __all__ = [
     "SourceParams",
     "TensorNote",
     "check_save_path",
+    "checkpoint_leaves",
     "convert_checkpoint",
     "export_gguf",
     "gguf_tensor_to_qarray",

@@ -15,6 +15,8 @@ from lowbit.api import quantize_params
 from lowbit.io import (
     CheckpointWriter,
     Placement,
+    SourceParams,
+    checkpoint_leaves,
     convert_checkpoint,
     export_gguf,
     import_gguf,
@@ -248,3 +250,21 @@ def test_writer_leaf_by_leaf_equals_save_checkpoint(tmp_path):
     # Another reader of safetensors files reads the same tensors.
     stored = safetensors.numpy.load_file(tmp_path / "whole" / "model.safetensors")
     assert np.array_equal(stored["a/0"], np.arange(4, dtype=np.int32))
+
+
+def test_gguf_export_streams_from_a_source_or_a_checkpoint(hf_shards, tmp_path):
+    directory, shards = hf_shards
+    params = {}
+    for file in shards:
+        params = _merge(params, import_safetensors(directory / file, _hf_map))
+    export_gguf(params, tmp_path / "tree.gguf", config=CONFIG, type="Q4_0", log=None)
+    with SourceParams(directory, _hf_map) as lazy:
+        export_gguf(lazy, tmp_path / "lazy.gguf", config=CONFIG, type="Q4_0", log=None)
+    assert (tmp_path / "lazy.gguf").read_bytes() == (tmp_path / "tree.gguf").read_bytes()
+    convert_checkpoint(directory, tmp_path / "ck", RECIPE, name_map=_hf_map)
+    loaded = export_gguf(load_checkpoint(tmp_path / "ck"), tmp_path / "a.gguf", config=CONFIG)
+    with checkpoint_leaves(tmp_path / "ck") as leaves:
+        streamed = export_gguf(leaves, tmp_path / "b.gguf", config=CONFIG)
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+    assert streamed.tensors == loaded.tensors
+    assert {n.how for n in streamed.tensors} == {"direct", "requantized", "float"}
