@@ -19,6 +19,9 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
+
 from lowbit.api import quantize_weight
 from lowbit.api._quantize import as_recipe, check_decisions, fixed_bounds
 from lowbit.io._checkpoint_writer import CheckpointWriter
@@ -26,6 +29,7 @@ from lowbit.io._placement import NameMap, nest
 from lowbit.io._source import SourceParams
 from lowbit.io._tree import path_name
 from lowbit.ops._host_memory import release_free_memory
+from lowbit.qarray import QArray
 from lowbit.recipes import Recipe
 
 
@@ -40,6 +44,9 @@ class ConvertReport:
       kept: GGUF tensors kept quantized as stored.
       source_bytes: the source files' size.
       nbytes: the checkpoint's size.
+      param_bytes: bytes the leaves hold (QArrays at their packed size, `QArray.nbytes`).
+      float32_bytes: bytes the same parameters take as float32 (4 per logical element of a
+        QArray or float array; other arrays at their size).
     """
 
     path: str
@@ -48,6 +55,17 @@ class ConvertReport:
     kept: int
     source_bytes: int
     nbytes: int
+    param_bytes: int
+    float32_bytes: int
+
+
+def _sizes(leaf: Any) -> tuple[int, int]:
+    """(stored bytes, float32 bytes) of one leaf, as `ConvertReport` counts them."""
+    elements = int(np.prod(leaf.shape))
+    if isinstance(leaf, QArray):
+        return leaf.nbytes, 4 * elements
+    stored = elements * np.dtype(leaf.dtype).itemsize
+    return stored, 4 * elements if jnp.issubdtype(leaf.dtype, jnp.floating) else stored
 
 
 def streaming_problem(recipe: Recipe, paths: list[str] | None = None) -> str | None:
@@ -133,7 +151,7 @@ def convert_checkpoint(
                     stacklevel=2,
                 )
         del floats
-        counts = {"quantized": 0, "kept": 0}
+        counts = {"quantized": 0, "kept": 0, "param_bytes": 0, "float32_bytes": 0}
         with CheckpointWriter(dest, recipe=recipe, metadata=metadata) as writer:
             for done, path in enumerate(params, 1):
                 leaf = params[path]
@@ -145,6 +163,9 @@ def convert_checkpoint(
                 elif params.is_kept(path):
                     counts["kept"] += 1
                 writer.add(path, leaf)
+                stored, as_float32 = _sizes(leaf)
+                counts["param_bytes"] += stored
+                counts["float32_bytes"] += as_float32
                 del leaf
                 # What the last tensor's quantization freed goes back to the system before
                 # the next one is read.
