@@ -27,3 +27,21 @@ def test_gguf_file_streams_to_the_in_memory_checkpoint(spec, tmp_path, capsys):
     for name in ("manifest.json", "model.safetensors"):
         streamed = (tmp_path / "streamed" / name).read_bytes()
         assert streamed == (tmp_path / "in_memory" / name).read_bytes(), name
+
+
+def test_export_streams_from_a_checkpoint_and_a_gguf_file(tmp_path, capsys):
+    from lowbit.io import export_gguf, import_gguf, load_checkpoint
+    from lowbit.models import decoder_config_from_gguf, gguf_param_map, read_gguf
+
+    path = str(smollm2_gguf_path())
+    config = decoder_config_from_gguf(read_gguf(path))
+    ck, out = str(tmp_path / "ck"), tmp_path / "out"
+    out.mkdir()
+    assert main(["quantize", path, "--recipe", "int4w_g32_asym", "--out", ck]) == 0
+    assert main(["export", ck, "--gguf", str(out / "a.gguf"), "--type", "Q8_0"]) == 0
+    export_gguf(load_checkpoint(ck), out / "b.gguf", config=config, type="Q8_0", source=path)
+    assert (out / "a.gguf").read_bytes() == (out / "b.gguf").read_bytes()
+    assert main(["export", path, "--recipe", "gguf", "--gguf", str(out / "c.gguf")]) == 0
+    params, _ = import_gguf(path, name_map=gguf_param_map(config).get)
+    export_gguf(params, out / "d.gguf", config=config, source=path, log=None)
+    assert (out / "c.gguf").read_bytes() == (out / "d.gguf").read_bytes()
