@@ -84,18 +84,27 @@ def safetensors_files(source: str) -> dict[str, dict[str, TensorEntry]]:
     return files
 
 
-def _check_free(items: Mapping[Path, _Item], path: Path, name: str) -> None:
-    """Raises unless `path` is free in `items`: not taken, not inside or above another."""
+def _check_free(
+    items: Mapping[Path, _Item], above: dict[Path, Path], path: Path, name: str
+) -> None:
+    """Raises unless `path` is free: not taken, not inside another leaf or above one.
+
+    `above` maps every proper prefix of a placed path to one path below it (updated here).
+    """
     if not path:
         raise ValueError(f"name_map({name!r}) returned an empty path")
     if path in items:
         raise ValueError(f"two tensors map to path {path!r} ({items[path].name!r}, {name!r})")
-    for other in items:
-        if other[: len(path)] == path or path[: len(other)] == other:
-            raise ValueError(
-                f"path {path_name(path)!r} of {name!r} and {path_name(other)!r} of "
-                f"{items[other].name!r} nest into each other"
-            )
+    other = above.get(path)
+    if other is None:
+        other = next((path[:i] for i in range(1, len(path)) if path[:i] in items), None)
+    if other is not None:
+        raise ValueError(
+            f"path {path_name(path)!r} of {name!r} and {path_name(other)!r} of "
+            f"{items[other].name!r} nest into each other"
+        )
+    for i in range(1, len(path)):
+        above.setdefault(path[:i], path)
 
 
 class SourceParams(Mapping):
@@ -129,6 +138,7 @@ class SourceParams(Mapping):
         self._files: dict[str, BinaryIO] = {}
         self.gguf = None
         items: dict[Path, _Item] = {}
+        above: dict[Path, Path] = {}
         if self.source.endswith(".gguf"):
             self.gguf = read_gguf(self.source)
             found = [(name, t, t.shape, None) for name, t in self.gguf.tensors.items()]
@@ -143,7 +153,7 @@ class SourceParams(Mapping):
             if placement is None:
                 continue
             abstract = self._abstract(where, shape, stored, placement)
-            _check_free(items, placement.path, name)
+            _check_free(items, above, placement.path, name)
             items[placement.path] = _Item(name, placement, abstract, where)
         self._items = dict(sorted(items.items(), key=lambda kv: kv[0]))
 

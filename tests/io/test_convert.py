@@ -268,3 +268,15 @@ def test_gguf_export_streams_from_a_source_or_a_checkpoint(hf_shards, tmp_path):
     assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
     assert streamed.tensors == loaded.tensors
     assert {n.how for n in streamed.tensors} == {"direct", "requantized", "float"}
+
+
+def test_sources_refuse_paths_that_collide(hf_shards, tmp_path):
+    directory, _ = hf_shards
+
+    def nested(name):
+        return "embed" if name == "model.norm.weight" else _hf_map(name)
+
+    with pytest.raises(ValueError, match="'embed' of 'model.norm.weight'.*nest into each other"):
+        SourceParams(directory, nested)
+    with pytest.raises(ValueError, match="holds neither"):
+        SourceParams(tmp_path, _hf_map)
