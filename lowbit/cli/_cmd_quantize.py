@@ -1,4 +1,9 @@
-"""`lowbit quantize MODEL --recipe R --out DIR`: quantize a model and write a checkpoint."""
+"""`lowbit quantize MODEL --recipe R --out DIR`: quantize a model and write a checkpoint.
+
+A GGUF file with a recipe that selects weights by path (or ``gguf``) streams through
+`lowbit.io.convert_checkpoint`, one tensor at a time, so models larger than memory convert;
+the checkpoint is byte for byte the one the in-memory path writes.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
         metavar="MODEL",
-        help="smollm2 | minilm | path to a .gguf (Llama) or .safetensors (BERT) file",
+        help="smollm2 | minilm | path to a .gguf (Llama) or .safetensors (BERT) file; a .gguf "
+        "file is converted one tensor at a time (larger than memory) when the recipe is gguf "
+        "or selects weights by path only",
     )
     add_recipe_argument(
         parser,
