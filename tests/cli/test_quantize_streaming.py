@@ -37,9 +37,9 @@ def test_export_streams_from_a_checkpoint_and_a_gguf_file(tmp_path, capsys):
     config = decoder_config_from_gguf(read_gguf(path))
     ck, out = str(tmp_path / "ck"), tmp_path / "out"
     out.mkdir()
-    assert main(["quantize", path, "--recipe", "int4w_g32_asym", "--out", ck]) == 0
-    assert main(["export", ck, "--gguf", str(out / "a.gguf"), "--type", "Q8_0"]) == 0
-    export_gguf(load_checkpoint(ck), out / "b.gguf", config=config, type="Q8_0", source=path)
+    assert main(["quantize", path, "--recipe", "gguf", "--out", ck]) == 0
+    assert main(["export", ck, "--gguf", str(out / "a.gguf")]) == 0
+    export_gguf(load_checkpoint(ck), out / "b.gguf", config=config, source=path, log=None)
     assert (out / "a.gguf").read_bytes() == (out / "b.gguf").read_bytes()
     assert main(["export", path, "--recipe", "gguf", "--gguf", str(out / "c.gguf")]) == 0
     params, _ = import_gguf(path, name_map=gguf_param_map(config).get)
