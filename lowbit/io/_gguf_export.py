@@ -30,6 +30,10 @@ with its type, except the file type, which is set for the output; without a sour
 architecture keys are built from the `LlamaConfig` (no tokenizer then). The file is written to
 a temporary name beside the target, read back with `gguf.GGUFReader`, and renamed into place;
 on any error nothing is left behind.
+
+Streaming: every tensor's type and byte shape is planned from shapes and metadata first (the
+header precedes the data), then each leaf is read, encoded and written in turn, so with a lazy
+`params` (`checkpoint_leaves`, `SourceParams`) one tensor is resident at a time.
 """
 
 from __future__ import annotations
@@ -437,9 +441,7 @@ class _Planned:
 def _planned(name: str, where: Any, written: str, value: Any) -> _Planned:
     shape = tuple(value.shape)
     if written in FLOAT_TYPES:
-        return _Planned(
-            name, where, written, shape, np.dtype(_FLOAT_DTYPES[written])
-        )
+        return _Planned(name, where, written, shape, np.dtype(_FLOAT_DTYPES[written]))
     block, type_size = gguf.GGML_QUANT_SIZES[_ggml(written)]
     return _Planned(
         name, where, written, (*shape[:-1], shape[-1] // block * type_size), np.dtype(np.uint8)
