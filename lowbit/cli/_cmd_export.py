@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from typing import Any
 
 from lowbit.cli._common import (
     add_recipe_argument,
@@ -46,6 +48,12 @@ def run(args: argparse.Namespace) -> int:
 
     check_type(args.type)
     lines: list[str] = []
+    streamed = _stream_source(args.target, args.recipe)
+    if streamed is not None:
+        with progress() as bar, step(bar, f"writing {args.gguf} one tensor at a time"):
+            report = _export_streaming(args, *streamed, lines.append)
+        _print_report(lines, report)
+        return 0
     with progress() as bar:
         target = open_target(args.target, args.recipe, bar)
         config = getattr(target.loaded.model, "config", None)
@@ -63,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
                 strict=args.strict,
                 log=lines.append,
             )
+    _print_report(lines, report)
+    return 0
+
+
+def _print_report(lines: list[str], report: Any) -> None:
     for line in lines:
         print(line)
     kinds = {}
@@ -74,4 +87,38 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {report.path}: {report.nbytes / 1e6:.2f} MB, {len(report.tensors)} tensors "
         f"({summary}); {direct} written directly without requantizing"
     )
-    return 0
+
+
+def _stream_source(target: str, recipe: str | None) -> tuple[str, str, bool] | None:
+    """What `target` streams from, or None to export from memory: ``(kind, GGUF model file,
+    keep blocks)`` for a checkpoint of a GGUF decoder without adapters (``"checkpoint"``), or
+    a GGUF file with no recipe (floats), or ``gguf`` (its blocks kept) (``"gguf"``)."""
+    from lowbit import serving
+    from lowbit.io import has_adapters
+    from lowbit.models import smollm2_gguf_path
+
+    if serving.is_checkpoint(target):
+        if recipe is not None or has_adapters(target):
+            return None  # refused by `open_target` / merged with the base in memory
+        model = serving.checkpoint_metadata(target)[serving.META_MODEL]
+        if model == "smollm2":
+            model = str(smollm2_gguf_path())
+        return ("checkpoint", model, True) if model.endswith(".gguf") else None
+    if target.endswith(".gguf") and os.path.isfile(target):
+        if recipe in (None, serving.FLOAT_RECIPE, serving.GGUF_RECIPE):
+            return "gguf", target, recipe == serving.GGUF_RECIPE
+    return None
+
+
+def _export_streaming(args: argparse.Namespace, kind: str, model: str, keep: bool, log) -> Any:
+    """`export_gguf` reading one leaf at a time from the checkpoint or the GGUF file."""
+    from lowbit.io import SourceParams, checkpoint_leaves, export_gguf
+    from lowbit.models import decoder_config_from_gguf, gguf_param_map, read_gguf
+
+    config = decoder_config_from_gguf(read_gguf(model))
+    options = dict(config=config, type=args.type, source=model, strict=args.strict, log=log)
+    if kind == "checkpoint":
+        with checkpoint_leaves(args.target) as leaves:
+            return export_gguf(leaves, args.gguf, **options)
+    with SourceParams(model, gguf_param_map(config).get, quantized=keep) as params:
+        return export_gguf(params, args.gguf, **options)

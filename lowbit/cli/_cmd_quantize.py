@@ -1,8 +1,14 @@
-"""`lowbit quantize MODEL --recipe R --out DIR`: quantize a model and write a checkpoint."""
+"""`lowbit quantize MODEL --recipe R --out DIR`: quantize a model and write a checkpoint.
+
+A GGUF file with a recipe that selects weights by path (or ``gguf``) streams through
+`lowbit.io.convert_checkpoint`, one tensor at a time, so models larger than memory convert;
+the checkpoint is byte for byte the one the in-memory path writes.
+"""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from lowbit import serving
 from lowbit.cli._common import (
@@ -26,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
         metavar="MODEL",
-        help="smollm2 | minilm | path to a .gguf (Llama) or .safetensors (BERT) file",
+        help="smollm2 | minilm | path to a .gguf (Llama) or .safetensors (BERT) file; a .gguf "
+        "file is converted one tensor at a time (larger than memory) when the recipe is gguf "
+        "or selects weights by path only",
     )
     add_recipe_argument(
         parser,
@@ -45,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
 
     serving.check_recipe_spec(args.recipe)
     check_save_path(args.out)  # before the work, not after: refuse a directory that is not ours
+    if _streams(args.model, args.recipe):
+        return _run_streaming(args)
     with progress() as bar:
         with step(bar, f"loading {args.model}"):
             loaded = serving.load_model(args.model)
@@ -59,5 +69,47 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"wrote {args.out}: {loaded.name} with recipe {label}, {size / 1e6:.2f} MB "
         f"({size / reference:.3f} of float32 {reference / 1e6:.2f} MB)"
+    )
+    return 0
+
+
+def _streams(model: str, spec: str) -> bool:
+    """Whether `model` is converted one tensor at a time: a GGUF file, with ``gguf`` or a
+    recipe whose rules all select by path (`lowbit.io.streaming_problem`)."""
+    from lowbit.io import streaming_problem
+
+    if not (model.endswith(".gguf") and Path(model).is_file()):
+        return False
+    return spec == serving.GGUF_RECIPE or streaming_problem(serving.load_recipe(spec)) is None
+
+
+def _run_streaming(args: argparse.Namespace) -> int:
+    """`run` for a GGUF file: read, quantize and write one tensor at a time, so a model
+    larger than memory converts (the checkpoint is the one the in-memory path writes)."""
+    from lowbit.io import convert_checkpoint
+    from lowbit.models import decoder_config_from_gguf, gguf_param_map, read_gguf
+
+    path = Path(args.model).resolve()
+    keep = args.recipe == serving.GGUF_RECIPE
+    recipe = None if keep else serving.load_recipe(args.recipe)
+    label = serving.recipe_label(args.recipe)
+    metadata = {META_MODEL: str(path), META_RECIPE: label, META_KIND: "lm"}
+    with progress() as bar:
+        with step(bar, f"converting {args.model} with {args.recipe}") as advance:
+            report = convert_checkpoint(
+                path,
+                args.out,
+                recipe,
+                name_map=gguf_param_map(decoder_config_from_gguf(read_gguf(path))),
+                # A recipe quantizes the float weights as the in-memory path does, from the
+                # file's values; `gguf` keeps the file's blocks.
+                quantized=keep,
+                metadata=metadata,
+                on_tensor=lambda done, total, _: advance(done, total),
+            )
+    size, reference = report.param_bytes, report.float32_bytes
+    print(
+        f"wrote {args.out}: {path.stem} with recipe {label}, {size / 1e6:.2f} MB "
+        f"({size / reference:.3f} of float32 {reference / 1e6:.2f} MB), one tensor at a time"
     )
     return 0

@@ -15,7 +15,10 @@ from lowbit.io._checkpoint import (
     read_manifest,
     save_checkpoint,
 )
+from lowbit.io._checkpoint_leaves import CheckpointLeaves, checkpoint_leaves
+from lowbit.io._checkpoint_writer import CheckpointWriter
 from lowbit.io._config_dict import quant_config_from_dict, quant_config_to_dict
+from lowbit.io._convert import ConvertReport, convert_checkpoint, streaming_problem
 from lowbit.io._gguf_export import EXPORT_TYPES, ExportReport, TensorNote, export_gguf
 from lowbit.io._gguf_import import (
     GGUFTensorData,
@@ -26,18 +29,25 @@ from lowbit.io._gguf_import import (
 from lowbit.io._hf_import import import_safetensors
 from lowbit.io._manifest import CheckpointError
 from lowbit.io._placement import Placement
+from lowbit.io._source import SourceParams
 from lowbit.models import GGUFError, unpermute_rope_rows
 
 __all__ = [
     "ADAPTERS_DIR",
     "EXPORT_TYPES",
     "CheckpointError",
+    "CheckpointLeaves",
+    "CheckpointWriter",
+    "ConvertReport",
     "ExportReport",
     "GGUFError",
     "GGUFTensorData",
     "Placement",
+    "SourceParams",
     "TensorNote",
     "check_save_path",
+    "checkpoint_leaves",
+    "convert_checkpoint",
     "export_gguf",
     "gguf_tensor_to_qarray",
     "has_adapters",
@@ -53,5 +63,6 @@ __all__ = [
     "read_manifest",
     "save_adapters",
     "save_checkpoint",
+    "streaming_problem",
     "unpermute_rope_rows",
 ]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -32,16 +31,7 @@ import jax
 import numpy as np
 
 from lowbit._version import __version__
-from lowbit.io._atomic import (
-    make_temporary,
-    publish_permissions,
-    release_temporary,
-    remove_stale_temporaries,
-    replace_directory,
-    write_file,
-)
 from lowbit.io._checkpoint_dir import (
-    CHECKPOINT_FILES,
     MANIFEST_FILE,
     MAX_MANIFEST_BYTES,
     TENSORS_FILE,
@@ -49,9 +39,9 @@ from lowbit.io._checkpoint_dir import (
     open_checkpoint,
     resolve_save_path,
 )
+from lowbit.io._checkpoint_writer import MANIFEST_DIGEST_KEY, CheckpointWriter, recipe_json
 from lowbit.io._manifest import (
     FORMAT_NAME,
-    FORMAT_VERSION,
     READABLE_VERSIONS,
     CheckpointError,
     build_tree,
@@ -61,42 +51,16 @@ from lowbit.io._safetensors_file import (
     is_native,
     read_file_header,
     read_tensor,
-    storage_view,
-    write_safetensors,
 )
-from lowbit.io._tree import encode_tree, leaf_shapes, path_name
+from lowbit.io._tree import leaf_shapes, path_name
 from lowbit.io._untrusted_json import load_json
 from lowbit.ops import prepare_weight
 from lowbit.ops._host_memory import release_free_memory
-
-# The tensor file's header records the sha256 of the manifest's bytes under this key, so the
-# manifest (tree, formats, dtypes, shapes, per-tensor digests, recipe, metadata: every field,
-# however the manifest lists them) is covered by the same integrity check as the tensors.
-MANIFEST_DIGEST_KEY = "lowbit.manifest_sha256"
 
 
 def _sha256(array: np.ndarray) -> str:
     data = np.require(array, requirements="C").reshape(-1).view(np.uint8)
     return hashlib.sha256(data).hexdigest()
-
-
-def _recipe_json(recipe: Any) -> str | None:
-    if recipe is None:
-        return None
-    if isinstance(recipe, str):
-        text = recipe
-    elif callable(getattr(recipe, "to_json", None)):
-        text = recipe.to_json()
-    else:
-        raise TypeError(
-            f"recipe must be a Recipe (anything with to_json()) or its JSON text, got "
-            f"{type(recipe).__name__}"
-        )
-    try:
-        json.loads(text)
-    except (TypeError, json.JSONDecodeError) as err:
-        raise ValueError(f"recipe JSON does not parse: {err}") from None
-    return text
 
 
 def save_checkpoint(
@@ -107,6 +71,8 @@ def save_checkpoint(
     metadata: Mapping[str, Any] | None = None,
 ) -> None:
     """Writes `params` (QArrays, arrays, containers) as a checkpoint directory, atomically.
+
+    The whole tree at once; `CheckpointWriter` writes the same checkpoint leaf by leaf.
 
     Args:
       path: the checkpoint directory. If it exists it must be empty or a lowbit checkpoint
@@ -135,55 +101,8 @@ def save_checkpoint(
       {'step': 10}
       >>> tmp.cleanup()
     """
-    target = resolve_save_path(path)
-    try:
-        json.dumps(metadata, allow_nan=False)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"metadata must be JSON-serialisable: {err}") from None
-    tree, tensors = encode_tree(params)
-    stored, entries = {}, {}
-    for name, (leaf_path, role, array) in tensors.items():
-        view = storage_view(array)
-        stored[name] = view
-        entries[name] = {
-            "path": list(leaf_path),
-            "role": role,
-            "dtype": array.dtype.name,
-            "shape": list(array.shape),
-            "sha256": _sha256(view),
-        }
-    manifest = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "library_version": __version__,
-        "recipe": _recipe_json(recipe),
-        "metadata": metadata,
-        "tree": tree,
-        "tensors": entries,
-    }
-    manifest_bytes = json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8")
-    digest = hashlib.sha256(manifest_bytes).hexdigest()
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    if os.path.isdir(target):
-        # Only while a checkpoint is in place: after a crash in the non-atomic fallback swap,
-        # the temporaries hold the only copies.
-        remove_stale_temporaries(target, CHECKPOINT_FILES)
-    tmp, lock = make_temporary(target)
-    try:
-        write_safetensors(
-            os.path.join(tmp, TENSORS_FILE), stored, metadata={MANIFEST_DIGEST_KEY: digest}
-        )
-        write_file(os.path.join(tmp, MANIFEST_FILE), manifest_bytes)
-        publish_permissions(tmp)
-        # Checked again: encoding and writing take a while, and the path may have changed.
-        if resolve_save_path(path) != target:
-            raise ValueError(f"{os.fspath(path)!r} now points elsewhere than when the save began")
-        replace_directory(tmp, target)
-    finally:
-        # After a swap `tmp` holds the previous checkpoint; after a failure, the partial one.
-        shutil.rmtree(tmp, ignore_errors=True)
-        release_temporary(lock)
-    remove_stale_temporaries(target, CHECKPOINT_FILES)
+    with CheckpointWriter(path, recipe=recipe, metadata=metadata) as writer:
+        writer.add((), params)
 
 
 def check_save_path(path: str | os.PathLike[str]) -> None:
@@ -262,7 +181,7 @@ def _parse_manifest(raw: bytes, file: str) -> dict[str, Any]:
 
 def _check_recipe(stored: Any, recipe: Any, file: str) -> None:
     try:
-        expected = _recipe_json(recipe)
+        expected = recipe_json(recipe)
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"recipe= cannot be compared: {err}") from None
     stored_value = None if stored is None else json.loads(stored)

@@ -30,6 +30,10 @@ with its type, except the file type, which is set for the output; without a sour
 architecture keys are built from the `LlamaConfig` (no tokenizer then). The file is written to
 a temporary name beside the target, read back with `gguf.GGUFReader`, and renamed into place;
 on any error nothing is left behind.
+
+Streaming: every tensor's type and byte shape is planned from shapes and metadata first (the
+header precedes the data), then each leaf is read, encoded and written in turn, so with a lazy
+`params` (`checkpoint_leaves`, `SourceParams`) one tensor is resident at a time.
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import gguf
+import jax
 import numpy as np
 
 from lowbit.formats import GGUF_BLOCK_TYPES, GGUFBlockFormat, gguf_encode
@@ -75,6 +80,7 @@ choices; applied until the rows fit)."""
 
 MIXES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S")
 FLOAT_TYPES = ("F32", "F16")
+_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16}
 EXPORT_TYPES = (*FLOAT_TYPES, *GGUF_BLOCK_TYPES, *MIXES)
 """Accepted `type` values (besides None: keep quantized weights, floats as F32)."""
 
@@ -190,18 +196,17 @@ def _fp16(values: np.ndarray) -> tuple[np.ndarray, bool]:
     return half[..., None].view(np.uint8), exact
 
 
-def _direct(q: QArray) -> tuple[str, np.ndarray, str] | None:
-    """(type, raw bytes [..., out, row_bytes], note) for a QArray [..., out, in] (stacked
-    experts have a leading axis) that maps onto a GGML type without requantizing, else
-    None."""
+def _direct_type(q: QArray) -> str | None:
+    """The GGML type a QArray [..., out, in] maps onto without requantizing, else None.
+
+    Decided from its metadata and shapes alone, so an abstract QArray (shape structs for
+    arrays) plans a streaming export before any data is read.
+    """
     fmt = q.fmt
-    last = q.ndim - 1
     if q.input_scale is not None:
         return None  # llama.cpp has no per-input-channel factor: requantize the weight it means
     if isinstance(fmt, GGUFBlockFormat):
-        if q.packed_axis != last:
-            return None
-        return fmt.ggml_type, np.asarray(q.codes, np.uint8), ""
+        return fmt.ggml_type if q.packed_axis == q.ndim - 1 else None
     if (
         q.ndim < 2
         or q.tensor_scale is not None
@@ -211,6 +216,21 @@ def _direct(q: QArray) -> tuple[str, np.ndarray, str] | None:
         or fmt.name not in ("int8", "int4", "uint4")
     ):
         return None
+    if fmt.name in ("int8", "int4") and q.zero_point is None:
+        return "Q8_0" if fmt.name == "int8" else "Q4_0"
+    return "Q4_1"
+
+
+def _direct(q: QArray) -> tuple[str, np.ndarray, str] | None:
+    """(type, raw bytes [..., out, row_bytes], note) for a QArray [..., out, in] (stacked
+    experts have a leading axis) that maps onto a GGML type without requantizing, else
+    None."""
+    written = _direct_type(q)
+    if written is None:
+        return None
+    if isinstance(q.fmt, GGUFBlockFormat):
+        return written, np.asarray(q.codes, np.uint8), ""
+    fmt = q.fmt
     codes = np.asarray(q.unpacked_codes())
     scale = np.asarray(q.scale, np.float32)
     zero = None if q.zero_point is None else np.asarray(q.zero_point, np.float32)
@@ -350,34 +370,22 @@ def export_gguf(
     """
     type_ = check_type(type)
     path = os.fspath(path)
-    mapping = gguf_param_map(config)
-    notes: list[TensorNote] = []
-    tensors: list[tuple[str, np.ndarray, str]] = []
-    for name, where in mapping.items():
-        value = _lookup(params, tuple(where.path))
+    # Pass 1 plans every tensor (name, type, byte shape) from shapes and metadata alone: the
+    # file's header comes before its data. Pass 2 reads, encodes and writes one at a time.
+    plan = []
+    for name, where in gguf_param_map(config).items():
+        value = _leaf(params, where.path, abstract=True)
         if value is None:
             raise ValueError(
                 f"params have no {'/'.join(map(str, where.path))} for GGUF tensor {name!r}"
             )
-        if where.transpose:
-            value = swap_last(value)
-        if name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")) and isinstance(
-            value, QArray
-        ):
-            value = value.dequantize(np.float32)  # llama.cpp reads routers as floats only
-        raw, written, how, note = _tensor(name, value, type_, config, strict)
-        if where.unpermute_heads is not None:
-            raw = _permute_rope_rows(raw, where.unpermute_heads)
-        tensors.append((name, raw, written))
-        notes.append(TensorNote(name, written, how, note))
-        if log is not None and (how == "requantized" or note):  # not plain float -> type
-            log(f"{name}: {how} as {written}" + (f" ({note})" if note else ""))
+        value = _oriented(name, where, _abstract(value))
+        plan.append(_planned(name, where, _choice(name, value, type_, config, strict), value))
     if config.rope_freq_factors is not None:
         # Llama 3's frequency divisors travel as a tensor, not as metadata.
-        tensors.append(
-            ("rope_freqs.weight", np.asarray(config.rope_freq_factors, np.float32), "F32")
-        )
-    file_type = _file_type(type_, [t for _, _, t in tensors])
+        factors = np.asarray(config.rope_freq_factors, np.float32)
+        plan.append(_Planned("rope_freqs.weight", None, "F32", factors.shape, factors.dtype))
+    file_type = _file_type(type_, [p.written for p in plan])
     metadata = None
     if source is not None:
         metadata = _source_metadata(source)
@@ -388,8 +396,101 @@ def export_gguf(
             ours = [(k, v, t, None) for k, (v, t) in _config_metadata(config).items()]
             metadata = [m for m in metadata if m[0].startswith(("general.", "tokenizer."))]
             metadata += [m for m in ours if m[0] not in _SKIP_KEYS]
-    _write(path, tensors, metadata, config, file_type)
+    notes: list[TensorNote] = []
+
+    def encoded() -> Iterator[np.ndarray]:
+        for p in plan:
+            if p.where is None:
+                yield np.asarray(config.rope_freq_factors, np.float32)
+                continue
+            value = _oriented(p.name, p.where, _leaf(params, p.where.path, abstract=False))
+            raw, written, how, note = _tensor(p.name, value, type_, config, strict)
+            del value
+            if p.where.unpermute_heads is not None:
+                raw = _permute_rope_rows(raw, p.where.unpermute_heads)
+            if (written, tuple(raw.shape), raw.dtype) != (p.written, p.shape, p.dtype):
+                raise ValueError(
+                    f"GGUF tensor {p.name!r}: planned as {p.written} {p.shape} but encoded as "
+                    f"{written} {tuple(raw.shape)}: its leaf changed while exporting"
+                )
+            notes.append(TensorNote(p.name, written, how, note))
+            if log is not None and (how == "requantized" or note):  # not plain float -> type
+                log(f"{p.name}: {how} as {written}" + (f" ({note})" if note else ""))
+            yield raw
+
+    _write(path, plan, encoded(), metadata, config, file_type)
     return ExportReport(path=path, nbytes=os.path.getsize(path), tensors=tuple(notes))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """One tensor of the file, before its data: GGUF name, where its leaf is (None for the
+    config's rope_freqs), the type written, and the written array's shape and dtype."""
+
+    name: str
+    where: Any
+    written: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+def _planned(name: str, where: Any, written: str, value: Any) -> _Planned:
+    shape = tuple(value.shape)
+    if written in FLOAT_TYPES:
+        return _Planned(name, where, written, shape, np.dtype(_FLOAT_DTYPES[written]))
+    block, type_size = gguf.GGML_QUANT_SIZES[_ggml(written)]
+    return _Planned(
+        name, where, written, (*shape[:-1], shape[-1] // block * type_size), np.dtype(np.uint8)
+    )
+
+
+def _leaf(params: Any, path: tuple, *, abstract: bool) -> Any:
+    """The leaf at `path` of a params tree, or of a lazy mapping {path tuple: leaf} such as
+    `SourceParams` (read only when not `abstract`; its ``abstract(path)`` otherwise)."""
+    if isinstance(params, Mapping) and callable(getattr(params, "abstract", None)):
+        key = tuple(path)
+        if key not in params:
+            return None
+        return params.abstract(key) if abstract else params[key]
+    return _lookup(params, path)
+
+
+def _abstract(value: Any) -> Any:
+    """`value` with every array replaced by its shape and dtype (nothing computed)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), value)
+
+
+def _oriented(name: str, where: Any, value: Any) -> Any:
+    """The leaf in GGUF's axis order; expert routers as floats (llama.cpp reads no other)."""
+    abstract = any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(value))
+    if where.transpose:
+        value = jax.eval_shape(swap_last, value) if abstract else swap_last(value)
+    if name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")) and isinstance(
+        value, QArray
+    ):
+        value = (
+            jax.ShapeDtypeStruct(value.shape, np.float32)
+            if abstract
+            else value.dequantize(np.float32)
+        )
+    return value
+
+
+def _choice(name: str, value: Any, type_: str | None, config: DecoderConfig, strict: bool) -> str:
+    """The type tensor `name` is written as, from its shape and metadata (`_tensor`'s rule)."""
+    requested = _requested(name, type_, config.n_layers, config.tie_embeddings)
+    if isinstance(value, QArray):
+        direct = _direct_type(value)
+        if direct is not None:
+            return direct
+        return _fitting(requested or "Q8_0", name, value.shape[-1], strict)[0]
+    if len(value.shape) == 1 or requested is None:
+        return "F32"
+    return _fitting(requested, name, value.shape[-1], strict)[0]
 
 
 def _tensor(name, value, type_, config, strict) -> tuple[np.ndarray, str, str, str]:
@@ -430,7 +531,9 @@ def _file_type(type_: str | None, written: list[str]) -> int:
     return int(member)
 
 
-def _write(path, tensors, metadata, config, file_type) -> None:
+def _write(path, plan, encoded, metadata, config, file_type) -> None:
+    """Writes the file: header and tensor table from `plan`, then each array `encoded`
+    yields (one per planned tensor, in order), so one tensor is resident at a time."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise OSError(f"cannot write {path!r}: directory {directory!r} does not exist")
@@ -447,16 +550,17 @@ def _write(path, tensors, metadata, config, file_type) -> None:
                 writer.add_key_value(key, value, vtype, sub_type=sub)
         writer.add_key_value("general.file_type", file_type, gguf.GGUFValueType.UINT32)
         writer.add_key_value("general.quantization_version", 2, gguf.GGUFValueType.UINT32)
-        for name, raw, written in tensors:
-            if written in FLOAT_TYPES:
-                writer.add_tensor(name, np.ascontiguousarray(raw))
-            else:
-                writer.add_tensor(name, np.ascontiguousarray(raw), raw_dtype=_ggml(written))
+        for p in plan:
+            raw_dtype = None if p.written in FLOAT_TYPES else _ggml(p.written)
+            writer.add_tensor_info(p.name, p.shape, p.dtype, p.nbytes, raw_dtype=raw_dtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        for raw in encoded:
+            writer.write_tensor_data(np.ascontiguousarray(raw))
+            del raw
         writer.close()
-        _validate(tmp, tensors)
+        _validate(tmp, plan)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
@@ -471,10 +575,12 @@ def _umask() -> int:
     return mask
 
 
-def _validate(path: str, tensors) -> None:
+def _validate(path: str, plan) -> None:
     reader = gguf.GGUFReader(path)
     found = {t.name: t for t in reader.tensors}
-    for name, raw, written in tensors:
-        t = found.get(name)
-        if t is None or t.tensor_type.name != written or t.n_bytes != raw.nbytes:
-            raise ValueError(f"written GGUF file does not read back tensor {name!r} as {written}")
+    for p in plan:
+        t = found.get(p.name)
+        if t is None or t.tensor_type.name != p.written or t.n_bytes != p.nbytes:
+            raise ValueError(
+                f"written GGUF file does not read back tensor {p.name!r} as {p.written}"
+            )

@@ -153,7 +153,9 @@ def _qarray(tensor, name, codes, scale, zero_point) -> QArray:
     ).check()
 
 
-def _place(tensor: GGUFTensor, placement: Placement, quantized: bool) -> Any:
+def place_tensor(tensor: GGUFTensor, placement: Placement, quantized: bool) -> Any:
+    """One GGUF tensor laid out as `placement` says: a `QArray` of its blocks (`quantized` and
+    a type kept as stored), else float32 values."""
     if placement.unpermute_heads is not None:
         # Whole rows move, so each row's blocks stay intact.
         raw = unpermute_rope_rows(tensor.raw, placement.unpermute_heads)
@@ -202,7 +204,7 @@ def import_gguf(
     for name, tensor in gguf_file.tensors.items():
         placement = Placement(path=(name,)) if name_map is None else resolve(name, name_map(name))
         if placement is not None:
-            placed.append((placement.path, _place(tensor, placement, quantized)))
+            placed.append((placement.path, place_tensor(tensor, placement, quantized)))
     params = nest(placed)
     del placed
     if kernel_axes is None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.io._placement import NameMap, nest, resolve
+from lowbit.io._placement import NameMap, Placement, nest, resolve
 from lowbit.io._safetensors_file import read_header, read_tensor
 from lowbit.models import swap_last, unpermute_rope_rows
 
@@ -43,12 +44,17 @@ def import_safetensors(
             placement = resolve(name, name_map(name))
             if placement is None:
                 continue
-            value = read_tensor(f, entry)
-            if placement.unpermute_heads is not None:
-                value = unpermute_rope_rows(value, placement.unpermute_heads)
-            if placement.transpose:
-                value = np.ascontiguousarray(swap_last(value))
-            if dtype is not None and np.issubdtype(value.dtype, np.floating):
-                value = value.astype(dtype)
-            placed.append((placement.path, jnp.asarray(value)))
+            placed.append((placement.path, place_array(read_tensor(f, entry), placement, dtype)))
     return nest(placed)
+
+
+def place_array(value: np.ndarray, placement: Placement, dtype: Any = None) -> jax.Array:
+    """One file tensor laid out as `placement` says (rows un-interleaved, then transposed),
+    floats cast to `dtype` if given, as a jax array."""
+    if placement.unpermute_heads is not None:
+        value = unpermute_rope_rows(value, placement.unpermute_heads)
+    if placement.transpose:
+        value = np.ascontiguousarray(swap_last(value))
+    if dtype is not None and np.issubdtype(value.dtype, np.floating):
+        value = value.astype(dtype)
+    return jnp.asarray(value)

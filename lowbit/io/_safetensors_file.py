@@ -44,6 +44,8 @@ _CODES = {
     "float8_e5m2": "F8_E5M2",
 }
 _FROM_CODE = {code: name for name, code in _CODES.items()}
+CODES = _CODES
+"""numpy / ml_dtypes dtype name -> safetensors dtype code (the dtypes stored natively)."""
 
 # Every dtype a stored array may have, by name: a fixed table, so a file can name a dtype but
 # never make the reader resolve an arbitrary attribute.

@@ -30,13 +30,16 @@ def path_name(path: Path) -> str:
     return "/".join(str(k) for k in path) or "."
 
 
-def encode_tree(params: Any) -> tuple[dict[str, Any], dict[str, tuple[Path, str, np.ndarray]]]:
+def encode_tree(
+    params: Any, prefix: Path = ()
+) -> tuple[dict[str, Any], dict[str, tuple[Path, str, np.ndarray]]]:
     """Splits a params tree into its JSON structure and its arrays.
 
     Args:
       params: nested dicts (any Mapping, e.g. ``nnx.State``; str or int keys), lists, tuples,
         None, `QArray`s, arrays (jax or numpy), ``nnx.Variable``s (their value is stored) and
         Python scalars.
+      prefix: the path of `params` in a larger tree (tensor names and paths start with it).
     Returns:
       ``(tree, tensors)``: the JSON node of the root, and tensor name -> (path, role, array).
     Raises:
@@ -110,7 +113,7 @@ def encode_tree(params: Any) -> tuple[dict[str, Any], dict[str, tuple[Path, str,
             "Python scalars (convert NamedTuples and custom nodes to dicts first)"
         )
 
-    return walk(params, ()), tensors
+    return walk(params, tuple(prefix)), tensors
 
 
 def leaf_shapes(like: Any) -> dict[Path, tuple[int, ...] | None]:

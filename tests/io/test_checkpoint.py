@@ -20,6 +20,7 @@ from lowbit.formats import FORMATS, GGUFBlockFormat
 from lowbit.io import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
 from lowbit.io import _atomic as atomic_module
 from lowbit.io import _checkpoint as checkpoint_module
+from lowbit.io import _checkpoint_writer as writer_module
 from lowbit.io._safetensors_file import (
     read_file_header,
     read_header,
@@ -351,7 +352,9 @@ def test_unstorable_leaves_name_their_path(tmp_path):
 # --- atomic writes --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage", ["write_safetensors", "write_file", "replace_directory"])
+@pytest.mark.parametrize(
+    "stage", ["TensorFileWriter.add", "TensorFileWriter.finish", "write_file", "replace_directory"]
+)
 def test_failed_write_leaves_old_checkpoint(good, tmp_path, monkeypatch, stage):
     path = _copy(good, tmp_path)
     before = {p.name: p.read_bytes() for p in path.iterdir()}
@@ -359,7 +362,8 @@ def test_failed_write_leaves_old_checkpoint(good, tmp_path, monkeypatch, stage):
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint_module, stage, crash)
+    owner, _, name = stage.rpartition(".")
+    monkeypatch.setattr(getattr(writer_module, owner) if owner else writer_module, name, crash)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(path, {"other": jnp.zeros(3)})
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before

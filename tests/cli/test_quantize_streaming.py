@@ -1,0 +1,47 @@
+"""`lowbit quantize FILE.gguf` streams one tensor at a time and writes the checkpoint the
+in-memory path writes, byte for byte."""
+
+import pytest
+from flax import nnx
+
+from lowbit import serving
+from lowbit.cli import main
+from lowbit.cli._cmd_quantize import _streams
+from lowbit.io import save_checkpoint
+from lowbit.models import has_smollm2, smollm2_gguf_path
+
+pytestmark = pytest.mark.skipif(not has_smollm2(), reason="needs the SmolLM2 GGUF file")
+
+
+@pytest.mark.parametrize("spec", ["int4w_g32_asym", "gguf"])
+def test_gguf_file_streams_to_the_in_memory_checkpoint(spec, tmp_path, capsys):
+    path = str(smollm2_gguf_path())
+    assert _streams(path, spec) and not _streams(path, "int4w_g64_gptq")
+    assert not _streams("smollm2", spec)
+    assert main(["quantize", path, "--recipe", spec, "--out", str(tmp_path / "streamed")]) == 0
+    assert "one tensor at a time" in capsys.readouterr().out
+    loaded = serving.load_model(path)
+    params, recipe = serving.apply_recipe(loaded, nnx.split(loaded.model)[1], spec)
+    metadata = {serving.META_MODEL: loaded.spec, serving.META_RECIPE: spec, serving.META_KIND: "lm"}
+    save_checkpoint(tmp_path / "in_memory", params, recipe=recipe, metadata=metadata)
+    for name in ("manifest.json", "model.safetensors"):
+        streamed = (tmp_path / "streamed" / name).read_bytes()
+        assert streamed == (tmp_path / "in_memory" / name).read_bytes(), name
+
+
+def test_export_streams_from_a_checkpoint_and_a_gguf_file(tmp_path, capsys):
+    from lowbit.io import export_gguf, import_gguf, load_checkpoint
+    from lowbit.models import decoder_config_from_gguf, gguf_param_map, read_gguf
+
+    path = str(smollm2_gguf_path())
+    config = decoder_config_from_gguf(read_gguf(path))
+    ck, out = str(tmp_path / "ck"), tmp_path / "out"
+    out.mkdir()
+    assert main(["quantize", path, "--recipe", "gguf", "--out", ck]) == 0
+    assert main(["export", ck, "--gguf", str(out / "a.gguf")]) == 0
+    export_gguf(load_checkpoint(ck), out / "b.gguf", config=config, source=path, log=None)
+    assert (out / "a.gguf").read_bytes() == (out / "b.gguf").read_bytes()
+    assert main(["export", path, "--recipe", "gguf", "--gguf", str(out / "c.gguf")]) == 0
+    params, _ = import_gguf(path, name_map=gguf_param_map(config).get)
+    export_gguf(params, out / "d.gguf", config=config, source=path, log=None)
+    assert (out / "c.gguf").read_bytes() == (out / "d.gguf").read_bytes()
