@@ -11,8 +11,8 @@ directory, then, each in a fresh child process:
 
 Reported: the child's peak resident set (``ru_maxrss``, JAX's runtime included), the input
 and output sizes, the bound (1.25x the larger of input and output, plus 1 GiB) and the time.
-The temporary directory (about 30 GB at its largest) is removed afterwards. The Hugging Face
-name map is a local one (Llama names to `Decoder` paths). ``LOWBIT_STREAMING_LAYERS`` runs
+The temporary directory (about 30 GB at its largest) is removed afterwards. Names and shapes
+come from `config.json` (`decoder_config_from_hf`, `hf_param_map`). ``LOWBIT_STREAMING_LAYERS`` runs
 fewer layers (a quick check). Run with ``python -m benchmarks streaming``.
 """
 
@@ -52,37 +52,18 @@ LLAMA3_8B = {
 RECIPE = "int4w_g32_asym"
 GGUF_TYPE = "Q4_0"
 
-# Shared by both children: the local Hugging Face Llama name map and the model's config.
+# Shared by both children: the model's config and name map, read from its config.json.
 _COMMON = """
 import json, os, resource, sys, time
-from lowbit.io import Placement
-from lowbit.models import DecoderConfig
-
-def hf_map(name):
-    if name == "model.embed_tokens.weight":
-        return "embed/embedding"
-    if name == "model.norm.weight":
-        return "norm/scale"
-    if name == "lm_head.weight":
-        return Placement(path=("lm_head", "kernel"), transpose=True)
-    parts = name.split(".")
-    i, module, leaf = int(parts[2]), parts[3], parts[4]
-    if module == "input_layernorm":
-        return ("layers", i, "attn_norm", "scale")
-    if module == "post_attention_layernorm":
-        return ("layers", i, "mlp_norm", "scale")
-    block = "attn" if module == "self_attn" else "mlp"
-    return Placement(path=("layers", i, block, leaf, "kernel"), transpose=True)
+from lowbit.models import decoder_config_from_hf, hf_param_map
 
 def config_of(directory):
     with open(os.path.join(directory, "config.json")) as f:
-        c = json.load(f)
-    return DecoderConfig(
-        vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
-        n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"],
-        head_dim=c["hidden_size"] // c["num_attention_heads"], ffn_dim=c["intermediate_size"],
-        rope_base=c["rope_theta"], norm_eps=c["rms_norm_eps"], tie_embeddings=False,
-    )
+        return decoder_config_from_hf(json.load(f))
+
+
+def hf_map(directory):
+    return hf_param_map(config_of(directory)).get
 
 def done(seconds, nbytes):
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -94,7 +75,7 @@ _CONVERT = (
     + """
 from lowbit.io import convert_checkpoint
 start = time.perf_counter()
-report = convert_checkpoint(sys.argv[1], sys.argv[2], sys.argv[3], name_map=hf_map)
+report = convert_checkpoint(sys.argv[1], sys.argv[2], sys.argv[3], name_map=hf_map(sys.argv[1]))
 done(time.perf_counter() - start, report.nbytes)
 """
 )
@@ -104,7 +85,7 @@ _EXPORT = (
     + """
 from lowbit.io import SourceParams, export_gguf
 start = time.perf_counter()
-with SourceParams(sys.argv[1], hf_map) as params:
+with SourceParams(sys.argv[1], hf_map(sys.argv[1])) as params:
     report = export_gguf(params, sys.argv[2], config=config_of(sys.argv[1]), type=sys.argv[3],
                          log=None)
 done(time.perf_counter() - start, report.nbytes)
