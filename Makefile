@@ -72,7 +72,7 @@ COMPAT_VENV := .venv-jax09
 test-jax-compat: $(STAMP)
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/pip install -q "jax[cpu]==0.9.2" "flax>=0.12,<0.12.8" ml_dtypes numpy \
-		safetensors gguf tokenizers rich matplotlib pytest hypothesis optax scikit-learn \
+		safetensors gguf tokenizers jinja2 rich matplotlib pytest hypothesis optax scikit-learn \
 		"setuptools>=68" wheel
 	# Objects left in build/ by a build against another jaxlib would be linked in as they are.
 	rm -rf build/temp.* build/lib.*

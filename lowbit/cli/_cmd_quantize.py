@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
+
 from lowbit import serving
 from lowbit.cli._common import (
     META_KIND,
@@ -74,18 +76,41 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _streams(model: str, spec: str) -> bool:
-    """Whether `model` is converted one tensor at a time: a GGUF file, with ``gguf`` or a
-    recipe whose rules all select by path (`lowbit.io.streaming_problem`)."""
+    """Whether `model` is converted one tensor at a time: a GGUF file (with ``gguf`` or a
+    recipe whose rules all select by path, `lowbit.io.streaming_problem`), or a Hugging Face
+    decoder directory with such a recipe whose tensors each fill one parameter as stored
+    (not Gemma's ``1 + w`` norms or per-expert tensors, which are stacked in memory)."""
     from lowbit.io import streaming_problem
 
-    if not (model.endswith(".gguf") and Path(model).is_file()):
+    path = Path(model)
+    if path.suffix == ".gguf" and path.is_file():
+        return spec == serving.GGUF_RECIPE or streaming_problem(serving.load_recipe(spec)) is None
+    if spec == serving.GGUF_RECIPE or _hf_stream_map(path) is None:
         return False
-    return spec == serving.GGUF_RECIPE or streaming_problem(serving.load_recipe(spec)) is None
+    return streaming_problem(serving.load_recipe(spec)) is None
+
+
+def _hf_stream_map(path: Path) -> dict | None:
+    """The name map of a Hugging Face decoder directory when every tensor streams, else None."""
+    from lowbit.models import HF_MODEL_TYPES, decoder_config_from_hf, hf_param_map, read_hf_config
+
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        return None
+    config_json = read_hf_config(path)
+    if config_json.get("model_type") not in HF_MODEL_TYPES:
+        return None
+    mapping = hf_param_map(decoder_config_from_hf(config_json, path / "config.json"))
+    plain = all(
+        not isinstance(m, tuple) and not m.offset and m.expert is None and m.part is None
+        for m in mapping.values()
+    )
+    return mapping if plain else None
 
 
 def _run_streaming(args: argparse.Namespace) -> int:
-    """`run` for a GGUF file: read, quantize and write one tensor at a time, so a model
-    larger than memory converts (the checkpoint is the one the in-memory path writes)."""
+    """`run` for a GGUF file or a Hugging Face directory: read, quantize and write one tensor
+    at a time, so a model larger than memory converts (the checkpoint is the one the
+    in-memory path writes)."""
     from lowbit.io import convert_checkpoint
     from lowbit.models import decoder_config_from_gguf, gguf_param_map, read_gguf
 
@@ -94,22 +119,29 @@ def _run_streaming(args: argparse.Namespace) -> int:
     recipe = None if keep else serving.load_recipe(args.recipe)
     label = serving.recipe_label(args.recipe)
     metadata = {META_MODEL: str(path), META_RECIPE: label, META_KIND: "lm"}
+    if path.is_dir():
+        # Float weights quantized from float32, as the in-memory path loads them.
+        name_map, options = _hf_stream_map(path), dict(dtype=np.float32)
+    else:
+        name_map = gguf_param_map(decoder_config_from_gguf(read_gguf(path)))
+        # A recipe quantizes the float weights as the in-memory path does, from the file's
+        # values; `gguf` keeps the file's blocks.
+        options = dict(quantized=keep)
     with progress() as bar:
         with step(bar, f"converting {args.model} with {args.recipe}") as advance:
             report = convert_checkpoint(
                 path,
                 args.out,
                 recipe,
-                name_map=gguf_param_map(decoder_config_from_gguf(read_gguf(path))),
-                # A recipe quantizes the float weights as the in-memory path does, from the
-                # file's values; `gguf` keeps the file's blocks.
-                quantized=keep,
+                name_map=name_map,
                 metadata=metadata,
                 on_tensor=lambda done, total, _: advance(done, total),
+                **options,
             )
     size, reference = report.param_bytes, report.float32_bytes
+    name = path.stem if path.is_file() else path.name
     print(
-        f"wrote {args.out}: {path.stem} with recipe {label}, {size / 1e6:.2f} MB "
+        f"wrote {args.out}: {name} with recipe {label}, {size / 1e6:.2f} MB "
         f"({size / reference:.3f} of float32 {reference / 1e6:.2f} MB), one tensor at a time"
     )
     return 0

@@ -45,3 +45,32 @@ def test_export_streams_from_a_checkpoint_and_a_gguf_file(tmp_path, capsys):
     params, _ = import_gguf(path, name_map=gguf_param_map(config).get)
     export_gguf(params, out / "d.gguf", config=config, source=path, log=None)
     assert (out / "c.gguf").read_bytes() == (out / "d.gguf").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "model_type, streams", [("llama", True), ("qwen2", True), ("gemma", False)]
+)
+def test_hugging_face_directory_streams_to_the_in_memory_checkpoint(
+    model_type, streams, tmp_path, capsys
+):
+    # A sharded (llama) or single-file directory streams with a path-only recipe and writes
+    # the in-memory path's checkpoint; Gemma's `1 + w` norms go through memory.
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "models" / "references" / "hf" / model_type
+    assert _streams(str(path), "int8w") is streams
+    assert not _streams(str(path), "int4w_g64_gptq") and not _streams(str(path), "gguf")
+    if not streams:
+        return
+    assert main(["quantize", str(path), "--recipe", "int8w", "--out", str(tmp_path / "s")]) == 0
+    assert "one tensor at a time" in capsys.readouterr().out
+    loaded = serving.load_model(str(path))
+    params, recipe = serving.apply_recipe(loaded, nnx.split(loaded.model)[1], "int8w")
+    metadata = {
+        serving.META_MODEL: loaded.spec,
+        serving.META_RECIPE: "int8w",
+        serving.META_KIND: "lm",
+    }
+    save_checkpoint(tmp_path / "m", params, recipe=recipe, metadata=metadata)
+    for name in ("manifest.json", "model.safetensors"):
+        assert (tmp_path / "s" / name).read_bytes() == (tmp_path / "m" / name).read_bytes()
