@@ -142,17 +142,16 @@ def _freq_factors(gguf_file: GGUFFile, head_dim: int) -> tuple[float, ...] | Non
             "'rope_factors_long.weight', Phi-3 128k / 3.5), which lowbit does not run; use a "
             "4k-context Phi-3 file"
         )
-    for name in ("rope_freqs.weight",):
-        if name in gguf_file.tensors:
-            factors = np.asarray(gguf_file.tensors[name].dequantize(), np.float64).reshape(-1)
-            if factors.size != head_dim // 2 or not np.all(np.isfinite(factors) & (factors > 0)):
-                raise ValueError(
-                    f"GGUF file {gguf_file.path!r}: tensor {name!r} has {factors.size} entries "
-                    f"(or non-positive ones); head_dim={head_dim} needs {head_dim // 2} "
-                    "positive factors"
-                )
-            return tuple(float(f) for f in factors)
-    return None
+    name = "rope_freqs.weight"
+    if name not in gguf_file.tensors:
+        return None
+    factors = np.asarray(gguf_file.tensors[name].dequantize(), np.float64).reshape(-1)
+    if factors.size != head_dim // 2 or not np.all(np.isfinite(factors) & (factors > 0)):
+        raise ValueError(
+            f"GGUF file {gguf_file.path!r}: tensor {name!r} has {factors.size} entries (or "
+            f"non-positive ones); head_dim={head_dim} needs {head_dim // 2} positive factors"
+        )
+    return tuple(float(f) for f in factors)
 
 
 def decoder_config_from_gguf(gguf_file: GGUFFile) -> DecoderConfig:
@@ -164,14 +163,13 @@ def decoder_config_from_gguf(gguf_file: GGUFFile) -> DecoderConfig:
     """
     tensors = gguf_file.tensors
     vocab = int(tensors["token_embd.weight"].shape[0]) if "token_embd.weight" in tensors else 0
-    config = _config_from(
+    return _config_from(
         gguf_file.metadata,
         gguf_file.path,
         vocab,
         "output.weight" not in tensors,
         lambda head_dim: _freq_factors(gguf_file, head_dim),
     )
-    return config
 
 
 def _config_from(
