@@ -280,7 +280,12 @@ def quantize_params(
             return rounded.pop(path)  # held once: in the result only
         if not decision.quantized or path in skip:
             return leaf
-        return quantize_weight(leaf, decision.config, recipe.rules[decision.rule_index])
+        try:
+            return quantize_weight(leaf, decision.config, recipe.rules[decision.rule_index])
+        except ValueError as e:
+            if "straddles two shards" not in str(e):
+                raise
+            raise ValueError(f"parameter {path!r}: {e}") from None
 
     quantized = map_params(one, params)
     if not kernel_layouts:

@@ -111,8 +111,14 @@ class CodebookFormat(Format):
         return jnp.where(jnp.isnan(y), jnp.uint8(self._nan_code), code)
 
     def decode(self, codes: jax.Array) -> jax.Array:
-        table = jnp.asarray(self.values, jnp.float32)
-        return table[jnp.asarray(codes).astype(jnp.int32)]
+        # A chain of selects, not a table gather: it fuses into one elementwise pass and keeps
+        # the codes' sharding (a gather from a replicated table into sharded indices is refused
+        # on meshes with explicit axes).
+        codes = jnp.asarray(codes)
+        out = jnp.full(codes.shape, self.values[0], jnp.float32)
+        for code, value in enumerate(self.values[1:], start=1):
+            out = jnp.where(codes == code, jnp.float32(value), out)
+        return out
 
 
 NF4 = CodebookFormat(name="nf4", bits=4, values=normal_float_levels())

@@ -7,7 +7,8 @@ A `dot_general` is sent to a compiled kernel when all of these hold (else the pu
     ``LOWBIT_DISABLE_KERNELS=1``, module built);
   * it is a plain linear layer: lhs a float32 / bfloat16 array `[..., K]`, rhs a 2-D `QArray`
     `[K, N]` (the Flax `[in, out]` kernel), contracting lhs's last axis with rhs axis 0, no
-    batch axes, no zero-size axis, no `out_sharding`;
+    batch axes, no zero-size axis, no `out_sharding`, neither operand split over devices
+    (`split_over_devices`);
   * the weight has at least `MIN_WEIGHT_ELEMENTS` elements (below that the weight is cache
     resident, XLA's fused dot is as fast, and the per-call repack below is pure overhead);
   * the weight layout is one the kernels read, weight-only (`activation is None`):
@@ -154,6 +155,20 @@ def _weight_kind(q: QArray) -> tuple[str, bool] | None:
     return kind, False
 
 
+def split_over_devices(x: Any) -> bool:
+    """True when `x` is split over several devices: a concrete array whose sharding is not
+    replicated, or a traced one whose type carries a sharded axis (explicit mesh axes).
+
+    A kernel call sees one device's whole operand, so sharded operands take the pure-JAX paths,
+    which XLA partitions like any dot: routing them to a kernel would gather the whole weight
+    (automatic axes) or fail to type-check (explicit axes).
+    """
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        return not x.sharding.is_fully_replicated
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return spec is not None and any(axis is not None for axis in spec)
+
+
 def contract_axis(lhs: Any, rhs: QArray, dimension_numbers) -> int | None:
     """The rhs axis a plain linear contracts (0 for `[K, N]`, 1 for `[N, K]`), or None."""
     (lc, rc), (lb, rb) = dimension_numbers
@@ -176,7 +191,7 @@ def weight_route(w: QArray, axis: int = 0) -> KernelRoute | None:
       w: QArray [K, N] (axis 0) or [N, K] (axis 1).
       axis: the contracted axis.
     """
-    if w.ndim != 2 or not kernels.available():
+    if w.ndim != 2 or not kernels.available() or split_over_devices(w.codes):
         return None
     k, n = w.shape if axis == 0 else w.shape[::-1]
     if k * n < MIN_WEIGHT_ELEMENTS:
@@ -220,6 +235,8 @@ def kernel_route(
     if out_sharding is not None or isinstance(lhs, QArray) or not isinstance(rhs, QArray):
         return None
     if not hasattr(lhs, "dtype") or np.dtype(lhs.dtype) not in _FLOATS:
+        return None
+    if split_over_devices(lhs):
         return None
     axis = contract_axis(lhs, rhs, dimension_numbers)
     if axis is None:

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from lowbit.ops import _dims, _dot_path
 from lowbit.ops._cpu_kernels import (
@@ -42,6 +44,7 @@ from lowbit.ops._cpu_kernels import (
     contract_axis,
     kernel_linear,
     kernel_route,
+    split_over_devices,
 )
 from lowbit.ops._dot_path import Plan, active_side, check_operand
 from lowbit.ops._dot_path import plan as choose_plan
@@ -91,6 +94,38 @@ def _group_sums(op: Operand, contracting, groups: dict[int, int]) -> jax.Array:
     return jnp.sum(sums, axis=inner)
 
 
+def _align_batch_shardings(lvalues, rvalues, dimension_numbers):
+    """(lvalues, rvalues) with equal shardings on paired batch axes, on meshes with explicit axes.
+
+    Groups become batch axes of the core product. A weight split over devices along its
+    contraction has its groups sharded, while the activation's are not; `dot_general` requires
+    batch axes sharded alike, so the side that is not split there is resharded to match (a
+    local slice of a replicated operand, no communication).
+    """
+    _, (lb, rb) = dimension_numbers
+    lsharding, rsharding = (getattr(jax.typeof(v), "sharding", None) for v in (lvalues, rvalues))
+    lspec, rspec = (getattr(s, "spec", None) for s in (lsharding, rsharding))
+    if lspec is None or rspec is None or not (any(lspec) or any(rspec)):
+        return lvalues, rvalues
+    lspec = list(lspec) + [None] * (lvalues.ndim - len(lspec))
+    rspec = list(rspec) + [None] * (rvalues.ndim - len(rspec))
+    lnew, rnew = list(lspec), list(rspec)
+    for la, ra in zip(lb, rb, strict=True):
+        if lspec[la] == rspec[ra]:
+            continue
+        if lspec[la] is None:
+            lnew[la] = rspec[ra]
+        else:
+            rnew[ra] = lspec[la]
+    # The mesh of the split side: a replicated operand may carry an empty one.
+    mesh = rsharding.mesh if any(rspec) else lsharding.mesh
+    if lnew != lspec:
+        lvalues = jax.sharding.reshard(lvalues, NamedSharding(mesh, P(*lnew)))
+    if rnew != rspec:
+        rvalues = jax.sharding.reshard(rvalues, NamedSharding(mesh, P(*rnew)))
+    return lvalues, rvalues
+
+
 def _fast(
     lhs_op: Operand,
     rhs_op: Operand,
@@ -113,6 +148,7 @@ def _fast(
         lvalues = _dims.split_axes(lvalues, lgroups)
         rvalues = _dims.split_axes(rvalues, rgroups)
         core_dims = _dims.grouped_dimension_numbers(dimension_numbers, pair_groups)
+        lvalues, rvalues = _align_batch_shardings(lvalues, rvalues, core_dims)
     acc = lax.dot_general(
         lvalues,
         rvalues,
@@ -418,6 +454,8 @@ def gpu_weight_only(lhs: Any, rhs: Any, dimension_numbers: Any) -> bool:
         return False
     if contract_axis(lhs, rhs, dimension_numbers) != 0:
         return False
+    if split_over_devices(lhs) or split_over_devices(rhs.codes):
+        return False  # the kernel sees one device's whole operand (see `split_over_devices`)
     if math.prod(rhs.shape) < MIN_WEIGHT_ELEMENTS:  # small layers: XLA's own fusion will do
         return False
     from lowbit.kernels import pallas  # imported on first use: Pallas is slow to import

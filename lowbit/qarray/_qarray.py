@@ -118,7 +118,26 @@ class QArray(EngineValue):
             shape = shape[-extra:]
         if extra and self.packed_axis is not None:
             object.__setattr__(self, "packed_axis", self.packed_axis + extra)
+        if isinstance(codes_ndim, int) and codes_ndim == len(shape):
+            shape = self._local_shape(shape)
         object.__setattr__(self, "shape", shape)
+
+    def _local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        # `shard_map` (and any transform that splits leaves) hands the body one device's piece
+        # of the codes under the global static shape: follow the codes' own shape, counting
+        # whole byte groups along the packed axis.
+        codes_shape = tuple(self.codes.shape)
+        if codes_shape == shape:
+            return shape
+        local = list(shape)
+        for axis, (n, stored) in enumerate(zip(shape, codes_shape, strict=True)):
+            if axis == self.packed_axis:
+                full = get_format(self.format).packed_length(n)
+                if stored != full and stored and full % stored == 0:
+                    local[axis] = n // (full // stored)
+            elif stored != n and stored and n % stored == 0:
+                local[axis] = stored
+        return tuple(local)
 
     # --- array-like surface -------------------------------------------------------------------
     @property

@@ -192,6 +192,38 @@ def _tile(config: QuantConfig, fmt: Format, shape: tuple[int, ...]) -> tuple[int
     return PerGroup(fmt.block_size, axis).tile(shape)
 
 
+def _shard_shape(x: jax.Array) -> tuple[int, ...] | None:
+    """The shape of one device's piece of `x`, or None when it is not split (or unknown)."""
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        return tuple(x.sharding.shard_shape(x.shape))
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or not any(spec):
+        return None
+    sizes = dict(sharding.mesh.shape)
+    shape = []
+    for n, entry in zip(x.shape, list(spec) + [None] * (x.ndim - len(spec)), strict=True):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        shape.append(n // math.prod(sizes[name] for name in names))
+    return tuple(shape)
+
+
+def _check_tiles_within_shards(x: jax.Array, tile: tuple[int, ...]) -> None:
+    """Refuses a group that would straddle two devices' pieces of a sharded `x`: the codes of
+    one scale would live on two devices, a layout the sharded types cannot express."""
+    pieces = _shard_shape(x)
+    if pieces is None:
+        return
+    for axis, (n, piece, t) in enumerate(zip(x.shape, pieces, tile, strict=True)):
+        # A block spanning the whole axis is fine: its scale is one reduction across shards.
+        if piece != n and t != n and piece % t:
+            raise ValueError(
+                f"a block of {t} along axis {axis} straddles two shards: axis {axis} "
+                f"(size {n}) is split over devices into pieces of {piece}. Choose a group "
+                f"size that divides {piece}, or shard another axis of this weight"
+            )
+
+
 def blocks_view(x: jax.Array, tile: tuple[int, ...]) -> jax.Array:
     """x: [n_0, ..., n_k] → [n_0/t_0, ..., n_k/t_k, prod(tile)], one row per block."""
     inter = [d for n, t in zip(x.shape, tile, strict=True) for d in (n // t, t)]
@@ -310,6 +342,7 @@ def quantize(
     logical_shape, logical_dtype = x.shape, x.dtype
     x32 = x.astype(jnp.float32)
     tile = _tile(config, fmt, x.shape)
+    _check_tiles_within_shards(x, tile)
     grid = tuple(n // t for n, t in zip(x.shape, tile, strict=True))
 
     blocks = blocks_view(x32, tile)

@@ -1,0 +1,89 @@
+"""Quantized weights on a mesh with explicit axes (shardings are part of the types): quantize,
+run, load and shard_map keep each weight's sharding and give the unsharded values."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import lowbit
+from lowbit.io import load_checkpoint, save_checkpoint
+from lowbit.qarray import QArray
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(jax, "set_mesh") or not hasattr(jax.sharding, "AxisType"),
+    reason="explicit mesh axes need a newer JAX",
+)
+
+# Large enough for the CPU kernel route (which sharded weights must not take).
+W = jax.random.normal(jax.random.key(0), (512, 256)) / 16
+X = jax.random.normal(jax.random.key(1), (4, 512))
+COLUMNS, ROWS = P(None, "x"), P("x", None)
+
+
+def _mesh():
+    return jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def _linear(params, x):
+    return x @ params["kernel"]
+
+
+_run = jax.jit(lowbit.run(_linear))
+
+
+@pytest.mark.parametrize("spec", [COLUMNS, ROWS], ids=["columns", "rows"])
+@pytest.mark.parametrize(
+    "recipe", ["int8", "int4w_g32_asym", "nf4", "int8_dynamic_activation_int8_weight"]
+)
+def test_sharded_weights_run_and_keep_their_sharding(recipe, spec):
+    expected = _run(lowbit.quantize({"kernel": W}, recipe), X)
+    mesh = _mesh()
+    with jax.set_mesh(mesh):
+        params = lowbit.quantize({"kernel": jax.device_put(W, NamedSharding(mesh, spec))}, recipe)
+        weight = params["kernel"]
+        assert isinstance(weight, QArray)  # no single-device kernel layout for a split weight
+        assert weight.codes.sharding.spec == spec
+        out = _run(params, X)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-4, rtol=2e-4)
+
+
+def test_a_group_that_straddles_two_shards_is_refused_with_the_parameter():
+    mesh = _mesh()
+    with jax.set_mesh(mesh):
+        w = jax.device_put(W[:256], NamedSharding(mesh, ROWS))  # 32 rows per device
+        with pytest.raises(ValueError, match=r"'kernel'.*block of 64 along axis 0.*pieces of 32"):
+            lowbit.quantize({"kernel": w}, "int4w_g64")
+
+
+def test_load_checkpoint_onto_an_explicit_mesh(tmp_path):
+    q = lowbit.quantize({"kernel": W}, "int4w_g32_asym")
+    expected = _run(q, X)
+    save_checkpoint(tmp_path / "ckpt", q)
+    mesh = _mesh()
+    with jax.set_mesh(mesh):
+        loaded = load_checkpoint(tmp_path / "ckpt", sharding=NamedSharding(mesh, COLUMNS))
+        assert loaded["kernel"].codes.sharding.spec == COLUMNS
+        out = _run(loaded, X)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-4, rtol=2e-4)
+
+
+def test_shard_map_over_quantized_weights_sees_local_shapes():
+    expected = _run(lowbit.quantize({"kernel": W}, "int4w_g32_asym"), X)
+    mesh = _mesh()
+    seen = []
+
+    def body(params, x):
+        seen.append(params["kernel"].shape)
+        return x @ params["kernel"]
+
+    with jax.set_mesh(mesh):
+        w = jax.device_put(W, NamedSharding(mesh, COLUMNS))
+        params = lowbit.quantize({"kernel": w}, "int4w_g32_asym")
+        local = jax.shard_map(lowbit.run(body), in_specs=(COLUMNS, P()), out_specs=COLUMNS)
+        out = jax.jit(local)(params, X)
+    assert seen[-1] == (512, 256 // 8)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-4, rtol=2e-4)
+    assert jnp.isfinite(out).all()
