@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import lowbit
 from lowbit.io import load_checkpoint, save_checkpoint
-from lowbit.qarray import QArray
+from lowbit.qarray import PerGroup, QArray, quantize
 
 pytestmark = pytest.mark.skipif(
     not hasattr(jax, "set_mesh") or not hasattr(jax.sharding, "AxisType"),
@@ -87,3 +87,18 @@ def test_shard_map_over_quantized_weights_sees_local_shapes():
     assert seen[-1] == (512, 256 // 8)
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-4, rtol=2e-4)
     assert jnp.isfinite(out).all()
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_a_replicated_weight_on_a_mesh_runs_with_and_without_the_mesh_in_context(axis_type):
+    # A logical QArray (as restored from a checkpoint): its kernel layout is built in the call.
+    params = {"kernel": quantize(W, "int4", granularity=PerGroup(32, axis=0))}
+    expected = _run(params, X)
+    kind = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(kind,))
+    with jax.set_mesh(mesh):
+        replicated = jax.device_put(params, NamedSharding(mesh, P()))
+        inside = jax.jit(lowbit.run(_linear))(replicated, X)
+    outside = jax.jit(lowbit.run(_linear))(replicated, np.asarray(X))  # no mesh in context
+    for out in (inside, outside):
+        np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-4, rtol=2e-4)

@@ -1,0 +1,60 @@
+"""lowbit in several JAX processes on this machine (CPU devices, gloo collectives): quantized
+weights sharded across processes give the one-process values, and no process holds more than
+its own pieces."""
+
+import jax
+import numpy as np
+import pytest
+import scenarios
+from harness import LOCAL_DEVICES, run_processes
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(jax, "set_mesh") or not hasattr(jax.sharding, "AxisType"),
+    reason="explicit mesh axes need a newer JAX",
+)
+PROCESSES = 2
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same program in this one process, on as many devices as the workers have in all."""
+    devices = PROCESSES * LOCAL_DEVICES
+    mesh = jax.make_mesh((devices,), ("x",), devices=jax.devices()[:devices])
+    with jax.set_mesh(mesh):
+        _, out = scenarios.quantize_and_run(mesh)
+    return np.asarray(out)
+
+
+def test_quantize_and_run_across_processes(tmp_path, reference):
+    results = run_processes("quantize_run", PROCESSES, tmp_path)
+    devices = PROCESSES * LOCAL_DEVICES
+    for result in results:
+        for kind in ("Auto", "Explicit"):
+            np.testing.assert_allclose(result[f"out_{kind}"], reference, rtol=1e-5, atol=1e-5)
+            # Each process holds only its pieces: up's columns, down's rows (int4 packs
+            # pairs of columns into bytes).
+            up, down = result[f"pieces_{kind}"]
+            assert tuple(up) == (256, 512 // devices // 2)
+            assert tuple(down) == (512 // devices, 256 // 2)
+
+
+def test_orbax_async_save_across_processes_restores_in_one(tmp_path, reference):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    results = run_processes("orbax_save", PROCESSES, tmp_path)
+    np.testing.assert_allclose(results[0]["out"], reference, rtol=1e-5, atol=1e-5)
+    # Restore in this one process, onto another mesh (8 devices, replicated).
+    mesh = jax.make_mesh((8,), ("x",))
+    with jax.set_mesh(mesh):
+        q, _ = scenarios.quantize_and_run(mesh)
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(
+            a.shape,
+            a.dtype,
+            sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+        ),
+        q,
+    )
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(tmp_path / "orbax", abstract)
+    out = jax.jit(scenarios.lowbit.run(scenarios.mlp))(restored, scenarios.weights()["x"])
+    np.testing.assert_allclose(np.asarray(out), reference, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,18 @@
+"""One process of a multi-process scenario (see harness.py): worker.py SCENARIO ID N PORT OUT."""
+
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+scenario, pid, n, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6]
+jax.distributed.initialize(
+    f"127.0.0.1:{port}", num_processes=n, process_id=pid, initialization_timeout=120
+)
+sys.path.insert(0, str(Path(__file__).parent))
+import scenarios  # noqa: E402
+
+np.savez(f"{out}/result{pid}.npz", **getattr(scenarios, scenario)(out, *sys.argv[6:]))
+jax.distributed.shutdown()
