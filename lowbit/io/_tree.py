@@ -45,7 +45,8 @@ def encode_tree(
     Raises:
       TypeError: naming the path of a leaf or container that cannot be stored (abstract
         arrays, NamedTuples, custom classes, keys that are neither str nor int).
-      ValueError: if two paths map to the same tensor name.
+      ValueError: if two paths map to the same tensor name, or for an array split over
+        processes (this process cannot read it whole).
     """
     tensors: dict[str, tuple[Path, str, np.ndarray]] = {}
 
@@ -53,6 +54,14 @@ def encode_tree(
         name = path_name(path) + ("" if role == "value" else f":{role}")
         if name in tensors:
             raise ValueError(f"two leaves are both stored as tensor {name!r}; rename a key")
+        if isinstance(array, jax.Array) and not array.is_fully_addressable:
+            raise ValueError(
+                f"process {jax.process_index()}: tensor {name!r} is split over "
+                f"{jax.process_count()} processes and this process holds only its pieces; a "
+                "lowbit checkpoint is written by one process holding every piece. Save arrays "
+                "sharded over processes with Orbax (each process writes its own pieces; see "
+                "docs/checkpoints.md), or gather them to one process first"
+            )
         tensors[name] = (path, role, np.asarray(array))
         return name
 

@@ -42,6 +42,10 @@ def test_orbax_async_save_across_processes_restores_in_one(tmp_path, reference):
     ocp = pytest.importorskip("orbax.checkpoint")
     results = run_processes("orbax_save", PROCESSES, tmp_path)
     np.testing.assert_allclose(results[0]["out"], reference, rtol=1e-5, atol=1e-5)
+    for pid, result in enumerate(results):
+        assert f"process {pid}: tensor" in str(result["refused"])
+        assert "split over 2 processes" in str(result["refused"])
+        assert not (tmp_path / f"lowbit{pid}").exists()
     # Restore in this one process, onto another mesh (8 devices, replicated).
     mesh = jax.make_mesh((8,), ("x",))
     with jax.set_mesh(mesh):
