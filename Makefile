@@ -31,8 +31,10 @@ $(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 
 install: $(STAMP)
 
+# Two workers (one per core of the CI machines), a test file per worker at a time so module
+# fixtures (compiled models) are built once.
 test: $(STAMP)
-	$(PY) -m pytest -x -q
+	$(PY) -m pytest -x -q -n 2 --dist loadfile
 
 demo: $(STAMP)
 	$(VENV)/bin/lowbit demo
