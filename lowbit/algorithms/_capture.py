@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit.algorithms._walk import activation_rows, batch_args, kept_rows, walk_batch
 from lowbit.engine import Use
@@ -233,6 +234,27 @@ def _rows(use: Use, mapping: _Mapping) -> tuple[jax.Array, tuple[int, ...]]:
     return (x if mapping.order is None else x[:, mapping.order]), row_shape
 
 
+def _replicated(rows: jax.Array) -> NamedSharding | None:
+    """A replicated output sharding for a sum over `rows` split over devices on a mesh with
+    explicit axes (data-parallel calibration: each process's rows, one global Gram), else None
+    (the compiler chooses)."""
+    sharding = getattr(jax.typeof(rows), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or not any(spec):
+        return None
+    return NamedSharding(sharding.mesh, PartitionSpec())
+
+
+def _on_host(x: jax.Array) -> np.ndarray:
+    """`x` in this process's memory. Rows split over processes (data-parallel calibration) are
+    gathered: a sample of activation rows, small, and the same in every process."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def _increment(use: Use, mapping: _Mapping, mask: jax.Array | None, sample_rows: int) -> tuple:
     """One batch's (gram, abs sum, abs max, finite, sample, valid sample rows, count) of a
     `dot_general` activation (the rows `mask` keeps)."""
@@ -244,7 +266,9 @@ def _increment(use: Use, mapping: _Mapping, mask: jax.Array | None, sample_rows:
         count = jnp.sum(keep, dtype=jnp.int32)
     finite = jnp.all(jnp.isfinite(rows))  # of the rows that count
     a = jnp.abs(rows)
-    gram = jnp.dot(rows.T, rows, precision=jax.lax.Precision.HIGHEST)
+    gram = jnp.dot(
+        rows.T, rows, precision=jax.lax.Precision.HIGHEST, out_sharding=_replicated(rows)
+    )
     # Evenly spaced rows (a batch's first rows are one sequence's start), half the sample from
     # each of the first two batches: more sequences in it (a single batch gives half a
     # sample). Masked rows go last.
@@ -476,7 +500,7 @@ def capture(
                 have = sum(len(x) for x in samples.get(j, []))
                 if have < sample_rows:
                     take = min(sample_rows - have, int(value[5]))  # masked rows are last
-                    samples.setdefault(j, []).append(np.asarray(value[4][:take]))
+                    samples.setdefault(j, []).append(_on_host(value[4])[:take])
         stats.batches += 1
         stats.rows.append(sites[0].rows if sites else 0)
         if on_batch is not None:

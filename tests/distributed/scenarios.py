@@ -86,3 +86,41 @@ def orbax_save(out_dir: str) -> dict[str, np.ndarray]:
         except ValueError as err:
             refused = str(err)
     return {"out": np.asarray(out.addressable_data(0)), "refused": np.asarray(refused)}
+
+
+def calibration_batches(mesh=None) -> list:
+    """Four batches of 160 rows; on a mesh each is one global array split over its rows, so
+    every process feeds only its own rows (data-parallel calibration)."""
+    rng = np.random.default_rng(1)
+    batches = [rng.normal(size=(160, 256)).astype(np.float32) for _ in range(4)]
+    if mesh is None:
+        return [(b,) for b in batches]
+    return [(global_array(b, NamedSharding(mesh, P("x", None))),) for b in batches]
+
+
+CALIBRATED = ("int4w_g64_gptq", "int4w_g64_awq", "int8_smoothquant")
+
+
+def calibrated(mesh=None) -> dict[str, np.ndarray]:
+    """GPTQ, AWQ and SmoothQuant of replicated weights, with the calibration rows split over
+    the mesh: per recipe and weight, this process's codes and scales."""
+    host = weights()
+    params = {"up": {"kernel": host["up"]}, "down": {"kernel": host["down"]}}
+    if mesh is not None:
+        params = jax.tree.map(lambda a: global_array(a, NamedSharding(mesh, P())), params)
+    out = {}
+    for recipe in CALIBRATED:
+        q = lowbit.quantize(
+            params, recipe, fn=mlp, calibration=calibration_batches(mesh), kernel_layouts=False
+        )
+        for name in q:
+            for field in ("codes", "scale"):
+                leaf = getattr(q[name]["kernel"], field)
+                out[f"{recipe}/{name}/{field}"] = np.asarray(leaf.addressable_data(0))
+    return out
+
+
+def calibrate(out_dir: str) -> dict[str, np.ndarray]:
+    mesh = jax.make_mesh((jax.device_count(),), ("x",))
+    with jax.set_mesh(mesh):
+        return calibrated(mesh)
