@@ -14,7 +14,7 @@ from pathlib import Path
 
 import uvicorn
 
-from lowbit import serving, server
+from lowbit import server, serving
 from lowbit.models._chat_template import ChatTemplate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
