@@ -56,15 +56,17 @@ def served_model(loaded, config=CONFIG, **options) -> server.ServedModel:
 
 
 @contextlib.contextmanager
-def running(served: server.ServedModel) -> Iterator[str]:
-    """Serves `served` on a free loopback port; yields the base URL once it is ready."""
+def running(served: server.ServedModel, start: bool = True) -> Iterator[str]:
+    """Serves `served` on a free loopback port; yields the base URL once it is ready.
+    `start` False: its scheduler already runs (another app on the same model)."""
     port = free_port()
     app = server.create_app(served)
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", lifespan="off", access_log=False
     )
     uv = uvicorn.Server(config)
-    served.scheduler.start()
+    if start:
+        served.scheduler.start()
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120
@@ -79,4 +81,5 @@ def running(served: server.ServedModel) -> Iterator[str]:
     finally:
         uv.should_exit = True
         thread.join(30)
-        served.scheduler.close()
+        if start:
+            served.scheduler.close()
