@@ -10,7 +10,9 @@ keep their ``start`` at ``T``: they attend to nothing and their tokens are ignor
 A prompt is prefilled alone, as `lowbit.generate` prefills a batch of one (left-padded to a
 bucketed width ``W``, in a ``W``-slot cache), then copied into its row (`insert`). So a slot
 computes what ``generate_tokens([prompt], key=seed)`` computes, bit for bit. A prompt too long
-for one pass is prefilled in chunks (`prefill_chunk`), between decode steps of the others.
+for one pass is prefilled in chunks (`prefill_chunk`) into a ``T``-slot cache, between decode
+steps of the others (the same tokens up to float rounding: the chunks' products differ in
+shape, and a quantized cache takes its key offset from the first chunk).
 
 When the clock reaches ``T``, `shift` slides the whole cache left by the first row's start (one
 program for any offset); positions are slot minus start, so nothing else changes.

@@ -160,8 +160,8 @@ class Scheduler:
         self.single_pass = min(c.single_pass, c.max_len)
         self.prefill_widths = _widths(0, bucket(self.single_pass))
         self.prefill_widths = [w for w in self.prefill_widths if w <= c.max_len]
-        top = self.prefill_widths[-1]
-        self.chunk_widths = [w for w in _widths(top, c.max_len) if w % c.chunk == 0]
+        # Longer prompts are prefilled in chunks into a cache as long as a slot's: one program.
+        self.chunk_widths = [c.max_len] if self.prefill_widths[-1] < c.max_len else []
         self._lock = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._prefill: _Prefill | None = None
@@ -178,8 +178,9 @@ class Scheduler:
     @property
     def max_prompt(self) -> int:
         """The longest prompt accepted (with one new token)."""
-        longest = self.chunk_widths[-1] if self.chunk_widths else self.prefill_widths[-1]
-        return min(longest, self.config.max_len - 1)
+        if self.chunk_widths:
+            return self.config.max_len - 1
+        return min(self.single_pass, self.config.max_len - 1)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request of this size cannot run (a message naming the field), or None."""
@@ -398,7 +399,7 @@ class Scheduler:
             cache = self.model.init_cache(1, width, self.kv_cache)
             cache = dataclasses.replace(cache, start=jnp.asarray([width - n], jnp.int32))
             return _Prefill(job, width, cache, tokens, source=width - n)
-        width = next(w for w in self.chunk_widths if w >= n)
+        width = self.config.max_len
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :n] = job.prompt
         cache = self.model.init_cache(1, width, self.kv_cache)

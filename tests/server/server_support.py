@@ -27,7 +27,7 @@ TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 # Small enough to compile in seconds, large enough for a chunked prefill and a cache shift.
-CONFIG = server.SchedulerConfig(slots=4, max_len=256, queue=64, single_pass=64, chunk=32)
+CONFIG = server.SchedulerConfig(slots=4, max_len=128, queue=64, single_pass=32, chunk=16)
 
 
 def tiny_model(directory: Path) -> serving.LoadedModel:

@@ -136,7 +136,7 @@ def test_an_api_key_guards_everything_but_health(served, base_url):
 def test_a_full_queue_answers_429_with_retry_after(loaded):
     served = served_model(loaded, dataclasses.replace(CONFIG, queue=1))
     with running(served) as url:
-        body = {"prompt": [7, 8, 9], "max_tokens": 200, "temperature": 0}
+        body = {"prompt": [7, 8, 9], "max_tokens": 120, "temperature": 0}
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             responses = list(
                 pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=60),
