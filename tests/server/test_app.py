@@ -17,7 +17,10 @@ def _client(base_url, key="unused"):
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def _reference(loaded, served, prompt, n, sampling=Sampling(), seed=0):
+GREEDY = Sampling()
+
+
+def _reference(loaded, served, prompt, n, sampling=GREEDY, seed=0):
     return generate_tokens(
         loaded.model,
         [prompt],
@@ -65,7 +68,10 @@ def test_chat_uses_the_template_streamed_and_not(base_url, loaded, served):
     client = _client(base_url)
     messages = [{"role": "user", "content": "hello"}]
     out = client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=8, temperature=0,
+        model="tiny",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
         extra_body={"return_token_ids": True},
     )
     prompt = loaded.tokenizer.encode("user: hello\nassistant:").ids
@@ -127,9 +133,7 @@ def test_an_api_key_guards_everything_but_health(served, base_url):
             assert r.status_code == 401
             assert r.json()["error"]["type"] == "authentication_error"
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 401
-        out = _client(url, key="s3cret").completions.create(
-            model="tiny", prompt="hi", max_tokens=2
-        )
+        out = _client(url, key="s3cret").completions.create(model="tiny", prompt="hi", max_tokens=2)
         assert out.usage.completion_tokens >= 1
 
 
@@ -139,8 +143,9 @@ def test_a_full_queue_answers_429_with_retry_after(loaded):
         body = {"prompt": [7, 8, 9], "max_tokens": 120, "temperature": 0}
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             responses = list(
-                pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=60),
-                         range(12))
+                pool.map(
+                    lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=60), range(12)
+                )
             )
     codes = sorted(r.status_code for r in responses)
     assert set(codes) == {200, 429}, codes
