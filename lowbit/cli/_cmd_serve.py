@@ -82,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, how long running requests may take to finish (default 30)",
     )
     parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        metavar="N",
+        help="prompts of up to N tokens are prefilled in one pass, longer ones in chunks of N "
+        "between the running requests' decode steps (a power of two >= 16; default 256)",
+    )
+    parser.add_argument(
         "--steps",
         type=int,
         default=1,
@@ -105,7 +113,12 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0 or args.grace < 0:
         raise ValueError("--timeout must be > 0 and --grace >= 0")
     config = server.SchedulerConfig(
-        slots=args.slots, max_len=args.max_len, queue=args.queue, steps=args.steps
+        slots=args.slots,
+        max_len=args.max_len,
+        queue=args.queue,
+        single_pass=args.prefill_chunk,
+        chunk=args.prefill_chunk,
+        steps=args.steps,
     )
     kv = resolve_kv_cache(args.kv_cache, args.recipe)
     with progress() as bar:

@@ -224,7 +224,10 @@ class _Handler:
         events: asyncio.Queue = asyncio.Queue()
 
         def emit(tokens: list[int], finish: str | None) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, (tokens, finish))
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (tokens, finish))
+            except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
+                pass
 
         job = Job(
             prompt=ids,
@@ -358,13 +361,10 @@ class _Answer:
                 "object": "chat.completion" if self.req.chat else "text_completion",
                 "created": self.created,
                 "model": self.handler.served.name,
-                "choices": [self._choice("".join(parts), self.finish, self._kept_ids(), False)],
+                "choices": [self._choice("".join(parts), self.finish, list(self.ids), False)],
                 "usage": self._usage(),
             }
         )
-
-    def _kept_ids(self) -> list[int]:
-        return list(self.ids)
 
     def _chunk(self, choices: list, usage: dict | None = None) -> str:
         body: dict[str, Any] = {

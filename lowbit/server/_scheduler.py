@@ -90,7 +90,7 @@ class SchedulerConfig:
     slots: int = 8
     max_len: int = 2048
     queue: int = 64
-    single_pass: int = 512
+    single_pass: int = 256
     chunk: int = 256
     steps: int = 1
 
