@@ -260,6 +260,7 @@ class Scheduler:
         c = self.config
         self.cache = self.model.init_cache(c.slots, c.max_len, self.kv_cache)
         self.clock = 0
+        self.slides = 0  # cache slides since start (not counting the warm-up)
         self.start_host = np.full((c.slots,), c.max_len, np.int32)
         self.token_host = np.zeros((c.slots,), np.int32)
         self.count_host = np.zeros((c.slots,), np.int32)
@@ -495,6 +496,7 @@ class Scheduler:
             np.int32
         )
         self.clock -= by
+        self.slides += 1
         self.cache = programs.shift(self.cache, jnp.int32(by), jnp.asarray(self.start_host))
 
     # -- decode -------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ def test_bad_input_gets_a_400_error_object_fast(base_url, path, body, param):
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param
-    assert elapsed < 0.5  # the bound is 100 ms; leave room for a shared machine
+    assert elapsed < 1.0  # the target is 100 ms; room for a loaded shared test machine
 
 
 def test_an_api_key_guards_everything_but_health(served, base_url):

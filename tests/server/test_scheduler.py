@@ -106,3 +106,41 @@ def test_a_restarted_server_gives_the_same_answers(loaded):
             runs.append(asyncio.run(_all(url, requests)))
     assert runs[0] == runs[1]
     assert all(len(ids) >= 1 for ids, _ in runs[0])
+
+
+def test_an_int8_kv_cache_slides_and_still_matches_generate(loaded):
+    """The scheduler alone (no HTTP): two slots of a 64-slot int8 cache, six requests, so rows
+    join mid-way and the cache slides left several times."""
+    from lowbit.server import Job, Scheduler, SchedulerConfig
+
+    config = SchedulerConfig(slots=2, max_len=64, single_pass=16, chunk=16)
+    scheduler = Scheduler(loaded.model, None, "int8", config)
+    scheduler.start()
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in (5, 12, 9, 16, 14, 7)]
+    answers = {i: [] for i in range(len(prompts))}
+    done = []
+    try:
+        deadline = time.monotonic() + 120
+        while not scheduler.ready:
+            assert time.monotonic() < deadline and scheduler.error is None
+            time.sleep(0.05)
+        for i, p in enumerate(prompts):
+
+            def emit(tokens, finish, i=i):
+                answers[i].extend(tokens)
+                if finish is not None:
+                    done.append((i, finish))
+
+            job = Job(p, 20, 0.0, 0, 1.0, i, frozenset(), time.monotonic() + 60, emit)
+            scheduler.submit(job)
+        while len(done) < len(prompts):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        scheduler.close()
+    assert sorted(done) == [(i, "length") for i in range(len(prompts))]
+    assert scheduler.slides >= 1
+    for i, p in enumerate(prompts):
+        expected = generate_tokens(loaded.model, [p], max_new_tokens=20, kv_cache="int8")
+        assert answers[i] == expected.tokens[0], i
