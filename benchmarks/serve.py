@@ -171,6 +171,28 @@ def run() -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="", OMP_NUM_THREADS=str(THREADS))
     results: dict[str, dict[int, dict]] = {}
     memory: tuple[float, float] | None = None
+    peer = None
+    try:
+        import llama_cpp
+        import llama_cpp.server.app  # noqa: F401
+
+        peer = f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, {THREADS} threads)"
+    except ImportError as err:
+        lines.append(f"llama.cpp's server is not importable here ({err}); lowbit only.")
+    if peer is not None:
+        port = _free_port()
+        # Without --interrupt_requests False a new request aborts the one running.
+        llama_cmd = [
+            sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
+            "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS), "--n_ctx", "2048",
+            "--interrupt_requests", "False",
+        ]  # fmt: skip
+        proc = _start(llama_cmd, f"http://127.0.0.1:{port}/v1/models", logs / "llama.log")
+        try:
+            results[peer] = _measure(f"http://127.0.0.1:{port}", prompts, ids=False)
+        finally:
+            _stop(proc)
+        print(f"[serve] {peer}: {results[peer]}", file=sys.stderr, flush=True)
     port = _free_port()
     lowbit_cmd = [
         sys.executable, "-c", "import sys; from lowbit.cli import main; sys.exit(main())",
@@ -183,31 +205,14 @@ def run() -> str:
     try:
         url = f"http://127.0.0.1:{port}"
         results["lowbit"] = _measure(url, prompts, ids=True)
+        print(f"[serve] lowbit: {results['lowbit']}", file=sys.stderr, flush=True)
         asyncio.run(_many(url, 100, prompts))
         after_100 = _rss_mib(proc.pid)
         asyncio.run(_many(url, MEMORY_REQUESTS - 100, prompts))
         memory = (after_100, _rss_mib(proc.pid))
+        print(f"[serve] lowbit RSS MiB: {memory}", file=sys.stderr, flush=True)
     finally:
         _stop(proc)
-    peer = None
-    try:
-        import llama_cpp  # noqa: F401
-        import llama_cpp.server.app  # noqa: F401
-
-        peer = f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, {THREADS} threads)"
-    except ImportError as err:
-        lines.append(f"llama.cpp's server is not importable here ({err}); lowbit only.")
-    if peer is not None:
-        port = _free_port()
-        llama_cmd = [
-            sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
-            "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS), "--n_ctx", "2048",
-        ]  # fmt: skip
-        proc = _start(llama_cmd, f"http://127.0.0.1:{port}/v1/models", logs / "llama.log")
-        try:
-            results[peer] = _measure(f"http://127.0.0.1:{port}", prompts, ids=False)
-        finally:
-            _stop(proc)
     lines += [
         f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores. Streamed greedy "
         f"completions of ~{PROMPT}-token prompts, {MAX_TOKENS} new tokens each; `c` clients "
@@ -218,8 +223,8 @@ def run() -> str:
         "| server | clients | tok/s | x 1 client | TTFT p50 / p90 ms | TPOT p50 / p90 ms |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for name, levels in results.items():
-        label = "lowbit" if name == "lowbit" else peer
+    for name in sorted(results, key=lambda n: n != "lowbit"):
+        levels, label = results[name], name
         one = levels[1]["tok_s"]
         for c, r in levels.items():
             lines.append(
@@ -227,7 +232,7 @@ def run() -> str:
                 f"{r['ttft'][0] * 1e3:.0f} / {r['ttft'][1] * 1e3:.0f} | "
                 f"{r['tpot'][0] * 1e3:.1f} / {r['tpot'][1] * 1e3:.1f} |"
             )
-    if peer is not None:
+    if peer in results:
         ratios = ", ".join(
             f"{c}: {results['lowbit'][c]['tok_s'] / results[peer][c]['tok_s']:.2f}x"
             for c in CONCURRENCY
