@@ -69,7 +69,7 @@ def running(served: server.ServedModel, start: bool = True) -> Iterator[str]:
         served.scheduler.start()
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while not (uv.started and served.scheduler.ready):
         if served.scheduler.error is not None:
             raise served.scheduler.error
