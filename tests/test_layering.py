@@ -22,6 +22,7 @@ LAYERS = [
     "models",
     "io",
     "serving",
+    "server",
     "eval",
     "cli",
 ]

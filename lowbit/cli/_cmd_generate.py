@@ -16,10 +16,13 @@ from lowbit.cli._common import (
     add_kv_cache_argument,
     add_recipe_argument,
     add_target_argument,
+    chat_template,
+    gguf_metadata,
     open_target,
     print_json,
     progress,
     resolve_kv_cache,
+    stop_ids,
 )
 
 NAME = "generate"
@@ -129,14 +132,7 @@ class _TextStream:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the command with parsed `args`; returns the exit status (errors raise)."""
-    from lowbit.models._generate import (
-        DEFAULT_STOP_TOKENS,
-        Sampling,
-        chat_template_from_gguf,
-        generate_tokens,
-        stop_token_ids,
-        stream_tokens,
-    )
+    from lowbit.models._generate import Sampling, generate_tokens, stream_tokens
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
@@ -148,27 +144,16 @@ def run(args: argparse.Namespace) -> int:
     loaded = target.loaded
     if loaded.kind != "lm":
         raise ValueError(f"generate needs a language model; {loaded.name} is an encoder")
-    metadata = None
-    if loaded.gguf_path is not None:
-        from lowbit.models import read_gguf
-
-        metadata = read_gguf(loaded.gguf_path).metadata
+    metadata = gguf_metadata(loaded)
     if args.chat:
-        if metadata is None:
-            raise ValueError("--chat reads the chat template from a GGUF file; this model has none")
-        template = chat_template_from_gguf(metadata)
+        template = chat_template(metadata)
         prompts = [template(p) for p in prompts]
     tokenizer = loaded.tokenizer
     ids = [tokenizer.encode(p).ids for p in prompts]
     for i, row in enumerate(ids):
         if not row:
             raise ValueError(f"prompt {i + 1} encodes to no tokens")
-    stops = stop_token_ids(tokenizer, DEFAULT_STOP_TOKENS)
-    if metadata is not None:
-        # The file's own end-of-generation ids (EOS, end of turn) beside the common names.
-        from lowbit.models import special_token_ids
-
-        stops = sorted(set(stops) | set(special_token_ids(metadata).end_of_generation))
+    stops = stop_ids(loaded, metadata)
     params = target.params
     if args.int8_activations:
         from lowbit.ops import with_int8_activations

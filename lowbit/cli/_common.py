@@ -337,3 +337,38 @@ def resolve_kv_cache(flag: str | None, recipe_spec: str | None) -> Any:
     if recipe_spec in (None, serving.GGUF_RECIPE, serving.FLOAT_RECIPE):
         return None
     return getattr(serving.load_recipe(recipe_spec), "kv_cache", None)
+
+
+def gguf_metadata(loaded: Any) -> dict[str, Any] | None:
+    """The GGUF metadata of a model read from a GGUF file, else None."""
+    if loaded.gguf_path is None:
+        return None
+    from lowbit.models import read_gguf
+
+    return read_gguf(loaded.gguf_path).metadata
+
+
+def stop_ids(loaded: Any, metadata: dict[str, Any] | None) -> list[int]:
+    """The token ids that end a generation: the common end-of-turn / end-of-text names the
+    tokenizer knows, plus a GGUF file's own end-of-generation ids (EOS, end of turn)."""
+    from lowbit.models._generate import DEFAULT_STOP_TOKENS, stop_token_ids
+
+    stops = stop_token_ids(loaded.tokenizer, DEFAULT_STOP_TOKENS)
+    if metadata is not None:
+        from lowbit.models import special_token_ids
+
+        stops = sorted(set(stops) | set(special_token_ids(metadata).end_of_generation))
+    return stops
+
+
+def chat_template(metadata: dict[str, Any] | None, flag: str = "--chat") -> Any:
+    """The model's chat template (``messages -> prompt``) from its GGUF metadata.
+
+    Raises:
+      ValueError: without GGUF metadata (naming `flag`), or without a template in it.
+    """
+    from lowbit.models._generate import chat_template_from_gguf
+
+    if metadata is None:
+        raise ValueError(f"{flag} reads the chat template from a GGUF file; this model has none")
+    return chat_template_from_gguf(metadata)

@@ -26,6 +26,7 @@ from lowbit.cli import (
     _cmd_quantize,
     _cmd_recipes,
     _cmd_report,
+    _cmd_serve,
     _demo,
 )
 from lowbit.cli._common import print_json
@@ -41,6 +42,7 @@ COMMANDS = (
     _cmd_report,
     _cmd_bench,
     _cmd_generate,
+    _cmd_serve,
     _cmd_export,
     _demo,
     _cmd_recipes,

@@ -1,0 +1,159 @@
+"""`lowbit serve DIR|MODEL`: an OpenAI-compatible HTTP server with continuous batching.
+
+MODEL is anything `lowbit generate` takes; the chat template and stop tokens come from the
+model as for ``generate --chat``. The server answers ``/health`` with "loading" while it
+compiles, then "ok". SIGTERM drains: running requests finish (up to ``--grace`` seconds), then
+the process exits 0. See docs/serve.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from lowbit.cli._common import (
+    add_kv_cache_argument,
+    add_recipe_argument,
+    add_target_argument,
+    chat_template,
+    gguf_metadata,
+    open_target,
+    progress,
+    resolve_kv_cache,
+    stop_ids,
+)
+
+NAME = "serve"
+HELP = (
+    "serve a language model over an OpenAI-compatible HTTP API (completions, chat, streaming) "
+    "with continuous batching"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds this command's arguments to its sub-parser."""
+    add_target_argument(parser, "smollm2 | a .gguf file")
+    add_recipe_argument(
+        parser,
+        help="quantize MODEL with this recipe first (default: float; 'gguf' runs the GGUF "
+        "file's own quantized blocks); not with a checkpoint",
+    )
+    add_kv_cache_argument(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
+        "LOWBIT_API_KEY environment variable, else none)",
+    )
+    parser.add_argument(
+        "--slots", type=int, default=8, metavar="N", help="requests decoded together (default 8)"
+    )
+    parser.add_argument(
+        "--max-len",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="KV cache tokens per slot: prompt plus answer (default 2048, at most the model's "
+        "context; a bucket size: 2^k or 3 * 2^k)",
+    )
+    parser.add_argument(
+        "--queue",
+        type=int,
+        default=64,
+        metavar="N",
+        help="requests that may wait for a slot; more get 429 (default 64)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="per-request deadline (default 600)",
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long running requests may take to finish (default 30)",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        metavar="N",
+        help="prompts of up to N tokens are prefilled in one pass, longer ones in chunks of N "
+        "between the running requests' decode steps (a power of two >= 16; default 256)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=1,
+        metavar="N",
+        help="decode steps per compiled call while no request waits (1-8, default 1)",
+    )
+    parser.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="quantize the activations of int8 / int4 / uint4 weights to int8 in the CPU "
+        "kernels (as `lowbit generate --int8-activations`)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the command with parsed `args`; returns the exit status (errors raise)."""
+    from lowbit import server
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port={args.port} must be in 1..65535")
+    if args.timeout <= 0 or args.grace < 0:
+        raise ValueError("--timeout must be > 0 and --grace >= 0")
+    config = server.SchedulerConfig(
+        slots=args.slots,
+        max_len=args.max_len,
+        queue=args.queue,
+        single_pass=args.prefill_chunk,
+        chunk=args.prefill_chunk,
+        steps=args.steps,
+    )
+    kv = resolve_kv_cache(args.kv_cache, args.recipe)
+    with progress() as bar:
+        target = open_target(args.target, args.recipe, bar)
+    loaded = target.loaded
+    if loaded.kind != "lm":
+        raise ValueError(f"serve needs a language model; {loaded.name} is an encoder")
+    metadata = gguf_metadata(loaded)
+    try:
+        template = chat_template(metadata)
+    except ValueError as err:
+        template = None
+        print(f"lowbit serve: no chat endpoint ({err})", file=sys.stderr)
+    params = target.params
+    if args.int8_activations:
+        from lowbit.ops import with_int8_activations
+
+        params = with_int8_activations(params)
+    scheduler = server.Scheduler(loaded.model, params, kv, config)
+    served = server.ServedModel(
+        name=loaded.name,
+        tokenizer=loaded.tokenizer,
+        chat_template=template,
+        stop_ids=frozenset(stop_ids(loaded, metadata)),
+        scheduler=scheduler,
+        api_key=args.api_key or os.environ.get("LOWBIT_API_KEY") or None,
+        request_timeout=args.timeout,
+    )
+    print(
+        f"lowbit serve: {loaded.name} ({target.recipe}; kv cache "
+        f"{kv.to_text() if kv else 'float'}) on http://{args.host}:{args.port}, "
+        f"{scheduler.config.slots} slots of {scheduler.config.max_len} tokens; compiling "
+        "(GET /health says ok when ready)",
+        file=sys.stderr,
+        flush=True,
+    )
+    server.run(served, host=args.host, port=args.port, grace=args.grace)
+    return 0

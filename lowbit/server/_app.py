@@ -1,0 +1,427 @@
+"""The Starlette app: OpenAI's completion and chat endpoints, models, health and metrics.
+
+Handlers validate and tokenize on the event loop, hand a `Job` to the `Scheduler` and turn the
+tokens it emits into text: one JSON answer, or server-sent events (``data: {...}`` chunks, then
+``data: [DONE]``). A client that goes away cancels its job, which frees its slot at the next
+step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from lowbit.server._metrics import CONTENT_TYPE, Metrics
+from lowbit.server._protocol import APIError, CompletionRequest, bad, parse_body, parse_request
+from lowbit.server._scheduler import (
+    CANCELLED,
+    LENGTH,
+    SHUTDOWN,
+    STOP,
+    TIMEOUT,
+    Job,
+    NotReady,
+    QueueFull,
+    Scheduler,
+)
+from lowbit.server._text import TextStream
+
+# Seconds a client is told to wait after a 429.
+RETRY_AFTER = 1
+# Seconds between checks that a non-streaming client is still connected.
+_POLL = 0.25
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ServedModel:
+    """What the app serves.
+
+    Attributes:
+      name: the model id `/v1/models` lists.
+      tokenizer: a `tokenizers.Tokenizer`.
+      chat_template: ``messages -> prompt text`` (a `ChatTemplate`), or None (no chat).
+      stop_ids: token ids that end every answer (end of turn, end of text).
+      scheduler: the running `Scheduler`.
+      api_key: when set, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``.
+      request_timeout: seconds a request may take from arrival to its last token.
+    """
+
+    name: str
+    tokenizer: Any
+    chat_template: Callable[..., str] | None
+    stop_ids: frozenset[int]
+    scheduler: Scheduler
+    api_key: str | None = None
+    request_timeout: float = 600.0
+
+
+def _error(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that watch for the client going away on every ASGI version (and
+    call `on_close` however the stream ends)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away mid-send
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            self.on_close()
+
+
+class _Handler:
+    """The endpoints of one `ServedModel`."""
+
+    def __init__(self, served: ServedModel, metrics: Metrics):
+        self.served = served
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        key = self.served.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), key.encode()
+        )
+        if not ok:
+            raise APIError(
+                401,
+                "a valid API key is required: send 'Authorization: Bearer <key>'",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+
+    def wrap(self, endpoint: str, handler: Callable) -> Callable:
+        async def run(request: Request) -> Response:
+            try:
+                if endpoint != "/health":
+                    self._authorize(request)
+                response = await handler(request)
+            except APIError as err:
+                headers = {"Retry-After": str(RETRY_AFTER)} if err.status == 429 else None
+                response = _error(err, headers)
+            self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+            return response
+
+        return run
+
+    # -- endpoints ----------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        s = self.served.scheduler
+        if s.error is not None:
+            return JSONResponse({"status": "error", "error": str(s.error)}, status_code=500)
+        if not s.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        model = {
+            "id": self.served.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "lowbit",
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def _prompt_ids(self, req: CompletionRequest) -> list[int]:
+        tok = self.served.tokenizer
+        if req.chat:
+            if self.served.chat_template is None:
+                raise APIError(
+                    400,
+                    "this model has no chat template (tokenizer.chat_template in its GGUF "
+                    "file); use /v1/completions with a formatted prompt",
+                    param="messages",
+                    code="no_chat_template",
+                )
+            try:
+                text = self.served.chat_template([dict(m) for m in req.messages])
+            except ValueError as err:
+                raise bad("messages", str(err)) from None
+            ids = tok.encode(text).ids
+        elif isinstance(req.prompt, str):
+            ids = tok.encode(req.prompt).ids
+        else:
+            ids = list(req.prompt)
+            vocab = tok.get_vocab_size()
+            if max(ids) >= vocab:
+                raise bad("prompt", f"token id {max(ids)} is outside the vocabulary of {vocab}")
+        if not ids:
+            raise bad("prompt" if not req.chat else "messages", "encodes to no tokens")
+        return ids
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        s = self.served.scheduler
+        req = parse_request(parse_body(await request.body()), chat)
+        if not s.ready or s.error is not None:
+            raise APIError(
+                503,
+                "the model is loading; retry when /health says ok",
+                type="server_error",
+                code="loading",
+            )
+        ids = self._prompt_ids(req)
+        context = s.config.max_len
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = min(16, context - len(ids) + 1) if not chat else context - len(ids) + 1
+            max_tokens = max(max_tokens, 1)
+        why = s.check_fits(len(ids), max_tokens)
+        if why is not None:
+            param = "max_tokens" if "max_tokens" in why else ("messages" if chat else "prompt")
+            raise bad(param, why, code="context_length_exceeded")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(tokens: list[int], finish: str | None) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (tokens, finish))
+            except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
+                pass
+
+        job = Job(
+            prompt=ids,
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            seed=secrets.randbits(32) if req.seed is None else req.seed,
+            stop_ids=self.served.stop_ids,
+            deadline=time.monotonic() + self.served.request_timeout,
+            emit=emit,
+        )
+        try:
+            s.submit(job)
+        except QueueFull as err:
+            raise APIError(
+                429,
+                f"the server is busy ({err}); retry later",
+                type="rate_limit_error",
+                code="queue_full",
+            ) from None
+        except NotReady as err:
+            raise APIError(503, str(err), type="server_error", code="unavailable") from None
+        self.metrics.prompt_tokens.inc(len(ids))
+        answer = _Answer(self, req, job, events)
+        if req.stream:
+            return _EventStream(answer.stream(), on_close=answer.close)
+        try:
+            return await answer.whole(request)
+        finally:
+            answer.close()
+
+
+class _Answer:
+    """Turns one job's emitted tokens into text and the OpenAI answer objects."""
+
+    def __init__(self, handler: _Handler, req: CompletionRequest, job: Job, events: asyncio.Queue):
+        self.handler = handler
+        self.req = req
+        self.job = job
+        self.events = events
+        self.text = TextStream(handler.served.tokenizer, req.stop)
+        self.ids: list[int] = []
+        self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.finish: str | None = None
+        self.recorded = False
+
+    def close(self) -> None:
+        """Ends the job if it still runs (the client left, or the answer is complete)."""
+        if self.job.finished is None:
+            self.handler.served.scheduler.cancel(self.job)
+        self._record(self.finish or self.job.finished or CANCELLED)
+
+    def _record(self, reason: str) -> None:
+        if self.recorded:
+            return
+        self.recorded = True
+        m = self.handler.metrics
+        job = self.job
+        m.finished.labels(reason).inc()
+        m.generated_tokens.inc(len(self.ids))
+        if job.first_token is not None:
+            m.ttft.observe(job.first_token - job.submitted)
+            if len(self.ids) > 1:
+                m.tpot.observe((time.monotonic() - job.first_token) / (len(self.ids) - 1))
+
+    async def _next(self) -> tuple[str, str | None]:
+        """The next piece of text and, at the end, the finish reason."""
+        tokens, finish = await self.events.get()
+        self.ids.extend(tokens)
+        piece = self.text.add(tokens)
+        if self.text.stopped:
+            self.handler.served.scheduler.cancel(self.job)
+            return piece, STOP
+        if finish is not None:
+            return piece + self.text.finish(), finish
+        return piece, None
+
+    def _usage(self) -> dict[str, int]:
+        prompt = len(self.job.prompt)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": len(self.ids),
+            "total_tokens": prompt + len(self.ids),
+        }
+
+    @staticmethod
+    def _failure(finish: str) -> APIError | None:
+        if finish == TIMEOUT:
+            return APIError(504, "the request passed its deadline", type="timeout", code="timeout")
+        if finish == SHUTDOWN:
+            return APIError(
+                503, "the server is shutting down", type="server_error", code="shutting_down"
+            )
+        return None
+
+    def _choice(self, text: str, finish: str | None, ids: list[int], delta: bool) -> dict:
+        choice: dict[str, Any] = {"index": 0}
+        if self.req.chat:
+            key = "delta" if delta else "message"
+            choice[key] = {"role": "assistant", "content": text} if not delta else {"content": text}
+        else:
+            choice["text"] = text
+            choice["logprobs"] = None
+        choice["finish_reason"] = finish
+        if self.req.return_token_ids:
+            choice["token_ids"] = ids
+        return choice
+
+    async def whole(self, request: Request) -> Response:
+        parts = []
+        while True:
+            try:
+                piece, finish = await asyncio.wait_for(self._next(), _POLL)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+                continue
+            parts.append(piece)
+            if finish is not None:
+                break
+        failure = self._failure(finish)
+        if failure is not None:
+            raise failure
+        self.finish = STOP if finish == STOP else LENGTH
+        self._record(self.finish)
+        return JSONResponse(
+            {
+                "id": self.id,
+                "object": "chat.completion" if self.req.chat else "text_completion",
+                "created": self.created,
+                "model": self.handler.served.name,
+                "choices": [self._choice("".join(parts), self.finish, list(self.ids), False)],
+                "usage": self._usage(),
+            }
+        )
+
+    def _chunk(self, choices: list, usage: dict | None = None) -> str:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.req.chat else "text_completion",
+            "created": self.created,
+            "model": self.handler.served.name,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+    async def stream(self) -> AsyncIterator[str]:
+        if self.req.chat:  # the first chunk carries the role
+            first = {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "finish_reason": None,
+            }
+            yield self._chunk([first])
+        while True:
+            sent = len(self.ids)
+            piece, finish = await self._next()
+            new_ids = self.ids[sent:]
+            if finish is None:
+                if piece or self.req.return_token_ids:
+                    yield self._chunk([self._choice(piece, None, new_ids, True)])
+                continue
+            failure = self._failure(finish)
+            if failure is not None:
+                yield f"data: {json.dumps(failure.body())}\n\n"
+                return
+            if finish == CANCELLED:
+                return
+            self.finish = STOP if finish == STOP else LENGTH
+            self._record(self.finish)
+            yield self._chunk([self._choice(piece, self.finish, new_ids, True)])
+            if self.req.include_usage:
+                yield self._chunk([], self._usage())
+            yield "data: [DONE]\n\n"
+            return
+
+
+def create_app(served: ServedModel) -> Starlette:
+    """The ASGI app serving `served` (its scheduler started and stopped with the app)."""
+    s = served.scheduler
+    metrics = Metrics(lambda: s.queue_length, lambda: s.busy_slots, s.config.slots)
+    h = _Handler(served, metrics)
+    routes = [
+        Route("/health", h.wrap("/health", h.health), methods=["GET"]),
+        Route("/metrics", h.wrap("/metrics", h.metrics_text), methods=["GET"]),
+        Route("/v1/models", h.wrap("/v1/models", h.models), methods=["GET"]),
+        Route("/v1/completions", h.wrap("/v1/completions", h.completions), methods=["POST"]),
+        Route("/v1/chat/completions", h.wrap("/v1/chat/completions", h.chat), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes)
+    app.state.served = served
+    app.state.metrics = metrics
+    return app

@@ -1,0 +1,284 @@
+"""The OpenAI request bodies the server accepts, validated into `CompletionRequest`, and the
+OpenAI-style error objects it answers bad input with.
+
+Every check names the field and says what it accepts: an `APIError` becomes
+``{"error": {"message", "type", "param", "code"}}`` with its HTTP status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+# Fields the server reads; others OpenAI defines are accepted and ignored when they hold
+# their default (or null), refused otherwise (see `_UNSUPPORTED`).
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "user",
+    "return_token_ids",
+}
+_COMPLETION = _COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+# Fields a request may carry only with these neutral values.
+_NEUTRAL = {
+    "echo": (False,),
+    "logprobs": (None, False),
+    "top_logprobs": (None,),
+    "suffix": (None,),
+    "best_of": (None, 1),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+}
+MAX_STOP_STRINGS = 4
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error object.
+
+    Attributes:
+      status: the HTTP status.
+      message: what was wrong and how to fix it.
+      type: ``invalid_request_error``, ``authentication_error``, ``rate_limit_error``, ...
+      param: the request field at fault, or None.
+      code: a short machine-readable code, or None.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad(param: str, message: str, code: str = "invalid_value") -> APIError:
+    """A 400 for field `param`."""
+    return APIError(400, f"{param}: {message}", param=param, code=code)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionRequest:
+    """A validated completion or chat request.
+
+    Attributes:
+      chat: True for ``/v1/chat/completions`` (`messages` set), False for ``/v1/completions``
+        (`prompt` set).
+      prompt: the prompt text, or its token ids.
+      messages: the chat messages (role/content dicts).
+      max_tokens: new tokens at most, or None for the rest of the context.
+      temperature, top_p, top_k: sampling (top_k 0: all tokens).
+      seed: the PRNG seed, or None (then a random one).
+      stop: strings that end the answer (not included).
+      stream: answer with server-sent events.
+      include_usage: with `stream`, a last chunk carrying the usage counts.
+      return_token_ids: add each choice's token ids (``token_ids``) to the answer.
+    """
+
+    chat: bool
+    prompt: str | tuple[int, ...] | None
+    messages: tuple[dict[str, str], ...]
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object in a request body.
+
+    Raises:
+      APIError: for a body that is not a UTF-8 JSON object.
+    """
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise APIError(
+            400, f"the request body is not valid JSON ({err})", code="invalid_json"
+        ) from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(name, f"must be an integer, got {json.dumps(value)}")
+    if value < lo or (hi is not None and value > hi):
+        limit = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise bad(name, f"must be {limit}, got {value}")
+    return value
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad(name, f"must be a number, got {json.dumps(value)}")
+    if value > hi or value < lo or (lo_open and value == lo):
+        interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise bad(name, f"must be in {interval}, got {value}")
+    return float(value)
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad("stop", "must be a non-empty string or a list of them")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad("stop", f"has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    return tuple(stop)
+
+
+def _prompt(body: dict) -> str | tuple[int, ...]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("prompt", "is empty; give the text to continue")
+        return prompt
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    ):
+        return tuple(prompt)
+    if prompt is None:
+        raise bad("prompt", "is required", code="missing_field")
+    raise bad(
+        "prompt",
+        "must be a non-empty string or a non-empty list of token ids (one prompt: n = 1)",
+    )
+
+
+def _messages(body: dict) -> tuple[dict[str, str], ...]:
+    messages = body.get("messages")
+    if messages is None:
+        raise bad("messages", "is required", code="missing_field")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        name = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(name, "must be an object with role and content")
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "user", "assistant", "developer"):
+            raise bad(f"{name}.role", f"must be system, user, assistant or developer, got {role!r}")
+        if isinstance(content, list):  # content parts: text only
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise bad(f"{name}.content", "only text content parts are supported")
+                parts.append(str(part.get("text", "")))
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise bad(f"{name}.content", "must be a string")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return tuple(out)
+
+
+def parse_request(body: dict[str, Any], chat: bool) -> CompletionRequest:
+    """Validates a ``/v1/completions`` (`chat` False) or ``/v1/chat/completions`` body.
+
+    Raises:
+      APIError: 400 naming the field for anything malformed or unsupported.
+    """
+    known = _CHAT if chat else _COMPLETION
+    for name, value in body.items():
+        if name in known and name not in _NEUTRAL:
+            continue
+        if name in _NEUTRAL:
+            if value not in _NEUTRAL[name]:
+                raise bad(
+                    name,
+                    f"is not supported by this server (got {json.dumps(value)})",
+                    code="unsupported",
+                )
+            continue
+        raise bad(name, "is not a field this endpoint accepts", code="unknown_field")
+    n = _int(body, "n", 1)
+    if n not in (None, 1):
+        raise bad("n", f"must be 1 (one choice per request), got {n}", code="unsupported")
+    max_tokens = _int(body, "max_tokens", 1)
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens = _int(body, "max_completion_tokens", 1)
+    top_k = _int(body, "top_k", 0) or 0
+    seed = body.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise bad("seed", f"must be an integer, got {json.dumps(seed)}")
+        seed %= 2**32  # negative and large seeds fold into jax.random.key's range
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream", f"must be true or false, got {json.dumps(stream)}")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise bad("stream_options", "may only hold include_usage")
+    return_ids = body.get("return_token_ids", False)
+    if not isinstance(return_ids, bool):
+        raise bad("return_token_ids", "must be true or false")
+    if not chat and body.get("model") is not None and not isinstance(body["model"], str):
+        raise bad("model", "must be a string")
+    return CompletionRequest(
+        chat=chat,
+        prompt=None if chat else _prompt(body),
+        messages=_messages(body) if chat else (),
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0, lo_open=False),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=top_k,
+        seed=seed,
+        stop=_stop(body),
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+        return_token_ids=return_ids,
+    )

@@ -1,0 +1,59 @@
+"""Request validation: every bad field gets a 400 naming it."""
+
+import pytest
+
+from lowbit.server import APIError, parse_request
+from lowbit.server._protocol import parse_body
+
+
+def test_a_valid_completion_parses_with_openai_defaults():
+    req = parse_request({"prompt": "hi", "max_tokens": 5, "stop": "x", "seed": -1}, chat=False)
+    assert req.prompt == "hi" and req.max_tokens == 5 and req.stop == ("x",)
+    assert req.temperature == 1.0 and req.top_p == 1.0 and req.top_k == 0
+    assert req.seed == 2**32 - 1 and not req.stream
+
+
+def test_token_prompts_and_chat_messages_parse():
+    assert parse_request({"prompt": [1, 2, 3]}, chat=False).prompt == (1, 2, 3)
+    req = parse_request(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, chat=True
+    )
+    assert req.messages == ({"role": "user", "content": "hi"},)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "temperature": 3}, "temperature"),
+        ({"prompt": "hi", "temperature": "hot"}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "top_k": -1}, "top_k"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
+        ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"prompt": "hi", "stream": "yes"}, "stream"),
+        ({"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"prompt": "hi", "colour": "red"}, "colour"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [1, -2]}, "prompt"),
+        ({}, "prompt"),
+    ],
+)
+def test_bad_completion_fields_name_the_field(body, param):
+    with pytest.raises(APIError) as err:
+        parse_request(body, chat=False)
+    assert err.value.status == 400 and err.value.param == param
+    assert err.value.body()["error"]["message"].startswith(param)
+
+
+def test_bad_chat_messages_name_the_message():
+    with pytest.raises(APIError, match=r"messages\[1\]\.role"):
+        parse_request({"messages": [{"role": "user", "content": "a"}, {"role": "bot"}]}, True)
+
+
+@pytest.mark.parametrize("raw", [b"{", b"[1, 2]", b"\xff"])
+def test_a_body_that_is_not_a_json_object_is_refused(raw):
+    with pytest.raises(APIError, match="JSON") as err:
+        parse_body(raw)
+    assert err.value.status == 400

@@ -1,0 +1,57 @@
+"""`lowbit serve` as a process: SIGTERM lets the running request finish, then exits 0."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from server_support import ARCH, free_port, write_tiny_gguf
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_sigterm_drains_the_running_request_and_exits_0(tmp_path):
+    model = write_tiny_gguf(ARCH, tmp_path / "tiny.gguf")
+    port = free_port()
+    command = [
+        sys.executable, "-c", "import sys; from lowbit.cli import main; sys.exit(main())",
+        "serve", str(model), "--port", str(port), "--slots", "2", "--max-len", "64",
+        "--prefill-chunk", "16", "--grace", "20",
+    ]  # fmt: skip
+    log = open(tmp_path / "log.txt", "w+")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            assert proc.poll() is None, (tmp_path / "log.txt").read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server never became ready"
+            time.sleep(0.2)
+        body = {"prompt": "drain", "max_tokens": 40, "temperature": 0, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                if not events:
+                    proc.send_signal(signal.SIGTERM)  # mid-request
+                events.append(line)
+        assert events[-1] == "data: [DONE]"
+        last = json.loads(events[-2].removeprefix("data: "))
+        assert last["choices"][0]["finish_reason"] in ("length", "stop")
+        assert proc.wait(60) == 0, (tmp_path / "log.txt").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
