@@ -64,7 +64,9 @@ def solve(
     """
     c = [np.asarray(x, np.int64) for x in costs]
     e = [np.asarray(x, np.float64) for x in errors]
-    if len(c) != len(e) or any(a.shape != b.shape or a.size == 0 for a, b in zip(c, e)):
+    if len(c) != len(e) or any(
+        a.shape != b.shape or a.size == 0 for a, b in zip(c, e, strict=True)
+    ):
         raise ValueError("solve: costs and errors need the same non-empty choices per item")
     if any(not np.all(np.isfinite(x)) for x in e):
         raise ValueError("solve: errors must be finite")

@@ -104,9 +104,7 @@ def measure(
     shape = tuple(np.shape(w))
     w = jnp.asarray(w, jnp.float32)
     # GPTQ runs where `gptq_one` would: plain statistics with at least as many rows as inputs.
-    gptq_ok = bool(stats) and all(
-        not s.ragged and s.count >= int(s.gram.shape[0]) for s in stats
-    )
+    gptq_ok = bool(stats) and all(not s.ragged and s.count >= int(s.gram.shape[0]) for s in stats)
     out = []
     for cand in candidates:
         if not cand.fits(path, shape) or (cand.algorithm is not None and not gptq_ok):

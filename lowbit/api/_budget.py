@@ -159,35 +159,44 @@ def budget_bytes(
     return budget
 
 
-def choose_plan(
+@dataclasses.dataclass(frozen=True)
+class Measurements:
+    """Every candidate measured on every weight: what a plan is chosen from, for any budget.
+
+    Attributes:
+      shapes: {path: shape} of the measured weights.
+      measured: {path: [Measured, ...]} (the candidates that fit each weight).
+      target: ``"lowbit"`` or ``"gguf"``.
+      unplanned: {path: why} for weights no candidate fits.
+    """
+
+    shapes: Mapping[str, tuple[int, ...]]
+    measured: Mapping[str, list[Measured]]
+    target: str
+    unplanned: Mapping[str, str]
+
+    @property
+    def elements(self) -> int:
+        return sum(math.prod(self.shapes[p]) for p in self.measured)
+
+    def bounds(self) -> tuple[int, int]:
+        """(smallest, largest) total bytes the candidates can give."""
+        return bounds([[m.nbytes for m in ms] for ms in self.measured.values()])
+
+
+def measure_candidates(
     params: Any,
     statistics: Statistics,
     *,
-    bits: float | None = None,
-    max_bytes: int | None = None,
     candidates: tuple[Candidate, ...] | None = None,
     target: str = "lowbit",
-    name: str = "plan",
     on_weight: Callable[[int, int], None] | None = None,
-) -> BudgetPlan:
-    """Chooses a format per weight within a size budget (see module docstring).
+) -> Measurements:
+    """Measures every candidate on every weight a candidate's layout names (see
+    `choose_plan`, which takes the same arguments).
 
-    Args:
-      params: float params pytree (pure dicts or NNX state).
-      statistics: calibration statistics of its weights (`lowbit.algorithms.capture`, or
-        `lowbit.eval.calibrator`); a weight with none is costed as a lookup table.
-      bits: mean stored bits per weight over the planned weights; or
-      max_bytes: their stored bytes.
-      candidates: `Candidate`s to choose from (default: `default_candidates(target)`).
-      target: ``"lowbit"`` (checkpoint bytes) or ``"gguf"`` (GGML block bytes; GGML types only).
-      name: the plan recipe's name.
-      on_weight: progress ``(done, total)`` over the measured weights.
-    Returns:
-      A `BudgetPlan` (its `recipe` quantizes the model: `quantize_params(params, plan.recipe,
-      algorithm_options=AlgorithmOptions(statistics=statistics))`).
     Raises:
-      ValueError: for a candidate the target cannot store, no weight a candidate fits, or a
-        budget outside what the candidates can give (naming both bounds).
+      ValueError: for a candidate the target cannot store, or no weight a candidate fits.
     """
     candidates = storable(candidates or default_candidates(target), target)
     shapes = planned_weights(params, candidates)
@@ -218,15 +227,75 @@ def choose_plan(
             f"groups must divide the contraction axis ({len(shapes)} weights, e.g. "
             f"{next(iter(shapes.items()), None)})"
         )
+    return Measurements(shapes, measured, target, unplanned)
+
+
+def plan_within(
+    measurements: Measurements,
+    *,
+    bits: float | None = None,
+    max_bytes: int | None = None,
+    name: str = "plan",
+) -> BudgetPlan:
+    """The plan of least summed error within a budget, from `measure_candidates`.
+
+    Raises:
+      ValueError: for neither or both budgets, or one outside what the candidates can give
+        (naming both bounds).
+    """
+    measured = measurements.measured
     costs = [[m.nbytes for m in ms] for ms in measured.values()]
     errors = [[m.error for m in ms] for ms in measured.values()]
-    elements = sum(math.prod(shapes[p]) for p in measured)
     low, high = bounds(costs)
-    budget = budget_bytes(bits=bits, max_bytes=max_bytes, elements=elements, low=low, high=high)
+    budget = budget_bytes(
+        bits=bits, max_bytes=max_bytes, elements=measurements.elements, low=low, high=high
+    )
     picks = solve(costs, errors, budget)
+    shapes = measurements.shapes
     tensors = tuple(
         TensorChoice(path, shapes[path], ms[j], tuple(ms))
         for (path, ms), j in zip(measured.items(), picks, strict=True)
     )
     recipe = plan_recipe({t.path: (t.chosen.candidate, t.shape) for t in tensors}, name=name)
-    return BudgetPlan(recipe, tensors, budget, target, unplanned)
+    return BudgetPlan(recipe, tensors, budget, measurements.target, measurements.unplanned)
+
+
+def choose_plan(
+    params: Any,
+    statistics: Statistics,
+    *,
+    bits: float | None = None,
+    max_bytes: int | None = None,
+    candidates: tuple[Candidate, ...] | None = None,
+    target: str = "lowbit",
+    name: str = "plan",
+    on_weight: Callable[[int, int], None] | None = None,
+) -> BudgetPlan:
+    """Chooses a format per weight within a size budget (see module docstring).
+
+    `measure_candidates` then `plan_within`; call those to choose several plans from one
+    measurement.
+
+    Args:
+      params: float params pytree (pure dicts or NNX state).
+      statistics: calibration statistics of its weights (`lowbit.algorithms.capture`, or
+        `lowbit.eval.calibrator`); a weight with none is costed as a lookup table.
+      bits: mean stored bits per weight over the planned weights; or
+      max_bytes: their stored bytes.
+      candidates: `Candidate`s to choose from (default: `default_candidates(target)`).
+      target: ``"lowbit"`` (checkpoint bytes) or ``"gguf"`` (GGML block bytes; GGML types only).
+      name: the plan recipe's name.
+      on_weight: progress ``(done, total)`` over the measured weights.
+    Returns:
+      A `BudgetPlan` (its `recipe` quantizes the model: `quantize_params(params, plan.recipe,
+      algorithm_options=AlgorithmOptions(statistics=statistics))`).
+    Raises:
+      ValueError: for a candidate the target cannot store, no weight a candidate fits, or a
+        budget outside what the candidates can give (naming both bounds).
+    """
+    if (bits is None) == (max_bytes is None):  # before the measuring, not after
+        raise ValueError("give exactly one budget: bits (--bits) or max_bytes (--max-bytes)")
+    measurements = measure_candidates(
+        params, statistics, candidates=candidates, target=target, on_weight=on_weight
+    )
+    return plan_within(measurements, bits=bits, max_bytes=max_bytes, name=name)

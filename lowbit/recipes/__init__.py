@@ -1,6 +1,7 @@
 """Recipes: rules that say which parameters to quantize and how, and named presets."""
 
 from lowbit.recipes._algorithm import ALGORITHMS, AWQ, GPTQ, HQQ, Algorithm, SmoothQuant
+from lowbit.recipes._builders import activation_config, matmul_rules, weight_config
 from lowbit.recipes._candidates import (
     DEFAULT_CANDIDATES,
     GGUF_CANDIDATES,
@@ -12,7 +13,6 @@ from lowbit.recipes._candidates import (
     plan_recipe,
     storable,
 )
-from lowbit.recipes._builders import activation_config, matmul_rules, weight_config
 from lowbit.recipes._json import (
     format_calibration,
     format_granularity,

@@ -72,11 +72,10 @@ class Candidate:
         """The weight config for a parameter at `path` with `ndim` axes, or None when no
         layout of `lowbit.recipes.matmul_rules` (``kernel`` / ``embedding`` / ``weight``)
         names it."""
-        for pattern, channel_axis, group_axis in LAYOUTS:
-            if re.fullmatch(pattern, path):
-                break
-        else:
+        layout = next((axes for p, *axes in LAYOUTS if re.fullmatch(p, path)), None)
+        if layout is None:
             return None
+        channel_axis, group_axis = layout
         fmt = get_format(self.format)
         if isinstance(fmt, GGUFBlockFormat):
             granularity = PerGroup(fmt.block.block_size, axis=group_axis)
