@@ -75,6 +75,12 @@ def _rtn(w: jax.Array, config):
     return quantize(w, config)
 
 
+@functools.partial(jax.jit, static_argnames="config")
+def _rtn_delta(w: jax.Array, config) -> jax.Array:
+    # Round to nearest and back in one compiled function: one compile per shape and config.
+    return quantize(w, config).dequantize(jnp.float32) - w
+
+
 def measure(
     path: str,
     w: jax.Array,
@@ -109,10 +115,13 @@ def measure(
     for cand in candidates:
         if not cand.fits(path, shape) or (cand.algorithm is not None and not gptq_ok):
             continue
-        q = _rtn(w, cand.config(path, len(shape)))
+        config = cand.config(path, len(shape))
         if cand.algorithm is not None:
-            q, _ = gptq_qarray(w, q, stats, cand.algorithm, factors)
-        delta = q.dequantize(jnp.float32) - w
+            q, _ = gptq_qarray(w, _rtn(w, config), stats, cand.algorithm, factors)
+            delta = q.dequantize(jnp.float32) - w
+        else:
+            q = jax.eval_shape(functools.partial(quantize, config=config), w)  # shapes only
+            delta = _rtn_delta(w, config)
         nbytes = cand.gguf_nbytes(shape) if target == "gguf" else int(q.nbytes)
         out.append(Measured(cand, nbytes, output_error(delta, stats, rows)))
     return out
