@@ -155,11 +155,15 @@ def _run_streaming(args: argparse.Namespace) -> int:
     if path.is_dir():
         # Float weights quantized from float32, as the in-memory path loads them.
         name_map, options = _hf_stream_map(path), dict(dtype=np.float32)
+        config = None
     else:
-        name_map = gguf_param_map(decoder_config_from_gguf(read_gguf(path)))
+        config = decoder_config_from_gguf(read_gguf(path))
+        name_map = gguf_param_map(config)
         # A recipe quantizes the float weights as the in-memory path does, from the file's
         # values; `gguf` keeps the file's blocks.
         options = dict(quantized=keep)
+    if recipe is not None and recipe.shapes is not None and config is not None:
+        _check_plan_shapes(recipe, config)
     with progress() as bar:
         with step(bar, f"converting {args.model} with {args.recipe}") as advance:
             report = convert_checkpoint(
@@ -178,3 +182,16 @@ def _run_streaming(args: argparse.Namespace) -> int:
         f"({size / reference:.3f} of float32 {reference / 1e6:.2f} MB), one tensor at a time"
     )
     return 0
+
+
+def _check_plan_shapes(recipe, config) -> None:
+    """A plan's recorded shapes against the decoder `config` describes (no weight is read).
+
+    Raises:
+      ValueError: naming the first planned weight this model lacks or shapes otherwise.
+    """
+    from flax import nnx
+
+    from lowbit.models import Decoder
+
+    recipe.check_shapes(nnx.to_pure_dict(nnx.state(Decoder.abstract(config), nnx.Param)))

@@ -69,9 +69,10 @@ def test_plan_to_gguf_and_back_through_recipe(tiny, capsys):
     data["shapes"]["layers/0/attn/q_proj/kernel"] = [64, 128]
     other = root / "other.json"
     other.write_text(json.dumps(data))
-    argv = ["quantize", str(model), "--recipe", str(other), "--out", str(root / "x.gguf")]
-    assert main(argv) == 2
-    assert "'layers/0/attn/q_proj/kernel' has shape (64, 64) here, (64, 128)" in _error(capsys)
+    for out in ("x.gguf", "checkpoint"):  # in memory, and streamed to a checkpoint
+        argv = ["quantize", str(model), "--recipe", str(other), "--out", str(root / out)]
+        assert main(argv) == 2
+        assert "'layers/0/attn/q_proj/kernel' has shape (64, 64) here, (64, 128)" in _error(capsys)
 
 
 def test_budget_outside_the_candidates(tiny, capsys):
