@@ -184,9 +184,10 @@ def parse_candidates(text: str, field: str = "--candidates") -> tuple[Candidate,
 
 
 DEFAULT_CANDIDATES = (
-    "int8,int4:g32:asym,int4:g64:asym,int4:g128:asym,int4:g64,nf4:g64,int3:g64:asym,int2:g32:asym"
+    "int8,int4:g32:asym,int4:g64:asym,int4:g64,nf4:g64,int4:g128,int3:g64,int3:g128,int2:g64:asym"
 )
-"""Candidates of a lowbit checkpoint when none are given (round to nearest)."""
+"""Candidates of a lowbit checkpoint when none are given (round to nearest): 8 down to 3 stored
+bits per weight (float32 scales cost 32 / group bits, zero points as much again)."""
 
 GGUF_CANDIDATES = "q8_0,q6_k,q5_k,q5_1,q5_0,q4_k,q4_1,q4_0,iq4_nl,q3_k,q2_k"
 """Candidates of a GGUF export when none are given: the GGML types lowbit encodes."""
