@@ -17,6 +17,7 @@ calibration and rounding take on the same data (`int4w_g64_gptq`).
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 
@@ -33,6 +34,10 @@ CANDIDATES = "q8_0,q6_k,q5_k,q5_1,q5_0,q4_k,q4_1,q4_0,iq4_nl,q3_k,q2_k,q4_0:gptq
 SEQUENCES = int(os.environ.get("LOWBIT_MIXES_SEQUENCES", "64"))
 PPL_CONTEXT = 512
 PPL_TOKENS = int(os.environ.get("LOWBIT_MIXES_PPL_TOKENS", "8192"))
+
+
+def _log(text: str) -> None:
+    print(f"[mixes] {text}", file=sys.stderr, flush=True)
 
 
 def _quantize_llama_cpp(source: str, out: str, mix: str) -> float:
@@ -95,6 +100,7 @@ def run() -> str | None:
         f16 = os.path.join(tmp, "smollm2-f16.gguf")
         export_gguf(pure, f16, config=config, type="F16", source=source, log=None)
         base = _llama_cpp_perplexity(f16, tokens)
+        _log(f"F16 file: perplexity {base:.3f}")
         rows.append(("F16 (lowbit export)", os.path.getsize(f16), *_weight_bytes(f16), base, 0.0))
 
         candidates = parse_candidates(CANDIDATES)
@@ -107,6 +113,7 @@ def run() -> str | None:
         start = time.perf_counter()
         measurements = measure_candidates(pure, statistics, candidates=candidates, target="gguf")
         measure_s = time.perf_counter() - start
+        _log(f"measured: capture {capture_s:.0f} s, candidates {measure_s:.0f} s")
 
         # GPTQ's own time on the same data, for the "≤ 2x GPTQ calibration" target.
         start = time.perf_counter()
@@ -117,6 +124,7 @@ def run() -> str | None:
             calibrate=calibrator(None, SEQUENCES),
         )
         gptq_s = time.perf_counter() - start
+        _log(f"int4w_g64_gptq on the same data: {gptq_s:.0f} s")
 
         results = {}
         for mix in MIXES:
@@ -150,6 +158,7 @@ def run() -> str | None:
             for t in plan.tensors:
                 counts[t.chosen.candidate.name] = counts.get(t.chosen.candidate.name, 0) + 1
             results[mix] = (ppl - base, ppl_ours - base, counts)
+            _log(f"{mix}: llama.cpp {ppl:.3f}, lowbit {ppl_ours:.3f} ({budget} / {mine_bytes} B)")
     lines = [
         f"SmolLM2-135M, {cpu_model()}, {time.strftime('%Y-%m-%d')}; perplexity by llama.cpp "
         f"(llama-cpp-python) on the evaluation text, windows of {PPL_CONTEXT}, up to "
