@@ -3,8 +3,9 @@
 SmolLM2's float weights (the asset dequantized) are exported as an F16 GGUF file. llama.cpp's
 `llama_model_quantize` (llama-cpp-python) makes Q2_K, Q3_K_M, Q4_K_M and Q5_K_M from it. For each,
 lowbit chooses a plan from the GGML types it encodes (`lowbit.api.plan_within`, candidates
-measured once on the calibration set) with a byte budget equal to the bytes llama.cpp's file
-spends on the same tensors, and exports it (`export_gguf`, each weight as its chosen type). Every
+measured once on the calibration set) with a byte budget that makes its file as large as
+llama.cpp's (the file's size less what lowbit's export holds besides the planned weights), and
+exports it (`export_gguf`, each weight as its chosen type). Every
 file is scored by llama.cpp's perplexity on the same evaluation text.
 
 Columns: file bytes, bits per weight of the quantized tensors, perplexity and its change over
@@ -102,6 +103,7 @@ def run() -> str | None:
         base = _llama_cpp_perplexity(f16, tokens)
         _log(f"F16 file: perplexity {base:.3f}")
         rows.append(("F16 (lowbit export)", os.path.getsize(f16), *_weight_bytes(f16), base, 0.0))
+        overhead = os.path.getsize(f16) - _weight_bytes(f16)[0]
 
         candidates = parse_candidates(CANDIDATES)
         from lowbit.api._budget import planned_weights
@@ -130,10 +132,13 @@ def run() -> str | None:
         for mix in MIXES:
             theirs = os.path.join(tmp, f"llama-{mix}.gguf")
             seconds = _quantize_llama_cpp(f16, theirs, mix)
-            budget, elements = _weight_bytes(theirs)
+            # The plan's weights get what llama.cpp's whole file holds, less what every lowbit
+            # export holds besides them (metadata, tokenizer, norms: as in the F16 file).
+            budget = os.path.getsize(theirs) - overhead
+            their_bytes, elements = _weight_bytes(theirs)
             ppl = _llama_cpp_perplexity(theirs, tokens)
             rows.append(
-                (f"llama.cpp {mix}", os.path.getsize(theirs), budget, elements, ppl, seconds)
+                (f"llama.cpp {mix}", os.path.getsize(theirs), their_bytes, elements, ppl, seconds)
             )
             start = time.perf_counter()
             plan = plan_within(measurements, max_bytes=budget, name=f"plan-{mix}")
