@@ -24,6 +24,8 @@ import importlib
 from lowbit.algorithms._capture import CalibrationError, Statistics, WeightStats, capture
 from lowbit.algorithms._gptq import gptq_matrix
 from lowbit.algorithms._hqq import hqq_qarray
+from lowbit.algorithms._knapsack import bounds as knapsack_bounds
+from lowbit.algorithms._knapsack import solve as solve_knapsack
 from lowbit.algorithms._rounding import (
     IMPLEMENTED,
     AlgorithmReport,
@@ -39,6 +41,7 @@ from lowbit.algorithms._rounding import (
     rounding_for,
     sample_rows,
 )
+from lowbit.algorithms._sensitivity import Measured, measure, output_error
 from lowbit.algorithms._sparsegpt import prune_one, sparsegpt_matrix
 from lowbit.algorithms._walk import activation_rows, batch_args, kept_rows, walk_batch
 
@@ -60,6 +63,11 @@ def __getattr__(name: str):
 
 __all__ = [
     "IMPLEMENTED",
+    "Measured",
+    "knapsack_bounds",
+    "measure",
+    "output_error",
+    "solve_knapsack",
     "AlgorithmReport",
     "CalibrationError",
     "Context",

@@ -2,6 +2,15 @@
 LoRA adapters."""
 
 from lowbit.api._algorithms import AlgorithmOptions
+from lowbit.api._budget import (
+    BudgetPlan,
+    Measurements,
+    TensorChoice,
+    budget_bytes,
+    choose_plan,
+    measure_candidates,
+    plan_within,
+)
 from lowbit.api._calibrate import METHODS, activation_ranges, calibrate, with_activation_bounds
 from lowbit.api._deprecated import (
     deprecated_quantize_model,
@@ -33,6 +42,13 @@ from lowbit.api._sparsity import SparseRule, apply_masks, nm_masks, nm_sparsify_
 from lowbit.api._trace import param_uses
 
 __all__ = [
+    "BudgetPlan",
+    "Measurements",
+    "measure_candidates",
+    "plan_within",
+    "TensorChoice",
+    "budget_bytes",
+    "choose_plan",
     "AlgorithmOptions",
     "FP8_PRESETS",
     "METHODS",

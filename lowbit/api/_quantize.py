@@ -229,6 +229,7 @@ def quantize_params(
       ('QArray', (3,))
     """
     recipe = as_recipe(recipe)
+    recipe.check_shapes(params)  # a plan chosen for another model names the first mismatch
     decisions = check_decisions(recipe, params, uses, layout_axes)
     wanted = {p: v for p, v in _with_algorithm(recipe, decisions).items() if p not in skip}
     if decisions and all(d.rule_index is None for d in decisions.values()):

@@ -1,5 +1,9 @@
 """`lowbit quantize MODEL --recipe R --out DIR`: quantize a model and write a checkpoint.
 
+With ``--bits B`` or ``--max-bytes N`` instead of a recipe, a format per weight is chosen under
+that size budget (`lowbit.cli._budget`). An output ending in ``.gguf`` is written as a GGUF file
+(in memory) instead of a checkpoint directory.
+
 A GGUF file with a recipe that selects weights by path (or ``gguf``) streams through
 `lowbit.io.convert_checkpoint`, one tensor at a time, so models larger than memory convert;
 the checkpoint is byte for byte the one the in-memory path writes.
@@ -13,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from lowbit import serving
+from lowbit.cli._budget import add_budget_arguments, budget_requested, run_budget, write_output
 from lowbit.cli._common import (
     META_KIND,
     META_MODEL,
@@ -40,11 +45,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_recipe_argument(
         parser,
-        help="a preset (see `lowbit recipes`), a recipe JSON file, or gguf (GGUF models only)",
-        required=True,
+        help="a preset (see `lowbit recipes`), a recipe JSON file (a plan from --plan-out), or "
+        "gguf (GGUF models only); or give a size budget instead (--bits / --max-bytes)",
     )
-    parser.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR|FILE.gguf",
+        help="checkpoint directory to write, or a .gguf file (Llama-family models)",
+    )
     add_calibration_arguments(parser)
+    add_budget_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +64,11 @@ def run(args: argparse.Namespace) -> int:
 
     from lowbit.io import check_save_path, save_checkpoint
 
+    if budget_requested(args):
+        return run_budget(args)
     serving.check_recipe_spec(args.recipe)
+    if str(args.out).endswith(".gguf"):
+        return _run_to_gguf(args)
     check_save_path(args.out)  # before the work, not after: refuse a directory that is not ours
     if _streams(args.model, args.recipe):
         return _run_streaming(args)
@@ -72,6 +87,24 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {args.out}: {loaded.name} with recipe {label}, {size / 1e6:.2f} MB "
         f"({size / reference:.3f} of float32 {reference / 1e6:.2f} MB)"
     )
+    return 0
+
+
+def _run_to_gguf(args: argparse.Namespace) -> int:
+    """`run` with a ``.gguf`` output: quantize in memory, write each weight as the GGML type
+    its format maps onto (a plan's choices; other formats are re-encoded as Q8_0)."""
+    from flax import nnx
+
+    from lowbit.ops import logical_weights
+
+    with progress() as bar:
+        with step(bar, f"loading {args.model}"):
+            loaded = serving.load_model(args.model)
+        float_params = nnx.split(loaded.model)[1]
+        with step(bar, f"quantizing with {args.recipe}"):
+            params, recipe = quantize_with_progress(bar, loaded, float_params, args.recipe, args)
+        label = serving.recipe_label(args.recipe)
+        write_output(bar, args, loaded, logical_weights(params), recipe, label)
     return 0
 
 
@@ -122,11 +155,15 @@ def _run_streaming(args: argparse.Namespace) -> int:
     if path.is_dir():
         # Float weights quantized from float32, as the in-memory path loads them.
         name_map, options = _hf_stream_map(path), dict(dtype=np.float32)
+        config = None
     else:
-        name_map = gguf_param_map(decoder_config_from_gguf(read_gguf(path)))
+        config = decoder_config_from_gguf(read_gguf(path))
+        name_map = gguf_param_map(config)
         # A recipe quantizes the float weights as the in-memory path does, from the file's
         # values; `gguf` keeps the file's blocks.
         options = dict(quantized=keep)
+    if recipe is not None and recipe.shapes is not None and config is not None:
+        _check_plan_shapes(recipe, config)
     with progress() as bar:
         with step(bar, f"converting {args.model} with {args.recipe}") as advance:
             report = convert_checkpoint(
@@ -145,3 +182,16 @@ def _run_streaming(args: argparse.Namespace) -> int:
         f"({size / reference:.3f} of float32 {reference / 1e6:.2f} MB), one tensor at a time"
     )
     return 0
+
+
+def _check_plan_shapes(recipe, config) -> None:
+    """A plan's recorded shapes against the decoder `config` describes (no weight is read).
+
+    Raises:
+      ValueError: naming the first planned weight this model lacks or shapes otherwise.
+    """
+    from flax import nnx
+
+    from lowbit.models import Decoder
+
+    recipe.check_shapes(nnx.to_pure_dict(nnx.state(Decoder.abstract(config), nnx.Param)))

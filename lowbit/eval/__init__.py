@@ -27,7 +27,12 @@ from lowbit.eval._harness import (
     pad_batch,
 )
 from lowbit.eval._perplexity import PerplexityResult, perplexity, token_nll, window_starts
-from lowbit.eval._plots import plot_layer_sqnr, plot_loss_curve, plot_size_vs_quality
+from lowbit.eval._plots import (
+    plot_bits_per_layer,
+    plot_layer_sqnr,
+    plot_loss_curve,
+    plot_size_vs_quality,
+)
 from lowbit.eval._report import (
     ResultRow,
     print_table,
@@ -88,6 +93,7 @@ __all__ = [
     "pad_batch",
     "param_bytes",
     "perplexity",
+    "plot_bits_per_layer",
     "plot_layer_sqnr",
     "plot_size_vs_quality",
     "prefill_tokens_per_s",

@@ -161,3 +161,32 @@ def plot_loss_curve(
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def plot_bits_per_layer(
+    bits: Mapping[str, float],
+    path: str | os.PathLike[str],
+    *,
+    title: str = "stored bits per weight",
+) -> Path:
+    """Bars of mean stored bits per weight (scales included) per layer of a plan.
+
+    Args:
+      bits: ``{layer: bits}`` in model order (`lowbit.api.BudgetPlan.bits_per_layer`).
+      path: PNG file to write.
+      title: figure title (e.g. the budget).
+    Returns:
+      The path written.
+    Raises:
+      ValueError: if `bits` is empty.
+    """
+    if not bits:
+        raise ValueError("plot_bits_per_layer needs at least one layer")
+    fig = Figure(figsize=(max(6.0, 0.3 * len(bits) + 2), 3.6), layout="constrained")
+    ax = fig.subplots()
+    ax.bar(range(len(bits)), list(bits.values()), width=0.85, color="tab:blue")
+    ax.set_xticks(range(len(bits)), list(bits), rotation=90, fontsize=6)
+    ax.set_ylabel("bits per weight")
+    ax.set_title(title)
+    ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, path)

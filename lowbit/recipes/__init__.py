@@ -2,6 +2,17 @@
 
 from lowbit.recipes._algorithm import ALGORITHMS, AWQ, GPTQ, HQQ, Algorithm, SmoothQuant
 from lowbit.recipes._builders import activation_config, matmul_rules, weight_config
+from lowbit.recipes._candidates import (
+    DEFAULT_CANDIDATES,
+    GGUF_CANDIDATES,
+    TARGETS,
+    Candidate,
+    default_candidates,
+    parse_candidate,
+    parse_candidates,
+    plan_recipe,
+    storable,
+)
 from lowbit.recipes._json import (
     format_calibration,
     format_granularity,
@@ -30,6 +41,15 @@ from lowbit.recipes._rule import Rule, stack_granularity
 from lowbit.recipes._select import OPS, Select, select_params
 
 __all__ = [
+    "Candidate",
+    "DEFAULT_CANDIDATES",
+    "GGUF_CANDIDATES",
+    "TARGETS",
+    "default_candidates",
+    "parse_candidate",
+    "parse_candidates",
+    "plan_recipe",
+    "storable",
     "ALGORITHMS",
     "AWQ",
     "GPTQ",

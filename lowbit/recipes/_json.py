@@ -235,6 +235,8 @@ def recipe_to_json(recipe: Recipe) -> str:
     data: dict[str, Any] = {"name": recipe.name, "rules": [rule_to_dict(r) for r in recipe.rules]}
     if recipe.kv_cache is not None:
         data["kv_cache"] = format_kv_cache(recipe.kv_cache)
+    if recipe.shapes is not None:
+        data["shapes"] = {path: list(shape) for path, shape in recipe.shapes}
     return json.dumps(data, indent=2)
 
 
@@ -253,12 +255,28 @@ def recipe_from_json(text: str | Mapping[str, Any]) -> Recipe:
         data = text
     if not isinstance(data, Mapping) or not isinstance(data.get("rules"), list):
         raise ValueError('recipe JSON must be an object {"name": str, "rules": [rule, ...]}')
-    unknown = sorted(set(data) - {"name", "rules", "kv_cache"})
+    keys = ["name", "rules", "kv_cache", "shapes"]
+    unknown = sorted(set(data) - set(keys))
     if unknown:
-        raise ValueError(f"Recipe: unknown keys {unknown}; accepted: ['name', 'rules', 'kv_cache']")
+        raise ValueError(f"Recipe: unknown keys {unknown}; accepted: {keys}")
     rules = tuple(parse_rule(r, f"Recipe.rules[{i}]") for i, r in enumerate(data["rules"]))
     name = data.get("name", "custom")
     if not isinstance(name, str):
         raise ValueError(f"Recipe.name: {name!r}; accepted: a string")
     kv_cache = parse_kv_cache(data.get("kv_cache"), "Recipe.kv_cache")
-    return Recipe(rules=rules, name=name, kv_cache=kv_cache)
+    return Recipe(rules=rules, name=name, kv_cache=kv_cache, shapes=_parse_shapes(data))
+
+
+def _parse_shapes(data: Mapping[str, Any]) -> tuple | None:
+    shapes = data.get("shapes")
+    if shapes is None:
+        return None
+    ok = isinstance(shapes, Mapping) and all(
+        isinstance(v, list) and all(isinstance(d, int) and d >= 0 for d in v)
+        for v in shapes.values()
+    )
+    if not ok:
+        raise ValueError(
+            f"Recipe.shapes: {shapes!r}; accepted: an object {{parameter path: [dim, ...]}}"
+        )
+    return tuple((str(p), tuple(v)) for p, v in shapes.items())

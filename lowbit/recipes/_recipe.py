@@ -69,6 +69,9 @@ class Recipe:
       name: a label (presets use their name).
       kv_cache: how a language model's key/value cache is stored when the recipe runs it
         (`KVCacheConfig`, or its text form such as ``"int8"``); None for a float cache.
+      shapes: ``((path, shape), ...)`` of the model the recipe was made for (a plan chosen
+        under a budget, `lowbit.api.choose_plan`), or None. When set, quantizing params whose
+        parameter at such a path is missing or has another shape raises (`check_shapes`).
 
     Example:
       >>> from lowbit.qarray import QuantConfig, PerChannel
@@ -84,9 +87,18 @@ class Recipe:
     rules: tuple[Rule, ...]
     name: str = "custom"
     kv_cache: KVCacheConfig | None = None
+    shapes: tuple[tuple[str, tuple[int, ...]], ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache", parse_kv_cache(self.kv_cache, "Recipe.kv_cache"))
+        if self.shapes is not None:
+            shapes = tuple(
+                (str(p), tuple(int(d) for d in shape))
+                for p, shape in (
+                    self.shapes.items() if isinstance(self.shapes, Mapping) else self.shapes
+                )
+            )
+            object.__setattr__(self, "shapes", shapes)
         rules = (self.rules,) if isinstance(self.rules, Rule) else tuple(self.rules)
         for i, rule in enumerate(rules):
             if not isinstance(rule, Rule):
@@ -159,6 +171,29 @@ class Recipe:
         used = {d.rule_index for d in decisions if d.rule_index is not None}
         unused = tuple(i for i in range(len(self.rules)) if i not in used)
         return RecipeReport(recipe=self, decisions=decisions, unused_rules=unused)
+
+    def check_shapes(self, params: Any) -> None:
+        """Checks that `params` are the model this recipe's `shapes` were recorded for.
+
+        Raises:
+          ValueError: naming the first parameter that is missing or has another shape.
+        """
+        if self.shapes is None:
+            return
+        have = {path: tuple(getattr(leaf, "shape", ())) for path, leaf in param_leaves(params)}
+        for path, shape in self.shapes:
+            if path not in have:
+                raise ValueError(
+                    f"recipe {self.name!r} was made for another model: it names parameter "
+                    f"{path!r} {shape}, which this model does not have (it has e.g. "
+                    f"{next(iter(have), None)!r}); choose a plan for this model"
+                )
+            if have[path] != shape:
+                raise ValueError(
+                    f"recipe {self.name!r} was made for another model: parameter {path!r} has "
+                    f"shape {have[path]} here, {shape} in the recipe; choose a plan for this "
+                    "model"
+                )
 
     def to_json(self) -> str:
         """JSON text that `Recipe.from_json` reads back to an equal recipe."""

@@ -52,7 +52,8 @@ def test_recipes_lists_one_line_per_preset(capsys):
     [
         ([], "a command is required"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
-        (["quantize", "minilm"], "--recipe"),
+        (["quantize", "minilm"], "--out"),
+        (["quantize", "minilm", "--out", "x"], "give --recipe"),
         (["eval", "no-such-model"], "MODEL 'no-such-model' is not a known model"),
         (["eval", "missing.gguf"], "does not exist"),
         (["eval", "minilm", "--text", "a", "--sentences", "b"], "not allowed with argument"),

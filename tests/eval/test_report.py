@@ -86,6 +86,13 @@ def test_plots_write_png(tmp_path):
         )
 
 
+def test_bits_per_layer_plot(tmp_path):
+    png = lbe.plot_bits_per_layer({"embed": 8.5, "layers/0": 4.25}, tmp_path / "bits.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="at least one layer"):
+        lbe.plot_bits_per_layer({}, tmp_path / "x.png")
+
+
 def test_shipped_sentences():
     sentences = lbe.default_sentences()
     assert len(sentences) == 32 and len(set(sentences)) == 32

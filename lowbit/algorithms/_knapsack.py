@@ -1,0 +1,118 @@
+"""Multiple-choice knapsack: one choice per item, least total error within a byte budget.
+
+Item ``i`` has choices ``j`` with ``cost[i][j]`` bytes and ``error[i][j]``; `solve` picks one
+choice per item so that ``sum cost <= budget`` and ``sum error`` is small:
+
+1. **Lagrangian search.** For a multiplier ``λ >= 0`` every item independently takes
+   ``argmin_j error + λ cost``; the total cost falls as λ grows. λ is bisected (on a log
+   scale) to the smallest value whose choice fits the budget. That choice is optimal for its
+   own total cost (a point on the lower convex hull of the error/cost trade-off), and at most
+   one item's step along its hull separates it from the continuous relaxation's optimum.
+2. **Repair / fill.** The bytes left are spent greedily: among single-item changes to a
+   choice of lower error that still fit, the one with the largest error drop per added byte,
+   until none fits.
+
+Items with one choice, dominated choices and ties are fine; costs are integers (bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def _pick(costs: list[np.ndarray], errors: list[np.ndarray], lam: float) -> np.ndarray:
+    # Ties go to the cheaper choice, so the total cost falls monotonically in λ.
+    out = np.empty(len(costs), np.int64)
+    for i, (c, e) in enumerate(zip(costs, errors, strict=True)):
+        score = e + lam * c
+        best = np.flatnonzero(score <= score.min())
+        out[i] = best[np.argmin(c[best])]
+    return out
+
+
+def _total(costs: list[np.ndarray], choice: np.ndarray) -> int:
+    return int(sum(int(c[j]) for c, j in zip(costs, choice, strict=True)))
+
+
+def bounds(costs: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(smallest, largest) total cost: every item at its cheapest, every item at its
+    dearest choice."""
+    return int(sum(min(c) for c in costs)), int(sum(max(c) for c in costs))
+
+
+def solve(
+    costs: Sequence[Sequence[int]],
+    errors: Sequence[Sequence[float]],
+    budget: int,
+    *,
+    steps: int = 100,
+) -> tuple[int, ...]:
+    """One choice per item with total cost <= `budget` and small total error.
+
+    Args:
+      costs: per item, the bytes of each choice (non-negative integers).
+      errors: per item, the error of each choice (finite, non-negative).
+      budget: the most bytes allowed.
+      steps: bisection steps of the multiplier.
+    Returns:
+      The chosen index per item.
+    Raises:
+      ValueError: if an item has no choice, the shapes differ, or the budget is below the
+        cheapest choice of every item (naming the smallest feasible total).
+    """
+    c = [np.asarray(x, np.int64) for x in costs]
+    e = [np.asarray(x, np.float64) for x in errors]
+    if len(c) != len(e) or any(
+        a.shape != b.shape or a.size == 0 for a, b in zip(c, e, strict=True)
+    ):
+        raise ValueError("solve: costs and errors need the same non-empty choices per item")
+    if any(not np.all(np.isfinite(x)) for x in e):
+        raise ValueError("solve: errors must be finite")
+    low, _ = bounds(c)
+    if budget < low:
+        raise ValueError(f"budget {budget} bytes is below the smallest total, {low} bytes")
+    choice = _pick(c, e, 0.0)
+    if _total(c, choice) > budget:
+        # Bracket: λ large enough that every item takes a cheapest choice (error spread over
+        # the smallest cost step bounds it).
+        spread = max(float(x.max() - x.min()) for x in e) + 1.0
+        hi = spread + 1.0
+        while _total(c, _pick(c, e, hi)) > budget:
+            hi *= 2.0
+        lo = hi * 1e-15
+        if _total(c, _pick(c, e, lo)) <= budget:
+            hi = lo
+        for _ in range(steps):
+            mid = float(np.sqrt(lo * hi))
+            if _total(c, _pick(c, e, mid)) > budget:
+                lo = mid
+            else:
+                hi = mid
+        choice = _pick(c, e, hi)
+    return tuple(int(j) for j in _fill(c, e, choice, budget))
+
+
+def _fill(c: list[np.ndarray], e: list[np.ndarray], choice: np.ndarray, budget: int):
+    """Greedy upgrades into the bytes left: best error drop per byte first."""
+    choice = choice.copy()
+    left = budget - _total(c, choice)
+    while True:
+        best, best_gain = None, 0.0
+        for i, j in enumerate(choice):
+            extra = c[i] - c[i][j]
+            drop = e[i][j] - e[i]
+            ok = (extra <= left) & (drop > 0)
+            if not ok.any():
+                continue
+            # A free improvement (no extra bytes) is taken first.
+            gain = np.where(ok, drop / np.maximum(extra, 1e-9), -np.inf)
+            k = int(np.argmax(gain))
+            if gain[k] > best_gain:
+                best, best_gain = (i, k), float(gain[k])
+        if best is None:
+            return choice
+        i, k = best
+        left -= int(c[i][k] - c[i][choice[i]])
+        choice[i] = k

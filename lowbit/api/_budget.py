@@ -1,0 +1,301 @@
+"""`choose_plan`: a format per weight under a size budget, as a `Recipe`.
+
+Every weight a candidate fits is measured with every candidate (`lowbit.algorithms.measure`:
+stored bytes, and output error on the calibration Gram matrices), then one candidate per weight
+is chosen by the multiple-choice knapsack (`lowbit.algorithms.solve_knapsack`) to minimise the
+summed error within the budget. The budget is mean bits per weight (``bits``: stored bytes of the
+planned weights, scales included, times 8 over their element count) or bytes (``max_bytes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit.algorithms import Statistics
+from lowbit.algorithms._knapsack import bounds, solve
+from lowbit.algorithms._sensitivity import Measured, measure
+from lowbit.recipes import (
+    Candidate,
+    Recipe,
+    default_candidates,
+    param_leaves,
+    plan_recipe,
+    storable,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorChoice:
+    """The plan for one weight.
+
+    Attributes:
+      path: parameter path.
+      shape: its shape.
+      chosen: the measured candidate taken.
+      measured: every candidate measured on it (bytes, error).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    chosen: Measured
+    measured: tuple[Measured, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def bits(self) -> float:
+        return 8 * self.chosen.nbytes / self.size
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPlan:
+    """A plan chosen under a budget.
+
+    Attributes:
+      recipe: the plan as a `Recipe` (one rule per weight; JSON with `Recipe.to_json`).
+      tensors: one `TensorChoice` per planned weight, in parameter order.
+      budget: the byte budget.
+      target: ``"lowbit"`` or ``"gguf"``.
+      unplanned: {path: why} for 2-D+ weights no candidate fits (left in float).
+    """
+
+    recipe: Recipe
+    tensors: tuple[TensorChoice, ...]
+    budget: int
+    target: str
+    unplanned: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.chosen.nbytes for t in self.tensors)
+
+    @property
+    def bits(self) -> float:
+        """Mean stored bits per weight over the planned weights."""
+        return 8 * self.nbytes / max(sum(t.size for t in self.tensors), 1)
+
+    @property
+    def error(self) -> float:
+        return sum(t.chosen.error for t in self.tensors)
+
+    def bits_per_layer(self) -> dict[str, float]:
+        """Mean stored bits per weight of each layer (``layers/{i}``) and of every weight
+        outside the layers, in parameter order."""
+        groups: dict[str, list[int]] = {}
+        for t in self.tensors:
+            m = re.match(r"(.*?layers/\d+)/", t.path)
+            key = m.group(1) if m else t.path
+            acc = groups.setdefault(key, [0, 0])
+            acc[0] += t.chosen.nbytes
+            acc[1] += t.size
+        return {k: 8 * b / n for k, (b, n) in groups.items()}
+
+    def __str__(self) -> str:
+        lines = [
+            f"plan for {self.target}: {len(self.tensors)} weights, {self.nbytes} bytes "
+            f"({self.bits:.3f} bits per weight) within {self.budget} bytes",
+            f"  {'parameter':<40} {'shape':<14} {'candidate':<16} {'bits':>6} {'error':>10}",
+        ]
+        for t in self.tensors:
+            lines.append(
+                f"  {t.path:<40} {str(t.shape):<14} {t.chosen.candidate.name:<16} "
+                f"{t.bits:>6.3f} {t.chosen.error:>10.4g}"
+            )
+        for path, why in self.unplanned.items():
+            lines.append(f"  {path:<40} float: {why}")
+        lines.append("bits per layer:")
+        for key, bits in self.bits_per_layer().items():
+            lines.append(f"  {key:<40} {bits:6.3f} {'#' * round(bits * 4)}")
+        return "\n".join(lines)
+
+
+def planned_weights(params: Any, candidates: tuple[Candidate, ...]) -> dict[str, tuple[int, ...]]:
+    """{path: shape} of the float weights with 2+ axes that some candidate's layout names."""
+    out = {}
+    for path, leaf in param_leaves(params):
+        shape = tuple(np.shape(leaf))
+        floating = jnp.issubdtype(getattr(leaf, "dtype", np.float32), jnp.floating)
+        if len(shape) >= 2 and floating and candidates[0].config(path, len(shape)) is not None:
+            out[path] = shape
+    return out
+
+
+def budget_bytes(
+    *, bits: float | None, max_bytes: int | None, elements: int, low: int, high: int
+) -> int:
+    """The byte budget of `bits` (mean bits per weight over `elements`) or `max_bytes`.
+
+    Raises:
+      ValueError: for neither or both, or a budget outside [low, high] (naming both bounds).
+    """
+    if (bits is None) == (max_bytes is None):
+        raise ValueError("give exactly one budget: bits (--bits) or max_bytes (--max-bytes)")
+    budget = int(bits * elements / 8) if bits is not None else int(max_bytes)
+    low_bits, high_bits = 8 * low / elements, 8 * high / elements
+    what = f"--bits {bits}" if bits is not None else f"--max-bytes {max_bytes}"
+    span = (
+        f"the candidates give {low} to {high} bytes ({low_bits:.3f} to {high_bits:.3f} bits per "
+        "weight)"
+    )
+    if budget < low:
+        raise ValueError(
+            f"{what} is below the smallest plan: {span}; raise the budget or add smaller "
+            "candidates (--candidates)"
+        )
+    if budget > high:
+        raise ValueError(
+            f"{what} is above the largest plan: {span}; every weight would take its largest "
+            "candidate, so lower the budget or add larger candidates (--candidates)"
+        )
+    return budget
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurements:
+    """Every candidate measured on every weight: what a plan is chosen from, for any budget.
+
+    Attributes:
+      shapes: {path: shape} of the measured weights.
+      measured: {path: [Measured, ...]} (the candidates that fit each weight).
+      target: ``"lowbit"`` or ``"gguf"``.
+      unplanned: {path: why} for weights no candidate fits.
+    """
+
+    shapes: Mapping[str, tuple[int, ...]]
+    measured: Mapping[str, list[Measured]]
+    target: str
+    unplanned: Mapping[str, str]
+
+    @property
+    def elements(self) -> int:
+        return sum(math.prod(self.shapes[p]) for p in self.measured)
+
+    def bounds(self) -> tuple[int, int]:
+        """(smallest, largest) total bytes the candidates can give."""
+        return bounds([[m.nbytes for m in ms] for ms in self.measured.values()])
+
+
+def measure_candidates(
+    params: Any,
+    statistics: Statistics,
+    *,
+    candidates: tuple[Candidate, ...] | None = None,
+    target: str = "lowbit",
+    on_weight: Callable[[int, int], None] | None = None,
+) -> Measurements:
+    """Measures every candidate on every weight a candidate's layout names (see
+    `choose_plan`, which takes the same arguments).
+
+    Raises:
+      ValueError: for a candidate the target cannot store, or no weight a candidate fits.
+    """
+    candidates = storable(candidates or default_candidates(target), target)
+    shapes = planned_weights(params, candidates)
+    leaves = dict(param_leaves(params))
+    rows = max((s.count for s in statistics.weights.values()), default=1)
+    factors: dict = {}
+    measured: dict[str, list[Measured]] = {}
+    unplanned: dict[str, str] = {}
+    for done, (path, shape) in enumerate(shapes.items()):
+        found = measure(
+            path,
+            leaves[path],
+            statistics.for_path(path),
+            candidates,
+            target=target,
+            rows=rows,
+            factors=factors,
+        )
+        if found:
+            measured[path] = found
+        else:
+            unplanned[path] = f"no candidate fits shape {shape}"
+        if on_weight is not None:
+            on_weight(done + 1, len(shapes))
+    if not measured:
+        raise ValueError(
+            f"no weight takes any of the candidates {', '.join(c.name for c in candidates)}: "
+            f"groups must divide the contraction axis ({len(shapes)} weights, e.g. "
+            f"{next(iter(shapes.items()), None)})"
+        )
+    return Measurements(shapes, measured, target, unplanned)
+
+
+def plan_within(
+    measurements: Measurements,
+    *,
+    bits: float | None = None,
+    max_bytes: int | None = None,
+    name: str = "plan",
+) -> BudgetPlan:
+    """The plan of least summed error within a budget, from `measure_candidates`.
+
+    Raises:
+      ValueError: for neither or both budgets, or one outside what the candidates can give
+        (naming both bounds).
+    """
+    measured = measurements.measured
+    costs = [[m.nbytes for m in ms] for ms in measured.values()]
+    errors = [[m.error for m in ms] for ms in measured.values()]
+    low, high = bounds(costs)
+    budget = budget_bytes(
+        bits=bits, max_bytes=max_bytes, elements=measurements.elements, low=low, high=high
+    )
+    picks = solve(costs, errors, budget)
+    shapes = measurements.shapes
+    tensors = tuple(
+        TensorChoice(path, shapes[path], ms[j], tuple(ms))
+        for (path, ms), j in zip(measured.items(), picks, strict=True)
+    )
+    recipe = plan_recipe({t.path: (t.chosen.candidate, t.shape) for t in tensors}, name=name)
+    return BudgetPlan(recipe, tensors, budget, measurements.target, measurements.unplanned)
+
+
+def choose_plan(
+    params: Any,
+    statistics: Statistics,
+    *,
+    bits: float | None = None,
+    max_bytes: int | None = None,
+    candidates: tuple[Candidate, ...] | None = None,
+    target: str = "lowbit",
+    name: str = "plan",
+    on_weight: Callable[[int, int], None] | None = None,
+) -> BudgetPlan:
+    """Chooses a format per weight within a size budget (see module docstring).
+
+    `measure_candidates` then `plan_within`; call those to choose several plans from one
+    measurement.
+
+    Args:
+      params: float params pytree (pure dicts or NNX state).
+      statistics: calibration statistics of its weights (`lowbit.algorithms.capture`, or
+        `lowbit.eval.calibrator`); a weight with none is costed as a lookup table.
+      bits: mean stored bits per weight over the planned weights; or
+      max_bytes: their stored bytes.
+      candidates: `Candidate`s to choose from (default: `default_candidates(target)`).
+      target: ``"lowbit"`` (checkpoint bytes) or ``"gguf"`` (GGML block bytes; GGML types only).
+      name: the plan recipe's name.
+      on_weight: progress ``(done, total)`` over the measured weights.
+    Returns:
+      A `BudgetPlan` (its `recipe` quantizes the model: `quantize_params(params, plan.recipe,
+      algorithm_options=AlgorithmOptions(statistics=statistics))`).
+    Raises:
+      ValueError: for a candidate the target cannot store, no weight a candidate fits, or a
+        budget outside what the candidates can give (naming both bounds).
+    """
+    if (bits is None) == (max_bytes is None):  # before the measuring, not after
+        raise ValueError("give exactly one budget: bits (--bits) or max_bytes (--max-bytes)")
+    measurements = measure_candidates(
+        params, statistics, candidates=candidates, target=target, on_weight=on_weight
+    )
+    return plan_within(measurements, bits=bits, max_bytes=max_bytes, name=name)

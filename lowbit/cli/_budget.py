@@ -1,0 +1,198 @@
+"""`lowbit quantize MODEL --bits B | --max-bytes N`: a format per weight chosen under a size
+budget (`lowbit.api.choose_plan`), written as a checkpoint or, for a ``.gguf`` output, as a
+GGUF file whose tensors carry the chosen GGML types.
+
+The plan is a recipe: printed as a table with the bits per layer, saved with ``--plan-out``
+(reused by ``--recipe plan.json``), drawn with ``--plot``, and stored in the checkpoint.
+Calibration statistics of every weight are held in memory (one Gram matrix per weight), and
+so is the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from lowbit import serving
+from lowbit.cli._common import META_KIND, META_MODEL, META_RECIPE, progress, step
+
+PLAN_NAME = "plan"
+
+
+def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--bits``, ``--max-bytes``, ``--candidates``, ``--target``, ``--plan-out``, ``--plot``."""
+    budget = parser.add_argument_group(
+        "size budget (instead of --recipe): a format per weight chosen on calibration data"
+    )
+    budget.add_argument(
+        "--bits",
+        type=float,
+        metavar="B",
+        help="mean stored bits per weight over the planned weights, scales included (e.g. 3.5)",
+    )
+    budget.add_argument(
+        "--max-bytes",
+        type=int,
+        metavar="N",
+        help="stored bytes of the planned weights, scales included",
+    )
+    budget.add_argument(
+        "--candidates",
+        metavar="LIST",
+        help="comma-separated FORMAT[:gN][:sym|asym][:gptq] (e.g. int4:g64:asym,nf4:g64,"
+        "int3:g64:gptq,q4_k,q8_0); default: lowbit's 2- to 8-bit formats, or for a GGUF "
+        "target the GGML types lowbit encodes",
+    )
+    budget.add_argument(
+        "--target",
+        choices=("lowbit", "gguf"),
+        help="what stores the plan (default: gguf when --out ends in .gguf, else lowbit)",
+    )
+    budget.add_argument("--plan-out", metavar="FILE.json", help="write the plan (a recipe) here")
+    budget.add_argument("--plot", metavar="FILE.png", help="draw the bits per layer here")
+
+
+def budget_requested(args: argparse.Namespace) -> bool:
+    """Whether the command chooses a plan (``--bits`` / ``--max-bytes``) instead of a recipe.
+
+    Raises:
+      ValueError: for a recipe and a budget together, neither, or plan-only options without
+        a budget.
+    """
+    budget = args.bits is not None or args.max_bytes is not None
+    if budget and args.recipe is not None:
+        raise ValueError("give --recipe or a budget (--bits / --max-bytes), not both")
+    if not budget and args.recipe is None:
+        raise ValueError("give --recipe NAME|FILE.json, or a budget: --bits B or --max-bytes N")
+    if not budget:
+        extra = [f for f in ("candidates", "plan_out", "plot") if getattr(args, f) is not None]
+        if extra:
+            flag = "--" + extra[0].replace("_", "-")
+            raise ValueError(f"{flag} goes with a budget (--bits / --max-bytes)")
+    return budget
+
+
+def target_of(args: argparse.Namespace) -> str:
+    """``"gguf"`` or ``"lowbit"``: ``--target``, else by the output's suffix.
+
+    Raises:
+      ValueError: for ``--target gguf`` with an output that is not a ``.gguf`` file.
+    """
+    suffix_gguf = str(args.out).endswith(".gguf")
+    target = args.target or ("gguf" if suffix_gguf else "lowbit")
+    if target == "gguf" and not suffix_gguf:
+        raise ValueError(f"--target gguf writes a GGUF file: give --out FILE.gguf, not {args.out}")
+    return target
+
+
+def run_budget(args: argparse.Namespace) -> int:
+    """Chooses, prints and writes a plan, then the quantized model (see module docstring)."""
+    from flax import nnx
+
+    from lowbit.api import AlgorithmOptions, choose_plan, quantize_params
+    from lowbit.api._budget import planned_weights
+    from lowbit.eval import calibrator
+    from lowbit.recipes import default_candidates, parse_candidates, storable
+
+    target = target_of(args)
+    given = parse_candidates(args.candidates) if args.candidates else None
+    candidates = storable(given or default_candidates(target), target)  # before the slow work
+    for flag in ("plan_out", "plot"):
+        _check_writable(getattr(args, flag), "--" + flag.replace("_", "-"))
+    sequences = args.calibration_sequences
+    if sequences is not None and sequences < 1:
+        raise ValueError(f"--calibration-sequences={sequences} must be >= 1")
+    name = Path(args.plan_out).stem if args.plan_out else PLAN_NAME
+    with progress() as bar:
+        with step(bar, f"loading {args.model}"):
+            loaded = serving.load_model(args.model)
+        pure = nnx.to_pure_dict(nnx.split(loaded.model)[1])
+        _check_gguf_model(loaded, target)
+        paths = tuple(planned_weights(pure, candidates))
+        with step(bar, "calibrating") as on_batch:
+            calibrate = calibrator(args.calibration, sequences, on_batch=on_batch)
+            statistics = calibrate(loaded, pure, paths, 0)
+        with step(bar, "measuring candidates") as on_weight:
+            plan = choose_plan(
+                pure,
+                statistics,
+                bits=args.bits,
+                max_bytes=args.max_bytes,
+                candidates=candidates,
+                target=target,
+                name=name,
+                on_weight=on_weight,
+            )
+        print(plan)
+        if args.plan_out:
+            Path(args.plan_out).write_text(plan.recipe.to_json() + "\n", encoding="utf-8")
+            print(f"wrote plan {args.plan_out} (reuse it with --recipe {args.plan_out})")
+        if args.plot:
+            from lowbit.eval import plot_bits_per_layer
+
+            title = f"{loaded.name}: {plan.bits:.3f} bits per weight ({target})"
+            plot_bits_per_layer(plan.bits_per_layer(), args.plot, title=title)
+            print(f"wrote {args.plot}")
+        with step(bar, f"quantizing with plan {name}"):
+            options = AlgorithmOptions(statistics=statistics)
+            params = quantize_params(pure, plan.recipe, algorithm_options=options)
+        write_output(bar, args, loaded, params, plan.recipe, name)
+    return 0
+
+
+def write_output(bar: Any, args: Any, loaded: Any, params: Any, recipe: Any, label: str) -> None:
+    """Writes quantized `params` (logical QArrays) to ``args.out``: a GGUF file when it ends
+    in ``.gguf`` (each weight as its direct GGML type), else a checkpoint directory."""
+    if str(args.out).endswith(".gguf"):
+        from lowbit.io import export_gguf
+
+        _check_gguf_model(loaded, "gguf")
+        lines: list[str] = []
+        with step(bar, f"writing {args.out}"):
+            report = export_gguf(
+                params,
+                args.out,
+                config=loaded.model.config,
+                source=loaded.gguf_path,
+                log=lines.append,
+            )
+        for line in lines:
+            print(line)
+        counts: dict[str, int] = {}
+        for t in report.tensors:
+            counts[t.ggml_type] = counts.get(t.ggml_type, 0) + 1
+        types = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
+        print(f"wrote {args.out}: {report.nbytes / 1e6:.2f} MB, tensors {types}")
+        return
+    from lowbit.eval import float32_bytes, param_bytes
+    from lowbit.io import check_save_path, save_checkpoint
+    from lowbit.serving import ready
+
+    check_save_path(args.out)
+    metadata = {META_MODEL: loaded.spec, META_RECIPE: label, META_KIND: loaded.kind}
+    with step(bar, f"writing {args.out}"):
+        save_checkpoint(args.out, ready(loaded, params), recipe=recipe, metadata=metadata)
+    size, reference = param_bytes(params), float32_bytes(params)
+    print(
+        f"wrote {args.out}: {loaded.name} with recipe {label}, {size / 1e6:.2f} MB "
+        f"({size / reference:.3f} of float32 {reference / 1e6:.2f} MB)"
+    )
+
+
+def _check_gguf_model(loaded: Any, target: str) -> None:
+    config = getattr(loaded.model, "config", None)
+    if target == "gguf" and (loaded.kind != "lm" or not hasattr(config, "n_kv_heads")):
+        raise ValueError(
+            f"a GGUF output holds a Llama-family language model; {loaded.name!r} is not one: "
+            "write a checkpoint directory instead (--out DIR)"
+        )
+
+
+def _check_writable(path: str | None, flag: str) -> None:
+    if path is None:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError(f"{flag} {path}: directory {directory!r} does not exist")

@@ -1,0 +1,93 @@
+"""`choose_plan` on a tiny MLP: the budget holds in stored bytes, the error is the output error
+on the calibration Gram matrices, and bad budgets name both bounds."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lowbit
+from lowbit.algorithms import capture
+from lowbit.api import AlgorithmOptions, choose_plan, measure_candidates, plan_within
+from lowbit.eval import param_bytes
+from lowbit.recipes import Recipe, parse_candidates
+
+CANDIDATES = "int8,int4:g32,int3:g32:gptq"
+
+
+@pytest.fixture(scope="module")
+def model():
+    # Two weights of one shape: each candidate compiles once (the tests stay fast).
+    k = jax.random.split(jax.random.key(0), 2)
+    params = {
+        "up": {"kernel": jax.random.normal(k[0], (64, 64)) * 0.1},
+        "down": {"kernel": jax.random.normal(k[1], (64, 64)) * 0.1},
+    }
+
+    def fn(p, x):
+        return jax.nn.gelu(x @ p["up"]["kernel"]) @ p["down"]["kernel"]
+
+    batches = [jax.random.normal(jax.random.key(i), (2, 64, 64)) for i in range(2)]
+    stats = capture(fn, params, batches)
+    measured = measure_candidates(params, stats, candidates=parse_candidates(CANDIDATES))
+    return params, stats, measured
+
+
+def test_plan_meets_the_budget_in_stored_bytes(model):
+    params, stats, measured = model
+    plan = plan_within(measured, bits=5.0)
+    elements = sum(t.size for t in plan.tensors)
+    assert plan.nbytes <= 5.0 * elements / 8 and plan.bits <= 5.0
+    quantized = lowbit.quantize_params(
+        params, plan.recipe, algorithm_options=AlgorithmOptions(statistics=stats)
+    )
+    assert param_bytes(quantized) == plan.nbytes  # counted from the stored bytes, scales too
+    # The measured error is the output error of what quantize_params stores (GPTQ included).
+    for t in plan.tensors:
+        q = quantized
+        for key in t.path.split("/"):
+            q = q[key]
+        delta = np.asarray(q.dequantize(jnp.float32)) - np.asarray(
+            params[t.path.split("/")[0]][t.path.split("/")[1]]
+        )
+        (s,) = stats.for_path(t.path)
+        want = float(
+            np.sum((delta.T @ np.asarray(s.gram)) * delta.T)
+        )  # tr(ΔW G ΔWᵀ), rows = outputs
+        np.testing.assert_allclose(t.chosen.error, want, rtol=1e-3)
+    text = str(plan)
+    assert "bits per layer" in text and "up/kernel" in text
+    assert Recipe.from_json(plan.recipe.to_json()) == plan.recipe
+
+
+def test_more_bits_lower_error(model):
+    _, _, measured = model
+    errors = [plan_within(measured, bits=b).error for b in (4.0, 4.5, 6.0, 8.0)]
+    assert errors == sorted(errors, reverse=True)
+
+
+def test_budget_outside_the_candidates_names_both_bounds(model):
+    _, _, measured = model
+    low, high = measured.bounds()
+    with pytest.raises(ValueError, match=rf"below the smallest plan.*{low} to {high} bytes"):
+        plan_within(measured, max_bytes=low - 1)
+    with pytest.raises(ValueError, match=rf"above the largest plan.*{low} to {high} bytes"):
+        plan_within(measured, bits=12.0)
+    with pytest.raises(ValueError, match="exactly one budget"):
+        plan_within(measured, bits=4.0, max_bytes=10**6)
+
+
+def test_gguf_target_refuses_lowbit_only_candidates(model):
+    params, stats, _ = model
+    with pytest.raises(ValueError, match="GGUF file stores none of the candidates nf4:g64"):
+        choose_plan(params, stats, bits=4.0, target="gguf", candidates=parse_candidates("nf4:g64"))
+
+
+def test_gguf_target_counts_ggml_bytes(model):
+    params, stats, _ = model
+    plan = choose_plan(
+        params, stats, bits=7.0, target="gguf", candidates=parse_candidates("q8_0,q4_0")
+    )
+    per = {"q8_0": 34 / 32, "q4_0": 18 / 32}
+    assert plan.nbytes == sum(t.size * per[t.chosen.candidate.name] for t in plan.tensors)
+    assert {t.chosen.candidate.name for t in plan.tensors} == {"q8_0", "q4_0"}

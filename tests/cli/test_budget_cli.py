@@ -1,0 +1,83 @@
+"""`lowbit quantize MODEL --bits B`: a plan under a size budget, written as a GGUF file with the
+chosen types, reused by `--recipe plan.json`, and refused for another model."""
+
+import json
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+
+from lowbit.cli._main import main
+
+
+def _error(capsys) -> str:
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--recipe", "int8w", "--bits", "4"], "not both"),
+        ([], "give --recipe"),
+        (["--recipe", "int8w", "--plan-out", "p.json"], "--plan-out goes with a budget"),
+        (["--bits", "4", "--target", "gguf"], "--target gguf writes a GGUF file"),
+        (["--bits", "4", "--out-gguf", "--candidates", "nf4:g64"], "stores none of the"),
+        (["--bits", "4", "--candidates", "int9"], "'int9' is not a format"),
+    ],
+)
+def test_bad_arguments_fail_before_loading(argv, message, tmp_path, capsys):
+    out = str(tmp_path / ("m.gguf" if "--out-gguf" in argv else "ckpt"))
+    argv = [a for a in argv if a != "--out-gguf"]
+    assert main(["quantize", "no-such-model", "--out", out, *argv]) == 2
+    assert message in _error(capsys)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from tiny_gguf import write_tiny_gguf
+
+    root = tmp_path_factory.mktemp("budget")
+    (root / "calib.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    return write_tiny_gguf("llama", root / "tiny.gguf"), root
+
+
+def _types(path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+
+
+def test_plan_to_gguf_and_back_through_recipe(tiny, capsys):
+    model, root = tiny
+    calib = ["--calibration", str(root / "calib.txt"), "--calibration-sequences", "1"]
+    out, plan = root / "plan.gguf", root / "plan.json"
+    argv = ["quantize", str(model), "--bits", "6", "--candidates", "q8_0,q4_0", "--out", str(out)]
+    assert main([*argv, "--plan-out", str(plan), *calib]) == 0, _error(capsys)
+    printed = capsys.readouterr().out
+    assert "bits per layer" in printed and "layers/1" in printed
+    types = _types(out)
+    chosen = {t for name, t in types.items() if name.endswith(".weight") and "norm" not in name}
+    assert chosen == {"Q8_0", "Q4_0"}  # each weight as its planned GGML type, none requantized
+    data = json.loads(plan.read_text())
+    assert data["shapes"]["layers/0/attn/q_proj/kernel"] == [64, 64]
+
+    again = root / "again.gguf"
+    argv = ["quantize", str(model), "--recipe", str(plan), "--out", str(again)]
+    assert main(argv) == 0, _error(capsys)
+    assert _types(again) == types
+
+    data["shapes"]["layers/0/attn/q_proj/kernel"] = [64, 128]
+    other = root / "other.json"
+    other.write_text(json.dumps(data))
+    for out in ("x.gguf", "checkpoint"):  # in memory, and streamed to a checkpoint
+        argv = ["quantize", str(model), "--recipe", str(other), "--out", str(root / out)]
+        assert main(argv) == 2
+        assert "'layers/0/attn/q_proj/kernel' has shape (64, 64) here, (64, 128)" in _error(capsys)
+
+
+def test_budget_outside_the_candidates(tiny, capsys):
+    model, root = tiny
+    calib = ["--calibration", str(root / "calib.txt"), "--calibration-sequences", "1"]
+    argv = ["quantize", str(model), "--bits", "9", "--candidates", "q8_0,q4_0"]
+    assert main([*argv, "--out", str(root / "y.gguf"), *calib]) == 2
+    assert "above the largest plan" in _error(capsys)
