@@ -202,7 +202,30 @@ def blocks_view(x: jax.Array, tile: tuple[int, ...]) -> jax.Array:
 
 def _float_scale(bound_range: jax.Array, denom: float, empty: float = 1.0) -> jax.Array:
     """bound / denom; `empty` where that is zero or not finite (a block with no range)."""
-    scale = bound_range / denom
+    return _guard_scale(bound_range / denom, denom, empty)
+
+
+def _range_scale(lo: jax.Array, hi: jax.Array, denom: float) -> jax.Array:
+    """(hi - lo) / denom, the asymmetric scale, also where ``hi - lo`` overflows.
+
+    Finite bounds near float32's maximum of opposite signs overflow ``hi - lo``; then the scale
+    is ``hi / denom - lo / denom``, clamped to the largest float32 for a one-step grid
+    (``uint1``), whose scale cannot span that range (its grid end saturates). A non-finite
+    bound still gives the empty scale, as in `_float_scale`.
+    """
+    width = hi - lo
+    overflow = jnp.isinf(width) & jnp.isfinite(lo) & jnp.isfinite(hi)
+    split = jnp.minimum(hi / denom - lo / denom, jnp.finfo(jnp.float32).max)
+    return _guard_scale(jnp.where(overflow, split, width / denom), denom, 1.0)
+
+
+def _guard_scale(scale: jax.Array, denom: float, empty: float) -> jax.Array:
+    # Near float32's maximum, the grid's ends decoded (`scale * denom`, and past it by the zero
+    # point's rounding) can round up to inf: a scale a few ulps smaller keeps every decoded code
+    # finite, the largest values saturating instead. Other scales are left bit for bit.
+    margin = 2.0**-16
+    overshoot = jnp.isfinite(scale) & ~jnp.isfinite(scale * (denom * (1 + margin)))
+    scale = jnp.where(overshoot, scale * (1 - margin), scale)
     return jnp.where(jnp.isfinite(scale) & (scale > 0), scale, empty)
 
 
@@ -215,7 +238,8 @@ def _empty_scale(fmt: Format) -> float:
 def _scales(fmt, config, lo, hi, global_amax):
     """Returns (stored_scale, scale_f32, zero_point or None, tensor_scale or None)."""
     if not config.symmetric:
-        scale = _float_scale(hi - lo, fmt.max_value - fmt.min_value).astype(config.scale_dtype)
+        denom = fmt.max_value - fmt.min_value
+        scale = _range_scale(lo, hi, denom).astype(config.scale_dtype)
         scale32 = scale.astype(jnp.float32)
         zero_point = (fmt.min_value - lo / scale32).astype(config.scale_dtype)
         return scale, scale32, zero_point, None
