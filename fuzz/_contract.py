@@ -15,7 +15,9 @@ class ContractViolation(AssertionError):
 
 
 @contextlib.contextmanager
-def documented(errors: tuple[type[BaseException], ...], names: str | tuple[str, ...]) -> Iterator[None]:
+def documented(
+    errors: tuple[type[BaseException], ...], names: str | tuple[str, ...]
+) -> Iterator[None]:
     """Lets a documented error through if its message names `names` (the file or a field);
     any other exception propagates and is a finding.
 

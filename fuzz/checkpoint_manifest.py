@@ -9,7 +9,9 @@ abstract tree builds.
 from __future__ import annotations
 
 from fuzz._contract import documented, main
-from fuzz._seeds import manifest_seeds as seeds
+from fuzz._seeds import manifest_seeds
+
+seeds = manifest_seeds  # what `python -m fuzz` starts the corpus from
 
 _FILE = "ckpt/manifest.json"
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 
 from fuzz._contract import documented, main, scratch_file, write
-from fuzz._seeds import gguf_seeds as seeds
+from fuzz._seeds import gguf_seeds
+
+seeds = gguf_seeds  # what `python -m fuzz` starts the corpus from
 
 # Tensors up to this many bytes are decoded too (bigger ones only have their views checked).
 _DECODE_BYTES = 1 << 16

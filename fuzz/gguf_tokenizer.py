@@ -11,7 +11,9 @@ or a tokenizer that encodes text to ids inside its vocabulary and decodes them.
 from __future__ import annotations
 
 from fuzz._contract import documented, main
-from fuzz._seeds import tokenizer_seeds as seeds
+from fuzz._seeds import tokenizer_seeds
+
+seeds = tokenizer_seeds  # what `python -m fuzz` starts the corpus from
 
 _MODELS = ("llama", "gpt2", "bert", "")
 _PRES = ("smollm", "llama3", "qwen2", "gpt2", "default", "starcoder", "unknown-pre")

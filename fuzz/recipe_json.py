@@ -8,7 +8,9 @@ a recipe whose JSON parses back to an equal recipe.
 from __future__ import annotations
 
 from fuzz._contract import documented, main
-from fuzz._seeds import recipe_seeds as seeds
+from fuzz._seeds import recipe_seeds
+
+seeds = recipe_seeds  # what `python -m fuzz` starts the corpus from
 
 # Every error names where: a Recipe / Rule field, the text, or the intmp entry.
 _NAMES = ("Recipe", "Rule", "recipe JSON", "intmp", "algorithm", "kv_cache")

@@ -8,7 +8,9 @@ read back with their declared dtype and shape.
 from __future__ import annotations
 
 from fuzz._contract import documented, main, scratch_file, write
-from fuzz._seeds import safetensors_seeds as seeds
+from fuzz._seeds import safetensors_seeds
+
+seeds = safetensors_seeds  # what `python -m fuzz` starts the corpus from
 
 _PATH = scratch_file("input.safetensors")
 
