@@ -22,6 +22,7 @@ import time
 
 HARNESSES = (
     "gguf_reader",
+    "gguf_import",
     "safetensors_reader",
     "checkpoint_manifest",
     "recipe_json",

@@ -208,7 +208,7 @@ def _entry(path: str, name: str, info: Any, data_start: int) -> TensorEntry:
     if not isinstance(info, dict) or {"dtype", "shape", "data_offsets"} - set(info):
         raise ValueError(f"{where}: header entry {info!r} lacks dtype, shape or data_offsets")
     code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if code not in _FROM_CODE:
+    if not isinstance(code, str) or code not in _FROM_CODE:
         raise ValueError(f"{where}: dtype {code!r}; accepted: {', '.join(sorted(_FROM_CODE))}")
     dtype = DTYPES[_FROM_CODE[code]]
     if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):

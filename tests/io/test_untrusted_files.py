@@ -147,3 +147,22 @@ def test_checkpoint_recipe_that_is_not_text_is_a_checkpoint_error(tmp_path):
         _checkpoint._check_recipe(5, preset("int8"), "m.json")
     with pytest.raises(CheckpointError, match="m.json: recipe is JSON nested too deeply"):
         _checkpoint._check_recipe("[" * 100_000, preset("int8"), "m.json")
+
+
+def test_hugging_face_config_and_index_that_are_fifos_are_refused(tmp_path):
+    from lowbit.models._decoder_hf import _read_index, read_hf_config
+
+    os.mkfifo(tmp_path / "config.json")
+    with pytest.raises(ValueError, match="config.json: .*is a FIFO"):
+        read_hf_config(tmp_path)
+    os.mkfifo(tmp_path / "model.safetensors.index.json")
+    with pytest.raises(ValueError, match="index.json: not a safetensors index .*is a FIFO"):
+        _read_index(tmp_path / "model.safetensors.index.json")
+
+
+def test_safetensors_dtype_that_is_not_a_string_is_refused(tmp_path):
+    # Found by fuzz/safetensors_reader.py: a list as dtype raised TypeError (unhashable).
+    header = '{"x": {"dtype": [2, 8], "shape": [4], "data_offsets": [0, 16]}}'
+    path = _safetensors(tmp_path, header, bytes(16))
+    with pytest.raises(ValueError, match=r"tensor 'x': dtype \[2, 8\]; accepted"):
+        read_header(path)
