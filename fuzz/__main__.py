@@ -51,6 +51,16 @@ def _seed(name: str, work: str) -> list[str]:
     return [d for d in (committed, generated) if os.path.isdir(d)]
 
 
+def _dictionary(name: str) -> list[str]:
+    """libFuzzer's ``-dict`` for the harness: the format's keywords, which random byte edits
+    would rarely spell (fuzz/dicts/<harness>.dict, else <its first word>.dict, if any)."""
+    for file in (f"{name}.dict", f"{name.split('_')[0]}.dict"):
+        path = os.path.join(HERE, "dicts", file)
+        if os.path.exists(path):
+            return [f"-dict={path}"]
+    return []
+
+
 def _run(name: str, args: argparse.Namespace) -> dict:
     corpus = os.path.join(args.work, name, "corpus")
     findings = os.path.join(HERE, "findings", name)
@@ -68,6 +78,7 @@ def _run(name: str, args: argparse.Namespace) -> dict:
         f"-max_len={args.max_len}",
         f"-artifact_prefix={findings}{os.sep}",
         "-print_final_stats=1",
+        *_dictionary(name),
         corpus,
         *_seed(name, args.work),
     ]

@@ -166,3 +166,10 @@ def test_safetensors_dtype_that_is_not_a_string_is_refused(tmp_path):
     path = _safetensors(tmp_path, header, bytes(16))
     with pytest.raises(ValueError, match=r"tensor 'x': dtype \[2, 8\]; accepted"):
         read_header(path)
+
+
+def test_manifest_tensor_reference_that_is_not_a_name_is_refused():
+    from lowbit.io._manifest import decode_tree
+
+    with pytest.raises(CheckpointError, match=r"refers to tensor \['a'\]"):
+        decode_tree({"kind": "array", "tensor": ["a"]}, {}, "m.json")
