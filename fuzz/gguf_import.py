@@ -29,6 +29,7 @@ def _load():
 
 def test_one(data: bytes) -> None:
     path = write(_PATH, data)
+    tensors = {}
     with documented((GGUFError,), repr(path)):
         tensors = read_gguf(path).tensors
     if not tensors or any(t.raw.nbytes > _MAX_TENSOR_BYTES for t in tensors.values()):
