@@ -84,8 +84,13 @@ def _run(name: str, args: argparse.Namespace) -> dict:
     ]
     start = time.monotonic()
     log_path = os.path.join(args.work, name, "last.log")
+    # The data-segment cap each harness sets on itself (see `fuzz._contract`): twice the RSS
+    # bound, since thread stacks and allocator arenas count there but are mostly untouched.
+    env = {**os.environ, "LOWBIT_FUZZ_DATA_MB": str(2 * args.rss_mb)}
     with open(log_path, "w") as log:
-        done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=False)
+        done = subprocess.run(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=False
+        )
     with open(log_path, errors="replace") as log:
         text = log.read()
     stats = {k: int(v) for k, v in re.findall(r"stat::(\w+):\s+(\d+)", text)}

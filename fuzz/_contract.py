@@ -49,6 +49,18 @@ def write(path: str, data: bytes) -> str:
     return path
 
 
+def _bound_memory() -> None:
+    """Caps the process's data segment (heap and private mappings) at ``LOWBIT_FUZZ_DATA_MB``:
+    a parser that allocates past it gets `MemoryError`, which the harness reports as a finding
+    (libFuzzer's ``-rss_limit_mb`` only samples RSS, and misses a large short-lived buffer)."""
+    megabytes = os.environ.get("LOWBIT_FUZZ_DATA_MB")
+    if megabytes:
+        import resource
+
+        limit = int(megabytes) * 2**20
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
 def main(test_one: Callable[[bytes], Any], instrumented: Callable[[], Any]) -> None:
     """Runs libFuzzer (through atheris) on `test_one`, with lowbit's modules instrumented.
 
@@ -59,5 +71,6 @@ def main(test_one: Callable[[bytes], Any], instrumented: Callable[[], Any]) -> N
 
     with atheris.instrument_imports(include=["lowbit"]):
         instrumented()
+    _bound_memory()
     atheris.Setup(sys.argv, test_one)
     atheris.Fuzz()
