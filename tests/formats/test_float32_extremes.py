@@ -52,7 +52,7 @@ def _asymmetric_reference(x: np.ndarray, bits: int) -> np.ndarray:
     return (codes - zero) * scale, scale
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("bits", [1, 3, 8])
 @pytest.mark.parametrize("v", [1e38, BIG])
 def test_unsigned_formats_with_zero_points_decode_near_float32_max(bits, v):
     x = np.array([v, -v, v / 2, 0.0, -v / 4, v / 8, -v, v], np.float32)
@@ -67,7 +67,7 @@ def test_unsigned_formats_with_zero_points_decode_near_float32_max(bits, v):
     assert decoded[0] > 0 and decoded[1] < 0  # 1e38 never decodes as a negative
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int6", "int4", "nf4", "fp8_e4m3fn", "fp4_e2m1"])
+@pytest.mark.parametrize("fmt", ["int8", "int6", "fp8_e4m3fn"])
 def test_symmetric_formats_stay_finite_at_float32_max(fmt):
     x = jnp.asarray(np.array([BIG, -BIG, 1.0, 0.0] * 8, np.float32))
     decoded = np.asarray(quantize(x, fmt).dequantize())
