@@ -23,7 +23,7 @@ import numpy as np
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from lowbit._untrusted import load_json, read_text
+from lowbit._untrusted import load_json, read_text, require_regular
 
 from ._decoder import Decoder, DecoderConfig
 from ._decoder_hf_defaults import HF_DEFAULTS
@@ -515,8 +515,9 @@ class _Checkpoint(Mapping[str, np.ndarray]):
         handles = {}
         for name in files:
             shard = directory / name
-            if not shard.is_file():
+            if not shard.exists():
                 raise FileNotFoundError(f"{index}: shard {name!r} does not exist in {directory}")
+            require_regular(shard)  # safe_open opens it by path: a FIFO would block it
             try:
                 handles[name] = stack.enter_context(safe_open(str(shard), framework="numpy"))
             except Exception as err:  # the safetensors error types are not public
