@@ -391,8 +391,22 @@ def _enc_tq2_0(x):
 _ENCODERS = {name: globals()[f"_enc_{name.lower()}"] for name in BLOCK_TYPES}
 
 
+def max_abs(name: str) -> float:
+    """The largest magnitude every block of type `name` can hold.
+
+    The blocks store their scales (and minimums) as float16, so values past float16's maximum
+    cannot be stored; llama.cpp's quantizers turn them into infinite scales. Q8_K's scale is a
+    float32, and its scale search overflows only in the top bit of float32's range.
+    """
+    return 2.0**127 if name == "Q8_K" else float(np.finfo(np.float16).max)
+
+
 def encode_traced(name: str, x: jax.Array) -> jax.Array:
-    """`encode` without its own jit (for use inside a traced function)."""
+    """`encode` without its own jit (for use inside a traced function).
+
+    Values beyond ``±max_abs(name)`` (which `encode` refuses) saturate to it, so the blocks
+    always decode to finite values.
+    """
     t = block_type(name)
     x = jnp.asarray(x, jnp.float32)
     if x.ndim == 0 or x.shape[-1] % t.block_size:
@@ -400,6 +414,7 @@ def encode_traced(name: str, x: jax.Array) -> jax.Array:
             f"{name} encodes rows whose length is a multiple of {t.block_size}, got shape "
             f"{tuple(x.shape)}"
         )
+    x = jnp.clip(x, -max_abs(name), max_abs(name))
     blocks = x.reshape(*x.shape[:-1], -1, t.block_size)
     out = _ENCODERS[name](blocks)
     return out.reshape(*x.shape[:-1], -1)
@@ -445,8 +460,8 @@ def encode(name: str, x: jax.Array | np.ndarray) -> np.ndarray:
     Returns:
       uint8 [..., n / block_size * type_size] (NumPy).
     Raises:
-      ValueError: for an unknown type, a row length that is not whole blocks, or non-finite
-        values.
+      ValueError: for an unknown type, a row length that is not whole blocks, non-finite
+        values, or values beyond ``±max_abs(name)``.
     """
     t = block_type(name)
     x = np.asarray(x, np.float32)
@@ -456,6 +471,13 @@ def encode(name: str, x: jax.Array | np.ndarray) -> np.ndarray:
         )
     if not np.isfinite(x).all():
         raise ValueError(f"{name}: cannot encode NaN or Inf values")
+    peak = float(np.max(np.abs(x), initial=0.0))
+    if peak > max_abs(name):
+        raise ValueError(
+            f"format {name.lower()!r} stores values up to ±{max_abs(name):g} (the range its "
+            f"block scales can encode), but this array reaches {peak:g}; keep it in float or "
+            "use a format with float32 scales (int8, int4, nf4, ...)"
+        )
     if x.size == 0:
         return np.zeros((*x.shape[:-1], 0), np.uint8)
     out = _encode_blocks(name, np.ascontiguousarray(x).reshape(-1), t.block_size)

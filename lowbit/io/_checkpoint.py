@@ -184,7 +184,9 @@ def _check_recipe(stored: Any, recipe: Any, file: str) -> None:
         expected = recipe_json(recipe)
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"recipe= cannot be compared: {err}") from None
-    stored_value = None if stored is None else json.loads(stored)
+    if stored is not None and not isinstance(stored, str):
+        raise CheckpointError(f"{file}: 'recipe' is {type(stored).__name__}, not recipe JSON text")
+    stored_value = None if stored is None else load_json(stored, f"{file}: recipe", CheckpointError)
     if stored_value != json.loads(expected):
         shown = "none" if stored is None else stored[:300]
         raise CheckpointError(

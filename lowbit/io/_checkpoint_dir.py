@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterator
 from typing import BinaryIO
 
+from lowbit._untrusted import open_regular
 from lowbit.io._atomic import same_directory
 from lowbit.io._manifest import FORMAT_NAME, FORMAT_VERSION, CheckpointError
 from lowbit.io._untrusted_json import load_json
@@ -130,7 +131,7 @@ def _snapshot(path: str) -> Snapshot:
     missing = CheckpointError(f"{manifest_file}: no checkpoint manifest at {path!r}")
     if not _DIR_FD:  # no descriptor-relative opens here: read by path
         try:
-            with open(manifest_file, "rb") as f:
+            with open_regular(manifest_file, CheckpointError) as f:
                 manifest = f.read(MAX_MANIFEST_BYTES + 1)
         except (FileNotFoundError, NotADirectoryError):
             raise missing from None
@@ -155,22 +156,27 @@ def _snapshot(path: str) -> Snapshot:
 def _read_directory(path: str, directory: int) -> Snapshot | None:
     """The snapshot of the open `directory`; None if it has no manifest (or lost it)."""
     try:
-        manifest_fd = os.open(MANIFEST_FILE, os.O_RDONLY, dir_fd=directory)
+        manifest_file = open_regular(
+            MANIFEST_FILE,
+            CheckpointError,
+            dir_fd=directory,
+            shown=os.path.join(path, MANIFEST_FILE),
+        )
     except FileNotFoundError:
         return None
-    with open(manifest_fd, "rb") as f:
+    with manifest_file as f:
         manifest = f.read(MAX_MANIFEST_BYTES + 1)
-    tensors = _open_or_none(
-        os.path.join(path, TENSORS_FILE),
-        opener=lambda _, flags: os.open(TENSORS_FILE, flags, dir_fd=directory),
-    )
+    tensors = _open_or_none(os.path.join(path, TENSORS_FILE), directory)
     if tensors is None and not same_directory(path, directory):
         return None  # removed by the save that replaced it: read the new one
     return Snapshot(manifest, tensors)
 
 
-def _open_or_none(name: str, opener=None) -> BinaryIO | None:
+def _open_or_none(name: str, directory: int | None = None) -> BinaryIO | None:
+    """The regular file `name` (its base name relative to `directory` if given), or None."""
     try:
-        return open(name, "rb", opener=opener)  # noqa: SIM115 - the snapshot owns it
+        if directory is None:
+            return open_regular(name, CheckpointError)
+        return open_regular(os.path.basename(name), CheckpointError, dir_fd=directory, shown=name)
     except FileNotFoundError:
         return None

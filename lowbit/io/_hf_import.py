@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit._untrusted import open_regular
 from lowbit.io._placement import NameMap, Placement, nest, resolve
 from lowbit.io._safetensors_file import read_header, read_tensor
 from lowbit.models import swap_last, unpermute_rope_rows
@@ -39,7 +40,7 @@ def import_safetensors(
     path = os.fspath(path)
     entries = read_header(path)
     placed = []
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for name, entry in entries.items():
             placement = resolve(name, name_map(name))
             if placement is None:

@@ -93,7 +93,7 @@ def decode_tree(tree: Any, tensors: Mapping[str, Any], where: str) -> Plan:
     used: set[str] = set()
 
     def ref(name: Any, path: Path, role: str) -> str:
-        if name not in table:
+        if not isinstance(name, str) or name not in table:
             raise CheckpointError(
                 f"{where}: leaf {path_name(path)!r} refers to tensor {name!r}, which the "
                 "manifest's tensor table lacks"

@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 import safetensors.numpy
 
-from lowbit.io._untrusted_json import load_json
+from lowbit._untrusted import load_json, open_regular
 
 # numpy / ml_dtypes dtype name -> safetensors dtype code.
 _CODES = {
@@ -129,13 +129,14 @@ def read_header(source: str | os.PathLike[str] | BinaryIO) -> dict[str, TensorEn
     Returns:
       name -> `TensorEntry` with absolute file offsets, in file order.
     Raises:
-      ValueError: naming the file (and tensor) when the file is too short for its header or
-        data (truncated), the header is not valid JSON, an entry is malformed, a dtype is not
-        one of `DTYPES`, a byte range disagrees with its shape and dtype, or the data section is
-        longer than the tensors it holds.
+      ValueError: naming the file (and tensor) when it is not a regular file, the file is too
+        short for its header or data (truncated), the header is not valid JSON or names a
+        tensor twice, an entry is malformed, a dtype is not one of `DTYPES`, a byte range
+        disagrees with its shape and dtype, two tensors overlap, or the data section holds
+        bytes no tensor does (a hole, or a tail after the last tensor).
     """
     if isinstance(source, str | os.PathLike):
-        with open(source, "rb") as f:
+        with open_regular(source) as f:
             return read_file_header(f)[0]
     return read_file_header(source)[0]
 
@@ -178,7 +179,28 @@ def read_file_header(f: BinaryIO) -> tuple[dict[str, TensorEntry], dict[str, str
         )
     if size > data_end:
         raise ValueError(f"{path}: {size - data_end} bytes after the last tensor's data")
-    return dict(sorted(entries.items(), key=lambda item: item[1].begin)), metadata
+    ordered = sorted(entries.values(), key=lambda e: (e.begin, e.end))
+    _check_tiling(path, ordered, data_start)
+    return {e.name: e for e in ordered}, metadata
+
+
+def _check_tiling(path: str, ordered: list[TensorEntry], data_start: int) -> None:
+    """The format's rule: the tensors' byte ranges cover the data section exactly, each byte
+    in one tensor (no overlap, which would let two tensors alias; no hole, hidden bytes)."""
+    at, previous = data_start, None
+    for entry in ordered:
+        if entry.begin < at:
+            raise ValueError(
+                f"{path}: tensor {entry.name!r} (bytes {entry.begin} to {entry.end}) overlaps "
+                f"tensor {previous.name!r} (ending at byte {at}); each byte of data belongs "
+                "to one tensor"
+            )
+        if entry.begin > at:
+            raise ValueError(
+                f"{path}: {entry.begin - at} bytes before tensor {entry.name!r} (from byte "
+                f"{at}) belong to no tensor; the data section must hold nothing but tensors"
+            )
+        at, previous = entry.end, entry
 
 
 def _entry(path: str, name: str, info: Any, data_start: int) -> TensorEntry:
@@ -186,7 +208,7 @@ def _entry(path: str, name: str, info: Any, data_start: int) -> TensorEntry:
     if not isinstance(info, dict) or {"dtype", "shape", "data_offsets"} - set(info):
         raise ValueError(f"{where}: header entry {info!r} lacks dtype, shape or data_offsets")
     code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if code not in _FROM_CODE:
+    if not isinstance(code, str) or code not in _FROM_CODE:
         raise ValueError(f"{where}: dtype {code!r}; accepted: {', '.join(sorted(_FROM_CODE))}")
     dtype = DTYPES[_FROM_CODE[code]]
     if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):

@@ -10,7 +10,6 @@ buffer) and lays it out as `import_gguf` / `import_safetensors` would; nothing e
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
@@ -18,6 +17,7 @@ from typing import Any, BinaryIO
 import jax
 import numpy as np
 
+from lowbit._untrusted import load_json, open_regular
 from lowbit.io._gguf_import import BLOCK_TYPES, DIRECT_TYPES, place_tensor
 from lowbit.io._hf_import import place_array
 from lowbit.io._placement import NameMap, Placement, resolve
@@ -61,8 +61,8 @@ def safetensors_files(source: str) -> dict[str, dict[str, TensorEntry]]:
             )
     if not source.endswith(".json"):
         return {source: read_header(source)}
-    with open(source, encoding="utf-8") as f:
-        index = json.load(f)
+    with open_regular(source) as f:
+        index = load_json(f.read(), source)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise ValueError(f"{source}: no 'weight_map' object mapping tensor names to shard files")
@@ -172,7 +172,7 @@ class SourceParams(Mapping):
             return place_tensor(item.where, item.placement, self._quantized)
         file, entry = item.where
         if file not in self._files:
-            self._files[file] = open(file, "rb")  # noqa: SIM115 - closed by close()
+            self._files[file] = open_regular(file)  # closed by close()
         return place_array(read_tensor(self._files[file], entry), item.placement, self._dtype)
 
     def __iter__(self) -> Iterator[Path]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -14,6 +13,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
+
+from lowbit._untrusted import load_json, read_text
 
 from ._assets import minilm_dir
 from ._bert import Bert, BertConfig, mean_pool
@@ -95,8 +96,8 @@ def load_hf_bert(
 ) -> tuple[Bert, Tokenizer]:
     """Load ``config.json``, ``model.safetensors`` and ``tokenizer.json`` from `model_dir`."""
     model_dir = os.fspath(model_dir)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = bert_config_from_hf(json.load(f))
+    config_file = os.path.join(model_dir, "config.json")
+    config = bert_config_from_hf(load_json(read_text(config_file), config_file))
     arrays = load_file(os.path.join(model_dir, "model.safetensors"))
     # Some exports prefix every name with the architecture ("bert.").
     arrays = {k.removeprefix("bert."): v for k, v in arrays.items()}

@@ -12,7 +12,6 @@ rows are permuted; Gemma's norms store ``w`` of the ``1 + w`` they multiply by, 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -23,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 from tokenizers import Tokenizer
+
+from lowbit._untrusted import load_json, read_text, require_regular
 
 from ._decoder import Decoder, DecoderConfig
 from ._decoder_hf_defaults import HF_DEFAULTS
@@ -514,8 +515,9 @@ class _Checkpoint(Mapping[str, np.ndarray]):
         handles = {}
         for name in files:
             shard = directory / name
-            if not shard.is_file():
+            if not shard.exists():
                 raise FileNotFoundError(f"{index}: shard {name!r} does not exist in {directory}")
+            require_regular(shard)  # safe_open opens it by path: a FIFO would block it
             try:
                 handles[name] = stack.enter_context(safe_open(str(shard), framework="numpy"))
             except Exception as err:  # the safetensors error types are not public
@@ -570,7 +572,7 @@ class _Checkpoint(Mapping[str, np.ndarray]):
 
 def _read_index(index: Path) -> dict[str, str]:
     try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        weight_map = load_json(read_text(index), str(index)).get("weight_map")
     except (OSError, ValueError, AttributeError) as err:
         raise ValueError(f"{index}: not a safetensors index ({err})") from None
     ok = isinstance(weight_map, dict) and all(
@@ -589,7 +591,7 @@ def read_hf_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """``config.json`` of a Hugging Face checkpoint directory, as a dict."""
     path = Path(directory) / "config.json"
     try:
-        config = json.loads(path.read_text())
+        config = load_json(read_text(path), str(path))
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} does not exist") from None
     except (OSError, ValueError) as err:

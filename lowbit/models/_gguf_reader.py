@@ -27,6 +27,8 @@ from typing import Any
 import gguf
 import numpy as np
 
+from lowbit._untrusted import open_regular
+
 
 class GGUFError(ValueError):
     """A file that is not a well-formed GGUF file: the message names the file (and the tensor
@@ -257,15 +259,21 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
       GGUFError: (a `ValueError`) naming the file, and the tensor or key where there is one, for
         anything that is not a well-formed GGUF file: a missing or empty file, a bad magic or
         version, counts or lengths past the end of the file, names that are not UTF-8, duplicate
-        tensor names or keys, a tensor with no dimension or a row that is not whole blocks, an
-        unknown type, a bad alignment, or tensor data past the end of the file.
+        tensor names or keys, a tensor with no dimension, a zero-sized one, or a row that is not
+        whole blocks, an unknown type, an alignment that is not a power of two, a tensor offset
+        that is not aligned, or tensor data past the end of the file (the size each declares
+        is in the message: nothing is allocated for it). A path that is not a regular file
+        (a FIFO, a device) is refused before a byte is read.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise GGUFError(f"path {path!r} is not a GGUF file")
-    if os.path.getsize(path) == 0:
-        raise GGUFError(f"path {path!r} is not a GGUF file (it is empty)")
-    data = np.memmap(path, dtype=np.uint8, mode="r")
+    try:
+        f = open_regular(path, GGUFError, shown=f"GGUF file {path!r}")
+    except (FileNotFoundError, NotADirectoryError):
+        raise GGUFError(f"path {path!r} is not a GGUF file (there is no such file)") from None
+    with f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise GGUFError(f"path {path!r} is not a GGUF file (it is empty)")
+        data = np.memmap(f, dtype=np.uint8, mode="r")
     cur = _Cursor(memoryview(data), path)
     if cur.unpack("<I") != gguf.GGUF_MAGIC:
         raise GGUFError(f"path {path!r} is not a GGUF file (bad magic)")
@@ -305,12 +313,27 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         offset = cur.unpack("<Q")
         infos.append((name, tuple(reversed(ggml_dims)), ggml_type, offset))
     alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
-    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
-        raise cur.fail(f"general.alignment is {alignment!r}; it must be a positive integer")
+    if (
+        isinstance(alignment, bool)
+        or not isinstance(alignment, int)
+        or alignment <= 0
+        or alignment & (alignment - 1)
+    ):
+        raise cur.fail(f"general.alignment is {alignment!r}; it must be a power of two")
     data_start = -(-cur.pos // alignment) * alignment
     tensors: dict[str, GGUFTensor] = {}
     for name, shape, ggml_type, offset in infos:
         block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+        if 0 in shape:
+            raise cur.fail(
+                f"tensor {name!r} has shape {shape}, with a zero-sized dimension; a GGUF tensor "
+                "holds at least one element (leave an empty tensor out of the file)"
+            )
+        if offset % alignment:
+            raise cur.fail(
+                f"tensor {name!r} starts at data offset {offset}, not a multiple of the file's "
+                f"alignment {alignment}"
+            )
         if shape[-1] % block_size:
             raise cur.fail(
                 f"tensor {name!r} has row length {shape[-1]}, not a multiple of the "
@@ -321,8 +344,9 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         begin = data_start + offset
         if begin + n_bytes > data.size:
             raise cur.fail(
-                f"truncated inside tensor {name!r} (shape {shape}, {ggml_type.name}: bytes "
-                f"{begin} to {begin + n_bytes}, the file has {data.size})"
+                f"truncated inside tensor {name!r}: it declares {n_bytes} bytes (shape {shape}, "
+                f"{ggml_type.name}) at bytes {begin} to {begin + n_bytes}, the file has "
+                f"{data.size}"
             )
         raw = np.asarray(data[begin : begin + n_bytes]).reshape(*shape[:-1], row_bytes)
         tensors[name] = GGUFTensor(name=name, ggml_type=ggml_type, shape=shape, raw=raw)

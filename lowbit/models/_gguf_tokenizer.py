@@ -133,7 +133,7 @@ def _kind(metadata: Mapping[str, Any]) -> str:
 
 def _pre(metadata: Mapping[str, Any]) -> _PreTokenizer:
     pre = metadata.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
+    if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
         raise ValueError(
             f"tokenizer.ggml.pre is {pre!r}, a pre-tokenizer lowbit does not reproduce; "
             f"supported: {', '.join(sorted(PRE_TOKENIZERS))}"
@@ -141,8 +141,36 @@ def _pre(metadata: Mapping[str, Any]) -> _PreTokenizer:
     return PRE_TOKENIZERS[pre]
 
 
+def _list(metadata: Mapping[str, Any], key: str, kinds: tuple[type, ...], what: str) -> list:
+    """The list at `key` (absent: empty), every entry one of `kinds` (bools are not numbers).
+
+    Raises:
+      ValueError: naming the key and the first entry that is not `what`.
+    """
+    value = metadata.get(key, [])
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{key} is {type(value).__name__} {value!r:.80}, not a list of {what}")
+    for i, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, kinds):
+            raise ValueError(f"{key}[{i}] is {item!r:.80}, not {what}")
+    return list(value)
+
+
+def _flag(metadata: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = metadata.get(f"tokenizer.ggml.{key}", default)
+    if not isinstance(value, bool):
+        raise ValueError(f"tokenizer.ggml.{key} is {value!r:.80}; accepted: true or false")
+    return value
+
+
+def _tokens(metadata: Mapping[str, Any]) -> list[str]:
+    return _list(metadata, "tokenizer.ggml.tokens", (str,), "a string")
+
+
 def _types(metadata: Mapping[str, Any], tokens: list[str]) -> list[int]:
-    types = [int(t) for t in metadata.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
+    if "tokenizer.ggml.token_type" not in metadata:
+        return [NORMAL] * len(tokens)
+    types = _list(metadata, "tokenizer.ggml.token_type", (int,), "an integer token type")
     if len(types) != len(tokens):
         raise ValueError(
             f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
@@ -150,15 +178,16 @@ def _types(metadata: Mapping[str, Any], tokens: list[str]) -> list[int]:
     return types
 
 
-def _required(metadata: Mapping[str, Any], key: str, kind: str) -> list:
+def _required(metadata: Mapping[str, Any], key: str, kind: str) -> None:
     if key not in metadata:
         raise ValueError(f"tokenizer.ggml.model {kind!r} needs {key}, which the file lacks")
-    return list(metadata[key])
 
 
 def _id(metadata: Mapping[str, Any], key: str, default: int | None, n: int) -> int | None:
     value = metadata.get(f"tokenizer.ggml.{key}", default)
-    if value is None or int(value) < 0:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"tokenizer.ggml.{key} is {value!r:.80}, not a token id")
+    if value is None or value < 0:
         return None
     if int(value) >= n:
         raise ValueError(f"tokenizer.ggml.{key} is {value}, outside the {n}-token vocab")
@@ -173,13 +202,12 @@ def special_token_ids(metadata: Mapping[str, Any]) -> SpecialTokens:
     family. ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` override both.
     """
     kind = _kind(metadata)
-    tokens = [str(t) for t in metadata.get("tokenizer.ggml.tokens", [])]
+    tokens = _tokens(metadata)
     types = _types(metadata, tokens)
     n = len(tokens)
     spm = kind == "llama"
-    add_bos = spm or _pre(metadata).add_bos
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
-    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    add_bos = _flag(metadata, "add_bos_token", spm or _pre(metadata).add_bos)
+    add_eos = _flag(metadata, "add_eos_token", False)
     bos = _id(metadata, "bos_token_id", 1 if spm else None, n)
     eos = _id(metadata, "eos_token_id", 2 if spm else None, n)
     eot = _id(metadata, "eot_token_id", None, n)
@@ -226,7 +254,8 @@ def _spm_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[
 
 
 def _spm_tokenizer(metadata: Mapping[str, Any], tokens: list[str], types: list[int]) -> Tokenizer:
-    scores = [float(s) for s in _required(metadata, "tokenizer.ggml.scores", "llama")]
+    _required(metadata, "tokenizer.ggml.scores", "llama")
+    scores = [float(s) for s in _list(metadata, "tokenizer.ggml.scores", (int, float), "a score")]
     if len(scores) != len(tokens):
         raise ValueError(
             f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens"
@@ -234,7 +263,7 @@ def _spm_tokenizer(metadata: Mapping[str, Any], tokens: list[str], types: list[i
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
     merges = _spm_merges(tokens, scores, types)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=True))
-    space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    space_prefix = _flag(metadata, "add_space_prefix", True)
     # The library applies the normalizer to each run of text between special tokens, so the
     # prefix "▁" lands at the start and after every special token, as in llama.cpp.
     steps = [normalizers.Prepend(_SPACE)] if space_prefix else []
@@ -249,8 +278,21 @@ def _spm_tokenizer(metadata: Mapping[str, Any], tokens: list[str], types: list[i
 
 def _bpe_tokenizer(metadata: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
     pre = _pre(metadata)
-    merges = [tuple(m.split(" ", 1)) for m in _required(metadata, "tokenizer.ggml.merges", "gpt2")]
+    _required(metadata, "tokenizer.ggml.merges", "gpt2")
+    merges = []
+    for i, merge in enumerate(_list(metadata, "tokenizer.ggml.merges", (str,), "a merge")):
+        left, space, right = merge.partition(" ")
+        if not space:
+            raise ValueError(f"tokenizer.ggml.merges[{i}] is {merge!r:.80}, not 'left right'")
+        merges.append((left, right))
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
+    for i, (left, right) in enumerate(merges):
+        missing = next((t for t in (left, right, left + right) if t not in vocab), None)
+        if missing is not None:
+            raise ValueError(
+                f"tokenizer.ggml.merges[{i}] ({left} {right!r:.80}) needs {missing!r:.80}, which "
+                "tokenizer.ggml.tokens lacks"
+            )
     tok = Tokenizer(
         models.BPE(
             vocab=vocab,
@@ -277,14 +319,27 @@ def _rstrip_after(metadata: Mapping[str, Any]):
 
 def _post_processor(tokens: list[str], special: SpecialTokens):
     """BOS/EOS around the text as llama.cpp adds them; None when it adds neither."""
-    bos = [(tokens[special.bos], special.bos)] if special.add_bos else []
-    eos = [(tokens[special.eos], special.eos)] if special.add_eos else []
+    bos = [special.bos] if special.add_bos else []
+    eos = [special.eos] if special.add_eos else []
     if not bos and not eos:
         return None
-    single = [t for t, _ in bos] + ["$A"] + [t for t, _ in eos]
+    names = {i: _template_name(tokens[i], i) for i in bos + eos}
+    single = [names[i] for i in bos] + ["$A"] + [names[i] for i in eos]
     return processors.TemplateProcessing(
-        single=single, pair=single + ["$B:1"], special_tokens=sorted(set(bos + eos))
+        single=single,
+        pair=single + ["$B:1"],
+        special_tokens=[
+            {"id": name, "ids": [i], "tokens": [tokens[i]]} for i, name in sorted(names.items())
+        ],
     )
+
+
+def _template_name(text: str, i: int) -> str:
+    """How a template refers to token `i`: its text, unless the template syntax would read
+    that as something else (``$A`` sequences, ``name:type_id`` pairs)."""
+    if text and ":" not in text and not text.startswith("$"):
+        return text
+    return f"<special token {i}>"
 
 
 def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
@@ -303,7 +358,8 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
         reproduce (the message lists the supported ones), or missing/inconsistent fields.
     """
     kind = _kind(metadata)
-    tokens = [str(t) for t in metadata["tokenizer.ggml.tokens"]]
+    _required(metadata, "tokenizer.ggml.tokens", kind)
+    tokens = _tokens(metadata)
     types = _types(metadata, tokens)
     special = special_token_ids(metadata)
     tok = (

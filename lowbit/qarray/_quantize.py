@@ -75,6 +75,22 @@ class QuantConfig:
 
     def __post_init__(self):
         fmt = get_format(self.format)  # raises on unknown names
+        if not isinstance(self.granularity, Granularity):
+            raise TypeError(
+                f"QuantConfig.granularity={self.granularity!r} is a "
+                f"{type(self.granularity).__name__}, not a granularity; accepted: PerTensor(), "
+                "PerChannel(axes), PerGroup(size, axis), PerBlock(block), PerToken() (text "
+                "forms such as 'per_group:128' are for recipe JSON: "
+                "lowbit.recipes.parse_granularity)"
+            )
+        if not isinstance(self.calibration, Calibration):
+            raise TypeError(
+                f"QuantConfig.calibration={self.calibration!r} is a "
+                f"{type(self.calibration).__name__}, not a calibration; accepted: AbsMax(), "
+                "AbsMean(), MinMax(), Percentile(q), RMS(), Fixed(lo, hi), MSE() (text forms "
+                "such as 'percentile,99.9' are for recipe JSON: lowbit.qarray.parse_calibration)"
+            )
+        _check_fixed_block(fmt, self.granularity)
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding={self.rounding!r}; accepted: {ROUNDINGS}")
         if self.symmetric is None:
@@ -103,6 +119,24 @@ class QuantConfig:
         object.__setattr__(self, "scale_dtype", dtype)
 
 
+def _check_fixed_block(fmt: Format, granularity: Granularity) -> None:
+    """A block format (MX, NVFP4) fixes its group size; a `PerGroup` may only pick the axis."""
+    if fmt.block_size is None or not isinstance(granularity, PerGroup):
+        return
+    if granularity.size != fmt.block_size:
+        rule = (
+            "MX formats share one E8M0 scale per 32 elements (OCP MX v1.0)"
+            if fmt.scale_encoding == "e8m0"
+            else f"its blocks share one {fmt.scale_encoding} scale per {fmt.block_size} elements"
+        )
+        raise ValueError(
+            f"QuantConfig.granularity=PerGroup({granularity.size}) contradicts format "
+            f"{fmt.name!r}: {rule}, so its group size is fixed at {fmt.block_size}. Use "
+            f"PerGroup({fmt.block_size}, axis={granularity.axis}) to choose the axis, or leave "
+            "granularity at its default (blocks along the last axis)"
+        )
+
+
 def _unsigned_int(fmt: Format) -> bool:
     """An integer format whose grid has no negative values (``uint*``)."""
     return hasattr(fmt, "qmin") and fmt.block_size is None and fmt.min_value >= 0
@@ -120,9 +154,32 @@ def _check_input(x: Any) -> jax.Array:
             f"quantize got an empty array of shape {tuple(x.shape)}: there are no values to "
             "choose a scale from; keep empty arrays in float"
         )
-    if x.ndim == 0:
-        x = x.reshape(1)
     return x
+
+
+def _quantize_scalar(
+    x: jax.Array, fmt: Format, config: QuantConfig, key: Any, bounds: Any
+) -> QArray:
+    """A 0-d array as a 0-d QArray: one code, one scale (and zero point), all of shape ().
+
+    Sub-byte codes stay one a byte (there is no axis to pack two along).
+    """
+    if fmt.block_size is not None or isinstance(fmt, GGUFBlockFormat):
+        size = fmt.block_size or fmt.block.block_size
+        raise ValueError(
+            f"quantize got a 0-d array (a scalar), but format {fmt.name!r} stores blocks of "
+            f"{size} elements; keep the scalar in float or use a format without fixed blocks "
+            "such as 'int8'"
+        )
+    q = quantize(x.reshape(1), dataclasses.replace(config, pack=False), key=key, bounds=bounds)
+    return dataclasses.replace(
+        q,
+        codes=q.codes.reshape(()),
+        scale=q.scale.reshape(()),
+        zero_point=None if q.zero_point is None else q.zero_point.reshape(()),
+        shape=(),
+        packed_axis=None,
+    )
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -184,11 +241,7 @@ def _tile(config: QuantConfig, fmt: Format, shape: tuple[int, ...]) -> tuple[int
     if fmt.block_size is None:
         return config.granularity.tile(shape)
     axis = config.granularity.axis if isinstance(config.granularity, PerGroup) else -1
-    if isinstance(config.granularity, PerGroup) and config.granularity.size != fmt.block_size:
-        raise ValueError(
-            f"format {fmt.name!r} has a fixed block size {fmt.block_size}; got group size "
-            f"{config.granularity.size}"
-        )
+    _check_fixed_block(fmt, config.granularity)
     return PerGroup(fmt.block_size, axis).tile(shape)
 
 
@@ -234,7 +287,30 @@ def blocks_view(x: jax.Array, tile: tuple[int, ...]) -> jax.Array:
 
 def _float_scale(bound_range: jax.Array, denom: float, empty: float = 1.0) -> jax.Array:
     """bound / denom; `empty` where that is zero or not finite (a block with no range)."""
-    scale = bound_range / denom
+    return _guard_scale(bound_range / denom, denom, empty)
+
+
+def _range_scale(lo: jax.Array, hi: jax.Array, denom: float) -> jax.Array:
+    """(hi - lo) / denom, the asymmetric scale, also where ``hi - lo`` overflows.
+
+    Finite bounds near float32's maximum of opposite signs overflow ``hi - lo``; then the scale
+    is ``hi / denom - lo / denom``, clamped to the largest float32 for a one-step grid
+    (``uint1``), whose scale cannot span that range (its grid end saturates). A non-finite
+    bound still gives the empty scale, as in `_float_scale`.
+    """
+    width = hi - lo
+    overflow = jnp.isinf(width) & jnp.isfinite(lo) & jnp.isfinite(hi)
+    split = jnp.minimum(hi / denom - lo / denom, jnp.finfo(jnp.float32).max)
+    return _guard_scale(jnp.where(overflow, split, width / denom), denom, 1.0)
+
+
+def _guard_scale(scale: jax.Array, denom: float, empty: float) -> jax.Array:
+    # Near float32's maximum, the grid's ends decoded (`scale * denom`, and past it by the zero
+    # point's rounding) can round up to inf: a scale a few ulps smaller keeps every decoded code
+    # finite, the largest values saturating instead. Other scales are left bit for bit.
+    margin = 2.0**-16
+    overshoot = jnp.isfinite(scale) & ~jnp.isfinite(scale * (denom * (1 + margin)))
+    scale = jnp.where(overshoot, scale * (1 - margin), scale)
     return jnp.where(jnp.isfinite(scale) & (scale > 0), scale, empty)
 
 
@@ -247,7 +323,8 @@ def _empty_scale(fmt: Format) -> float:
 def _scales(fmt, config, lo, hi, global_amax):
     """Returns (stored_scale, scale_f32, zero_point or None, tensor_scale or None)."""
     if not config.symmetric:
-        scale = _float_scale(hi - lo, fmt.max_value - fmt.min_value).astype(config.scale_dtype)
+        denom = fmt.max_value - fmt.min_value
+        scale = _range_scale(lo, hi, denom).astype(config.scale_dtype)
         scale32 = scale.astype(jnp.float32)
         zero_point = (fmt.min_value - lo / scale32).astype(config.scale_dtype)
         return scale, scale32, zero_point, None
@@ -321,12 +398,13 @@ def quantize(
       pack_axis: axis to pack sub-byte codes along (default: the last axis of size > 1).
       **overrides: `QuantConfig` fields, e.g. `granularity=PerGroup(64)`.
     Returns:
-      A `QArray` with the shape and dtype of `x`.
+      A `QArray` with the shape and dtype of `x` (a 0-d `x` gives a 0-d QArray, its one code
+      unpacked).
     Raises:
-      ValueError: for a non-float or empty input, an unknown format, a group size that does not
-        divide, an axis out of range, stochastic rounding without a key, and (concrete inputs
-        only, see `check_values`) an input with no finite value or negative values under a
-        symmetric unsigned format.
+      ValueError: for a non-float or empty input, a 0-d input under a block format, an
+        unknown format, a group size that does not divide, an axis out of range, stochastic
+        rounding without a key, and (concrete inputs only, see `check_values`) an input with
+        no finite value or negative values under a symmetric unsigned format.
     """
     if config is None:
         config = QuantConfig(**{"format": "int8", **overrides})
@@ -337,6 +415,8 @@ def quantize(
     fmt = get_format(config.format)
     x = _check_input(x)
     check_values(x, config)
+    if x.ndim == 0:
+        return _quantize_scalar(x, fmt, config, key, bounds)
     if isinstance(fmt, GGUFBlockFormat):
         return _quantize_gguf_blocks(x, fmt, config, pack_axis)
     logical_shape, logical_dtype = x.shape, x.dtype

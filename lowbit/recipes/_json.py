@@ -22,6 +22,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit._untrusted import load_json
 from lowbit.formats import format_names, get_format
 from lowbit.qarray import (
     MSE,
@@ -244,13 +245,11 @@ def recipe_from_json(text: str | Mapping[str, Any]) -> Recipe:
     """Parses a recipe from JSON text or a dict ``{"name": ..., "rules": [...]}``.
 
     Raises:
-      ValueError: naming the field, the value and what is accepted.
+      ValueError: naming the field, the value and what is accepted; also for text that is not
+        JSON, nests deeper than Python's parser goes, or names a key twice.
     """
-    if isinstance(text, str):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"recipe JSON does not parse: {err}") from None
+    if isinstance(text, str | bytes):
+        data = load_json(text, "recipe JSON")
     else:
         data = text
     if not isinstance(data, Mapping) or not isinstance(data.get("rules"), list):

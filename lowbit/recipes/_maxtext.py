@@ -23,11 +23,11 @@ weight layouts of the presets: ``kernel``, ``embedding``, ``weight``).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
+from lowbit._untrusted import load_json, read_text
 from lowbit.qarray import AbsMax, QuantConfig
 from lowbit.recipes._builders import LAYOUTS, activation_config, weight_config
 from lowbit.recipes._recipe import Recipe
@@ -104,13 +104,11 @@ def preset_from_maxtext_json(source: str | os.PathLike | Mapping[str, Any]) -> R
         data = source
     else:
         text = str(source)
+        where = "intmp JSON"
         if not text.lstrip().startswith("{"):
-            with open(text, encoding="utf8") as f:
-                text = f.read()
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"intmp JSON does not parse: {err}") from None
+            where = f"intmp JSON file {text!r}"
+            text = read_text(text)
+        data = load_json(text, where)
     if not isinstance(data, Mapping):
         raise ValueError(f"intmp JSON must be an object of regex -> config, got {data!r}")
     default = dict(_BASE)

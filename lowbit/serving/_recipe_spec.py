@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lowbit._untrusted import read_text
+
 GGUF_RECIPE = "gguf"
 FLOAT_RECIPE = "float"
 
@@ -22,10 +24,10 @@ def load_recipe(spec: str) -> Any:
 
     if spec.endswith(".json") or os.sep in spec:
         path = Path(spec)
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"recipe file {spec!r} does not exist")
         try:
-            return Recipe.from_json(path.read_text(encoding="utf-8"))
+            return Recipe.from_json(read_text(path))
         except ValueError as err:
             raise ValueError(f"recipe file {spec!r}: {err}") from None
     if spec not in preset_names():

@@ -85,7 +85,7 @@ def test_block_format_fields():
 
 
 def test_block_format_rejects_wrong_group_size():
-    with pytest.raises(ValueError, match="fixed block size 32"):
+    with pytest.raises(ValueError, match="group size is fixed at 32"):
         quantize(np.ones((2, 64), np.float32), "mxfp4", granularity=PerGroup(16, axis=1))
 
 

@@ -101,6 +101,20 @@ BAD_NAME = b"bad\xff\xfename"
             "general.alignment is 0",
         ),
         (_gguf_bytes(tensors=((b"w", (4, 2), F32, 2**40),)), "truncated inside tensor 'w'"),
+        (
+            _gguf_bytes().replace(struct.pack("<QQ", 2, 4), struct.pack("<QQ", 2**20, 2**30)),
+            r"tensor 'w': it declares 4503599627370496 bytes",
+        ),
+        (
+            _gguf_bytes(tensors=((b"w", (0, 2), F32, 0),)),
+            r"tensor 'w' has shape \(0, 2\), with a zero",
+        ),
+        (_gguf_bytes(tensors=((b"w", (4, 0), F32, 0),)), "zero-sized dimension"),
+        (_gguf_bytes(tensors=((b"w", (4, 2), F32, 4),)), "data offset 4, not a multiple of the"),
+        (
+            _gguf_bytes(kv=((b"general.alignment", U32, struct.pack("<I", 24)),)),
+            "general.alignment is 24; it must be a power of two",
+        ),
         (_gguf_bytes()[:60], "truncated at byte 57"),
         (b"", "is empty"),
     ],

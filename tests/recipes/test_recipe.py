@@ -252,7 +252,7 @@ def _rule_json(**weight):
             r"Recipe.rules\[0\]: Rule.ops",
         ),
         (json.dumps({"rules": {}}), r"must be an object"),
-        ("{", r"does not parse"),
+        ("{", r"recipe JSON is not valid JSON"),
     ],
 )
 def test_from_json_errors(text, match):
