@@ -16,7 +16,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lowbit-installed
 KERNEL_SOURCES := $(wildcard lowbit/kernels/cpu/*.cc lowbit/kernels/cpu/*.h)
 
-.PHONY: install test demo bench bench-env lint clean test-jax-compat
+.PHONY: install test demo bench bench-env lint clean test-jax-compat fuzz
 
 $(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 	# A venv left by an older Python (before JAX needed 3.12) is made anew.
@@ -38,6 +38,13 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/lowbit demo
+
+# Coverage-guided fuzzing of every parser of untrusted input (fuzz/), FUZZ_SECONDS per harness;
+# not part of `make test` (its findings are kept there as regression tests).
+FUZZ_SECONDS ?= 120
+fuzz: $(STAMP)
+	$(PY) -m pip install -q ".[fuzz]" --no-build-isolation
+	$(PY) -m fuzz --seconds $(FUZZ_SECONDS)
 
 # Benchmarks run in their own environment with the peers (torch CPU wheel, torchao,
 # llama-cpp-python), which never enter the runtime or test dependencies.
