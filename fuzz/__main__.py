@@ -27,6 +27,7 @@ HARNESSES = (
     "checkpoint_manifest",
     "recipe_json",
     "gguf_tokenizer",
+    "serve_request",
 )
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -195,6 +195,17 @@ def recipe_seeds() -> Iterator[Seed]:
             yield f"preset_{name}.json", preset(name).to_json().encode()
         except (TypeError, ValueError):  # presets that need arguments (intmp)
             continue
+    # A plan as `lowbit quantize --bits` writes it: exact paths, shapes recorded.
+    from lowbit.recipes import parse_candidate, plan_recipe
+
+    plan = plan_recipe(
+        {
+            "layers/0/mlp/up/kernel": (parse_candidate("int4:g64:gptq"), (576, 1536)),
+            "layers/0/attn/v_proj/kernel": (parse_candidate("int8"), (576, 192)),
+            "output/kernel": (parse_candidate("q6_k"), (576, 49152)),
+        }
+    )
+    yield "plan.json", plan.to_json().encode()
     intmp = {"default": {"w_bits": 8, "a_bits": 8}, ".*attn.*": {"w_bits": 4, "tile_size": 128}}
     yield "maxtext_intmp.json", json.dumps(intmp).encode()
 

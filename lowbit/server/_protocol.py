@@ -12,6 +12,8 @@ import json
 import math
 from typing import Any
 
+from lowbit._untrusted import load_json
+
 # Fields the server reads; others OpenAI defines are accepted and ignored when they hold
 # their default (or null), refused otherwise (see `_UNSUPPORTED`).
 _COMMON = {
@@ -130,11 +132,11 @@ def parse_body(raw: bytes) -> dict[str, Any]:
       APIError: for a body that is not a UTF-8 JSON object.
     """
     try:
-        body = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise APIError(
-            400, f"the request body is not valid JSON ({err})", code="invalid_json"
-        ) from None
+        # Bounded like every untrusted JSON: deep nesting, 5,000-digit integers and duplicate
+        # keys are a 400, never a RecursionError (a 500) or a key silently dropped.
+        body = load_json(raw, "the request body")
+    except ValueError as err:
+        raise APIError(400, f"{err}; send one JSON object", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     return body

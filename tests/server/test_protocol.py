@@ -57,3 +57,21 @@ def test_a_body_that_is_not_a_json_object_is_refused(raw):
     with pytest.raises(APIError, match="JSON") as err:
         parse_body(raw)
     assert err.value.status == 400
+
+
+@pytest.mark.parametrize(
+    "raw, why",
+    [
+        (b"[" * 100_000, "nested too deeply"),
+        (b'{"max_tokens": ' + b"9" * 5000 + b"}", "4300 digits"),
+        (b'{"prompt": "a", "prompt": "b"}', "appears twice"),
+        (b"\xff\xfe{", "not valid JSON"),
+    ],
+    ids=["deep", "long-int", "duplicate-key", "not-utf8"],
+)
+def test_hostile_bodies_are_a_400_not_a_crash(raw, why):
+    # Found by fuzz/serve_request.py's contract: each was a RecursionError or a bare ValueError
+    # (a 500), or a key silently dropped.
+    with pytest.raises(APIError, match=why) as err:
+        parse_body(raw)
+    assert err.value.status == 400

@@ -1,0 +1,76 @@
+"""Fuzzes the bodies `lowbit serve` reads (`lowbit.server`: `parse_body`, then
+`parse_request` for ``/v1/completions`` and ``/v1/chat/completions``).
+
+Contract: an `APIError` with a 4xx status and a message (answered as an OpenAI error object),
+or a request whose fields have the documented types and ranges.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+
+from fuzz._contract import ContractViolation, main
+
+BODIES = (
+    {"model": "m", "prompt": "The capital of France is", "max_tokens": 8},
+    {
+        "prompt": [1, 2, 3],
+        "max_tokens": 4,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 40,
+        "seed": 3,
+        "stop": ["\n", "."],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    },
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+        ],
+        "max_completion_tokens": 16,
+        "n": 1,
+        "logprobs": None,
+    },
+    {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "text"}},
+)
+
+
+def seeds() -> Iterator[tuple[str, bytes]]:
+    for i, body in enumerate(BODIES):
+        yield f"body_{i}.json", json.dumps(body).encode()
+
+
+def _load():
+    global APIError, parse_body, parse_request
+    from lowbit.server._protocol import APIError, parse_body, parse_request
+
+
+def _check(request) -> None:
+    """A parsed request's fields are what the scheduler may rely on."""
+    if request.max_tokens is not None and not (
+        isinstance(request.max_tokens, int) and request.max_tokens >= 1
+    ):
+        raise ContractViolation(f"max_tokens {request.max_tokens!r}")
+    if not (isinstance(request.temperature, float | int) and math.isfinite(request.temperature)):
+        raise ContractViolation(f"temperature {request.temperature!r}")
+    if request.temperature < 0 or not (0 < request.top_p <= 1):
+        raise ContractViolation(f"temperature {request.temperature!r} / top_p {request.top_p!r}")
+    if not all(isinstance(s, str) for s in request.stop):
+        raise ContractViolation(f"stop {request.stop!r}")
+
+
+def test_one(data: bytes) -> None:
+    for chat in (False, True):
+        try:
+            _check(parse_request(parse_body(data), chat))
+        except APIError as err:
+            if not (400 <= err.status < 500 and err.message):
+                raise ContractViolation(f"APIError {err.status} {err.message!r}") from err
+
+
+if __name__ == "__main__":
+    main(test_one, _load)
