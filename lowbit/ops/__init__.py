@@ -30,6 +30,7 @@ from lowbit.ops._fp8_scaling import (
     Fp8Weight,
     fp8_dot_general,
 )
+from lowbit.ops._hadamard import hadamard_matrix, hadamard_transform
 from lowbit.ops._lora_weight import (
     LoraLayoutError,
     LoraWeight,
@@ -78,6 +79,8 @@ __all__ = [
     "per_call_layout",
     "dot_general_reference",
     "fp8_dot_general",
+    "hadamard_matrix",
+    "hadamard_transform",
     "is_lora_weight",
     "is_prepared",
     "is_qat_weight",
