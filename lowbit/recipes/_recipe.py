@@ -12,6 +12,7 @@ from lowbit.formats import get_format
 from lowbit.qarray import PerGroup, QuantConfig
 from lowbit.recipes._kv_cache import KVCacheConfig, parse_kv_cache
 from lowbit.recipes._paths import is_param_leaf, param_leaves
+from lowbit.recipes._rotation import RotationConfig, parse_rotation
 from lowbit.recipes._rule import Rule
 
 
@@ -69,6 +70,8 @@ class Recipe:
       name: a label (presets use their name).
       kv_cache: how a language model's key/value cache is stored when the recipe runs it
         (`KVCacheConfig`, or its text form such as ``"int8"``); None for a float cache.
+      rotate: Hadamard rotations of a decoder's float weights applied before quantizing and
+        calibrating (`RotationConfig`, or its text form such as ``"hadamard"``); None for none.
 
     Example:
       >>> from lowbit.qarray import QuantConfig, PerChannel
@@ -84,9 +87,11 @@ class Recipe:
     rules: tuple[Rule, ...]
     name: str = "custom"
     kv_cache: KVCacheConfig | None = None
+    rotate: RotationConfig | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache", parse_kv_cache(self.kv_cache, "Recipe.kv_cache"))
+        object.__setattr__(self, "rotate", parse_rotation(self.rotate, "Recipe.rotate"))
         rules = (self.rules,) if isinstance(self.rules, Rule) else tuple(self.rules)
         for i, rule in enumerate(rules):
             if not isinstance(rule, Rule):
