@@ -31,6 +31,7 @@ from lowbit.ops._fp8_scaling import (
     fp8_dot_general,
 )
 from lowbit.ops._hadamard import hadamard_matrix, hadamard_transform
+from lowbit.ops._hadamard_weight import HadamardInput, rotate_weight_input
 from lowbit.ops._lora_weight import (
     LoraLayoutError,
     LoraWeight,
@@ -65,6 +66,7 @@ __all__ = [
     "Fp8Scaling",
     "Fp8State",
     "Fp8Weight",
+    "HadamardInput",
     "LoraLayoutError",
     "LoraWeight",
     "MIN_WEIGHT_ELEMENTS",
@@ -98,6 +100,7 @@ __all__ = [
     "qat_weight",
     "quantize_activation",
     "ragged_dot",
+    "rotate_weight_input",
     "ragged_dot_general",
     "ragged_dot_general_path",
     "ragged_dot_general_reference",
