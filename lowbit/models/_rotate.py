@@ -13,6 +13,7 @@ Two offline rotations, each an exact identity on the float model:
 * **Per head, values.** v_proj's outputs of each key/value head and o_proj's inputs of every
   query head reading it are rotated by ``R`` (Hadamard of head_dim): attention mixes values
   linearly per head, so ``(Σ p v R) Rᵀ = Σ p v``. Exact with grouped queries and v biases.
+  ``R = H diag(±1)`` (random signs): an int4 KV cache rotates values by ``H`` once more.
 
 What a fold cannot prove exact is refused: a norm on a sub-block's output (Gemma 2/3's
 post-norms) with a per-channel scale does not commute with ``Q``. The residual rotation is
@@ -155,7 +156,7 @@ def rotate_decoder(
                 raise RotationError(f"rotate: layers/*/attn/v_proj: {why}")
             skipped["layers/*/attn/v_proj"] = why
         else:
-            _rotate_heads(c, new)
+            _rotate_heads(c, new, rotation.seed)
             rotated.append("heads")
     if untied:
         config = dataclasses.replace(config, tie_embeddings=False)
@@ -210,10 +211,13 @@ def _fold_mlp(mlp: dict, s: np.ndarray, q: np.ndarray) -> None:
     mlp["down_proj"] = dict(mlp["down_proj"], kernel=_rotate_out(mlp["down_proj"]["kernel"], q))
 
 
-def _rotate_heads(c: DecoderConfig, p: dict) -> None:
+def _rotate_heads(c: DecoderConfig, p: dict, seed: int) -> None:
     """v_proj's outputs per key/value head times ``R``, o_proj's inputs per query head times
     ``Rᵀ`` (rows ``h·D .. (h+1)·D`` of o_proj's kernel become ``Rᵀ W_o[h]``)."""
-    r = hadamard_matrix(c.head_dim, np.float64)
+    # R = H diag(±1): an int4 KV cache rotates stored values by H again (online), and for a
+    # power of two H H = I would undo a plain H; H D H is a dense rotation.
+    signs = np.random.default_rng(seed + 1).choice(np.array([-1.0, 1.0]), size=c.head_dim)
+    r = hadamard_matrix(c.head_dim, np.float64) * signs[None, :]
     d, kv_dim, q_dim = c.head_dim, c.n_kv_heads * c.head_dim, c.n_heads * c.head_dim
 
     def per_head(x: Any) -> np.ndarray:  # [..., kv_dim] -> the same, each head times R
