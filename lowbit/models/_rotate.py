@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from lowbit.models._decoder import Decoder, DecoderConfig
-from lowbit.ops import hadamard_matrix
+from lowbit.ops import hadamard_matrix, hadamard_transform
 from lowbit.recipes import RotationConfig
 
 
@@ -67,10 +67,14 @@ class RotationError(ValueError):
     """A strict rotation met a layer the fold cannot prove exact."""
 
 
+def _signs(dim: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).choice(np.array([-1.0, 1.0]), size=dim)
+
+
 def residual_rotation(dim: int, seed: int = 0) -> np.ndarray:
-    """``Q = diag(±1) H``: the ``[dim, dim]`` float64 orthogonal matrix of the residual stream."""
-    signs = np.random.default_rng(seed).choice(np.array([-1.0, 1.0]), size=dim)
-    return signs[:, None] * hadamard_matrix(dim, np.float64)
+    """``Q = diag(±1) H``: the ``[dim, dim]`` float64 orthogonal matrix of the residual stream
+    (the transform applies it as signs then `hadamard_transform`, never densely)."""
+    return _signs(dim, seed)[:, None] * hadamard_matrix(dim, np.float64)
 
 
 def _uniform(scale: np.ndarray) -> bool:
@@ -96,21 +100,26 @@ def _residual_blockers(config: DecoderConfig, params: dict) -> dict[str, str]:
     return blockers
 
 
-def _cast(x: np.ndarray, like: Any) -> Any:
+def _cast(x: Any, like: Any) -> Any:
     return np.asarray(x, dtype=np.asarray(like).dtype)
 
 
-def _fold_in(w: Any, scale: np.ndarray, q: np.ndarray | None) -> np.ndarray:
-    """``Qᵀ diag(s) W`` for ``W [..., dim, out]`` (experts lead with ``n_experts``)."""
-    w64 = np.asarray(w, np.float64) * scale[:, None]
-    if q is not None:
-        w64 = np.einsum("di,...do->...io", q, w64)
-    return _cast(w64, w)
+# The rotation's arithmetic: float32 (float64 for float64 weights), by the fast transform.
+def _work(w: Any) -> jax.Array:
+    dtype = jnp.float64 if np.asarray(w).dtype == np.float64 else jnp.float32
+    return jnp.asarray(w, dtype)
 
 
-def _rotate_out(w: Any, q: np.ndarray) -> np.ndarray:
-    """``W Q`` for ``W [..., in, dim]``."""
-    return _cast(np.asarray(w, np.float64) @ q, w)
+def _fold_in(w: Any, scale: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """``Qᵀ diag(scale) W`` for ``W [..., dim, out]`` (experts lead with ``n_experts``), with
+    ``Q = diag(signs) H``: ``(Qᵀ A)ᵀ = Aᵀ diag(signs) H``."""
+    a = _work(w) * jnp.asarray(scale * signs)[:, None]
+    return _cast(jnp.swapaxes(hadamard_transform(jnp.swapaxes(a, -1, -2)), -1, -2), w)
+
+
+def _rotate_out(w: Any, signs: np.ndarray) -> np.ndarray:
+    """``W Q = (W diag(signs)) H`` for ``W [..., in, dim]``."""
+    return _cast(hadamard_transform(_work(w) * jnp.asarray(signs)), w)
 
 
 def rotate_decoder(
@@ -146,7 +155,7 @@ def rotate_decoder(
             )
         skipped.update(blockers)
         if not blockers:
-            q = residual_rotation(c.dim, rotation.seed)
+            q = _signs(c.dim, rotation.seed)
             untied = _rotate_residual(c, new, q, folded)
             rotated.append("residual")
     if rotation.heads:

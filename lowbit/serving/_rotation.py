@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import weakref
 from typing import Any
 
 import jax
@@ -23,6 +24,8 @@ import numpy as np
 
 from lowbit.serving._load import LoadedModel
 from lowbit.serving._recipe_spec import FLOAT_RECIPE, GGUF_RECIPE, load_recipe
+
+_ROTATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # Dense MLP down projections (a shared expert's too): the weights an online rotation serves.
 _ONLINE = {"down_proj": re.compile(r"layers/\d+/(mlp|moe/shared)/down_proj/kernel")}
@@ -52,8 +55,15 @@ def rotated_model(loaded: LoadedModel, recipe: Any) -> LoadedModel:
             f"language models; {loaded.name!r} is a {type(loaded.model).__name__}. Drop "
             "'rotate' from the recipe"
         )
-    model, report = rotate_model(loaded.model, rotation)
-    return dataclasses.replace(loaded, model=model, rotation=rotation, rotation_report=report)
+    # One rotated model per (model, rotation) in a process: recipes sharing a rotation share
+    # its calibration statistics (cached per model object).
+    per_model = _ROTATED.setdefault(loaded, {})
+    if rotation not in per_model:
+        model, report = rotate_model(loaded.model, rotation)
+        per_model[rotation] = dataclasses.replace(
+            loaded, model=model, rotation=rotation, rotation_report=report
+        )
+    return per_model[rotation]
 
 
 def rotated_for_spec(loaded: LoadedModel, recipe_spec: str) -> LoadedModel:
