@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -81,15 +82,17 @@ def apply_recipe(
         )
     online = online_paths(pure, recipe.rotate)
     float_pure, pure = pure, rotate_online_inputs(pure, online)
+    # The rotation is done (the model, and the online inputs here); what is left is the rules.
+    rules_only = dataclasses.replace(recipe, rotate=None)
     if not any(r.algorithm is not None for r in recipe.rules):
-        return wrap_online(ready(loaded, quantize_params(pure, recipe)), online), recipe
+        return wrap_online(ready(loaded, quantize_params(pure, rules_only)), online), recipe
     from lowbit.algorithms import AlgorithmReport, sample_rows
     from lowbit.api import AlgorithmOptions, algorithm_weights
 
     data_paths = tuple(
         sorted(
             p
-            for p, (_, rule) in algorithm_weights(recipe, pure).items()
+            for p, (_, rule) in algorithm_weights(rules_only, pure).items()
             if rule.algorithm.needs_data
         )
     )
@@ -103,12 +106,12 @@ def apply_recipe(
             )
         # Statistics of the float model as it runs (x, not x H), turned into those of the
         # online-rotated inputs.
-        statistics = calibrate(loaded, float_pure, data_paths, sample_rows(recipe))
+        statistics = calibrate(loaded, float_pure, data_paths, sample_rows(rules_only))
         statistics = rotate_statistics(statistics, online)
     report = AlgorithmReport()
     params = quantize_params(
         pure,
-        recipe,
+        rules_only,
         algorithm_options=AlgorithmOptions(statistics=statistics, on_weight=on_weight),
         report=report,
     )
