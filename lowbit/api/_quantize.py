@@ -60,13 +60,25 @@ def quantize_weight(x: jax.Array, config: QuantConfig, rule: Rule) -> QArray:
 
 
 def as_recipe(recipe: Recipe | str) -> Recipe:
-    """A `Recipe`, or a preset name turned into one."""
+    """A `Recipe`, or a preset name turned into one.
+
+    Raises:
+      ValueError: for a recipe that rotates (``rotate``): a params tree cannot be rotated
+        here, and quantizing it unrotated would silently drop the rotation.
+    """
     if isinstance(recipe, str):
-        return preset(recipe)
+        recipe = preset(recipe)
     if not isinstance(recipe, Recipe):
         raise TypeError(
             f"recipe must be a lowbit.recipes.Recipe or a preset name, got "
             f"{type(recipe).__name__}: {recipe!r}"
+        )
+    if recipe.rotate is not None:
+        raise ValueError(
+            f"recipe {recipe.name!r} has rotate={recipe.rotate.to_text()!r}, which rotates a "
+            "lowbit.models.Decoder before quantizing; rotate it first "
+            "(lowbit.serving.rotated_model, or lowbit.models.rotate_model) and quantize with "
+            "dataclasses.replace(recipe, rotate=None), or use the CLI, which does both"
         )
     return recipe
 

@@ -61,6 +61,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"GGUF export writes Llama language models; {target.loaded.name!r} is not one"
             )
+        rotation = target.loaded.rotation
+        if rotation is not None and rotation.online:
+            raise ValueError(
+                f"recipe rotates the input of {', '.join(rotation.online)} online "
+                f"(rotate={rotation.to_text()!r}), which llama.cpp does not do; export a recipe "
+                "with rotate='hadamard:offline' (only the rotations fused into the weights)"
+            )
         with step(bar, f"writing {args.gguf}"):
             report = export_gguf(
                 logical_weights(target.params),
@@ -100,6 +107,9 @@ def _stream_source(target: str, recipe: str | None) -> tuple[str, str, bool] | N
     if serving.is_checkpoint(target):
         if recipe is not None or has_adapters(target):
             return None  # refused by `open_target` / merged with the base in memory
+        stored = serving.checkpoint_recipe(target)
+        if stored is not None and stored.rotate is not None:
+            return None  # a rotated model: its structure is the rotated one, in memory
         model = serving.checkpoint_metadata(target)[serving.META_MODEL]
         if model == "smollm2":
             model = str(smollm2_gguf_path())

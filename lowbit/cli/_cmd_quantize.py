@@ -24,6 +24,7 @@ from lowbit.cli._common import (
     META_RECIPE,
     add_calibration_arguments,
     add_recipe_argument,
+    print_rotation,
     progress,
     quantize_with_progress,
     step,
@@ -75,13 +76,15 @@ def run(args: argparse.Namespace) -> int:
     with progress() as bar:
         with step(bar, f"loading {args.model}"):
             loaded = serving.load_model(args.model)
+        loaded = serving.rotated_for_spec(loaded, args.recipe)  # the recipe's rotation, if any
+        print_rotation(bar, loaded)
         float_params = nnx.split(loaded.model)[1]
         with step(bar, f"quantizing with {args.recipe}"):
             params, recipe = quantize_with_progress(bar, loaded, float_params, args.recipe, args)
         label = serving.recipe_label(args.recipe)
         metadata = {META_MODEL: loaded.spec, META_RECIPE: label, META_KIND: loaded.kind}
         with step(bar, f"writing {args.out}"):
-            save_checkpoint(args.out, params, recipe=recipe, metadata=metadata)
+            save_checkpoint(args.out, serving.storable(params), recipe=recipe, metadata=metadata)
     size, reference = param_bytes(params), float32_bytes(float_params)
     print(
         f"wrote {args.out}: {loaded.name} with recipe {label}, {size / 1e6:.2f} MB "

@@ -173,6 +173,13 @@ def quantize_with_progress(
         )
 
 
+def print_rotation(bar: Progress, loaded: Any) -> None:
+    """The rotation report's lines (what was rotated, what was left and why), if rotated."""
+    if loaded.rotation_report is not None:
+        for line in loaded.rotation_report.lines():
+            bar.console.print(f"rotation: {line}")
+
+
 def _print_algorithm_report(bar: Progress, report: Any) -> None:
     """One summary line per algorithm outcome, and every weight that did not get its algorithm."""
     counts: dict[str, int] = {}
@@ -207,6 +214,7 @@ def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None
         meta = serving.checkpoint_metadata(target)
         with step(bar, f"loading {meta[META_MODEL]}"):
             loaded = serving.load_model(meta[META_MODEL])
+            loaded = serving.rotated_model(loaded, serving.checkpoint_recipe(target))
         float_params = nnx.split(loaded.model)[1]
         with step(bar, f"reading {target}"):
             # A `lowbit finetune` directory: the quantized base with its LoRA adapters.
@@ -224,8 +232,11 @@ def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None
         serving.check_recipe_spec(recipe)
     with step(bar, f"loading {target}"):
         loaded = serving.load_model(target)
-    float_params = nnx.split(loaded.model)[1]
     spec = recipe or serving.FLOAT_RECIPE
+    with step(bar, "rotating"):
+        loaded = serving.rotated_for_spec(loaded, spec)
+    print_rotation(bar, loaded)
+    float_params = nnx.split(loaded.model)[1]
     with step(bar, f"quantizing with {spec}"):
         params, _ = quantize_with_progress(bar, loaded, float_params, spec, args)
     return Target(

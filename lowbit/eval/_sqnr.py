@@ -57,6 +57,10 @@ def _pairs(float_params: Any, quant_params: Any) -> list[tuple[str, jax.Array, Q
     floats = named_leaves(float_params)
     pairs = []
     for path, leaf in named_leaves(quant_params).items():
+        if path.endswith("/inner"):
+            # Held rotated (`lowbit.ops.HadamardInput`: ``Hᵀ W``): not comparable to ``W``
+            # element by element.
+            continue
         if isinstance(leaf, PreparedQArray):
             leaf = leaf.logical()
         if not isinstance(leaf, QArray):

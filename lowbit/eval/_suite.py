@@ -10,7 +10,7 @@ from lowbit.eval._report import ResultRow
 from lowbit.eval._session import ModelSession
 from lowbit.eval._sqnr import output_sqnr, weight_sqnr
 from lowbit.eval._variants import quantize_variant
-from lowbit.serving import FLOAT_RECIPE, load_model
+from lowbit.serving import FLOAT_RECIPE, load_model, rotated_for_spec
 
 # ``stage(description)`` -> context manager yielding ``advance(done, total)``: progress display.
 Stage = Callable[[str], contextlib.AbstractContextManager[Callable[[int, int], None]]]
@@ -67,10 +67,16 @@ def evaluate_recipes(
         session = ModelSession(loaded, max_tokens=max_tokens, context=context)
     rows, layer_sqnr = [], {}
     for recipe in recipes:
+        # A rotating recipe runs on its rotated model (another structure: its own session).
+        variant = rotated_for_spec(loaded, recipe)
+        if variant is not loaded:
+            measured = ModelSession(variant, max_tokens=max_tokens, context=context)
+        else:
+            measured = session
         with stage(f"{loaded.name}: quantizing with {recipe}") as advance:
             params, _ = quantize_variant(
-                loaded,
-                session.float_params,
+                variant,
+                measured.float_params,
                 recipe,
                 calibration_sequences=calibration_sequences,
                 on_batch=advance,
@@ -79,14 +85,16 @@ def evaluate_recipes(
         with stage(
             f"{loaded.name} {recipe}: {what}" + (" and speed" if measure_speed else "")
         ) as advance:
-            rows.append(session.row(recipe, params, measure_speed=measure_speed, on_window=advance))
+            rows.append(
+                measured.row(recipe, params, measure_speed=measure_speed, on_window=advance)
+            )
         if on_row is not None:
             on_row(rows[-1])
         if recipe != FLOAT_RECIPE:
             with stage(f"{loaded.name} {recipe}: per-layer SQNR"):
                 layer_sqnr[f"{loaded.name}/{recipe}"] = {
-                    "weight": weight_sqnr(session.float_params, params),
-                    "output": output_sqnr(session.float_params, params),
+                    "weight": weight_sqnr(measured.float_params, params),
+                    "output": output_sqnr(measured.float_params, params),
                 }
         del params
     return SuiteResult(rows=tuple(rows), layer_sqnr=layer_sqnr)

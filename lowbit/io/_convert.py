@@ -76,6 +76,11 @@ def streaming_problem(recipe: Recipe, paths: list[str] | None = None) -> str | N
       paths: the parameter paths it will see; a rule that is the first match of none of them
         does not count. None: every rule counts.
     """
+    if getattr(recipe, "rotate", None) is not None:
+        return (
+            f"recipe {recipe.name!r} rotates the model (rotate={recipe.rotate.to_text()!r}), "
+            "which mixes whole layers; it cannot be applied one tensor at a time: load the model"
+        )
     used = None if paths is None else {recipe.match_index(p) for p in paths}
     for i, rule in enumerate(recipe.rules):
         if rule.weight is None or (used is not None and i not in used):

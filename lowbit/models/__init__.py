@@ -60,6 +60,13 @@ from ._generate import (
 from ._gguf_reader import GGUFError, GGUFFile, GGUFTensor, read_gguf
 from ._gguf_tokenizer import SpecialTokens, special_token_ids
 from ._kv_cache import KVCache, dequantize_kv, quantize_kv
+from ._rotate import (
+    RotationError,
+    RotationReport,
+    decoder_from_params,
+    rotate_decoder,
+    rotate_model,
+)
 from ._tokenizer import chat_prompt, tokenizer_from_gguf, wordpiece_tokenizer
 from ._weights import ParamMapping, assign_params, path_str, swap_last, unpermute_rope_rows
 
@@ -79,6 +86,8 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "ParamMapping",
+    "RotationError",
+    "RotationReport",
     "Sampling",
     "SpecialTokens",
     "apply_rope",
@@ -98,6 +107,9 @@ __all__ = [
     "hf_bert_param_map",
     "init_kv_cache",
     "decoder_config_from_gguf",
+    "decoder_from_params",
+    "rotate_decoder",
+    "rotate_model",
     "decoder_config_from_hf",
     "hf_param_map",
     "load_decoder_hf",

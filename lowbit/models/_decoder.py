@@ -441,7 +441,7 @@ class Attention(nnx.Module):
             out = _decode_attention(
                 q, kv, slot, decode_block(kv.keys.shape[2]), first, c.attn_softcap
             )
-            out = kv.rotate(out.astype(x.dtype))
+            out = kv.unrotate(out.astype(x.dtype))
             out = out.reshape(b, s, c.n_heads * c.head_dim)
             return self.o_proj(out), kv
         if kv is not None:
@@ -460,7 +460,7 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = _weighted_values(probs, v.astype(x.dtype))
         if kv is not None:
-            out = kv.rotate(out)  # back from rotated values (the rotation is its own inverse)
+            out = kv.unrotate(out)  # back from rotated values
         out = out.reshape(b, s, c.n_heads * c.head_dim)
         return self.o_proj(out), kv
 

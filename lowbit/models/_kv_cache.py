@@ -4,12 +4,12 @@ A cache holds, per layer, the keys and values of every token slot written so far
 cache stores codes plus one scale per (token, head) — or per (token, head, channel group) — and
 is read back by dequantizing; int8 keys can instead be read by an integer QKᵀ (`int8_scores`).
 
-int4 caches store keys and values rotated by a normalized Hadamard matrix ``R`` along head_dim
-(when head_dim is a power of two): a few outlier channels would otherwise set every token's
-scale, and 15 levels leave the other channels almost nothing. The rotation spreads them out.
-It costs nothing in the cache: ``q · k = (q R) · (k R)`` since ``R`` is orthogonal, so the
-attention rotates the new queries (`rotate`) and turns the output back (``out R``, `rotate`
-again: ``R`` is symmetric), two ``head_dim²`` products per new token and head.
+int4 caches store keys and values rotated by an orthogonal Hadamard matrix ``R`` along
+head_dim (`lowbit.ops.hadamard_transform`, any even head_dim): a few outlier channels would
+otherwise set every token's scale, and 15 levels leave the other channels almost nothing.
+The rotation spreads them out. It costs nothing in the cache: ``q · k = (q R) · (k R)`` since
+``R`` is orthogonal, so the attention rotates the new queries (`rotate`) and turns the output
+back (``out Rᵀ``, `unrotate`), two small transforms per new token and head.
 
 Quantized caches also store keys minus a per-(row, head) offset ``mu``: the mean key of the
 first write (the prompt). Keys share a large common component that would otherwise take most
@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit.ops import hadamard_matrix, hadamard_transform
 from lowbit.recipes import KVCacheConfig, parse_kv_cache
 
 # Largest code magnitude per format: scale = absmax / this.
@@ -152,8 +153,13 @@ class LayerKV:
         return is_rotated(self.config, self.keys.shape[-1] * (2 if _packs(self.config) else 1))
 
     def rotate(self, x: jax.Array) -> jax.Array:
-        """``x [..., D]`` times the rotation when the cache is rotated, else `x`."""
-        return _hadamard_rotate(x) if self.rotated else x
+        """``x [..., D]`` times the rotation ``R`` when the cache is rotated, else `x`."""
+        return hadamard_transform(x) if self.rotated else x
+
+    def unrotate(self, x: jax.Array) -> jax.Array:
+        """``x [..., D]`` times ``Rᵀ`` (back from the rotated basis) when the cache is
+        rotated, else `x`."""
+        return hadamard_transform(x, inverse=True) if self.rotated else x
 
     def slots(self, first: jax.Array, size: int) -> LayerKV:
         """Slots ``first .. first + size - 1`` (``first`` traced, ``size`` static) as a layer
@@ -238,22 +244,14 @@ def _packs(config: KVCacheConfig | None) -> bool:
 
 
 def is_rotated(config: KVCacheConfig | None, head_dim: int) -> bool:
-    """int4 caches of power-of-two head_dim store Hadamard-rotated keys and values."""
-    return _packs(config) and head_dim >= 2 and head_dim & (head_dim - 1) == 0
+    """int4 caches of even head_dim store Hadamard-rotated keys and values."""
+    return _packs(config) and head_dim >= 2 and head_dim % 2 == 0
 
 
 def hadamard(n: int) -> np.ndarray:
-    """The ``[n, n]`` normalized Sylvester Hadamard matrix (n a power of two): orthogonal and
-    symmetric, so it is its own inverse."""
-    h = np.ones((1, 1), np.float32)
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return h / np.sqrt(np.float32(n))
-
-
-def _hadamard_rotate(x: jax.Array) -> jax.Array:
-    h = jnp.asarray(hadamard(x.shape[-1]))
-    return jnp.einsum("...d,de->...e", x.astype(jnp.float32), h).astype(x.dtype)
+    """The ``[n, n]`` orthogonal rotation of the cache (`lowbit.ops.hadamard_matrix`): for a
+    power of two the normalized Sylvester matrix, symmetric and its own inverse."""
+    return hadamard_matrix(n)
 
 
 def _code_layout(shape: tuple[int, ...], config: KVCacheConfig) -> tuple[tuple[int, ...], Any]:

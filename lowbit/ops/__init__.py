@@ -30,6 +30,8 @@ from lowbit.ops._fp8_scaling import (
     Fp8Weight,
     fp8_dot_general,
 )
+from lowbit.ops._hadamard import hadamard_matrix, hadamard_transform
+from lowbit.ops._hadamard_weight import HadamardInput, rotate_weight_input
 from lowbit.ops._lora_weight import (
     LoraLayoutError,
     LoraWeight,
@@ -64,6 +66,7 @@ __all__ = [
     "Fp8Scaling",
     "Fp8State",
     "Fp8Weight",
+    "HadamardInput",
     "LoraLayoutError",
     "LoraWeight",
     "MIN_WEIGHT_ELEMENTS",
@@ -78,6 +81,8 @@ __all__ = [
     "per_call_layout",
     "dot_general_reference",
     "fp8_dot_general",
+    "hadamard_matrix",
+    "hadamard_transform",
     "is_lora_weight",
     "is_prepared",
     "is_qat_weight",
@@ -95,6 +100,7 @@ __all__ = [
     "qat_weight",
     "quantize_activation",
     "ragged_dot",
+    "rotate_weight_input",
     "ragged_dot_general",
     "ragged_dot_general_path",
     "ragged_dot_general_reference",

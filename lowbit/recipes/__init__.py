@@ -37,6 +37,7 @@ from lowbit.recipes._presets import (
     preset_names,
 )
 from lowbit.recipes._recipe import Decision, Recipe, RecipeReport
+from lowbit.recipes._rotation import RotationConfig, parse_rotation
 from lowbit.recipes._rule import Rule, stack_granularity
 from lowbit.recipes._select import OPS, Select, select_params
 
@@ -60,6 +61,7 @@ __all__ = [
     "KV_FORMATS",
     "OPS",
     "KVCacheConfig",
+    "RotationConfig",
     "Decision",
     "Recipe",
     "RecipeReport",
@@ -80,6 +82,7 @@ __all__ = [
     "nvfp4",
     "param_leaves",
     "parse_kv_cache",
+    "parse_rotation",
     "parse_calibration_field",
     "parse_config",
     "parse_granularity",

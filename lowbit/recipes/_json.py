@@ -43,6 +43,7 @@ from lowbit.qarray import (
 from lowbit.recipes._algorithm import algorithm_to_dict, parse_algorithm
 from lowbit.recipes._kv_cache import format_kv_cache, parse_kv_cache
 from lowbit.recipes._recipe import Recipe
+from lowbit.recipes._rotation import format_rotation, parse_rotation
 from lowbit.recipes._rule import Rule
 
 _GRANULARITY_FORMS = (
@@ -236,6 +237,8 @@ def recipe_to_json(recipe: Recipe) -> str:
     data: dict[str, Any] = {"name": recipe.name, "rules": [rule_to_dict(r) for r in recipe.rules]}
     if recipe.kv_cache is not None:
         data["kv_cache"] = format_kv_cache(recipe.kv_cache)
+    if recipe.rotate is not None:
+        data["rotate"] = format_rotation(recipe.rotate)
     if recipe.shapes is not None:
         data["shapes"] = {path: list(shape) for path, shape in recipe.shapes}
     return json.dumps(data, indent=2)
@@ -254,7 +257,7 @@ def recipe_from_json(text: str | Mapping[str, Any]) -> Recipe:
         data = text
     if not isinstance(data, Mapping) or not isinstance(data.get("rules"), list):
         raise ValueError('recipe JSON must be an object {"name": str, "rules": [rule, ...]}')
-    keys = ["name", "rules", "kv_cache", "shapes"]
+    keys = ["name", "rules", "kv_cache", "rotate", "shapes"]
     unknown = sorted(set(data) - set(keys))
     if unknown:
         raise ValueError(f"Recipe: unknown keys {unknown}; accepted: {keys}")
@@ -263,7 +266,10 @@ def recipe_from_json(text: str | Mapping[str, Any]) -> Recipe:
     if not isinstance(name, str):
         raise ValueError(f"Recipe.name: {name!r}; accepted: a string")
     kv_cache = parse_kv_cache(data.get("kv_cache"), "Recipe.kv_cache")
-    return Recipe(rules=rules, name=name, kv_cache=kv_cache, shapes=_parse_shapes(data))
+    rotate = parse_rotation(data.get("rotate"), "Recipe.rotate")
+    return Recipe(
+        rules=rules, name=name, kv_cache=kv_cache, rotate=rotate, shapes=_parse_shapes(data)
+    )
 
 
 def _parse_shapes(data: Mapping[str, Any]) -> tuple | None:

@@ -310,6 +310,58 @@ _PRESETS.update(
 )
 
 
+def _w4a4_g32() -> Recipe:
+    # w4a4: int4 weights and int4 per-token activations, with a 4-bit KV cache; the tied
+    # embedding stays int8 (with int8 activations as the logits projection), as in w4a8.
+    embedding = matmul_rules("int8", activation=activation_config("int8"))[0]
+    rules = matmul_rules("int4", group_size=32, activation=activation_config("int4"))
+    return Recipe(rules=(embedding, *rules[1:]), name="w4a4_g32", kv_cache="int4")
+
+
+def _w4a4_gptq(name: str) -> Recipe:
+    return dataclasses.replace(_gptq(name, _w4a4_g32()), kv_cache="int4")
+
+
+def _rotated(name: str, base: Recipe) -> Recipe:
+    # QuaRot-style rotations (`RotationConfig`: residual stream, value heads, down_proj's input
+    # online) before calibrating. The rotation folds the final norm into the output head, so a
+    # tied embedding comes back untied: the new `lm_head` gets int8 per output channel (with
+    # the base's activations), as the tied table had; the rest is the base recipe.
+    kernel_rule = matmul_rules("int8", activation=base.rules[-1].activation)[1]
+    head = dataclasses.replace(kernel_rule, path=r"(.*/)?lm_head/kernel")
+    return Recipe(rules=(head, *base.rules), name=name, kv_cache=base.kv_cache, rotate="hadamard")
+
+
+_PRESETS.update(
+    {
+        "int4w_g64_rot_gptq": (
+            lambda: _rotated("int4w_g64_rot_gptq", _gptq("int4w_g64_gptq", _int_g64(4))),
+            "int4w_g64_gptq on a Hadamard-rotated decoder (residual stream, value heads, "
+            "down_proj input online); int8 output head",
+        ),
+        "int3w_g64_rot_gptq": (
+            lambda: _rotated(
+                "int3w_g64_rot_gptq", _gptq("int3w_g64_gptq", _int_g64(3), full_range=True)
+            ),
+            "int3w_g64_gptq on a Hadamard-rotated decoder; int8 output head",
+        ),
+        "w4a8_g32_rot_gptq": (
+            lambda: _rotated("w4a8_g32_rot_gptq", _gptq("w4a8_g32_gptq", _w4a8_g32())),
+            "w4a8_g32_gptq on a Hadamard-rotated decoder; int8 output head",
+        ),
+        "w4a4_g32_gptq": (
+            lambda: _w4a4_gptq("w4a4_g32_gptq"),
+            "w4a4: int4 g32 weights rounded by GPTQ, int4 per-token activations, int4 KV "
+            "cache; int8 embeddings (needs calibration data)",
+        ),
+        "w4a4_g32_rot_gptq": (
+            lambda: _rotated("w4a4_g32_rot_gptq", _w4a4_gptq("w4a4_g32_gptq")),
+            "w4a4_g32_gptq on a Hadamard-rotated decoder; int8 output head",
+        ),
+    }
+)
+
+
 def preset_names() -> dict[str, str]:
     """Preset names with a one-line description each."""
     return {name: description for name, (_, description) in _PRESETS.items()}

@@ -12,6 +12,7 @@ from lowbit.formats import get_format
 from lowbit.qarray import PerGroup, QuantConfig
 from lowbit.recipes._kv_cache import KVCacheConfig, parse_kv_cache
 from lowbit.recipes._paths import is_param_leaf, param_leaves
+from lowbit.recipes._rotation import RotationConfig, parse_rotation
 from lowbit.recipes._rule import Rule
 
 
@@ -69,6 +70,8 @@ class Recipe:
       name: a label (presets use their name).
       kv_cache: how a language model's key/value cache is stored when the recipe runs it
         (`KVCacheConfig`, or its text form such as ``"int8"``); None for a float cache.
+      rotate: Hadamard rotations of a decoder's float weights applied before quantizing and
+        calibrating (`RotationConfig`, or its text form such as ``"hadamard"``); None for none.
       shapes: ``((path, shape), ...)`` of the model the recipe was made for (a plan chosen
         under a budget, `lowbit.api.choose_plan`), or None. When set, quantizing params whose
         parameter at such a path is missing or has another shape raises (`check_shapes`).
@@ -87,10 +90,12 @@ class Recipe:
     rules: tuple[Rule, ...]
     name: str = "custom"
     kv_cache: KVCacheConfig | None = None
+    rotate: RotationConfig | None = None
     shapes: tuple[tuple[str, tuple[int, ...]], ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache", parse_kv_cache(self.kv_cache, "Recipe.kv_cache"))
+        object.__setattr__(self, "rotate", parse_rotation(self.rotate, "Recipe.rotate"))
         if self.shapes is not None:
             shapes = tuple(
                 (str(p), tuple(int(d) for d in shape))

@@ -14,6 +14,7 @@ from lowbit.serving._checkpoint import (
     META_MODEL,
     META_RECIPE,
     checkpoint_metadata,
+    checkpoint_recipe,
     checkpoint_recipe_label,
     is_checkpoint,
     read_checkpoint,
@@ -36,6 +37,7 @@ from lowbit.serving._recipe_spec import (
     load_recipe,
     recipe_label,
 )
+from lowbit.serving._rotation import rotated_for_spec, rotated_model, storable, wrap_online
 
 __all__ = [
     "FLOAT_RECIPE",
@@ -53,11 +55,16 @@ __all__ = [
     "as_numpy_tokens",
     "check_recipe_spec",
     "checkpoint_metadata",
+    "checkpoint_recipe",
     "checkpoint_recipe_label",
     "is_checkpoint",
     "is_hf_directory",
     "kernel_axes_fn",
     "load_model",
+    "rotated_for_spec",
+    "rotated_model",
+    "storable",
+    "wrap_online",
     "load_recipe",
     "model_fn",
     "read_checkpoint",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,12 @@ from flax import nnx
 from lowbit.serving._load import LoadedModel
 from lowbit.serving._ready import kernel_axes_fn, ready
 from lowbit.serving._recipe_spec import FLOAT_RECIPE, GGUF_RECIPE, load_recipe
+from lowbit.serving._rotation import (
+    online_paths,
+    rotate_online_inputs,
+    rotate_statistics,
+    wrap_online,
+)
 
 # ``calibrate(loaded, params, paths, sample_rows) -> statistics``: runs the model on
 # calibration data and captures what the data-driven algorithms of the weights at `paths`
@@ -66,15 +73,26 @@ def apply_recipe(
     recipe = load_recipe(recipe_spec)
     if recipe_spec == FLOAT_RECIPE:
         return pure, recipe
+    if recipe.rotate is not None and loaded.rotation != recipe.rotate:
+        raise ValueError(
+            f"serving.apply_recipe: recipe {recipe_spec!r} rotates the model "
+            f"(rotate={recipe.rotate.to_text()!r}), which changes its structure; pass the "
+            "rotated model: loaded = lowbit.serving.rotated_model(loaded, recipe) and its "
+            "float params"
+        )
+    online = online_paths(pure, recipe.rotate)
+    float_pure, pure = pure, rotate_online_inputs(pure, online)
+    # The rotation is done (the model, and the online inputs here); what is left is the rules.
+    rules_only = dataclasses.replace(recipe, rotate=None)
     if not any(r.algorithm is not None for r in recipe.rules):
-        return ready(loaded, quantize_params(pure, recipe)), recipe
+        return wrap_online(ready(loaded, quantize_params(pure, rules_only)), online), recipe
     from lowbit.algorithms import AlgorithmReport, sample_rows
     from lowbit.api import AlgorithmOptions, algorithm_weights
 
     data_paths = tuple(
         sorted(
             p
-            for p, (_, rule) in algorithm_weights(recipe, pure).items()
+            for p, (_, rule) in algorithm_weights(rules_only, pure).items()
             if rule.algorithm.needs_data
         )
     )
@@ -86,14 +104,17 @@ def apply_recipe(
                 f"{len(data_paths)} weights (e.g. {data_paths[0]}) and needs calibration data; "
                 "pass calibrate= (lowbit.eval.calibrator() gives the default calibration set)"
             )
-        statistics = calibrate(loaded, pure, data_paths, sample_rows(recipe))
+        # Statistics of the float model as it runs (x, not x H), turned into those of the
+        # online-rotated inputs.
+        statistics = calibrate(loaded, float_pure, data_paths, sample_rows(rules_only))
+        statistics = rotate_statistics(statistics, online)
     report = AlgorithmReport()
     params = quantize_params(
         pure,
-        recipe,
+        rules_only,
         algorithm_options=AlgorithmOptions(statistics=statistics, on_weight=on_weight),
         report=report,
     )
     if on_report is not None:
         on_report(report)
-    return ready(loaded, params), recipe
+    return wrap_online(ready(loaded, params), online), recipe

@@ -13,6 +13,7 @@ from typing import Any
 
 from lowbit.serving._load import LoadedModel
 from lowbit.serving._ready import ready
+from lowbit.serving._rotation import online_paths, wrap_online
 
 # Metadata keys stored in a checkpoint manifest to find the float model again.
 META_MODEL = "model"
@@ -51,9 +52,34 @@ def checkpoint_recipe_label(directory: str | os.PathLike[str]) -> str:
     return f"{label}+lora" if has_adapters(directory) else label
 
 
+def checkpoint_recipe(directory: str | os.PathLike[str]) -> Any:
+    """The `Recipe` a checkpoint was written with, or None when it stores none."""
+    from lowbit.io import read_manifest
+    from lowbit.recipes import Recipe
+
+    text = read_manifest(directory).get("recipe")
+    return None if text is None else Recipe.from_json(text)
+
+
 def read_checkpoint(directory: str | os.PathLike[str], loaded: LoadedModel) -> Any:
     """The checkpoint's parameters (with its LoRA adapters, if any) for `loaded`, laid out
-    for the CPU kernels (`ready`)."""
+    for the CPU kernels (`ready`); the weights its recipe rotates online served as
+    `lowbit.ops.HadamardInput`.
+
+    Raises:
+      ValueError: for a checkpoint of a rotated model read for `loaded` not rotated so (load
+        it through `rotated_model(loaded, checkpoint_recipe(directory))`).
+    """
     from lowbit.io import load_adapted_checkpoint
 
-    return ready(loaded, load_adapted_checkpoint(directory))
+    recipe = checkpoint_recipe(directory)
+    rotation = None if recipe is None else recipe.rotate
+    if rotation is not None and loaded.rotation != rotation:
+        raise ValueError(
+            f"checkpoint {os.fspath(directory)!r} holds a rotated model "
+            f"(rotate={rotation.to_text()!r}); read it for "
+            "lowbit.serving.rotated_model(loaded, checkpoint_recipe(directory))"
+        )
+    params = load_adapted_checkpoint(directory)
+    online = online_paths(params, rotation)
+    return wrap_online(ready(loaded, params), online)

@@ -36,6 +36,9 @@ class LoadedModel:
       model: the float NNX module.
       tokenizer: its `tokenizers.Tokenizer`.
       gguf_path: the GGUF file it was read from, or None.
+      rotation: the `lowbit.recipes.RotationConfig` its float weights were rotated by
+        (`lowbit.serving.rotated_model`), or None.
+      rotation_report: what that rotation did (`lowbit.models.RotationReport`), or None.
     """
 
     name: str
@@ -44,6 +47,8 @@ class LoadedModel:
     model: nnx.Module
     tokenizer: Any
     gguf_path: Path | None = None
+    rotation: Any = None
+    rotation_report: Any = None
 
 
 def _models():

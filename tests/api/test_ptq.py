@@ -39,8 +39,16 @@ PRESETS = [
     if n not in ("intmp", "float") and all(r.algorithm is None for r in preset(n).rules)
 ]
 ALGORITHM_PRESETS = [
-    n for n in preset_names() if n != "intmp" and any(r.algorithm for r in preset(n).rules)
+    n
+    for n in preset_names()
+    if n != "intmp" and any(r.algorithm for r in preset(n).rules) and preset(n).rotate is None
 ]
+
+
+def test_a_rotating_preset_is_refused_on_a_params_tree(mlp):
+    # A rotation needs a decoder (lowbit.serving.rotated_model); never silently dropped.
+    with pytest.raises(ValueError, match="rotate='hadamard'.*rotate it first"):
+        quantize_model(mlp, "int4w_g64_rot_gptq")
 
 
 @pytest.mark.parametrize("name", ALGORITHM_PRESETS)

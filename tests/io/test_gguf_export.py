@@ -278,3 +278,25 @@ def test_smollm2_export_runs_in_llama_cpp(smollm2_export):
     llm.eval(tokens)
     assert np.isfinite(np.asarray(llm.scores[: len(tokens)])).all()
     llm.close()
+
+
+def test_rotated_model_exports_its_untied_head(tmp_path):
+    # The residual rotation folds the final norm into the head: a tied model comes back
+    # untied, and the export writes output.weight; the file computes the float model's logits.
+    import dataclasses
+
+    from lowbit.models import decoder_from_params, rotate_decoder
+    from lowbit.recipes import RotationConfig
+
+    config = dataclasses.replace(CONFIG, n_layers=1)
+    params = _params(config)
+    params["norm"]["scale"] = jnp.linspace(0.5, 1.5, config.dim)
+    new_config, new_params, _ = rotate_decoder(config, params, RotationConfig(online=()))
+    path = tmp_path / "rot.gguf"
+    export_gguf(new_params, path, config=new_config, type="F32", log=None)
+    assert "output.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
+    back, _ = import_gguf(path, name_map=gguf_param_map(new_config).get)
+    tokens = jnp.array([[1, 5, 9, 3]])
+    got = decoder_from_params(new_config, back)(tokens)
+    reference = decoder_from_params(config, params)(tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(reference), atol=1e-4)

@@ -57,7 +57,12 @@ EXPECTED = {
     "int8_smoothquant": ("int8", "int8", None),
     "w4a8_g32": ("int4", "int8", None),
     "w4a8_g32_gptq": ("int4", "int8", None),
+    "int4w_g64_rot_gptq": ("int4", None, None),
+    "int3w_g64_rot_gptq": ("int3", None, None),
+    "w4a8_g32_rot_gptq": ("int4", "int8", None),
 }
+# w4a4: int4 activations on the linear layers, int8 on the embedding as the logits projection.
+W4A4 = ("w4a4_g32_gptq", "w4a4_g32_rot_gptq")
 
 # The 4-bit demo recipes keep embeddings at int8 per row.
 EMBEDDING_FORMAT = {
@@ -67,7 +72,7 @@ EMBEDDING_FORMAT = {
 
 def test_every_preset_has_a_description():
     names = preset_names()
-    assert set(EXPECTED) | {"float", "intmp"} == set(names)
+    assert set(EXPECTED) | {"float", "intmp", *W4A4} == set(names)
     assert all(isinstance(d, str) and d and "\n" not in d for d in names.values())
 
 
@@ -183,3 +188,20 @@ def test_gptq_presets_search_their_group_scales():
         full = name == "int3w_g64_gptq"
         expected = GPTQ(clip=True, scale=True, refine=1, full_range=full)
         assert all(r.algorithm == expected for r in rules), name
+
+
+@pytest.mark.parametrize("name", W4A4)
+def test_w4a4_presets(name):
+    recipe = preset(name)
+    report = recipe.report(PARAMS)
+    kernel = recipe.rules[report["mlp/up/kernel"].rule_index]
+    assert kernel.weight.format == "int4" and kernel.activation.format == "int4"
+    assert report["embed/embedding"].config.format == "int8"
+    assert recipe.kv_cache.format == "int4"
+    assert (recipe.rotate is not None) == name.endswith("_rot_gptq")
+
+
+def test_rotated_presets_keep_the_untied_head_at_int8():
+    recipe = preset("int4w_g64_rot_gptq")
+    head = recipe.report({"lm_head": {"kernel": jnp.ones((128, 64))}})["lm_head/kernel"]
+    assert head.config.format == "int8" and recipe.rotate.online == ("down_proj",)
