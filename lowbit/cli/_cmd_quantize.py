@@ -103,6 +103,8 @@ def _run_to_gguf(args: argparse.Namespace) -> int:
     with progress() as bar:
         with step(bar, f"loading {args.model}"):
             loaded = serving.load_model(args.model)
+        loaded = serving.rotated_for_spec(loaded, args.recipe)  # the recipe's rotation, if any
+        print_rotation(bar, loaded)
         float_params = nnx.split(loaded.model)[1]
         with step(bar, f"quantizing with {args.recipe}"):
             params, recipe = quantize_with_progress(bar, loaded, float_params, args.recipe, args)
