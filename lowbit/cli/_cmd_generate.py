@@ -13,14 +13,10 @@ import time
 
 from lowbit.cli._common import (
     add_json_argument,
-    add_kv_cache_argument,
-    add_recipe_argument,
-    add_target_argument,
+    add_language_model_arguments,
     chat_template,
-    gguf_metadata,
-    open_target,
+    open_language_model,
     print_json,
-    progress,
     resolve_kv_cache,
     stop_ids,
 )
@@ -34,12 +30,7 @@ HELP = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds this command's arguments to its sub-parser."""
-    add_target_argument(parser, "smollm2 | a .gguf file")
-    add_recipe_argument(
-        parser,
-        help="quantize MODEL with this recipe first (default: float; 'gguf' runs the GGUF "
-        "file's own quantized blocks); not with a checkpoint",
-    )
+    add_language_model_arguments(parser)
     parser.add_argument(
         "--prompt",
         action="append",
@@ -68,7 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling, in (0, 1]"
     )
     parser.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
-    add_kv_cache_argument(parser)
     parser.add_argument(
         "--int8-activations",
         action="store_true",
@@ -139,12 +129,8 @@ def run(args: argparse.Namespace) -> int:
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts = _prompts(args)
     kv = resolve_kv_cache(args.kv_cache, args.recipe)
-    with progress() as bar:
-        target = open_target(args.target, args.recipe, bar)
+    target, metadata, params = open_language_model(args, "generate")
     loaded = target.loaded
-    if loaded.kind != "lm":
-        raise ValueError(f"generate needs a language model; {loaded.name} is an encoder")
-    metadata = gguf_metadata(loaded)
     if args.chat:
         template = chat_template(metadata)
         prompts = [template(p) for p in prompts]
@@ -154,11 +140,6 @@ def run(args: argparse.Namespace) -> int:
         if not row:
             raise ValueError(f"prompt {i + 1} encodes to no tokens")
     stops = stop_ids(loaded, metadata)
-    params = target.params
-    if args.int8_activations:
-        from lowbit.ops import with_int8_activations
-
-        params = with_int8_activations(params)
     options = dict(
         params=params,
         max_new_tokens=args.max_new_tokens,

@@ -74,10 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if _streams(args.model, args.recipe):
         return _run_streaming(args)
     with progress() as bar:
-        with step(bar, f"loading {args.model}"):
-            loaded = serving.load_model(args.model)
-        loaded = serving.rotated_for_spec(loaded, args.recipe)  # the recipe's rotation, if any
-        print_rotation(bar, loaded)
+        loaded = _load_rotated(bar, args)
         float_params = nnx.split(loaded.model)[1]
         with step(bar, f"quantizing with {args.recipe}"):
             params, recipe = quantize_with_progress(bar, loaded, float_params, args.recipe, args)
@@ -93,6 +90,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_rotated(bar, args: argparse.Namespace):
+    """The model, rotated as the recipe says (if it does), the rotation reported."""
+    with step(bar, f"loading {args.model}"):
+        loaded = serving.load_model(args.model)
+    loaded = serving.rotated_for_spec(loaded, args.recipe)
+    print_rotation(bar, loaded)
+    return loaded
+
+
 def _run_to_gguf(args: argparse.Namespace) -> int:
     """`run` with a ``.gguf`` output: quantize in memory, write each weight as the GGML type
     its format maps onto (a plan's choices; other formats are re-encoded as Q8_0)."""
@@ -101,10 +107,7 @@ def _run_to_gguf(args: argparse.Namespace) -> int:
     from lowbit.ops import logical_weights
 
     with progress() as bar:
-        with step(bar, f"loading {args.model}"):
-            loaded = serving.load_model(args.model)
-        loaded = serving.rotated_for_spec(loaded, args.recipe)  # the recipe's rotation, if any
-        print_rotation(bar, loaded)
+        loaded = _load_rotated(bar, args)
         float_params = nnx.split(loaded.model)[1]
         with step(bar, f"quantizing with {args.recipe}"):
             params, recipe = quantize_with_progress(bar, loaded, float_params, args.recipe, args)

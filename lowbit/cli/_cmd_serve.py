@@ -13,13 +13,9 @@ import os
 import sys
 
 from lowbit.cli._common import (
-    add_kv_cache_argument,
-    add_recipe_argument,
-    add_target_argument,
+    add_language_model_arguments,
     chat_template,
-    gguf_metadata,
-    open_target,
-    progress,
+    open_language_model,
     resolve_kv_cache,
     stop_ids,
 )
@@ -33,13 +29,7 @@ HELP = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds this command's arguments to its sub-parser."""
-    add_target_argument(parser, "smollm2 | a .gguf file")
-    add_recipe_argument(
-        parser,
-        help="quantize MODEL with this recipe first (default: float; 'gguf' runs the GGUF "
-        "file's own quantized blocks); not with a checkpoint",
-    )
-    add_kv_cache_argument(parser)
+    add_language_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument(
@@ -121,22 +111,13 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
     )
     kv = resolve_kv_cache(args.kv_cache, args.recipe)
-    with progress() as bar:
-        target = open_target(args.target, args.recipe, bar)
+    target, metadata, params = open_language_model(args, "serve")
     loaded = target.loaded
-    if loaded.kind != "lm":
-        raise ValueError(f"serve needs a language model; {loaded.name} is an encoder")
-    metadata = gguf_metadata(loaded)
     try:
         template = chat_template(metadata)
     except ValueError as err:
         template = None
         print(f"lowbit serve: no chat endpoint ({err})", file=sys.stderr)
-    params = target.params
-    if args.int8_activations:
-        from lowbit.ops import with_int8_activations
-
-        params = with_int8_activations(params)
     scheduler = server.Scheduler(loaded.model, params, kv, config)
     served = server.ServedModel(
         name=loaded.name,

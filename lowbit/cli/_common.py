@@ -323,6 +323,39 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def add_language_model_arguments(parser: Any) -> None:
+    """MODEL, ``--recipe`` and ``--kv-cache`` for the commands that run a language model on
+    a recipe (`generate`, `serve`)."""
+    add_target_argument(parser, "smollm2 | a .gguf file")
+    add_recipe_argument(
+        parser,
+        help="quantize MODEL with this recipe first (default: float; 'gguf' runs the GGUF "
+        "file's own quantized blocks); not with a checkpoint",
+    )
+    add_kv_cache_argument(parser)
+
+
+def open_language_model(args: Any, command: str) -> tuple[Target, dict[str, Any] | None, Any]:
+    """(target, its GGUF metadata or None, the params to run) for `generate` and `serve`:
+    ``args.target`` opened with ``args.recipe``, with int8 activations when
+    ``args.int8_activations``.
+
+    Raises:
+      ValueError: when the model is an encoder (no text to generate).
+    """
+    with progress() as bar:
+        target = open_target(args.target, args.recipe, bar)
+    loaded = target.loaded
+    if loaded.kind != "lm":
+        raise ValueError(f"{command} needs a language model; {loaded.name} is an encoder")
+    params = target.params
+    if args.int8_activations:
+        from lowbit.ops import with_int8_activations
+
+        params = with_int8_activations(params)
+    return target, gguf_metadata(loaded), params
+
+
 def add_kv_cache_argument(parser: Any) -> None:
     """``--kv-cache FORMAT`` for commands that run a language model."""
     parser.add_argument(
