@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from lowbit.server._metrics import CONTENT_TYPE, Metrics
+from lowbit.server._openapi import openapi_document
 from lowbit.server._protocol import APIError, CompletionRequest, bad, parse_body, parse_request
 from lowbit.server._scheduler import (
     CANCELLED,
@@ -161,6 +162,11 @@ class _Handler:
             "owned_by": "lowbit",
         }
         return JSONResponse({"object": "list", "data": [model]})
+
+    async def openapi(self, request: Request) -> Response:
+        s = self.served.scheduler
+        vocab = self.served.tokenizer.get_vocab_size()
+        return JSONResponse(openapi_document(self.served.name, vocab, s.config.max_len))
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
@@ -418,6 +424,7 @@ def create_app(served: ServedModel) -> Starlette:
         Route("/health", h.wrap("/health", h.health), methods=["GET"]),
         Route("/metrics", h.wrap("/metrics", h.metrics_text), methods=["GET"]),
         Route("/v1/models", h.wrap("/v1/models", h.models), methods=["GET"]),
+        Route("/openapi.json", h.wrap("/openapi.json", h.openapi), methods=["GET"]),
         Route("/v1/completions", h.wrap("/v1/completions", h.completions), methods=["POST"]),
         Route("/v1/chat/completions", h.wrap("/v1/chat/completions", h.chat), methods=["POST"]),
     ]
