@@ -3,7 +3,6 @@
 
 import concurrent.futures
 import dataclasses
-import time
 
 import httpx
 import openai
@@ -112,16 +111,15 @@ def test_models_health_and_metrics(base_url):
         ("/v1/chat/completions", {"messages": []}, "messages"),
     ],
 )
-def test_bad_input_gets_a_400_error_object_fast(base_url, path, body, param):
+def test_bad_input_gets_a_400_error_object(base_url, path, body, param):
+    # How fast (the target is 100 ms) is measured outside the tests (closing note of the serve
+    # issue), not asserted here.
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-    start = time.perf_counter()
     r = httpx.post(f"{base_url}{path}", **kwargs)
-    elapsed = time.perf_counter() - start
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param
-    assert elapsed < 1.0  # the target is 100 ms; room for a loaded shared test machine
 
 
 def test_an_api_key_guards_everything_but_health(served, base_url):
