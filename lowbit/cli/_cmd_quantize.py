@@ -61,8 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the command with parsed `args`; returns the exit status (errors raise)."""
-    from flax import nnx
-
     from lowbit.io import check_save_path, save_checkpoint
 
     if budget_requested(args):
@@ -74,10 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if _streams(args.model, args.recipe):
         return _run_streaming(args)
     with progress() as bar:
-        loaded = _load_rotated(bar, args)
-        float_params = nnx.split(loaded.model)[1]
-        with step(bar, f"quantizing with {args.recipe}"):
-            params, recipe = quantize_with_progress(bar, loaded, float_params, args.recipe, args)
+        loaded, float_params, params, recipe = _load_and_quantize(bar, args)
         label = serving.recipe_label(args.recipe)
         metadata = {META_MODEL: loaded.spec, META_RECIPE: label, META_KIND: loaded.kind}
         with step(bar, f"writing {args.out}"):
@@ -90,27 +85,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_rotated(bar, args: argparse.Namespace):
-    """The model, rotated as the recipe says (if it does), the rotation reported."""
+def _load_and_quantize(bar, args: argparse.Namespace):
+    """``(loaded, float_params, params, recipe)``: the model, rotated as the recipe says (if it
+    does, the rotation reported), its float params, and the params quantized by the recipe."""
+    from flax import nnx
+
     with step(bar, f"loading {args.model}"):
         loaded = serving.load_model(args.model)
     loaded = serving.rotated_for_spec(loaded, args.recipe)
     print_rotation(bar, loaded)
-    return loaded
+    float_params = nnx.split(loaded.model)[1]
+    with step(bar, f"quantizing with {args.recipe}"):
+        params, recipe = quantize_with_progress(bar, loaded, float_params, args.recipe, args)
+    return loaded, float_params, params, recipe
 
 
 def _run_to_gguf(args: argparse.Namespace) -> int:
     """`run` with a ``.gguf`` output: quantize in memory, write each weight as the GGML type
     its format maps onto (a plan's choices; other formats are re-encoded as Q8_0)."""
-    from flax import nnx
-
     from lowbit.ops import logical_weights
 
     with progress() as bar:
-        loaded = _load_rotated(bar, args)
-        float_params = nnx.split(loaded.model)[1]
-        with step(bar, f"quantizing with {args.recipe}"):
-            params, recipe = quantize_with_progress(bar, loaded, float_params, args.recipe, args)
+        loaded, _, params, recipe = _load_and_quantize(bar, args)
         label = serving.recipe_label(args.recipe)
         write_output(bar, args, loaded, logical_weights(params), recipe, label)
     return 0
