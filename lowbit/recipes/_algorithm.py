@@ -17,6 +17,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
+from lowbit.recipes._text_form import field_errors
+
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
@@ -202,7 +204,5 @@ def parse_algorithm(value: Any, field: str = "Rule.algorithm") -> Algorithm | No
         raise ValueError(
             f"{field}: unknown keys {unknown} for {value['name']!r}; accepted: {sorted(known)}"
         )
-    try:
+    with field_errors(field):
         return cls(**kwargs)
-    except ValueError as err:
-        raise ValueError(f"{field}: {err}") from None

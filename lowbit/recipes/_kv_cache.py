@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from lowbit.recipes._text_form import field_errors, split_text_form
+
 KV_FORMATS = ("int8", "int4", "fp8")
 _FORMS = "float | int8 | int4 | fp8, optionally ':gN' (channel group) and, for int8, '+qk'"
 
@@ -68,17 +70,13 @@ def parse_kv_cache(value: Any, field: str = "kv_cache") -> KVCacheConfig | None:
     """A `KVCacheConfig` from its text form; None for ``"float"``, ``""`` or None.
 
     Raises:
-      ValueError: naming `field`, the value and the accepted forms.
+      ValueError: for a value not in the accepted forms, or one `KVCacheConfig` refuses (an odd
+        int4 group, ``+qk`` without int8); the message names `field` and the value.
     """
-    if value is None or isinstance(value, KVCacheConfig):
-        return value
-    if not isinstance(value, str):
-        raise ValueError(f"{field}: {value!r} is not a KV cache format; accepted: {_FORMS}")
-    text = value.strip().lower()
-    if text in ("", "float", "none"):
-        return None
-    integer_qk = text.endswith("+qk")
-    text = text.removesuffix("+qk")
+    parts = split_text_form(value, KVCacheConfig, field, "a KV cache format", _FORMS, "+qk")
+    if not isinstance(parts, tuple):
+        return parts  # None, or a KVCacheConfig already
+    text, integer_qk = parts
     name, _, group = text.partition(":")
     group_size = None
     if group:
@@ -87,10 +85,8 @@ def parse_kv_cache(value: Any, field: str = "kv_cache") -> KVCacheConfig | None:
         group_size = int(group[1:])
     if name not in KV_FORMATS:
         raise ValueError(f"{field}: {value!r} is not a KV cache format; accepted: {_FORMS}")
-    try:
+    with field_errors(field):
         return KVCacheConfig(format=name, group_size=group_size, integer_qk=integer_qk)
-    except ValueError as err:
-        raise ValueError(f"{field}: {err}") from None
 
 
 def format_kv_cache(config: KVCacheConfig | None) -> str | None:

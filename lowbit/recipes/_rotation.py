@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from lowbit.recipes._text_form import split_text_form
+
 ONLINE_TARGETS = ("down_proj",)
 _FORMS = "none | hadamard | hadamard:offline, optionally '+strict'"
 
@@ -57,15 +59,10 @@ def parse_rotation(value: Any, field: str = "rotate") -> RotationConfig | None:
     Raises:
       ValueError: naming `field`, the value and the accepted forms.
     """
-    if value is None or isinstance(value, RotationConfig):
-        return value
-    if not isinstance(value, str):
-        raise ValueError(f"{field}: {value!r} is not a rotation; accepted: {_FORMS}")
-    text = value.strip().lower()
-    if text in ("", "none", "float"):
-        return None
-    strict = text.endswith("+strict")
-    text = text.removesuffix("+strict")
+    parts = split_text_form(value, RotationConfig, field, "a rotation", _FORMS, "+strict")
+    if not isinstance(parts, tuple):
+        return parts  # None, or a RotationConfig already
+    text, strict = parts
     if text == "hadamard":
         return RotationConfig(strict=strict)
     if text == "hadamard:offline":
