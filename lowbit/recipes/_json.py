@@ -22,29 +22,16 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit import qarray
 from lowbit._untrusted import load_json
 from lowbit.formats import format_names, get_format
-from lowbit.qarray import (
-    MSE,
-    RMS,
-    AbsMax,
-    AbsMean,
-    Fixed,
-    MinMax,
-    PerBlock,
-    Percentile,
-    PerChannel,
-    PerGroup,
-    PerTensor,
-    PerToken,
-    QuantConfig,
-    parse_calibration,
-)
+from lowbit.qarray import QuantConfig
 from lowbit.recipes._algorithm import algorithm_to_dict, parse_algorithm
 from lowbit.recipes._kv_cache import format_kv_cache, parse_kv_cache
 from lowbit.recipes._recipe import Recipe
 from lowbit.recipes._rotation import format_rotation, parse_rotation
 from lowbit.recipes._rule import Rule
+from lowbit.recipes._text_form import field_errors
 
 _GRANULARITY_FORMS = (
     "per_tensor | per_channel:a[,b] | per_group:size[:axis] | per_block:AxB | per_token"
@@ -52,15 +39,15 @@ _GRANULARITY_FORMS = (
 
 
 def format_granularity(g) -> str:
-    if isinstance(g, PerTensor):
+    if isinstance(g, qarray.PerTensor):
         return "per_tensor"
-    if isinstance(g, PerChannel):
+    if isinstance(g, qarray.PerChannel):
         return "per_channel:" + ",".join(str(a) for a in g.axes)
-    if isinstance(g, PerGroup):
+    if isinstance(g, qarray.PerGroup):
         return f"per_group:{g.size}" + ("" if g.axis == 0 else f":{g.axis}")
-    if isinstance(g, PerBlock):
+    if isinstance(g, qarray.PerBlock):
         return "per_block:" + "x".join(str(b) for b in g.block)
-    if isinstance(g, PerToken):
+    if isinstance(g, qarray.PerToken):
         return "per_token"
     raise TypeError(f"unknown granularity {g!r}")
 
@@ -75,19 +62,19 @@ def parse_granularity(text: str, field: str = "granularity"):
     make = None
     try:
         if name == "per_tensor" and not rest:
-            make = PerTensor
+            make = qarray.PerTensor
         elif name == "per_token" and not rest:
-            make = PerToken
+            make = qarray.PerToken
         elif name == "per_channel":
             axes = tuple(int(a) for a in rest.split(",")) if rest else (-1,)
-            make = functools.partial(PerChannel, axes=axes)
+            make = functools.partial(qarray.PerChannel, axes=axes)
         elif name == "per_group":
             parts = [int(p) for p in rest.split(":")]
             if len(parts) in (1, 2):
-                make = functools.partial(PerGroup, *parts)
+                make = functools.partial(qarray.PerGroup, *parts)
         elif name == "per_block" and rest:
             block = tuple(int(b) for b in rest.split("x"))
-            make = functools.partial(PerBlock, block=block)
+            make = functools.partial(qarray.PerBlock, block=block)
     except ValueError:
         make = None
     if make is not None:
@@ -99,32 +86,30 @@ def parse_granularity(text: str, field: str = "granularity"):
 
 
 def format_calibration(c) -> str:
-    if isinstance(c, AbsMax):
+    if isinstance(c, qarray.AbsMax):
         return "absmax" if c.clip == 1.0 else f"absmax,{c.clip!r}"
-    if isinstance(c, AbsMean):
+    if isinstance(c, qarray.AbsMean):
         return f"absmean,{c.multiplier!r}"
-    if isinstance(c, MinMax):
+    if isinstance(c, qarray.MinMax):
         return "minmax"
-    if isinstance(c, Percentile):
+    if isinstance(c, qarray.Percentile):
         return f"percentile,{c.q!r}"
-    if isinstance(c, RMS):
+    if isinstance(c, qarray.RMS):
         return f"rms,{c.multiplier!r}"
-    if isinstance(c, Fixed):
+    if isinstance(c, qarray.Fixed):
         return f"fixed,{c.lo!r},{c.hi!r}"
-    if isinstance(c, MSE):
-        return "mse" if c == MSE() else "mse," + ",".join(repr(r) for r in c.grid)
+    if isinstance(c, qarray.MSE):
+        return "mse" if c == qarray.MSE() else "mse," + ",".join(repr(r) for r in c.grid)
     raise TypeError(f"unknown calibration {c!r}")
 
 
 def parse_calibration_field(text: str, field: str = "calibration"):
     """`parse_calibration` with the custom MSE grid form and the field name in errors."""
     parts = [p.strip() for p in str(text).split(",")]
-    try:
+    with field_errors(field):
         if parts[0].lower() == "mse" and len(parts) > 1:
-            return MSE(grid=tuple(float(p) for p in parts[1:]))
-        return parse_calibration(text)
-    except ValueError as err:
-        raise ValueError(f"{field}: {err}") from None
+            return qarray.MSE(grid=tuple(float(p) for p in parts[1:]))
+        return qarray.parse_calibration(text)
 
 
 def config_to_dict(config: QuantConfig) -> dict[str, Any]:
@@ -184,10 +169,8 @@ def parse_config(value: Any, field: str) -> QuantConfig | None:
         if value["scale_dtype"] not in names:
             raise ValueError(f"{field}.scale_dtype: {value['scale_dtype']!r}; accepted: {names}")
         kwargs["scale_dtype"] = jnp.dtype(value["scale_dtype"])
-    try:
+    with field_errors(field):
         return QuantConfig(**kwargs)
-    except ValueError as err:
-        raise ValueError(f"{field}: {err}") from None
 
 
 def rule_to_dict(rule: Rule) -> dict[str, Any]:
