@@ -1,6 +1,9 @@
 """PNG plots of a report: per-layer SQNR bars, and size against quality across recipes.
 
-Uses matplotlib's Agg backend through an explicit `Figure` (no pyplot state, no display).
+Every ``plot_*`` function writes one PNG file at `path` (its folder made if missing) and returns
+that path as a `Path`; a ``title`` argument titles the figure; ValueError when there is nothing
+to draw. Uses matplotlib's Agg backend through an explicit `Figure` (no pyplot state, no
+display).
 """
 
 from __future__ import annotations
@@ -38,10 +41,6 @@ def plot_layer_sqnr(
     Args:
       series: ``{label: {layer path: dB}}``; infinite values (exact layers) are drawn at the
         panel's largest finite value and hatched.
-      path: PNG file to write.
-      title: figure title.
-    Returns:
-      The path written.
     Raises:
       ValueError: if `series` is empty or a series has no layer.
     """
@@ -92,12 +91,7 @@ def plot_size_vs_quality(rows: Sequence[ResultRow], path: str | os.PathLike[str]
     """Scatter of stored size (MB) against perplexity or cosine, one panel per model.
 
     Args:
-      rows: results; rows without a value are left out.
-      path: PNG file to write.
-    Returns:
-      The path written.
-    Raises:
-      ValueError: if no row has a value.
+      rows: results; rows without a value are left out (ValueError if no row has one).
     """
     models: dict[str, list[ResultRow]] = {}
     for row in rows:
@@ -135,13 +129,7 @@ def plot_loss_curve(
     """Loss per step (faint) and its 10-step moving average.
 
     Args:
-      losses: one value per step.
-      path: PNG file to write.
-      title: the plot title.
-    Returns:
-      The path written.
-    Raises:
-      ValueError: if `losses` is empty.
+      losses: one value per step (at least one).
     """
     if not losses:
         raise ValueError("plot_loss_curve needs at least one loss value")
@@ -172,13 +160,8 @@ def plot_bits_per_layer(
     """Bars of mean stored bits per weight (scales included) per layer of a plan.
 
     Args:
-      bits: ``{layer: bits}`` in model order (`lowbit.api.BudgetPlan.bits_per_layer`).
-      path: PNG file to write.
-      title: figure title (e.g. the budget).
-    Returns:
-      The path written.
-    Raises:
-      ValueError: if `bits` is empty.
+      bits: ``{layer: bits}`` in model order (`lowbit.api.BudgetPlan.bits_per_layer`), at
+        least one layer.
     """
     if not bits:
         raise ValueError("plot_bits_per_layer needs at least one layer")
