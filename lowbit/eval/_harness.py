@@ -74,22 +74,11 @@ def lm_runner(model: nnx.Module, kv_cache: Any = None) -> tuple[LMRunner, nnx.St
 
 
 def lm_perplexity(
-    runner: LMRunner,
-    params: Any,
-    tokens: np.ndarray,
-    *,
-    context: int = 512,
-    max_tokens: int = 4096,
-    on_window: Callable[[int, int], None] | None = None,
+    runner: LMRunner, params: Any, tokens: np.ndarray, **options: Any
 ) -> PerplexityResult:
-    """`perplexity` of ``runner.forward(params, .)`` on `tokens` (non-overlapping windows)."""
-    return perplexity(
-        lambda window: runner.forward(params, window),
-        tokens,
-        context=context,
-        max_tokens=max_tokens,
-        on_window=on_window,
-    )
+    """`perplexity` of ``runner.forward(params, .)`` on `tokens`; `options` are `perplexity`'s
+    (``context``, ``stride``, ``max_tokens``, ``on_window``) with its defaults."""
+    return perplexity(lambda window: runner.forward(params, window), tokens, **options)
 
 
 def lm_speed(
