@@ -6,13 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from lowbit.cli._common import (
-    add_recipe_argument,
-    add_target_argument,
-    open_target,
-    progress,
-    step,
-)
+from lowbit.cli._common import add_recipe_argument, add_target_argument, open_target, progress, step
 from lowbit.ops import logical_weights
 
 NAME = "export"
