@@ -173,7 +173,7 @@ class ArrayBacked(EngineValue):
 
     def map_backing(
         self, qarray_fn: Callable[[Any], Any], float_fn: Callable[[Any], Any], what: str
-    ):
+    ) -> ArrayBacked:
         """This value with a layout op that leaves the shape alone (a copy, a cast) applied to
         its backing field: `qarray_fn` on a packed value, `float_fn` on a float array.
 
