@@ -160,23 +160,19 @@ def _fast(
 
     lfree = len(_dims.free_axes(len(lhs_op.shape), lc, lb))
     rfree = len(_dims.free_axes(len(rhs_op.shape), rc, rb))
-    to_l = functools.partial(
-        _dims.side_to_output,
-        shape=lhs_op.shape,
-        contracting=lc,
-        batch=lb,
-        groups=lgroups,
-        other_free=rfree,
-        is_lhs=True,
-    )
-    to_r = functools.partial(
-        _dims.side_to_output,
-        shape=rhs_op.shape,
-        contracting=rc,
-        batch=rb,
-        groups=rgroups,
-        other_free=lfree,
-        is_lhs=False,
+    # Per operand: its per-block arrays (scale, zero point, sums) -> the (grouped) output layout.
+    sides = ((lhs_op, lc, lb, lgroups, rfree, True), (rhs_op, rc, rb, rgroups, lfree, False))
+    to_l, to_r = (
+        functools.partial(
+            _dims.side_to_output,
+            shape=op.shape,
+            contracting=contracting,
+            batch=batch,
+            groups=groups,
+            other_free=other_free,
+            is_lhs=is_lhs,
+        )
+        for op, contracting, batch, groups, other_free, is_lhs in sides
     )
     lzero, rzero = lhs_op.zero_point, rhs_op.zero_point
     if rzero is not None:
@@ -316,6 +312,19 @@ def _prepared_route(lhs, rhs, dimension_numbers, out_sharding) -> tuple[Any, Any
     return lhs, rhs, route
 
 
+def _call_route(lhs, rhs, dimension_numbers, out_sharding) -> tuple[Any, Any, Any, Any, bool]:
+    """(lhs, rhs, dims, route, kept_layout), as `dot_general` will see the call: the operands
+    without input scales (which change no path), a `PreparedQArray` used elsewhere than its
+    linear layer made logical; `route`, the kernel route or None; `kept_layout`, whether
+    `route` is a prepared weight's own layout (then `dims` is None)."""
+    lhs, rhs = strip_input_scale(lhs), strip_input_scale(rhs)
+    lhs, rhs, route = _prepared_route(lhs, rhs, dimension_numbers, out_sharding)
+    if route is not None:
+        return lhs, rhs, None, route, True
+    dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
+    return lhs, rhs, dims, kernel_route(lhs, rhs, dims, out_sharding=out_sharding), False
+
+
 _kernel_dot.defvjp(_kernel_fwd, _kernel_bwd)
 # Under jit, one trace per (shapes, route): a model's many same-shaped layers reuse it, which
 # halved the engine's trace time of a 32-layer MLP against tracing the kernel call each time.
@@ -346,12 +355,7 @@ def dot_general_path(
     Returns:
       The path name.
     """
-    lhs, rhs = strip_input_scale(lhs), strip_input_scale(rhs)
-    lhs, rhs, route = _prepared_route(lhs, rhs, dimension_numbers, out_sharding)
-    if route is not None:
-        return route.path
-    dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
-    route = kernel_route(lhs, rhs, dims, out_sharding=out_sharding)
+    lhs, rhs, dims, route, _ = _call_route(lhs, rhs, dimension_numbers, out_sharding)
     if route is not None:
         return route.path
     return _dot_path.dot_general_path(lhs, rhs, dims)
@@ -365,15 +369,14 @@ def per_call_layout(lhs: Any, rhs: Any, dimension_numbers: Any, *, out_sharding:
     call), and a `PreparedQArray` used other than as the linear layer it was prepared for (its
     logical QArray is recovered inside the call). The engine counts both as fallbacks.
     """
-    lhs, rhs = strip_input_scale(lhs), strip_input_scale(rhs)
-    prepared = next((x for x in (rhs, lhs) if isinstance(x, PreparedQArray)), None)
-    lhs, rhs, route = _prepared_route(lhs, rhs, dimension_numbers, out_sharding)
-    if route is not None:
+    prepared = next(
+        (strip_input_scale(x) for x in (rhs, lhs) if isinstance(x, PreparedQArray)), None
+    )
+    lhs, rhs, _, route, kept_layout = _call_route(lhs, rhs, dimension_numbers, out_sharding)
+    if kept_layout:
         return None
     if prepared is not None:
         return prepared
-    dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
-    route = kernel_route(lhs, rhs, dims, out_sharding=out_sharding)
     if route is not None and builds_layout_per_call(lhs, rhs, route):
         return rhs
     return None

@@ -172,10 +172,7 @@ class Fp8Weight(ArrayBacked):
     def map_layout(self, qarray_fn: Any, float_fn: Any) -> Fp8Weight:
         """Layout ops that leave the shape alone (copies, casts) keep the fp8 state; others
         dequantize the weight (counted)."""
-        value = float_fn(self.value)
-        if tuple(value.shape) != tuple(self.value.shape):
-            raise NoRule("changes the shape of an fp8-scaled weight")
-        return dataclasses.replace(self, value=value)
+        return self.map_backing(qarray_fn, float_fn, "an fp8-scaled weight")
 
     def describe(self) -> str:
         return f"Fp8Weight(shape={tuple(self.shape)}, {self.scaling.weight_mode})"

@@ -64,16 +64,10 @@ class HadamardInput(ArrayBacked):
     def map_layout(self, qarray_fn: Any, float_fn: Any) -> HadamardInput:
         """Layout ops that leave the shape alone (copies, casts) keep the rotation; others
         dequantize ``H W'`` (counted)."""
-        inner = self.inner
-        new = qarray_fn(inner) if isinstance(inner, EngineValue) else float_fn(inner)
-        if tuple(new.shape) != tuple(inner.shape):
-            raise NoRule("changes the shape of a weight with an online Hadamard input")
-        return dataclasses.replace(self, inner=new)
+        return self.map_backing(qarray_fn, float_fn, "a weight with an online Hadamard input")
 
     def describe(self) -> str:
-        inner = self.inner
-        text = inner.describe() if isinstance(inner, EngineValue) else f"float{inner.shape}"
-        return f"HadamardInput({text}, axis={self.axis})"
+        return f"HadamardInput({self.describe_backing()}, axis={self.axis})"
 
     def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, **kwargs: Any):
         (lc, rc), (lb, rb) = dimension_numbers

@@ -88,16 +88,10 @@ class LoraWeight(ArrayBacked):
     def map_layout(self, qarray_fn: Any, float_fn: Any) -> LoraWeight:
         """Only layout ops that leave the shape alone (copies, dtype casts of the base) keep
         the adapter; others dequantize the merged weight (counted)."""
-        base = self.base
-        new_base = qarray_fn(base) if isinstance(base, QArray) else float_fn(base)
-        if tuple(new_base.shape) != tuple(base.shape):
-            raise NoRule("changes the shape of a LoRA-adapted weight")
-        return dataclasses.replace(self, base=new_base)
+        return self.map_backing(qarray_fn, float_fn, "a LoRA-adapted weight")
 
     def describe(self) -> str:
-        base = self.base
-        inner = base.describe() if isinstance(base, EngineValue) else f"float{tuple(base.shape)}"
-        return f"LoraWeight({inner}, rank={self.a.shape[-1]})"
+        return f"LoraWeight({self.describe_backing()}, rank={self.a.shape[-1]})"
 
     def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, **kwargs: Any):
         try:

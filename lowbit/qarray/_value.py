@@ -25,6 +25,7 @@ of `lowbit.ops` share it.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -169,3 +170,27 @@ class ArrayBacked(EngineValue):
     @property
     def dtype(self) -> Any:
         return getattr(self, self.backing).dtype
+
+    def map_backing(
+        self, qarray_fn: Callable[[Any], Any], float_fn: Callable[[Any], Any], what: str
+    ) -> ArrayBacked:
+        """This value with a layout op that leaves the shape alone (a copy, a cast) applied to
+        its backing field: `qarray_fn` on a packed value, `float_fn` on a float array.
+
+        A wrapper's extra state (an adapter, a rotation, fp8 scales) is laid out for the
+        backing's shape, so an op that changes the shape cannot keep it.
+
+        Raises:
+          NoRule: the op changes the shape ("changes the shape of `what`"); the engine then
+            dequantizes the value.
+        """
+        old = getattr(self, self.backing)
+        new = qarray_fn(old) if isinstance(old, EngineValue) else float_fn(old)
+        if tuple(new.shape) != tuple(old.shape):
+            raise NoRule(f"changes the shape of {what}")
+        return dataclasses.replace(self, **{self.backing: new})
+
+    def describe_backing(self) -> str:
+        """The backing field for the report: its own description, or ``float(shape)``."""
+        x = getattr(self, self.backing)
+        return x.describe() if isinstance(x, EngineValue) else f"float{tuple(x.shape)}"

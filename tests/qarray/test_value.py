@@ -90,3 +90,19 @@ def test_values_take_part_in_no_op_unless_they_say_so():
     with pytest.raises(NoRule, match="no conv rule for NMSparse"):
         sparse.conv_general_dilated(None, sparse)
     assert _Q.dot_general(None, _Q, None) is NotImplemented  # lowbit.ops' own operand
+
+
+@pytest.mark.parametrize("name", ["LoraWeight", "Fp8Weight"])
+def test_map_backing_keeps_a_wrapper_only_through_shape_preserving_ops(name):
+    value = VALUES[name]
+    kept = value.map_backing(lambda q: q, lambda x: x.astype(jnp.bfloat16), "this weight")
+    assert type(kept) is type(value) and kept.shape == value.shape
+    transpose = lambda x: x.T
+    with pytest.raises(NoRule, match="changes the shape of this weight"):
+        value.map_backing(lambda q: q.map_layout(transpose, transpose), transpose, "this weight")
+
+
+def test_describe_backing_names_a_float_backing_by_its_shape():
+    lora = ops.LoraWeight(base=_W, a=jnp.zeros((8, 2)), b=jnp.zeros((2, 4)))
+    assert lora.describe_backing() == "float(8, 4)"
+    assert VALUES["LoraWeight"].describe_backing() == "QArray(int8, shape=(8, 4))"
