@@ -206,8 +206,8 @@ def _shard_map(eqn: Any, origins: list[Origin | None]) -> tuple[list[Sub], bool]
 
 # The primitives that carry sub-jaxprs, by how their bodies run: once as written (``"call"``:
 # jit, remat, custom derivatives), per iteration (``"scan"``, ``"while"``), one branch
-# (``"cond"``), per device (``"shard_map"``). Every walk over jaxprs (this one, the probe's
-# concrete evaluation) builds its table of rules from this one.
+# (``"cond"``), per device (``"shard_map"``). Every walk over jaxprs (this one; the
+# interpreter's, which the probe steps through) builds its table of rules from this one.
 SUB_JAXPR_KINDS: dict[str, str] = {
     "jit": "call",
     "call": "call",
