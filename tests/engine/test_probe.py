@@ -115,3 +115,27 @@ def test_loops_step_with_each_steps_activation_and_layer_index():
     h = jnp.tanh(h1 @ p["stack"][0]) @ p["w"]
     np.testing.assert_allclose(uses[3].activation, h, rtol=1e-6)
     np.testing.assert_allclose(uses[4].activation, jnp.tanh(h @ p["v"]), rtol=1e-6)
+
+
+def test_a_traced_trip_count_runs_the_loop_as_it_is_unobserved():
+    p = {"w": jnp.eye(4) / 2}
+    x = jnp.ones((1, 4))
+
+    def fn(p, x, n):
+        return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] @ p["w"]), (0, x))
+
+    seen = []
+    run = jax.jit(lambda p, x, n: probe(fn, p, (x, n), {}, seen.append, name=path_string)[1])
+    np.testing.assert_allclose(run(p, x, 3), x / 8)
+    assert [u for u in seen if u.op != "other"] == []
+
+
+def test_the_probe_steps_through_the_interpreters_own_sub_jaxpr_rules():
+    from lowbit.engine import _interpreter
+    from lowbit.engine._walker import SUB_JAXPR_KINDS
+
+    for name, kind in SUB_JAXPR_KINDS.items():
+        if kind == "shard_map":  # a probe meeting one is an "other" use
+            assert name not in _interpreter._PROBE_SUB_JAXPRS
+        else:
+            assert _interpreter._PROBE_SUB_JAXPRS[name] is _interpreter._RULES[name]
