@@ -48,7 +48,7 @@ def walk_batch(
       row_mask: ``row_mask(*args) -> [*row_shape]``, nonzero where a position counts.
     """
     mask = None if row_mask is None else jnp.asarray(row_mask(*args))
-    probe(fn, params, args, {}, lambda use: visit(use, mask), name=path_string, concrete=True)
+    probe(fn, params, args, {}, lambda use: visit(use, mask), name=path_string)
 
 
 def activation_rows(use: Use) -> tuple[jax.Array, tuple[int, ...]]:

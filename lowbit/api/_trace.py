@@ -1,76 +1,24 @@
-"""Which ops each parameter feeds, the axis its linear uses contract, and the activations that
-meet it there.
+"""Which ops each parameter feeds, and the axis its linear uses contract.
 
-The first two are reductions over one abstract walk of ``fn(params, *args)``
-(`trace_params`, the engine's walker): traced once, they serve every question (`ops_by_path`,
-`layout_axes`). The activations come from the engine's probe (`lowbit.engine.probe`), which
-runs the function with every parameter tagged by its path and reports every `dot_general`,
-conv, `ragged_dot` or `gather` that reads one (a *use*) with its other operand (the
-*activation*): calibration statistics.
+Both are reductions over one abstract walk of ``fn(params, *args)`` (`trace_params`, the
+engine's walker): traced once, it serves every question (`ops_by_path`, `layout_axes`). The
+activations that meet a parameter (calibration) need values: they come from the engine's probe
+through the one calibration walk, `lowbit.algorithms.walk_batch`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.engine import Use, probe
 from lowbit.engine._axes import contraction_axes
 from lowbit.engine._values import is_quantized
 from lowbit.engine._walker import Traced, ops_fed, trace
 from lowbit.recipes import path_string
-
-Tags = frozenset[str]
-# visit(op, weight paths, activation value or None)
-Visitor = Callable[[str, Tags, Any], None]
-
-
-def walk_uses(
-    fn: Callable[..., Any],
-    params: Any,
-    args: tuple,
-    kwargs: Mapping,
-    visit: Callable[[Use], None],
-    *,
-    concrete: bool,
-) -> Any:
-    """Runs ``fn(params, *args, **kwargs)`` through the engine's probe, calling `visit(use)`.
-
-    Args:
-      fn: the function; `params` is its first argument.
-      params: a pytree of float arrays (or shape/dtype structs when not `concrete`).
-      args, kwargs: the other arguments (example inputs).
-      visit: called with a `lowbit.engine.Use` for each op reading a parameter.
-      concrete: evaluate eagerly (True: loops step by step, real activations) or only follow
-        parameters abstractly (False).
-    Returns:
-      fn's outputs.
-    """
-    return probe(fn, params, args, dict(kwargs), visit, name=path_string, concrete=concrete)
-
-
-def walk(
-    fn: Callable[..., Any],
-    params: Any,
-    args: tuple,
-    kwargs: Mapping,
-    visit: Visitor,
-    *,
-    concrete: bool,
-) -> None:
-    """`walk_uses` with a visitor taking ``(op, weight paths, activation or None)``."""
-    walk_uses(
-        fn,
-        params,
-        args,
-        kwargs,
-        lambda u: None if u.op == "other" else visit(u.op, u.paths, u.activation),
-        concrete=concrete,
-    )
 
 
 def _in_params(path: tuple, leaf: Any) -> bool:

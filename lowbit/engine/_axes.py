@@ -54,20 +54,20 @@ def contraction_axes(record: Record, quantized: Collection[int]) -> dict[int, in
 
     quantized = set(quantized)
     found: dict[int, set[int]] = {}
-    for use in record.uses:
-        if use.primitive != "dot_general" or use.operand != 1 or use.leaf not in quantized:
+    for site in record.sites:
+        if site.primitive != "dot_general" or site.operand != 1 or site.leaf not in quantized:
             continue
-        if len(record.leaves[use.leaf].shape) != 2:
+        if len(record.leaves[site.leaf].shape) != 2:
             continue
-        lhs = use.partners[0]
+        lhs = site.partners[0]
         if lhs is not None and lhs.leaf in quantized:
             continue
-        flipped = _flipped(use.steps)
-        if flipped is None or any(w == "shard_map" for w in use.where):
+        flipped = _flipped(site.steps)
+        if flipped is None or any(w == "shard_map" for w in site.where):
             continue
-        axis = linear_contraction_axis(*use.operands[:2], use.params["dimension_numbers"])
+        axis = linear_contraction_axis(*site.operands[:2], site.params["dimension_numbers"])
         if axis is not None:
-            found.setdefault(use.leaf, set()).add(axis ^ int(flipped))
+            found.setdefault(site.leaf, set()).add(axis ^ int(flipped))
     return {leaf: next(iter(a)) for leaf, a in found.items() if len(a) == 1}
 
 

@@ -1,9 +1,17 @@
-"""Control flow with quantized values: `scan`, `while` and `cond` / `switch`.
+"""Control flow with engine values: calls, `scan`, `while` and `cond` / `switch`, each one rule.
 
-Each rule rebuilds the loop or branch with the public `jax.lax.scan` / `while_loop` / `switch` and
-Python closures that interpret the body jaxpr, so quantized values pass through as the pytrees
-they are (consts are closed over; carries are carried leaf by leaf). This survives changes of
-the primitives' parameters better than re-binding them.
+A rule is written once per kind of sub-jaxpr (the kinds of `_walker.SUB_JAXPR_KINDS`) and runs
+its body through a `Stepping`, which says how a loop steps and which branch runs:
+
+  * `Lax` (the interpreter): the loop or branch is rebuilt with the public `jax.lax.scan` /
+    `while_loop` / `switch` (and a call with `jax.jit` / `jax.checkpoint`) around Python
+    closures that interpret the body, so quantized values pass through as the pytrees they are
+    (consts are closed over; carries are carried leaf by leaf). This survives changes of the
+    primitives' parameters better than re-binding them.
+  * `Stepwise` (the probe): each step runs in Python on the values of that step (a scan is
+    unrolled, so each step over stacked weights sees its own layer index), a `while` steps while
+    its predicate is known, a `cond` runs only the taken branch; a predicate or index unknown
+    under `jax.jit` runs the equation as it is, unobserved. Tags never leave a loop or branch.
 
 A loop carry (or a branch output) must keep one type: when the body turns a quantized carry into
 a float one (a fallback inside the body), or branches disagree, that slot is dequantized before
@@ -14,11 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lowbit.engine import _compat
 from lowbit.engine._values import NoRule, is_quantized, logical, value_signature
@@ -26,6 +35,82 @@ from lowbit.qarray import QArray
 
 EvalFn = Callable[[Any, Any, Any], list[Any]]
 DequantizeFn = Callable[[Any, Any, Any, str], Any]
+
+
+# --- how bodies step ---
+@dataclasses.dataclass(frozen=True)
+class Lax:
+    """Bodies traced once inside the JAX primitive of their kind (what the interpreter runs)."""
+
+    def call(self, eqn: Any, run: Callable[..., list[Any]], invals: list[Any]) -> list[Any]:
+        kind = _compat.rule_name(_compat.primitive_name(eqn))
+        if kind == "jit" and not _compat.jit_options(eqn)["inline"]:
+            # A fresh closure per trace, so the counts of the inner trace land in this trace's
+            # report.
+            return list(jax.jit(run)(*invals))
+        if kind == "remat":
+            return list(jax.checkpoint(run, **_compat.remat_options(eqn))(*invals))
+        # Custom derivatives: the primal function (their derivative rule was written for float
+        # operands and is not used here).
+        return run(*invals)
+
+    def scan(self, step, carry, xs, *, length: int, reverse: bool, unroll: Any):
+        return jax.lax.scan(step, carry, xs, length=length, reverse=reverse, unroll=unroll)
+
+    def while_loop(self, eqn, invals, cond, body, carry: list[Any]) -> list[Any]:
+        return list(jax.lax.while_loop(cond, body, carry))
+
+    def switch(self, eqn, invals, index, fns, operands: Sequence[Any]) -> list[Any]:
+        return list(jax.lax.switch(index, fns, *operands))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stepwise:
+    """Bodies evaluated step by step in Python, on the values of each step (the probe).
+
+    Attributes:
+      untag: a value → the plain value that leaves a loop or branch (carries and outputs are
+        whatever the body made of them, not the values that went in).
+      step_of: ``(scanned operand, i)`` → its step `i` (a tagged operand records the index).
+    """
+
+    untag: Callable[[Any], Any]
+    step_of: Callable[[Any, int], Any]
+
+    def _as_is(self, eqn: Any, invals: list[Any]) -> list[Any]:
+        """The equation bound as it is: its body runs unobserved."""
+        return _compat.bind_eqn(eqn, [self.untag(v) for v in invals])
+
+    def call(self, eqn: Any, run: Callable[..., list[Any]], invals: list[Any]) -> list[Any]:
+        return run(*invals)  # once, as written: no jit or checkpoint around it
+
+    def scan(self, step, carry, xs, *, length: int, reverse: bool, unroll: Any):
+        carry = [self.untag(c) for c in carry]
+        ys: dict[int, list[Any]] = {}
+        for i in range(length - 1, -1, -1) if reverse else range(length):
+            carry, y = step(carry, [self.step_of(x, i) for x in xs])
+            carry, ys[i] = [self.untag(c) for c in carry], [self.untag(v) for v in y]
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *(ys[i] for i in range(length)))
+        return carry, stacked
+
+    def while_loop(self, eqn, invals, cond, body, carry: list[Any]) -> list[Any]:
+        carry = [self.untag(c) for c in carry]
+        if not _compat.is_concrete(self.untag(cond(carry))):
+            return self._as_is(eqn, invals)  # a traced trip count (under jit)
+        while bool(self.untag(cond(carry))):
+            carry = [self.untag(v) for v in body(carry)]
+        return carry
+
+    def switch(self, eqn, invals, index, fns, operands: Sequence[Any]) -> list[Any]:
+        index = self.untag(index)
+        if not _compat.is_concrete(index):
+            return self._as_is(eqn, invals)  # a traced branch index (under jit)
+        chosen = fns[int(np.clip(int(index), 0, len(fns) - 1))]
+        return [self.untag(v) for v in chosen(*operands)]
+
+
+Stepping = Lax | Stepwise
+LAX = Lax()
 
 
 def _settle_carry(ctx, eqn, dequantize_counted, carry: list[Any], probe) -> list[Any]:
@@ -132,7 +217,7 @@ def scan_rule(eval_jaxpr: EvalFn, dequantize_counted: DequantizeFn, ctx, eqn, in
         return jax.eval_shape(lambda c, x: step(ctx.muted(), c, x)[0], _abstract(carry_in), x_parts)
 
     carry = _settle_carry(ctx, eqn, dequantize_counted, carry, probe)
-    final, ys = jax.lax.scan(
+    final, ys = ctx.stepping.scan(
         lambda c, x: step(ctx, c, x),
         carry,
         stacked,
@@ -175,12 +260,12 @@ def while_rule(eval_jaxpr: EvalFn, dequantize_counted: DequantizeFn, ctx, eqn, i
 
     probe = lambda c: jax.eval_shape(lambda v: body(ctx.muted(), v), _abstract(c))
     carry = _settle_carry(ctx, eqn, dequantize_counted, carry, probe)
-    return list(
-        jax.lax.while_loop(
-            lambda c: eval_jaxpr(ctx, p["cond"], [*cond_consts, *c])[0],
-            lambda c: body(ctx, c),
-            carry,
-        )
+    return ctx.stepping.while_loop(
+        eqn,
+        invals,
+        lambda c: eval_jaxpr(ctx, p["cond"], [*cond_consts, *c])[0],
+        lambda c: body(ctx, c),
+        carry,
     )
 
 
@@ -203,15 +288,19 @@ def cond_rule(eval_jaxpr: EvalFn, dequantize_counted: DequantizeFn, ctx, eqn, in
 
         return run
 
-    # Branch outputs must agree in type; quantized outputs that do not are dequantized.
-    abstract_ops = _abstract(operands)
-    signatures = [
-        [
-            value_signature(v)
-            for v in jax.eval_shape(branch_fn(b, ctx.muted(), set()), *abstract_ops)
+    # Branch outputs must agree in type; quantized outputs that do not are dequantized (only
+    # quantized operands can make a quantized output).
+    to_float: set[int] = set()
+    if any(is_quantized(v) for v in operands):
+        abstract_ops = _abstract(operands)
+        signatures = [
+            [
+                value_signature(v)
+                for v in jax.eval_shape(branch_fn(b, ctx.muted(), set()), *abstract_ops)
+            ]
+            for b in branches
         ]
-        for b in branches
-    ]
-    to_float = {i for i, column in enumerate(zip(*signatures, strict=True)) if len(set(column)) > 1}
+        columns = enumerate(zip(*signatures, strict=True))
+        to_float = {i for i, column in columns if len(set(column)) > 1}
     fns = [branch_fn(b, ctx, to_float) for b in branches]
-    return list(jax.lax.switch(index, fns, *operands))
+    return ctx.stepping.switch(eqn, invals, index, fns, operands)

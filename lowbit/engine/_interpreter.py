@@ -37,6 +37,7 @@ from lowbit.engine._values import (
     map_layout,
     trace_leaves,
 )
+from lowbit.engine._walker import sub_jaxpr_rules
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,8 +49,12 @@ class Context:
     # Source location of the innermost enclosing equation that has one: equations inside
     # library functions (jnp.cumsum is itself a jit) point at the user's call through this.
     where: str = "unknown"
-    # Set when probing parameters (`probe`): equations reading a `Probe` go to its rules.
-    probe: _probe.ProbeState | None = None
+    # Set when probing parameters (`probe`): equations reading a `Probe` go to its rules, and
+    # report each use to this visitor.
+    probe: _probe.Visitor | None = None
+    # How loops step and which branch runs (`_control_flow`): as JAX runs them, or step by
+    # step on concrete values when probing.
+    stepping: _control_flow.Stepping = _control_flow.LAX
     # Key paths of the quantized arguments by `id`, to name a weight in reports and errors.
     names: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
@@ -88,7 +93,7 @@ def eval_jaxpr(ctx: Context, closed_jaxpr: Any, args: Sequence[Any]) -> list[Any
     for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(atom) for atom in eqn.invars]
         if dead is not None and any(_probe.is_tagged(v) for v in invals):
-            outvals = _probe.apply(eval_jaxpr, ctx, eqn, invals)
+            outvals = _probe.apply(_PROBE_SUB_JAXPRS, ctx, eqn, invals)
         elif any(is_quantized(v) for v in invals):
             outvals = apply_rule(ctx, eqn, invals)
         else:
@@ -318,40 +323,26 @@ def _named(ctx: Context, outer: Sequence[Any], inner: Sequence[Any]) -> Context:
     return dataclasses.replace(ctx, names={**ctx.names, **names}) if names else ctx
 
 
-def _jit(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
-    body = _compat.call_body(eqn)
-    run = lambda *args: eval_jaxpr(_named(ctx, invals, args), body, args)
-    if _compat.jit_options(eqn)["inline"]:
-        return run(*invals)
-    # A fresh closure per trace, so the counts of the inner trace land in this trace's report.
-    return list(jax.jit(run)(*invals))
-
-
 def _call(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
-    return eval_jaxpr(ctx, _compat.call_body(eqn), invals)
-
-
-def _remat(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
+    """A body that runs once as written: jit, remat, custom derivatives (their primal)."""
     body = _compat.call_body(eqn)
     run = lambda *args: eval_jaxpr(_named(ctx, invals, args), body, args)
-    return list(jax.checkpoint(run, **_compat.remat_options(eqn))(*invals))
+    return ctx.stepping.call(eqn, run, invals)
 
 
-_RULES.update(
-    {
-        "jit": _jit,
-        "call": _call,
-        "remat": _remat,
-        # Quantized operands of custom-derivative functions: evaluate the primal function (its
-        # derivative rule was written for float operands and is not used here).
-        "custom_jvp_call": _call,
-        "custom_vjp_call": _call,
-        "scan": functools.partial(_control_flow.scan_rule, eval_jaxpr, dequantize_counted),
-        "while": functools.partial(_control_flow.while_rule, eval_jaxpr, dequantize_counted),
-        "cond": functools.partial(_control_flow.cond_rule, eval_jaxpr, dequantize_counted),
-        "shard_map": functools.partial(_shard_map.shard_map_rule, eval_jaxpr, dequantize_counted),
-    }
-)
+# One rule per kind of sub-jaxpr (`_walker.SUB_JAXPR_KINDS`), whatever the values: the probe's
+# tagged values step through the same rules (`Context.stepping`).
+_SUB_JAXPR_RULES = {
+    "call": _call,
+    "scan": functools.partial(_control_flow.scan_rule, eval_jaxpr, dequantize_counted),
+    "while": functools.partial(_control_flow.while_rule, eval_jaxpr, dequantize_counted),
+    "cond": functools.partial(_control_flow.cond_rule, eval_jaxpr, dequantize_counted),
+    "shard_map": functools.partial(_shard_map.shard_map_rule, eval_jaxpr, dequantize_counted),
+}
+_RULES.update(sub_jaxpr_rules(_SUB_JAXPR_RULES))
+# No shard_map for the probe: a probe meeting one is an "other" use there, its tag dropped (a
+# per-device block is not the parameter).
+_PROBE_SUB_JAXPRS = sub_jaxpr_rules({k: r for k, r in _SUB_JAXPR_RULES.items() if k != "shard_map"})
 
 
 # --- public entry points ---
@@ -436,25 +427,26 @@ def probe(
     visit: _probe.Visitor,
     *,
     name: Callable[[Any], str],
-    concrete: bool,
 ) -> Any:
     """Runs ``fn(params, *args, **kwargs)`` with every leaf of `params` probed (see `_probe`).
 
+    Evaluates eagerly (or while traced by `jax.jit`) with the real values, one equation at a
+    time: loops step by step, only the taken branch runs (`_control_flow.Stepwise`). Which ops
+    a parameter feeds needs no values: ask the walker (`_walker.trace`, `ops_fed`).
+
     Args:
       fn: any JAX-traceable function taking the params pytree first.
-      params: pytree of float arrays (shape/dtype structs are enough when not `concrete`).
+      params: pytree of float arrays.
       args, kwargs: the other arguments.
       visit: called with a `Use` for every op that reads a parameter (or a re-layout of one).
       name: key path of a params leaf → its path string (the tag).
-      concrete: evaluate eagerly with the real values (loops step by step, the taken branch
-        only), or only follow tags abstractly (every loop body and branch once).
     Returns:
-      fn's outputs (abstract when not `concrete`).
+      fn's outputs.
 
     Example:
       >>> seen = []
       >>> _ = probe(lambda p, x: x @ p["w"], {"w": jnp.ones((3, 2))}, (jnp.ones((1, 3)),), {},
-      ...           seen.append, name=jax.tree_util.keystr, concrete=True)
+      ...           seen.append, name=jax.tree_util.keystr)
       >>> seen[0].op, sorted(seen[0].paths)
       ('dot_general', ["['w']"])
     """
@@ -469,18 +461,10 @@ def probe(
 
     stand_ins = list(jax.eval_shape(lambda *a: a, *leaves))
     closed_jaxpr, out_shape = _compat.make_jaxpr(flat_fn, stand_ins)
-    ctx = Context(report=EngineReport(), strict=False, probe=_probe.ProbeState(visit, concrete))
-
-    def evaluate(*values):
-        values = [
-            _probe.Probe(v, tags[i], (), tuple(np.shape(v))) if i < len(tags) else v
-            for i, v in enumerate(values)
-        ]
-        return [_probe.raw(v) for v in eval_jaxpr(ctx, closed_jaxpr, values)]
-
-    outs = (
-        evaluate(*map(jax.numpy.asarray, leaves))
-        if concrete
-        else jax.eval_shape(evaluate, *stand_ins)
-    )
+    ctx = Context(report=EngineReport(), strict=False, probe=visit, stepping=_probe.STEPWISE)
+    values = [
+        _probe.Probe(v, tags[i], (), tuple(np.shape(v))) if i < len(tags) else v
+        for i, v in enumerate(map(jax.numpy.asarray, leaves))
+    ]
+    outs = [_probe.raw(v) for v in eval_jaxpr(ctx, closed_jaxpr, values)]
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

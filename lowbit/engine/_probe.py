@@ -15,37 +15,35 @@ keeps its tag through layout ops that keep every element in its last-axis channe
 reshape or broadcast of the leading axes, a gather of whole rows (``flat[token]``, how routed
 experts read their tokens). Anything else reading it is an ``"other"`` use.
 
-Two modes:
-  * symbolic — values are abstract (run under `jax.eval_shape`); each loop body and every
-    branch is visited once. Answers "which ops does each parameter feed".
-  * concrete — evaluation one equation at a time with the actual values, eagerly or while being
-    traced by `jax.jit` (then the visitor's computations are part of the compiled step); a
-    `scan` is unrolled so each step of a scan over stacked weights reports its layer index, and
-    `while` / `cond` run step by step / only the taken branch when their predicate is known
-    (under jit a traced predicate runs the loop or branch as it is, without reporting inside).
-    The visitor sees the real activations: calibration statistics.
+The probe evaluates one equation at a time with the actual values, eagerly or while being traced
+by `jax.jit` (then the visitor's computations are part of the compiled step): the visitor sees
+the real activations, for calibration statistics. Sub-jaxprs run through the interpreter's own
+rules (one per kind, `_control_flow`), stepped by `STEPWISE`: a `scan` is unrolled so each
+step of a scan over stacked weights reports its layer index, and `while` / `cond` run step by
+step / only the taken branch when their predicate is known (under jit a traced predicate runs
+the loop or branch as it is, without reporting inside). Questions that need no values (which
+ops a parameter feeds) are answered by the walker (`_walker`), not here.
 
-In both modes dead intermediate values are dropped as soon as their last reader has run, so a
-concrete walk holds about as much as an eager forward pass.
+Dead intermediate values are dropped as soon as their last reader has run, so a walk holds
+about as much as an eager forward pass.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.engine import _compat
+from lowbit.engine import _compat, _control_flow
 
 # One home for the primitive tables: the walker's (a re-layout keeps the parameter; a use is
 # one of `USE_OPS`).
 from lowbit.engine._walker import LAYOUT_PRIMITIVES as LAYOUT_PRIMITIVES
 from lowbit.engine._walker import USE_OPS as USE_OPS
-from lowbit.engine._walker import sub_jaxpr_rules
 
 # Layout primitives that do not move elements: the index map passes through unchanged.
 _VALUE_ONLY = frozenset({"convert_element_type", "reduce_precision", "sharding_constraint"})
@@ -56,7 +54,7 @@ class Probe:
     """A parameter (or a re-layout of one) tagged with its path(s).
 
     Attributes:
-      value: the array (abstract in symbolic mode).
+      value: the array.
       paths: the parameter paths this value is a re-layout of.
       steps: the layout steps from the parameter to this value, as ``(key, fn)`` pairs; `fn`
         applies the same step to an index array (see `Use.weight_indices`).
@@ -97,13 +95,13 @@ class Use:
       paths: the parameter paths of the weight operand.
       weight: the weight operand as the op sees it (a `Probe`).
       weight_operand: its operand index (0 = lhs, 1 = rhs).
-      activation: the other operand (None for a gather or in symbolic mode).
+      activation: the other operand (None for a gather).
       params: the equation's parameters (dimension numbers, ...).
       location: ``file:line (function)`` of the user code, or ``"unknown"``.
       activation_scale: the `Scaled.sources` of the activation when the op contracts its last
         axis, or None.
-      group_sizes: for a `ragged_dot`, its ``[groups]`` int operand (None in symbolic mode and
-        for other ops): the activation's rows come grouped contiguously, group `e` being rows
+      group_sizes: for a `ragged_dot`, its ``[groups]`` int operand (None for other ops):
+        the activation's rows come grouped contiguously, group `e` being rows
         ``sum(group_sizes[:e]) .. sum(group_sizes[:e + 1])``.
 
     ``op == "other"`` reports a parameter (`paths`) or a `Scaled` activation read by any other
@@ -142,14 +140,6 @@ class Use:
 
 
 Visitor = Callable[[Use], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class ProbeState:
-    """What a probing interpretation reports to, and how it evaluates loops."""
-
-    visit: Visitor
-    concrete: bool
 
 
 def is_probe(x: Any) -> bool:
@@ -244,11 +234,11 @@ def _dot_dims(params: dict[str, Any]) -> Any:
 
 
 def _use(ctx: Any, eqn: Any, invals: list[Any], op: str) -> None:
-    state: ProbeState = ctx.probe
+    visit: Visitor = ctx.probe
     location = ctx.location(eqn)
     if op == "gather":
         if is_probe(invals[0]):
-            state.visit(Use(op, invals[0].paths, invals[0], 0, None, dict(eqn.params), location))
+            visit(Use(op, invals[0].paths, invals[0], 0, None, dict(eqn.params), location))
         return
     for weight_index, activation_index in ((1, 0), (0, 1)):
         weight, activation = invals[weight_index], invals[activation_index]
@@ -261,15 +251,14 @@ def _use(ctx: Any, eqn: Any, invals: list[Any], op: str) -> None:
                     scale = activation.sources
                 else:
                     _other(ctx, eqn, [activation])
-            value = raw(activation) if state.concrete else None
-            sizes = raw(invals[2]) if op == "ragged_dot" and state.concrete else None
-            state.visit(
+            sizes = raw(invals[2]) if op == "ragged_dot" else None
+            visit(
                 Use(
                     op,
                     weight.paths,
                     weight,
                     weight_index,
-                    value,
+                    raw(activation),
                     dict(eqn.params),
                     location,
                     scale,
@@ -292,9 +281,7 @@ def _other(ctx: Any, eqn: Any, invals: list[Any]) -> None:
             sources |= {path for path, _ in v.sources}
     for paths, params in ((direct, {"direct": True}), (sources, {})):
         if paths:
-            ctx.probe.visit(
-                Use("other", frozenset(paths), None, -1, None, params, ctx.location(eqn))
-            )
+            ctx.probe(Use("other", frozenset(paths), None, -1, None, params, ctx.location(eqn)))
 
 
 def _channel_scale(ctx: Any, eqn: Any, invals: list[Any]) -> list[Any] | None:
@@ -356,79 +343,26 @@ def _linear_output(eqn: Any, invals: list[Any], out: Any) -> Any:
 
 
 # --- sub-jaxprs ---
-def _call(eval_jaxpr, ctx, eqn, invals):
-    return eval_jaxpr(ctx.entering(eqn), _compat.call_body(eqn), invals)
+def _scan_step(x: Any, i: int) -> Any:
+    """Step `i` of a scanned operand; a probe keeps its tag, the step recording the index."""
+    if not is_probe(x):
+        return jax.tree.map(lambda a: a[i], raw(x))
+    step = (("scan_step", i), lambda ids, i=i: ids[i])
+    return Probe(x.value[i], x.paths, (*x.steps, step), x.root_shape)
 
 
-def _scan(eval_jaxpr, ctx, eqn, invals):
-    p = _compat.scan_params(eqn)
-    n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
-    consts = invals[:n_consts]
-    carry = [raw(v) for v in invals[n_consts : n_consts + n_carry]]
-    xs = invals[n_consts + n_carry :]
-    inner = ctx.entering(eqn)
+# How the interpreter's sub-jaxpr rules step while probing: on concrete values, step by step.
+STEPWISE = _control_flow.Stepwise(untag=raw, step_of=_scan_step)
 
-    def step_of(x, i):
-        if not is_probe(x):
-            return x[i]
-        step = (("scan_step", i), lambda ids, i=i: ids[i])
-        return Probe(x.value[i], x.paths, (*x.steps, step), x.root_shape)
-
-    if not ctx.probe.concrete:
-        eval_jaxpr(inner, p["body"], [*consts, *carry, *[step_of(x, 0) for x in xs]])
-        return _compat.bind_eqn(eqn, [raw(v) for v in invals])
-    steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
-    ys: dict[int, list[Any]] = {}
-    for i in steps:
-        outs = [
-            raw(v)
-            for v in eval_jaxpr(inner, p["body"], [*consts, *carry, *[step_of(x, i) for x in xs]])
-        ]
-        carry, ys[i] = outs[:n_carry], outs[n_carry:]
-    n_ys = len(eqn.outvars) - n_carry
-    stacked = [jnp.stack([ys[i][k] for i in range(length)]) for k in range(n_ys)]
-    return [*carry, *stacked]
+Rule = Callable[[Any, Any, list[Any]], list[Any]]
 
 
-def _while(eval_jaxpr, ctx, eqn, invals):
-    p = _compat.while_params(eqn)
-    nc, nb = p["cond_nconsts"], p["body_nconsts"]
-    cond_consts, body_consts = invals[:nc], invals[nc : nc + nb]
-    carry = [raw(v) for v in invals[nc + nb :]]
-    inner = ctx.entering(eqn)
-    if not ctx.probe.concrete:
-        eval_jaxpr(inner, p["body"], [*body_consts, *carry])
-        return _compat.bind_eqn(eqn, [raw(v) for v in invals])
-    first = raw(eval_jaxpr(inner, p["cond"], [*cond_consts, *carry])[0])
-    if not _compat.is_concrete(first):
-        # A traced trip count (the probe runs under jit): the loop runs as it is, unobserved.
-        return _compat.bind_eqn(eqn, [raw(v) for v in invals])
-    while bool(raw(eval_jaxpr(inner, p["cond"], [*cond_consts, *carry])[0])):
-        carry = [raw(v) for v in eval_jaxpr(inner, p["body"], [*body_consts, *carry])]
-    return carry
+def apply(sub_jaxprs: Mapping[str, Rule], ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
+    """Evaluates one equation that has a probe among its operands (see the module docstring).
 
-
-def _cond(eval_jaxpr, ctx, eqn, invals):
-    branches = _compat.cond_branches(eqn)
-    index, *operands = invals
-    inner = ctx.entering(eqn)
-    if not ctx.probe.concrete:
-        for branch in branches:
-            eval_jaxpr(inner, branch, operands)
-        return _compat.bind_eqn(eqn, [raw(v) for v in invals])
-    if not _compat.is_concrete(raw(index)):
-        # A traced branch index (the probe runs under jit): the branch runs unobserved.
-        return _compat.bind_eqn(eqn, [raw(v) for v in invals])
-    chosen = branches[int(np.clip(int(raw(index)), 0, len(branches) - 1))]
-    return [raw(v) for v in eval_jaxpr(inner, chosen, operands)]
-
-
-# No shard_map rule: a probe meeting a shard_map is an "other" use there, its tag dropped.
-_SUB_JAXPRS = sub_jaxpr_rules({"call": _call, "scan": _scan, "while": _while, "cond": _cond})
-
-
-def apply(eval_jaxpr: Callable[..., list[Any]], ctx: Any, eqn: Any, invals: list[Any]) -> list[Any]:
-    """Evaluates one equation that has a probe among its operands (see the module docstring)."""
+    `sub_jaxprs`: the interpreter's rules for the sub-jaxprs the probe follows, by primitive
+    (called as ``rule(ctx, eqn, invals)``; `ctx.stepping` is `STEPWISE`).
+    """
     name = _compat.primitive_name(eqn)
     if name in ("dot_general", "ragged_dot_general"):
         _use(ctx, eqn, invals, USE_OPS[name])
@@ -444,9 +378,9 @@ def apply(eval_jaxpr: Callable[..., list[Any]], ctx: Any, eqn: Any, invals: list
         scaled = _channel_scale(ctx, eqn, invals)
         if scaled is not None:
             return scaled
-    rule = _SUB_JAXPRS.get(_compat.rule_name(name) or "")
+    rule = sub_jaxprs.get(_compat.rule_name(name) or "")
     if rule is not None:
-        return rule(eval_jaxpr, ctx, eqn, invals)
+        return rule(ctx.entering(eqn), eqn, invals)
     if name not in USE_OPS:
         _other(ctx, eqn, invals)
     return _compat.bind_eqn(eqn, [raw(v) for v in invals])

@@ -7,13 +7,14 @@ traced once (one `jax.make_jaxpr`) and walked once, whatever is asked of it.
 
 `walk` follows values abstractly (no compute). An input leaf is an *origin*; a value that is a
 re-layout of one (transpose, reshape, cast, slice, ..., see `LAYOUT_PRIMITIVES`) keeps the
-origin and appends the `Step`. Any other op reading a traced value is a `Use`. Sub-jaxprs
+origin and appends the `Step`. Any other op reading a traced value is a use, recorded as a
+`Site` (the probe's `lowbit.engine.Use` is the same event seen with values). Sub-jaxprs
 (``jit``, ``remat``, custom derivatives, ``scan``, ``while``, ``cond``, ``shard_map``) are
 followed through ONE table, `SUB_JAXPRS`: each rule maps the inner jaxpr's inputs to the outer
 values (with the step a boundary applies, e.g. the per-iteration slice of a scanned operand)
-and says whether the outputs pass back out. A use records the control-flow path it sits under
-(``("scan",)``, ``("cond", "branch 1")``, ...), so a reduction can tell a use inside a loop
-from one at the top level.
+and says whether the outputs pass back out. A site records the control-flow path it sits
+under (``("scan",)``, ``("cond", "branch 1")``, ...), so a reduction can tell a use inside a
+loop from one at the top level.
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ class Origin:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Use:
-    """One op reading a traced value.
+class Site:
+    """One op reading a traced value: a use site (the probe's `lowbit.engine.Use` is its
+    concrete counterpart, with the activation).
 
     Attributes:
       leaf: index of the input leaf (the parameter).
@@ -123,12 +125,12 @@ class Record:
     """What `walk` saw.
 
     Attributes:
-      leaves: the avals of the input leaves, in order (`Use.leaf` indexes them).
-      uses: every use, in program order.
+      leaves: the avals of the input leaves, in order (`Site.leaf` indexes them).
+      sites: every use site, in program order.
     """
 
     leaves: tuple[Any, ...]
-    uses: tuple[Use, ...]
+    sites: tuple[Site, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +206,8 @@ def _shard_map(eqn: Any, origins: list[Origin | None]) -> tuple[list[Sub], bool]
 
 # The primitives that carry sub-jaxprs, by how their bodies run: once as written (``"call"``:
 # jit, remat, custom derivatives), per iteration (``"scan"``, ``"while"``), one branch
-# (``"cond"``), per device (``"shard_map"``). Every walk over jaxprs (this one, the probe's
-# concrete evaluation) builds its table of rules from this one.
+# (``"cond"``), per device (``"shard_map"``). Every walk over jaxprs (this one; the
+# interpreter's, which the probe steps through) builds its table of rules from this one.
 SUB_JAXPR_KINDS: dict[str, str] = {
     "jit": "call",
     "call": "call",
@@ -246,7 +248,7 @@ def _layout_step(eqn: Any) -> Step:
 
 
 def _walk(
-    jaxpr: Any, inputs: Sequence[Origin | None], where: tuple[str, ...], uses: list[Use]
+    jaxpr: Any, inputs: Sequence[Origin | None], where: tuple[str, ...], sites: list[Site]
 ) -> list[Origin | None]:
     """Walks an open jaxpr whose invars carry `inputs`; returns its outvars' origins."""
     env: dict[Any, Origin] = {v: o for v, o in zip(jaxpr.invars, inputs, strict=True) if o}
@@ -269,7 +271,7 @@ def _walk(
         if rule is not None:
             subs, passes_out = rule(eqn, origins)
             for sub in subs:
-                outs = _walk(sub.jaxpr.jaxpr, sub.inputs, (*where, *sub.where), uses)
+                outs = _walk(sub.jaxpr.jaxpr, sub.inputs, (*where, *sub.where), sites)
                 if passes_out:
                     env.update({v: o for v, o in zip(eqn.outvars, outs, strict=True) if o})
             continue
@@ -278,8 +280,8 @@ def _walk(
         for i, origin in enumerate(origins):
             if origin is not None:
                 kind = "other" if op == "gather" and i != 0 else op
-                uses.append(
-                    Use(
+                sites.append(
+                    Site(
                         origin.leaf,
                         name,
                         kind,
@@ -301,15 +303,15 @@ def walk(closed_jaxpr: Any, leaves: Sequence[int] | None = None) -> Record:
       closed_jaxpr: a `jax.core.ClosedJaxpr` (e.g. from `jax.make_jaxpr`).
       leaves: indices of the inputs to follow (default: all).
     Returns:
-      A `Record`; `Use.leaf` is an input index.
+      A `Record`; `Site.leaf` is an input index.
     """
     jaxpr = _compat.closed(closed_jaxpr).jaxpr
     n = len(jaxpr.invars)
     follow = set(range(n) if leaves is None else leaves)
     inputs = [Origin(i) if i in follow else None for i in range(n)]
-    uses: list[Use] = []
-    _walk(jaxpr, inputs, (), uses)
-    return Record(tuple(_compat.aval_of(v) for v in jaxpr.invars), tuple(uses))
+    sites: list[Site] = []
+    _walk(jaxpr, inputs, (), sites)
+    return Record(tuple(_compat.aval_of(v) for v in jaxpr.invars), tuple(sites))
 
 
 def ops_fed(record: Record) -> dict[int, frozenset[str]]:
@@ -319,12 +321,12 @@ def ops_fed(record: Record) -> dict[int, frozenset[str]]:
     operand is no parameter, or the table of a gather. Leaves that feed none are absent.
     """
     found: dict[int, set[str]] = {}
-    for use in record.uses:
-        if use.op == "other" or use.operand not in (0, 1):
+    for site in record.sites:
+        if site.op == "other" or site.operand not in (0, 1):
             continue
-        if use.op != "gather" and use.partners[1 - use.operand] is not None:
+        if site.op != "gather" and site.partners[1 - site.operand] is not None:
             continue
-        found.setdefault(use.leaf, set()).add(use.op)
+        found.setdefault(site.leaf, set()).add(site.op)
     return {leaf: frozenset(ops) for leaf, ops in found.items()}
 
 
@@ -333,7 +335,7 @@ class Traced:
     """One trace of a function, walked.
 
     Attributes:
-      record: the walk (`Use.leaf` indexes `paths` and `leaves`).
+      record: the walk (`Site.leaf` indexes `paths` and `leaves`).
       paths: key path into ``(args, kwargs)`` of each traced input leaf.
       leaves: the arguments' leaves traced, in order (engine values such as a `QArray` are one
         leaf, traced as its logical shape and dtype).

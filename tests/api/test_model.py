@@ -71,5 +71,5 @@ def test_param_uses_match_the_probe_on_an_nnx_mlp(block):
             for path in use.paths:
                 seen.setdefault(path, set()).add(use.op)
 
-    probe(call, state, (x,), {}, visit, name=path_string, concrete=False)
+    probe(call, state, (x,), {}, visit, name=path_string)
     assert param_uses(call, state, x) == {p: frozenset(o) for p, o in seen.items()}

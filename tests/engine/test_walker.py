@@ -23,7 +23,7 @@ def _walk(fn, *args):
 
 
 def _dot_uses(record):
-    return [u for u in record.uses if u.primitive == "dot_general"]
+    return [u for u in record.sites if u.primitive == "dot_general"]
 
 
 def test_top_level_use_records_operand_dimension_numbers_and_steps():
@@ -62,7 +62,7 @@ def test_while_body_and_cond_branches():
         return jax.lax.cond(h.sum() > 0, lambda h: jnp.take(w, jnp.array([0, 1]), 0), jnp.tanh, h)
 
     record = _walk(fn, jnp.ones((K, K)), X)
-    where = sorted((u.where, u.op) for u in record.uses if u.op != "other")
+    where = sorted((u.where, u.op) for u in record.sites if u.op != "other")
     assert where == [
         (("cond", "branch 1"), "gather"),
         (("while", "body"), "dot_general"),
@@ -142,8 +142,8 @@ def test_kernel_axes_skip_shard_map_bodies():
 def test_trace_follows_only_what_it_is_told():
     traced = trace(lambda p, x: x @ p, (W, X), {}, lambda path, _: path[1].idx == 0)
     assert len(traced.leaves) == 2
-    (use,) = traced.record.uses
-    assert use.leaf == 0 and use.partners == (None, traced.record.uses[0].partners[1])
+    (use,) = traced.record.sites
+    assert use.leaf == 0 and use.partners == (None, traced.record.sites[0].partners[1])
     assert ops_fed(traced.record) == {0: frozenset({"dot_general"})}
 
 
