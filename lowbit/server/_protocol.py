@@ -50,6 +50,12 @@ _NEUTRAL = {
 MAX_STOP_STRINGS = 4
 
 
+def _is_neutral(value: Any, neutral: tuple) -> bool:
+    """Whether `value` is one of `neutral`, by JSON type too: Python's ``0.0 == False`` and
+    ``True == 1`` would let ``"logprobs": 0.0`` or ``"best_of": true`` through."""
+    return any(type(value) is type(n) and value == n for n in neutral)
+
+
 class APIError(Exception):
     """An error answered as an OpenAI error object.
 
@@ -239,7 +245,7 @@ def parse_request(body: dict[str, Any], chat: bool) -> CompletionRequest:
         if name in known and name not in _NEUTRAL:
             continue
         if name in _NEUTRAL:
-            if value not in _NEUTRAL[name]:
+            if not _is_neutral(value, _NEUTRAL[name]):
                 raise bad(
                     name,
                     f"is not supported by this server (got {json.dumps(value)})",

@@ -35,6 +35,10 @@ def test_token_prompts_and_chat_messages_parse():
         ({"prompt": "hi", "stream": "yes"}, "stream"),
         ({"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"),
         ({"prompt": "hi", "colour": "red"}, "colour"),
+        # Neutral values compare by JSON type: 0.0 is not false, true is not 1.
+        ({"prompt": "hi", "logprobs": 0.0}, "logprobs"),
+        ({"prompt": "hi", "echo": 0}, "echo"),
+        ({"prompt": "hi", "best_of": True}, "best_of"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
         ({}, "prompt"),
