@@ -9,6 +9,16 @@
 #define LOWBIT_UNROLL _Pragma("GCC unroll 16")
 #endif
 
+// The ISA's tile sizes (kTile, from its simd_*.h) under the names the tiles use.
+constexpr int kMR = kTile.mr;
+constexpr int kNP = kTile.np;
+constexpr int kMRWide = kTile.mr_wide;
+constexpr int kFMR = kTile.fmr;
+constexpr int kFNP = kTile.fnp;
+constexpr int kQMR = kTile.qmr;
+constexpr int kQNP = kTile.qnp;
+constexpr bool kLutNibbles = kTile.lut_nibbles;
+
 // Bytes ahead of the current read position to prefetch in the weight stream. Hardware
 // prefetchers alone leave the decode GEMV short of memory bandwidth.
 constexpr int64_t kPrefetch = 1024;
@@ -255,21 +265,11 @@ static void wo_dequant_kind(const WoArgs& a, int64_t p0, int64_t p1, float* out,
 template <typename F>
 static void with_wo_kind(int kind, F&& f) {
   switch (kind) {
-    case kInt8:
-      f(std::integral_constant<int, kInt8>{});
-      break;
-    case kInt4:
-      f(std::integral_constant<int, kInt4>{});
-      break;
-    case kUint4:
-      f(std::integral_constant<int, kUint4>{});
-      break;
-    case kNf4:
-      f(std::integral_constant<int, kNf4>{});
-      break;
-    default:
-      f(std::integral_constant<int, kFp8>{});
-      break;
+    case kInt8: return f(std::integral_constant<int, kInt8>{});
+    case kInt4: return f(std::integral_constant<int, kInt4>{});
+    case kUint4: return f(std::integral_constant<int, kUint4>{});
+    case kNf4: return f(std::integral_constant<int, kNf4>{});
+    default: return f(std::integral_constant<int, kFp8>{});
   }
 }
 
@@ -526,6 +526,44 @@ static void wq8_run_kind(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, in
       const int64_t mr = std::min<int64_t>(kQ8Rows, m1 - m);
       wq8_tile_rows<KIND, kQ8Rows>(mr, a, m, pan, c + (m - m0) * ldc + (p - p0) * kPanel, ldc);
     }
+  }
+}
+
+// One activation row [kp] to int8 codes per group of gs (IsaKernels::quantize_groups): scale =
+// absmax / 127 (codes 0 for an all-zero group; a NaN scale when the group holds a non-finite
+// value, so the outputs it touches are NaN as on the float path), round half to even, and
+// per group the scale times the codes' sum. The ISA's GroupQ8 takes kLanes floats a step;
+// the scalar loops finish a group whose size is not a multiple of that.
+static void quantize_groups(const float* x, int64_t kp, int64_t gs, int8_t* q, float* scale,
+                            float* scaled_sum) {
+  constexpr int kLanes = GroupQ8::kLanes;
+  for (int64_t g = 0; g * gs < kp; ++g) {
+    const float* v = x + g * gs;
+    int8_t* c = q + g * gs;
+    int64_t i = 0;
+    GroupQ8::Max vmax = GroupQ8::max_init();
+    for (; i + kLanes <= gs; i += kLanes) GroupQ8::max_step(vmax, v + i);
+    float amax = GroupQ8::max_value(vmax);
+    bool finite = vmax.bad == 0;
+    for (int64_t j = i; j < gs; ++j) {
+      finite = finite && std::isfinite(v[j]);
+      amax = std::max(amax, std::fabs(v[j]));
+    }
+    const float s = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const bool zero = !finite || !(amax > 0.0f);
+    const auto vs = GroupQ8::bcast(zero ? 1.0f : s);
+    auto vsum = GroupQ8::sum_init();
+    for (i = 0; i + kLanes <= gs; i += kLanes) GroupQ8::codes_step(vsum, v + i, vs, zero, c + i);
+    int32_t sum = GroupQ8::sum_value(vsum);
+    for (; i < gs; ++i) {
+      float t = std::min(127.0f, std::max(-127.0f, v[i] / (zero ? 1.0f : s)));
+      t = (t + 12582912.0f) - 12582912.0f;
+      const int32_t k = zero ? 0 : static_cast<int32_t>(t);
+      c[i] = static_cast<int8_t>(k);
+      sum += k;
+    }
+    scale[g] = s;
+    scaled_sum[g] = s * static_cast<float>(sum);
   }
 }
 
