@@ -111,6 +111,20 @@ struct W4Args {
   const uint8_t* blob;  // [P][panel_bytes]
 };
 
+// The tile sizes one ISA's vocabulary (simd_*.h) picks for the generic tiles in
+// kernels_impl.h, as one constant `kTile`: what differs between ISAs is the numbers, not
+// their meaning.
+struct TileShape {
+  int mr;            // activation rows per weight-only tile (small M)
+  int np;            // panels per weight-only tile
+  int mr_wide;       // rows per single-panel tile when M > mr (small M)
+  int fmr;           // rows per float GEMM tile (large M)
+  int fnp;           // panels per float GEMM tile
+  int qmr;           // rows per w8a8 / w4a8 tile (the activation tile height)
+  int qnp;           // panels per w8a8 / w4a8 tile
+  bool lut_nibbles;  // decode int4 / uint4 codes with the 16-entry table (else integer convert)
+};
+
 struct IsaKernels {
   const char* name;
   int act_words;  // u32 words per k-quad of packed activations

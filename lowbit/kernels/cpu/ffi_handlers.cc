@@ -6,6 +6,7 @@
 #include <limits>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -109,6 +110,27 @@ int64_t WorkersFor(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n) {
   return m * k * n < kMinParallelMacs ? 1 : NumWorkers(pool);
 }
 
+// Runs `kernel` (an IsaKernels entry) over the tasks of M x panels into a scratch block
+// [rows][ldc] of T each, then hands each of its rows to `store(r, row, n0, cols, f)`: output
+// row r, its valid columns [n0, n0 + cols), and for integer blocks `f`, a float row of
+// scratch for the conversion.
+template <typename Args, typename T, typename Store>
+void RunTasks(ffi::ThreadPool& pool, int64_t workers, int64_t m, int64_t panels, int64_t n,
+              void (*kernel)(const Args&, int64_t, int64_t, int64_t, int64_t, T*, int64_t),
+              const Args& a, Store&& store) {
+  const std::vector<Task> tasks = SplitWork(m, panels, workers, 2);
+  ParallelFor(pool, workers, static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+    const Task& t = tasks[i];
+    const int64_t ldc = (t.p1 - t.p0) * kPanel;
+    std::vector<T> c((t.m1 - t.m0) * ldc);
+    kernel(a, t.m0, t.m1, t.p0, t.p1, c.data(), ldc);
+    const int64_t n0 = t.p0 * kPanel, cols = std::min(n, t.p1 * kPanel) - n0;
+    std::vector<float> f(std::is_same_v<T, float> ? 0 : cols);
+    for (int64_t r = t.m0; r < t.m1; ++r)
+      store(r, c.data() + (r - t.m0) * ldc, n0, cols, f.data());
+  });
+}
+
 // Checks a weight-only blob [P, G * group_bytes] against N columns and group size gs.
 ffi::Error WoBlobShape(const KindInfo& info, const ffi::Buffer<ffi::U8>& blob, int64_t n,
                        int64_t gs, int64_t* group_bytes, int64_t* panels, int64_t* groups) {
@@ -210,21 +232,11 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.xq_sum = xq_sum.data();
   const float* b = bias.typed_data();
   void* out = y->untyped_data();
-  const auto run = q8 ? isa->wo_q8 : isa->wo;
-
-  const std::vector<Task> tasks = SplitWork(m, panels, workers, 2);
-  ParallelFor(pool, workers, static_cast<int64_t>(tasks.size()), [&](int64_t i) {
-    const Task& t = tasks[i];
-    const int64_t ldc = (t.p1 - t.p0) * kPanel;
-    std::vector<float> c((t.m1 - t.m0) * ldc);
-    run(a, t.m0, t.m1, t.p0, t.p1, c.data(), ldc);
-    const int64_t n0 = t.p0 * kPanel, cols = std::min(n, t.p1 * kPanel) - n0;
-    for (int64_t r = t.m0; r < t.m1; ++r) {
-      float* row = c.data() + (r - t.m0) * ldc;
-      for (int64_t j = 0; j < cols; ++j) row[j] += b[n0 + j];
-      StoreRow(out, ybf16, r, n, n0, row, cols);
-    }
-  });
+  RunTasks(pool, workers, m, panels, n, q8 ? isa->wo_q8 : isa->wo, a,
+           [&](int64_t r, float* row, int64_t n0, int64_t cols, float*) {
+             for (int64_t j = 0; j < cols; ++j) row[j] += b[n0 + j];
+             StoreRow(out, ybf16, r, n, n0, row, cols);
+           });
   return ffi::Error::Success();
 }
 
@@ -357,30 +369,22 @@ ffi::Error Q8Run(ffi::ThreadPool& pool, Q8Mode mode, const Q8Inputs& in, int64_t
   a.w = in.w;
   const float* row_scale = mode == Q8Mode::kFloatIn ? xs.data() : in.xscale;
 
-  const std::vector<Task> tasks = SplitWork(m, panels, workers, 2);
-  ParallelFor(pool, workers, static_cast<int64_t>(tasks.size()), [&](int64_t i) {
-    const Task& t = tasks[i];
-    const int64_t ldc = (t.p1 - t.p0) * kPanel;
-    std::vector<int32_t> c((t.m1 - t.m0) * ldc);
-    isa->q8(a, t.m0, t.m1, t.p0, t.p1, c.data(), ldc);
-    const int64_t n0 = t.p0 * kPanel, cols = std::min(n, t.p1 * kPanel) - n0;
-    std::vector<float> f(cols);
-    for (int64_t r = t.m0; r < t.m1; ++r) {
-      int32_t* row = c.data() + (r - t.m0) * ldc;
-      // Activations went in as q + 128: remove 128 * sum_k w[k, n].
-      for (int64_t j = 0; j < cols; ++j)
-        row[j] = static_cast<int32_t>(static_cast<uint32_t>(row[j]) -
-                                      128u * static_cast<uint32_t>(in.colsum[n0 + j]));
-      if (mode == Q8Mode::kInt32Out) {
-        std::memcpy(static_cast<int32_t*>(in.out) + r * n + n0, row, sizeof(int32_t) * cols);
-        continue;
-      }
-      const float xsr = row_scale[r];
-      for (int64_t j = 0; j < cols; ++j)
-        f[j] = static_cast<float>(row[j]) * xsr * in.wscale[n0 + j] + in.bias[n0 + j];
-      StoreRow(in.out, in.ybf16, r, n, n0, f.data(), cols);
-    }
-  });
+  RunTasks(pool, workers, m, panels, n, isa->q8, a,
+           [&](int64_t r, int32_t* row, int64_t n0, int64_t cols, float* f) {
+             // Activations went in as q + 128: remove 128 * sum_k w[k, n].
+             for (int64_t j = 0; j < cols; ++j)
+               row[j] = static_cast<int32_t>(static_cast<uint32_t>(row[j]) -
+                                             128u * static_cast<uint32_t>(in.colsum[n0 + j]));
+             if (mode == Q8Mode::kInt32Out) {
+               std::memcpy(static_cast<int32_t*>(in.out) + r * n + n0, row,
+                           sizeof(int32_t) * cols);
+               return;
+             }
+             const float xsr = row_scale[r];
+             for (int64_t j = 0; j < cols; ++j)
+               f[j] = static_cast<float>(row[j]) * xsr * in.wscale[n0 + j] + in.bias[n0 + j];
+             StoreRow(in.out, in.ybf16, r, n, n0, f, cols);
+           });
   return ffi::Error::Success();
 }
 
@@ -434,19 +438,11 @@ ffi::Error W4A8LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
   const float* b = bias.typed_data();
   void* out = y->untyped_data();
   const bool ybf16 = y->element_type() == ffi::DataType::BF16;
-  const std::vector<Task> tasks = SplitWork(m, panels, workers, 2);
-  ParallelFor(pool, workers, static_cast<int64_t>(tasks.size()), [&](int64_t i) {
-    const Task& t = tasks[i];
-    const int64_t ldc = (t.p1 - t.p0) * kPanel;
-    std::vector<float> c((t.m1 - t.m0) * ldc);
-    isa->w4(a, t.m0, t.m1, t.p0, t.p1, c.data(), ldc);
-    const int64_t n0 = t.p0 * kPanel, cols = std::min(n, t.p1 * kPanel) - n0;
-    for (int64_t r = t.m0; r < t.m1; ++r) {
-      float* row = c.data() + (r - t.m0) * ldc;
-      for (int64_t j = 0; j < cols; ++j) row[j] = row[j] * xs[r] + b[n0 + j];
-      StoreRow(out, ybf16, r, n, n0, row, cols);
-    }
-  });
+  RunTasks(pool, workers, m, panels, n, isa->w4, a,
+           [&](int64_t r, float* row, int64_t n0, int64_t cols, float*) {
+             for (int64_t j = 0; j < cols; ++j) row[j] = row[j] * xs[r] + b[n0 + j];
+             StoreRow(out, ybf16, r, n, n0, row, cols);
+           });
   return ffi::Error::Success();
 }
 
@@ -461,6 +457,27 @@ ffi::Error CheckQ8Weight(const ffi::Buffer<ffi::S8>& w, const ffi::Buffer<ffi::S
   return ffi::Error::Success();
 }
 
+// The float-output w8a8 calls after their activation checks: checks the weight, the output
+// [m, N] and the weight scale and bias [N], fills their fields of `in` and runs.
+ffi::Error Q8FloatOut(ffi::ThreadPool& pool, Q8Mode mode, Q8Inputs in,
+                      const ffi::Buffer<ffi::S8>& w, const ffi::Buffer<ffi::S32>& colsum,
+                      const ffi::Buffer<ffi::F32>& wscale, const ffi::Buffer<ffi::F32>& bias,
+                      ffi::Result<ffi::AnyBuffer>& y, int64_t m, int64_t k, int64_t n) {
+  if (ffi::Error e = CheckQ8Weight(w, colsum, k, n); e.failure()) return e;
+  const auto yd = y->dimensions();
+  if (yd.size() != 2 || yd[0] != m || yd[1] != n) return Invalid("output must be [M, N]");
+  if (bias.element_count() != static_cast<size_t>(n) ||
+      wscale.element_count() != static_cast<size_t>(n))
+    return Invalid("weight scale and bias must be [N]");
+  in.w = w.typed_data();
+  in.colsum = colsum.typed_data();
+  in.wscale = wscale.typed_data();
+  in.bias = bias.typed_data();
+  in.out = y->untyped_data();
+  in.ybf16 = y->element_type() == ffi::DataType::BF16;
+  return Q8Run(pool, mode, in, m, k, n);
+}
+
 ffi::Error W8A8LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w,
                           ffi::Buffer<ffi::S32> colsum, ffi::Buffer<ffi::F32> wscale,
                           ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::AnyBuffer> y, int64_t k,
@@ -469,22 +486,10 @@ ffi::Error W8A8LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
     return Invalid("x and the output must be float32 or bfloat16");
   const auto xd = x.dimensions();
   if (xd.size() != 2 || xd[1] != k) return Invalid("x must be [M, K] with K = " + std::to_string(k));
-  if (ffi::Error e = CheckQ8Weight(w, colsum, k, n); e.failure()) return e;
-  const auto yd = y->dimensions();
-  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != n) return Invalid("output must be [M, N]");
-  if (bias.element_count() != static_cast<size_t>(n) ||
-      wscale.element_count() != static_cast<size_t>(n))
-    return Invalid("weight scale and bias must be [N]");
   Q8Inputs in;
   in.x = x.untyped_data();
   in.xbf16 = x.element_type() == ffi::DataType::BF16;
-  in.w = w.typed_data();
-  in.colsum = colsum.typed_data();
-  in.wscale = wscale.typed_data();
-  in.bias = bias.typed_data();
-  in.out = y->untyped_data();
-  in.ybf16 = y->element_type() == ffi::DataType::BF16;
-  return Q8Run(pool, Q8Mode::kFloatIn, in, xd[0], k, n);
+  return Q8FloatOut(pool, Q8Mode::kFloatIn, in, w, colsum, wscale, bias, y, xd[0], k, n);
 }
 
 ffi::Error W8A8LinearQImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
@@ -496,22 +501,10 @@ ffi::Error W8A8LinearQImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
   const auto xd = xq.dimensions();
   if (xd.size() != 2 || xd[1] != k) return Invalid("xq must be [M, K] with K = " + std::to_string(k));
   if (xscale.element_count() != static_cast<size_t>(xd[0])) return Invalid("x_scale must be [M]");
-  if (ffi::Error e = CheckQ8Weight(w, colsum, k, n); e.failure()) return e;
-  const auto yd = y->dimensions();
-  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != n) return Invalid("output must be [M, N]");
-  if (bias.element_count() != static_cast<size_t>(n) ||
-      wscale.element_count() != static_cast<size_t>(n))
-    return Invalid("weight scale and bias must be [N]");
   Q8Inputs in;
   in.x = xq.typed_data();
   in.xscale = xscale.typed_data();
-  in.w = w.typed_data();
-  in.colsum = colsum.typed_data();
-  in.wscale = wscale.typed_data();
-  in.bias = bias.typed_data();
-  in.out = y->untyped_data();
-  in.ybf16 = y->element_type() == ffi::DataType::BF16;
-  return Q8Run(pool, Q8Mode::kQuantIn, in, xd[0], k, n);
+  return Q8FloatOut(pool, Q8Mode::kQuantIn, in, w, colsum, wscale, bias, y, xd[0], k, n);
 }
 
 ffi::Error W8A8Int32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq, ffi::Buffer<ffi::S8> w,

@@ -9,6 +9,30 @@
 #define LOWBIT_UNROLL _Pragma("GCC unroll 16")
 #endif
 
+// The ISA's tile sizes (kTile, from its simd_*.h) under the names the tiles use.
+constexpr int kMR = kTile.mr;
+constexpr int kNP = kTile.np;
+constexpr int kMRWide = kTile.mr_wide;
+constexpr int kFMR = kTile.fmr;
+constexpr int kFNP = kTile.fnp;
+constexpr int kQMR = kTile.qmr;
+constexpr int kQNP = kTile.qnp;
+constexpr bool kLutNibbles = kTile.lut_nibbles;
+
+// Calls f(std::integral_constant<int, mr>{}) for a runtime row count 1 <= mr <= R: a tile's
+// row count is a template argument (its loops over rows unroll), the rows left at the end
+// of M are not.
+template <int R, typename F>
+static inline void with_rows(int64_t mr, F&& f) {
+  if constexpr (R > 1) {
+    if (mr < R) {
+      with_rows<R - 1>(mr, f);
+      return;
+    }
+  }
+  f(std::integral_constant<int, R>{});
+}
+
 // Bytes ahead of the current read position to prefetch in the weight stream. Hardware
 // prefetchers alone leave the decode GEMV short of memory bandwidth.
 constexpr int64_t kPrefetch = 1024;
@@ -96,20 +120,6 @@ static void wo_tile(const WoArgs& a, const float* x, int64_t xr, const float* sx
     LOWBIT_UNROLL for (int j = 0; j < NP; ++j) vstore(c + r * ldc + j * kPanel, acc[r][j]);
 }
 
-// Calls the tile for exactly `mr` (<= R) rows.
-template <int KIND, int R, int NP>
-static inline void wo_tile_rows(int64_t mr, const WoArgs& a, const float* x, int64_t xr,
-                                const float* sx, const uint8_t* pan, int64_t g0, int64_t g1,
-                                float* c, int64_t ldc, bool first, const Lut& lut) {
-  if constexpr (R > 1) {
-    if (mr < R) {
-      wo_tile_rows<KIND, R - 1, NP>(mr, a, x, xr, sx, pan, g0, g1, c, ldc, first, lut);
-      return;
-    }
-  }
-  wo_tile<KIND, R, NP>(a, x, xr, sx, pan, g0, g1, c, ldc, first, lut);
-}
-
 // Large M: dequantize groups [g0, g1) of `np` panels once into buf [k][np * 16] (exactly
 // (q - zp) * s, as the reference does) and run a float GEMM tile over it for every row
 // block, so the unpack cost is shared by all rows.
@@ -161,18 +171,6 @@ static void f32_tile(const float* x, int64_t ldx, const float* buf, int64_t ldb,
     LOWBIT_UNROLL for (int j = 0; j < NP; ++j) vstore(c + r * ldc + j * kPanel, acc[r][j]);
 }
 
-template <int R, int NP>
-static inline void f32_tile_rows(int64_t mr, const float* x, int64_t ldx, const float* buf,
-                                 int64_t ldb, int64_t kc, float* c, int64_t ldc, bool first) {
-  if constexpr (R > 1) {
-    if (mr < R) {
-      f32_tile_rows<R - 1, NP>(mr, x, ldx, buf, ldb, kc, c, ldc, first);
-      return;
-    }
-  }
-  f32_tile<R, NP>(x, ldx, buf, ldb, kc, c, ldc, first);
-}
-
 template <int KIND>
 static void wo_run_blocked(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1,
                            float* c, int64_t ldc, const Lut& lut) {
@@ -191,11 +189,15 @@ static void wo_run_blocked(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, 
         const float* x = a.xt + (m / kFMR) * a.kp * kFMR + g0 * a.gs * kFMR;
         float* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
         if (np == kFNP) {
-          f32_tile_rows<kFMR, kFNP>(mr, x, kFMR, buf.data(), ldb, kc, cc, ldc, g0 == 0);
+          with_rows<kFMR>(mr, [&](auto r) {
+            f32_tile<decltype(r)::value, kFNP>(x, kFMR, buf.data(), ldb, kc, cc, ldc, g0 == 0);
+          });
         } else {
           for (int64_t j = 0; j < np; ++j)
-            f32_tile_rows<kFMR, 1>(mr, x, kFMR, buf.data() + j * kPanel, ldb, kc,
-                                   cc + j * kPanel, ldc, g0 == 0);
+            with_rows<kFMR>(mr, [&](auto r) {
+              f32_tile<decltype(r)::value, 1>(x, kFMR, buf.data() + j * kPanel, ldb, kc,
+                                              cc + j * kPanel, ldc, g0 == 0);
+            });
         }
       }
     }
@@ -232,12 +234,18 @@ static void wo_run_kind(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int
       const float* x = xt.data() + ((m - m0) / xr) * a.kp * xr;
       const float* sx = a.sumx + m * a.groups;
       float* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
+      // The tile of r rows and `panels` panels over all groups.
+      auto tile = [&](auto r, auto panels) {
+        wo_tile<KIND, decltype(r)::value, decltype(panels)::value>(a, x, xr, sx, pan, 0, a.groups,
+                                                                    cc, ldc, true, lut);
+      };
+      using One = std::integral_constant<int, 1>;
       if (wide) {
-        wo_tile_rows<KIND, kMRWide, 1>(mr, a, x, xr, sx, pan, 0, a.groups, cc, ldc, true, lut);
+        with_rows<kMRWide>(mr, [&](auto r) { tile(r, One{}); });
       } else if (np == kNP) {
-        wo_tile_rows<KIND, kMR, kNP>(mr, a, x, xr, sx, pan, 0, a.groups, cc, ldc, true, lut);
+        with_rows<kMR>(mr, [&](auto r) { tile(r, std::integral_constant<int, kNP>{}); });
       } else {
-        wo_tile_rows<KIND, kMR, 1>(mr, a, x, xr, sx, pan, 0, a.groups, cc, ldc, true, lut);
+        with_rows<kMR>(mr, [&](auto r) { tile(r, One{}); });
       }
     }
   }
@@ -255,21 +263,11 @@ static void wo_dequant_kind(const WoArgs& a, int64_t p0, int64_t p1, float* out,
 template <typename F>
 static void with_wo_kind(int kind, F&& f) {
   switch (kind) {
-    case kInt8:
-      f(std::integral_constant<int, kInt8>{});
-      break;
-    case kInt4:
-      f(std::integral_constant<int, kInt4>{});
-      break;
-    case kUint4:
-      f(std::integral_constant<int, kUint4>{});
-      break;
-    case kNf4:
-      f(std::integral_constant<int, kNf4>{});
-      break;
-    default:
-      f(std::integral_constant<int, kFp8>{});
-      break;
+    case kInt8: return f(std::integral_constant<int, kInt8>{});
+    case kInt4: return f(std::integral_constant<int, kInt4>{});
+    case kUint4: return f(std::integral_constant<int, kUint4>{});
+    case kNf4: return f(std::integral_constant<int, kNf4>{});
+    default: return f(std::integral_constant<int, kFp8>{});
   }
 }
 
@@ -305,18 +303,6 @@ static void q8_tile(const Q8Args& a, const uint32_t* xa, const int8_t* w, int64_
     LOWBIT_UNROLL for (int j = 0; j < NP; ++j) istore(c + r * ldc + j * kPanel, acc[r][j]);
 }
 
-template <int R, int NP>
-static inline void q8_tile_rows(int64_t mr, const Q8Args& a, const uint32_t* xa, const int8_t* w,
-                                int64_t q0, int64_t q1, int32_t* c, int64_t ldc, bool first) {
-  if constexpr (R > 1) {
-    if (mr < R) {
-      q8_tile_rows<R - 1, NP>(mr, a, xa, w, q0, q1, c, ldc, first);
-      return;
-    }
-  }
-  q8_tile<R, NP>(a, xa, w, q0, q1, c, ldc, first);
-}
-
 static void q8_run(const Q8Args& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int32_t* c,
                    int64_t ldc) {
   const int64_t qblk = (m1 - m0 <= kSmallM) ? a.kq : kQ8Kq;
@@ -330,12 +316,15 @@ static void q8_run(const Q8Args& a, int64_t m0, int64_t m1, int64_t p0, int64_t 
       for (int64_t m = m0; m < m1; m += kQMR) {
         const int64_t mr = std::min<int64_t>(kQMR, m1 - m);
         int32_t* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
+        const uint32_t* xa = a.xa + m / kQMR * tile_words;
         if (np == kQNP) {
-          q8_tile_rows<kQMR, kQNP>(mr, a, a.xa + m / kQMR * tile_words, w, q0, q1, cc, ldc,
-                                   q0 == 0);
+          with_rows<kQMR>(mr, [&](auto r) {
+            q8_tile<decltype(r)::value, kQNP>(a, xa, w, q0, q1, cc, ldc, q0 == 0);
+          });
         } else {
-          q8_tile_rows<kQMR, 1>(mr, a, a.xa + m / kQMR * tile_words, w, q0, q1, cc, ldc,
-                                q0 == 0);
+          with_rows<kQMR>(mr, [&](auto r) {
+            q8_tile<decltype(r)::value, 1>(a, xa, w, q0, q1, cc, ldc, q0 == 0);
+          });
         }
       }
     }
@@ -399,18 +388,6 @@ static void w4_tile(const W4Args& a, const uint32_t* xt, const uint8_t* pan, flo
       for (int l = 0; l < kPanel; ++l) c[r * ldc + j * kPanel + l] = acc[r][j][l];
 }
 
-template <int R, int NP>
-static inline void w4_tile_rows(int64_t mr, const W4Args& a, const uint32_t* xt,
-                                const uint8_t* pan, float* c, int64_t ldc) {
-  if constexpr (R > 1) {
-    if (mr < R) {
-      w4_tile_rows<R - 1, NP>(mr, a, xt, pan, c, ldc);
-      return;
-    }
-  }
-  w4_tile<R, NP>(a, xt, pan, c, ldc);
-}
-
 static void w4_run(const W4Args& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* c,
                    int64_t ldc) {
   const int64_t kq = a.groups * a.gs / 4;
@@ -423,9 +400,9 @@ static void w4_run(const W4Args& a, int64_t m0, int64_t m1, int64_t p0, int64_t 
       const uint32_t* xt = a.xa + m / kQMR * tile_words;
       float* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
       if (np == kQNP) {
-        w4_tile_rows<kQMR, kQNP>(mr, a, xt, pan, cc, ldc);
+        with_rows<kQMR>(mr, [&](auto r) { w4_tile<decltype(r)::value, kQNP>(a, xt, pan, cc, ldc); });
       } else {
-        w4_tile_rows<kQMR, 1>(mr, a, xt, pan, cc, ldc);
+        with_rows<kQMR>(mr, [&](auto r) { w4_tile<decltype(r)::value, 1>(a, xt, pan, cc, ldc); });
       }
     }
   }
@@ -505,18 +482,6 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
   LOWBIT_UNROLL for (int r = 0; r < MR; ++r) vstore(c + r * ldc, acc[r]);
 }
 
-template <int KIND, int R>
-static inline void wq8_tile_rows(int64_t mr, const WoArgs& a, int64_t m, const uint8_t* pan,
-                                 float* c, int64_t ldc) {
-  if constexpr (R > 1) {
-    if (mr < R) {
-      wq8_tile_rows<KIND, R - 1>(mr, a, m, pan, c, ldc);
-      return;
-    }
-  }
-  wq8_tile<KIND, R>(a, m, pan, c, ldc);
-}
-
 template <int KIND>
 static void wq8_run_kind(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1,
                          float* c, int64_t ldc) {
@@ -524,8 +489,47 @@ static void wq8_run_kind(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, in
     const uint8_t* pan = a.blob + p * a.panel_bytes;
     for (int64_t m = m0; m < m1; m += kQ8Rows) {
       const int64_t mr = std::min<int64_t>(kQ8Rows, m1 - m);
-      wq8_tile_rows<KIND, kQ8Rows>(mr, a, m, pan, c + (m - m0) * ldc + (p - p0) * kPanel, ldc);
+      float* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
+      with_rows<kQ8Rows>(mr, [&](auto r) { wq8_tile<KIND, decltype(r)::value>(a, m, pan, cc, ldc); });
     }
+  }
+}
+
+// One activation row [kp] to int8 codes per group of gs (IsaKernels::quantize_groups): scale =
+// absmax / 127 (codes 0 for an all-zero group; a NaN scale when the group holds a non-finite
+// value, so the outputs it touches are NaN as on the float path), round half to even, and
+// per group the scale times the codes' sum. The ISA's GroupQ8 takes kLanes floats a step;
+// the scalar loops finish a group whose size is not a multiple of that.
+static void quantize_groups(const float* x, int64_t kp, int64_t gs, int8_t* q, float* scale,
+                            float* scaled_sum) {
+  constexpr int kLanes = GroupQ8::kLanes;
+  for (int64_t g = 0; g * gs < kp; ++g) {
+    const float* v = x + g * gs;
+    int8_t* c = q + g * gs;
+    int64_t i = 0;
+    GroupQ8::Max vmax = GroupQ8::max_init();
+    for (; i + kLanes <= gs; i += kLanes) GroupQ8::max_step(vmax, v + i);
+    float amax = GroupQ8::max_value(vmax);
+    bool finite = vmax.bad == 0;
+    for (int64_t j = i; j < gs; ++j) {
+      finite = finite && std::isfinite(v[j]);
+      amax = std::max(amax, std::fabs(v[j]));
+    }
+    const float s = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const bool zero = !finite || !(amax > 0.0f);
+    const auto vs = GroupQ8::bcast(zero ? 1.0f : s);
+    auto vsum = GroupQ8::sum_init();
+    for (i = 0; i + kLanes <= gs; i += kLanes) GroupQ8::codes_step(vsum, v + i, vs, zero, c + i);
+    int32_t sum = GroupQ8::sum_value(vsum);
+    for (; i < gs; ++i) {
+      float t = std::min(127.0f, std::max(-127.0f, v[i] / (zero ? 1.0f : s)));
+      t = (t + 12582912.0f) - 12582912.0f;
+      const int32_t k = zero ? 0 : static_cast<int32_t>(t);
+      c[i] = static_cast<int8_t>(k);
+      sum += k;
+    }
+    scale[g] = s;
+    scaled_sum[g] = s * static_cast<float>(sum);
   }
 }
 

@@ -2,15 +2,8 @@
 // Define LOWBIT_VNNI for AVX-VNNI (VEX vpdpbusd); otherwise u8 x s8 dots use exact int16
 // vpmaddwd.
 
-constexpr int kMR = 2;
-constexpr int kNP = 1;
-constexpr int kMRWide = 2;  // rows per single-panel tile when M > kMR (small M)
-constexpr int kQMR = 4;
-constexpr int kFMR = 4;  // rows per float GEMM tile (large M)
-constexpr int kFNP = 1;
-// Decode 4-bit int4/uint4 codes with the 16-entry table lookup (else integer convert).
-constexpr bool kLutNibbles = false;
-constexpr int kQNP = 1;
+// mr, np, mr_wide, fmr, fnp, qmr, qnp, lut_nibbles (TileShape in common.h).
+constexpr TileShape kTile{2, 1, 2, 4, 1, 4, 1, false};
 
 struct V {
   __m256 a, b;
@@ -126,19 +119,17 @@ static inline VI idot(VI acc, const WQ& w, const uint32_t* x) {
 }
 #endif
 
-// int4 / uint4 weight-only panels with int8 activations (wo_q8 in kernels_impl.h), as in
-// simd_avx512.h with each 16-column quad as two ymm of 8 dwords (columns 0-7 and 8-15). The
-// 4-bit codes are vpmaddubsw's unsigned operand: a pair sum is at most 2 * 15 * 127, so the
-// int16 pairs never saturate (int8 codes would: they stay on the float path here).
+// int4 / uint4 weight-only panels with int8 activations (wo_q8 in kernels_impl.h) as in
+// simd_avx512.h, each 16-column quad as two ymm of 8 dwords (columns 0-7 and 8-15). The 4-bit
+// codes are vpmaddubsw's unsigned operand, whose int16 pair sums (at most 2 * 15 * 127) never
+// saturate; int8 codes would, so they stay on the float path here.
 #define LOWBIT_HAS_WO_Q8 1
 
-// Columns j of k-rows t (a, bytes 0-15) and t + 1 (b, bytes 16-31): a | b << 16 has bytes
-// (a, 0, b, 0); with its copy shifted left by 4 and the low nibbles kept, (a_lo, a_hi, b_lo,
-// b_hi): column j's codes for k = 4q .. 4q + 3 in byte order.
+// simd_avx512.h's q4_quad bit moves for 8 of the 16 columns: d = a | b << 16 from the bytes
+// a of row t and b of row t + 1, then (d | d << 4) & 0x0F0F0F0F.
 static inline __m256i q4_dwords(const uint8_t* p) {
-  const __m256i a = _mm256_cvtepu8_epi32(load8(p));
-  const __m256i b = _mm256_cvtepu8_epi32(load8(p + 16));
-  const __m256i d = _mm256_or_si256(a, _mm256_slli_epi32(b, 16));
+  const __m256i d = _mm256_or_si256(_mm256_cvtepu8_epi32(load8(p)),
+                                    _mm256_slli_epi32(_mm256_cvtepu8_epi32(load8(p + 16)), 16));
   return _mm256_and_si256(_mm256_or_si256(d, _mm256_slli_epi32(d, 4)),
                           _mm256_set1_epi32(0x0F0F0F0F));
 }
@@ -158,69 +149,45 @@ static inline VI udot(VI acc, const VI& codes, int32_t x4) {
 }
 static inline V vcvt(VI v) { return V{_mm256_cvtepi32_ps(v.a), _mm256_cvtepi32_ps(v.b)}; }
 
-static inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-static inline int32_t hsum8(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-
-// One activation row [kp] to int8 codes per group of gs (IsaKernels::quantize_groups), exactly
-// as simd_avx512.h does it: scale = absmax / 127 (codes 0 for an all-zero group; a NaN scale
-// for a group holding a non-finite value), round half to even, per group scale * sum(codes).
-static void quantize_groups(const float* x, int64_t kp, int64_t gs, int8_t* q, float* scale,
-                            float* scaled_sum) {
-  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
-  const __m256 magic = _mm256_set1_ps(12582912.0f);
-  const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  for (int64_t g = 0; g * gs < kp; ++g) {
-    const float* v = x + g * gs;
-    int8_t* c = q + g * gs;
-    int64_t i = 0;
-    __m256 vmax = _mm256_setzero_ps();
-    int bad = 0;
-    for (; i + 8 <= gs; i += 8) {
-      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(v + i), absmask);
-      bad |= _mm256_movemask_ps(_mm256_cmp_ps(a, big, _CMP_NLE_UQ));  // NaN or inf
-      vmax = _mm256_max_ps(a, vmax);
-    }
-    float amax = hmax8(vmax);
-    bool finite = bad == 0;
-    for (int64_t j = i; j < gs; ++j) {
-      finite = finite && std::isfinite(v[j]);
-      amax = std::max(amax, std::fabs(v[j]));
-    }
-    const float s = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
-    const bool zero = !finite || !(amax > 0.0f);
-    const __m256 vs = _mm256_set1_ps(zero ? 1.0f : s);
-    __m256i vsum = _mm256_setzero_si256();
-    for (i = 0; i + 8 <= gs; i += 8) {
-      __m256 t = _mm256_div_ps(_mm256_loadu_ps(v + i), vs);
-      t = _mm256_min_ps(_mm256_max_ps(t, lo), hi);
-      t = _mm256_sub_ps(_mm256_add_ps(t, magic), magic);
-      __m256i k = _mm256_cvttps_epi32(t);
-      if (zero) k = _mm256_setzero_si256();
-      vsum = _mm256_add_epi32(vsum, k);
-      alignas(32) int32_t lanes[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), k);
-      for (int l = 0; l < 8; ++l) c[i + l] = static_cast<int8_t>(lanes[l]);
-    }
-    int32_t sum = hsum8(vsum);
-    for (; i < gs; ++i) {
-      float t = std::min(127.0f, std::max(-127.0f, v[i] / (zero ? 1.0f : s)));
-      t = (t + 12582912.0f) - 12582912.0f;
-      const int32_t k = zero ? 0 : static_cast<int32_t>(t);
-      c[i] = static_cast<int8_t>(k);
-      sum += k;
-    }
-    scale[g] = s;
-    scaled_sum[g] = s * static_cast<float>(sum);
+// quantize_groups' vector steps (kernels_impl.h), 8 floats each.
+struct GroupQ8 {
+  static constexpr int kLanes = 8;
+  struct Max {
+    __m256 v;  // running max of |x|
+    int bad;   // lanes that saw NaN or inf (movemask bits)
+  };
+  static Max max_init() { return Max{_mm256_setzero_ps(), 0}; }
+  static void max_step(Max& m, const float* p) {
+    const __m256 a =
+        _mm256_and_ps(_mm256_loadu_ps(p), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
+    m.bad |= _mm256_movemask_ps(
+        _mm256_cmp_ps(a, _mm256_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ));
+    m.v = _mm256_max_ps(a, m.v);
   }
-}
+  static float max_value(const Max& m) {
+    __m128 r = _mm_max_ps(_mm256_castps256_ps128(m.v), _mm256_extractf128_ps(m.v, 1));
+    r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_max_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+  }
+  // Adds the codes of p[0, 8) / scale (0 where `zero`) to `sum` and stores them to c.
+  static void codes_step(__m256i& sum, const float* p, __m256 scale, bool zero, int8_t* c) {
+    __m256 t = _mm256_div_ps(_mm256_loadu_ps(p), scale);
+    t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    __m256i k = _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(t, magic), magic));
+    if (zero) k = _mm256_setzero_si256();
+    sum = _mm256_add_epi32(sum, k);
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), k);
+    for (int l = 0; l < 8; ++l) c[l] = static_cast<int8_t>(lanes[l]);
+  }
+  static int32_t sum_value(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+  }
+  static __m256 bcast(float x) { return _mm256_set1_ps(x); }
+  static __m256i sum_init() { return _mm256_setzero_si256(); }
+};

@@ -3,15 +3,8 @@
 // LOWBIT_VNNI to use vpdpbusd, otherwise u8 x s8 dots go through exact int16 vpmaddwd
 // (vpmaddubsw could saturate with u8 activations up to 255).
 
-constexpr int kMR = 4;    // activation rows per weight-only tile
-constexpr int kNP = 2;    // panels per tile
-constexpr int kMRWide = 8;  // rows per single-panel tile when M > kMR (small M)
-constexpr int kQMR = 8;
-constexpr int kFMR = 8;  // rows per float GEMM tile (large M)
-constexpr int kFNP = 2;
-// Decode 4-bit int4/uint4 codes with the 16-entry table lookup (else integer convert).
-constexpr bool kLutNibbles = true;
-constexpr int kQNP = 2;
+// mr, np, mr_wide, fmr, fnp, qmr, qnp, lut_nibbles (TileShape in common.h).
+constexpr TileShape kTile{4, 2, 8, 8, 2, 8, 2, true};
 
 using V = __m512;
 static inline V vzero() { return _mm512_setzero_ps(); }
@@ -139,57 +132,35 @@ static inline __m512i sdot(__m512i acc, __m512i codes, int32_t x4) {
 }
 #endif
 
-// One activation row [kp] to int8 codes per group of gs (IsaKernels::quantize_groups): scale =
-// absmax / 127 (codes 0 for an all-zero group; a NaN scale when the group holds a non-finite
-// value, so the outputs it touches are NaN as on the float path), round half to even, and
-// per group the scale times the codes' sum.
-static void quantize_groups(const float* x, int64_t kp, int64_t gs, int8_t* q, float* scale,
-                            float* scaled_sum) {
-  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  const __m512 big = _mm512_set1_ps(std::numeric_limits<float>::max());
-  for (int64_t g = 0; g * gs < kp; ++g) {
-    const float* v = x + g * gs;
-    int8_t* c = q + g * gs;
-    int64_t i = 0;
-    __m512 vmax = _mm512_setzero_ps();
-    __mmask16 bad = 0;
-    for (; i + 16 <= gs; i += 16) {
-      const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(v + i));
-      bad |= _mm512_cmp_ps_mask(a, big, _CMP_NLE_UQ);  // NaN or inf
-      vmax = _mm512_max_ps(a, vmax);
-    }
-    float amax = _mm512_reduce_max_ps(vmax);
-    bool finite = bad == 0;
-    for (int64_t j = i; j < gs; ++j) {
-      finite = finite && std::isfinite(v[j]);
-      amax = std::max(amax, std::fabs(v[j]));
-    }
-    const float s = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
-    const bool zero = !finite || !(amax > 0.0f);
-    const __m512 vs = _mm512_set1_ps(zero ? 1.0f : s);
-    __m512i vsum = _mm512_setzero_si512();
-    for (i = 0; i + 16 <= gs; i += 16) {
-      __m512 t = _mm512_div_ps(_mm512_loadu_ps(v + i), vs);
-      t = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
-      t = _mm512_sub_ps(_mm512_add_ps(t, magic), magic);
-      __m512i k = _mm512_cvttps_epi32(t);
-      if (zero) k = _mm512_setzero_si512();
-      vsum = _mm512_add_epi32(vsum, k);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm512_cvtepi32_epi8(k));
-    }
-    int32_t sum = _mm512_reduce_add_epi32(vsum);
-    for (; i < gs; ++i) {
-      float t = std::min(127.0f, std::max(-127.0f, v[i] / (zero ? 1.0f : s)));
-      t = (t + 12582912.0f) - 12582912.0f;
-      const int32_t k = zero ? 0 : static_cast<int32_t>(t);
-      c[i] = static_cast<int8_t>(k);
-      sum += k;
-    }
-    scale[g] = s;
-    scaled_sum[g] = s * static_cast<float>(sum);
+// quantize_groups' vector steps (kernels_impl.h), 16 floats each.
+struct GroupQ8 {
+  static constexpr int kLanes = 16;
+  struct Max {
+    __m512 v;       // running max of |x|
+    __mmask16 bad;  // lanes that saw NaN or inf
+  };
+  static Max max_init() { return Max{_mm512_setzero_ps(), 0}; }
+  static void max_step(Max& m, const float* p) {
+    const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(p));
+    const __m512 big = _mm512_set1_ps(std::numeric_limits<float>::max());
+    m.bad |= _mm512_cmp_ps_mask(a, big, _CMP_NLE_UQ);
+    m.v = _mm512_max_ps(a, m.v);
   }
-}
+  static float max_value(const Max& m) { return _mm512_reduce_max_ps(m.v); }
+  // Adds the codes of p[0, 16) / scale (0 where `zero`) to `sum` and stores them to c.
+  static void codes_step(__m512i& sum, const float* p, __m512 scale, bool zero, int8_t* c) {
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_loadu_ps(p), scale), lo), hi);
+    __m512i k = _mm512_cvttps_epi32(_mm512_sub_ps(_mm512_add_ps(t, magic), magic));
+    if (zero) k = _mm512_setzero_si512();
+    sum = _mm512_add_epi32(sum, k);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm512_cvtepi32_epi8(k));
+  }
+  static int32_t sum_value(__m512i v) { return _mm512_reduce_add_epi32(v); }
+  static __m512 bcast(float x) { return _mm512_set1_ps(x); }
+  static __m512i sum_init() { return _mm512_setzero_si512(); }
+};
 
 // Per-token activation quantization (IsaKernels::quantize_row). Operand order of max / min
 // matches std::max / std::min in the handler's scalar loop, so NaN inputs behave the same.

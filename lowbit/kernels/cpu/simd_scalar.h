@@ -1,15 +1,8 @@
 // Portable vocabulary for kernels_impl.h: plain 16-lane arrays the compiler may vectorize
 // with whatever the baseline target offers. Used on non-x86 hosts and as the reference ISA.
 
-constexpr int kMR = 2;
-constexpr int kNP = 1;
-constexpr int kMRWide = 2;  // rows per single-panel tile when M > kMR (small M)
-constexpr int kQMR = 2;
-constexpr int kFMR = 2;  // rows per float GEMM tile (large M)
-constexpr int kFNP = 1;
-// Decode 4-bit int4/uint4 codes with the 16-entry table lookup (else integer convert).
-constexpr bool kLutNibbles = false;
-constexpr int kQNP = 1;
+// mr, np, mr_wide, fmr, fnp, qmr, qnp, lut_nibbles (TileShape in common.h).
+constexpr TileShape kTile{2, 1, 2, 2, 1, 2, 1, false};
 
 // 16 lanes of T, the stand-in for a vector register (V: float, VI: int32).
 template <typename T>
