@@ -1,0 +1,378 @@
+"""Tensor- and data-parallel placement of a decoder for generation (Megatron-style).
+
+Over the mesh axis `model` (tensor parallel, ``tp`` devices):
+
+  * attention: q/k/v kernels split by output columns, whole heads per device (``n_kv_heads``
+    must divide by ``tp``, so each device holds its query heads' key/value heads); o_proj
+    split by input rows, the same heads;
+  * MLP (and a MoE's shared expert): gate/up split by columns, down by rows;
+  * the KV cache split by kv heads, like the k/v columns that fill it.
+
+Each block so computes its heads and MLP columns locally and sums partial outputs once after
+o_proj and once after down_proj: XLA inserts those all-reduces from the shardings. Over the
+mesh axis `data` the batch rows (tokens, cache rows) are split. Everything else (embedding,
+norms, output projection, fused Phi-3 projections, routed experts and their router) is
+replicated: fused projections interleave q/k/v (gate/up) columns, so an even column split
+would not give whole heads.
+
+Quantized weights (`QArray` leaves) are placed leaf by leaf: codes take the weight's spec,
+scales and zero points the same spec where each piece holds whole groups, replicated where the
+axis has a single group (per-channel scales over the split rows). Groups run along the
+contraction axis, so the column splits are always free; a row split (o_proj, down_proj) needs
+the group size to divide the rows per device, else the weight is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from flax import nnx
+
+from lowbit.models._kv_cache import KVCache
+from lowbit.ops import logical_weights
+from lowbit.qarray import QArray
+
+# Path suffixes (after ``layers/<i>/``) and the axis of the kernel that is split.
+_COLUMNS = ("attn/q_proj", "attn/k_proj", "attn/v_proj", "gate_proj", "up_proj")
+_ROWS = ("attn/o_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationSharding:
+    """Where generation runs: a mesh, the axis heads and MLP columns are split over, the axis
+    batch rows are split over. Built by `shard_for_generation`.
+
+    Attributes:
+      mesh: the `jax.sharding.Mesh` (automatic or explicit axis types).
+      model_axis: the tensor-parallel axis name, or None (no tensor parallelism).
+      data_axis: the data-parallel axis name, or None (rows on every device).
+    """
+
+    mesh: Mesh
+    model_axis: str | None
+    data_axis: str | None
+
+    @property
+    def tp(self) -> int:
+        """Devices along the tensor-parallel axis (1 without one)."""
+        return 1 if self.model_axis is None else self.mesh.shape[self.model_axis]
+
+    @property
+    def dp(self) -> int:
+        """Devices along the data-parallel axis (1 without one)."""
+        return 1 if self.data_axis is None else self.mesh.shape[self.data_axis]
+
+    def named(self, *spec: Any) -> NamedSharding:
+        return NamedSharding(self.mesh, P(*spec))
+
+    def rows(self, ndim: int) -> NamedSharding:
+        """An array of batch rows (axis 0) with `ndim` axes, rows split over `data_axis`."""
+        return self.named(self.data_axis, *([None] * (ndim - 1)))
+
+    def cache_shardings(self, cache: KVCache) -> KVCache:
+        """The shardings of `cache`'s arrays (a `KVCache` of `NamedSharding`s): codes, scales
+        and key offsets ``[batch, H, ...]`` by rows and kv heads, ``start`` by rows, ``length``
+        replicated."""
+
+        def one(x: jax.Array) -> NamedSharding:
+            if x.ndim == 4:
+                return self.named(self.data_axis, self.model_axis, None, None)
+            return self.rows(x.ndim) if x.ndim else self.named()
+
+        return jax.tree.map(one, cache)
+
+    def place_cache(self, cache: KVCache) -> KVCache:
+        """`cache` on the mesh (see `cache_shardings`)."""
+        return jax.device_put(cache, self.cache_shardings(cache))
+
+
+def generation_sharding(
+    mesh: Mesh, *, model_axis: str | None = "model", data_axis: str | None = "data"
+) -> GenerationSharding:
+    """A `GenerationSharding` on `mesh`; an axis name the mesh lacks counts as absent.
+
+    Raises:
+      ValueError: when `mesh` has neither axis.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    names = set(mesh.axis_names)
+    model = model_axis if model_axis in names else None
+    data = data_axis if data_axis in names else None
+    if model is None and data is None:
+        raise ValueError(
+            f"mesh has axes {mesh.axis_names}; generation splits heads over model_axis="
+            f"{model_axis!r} and rows over data_axis={data_axis!r}: name one of them "
+            "(e.g. jax.make_mesh((2, 4), ('data', 'model')))"
+        )
+    return GenerationSharding(_automatic(mesh), model, data)
+
+
+def _automatic(mesh: Mesh) -> Mesh:
+    """`mesh` with every axis typed automatic (same devices and names). Generation states its
+    layout in a `shard_map`'s specs, which do not depend on axis types; outside it (sampling,
+    the decode loop's bookkeeping) explicit types would have to be threaded through the
+    quantization engine's trace, which traces with unsharded stand-ins."""
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    if axis_type is None or all(t == axis_type.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(axis_type.Auto,) * mesh.devices.ndim)
+
+
+def _role(path: str) -> str | None:
+    """"columns", "rows" or None (replicated) for the parameter at `path`."""
+    parts = path.split("/")
+    if len(parts) < 2 or parts[-1] not in ("kernel", "bias"):
+        return None
+    owner = "/".join(parts[:-1])
+    if "/moe/" in f"/{owner}/" and "/shared/" not in f"/{owner}/":
+        return None  # routed experts: replicated
+    if owner.endswith(_COLUMNS):
+        return "columns"
+    if owner.endswith(_ROWS):
+        return "rows" if parts[-1] == "kernel" else None
+    return None
+
+
+def _path(key_path: tuple) -> str:
+    """``layers/0/attn/q_proj/kernel`` from a pytree key path (NNX's ``.value`` dropped)."""
+    parts = []
+    for key in key_path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, jax.tree_util.GetAttrKey) and key.name != "value":
+            parts.append(key.name)
+    return "/".join(parts)
+
+
+def _spec(ndim: int, axis: int, name: str) -> P:
+    return P(*[name if a == axis else None for a in range(ndim)])
+
+
+def _place_qarray(q: QArray, axis: int, plan: GenerationSharding, path: str) -> QArray:
+    """Codes split along `axis` over the model axis, scales with whole groups per piece."""
+    tp, name = plan.tp, plan.model_axis
+    n = q.shape[axis]
+    local = n // tp
+    block = q.block_shape[axis]
+    if q.fmt.scales_in_codes or q.codes.ndim != q.ndim:
+        raise ValueError(
+            f"{path}: a {q.format} weight keeps its scales inside the codes, which "
+            f"shard_for_generation cannot split over {tp} devices; requantize it with a "
+            "lowbit recipe (e.g. int4w_g32) or generate without a model axis"
+        )
+    if q.packed_axis == axis:
+        from lowbit.engine._layout_rules import codes_per_group
+
+        per = codes_per_group(q)
+        if local % per:
+            raise ValueError(
+                f"{path}: {tp} pieces of {local} along axis {axis} split bytes of packed "
+                f"{q.format} codes ({per} per byte group); use a model axis that divides "
+                f"{n // per}"
+            )
+    codes = plan.named(*_spec(q.ndim, axis, name))
+    if q.scale.shape[axis] == 1:
+        scales = plan.named()  # one group over the whole axis: every piece uses it
+    elif local % block == 0:
+        scales = plan.named(*_spec(q.ndim, axis, name))
+    else:
+        raise ValueError(
+            f"{path}: groups of {block} along axis {axis} straddle two devices: the model "
+            f"axis splits {n} into pieces of {local}. Quantize with a group size that "
+            f"divides {local}, or use a smaller model axis"
+        )
+    fields: dict[str, Any] = {
+        "codes": jax.device_put(q.codes, codes),
+        "scale": jax.device_put(q.scale, scales),
+    }
+    if q.zero_point is not None:
+        fields["zero_point"] = jax.device_put(q.zero_point, scales)
+    for extra in ("tensor_scale", "activation_bounds"):
+        if getattr(q, extra) is not None:
+            fields[extra] = jax.device_put(getattr(q, extra), plan.named())
+    if q.input_scale is not None:
+        spec = codes if q.input_scale.shape[axis] != 1 else plan.named()
+        fields["input_scale"] = jax.device_put(q.input_scale, spec)
+    return dataclasses.replace(q, **fields)
+
+
+def _check_config(config: Any, tp: int) -> None:
+    for field, name in (("fused_qkv", "qkv_proj"), ("fused_gate_up", "gate_up_proj")):
+        if getattr(config, field, False):
+            raise ValueError(
+                f"DecoderConfig.{field}: the fused {name} interleaves its outputs, which "
+                f"shard_for_generation cannot split by heads over {tp} devices; generate "
+                "without a model axis (a data axis alone works)"
+            )
+    if config.n_kv_heads % tp:
+        raise ValueError(
+            f"DecoderConfig.n_kv_heads={config.n_kv_heads} does not divide over {tp} devices "
+            "of the model axis: every device needs whole key/value heads. Use a model axis "
+            f"that divides {config.n_kv_heads}"
+        )
+    for field in ("ffn_dim", "shared_ffn_dim"):
+        size = getattr(config, field)
+        if size and size % tp:
+            raise ValueError(
+                f"DecoderConfig.{field}={size} does not divide over {tp} devices of the model "
+                "axis; use a model axis that divides it"
+            )
+
+
+def shard_for_generation(
+    params: Any,
+    mesh: Mesh | GenerationSharding,
+    config: Any = None,
+    *,
+    model_axis: str | None = "model",
+    data_axis: str | None = "data",
+) -> tuple[Any, GenerationSharding]:
+    """`params` placed on `mesh` for tensor-parallel generation (see the module docstring).
+
+    Args:
+      params: a decoder's params (an NNX `State` or nested dicts; float arrays or `QArray`s;
+        CPU-kernel `PreparedQArray`s are turned back into `QArray`s first, their layout
+        being one device's).
+      mesh: a `Mesh`, or a `GenerationSharding` from an earlier call.
+      config: the `DecoderConfig`, to check heads and MLP widths divide over the model axis
+        (None skips the check; the weights' own sizes are still checked).
+      model_axis, data_axis: axis names (see `generation_sharding`).
+    Returns:
+      ``(placed params, GenerationSharding)``; pass both to `generate_tokens` (``params=``,
+      ``mesh=``), or place the KV cache with `GenerationSharding.place_cache`.
+    Raises:
+      ValueError: a head count, MLP width or quantization group that does not divide over
+        the model axis (naming the parameter), or fused projections with a model axis.
+    """
+    plan = (
+        mesh
+        if isinstance(mesh, GenerationSharding)
+        else generation_sharding(mesh, model_axis=model_axis, data_axis=data_axis)
+    )
+    if config is not None and plan.tp > 1:
+        _check_config(config, plan.tp)
+    params = logical_weights(params)
+    replicated = plan.named()
+
+    def place(key_path: tuple, x: Any) -> Any:
+        path = _path(key_path)
+        role = _role(path) if plan.tp > 1 else None
+        if role is None:
+            if isinstance(x, QArray):
+                return jax.tree.map(lambda a: jax.device_put(a, replicated), x)
+            return jax.device_put(x, replicated) if isinstance(x, jax.Array) else x
+        axis = x.ndim - 1 if role == "columns" else x.ndim - 2
+        if x.shape[axis] % plan.tp:
+            raise ValueError(
+                f"{path}: axis {axis} of shape {tuple(x.shape)} does not divide over "
+                f"{plan.tp} devices of the model axis {plan.model_axis!r}"
+            )
+        if isinstance(x, QArray):
+            return _place_qarray(x, axis, plan, path)
+        return jax.device_put(x, plan.named(*_spec(x.ndim, axis, plan.model_axis)))
+
+    placed = jax.tree_util.tree_map_with_path(
+        place, params, is_leaf=lambda x: isinstance(x, QArray)
+    )
+    return placed, plan
+
+
+@functools.lru_cache(maxsize=None)
+def _summed_dot(axis: str):
+    """A `dot_general` whose partial products are summed over mesh `axis` (the all-reduce
+    after a row-split projection). Cached: one object per axis keeps graphdefs equal, so
+    compiled programs are reused."""
+
+    def dot(lhs, rhs, dimension_numbers, **kwargs):
+        return jax.lax.psum(jax.lax.dot_general(lhs, rhs, dimension_numbers, **kwargs), axis)
+
+    return dot
+
+
+def local_config(config: Any, tp: int) -> Any:
+    """`config` with one device's share of the heads and the MLP width (MoE layers stay
+    whole: their experts are replicated)."""
+    return dataclasses.replace(
+        config,
+        n_heads=config.n_heads // tp,
+        n_kv_heads=config.n_kv_heads // tp,
+        ffn_dim=config.ffn_dim // tp if config.ffn_dim else config.ffn_dim,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def local_graphdef(module_type: type, config: Any, dtype: Any, plan: GenerationSharding):
+    """The graphdef each device runs: the decoder of `local_config`, with o_proj and (dense
+    layers') down_proj summing their partial outputs over the model axis."""
+    module = module_type.abstract(local_config(config, plan.tp), dtype=dtype)
+    summed = _summed_dot(plan.model_axis)
+    for layer in module.layers:
+        layer.attn.o_proj.dot_general = summed
+        if hasattr(layer, "mlp"):
+            layer.mlp.down_proj.dot_general = summed
+    return nnx.split(module)[0]
+
+
+def param_specs(params: Any, plan: GenerationSharding) -> Any:
+    """A `PartitionSpec` per array of `params` (float arrays, or the logical arrays the
+    quantization engine traces in their place), as `shard_for_generation` places them."""
+
+    def spec(key_path: tuple, x: Any) -> P:
+        role = _role(_path(key_path)) if plan.tp > 1 else None
+        if role is None:
+            return P()
+        return _spec(x.ndim, x.ndim - 1 if role == "columns" else x.ndim - 2, plan.model_axis)
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def cache_specs(cache: KVCache, plan: GenerationSharding) -> KVCache:
+    """A `PartitionSpec` per array of `cache` (see `GenerationSharding.cache_shardings`)."""
+    return jax.tree.map(lambda s: s.spec, plan.cache_shardings(cache))
+
+
+def sharded_forward(
+    module_type: type,
+    config: Any,
+    dtype: Any,
+    plan: GenerationSharding,
+    params: Any,
+    tokens: jax.Array,
+    cache: KVCache,
+) -> tuple[jax.Array, KVCache]:
+    """The decoder's last-position logits and updated cache, one `shard_map` over the mesh.
+
+    Each device runs `local_graphdef` on its heads, MLP columns, rows and cache slice; the
+    partial outputs of o_proj and down_proj are summed over the model axis (two all-reduces
+    per layer), the logits gathered over the data axis.
+
+    Args:
+      params: the global params (placed by `shard_for_generation`).
+      tokens: ``[batch, seq]`` int32.
+      cache: the global `KVCache` (placed by `GenerationSharding.place_cache`).
+    Returns:
+      ``(logits [batch, 1, vocab], new cache)``.
+    """
+    graphdef = local_graphdef(module_type, config, dtype, plan)
+    specs = cache_specs(cache, plan)
+
+    def body(params, tokens, cache):
+        return nnx.merge(graphdef, params)(tokens, cache=cache, last_only=True)
+
+    run = jax.shard_map(
+        body,
+        mesh=plan.mesh,
+        in_specs=(param_specs(params, plan), P(plan.data_axis, None), specs),
+        out_specs=(P(plan.data_axis, None, None), specs),
+        check_vma=False,
+    )
+    return run(params, tokens, cache)
