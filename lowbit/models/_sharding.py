@@ -1,25 +1,33 @@
-"""Tensor- and data-parallel placement of a decoder for generation (Megatron-style).
+"""Tensor- and data-parallel generation of a decoder (Megatron-style) on a device mesh.
 
 Over the mesh axis `model` (tensor parallel, ``tp`` devices):
 
-  * attention: q/k/v kernels split by output columns, whole heads per device (``n_kv_heads``
-    must divide by ``tp``, so each device holds its query heads' key/value heads); o_proj
-    split by input rows, the same heads;
-  * MLP (and a MoE's shared expert): gate/up split by columns, down by rows;
+  * attention: q/k/v kernels (and biases) split by output columns, whole heads per device
+    (``n_kv_heads`` must divide by ``tp``, so each device holds its query heads' key/value
+    heads); o_proj split by input rows, the same heads;
+  * dense MLP: gate/up split by columns, down by rows;
   * the KV cache split by kv heads, like the k/v columns that fill it.
 
-Each block so computes its heads and MLP columns locally and sums partial outputs once after
-o_proj and once after down_proj: XLA inserts those all-reduces from the shardings. Over the
-mesh axis `data` the batch rows (tokens, cache rows) are split. Everything else (embedding,
-norms, output projection, fused Phi-3 projections, routed experts and their router) is
-replicated: fused projections interleave q/k/v (gate/up) columns, so an even column split
-would not give whole heads.
+Over the mesh axis `data` the batch rows (tokens, cache rows) are split. Everything else is
+replicated: embedding, norms, output projection, MoE layers' experts, router and shared
+expert, and the fused projections of Phi-3 (whose interleaved q/k/v or gate/up columns an
+even split would not cut into whole heads; a model axis is refused for them).
+
+The forward pass is one `jax.shard_map` over the mesh (`sharded_forward`): each device runs
+the decoder with its share of heads and MLP columns (`local_config`) on its rows and cache
+slice, and the partial outputs of o_proj and down_proj are summed over the model axis by a
+``psum`` (two all-reduces per layer, none elsewhere). The specs state the layout, so it is
+the same on meshes with automatic and explicit axes; inside, each device's quantized weights
+are whole local arrays and take the CPU kernels like a one-device model.
 
 Quantized weights (`QArray` leaves) are placed leaf by leaf: codes take the weight's spec,
 scales and zero points the same spec where each piece holds whole groups, replicated where the
 axis has a single group (per-channel scales over the split rows). Groups run along the
 contraction axis, so the column splits are always free; a row split (o_proj, down_proj) needs
-the group size to divide the rows per device, else the weight is refused, naming it.
+the group size to divide the rows per device, else the weight is refused, naming it. Weights
+with dynamically quantized activations (w8a8, w4a8) on the row-split projections quantize each
+device's slice of the activation with its own per-token scale: the results differ from one
+device's by that rounding.
 """
 
 from __future__ import annotations
@@ -29,10 +37,9 @@ import functools
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from flax import nnx
 
 from lowbit.models._kv_cache import KVCache
 from lowbit.ops import logical_weights
@@ -126,13 +133,13 @@ def _automatic(mesh: Mesh) -> Mesh:
 
 
 def _role(path: str) -> str | None:
-    """"columns", "rows" or None (replicated) for the parameter at `path`."""
+    """ "columns", "rows" or None (replicated) for the parameter at `path`."""
     parts = path.split("/")
     if len(parts) < 2 or parts[-1] not in ("kernel", "bias"):
         return None
     owner = "/".join(parts[:-1])
-    if "/moe/" in f"/{owner}/" and "/shared/" not in f"/{owner}/":
-        return None  # routed experts: replicated
+    if "/moe/" in f"/{owner}/":
+        return None  # MoE layers run whole on every device
     if owner.endswith(_COLUMNS):
         return "columns"
     if owner.endswith(_ROWS):
@@ -167,18 +174,13 @@ def _place_qarray(q: QArray, axis: int, plan: GenerationSharding, path: str) -> 
         raise ValueError(
             f"{path}: a {q.format} weight keeps its scales inside the codes, which "
             f"shard_for_generation cannot split over {tp} devices; requantize it with a "
-            "lowbit recipe (e.g. int4w_g32) or generate without a model axis"
+            "lowbit recipe (e.g. int4w_g32_asym) or generate without a model axis"
         )
-    if q.packed_axis == axis:
-        from lowbit.engine._layout_rules import codes_per_group
-
-        per = codes_per_group(q)
-        if local % per:
-            raise ValueError(
-                f"{path}: {tp} pieces of {local} along axis {axis} split bytes of packed "
-                f"{q.format} codes ({per} per byte group); use a model axis that divides "
-                f"{n // per}"
-            )
+    if q.packed_axis == axis and q.fmt.packed_length(local) * tp != q.codes.shape[axis]:
+        raise ValueError(
+            f"{path}: {tp} pieces of {local} {q.format} codes along axis {axis} split bytes "
+            f"of the packed codes; use a model axis whose pieces fill whole bytes"
+        )
     codes = plan.named(*_spec(q.ndim, axis, name))
     if q.scale.shape[axis] == 1:
         scales = plan.named()  # one group over the whole axis: every piece uses it
@@ -219,13 +221,11 @@ def _check_config(config: Any, tp: int) -> None:
             "of the model axis: every device needs whole key/value heads. Use a model axis "
             f"that divides {config.n_kv_heads}"
         )
-    for field in ("ffn_dim", "shared_ffn_dim"):
-        size = getattr(config, field)
-        if size and size % tp:
-            raise ValueError(
-                f"DecoderConfig.{field}={size} does not divide over {tp} devices of the model "
-                "axis; use a model axis that divides it"
-            )
+    if not config.n_experts and config.ffn_dim % tp:
+        raise ValueError(
+            f"DecoderConfig.ffn_dim={config.ffn_dim} does not divide over {tp} devices of the "
+            "model axis; use a model axis that divides it"
+        )
 
 
 def shard_for_generation(
@@ -269,7 +269,7 @@ def shard_for_generation(
         if role is None:
             if isinstance(x, QArray):
                 return jax.tree.map(lambda a: jax.device_put(a, replicated), x)
-            return jax.device_put(x, replicated) if isinstance(x, jax.Array) else x
+            return jax.device_put(x, replicated) if hasattr(x, "dtype") else x
         axis = x.ndim - 1 if role == "columns" else x.ndim - 2
         if x.shape[axis] % plan.tp:
             raise ValueError(
@@ -286,7 +286,7 @@ def shard_for_generation(
     return placed, plan
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _summed_dot(axis: str):
     """A `dot_general` whose partial products are summed over mesh `axis` (the all-reduce
     after a row-split projection). Cached: one object per axis keeps graphdefs equal, so
@@ -305,7 +305,7 @@ def local_config(config: Any, tp: int) -> Any:
         config,
         n_heads=config.n_heads // tp,
         n_kv_heads=config.n_kv_heads // tp,
-        ffn_dim=config.ffn_dim // tp if config.ffn_dim else config.ffn_dim,
+        ffn_dim=config.ffn_dim if config.n_experts else config.ffn_dim // tp,
     )
 
 
@@ -314,6 +314,8 @@ def local_graphdef(module_type: type, config: Any, dtype: Any, plan: GenerationS
     """The graphdef each device runs: the decoder of `local_config`, with o_proj and (dense
     layers') down_proj summing their partial outputs over the model axis."""
     module = module_type.abstract(local_config(config, plan.tp), dtype=dtype)
+    if plan.model_axis is None:
+        return nnx.split(module)[0]
     summed = _summed_dot(plan.model_axis)
     for layer in module.layers:
         layer.attn.o_proj.dot_general = summed
