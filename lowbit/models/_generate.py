@@ -35,7 +35,13 @@ from flax import nnx
 from lowbit.engine import interpret
 from lowbit.models._chat_template import chat_template_from_gguf as chat_template_from_gguf
 from lowbit.models._kv_cache import KVCache
-from lowbit.models._sharding import GenerationSharding, shard_for_generation, sharded_forward
+from lowbit.models._sharding import (
+    GenerationSharding,
+    fetch,
+    put,
+    shard_for_generation,
+    sharded_forward,
+)
 from lowbit.recipes import KVCacheConfig, parse_kv_cache
 
 # End-of-turn / end-of-text tokens of the supported families (ChatML, Llama 3, Gemma, Phi-3,
@@ -379,8 +385,8 @@ def stream_tokens(
     tokens = jnp.asarray(tokens)
     if plan is not None:
         cache = plan.place_cache(cache)
-        tokens = jax.device_put(tokens, plan.rows(2))
-        stop_arr, key = jax.device_put((stop_arr, key), plan.named())
+        tokens = put(tokens, plan.rows(2))
+        stop_arr, key = put(stop_arr, plan.named()), put(key, plan.named())
 
     def on_mesh():
         return contextlib.nullcontext() if plan is None else jax.set_mesh(plan.mesh)
@@ -390,12 +396,13 @@ def stream_tokens(
     emitted = 0
     limit = jnp.int32(max_new_tokens)
     steps = jnp.int32(max_new_tokens if chunk is None else chunk)
+    host = np.asarray if plan is None else fetch  # with processes: every one gathers
     while True:
-        count = int(state.count)
+        count = int(host(state.count))
         if count > emitted:
-            yield np.asarray(state.out[:n_rows, emitted:count])
+            yield host(state.out)[:n_rows, emitted:count]
             emitted = count
-        if count >= max_new_tokens or bool(jnp.all(state.done[:n_rows])):
+        if count >= max_new_tokens or bool(host(state.done)[:n_rows].all()):
             return
         with on_mesh():
             state = _decode(graphdef, sampling, params, state, steps, limit, stop_arr, key)

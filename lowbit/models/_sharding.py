@@ -37,6 +37,7 @@ import functools
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -96,7 +97,29 @@ class GenerationSharding:
 
     def place_cache(self, cache: KVCache) -> KVCache:
         """`cache` on the mesh (see `cache_shardings`)."""
-        return jax.device_put(cache, self.cache_shardings(cache))
+        return jax.tree.map(put, cache, self.cache_shardings(cache))
+
+
+def put(x: Any, sharding: NamedSharding) -> jax.Array:
+    """`x` placed on `sharding`, which may span several processes: then every process passes
+    the same value and keeps only its own pieces of it (built from its host copy)."""
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = put(jax.random.key_data(x), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def fetch(x: jax.Array) -> np.ndarray:
+    """The whole of `x` on the host, also when its pieces lie in several processes (every
+    process must call it)."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def generation_sharding(
@@ -192,18 +215,15 @@ def _place_qarray(q: QArray, axis: int, plan: GenerationSharding, path: str) -> 
             f"axis splits {n} into pieces of {local}. Quantize with a group size that "
             f"divides {local}, or use a smaller model axis"
         )
-    fields: dict[str, Any] = {
-        "codes": jax.device_put(q.codes, codes),
-        "scale": jax.device_put(q.scale, scales),
-    }
+    fields: dict[str, Any] = {"codes": put(q.codes, codes), "scale": put(q.scale, scales)}
     if q.zero_point is not None:
-        fields["zero_point"] = jax.device_put(q.zero_point, scales)
+        fields["zero_point"] = put(q.zero_point, scales)
     for extra in ("tensor_scale", "activation_bounds"):
         if getattr(q, extra) is not None:
-            fields[extra] = jax.device_put(getattr(q, extra), plan.named())
+            fields[extra] = put(getattr(q, extra), plan.named())
     if q.input_scale is not None:
         spec = codes if q.input_scale.shape[axis] != 1 else plan.named()
-        fields["input_scale"] = jax.device_put(q.input_scale, spec)
+        fields["input_scale"] = put(q.input_scale, spec)
     return dataclasses.replace(q, **fields)
 
 
@@ -268,8 +288,8 @@ def shard_for_generation(
         role = _role(path) if plan.tp > 1 else None
         if role is None:
             if isinstance(x, QArray):
-                return jax.tree.map(lambda a: jax.device_put(a, replicated), x)
-            return jax.device_put(x, replicated) if hasattr(x, "dtype") else x
+                return jax.tree.map(lambda a: put(a, replicated), x)
+            return put(x, replicated) if hasattr(x, "dtype") else x
         axis = x.ndim - 1 if role == "columns" else x.ndim - 2
         if x.shape[axis] % plan.tp:
             raise ValueError(
@@ -278,7 +298,7 @@ def shard_for_generation(
             )
         if isinstance(x, QArray):
             return _place_qarray(x, axis, plan, path)
-        return jax.device_put(x, plan.named(*_spec(x.ndim, axis, plan.model_axis)))
+        return put(x, plan.named(*_spec(x.ndim, axis, plan.model_axis)))
 
     placed = jax.tree_util.tree_map_with_path(
         place, params, is_leaf=lambda x: isinstance(x, QArray)

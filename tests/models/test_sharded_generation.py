@@ -213,3 +213,26 @@ def test_a_mesh_without_either_axis_is_refused(model):
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
     with pytest.raises(ValueError, match=r"model_axis='model'.*data_axis='data'"):
         generate_tokens(model, PROMPTS, max_new_tokens=2, mesh=mesh)
+
+
+def test_each_device_runs_the_cpu_kernels_on_its_own_pieces():
+    """Prepared (kernel-layout) weights are split as QArrays; inside the shard_map each
+    device's pieces are whole local weights, large enough for the CPU kernels."""
+    from lowbit import kernels
+    from lowbit.ops import is_prepared
+
+    if not kernels.available():
+        pytest.skip("CPU kernels not built")
+    config = dataclasses.replace(CONFIG, dim=512, n_layers=1, head_dim=64, ffn_dim=1024)
+    model = Llama(config, rngs=nnx.Rngs(0))
+    params = quantize_params(nnx.state(model, nnx.Param), "int4w_g32_asym", kernel_layouts=True)
+    assert is_prepared(params["layers"][0]["attn"]["q_proj"]["kernel"].get_value())
+    params, plan = shard_for_generation(params, _mesh((1, 2), False), config)
+    cache = plan.place_cache(model.init_cache(4, 64, "int8"))
+    tokens = jax.device_put(jnp.ones((4, 1), jnp.int32), plan.rows(2))
+    sharded = _Sharded(type(model), config, model.dtype, plan)
+    step = jax.jit(interpret(functools.partial(_forward, sharded)))
+    text = step.lower(params, tokens, cache).compile().as_text()
+    targets = set(re.findall(r'custom_call_target="([^"]+)"', text))
+    assert {"lowbit_wo_linear", "lowbit_decode_attention"} <= targets
+    assert len(re.findall(r"\ball-gather(?:-start)?\(", text)) == 0
