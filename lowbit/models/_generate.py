@@ -14,6 +14,9 @@ How a call runs:
    (cache included) is donated, so the cache is updated in place. Streaming runs the same
    compiled loop for a few steps per call (`chunk`) and hands each chunk's tokens back.
 
+With ``mesh=``, the forward pass runs tensor parallel over the mesh's ``"model"`` axis and
+data parallel over its ``"data"`` axis (`lowbit.models._sharding`); the loop is the same.
+
 Prompt lengths and cache sizes are rounded up to buckets (powers of two and three times powers
 of two), so new lengths reuse compiled programs. Sampling draws step ``i``'s token with
 ``fold_in(key, i)``: a key gives the same tokens whether or not the loop is streamed.
@@ -21,7 +24,6 @@ of two), so new lengths reuse compiled programs. Sampling draws step ``i``'s tok
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
@@ -388,11 +390,7 @@ def stream_tokens(
         tokens = put(tokens, plan.rows(2))
         stop_arr, key = put(stop_arr, plan.named()), put(key, plan.named())
 
-    def on_mesh():
-        return contextlib.nullcontext() if plan is None else jax.set_mesh(plan.mesh)
-
-    with on_mesh():
-        state = _prefill(graphdef, sampling, capacity, params, tokens, cache, stop_arr, key)
+    state = _prefill(graphdef, sampling, capacity, params, tokens, cache, stop_arr, key)
     emitted = 0
     limit = jnp.int32(max_new_tokens)
     steps = jnp.int32(max_new_tokens if chunk is None else chunk)
@@ -404,8 +402,7 @@ def stream_tokens(
             emitted = count
         if count >= max_new_tokens or bool(host(state.done)[:n_rows].all()):
             return
-        with on_mesh():
-            state = _decode(graphdef, sampling, params, state, steps, limit, stop_arr, key)
+        state = _decode(graphdef, sampling, params, state, steps, limit, stop_arr, key)
 
 
 def generate_tokens(

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from lowbit.api import quantize_params
 from lowbit.engine import interpret
 from lowbit.models import Llama, LlamaConfig
-from lowbit.models._generate import _forward, _Sharded, generate_tokens
+from lowbit.models._generate import Sampling, _forward, _Sharded, generate_tokens
 from lowbit.models._sharding import shard_for_generation
 from lowbit.qarray import QArray
 
@@ -183,6 +183,15 @@ def test_rows_that_do_not_divide_the_data_axis_are_padded_and_dropped(model):
     out = generate_tokens(model, PROMPTS[:3], max_new_tokens=8, mesh=_mesh((2, 2), False))
     expected = generate_tokens(model, PROMPTS[:3], max_new_tokens=8)
     assert out.tokens == expected.tokens and len(out.tokens) == 3
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+def test_sampled_tokens_equal_one_device(model, explicit):
+    """Random bits depend on each element's index, not on how the logits are split."""
+    sampling = Sampling(temperature=1.0, top_k=20, top_p=0.9)
+    kw = dict(max_new_tokens=12, sampling=sampling, key=3, kv_cache="int8")
+    out = generate_tokens(model, PROMPTS, mesh=_mesh((2, 2), explicit), **kw)
+    assert out.tokens == generate_tokens(model, PROMPTS, **kw).tokens
 
 
 def test_a_data_axis_alone_runs_rows_in_parallel(model):
