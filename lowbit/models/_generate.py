@@ -382,13 +382,14 @@ def stream_tokens(
     capacity = bucket(max_new_tokens)
     # The last new token is never fed back: the cache needs width + max_new_tokens - 1 slots.
     max_len = bucket(width + max_new_tokens - 1)
-    cache = module.init_cache(b, max_len, kv)
-    cache = dataclasses.replace(cache, start=jnp.asarray(pad))
-    tokens = jnp.asarray(tokens)
-    if plan is not None:
-        cache = plan.place_cache(cache)
-        tokens = put(tokens, plan.rows(2))
+    if plan is None:
+        cache = module.init_cache(b, max_len, kv)
+        start, tokens = jnp.asarray(pad), jnp.asarray(tokens)
+    else:
+        cache = plan.init_cache(module, b, max_len, kv)
+        start, tokens = put(pad, plan.rows(1)), put(tokens, plan.rows(2))
         stop_arr, key = put(stop_arr, plan.named()), put(key, plan.named())
+    cache = dataclasses.replace(cache, start=start)
 
     state = _prefill(graphdef, sampling, capacity, params, tokens, cache, stop_arr, key)
     emitted = 0

@@ -57,7 +57,8 @@ class GenerationSharding:
     batch rows are split over. Built by `shard_for_generation`.
 
     Attributes:
-      mesh: the `jax.sharding.Mesh` (automatic or explicit axis types).
+      mesh: the `jax.sharding.Mesh`, its axes typed automatic (`generation_sharding` retypes
+        explicit ones: same devices, same names).
       model_axis: the tensor-parallel axis name, or None (no tensor parallelism).
       data_axis: the data-parallel axis name, or None (rows on every device).
     """
@@ -94,6 +95,12 @@ class GenerationSharding:
             return self.rows(x.ndim) if x.ndim else self.named()
 
         return jax.tree.map(one, cache)
+
+    def init_cache(self, module: Any, batch: int, max_len: int, kv_cache: Any) -> KVCache:
+        """``module.init_cache(batch, max_len, kv_cache)`` created in place on the mesh: each
+        device allocates only its slice (no device or process holds the whole cache)."""
+        make = functools.partial(module.init_cache, batch, max_len, kv_cache)
+        return jax.jit(make, out_shardings=self.cache_shardings(jax.eval_shape(make)))()
 
     def place_cache(self, cache: KVCache) -> KVCache:
         """`cache` on the mesh (see `cache_shardings`)."""
