@@ -179,6 +179,35 @@ def test_one_decode_step_sums_twice_per_layer_and_gathers_no_weight(model):
     assert counts["all-gather"] == 0
 
 
+OTHER_ARCHITECTURES = {
+    # q/k/v biases (split with their columns), per-head q/k norms, post-norms, sliding-window
+    # layers, soft caps, a scaled embedding, GeGLU.
+    "gemma-like": dataclasses.replace(
+        CONFIG,
+        qkv_bias=True,
+        qk_norm=True,
+        post_norms=True,
+        sliding_window=8,
+        global_every=2,
+        attn_softcap=30.0,
+        final_softcap=20.0,
+        embed_scale=True,
+        activation="gelu_tanh",
+    ),
+    # Experts and a shared expert: attention split, the MoE whole on every device.
+    "moe": dataclasses.replace(
+        CONFIG, n_experts=4, n_experts_used=2, expert_ffn_dim=32, shared_ffn_dim=48
+    ),
+}
+
+
+@pytest.mark.parametrize("config", OTHER_ARCHITECTURES.values(), ids=OTHER_ARCHITECTURES.keys())
+def test_other_architectures_equal_one_device(config):
+    model = Llama(config, rngs=nnx.Rngs(1))
+    out = generate_tokens(model, PROMPTS, max_new_tokens=24, mesh=_mesh((2, 2), False))
+    assert out.tokens == generate_tokens(model, PROMPTS, max_new_tokens=24).tokens
+
+
 def test_rows_that_do_not_divide_the_data_axis_are_padded_and_dropped(model):
     out = generate_tokens(model, PROMPTS[:3], max_new_tokens=8, mesh=_mesh((2, 2), False))
     expected = generate_tokens(model, PROMPTS[:3], max_new_tokens=8)
