@@ -67,6 +67,7 @@ from ._rotate import (
     rotate_decoder,
     rotate_model,
 )
+from ._sharding import GenerationSharding, shard_for_generation
 from ._tokenizer import chat_prompt, tokenizer_from_gguf, wordpiece_tokenizer
 from ._weights import ParamMapping, assign_params, path_str, swap_last, unpermute_rope_rows
 
@@ -81,6 +82,7 @@ __all__ = [
     "GGUFError",
     "GGUFFile",
     "Generation",
+    "GenerationSharding",
     "GGUFTensor",
     "KVCache",
     "Llama",
@@ -125,6 +127,7 @@ __all__ = [
     "read_gguf",
     "render_chat_template",
     "rope_tables",
+    "shard_for_generation",
     "smollm2_gguf_path",
     "special_token_ids",
     "stream_tokens",

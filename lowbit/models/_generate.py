@@ -14,6 +14,9 @@ How a call runs:
    (cache included) is donated, so the cache is updated in place. Streaming runs the same
    compiled loop for a few steps per call (`chunk`) and hands each chunk's tokens back.
 
+With ``mesh=``, the forward pass runs tensor parallel over the mesh's ``"model"`` axis and
+data parallel over its ``"data"`` axis (`lowbit.models._sharding`); the loop is the same.
+
 Prompt lengths and cache sizes are rounded up to buckets (powers of two and three times powers
 of two), so new lengths reuse compiled programs. Sampling draws step ``i``'s token with
 ``fold_in(key, i)``: a key gives the same tokens whether or not the loop is streamed.
@@ -34,6 +37,13 @@ from flax import nnx
 from lowbit.engine import interpret
 from lowbit.models._chat_template import chat_template_from_gguf as chat_template_from_gguf
 from lowbit.models._kv_cache import KVCache
+from lowbit.models._sharding import (
+    GenerationSharding,
+    fetch,
+    put,
+    shard_for_generation,
+    sharded_forward,
+)
 from lowbit.recipes import KVCacheConfig, parse_kv_cache
 
 # End-of-turn / end-of-text tokens of the supported families (ChatML, Llama 3, Gemma, Phi-3,
@@ -194,8 +204,21 @@ class DecodeState:
     done: jax.Array
 
 
-def _forward(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, cache: KVCache):
+@dataclasses.dataclass(frozen=True)
+class _Sharded:
+    """In place of a graphdef: run the decoder tensor / data parallel (`sharded_forward`)."""
+
+    module_type: type
+    config: Any
+    dtype: Any
+    plan: GenerationSharding
+
+
+def _forward(graphdef: nnx.GraphDef | _Sharded, params: Any, tokens: jax.Array, cache: KVCache):
     # Only the last position's logits are sampled from.
+    if isinstance(graphdef, _Sharded):
+        g = graphdef
+        return sharded_forward(g.module_type, g.config, g.dtype, g.plan, params, tokens, cache)
     return nnx.merge(graphdef, params)(tokens, cache=cache, last_only=True)
 
 
@@ -320,6 +343,7 @@ def stream_tokens(
     stop_ids: Sequence[int] = (),
     kv_cache: KVCacheConfig | str | None = None,
     chunk: int | None = DEFAULT_CHUNK,
+    mesh: jax.sharding.Mesh | GenerationSharding | None = None,
 ) -> Iterator[np.ndarray]:
     """Yields the new tokens as they are produced: ``[batch, n]`` int32 arrays, -1 for rows
     that already stopped (a stop token is yielded, then -1s). Arguments as in `generate_tokens`;
@@ -328,6 +352,14 @@ def stream_tokens(
     graphdef, params, module = _split(model, params)
     prompts = [list(map(int, p)) for p in prompts]
     _check_prompts(prompts, module.config.context_length, max_new_tokens)
+    plan = None
+    if mesh is not None:
+        params, plan = shard_for_generation(params, mesh, module.config)
+        graphdef = _Sharded(type(module), module.config, module.dtype, plan)
+    n_rows = len(prompts)
+    if plan is not None and n_rows % plan.dp:
+        # Rows split over the data axis: repeat the last prompt to fill it (dropped below).
+        prompts = prompts + [prompts[-1]] * (plan.dp - n_rows % plan.dp)
     kv = parse_kv_cache(kv_cache, "kv_cache")
     if chunk is not None and chunk < 1:
         raise ValueError(f"chunk={chunk} must be >= 1 or None")
@@ -350,21 +382,26 @@ def stream_tokens(
     capacity = bucket(max_new_tokens)
     # The last new token is never fed back: the cache needs width + max_new_tokens - 1 slots.
     max_len = bucket(width + max_new_tokens - 1)
-    cache = module.init_cache(b, max_len, kv)
-    cache = dataclasses.replace(cache, start=jnp.asarray(pad))
+    if plan is None:
+        cache = module.init_cache(b, max_len, kv)
+        start, tokens = jnp.asarray(pad), jnp.asarray(tokens)
+    else:
+        cache = plan.init_cache(module, b, max_len, kv)
+        start, tokens = put(pad, plan.rows(1)), put(tokens, plan.rows(2))
+        stop_arr, key = put(stop_arr, plan.named()), put(key, plan.named())
+    cache = dataclasses.replace(cache, start=start)
 
-    state = _prefill(
-        graphdef, sampling, capacity, params, jnp.asarray(tokens), cache, stop_arr, key
-    )
+    state = _prefill(graphdef, sampling, capacity, params, tokens, cache, stop_arr, key)
     emitted = 0
     limit = jnp.int32(max_new_tokens)
     steps = jnp.int32(max_new_tokens if chunk is None else chunk)
+    host = np.asarray if plan is None else fetch  # with processes: every one gathers
     while True:
-        count = int(state.count)
+        count = int(host(state.count))
         if count > emitted:
-            yield np.asarray(state.out[:, emitted:count])
+            yield host(state.out)[:n_rows, emitted:count]
             emitted = count
-        if count >= max_new_tokens or bool(jnp.all(state.done)):
+        if count >= max_new_tokens or bool(host(state.done)[:n_rows].all()):
             return
         state = _decode(graphdef, sampling, params, state, steps, limit, stop_arr, key)
 
@@ -381,6 +418,7 @@ def generate_tokens(
     kv_cache: KVCacheConfig | str | None = None,
     on_tokens: Callable[[np.ndarray], None] | None = None,
     chunk: int | None = None,
+    mesh: jax.sharding.Mesh | GenerationSharding | None = None,
 ) -> Generation:
     """Continues each of a batch of token prompts.
 
@@ -400,6 +438,12 @@ def generate_tokens(
         for streaming.
       chunk: decode steps per compiled call; None runs the whole loop in one call (default,
         unless `on_tokens` is given, then `DEFAULT_CHUNK`).
+      mesh: run on this mesh (a `jax.sharding.Mesh` with a ``"model"`` axis for tensor
+        parallelism and / or a ``"data"`` axis for batch rows, or a `GenerationSharding`):
+        params and KV cache are placed by `shard_for_generation` (heads and MLP columns
+        split over ``"model"``, rows over ``"data"``; a batch that does not divide over
+        ``"data"`` is padded with copies of its last prompt, dropped from the result).
+        None: one device.
     Returns:
       A `Generation`.
     Raises:
@@ -422,6 +466,7 @@ def generate_tokens(
         stop_ids=stop_ids,
         kv_cache=kv_cache,
         chunk=chunk,
+        mesh=mesh,
     ):
         for row in range(b):
             for t in new[row]:
@@ -455,11 +500,12 @@ def generate(
     key: jax.Array | int | None = None,
     stop_tokens: Sequence[str] = DEFAULT_STOP_TOKENS,
     kv_cache: KVCacheConfig | str | None = None,
+    mesh: jax.sharding.Mesh | GenerationSharding | None = None,
 ) -> str | list[str]:
     """`lowbit.generate`: continue a text prompt (or a list of them, run as one batch).
 
     Args:
-      model, params, max_new_tokens, key, kv_cache: as in `generate_tokens`.
+      model, params, max_new_tokens, key, kv_cache, mesh: as in `generate_tokens`.
       tokenizer: a `tokenizers.Tokenizer` (e.g. from `load_smollm2`).
       prompt: the prompt text, already formatted (e.g. by `chat_prompt`), or a list of them.
       temperature, top_k, top_p: sampling (`Sampling`); temperature 0 is greedy.
@@ -488,6 +534,7 @@ def generate(
         key=key,
         stop_ids=stop_token_ids(tokenizer, stop_tokens),
         kv_cache=kv_cache,
+        mesh=mesh,
     )
     out = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
     return out[0] if isinstance(prompt, str) else out

@@ -1,0 +1,58 @@
+"""Sharded generation in each of several processes (see generation_worker.py); the same
+function gives the one-process reference."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from lowbit.api import quantize_params
+from lowbit.models import Llama, LlamaConfig, generate_tokens
+
+# Whole kv heads on each of 4 devices; o_proj / down_proj rows in whole groups of 32.
+CONFIG = LlamaConfig(
+    vocab_size=64,
+    dim=64,
+    n_layers=2,
+    n_heads=8,
+    n_kv_heads=4,
+    head_dim=16,
+    ffn_dim=128,
+    context_length=128,
+)
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11], [3, 3, 60, 2]]
+NEW = 24
+RECIPE = "int4w_g32_asym"
+# (data, model) mesh shapes by the number of devices of all processes together.
+MESHES = {
+    4: {"tp4": (1, 4), "dp2xtp2": (2, 2)},
+    8: {"dp2xtp4": (2, 4), "dp4xtp2": (4, 2)},
+}
+
+
+def generate(mesh=None) -> np.ndarray:
+    """Greedy tokens ``[rows, NEW]`` of the tiny model, int4 weights and an int8 KV cache.
+
+    Every process builds the same model and quantizes it the same way (same seed), so each
+    holds identical host copies; `shard_for_generation` keeps only its pieces on its devices.
+    """
+    model = Llama(CONFIG, rngs=nnx.Rngs(0))
+    params = quantize_params(nnx.state(model, nnx.Param), RECIPE)
+    out = generate_tokens(
+        model, PROMPTS, params=params, max_new_tokens=NEW, kv_cache="int8", mesh=mesh
+    )
+    return np.asarray(out.tokens, np.int32)
+
+
+def tp_generate(out_dir: str) -> dict[str, np.ndarray]:
+    """Generation on meshes of every process's devices (`MESHES`: tensor parallel across
+    processes, data parallel across them with tensor parallel within), automatic and explicit
+    axes."""
+    results = {}
+    for kind in ("Auto", "Explicit"):
+        axis_type = getattr(jax.sharding.AxisType, kind)
+        for name, shape in MESHES[jax.device_count()].items():
+            mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(axis_type, axis_type))
+            results[f"{name}_{kind}"] = generate(mesh)
+    return results

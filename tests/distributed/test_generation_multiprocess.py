@@ -1,0 +1,27 @@
+"""Tensor- and data-parallel generation across local JAX processes (CPU devices, gloo
+collectives) gives the one-process tokens."""
+
+from pathlib import Path
+
+import generation_scenarios
+import harness
+import jax
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(jax, "set_mesh") or not hasattr(jax.sharding, "AxisType"),
+    reason="explicit mesh axes need a newer JAX",
+)
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_sharded_generation_across_processes_equals_one_device(tmp_path, monkeypatch, processes):
+    monkeypatch.setattr(harness, "WORKER", Path(__file__).with_name("generation_worker.py"))
+    meshes = generation_scenarios.MESHES[processes * harness.LOCAL_DEVICES]
+    expected = generation_scenarios.generate()
+    results = harness.run_processes("tp_generate", processes, tmp_path)
+    for pid, result in enumerate(results):
+        assert set(result) == {f"{name}_{kind}" for name in meshes for kind in ("Auto", "Explicit")}
+        for name, tokens in result.items():
+            np.testing.assert_array_equal(tokens, expected, err_msg=f"process {pid}, {name}")
