@@ -39,10 +39,20 @@ from lowbit.io._checkpoint_dir import (
     open_checkpoint,
     resolve_save_path,
 )
+from lowbit.io._checkpoint_pieces import (
+    PieceReader,
+    check_groups,
+    resolve_targets,
+    shard_headers,
+    sharded_files,
+    spans_processes,
+    whole_shards,
+)
 from lowbit.io._checkpoint_writer import MANIFEST_DIGEST_KEY, CheckpointWriter, recipe_json
 from lowbit.io._manifest import (
     FORMAT_NAME,
     READABLE_VERSIONS,
+    SHARDED_FORMAT_VERSION,
     CheckpointError,
     build_tree,
     decode_tree,
@@ -130,10 +140,14 @@ def _verified_manifest(snapshot: Snapshot, path: str) -> tuple[dict[str, Any], d
     """The parsed manifest, checked against the digest in the tensor file's header.
 
     Returns:
-      ``(manifest, entries)``: the manifest and the tensor file's header entries.
+      ``(manifest, entries)``: the manifest and the tensor file's header entries (for a
+      checkpoint written by several processes: shard file name -> its header entries).
     """
     file = os.path.join(path, MANIFEST_FILE)
     manifest = _parse_manifest(snapshot.manifest, file)
+    if is_sharded(manifest):
+        seal = (MANIFEST_DIGEST_KEY, hashlib.sha256(snapshot.manifest).hexdigest())
+        return manifest, shard_headers(snapshot, manifest, path, seal)
     data_file = os.path.join(path, TENSORS_FILE)
     if snapshot.tensors is None:
         raise CheckpointError(f"{data_file}: missing")
@@ -161,6 +175,11 @@ def _verified_manifest(snapshot: Snapshot, path: str) -> tuple[dict[str, Any], d
     return manifest, entries
 
 
+def is_sharded(manifest: dict[str, Any]) -> bool:
+    """Whether the checkpoint was written by several processes (one shard file each)."""
+    return manifest["format_version"] == SHARDED_FORMAT_VERSION
+
+
 def _parse_manifest(raw: bytes, file: str) -> dict[str, Any]:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CheckpointError(f"{file}: larger than {MAX_MANIFEST_BYTES >> 20} MiB")
@@ -173,7 +192,10 @@ def _parse_manifest(raw: bytes, file: str) -> dict[str, Any]:
             f"{file}: format version {manifest.get('format_version')!r}; this lowbit "
             f"({__version__}) reads versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
-    missing = {"recipe", "metadata", "tree", "tensors"} - set(manifest)
+    required = {"recipe", "metadata", "tree", "tensors"}
+    if manifest["format_version"] == SHARDED_FORMAT_VERSION:
+        required.add("files")
+    missing = required - set(manifest)
     if missing:
         raise CheckpointError(f"{file}: missing keys {sorted(missing)}")
     return manifest
@@ -257,15 +279,22 @@ def load_checkpoint(
         manifest, header = _verified_manifest(snapshot, path)
         if recipe is not None:
             _check_recipe(manifest["recipe"], recipe, file)
-        plan = decode_tree(manifest["tree"], manifest["tensors"], file)
+        sharded = is_sharded(manifest)
+        plan = decode_tree(manifest["tree"], manifest["tensors"], file, sharded=sharded)
         if like is not None:
             _check_like(plan.shapes, like, file)
-        entries = _check_tensor_file(plan, header, data_file)
-        digests = {name: info["sha256"] for name, info in manifest["tensors"].items()}
-        f = snapshot.tensors
-        # Pass 1 checks every byte against the manifest, streaming: nothing is kept.
-        for name, entry in entries.items():
-            _verify(f, entry, digests[name], data_file)
+        targets = resolve_targets(sharding, plan)
+        check_groups(plan, targets, file)
+        if sharded or spans_processes(targets):
+            reader = piece_reader(snapshot, manifest, plan, header, targets, path)
+        else:
+            entries = _check_tensor_file(plan, header, data_file)
+            digests = {name: info["sha256"] for name, info in manifest["tensors"].items()}
+            f = snapshot.tensors
+            # Pass 1 checks every byte against the manifest, streaming: nothing is kept.
+            for name, entry in entries.items():
+                _verify(f, entry, digests[name], data_file)
+            reader = _TensorReader(f, plan, entries, digests, targets, data_file)
         # Every QArray's invariants, on shapes alone.
         abstract = build_tree(
             plan, {n: jax.ShapeDtypeStruct(s, d) for n, (d, s) in plan.tensors.items()}
@@ -273,13 +302,34 @@ def load_checkpoint(
         if callable(kernel_axes):
             kernel_axes = kernel_axes(abstract)
         del abstract
-        reader = _TensorReader(f, plan, entries, digests, sharding, data_file)
         if kernel_axes is None:
             return build_tree(plan, reader)
         # Each weight is laid out as soon as its tensors are read, and its codes dropped: the
         # tree is never resident in both forms.
         lookup = kernel_axes.get if isinstance(kernel_axes, Mapping) else kernel_axes
         return build_tree(plan, reader, on_qarray=lambda keys, q: _prepared(q, lookup(keys)))
+
+
+def piece_reader(snapshot, manifest, plan, header, targets, path) -> PieceReader:
+    """The reader of a checkpoint written by several processes or of a load onto a sharding
+    that spans processes; checks the shards this process reads (pass 1).
+
+    Args:
+      header: from `_verified_manifest`.
+      targets: tensor name -> where it goes (`resolve_targets`).
+    """
+    if is_sharded(manifest):
+        stored = sharded_files(snapshot, manifest, plan, path, header)
+    else:
+        data_file = os.path.join(path, TENSORS_FILE)
+        entries = _check_tensor_file(plan, header, data_file)
+        digests = {name: info["sha256"] for name, info in manifest["tensors"].items()}
+        stored = whole_shards(snapshot.tensors, entries, digests, plan)
+    reader = PieceReader(stored, plan, targets, path)
+    for name in stored:
+        for piece in reader.needed(name):
+            _verify(piece.f, piece.entry, piece.shard.sha256, os.path.join(path, piece.shard.file))
+    return reader
 
 
 def _prepared(q: Any, axis: int | None) -> Any:
@@ -315,9 +365,9 @@ class _TensorReader(Mapping):
     tensor at a time, not the whole tree. Digests are checked again in case the file changed
     since pass 1; a failure here still returns nothing to the caller."""
 
-    def __init__(self, f, plan, entries, digests, sharding, data_file):
+    def __init__(self, f, plan, entries, digests, targets, data_file):
         self._f, self._plan, self._entries = f, plan, entries
-        self._digests, self._sharding, self._data_file = digests, sharding, data_file
+        self._digests, self._targets, self._data_file = digests, targets, data_file
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -326,7 +376,7 @@ class _TensorReader(Mapping):
         return iter(self._entries)
 
     def __getitem__(self, name: str) -> jax.Array:
-        entry, plan, sharding = self._entries[name], self._plan, self._sharding
+        entry, plan = self._entries[name], self._plan
         # What the last weight's layout freed (its codes, the compiler's scratch) goes back to
         # the system before the next tensor is read.
         release_free_memory()
@@ -338,9 +388,7 @@ class _TensorReader(Mapping):
             raise CheckpointError(f"{self._data_file}: tensor {name!r} changed while loading")
         dtype, shape = plan.tensors[name]
         host = host.reshape(-1).view(dtype).reshape(shape)
-        target = sharding
-        if callable(sharding) and not isinstance(sharding, jax.sharding.Sharding):
-            target = sharding(*plan.places[name], shape)
+        target = None if self._targets is None else self._targets[name]
         # device_put, not jnp.asarray: the latter compiles a copy program per tensor shape,
         # whose ~1 MiB executables stayed cached (30 MiB for SmolLM2).
         array = jax.device_put(host, target)
