@@ -79,10 +79,16 @@ def save_checkpoint(
     *,
     recipe: Any = None,
     metadata: Mapping[str, Any] | None = None,
+    timeout: float = 600.0,
 ) -> None:
     """Writes `params` (QArrays, arrays, containers) as a checkpoint directory, atomically.
 
     The whole tree at once; `CheckpointWriter` writes the same checkpoint leaf by leaf.
+
+    With several JAX processes, every process calls it with the same `path` and tree: each
+    writes only the pieces it owns of arrays split over processes, into its own shard file
+    (``process-NNNNN.safetensors``), and process 0 publishes the checkpoint once every process
+    has written its part (docs/sharding.md).
 
     Args:
       path: the checkpoint directory. If it exists it must be empty or a lowbit checkpoint
@@ -94,10 +100,13 @@ def save_checkpoint(
       recipe: the `Recipe` the params were quantized with (anything with ``to_json()``), or its
         JSON text; stored so that loading can check it.
       metadata: JSON-serialisable user metadata, stored as is.
+      timeout: several processes only: seconds to wait for each other process at each step.
     Raises:
       TypeError: naming the path of a leaf that cannot be stored, or a bad `recipe`.
       ValueError: naming the path, if it exists and is neither empty nor a lowbit checkpoint;
         or if `metadata` is not JSON.
+      ProcessError: several processes only: naming the process that failed, died or did not
+        answer within `timeout` (the checkpoint at `path` is left as it was).
 
     Example:
       >>> import tempfile
@@ -111,7 +120,7 @@ def save_checkpoint(
       {'step': 10}
       >>> tmp.cleanup()
     """
-    with CheckpointWriter(path, recipe=recipe, metadata=metadata) as writer:
+    with CheckpointWriter(path, recipe=recipe, metadata=metadata, timeout=timeout) as writer:
         writer.add((), params)
 
 
@@ -254,6 +263,8 @@ def load_checkpoint(
         ``(path, role, shape) -> Sharding | None`` called per stored tensor (``path`` the leaf's
         key tuple, ``role`` ``"value"`` for plain arrays or a QArray field such as ``"codes"``,
         ``shape`` the stored shape), e.g. to shard codes and scales alike along one axis.
+        A sharding may span processes, of any count or mesh shape, whichever wrote the
+        checkpoint: each process then reads only the stored pieces its devices need.
       kernel_axes: lay the weights out for the CPU kernels as they load
         (`lowbit.ops.prepare_weights`): a mapping {key path: contraction axis}, or a function
         called with the checkpoint's abstract tree (QArrays of shape structs, before any data
@@ -268,7 +279,9 @@ def load_checkpoint(
         missing or malformed manifest, another format version, a recipe mismatch, an unknown
         format name, a truncated or malformed tensor file, a missing or extra tensor, a tensor
         whose dtype, shape or sha256 differs from the manifest, a QArray whose parts do not
-        fit together, or a leaf that does not match `like`.
+        fit together, a leaf that does not match `like`, a sharding that would split a
+        quantization group, or (written by several processes) a shard file missing, extra,
+        not sealed with the manifest, or pieces that do not tile their tensor.
     """
     path = os.fspath(path)
     file = os.path.join(path, MANIFEST_FILE)

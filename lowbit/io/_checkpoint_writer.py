@@ -185,6 +185,9 @@ class CheckpointWriter:
             return
         if kind is None:
             self.close()
+        elif self._parts is not None:
+            self._open = False
+            self._parts.abort(value)  # the other processes learn why
         else:
             self.abort()
 

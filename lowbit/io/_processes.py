@@ -80,7 +80,7 @@ class Exchange:
             if step not in self._sent:
                 self._sent.add(step)
                 try:
-                    _client().key_value_set(self._key(step, self.process), _FAILED + reason[:2000])
+                    self._set(self._key(step, self.process), _FAILED + reason[:2000])
                 except Exception:  # noqa: BLE001 - the store is gone too: they time out
                     return
 

@@ -62,10 +62,9 @@ def encode_tree(
         if isinstance(array, jax.Array) and not array.is_fully_addressable:
             raise ValueError(
                 f"process {jax.process_index()}: tensor {name!r} is split over "
-                f"{jax.process_count()} processes and this process holds only its pieces; a "
-                "lowbit checkpoint is written by one process holding every piece. Save arrays "
-                "sharded over processes with Orbax (each process writes its own pieces; see "
-                "docs/checkpoints.md), or gather them to one process first"
+                f"{jax.process_count()} processes and this process holds only its pieces, so "
+                "it cannot be read whole here. Save it with save_checkpoint called in every "
+                "process (each writes its own pieces; see docs/sharding.md)"
             )
         tensors[name] = (path, role, np.asarray(array))
         return name

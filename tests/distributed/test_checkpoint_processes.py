@@ -129,14 +129,22 @@ def test_save_on_4_restore_on_2_and_on_1(tmp_path):
     _load_here(four, reference)
 
 
-def test_a_process_dying_mid_save_leaves_the_old_checkpoint(tmp_path, reference):
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_a_process_failing_mid_save_leaves_the_old_checkpoint(tmp_path, how):
+    """Process 1 dies (exits without a word) or raises in the middle of a save: process 0
+    raises an error naming it (after the timeout, or at once), the old checkpoint stays."""
     path = tmp_path / "ck"
     lowbit.io.save_checkpoint(path, {"old": np.arange(4, dtype=np.float32)})
+    exits = {1: 17} if how == "exit" else {}
     results = run_processes(
-        "checkpoint_dies", 2, tmp_path / "run", args=(path,), exits={1: 17}, timeout=TIMEOUT
+        "checkpoint_dies", 2, tmp_path / "run", args=(path, how), exits=exits, timeout=TIMEOUT
     )
     error = str(results[0]["error"])
-    assert "process 1 did not finish" in error and str(path) in error, error
+    if how == "exit":
+        assert "process 1 did not finish" in error and str(path) in error, error
+    else:
+        assert "process 1 failed while saving" in error and "OSError: disk full" in error, error
+        assert "OSError: disk full" in str(results[1]["error"])
     # The old checkpoint is whole, and process 0 removed the temporary directory.
     np.testing.assert_array_equal(lowbit.io.load_checkpoint(path)["old"], np.arange(4))
     assert sorted(os.listdir(tmp_path)) == ["ck", "run"]

@@ -238,3 +238,60 @@ def test_a_target_that_splits_quantization_groups_is_refused(tmp_path):
     # Pieces of 128 rows hold whole groups.
     loaded = load_checkpoint(tmp_path / "ck", sharding=NamedSharding(_mesh((2,), ("x",)), P("x")))
     _same(loaded["layer"]["kernel"], q)
+
+
+def test_checkpoint_leaves_reads_the_per_process_layout(saved):
+    from lowbit.io import checkpoint_leaves
+
+    path, tree = saved
+    with checkpoint_leaves(path) as leaves:
+        assert sorted(leaves) == [("bias",), ("norm",), ("step",), ("w",)]
+        _same(leaves[("w",)], tree["w"])
+
+
+# --- agreeing on the manifest ------------------------------------------------------------------
+
+
+def test_processes_that_saved_different_trees_are_refused():
+    """Process 0 merges the tables of pieces: a tensor whose pieces do not tile it, or one
+    its own tree lacks, means the processes saved different things."""
+    from lowbit.io._checkpoint_parts import _manifest
+
+    tensors = {"w": {"path": ["w"], "role": "value", "dtype": "float32", "shape": [4, 2]}}
+
+    def piece(process, rows):
+        return {
+            "file": f"process-{process:05d}.safetensors",
+            "key": key_of("w", (rows, (0, 2))),
+            "box": [list(rows), [0, 2]],
+            "sha256": "0" * 64,
+        }
+
+    tables = [{"w": [piece(0, (0, 2))]}, {"w": [piece(1, (2, 4))]}]
+    manifest = _manifest({"format_version": 3}, tensors, tables, 2)
+    assert manifest["files"] == ["process-00000.safetensors", "process-00001.safetensors"]
+    assert [s["box"] for s in manifest["tensors"]["w"]["shards"]] == [
+        [[0, 2], [0, 2]],
+        [[2, 4], [0, 2]],
+    ]
+    with pytest.raises(
+        CheckpointError, match="tensor 'w' as saved by the processes: the shards hold 4"
+    ):
+        _manifest({}, tensors, [tables[0], {}], 2)
+    with pytest.raises(CheckpointError, match="overlap"):
+        _manifest({}, tensors, [tables[0], {"w": [piece(1, (1, 4))]}], 2)
+    with pytest.raises(CheckpointError, match="process 1 saved tensor 'v', which process 0's"):
+        _manifest({}, tensors, [tables[0], {**tables[1], "v": []}], 2)
+
+
+def test_a_failed_process_is_named_to_the_others():
+    from lowbit.io._processes import Exchange, ProcessError
+
+    exchange = Exchange("'ck'", timeout=1)
+    exchange.send("pieces", {"w": []})
+    assert exchange.receive_all("pieces") == [{"w": []}]
+    exchange.fail(("pieces", "sealed"), "process 0: OSError: disk full")
+    with pytest.raises(
+        ProcessError, match="process 0 failed while saving 'ck': process 0: OSError"
+    ):
+        exchange.receive("sealed", 0)
