@@ -16,6 +16,12 @@ old checkpoint or the new one, never a mix. A save replaces only a directory tha
 provably a lowbit checkpoint, follows symlinks to the directory they name, and removes the
 temporaries of saves that were killed. Loads check everything before building anything and
 return QArrays straight from the stored codes: nothing is dequantized.
+
+Saved by several JAX processes, a checkpoint holds one ``process-NNNNN.safetensors`` per
+process instead of ``model.safetensors`` (format version 3): each process writes the pieces it
+owns (`lowbit.io._checkpoint_parts`), the manifest lists every piece's file, box and sha256,
+and every file's header is sealed with the manifest's sha256. Loads onto a sharding that spans
+processes read only the pieces each process needs (`lowbit.io._checkpoint_pieces`).
 """
 
 from __future__ import annotations

@@ -94,12 +94,15 @@ class ProcessParts:
                 if os.path.isdir(self._target):
                     remove_stale_temporaries(self._target, writer_files)
                 self._tmp, self._lock = make_temporary(self._target)
-                x.send("directory", os.path.basename(self._tmp))
+                x.send("directory", [self._target, os.path.basename(self._tmp)])
             else:
-                name = x.receive("directory", 0)
-                if not isinstance(name, str) or os.path.basename(name) != name:
-                    raise ValueError(f"process 0 named the temporary directory {name!r}")
-                self._tmp = os.path.join(parent, name)
+                target, name = x.receive("directory", 0)
+                if target != self._target:
+                    raise ValueError(
+                        f"process {x.process} saves to {self._target!r} but process 0 to "
+                        f"{target!r}: every process must save to the same checkpoint path"
+                    )
+                self._tmp = os.path.join(parent, os.path.basename(name))
             file = os.path.join(self._tmp, self.file_name)
             self._file = TensorFileWriter(file, file + SPOOL_SUFFIX)
         except BaseException as err:

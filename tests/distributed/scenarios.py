@@ -141,8 +141,15 @@ def checkpoint_tree(mesh) -> dict:
     return tree
 
 
-def flat_mesh():
-    return jax.make_mesh((jax.device_count(),), ("x",))
+def flat_mesh(kind: str = "Auto"):
+    axis_type = getattr(jax.sharding.AxisType, kind)
+    return jax.make_mesh((jax.device_count(),), ("x",), axis_types=(axis_type,))
+
+
+def grid_mesh(rows: int, kind: str = "Auto"):
+    axis_type = getattr(jax.sharding.AxisType, kind)
+    shape = (rows, jax.device_count() // rows)
+    return jax.make_mesh(shape, ("a", "b"), axis_types=(axis_type,) * 2)
 
 
 def grid_sharding(mesh):
@@ -193,26 +200,28 @@ def _loaded(path: str, sharding, prefix: str) -> dict[str, np.ndarray]:
     return {**local_pieces(tree, prefix), f"{prefix}|reads": np.asarray(sorted(set(reads)))}
 
 
-def checkpoint_save(out_dir: str, path: str) -> dict[str, np.ndarray]:
-    """Every process saves its pieces of `checkpoint_tree` to `path` (lowbit's format)."""
-    mesh = flat_mesh()
+def checkpoint_save(out_dir: str, path: str, kind: str = "Auto") -> dict[str, np.ndarray]:
+    """Every process saves its pieces of `checkpoint_tree` to `path` (lowbit's format), on a
+    mesh with `kind` ("Auto" or "Explicit") axes."""
+    mesh = flat_mesh(kind)
     with jax.set_mesh(mesh):
         lowbit.io.save_checkpoint(path, checkpoint_tree(mesh), metadata={"step": 3})
     return {"saved": np.asarray(jax.process_index())}
 
 
-def checkpoint_load(out_dir: str, path: str, rows: str) -> dict[str, np.ndarray]:
-    """Loads `path` onto a (rows, devices / rows) mesh: this process's pieces."""
-    mesh = jax.make_mesh((int(rows), jax.device_count() // int(rows)), ("a", "b"))
-    return _loaded(path, grid_sharding(mesh), "grid")
+def checkpoint_load(out_dir: str, path: str, rows: str, kind: str = "Auto") -> dict:
+    """Loads `path` onto a (rows, devices / rows) mesh with `kind` axes: this process's
+    pieces."""
+    return _loaded(path, grid_sharding(grid_mesh(int(rows), kind)), "grid")
 
 
 def checkpoint_round_trip(out_dir: str, path: str, one_process: str) -> dict[str, np.ndarray]:
-    """Saves to `path`, loads it back onto another mesh shape (2 x devices / 2) and onto the
-    mesh it was saved from, and loads `one_process` (saved by one process) onto the mesh."""
+    """Saves to `path`, loads it back onto another mesh shape (2 x devices / 2, automatic
+    and explicit axes) and onto the mesh it was saved from, and loads `one_process` (saved by
+    one process) onto the mesh."""
     out = checkpoint_save(out_dir, path)
-    grid = jax.make_mesh((2, jax.device_count() // 2), ("a", "b"))
-    out.update(_loaded(path, grid_sharding(grid), "grid"))
+    out.update(_loaded(path, grid_sharding(grid_mesh(2)), "grid"))
+    out.update(_loaded(path, grid_sharding(grid_mesh(2, "Explicit")), "explicit"))
     flat = flat_mesh()
     out.update(_loaded(path, lambda p, r, s: _same_as_saved(flat, p, s), "same"))
     out.update(_loaded(one_process, lambda p, r, s: _same_as_saved(flat, p, s), "one"))
@@ -237,7 +246,7 @@ def checkpoint_dies(out_dir: str, path: str, how: str) -> dict[str, np.ndarray]:
     with jax.set_mesh(mesh):
         tree = checkpoint_tree(mesh)
     try:
-        with lowbit.io.CheckpointWriter(path, timeout=20) as writer:
+        with lowbit.io.CheckpointWriter(path, timeout=10) as writer:
             writer.add("up", tree["up"])
             if jax.process_index() == 1 and how == "exit":
                 os._exit(17)  # killed mid-save: no cleanup, no message
@@ -247,5 +256,7 @@ def checkpoint_dies(out_dir: str, path: str, how: str) -> dict[str, np.ndarray]:
         error = ""
     except Exception as err:  # noqa: BLE001 - reported to the test
         error = f"{type(err).__name__}: {err}"
+    if how == "raise":
+        return {"error": np.asarray(error)}
     np.savez(f"{out_dir}/result{jax.process_index()}.npz", error=np.asarray(error))
-    os._exit(0)  # the other process may be gone: no orderly shutdown of the runtime
+    os._exit(0)  # the other process is gone: no orderly shutdown of the runtime
