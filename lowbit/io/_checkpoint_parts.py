@@ -115,7 +115,7 @@ class ProcessParts:
         over this process's devices, else all of it."""
         shape = tuple(array.shape)
         split = isinstance(array, jax.Array) and not array.sharding.is_fully_replicated
-        if split and not array.is_fully_addressable or split and self._exchange.process == 0:
+        if split and (not array.is_fully_addressable or self._exchange.process == 0):
             pieces = [
                 (box_of(s.index, shape), s.data)
                 for s in array.addressable_shards
@@ -162,7 +162,8 @@ class ProcessParts:
             self._file.finish({MANIFEST_DIGEST_KEY: digest, PROCESS_KEY: str(x.process)})
             x.send("sealed", True)
             if x.process != 0:
-                x.receive("published", 0)
+                x.receive("published", 0)  # process 0 has read every table: drop ours
+                x.forget("pieces")
                 return
             x.receive_all("sealed")
             write_file(os.path.join(self._tmp, MANIFEST_FILE), manifest_bytes)
@@ -173,6 +174,7 @@ class ProcessParts:
                 )
             replace_directory(self._tmp, self._target)
             x.send("published", True)
+            x.forget("pieces")
         except BaseException as err:
             self.abort(err)
             raise

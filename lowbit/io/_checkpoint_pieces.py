@@ -138,6 +138,8 @@ def sharded_files(
         for shard in shards:
             file = os.path.join(path, shard.file)
             entry = headers[shard.file].get(shard.key)
+            if (shard.file, shard.key) in used:
+                raise CheckpointError(f"{file}: shard {shard.key!r} is referenced twice")
             if entry is None:
                 raise CheckpointError(f"{file}: missing shard {shard.key!r}")
             count = int(np.prod(shard.shape))

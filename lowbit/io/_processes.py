@@ -74,6 +74,14 @@ class Exchange:
             self._sent.add(step)
             self._set(self._key(step, self.process), json.dumps(value))
 
+    def forget(self, step: str) -> None:
+        """Drops this process's value for `step` from the store, once no one will read it
+        (a table of pieces per save would otherwise stay for the life of the job)."""
+        if self._local is not None:
+            self._local.pop(self._key(step, self.process), None)
+        else:
+            _client().key_value_delete(self._key(step, self.process))
+
     def fail(self, steps: tuple[str, ...], reason: str) -> None:
         """Tells the other processes, at each of `steps` not sent yet, that this one failed."""
         for step in steps:

@@ -2,6 +2,7 @@
 boxes of its global index space), written here by one process, and loads onto shardings:
 the shard index logic, the validation of the shard files, and the quantization groups."""
 
+import hashlib
 import json
 import os
 
@@ -295,3 +296,25 @@ def test_a_failed_process_is_named_to_the_others():
         ProcessError, match="process 0 failed while saving 'ck': process 0: OSError"
     ):
         exchange.receive("sealed", 0)
+
+
+def test_one_stored_shard_for_two_tensors_is_refused(tmp_path, per_process):
+    """A manifest (resealed) whose two tensors point at the same stored piece is refused:
+    one stored piece never backs two tensors."""
+    path = tmp_path / "ck"
+    save_checkpoint(path, {"a": jnp.ones(4), "b": jnp.zeros(4)})
+    file = path / "manifest.json"
+    manifest = json.loads(file.read_text())
+    tensors = manifest["tensors"]
+    tensors["b"]["shards"] = [dict(s) for s in tensors["a"]["shards"]]
+    raw = json.dumps(manifest).encode()
+    file.write_bytes(raw)
+    with open(path / FILE, "rb") as f:
+        entries, meta = read_file_header(f)
+        data = {name: read_tensor(f, entry) for name, entry in entries.items()}
+    meta = {k: v for k, v in meta.items() if k != "format"}
+    meta["lowbit.manifest_sha256"] = hashlib.sha256(raw).hexdigest()
+    os.unlink(path / FILE)
+    write_safetensors(str(path / FILE), data, meta)
+    with pytest.raises(CheckpointError, match="is referenced twice"):
+        load_checkpoint(path)
