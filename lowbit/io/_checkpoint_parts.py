@@ -34,7 +34,7 @@ from lowbit.io._atomic import (
     write_file,
 )
 from lowbit.io._checkpoint_dir import MANIFEST_FILE, resolve_save_path
-from lowbit.io._manifest import CheckpointError
+from lowbit.io._manifest import MANIFEST_DIGEST_KEY, CheckpointError
 from lowbit.io._processes import Exchange
 from lowbit.io._safetensors_file import storage_view
 from lowbit.io._safetensors_writer import TensorFileWriter
@@ -149,8 +149,6 @@ class ProcessParts:
           CheckpointError: if the processes' pieces of a tensor do not tile it (the processes
             saved different trees or shardings).
         """
-        from lowbit.io._checkpoint_writer import MANIFEST_DIGEST_KEY
-
         x = self._exchange
         try:
             x.send("pieces", self._pieces)

@@ -36,15 +36,16 @@ from lowbit.io._checkpoint_dir import (
     resolve_save_path,
 )
 from lowbit.io._checkpoint_parts import ProcessParts, WriterFiles
-from lowbit.io._manifest import FORMAT_NAME, FORMAT_VERSION, SHARDED_FORMAT_VERSION
+from lowbit.io._manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_DIGEST_KEY,
+    SHARDED_FORMAT_VERSION,
+)
 from lowbit.io._safetensors_file import storage_view
 from lowbit.io._safetensors_writer import TensorFileWriter
 from lowbit.io._tree import Path, encode_tree, path_name
 
-# The tensor file's header records the sha256 of the manifest's bytes under this key, so the
-# manifest (tree, formats, dtypes, shapes, per-tensor digests, recipe, metadata: every field,
-# however the manifest lists them) is covered by the same integrity check as the tensors.
-MANIFEST_DIGEST_KEY = "lowbit.manifest_sha256"
 # The tensor bytes wait here (inside the temporary directory) until the header can be written.
 SPOOL_FILE = f"{TENSORS_FILE}.spool"
 # What a writer's temporary directory may hold, so a killed writer's is recognised as stale

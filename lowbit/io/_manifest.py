@@ -32,6 +32,11 @@ from lowbit.qarray import META_FIELDS, NMSparse, QArray
 from lowbit.qarray._sparse import meta_bits
 
 FORMAT_NAME = "lowbit.checkpoint"
+# The tensor file's header records the sha256 of the manifest's bytes under this key, so the
+# manifest (tree, formats, dtypes, shapes, per-tensor digests, recipe, metadata: every field,
+# however the manifest lists them) is covered by the same integrity check as the tensors.
+# Every shard file of a checkpoint written by several processes carries it too.
+MANIFEST_DIGEST_KEY = "lowbit.manifest_sha256"
 # 2: the tensor file's header carries the manifest's sha256 (version 1 files lack it).
 FORMAT_VERSION = 2
 # 3: written by several processes: one shard file per process, each tensor a list of shards
