@@ -318,3 +318,18 @@ def test_one_stored_shard_for_two_tensors_is_refused(tmp_path, per_process):
     write_safetensors(str(path / FILE), data, meta)
     with pytest.raises(CheckpointError, match="is referenced twice"):
         load_checkpoint(path)
+
+
+def test_the_temporary_of_a_save_whose_processes_died_is_removed_by_the_next(saved):
+    """Process 0 died mid-save: its temporary (shard files, spools) holds no lock, so the
+    next save removes it; a stranger's directory of the same shape is kept."""
+    path, tree = saved
+    dead = path.parent / ".ck.tmp-0123456789abcdef"
+    dead.mkdir()
+    for name in ("process-00000.safetensors", "process-00001.safetensors.spool"):
+        (dead / name).write_bytes(b"partial")
+    kept = path.parent / ".ck.tmp-fedcba9876543210"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("not ours")
+    save_checkpoint(path, tree)
+    assert not dead.exists() and kept.exists()
