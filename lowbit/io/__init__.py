@@ -29,6 +29,7 @@ from lowbit.io._gguf_import import (
 from lowbit.io._hf_import import import_safetensors
 from lowbit.io._manifest import CheckpointError
 from lowbit.io._placement import Placement
+from lowbit.io._processes import ProcessError
 from lowbit.io._source import SourceParams
 from lowbit.models import GGUFError, unpermute_rope_rows
 
@@ -43,6 +44,7 @@ __all__ = [
     "GGUFError",
     "GGUFTensorData",
     "Placement",
+    "ProcessError",
     "SourceParams",
     "TensorNote",
     "check_save_path",

@@ -16,6 +16,12 @@ old checkpoint or the new one, never a mix. A save replaces only a directory tha
 provably a lowbit checkpoint, follows symlinks to the directory they name, and removes the
 temporaries of saves that were killed. Loads check everything before building anything and
 return QArrays straight from the stored codes: nothing is dequantized.
+
+Saved by several JAX processes, a checkpoint holds one ``process-NNNNN.safetensors`` per
+process instead of ``model.safetensors`` (format version 3): each process writes the pieces it
+owns (`lowbit.io._checkpoint_parts`), the manifest lists every piece's file, box and sha256,
+and every file's header is sealed with the manifest's sha256. Loads onto a sharding that spans
+processes read only the pieces each process needs (`lowbit.io._checkpoint_pieces`).
 """
 
 from __future__ import annotations
@@ -39,10 +45,20 @@ from lowbit.io._checkpoint_dir import (
     open_checkpoint,
     resolve_save_path,
 )
+from lowbit.io._checkpoint_pieces import (
+    PieceReader,
+    check_groups,
+    resolve_targets,
+    shard_headers,
+    sharded_files,
+    spans_processes,
+    whole_shards,
+)
 from lowbit.io._checkpoint_writer import MANIFEST_DIGEST_KEY, CheckpointWriter, recipe_json
 from lowbit.io._manifest import (
     FORMAT_NAME,
     READABLE_VERSIONS,
+    SHARDED_FORMAT_VERSION,
     CheckpointError,
     build_tree,
     decode_tree,
@@ -69,10 +85,16 @@ def save_checkpoint(
     *,
     recipe: Any = None,
     metadata: Mapping[str, Any] | None = None,
+    timeout: float = 600.0,
 ) -> None:
     """Writes `params` (QArrays, arrays, containers) as a checkpoint directory, atomically.
 
     The whole tree at once; `CheckpointWriter` writes the same checkpoint leaf by leaf.
+
+    With several JAX processes, every process calls it with the same `path` and tree: each
+    writes only the pieces it owns of arrays split over processes, into its own shard file
+    (``process-NNNNN.safetensors``), and process 0 publishes the checkpoint once every process
+    has written its part (docs/sharding.md).
 
     Args:
       path: the checkpoint directory. If it exists it must be empty or a lowbit checkpoint
@@ -84,10 +106,13 @@ def save_checkpoint(
       recipe: the `Recipe` the params were quantized with (anything with ``to_json()``), or its
         JSON text; stored so that loading can check it.
       metadata: JSON-serialisable user metadata, stored as is.
+      timeout: several processes only: seconds to wait for each other process at each step.
     Raises:
       TypeError: naming the path of a leaf that cannot be stored, or a bad `recipe`.
       ValueError: naming the path, if it exists and is neither empty nor a lowbit checkpoint;
         or if `metadata` is not JSON.
+      ProcessError: several processes only: naming the process that failed, died or did not
+        answer within `timeout` (the checkpoint at `path` is left as it was).
 
     Example:
       >>> import tempfile
@@ -101,7 +126,7 @@ def save_checkpoint(
       {'step': 10}
       >>> tmp.cleanup()
     """
-    with CheckpointWriter(path, recipe=recipe, metadata=metadata) as writer:
+    with CheckpointWriter(path, recipe=recipe, metadata=metadata, timeout=timeout) as writer:
         writer.add((), params)
 
 
@@ -130,10 +155,14 @@ def _verified_manifest(snapshot: Snapshot, path: str) -> tuple[dict[str, Any], d
     """The parsed manifest, checked against the digest in the tensor file's header.
 
     Returns:
-      ``(manifest, entries)``: the manifest and the tensor file's header entries.
+      ``(manifest, entries)``: the manifest and the tensor file's header entries (for a
+      checkpoint written by several processes: shard file name -> its header entries).
     """
     file = os.path.join(path, MANIFEST_FILE)
     manifest = _parse_manifest(snapshot.manifest, file)
+    if is_sharded(manifest):
+        seal = (MANIFEST_DIGEST_KEY, hashlib.sha256(snapshot.manifest).hexdigest())
+        return manifest, shard_headers(snapshot, manifest, path, seal)
     data_file = os.path.join(path, TENSORS_FILE)
     if snapshot.tensors is None:
         raise CheckpointError(f"{data_file}: missing")
@@ -161,6 +190,11 @@ def _verified_manifest(snapshot: Snapshot, path: str) -> tuple[dict[str, Any], d
     return manifest, entries
 
 
+def is_sharded(manifest: dict[str, Any]) -> bool:
+    """Whether the checkpoint was written by several processes (one shard file each)."""
+    return manifest["format_version"] == SHARDED_FORMAT_VERSION
+
+
 def _parse_manifest(raw: bytes, file: str) -> dict[str, Any]:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CheckpointError(f"{file}: larger than {MAX_MANIFEST_BYTES >> 20} MiB")
@@ -173,7 +207,10 @@ def _parse_manifest(raw: bytes, file: str) -> dict[str, Any]:
             f"{file}: format version {manifest.get('format_version')!r}; this lowbit "
             f"({__version__}) reads versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
-    missing = {"recipe", "metadata", "tree", "tensors"} - set(manifest)
+    required = {"recipe", "metadata", "tree", "tensors"}
+    if manifest["format_version"] == SHARDED_FORMAT_VERSION:
+        required.add("files")
+    missing = required - set(manifest)
     if missing:
         raise CheckpointError(f"{file}: missing keys {sorted(missing)}")
     return manifest
@@ -232,6 +269,8 @@ def load_checkpoint(
         ``(path, role, shape) -> Sharding | None`` called per stored tensor (``path`` the leaf's
         key tuple, ``role`` ``"value"`` for plain arrays or a QArray field such as ``"codes"``,
         ``shape`` the stored shape), e.g. to shard codes and scales alike along one axis.
+        A sharding may span processes, of any count or mesh shape, whichever wrote the
+        checkpoint: each process then reads only the stored pieces its devices need.
       kernel_axes: lay the weights out for the CPU kernels as they load
         (`lowbit.ops.prepare_weights`): a mapping {key path: contraction axis}, or a function
         called with the checkpoint's abstract tree (QArrays of shape structs, before any data
@@ -246,7 +285,9 @@ def load_checkpoint(
         missing or malformed manifest, another format version, a recipe mismatch, an unknown
         format name, a truncated or malformed tensor file, a missing or extra tensor, a tensor
         whose dtype, shape or sha256 differs from the manifest, a QArray whose parts do not
-        fit together, or a leaf that does not match `like`.
+        fit together, a leaf that does not match `like`, a sharding that would split a
+        quantization group, or (written by several processes) a shard file missing, extra,
+        not sealed with the manifest, or pieces that do not tile their tensor.
     """
     path = os.fspath(path)
     file = os.path.join(path, MANIFEST_FILE)
@@ -257,15 +298,22 @@ def load_checkpoint(
         manifest, header = _verified_manifest(snapshot, path)
         if recipe is not None:
             _check_recipe(manifest["recipe"], recipe, file)
-        plan = decode_tree(manifest["tree"], manifest["tensors"], file)
+        sharded = is_sharded(manifest)
+        plan = decode_tree(manifest["tree"], manifest["tensors"], file, sharded=sharded)
         if like is not None:
             _check_like(plan.shapes, like, file)
-        entries = _check_tensor_file(plan, header, data_file)
-        digests = {name: info["sha256"] for name, info in manifest["tensors"].items()}
-        f = snapshot.tensors
-        # Pass 1 checks every byte against the manifest, streaming: nothing is kept.
-        for name, entry in entries.items():
-            _verify(f, entry, digests[name], data_file)
+        targets = resolve_targets(sharding, plan)
+        check_groups(plan, targets, file)
+        if sharded or spans_processes(targets):
+            reader = piece_reader(snapshot, manifest, plan, header, targets, path)
+        else:
+            entries = _check_tensor_file(plan, header, data_file)
+            digests = {name: info["sha256"] for name, info in manifest["tensors"].items()}
+            f = snapshot.tensors
+            # Pass 1 checks every byte against the manifest, streaming: nothing is kept.
+            for name, entry in entries.items():
+                _verify(f, entry, digests[name], data_file)
+            reader = _TensorReader(f, plan, entries, digests, targets, data_file)
         # Every QArray's invariants, on shapes alone.
         abstract = build_tree(
             plan, {n: jax.ShapeDtypeStruct(s, d) for n, (d, s) in plan.tensors.items()}
@@ -273,13 +321,34 @@ def load_checkpoint(
         if callable(kernel_axes):
             kernel_axes = kernel_axes(abstract)
         del abstract
-        reader = _TensorReader(f, plan, entries, digests, sharding, data_file)
         if kernel_axes is None:
             return build_tree(plan, reader)
         # Each weight is laid out as soon as its tensors are read, and its codes dropped: the
         # tree is never resident in both forms.
         lookup = kernel_axes.get if isinstance(kernel_axes, Mapping) else kernel_axes
         return build_tree(plan, reader, on_qarray=lambda keys, q: _prepared(q, lookup(keys)))
+
+
+def piece_reader(snapshot, manifest, plan, header, targets, path) -> PieceReader:
+    """The reader of a checkpoint written by several processes or of a load onto a sharding
+    that spans processes; checks the shards this process reads (pass 1).
+
+    Args:
+      header: from `_verified_manifest`.
+      targets: tensor name -> where it goes (`resolve_targets`).
+    """
+    if is_sharded(manifest):
+        stored = sharded_files(snapshot, manifest, plan, path, header)
+    else:
+        data_file = os.path.join(path, TENSORS_FILE)
+        entries = _check_tensor_file(plan, header, data_file)
+        digests = {name: info["sha256"] for name, info in manifest["tensors"].items()}
+        stored = whole_shards(snapshot.tensors, entries, digests, plan)
+    reader = PieceReader(stored, plan, targets, path)
+    for name in stored:
+        for piece in reader.needed(name):
+            _verify(piece.f, piece.entry, piece.shard.sha256, os.path.join(path, piece.shard.file))
+    return reader
 
 
 def _prepared(q: Any, axis: int | None) -> Any:
@@ -315,9 +384,9 @@ class _TensorReader(Mapping):
     tensor at a time, not the whole tree. Digests are checked again in case the file changed
     since pass 1; a failure here still returns nothing to the caller."""
 
-    def __init__(self, f, plan, entries, digests, sharding, data_file):
+    def __init__(self, f, plan, entries, digests, targets, data_file):
         self._f, self._plan, self._entries = f, plan, entries
-        self._digests, self._sharding, self._data_file = digests, sharding, data_file
+        self._digests, self._targets, self._data_file = digests, targets, data_file
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -326,7 +395,7 @@ class _TensorReader(Mapping):
         return iter(self._entries)
 
     def __getitem__(self, name: str) -> jax.Array:
-        entry, plan, sharding = self._entries[name], self._plan, self._sharding
+        entry, plan = self._entries[name], self._plan
         # What the last weight's layout freed (its codes, the compiler's scratch) goes back to
         # the system before the next tensor is read.
         release_free_memory()
@@ -338,9 +407,7 @@ class _TensorReader(Mapping):
             raise CheckpointError(f"{self._data_file}: tensor {name!r} changed while loading")
         dtype, shape = plan.tensors[name]
         host = host.reshape(-1).view(dtype).reshape(shape)
-        target = sharding
-        if callable(sharding) and not isinstance(sharding, jax.sharding.Sharding):
-            target = sharding(*plan.places[name], shape)
+        target = None if self._targets is None else self._targets[name]
         # device_put, not jnp.asarray: the latter compiles a copy program per tensor shape,
         # whose ~1 MiB executables stayed cached (30 MiB for SmolLM2).
         array = jax.device_put(host, target)

@@ -1,6 +1,8 @@
 """The checkpoint directory on disk: what a save may replace, and one consistent read of it.
 
-A checkpoint is a directory holding exactly ``manifest.json`` and ``model.safetensors``. It
+A checkpoint is a directory holding exactly ``manifest.json`` and ``model.safetensors`` (or,
+written by several processes, ``manifest.json`` and one ``process-NNNNN.safetensors`` per
+process: `lowbit.io._shard_index`). It
 is only ever published whole (`lowbit.io._atomic`): files inside a published directory are
 never rewritten, a new checkpoint replaces the directory. So a reader that opens both files
 from the same directory (resolved once, held open as a descriptor) reads one checkpoint, old
@@ -18,7 +20,8 @@ from typing import BinaryIO
 
 from lowbit._untrusted import open_regular
 from lowbit.io._atomic import same_directory
-from lowbit.io._manifest import FORMAT_NAME, FORMAT_VERSION, CheckpointError
+from lowbit.io._manifest import FORMAT_NAME, READABLE_VERSIONS, CheckpointError
+from lowbit.io._shard_index import is_shard_file
 from lowbit.io._untrusted_json import load_json
 
 TENSORS_FILE = "model.safetensors"
@@ -39,7 +42,7 @@ def resolve_save_path(path: str | os.PathLike[str]) -> str:
     Symlinks are followed (a ``latest -> run1`` link keeps pointing at ``run1``, which is
     replaced). The resolved directory may be missing, empty, or a lowbit checkpoint: holding
     nothing but ``manifest.json`` (of this format, a version this library knows) and
-    ``model.safetensors``, both regular files.
+    ``model.safetensors`` or per-process shard files, all regular files.
 
     Returns:
       The resolved absolute path to write.
@@ -69,7 +72,7 @@ def _not_a_checkpoint(directory: str) -> str | None:
     if not names:
         return None
     for name in names:
-        if name not in CHECKPOINT_FILES:
+        if name not in CHECKPOINT_FILES and not is_shard_file(name):
             return f"holds {name!r}, which a checkpoint does not"
         if not os.path.isfile(os.path.join(directory, name)) or os.path.islink(
             os.path.join(directory, name)
@@ -90,25 +93,32 @@ def _not_a_checkpoint(directory: str) -> str | None:
         return f"has a {MANIFEST_FILE} that is not a JSON object"
     version = manifest.get("format_version")
     known = isinstance(version, int) and not isinstance(version, bool)
-    if manifest.get("format") != FORMAT_NAME or not (known and 1 <= version <= FORMAT_VERSION):
+    if manifest.get("format") != FORMAT_NAME or not (known and version in READABLE_VERSIONS):
         return (
             f"has a {MANIFEST_FILE} of format {manifest.get('format')!r} version {version!r}, "
-            f"not {FORMAT_NAME!r} 1..{FORMAT_VERSION}"
+            f"not {FORMAT_NAME!r} {min(READABLE_VERSIONS)}..{max(READABLE_VERSIONS)}"
         )
     return None
 
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
-    """One checkpoint directory's two files, opened from the same directory.
+    """One checkpoint directory's files, opened from the same directory.
 
     Attributes:
       manifest: the manifest file's bytes.
       tensors: the tensor file, open for binary reading, or None if the directory lacks it.
+      shards: the per-process shard files it holds, by name, open for binary reading.
     """
 
     manifest: bytes
     tensors: BinaryIO | None
+    shards: dict[str, BinaryIO] = dataclasses.field(default_factory=dict)
+
+    def close(self) -> None:
+        for f in (self.tensors, *self.shards.values()):
+            if f is not None:
+                f.close()
 
 
 @contextlib.contextmanager
@@ -122,8 +132,7 @@ def open_checkpoint(path: str) -> Iterator[Snapshot]:
     try:
         yield snapshot
     finally:
-        if snapshot.tensors is not None:
-            snapshot.tensors.close()
+        snapshot.close()
 
 
 def _snapshot(path: str) -> Snapshot:
@@ -135,7 +144,12 @@ def _snapshot(path: str) -> Snapshot:
                 manifest = f.read(MAX_MANIFEST_BYTES + 1)
         except (FileNotFoundError, NotADirectoryError):
             raise missing from None
-        return Snapshot(manifest, _open_or_none(os.path.join(path, TENSORS_FILE)))
+        shards = {}
+        for name in _shard_names(os.listdir(path)):
+            f = _open_or_none(os.path.join(path, name))
+            if f is not None:
+                shards[name] = f
+        return Snapshot(manifest, _open_or_none(os.path.join(path, TENSORS_FILE)), shards)
     for _ in range(_ATTEMPTS):
         try:
             directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -167,9 +181,21 @@ def _read_directory(path: str, directory: int) -> Snapshot | None:
     with manifest_file as f:
         manifest = f.read(MAX_MANIFEST_BYTES + 1)
     tensors = _open_or_none(os.path.join(path, TENSORS_FILE), directory)
-    if tensors is None and not same_directory(path, directory):
+    snapshot = Snapshot(manifest, tensors)
+    for name in _shard_names(os.listdir(directory)):
+        f = _open_or_none(os.path.join(path, name), directory)
+        if f is not None:
+            snapshot.shards[name] = f
+        elif not same_directory(path, directory):
+            snapshot.close()
+            return None  # removed by the save that replaced it: read the new one
+    if tensors is None and not snapshot.shards and not same_directory(path, directory):
         return None  # removed by the save that replaced it: read the new one
-    return Snapshot(manifest, tensors)
+    return snapshot
+
+
+def _shard_names(names: list[str]) -> list[str]:
+    return sorted(n for n in names if is_shard_file(n))
 
 
 def _open_or_none(name: str, directory: int | None = None) -> BinaryIO | None:

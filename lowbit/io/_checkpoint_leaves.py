@@ -14,7 +14,14 @@ from typing import Any
 
 import jax
 
-from lowbit.io._checkpoint import _check_tensor_file, _TensorReader, _verified_manifest, _verify
+from lowbit.io._checkpoint import (
+    _check_tensor_file,
+    _TensorReader,
+    _verified_manifest,
+    _verify,
+    is_sharded,
+    piece_reader,
+)
 from lowbit.io._checkpoint_dir import MANIFEST_FILE, TENSORS_FILE, open_checkpoint
 from lowbit.io._manifest import Plan, build_tree, decode_tree
 from lowbit.io._tree import Path
@@ -91,7 +98,15 @@ def checkpoint_leaves(path: str | os.PathLike[str]) -> Iterator[CheckpointLeaves
     data_file = os.path.join(path, TENSORS_FILE)
     with open_checkpoint(path) as snapshot:
         manifest, header = _verified_manifest(snapshot, path)
-        plan = decode_tree(manifest["tree"], manifest["tensors"], os.path.join(path, MANIFEST_FILE))
+        sharded = is_sharded(manifest)
+        file = os.path.join(path, MANIFEST_FILE)
+        plan = decode_tree(manifest["tree"], manifest["tensors"], file, sharded=sharded)
+        if sharded:  # written by several processes: each leaf assembled from its shards
+            yield CheckpointLeaves(
+                plan,
+                piece_reader(snapshot, manifest, plan, header, dict.fromkeys(plan.tensors), path),
+            )
+            return
         entries = _check_tensor_file(plan, header, data_file)
         digests = {name: info["sha256"] for name, info in manifest["tensors"].items()}
         for name, entry in entries.items():

@@ -17,6 +17,9 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import numpy as np
+
 from lowbit._version import __version__
 from lowbit.io._atomic import (
     make_temporary,
@@ -32,19 +35,22 @@ from lowbit.io._checkpoint_dir import (
     TENSORS_FILE,
     resolve_save_path,
 )
-from lowbit.io._manifest import FORMAT_NAME, FORMAT_VERSION
+from lowbit.io._checkpoint_parts import ProcessParts, WriterFiles
+from lowbit.io._manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_DIGEST_KEY,
+    SHARDED_FORMAT_VERSION,
+)
 from lowbit.io._safetensors_file import storage_view
 from lowbit.io._safetensors_writer import TensorFileWriter
 from lowbit.io._tree import Path, encode_tree, path_name
 
-# The tensor file's header records the sha256 of the manifest's bytes under this key, so the
-# manifest (tree, formats, dtypes, shapes, per-tensor digests, recipe, metadata: every field,
-# however the manifest lists them) is covered by the same integrity check as the tensors.
-MANIFEST_DIGEST_KEY = "lowbit.manifest_sha256"
 # The tensor bytes wait here (inside the temporary directory) until the header can be written.
 SPOOL_FILE = f"{TENSORS_FILE}.spool"
-# What a writer's temporary directory may hold, so a killed writer's is recognised as stale.
-WRITER_FILES = CHECKPOINT_FILES | {SPOOL_FILE}
+# What a writer's temporary directory may hold, so a killed writer's is recognised as stale
+# (the per-process shard files and their spools included).
+WRITER_FILES = WriterFiles(CHECKPOINT_FILES | {SPOOL_FILE})
 
 
 def recipe_json(recipe: Any) -> str | None:
@@ -69,6 +75,11 @@ def recipe_json(recipe: Any) -> str | None:
     except (TypeError, json.JSONDecodeError) as err:
         raise ValueError(f"recipe JSON does not parse: {err}") from None
     return text
+
+
+# Whether to write one shard file per process (format version 3); None: when there are
+# several processes. Tests set it to write that layout from one process.
+PER_PROCESS_FILES: bool | None = None
 
 
 class _Branch(dict):
@@ -100,11 +111,18 @@ class CheckpointWriter:
     Use it as a context manager: leaving the block normally publishes the checkpoint, leaving
     it by an exception discards everything written (the target is never touched until then).
 
+    With several JAX processes (``jax.process_count() > 1``) every process must run the same
+    writer with the same leaves, in the same order: each writes only the pieces it owns of
+    arrays split over processes (`lowbit.io._checkpoint_parts`), into its own file, and
+    `close` publishes the whole checkpoint once every process has written its part.
+
     Args:
       path: the checkpoint directory, as in `save_checkpoint`: missing, empty or a lowbit
         checkpoint (replaced whole); a symlink is followed.
       recipe: the `Recipe` the params were quantized with (or its JSON text), stored.
       metadata: JSON-serialisable user metadata, stored as is.
+      timeout: several processes only: seconds to wait for the other processes at each step
+        of the save before raising an error that names the one missing.
     Raises:
       ValueError: naming the path, if it exists and is neither empty nor a lowbit checkpoint;
         or if `metadata` is not JSON. TypeError: for a bad `recipe`.
@@ -128,9 +146,9 @@ class CheckpointWriter:
         *,
         recipe: Any = None,
         metadata: Mapping[str, Any] | None = None,
+        timeout: float = 600.0,
     ):
         self._given = path
-        self._target = resolve_save_path(path)
         try:
             json.dumps(metadata, allow_nan=False)
         except (TypeError, ValueError) as err:
@@ -139,6 +157,12 @@ class CheckpointWriter:
         self._root: Any = _Branch()
         self._whole = False  # the root was given as one tree
         self._entries: dict[str, dict[str, Any]] = {}
+        self._parts: ProcessParts | None = None
+        if PER_PROCESS_FILES or (PER_PROCESS_FILES is None and jax.process_count() > 1):
+            self._parts = ProcessParts(path, WRITER_FILES, timeout)
+            self._open = True
+            return
+        self._target = resolve_save_path(path)
         os.makedirs(os.path.dirname(self._target), exist_ok=True)
         if os.path.isdir(self._target):
             # Only while a checkpoint is in place: after a crash in the non-atomic fallback
@@ -162,6 +186,9 @@ class CheckpointWriter:
             return
         if kind is None:
             self.close()
+        elif self._parts is not None:
+            self._open = False
+            self._parts.abort(value)  # the other processes learn why
         else:
             self.abort()
 
@@ -182,13 +209,22 @@ class CheckpointWriter:
         if not self._open:
             raise ValueError("CheckpointWriter.add: the writer is closed")
         keys = _keys(path)
-        node, tensors = encode_tree(leaf, keys)
+        node, tensors = encode_tree(leaf, keys, split=self._parts is not None)
         parent = self._parent(keys)
         for name in tensors:
             if name in self._entries:
                 raise ValueError(f"two leaves are both stored as tensor {name!r}; rename a key")
         try:
             for name, (leaf_path, role, array) in tensors.items():
+                if self._parts is not None:
+                    self._entries[name] = {
+                        "path": list(leaf_path),
+                        "role": role,
+                        "dtype": np.dtype(array.dtype).name,
+                        "shape": list(array.shape),
+                    }
+                    self._parts.add(name, array)
+                    continue
                 view = storage_view(array)
                 self._entries[name] = {
                     "path": list(leaf_path),
@@ -238,16 +274,20 @@ class CheckpointWriter:
         if not self._open:
             raise ValueError("CheckpointWriter.close: the writer is closed")
         self._open = False
+        head = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "library_version": __version__,
+            "recipe": self._recipe,
+            "metadata": self._metadata,
+            "tree": _node(self._root),
+        }
+        if self._parts is not None:
+            head["format_version"] = SHARDED_FORMAT_VERSION
+            self._parts.close(head, self._entries)
+            return
         try:
-            manifest = {
-                "format": FORMAT_NAME,
-                "format_version": FORMAT_VERSION,
-                "library_version": __version__,
-                "recipe": self._recipe,
-                "metadata": self._metadata,
-                "tree": _node(self._root),
-                "tensors": self._entries,
-            }
+            manifest = {**head, "tensors": self._entries}
             manifest_bytes = json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8")
             digest = hashlib.sha256(manifest_bytes).hexdigest()
             self._file.finish({MANIFEST_DIGEST_KEY: digest})
@@ -268,6 +308,9 @@ class CheckpointWriter:
     def abort(self) -> None:
         """Discards everything written; the target stays as it was."""
         self._open = False
+        if self._parts is not None:
+            self._parts.abort()
+            return
         self._cleanup()
 
     def _cleanup(self) -> None:

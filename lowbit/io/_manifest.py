@@ -32,10 +32,18 @@ from lowbit.qarray import META_FIELDS, NMSparse, QArray
 from lowbit.qarray._sparse import meta_bits
 
 FORMAT_NAME = "lowbit.checkpoint"
+# The tensor file's header records the sha256 of the manifest's bytes under this key, so the
+# manifest (tree, formats, dtypes, shapes, per-tensor digests, recipe, metadata: every field,
+# however the manifest lists them) is covered by the same integrity check as the tensors.
+# Every shard file of a checkpoint written by several processes carries it too.
+MANIFEST_DIGEST_KEY = "lowbit.manifest_sha256"
 # 2: the tensor file's header carries the manifest's sha256 (version 1 files lack it).
 FORMAT_VERSION = 2
+# 3: written by several processes: one shard file per process, each tensor a list of shards
+# (`lowbit.io._shard_index`) instead of one sha256. One process still writes version 2.
+SHARDED_FORMAT_VERSION = 3
 # Version 1 checkpoints load with a warning (their manifest is not sealed).
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 _SCALE_ENCODINGS = ("float", "e8m0", "e4m3")
 # Containers nested deeper than this are refused: real params trees are a few levels deep, and
 # the limit keeps a hostile manifest from exhausting the interpreter's recursion (and so keeps
@@ -64,13 +72,17 @@ class Plan:
         self.places: dict[str, tuple[Path, str]] = {}
 
 
-def decode_tree(tree: Any, tensors: Mapping[str, Any], where: str) -> Plan:
+def decode_tree(
+    tree: Any, tensors: Mapping[str, Any], where: str, *, sharded: bool = False
+) -> Plan:
     """Checks a manifest's tree against its tensor table without reading any data.
 
     Args:
       tree: the manifest's ``"tree"`` node.
       tensors: the manifest's ``"tensors"`` table.
       where: the manifest's file name, for errors.
+      sharded: the entries list ``"shards"`` (version 3, checked by the caller) instead of a
+        ``"sha256"``.
     Returns:
       A `Plan`.
     Raises:
@@ -82,8 +94,11 @@ def decode_tree(tree: Any, tensors: Mapping[str, Any], where: str) -> Plan:
     if not isinstance(tensors, Mapping):
         raise CheckpointError(f"{where}: 'tensors' is not an object")
     for name, info in tensors.items():
-        if not isinstance(info, Mapping) or not isinstance(info.get("sha256"), str):
-            raise CheckpointError(f"{where}: tensor {name!r} entry lacks a sha256")
+        digest = "shards" if sharded else "sha256"
+        if not isinstance(info, Mapping) or not isinstance(
+            info.get(digest), list if sharded else str
+        ):
+            raise CheckpointError(f"{where}: tensor {name!r} entry lacks a {digest}")
         try:
             dtype = dtype_from_name(info.get("dtype"), f"tensor {name!r}")
         except ValueError as err:

@@ -31,8 +31,8 @@ def path_name(path: Path) -> str:
 
 
 def encode_tree(
-    params: Any, prefix: Path = ()
-) -> tuple[dict[str, Any], dict[str, tuple[Path, str, np.ndarray]]]:
+    params: Any, prefix: Path = (), *, split: bool = False
+) -> tuple[dict[str, Any], dict[str, tuple[Path, str, Any]]]:
     """Splits a params tree into its JSON structure and its arrays.
 
     Args:
@@ -40,27 +40,31 @@ def encode_tree(
         None, `QArray`s, arrays (jax or numpy), ``nnx.Variable``s (their value is stored) and
         Python scalars.
       prefix: the path of `params` in a larger tree (tensor names and paths start with it).
+      split: keep `jax.Array`s as they are (each process writes its own pieces, also of
+        arrays split over processes) instead of reading them whole into numpy arrays.
     Returns:
       ``(tree, tensors)``: the JSON node of the root, and tensor name -> (path, role, array).
     Raises:
       TypeError: naming the path of a leaf or container that cannot be stored (abstract
         arrays, NamedTuples, custom classes, keys that are neither str nor int).
-      ValueError: if two paths map to the same tensor name, or for an array split over
-        processes (this process cannot read it whole).
+      ValueError: if two paths map to the same tensor name, or (unless `split`) for an array
+        split over processes (this process cannot read it whole).
     """
-    tensors: dict[str, tuple[Path, str, np.ndarray]] = {}
+    tensors: dict[str, tuple[Path, str, Any]] = {}
 
     def add(path: Path, role: str, array: Any) -> str:
         name = path_name(path) + ("" if role == "value" else f":{role}")
         if name in tensors:
             raise ValueError(f"two leaves are both stored as tensor {name!r}; rename a key")
+        if split and isinstance(array, jax.Array):
+            tensors[name] = (path, role, array)
+            return name
         if isinstance(array, jax.Array) and not array.is_fully_addressable:
             raise ValueError(
                 f"process {jax.process_index()}: tensor {name!r} is split over "
-                f"{jax.process_count()} processes and this process holds only its pieces; a "
-                "lowbit checkpoint is written by one process holding every piece. Save arrays "
-                "sharded over processes with Orbax (each process writes its own pieces; see "
-                "docs/checkpoints.md), or gather them to one process first"
+                f"{jax.process_count()} processes and this process holds only its pieces, so "
+                "it cannot be read whole here. Save it with save_checkpoint called in every "
+                "process (each writes its own pieces; see docs/sharding.md)"
             )
         tensors[name] = (path, role, np.asarray(array))
         return name

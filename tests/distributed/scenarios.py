@@ -79,13 +79,9 @@ def orbax_save(out_dir: str) -> dict[str, np.ndarray]:
         checkpointer.save(f"{out_dir}/orbax", args=ocp.args.StandardSave(q))
         checkpointer.wait_until_finished()
         checkpointer.close()
-        # lowbit's own format is written by one process holding every piece: it says so.
-        try:
-            lowbit.io.save_checkpoint(f"{out_dir}/lowbit{jax.process_index()}", q)
-            refused = ""
-        except ValueError as err:
-            refused = str(err)
-    return {"out": np.asarray(out.addressable_data(0)), "refused": np.asarray(refused)}
+        # lowbit's own format too: each process writes its own pieces into one checkpoint.
+        lowbit.io.save_checkpoint(f"{out_dir}/lowbit", q)
+    return {"out": np.asarray(out.addressable_data(0))}
 
 
 def calibration_batches(mesh=None) -> list:
@@ -124,3 +120,143 @@ def calibrate(out_dir: str) -> dict[str, np.ndarray]:
     mesh = jax.make_mesh((jax.device_count(),), ("x",))
     with jax.set_mesh(mesh):
         return calibrated(mesh)
+
+
+# --- lowbit checkpoints written and read by several processes --------------------------------
+
+
+def checkpoint_tree(mesh) -> dict:
+    """What the checkpoint tests save: the quantized MLP split over `mesh` (up by columns,
+    down by rows), a float leaf split over it, a replicated one and a Python scalar."""
+    host = weights()
+    params = {
+        "up": {"kernel": global_array(host["up"], NamedSharding(mesh, COLUMNS))},
+        "down": {"kernel": global_array(host["down"], NamedSharding(mesh, ROWS))},
+    }
+    tree = dict(lowbit.quantize(params, RECIPE))
+    norm = np.arange(32, dtype=np.float32) / 7
+    tree["norm"] = global_array(norm, NamedSharding(mesh, P("x")))
+    tree["bias"] = global_array(norm[:8] - 1, NamedSharding(mesh, P()))
+    tree["step"] = 3
+    return tree
+
+
+def flat_mesh(kind: str = "Auto"):
+    axis_type = getattr(jax.sharding.AxisType, kind)
+    return jax.make_mesh((jax.device_count(),), ("x",), axis_types=(axis_type,))
+
+
+def grid_mesh(rows: int, kind: str = "Auto"):
+    axis_type = getattr(jax.sharding.AxisType, kind)
+    shape = (rows, jax.device_count() // rows)
+    return jax.make_mesh(shape, ("a", "b"), axis_types=(axis_type,) * 2)
+
+
+def grid_sharding(mesh):
+    """`load_checkpoint`'s sharding= for a 2-D mesh ("a", "b"): 2-D tensors split over both
+    axes where they divide, 1-D ones over both together, the rest replicated."""
+    a, b = mesh.shape["a"], mesh.shape["b"]
+
+    def sharding(path, role, shape):
+        if len(shape) == 2 and shape[0] % a == 0 and shape[1] % b == 0:
+            return NamedSharding(mesh, P("a", "b"))
+        if len(shape) == 1 and shape[0] % (a * b) == 0:
+            return NamedSharding(mesh, P(("a", "b")))
+        return NamedSharding(mesh, P())
+
+    return sharding
+
+
+def local_pieces(tree, prefix: str) -> dict[str, np.ndarray]:
+    """This process's pieces of every array leaf: ``prefix|leaf|box`` -> its values."""
+    from lowbit.io._shard_index import box_of
+
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not isinstance(leaf, jax.Array):
+            continue
+        for shard in leaf.addressable_shards:
+            box = box_of(shard.index, leaf.shape)
+            out[f"{prefix}|{jax.tree_util.keystr(path)}|{box}"] = np.asarray(shard.data)
+    return out
+
+
+def _loaded(path: str, sharding, prefix: str) -> dict[str, np.ndarray]:
+    """Loads `path` onto `sharding`; its pieces, and which shard files this process read."""
+    from lowbit.io import _checkpoint_pieces
+
+    reads = []
+    read = _checkpoint_pieces._read
+
+    def recording(stored, dtype, file):
+        reads.append(f"{stored.shard.file}|{stored.shard.key}")
+        return read(stored, dtype, file)
+
+    _checkpoint_pieces._read = recording
+    try:
+        tree = lowbit.io.load_checkpoint(path, sharding=sharding)
+    finally:
+        _checkpoint_pieces._read = read
+    return {**local_pieces(tree, prefix), f"{prefix}|reads": np.asarray(sorted(set(reads)))}
+
+
+def checkpoint_save(out_dir: str, path: str, kind: str = "Auto") -> dict[str, np.ndarray]:
+    """Every process saves its pieces of `checkpoint_tree` to `path` (lowbit's format), on a
+    mesh with `kind` ("Auto" or "Explicit") axes."""
+    mesh = flat_mesh(kind)
+    with jax.set_mesh(mesh):
+        lowbit.io.save_checkpoint(path, checkpoint_tree(mesh), metadata={"step": 3})
+    return {"saved": np.asarray(jax.process_index())}
+
+
+def checkpoint_load(out_dir: str, path: str, rows: str, kind: str = "Auto") -> dict:
+    """Loads `path` onto a (rows, devices / rows) mesh with `kind` axes: this process's
+    pieces."""
+    return _loaded(path, grid_sharding(grid_mesh(int(rows), kind)), "grid")
+
+
+def checkpoint_round_trip(out_dir: str, path: str, one_process: str) -> dict[str, np.ndarray]:
+    """Saves to `path`, loads it back onto another mesh shape (2 x devices / 2, automatic
+    and explicit axes) and onto the mesh it was saved from, and loads `one_process` (saved by
+    one process) onto the mesh."""
+    out = checkpoint_save(out_dir, path)
+    out.update(_loaded(path, grid_sharding(grid_mesh(2)), "grid"))
+    out.update(_loaded(path, grid_sharding(grid_mesh(2, "Explicit")), "explicit"))
+    flat = flat_mesh()
+    out.update(_loaded(path, lambda p, r, s: _same_as_saved(flat, p, s), "same"))
+    out.update(_loaded(one_process, lambda p, r, s: _same_as_saved(flat, p, s), "one"))
+    return out
+
+
+def _same_as_saved(mesh, path, shape):
+    """The sharding `checkpoint_tree` saved the tensor at leaf `path` with."""
+    if path[0] == "up" and shape[1] % mesh.size == 0:
+        return NamedSharding(mesh, COLUMNS)
+    if path[0] in ("down", "norm") and shape[0] % mesh.size == 0:
+        return NamedSharding(mesh, ROWS if path[0] == "down" else P("x"))
+    return NamedSharding(mesh, P())
+
+
+def checkpoint_dies(out_dir: str, path: str, how: str) -> dict[str, np.ndarray]:
+    """Process 1 exits (`how` "exit") or raises ("raise") in the middle of a save over `path`;
+    each process reports the error it saw."""
+    import os
+
+    mesh = flat_mesh()
+    with jax.set_mesh(mesh):
+        tree = checkpoint_tree(mesh)
+    try:
+        with lowbit.io.CheckpointWriter(path, timeout=10) as writer:
+            writer.add("up", tree["up"])
+            if jax.process_index() == 1 and how == "exit":
+                os._exit(17)  # killed mid-save: no cleanup, no message
+            if jax.process_index() == 1:
+                raise OSError("disk full")
+            writer.add("down", tree["down"])
+        error = ""
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        error = f"{type(err).__name__}: {err}"
+    if how == "raise":
+        return {"error": np.asarray(error)}
+    np.savez(f"{out_dir}/result{jax.process_index()}.npz", error=np.asarray(error))
+    os._exit(0)  # the other process is gone: no orderly shutdown of the runtime

@@ -42,10 +42,6 @@ def test_orbax_async_save_across_processes_restores_in_one(tmp_path, reference):
     ocp = pytest.importorskip("orbax.checkpoint")
     results = run_processes("orbax_save", PROCESSES, tmp_path)
     np.testing.assert_allclose(results[0]["out"], reference, rtol=1e-5, atol=1e-5)
-    for pid, result in enumerate(results):
-        assert f"process {pid}: tensor" in str(result["refused"])
-        assert "split over 2 processes" in str(result["refused"])
-        assert not (tmp_path / f"lowbit{pid}").exists()
     # Restore in this one process, onto another mesh (8 devices, replicated).
     mesh = jax.make_mesh((8,), ("x",))
     with jax.set_mesh(mesh):
@@ -62,6 +58,10 @@ def test_orbax_async_save_across_processes_restores_in_one(tmp_path, reference):
         restored = checkpointer.restore(tmp_path / "orbax", abstract)
     out = jax.jit(scenarios.lowbit.run(scenarios.mlp))(restored, scenarios.weights()["x"])
     np.testing.assert_allclose(np.asarray(out), reference, rtol=1e-5, atol=1e-5)
+    # The same tree in lowbit's format, written by both processes, holds the same bits.
+    ours = scenarios.lowbit.io.load_checkpoint(tmp_path / "lowbit")
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(restored), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
 def test_calibration_on_rows_split_over_processes_matches_one_process(tmp_path):

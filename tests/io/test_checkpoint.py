@@ -262,8 +262,8 @@ def test_extra_tensor(good, tmp_path):
 
 def test_other_format_version(good, tmp_path):
     path = _copy(good, tmp_path)
-    _edit_manifest(path, lambda m: m.update(format_version=3))
-    _expect(path, "format version 3.*reads versions 1, 2")
+    _edit_manifest(path, lambda m: m.update(format_version=4))
+    _expect(path, "format version 4.*reads versions 1, 2, 3")
 
 
 def test_version_1_loads_with_a_warning(good, tmp_path):

@@ -244,11 +244,11 @@ def test_a_save_between_reading_manifest_and_tensors_is_not_mixed_in(
         monkeypatch.setattr(atomic_module, "exchange", lambda a, b: False)
     real_decode, saves = checkpoint_module.decode_tree, []
 
-    def decode_then_save(*args):
+    def decode_then_save(*args, **kwargs):
         # The loader has read the manifest; a concurrent save lands now.
         if not saves:
             saves.append(save_checkpoint(path, NEW))
-        return real_decode(*args)
+        return real_decode(*args, **kwargs)
 
     monkeypatch.setattr(checkpoint_module, "decode_tree", decode_then_save)
     _assert_tree(load_checkpoint(path), OLD)
