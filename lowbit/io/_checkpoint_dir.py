@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 from lowbit._untrusted import open_regular
-from lowbit.io._atomic import same_directory
+from lowbit.io._atomic import publish_permissions, replace_directory, same_directory, write_file
 from lowbit.io._manifest import FORMAT_NAME, READABLE_VERSIONS, CheckpointError
 from lowbit.io._shard_index import is_shard_file
 from lowbit.io._untrusted_json import load_json
@@ -34,6 +34,21 @@ MAX_MANIFEST_BYTES = 256 * 2**20
 # a row, would be a writer in a loop; give up rather than spin.
 _ATTEMPTS = 100
 _DIR_FD = os.open in os.supports_dir_fd and hasattr(os, "O_DIRECTORY")
+
+
+def publish_checkpoint(
+    tmp: str, manifest: bytes, given: str | os.PathLike[str], target: str
+) -> None:
+    """Writes `manifest` into the temporary directory `tmp` and swaps it in at `target`.
+
+    `given` is the path the caller saved to: it is resolved again first, because writing takes a
+    while and a symlink may have been pointed elsewhere since `resolve_save_path` chose `target`.
+    """
+    write_file(os.path.join(tmp, MANIFEST_FILE), manifest)
+    publish_permissions(tmp)
+    if resolve_save_path(given) != target:
+        raise ValueError(f"{os.fspath(given)!r} now points elsewhere than when the save began")
+    replace_directory(tmp, target)
 
 
 def resolve_save_path(path: str | os.PathLike[str]) -> str:

@@ -27,13 +27,10 @@ import numpy as np
 
 from lowbit.io._atomic import (
     make_temporary,
-    publish_permissions,
     release_temporary,
     remove_stale_temporaries,
-    replace_directory,
-    write_file,
 )
-from lowbit.io._checkpoint_dir import MANIFEST_FILE, resolve_save_path
+from lowbit.io._checkpoint_dir import publish_checkpoint, resolve_save_path
 from lowbit.io._manifest import MANIFEST_DIGEST_KEY, CheckpointError
 from lowbit.io._processes import Exchange
 from lowbit.io._safetensors_file import storage_view
@@ -164,13 +161,7 @@ class ProcessParts:
                 x.forget("pieces")
                 return
             x.receive_all("sealed")
-            write_file(os.path.join(self._tmp, MANIFEST_FILE), manifest_bytes)
-            publish_permissions(self._tmp)
-            if resolve_save_path(self._given) != self._target:
-                raise ValueError(
-                    f"{os.fspath(self._given)!r} now points elsewhere than when the save began"
-                )
-            replace_directory(self._tmp, self._target)
+            publish_checkpoint(self._tmp, manifest_bytes, self._given, self._target)
             x.send("published", True)
             x.forget("pieces")
         except BaseException as err:

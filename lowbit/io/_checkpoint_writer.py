@@ -23,16 +23,13 @@ import numpy as np
 from lowbit._version import __version__
 from lowbit.io._atomic import (
     make_temporary,
-    publish_permissions,
     release_temporary,
     remove_stale_temporaries,
-    replace_directory,
-    write_file,
 )
 from lowbit.io._checkpoint_dir import (
     CHECKPOINT_FILES,
-    MANIFEST_FILE,
     TENSORS_FILE,
+    publish_checkpoint,
     resolve_save_path,
 )
 from lowbit.io._checkpoint_parts import ProcessParts, WriterFiles
@@ -291,14 +288,7 @@ class CheckpointWriter:
             manifest_bytes = json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8")
             digest = hashlib.sha256(manifest_bytes).hexdigest()
             self._file.finish({MANIFEST_DIGEST_KEY: digest})
-            write_file(os.path.join(self._tmp, MANIFEST_FILE), manifest_bytes)
-            publish_permissions(self._tmp)
-            # Checked again: writing takes a while, and the path may have changed.
-            if resolve_save_path(self._given) != self._target:
-                raise ValueError(
-                    f"{os.fspath(self._given)!r} now points elsewhere than when the save began"
-                )
-            replace_directory(self._tmp, self._target)
+            publish_checkpoint(self._tmp, manifest_bytes, self._given, self._target)
         finally:
             # After a swap the temporary holds the previous checkpoint; after a failure, the
             # partial one.
