@@ -271,3 +271,12 @@ def available_primitives() -> set[str]:
             if isinstance(name, str) and hasattr(value, "bind"):
                 found.add(name)
     return found
+
+
+def distributed_client() -> Any | None:
+    """JAX's key-value store client (the one its multi-host utilities and Orbax use), or None
+    before `jax.distributed.initialize`. Its reads take deadlines, unlike a collective barrier,
+    so a process that died is noticed instead of waited for."""
+    from jax._src import distributed
+
+    return distributed.global_state.client

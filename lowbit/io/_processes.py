@@ -16,6 +16,8 @@ from typing import Any
 
 import jax
 
+from lowbit.engine._compat import distributed_client
+
 _FAILED = "failed: "
 # Every process runs the same saves in the same order, so the n-th save has the same number
 # in every process: the prefix of its keys.
@@ -27,9 +29,7 @@ class ProcessError(RuntimeError):
 
 
 def _client() -> Any:
-    from jax._src import distributed  # the store JAX's own multi-host utilities use
-
-    client = distributed.global_state.client
+    client = distributed_client()
     if client is None:
         raise ProcessError(
             f"{jax.process_count()} processes but no jax.distributed client: call "
