@@ -130,6 +130,8 @@ def stats_held_whole(statistics: Any, path: str) -> bool:
 def stats_span_processes(statistics: Any, paths: Sequence[str]) -> bool:
     """Whether the statistics of `paths` were summed across processes (data-parallel capture:
     every process is in this calibration together)."""
+    if jax.process_count() == 1 or statistics is None:
+        return False
     base = statistics.base if isinstance(statistics, Rescaled) else statistics
     return any(spanning_processes(s.gram) for p in paths for s in base.for_path(p))
 
@@ -295,7 +297,9 @@ def check_same_everywhere(what: str, name: str, text: str, fix: str) -> None:
     differ = [p for p in range(len(digests)) if digests[p] != digests[0]]
     if differ:
         lines = "; ".join(
-            f"process {p} has {what} {names[p]!r} (digest {digests[p].hex()[:12]})" for p in differ
+            f"process {p} has {what} {names[p]!r} (digest {digests[p].hex()[:12]}"
+            f"{', the same name with other settings' if names[p] == names[0] else ''})"
+            for p in differ
         )
         raise ValueError(
             f"the processes disagree on the {what}: process 0 has {what} {names[0]!r} (digest "

@@ -27,19 +27,19 @@ from lowbit.algorithms import (
     sample_rows,
 )
 from lowbit.algorithms._rounding import Context, Nearest, Rescaled
-from lowbit.algorithms._spread import (
-    check_same_everywhere,
-    held_whole,
-    local_copy,
-    plan_spread,
-    stats_span_processes,
-)
 from lowbit.algorithms._smooth import (
     apply_factors,
     fold_factors,
     input_scales,
     plan_folds,
     scale_leaf,
+)
+from lowbit.algorithms._spread import (
+    check_same_everywhere,
+    held_whole,
+    local_copy,
+    plan_spread,
+    stats_span_processes,
 )
 from lowbit.ops._host_memory import release_free_memory
 from lowbit.qarray import QArray

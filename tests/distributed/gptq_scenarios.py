@@ -15,7 +15,8 @@ from lowbit.api import AlgorithmOptions
 
 # Four weights of different sizes: the balanced assignment gives each process a share.
 SHAPES = {"a": (256, 384), "b": (384, 256), "c": (256, 128), "d": (128, 256)}
-RECIPE = "int4w_g64_gptq"
+RECIPE = "int4w_g64_asym_gptq"  # codes, scales and zero points
+SYMMETRIC = "int4w_g64_gptq"
 
 
 def weights() -> dict[str, np.ndarray]:
@@ -78,22 +79,38 @@ def quantized(mesh=None, recipe: str = RECIPE, spread: bool = True) -> dict[str,
             leaf = getattr(q[name]["kernel"], field)
             if leaf is not None:
                 out[f"{name}/{field}"] = np.asarray(leaf.addressable_data(0))
+    codes = [q[name]["kernel"].codes for name in SHAPES]
+    # Where each weight's codes live: replicated over how many devices.
+    out["placed"] = np.asarray(
+        [(c.sharding.is_fully_replicated, len(c.sharding.device_set)) for c in codes]
+    )
     out["lines"] = np.asarray(report.lines())
     out["solved_here"] = np.asarray(sorted(solved))
     out["solved_by"] = np.asarray([report.solved_by.get(f"{n}/kernel", -1) for n in SHAPES])
     return out
 
 
-def spread_gptq(out_dir: str, kind: str = "Explicit", spread: str = "1") -> dict[str, np.ndarray]:
+def spread_gptq(out_dir: str, kind: str = "Explicit") -> dict[str, np.ndarray]:
+    """On a mesh with `kind` axes: `RECIPE` with the solves spread ("spread/...") and solved by
+    every process ("all/..."), and symmetric int4 GPTQ spread ("sym/...")."""
     axis_type = getattr(jax.sharding.AxisType, kind)
     mesh = jax.make_mesh((jax.device_count(),), ("x",), axis_types=(axis_type,))
+    out = {}
     with jax.set_mesh(mesh):
-        return quantized(mesh, spread=spread == "1")
+        for prefix, recipe, spread in (
+            ("spread", RECIPE, True),
+            ("all", RECIPE, False),
+            ("sym", SYMMETRIC, True),
+        ):
+            for key, value in quantized(mesh, recipe, spread).items():
+                out[f"{prefix}/{key}"] = value
+    return out
 
 
 def disagreeing_recipes(out_dir: str) -> dict[str, np.ndarray]:
-    """Process 1 asks for groups of 128 where the others ask for 64: each reports its error."""
-    recipe = "int4w_g128_gptq" if jax.process_index() == 1 else RECIPE
+    """Process 1 asks for symmetric int4 where the others ask for asymmetric: each reports
+    its error."""
+    recipe = SYMMETRIC if jax.process_index() == 1 else RECIPE
     mesh = jax.make_mesh((jax.device_count(),), ("x",))
     try:
         with jax.set_mesh(mesh):
