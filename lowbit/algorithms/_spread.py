@@ -16,7 +16,7 @@ import contextlib
 import copy
 import dataclasses
 import hashlib
-import pickle
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from lowbit.algorithms._capture import CalibrationError
 from lowbit.algorithms._rounding import AlgorithmReport, Context, Rescaled
 from lowbit.qarray import QArray
 
@@ -69,11 +70,13 @@ def spanning_processes(x: Any) -> bool:
 
 
 def held_whole(x: Any) -> bool:
-    """Whether this process holds all of `x`: a host array, an array on its own devices, or
-    one replicated (over a `NamedSharding`) on every process."""
-    if not spanning_processes(x):
+    """Whether this process holds all of `x` on each of its devices: a host array, or an
+    array replicated over its devices (over a `NamedSharding` where they span processes)."""
+    if not isinstance(x, jax.Array):
         return True
-    return isinstance(x.sharding, NamedSharding) and x.sharding.is_fully_replicated
+    if spanning_processes(x) and not isinstance(x.sharding, NamedSharding):
+        return False
+    return x.sharding.is_fully_replicated
 
 
 def local_copy(x: Any) -> Any:
@@ -143,20 +146,60 @@ def local_context(ctx: Context, report: AlgorithmReport) -> Context:
 
 @dataclasses.dataclass(frozen=True)
 class _Solved:
-    """What a process sends for one weight: the QArray's host arrays and its report lines, or
-    the error it raised (re-raised on every process, so none waits for a missing result)."""
+    """What a process sends for one weight: the QArray's leaves on the host and its report
+    lines, or the error it raised (re-raised on every process, so none waits for a missing
+    result)."""
 
-    qarray: QArray | None
+    leaves: list[np.ndarray]
     applied: str | None
     notes: list[str]
-    error: BaseException | None = None
+    error: tuple[str, str] | None = None  # (exception class name, message)
+
+
+# Exceptions a solve raises that keep their type on the other processes; others arrive as the
+# first of these they derive from (RuntimeError if none), their message naming their type.
+_ERRORS = {e.__name__: e for e in (ValueError, CalibrationError, TypeError, RuntimeError)}
+
+
+def _encode(solved: _Solved) -> bytes:
+    """`solved` as bytes: an 8-byte header length, a JSON header (report lines, error, each
+    leaf's dtype and shape), then each leaf's raw bytes (bit for bit)."""
+    leaves = [np.ascontiguousarray(leaf) for leaf in solved.leaves]
+    header = json.dumps(
+        {
+            "applied": solved.applied,
+            "notes": solved.notes,
+            "error": solved.error,
+            "leaves": [[leaf.dtype.name, list(leaf.shape)] for leaf in leaves],
+        }
+    ).encode()
+    return b"".join([len(header).to_bytes(8, "little"), header, *(a.tobytes() for a in leaves)])
+
+
+def _decode(data: bytes) -> _Solved:
+    """The `_Solved` that `_encode` wrote."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n].decode())
+    leaves, offset = [], 8 + n
+    for name, shape in header["leaves"]:
+        dtype = jnp.dtype(name)
+        size = int(np.prod(shape)) * dtype.itemsize
+        leaves.append(np.frombuffer(data, dtype, int(np.prod(shape)), offset).reshape(shape))
+        offset += size
+    error = header["error"]
+    return _Solved(
+        leaves, header["applied"], header["notes"], None if error is None else tuple(error)
+    )
 
 
 def _place_like(weight: Any) -> Callable[[np.ndarray], jax.Array]:
-    """Puts a host array where a result for `weight` would be: replicated over the weight's
-    mesh when the weight spans processes, else on this process's default device."""
-    if not spanning_processes(weight):
+    """Puts a host array where a result for a `held_whole` `weight` would be: replicated over
+    the weight's devices (its mesh for a `NamedSharding`); a host weight's on this process's
+    default device."""
+    if not isinstance(weight, jax.Array):
         return jnp.asarray
+    if not isinstance(weight.sharding, NamedSharding):
+        return lambda host: jax.device_put(host, weight.sharding)
     mesh = weight.sharding.mesh
 
     def place(host: np.ndarray) -> jax.Array:
@@ -195,6 +238,8 @@ class SpreadSolves:
       solve: ``solve(path, ctx) -> QArray`` on this process's copies, filling ``ctx.report``.
       ctx: the calibration context (statistics, report, strict, factor cache).
       weights: ``weights(path)``: the float weight (where results are placed like it).
+      template: ``template(path)``: a QArray with the structure of the solve's result (its
+        rounding to nearest, on this process's copy).
     """
 
     def __init__(
@@ -204,6 +249,7 @@ class SpreadSolves:
         solve: Callable[[str, Context], QArray],
         ctx: Context,
         weights: Callable[[str], Any],
+        template: Callable[[str], QArray],
     ):
         self.processes = jax.process_count()
         self.me = jax.process_index()
@@ -216,6 +262,8 @@ class SpreadSolves:
         self.solve = solve
         self.ctx = ctx
         self.weights = weights
+        self.template = template
+        self.treedefs: dict[str, Any] = {}  # of the weights solved here
         self.done: dict[str, _Solved] = {}
 
     def __contains__(self, path: str) -> bool:
@@ -228,13 +276,20 @@ class SpreadSolves:
             self._round()
         solved = self.done.pop(path)
         if solved.error is not None:
-            raise solved.error
+            kind, message = solved.error
+            raise _ERRORS.get(kind, RuntimeError)(message)
         if solved.applied is not None:
             self.ctx.report.applied[path] = solved.applied
         self.ctx.report.notes += solved.notes
         self.ctx.report.solved_by[path] = self.owner[path]
         place = _place_like(self.weights(path))
-        return jax.tree.map(place, solved.qarray)
+        # The solve returns its rounding-to-nearest QArray with new codes: that QArray's
+        # structure, which every process can make for itself.
+        treedef = self.treedefs.pop(path, None)
+        if treedef is None:
+            with _no_mesh():
+                treedef = jax.tree.structure(self.template(path))
+        return jax.tree.unflatten(treedef, [place(leaf) for leaf in solved.leaves])
 
     def _round(self) -> None:
         r = self.rounds
@@ -242,12 +297,10 @@ class SpreadSolves:
         queue = self.queues[self.me]
         payload = b""
         if r < len(queue):
-            payload = pickle.dumps(self._solve_one(queue[r]))
-        # Peers of one SPMD program: the bytes are what the same code pickled on another
-        # process of this run.
+            payload = _encode(self._solve_one(queue[r]))
         for p, data in enumerate(_allgather_bytes(payload)):
             if r < len(self.queues[p]):
-                self.done[self.queues[p][r]] = pickle.loads(data)
+                self.done[self.queues[p][r]] = _decode(data)
 
     def _solve_one(self, path: str) -> _Solved:
         before = self.ctx.report.applied.get(path)
@@ -258,14 +311,15 @@ class SpreadSolves:
             with _no_mesh():
                 q = self.solve(path, local_context(self.ctx, report))
         except Exception as error:  # noqa: BLE001 - re-raised on every process
-            note = f" (raised on process {self.me}, which solved {path!r})"
-            try:
-                error = type(error)(f"{error}{note}")
-            except Exception:  # noqa: BLE001 - an exception type taking other arguments
-                error = RuntimeError(f"{type(error).__name__}: {error}{note}")
-            return _Solved(None, None, [], error)
-        host = jax.tree.map(np.asarray, q)
-        return _Solved(host, report.applied.get(path), report.notes)
+            message = f"{error} (raised on process {self.me}, which solved {path!r})"
+            known = [c.__name__ for c in type(error).__mro__ if c.__name__ in _ERRORS]
+            kind = known[0] if known else "RuntimeError"
+            if kind != type(error).__name__:
+                message = f"{type(error).__name__}: {message}"
+            return _Solved([], None, [], (kind, message))
+        self.treedefs[path] = jax.tree.structure(q)
+        leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(q)]
+        return _Solved(leaves, report.applied.get(path), report.notes)
 
 
 def digest(text: str) -> bytes:
@@ -312,6 +366,7 @@ def plan_spread(
     ctx: Context,
     weights: Callable[[str], Any],
     solve: Callable[[str, Context], QArray],
+    template: Callable[[str], QArray],
 ) -> SpreadSolves | None:
     """The GPTQ weights among `paths` to spread over the processes, or None where nothing is.
 
@@ -324,7 +379,7 @@ def plan_spread(
       paths: GPTQ weights in the order their results will be asked for.
       ctx: the calibration context.
       weights: ``weights(path)``: the float weight.
-      solve: as for `SpreadSolves`.
+      solve, template: as for `SpreadSolves`.
     """
     if jax.process_count() == 1 or ctx.statistics is None:
         return None
@@ -333,4 +388,4 @@ def plan_spread(
     chosen = [p for p in paths if held_whole(weights(p)) and stats_held_whole(ctx.statistics, p)]
     base = ctx.statistics.base if isinstance(ctx.statistics, Rescaled) else ctx.statistics
     costs = [gptq_cost(np.shape(weights(p)), base.for_path(p)) for p in chosen]
-    return SpreadSolves(chosen, costs, solve, ctx, weights) if chosen else None
+    return SpreadSolves(chosen, costs, solve, ctx, weights, template) if chosen else None

@@ -221,7 +221,13 @@ def round_with_algorithms(
             and p not in out
             and all(held_whole(f) for f, _ in factors.get(p, []))
         ]
-        spread = plan_spread(gptq, ctx, floats.__getitem__, solve_here)
+        spread = plan_spread(
+            gptq,
+            ctx,
+            floats.__getitem__,
+            solve_here,
+            lambda path: nearest_of(path)(local_copy(floats[path])),
+        )
     for n, (path, (decision, rule)) in enumerate(wanted.items()):
         if spread is not None and path in spread:
             out[path] = spread.result(path)

@@ -15,6 +15,7 @@ from lowbit.algorithms._spread import (
     local_copy,
 )
 from lowbit.api import AlgorithmOptions
+from lowbit.qarray import QArray
 
 
 def test_assign_gives_largest_first_to_least_loaded():
@@ -99,3 +100,57 @@ def test_one_process_solves_every_weight_and_reports_no_spread():
         results.append(np.asarray(q["a"]["kernel"].codes))
     assert solved == ["a/kernel", "a/kernel"]
     np.testing.assert_array_equal(results[0], results[1])
+
+
+def _solves(solve):
+    """`SpreadSolves` over two weights in this one process (its exchanges run as with many)."""
+    from lowbit.algorithms._rounding import Context
+    from lowbit.algorithms._spread import SpreadSolves
+
+    ctx = Context(statistics=None, report=AlgorithmReport())
+    floats = {"a": np.ones((64, 32), np.float32), "b": np.full((64, 32), 2.0, np.float32)}
+    return SpreadSolves(["a", "b"], [1.0, 2.0], solve, ctx, floats.__getitem__, _rtn), ctx
+
+
+def _rtn(path):
+    w = np.full((64, 32), ord(path), np.float32)
+    return lowbit.quantize({"a": {"kernel": w}}, "int4w_g32_asym", kernel_layouts=False)["a"][
+        "kernel"
+    ]
+
+
+def test_spread_solves_exchange_the_qarray_and_the_report(monkeypatch):
+    import lowbit.algorithms._spread as spread
+
+    monkeypatch.setattr(spread, "local_context", lambda ctx, report: ctx.__class__(None, report))
+
+    def solve(path, ctx):
+        ctx.report.applied[path] = f"solved {path}"
+        ctx.report.notes.append(f"note {path}")
+        return _rtn(path)
+
+    solves, ctx = _solves(solve)
+    solves._round()  # "a" solved and exchanged;
+    solves.treedefs.clear()  # rebuilt as a process that did not solve it does
+    a, b = solves.result("a"), solves.result("b")
+    assert ctx.report.applied == {"a": "solved a", "b": "solved b"}
+    assert ctx.report.notes == ["note a", "note b"]
+    assert ctx.report.solved_by == {"a": 0, "b": 0}
+    assert isinstance(a, QArray) and isinstance(a.codes, jax.Array)
+    np.testing.assert_array_equal(a.dequantize(), np.full((64, 32), ord("a"), np.float32))
+    np.testing.assert_array_equal(b.dequantize(), np.full((64, 32), ord("b"), np.float32))
+
+
+def test_an_error_in_a_spread_solve_is_raised_naming_the_process(monkeypatch):
+    import lowbit.algorithms._spread as spread
+
+    monkeypatch.setattr(spread, "local_context", lambda ctx, report: ctx.__class__(None, report))
+
+    def solve(path, ctx):
+        raise ValueError(f"{path}: Hessian singular (strict mode)")
+
+    solves, _ = _solves(solve)
+    with pytest.raises(
+        ValueError, match=r"b: Hessian singular .* \(raised on process 0, which solved 'b'\)"
+    ):
+        solves.result("b")
