@@ -57,11 +57,14 @@ class AlgorithmReport:
         ``"rtn: Hessian singular after dampening"``.
       notes: other remarks (fallbacks per layer).
       statistics: the captured `Statistics` (None for data-free recipes).
+      solved_by: {path: process index} of the weights whose GPTQ solve was spread over the
+        processes of a multi-process program (the same on every process; empty with one).
     """
 
     applied: dict[str, str] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
     statistics: Statistics | None = None
+    solved_by: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def lines(self) -> list[str]:
         return [f"{path}: {what}" for path, what in self.applied.items()] + self.notes

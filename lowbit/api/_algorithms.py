@@ -34,6 +34,13 @@ from lowbit.algorithms._smooth import (
     plan_folds,
     scale_leaf,
 )
+from lowbit.algorithms._spread import (
+    check_same_everywhere,
+    held_whole,
+    local_copy,
+    plan_spread,
+    stats_span_processes,
+)
 from lowbit.ops._host_memory import release_free_memory
 from lowbit.qarray import QArray
 from lowbit.recipes import GPTQ, Recipe, map_params, param_leaves
@@ -54,6 +61,10 @@ class AlgorithmOptions:
         calibration batches again (so they must be re-iterable, e.g. a list).
       on_batch: progress, called with the number of calibration batches done.
       on_weight: progress, called with (weights done, total) of the algorithms' weights.
+      spread: in a program of several processes (``jax.distributed``) calibrating on
+        statistics summed across them, give each GPTQ weight's solve to one process and
+        exchange the results (the same quantized tree on every process, bit for bit); False:
+        every process solves every weight.
     """
 
     row_mask: Callable[..., Any] | None = None
@@ -61,6 +72,7 @@ class AlgorithmOptions:
     sequential: int = 1
     on_batch: Callable[[int], None] | None = None
     on_weight: Callable[[int, int], None] | None = None
+    spread: bool = True
 
     def __post_init__(self):
         if not isinstance(self.sequential, int) or self.sequential < 1:
@@ -127,6 +139,8 @@ def round_with_algorithms(
             on_batch=options.on_batch,
         )
     report.statistics = statistics
+    if stats_span_processes(statistics, data_paths):
+        check_same_recipe(recipe)  # before the processes go different ways
     sequential = options.sequential
     if sequential > 1 and (fn is None or calibration is None):
         raise ValueError(
@@ -188,8 +202,36 @@ def round_with_algorithms(
         }
         _sequential_gptq(gptq, wanted, folded, rtn_leaves, ctx, fn, calibration, options, out)
         del folded, rtn_leaves
+
+    def solve_here(path: str, local_ctx: Context) -> QArray:
+        """`path` rounded by its algorithm on this process's copies (a spread solve)."""
+        decision, rule = wanted[path]
+        w = local_copy(floats[path])
+        if path in factors:
+            w = scale_leaf(w, [(local_copy(f), axis) for f, axis in factors[path]])
+        rounding = rounding_for(rule.algorithm)
+        return rounding.round(path, w, decision.config, nearest_of(path), local_ctx)
+
+    spread = None
+    if options.spread:
+        gptq = [
+            p
+            for p, (_, rule) in wanted.items()
+            if isinstance(rule.algorithm, GPTQ)
+            and p not in out
+            and all(held_whole(f) for f, _ in factors.get(p, []))
+        ]
+        spread = plan_spread(
+            gptq,
+            ctx,
+            floats.__getitem__,
+            solve_here,
+            lambda path: nearest_of(path)(local_copy(floats[path])),
+        )
     for n, (path, (decision, rule)) in enumerate(wanted.items()):
-        if path not in out:  # else done by a sequential pass
+        if spread is not None and path in spread:
+            out[path] = spread.result(path)
+        elif path not in out:  # else done by a sequential pass
             rounding = rounding_for(rule.algorithm)
             out[path] = rounding.round(path, scaled(path), decision.config, nearest_of(path), ctx)
         if path in in_op:
@@ -198,6 +240,21 @@ def round_with_algorithms(
         if options.on_weight is not None:
             options.on_weight(n + 1, len(wanted))
     return params, out
+
+
+def check_same_recipe(recipe: Recipe) -> None:
+    """Raises unless every process quantizes with the same recipe (a collective)."""
+    try:
+        text = recipe.to_json()
+    except Exception:  # noqa: BLE001 - a recipe JSON cannot carry: compare its repr
+        text = repr(recipe)
+    check_same_everywhere(
+        "recipe",
+        recipe.name,
+        text,
+        "every process must quantize with the same recipe (same rules, formats and algorithm "
+        "settings): build it the same way on each",
+    )
 
 
 def _sequential_gptq(paths, wanted, params, rtn_leaves, ctx, fn, calibration, options, out) -> None:

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from lowbit.algorithms import AlgorithmReport, check_algorithm
-from lowbit.api._algorithms import AlgorithmOptions, round_with_algorithms
+from lowbit.algorithms._spread import spanning_processes
+from lowbit.api._algorithms import AlgorithmOptions, check_same_recipe, round_with_algorithms
 from lowbit.api._trace import layout_axes, trace_params
 from lowbit.formats import FORMATS
 from lowbit.ops import is_prepared, prepare_weights
@@ -241,6 +242,10 @@ def quantize_params(
       ('QArray', (3,))
     """
     recipe = as_recipe(recipe)
+    if any(spanning_processes(leaf) for _, leaf in param_leaves(params)):
+        # Every process is in this call together (its arrays span them): a process with
+        # another recipe would compute other programs and wait on collectives forever.
+        check_same_recipe(recipe)
     recipe.check_shapes(params)  # a plan chosen for another model names the first mismatch
     decisions = check_decisions(recipe, params, uses, layout_axes)
     wanted = {p: v for p, v in _with_algorithm(recipe, decisions).items() if p not in skip}
