@@ -435,7 +435,9 @@ def _decode() -> tuple[list[str], bool | None]:
         "On 3 processes the step's all-reduces, timed alone, take "
         f"{tp_run['allreduce_step_ms']:.1f} of its {tp_run['step_ms']:.1f} ms "
         f"({tp_run['allreduce_step_ms'] / tp_run['step_ms']:.0%}); in one process with 3 "
-        f"devices {tp_dev['allreduce_step_ms']:.1f} of {tp_dev['step_ms']:.1f} ms. The rest "
+        f"devices {tp_dev['allreduce_step_ms']:.1f} of {tp_dev['step_ms']:.1f} ms (gloo over "
+        "loopback against in-process copies; with 3 processes on 2 cores an all-reduce also "
+        "waits for whichever process the OS has descheduled). The rest "
         "is compute on 2 cores split 3 ways (each device does a third of the attention and "
         "MLP work; the embedding, norms and the 49152-row output projection are repeated on "
         "every device).",
