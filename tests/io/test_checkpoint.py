@@ -20,6 +20,7 @@ from lowbit.formats import FORMATS, GGUFBlockFormat
 from lowbit.io import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
 from lowbit.io import _atomic as atomic_module
 from lowbit.io import _checkpoint as checkpoint_module
+from lowbit.io import _checkpoint_dir as dir_module
 from lowbit.io import _checkpoint_writer as writer_module
 from lowbit.io._safetensors_file import (
     read_file_header,
@@ -363,7 +364,9 @@ def test_failed_write_leaves_old_checkpoint(good, tmp_path, monkeypatch, stage):
         raise OSError("disk full")
 
     owner, _, name = stage.rpartition(".")
-    monkeypatch.setattr(getattr(writer_module, owner) if owner else writer_module, name, crash)
+    # The manifest write and the swap are the publish step, `_checkpoint_dir`'s.
+    module = writer_module if owner else dir_module
+    monkeypatch.setattr(getattr(module, owner) if owner else module, name, crash)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(path, {"other": jnp.zeros(3)})
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before

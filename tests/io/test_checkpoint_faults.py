@@ -56,7 +56,7 @@ _SAVER = (
     _TREE
     + """
 import os, signal, sys, warnings
-from lowbit.io import _checkpoint_writer as _checkpoint, save_checkpoint
+from lowbit.io import _checkpoint_dir as _checkpoint, save_checkpoint  # the publish step swaps
 
 # JAX warns about every fork because its runtime threads could hold locks; this process never
 # runs a JAX computation, and the forked saver runs only NumPy and file I/O.

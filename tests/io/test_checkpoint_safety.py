@@ -14,7 +14,7 @@ from lowbit import cli
 from lowbit.io import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
 from lowbit.io import _atomic as atomic_module
 from lowbit.io import _checkpoint as checkpoint_module
-from lowbit.io import _checkpoint_writer as writer_module
+from lowbit.io import _checkpoint_dir as dir_module
 from lowbit.qarray import quantize
 
 OLD = {"w": jnp.arange(6, dtype=jnp.float32), "b": jnp.ones(2)}
@@ -119,13 +119,13 @@ def test_save_fills_an_empty_directory_and_replaces_its_own_checkpoints(tmp_path
 def test_save_checks_again_before_the_swap(tmp_path, monkeypatch):
     path = tmp_path / "out"
     save_checkpoint(path, OLD)
-    real_write = writer_module.write_file
+    real_write = dir_module.write_file  # the publish step writes the manifest
 
     def write_while_a_user_adds_a_file(*args):
         (path / "notes.txt").write_text("added meanwhile")
         real_write(*args)
 
-    monkeypatch.setattr(writer_module, "write_file", write_while_a_user_adds_a_file)
+    monkeypatch.setattr(dir_module, "write_file", write_while_a_user_adds_a_file)
     with pytest.raises(ValueError, match="holds 'notes.txt'"):
         save_checkpoint(path, NEW)
     assert (path / "notes.txt").read_text() == "added meanwhile"
