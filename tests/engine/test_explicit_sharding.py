@@ -50,6 +50,19 @@ def test_sharded_weights_run_and_keep_their_sharding(recipe, spec):
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("spec", [COLUMNS, ROWS], ids=["columns", "rows"])
+def test_a_one_device_explicit_mesh_gets_the_kernel_layout(spec):
+    # `jax.make_mesh` gives explicit axes by default: one device is the common case.
+    expected = _run(lowbit.quantize({"kernel": W}, "int4w_g32_asym"), X)
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    w = jax.device_put(W, NamedSharding(mesh, spec))
+    params = lowbit.quantize({"kernel": w}, "int4w_g32_asym")
+    assert not isinstance(params["kernel"], QArray)  # laid out for the CPU kernel
+    with jax.set_mesh(mesh):
+        out = _run(params, jax.device_put(X, NamedSharding(mesh, P())))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-4, rtol=2e-4)
+
+
 def test_a_group_that_straddles_two_shards_is_refused_with_the_parameter():
     mesh = _mesh()
     with jax.set_mesh(mesh):
