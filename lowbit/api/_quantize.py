@@ -315,11 +315,6 @@ def quantize_params(
         if isinstance(leaf, QArray) and axis is not None and _on_cpu(leaf):
             axes[tuple(keys)] = axis
     del flat
-    quantized = jax.tree_util.tree_map_with_path(
-        lambda keys, leaf: jax.tree.map(_untyped, leaf) if tuple(keys) in axes else leaf,
-        quantized,
-        is_leaf=lambda x: isinstance(x, QArray),
-    )
     prepared = prepare_weights(quantized, axes)
     return jax.tree_util.tree_map_with_path(
         lambda keys, leaf: _unless_rows_need_codes(tuple(keys), leaf),
@@ -334,21 +329,6 @@ def _on_cpu(q: QArray) -> bool:
     if not isinstance(codes, jax.Array) or isinstance(codes, jax.core.Tracer):
         return False
     return all(device.platform == "cpu" for device in codes.devices())
-
-
-def _explicit(x: jax.Array) -> bool:
-    mesh = getattr(x.sharding, "mesh", None)
-    types = getattr(mesh, "axis_types", ())
-    return any(t == jax.sharding.AxisType.Explicit for t in types)
-
-
-def _untyped(x: Any) -> Any:
-    """An array on a one-device mesh with explicit axes, as a plain one-device array (the same
-    buffer): its layout program is then built like any other's, where the explicit type would
-    ask every reshape for an output sharding. Other arrays unchanged."""
-    if isinstance(x, jax.Array) and _explicit(x) and len(x.devices()) == 1:
-        return jax.device_put(x, jax.sharding.SingleDeviceSharding(next(iter(x.devices()))))
-    return x
 
 
 # Flax names -> the axis a use contracts: a `Linear` / `Dense` ``kernel`` is `[in, out]`; an

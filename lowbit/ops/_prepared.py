@@ -365,7 +365,7 @@ def prepare_leaves(
         if isinstance(leaf, QArray):
             axis = lookup(tuple(keys))
             if axis is not None:
-                flat[i] = (keys, prepare_weight(leaf, axis))
+                flat[i] = (keys, prepare_weight(jax.tree.map(_untyped, leaf), axis))
         elif isinstance(leaf, PreparedQArray):
             # Laid out by convention (a `kernel` contracted over axis 0) but used along the
             # other axis: laid out again for the use, else every call would unpack it.
@@ -373,6 +373,21 @@ def prepare_leaves(
             if axis is not None and axis != leaf.axis:
                 flat[i] = (keys, prepare_weight(leaf.logical(), axis))
         del leaf
+
+
+def _explicit(x: jax.Array) -> bool:
+    mesh = getattr(x.sharding, "mesh", None)
+    types = getattr(mesh, "axis_types", ())
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def _untyped(x: Any) -> Any:
+    """An array on a one-device mesh with explicit axes, as a plain one-device array (the same
+    buffer): its layout program is then built like any other's, where the explicit type would
+    ask every reshape for an output sharding. Other arrays unchanged."""
+    if isinstance(x, jax.Array) and _explicit(x) and len(x.devices()) == 1:
+        return jax.device_put(x, jax.sharding.SingleDeviceSharding(next(iter(x.devices()))))
+    return x
 
 
 def prepare_weights(tree: Any, axes: Mapping[Any, int] | Callable[[Any], int | None]) -> Any:
