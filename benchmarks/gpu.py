@@ -12,6 +12,9 @@ plus the bf16 activations read, once per product; TFLOP/s counts 2 M K N.
 For int4, a few tile configurations are timed per shape and the fastest is reported (its
 tiles in the last column); NF4 reuses int4's choice at the same shape.
 
+The int8 and fp8 GEMMs are also timed alone at 8192² with the weight stored [K, N] and [N, K]:
+cuBLASLt reads it K-major, and the w8a8 / fp8 rows above store it that way.
+
 Decode: a SmolLM2-135M-shaped `lowbit.models.Llama` with random bf16 weights (float, `int8w`,
 `int4w_g64` recipes) through `lowbit.models.stream_tokens`, batch 1 and 8: tokens per second
 of the compiled decode loop (prefill and compilation excluded).
@@ -39,8 +42,8 @@ SIZES = (4096, 8192)
 BATCHES = (1, 16, 256, 4096)
 PATHS = (
     "bf16 (XLA)",
-    "w8a8 int8 (XLA)",
-    "fp8 e4m3 (XLA)",
+    "w8a8 int8, W [N, K] (XLA)",
+    "fp8 e4m3, W [N, K] (XLA)",
     "int4 g128 (Pallas)",
     "nf4 g64 (Pallas)",
 )
@@ -56,8 +59,11 @@ MEASUREMENTS = 5
 MIN_CALL_SECONDS = 0.02  # each measurement runs calls until about this long
 # Budgets from the start: no matmul row starts after the first, no decode row after the
 # second (a decode row compiles a 30-layer model twice: it needs a margin). Rows left say so.
-MATMUL_BUDGET_S, DECODE_BUDGET_S = 200.0, 240.0
+MATMUL_BUDGET_S, LAYOUT_BUDGET_S, DECODE_BUDGET_S = 200.0, 230.0, 270.0
+# The int8 / fp8 GEMMs alone (no activation quantization) with the weight stored either way.
+LAYOUT_SIZE, LAYOUT_BATCHES = 8192, (16, 256, 4096)
 # int4 tile candidates (block_m, block_n, block_k, split_k, num_warps; 0 = choose).
+ROW_TILES = ((0, 0, 0, 0, 0), (0, 256, 128, 0, 0), (0, 0, 0, 8, 0), (0, 0, 0, 0, 8))
 SMALL_M_TILES = ((0, 0, 0, 0, 0), (0, 64, 128, 0, 0))
 LARGE_M_TILES = ((0, 0, 0, 0, 0), (128, 128, 64, 0, 8), (128, 256, 64, 1, 8))
 SMOKE = os.environ.get("LOWBIT_BENCH_SMOKE", "") not in ("", "0")
@@ -66,7 +72,8 @@ if SMOKE:
     SIZES, BATCHES, UNROLL, MEASUREMENTS, MIN_CALL_SECONDS = (256,), (1, 16), 2, 1, 0.0
     LLAMA_SHAPE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128)
     LLAMA_VOCAB, DECODE_CHUNK, DECODE_CHUNKS = 256, 2, 2
-    SMALL_M_TILES, LARGE_M_TILES = SMALL_M_TILES[:2], LARGE_M_TILES[:2]
+    LAYOUT_SIZE, LAYOUT_BATCHES = 256, (16,)
+    ROW_TILES, SMALL_M_TILES, LARGE_M_TILES = ROW_TILES[:2], SMALL_M_TILES[:2], LARGE_M_TILES[:2]
 
 
 @dataclasses.dataclass
@@ -127,16 +134,19 @@ def _time_product(fn: Callable, x: jax.Array, w: Any) -> float:
 
 # --- weights ------------------------------------------------------------------------------------
 def _weights(k: int, key: jax.Array) -> dict[str, Any]:
-    """Every path's weight for a [k, k] random matrix (quantized on the device)."""
+    """Every path's weight for a [k, k] random matrix (quantized on the device).
+
+    w8a8 and fp8 weights are stored [N, K] (scales [N, 1]), the layout cuBLASLt reads.
+    """
     from lowbit.qarray import PerChannel, PerGroup, QuantConfig, quantize
 
     w = jax.random.normal(key, (k, k), jnp.float32) / np.sqrt(k)
     with_activation = lambda q, fmt: dataclasses.replace(q, activation=QuantConfig(format=fmt))
-    per_channel = PerChannel((1,))
+    rows = PerChannel((0,))  # of w.T [N, K]: one scale an output channel
     out = {
         BASELINE: w.astype(jnp.bfloat16),
-        PATHS[1]: with_activation(quantize(w, "int8", granularity=per_channel), "int8"),
-        PATHS[2]: with_activation(quantize(w, "fp8_e4m3fn", granularity=per_channel), "fp8"),
+        PATHS[1]: with_activation(quantize(w.T, "int8", granularity=rows), "int8"),
+        PATHS[2]: with_activation(quantize(w.T, "fp8_e4m3fn", granularity=rows), "fp8"),
         PATHS[3]: quantize(w, "int4", granularity=PerGroup(128, 0)),
         PATHS[4]: quantize(w, "nf4", granularity=PerGroup(64, 0)),
     }
@@ -153,9 +163,9 @@ def _product(path: str, tiles: tuple[int, ...] = ()) -> Callable:
     if path == BASELINE:
         return lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
     if path == PATHS[1]:
-        return pallas.int8_matmul
+        return lambda x, w: pallas.int8_matmul(x, w, contract_axis=1)
     if path == PATHS[2]:
-        return pallas.fp8_matmul
+        return lambda x, w: pallas.fp8_matmul(x, w, contract_axis=1)
     names = ("block_m", "block_n", "block_k", "split_k", "num_warps")
     kwargs = {n: v for n, v in zip(names, tiles, strict=False) if v}
     return lambda x, w: pallas.weight_only_matmul(x, w, interpret=not _has_gpu(), **kwargs)
@@ -167,6 +177,12 @@ def _tiles_label(m: int, w: Any, tiles: tuple[int, ...]) -> str:
     names = ("m", "n", "k", "split_k", "num_warps")
     want = pallas.Blocks(**dict(zip(names, (*tiles, 0, 0, 0, 0, 0)[:5], strict=True)))
     return str(pallas.blocks_for(w, m, want))
+
+
+def _int4_candidates(m: int) -> tuple[tuple[int, ...], ...]:
+    if m == 1:
+        return ROW_TILES
+    return SMALL_M_TILES if m <= 64 else LARGE_M_TILES
 
 
 def _nf4_candidates(int4_tiles: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -213,7 +229,7 @@ def _matmul_rows(deadline: float) -> list[Row]:
                     continue
                 try:
                     if path == PATHS[3]:
-                        candidates = SMALL_M_TILES if m <= 64 else LARGE_M_TILES
+                        candidates = _int4_candidates(m)
                         row.seconds, row.tiles, chosen = _time_pallas(
                             path, m, x, weights[path], candidates, deadline
                         )
@@ -230,6 +246,47 @@ def _matmul_rows(deadline: float) -> list[Row]:
                 print(f"[gpu] K=N={k} M={m} {path}: {_ms(row)}", file=sys.stderr, flush=True)
         del weights
     return rows
+
+
+# --- weight layout of the int8 / fp8 GEMMs ------------------------------------------------------
+def _layout_rows(deadline: float) -> list[tuple[str, int, str, str]]:
+    """(GEMM, M, weight layout, ms text): XLA's int8 -> int32 and fp8 -> float32 dots with the
+    weight stored [K, N] (contracted on axis 0) or [N, K] (axis 1)."""
+    k = LAYOUT_SIZE
+    key = jax.random.key(1)
+    w = jax.random.normal(key, (k, k), jnp.float32) / np.sqrt(k)
+    gemms = (
+        ("int8", jnp.int8, jnp.int32, 300.0),
+        ("fp8 e4m3", jnp.float8_e4m3fn, jnp.float32, 50.0),
+    )
+    out = []
+    for label, dtype, acc, gain in gemms:
+        stored = {"[K, N]": (w * gain).astype(dtype), "[N, K]": (w.T * gain).astype(dtype)}
+        for m in LAYOUT_BATCHES:
+            x = (jax.random.normal(jax.random.fold_in(key, m), (m, k)) * 20).astype(dtype)
+            for layout, weight in stored.items():
+                axis = 0 if layout == "[K, N]" else 1
+                dims = (((1,), (axis,)), ((), ()))
+                fn = lambda x, w, dims=dims, acc=acc: jax.lax.dot_general(
+                    x, w, dims, preferred_element_type=acc
+                )
+                text = "not measured (time budget)"
+                if time.perf_counter() <= deadline:
+                    try:
+                        text = f"{_time_product(fn, x, weight) * 1e3:.4f}"
+                    except Exception as e:
+                        text = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                out.append((label, m, layout, text))
+                print(f"[gpu] {label} GEMM M={m} W {layout}: {text}", file=sys.stderr, flush=True)
+    return out
+
+
+def _layout_table(rows: list[tuple[str, int, str, str]]) -> list[str]:
+    lines = [
+        f"| GEMM ({LAYOUT_SIZE}²) | M | weight stored | median ms |",
+        "| --- | ---: | --- | ---: |",
+    ]
+    return lines + [f"| {g} | {m} | {layout} | {text} |" for g, m, layout, text in rows]
 
 
 # --- Llama decode -------------------------------------------------------------------------------
@@ -331,7 +388,9 @@ def _device_line() -> str:
     return f"{device.device_kind}, JAX {jax.__version__}"
 
 
-def _report(matmuls: list[Row], decode: list[tuple[str, int, str]], seconds: float) -> str:
+def _report(
+    matmuls: list[Row], layouts: list, decode: list[tuple[str, int, str]], seconds: float
+) -> str:
     today = datetime.date.today().isoformat()
     lines = [
         "## GPU: quantized matmuls and decode",
@@ -344,26 +403,41 @@ def _report(matmuls: list[Row], decode: list[tuple[str, int, str]], seconds: flo
         f"{MEASUREMENTS} measurements, each a run of back-to-back calls of {UNROLL} "
         "products; TB/s = (weight bytes as stored + bf16 activation bytes) / time, TFLOP/s = "
         "2 M K N / time, vs bf16 = bf16 time / this time at the same shape. w8a8 and fp8 include "
-        "the per-token activation quantization; int4 / NF4 are `weight_only_matmul` (Pallas, "
-        "Triton), tiles `block_m x block_n x block_k`, K split, warps.",
+        "the per-token activation quantization, with the weight stored [N, K] (`contract_axis=1`; "
+        "stored [K, N], XLA picks slower GEMMs: see `lowbit.kernels.pallas`); int4 / NF4 are "
+        "`weight_only_matmul` (Pallas, Triton), tiles `block_m x block_n x block_k`, K split, "
+        "warps.",
         "",
         *_matmul_table(matmuls),
+        "",
+        "The int8 and fp8 GEMMs alone (`lax.dot_general`, no activation quantization), the "
+        "weight stored [K, N] (contracted on axis 0, as a Flax kernel) or [N, K]:",
+        "",
+        *_layout_table(layouts),
         "",
         "Decode: SmolLM2-135M-shaped Llama (dim 576, 30 layers, 9 heads / 3 KV heads, ffn "
         f"1536, vocab {LLAMA_VOCAB}), random bf16 weights, `lowbit.models.stream_tokens`, "
         f"{PROMPT}-token prompts, {DECODE_CHUNK} steps per compiled call, timed over "
-        f"{DECODE_CHUNKS - 1} calls after the first. Quantized weights run through the engine's "
-        "ops (its GPU lowering), not yet through the Pallas kernels.",
+        f"{DECODE_CHUNKS - 1} calls after the first. Quantized weights go through the engine's "
+        "quantized `dot_general`: on CUDA, int4 and int8 weight-only layers of at least "
+        "`GPU_MIN_WEIGHT_ELEMENTS` run `weight_only_matmul` (Pallas), smaller ones (all of "
+        "this model's) XLA's fused dequantize-and-dot.",
         "",
         *_decode_table(decode),
     ]
     return "\n".join(lines) + "\n"
 
 
-def _not_measured(reason: str) -> tuple[list[Row], list[tuple[str, int, str]]]:
+def _not_measured(reason: str) -> tuple[list[Row], list, list[tuple[str, int, str]]]:
     rows = [Row(k, m, p, note=reason) for k in SIZES for m in BATCHES for p in PATHS]
+    layouts = [
+        (g, m, layout, reason)
+        for g in ("int8", "fp8 e4m3")
+        for m in LAYOUT_BATCHES
+        for layout in ("[K, N]", "[N, K]")
+    ]
     decode = [(label, b, reason) for label, _ in LLAMA_WEIGHTS for b in LLAMA_BATCHES]
-    return rows, decode
+    return rows, layouts, decode
 
 
 def not_measured() -> str:
@@ -377,8 +451,9 @@ def run() -> str | None:
     if not _has_gpu() and not SMOKE:
         return None
     matmuls = _matmul_rows(start + MATMUL_BUDGET_S)
+    layouts = _layout_rows(start + LAYOUT_BUDGET_S)
     decode = _decode_rows(start + DECODE_BUDGET_S)
-    return _report(matmuls, decode, time.perf_counter() - start)
+    return _report(matmuls, layouts, decode, time.perf_counter() - start)
 
 
 if __name__ == "__main__":

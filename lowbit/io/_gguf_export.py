@@ -57,6 +57,7 @@ from lowbit.models import (
     read_gguf,
     swap_last,
 )
+from lowbit.ops import PreparedQArray
 from lowbit.qarray import QArray
 
 K_FALLBACK = {
@@ -456,7 +457,12 @@ def _leaf(params: Any, path: tuple, *, abstract: bool) -> Any:
         if key not in params:
             return None
         return params.abstract(key) if abstract else params[key]
-    return _lookup(params, path)
+    leaf = _lookup(params, path)
+    if isinstance(leaf, PreparedQArray):
+        # GGUF holds the logical form (as checkpoints do): recovered from the kernel layout,
+        # as shapes only while planning.
+        return jax.eval_shape(PreparedQArray.logical, leaf) if abstract else leaf.logical()
+    return leaf
 
 
 def _abstract(value: Any) -> Any:

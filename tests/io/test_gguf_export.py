@@ -140,6 +140,23 @@ def test_direct_export_keeps_codes(tmp_path):
         )
 
 
+def test_kernel_laid_out_weights_export_as_their_logical_form(tmp_path):
+    """`lowbit.quantize` lays weights out for the CPU kernels; export writes the same file."""
+    import lowbit
+
+    params = _params()
+    prepared = lowbit.quantize(params, "int8w")
+    logical = lowbit.quantize(params, "int8w", kernel_layouts=False)
+    assert any(isinstance(x, lowbit.ops.PreparedQArray) for x in _leaves(prepared))
+    export_gguf(prepared, tmp_path / "a.gguf", config=CONFIG, log=None)
+    export_gguf(logical, tmp_path / "b.gguf", config=CONFIG, log=None)
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+
+
+def _leaves(tree):
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QArray) or hasattr(x, "logical"))
+
+
 def test_k_quant_qarrays_export_directly_and_import_as_stored(tmp_path):
     params = _params()
     quantized = jax.tree.map(

@@ -168,6 +168,23 @@ def test_activation_quantized_products(fmt, fn):
     )
 
 
+@pytest.mark.parametrize("fmt, fn", [("int8", "int8_matmul"), ("fp8_e4m3fn", "fp8_matmul")])
+def test_activation_quantized_products_take_n_k_weights(fmt, fn):
+    """A weight stored [N, K] (contract_axis=1, the layout cuBLASLt reads) gives the product
+    of the same weight stored [K, N]."""
+    w = np.random.default_rng(3).standard_normal((256, 128)).astype(np.float32)
+    kn = with_activation(quantize(jnp.asarray(w), fmt, granularity=PerChannel((1,))), fmt)
+    nk = with_activation(quantize(jnp.asarray(w.T), fmt, granularity=PerChannel((0,))), fmt)
+    x = activations(5, 256, jnp.float32)
+    want = getattr(pallas, fn)(x, kn)
+    got = getattr(pallas, fn)(x, nk, contract_axis=1)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match=r"\[N, K\].*contract_axis=1"):
+        getattr(pallas, fn)(x, kn, contract_axis=1)  # scales [1, N]: per input channel there
+    with pytest.raises(ValueError, match="contract_axis=2"):
+        getattr(pallas, fn)(x, nk, contract_axis=2)
+
+
 def test_matmul_dispatches_and_falls_back():
     x = activations(3, 128, jnp.float32)
     for q in (

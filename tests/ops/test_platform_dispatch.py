@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowbit.ops import dot_general
+from lowbit.ops import _dot_general, dot_general
 from lowbit.ops._platform import by_platform_p
 from lowbit.qarray import PerGroup, quantize
 
@@ -21,6 +21,13 @@ pytestmark = pytest.mark.filterwarnings(
 
 DIMS = (((1,), (0,)), ((), ()))
 K, N = 512, 256
+
+
+@pytest.fixture(autouse=True)
+def route_small_weights(monkeypatch):
+    """The tests below check the routed CUDA branch on small weights; below
+    `GPU_MIN_WEIGHT_ELEMENTS` (a speed choice for real layer sizes) CUDA keeps XLA's product."""
+    monkeypatch.setattr(_dot_general, "GPU_MIN_WEIGHT_ELEMENTS", 0)
 
 
 def _weight(fmt):
@@ -68,3 +75,14 @@ def test_gradient_is_straight_through_on_this_platform():
     want = np.broadcast_to(np.asarray(q.dequantize(jnp.float32)).sum(axis=1), (3, K))
     tol = 1e-2 if jax.default_backend() == "gpu" else 1e-5
     np.testing.assert_allclose(np.asarray(g), want, atol=tol * np.abs(want).max())
+
+
+def test_small_weights_keep_xla_on_cuda(monkeypatch):
+    monkeypatch.setattr(_dot_general, "GPU_MIN_WEIGHT_ELEMENTS", K * N + 1)
+    q = _weight("int4")
+    x = jnp.ones((2, K), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda x, q: dot_general(x, q, DIMS))(x, q).jaxpr
+    for eqn in _equations(jaxpr):
+        if eqn.primitive is by_platform_p:
+            assert "cuda" not in eqn.params["platforms"]
+    assert not any(e.primitive.name == "pallas_call" for e in _equations(jaxpr))
