@@ -26,6 +26,7 @@ from lowbit.algorithms._gptq import gptq_matrix
 from lowbit.algorithms._hqq import hqq_qarray
 from lowbit.algorithms._knapsack import bounds as knapsack_bounds
 from lowbit.algorithms._knapsack import solve as solve_knapsack
+from lowbit.algorithms._knapsack import solve_timed as solve_knapsack_timed
 from lowbit.algorithms._rounding import (
     IMPLEMENTED,
     AlgorithmReport,
@@ -41,7 +42,7 @@ from lowbit.algorithms._rounding import (
     rounding_for,
     sample_rows,
 )
-from lowbit.algorithms._sensitivity import Measured, measure, output_error
+from lowbit.algorithms._sensitivity import Measured, measure, output_error, output_sensitivity
 from lowbit.algorithms._sparsegpt import prune_one, sparsegpt_matrix
 from lowbit.algorithms._walk import activation_rows, batch_args, kept_rows, walk_batch
 
@@ -67,7 +68,9 @@ __all__ = [
     "knapsack_bounds",
     "measure",
     "output_error",
+    "output_sensitivity",
     "solve_knapsack",
+    "solve_knapsack_timed",
     "AlgorithmReport",
     "CalibrationError",
     "Context",

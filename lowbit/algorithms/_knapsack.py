@@ -116,3 +116,61 @@ def _fill(c: list[np.ndarray], e: list[np.ndarray], choice: np.ndarray, budget: 
         i, k = best
         left -= int(c[i][k] - c[i][choice[i]])
         choice[i] = k
+
+
+def solve_timed(
+    costs: Sequence[Sequence[int]],
+    errors: Sequence[Sequence[float]],
+    times: Sequence[Sequence[float]],
+    budget: int,
+    max_time: float,
+    *,
+    steps: int = 60,
+) -> tuple[int, ...]:
+    """`solve` with a second limit: the chosen choices' summed `times` <= `max_time`.
+
+    The time enters as a second multiplier: each choice's error becomes ``error + μ time``,
+    and μ >= 0 is bisected (log scale) to the smallest value whose `solve` meets the time
+    limit, so the error is traded for time only as far as the limit needs.
+
+    Raises:
+      ValueError: as `solve`, or if no choice within the byte budget meets the time limit
+        (naming the fastest total time found).
+    """
+    t = [np.asarray(x, np.float64) for x in times]
+    e = [np.asarray(x, np.float64) for x in errors]
+    if len(t) != len(e) or any(a.shape != b.shape for a, b in zip(t, e, strict=True)):
+        raise ValueError("solve_timed: times need the same choices per item as errors")
+    if any(not np.all(np.isfinite(x) & (x >= 0)) for x in t):
+        raise ValueError("solve_timed: times must be finite and non-negative")
+
+    def took(choice: tuple[int, ...]) -> float:
+        return float(sum(x[j] for x, j in zip(t, choice, strict=True)))
+
+    def with_weight(mu: float) -> tuple[int, ...]:
+        return solve(costs, [a + mu * b for a, b in zip(e, t, strict=True)], budget)
+
+    choice = with_weight(0.0)
+    if took(choice) <= max_time:
+        return choice
+    # Bracket: μ large enough that time outweighs every error difference.
+    spread = max(float(x.max() - x.min()) for x in e) + 1.0
+    step = min(
+        (float(np.diff(np.unique(x)).min()) for x in t if np.unique(x).size > 1), default=1.0
+    )
+    hi = spread / max(step, 1e-12) * 4.0
+    fastest = with_weight(hi)
+    if took(fastest) > max_time:
+        raise ValueError(
+            f"no plan within {budget} bytes takes at most {max_time:.6g} s; the fastest found "
+            f"takes {took(fastest):.6g} s"
+        )
+    lo, best = 0.0, fastest
+    for _ in range(steps):
+        mid = float(np.sqrt(max(lo, hi * 1e-12) * hi))
+        candidate = with_weight(mid)
+        if took(candidate) <= max_time:
+            hi, best = mid, candidate
+        else:
+            lo = mid
+    return best

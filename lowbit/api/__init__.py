@@ -12,6 +12,7 @@ from lowbit.api._budget import (
     plan_within,
 )
 from lowbit.api._calibrate import METHODS, activation_ranges, calibrate, with_activation_bounds
+from lowbit.api._candidate_time import time_candidates
 from lowbit.api._deprecated import (
     deprecated_quantize_model,
     deprecated_quantize_params,
@@ -46,6 +47,7 @@ __all__ = [
     "Measurements",
     "measure_candidates",
     "plan_within",
+    "time_candidates",
     "TensorChoice",
     "budget_bytes",
     "choose_plan",

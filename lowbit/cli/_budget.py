@@ -22,7 +22,8 @@ PLAN_NAME = "plan"
 
 
 def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--bits``, ``--max-bytes``, ``--candidates``, ``--target``, ``--plan-out``, ``--plot``."""
+    """``--bits``, ``--max-bytes``, ``--candidates``, ``--target``, ``--sensitivity``,
+    ``--max-ms-per-token``, ``--plan-out``, ``--plot``."""
     budget = parser.add_argument_group(
         "size budget (instead of --recipe): a format per weight chosen on calibration data"
     )
@@ -50,6 +51,21 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("lowbit", "gguf"),
         help="what stores the plan (default: gguf when --out ends in .gguf, else lowbit)",
     )
+    budget.add_argument(
+        "--sensitivity",
+        choices=("gram", "output"),
+        help="what a candidate's error is: gram (default), each layer's own output error on the "
+        "calibration inputs; output, the model's output change (a Gauss-Newton score from "
+        "backward passes: slower, better plans where layers differ in how much their errors "
+        "reach the output)",
+    )
+    budget.add_argument(
+        "--max-ms-per-token",
+        type=float,
+        metavar="MS",
+        help="also limit the planned weights' kernel time for one token (a decode step), each "
+        "candidate timed on this machine",
+    )
     budget.add_argument("--plan-out", metavar="FILE.json", help="write the plan (a recipe) here")
     budget.add_argument("--plot", metavar="FILE.png", help="draw the bits per layer here")
 
@@ -67,7 +83,11 @@ def budget_requested(args: argparse.Namespace) -> bool:
     if not budget and args.recipe is None:
         raise ValueError("give --recipe NAME|FILE.json, or a budget: --bits B or --max-bytes N")
     if not budget:
-        extra = [f for f in ("candidates", "plan_out", "plot") if getattr(args, f) is not None]
+        extra = [
+            f
+            for f in ("candidates", "sensitivity", "max_ms_per_token", "plan_out", "plot")
+            if getattr(args, f) is not None
+        ]
         if extra:
             flag = "--" + extra[0].replace("_", "-")
             raise ValueError(f"{flag} goes with a budget (--bits / --max-bytes)")
@@ -91,9 +111,15 @@ def run_budget(args: argparse.Namespace) -> int:
     """Chooses, prints and writes a plan, then the quantized model (see module docstring)."""
     from flax import nnx
 
-    from lowbit.api import AlgorithmOptions, choose_plan, quantize_params
+    from lowbit.api import (
+        AlgorithmOptions,
+        measure_candidates,
+        plan_within,
+        quantize_params,
+        time_candidates,
+    )
     from lowbit.api._budget import planned_weights
-    from lowbit.eval import calibrator
+    from lowbit.eval import calibrator, output_sensitivity_of
     from lowbit.recipes import default_candidates, parse_candidates, storable
 
     target = target_of(args)
@@ -104,6 +130,8 @@ def run_budget(args: argparse.Namespace) -> int:
     sequences = args.calibration_sequences
     if sequences is not None and sequences < 1:
         raise ValueError(f"--calibration-sequences={sequences} must be >= 1")
+    if args.max_ms_per_token is not None and not args.max_ms_per_token > 0:
+        raise ValueError(f"--max-ms-per-token={args.max_ms_per_token} must be > 0")
     name = Path(args.plan_out).stem if args.plan_out else PLAN_NAME
     with progress() as bar:
         with step(bar, f"loading {args.model}"):
@@ -114,17 +142,31 @@ def run_budget(args: argparse.Namespace) -> int:
         with step(bar, "calibrating") as on_batch:
             calibrate = calibrator(args.calibration, sequences, on_batch=on_batch)
             statistics = calibrate(loaded, pure, paths, 0)
+        sensitivity = None
+        if args.sensitivity == "output":
+            with step(bar, "output sensitivity (backward passes)"):
+                sensitivity = output_sensitivity_of(
+                    loaded, pure, paths, args.calibration, sequences
+                )
         with step(bar, "measuring candidates") as on_weight:
-            plan = choose_plan(
+            measured = measure_candidates(
                 pure,
                 statistics,
-                bits=args.bits,
-                max_bytes=args.max_bytes,
                 candidates=candidates,
                 target=target,
-                name=name,
                 on_weight=on_weight,
+                sensitivity=sensitivity,
             )
+        if args.max_ms_per_token is not None:
+            with step(bar, "timing candidates") as on_weight:
+                measured = time_candidates(measured, on_weight=on_weight)
+        plan = plan_within(
+            measured,
+            bits=args.bits,
+            max_bytes=args.max_bytes,
+            name=name,
+            max_ms_per_token=args.max_ms_per_token,
+        )
         print(plan)
         if args.plan_out:
             Path(args.plan_out).write_text(plan.recipe.to_json() + "\n", encoding="utf-8")

@@ -1,6 +1,6 @@
 """Evaluation: perplexity, embedding similarity, per-layer SQNR, sizes, speed, reports and plots."""
 
-from lowbit.eval._calibration_set import calibrator
+from lowbit.eval._calibration_set import calibrator, output_sensitivity_of
 from lowbit.eval._corpus import (
     SOTU_SPEECHES,
     default_sentences,
@@ -72,6 +72,7 @@ __all__ = [
     "SpeedResult",
     "SuiteResult",
     "calibrator",
+    "output_sensitivity_of",
     "contraction_axis",
     "cosine_similarity",
     "decode_tokens_per_s",

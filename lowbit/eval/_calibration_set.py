@@ -107,13 +107,7 @@ def calibrator(
     def calibrate(loaded: LoadedModel, params: Any, paths: tuple[str, ...], rows: Any) -> Any:
         from lowbit.algorithms import capture
 
-        text = None if calibration_file is None else read_text(calibration_file)
-        if loaded.kind == "lm":
-            n = SEQUENCES if sequences is None else sequences
-            batches = lm_batches(loaded.tokenizer, text, sequences=n)
-        else:
-            n = ENCODER_SENTENCES if sequences is None else sequences
-            batches = encoder_batches(loaded.tokenizer, text, sequences=n)
+        n, batches = _batches(loaded, calibration_file, sequences)
         fn = model_fn(loaded.model, loaded.kind)
         progress = None if on_batch is None else (lambda done: on_batch(done, len(batches)))
         key = (calibration_file, n, paths, rows)
@@ -132,3 +126,45 @@ def calibrator(
         )
 
     return calibrate
+
+
+def _batches(loaded: LoadedModel, calibration_file: str | None, sequences: int | None):
+    """(sequences, batches) of the calibration set for the model's kind."""
+    text = None if calibration_file is None else read_text(calibration_file)
+    if loaded.kind == "lm":
+        n = SEQUENCES if sequences is None else sequences
+        return n, lm_batches(loaded.tokenizer, text, sequences=n)
+    n = ENCODER_SENTENCES if sequences is None else sequences
+    return n, encoder_batches(loaded.tokenizer, text, sequences=n)
+
+
+SENSITIVITY_BATCHES = 16
+"""Calibration batches `output_sensitivity_of` runs backward passes on (spread evenly over the
+set): the Gauss-Newton diagonal settles long before the Gram matrices need every batch."""
+
+
+def output_sensitivity_of(
+    loaded: LoadedModel,
+    params: Any,
+    paths: tuple[str, ...],
+    calibration_file: str | None = None,
+    sequences: int | None = None,
+    *,
+    probes: int = 4,
+) -> dict[str, Any]:
+    """`lowbit.algorithms.output_sensitivity` of a loaded model on this calibration set (at
+    most `SENSITIVITY_BATCHES` of its batches, `probes` projections each)."""
+    from lowbit.algorithms import output_sensitivity
+
+    _, batches = _batches(loaded, calibration_file, sequences)
+    if len(batches) > SENSITIVITY_BATCHES:
+        picks = np.linspace(0, len(batches) - 1, SENSITIVITY_BATCHES).round().astype(int)
+        batches = [batches[i] for i in picks]
+    return output_sensitivity(
+        model_fn(loaded.model, loaded.kind),
+        params,
+        batches,
+        paths=paths,
+        probes=probes,
+        row_mask=row_mask(loaded.kind),
+    )

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowbit.algorithms import knapsack_bounds, solve_knapsack
+from lowbit.algorithms import knapsack_bounds, solve_knapsack, solve_knapsack_timed
 
 
 def _instance(seed: int, items: int, choices: int):
@@ -79,3 +79,38 @@ def test_below_the_smallest_total_raises():
 def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="same non-empty choices"):
         solve_knapsack([[1, 2]], [[1.0]], 5)
+
+
+def _timed(seed: int, items: int, choices: int):
+    costs, errors = _instance(seed, items, choices)
+    rng = np.random.default_rng(seed + 1)
+    # Time falls with cost less than error does: fewer bytes are mostly faster, not always.
+    times = [0.5 * c + rng.uniform(0, 20, size=c.size) for c in costs]
+    return costs, errors, times
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), items=st.integers(1, 5), choices=st.integers(1, 4))
+def test_timed_choice_meets_both_limits(seed, items, choices):
+    costs, errors, times = _timed(seed, items, choices)
+    budget = knapsack_bounds(costs)[1]  # bytes never bind: only the time does
+    took = lambda p: sum(t[j] for t, j in zip(times, p, strict=True))
+    fastest = sum(float(t.min()) for t in times)
+    slowest_free = took(solve_knapsack(costs, errors, budget))
+    limit = fastest + 0.5 * (slowest_free - fastest)
+    pick = solve_knapsack_timed(costs, errors, times, budget, limit)
+    assert took(pick) <= limit + 1e-9
+    assert sum(c[j] for c, j in zip(costs, pick, strict=True)) <= budget
+    # A limit the untimed choice already meets changes nothing.
+    assert solve_knapsack_timed(costs, errors, times, budget, slowest_free) == solve_knapsack(
+        costs, errors, budget
+    )
+
+
+def test_timed_limit_below_the_fastest_raises():
+    costs, errors, times = _timed(0, 3, 3)
+    fastest = sum(float(t.min()) for t in times)
+    with pytest.raises(ValueError, match="the fastest found takes"):
+        solve_knapsack_timed(costs, errors, times, 10**6, 0.5 * fastest)
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        solve_knapsack_timed(costs, errors, [-t for t in times], 10**6, 1.0)

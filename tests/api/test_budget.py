@@ -91,3 +91,74 @@ def test_gguf_target_counts_ggml_bytes(model):
     per = {"q8_0": 34 / 32, "q4_0": 18 / 32}
     assert plan.nbytes == sum(t.size * per[t.chosen.candidate.name] for t in plan.tensors)
     assert {t.chosen.candidate.name for t in plan.tensors} == {"q8_0", "q4_0"}
+
+
+def _mlp(p, x):
+    return jax.nn.gelu(x @ p["up"]["kernel"]) @ p["down"]["kernel"]
+
+
+def test_output_sensitivity_is_the_gauss_newton_diagonal():
+    """For y = x W, ∂y[r, n] / ∂W[k, n] = x[r, k]: diag(JᵀJ)[k, n] = Σ_r x[r, k]² over the
+    positions the mask keeps, whatever n; the random projections estimate it."""
+    w = jax.random.normal(jax.random.key(1), (16, 8))
+    x = jax.random.normal(jax.random.key(2), (2, 12, 16))
+    mask = jnp.arange(12)[None, :] < jnp.array([[12], [5]])  # the second row padded after 5
+    sens = lowbit.algorithms.output_sensitivity(
+        lambda p, x, m: x @ p["w"]["kernel"],
+        {"w": {"kernel": w}},
+        [(x, mask)],
+        probes=2000,
+        row_mask=lambda x, m: m,
+    )
+    want = np.sum(np.square(np.asarray(x)) * np.asarray(mask)[..., None], axis=(0, 1))
+    got = np.asarray(sens["w/kernel"])
+    assert got.shape == (16, 8)
+    np.testing.assert_allclose(got, np.broadcast_to(want[:, None], (16, 8)), rtol=0.2)
+
+
+def test_plan_on_output_sensitivity(model):
+    params, stats, _ = model
+    batches = [jax.random.normal(jax.random.key(i), (2, 64, 64)) for i in range(2)]
+    sens = lowbit.algorithms.output_sensitivity(_mlp, params, batches, probes=2)
+    assert set(sens) == {"up/kernel", "down/kernel"}
+    candidates = parse_candidates("int8,int4:g32")
+    plan = choose_plan(params, stats, bits=6.0, candidates=candidates, sensitivity=sens)
+    quantized = lowbit.quantize_params(params, plan.recipe)
+    for t in plan.tensors:
+        layer = t.path.split("/")[0]
+        delta = quantized[layer]["kernel"].dequantize(jnp.float32) - params[layer]["kernel"]
+        want = float(jnp.sum(sens[t.path] * jnp.square(delta)))
+        np.testing.assert_allclose(t.chosen.error, want, rtol=1e-4)
+    with pytest.raises(ValueError, match="no score for the planned weight 'up/kernel'"):
+        measure_candidates(
+            params, stats, candidates=candidates, sensitivity={"down/kernel": sens["down/kernel"]}
+        )
+
+
+def test_output_sensitivity_bad_input(model):
+    params, _, _ = model
+    batch = [(jnp.ones((1, 64)),)]
+    with pytest.raises(ValueError, match="probes=0"):
+        lowbit.algorithms.output_sensitivity(_mlp, params, batch, probes=0)
+    with pytest.raises(ValueError, match="'up/bias' is not a floating parameter"):
+        lowbit.algorithms.output_sensitivity(_mlp, params, batch, paths=["up/bias"])
+
+
+def test_plan_within_a_time_limit(model):
+    from lowbit.api import time_candidates
+
+    _, _, measured = model
+    with pytest.raises(ValueError, match="time_candidates"):
+        plan_within(measured, bits=8.5, max_ms_per_token=1.0)
+    timed = time_candidates(measured)
+    seconds = [m.seconds for ms in timed.measured.values() for m in ms]
+    assert all(s is not None and s > 0 for s in seconds)
+    free = plan_within(timed, bits=8.5)
+    assert free.seconds is not None and free.max_seconds is None
+    fastest = sum(min(m.seconds for m in ms) for ms in timed.measured.values())
+    limit_ms = 1e3 * (fastest + free.seconds) / 2
+    plan = plan_within(timed, bits=8.5, max_ms_per_token=limit_ms)
+    assert plan.seconds <= plan.max_seconds == limit_ms / 1e3
+    assert "ms of kernels per token" in str(plan)
+    with pytest.raises(ValueError, match="the fastest found takes"):
+        plan_within(timed, bits=8.5, max_ms_per_token=1e3 * fastest / 2)

@@ -21,6 +21,9 @@ def _error(capsys) -> str:
         (["--recipe", "int8w", "--bits", "4"], "not both"),
         ([], "give --recipe"),
         (["--recipe", "int8w", "--plan-out", "p.json"], "--plan-out goes with a budget"),
+        (["--recipe", "int8w", "--sensitivity", "output"], "--sensitivity goes with a budget"),
+        (["--recipe", "int8w", "--max-ms-per-token", "5"], "--max-ms-per-token goes with a"),
+        (["--bits", "4", "--max-ms-per-token", "0"], "--max-ms-per-token=0.0 must be > 0"),
         (["--bits", "4", "--target", "gguf"], "--target gguf writes a GGUF file"),
         (["--bits", "4", "--out-gguf", "--candidates", "nf4:g64"], "stores none of the"),
         (["--bits", "4", "--candidates", "int9"], "'int9' is not a format"),
@@ -81,3 +84,18 @@ def test_budget_outside_the_candidates(tiny, capsys):
     argv = ["quantize", str(model), "--bits", "9", "--candidates", "q8_0,q4_0"]
     assert main([*argv, "--out", str(root / "y.gguf"), *calib]) == 2
     assert "above the largest plan" in _error(capsys)
+
+
+def test_plan_on_output_sensitivity_within_a_time_limit(tiny, capsys):
+    """`--sensitivity output` runs backward passes and plans on the model's output change;
+    `--max-ms-per-token` times the candidates and prints the plan's kernel time."""
+    model, root = tiny
+    calib = ["--calibration", str(root / "calib.txt"), "--calibration-sequences", "1"]
+    argv = ["quantize", str(model), "--bits", "6", "--candidates", "q8_0,q4_0"]
+    out = root / "sens.gguf"
+    timed = ["--sensitivity", "output", "--max-ms-per-token", "1000"]
+    assert main([*argv, *timed, "--out", str(out), *calib]) == 0, _error(capsys)
+    printed = capsys.readouterr().out
+    assert "bits per layer" in printed and "ms of kernels per token within 1000" in printed
+    chosen = {t for n, t in _types(out).items() if n.endswith(".weight") and "norm" not in n}
+    assert chosen and chosen <= {"Q8_0", "Q4_0"}
