@@ -170,6 +170,8 @@ def run() -> str | None:
             results[mix] = (ppl - base, ppl_ours - base, counts)
             _log(f"{mix}: llama.cpp {ppl:.3f}, lowbit {ppl_ours:.3f} ({budget} / {mine_bytes} B)")
     lines = [
+        "## Size-budgeted plans against llama.cpp's mixes",
+        "",
         f"SmolLM2-135M, {cpu_model()}, {time.strftime('%Y-%m-%d')}; perplexity by llama.cpp "
         f"(llama-cpp-python) on the evaluation text, windows of {PPL_CONTEXT}, up to "
         f"{PPL_TOKENS} tokens; lowbit calibrated on {SEQUENCES} sequences of 512 tokens. The "

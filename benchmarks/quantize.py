@@ -8,6 +8,7 @@ counts the float32 input (64 MiB) once. Run with `python -m benchmarks quantize`
 
 from __future__ import annotations
 
+import datetime
 import statistics
 import time
 from collections.abc import Callable
@@ -19,7 +20,6 @@ import numpy as np
 from benchmarks._machine import cpu_model
 from lowbit.qarray import PerChannel, PerGroup, QuantConfig, quantize
 
-DATE = "2026-11-22"
 SIZE = 4096
 REPS = 7
 CONFIGS = (
@@ -78,7 +78,8 @@ def run() -> str:
         )
     header = (
         "## Quantize / dequantize throughput\n\n"
-        f"{DATE}, {cpu_model()}, JAX {jax.__version__} on CPU, {SIZE}x{SIZE} float32 "
+        f"{datetime.date.today().isoformat()}, {cpu_model()}, JAX {jax.__version__} on CPU, "
+        f"{SIZE}x{SIZE} float32 "
         f"(64 MiB), median of {REPS} jitted calls. *Plain* is `jnp.round(jnp.clip(x / s, "
         "-q, q)) * s` with an absmax scale of the same granularity (int8 per-channel for int8, "
         "int4 groups of 128 for the 4-bit rows), timed in the same run. Stored MiB is "
