@@ -1,13 +1,13 @@
 """Benchmark section: architectures other than Llama against llama.cpp on the same GGUF file.
 
-No real Qwen2 or Gemma 2 GGUF file is installable offline, so this section writes them: random
-weights (normal, std 0.02; norms 1) in SmolLM2-135M's shapes (576 wide, 30 layers, 9 heads,
-3 KV heads, 1536 FFN) with each architecture's own parts (Qwen2's q/k/v biases and 10^6 RoPE
-base; Gemma 2's GeGLU, scaled embedding, post-norms, soft caps and sliding-window layers, with
-a 256-token window so the 512-token prompt crosses it), quantized to Q4_0 by `export_gguf`,
-with SmolLM2's tokenizer. Speed does not depend on the weights' values; perplexity on random
-weights is near the vocabulary size, but both engines compute the same function, so their
-perplexities on the same windows must agree.
+No real Qwen2 or Gemma 2 GGUF file is installable offline, so this section writes them (and a
+Llama one as the control): random weights (normal, std 0.02; norms 1) in SmolLM2-135M's
+shapes (576 wide, 30 layers, 9 heads, 3 KV heads, 1536 FFN) with each architecture's own parts
+(Qwen2's q/k/v biases and 10^6 RoPE base; Gemma 2's GeGLU, scaled embedding, post-norms, soft
+caps and sliding-window layers, with a 256-token window so the 512-token prompt crosses it),
+quantized to Q4_0 by `export_gguf`, with SmolLM2's tokenizer. Speed does not depend on the
+weights' values; perplexity on random weights is near the vocabulary size, but both engines
+compute the same function, so their perplexities on the same windows must agree.
 
 For each file: lowbit's `gguf` recipe (the file's blocks kept, through `lowbit.serving`) and
 llama.cpp (llama-cpp-python) run in this process: prefill and decode tok/s at batch 1 and 8 as
@@ -45,6 +45,9 @@ SHAPES = dict(
     context_length=8192,
 )
 ARCHITECTURES = {
+    # The control: SmolLM2's own architecture in the same random Q4_0 file, so a gap to
+    # llama.cpp can be told apart into the file type's and the architecture's share.
+    "llama": dict(architecture="llama", rope_base=100000.0),
     "qwen2": dict(architecture="qwen2", qkv_bias=True, rope_base=1e6),
     "gemma2": dict(
         architecture="gemma2",
