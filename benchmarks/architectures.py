@@ -166,7 +166,9 @@ def run() -> str:
         f"- Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_model()}, {os.cpu_count()} cores; "
         f"{kernels.status()}; peer llama-cpp-python {llama_cpp.__version__}, {THREADS} threads.",
         f"- Files: {TYPE}, SmolLM2-135M's shapes and tokenizer, random weights (module "
-        "docstring). lowbit runs the `gguf` recipe (the file's blocks kept).",
+        "docstring). lowbit runs the `gguf` recipe (the file's blocks kept). The `llama` row is "
+        "the control, SmolLM2's own architecture in the same file type: a gap it shares is the "
+        "file type's, not the architecture's.",
         f"- Prompts: batch 1 x {PROMPT[1]} tokens, batch 8 x {PROMPT[8]}; then {DECODE} greedy "
         f"tokens per row; best of runs as in `generate`. Perplexity: {PPL_TOKENS} tokens of the "
         f"evaluation text in windows of {PPL_CONTEXT}, the same windows for both engines.",

@@ -15,6 +15,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,9 @@ import numpy as np
 from lowbit.ops import dot_general, prepare_weight
 from lowbit.qarray import quantize
 from lowbit.recipes import Candidate
+
+if TYPE_CHECKING:  # _budget imports this module
+    from lowbit.api._budget import Measurements
 
 REPEATS = 20
 
@@ -35,7 +39,8 @@ def candidate_seconds(
     shape: tuple[int, ...], candidate: Candidate, path: str, *, rows: int = 1
 ) -> float:
     """Seconds of one product of `rows` activation rows with a weight of `shape` quantized
-    as `candidate` (see module docstring), best of `REPEATS` calls."""
+    as `candidate` (see module docstring; a stacked weight counts once per layer), best of
+    `REPEATS` calls."""
     matrix = tuple(shape[-2:])
     layers = math.prod(shape[:-2])
     config = candidate.config(path, 2)
@@ -55,11 +60,11 @@ def candidate_seconds(
 
 
 def time_candidates(
-    measurements,
+    measurements: Measurements,
     *,
     rows: int = 1,
     on_weight: Callable[[int, int], None] | None = None,
-):
+) -> Measurements:
     """`measurements` (`measure_candidates`) with every candidate's kernel seconds filled in
     (`Measured.seconds`), for a plan with a time limit."""
     cache: dict[tuple, float] = {}

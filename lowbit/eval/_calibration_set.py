@@ -140,7 +140,8 @@ def _batches(loaded: LoadedModel, calibration_file: str | None, sequences: int |
 
 SENSITIVITY_BATCHES = 16
 """Calibration batches `output_sensitivity_of` runs backward passes on (spread evenly over the
-set): the Gauss-Newton diagonal settles long before the Gram matrices need every batch."""
+set). On MiniLM, 16 of its 254 default batches planned as well as all of them (3.5 bits:
+cosine 0.911 against 0.905), in a sixteenth of the backward passes."""
 
 
 def output_sensitivity_of(
