@@ -14,9 +14,10 @@ row then reads one row of it, so its error is ``rows / V · ‖ΔW‖²`` (rows 
 A layer's own output error does not say how much the *model's* output moves: errors before a
 softmax (queries, keys) or in early layers are amplified or damped by everything after them.
 `output_sensitivity` measures that instead, a second-order Taylor (Gauss-Newton) score from
-`jax.grad`: with ``J`` the Jacobian of the model's output over the calibration batches,
+`jax.grad`: with ``J`` the Jacobian of the model's output ``f`` over the calibration batches,
+the output's change is
 
-    ‖ΔJ‖² ≈ Σ_ij diag(JᵀJ)_ij ΔW_ij²,
+    ‖Δf‖² ≈ ‖J Δw‖² ≈ Σ_ij diag(JᵀJ)_ij ΔW_ij²,
 
 and ``diag(JᵀJ)`` is estimated by random projections, ``E_v[(∂(v·f)/∂W)²]`` for ``v ~ N(0, I)``
 (one backward pass per batch and probe). The diagonal drops the correlations inside a layer
