@@ -6,6 +6,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
@@ -16,3 +17,13 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def gpu_kernel_on_small_weights(monkeypatch):
+    """CUDA lowerings run the Pallas weight-only kernel on every weight, not only on those of
+    `GPU_MIN_WEIGHT_ELEMENTS` or more (a speed choice for real layer sizes, below which XLA's
+    own product is kept): for tests that check the kernel's branch on small weights."""
+    from lowbit.ops import _dot_general
+
+    monkeypatch.setattr(_dot_general, "GPU_MIN_WEIGHT_ELEMENTS", 0)

@@ -3,10 +3,11 @@
 
 A candidate is timed on a random weight of the planned weight's (2-D) shape, laid out as
 serving lays it out (`prepare_weight`) and multiplied through the engine's `dot_general` by
-`rows` activation rows (1: a decode step), best of a few calls on this machine. A kernel
-`[K, N]` is contracted over its axis 0; an embedding `[V, D]` over its axis 1, as the output
-head (a table only looked up costs less than that). A stacked weight `[L, ..., K, N]` counts
-its 2-D time once per layer. Each (shape, candidate, axis) is timed once.
+`rows` activation rows (1: a decode step), best of a few calls on this machine. Each weight is
+contracted over the axis its matmul layout names (`lowbit.recipes.contraction_axis`): a
+``kernel`` `[K, N]` over axis 0, an ``embedding`` `[V, D]` over axis 1 as the output head (a
+table only looked up costs less than that). A stacked weight `[L, ..., K, N]` counts its 2-D
+time once per layer. Each (2-D shape, config, axis) is timed once.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 from lowbit.ops import dot_general, prepare_weight
 from lowbit.qarray import quantize
-from lowbit.recipes import Candidate
+from lowbit.recipes import Candidate, contraction_axis
 
 if TYPE_CHECKING:  # _budget imports this module
     from lowbit.api._budget import Measurements
@@ -31,22 +32,14 @@ if TYPE_CHECKING:  # _budget imports this module
 REPEATS = 20
 
 
-def _contract_axis(path: str) -> int:
-    return 1 if path.rsplit("/", 1)[-1] == "embedding" else 0
-
-
 def candidate_seconds(
-    shape: tuple[int, ...], candidate: Candidate, path: str, *, rows: int = 1
+    matrix: tuple[int, int], candidate: Candidate, path: str, *, rows: int = 1
 ) -> float:
-    """Seconds of one product of `rows` activation rows with a weight of `shape` quantized
-    as `candidate` (see module docstring; a stacked weight counts once per layer), best of
-    `REPEATS` calls."""
-    matrix = tuple(shape[-2:])
-    layers = math.prod(shape[:-2])
-    config = candidate.config(path, 2)
-    w = jax.random.normal(jax.random.key(0), matrix, jnp.float32) / np.sqrt(matrix[0])
-    axis = _contract_axis(path)
-    weight = prepare_weight(quantize(w, config), axis)
+    """Seconds of one product of `rows` activation rows with a `matrix`-shaped weight at
+    `path` quantized as `candidate` (see module docstring), best of `REPEATS` calls."""
+    axis = contraction_axis(path, 2)
+    w = jax.random.normal(jax.random.key(0), matrix, jnp.float32) / np.sqrt(matrix[axis])
+    weight = prepare_weight(quantize(w, candidate.config(path, 2)), axis)
     x = jnp.ones((rows, matrix[axis]), jnp.float32)
     dims = (((1,), (axis,)), ((), ()))
     product = jax.jit(lambda x, w: dot_general(x, w, dims))
@@ -56,7 +49,7 @@ def candidate_seconds(
         start = time.perf_counter()
         jax.block_until_ready(product(x, weight))
         best = min(best, time.perf_counter() - start)
-    return best * layers
+    return best
 
 
 def time_candidates(
@@ -75,7 +68,7 @@ def time_candidates(
         out = []
         for m in ms:
             # The algorithm (GPTQ) changes the codes, not the layout or the kernel.
-            key = (shape[-2:], m.candidate.config(path, 2), _contract_axis(path), rows)
+            key = (shape[-2:], m.candidate.config(path, 2), contraction_axis(path, 2), rows)
             if key not in cache:
                 cache[key] = candidate_seconds(shape[-2:], m.candidate, path, rows=rows)
             out.append(dataclasses.replace(m, seconds=cache[key] * math.prod(shape[:-2])))

@@ -1,7 +1,12 @@
 """Recipes: rules that say which parameters to quantize and how, and named presets."""
 
 from lowbit.recipes._algorithm import ALGORITHMS, AWQ, GPTQ, HQQ, Algorithm, SmoothQuant
-from lowbit.recipes._builders import activation_config, matmul_rules, weight_config
+from lowbit.recipes._builders import (
+    activation_config,
+    contraction_axis,
+    matmul_rules,
+    weight_config,
+)
 from lowbit.recipes._candidates import (
     DEFAULT_CANDIDATES,
     GGUF_CANDIDATES,
@@ -67,6 +72,7 @@ __all__ = [
     "RecipeReport",
     "Rule",
     "activation_config",
+    "contraction_axis",
     "float8_dynamic_activation_float8_weight",
     "float8_weight_only",
     "format_calibration",

@@ -18,6 +18,8 @@ and per-tensor choices get per-layer scales through `Rule.stacked_axes` when ask
 
 from __future__ import annotations
 
+import re
+
 from lowbit.qarray import (
     AbsMax,
     Calibration,
@@ -35,6 +37,16 @@ LAYOUTS = (
     (r".*kernel", -1, -2),
     (r".*weight", -2, -1),
 )
+
+
+def contraction_axis(path: str, ndim: int) -> int | None:
+    """The axis a parameter at `path` with `ndim` axes is contracted over by its matmul layout
+    (`LAYOUTS`: a ``kernel`` over -2, an ``embedding`` used as the output head and a PyTorch
+    ``weight`` over -1), as a non-negative index; None for a path no layout names."""
+    for pattern, _, group_axis in LAYOUTS:
+        if re.fullmatch(pattern, path):
+            return group_axis % ndim
+    return None
 
 
 def weight_config(

@@ -1,6 +1,8 @@
 """`choose_plan` on a tiny MLP: the budget holds in stored bytes, the error is the output error
 on the calibration Gram matrices, and bad budgets name both bounds."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,21 +146,42 @@ def test_output_sensitivity_bad_input(model):
         lowbit.algorithms.output_sensitivity(_mlp, params, batch, paths=["up/bias"])
 
 
-def test_plan_within_a_time_limit(model):
+def test_time_candidates_fills_every_candidate(model):
     from lowbit.api import time_candidates
 
     _, _, measured = model
+    timed = time_candidates(measured)
+    for path, ms in timed.measured.items():
+        for before, after in zip(measured.measured[path], ms, strict=True):
+            assert isinstance(after.seconds, float)
+            assert (after.candidate, after.nbytes, after.error) == (
+                before.candidate,
+                before.nbytes,
+                before.error,
+            )
+
+
+# Stand-in kernel times (seconds per token), not measured: int8 the slowest, so that a time
+# limit pushes a plan that bytes alone would leave at int8 onto the other candidates.
+FAKE_SECONDS = {"int8": 3e-3, "int4:g32": 1e-3, "int3:g32:gptq": 2e-3}
+
+
+def test_plan_within_a_time_limit(model):
+    _, _, measured = model
     with pytest.raises(ValueError, match="time_candidates"):
         plan_within(measured, bits=8.5, max_ms_per_token=1.0)
-    timed = time_candidates(measured)
-    seconds = [m.seconds for ms in timed.measured.values() for m in ms]
-    assert all(s is not None and s > 0 for s in seconds)
+    timed = dataclasses.replace(
+        measured,
+        measured={
+            path: [dataclasses.replace(m, seconds=FAKE_SECONDS[m.candidate.name]) for m in ms]
+            for path, ms in measured.measured.items()
+        },
+    )
     free = plan_within(timed, bits=8.5)
-    assert free.seconds is not None and free.max_seconds is None
-    fastest = sum(min(m.seconds for m in ms) for ms in timed.measured.values())
-    limit_ms = 1e3 * (fastest + free.seconds) / 2
-    plan = plan_within(timed, bits=8.5, max_ms_per_token=limit_ms)
-    assert plan.seconds <= plan.max_seconds == limit_ms / 1e3
-    assert "ms of kernels per token" in str(plan)
-    with pytest.raises(ValueError, match="the fastest found takes"):
-        plan_within(timed, bits=8.5, max_ms_per_token=1e3 * fastest / 2)
+    assert free.seconds == pytest.approx(6e-3) and free.max_seconds is None  # int8 for both
+    plan = plan_within(timed, bits=8.5, max_ms_per_token=4.0)
+    assert plan.seconds <= plan.max_seconds == 4e-3
+    assert plan.error >= free.error  # time bought with error, never the other way
+    assert "ms of kernels per token within 4" in str(plan)
+    with pytest.raises(ValueError, match="the fastest found takes 0.002 s"):
+        plan_within(timed, bits=8.5, max_ms_per_token=1.0)

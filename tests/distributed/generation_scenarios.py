@@ -1,4 +1,4 @@
-"""Sharded generation in each of several processes (see generation_worker.py); the same
+"""Sharded generation in each of several processes (see worker.py); the same
 function gives the one-process reference."""
 
 from __future__ import annotations

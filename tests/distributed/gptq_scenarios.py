@@ -1,4 +1,4 @@
-"""GPTQ calibrated data-parallel in each of several processes (see gptq_worker.py), with the
+"""GPTQ calibrated data-parallel in each of several processes (see worker.py), with the
 Hessian solves spread over them; the same functions give the one-process reference."""
 
 from __future__ import annotations

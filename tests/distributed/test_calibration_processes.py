@@ -7,7 +7,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import gptq_scenarios
 import harness
@@ -23,23 +22,18 @@ PROCESSES = 2
 WEIGHTS = [f"{name}/kernel" for name in gptq_scenarios.SHAPES]
 
 
-@pytest.fixture
-def gptq_worker(monkeypatch):
-    monkeypatch.setattr(harness, "WORKER", Path(__file__).with_name("gptq_worker.py"))
-
-
 PER_PROCESS = ("solved_here", "solved_by", "placed")
 
 
 # Explicit axes are covered by test_multiprocess.py's calibration test (jax.make_mesh's default
 # axes, GPTQ spread by default); this one adds automatic axes and the per-process counts.
 @pytest.mark.parametrize("kind", ["Auto"])
-def test_gptq_solves_spread_over_processes_equal_every_process_solving(tmp_path, gptq_worker, kind):
+def test_gptq_solves_spread_over_processes_equal_every_process_solving(tmp_path, kind):
     """Spread solves give every process the tree each would have solved itself, bit for bit
     (codes, scales, zero points, report lines). Against one process on the union of the
     batches the summed Gram matrices differ in the last bits (the order of float sums), so
     codes may differ in a few elements; on symmetric int4 they do not."""
-    results = harness.run_processes("spread_gptq", PROCESSES, tmp_path, args=(kind,))
+    results = harness.run_processes("gptq_scenarios.spread_gptq", PROCESSES, tmp_path, args=(kind,))
     # Largest first to the least loaded: b (256 x 384²) to process 0; a (384 x 256²), c and
     # d to process 1.
     owners = {"a/kernel": 1, "b/kernel": 0, "c/kernel": 1, "d/kernel": 1}
@@ -73,8 +67,10 @@ def test_gptq_solves_spread_over_processes_equal_every_process_solving(tmp_path,
     assert sorted(solved) == WEIGHTS  # each weight solved once, over all processes
 
 
-def test_processes_that_disagree_on_the_recipe_raise_naming_them(tmp_path, gptq_worker):
-    results = harness.run_processes("disagreeing_recipes", PROCESSES, tmp_path, timeout=120)
+def test_processes_that_disagree_on_the_recipe_raise_naming_them(tmp_path):
+    results = harness.run_processes(
+        "gptq_scenarios.disagreeing_recipes", PROCESSES, tmp_path, timeout=120
+    )
     for result in results:
         error = str(result["error"])
         assert "disagree on the recipe" in error

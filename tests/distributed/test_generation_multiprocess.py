@@ -1,8 +1,6 @@
 """Tensor- and data-parallel generation across local JAX processes (CPU devices, gloo
 collectives) gives the one-process tokens."""
 
-from pathlib import Path
-
 import generation_scenarios
 import harness
 import jax
@@ -16,11 +14,10 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("processes", [2, 4])
-def test_sharded_generation_across_processes_equals_one_device(tmp_path, monkeypatch, processes):
-    monkeypatch.setattr(harness, "WORKER", Path(__file__).with_name("generation_worker.py"))
+def test_sharded_generation_across_processes_equals_one_device(tmp_path, processes):
     meshes = generation_scenarios.MESHES[processes * harness.LOCAL_DEVICES]
     expected = generation_scenarios.generate()
-    results = harness.run_processes("tp_generate", processes, tmp_path)
+    results = harness.run_processes("generation_scenarios.tp_generate", processes, tmp_path)
     for pid, result in enumerate(results):
         assert set(result) == {f"{name}_{kind}" for name in meshes for kind in ("Auto", "Explicit")}
         for name, tokens in result.items():

@@ -1,5 +1,11 @@
-"""One process of a multi-process scenario (see harness.py): worker.py SCENARIO ID N PORT OUT."""
+"""One process of a multi-process scenario (see harness.py): worker.py SCENARIO ID N PORT OUT.
 
+SCENARIO is a function of scenarios.py, or ``module.function`` for one of another module next
+to this file; the module is imported after `jax.distributed.initialize`, which must come
+before lowbit starts a backend.
+"""
+
+import importlib
 import sys
 from pathlib import Path
 
@@ -12,7 +18,7 @@ jax.distributed.initialize(
     f"127.0.0.1:{port}", num_processes=n, process_id=pid, initialization_timeout=120
 )
 sys.path.insert(0, str(Path(__file__).parent))
-import scenarios  # noqa: E402
-
-np.savez(f"{out}/result{pid}.npz", **getattr(scenarios, scenario)(out, *sys.argv[6:]))
+module, _, function = scenario.rpartition(".")
+scenarios = importlib.import_module(module or "scenarios")
+np.savez(f"{out}/result{pid}.npz", **getattr(scenarios, function)(out, *sys.argv[6:]))
 jax.distributed.shutdown()

@@ -18,7 +18,10 @@ from jax import export
 
 import lowbit
 from lowbit.models import Llama, LlamaConfig
-from lowbit.ops import _dot_general
+
+# These layers are far below the size where CUDA runs the Pallas kernel; the export checks
+# need its branch in the CUDA module.
+pytestmark = pytest.mark.usefixtures("gpu_kernel_on_small_weights")
 
 _CPU_TARGET = re.compile(r"custom_call @(lowbit_\w+)")
 _TRITON = re.compile(r"custom_call @__gpu\$xla\.gpu\.triton")
@@ -49,13 +52,6 @@ _CONFIG = LlamaConfig(
     ffn_dim=512,
     context_length=64,
 )
-
-
-@pytest.fixture(autouse=True)
-def route_small_weights(monkeypatch):
-    """These layers are far below `GPU_MIN_WEIGHT_ELEMENTS` (where CUDA keeps XLA's product for
-    speed); the export checks need the Pallas branch in the CUDA module."""
-    monkeypatch.setattr(_dot_general, "GPU_MIN_WEIGHT_ELEMENTS", 0)
 
 
 @pytest.fixture(scope="module")

@@ -15,19 +15,13 @@ from lowbit.ops import _dot_general, dot_general
 from lowbit.ops._platform import by_platform_p
 from lowbit.qarray import PerGroup, quantize
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
-)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+    pytest.mark.usefixtures("gpu_kernel_on_small_weights"),  # these weights are small
+]
 
 DIMS = (((1,), (0,)), ((), ()))
 K, N = 512, 256
-
-
-@pytest.fixture(autouse=True)
-def route_small_weights(monkeypatch):
-    """The tests below check the routed CUDA branch on small weights; below
-    `GPU_MIN_WEIGHT_ELEMENTS` (a speed choice for real layer sizes) CUDA keeps XLA's product."""
-    monkeypatch.setattr(_dot_general, "GPU_MIN_WEIGHT_ELEMENTS", 0)
 
 
 def _weight(fmt):

@@ -108,3 +108,13 @@ def test_plan_recipe_round_trips_and_refuses_another_model():
         plan.check_shapes(params)
     with pytest.raises(ValueError, match="Recipe.shapes"):
         Recipe.from_json({"rules": [], "shapes": {"a": "512x64"}})
+
+
+def test_contraction_axis_follows_the_matmul_layouts():
+    from lowbit.recipes import contraction_axis
+
+    assert contraction_axis("layers/0/mlp/up/kernel", 2) == 0  # Flax [K, N]
+    assert contraction_axis("layers/0/mlp/up/kernel", 3) == 1  # stacked [L, K, N]
+    assert contraction_axis("model/fc.weight", 2) == 1  # PyTorch [N, K]
+    assert contraction_axis("embed/embedding", 2) == 1  # [V, D] as the output head
+    assert contraction_axis("layers/0/norm/scale", 1) is None
