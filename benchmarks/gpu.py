@@ -62,7 +62,11 @@ MIN_CALL_SECONDS = 0.02  # each measurement runs calls until about this long
 # (a diagnostic, so last) after the third. Rows left say so.
 MATMUL_BUDGET_S, DECODE_BUDGET_S, LAYOUT_BUDGET_S = 180.0, 250.0, 290.0
 # The targets, as bf16 time / path time: (K = N, M, path, at least).
-MATMUL_TARGETS = ((8192, 1, PATHS[3], 2.5), (8192, 4096, PATHS[1], 1.6), (8192, 4096, PATHS[2], 1.6))
+MATMUL_TARGETS = (
+    (8192, 1, PATHS[3], 2.5),
+    (8192, 4096, PATHS[1], 1.6),
+    (8192, 4096, PATHS[2], 1.6),
+)
 DECODE_TARGET = ("int4 weights g64", 1, 1.3)
 # The int8 / fp8 GEMMs alone (no activation quantization) with the weight stored either way.
 LAYOUT_SIZE, LAYOUT_BATCHES = 8192, (16, 256, 4096)
