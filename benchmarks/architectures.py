@@ -9,9 +9,11 @@ quantized to Q4_0 by `export_gguf`, with SmolLM2's tokenizer. Speed does not dep
 weights' values; perplexity on random weights is near the vocabulary size, but both engines
 compute the same function, so their perplexities on the same windows must agree.
 
-For each file: lowbit's `gguf` recipe (the file's blocks kept, through `lowbit.serving`) and
-llama.cpp (llama-cpp-python) run in this process: prefill and decode tok/s at batch 1 and 8 as
-in the `generate` section, and perplexity on the evaluation text in 4 windows of 256 tokens.
+For each file: lowbit's `gguf` recipe (the file's blocks kept, through `lowbit.serving`), the
+same with int8 activations (`lowbit.ops.with_int8_activations`: Q8 blocks, as llama.cpp runs
+these weight types), and llama.cpp (llama-cpp-python) run in this process: prefill and decode
+tok/s at batch 1 and 8 as in the `generate` section, and perplexity on the evaluation text in
+4 windows of 256 tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from lowbit.eval import default_text, perplexity
 from lowbit.eval._session import ModelSession
 from lowbit.io import export_gguf
 from lowbit.models import Decoder, DecoderConfig, has_smollm2, smollm2_gguf_path
+from lowbit.ops import with_int8_activations
 from lowbit.serving import apply_recipe, load_model
 
 SHAPES = dict(
@@ -106,43 +109,52 @@ def _llama_cpp_logits(llama: _LlamaCpp):
     return logits_fn
 
 
-def _measure(path: str) -> tuple[list[tuple], tuple[float, float]]:
+def _measure(path: str) -> tuple[list[tuple], dict[str, float]]:
+    """Rows (variant, batch, prefill, decode, llama.cpp prefill, llama.cpp decode) in tok/s,
+    and the perplexity of each variant and of llama.cpp ("llama.cpp")."""
     loaded = load_model(path)
     float_params = nnx.split(loaded.model)[1]
     params, _ = apply_recipe(loaded, float_params, "gguf")
-    runner = _Lowbit(loaded.model, params)
+    variants = {"gguf": params, "gguf + int8 act.": with_int8_activations(params)}
+    runners = {name: _Lowbit(loaded.model, p) for name, p in variants.items()}
     llama = _LlamaCpp(loaded.gguf_path, max(BATCHES), max(PROMPT.values()) + DECODE + 8)
-    rows = []
+    rows, ppl = [], {}
     try:
         for batch in BATCHES:
             prompts = _prompts(loaded.tokenizer, batch, PROMPT[batch])
             first = llama.seconds(prompts)
-            pre, dec = runner.prefill_seconds(prompts), runner.decode_seconds(prompts)
+            ours = {
+                name: (r.prefill_seconds(prompts), r.decode_seconds(prompts))
+                for name, r in runners.items()
+            }
             again = llama.seconds(prompts)
             lpre, ldec = min(first[0], again[0]), min(first[1], again[1])
-            rows.append(
-                (
-                    batch,
-                    prompts.size / pre,
-                    batch * DECODE / dec,
-                    prompts.size / lpre,
-                    batch * DECODE / ldec,
+            for name, (pre, dec) in ours.items():
+                rows.append(
+                    (
+                        name,
+                        batch,
+                        prompts.size / pre,
+                        batch * DECODE / dec,
+                        prompts.size / lpre,
+                        batch * DECODE / ldec,
+                    )
                 )
-            )
         tokens = np.asarray(loaded.tokenizer.encode(default_text()).ids, np.int32)
         session = ModelSession(loaded)
-        ours = perplexity(
-            lambda w: session.runner.forward(params, w),
-            tokens,
-            context=PPL_CONTEXT,
-            max_tokens=PPL_TOKENS,
-        ).perplexity
-        theirs = perplexity(
+        for name, p in variants.items():
+            ppl[name] = perplexity(
+                lambda w, p=p: session.runner.forward(p, w),
+                tokens,
+                context=PPL_CONTEXT,
+                max_tokens=PPL_TOKENS,
+            ).perplexity
+        ppl["llama.cpp"] = perplexity(
             _llama_cpp_logits(llama), tokens, context=PPL_CONTEXT, max_tokens=PPL_TOKENS
         ).perplexity
     finally:
         llama.close()
-    return rows, (ours, theirs)
+    return rows, ppl
 
 
 def run() -> str:
@@ -166,27 +178,34 @@ def run() -> str:
         f"- Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_model()}, {os.cpu_count()} cores; "
         f"{kernels.status()}; peer llama-cpp-python {llama_cpp.__version__}, {THREADS} threads.",
         f"- Files: {TYPE}, SmolLM2-135M's shapes and tokenizer, random weights (module "
-        "docstring). lowbit runs the `gguf` recipe (the file's blocks kept). The `llama` row is "
+        "docstring). lowbit runs the `gguf` recipe (the file's blocks kept), and the same with "
+        "int8 activations (`with_int8_activations`: each row rounded to int8 per 32-wide block, "
+        "the Q8_0 blocks llama.cpp multiplies these weights with). The `llama` row is "
         "the control, SmolLM2's own architecture in the same file type: a gap it shares is the "
         "file type's, not the architecture's.",
         f"- Prompts: batch 1 x {PROMPT[1]} tokens, batch 8 x {PROMPT[8]}; then {DECODE} greedy "
         f"tokens per row; best of runs as in `generate`. Perplexity: {PPL_TOKENS} tokens of the "
         f"evaluation text in windows of {PPL_CONTEXT}, the same windows for both engines.",
         "",
-        "| architecture | batch | prefill tok/s | x llama.cpp | decode tok/s | x llama.cpp |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| architecture | lowbit | batch | prefill tok/s | x llama.cpp | decode tok/s "
+        "| x llama.cpp |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for arch, rows, _ in table:
-        for batch, pre, dec, lpre, ldec in rows:
+        for name, batch, pre, dec, lpre, ldec in rows:
             ratios = f"{pre / lpre:.2f}x | {dec:.1f} | {dec / ldec:.2f}x"
-            lines.append(f"| {arch} | {batch} | {pre:.0f} | {ratios} |")
+            lines.append(f"| {arch} | {name} | {batch} | {pre:.0f} | {ratios} |")
     lines += [
         "",
-        "| architecture | lowbit perplexity | llama.cpp perplexity | difference |",
-        "|---|---:|---:|---:|",
+        "| architecture | lowbit | lowbit perplexity | llama.cpp perplexity | difference |",
+        "|---|---|---:|---:|---:|",
     ]
-    for arch, _, (ours, theirs) in table:
-        lines.append(f"| {arch} | {ours:.3f} | {theirs:.3f} | {(ours / theirs - 1) * 100:+.3f}% |")
+    for arch, _, ppl in table:
+        theirs = ppl["llama.cpp"]
+        for name, ours in ppl.items():
+            if name != "llama.cpp":
+                diff = f"{(ours / theirs - 1) * 100:+.3f}%"
+                lines.append(f"| {arch} | {name} | {ours:.3f} | {theirs:.3f} | {diff} |")
     lines += ["", f"Section time: {time.perf_counter() - begin:.0f} s.", ""]
     return "\n".join(lines)
 

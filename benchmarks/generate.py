@@ -4,7 +4,7 @@ Both engines run in this process, interleaved per batch size, on the bundled Smo
 GGUF file. lowbit runs `gguf` (the file's own quantized blocks), `int4w_g32_asym` (the float
 model re-quantized; also as the README's code does it, `lowbit.quantize` on the float state
 with no other step) and `w4a8_g32` (int4 weights with int8 activations), the first two also
-with `lowbit.ops.with_int8_activations` (int8 activations on batches), through
+with `lowbit.ops.with_int8_activations` (int8 activations in every product), through
 `lowbit.models` generation: one compiled prefill, then one compiled `while_loop` of greedy
 decode steps. llama.cpp (``llama-cpp-python``, an optional benchmark dependency: the section
 says so when it is not importable) runs through its C API with the same thread count, prompts
@@ -49,8 +49,8 @@ from lowbit.ops import with_int8_activations
 from lowbit.serving import load_model
 
 RECIPES = ("gguf", "int4w_g32_asym", "w4a8_g32")
-# Also run with `with_int8_activations` (int8 activations on batches of 2-16 rows; one row is
-# unchanged), under this suffix.
+# Also run with `with_int8_activations` (int8 activations on every product: decode rows and
+# prefill), under this suffix.
 INT8_ACTIVATIONS = ("gguf", "int4w_g32_asym")
 INT8_SUFFIX = " + int8 act."
 README_ROW = "int4w_g32_asym, README path (`lowbit.quantize`)"
@@ -407,10 +407,9 @@ def run(model: str | None = None) -> str:
         return "\n".join(lines)
     lines += [
         f"`{INT8_SUFFIX.strip(' +')}`: the same weights with `lowbit.ops.with_int8_activations` "
-        "(activations rounded to int8 per row and 32-wide weight group on batches of 2-16 rows, "
-        "as llama.cpp's Q8 blocks; batch 1 runs as without it). Its accuracy cost: perplexity on "
-        f"the evaluation text in windows of {COST_CONTEXT} tokens (so every product has "
-        f"{COST_CONTEXT} rows and takes the int8 path), without -> with: "
+        "(activations rounded to int8 per row and 32-wide weight group in every product, prefill "
+        "and decode, as llama.cpp's Q8 blocks). Its accuracy cost: perplexity on "
+        f"the evaluation text in windows of {COST_CONTEXT} tokens, without -> with: "
         + ", ".join(f"{r} {a:.3f} -> {b:.3f} ({(b / a - 1) * 100:+.2f}%)" for r, (a, b) in cost)
         + ".",
         "",

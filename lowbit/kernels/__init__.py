@@ -5,8 +5,8 @@ by the kernels on plain arrays:
 
 - `weight_only_linear(x, w, bias=None, *, out_dtype=None, int8_activations=False)`: x
   `[..., K]` float32|bfloat16 times an int8 / int4 / uint4 / nf4 / fp4 (E2M1) / fp8 weight
-  `[K, N]` dequantized in registers (or, asked for on up to 16 rows, int8 activations per row
-  and weight group in integer dots: `int8_activations_supported(kind)`).
+  `[K, N]` dequantized in registers (or, asked for, int8 activations per row and weight
+  group in integer dots: `int8_activations_supported(kind)`).
 - `w8a8_linear(x, w, bias=None, *, out_dtype=None)`: dynamic per-token int8 activations
   times an int8 weight, int32 accumulation, per-channel scale epilogue.
 - `w4a8_linear(x, w, bias=None, *, out_dtype=None)`: the same dynamic int8 activations times

@@ -73,15 +73,6 @@ GEMM_MIN_ROWS = 256
 """Activation rows (tokens) from which a float32 weight-only product runs as XLA's GEMM on the
 kernel-dequantized weight instead of inside the kernel (prefill; see `kernel_linear`)."""
 
-INT8_ACTIVATION_ROWS = (2, 16)
-"""Activation rows (tokens) for which a weight-only product whose route asks for it
-(`KernelRoute.int8_activations`) quantizes its activations to int8 per row and weight group
-inside the kernel and takes integer dots (`lowbit.kernels.weight_only_linear(
-int8_activations=True)`; AVX2 and AVX-512 CPUs, int8 weights with AVX-512 VNNI): a decode
-batch of 8 rows runs 1.5-2.5x faster than with float activations, which at that size are
-bound by float multiply-adds. One row keeps float activations: reading the weight bounds it
-either way, so int8 activations would cost accuracy for no speed."""
-
 GEMM_MAX_WEIGHT_BYTES = 16 << 20
 """Largest float32 copy of a weight that path makes (a temporary of one call). Measured
 (2 cores, M = 512): SmolLM2's 576 x 1536, 1536 x 576 and 576 x 576 layers run 1.3-1.6x faster
@@ -106,10 +97,13 @@ class KernelRoute:
       group_size: group size along K, or None per channel.
       shift_int4: the weight is asymmetric int4, run as uint4 (codes ^ 8, zero point + 8).
       transposed: the weight is stored `[N, K]` (contracted over its axis 1).
-      int8_activations: products of `INT8_ACTIVATION_ROWS` rows quantize the activations to
-        int8 per row and weight group inside the kernel (llama.cpp's Q8 blocks; kinds
-        `lowbit.kernels.INT8_ACTIVATION_KINDS`), trading a little accuracy for about twice
-        the speed of a decode batch. Off unless asked for (`lowbit.ops.with_int8_activations`).
+      int8_activations: the product quantizes its activations to int8 per row and weight
+        group inside the kernel (llama.cpp's Q8 blocks; kinds
+        `lowbit.kernels.INT8_ACTIVATION_KINDS` on a CPU path that has them) and takes integer
+        dots, at every row count: one decode row, a decode batch and a prefill (which then
+        skips the float GEMM of `GEMM_MIN_ROWS`). A little accuracy for 1.5-2.5x the speed of
+        the float path (`lowbit.kernels.weight_only_linear`). Off unless asked for
+        (`lowbit.ops.with_int8_activations`).
     """
 
     kind: str
@@ -338,8 +332,11 @@ def _float_gemm(x: Any, q: Any, route: KernelRoute) -> bool:
     """Whether `kernel_linear` runs XLA's float GEMM on the dequantized weight (prefill)."""
     k, n = q.shape[::-1] if route.transposed else q.shape
     rows = int(np.prod(x.shape[:-1]))
+    # Integer dots on int8 activations beat the float GEMM at every row count measured.
+    int8_dots = route.int8_activations and kernels.int8_activations_supported(route.kind)
     return (
         route.kind not in ("w8a8", "w4a8")
+        and not int8_dots
         and rows >= GEMM_MIN_ROWS
         and np.dtype(x.dtype) == np.dtype(jnp.float32)
         and k * n * 4 <= GEMM_MAX_WEIGHT_BYTES
@@ -367,7 +364,6 @@ def kernel_linear(x: jax.Array, q: Any, route: KernelRoute, out_dtype: Any) -> j
     """
     out_dtype = np.dtype(out_dtype)
     kernel_out = out_dtype if out_dtype in _FLOATS else np.dtype(jnp.float32)
-    rows = int(np.prod(x.shape[:-1]))
     if _float_gemm(x, q, route):
         # Prefill sizes: XLA's float GEMM on the dequantized weight is faster than the
         # kernels' own float tiles; the float weight lives for this call only. A prepared
@@ -385,11 +381,7 @@ def kernel_linear(x: jax.Array, q: Any, route: KernelRoute, out_dtype: Any) -> j
     elif route.kind == "w4a8":
         y = kernels.w4a8_linear(x, weight, out_dtype=kernel_out)
     else:
-        lo, hi = INT8_ACTIVATION_ROWS
         y = kernels.weight_only_linear(
-            x,
-            weight,
-            out_dtype=kernel_out,
-            int8_activations=route.int8_activations and lo <= rows <= hi,
+            x, weight, out_dtype=kernel_out, int8_activations=route.int8_activations
         )
     return y.astype(out_dtype)

@@ -413,13 +413,13 @@ def prepare_weights(tree: Any, axes: Mapping[Any, int] | Callable[[Any], int | N
 
 def with_int8_activations(tree: Any, enabled: bool = True) -> Any:
     """`tree` with its prepared int8 / int4 / uint4 weight-only weights asking the kernels for
-    int8 activations on decode batches (2 to 16 rows), or no longer asking (`enabled=False`).
+    int8 activations, or no longer asking (`enabled=False`).
 
     Each activation row is quantized per weight group (absmax / 127, round half to even, as
-    llama.cpp's Q8 blocks) and multiplied in integers: a batch-8 decode step ran 1.3x faster
-    end to end on SmolLM2 (BENCHMARKS.md, "Generation"), at the price of the activations'
-    rounding error. Single rows and prefill-sized products are unchanged. The layouts are
-    shared, not copied. Other leaves (logical QArrays, other kernels) are returned as they are.
+    llama.cpp's Q8 blocks, which llama.cpp itself uses for these weight types) and multiplied
+    in integers, for one decode row, a decode batch and a prefill alike (BENCHMARKS.md,
+    "Generation"), at the price of the activations' rounding error. The layouts are shared,
+    not copied. Other leaves (logical QArrays, other kernels) are returned as they are.
     """
 
     def one(x):

@@ -183,33 +183,28 @@ def test_int8_activations_match_a_per_group_reference(kind, k, n, group_size):
     w = kernels.pack(kind, codes, scale, zp, group_size)
     w_float = np.asarray(_reference.dequantize(kind, codes, scale, zp, group_size))
     rng = np.random.default_rng(12)
-    x = rng.standard_normal((16, k)).astype(np.float32)
+    x = rng.standard_normal((40, k)).astype(np.float32)
     x[3, : w.storage_group] = 0.0  # an all-zero group: codes 0, no NaN scale
     q8_ref = _per_group_int8_reference(x, w_float, w.storage_group)
     float_ref = x.astype(np.float64) @ w_float
     served = []  # per ISA path, in the order `on_each_isa` runs them
+    # One decode row, decode batches, and more rows than the small-M tiles take (prefill).
+    rows = (1, 2, 5, 8, 16, 17, 40)
 
     def run():
         served.append(kernels.int8_activations_supported(kind))
         return [
-            kernels.weight_only_linear(jnp.asarray(x[:m]), w, int8_activations=True)
-            for m in (1, 2, 5, 8, 16)
+            kernels.weight_only_linear(jnp.asarray(x[:m]), w, int8_activations=True) for m in rows
         ]
 
     outs = on_each_isa(run)
     magnitude = np.abs(x) @ np.abs(w_float)
     for (name, ys), integer in zip(outs.items(), served, strict=True):
-        for y, m in zip(ys, (1, 2, 5, 8, 16), strict=True):
+        for y, m in zip(ys, rows, strict=True):
             want = q8_ref[:m] if integer else float_ref[:m]  # float where the ISA has no path
             np.testing.assert_array_less(
                 np.abs(y - want), 1e-5 * magnitude[:m] + 1e-6, err_msg=f"{name} M={m}"
             )
-    # Above 16 rows (prefill sizes) the flag changes nothing.
-    x17 = jnp.asarray(x[np.arange(17) % 16])
-    np.testing.assert_array_equal(
-        np.asarray(kernels.weight_only_linear(x17, w, int8_activations=True)),
-        np.asarray(kernels.weight_only_linear(x17, w)),
-    )
     if kernels.int8_activations_supported(kind):
         # The activations' rounding is visible: not the float result.
         y = np.asarray(kernels.weight_only_linear(jnp.asarray(x[:8]), w, int8_activations=True))

@@ -14,6 +14,7 @@ from ops_helpers import EPS32, iter_eqns, jit_quantize, normal
 from lowbit import kernels
 from lowbit.ops import (
     PreparedQArray,
+    _cpu_kernels,
     dot_general,
     dot_general_path,
     dot_general_reference,
@@ -183,7 +184,7 @@ def test_non_kernel_values_are_returned_unchanged():
 
 
 @pytest.mark.parametrize("name", ["int4_group_asym", "int8"])
-def test_with_int8_activations_changes_decode_batches_only(name):
+def test_with_int8_activations_quantizes_every_row_count(name):
     prepared = prepare_weight(_weight(name), 0)
     tree = {"w": prepared, "bias": jnp.ones(3)}
     fast = with_int8_activations(tree)
@@ -191,21 +192,20 @@ def test_with_int8_activations_changes_decode_batches_only(name):
     assert fast["w"].weight is prepared.weight  # the layout is shared, not copied
     assert fast["bias"] is tree["bias"]
     assert with_int8_activations(fast, enabled=False)["w"].route == prepared.route
-    x = normal(3, (8, K))
     w_float = np.asarray(prepared.logical().dequantize(jnp.float32), np.float64)
-    # One row, and prefill sizes, keep float activations: bit-identical to the default route.
-    for rows in (x[:1], jnp.concatenate([x] * 3)):
-        np.testing.assert_array_equal(
-            np.asarray(_dot(rows, fast["w"])), np.asarray(_dot(rows, prepared))
-        )
-    y = np.asarray(_dot(x, fast["w"]), np.float64)
-    if not kernels.int8_activations_supported(prepared.route.kind):
-        np.testing.assert_array_equal(y, np.asarray(_dot(x, prepared)))
-        return
-    # Each row rounded to int8 per weight group (32 rows of K; per channel: one chunk of K).
-    gs = prepared.weight.storage_group
-    groups = np.asarray(x, np.float64).reshape(8, K // gs, gs)
-    scale = np.abs(groups).max(-1, keepdims=True).astype(np.float32) / np.float32(127)
-    xq = (np.round(groups / scale) * scale).reshape(8, K)
-    np.testing.assert_allclose(y, xq @ w_float, rtol=1e-5, atol=1e-4)
-    assert np.abs(y - np.asarray(x, np.float64) @ w_float).max() > 1e-3
+    # One decode row, a decode batch, and a prefill (which would otherwise take the float GEMM
+    # on the dequantized weight).
+    for m in (1, 8, _cpu_kernels.GEMM_MIN_ROWS):
+        x = normal(3 + m, (m, K))
+        y = np.asarray(_dot(x, fast["w"]), np.float64)
+        if not kernels.int8_activations_supported(prepared.route.kind):
+            np.testing.assert_array_equal(y, np.asarray(_dot(x, prepared)))
+            continue
+        # Each row rounded to int8 per weight group (32 rows of K; per channel: one chunk of K).
+        gs = prepared.weight.storage_group
+        # float32 division, as the kernel's: in float64 a few near-ties round the other way.
+        groups = np.asarray(x, np.float32).reshape(m, K // gs, gs)
+        scale = np.abs(groups).max(-1, keepdims=True) / np.float32(127)
+        xq = (np.round(groups / scale).astype(np.float64) * scale).reshape(m, K)
+        np.testing.assert_allclose(y, xq @ w_float, rtol=1e-5, atol=1e-4, err_msg=f"M={m}")
+        assert np.abs(y - np.asarray(x, np.float64) @ w_float).max() > 1e-3

@@ -196,11 +196,11 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   // int8 activations, one scale per row and weight group (as llama.cpp's Q8 blocks): asked
   // for, small M, whole k-quads per group, and an ISA with the path for this kind (elsewhere
   // the float path serves the call). Its zero-point term comes with the codes' sums.
-  const bool q8 = act_q8 != 0 && m <= kSmallM && gs % 4 == 0 && isa->wo_q8 != nullptr &&
+  const bool q8 = act_q8 != 0 && gs % 4 == 0 && isa->wo_q8 != nullptr &&
                   isa->wo_q8_kind(static_cast<int>(kind));
   const bool zero_points = info->zero_point != kNoZeroPoint && !q8;
   std::vector<float> xp(m * kp), sumx(zero_points ? m * groups : 0);
-  std::vector<float> xt(m > kSmallM ? (m + fr - 1) / fr * fr * kp : 0, 0.0f);
+  std::vector<float> xt(m > kSmallM && !q8 ? (m + fr - 1) / fr * fr * kp : 0, 0.0f);
   std::vector<int8_t> xq(q8 ? m * kp : 0);
   std::vector<float> xq_scale(q8 ? m * groups : 0), xq_sum(q8 ? m * groups : 0);
   ParallelFor(pool, m >= 64 ? workers : 1, m, [&](int64_t r) {
