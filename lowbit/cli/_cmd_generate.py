@@ -62,9 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--int8-activations",
         action="store_true",
-        help="with a batch of prompts, quantize the activations of int8 / int4 / uint4 weights "
-        "to int8 per row and weight group in the CPU kernels (llama.cpp's Q8 blocks): about 1.3x "
-        "the batch's decode speed, at the activations' rounding error (AVX-512 CPUs)",
+        help="quantize the activations of int8 / int4 / uint4 weights to int8 per row and "
+        "weight group in the CPU kernels (llama.cpp's Q8 blocks, as llama.cpp runs GGUF "
+        "weights), in prefill and decode: faster at the activations' rounding error (AVX2 or "
+        "AVX-512; int8 weights need AVX-512 VNNI)",
     )
     add_json_argument(
         parser,
