@@ -253,6 +253,45 @@ def _weighted_values(probs: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.einsum("bkgst,bktd->bskgd", probs, v)
 
 
+def _softmax_values(
+    scores: jax.Array, v: jax.Array, mask: jax.Array, scale: jax.Array, cap: float | None
+) -> jax.Array:
+    """Scaled, capped, masked softmax of ``scores [b, H, g, s, T]`` over ``v [b, H, T, D]``,
+    in v's dtype -> ``[b, s, H, g, D]``; mask ``[b, s, T]`` (True where attending)."""
+    scores = softcap(scores.astype(jnp.float32) * scale, cap)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return _weighted_values(probs, v)
+
+
+# Queries per block of a long input's attention (`_causal_attention`).
+PREFILL_QUERY_BLOCK = 64
+
+
+def _causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: jax.Array, cap: float | None
+) -> jax.Array:
+    """`_softmax_values` of ``q [b, s, H, g, D]`` against ``k, v [b, H, T, D]`` whose last `s`
+    possible slots hold these queries' own tokens, in blocks of `PREFILL_QUERY_BLOCK` queries.
+
+    The s new tokens sit at slots ``slot .. slot + s - 1`` with ``slot + s <= T``, and each
+    attends only to slots up to its own (`mask` is causal), so queries ``[i, j)`` need only
+    keys ``[0, T - s + j)``: a prompt filling most of the cache computes about half the
+    scores, exponentials and products of attending to every slot, with the same result.
+    """
+    s, t = q.shape[1], k.shape[2]
+    v = v.astype(q.dtype)
+    if s < 2 * PREFILL_QUERY_BLOCK:
+        return _softmax_values(_scores(q, k), v, mask, scale, cap)
+    out = []
+    for i in range(0, s, PREFILL_QUERY_BLOCK):
+        j = min(s, i + PREFILL_QUERY_BLOCK)
+        keys = min(t, t - s + j)
+        scores = _scores(q[:, i:j], k[:, :, :keys])
+        out.append(_softmax_values(scores, v[:, :, :keys], mask[:, i:j, :keys], scale, cap))
+    return jnp.concatenate(out, axis=1)
+
+
 # Decode attention reads the cache in blocks of this many slots (or the largest power of two
 # below it that divides the cache length), and only the blocks up to the current token.
 DECODE_BLOCK = 128
@@ -447,18 +486,15 @@ class Attention(nnx.Module):
         if kv is not None:
             kv = kv.write(k, v, slot)
             q = kv.rotate(q)  # a rotated cache: scores are the same with rotated queries
+            v = kv.read_values(x.dtype)
             if kv.config is not None and kv.config.integer_qk:
                 scores = int8_scores(q, kv)
+                out = _softmax_values(scores, v, mask, scale, c.attn_softcap)
             else:
-                scores = _scores(q, kv.read_keys(q.dtype))
-            v = kv.read_values(x.dtype)
+                out = _causal_attention(q, kv.read_keys(q.dtype), v, mask, scale, c.attn_softcap)
         else:
             k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-            scores = _scores(q, k.astype(q.dtype))
-        scores = softcap(scores.astype(jnp.float32) * scale, c.attn_softcap)
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = _weighted_values(probs, v.astype(x.dtype))
+            out = _causal_attention(q, k.astype(q.dtype), v, mask, scale, c.attn_softcap)
         if kv is not None:
             out = kv.unrotate(out)  # back from rotated values
         out = out.reshape(b, s, c.n_heads * c.head_dim)

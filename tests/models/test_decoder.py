@@ -188,3 +188,41 @@ def test_quantized_experts_run_through_the_engines_ragged_dot(recipe):
 def test_config_refuses_out_of_range_fields(fields, message):
     with pytest.raises(ValueError, match=message):
         DecoderConfig(**{**BASE, **fields})
+
+
+@pytest.mark.parametrize(
+    ("seq", "slots", "window", "cap"),
+    [
+        (256, 256, None, None),  # no cache: keys are the queries' own tokens
+        (200, 272, None, 50.0),  # a cache with room after the prompt; Gemma 2's soft cap
+        (130, 300, 48, None),  # a sliding window; a last block of 2 queries
+    ],
+)
+def test_blocked_prefill_attention_equals_attending_every_slot(seq, slots, window, cap):
+    from lowbit.models import _decoder
+
+    rng = np.random.default_rng(seq)
+    b, h, g, d = 2, 2, 3, 16
+    q = jnp.asarray(rng.standard_normal((b, seq, h, g, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((b, h, slots, d)), jnp.float32) for _ in range(2))
+    # The prompt at the cache's slots slots - seq - 3 .. slots - 4 (three left after it), or
+    # at 0 .. seq - 1 without a cache; row 1 left-padded by 5.
+    first_slot = 0 if slots == seq else slots - seq - 3
+    offsets = first_slot + np.arange(seq)
+    key_slots = np.arange(slots)
+    mask = key_slots[None, :] <= offsets[:, None]
+    if window is not None:
+        mask &= key_slots[None, :] > offsets[:, None] - window
+    start = np.array([first_slot, first_slot + 5])
+    mask = jnp.asarray(mask[None] & (key_slots[None, None, :] >= start[:, None, None]))
+    scale = jnp.float32(d**-0.5)
+    assert seq >= 2 * _decoder.PREFILL_QUERY_BLOCK  # the blocked path runs
+    blocked = _decoder._causal_attention(q, k, v, mask, scale, cap)
+    every = _decoder._softmax_values(_decoder._scores(q, k), v, mask, scale, cap)
+    # Padding queries see no key (a uniform softmax over whichever keys are read): their
+    # outputs are never read, so only queries with a visible key are compared.
+    seen = np.asarray(mask.any(-1))  # [b, seq]
+    assert not seen.all()
+    np.testing.assert_allclose(
+        np.asarray(blocked)[seen], np.asarray(every)[seen], rtol=1e-5, atol=1e-6
+    )
