@@ -89,7 +89,8 @@ def _timed(seed: int, items: int, choices: int):
     return costs, errors, times
 
 
-@example(seed=66254951, items=5, choices=1)  # one choice per item: the limit is the only plan's time
+# One choice per item: the limit is the only plan's time (summed in another order).
+@example(seed=66254951, items=5, choices=1)
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), items=st.integers(1, 5), choices=st.integers(1, 4))
 def test_timed_choice_meets_both_limits(seed, items, choices):
