@@ -39,14 +39,17 @@ LAYOUTS = (
 )
 
 
+def layout_axes(path: str) -> tuple[int, int] | None:
+    """(per-channel kept axis, group axis) of the first `LAYOUTS` entry naming `path`, or None."""
+    return next(((c, g) for pattern, c, g in LAYOUTS if re.fullmatch(pattern, path)), None)
+
+
 def contraction_axis(path: str, ndim: int) -> int | None:
     """The axis a parameter at `path` with `ndim` axes is contracted over by its matmul layout
     (`LAYOUTS`: a ``kernel`` over -2, an ``embedding`` used as the output head and a PyTorch
     ``weight`` over -1), as a non-negative index; None for a path no layout names."""
-    for pattern, _, group_axis in LAYOUTS:
-        if re.fullmatch(pattern, path):
-            return group_axis % ndim
-    return None
+    axes = layout_axes(path)
+    return None if axes is None else axes[1] % ndim
 
 
 def weight_config(

@@ -32,7 +32,7 @@ from lowbit.formats import format_names, get_format
 from lowbit.formats._gguf import GGUFBlockFormat
 from lowbit.qarray import AbsMax, MinMax, PerChannel, PerGroup, QuantConfig
 from lowbit.recipes._algorithm import GPTQ
-from lowbit.recipes._builders import LAYOUTS
+from lowbit.recipes._builders import layout_axes
 from lowbit.recipes._recipe import Recipe
 from lowbit.recipes._rule import Rule
 
@@ -72,7 +72,7 @@ class Candidate:
         """The weight config for a parameter at `path` with `ndim` axes, or None when no
         layout of `lowbit.recipes.matmul_rules` (``kernel`` / ``embedding`` / ``weight``)
         names it."""
-        layout = next((axes for p, *axes in LAYOUTS if re.fullmatch(p, path)), None)
+        layout = layout_axes(path)
         if layout is None:
             return None
         channel_axis, group_axis = layout
