@@ -1,4 +1,4 @@
-"""Accelerator (GPU) matmuls on quantized weights: Pallas kernels and the XLA paths.
+"""Accelerator (GPU, TPU) matmuls on quantized weights: Pallas kernels and the XLA paths.
 
 Three products of activations `x [M, K]` (bfloat16 or float32) and a 2-D `QArray` weight
 `q [K, N]` contracted over its axis 0 (a Flax ``[in, out]`` kernel):
@@ -11,7 +11,9 @@ Three products of activations `x [M, K]` (bfloat16 or float32) and a 2-D `QArray
   (decode) multiply the decoded codes and apply zero points and scales to the dot's result;
   larger ones dequantize the weight tile first. Products accumulate in float32. On CUDA it
   lowers through Triton; `interpret=True` runs the same kernel body anywhere (the tests use
-  it on CPU).
+  it on CPU). `platform="tpu"` takes the Mosaic body of `_pallas_tpu` instead: the same
+  reading of the codes (`_pallas_codes`), tiles shaped for TPU vector registers, K steps on
+  the grid.
 - `int8_matmul` (w8a8): dynamic per-token int8 activations times int8 per-channel weights.
 - `fp8_matmul`: per-token float8_e4m3fn activations times float8_e4m3fn per-channel weights.
 
@@ -46,13 +48,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
 from lowbit.formats import get_format
+from lowbit.kernels import _pallas_tpu
+from lowbit.kernels._pallas_codes import PALLAS_FORMATS
+from lowbit.kernels._pallas_codes import Layout as _Layout
+from lowbit.kernels._pallas_codes import decode_codes as _decode_codes
+from lowbit.kernels._pallas_codes import layout_of as _layout
+from lowbit.kernels._pallas_codes import weight_operands as _weight_operands
 from lowbit.qarray import QArray, broadcast_blocks
 
-PALLAS_FORMATS = ("int4", "uint4", "nf4", "int8")
-"""Weight formats `weight_only_matmul` reads in its kernel."""
 FP8_FORMAT = "fp8_e4m3fn"
 _MIN_BLOCK = 16  # Triton's smallest dot tile along each axis
 _MAX_BLOCK_M = 128
@@ -83,28 +90,6 @@ class Blocks:
         return f"{self.m}x{self.n}x{self.k} split {self.split_k}{extra}"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """What the kernel needs to know about a weight: static, hashable.
-
-    kind: one of PALLAS_FORMATS. k, n: logical weight shape. groups: scale rows G (K / G
-    elements each; 1 per channel). packed: "k", "n" or None (int8: unpacked).
-    zero: has a zero point.
-    """
-
-    kind: str
-    k: int
-    n: int
-    groups: int
-    packed: str | None
-    zero: bool
-
-    @property
-    def group(self) -> int:
-        """K elements per scale row."""
-        return self.k // self.groups
-
-
 # --- which path ---------------------------------------------------------------------------------
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
@@ -130,28 +115,9 @@ def _activation_format(q: QArray) -> str | None:
     return get_format(config.format).name
 
 
-def _layout(q: QArray) -> _Layout | None:
-    """The kernel's view of a weight-only QArray `[K, N]`, or None if the kernel cannot read it.
-
-    Scales must vary along K in groups (or not at all) and along N per column or not at all;
-    the packed axis must be 0 or 1 with two codes a byte.
-    """
-    if q.ndim != 2 or q.format not in PALLAS_FORMATS or q.activation is not None:
-        return None
-    if q.input_scale is not None and q.input_scale.shape[1] != 1:
-        return None
-    k, n = q.shape
-    groups, scale_n = q.scale.shape
-    if scale_n not in (1, n) or k % groups:
-        return None
-    packed = {None: None, 0: "k", 1: "n"}.get(q.packed_axis, "bad")
-    if packed == "bad" or (q.format == "int8") != (packed is None):
-        return None
-    return _Layout(q.format, k, n, groups, packed, q.zero_point is not None)
-
-
-def supports(q: Any, m: int, x_dtype: Any = jnp.bfloat16) -> str | None:
-    """Which accelerator path multiplies `x [m, K]` by the weight `q [K, N]`.
+def supports(q: Any, m: int, x_dtype: Any = jnp.bfloat16, platform: str = "cuda") -> str | None:
+    """Which accelerator path multiplies `x [m, K]` by the weight `q [K, N]` on `platform`
+    ("cuda" or "tpu").
 
     Returns:
       "pallas" (`weight_only_matmul`: int4 / uint4 / nf4 / int8 weights, no activation
@@ -169,10 +135,29 @@ def supports(q: Any, m: int, x_dtype: Any = jnp.bfloat16) -> str | None:
     if layout is None:
         return None
     try:
-        _choose_blocks(m, layout)
+        _blocks(m, layout, x_dtype, platform, None)
     except ValueError:
         return None
     return "pallas"
+
+
+def _blocks(m: int, layout: _Layout, x_dtype: Any, platform: str, requested: Blocks | None):
+    """The tiles of `platform`'s body: `Blocks` (CUDA) or `TpuBlocks` (TPU)."""
+    if platform == "cuda":
+        return _choose_blocks(m, layout, requested)
+    if platform != "tpu":
+        raise ValueError(f"weight_only_matmul: platform={platform!r}; expected 'cuda' or 'tpu'")
+    if requested is not None and (
+        requested.split_k > 1 or requested.num_warps or requested.num_stages
+    ):
+        raise ValueError(
+            "weight_only_matmul: split_k, num_warps and num_stages are Triton's (CUDA); the TPU "
+            "body takes block_m, block_n and block_k only"
+        )
+    want = (
+        None if requested is None else _pallas_tpu.TpuBlocks(requested.m, requested.n, requested.k)
+    )
+    return _pallas_tpu.choose_blocks(m, layout, x_dtype, want)
 
 
 def _xla_kind(q: QArray) -> str | None:
@@ -268,49 +253,15 @@ def _split_k(m: int, bm: int, bn: int, bk: int, layout: _Layout, target: int) ->
 
 
 # --- the kernel ---------------------------------------------------------------------------------
-def _nf4_table() -> tuple[float, ...]:
-    return tuple(float(v) for v in get_format("nf4").values)
-
-
-# Exponent bits of a float whose mantissa's low bits hold a small integer m exactly:
-# bits(F) | m is the float F + m (F = 2**23 for float32, 2**7 for bfloat16, whose 7 mantissa
-# bits hold a nibble). An OR and a subtraction turn a code into its value, instead of an
-# integer-to-float conversion (a quarter of the ALU rate on NVIDIA GPUs) and a narrowing:
-# on an H200, int4 at M = 1 (8192 x 8192) went from 0.0313 to 0.0282 ms.
-_MAGIC = {jnp.dtype(jnp.float32): (0x4B000000, 2.0**23), jnp.dtype(jnp.bfloat16): (0x4300, 128.0)}
-
-
-def _decode_codes(codes: jax.Array, kind: str, dtype=jnp.float32) -> jax.Array:
-    """4-bit / 8-bit codes (int32, one a value) to their grid values in `dtype`.
-
-    int4 / uint4 nibbles go through the exponent trick above (`_MAGIC`): exact, since the
-    values are small integers. NF4's 16 levels are a 4-level select tree on the code's bits
-    rather than a table lookup: Triton has no gather from a small constant table, and
-    selects cost one op a level.
-    """
-    dtype = jnp.dtype(dtype)
-    if kind in ("int4", "uint4") and dtype in _MAGIC:
-        # int4: flipping the sign bit maps the two's complement nibble n to n + 8 (0..15).
-        unsigned, offset = (codes ^ 8, 8.0) if kind == "int4" else (codes, 0.0)
-        bits, base = _MAGIC[dtype]
-        int_type = jnp.int32 if dtype == jnp.float32 else jnp.int16
-        floats = jax.lax.bitcast_convert_type((unsigned | bits).astype(int_type), dtype)
-        return floats - jnp.asarray(base + offset, dtype)
-    if kind in ("int4", "uint4", "int8"):
-        values = ((codes ^ 8) - 8) if kind == "int4" else codes
-        return values.astype(jnp.float32).astype(dtype)
-    levels = [jnp.float32(v) for v in _nf4_table()]
-    for bit in range(4):
-        take_high = (codes & (1 << bit)) != 0
-        levels = [
-            jnp.where(take_high, high, low)
-            for low, high in zip(levels[0::2], levels[1::2], strict=True)
-        ]
-    return jnp.broadcast_to(levels[0], codes.shape).astype(dtype)
-
-
-def blocks_for(q: QArray, m: int, requested: Blocks | None = None) -> Blocks:
-    """The tiles `weight_only_matmul` runs `x [m, K] @ q` with (`requested` fields > 0 kept).
+def blocks_for(
+    q: QArray,
+    m: int,
+    requested: Blocks | None = None,
+    platform: str = "cuda",
+    x_dtype: Any = jnp.bfloat16,
+) -> Blocks | _pallas_tpu.TpuBlocks:
+    """The tiles `weight_only_matmul` runs `x [m, K] @ q` with on `platform` (`requested`
+    fields > 0 kept).
 
     Raises:
       ValueError: for a weight the kernel cannot read, or a shape or block no tile fits.
@@ -318,7 +269,7 @@ def blocks_for(q: QArray, m: int, requested: Blocks | None = None) -> Blocks:
     layout = _layout(q) if isinstance(q, QArray) else None
     if layout is None:
         raise ValueError(f"weight_only_matmul cannot read {q!r} (see `supports`)")
-    return _choose_blocks(m, layout, requested)
+    return _blocks(m, layout, x_dtype, platform, requested)
 
 
 # At or below this many rows a tile scales its [bm, bn] dot result per K step instead of its
@@ -435,26 +386,10 @@ def _specs(layout: _Layout, blocks: Blocks) -> tuple[list, pl.BlockSpec]:
     return specs, out
 
 
-def _weight_operands(q: QArray, layout: _Layout) -> list[jax.Array]:
-    """codes, scale [G, N] (and zero point [G, N]) as the kernel reads them.
-
-    Stored float scales go in as they are (the kernel converts them); E8M0 / E4M3 scales and
-    tensor scales are decoded first (`scale_values`, G x N floats: small next to the codes).
-    Scales that do not vary along N are broadcast to one per column.
-    """
-    plain = q.scale_encoding == "float" and q.tensor_scale is None
-    scale = q.scale if plain else q.scale_values()
-    shape = (layout.groups, layout.n)
-    operands = [q.codes, broadcast_blocks(scale, shape)]
-    if layout.zero:
-        operands.append(broadcast_blocks(q.zero_point, shape))
-    return operands
-
-
-def _pallas_forward(
-    x: jax.Array, q: QArray, layout: _Layout, blocks: Blocks, out_dtype, interpret: bool
-) -> jax.Array:
-    """x [M, K] -> [M, N] `out_dtype` through the kernel."""
+def _pallas_forward(x: jax.Array, q: QArray, layout: _Layout, blocks, out_dtype, interpret):
+    """x [M, K] -> [M, N] `out_dtype` through the kernel of `blocks`' platform."""
+    if isinstance(blocks, _pallas_tpu.TpuBlocks):
+        return _pallas_tpu.forward(x, q, layout, blocks, out_dtype, interpret)
     m = x.shape[0]
     m_pad = -(-m // blocks.m) * blocks.m
     if m_pad != m:
@@ -540,8 +475,9 @@ def weight_only_matmul(
     split_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    interpret: bool = False,
+    interpret: bool | pltpu.InterpretParams = False,
     differentiable: bool = True,
+    platform: str = "cuda",
 ) -> jax.Array:
     """`x @ q.dequantize()` with the weight dequantized tile by tile inside a Pallas kernel.
 
@@ -551,14 +487,20 @@ def weight_only_matmul(
       q: [K, N] int4 / uint4 / nf4 / int8 QArray, weight-only, scales per group along K or per
         channel, zero points allowed.
       out_dtype: result dtype (default: x's).
-      block_m, block_n, block_k, split_k: tile sizes (powers of two >= 16; block_n and
-        block_k dividing N and K; block_k dividing the scale group), None to choose.
-      num_warps, num_stages: Triton launch parameters, None for the defaults.
-      interpret: run the kernel body in the Pallas interpreter (any backend, e.g. CPU tests).
+      block_m, block_n, block_k, split_k: tile sizes, None to choose. CUDA: powers of two
+        >= 16, block_n and block_k dividing N and K, block_k dividing the scale group. TPU
+        (no split_k): block_m a multiple of 8 (16 for bfloat16 x), block_n N or a multiple
+        of 128 (256 with nibbles packed along N), block_k K or a multiple of 128 (256 packed
+        along K) holding whole groups or lying in one.
+      num_warps, num_stages: Triton launch parameters (CUDA), None for the defaults.
+      interpret: run the kernel body in the Pallas interpreter (any backend, e.g. CPU tests);
+        for the TPU body, `pltpu.InterpretParams(...)` sets the TPU interpreter's checks
+        (race detection, uninitialized memory as NaN).
       differentiable: False leaves out the derivative rule, for a caller that puts one around
         a choice of kernels by platform (a rule inside a `platform_dependent` branch is
         lowered out of line, for every platform of a multi-platform export, where the Pallas
         call cannot lower).
+      platform: "cuda" (the Triton body) or "tpu" (the Mosaic body, `_pallas_tpu`).
     Returns:
       [..., N] in `out_dtype`. Differentiable in x (the gradient uses the dequantized weight).
     Raises:
@@ -578,10 +520,12 @@ def weight_only_matmul(
     requested = Blocks(
         block_m or 0, block_n or 0, block_k or 0, split_k or 0, num_warps or 0, num_stages or 0
     )
-    blocks = _choose_blocks(x2.shape[0], layout, requested)
+    blocks = _blocks(x2.shape[0], layout, x2.dtype, platform, requested)
     out_dtype = jnp.dtype(x2.dtype if out_dtype is None else out_dtype)
     product = _weight_only if differentiable else _pallas_forward
-    y = product(_input_scaled(x2, q), q, layout, blocks, out_dtype, bool(interpret))
+    if not isinstance(interpret, pltpu.InterpretParams):
+        interpret = bool(interpret)
+    y = product(_input_scaled(x2, q), q, layout, blocks, out_dtype, interpret)
     return y.reshape(*lead, layout.n)
 
 

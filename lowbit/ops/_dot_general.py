@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 from typing import Any
 
 import jax
@@ -436,10 +437,10 @@ def dot_general(
             out_sharding=out_sharding,
         )
     route = kernel_route(lhs, rhs, dimension_numbers, out_sharding=out_sharding)
-    gpu = out_sharding is None and gpu_weight_only(lhs, rhs, dimension_numbers)
-    if route is not None or gpu:
+    pallas = () if out_sharding is not None else pallas_platforms(lhs, rhs, dimension_numbers)
+    if route is not None or pallas:
         return _routed(
-            lhs, rhs, route, dimension_numbers, precision, preferred_element_type, gpu=gpu
+            lhs, rhs, route, dimension_numbers, precision, preferred_element_type, pallas=pallas
         )
     return _portable(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
 
@@ -447,29 +448,38 @@ def dot_general(
 # Below this many weight elements a CUDA lowering keeps XLA's fused dequantize-and-dot: on an
 # H200, SmolLM2's layers (at most 576 x 1536) decoded at 214 tok/s through the Pallas kernel
 # against 326 through XLA (launch and split-K overhead on small products); at 4096 x 4096
-# the kernel and bf16 tie at M = 1 and the kernel wins above.
+# the kernel and bf16 tie at M = 1 and the kernel wins above. TPU lowerings use the same
+# bound (not measured there).
 GPU_MIN_WEIGHT_ELEMENTS = 1 << 22
+# The TPU body has not run on a TPU yet (interpreter and lowering only), so TPU lowerings keep
+# XLA's product unless this is set to 1.
+TPU_KERNELS_ENV = "LOWBIT_TPU_KERNELS"
 
 
-def gpu_weight_only(lhs: Any, rhs: Any, dimension_numbers: Any) -> bool:
-    """Whether a CUDA lowering runs this product in the Pallas weight-only kernel
-    (`lowbit.kernels.pallas`: int4 / uint4 / nf4 / int8 codes dequantized in registers, read
-    as stored). Only plain linear layers `x [..., K] @ q [K, N]`; activation-quantized
-    weights (w8a8, fp8) take the portable path, whose int8 / fp8 `dot_general` XLA already
-    gives to cuBLASLt's integer and fp8 GEMMs."""
+def pallas_platforms(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[str, ...]:
+    """The platforms ("cuda", "tpu") whose lowering runs this product in the Pallas
+    weight-only kernel (`lowbit.kernels.pallas`: int4 / uint4 / nf4 / int8 codes dequantized
+    on chip, read as stored). Only plain linear layers `x [..., K] @ q [K, N]`;
+    activation-quantized weights (w8a8, fp8) take the portable path, whose int8 / fp8
+    `dot_general` XLA already gives to the integer and fp8 GEMMs. TPU only with
+    ``LOWBIT_TPU_KERNELS=1`` (see `TPU_KERNELS_ENV`)."""
     if isinstance(lhs, QArray) or not isinstance(rhs, QArray) or rhs.activation is not None:
-        return False
+        return ()
     if not hasattr(lhs, "dtype") or np.dtype(lhs.dtype) not in FLOAT_ACTIVATIONS:
-        return False
+        return ()
     if contract_axis(lhs, rhs, dimension_numbers) != 0:
-        return False
+        return ()
     if split_over_devices(lhs) or split_over_devices(rhs.codes):
-        return False  # the kernel sees one device's whole operand (see `split_over_devices`)
+        return ()  # the kernel sees one device's whole operand (see `split_over_devices`)
     if math.prod(rhs.shape) < GPU_MIN_WEIGHT_ELEMENTS:  # XLA's own fusion is faster there
-        return False
+        return ()
     from lowbit.kernels import pallas  # imported on first use: Pallas is slow to import
 
-    return pallas.supports(rhs, math.prod(lhs.shape[:-1]), lhs.dtype) == "pallas"
+    m = math.prod(lhs.shape[:-1])
+    platforms = ["cuda"]
+    if os.environ.get(TPU_KERNELS_ENV, "") not in ("", "0"):
+        platforms.append("tpu")
+    return tuple(p for p in platforms if pallas.supports(rhs, m, lhs.dtype, p) == "pallas")
 
 
 def _portable(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
@@ -482,44 +492,48 @@ def _portable(lhs, rhs, dimension_numbers, precision, preferred_element_type, ou
     return _ste_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
 
 
-def _routed(lhs, rhs, route, dimension_numbers, precision, preferred_element_type, *, gpu=False):
+def _routed(lhs, rhs, route, dimension_numbers, precision, preferred_element_type, *, pallas=()):
     """A product with a kernel on some platform, chosen per lowering platform so one traced
     program exports anywhere: the CPU kernel (`route`) where the program is lowered for CPU,
-    the Pallas kernel (`gpu`) for CUDA, the portable product everywhere else (a prepared
-    weight recovers its logical QArray there). One straight-through derivative rule covers
-    every branch."""
+    the Pallas kernel on the platforms in `pallas` ("cuda", "tpu"), the portable product
+    everywhere else (a prepared weight recovers its logical QArray there). One
+    straight-through derivative rule covers every branch."""
     out_dtype = product_dtype(lhs, rhs, preferred_element_type)
     return _by_platform(
-        lhs, rhs, route, dimension_numbers, precision, preferred_element_type, out_dtype, gpu
+        lhs, rhs, route, dimension_numbers, precision, preferred_element_type, out_dtype, pallas
     )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def _by_platform(lhs, rhs, route, dimension_numbers, precision, preferred, out_dtype, gpu):
+def _by_platform(lhs, rhs, route, dimension_numbers, precision, preferred, out_dtype, pallas):
     def on_cpu(lhs, rhs):
         return _kernel_dot_jit(lhs, rhs, route, dimension_numbers, precision, out_dtype)
 
-    def on_cuda(lhs, rhs):
-        from lowbit.kernels import pallas
+    def kernel_on(platform):
+        def run(lhs, rhs):
+            from lowbit.kernels.pallas import weight_only_matmul
 
-        return pallas.weight_only_matmul(lhs, rhs, out_dtype=out_dtype, differentiable=False)
+            return weight_only_matmul(
+                lhs, rhs, out_dtype=out_dtype, differentiable=False, platform=platform
+            )
+
+        return run
 
     def elsewhere(lhs, rhs):
         rhs = rhs.logical() if isinstance(rhs, PreparedQArray) else rhs
         return _portable(lhs, rhs, dimension_numbers, precision, preferred, None).astype(out_dtype)
 
     rules = {"cpu": on_cpu} if route is not None else {}
-    if gpu:
-        rules["cuda"] = on_cuda
+    rules.update({platform: kernel_on(platform) for platform in pallas})
     return by_platform((lhs, rhs), rules, elsewhere)
 
 
-def _by_platform_fwd(lhs, rhs, route, dimension_numbers, precision, preferred, out_dtype, gpu):
-    out = _by_platform(lhs, rhs, route, dimension_numbers, precision, preferred, out_dtype, gpu)
+def _by_platform_fwd(lhs, rhs, route, dimension_numbers, precision, preferred, out_dtype, pallas):
+    out = _by_platform(lhs, rhs, route, dimension_numbers, precision, preferred, out_dtype, pallas)
     return out, (lhs, rhs)
 
 
-def _by_platform_bwd(route, dimension_numbers, precision, preferred, out_dtype, gpu, res, g):
+def _by_platform_bwd(route, dimension_numbers, precision, preferred, out_dtype, pallas, res, g):
     return _logical_ste_bwd(dimension_numbers, precision, res, g)
 
 

@@ -119,6 +119,24 @@ def test_decode_step_exports_for_accelerators_without_cpu_targets(llm, recipe, k
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("recipe", ["int4_weight_only", "nf4"])
+def test_decode_step_exports_the_tpu_kernel_when_enabled(llm, recipe, monkeypatch):
+    """With ``LOWBIT_TPU_KERNELS=1`` weight-only layers lower to the Mosaic kernel for TPU."""
+    monkeypatch.setenv("LOWBIT_TPU_KERNELS", "1")
+    model, graphdef, params = llm
+    qparams = lowbit.quantize(params, recipe, kernel_layouts=False)
+    cache = model.init_cache(2, 16, None)
+    tokens = jnp.array([[3], [7]], jnp.int32)
+    step = _decode_step(graphdef)
+    tpu = _export(step, ("tpu",), qparams, tokens, cache).mlir_module()
+    assert "tpu_custom_call" in tpu and not _CPU_TARGET.search(tpu)
+    everywhere = _export(
+        step, ("cpu", "cuda", "tpu"), qparams, tokens, cache, allow=_ALLOW_CPU_TARGETS
+    )
+    (logits, _), (want, _) = everywhere.call(qparams, tokens, cache), step(qparams, tokens, cache)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_prepared_weights_export_for_accelerators(llm):
     """Weights laid out for the CPU kernels still lower for CUDA (their logical form)."""
     model, graphdef, params = llm

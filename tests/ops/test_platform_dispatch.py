@@ -80,3 +80,20 @@ def test_small_weights_keep_xla_on_cuda(monkeypatch):
         if eqn.primitive is by_platform_p:
             assert "cuda" not in eqn.params["platforms"]
     assert not any(e.primitive.name == "pallas_call" for e in _equations(jaxpr))
+
+
+def test_tpu_branch_only_when_its_kernels_are_enabled(monkeypatch):
+    q = _weight("int4")
+    x = jnp.ones((2, K), jnp.float32)
+
+    def by_platform_equation():
+        jaxpr = jax.make_jaxpr(lambda x, q: dot_general(x, q, DIMS))(x, q).jaxpr
+        (eqn,) = [e for e in _equations(jaxpr) if e.primitive is by_platform_p]
+        return eqn
+
+    monkeypatch.delenv(_dot_general.TPU_KERNELS_ENV, raising=False)
+    assert "tpu" not in by_platform_equation().params["platforms"]
+    monkeypatch.setenv(_dot_general.TPU_KERNELS_ENV, "1")
+    eqn = by_platform_equation()
+    tpu = eqn.params["branches"][eqn.params["platforms"].index("tpu")]
+    assert any(e.primitive.name == "pallas_call" for e in _equations(tpu.jaxpr))
