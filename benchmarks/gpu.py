@@ -286,6 +286,37 @@ def _layout_rows(deadline: float) -> list[tuple[str, int, str, str]]:
                         text = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 out.append((label, m, layout, text))
                 print(f"[gpu] {label} GEMM M={m} W {layout}: {text}", file=sys.stderr, flush=True)
+    return out + _w8a8_parts(w, key, deadline)
+
+
+def _w8a8_parts(w: jax.Array, key: jax.Array, deadline: float) -> list[tuple[str, int, str, str]]:
+    """w8a8's two steps beside its GEMM at the largest M: the per-token int8 quantization of
+    bf16 activations, and the int32 result scaled per token and channel to bf16."""
+    from lowbit.kernels import pallas
+
+    m, k = LAYOUT_BATCHES[-1], w.shape[0]
+    x = jax.random.normal(key, (m, k), jnp.bfloat16)
+    acc = jax.random.randint(key, (m, k), -(2**20), 2**20, jnp.int32)
+    scales = (jnp.full((m, 1), 1e-3, jnp.float32), jnp.full((1, k), 1e-3, jnp.float32))
+    parts = (
+        ("w8a8 step: quantize x rows", lambda x, _: pallas.quantize_rows(x, "int8")[0], x, None),
+        (
+            "w8a8 step: scale int32 result",
+            lambda a, s: (a.astype(jnp.float32) * s[0] * s[1]).astype(jnp.bfloat16),
+            acc,
+            scales,
+        ),
+    )
+    out = []
+    for label, fn, first, second in parts:
+        text = "not measured (time budget)"
+        if time.perf_counter() <= deadline:
+            try:
+                text = f"{_time_product(fn, first, second) * 1e3:.4f}"
+            except Exception as e:
+                text = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        out.append((label, m, "", text))
+        print(f"[gpu] {label} M={m}: {text}", file=sys.stderr, flush=True)
     return out
 
 
@@ -419,7 +450,10 @@ def _report(
         *_matmul_table(matmuls),
         "",
         "The int8 and fp8 GEMMs alone (`lax.dot_general`, no activation quantization), the "
-        "weight stored [K, N] (contracted on axis 0, as a Flax kernel) or [N, K]:",
+        "weight stored [K, N] (contracted on axis 0, as a Flax kernel) or [N, K]; then w8a8's "
+        'two other steps at the largest M ("w8a8 step" rows, one [M, K] operand each): the '
+        "per-token int8 quantization of bf16 activations and the scaling of the int32 result "
+        "to bf16:",
         "",
         *_layout_table(layouts),
         "",
@@ -469,6 +503,8 @@ def _not_measured(reason: str) -> tuple[list[Row], list, list[tuple[str, int, st
         for m in LAYOUT_BATCHES
         for layout in ("[K, N]", "[N, K]")
     ]
+    steps = ("w8a8 step: quantize x rows", "w8a8 step: scale int32 result")
+    layouts += [(label, LAYOUT_BATCHES[-1], "", reason) for label in steps]
     decode = [(label, b, reason) for label, _ in LLAMA_WEIGHTS for b in LLAMA_BATCHES]
     return rows, layouts, decode
 

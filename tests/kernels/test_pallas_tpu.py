@@ -54,9 +54,7 @@ def test_tpu_body_matches_dequantized_product(case):
     fmt, granularity, pack_axis, k, n, m, dtype = case
     q = weight(fmt, k, n, granularity, pack_axis)
     x = activations(m, k, dtype)
-    y = pallas.weight_only_matmul(
-        x, q, out_dtype=jnp.float32, interpret=INTERPRET, platform="tpu"
-    )
+    y = pallas.weight_only_matmul(x, q, out_dtype=jnp.float32, interpret=INTERPRET, platform="tpu")
     assert y.shape == (m, n)
     assert_matches_dequantized(x, q, y, dtype)
 
