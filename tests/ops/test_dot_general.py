@@ -257,13 +257,18 @@ def test_fp8_path():
     dims = (((1,), (0,)), ((), ()))
     assert dot_general_path(x, q, dims) == "fp8_f32"
     jaxpr = jax.make_jaxpr(lambda x, q: dot_general(x, q, dims))(x, q)
-    fp8_dots = [
-        e
-        for e in iter_eqns(jaxpr)
-        if e.primitive.name == "dot_general"
-        and all(v.aval.dtype == jnp.float8_e4m3fn for v in e.invars)
-    ]
-    assert len(fp8_dots) == 1 and fp8_dots[0].params["preferred_element_type"] == jnp.float32
+    # One implementation per platform (the CUDA one multiplies a K-major copy of the weight):
+    # each holds one fp8 dot accumulating in float32.
+    (eqn,) = [e for e in iter_eqns(jaxpr) if e.primitive.name == "lowbit_by_platform"]
+    assert eqn.params["platforms"] == ("cuda",)
+    for implementation in (eqn.params["default"], *eqn.params["branches"]):
+        fp8_dots = [
+            e
+            for e in iter_eqns(implementation)
+            if e.primitive.name == "dot_general"
+            and all(v.aval.dtype == jnp.float8_e4m3fn for v in e.invars)
+        ]
+        assert len(fp8_dots) == 1 and fp8_dots[0].params["preferred_element_type"] == jnp.float32
     out, ref, xq = _both(x, q, dims)
     bound = summation_bound(jnp.abs(xq), jnp.abs(q.dequantize()), dims, 32)
     np.testing.assert_array_less(np.abs(out - ref), bound)

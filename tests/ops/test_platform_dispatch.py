@@ -6,6 +6,8 @@ Pallas kernel and whose CPU branch is the C++ kernel, and its value is the CPU o
 matches the dequantized reference, and its gradient is the straight-through one.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 
 from lowbit.ops import _dot_general, dot_general
 from lowbit.ops._platform import by_platform_p
-from lowbit.qarray import PerGroup, quantize
+from lowbit.qarray import PerChannel, PerGroup, QuantConfig, quantize
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
@@ -97,3 +99,32 @@ def test_tpu_branch_only_when_its_kernels_are_enabled(monkeypatch):
     eqn = by_platform_equation()
     tpu = eqn.params["branches"][eqn.params["platforms"].index("tpu")]
     assert any(e.primitive.name == "pallas_call" for e in _equations(tpu.jaxpr))
+
+
+def _activation_weight(fmt):
+    w = np.random.default_rng(3).standard_normal((K, N)).astype(np.float32) / np.sqrt(K)
+    q = quantize(jnp.asarray(w), fmt, granularity=PerChannel((1,)))
+    return dataclasses.replace(q, activation=QuantConfig(format=fmt))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "rows", "k_major"),
+    [("int8", 256, True), ("int8", 16, False), ("fp8_e4m3fn", 1, True)],
+)
+def test_cuda_multiplies_k_n_activation_weights_through_a_k_major_copy(fmt, rows, k_major):
+    q = _activation_weight(fmt)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((rows, K)), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda x, q: dot_general(x, q, DIMS))(x, q)
+    found = [e for e in _equations(jaxpr.jaxpr) if e.primitive is by_platform_p]
+    assert ("cuda" in found[0].params["platforms"] if found else False) == k_major
+    if not k_major:
+        return
+    (eqn,) = found
+    cuda = eqn.params["branches"][eqn.params["platforms"].index("cuda")]
+    names = {e.primitive.name for e in _equations(cuda.jaxpr)}
+    assert {"transpose", "optimization_barrier", "dot_general"} <= names
+    # The branch is plain XLA: evaluated here, it gives the portable product's values.
+    flat = jax.tree.leaves((x, q))
+    (got,) = jax.core.eval_jaxpr(cuda.jaxpr, cuda.consts, *flat)
+    want = jax.jit(lambda x, q: dot_general(x, q, DIMS))(x, q)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
