@@ -152,6 +152,17 @@ def test_dequantize_weight_is_the_reference_exactly(kind, k, n, group_size):
 _dequantize = jax.jit(kernels.dequantize_weight)
 
 
+@pytest.mark.parametrize("kind", ["uint4", "nf4"])
+def test_dequantize_weight_of_a_large_weight_is_the_reference_exactly(kind):
+    # Above 8 MB of float32 the kernel writes the weight row by row instead of panel by
+    # panel: K = 1056 (33 groups), N = 2200 (a ragged last panel), 9.3 MB.
+    codes, scale, zp = make_weight(kind, 1056, 2200, 32, seed=5)
+    w = kernels.pack(kind, codes, scale, zp, 32)
+    ref = np.asarray(_reference.dequantize(kind, codes, scale, zp, 32))
+    for name, out in on_each_isa(lambda: _dequantize(w)).items():
+        np.testing.assert_array_equal(out, ref, err_msg=name)
+
+
 def _per_group_int8_reference(x, w_float, gs):
     """x [M, K] with each row's groups of `gs` rounded to int8 (absmax / 127, half to even;
     zero groups stay zero), times the float weight, in float64."""

@@ -251,11 +251,48 @@ static void wo_run_kind(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int
   }
 }
 
+// Float weights above this many bytes are written row by row (see `wo_dequant_kind`).
+constexpr int64_t kDequantRowsBytes = int64_t{8} << 20;
+
+// The whole weight. Small ones panel by panel (`wo_dequant_block`, reading each panel's codes
+// in one stream). Past a few MB the output outgrows the caches and the TLB's reach: it is then
+// written row by row across the panels, so consecutive stores fill one row's 64-byte pieces in
+// order, where panel by panel every store lands a whole row (16 KB at N = 4096) past the last.
+// Measured (2 cores, int4 g64, 2048 x 2048): 1.6-1.7 ms -> 0.6-0.9 ms; 576 x 1536 stays
+// faster panel by panel (0.08-0.10 against 0.11-0.24 ms).
 template <int KIND>
 static void wo_dequant_kind(const WoArgs& a, int64_t p0, int64_t p1, float* out, int64_t ldo) {
+  using D = Deq<KIND>;
   const Lut lut = make_lut(KIND == kNf4 ? a.lut : KIND == kInt4 ? kInt4Table : kUint4Table);
-  wo_dequant_block<KIND>(a, a.blob + p0 * a.panel_bytes, p1 - p0, 0, a.groups, lut,
-                         out + p0 * kPanel, ldo);
+  if (a.kp * ldo * int64_t{sizeof(float)} <= kDequantRowsBytes) {
+    wo_dequant_block<KIND>(a, a.blob + p0 * a.panel_bytes, p1 - p0, 0, a.groups, lut,
+                           out + p0 * kPanel, ldo);
+    return;
+  }
+  const uint8_t* base = a.blob + p0 * a.panel_bytes;
+  const int64_t np = p1 - p0, npairs = a.gs / 2;
+  out += p0 * kPanel;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    for (int64_t t = 0; t < npairs; ++t) {
+      float* row0 = out + (g * a.gs + 2 * t) * ldo;
+      float* row1 = row0 + ldo;
+      for (int64_t j = 0; j < np; ++j) {
+        const uint8_t* gp = base + j * a.panel_bytes + g * a.group_bytes;
+        const float* hdr = reinterpret_cast<const float*>(gp);
+        V s = vload(hdr);
+        if constexpr (D::kScaleMul != 1.0f) s = vmul(s, vbcast(D::kScaleMul));
+        V w0, w1;
+        D::pair(gp + kGroupHeader + t * D::PB, lut, w0, w1);
+        if constexpr (D::kZp) {
+          const V zp = vload(hdr + kPanel);
+          w0 = vsub(w0, zp);
+          w1 = vsub(w1, zp);
+        }
+        vstore(row0 + j * kPanel, vmul(w0, s));
+        vstore(row1 + j * kPanel, vmul(w1, s));
+      }
+    }
+  }
 }
 
 // Calls f(std::integral_constant<int, KIND>{}) for the weight-only kind `kind` (fp8 for any
