@@ -475,11 +475,11 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
 #if defined(LOWBIT_HAS_WO_Q8_INT8)
     __m512i csum = _mm512_setzero_si512();
 #endif
-    for (int64_t q = 0; q < nq; ++q) {
-      const uint8_t* p = body + q * quad_bytes;
-      if (kInt8Codes || (q & 1) == 0) __builtin_prefetch(p + kPrefetch);
-      if constexpr (kInt8Codes) {
+    if constexpr (kInt8Codes) {
 #if defined(LOWBIT_HAS_WO_Q8_INT8)
+      for (int64_t q = 0; q < nq; ++q) {
+        const uint8_t* p = body + q * quad_bytes;
+        __builtin_prefetch(p + kPrefetch);
         const __m512i w = q8_quad(p);
         csum = sdot(csum, w, 0x01010101);
         LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
@@ -487,14 +487,39 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
           std::memcpy(&x4, xg + r * a.kp + 4 * q, 4);
           iacc[r] = sdot(iacc[r], w, static_cast<int32_t>(x4 ^ 0x80808080u));
         }
+      }
 #endif
-      } else {
+    } else {
+      // With one or two rows, each row's dots go into kChains independent sums: a single sum
+      // makes every dot wait for the previous one (gs / 4 in a row: 8 at llama.cpp's groups
+      // of 32), and decode then runs at the dot's latency instead of its throughput.
+      constexpr int kChains = MR <= 2 ? kQ8Chains : 1;
+      VI part[MR][kChains];
+      LOWBIT_UNROLL for (int r = 0; r < MR; ++r)
+        LOWBIT_UNROLL for (int c = 0; c < kChains; ++c) part[r][c] = izero();
+      auto quad = [&](int64_t q, auto chain) {
+        const uint8_t* p = body + q * quad_bytes;
+        if ((q & 1) == 0) __builtin_prefetch(p + kPrefetch);
         const auto w = q4_quad(p);
         LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
           int32_t x4;
           std::memcpy(&x4, xg + r * a.kp + 4 * q, 4);
-          iacc[r] = udot(iacc[r], w, x4);
+          part[r][decltype(chain)::value] = udot(part[r][decltype(chain)::value], w, x4);
         }
+      };
+      int64_t q = 0;
+      for (; q + kChains <= nq; q += kChains) {
+        quad(q, std::integral_constant<int, 0>{});
+        if constexpr (kChains > 1) quad(q + 1, std::integral_constant<int, 1 % kChains>{});
+        if constexpr (kChains > 2) {
+          quad(q + 2, std::integral_constant<int, 2 % kChains>{});
+          quad(q + 3, std::integral_constant<int, 3 % kChains>{});
+        }
+      }
+      for (; q < nq; ++q) quad(q, std::integral_constant<int, 0>{});
+      LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
+        iacc[r] = part[r][0];
+        LOWBIT_UNROLL for (int c = 1; c < kChains; ++c) iacc[r] = iadd(iacc[r], part[r][c]);
       }
     }
     const float* hdr = reinterpret_cast<const float*>(gp);

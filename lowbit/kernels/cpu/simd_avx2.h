@@ -124,6 +124,14 @@ static inline VI idot(VI acc, const WQ& w, const uint32_t* x) {
 // codes are vpmaddubsw's unsigned operand, whose int16 pair sums (at most 2 * 15 * 127) never
 // saturate; int8 codes would, so they stay on the float path here.
 #define LOWBIT_HAS_WO_Q8 1
+// Independent integer sums a row in wq8_tile at one or two rows (kernels_impl.h): with
+// VNNI each dot adds into its sum in one instruction, so one sum a row chains them at its
+// latency; without, vpmaddubsw / vpmaddwd come first and only a cheap add is chained.
+#if defined(LOWBIT_VNNI)
+constexpr int kQ8Chains = 4;
+#else
+constexpr int kQ8Chains = 1;
+#endif
 
 // simd_avx512.h's q4_quad bit moves for 8 of the 16 columns: d = a | b << 16 from the bytes
 // a of row t and b of row t + 1, then (d | d << 4) & 0x0F0F0F0F.
@@ -148,6 +156,9 @@ static inline VI udot(VI acc, const VI& codes, int32_t x4) {
   return VI{udot8(acc.a, codes.a, x), udot8(acc.b, codes.b, x)};
 }
 static inline V vcvt(VI v) { return V{_mm256_cvtepi32_ps(v.a), _mm256_cvtepi32_ps(v.b)}; }
+static inline VI iadd(const VI& x, const VI& y) {
+  return VI{_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)};
+}
 
 // quantize_groups' vector steps (kernels_impl.h), 8 floats each.
 struct GroupQ8 {
