@@ -104,6 +104,20 @@ class Sampling:
         return self.temperature == 0.0
 
 
+def greedy_tokens(logits: jax.Array) -> jax.Array:
+    """``jnp.argmax(logits, axis=-1)`` as int32 ``[batch]``: the first maximum, or the first
+    NaN where a row has one.
+
+    Two plain reductions (the maximum, then the first index holding it) instead of argmax's
+    paired value-and-index reduction, which XLA:CPU runs element by element: over a 49152-token
+    vocabulary 26 against 218 us a row, about 3% of a SmolLM2-sized decode step.
+    """
+    top = jnp.max(logits, axis=-1, keepdims=True)  # NaN if the row has one
+    hit = (logits == top) | jnp.isnan(logits)
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where(hit, index, logits.shape[-1]), axis=-1).astype(jnp.int32)
+
+
 def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     """logits ``[batch, vocab]`` -> token ids ``[batch]`` int32 (see `Sampling`).
 
@@ -112,7 +126,7 @@ def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.
     """
     logits = logits.astype(jnp.float32)
     if sampling.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return greedy_tokens(logits)
     logits = logits / sampling.temperature
     vocab = logits.shape[-1]
     k = vocab if sampling.top_k is None else min(sampling.top_k, vocab)
@@ -162,7 +176,7 @@ def sample_rows(
     """
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_tokens(logits)
     sampled = temperature > 0.0
     scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
     k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)

@@ -7,10 +7,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 
 from lowbit.api import quantize_params
 from lowbit.models import Llama, LlamaConfig
-from lowbit.models._generate import Sampling, bucket, generate_tokens, sample_logits
+from lowbit.models._generate import (
+    Sampling,
+    bucket,
+    generate_tokens,
+    greedy_tokens,
+    sample_logits,
+)
 
 CONFIG = LlamaConfig(
     vocab_size=64,
@@ -125,3 +134,18 @@ def test_buckets_bound_the_number_of_compiled_lengths():
     sizes = {bucket(n) for n in range(1, 4097)}
     assert len(sizes) <= 20
     assert all(bucket(n) >= n and bucket(n) <= max(16, 1.5 * n) for n in range(1, 4097))
+
+
+_SPECIALS = st.sampled_from([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan])
+_LOGITS = arrays(
+    np.float32,
+    st.tuples(st.integers(1, 4), st.integers(1, 40)),
+    elements=st.one_of(st.floats(-4, 4, width=32).map(lambda v: float(round(v))), _SPECIALS),
+)
+
+
+@given(_LOGITS)
+def test_greedy_tokens_is_argmax(logits):
+    # Rounded values make ties common; NaN, infinities and signed zeros as argmax treats them.
+    got = np.asarray(greedy_tokens(jnp.asarray(logits)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1)))
