@@ -16,6 +16,7 @@ from lowbit.algorithms import AlgorithmReport, check_algorithm
 from lowbit.algorithms._spread import spanning_processes
 from lowbit.api._algorithms import AlgorithmOptions, check_same_recipe, round_with_algorithms
 from lowbit.api._trace import layout_axes, trace_params
+from lowbit.engine._compat import EXPLICIT_AXES_QUANTIZE
 from lowbit.formats import FORMATS
 from lowbit.ops import is_prepared, prepare_weights
 from lowbit.qarray import Fixed, QArray, QuantConfig, check_values
@@ -32,6 +33,11 @@ def _quantize_jit(x: jax.Array, config: QuantConfig) -> QArray:
     # One compiled quantizer per (config, shape): PTQ, QAT and convert all call this, so QAT's
     # forward and the converted model see bit-identical codes and scales.
     return quantize_array(x, config)
+
+
+def _explicit_axes(x: Any) -> bool:
+    mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+    return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
 def fixed_bounds(activation: QuantConfig | None) -> jax.Array | None:
@@ -298,6 +304,12 @@ def quantize_params(
             return rounded.pop(path)  # held once: in the result only
         if not decision.quantized or path in skip:
             return leaf
+        if not EXPLICIT_AXES_QUANTIZE and _explicit_axes(leaf):
+            raise ValueError(
+                f"parameter {path!r} is sharded on a mesh with explicit axes, which JAX "
+                f"{jax.__version__} cannot reshape into quantization groups (its sharding rule "
+                "for reshape fails); use a mesh with AxisType.Auto axes, or JAX 0.10 or newer"
+            )
         try:
             return quantize_weight(leaf, decision.config, recipe.rules[decision.rule_index])
         except ValueError as e:

@@ -11,6 +11,7 @@ test-jax-compat`) and the newest (`make test`).
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,15 @@ Literal = _ext_core.Literal
 Var = _ext_core.Var
 DropVar = getattr(_ext_core, "DropVar", None)
 Tracer = _public_core.Tracer
+
+JAX_RELEASE = tuple(int(part) for part in re.findall(r"\d+", jax.__version__)[:3])
+"""The running JAX's (major, minor, patch)."""
+
+# Meshes with explicit axes: JAX 0.9's sharding rule for reshaping an explicitly sharded
+# dimension fails inside JAX (an IndexError in `reshape`), and quantizing such a weight reshapes
+# it into groups. 0.9.2 fails and 0.12 works (tests/engine/test_explicit_sharding.py); 0.10
+# and 0.11 are taken to work like 0.12 (not tested).
+EXPLICIT_AXES_QUANTIZE = JAX_RELEASE >= (0, 10)
 
 # Names under which the primitives the engine has rules for have been bound. Several aliases per
 # rule keep older and newer releases working with the same table.

@@ -9,12 +9,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lowbit
+from lowbit.engine._compat import EXPLICIT_AXES_QUANTIZE
 from lowbit.io import load_checkpoint, save_checkpoint
 from lowbit.qarray import PerGroup, QArray, quantize
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(jax, "set_mesh") or not hasattr(jax.sharding, "AxisType"),
-    reason="explicit mesh axes need a newer JAX",
+HAS_EXPLICIT_AXES = hasattr(jax, "set_mesh") and hasattr(jax.sharding, "AxisType")
+pytestmark = pytest.mark.skipif(not HAS_EXPLICIT_AXES, reason="explicit mesh axes need a newer JAX")
+# Tests that quantize weights sharded on explicit axes (see `EXPLICIT_AXES_QUANTIZE`).
+quantizes = pytest.mark.skipif(
+    not EXPLICIT_AXES_QUANTIZE, reason="quantizing on explicit mesh axes needs JAX 0.10 or newer"
 )
 
 # Large enough for the CPU kernel route (which sharded weights must not take).
@@ -34,6 +37,7 @@ def _linear(params, x):
 _run = jax.jit(lowbit.run(_linear))
 
 
+@quantizes
 @pytest.mark.parametrize("spec", [COLUMNS, ROWS], ids=["columns", "rows"])
 @pytest.mark.parametrize(
     "recipe", ["int8", "int4w_g32_asym", "nf4", "int8_dynamic_activation_int8_weight"]
@@ -50,6 +54,7 @@ def test_sharded_weights_run_and_keep_their_sharding(recipe, spec):
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-4, rtol=2e-4)
 
 
+@quantizes
 @pytest.mark.parametrize("spec", [COLUMNS, ROWS], ids=["columns", "rows"])
 def test_a_one_device_explicit_mesh_gets_the_kernel_layout(spec):
     # `jax.make_mesh` gives explicit axes by default: one device is the common case.
@@ -63,6 +68,7 @@ def test_a_one_device_explicit_mesh_gets_the_kernel_layout(spec):
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-4, rtol=2e-4)
 
 
+@quantizes
 def test_a_group_that_straddles_two_shards_is_refused_with_the_parameter():
     mesh = _mesh()
     with jax.set_mesh(mesh):
@@ -83,6 +89,7 @@ def test_load_checkpoint_onto_an_explicit_mesh(tmp_path):
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-4, rtol=2e-4)
 
 
+@quantizes
 def test_shard_map_over_quantized_weights_sees_local_shapes():
     expected = _run(lowbit.quantize({"kernel": W}, "int4w_g32_asym"), X)
     mesh = _mesh()
@@ -115,3 +122,10 @@ def test_a_replicated_weight_on_a_mesh_runs_with_and_without_the_mesh_in_context
     outside = jax.jit(lowbit.run(_linear))(replicated, np.asarray(X))  # no mesh in context
     for out in (inside, outside):
         np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.skipif(EXPLICIT_AXES_QUANTIZE, reason="only where JAX cannot quantize on them")
+def test_an_old_jax_refuses_explicit_axes_with_the_fix():
+    mesh = _mesh()
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="AxisType.Auto axes, or JAX 0.10"):
+        lowbit.quantize({"kernel": jax.device_put(W, NamedSharding(mesh, COLUMNS))}, "nf4")
