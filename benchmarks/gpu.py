@@ -278,15 +278,20 @@ def _layout_rows(deadline: float) -> list[tuple[str, int, str, str]]:
                 fn = lambda x, w, dims=dims, acc=acc: jax.lax.dot_general(
                     x, w, dims, preferred_element_type=acc
                 )
-                text = "not measured (time budget)"
-                if time.perf_counter() <= deadline:
-                    try:
-                        text = f"{_time_product(fn, x, weight) * 1e3:.4f}"
-                    except Exception as e:
-                        text = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                text = _timed_ms(fn, x, weight, deadline)
                 out.append((label, m, layout, text))
                 print(f"[gpu] {label} GEMM M={m} W {layout}: {text}", file=sys.stderr, flush=True)
     return out + _w8a8_parts(w, key, deadline)
+
+
+def _timed_ms(fn: Callable, x: Any, w: Any, deadline: float) -> str:
+    """`_time_product` in ms as table text, or why it was not measured."""
+    if time.perf_counter() > deadline:
+        return "not measured (time budget)"
+    try:
+        return f"{_time_product(fn, x, w) * 1e3:.4f}"
+    except Exception as e:
+        return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
 
 
 def _w8a8_parts(w: jax.Array, key: jax.Array, deadline: float) -> list[tuple[str, int, str, str]]:
@@ -309,12 +314,7 @@ def _w8a8_parts(w: jax.Array, key: jax.Array, deadline: float) -> list[tuple[str
     )
     out = []
     for label, fn, first, second in parts:
-        text = "not measured (time budget)"
-        if time.perf_counter() <= deadline:
-            try:
-                text = f"{_time_product(fn, first, second) * 1e3:.4f}"
-            except Exception as e:
-                text = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        text = _timed_ms(fn, first, second, deadline)
         out.append((label, m, "", text))
         print(f"[gpu] {label} M={m}: {text}", file=sys.stderr, flush=True)
     return out
