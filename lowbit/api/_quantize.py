@@ -19,6 +19,7 @@ from lowbit.api._trace import layout_axes, trace_params
 from lowbit.engine._compat import EXPLICIT_AXES_QUANTIZE
 from lowbit.formats import FORMATS
 from lowbit.ops import is_prepared, prepare_weights
+from lowbit.ops._prepared import on_explicit_axes
 from lowbit.qarray import Fixed, QArray, QuantConfig, check_values
 from lowbit.qarray import quantize as quantize_array
 from lowbit.recipes import Recipe, Rule, map_params, param_leaves, path_string, preset
@@ -33,11 +34,6 @@ def _quantize_jit(x: jax.Array, config: QuantConfig) -> QArray:
     # One compiled quantizer per (config, shape): PTQ, QAT and convert all call this, so QAT's
     # forward and the converted model see bit-identical codes and scales.
     return quantize_array(x, config)
-
-
-def _explicit_axes(x: Any) -> bool:
-    mesh = getattr(getattr(x, "sharding", None), "mesh", None)
-    return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
 def fixed_bounds(activation: QuantConfig | None) -> jax.Array | None:
@@ -304,7 +300,7 @@ def quantize_params(
             return rounded.pop(path)  # held once: in the result only
         if not decision.quantized or path in skip:
             return leaf
-        if not EXPLICIT_AXES_QUANTIZE and _explicit_axes(leaf):
+        if not EXPLICIT_AXES_QUANTIZE and on_explicit_axes(leaf):
             raise ValueError(
                 f"parameter {path!r} is sharded on a mesh with explicit axes, which JAX "
                 f"{jax.__version__} cannot reshape into quantization groups (its sharding rule "

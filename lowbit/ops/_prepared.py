@@ -375,8 +375,9 @@ def prepare_leaves(
         del leaf
 
 
-def _explicit(x: jax.Array) -> bool:
-    mesh = getattr(x.sharding, "mesh", None)
+def on_explicit_axes(x: Any) -> bool:
+    """Whether `x` is an array placed on a mesh with explicit axes (shardings in the types)."""
+    mesh = getattr(getattr(x, "sharding", None), "mesh", None)
     types = getattr(mesh, "axis_types", ())
     return any(t == jax.sharding.AxisType.Explicit for t in types)
 
@@ -385,7 +386,7 @@ def _untyped(x: Any) -> Any:
     """An array on a one-device mesh with explicit axes, as a plain one-device array (the same
     buffer): its layout program is then built like any other's, where the explicit type would
     ask every reshape for an output sharding. Other arrays unchanged."""
-    if isinstance(x, jax.Array) and _explicit(x) and len(x.devices()) == 1:
+    if isinstance(x, jax.Array) and on_explicit_axes(x) and len(x.devices()) == 1:
         return jax.device_put(x, jax.sharding.SingleDeviceSharding(next(iter(x.devices()))))
     return x
 
