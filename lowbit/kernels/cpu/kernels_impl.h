@@ -123,29 +123,43 @@ static void wo_tile(const WoArgs& a, const float* x, int64_t xr, const float* sx
 // Large M: dequantize groups [g0, g1) of `np` panels once into buf [k][np * 16] (exactly
 // (q - zp) * s, as the reference does) and run a float GEMM tile over it for every row
 // block, so the unpack cost is shared by all rows.
+// The scale and zero point of one panel's group (gp: its header).
+template <int KIND>
+static inline void group_scale(const uint8_t* gp, V& s, V& zp) {
+  using D = Deq<KIND>;
+  const float* hdr = reinterpret_cast<const float*>(gp);
+  s = vload(hdr);
+  if constexpr (D::kScaleMul != 1.0f) s = vmul(s, vbcast(D::kScaleMul));
+  zp = vload(hdr + kPanel);
+}
+
+// Rows 2t and 2t + 1 of one panel's group as (q - zp) * s into row0 / row1 (16 floats each).
+template <int KIND>
+static inline void dequant_pair(const uint8_t* gp, int64_t t, const Lut& lut, V s, V zp,
+                                float* row0, float* row1) {
+  using D = Deq<KIND>;
+  V w0, w1;
+  D::pair(gp + kGroupHeader + t * D::PB, lut, w0, w1);
+  if constexpr (D::kZp) {
+    w0 = vsub(w0, zp);
+    w1 = vsub(w1, zp);
+  }
+  vstore(row0, vmul(w0, s));
+  vstore(row1, vmul(w1, s));
+}
+
 template <int KIND>
 static void wo_dequant_block(const WoArgs& a, const uint8_t* pan, int64_t np, int64_t g0,
                              int64_t g1, const Lut& lut, float* buf, int64_t ldb) {
-  using D = Deq<KIND>;
   const int64_t npairs = a.gs / 2;
   for (int64_t j = 0; j < np; ++j) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* gp = pan + j * a.panel_bytes + g * a.group_bytes;
-      const float* hdr = reinterpret_cast<const float*>(gp);
-      V s = vload(hdr);
-      if constexpr (D::kScaleMul != 1.0f) s = vmul(s, vbcast(D::kScaleMul));
-      const V zp = vload(hdr + kPanel);
+      V s, zp;
+      group_scale<KIND>(gp, s, zp);
       float* out = buf + (g - g0) * a.gs * ldb + j * kPanel;
-      for (int64_t t = 0; t < npairs; ++t) {
-        V w0, w1;
-        D::pair(gp + kGroupHeader + t * D::PB, lut, w0, w1);
-        if constexpr (D::kZp) {
-          w0 = vsub(w0, zp);
-          w1 = vsub(w1, zp);
-        }
-        vstore(out + 2 * t * ldb, vmul(w0, s));
-        vstore(out + (2 * t + 1) * ldb, vmul(w1, s));
-      }
+      for (int64_t t = 0; t < npairs; ++t)
+        dequant_pair<KIND>(gp, t, lut, s, zp, out + 2 * t * ldb, out + (2 * t + 1) * ldb);
     }
   }
 }
@@ -262,7 +276,6 @@ constexpr int64_t kDequantRowsBytes = int64_t{8} << 20;
 // faster panel by panel (0.08-0.10 against 0.11-0.24 ms).
 template <int KIND>
 static void wo_dequant_kind(const WoArgs& a, int64_t p0, int64_t p1, float* out, int64_t ldo) {
-  using D = Deq<KIND>;
   const Lut lut = make_lut(KIND == kNf4 ? a.lut : KIND == kInt4 ? kInt4Table : kUint4Table);
   if (a.kp * ldo * int64_t{sizeof(float)} <= kDequantRowsBytes) {
     wo_dequant_block<KIND>(a, a.blob + p0 * a.panel_bytes, p1 - p0, 0, a.groups, lut,
@@ -278,18 +291,9 @@ static void wo_dequant_kind(const WoArgs& a, int64_t p0, int64_t p1, float* out,
       float* row1 = row0 + ldo;
       for (int64_t j = 0; j < np; ++j) {
         const uint8_t* gp = base + j * a.panel_bytes + g * a.group_bytes;
-        const float* hdr = reinterpret_cast<const float*>(gp);
-        V s = vload(hdr);
-        if constexpr (D::kScaleMul != 1.0f) s = vmul(s, vbcast(D::kScaleMul));
-        V w0, w1;
-        D::pair(gp + kGroupHeader + t * D::PB, lut, w0, w1);
-        if constexpr (D::kZp) {
-          const V zp = vload(hdr + kPanel);
-          w0 = vsub(w0, zp);
-          w1 = vsub(w1, zp);
-        }
-        vstore(row0 + j * kPanel, vmul(w0, s));
-        vstore(row1 + j * kPanel, vmul(w1, s));
+        V s, zp;
+        group_scale<KIND>(gp, s, zp);
+        dequant_pair<KIND>(gp, t, lut, s, zp, row0 + j * kPanel, row1 + j * kPanel);
       }
     }
   }
