@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check, about 8 minutes at most: the Pallas kernel tests compiled for the GPU (not
-# interpreted), then the GPU benchmark section. Run from anywhere on a machine with a CUDA
+# GPU check, about 10 minutes at most: the Pallas kernel tests compiled for the GPU (not
+# interpreted) and the quantized products against their references there, then the GPU
+# benchmark section. Run from anywhere on a machine with a CUDA
 # GPU and JAX's CUDA plugin; lowbit runs from this source tree (its C++ CPU extension need
 # not be built). Logs and markdown go to "$OUT" if set, else ./out.
 #
@@ -48,7 +49,8 @@ fi
 status=0
 set -o pipefail
 if [ "${LOWBIT_GPU_CHECK_TESTS:-1}" != 0 ]; then
-  timeout 150 "$PY" -m pytest -q tests/kernels/test_pallas.py tests/ops/test_platform_dispatch.py 2>&1 |
+  timeout 270 "$PY" -m pytest -q tests/kernels/test_pallas.py tests/ops/test_platform_dispatch.py \
+    tests/ops/test_dot_general.py 2>&1 |
     tee "$OUT/pytest-gpu.log" || status=1
 fi
 timeout "${LOWBIT_GPU_BENCH_TIMEOUT:-330}" "$PY" -m benchmarks gpu --output "$OUT/BENCHMARKS-gpu.md" 2>&1 |

@@ -126,6 +126,43 @@ def _align_batch_shardings(lvalues, rvalues, dimension_numbers):
     return lvalues, rvalues
 
 
+# XLA's CUDA int8 GEMM (the Triton emitter of JAX 0.11) returns wrong sums for short
+# contractions: on an H200, int8 x int8 -> int32 products contracting 2 elements were wrong in
+# every case tried and 16 in some (with the quantization fused into the product), none from 32
+# up (one-off sweep, 2026-11-27). Grouped products contract one group, so groups of 16 and less
+# meet it. A CUDA lowering multiplies these in float32 instead: exact, since every partial
+# sum is an integer below K * 128 * 128 < 2**24.
+CUDA_INT8_MIN_CONTRACTION = 32
+
+
+def integer_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, out_sharding=None):
+    """The exact int32 `lax.dot_general` of int8 operands on every platform (see
+    `CUDA_INT8_MIN_CONTRACTION`)."""
+    (lc, _), _ = dimension_numbers
+
+    def exact(lhs, rhs):
+        return lax.dot_general(
+            lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32, out_sharding=out_sharding
+        )
+
+    if math.prod(lhs.shape[a] for a in lc) >= CUDA_INT8_MIN_CONTRACTION:
+        return exact(lhs, rhs)
+
+    def in_float(lhs, rhs):
+        f32 = lambda x: x.astype(jnp.float32)
+        out = lax.dot_general(
+            f32(lhs),
+            f32(rhs),
+            dimension_numbers,
+            precision=lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+            out_sharding=out_sharding,
+        )
+        return out.astype(jnp.int32)
+
+    return by_platform((lhs, rhs), {"cuda": in_float}, exact)
+
+
 def _fast(
     lhs_op: Operand,
     rhs_op: Operand,
@@ -149,14 +186,19 @@ def _fast(
         rvalues = _dims.split_axes(rvalues, rgroups)
         core_dims = _dims.grouped_dimension_numbers(dimension_numbers, pair_groups)
         lvalues, rvalues = _align_batch_shardings(lvalues, rvalues, core_dims)
-    acc = lax.dot_general(
-        lvalues,
-        rvalues,
-        core_dims,
-        precision=None if acc_dtype == jnp.int32 else precision,
-        preferred_element_type=acc_dtype,
-        out_sharding=None if pair_groups else out_sharding,
-    ).astype(jnp.float32)
+    out_sharding = None if pair_groups else out_sharding
+    if acc_dtype == jnp.int32:
+        acc = integer_dot(lvalues, rvalues, core_dims, out_sharding)
+    else:
+        acc = lax.dot_general(
+            lvalues,
+            rvalues,
+            core_dims,
+            precision=precision,
+            preferred_element_type=acc_dtype,
+            out_sharding=out_sharding,
+        )
+    acc = acc.astype(jnp.float32)
 
     lfree = len(_dims.free_axes(len(lhs_op.shape), lc, lb))
     rfree = len(_dims.free_axes(len(rhs_op.shape), rc, rb))

@@ -15,7 +15,7 @@ import pytest
 
 from lowbit.ops import _dot_general, dot_general
 from lowbit.ops._platform import by_platform_p
-from lowbit.qarray import PerChannel, PerGroup, QuantConfig, quantize
+from lowbit.qarray import PerChannel, PerGroup, PerToken, QuantConfig, quantize
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
@@ -128,3 +128,36 @@ def test_cuda_multiplies_k_n_activation_weights_through_a_k_major_copy(fmt, rows
     (got,) = jax.core.eval_jaxpr(cuda.jaxpr, cuda.consts, *flat)
     want = jax.jit(lambda x, q: dot_general(x, q, DIMS))(x, q)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def _cuda_branch(jaxpr):
+    found = [e for e in _equations(jaxpr.jaxpr) if e.primitive is by_platform_p]
+    found = [e for e in found if "cuda" in e.params["platforms"]]
+    return [e.params["branches"][e.params["platforms"].index("cuda")] for e in found]
+
+
+@pytest.mark.parametrize("group", [8, 16, 32])
+def test_cuda_multiplies_short_int8_contractions_in_float(group):
+    # XLA's CUDA int8 GEMM returns wrong sums below 32 contracted elements
+    # (`CUDA_INT8_MIN_CONTRACTION`); a w4a8 product contracts one group at a time.
+    w = np.random.default_rng(5).standard_normal((K, N)).astype(np.float32) / np.sqrt(K)
+    q = quantize(jnp.asarray(w), "int4", granularity=PerGroup(group))
+    q = dataclasses.replace(q, activation=QuantConfig(format="int8", granularity=PerToken()))
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((3, K)), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda x, q: dot_general(x, q, DIMS))(x, q)
+    branches = _cuda_branch(jaxpr)
+    if group >= _dot_general.CUDA_INT8_MIN_CONTRACTION:
+        assert branches == []
+        return
+    (cuda,) = branches
+    dots = [e for e in _equations(cuda.jaxpr) if e.primitive.name == "dot_general"]
+    assert [str(v.aval.dtype) for d in dots for v in d.invars] == ["float32", "float32"]
+    # Evaluated here, the float branch gives the int32 product's sums exactly.
+    a = np.random.default_rng(7).integers(-128, 128, (4, 3, group)).astype(np.int8)
+    b = np.random.default_rng(8).integers(-8, 8, (4, group, 5)).astype(np.int8)
+    dims = (((2,), (1,)), ((0,), (0,)))
+    traced = jax.make_jaxpr(lambda a, b: _dot_general.integer_dot(a, b, dims))(a, b)
+    (branch,) = _cuda_branch(traced)
+    (got,) = jax.core.eval_jaxpr(branch.jaxpr, branch.consts, a, b)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.einsum("bmk,bkn->bmn", a.astype(np.int64), b))
