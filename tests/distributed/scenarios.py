@@ -122,6 +122,20 @@ def calibrate(out_dir: str) -> dict[str, np.ndarray]:
         return calibrated(mesh)
 
 
+def four_processes(out_dir: str) -> dict[str, np.ndarray]:
+    """`quantize_run` and symmetric GPTQ calibrated on rows split over the processes, its
+    solves spread over them (`gptq_scenarios.quantized`, on `jax.make_mesh`'s default axes),
+    in one start of the processes: each start costs every process a JAX start-up."""
+    import gptq_scenarios
+
+    out = {f"run/{k}": v for k, v in quantize_run(out_dir).items()}
+    mesh = jax.make_mesh((jax.device_count(),), ("x",))
+    with jax.set_mesh(mesh):
+        gptq = gptq_scenarios.quantized(mesh, gptq_scenarios.SYMMETRIC)
+    out.update({f"gptq/{k}": v for k, v in gptq.items()})
+    return out
+
+
 # --- lowbit checkpoints written and read by several processes --------------------------------
 
 
