@@ -116,10 +116,29 @@ def calibrated(mesh=None) -> dict[str, np.ndarray]:
     return out
 
 
+# A Gram matrix as `capture` sums one over rows split across processes: SmolLM2's widest input
+# (its MLP's 1536), 9.4 MB. XLA:CPU's gloo reduce-scatter returns wrong values for chunks of
+# 4 MiB (jax-ml/jax#40830); the sum must be an all-reduce, and right at this size.
+GRAM_INPUTS = 1536
+
+
+def gram_rows() -> np.ndarray:
+    return np.random.default_rng(2).normal(size=(64, GRAM_INPUTS)).astype(np.float32)
+
+
 def calibrate(out_dir: str) -> dict[str, np.ndarray]:
     mesh = jax.make_mesh((jax.device_count(),), ("x",))
     with jax.set_mesh(mesh):
-        return calibrated(mesh)
+        out = calibrated(mesh)
+        rows = global_array(gram_rows(), NamedSharding(mesh, P("x", None)))
+        gram = jax.jit(
+            lambda r: jnp.dot(
+                r.T, r, precision=jax.lax.Precision.HIGHEST, out_sharding=NamedSharding(mesh, P())
+            )
+        )
+        out["collective/gram"] = np.asarray(gram(rows).addressable_data(0))
+        out["collective/hlo"] = np.asarray(gram.lower(rows).compile().as_text())
+    return out
 
 
 def four_processes(out_dir: str) -> dict[str, np.ndarray]:

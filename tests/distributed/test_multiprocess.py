@@ -89,8 +89,16 @@ def test_orbax_async_save_across_processes_restores_in_one(tmp_path, reference):
 def test_calibration_on_rows_split_over_processes_matches_one_process(tmp_path):
     """Each process feeds its own calibration rows; statistics are summed across processes."""
     reference = scenarios.calibrated()
+    rows = scenarios.gram_rows().astype(np.float64)
     for result in run_processes("calibrate", PROCESSES, tmp_path):
-        check_calibrated(result, reference)
+        collective = _part(result, "collective/")
+        rest = {k: v for k, v in result.items() if not k.startswith("collective/")}
+        check_calibrated(rest, reference)
+        # The statistics' cross-process sum at a Gram matrix's real size: an all-reduce (no
+        # reduce-scatter, which gloo gets wrong for chunks of 4 MiB), and the right sums.
+        hlo = str(collective["hlo"])
+        assert "all-reduce" in hlo and "reduce-scatter" not in hlo
+        np.testing.assert_allclose(collective["gram"], rows.T @ rows, rtol=1e-5, atol=1e-4)
 
 
 def _part(result: dict, prefix: str) -> dict:
