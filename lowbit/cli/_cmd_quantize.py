@@ -6,7 +6,9 @@ that size budget (`lowbit.cli._budget`). An output ending in ``.gguf`` is writte
 
 A GGUF file with a recipe that selects weights by path (or ``gguf``) streams through
 `lowbit.io.convert_checkpoint`, one tensor at a time, so models larger than memory convert;
-the checkpoint is byte for byte the one the in-memory path writes.
+the checkpoint is byte for byte the one the in-memory path writes. With ``--by-layer``, a GGUF
+file or Hugging Face decoder directory with a data-driven recipe (GPTQ, AWQ, SmoothQuant)
+streams one layer at a time, calibrated on the `--calibration` text.
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="checkpoint directory to write, or a .gguf file (Llama-family models)",
     )
     add_calibration_arguments(parser)
+    parser.add_argument(
+        "--by-layer",
+        action="store_true",
+        help="a .gguf file or Hugging Face decoder directory with a data-driven recipe (GPTQ, "
+        "AWQ, SmoothQuant): read, calibrate, quantize and write one layer at a time, so a "
+        "model larger than memory converts (each layer calibrated behind the quantized ones)",
+    )
     add_budget_arguments(parser)
 
 
@@ -69,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if str(args.out).endswith(".gguf"):
         return _run_to_gguf(args)
     check_save_path(args.out)  # before the work, not after: refuse a directory that is not ours
-    if _streams(args.model, args.recipe):
+    if getattr(args, "by_layer", False) or _streams(args.model, args.recipe):
         return _run_streaming(args)
     with progress() as bar:
         loaded, float_params, params, recipe = _load_and_quantize(bar, args)
@@ -156,16 +165,33 @@ def _run_streaming(args: argparse.Namespace) -> int:
     recipe = None if keep else serving.load_recipe(args.recipe)
     label = serving.recipe_label(args.recipe)
     metadata = {META_MODEL: str(path), META_RECIPE: label, META_KIND: "lm"}
+    by_layer = getattr(args, "by_layer", False)
     if path.is_dir():
         # Float weights quantized from float32, as the in-memory path loads them.
         name_map, options = _hf_stream_map(path), dict(dtype=np.float32)
-        config = None
-    else:
-        config = decoder_config_from_gguf(read_gguf(path))
+        if name_map is None:
+            raise ValueError(
+                f"--by-layer: {args.model!r} is not a Hugging Face decoder directory whose "
+                "tensors each fill one parameter as stored (Gemma's 1 + w norms and "
+                "per-expert tensors are stacked in memory): load it without --by-layer"
+            )
+        config = _hf_config(path) if by_layer else None
+    elif path.suffix == ".gguf" and path.is_file():
+        gguf_file = read_gguf(path)
+        config = decoder_config_from_gguf(gguf_file)
         name_map = gguf_param_map(config)
         # A recipe quantizes the float weights as the in-memory path does, from the file's
         # values; `gguf` keeps the file's blocks.
         options = dict(quantized=keep)
+    else:
+        raise ValueError(
+            f"--by-layer: MODEL {args.model!r} must be a .gguf file or a Hugging Face decoder "
+            "directory"
+        )
+    if by_layer:
+        if recipe is None:
+            raise ValueError("--by-layer needs a recipe to quantize with, not --recipe gguf")
+        options.update(model=config, calibration=_token_batches(args, path))
     if recipe is not None and recipe.shapes is not None and config is not None:
         _check_plan_shapes(recipe, config)
     with progress() as bar:
@@ -183,9 +209,36 @@ def _run_streaming(args: argparse.Namespace) -> int:
     name = path.stem if path.is_file() else path.name
     print(
         f"wrote {args.out}: {name} with recipe {label}, {size / 1e6:.2f} MB "
-        f"({size / reference:.3f} of float32 {reference / 1e6:.2f} MB), one tensor at a time"
+        f"({size / reference:.3f} of float32 {reference / 1e6:.2f} MB), one "
+        f"{'layer' if by_layer else 'tensor'} at a time"
     )
     return 0
+
+
+def _hf_config(path: Path):
+    from lowbit.models import decoder_config_from_hf, read_hf_config
+
+    return decoder_config_from_hf(read_hf_config(path), path / "config.json")
+
+
+def _token_batches(args: argparse.Namespace, path: Path) -> list[np.ndarray]:
+    """The calibration windows (`lowbit.eval.lm_batches`) in the model file's own tokenizer."""
+    from lowbit.eval import read_text
+    from lowbit.eval._calibration_set import lm_batches
+    from lowbit.models import read_gguf, tokenizer_from_gguf
+
+    sequences = args.calibration_sequences
+    if sequences is not None and sequences < 1:
+        raise ValueError(f"--calibration-sequences={sequences} must be >= 1")
+    if path.is_dir():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    else:
+        tokenizer = tokenizer_from_gguf(read_gguf(path).metadata)
+    text = None if args.calibration is None else read_text(args.calibration)
+    options = {} if sequences is None else {"sequences": sequences}
+    return lm_batches(tokenizer, text, **options)
 
 
 def _check_plan_shapes(recipe, config) -> None:

@@ -6,9 +6,12 @@ to the checkpoint (`CheckpointWriter`) and dropped. So a model larger than memor
 with about one tensor (and its quantization's scratch) resident, and the checkpoint is the one
 ``save_checkpoint(quantize_params(import_...(source), recipe))`` writes, bit for bit.
 
-Only rules that decide by path and shape can stream: a rule that filters on the ops a weight
-feeds needs the model traced, and an algorithm (GPTQ, AWQ, SmoothQuant, HQQ) runs over the
-loaded model; such recipes are refused before anything is written.
+Only rules that decide by path and shape can stream one tensor at a time: a rule that filters
+on the ops a weight feeds needs the model traced, and an algorithm (GPTQ, AWQ, SmoothQuant,
+HQQ) runs over the loaded model. Given the decoder's config and calibration tokens
+(``model=``, ``calibration=``), a decoder streams one *layer* at a time instead
+(`lowbit.io._convert_layers`), and such rules run there; otherwise they are refused before
+anything is written.
 """
 
 from __future__ import annotations
@@ -16,18 +19,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.api import quantize_weight
+from lowbit.api import AlgorithmOptions, quantize_weight
 from lowbit.api._quantize import as_recipe, check_decisions, fixed_bounds
 from lowbit.io._checkpoint_writer import CheckpointWriter
+from lowbit.io._convert_layers import convert_layers
 from lowbit.io._placement import NameMap, nest
 from lowbit.io._source import SourceParams
 from lowbit.io._tree import path_name
+from lowbit.models import DecoderConfig
 from lowbit.ops._host_memory import release_free_memory
 from lowbit.qarray import QArray
 from lowbit.recipes import Recipe
@@ -68,13 +73,18 @@ def _sizes(leaf: Any) -> tuple[int, int]:
     return stored, 4 * elements if jnp.issubdtype(leaf.dtype, jnp.floating) else stored
 
 
-def streaming_problem(recipe: Recipe, paths: list[str] | None = None) -> str | None:
-    """Why `recipe` cannot quantize one tensor at a time, or None if it can.
+def streaming_problem(
+    recipe: Recipe, paths: list[str] | None = None, *, by_layer: bool = False
+) -> str | None:
+    """Why `recipe` cannot quantize one tensor at a time (with `by_layer`: a decoder one layer
+    at a time, on calibration data), or None if it can.
 
     Args:
       recipe: the recipe.
       paths: the parameter paths it will see; a rule that is the first match of none of them
         does not count. None: every rule counts.
+      by_layer: whether the conversion runs layer by layer (`convert_checkpoint` with
+        ``model=`` and ``calibration=``), where op filters and algorithms can run.
     """
     if getattr(recipe, "rotate", None) is not None:
         return (
@@ -86,10 +96,13 @@ def streaming_problem(recipe: Recipe, paths: list[str] | None = None) -> str | N
         if rule.weight is None or (used is not None and i not in used):
             continue
         why = None
-        if rule.ops is not None:
+        if rule.ops is not None and not by_layer:
             why = f"filters on the ops a weight feeds (ops={list(rule.ops)}), found by tracing"
-        elif rule.algorithm is not None:
-            why = f"rounds with {rule.algorithm.name}, which runs over the loaded model"
+        elif rule.algorithm is not None and not by_layer:
+            why = (
+                f"rounds with {rule.algorithm.name}, which runs on calibration data (give the "
+                "decoder's config and calibration tokens to convert it layer by layer)"
+            )
         elif rule.static_activation and fixed_bounds(rule.activation) is None:
             why = "needs static activation bounds measured on data (lowbit.calibrate)"
         if why:
@@ -111,8 +124,12 @@ def convert_checkpoint(
     dtype: Any = None,
     metadata: Mapping[str, Any] | None = None,
     on_tensor: Callable[[int, int, str], None] | None = None,
+    model: DecoderConfig | None = None,
+    calibration: Sequence[Any] | None = None,
+    algorithm_options: AlgorithmOptions | None = None,
 ) -> ConvertReport:
-    """Converts a GGUF or safetensors model to a lowbit checkpoint, one tensor at a time.
+    """Converts a GGUF or safetensors model to a lowbit checkpoint, one tensor at a time (one
+    layer at a time with ``model=`` and ``calibration=``).
 
     Args:
       source: a ``.gguf`` file, a ``.safetensors`` file, a shard index
@@ -129,6 +146,11 @@ def convert_checkpoint(
       dtype: safetensors only: cast floating tensors to this dtype first.
       metadata: JSON user metadata stored in the checkpoint.
       on_tensor: progress callback ``(done, total, path)`` after each tensor is written.
+      model: the decoder's `DecoderConfig`: with `calibration`, the model runs one layer at a
+        time (`lowbit.io._convert_layers`), so rules with algorithms (GPTQ, AWQ, SmoothQuant)
+        and op filters apply; every tensor is then read as float (GGUF blocks decoded).
+      calibration: token batches ``[batch, seq]`` for `model`'s layer-by-layer pass.
+      algorithm_options: `lowbit.api.AlgorithmOptions` for that pass.
     Returns:
       A `ConvertReport`.
     Raises:
@@ -139,11 +161,21 @@ def convert_checkpoint(
     """
     lookup = name_map.get if isinstance(name_map, Mapping) else name_map
     recipe = None if recipe is None else as_recipe(recipe)
+    by_layer = model is not None or calibration is not None
+    if by_layer and (model is None or calibration is None or recipe is None):
+        raise ValueError(
+            "convert_checkpoint: a layer-by-layer conversion needs the decoder's config "
+            "(model=), calibration token batches (calibration=) and a recipe; got "
+            f"model={'set' if model is not None else None}, calibration="
+            f"{'set' if calibration is not None else None}, recipe={recipe}"
+        )
+    quantized = quantized and not by_layer
     with SourceParams(source, lookup, quantized=quantized, dtype=dtype) as params:
         floats = {path: params.abstract(path) for path in params if not params.is_kept(path)}
         decisions = {}
         if recipe is not None:
-            problem = streaming_problem(recipe, [path_name(p) for p in floats])
+            names = [path_name(p) for p in floats]
+            problem = streaming_problem(recipe, names, by_layer=by_layer)
             if problem:
                 raise ValueError(problem)
             decisions = check_decisions(recipe, nest(floats.items()), None)
@@ -157,13 +189,11 @@ def convert_checkpoint(
                 )
         del floats
         counts = {"quantized": 0, "kept": 0, "param_bytes": 0, "float32_bytes": 0}
+        written = []
         with CheckpointWriter(dest, recipe=recipe, metadata=metadata) as writer:
-            for done, path in enumerate(params, 1):
-                leaf = params[path]
-                decision = decisions.get(path_name(path))
-                if decision is not None and decision.quantized:
-                    rule = recipe.rules[decision.rule_index]
-                    leaf = quantize_weight(leaf, decision.config, rule)
+
+            def write(path: Any, leaf: Any) -> None:
+                if isinstance(leaf, QArray) and not params.is_kept(path):
                     counts["quantized"] += 1
                 elif params.is_kept(path):
                     counts["kept"] += 1
@@ -171,12 +201,32 @@ def convert_checkpoint(
                 stored, as_float32 = _sizes(leaf)
                 counts["param_bytes"] += stored
                 counts["float32_bytes"] += as_float32
-                del leaf
-                # What the last tensor's quantization freed goes back to the system before
-                # the next one is read.
-                release_free_memory()
+                written.append(path)
                 if on_tensor is not None:
-                    on_tensor(done, len(params), path_name(path))
+                    on_tensor(len(written), len(params), path_name(path))
+
+            if by_layer:
+                convert_layers(
+                    params.__getitem__,
+                    list(params),
+                    write,
+                    recipe,
+                    model,
+                    calibration,
+                    options=algorithm_options,
+                )
+            else:
+                for path in params:
+                    leaf = params[path]
+                    decision = decisions.get(path_name(path))
+                    if decision is not None and decision.quantized:
+                        rule = recipe.rules[decision.rule_index]
+                        leaf = quantize_weight(leaf, decision.config, rule)
+                    write(path, leaf)
+                    del leaf
+                    # What the last tensor's quantization freed goes back to the system
+                    # before the next one is read.
+                    release_free_memory()
         source_bytes = params.nbytes()
         tensors = len(params)
     dest = os.path.realpath(os.fspath(dest))

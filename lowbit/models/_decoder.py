@@ -645,6 +645,36 @@ class Block(nnx.Module):
         return x + h, new_kv
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerInputs:
+    """What a layer reads besides the hidden states (`Decoder.layer_inputs`): rotary tables,
+    masks and the cache slot, for global layers and (with a sliding window) local ones.
+
+    Attributes:
+      slot: int32 [] cache slot the tokens are written at, or None without a cache.
+      rope: (cos, sin) ``[batch, seq, head_dim // 2]`` of global layers.
+      mask: ``[batch, seq, keys]`` bool, True where a query attends.
+      first: ``int32 [batch]``, the first slot a row's tokens may see.
+      local_rope, local_mask, local_first: the same for sliding-window layers (None without).
+    """
+
+    slot: jax.Array | None
+    rope: tuple[jax.Array, jax.Array]
+    mask: jax.Array
+    first: jax.Array
+    local_rope: tuple[jax.Array, jax.Array] | None = None
+    local_mask: jax.Array | None = None
+    local_first: jax.Array | None = None
+
+    def of(self, config: DecoderConfig, i: int, kv: LayerKV | None = None) -> tuple:
+        """Layer `i`'s arguments after ``x``: ``(cos, sin, mask, kv, slot, first)``."""
+        if config.is_local(i):
+            cos, sin = self.local_rope
+            return cos, sin, self.local_mask, kv, self.slot, self.local_first
+        cos, sin = self.rope
+        return cos, sin, self.mask, kv, self.slot, self.first
+
+
 class Decoder(nnx.Module):
     """A decoder-only language model (`DecoderConfig` says which architecture).
 
@@ -702,6 +732,61 @@ class Decoder(nnx.Module):
             freq_factors=c.rope_freq_factors,
         )
 
+    def layer_inputs(
+        self,
+        shape: tuple[int, int],
+        *,
+        positions: jax.Array | None = None,
+        cache: KVCache | None = None,
+    ) -> LayerInputs:
+        """What every layer reads besides the hidden states, for tokens of ``shape``
+        ``(batch, seq)``: rotary tables and masks (arguments as in `__call__`)."""
+        c = self.config
+        b, s = shape
+        if cache is None:
+            slot = None
+            offsets = jnp.arange(s, dtype=jnp.int32)
+            key_slots = offsets
+            first = jnp.zeros((b,), jnp.int32)
+        else:
+            slot = cache.length
+            offsets = slot + jnp.arange(s, dtype=jnp.int32)
+            key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
+            first = cache.start
+        if positions is None:
+            positions = jnp.maximum(offsets[None, :] - first[:, None], 0)
+        positions = jnp.broadcast_to(positions, (b, s))
+        # Causal in slot order: a query sees keys in slots up to its own, none before its row's
+        # first real slot; a local layer's query also none `sliding_window` or more behind it.
+        causal = key_slots[None, :] <= offsets[:, None]
+        mask = causal[None] & (key_slots[None, None, :] >= first[:, None, None])
+        inputs = LayerInputs(slot=slot, rope=self._rope(positions, False), mask=mask, first=first)
+        if c.sliding_window is not None:
+            near = key_slots[None, :] > offsets[:, None] - c.sliding_window
+            local_first = first if slot is None else jnp.maximum(first, slot - c.sliding_window + 1)
+            inputs = dataclasses.replace(
+                inputs,
+                local_rope=self._rope(positions, True),
+                local_mask=mask & near[None],
+                local_first=local_first,
+            )
+        return inputs
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """``tokens [batch, seq]`` -> the first layer's input ``[batch, seq, dim]``."""
+        x = self.embed(tokens)
+        if self.config.embed_scale:
+            # Gemma multiplies by sqrt(dim) rounded to the activation dtype.
+            x = x * jnp.asarray(math.sqrt(self.config.dim), x.dtype)
+        return x
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """The last layer's output ``[batch, seq, dim]`` -> logits ``[batch, seq, vocab]``."""
+        c = self.config
+        x = self.norm(x)
+        logits = self.embed.attend(x) if c.tie_embeddings else self.lm_head(x)
+        return softcap(logits, c.final_softcap)
+
     def __call__(
         self,
         tokens: jax.Array,
@@ -728,53 +813,14 @@ class Decoder(nnx.Module):
           ``logits [batch, seq, vocab]`` without a cache; ``(logits, new_cache)`` with one.
         """
         c = self.config
-        b, s = tokens.shape
-        if cache is None:
-            slot = None
-            offsets = jnp.arange(s, dtype=jnp.int32)
-            key_slots = offsets
-            first = jnp.zeros((b,), jnp.int32)
-        else:
-            slot = cache.length
-            offsets = slot + jnp.arange(s, dtype=jnp.int32)
-            key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
-            first = cache.start
-        if positions is None:
-            positions = jnp.maximum(offsets[None, :] - first[:, None], 0)
-        positions = jnp.broadcast_to(positions, (b, s))
-        # Causal in slot order: a query sees keys in slots up to its own, none before its row's
-        # first real slot; a local layer's query also none `sliding_window` or more behind it.
-        causal = key_slots[None, :] <= offsets[:, None]
-        mask = causal[None] & (key_slots[None, None, :] >= first[:, None, None])
-        tables = {False: self._rope(positions, False)}
-        local_mask = local_first = None
-        if c.sliding_window is not None:
-            tables[True] = self._rope(positions, True)
-            near = key_slots[None, :] > offsets[:, None] - c.sliding_window
-            local_mask = mask & near[None]
-            local_first = first if slot is None else jnp.maximum(first, slot - c.sliding_window + 1)
-        x = self.embed(tokens)
-        if c.embed_scale:
-            # Gemma multiplies by sqrt(dim) rounded to the activation dtype.
-            x = x * jnp.asarray(math.sqrt(c.dim), x.dtype)
+        inputs = self.layer_inputs(tokens.shape, positions=positions, cache=cache)
+        x = self.embed_tokens(tokens)
         layers_out = []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else cache.layer(i)
-            local = c.is_local(i)
-            cos, sin = tables[local]
-            x, new_kv = layer(
-                x,
-                cos,
-                sin,
-                local_mask if local else mask,
-                kv,
-                slot,
-                local_first if local else first,
-            )
+            x, new_kv = layer(x, *inputs.of(c, i, kv))
             layers_out.append(new_kv)
-        x = self.norm(x[:, -1:] if last_only else x)
-        logits = self.embed.attend(x) if c.tie_embeddings else self.lm_head(x)
-        logits = softcap(logits, c.final_softcap)
+        logits = self.head(x[:, -1:] if last_only else x)
         if cache is None:
             return logits
         quantized = cache.config is not None
@@ -785,7 +831,7 @@ class Decoder(nnx.Module):
             key_scales=tuple(kv.key_scales for kv in layers_out) if quantized else (),
             value_scales=tuple(kv.value_scales for kv in layers_out) if quantized else (),
             key_offsets=tuple(kv.key_offsets for kv in layers_out) if quantized else (),
-            length=slot + s,
+            length=inputs.slot + tokens.shape[1],
         )
         return logits, new_cache
 

@@ -74,3 +74,28 @@ def test_hugging_face_directory_streams_to_the_in_memory_checkpoint(
     save_checkpoint(tmp_path / "m", params, recipe=recipe, metadata=metadata)
     for name in ("manifest.json", "model.safetensors"):
         assert (tmp_path / "s" / name).read_bytes() == (tmp_path / "m" / name).read_bytes()
+
+
+def test_by_layer_runs_gptq_from_a_gguf_file_one_layer_at_a_time(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    from lowbit.io import load_checkpoint
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from tiny_gguf import write_tiny_gguf
+
+    path = str(write_tiny_gguf("llama", tmp_path / "tiny.gguf"))
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog, again and again. " * 300)
+    args = ["quantize", path, "--calibration", str(text), "--calibration-sequences", "2"]
+    out = str(tmp_path / "ck")
+    recipe = "int4w_g32_asym_gptq"
+    assert main([*args, "--recipe", recipe, "--by-layer", "--out", out]) == 0
+    assert "one layer at a time" in capsys.readouterr().out
+    q = load_checkpoint(out)
+    assert q["layers"][1]["mlp"]["down_proj"]["kernel"].format == "uint4"
+    assert main([*args, "--recipe", "gguf", "--by-layer", "--out", str(tmp_path / "x")]) != 0
+    assert "--by-layer needs a recipe" in capsys.readouterr().err
+    assert main(["quantize", str(text), "--recipe", recipe, "--by-layer", "--out", out]) != 0
+    assert "must be a .gguf file or a Hugging Face decoder" in capsys.readouterr().err
