@@ -459,6 +459,14 @@ static void w4_run(const W4Args& a, int64_t m0, int64_t m1, int64_t p0, int64_t 
 // by one more dot with ones. The weight stream is read as the float path reads it (same
 // layout); MR rows share each unpacked k-quad.
 constexpr int kQ8Rows = 8;
+// Independent integer sums a row in wq8_tile at one or two rows: with VNNI each dot adds
+// into its sum in one instruction, so one sum a row chains the dots at its latency; without,
+// vpmaddubsw / vpmaddwd come first and only a cheap add is chained.
+#if defined(LOWBIT_VNNI)
+constexpr int kQ8Chains = 4;
+#else
+constexpr int kQ8Chains = 1;
+#endif
 
 template <int KIND, int MR>
 static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, int64_t ldc) {

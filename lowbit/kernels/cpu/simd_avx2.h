@@ -124,14 +124,6 @@ static inline VI idot(VI acc, const WQ& w, const uint32_t* x) {
 // codes are vpmaddubsw's unsigned operand, whose int16 pair sums (at most 2 * 15 * 127) never
 // saturate; int8 codes would, so they stay on the float path here.
 #define LOWBIT_HAS_WO_Q8 1
-// Independent integer sums a row in wq8_tile at one or two rows (kernels_impl.h): with
-// VNNI each dot adds into its sum in one instruction, so one sum a row chains them at its
-// latency; without, vpmaddubsw / vpmaddwd come first and only a cheap add is chained.
-#if defined(LOWBIT_VNNI)
-constexpr int kQ8Chains = 4;
-#else
-constexpr int kQ8Chains = 1;
-#endif
 
 // simd_avx512.h's q4_quad bit moves for 8 of the 16 columns: d = a | b << 16 from the bytes
 // a of row t and b of row t + 1, then (d | d << 4) & 0x0F0F0F0F.

@@ -86,14 +86,6 @@ static inline VI idot(VI acc, const WQ& w, const uint32_t* a) {
 // unsigned 4-bit codes are the u8 operand of the dot, the activations the s8 one, so no
 // offset correction is needed and products stay far from int16 saturation (15 * 127 * 2).
 #define LOWBIT_HAS_WO_Q8 1
-// Independent integer sums a row in wq8_tile at one or two rows (kernels_impl.h): with
-// VNNI each dot adds into its sum in one instruction, so one sum a row chains them at its
-// latency; without, vpmaddubsw / vpmaddwd come first and only a cheap add is chained.
-#if defined(LOWBIT_VNNI)
-constexpr int kQ8Chains = 4;
-#else
-constexpr int kQ8Chains = 1;
-#endif
 
 // One k-quad (pair rows t, t + 1: 32 bytes) of a 16-column 4-bit panel as 16 dwords, column
 // j holding its codes for k = 4q .. 4q + 3 in byte order. With a = byte j of row t and b of
