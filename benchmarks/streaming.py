@@ -9,7 +9,7 @@ directory, then, each in a fresh child process:
 - ``convert_checkpoint`` to an ``int4w_g32_asym`` lowbit checkpoint;
 - ``export_gguf`` of the shards (read lazily through ``SourceParams``) to a Q4_0 GGUF file.
 
-Reported: the child's peak resident set (``ru_maxrss``, JAX's runtime included), the input
+Reported: the child's peak resident set (``VmHWM``, JAX's runtime included), the input
 and output sizes, the bound (1.25x the larger of input and output, plus 1 GiB) and the time.
 The temporary directory (about 30 GB at its largest) is removed afterwards. Names and shapes
 come from `config.json` (`decoder_config_from_hf`, `hf_param_map`). ``LOWBIT_STREAMING_LAYERS`` runs
@@ -54,7 +54,7 @@ GGUF_TYPE = "Q4_0"
 
 # Shared by both children: the model's config and name map, read from its config.json.
 _COMMON = """
-import json, os, resource, sys, time
+import json, os, sys, time
 from lowbit.models import decoder_config_from_hf, hf_param_map
 
 def config_of(directory):
@@ -66,7 +66,11 @@ def hf_map(directory):
     return hf_param_map(config_of(directory)).get
 
 def done(seconds, nbytes):
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM: this process's own peak. ru_maxrss would also count the parent's peak, which
+    # Linux carries into a child through fork and exec (a long `python -m benchmarks` run
+    # reported its own 20 GiB for both children).
+    status = open("/proc/self/status").read()
+    peak = int(status.split("VmHWM:")[1].split()[0]) * 1024
     print(json.dumps({"seconds": seconds, "peak": peak, "nbytes": nbytes}))
 """
 
@@ -198,7 +202,7 @@ def run() -> str:
         f"{_memory_gib():.0f} GiB memory. Random bfloat16 weights, Llama-3-8B shapes "
         f"({n_layers} layers), as Hugging Face safetensors shards of at most 5 GB "
         f"(written in {generated:.0f} s); each conversion runs in a fresh process; peak = "
-        "its ru_maxrss (JAX runtime included); bound = 1.25 x max(input, output) + 1 GiB.",
+        "its VmHWM (JAX runtime included); bound = 1.25 x max(input, output) + 1 GiB.",
         "",
         "| output | input GB | output GB | peak RSS GiB | bound GiB | peak / bound | time s |",
         "|---|---|---|---|---|---|---|",
