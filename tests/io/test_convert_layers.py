@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_gguf_architectures import CONFIGS as ARCHITECTURES
 
 import lowbit
 from lowbit.io import convert_checkpoint, export_gguf, import_gguf, load_checkpoint
@@ -15,28 +16,9 @@ from lowbit.qarray import is_qarray
 
 RECIPE = "int4w_g32_asym_gptq"
 BASE = dict(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128)
-CONFIGS = {
-    "llama": dict(architecture="llama", tie_embeddings=False),
-    "gemma2": dict(
-        architecture="gemma2",
-        activation="gelu_tanh",
-        embed_scale=True,
-        post_norms=True,
-        attn_softcap=50.0,
-        final_softcap=30.0,
-        sliding_window=4,
-        global_every=2,
-    ),
-    "qwen2moe": dict(
-        architecture="qwen2moe",
-        qkv_bias=True,
-        n_experts=4,
-        n_experts_used=2,
-        expert_ffn_dim=64,
-        shared_ffn_dim=64,
-        norm_topk=False,
-    ),
-}
+# Three of the GGUF architecture tests' configs: a plain decoder, Gemma 2 (sliding window,
+# post-norms, soft caps, tied head) and Qwen2-MoE (experts through ragged_dot).
+CONFIGS = {name: ARCHITECTURES[name] for name in ("llama", "gemma2", "qwen2moe")}
 
 
 def _source(name, tmp_path):
