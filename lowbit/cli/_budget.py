@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from lowbit import serving
-from lowbit.cli._common import META_KIND, META_MODEL, META_RECIPE, progress, step
+from lowbit.cli._common import (
+    META_KIND,
+    META_MODEL,
+    META_RECIPE,
+    calibration_sequences,
+    progress,
+    step,
+)
 
 PLAN_NAME = "plan"
 
@@ -129,9 +136,7 @@ def run_budget(args: argparse.Namespace) -> int:
     candidates = storable(given or default_candidates(target), target)  # before the slow work
     for flag in ("plan_out", "plot"):
         _check_writable(getattr(args, flag), "--" + flag.replace("_", "-"))
-    sequences = args.calibration_sequences
-    if sequences is not None and sequences < 1:
-        raise ValueError(f"--calibration-sequences={sequences} must be >= 1")
+    sequences = calibration_sequences(args)  # checked before the slow work
     if args.max_ms_per_token is not None and not args.max_ms_per_token > 0:
         raise ValueError(f"--max-ms-per-token={args.max_ms_per_token} must be > 0")
     name = Path(args.plan_out).stem if args.plan_out else PLAN_NAME

@@ -26,6 +26,7 @@ from lowbit.cli._common import (
     META_RECIPE,
     add_calibration_arguments,
     add_recipe_argument,
+    calibration_sequences,
     print_rotation,
     progress,
     quantize_with_progress,
@@ -157,8 +158,16 @@ def _run_streaming(args: argparse.Namespace) -> int:
     """`run` for a GGUF file or a Hugging Face directory: read, quantize and write one tensor
     at a time, so a model larger than memory converts (the checkpoint is the one the
     in-memory path writes)."""
+    from tokenizers import Tokenizer
+
+    from lowbit.eval._calibration_set import lm_calibration_batches
     from lowbit.io import convert_checkpoint
-    from lowbit.models import decoder_config_from_gguf, gguf_param_map, read_gguf
+    from lowbit.models import (
+        decoder_config_from_gguf,
+        gguf_param_map,
+        read_gguf,
+        tokenizer_from_gguf,
+    )
 
     path = Path(args.model).resolve()
     keep = args.recipe == serving.GGUF_RECIPE
@@ -176,9 +185,11 @@ def _run_streaming(args: argparse.Namespace) -> int:
                 "per-expert tensors are stacked in memory): load it without --by-layer"
             )
         config = _hf_config(path) if by_layer else None
+        tokenizer_of = lambda: Tokenizer.from_file(str(path / "tokenizer.json"))  # noqa: E731
     elif path.suffix == ".gguf" and path.is_file():
         gguf_file = read_gguf(path)
         config = decoder_config_from_gguf(gguf_file)
+        tokenizer_of = lambda: tokenizer_from_gguf(gguf_file.metadata)  # noqa: E731
         name_map = gguf_param_map(config)
         # A recipe quantizes the float weights as the in-memory path does, from the file's
         # values; `gguf` keeps the file's blocks.
@@ -191,7 +202,10 @@ def _run_streaming(args: argparse.Namespace) -> int:
     if by_layer:
         if recipe is None:
             raise ValueError("--by-layer needs a recipe to quantize with, not --recipe gguf")
-        options.update(model=config, calibration=_token_batches(args, path))
+        # The calibration windows of --calibration in the model file's own tokenizer.
+        sequences = calibration_sequences(args)
+        batches = lm_calibration_batches(tokenizer_of(), args.calibration, sequences)
+        options.update(model=config, calibration=batches)
     if recipe is not None and recipe.shapes is not None and config is not None:
         _check_plan_shapes(recipe, config)
     with progress() as bar:
@@ -219,26 +233,6 @@ def _hf_config(path: Path):
     from lowbit.models import decoder_config_from_hf, read_hf_config
 
     return decoder_config_from_hf(read_hf_config(path), path / "config.json")
-
-
-def _token_batches(args: argparse.Namespace, path: Path) -> list[np.ndarray]:
-    """The calibration windows (`lowbit.eval.lm_batches`) in the model file's own tokenizer."""
-    from lowbit.eval import read_text
-    from lowbit.eval._calibration_set import lm_batches
-    from lowbit.models import read_gguf, tokenizer_from_gguf
-
-    sequences = args.calibration_sequences
-    if sequences is not None and sequences < 1:
-        raise ValueError(f"--calibration-sequences={sequences} must be >= 1")
-    if path.is_dir():
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    else:
-        tokenizer = tokenizer_from_gguf(read_gguf(path).metadata)
-    text = None if args.calibration is None else read_text(args.calibration)
-    options = {} if sequences is None else {"sequences": sequences}
-    return lm_batches(tokenizer, text, **options)
 
 
 def _check_plan_shapes(recipe, config) -> None:

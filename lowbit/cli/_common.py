@@ -148,6 +148,18 @@ def add_calibration_arguments(parser: Any) -> None:
     )
 
 
+def calibration_sequences(args: Any) -> int | None:
+    """``--calibration-sequences`` (None: the default), checked.
+
+    Raises:
+      ValueError: for a count below 1.
+    """
+    sequences = getattr(args, "calibration_sequences", None)
+    if sequences is not None and sequences < 1:
+        raise ValueError(f"--calibration-sequences={sequences} must be >= 1")
+    return sequences
+
+
 def quantize_with_progress(
     bar: Progress, loaded: Any, float_params: Any, spec: str, args: Any = None
 ) -> tuple[Any, Any]:
@@ -156,9 +168,7 @@ def quantize_with_progress(
     from lowbit.eval import calibrator
 
     calibration = getattr(args, "calibration", None)
-    sequences = getattr(args, "calibration_sequences", None)
-    if sequences is not None and sequences < 1:
-        raise ValueError(f"--calibration-sequences={sequences} must be >= 1")
+    sequences = calibration_sequences(args)
     with (
         step(bar, f"calibrating {spec}") as on_batch,
         step(bar, f"rounding weights of {spec}") as on_weight,

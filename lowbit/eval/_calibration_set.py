@@ -128,12 +128,21 @@ def calibrator(
     return calibrate
 
 
+def lm_calibration_batches(
+    tokenizer: Any, calibration_file: str | None = None, sequences: int | None = None
+) -> list[np.ndarray]:
+    """A language model's calibration set in `tokenizer`'s ids: `lm_batches` of the text file
+    (default: `calibration_text`), `sequences` windows (default `SEQUENCES`)."""
+    text = None if calibration_file is None else read_text(calibration_file)
+    return lm_batches(tokenizer, text, sequences=SEQUENCES if sequences is None else sequences)
+
+
 def _batches(loaded: LoadedModel, calibration_file: str | None, sequences: int | None):
     """(sequences, batches) of the calibration set for the model's kind."""
-    text = None if calibration_file is None else read_text(calibration_file)
     if loaded.kind == "lm":
         n = SEQUENCES if sequences is None else sequences
-        return n, lm_batches(loaded.tokenizer, text, sequences=n)
+        return n, lm_calibration_batches(loaded.tokenizer, calibration_file, n)
+    text = None if calibration_file is None else read_text(calibration_file)
     n = ENCODER_SENTENCES if sequences is None else sequences
     return n, encoder_batches(loaded.tokenizer, text, sequences=n)
 
