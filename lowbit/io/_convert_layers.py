@@ -134,7 +134,7 @@ def convert_layers(
     def layer_fn(i: int) -> Callable:
         def fn(params: dict, x: jax.Array) -> jax.Array:
             block = merged(model.layers[i], params["layers"][i])
-            return block(x, *inputs[tuple(x.shape[:2])].of(config, i))[0]
+            return block(x, inputs[tuple(x.shape[:2])].of(config, i), None)[0]
 
         return fn
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -417,6 +417,24 @@ def _block_loop(
     return (acc / total)[:, None]
 
 
+class LayerView(NamedTuple):
+    """Where one layer's tokens sit: what it reads besides the hidden states and its cache.
+
+    Attributes:
+      cos, sin: rotary tables ``[batch, seq, head_dim // 2]``.
+      mask: ``[batch, seq, keys]`` bool, True where a query attends.
+      first: ``int32 [batch]``, the first slot a decoded token may see (its row's start, or
+        later under a sliding window).
+      slot: int32 [] cache slot the tokens are written at, or None without a cache.
+    """
+
+    cos: jax.Array
+    sin: jax.Array
+    mask: jax.Array
+    first: jax.Array
+    slot: jax.Array | None
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary positions (optionally q/k biases and norms)."""
 
@@ -437,18 +455,9 @@ class Attention(nnx.Module):
             self.k_norm = nnx.RMSNorm(c.head_dim, epsilon=c.norm_eps, **kw)
 
     def __call__(
-        self,
-        x: jax.Array,
-        cos: jax.Array,
-        sin: jax.Array,
-        mask: jax.Array,
-        kv: LayerKV | None,
-        slot: jax.Array | None,
-        first: jax.Array,
+        self, x: jax.Array, at: LayerView, kv: LayerKV | None
     ) -> tuple[jax.Array, LayerKV | None]:
-        """x: ``[batch, seq, dim]``; mask: ``[batch, seq, keys]`` bool, True where attending;
-        first: ``int32 [batch]``, the first slot a decoded token may see (its row's start, or
-        later under a sliding window).
+        """x: ``[batch, seq, dim]``; `at` says where the tokens sit (`LayerView`).
 
         With a cache (`kv` and `slot`), the new keys/values are written at `slot` and attention
         reads them back from the cache (so a quantized cache's rounding is what attention
@@ -458,6 +467,7 @@ class Attention(nnx.Module):
         """
         c = self.config
         b, s, _ = x.shape
+        slot, mask = at.slot, at.mask
         if c.fused_qkv:
             q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
             q, k, v = jnp.split(self.qkv_proj(x), (q_dim, q_dim + kv_dim), axis=-1)
@@ -468,8 +478,8 @@ class Attention(nnx.Module):
         v = v.reshape(b, s, c.n_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        q = apply_rope(q, at.cos, at.sin)
+        k = apply_rope(k, at.cos, at.sin)
         group = c.n_heads // c.n_kv_heads
         scale = jnp.float32(c.attn_scale)
         # Query head h uses key/value head h // group, as in Hugging Face's repeat_kv.
@@ -478,7 +488,7 @@ class Attention(nnx.Module):
             kv = kv.write(k, v, slot)
             q = kv.rotate(q) * scale.astype(q.dtype)
             out = _decode_attention(
-                q, kv, slot, decode_block(kv.keys.shape[2]), first, c.attn_softcap
+                q, kv, slot, decode_block(kv.keys.shape[2]), at.first, c.attn_softcap
             )
             out = kv.unrotate(out.astype(x.dtype))
             out = out.reshape(b, s, c.n_heads * c.head_dim)
@@ -624,17 +634,10 @@ class Block(nnx.Module):
             self.post_mlp_norm = norm()
 
     def __call__(
-        self,
-        x: jax.Array,
-        cos: jax.Array,
-        sin: jax.Array,
-        mask: jax.Array,
-        kv: LayerKV | None,
-        slot: jax.Array | None,
-        first: jax.Array,
+        self, x: jax.Array, at: LayerView, kv: LayerKV | None
     ) -> tuple[jax.Array, LayerKV | None]:
         """x: ``[batch, seq, dim]``; the other arguments and the result as in `Attention`."""
-        h, new_kv = self.attn(self.attn_norm(x), cos, sin, mask, kv, slot, first)
+        h, new_kv = self.attn(self.attn_norm(x), at, kv)
         if hasattr(self, "post_attn_norm"):
             h = self.post_attn_norm(h)
         x = x + h
@@ -666,13 +669,11 @@ class LayerInputs:
     local_mask: jax.Array | None = None
     local_first: jax.Array | None = None
 
-    def of(self, config: DecoderConfig, i: int, kv: LayerKV | None = None) -> tuple:
-        """Layer `i`'s arguments after ``x``: ``(cos, sin, mask, kv, slot, first)``."""
+    def of(self, config: DecoderConfig, i: int) -> LayerView:
+        """What layer `i` reads: the local tables and mask on a sliding-window layer."""
         if config.is_local(i):
-            cos, sin = self.local_rope
-            return cos, sin, self.local_mask, kv, self.slot, self.local_first
-        cos, sin = self.rope
-        return cos, sin, self.mask, kv, self.slot, self.first
+            return LayerView(*self.local_rope, self.local_mask, self.local_first, self.slot)
+        return LayerView(*self.rope, self.mask, self.first, self.slot)
 
 
 class Decoder(nnx.Module):
@@ -818,7 +819,7 @@ class Decoder(nnx.Module):
         layers_out = []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else cache.layer(i)
-            x, new_kv = layer(x, *inputs.of(c, i, kv))
+            x, new_kv = layer(x, inputs.of(c, i), kv)
             layers_out.append(new_kv)
         logits = self.head(x[:, -1:] if last_only else x)
         if cache is None:

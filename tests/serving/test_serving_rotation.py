@@ -11,6 +11,7 @@ from flax import nnx
 from lowbit import serving
 from lowbit.api import run
 from lowbit.io import save_checkpoint
+from lowbit.models._decoder import LayerView
 from lowbit.ops import HadamardInput
 from lowbit.qarray import QArray
 from lowbit.recipes import Recipe, Rule, preset
@@ -85,11 +86,8 @@ def test_online_statistics_are_those_of_the_rotated_input(tiny):
         x
         + layer.attn(
             layer.attn_norm(x),
-            *_rope(tiny, TOKENS),
-            _mask(TOKENS),
+            LayerView(*_rope(tiny, TOKENS), _mask(TOKENS), jnp.zeros((2,), jnp.int32), None),
             None,
-            None,
-            jnp.zeros((2,), jnp.int32),
         )[0]
     )
     mlp = layer.mlp
