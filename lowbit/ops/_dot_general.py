@@ -35,6 +35,11 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+# Imported with lowbit, not on first use inside a trace: Pallas's TPU module registers a
+# trace-context setting when first imported, and a trace context that grows between two
+# calls of a jitted function makes JAX trace and compile it again (a QLoRA training step
+# compiled twice, about 70 s more and a second executable resident). About 0.25 s of import.
+from lowbit.kernels import pallas
 from lowbit.ops import _dims, _dot_path
 from lowbit.ops._cpu_kernels import (
     FLOAT_ACTIVATIONS,
@@ -551,8 +556,6 @@ def pallas_platforms(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[str, .
         return ()  # the kernel sees one device's whole operand (see `split_over_devices`)
     if math.prod(rhs.shape) < GPU_MIN_WEIGHT_ELEMENTS:  # XLA's own fusion is faster there
         return ()
-    from lowbit.kernels import pallas  # imported on first use: Pallas is slow to import
-
     m = math.prod(lhs.shape[:-1])
     platforms = ["cuda"]
     if os.environ.get(TPU_KERNELS_ENV, "") not in ("", "0"):
@@ -596,9 +599,7 @@ def _by_platform(lhs, rhs, route, dimension_numbers, precision, preferred, out_d
 
     def kernel_on(platform):
         def run(lhs, rhs):
-            from lowbit.kernels.pallas import weight_only_matmul
-
-            return weight_only_matmul(
+            return pallas.weight_only_matmul(
                 lhs, rhs, out_dtype=out_dtype, differentiable=False, platform=platform
             )
 

@@ -7,6 +7,9 @@ matches the dequantized reference, and its gradient is the straight-through one.
 """
 
 import dataclasses
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -161,3 +164,30 @@ def test_cuda_multiplies_short_int8_contractions_in_float(group):
     (got,) = jax.core.eval_jaxpr(branch.jaxpr, branch.consts, a, b)
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), np.einsum("bmk,bkn->bmn", a.astype(np.int64), b))
+
+
+def test_a_jitted_product_traces_once_in_a_fresh_process():
+    # The accelerator check runs inside the trace; had it imported Pallas there (which grows
+    # JAX's trace context), the second call would trace and compile everything again.
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp
+        import lowbit
+        traces = []
+        def f(p, x):
+            traces.append(1)
+            return x @ p["kernel"]
+        w = {"kernel": jnp.ones((2048, 2048))}  # large enough for the GPU kernels' check
+        p = lowbit.quantize(w, "int4_weight_only", kernel_layouts=False)
+        g = jax.jit(lowbit.run(f))
+        x = jnp.ones((2, 2048))
+        g(p, x).block_until_ready()
+        g(p, x).block_until_ready()
+        print(len(traces))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "1", out.stdout
