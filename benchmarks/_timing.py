@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import jax
+
+K = TypeVar("K")
 
 
 def best_time(
@@ -23,4 +26,31 @@ def best_time(
         jax.block_until_ready(fn())
         dt = time.perf_counter() - start
         best, total, reps = min(best, dt), total + dt, reps + 1
+    return best
+
+
+def best_times(
+    fns: Mapping[K, Callable[[], object]], *, min_seconds: float, min_reps: int, max_reps: int
+) -> dict[K, float]:
+    """Best wall time of each of `fns` in seconds, the calls interleaved.
+
+    Each round calls every function once, starting one place further along each round, so a
+    stretch of load on a shared machine slows every candidate rather than the one that
+    happened to run then: ratios between candidates are like for like. Rounds repeat at least
+    `min_reps` times, then until the slowest candidate has run `min_seconds` in all or
+    `max_reps` rounds were made. One untimed warm-up call each first.
+    """
+    keys = list(fns)
+    for key in keys:
+        jax.block_until_ready(fns[key]())
+    best = dict.fromkeys(keys, float("inf"))
+    total = dict.fromkeys(keys, 0.0)
+    reps = 0
+    while reps < min_reps or (min(total.values()) < min_seconds and reps < max_reps):
+        for key in keys[reps % len(keys) :] + keys[: reps % len(keys)]:
+            start = time.perf_counter()
+            jax.block_until_ready(fns[key]())
+            dt = time.perf_counter() - start
+            best[key], total[key] = min(best[key], dt), total[key] + dt
+        reps += 1
     return best

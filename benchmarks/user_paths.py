@@ -24,7 +24,7 @@ from flax import nnx
 
 import lowbit
 from benchmarks._machine import cpu_model
-from benchmarks._timing import best_time
+from benchmarks._timing import best_time, best_times
 from lowbit import kernels
 
 K = 4096
@@ -71,16 +71,19 @@ def _measure_linear(rng: np.random.Generator) -> dict[tuple[str, str, int], floa
     dot = jax.jit(jnp.dot)
     out: dict[tuple[str, str, int], float] = {}
     xs = {m: jnp.asarray(rng.standard_normal((m, K), dtype=np.float32)) for m in BATCHES}
+    paths = {label: _paths(w, preset, xs[1]) for label, preset in PRESETS.items()}
     for m in BATCHES:
-        out[("float32", "", m)] = _time(lambda m=m: dot(xs[m], w))
-    for label, preset in PRESETS.items():
-        fns = _paths(w, preset, xs[1])
-        for m in BATCHES:
-            for path, fn in fns.items():
-                out[(label, path, m)] = _time(lambda fn=fn, m=m: fn(xs[m]))
+        # Every path and the float baseline of one M interleaved (`best_times`): the paths
+        # run the same kernels, so only interleaving keeps load drift out of their ratios.
+        fns = {("float32", "", m): lambda m=m: dot(xs[m], w)}
+        for label, by_path in paths.items():
+            for path, fn in by_path.items():
+                fns[(label, path, m)] = lambda fn=fn, m=m: fn(xs[m])
+        out.update(best_times(fns, min_seconds=0.3, min_reps=5, max_reps=15))
+        for label, by_path in paths.items():
             print(
                 f"[user_paths] {kernels.status().split(',')[0]} {label} M={m}: "
-                + ", ".join(f"{p} {out[(label, p, m)] * 1e3:.2f} ms" for p in fns)
+                + ", ".join(f"{p} {out[(label, p, m)] * 1e3:.2f} ms" for p in by_path)
                 + f", f32 {out[('float32', '', m)] * 1e3:.2f} ms",
                 flush=True,
             )
@@ -138,7 +141,8 @@ def run() -> str:
         "",
         f"`python -m benchmarks user_paths`, {today}, {cpu_model()}, {os.cpu_count()} cores;"
         f" ISA paths this CPU has: {', '.join(kernels.supported_isas()) or 'none (no kernels)'}."
-        f" Linear K = N = {K}, float32 activations, best wall time of up to 15 calls, ms."
+        f" Linear K = N = {K}, float32 activations, best wall time of up to 15 calls, ms; the"
+        " paths and the float32 baseline of one M timed interleaved, one call each per round."
         " README: `lowbit.quantize(params, preset)` + `jax.jit(lowbit.run(fn))`; nnx: "
         "`quantize_model` + `nnx.split` + `jax.jit(lowbit.run(...))`; prepared: "
         "`lowbit.prepare` on the logical QArrays; logical: `kernel_layouts=False`, the layout"
