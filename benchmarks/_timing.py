@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar
@@ -34,20 +35,22 @@ def best_times(
 ) -> dict[K, float]:
     """Best wall time of each of `fns` in seconds, the calls interleaved.
 
-    Each round calls every function once, starting one place further along each round, so a
-    stretch of load on a shared machine slows every candidate rather than the one that
-    happened to run then: ratios between candidates are like for like. Rounds repeat at least
-    `min_reps` times, then until the slowest candidate has run `min_seconds` in all or
-    `max_reps` rounds were made. One untimed warm-up call each first.
+    Each round runs every function, in an order shuffled per round, as one untimed call then
+    one timed call: a stretch of load on a shared machine slows every candidate rather than
+    the one that happened to run then, and no candidate's time depends on which one ran
+    before it (the untimed call brings its operands back into cache, as consecutive calls
+    of a sequential best-of-N do). Rounds repeat at least `min_reps` times, then until the
+    slowest candidate has run `min_seconds` in all or `max_reps` rounds were made.
     """
     keys = list(fns)
-    for key in keys:
-        jax.block_until_ready(fns[key]())
+    order = random.Random(0)
     best = dict.fromkeys(keys, float("inf"))
     total = dict.fromkeys(keys, 0.0)
     reps = 0
     while reps < min_reps or (min(total.values()) < min_seconds and reps < max_reps):
-        for key in keys[reps % len(keys) :] + keys[: reps % len(keys)]:
+        order.shuffle(keys)
+        for key in keys:
+            jax.block_until_ready(fns[key]())
             start = time.perf_counter()
             jax.block_until_ready(fns[key]())
             dt = time.perf_counter() - start
