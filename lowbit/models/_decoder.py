@@ -459,11 +459,11 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, LayerKV | None]:
         """x: ``[batch, seq, dim]``; `at` says where the tokens sit (`LayerView`).
 
-        With a cache (`kv` and `slot`), the new keys/values are written at `slot` and attention
-        reads them back from the cache (so a quantized cache's rounding is what attention
-        sees); one decoded token per row reads only the blocks from `first` up to its slot
-        (`_decode_attention`), longer inputs every slot under `mask`. The updated layer cache
-        is returned.
+        With a cache (`kv`, and `at.slot`), the new keys/values are written at that slot and
+        attention reads them back from the cache (so a quantized cache's rounding is what
+        attention sees); one decoded token per row reads only the blocks from `at.first` up to
+        its slot (`_decode_attention`), longer inputs every slot under `at.mask`. The updated
+        layer cache is returned.
         """
         c = self.config
         b, s, _ = x.shape
