@@ -648,32 +648,21 @@ class Block(nnx.Module):
         return x + h, new_kv
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerInputs:
-    """What a layer reads besides the hidden states (`Decoder.layer_inputs`): rotary tables,
-    masks and the cache slot, for global layers and (with a sliding window) local ones.
+class LayerInputs(NamedTuple):
+    """What the layers read besides the hidden states (`Decoder.layer_inputs`).
 
     Attributes:
-      slot: int32 [] cache slot the tokens are written at, or None without a cache.
-      rope: (cos, sin) ``[batch, seq, head_dim // 2]`` of global layers.
-      mask: ``[batch, seq, keys]`` bool, True where a query attends.
-      first: ``int32 [batch]``, the first slot a row's tokens may see.
-      local_rope, local_mask, local_first: the same for sliding-window layers (None without).
+      full: the `LayerView` of global layers.
+      local: the `LayerView` of sliding-window layers (their own rotary base, window mask and
+        first visible slot), or None without a sliding window.
     """
 
-    slot: jax.Array | None
-    rope: tuple[jax.Array, jax.Array]
-    mask: jax.Array
-    first: jax.Array
-    local_rope: tuple[jax.Array, jax.Array] | None = None
-    local_mask: jax.Array | None = None
-    local_first: jax.Array | None = None
+    full: LayerView
+    local: LayerView | None = None
 
     def of(self, config: DecoderConfig, i: int) -> LayerView:
-        """What layer `i` reads: the local tables and mask on a sliding-window layer."""
-        if config.is_local(i):
-            return LayerView(*self.local_rope, self.local_mask, self.local_first, self.slot)
-        return LayerView(*self.rope, self.mask, self.first, self.slot)
+        """What layer `i` reads."""
+        return self.local if config.is_local(i) else self.full
 
 
 class Decoder(nnx.Module):
@@ -761,17 +750,13 @@ class Decoder(nnx.Module):
         # first real slot; a local layer's query also none `sliding_window` or more behind it.
         causal = key_slots[None, :] <= offsets[:, None]
         mask = causal[None] & (key_slots[None, None, :] >= first[:, None, None])
-        inputs = LayerInputs(slot=slot, rope=self._rope(positions, False), mask=mask, first=first)
-        if c.sliding_window is not None:
-            near = key_slots[None, :] > offsets[:, None] - c.sliding_window
-            local_first = first if slot is None else jnp.maximum(first, slot - c.sliding_window + 1)
-            inputs = dataclasses.replace(
-                inputs,
-                local_rope=self._rope(positions, True),
-                local_mask=mask & near[None],
-                local_first=local_first,
-            )
-        return inputs
+        full = LayerView(*self._rope(positions, False), mask, first, slot)
+        if c.sliding_window is None:
+            return LayerInputs(full)
+        near = key_slots[None, :] > offsets[:, None] - c.sliding_window
+        local_first = first if slot is None else jnp.maximum(first, slot - c.sliding_window + 1)
+        local = LayerView(*self._rope(positions, True), mask & near[None], local_first, slot)
+        return LayerInputs(full, local)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """``tokens [batch, seq]`` -> the first layer's input ``[batch, seq, dim]``."""
@@ -832,7 +817,7 @@ class Decoder(nnx.Module):
             key_scales=tuple(kv.key_scales for kv in layers_out) if quantized else (),
             value_scales=tuple(kv.value_scales for kv in layers_out) if quantized else (),
             key_offsets=tuple(kv.key_offsets for kv in layers_out) if quantized else (),
-            length=inputs.slot + tokens.shape[1],
+            length=inputs.full.slot + tokens.shape[1],
         )
         return logits, new_cache
 
