@@ -27,7 +27,17 @@ import numpy as np
 from flax import nnx
 
 from benchmarks._machine import cpu_model
-from benchmarks.generate import BATCHES, DECODE, PROMPT, THREADS, _LlamaCpp, _Lowbit, _prompts
+from benchmarks.generate import (
+    BATCHES,
+    DECODE,
+    PROMPT,
+    REPS,
+    THREADS,
+    _LlamaCpp,
+    _Lowbit,
+    _prompts,
+    engine_seconds,
+)
 from lowbit import kernels
 from lowbit.eval import default_text, perplexity
 from lowbit.eval._session import ModelSession
@@ -122,14 +132,9 @@ def _measure(path: str) -> tuple[list[tuple], dict[str, float]]:
     try:
         for batch in BATCHES:
             prompts = _prompts(loaded.tokenizer, batch, PROMPT[batch])
-            first = llama.seconds(prompts)
-            ours = {
-                name: (r.prefill_seconds(prompts), r.decode_seconds(prompts))
-                for name, r in runners.items()
-            }
-            again = llama.seconds(prompts)
-            lpre, ldec = min(first[0], again[0]), min(first[1], again[1])
-            for name, (pre, dec) in ours.items():
+            best = engine_seconds({**runners, "llama.cpp": llama}, prompts)
+            lpre, ldec = best.pop("llama.cpp")
+            for name, (pre, dec) in best.items():
                 rows.append(
                     (
                         name,
@@ -184,7 +189,8 @@ def run() -> str:
         "the control, SmolLM2's own architecture in the same file type: a gap it shares is the "
         "file type's, not the architecture's.",
         f"- Prompts: batch 1 x {PROMPT[1]} tokens, batch 8 x {PROMPT[8]}; then {DECODE} greedy "
-        f"tokens per row; best of runs as in `generate`. Perplexity: {PPL_TOKENS} tokens of the "
+        f"tokens per row; best of {REPS} runs, the engines interleaved in an order "
+        f"shuffled per run, as in `generate`. Perplexity: {PPL_TOKENS} tokens of the "
         f"evaluation text in windows of {PPL_CONTEXT}, the same windows for both engines.",
         "",
         "| architecture | lowbit | batch | prefill tok/s | x llama.cpp | decode tok/s "

@@ -15,7 +15,8 @@ sequence, greedy argmax in NumPy. On a CPU that lists AMX, llama.cpp runs withou
 - prefill tok/s: ``batch * PROMPT`` prompt tokens per second (the first token's sampling
   included for lowbit, the logits of each row's last token for llama.cpp).
 - decode tok/s: ``batch * DECODE`` new tokens per second after the prompt.
-Each number is the best of `REPS` runs after a warm-up (compilation stays out).
+Each number is the best of `REPS` runs after a warm-up (compilation stays out), the engines
+interleaved in an order shuffled per run (`engine_seconds`).
 
 The section also profiles a batch-1 and a batch-8 lowbit decode loop (XLA's per-op trace) and
 splits a step into the FFI matmul kernels (the tied 49152-row output projection separately),
@@ -30,6 +31,7 @@ import glob
 import gzip
 import json
 import os
+import random
 import re
 import tempfile
 import time
@@ -57,7 +59,7 @@ README_ROW = "int4w_g32_asym, README path (`lowbit.quantize`)"
 BATCHES = (1, 8)
 PROMPT = {1: 512, 8: 128}
 DECODE = 64
-REPS = 3
+REPS = 4
 THREADS = 2
 
 
@@ -69,10 +71,24 @@ def _prompts(tokenizer, batch: int, length: int) -> np.ndarray:
     return np.stack([ids[r * length : (r + 1) * length] for r in range(batch)])
 
 
-def _best(fn) -> float:
-    best = float("inf")
+def engine_seconds(engines: dict, prompts: np.ndarray) -> dict[str, tuple[float, float]]:
+    """{name: (best prefill seconds, best decode seconds)} of `engines` (objects with
+    ``run(prompts) -> (prefill s, decode s)``: `_Lowbit`, `_LlamaCpp`) on `prompts`.
+
+    One untimed run each (compilation, caches), then `REPS` rounds that run every engine once
+    in an order shuffled per round: a stretch of load on the shared machine slows whichever
+    engines run then, and interleaving spreads it over all of them instead of one.
+    """
+    names = list(engines)
+    for name in names:
+        engines[name].run(prompts)
+    best = {name: (float("inf"), float("inf")) for name in names}
+    order = random.Random(0)
     for _ in range(REPS):
-        best = min(best, fn())
+        order.shuffle(names)
+        for name in names:
+            pre, dec = engines[name].run(prompts)
+            best[name] = (min(best[name][0], pre), min(best[name][1], dec))
     return best
 
 
@@ -102,16 +118,6 @@ class _Lowbit:
             self.key,
         )
 
-    def prefill_seconds(self, prompts: np.ndarray) -> float:
-        jax.block_until_ready(self._prefill(prompts))
-
-        def once():
-            start = time.perf_counter()
-            jax.block_until_ready(self._prefill(prompts))
-            return time.perf_counter() - start
-
-        return _best(once)
-
     def decode(self, state):
         return gen._decode(
             self.graphdef,
@@ -124,18 +130,16 @@ class _Lowbit:
             self.key,
         )
 
-    def decode_seconds(self, prompts: np.ndarray) -> float:
-        jax.block_until_ready(self.decode(self._prefill(prompts)))
-
-        def once():
-            state = jax.block_until_ready(self._prefill(prompts))
-            start = time.perf_counter()
-            out = jax.block_until_ready(self.decode(state))
-            seconds = time.perf_counter() - start
-            assert int(out.count) == DECODE + 1
-            return seconds
-
-        return _best(once)
+    def run(self, prompts: np.ndarray) -> tuple[float, float]:
+        """(prefill seconds, decode seconds) of one greedy run from an empty cache."""
+        start = time.perf_counter()
+        state = jax.block_until_ready(self._prefill(prompts))
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        out = jax.block_until_ready(self.decode(state))
+        decode = time.perf_counter() - start
+        assert int(out.count) == DECODE + 1
+        return prefill, decode
 
 
 def _amx_listed() -> bool:
@@ -212,11 +216,6 @@ class _LlamaCpp:
             self._decode([(tokens[s], p + step, s, True) for s in range(n)])
             tokens = [self._argmax(s) for s in range(n)]
         return prefill, time.perf_counter() - start
-
-    def seconds(self, prompts: np.ndarray) -> tuple[float, float]:
-        self.run(prompts)
-        runs = [self.run(prompts) for _ in range(REPS)]
-        return min(r[0] for r in runs), min(r[1] for r in runs)
 
     def close(self) -> None:
         self.L.llama_batch_free(self.batch)
@@ -341,18 +340,12 @@ def run(model: str | None = None) -> str:
         peer = f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, {THREADS} threads)"
     except ImportError:
         llama, peer = None, None
+    engines = {**runners, **({"llama.cpp": llama} if llama is not None else {})}
     rows = []
     for batch in BATCHES:
         prompts = _prompts(loaded.tokenizer, batch, PROMPT[batch])
-        peer_times = llama.seconds(prompts) if llama is not None else None
-        for recipe, runner in runners.items():
-            pre = runner.prefill_seconds(prompts)
-            dec = runner.decode_seconds(prompts)
-            rows.append((recipe, batch, prompts.size / pre, batch * DECODE / dec))
-        if llama is not None:
-            again = llama.seconds(prompts)  # before and after lowbit: the better of the two
-            pre, dec = min(peer_times[0], again[0]), min(peer_times[1], again[1])
-            rows.append(("llama.cpp", batch, prompts.size / pre, batch * DECODE / dec))
+        for name, (pre, dec) in engine_seconds(engines, prompts).items():
+            rows.append((name, batch, prompts.size / pre, batch * DECODE / dec))
     if reference:
         cost = _int8_activation_cost(loaded, runners).items()
         profile = profile_decode(runners["gguf"], _prompts(loaded.tokenizer, 1, PROMPT[1]))
@@ -373,7 +366,8 @@ def run(model: str | None = None) -> str:
             else "."
         ),
         f"- Prompts: batch 1 x {PROMPT[1]} tokens, batch 8 x {PROMPT[8]} tokens (State of the "
-        f"Union text); then {DECODE} greedy tokens per row. Best of {REPS} runs each.",
+        f"Union text); then {DECODE} greedy tokens per row. Best of {REPS} runs each, the engines "
+        "interleaved (order shuffled per run).",
         "- Both engines share the machine with whatever else runs: with a load average above "
         "the core count, the engines are starved unevenly and the ratios are not reliable; "
         "rerun on a quiet machine before reading them.",

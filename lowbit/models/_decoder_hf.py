@@ -12,6 +12,7 @@ rows are permuted; Gemma's norms store ``w`` of the ``1 + w`` they multiply by, 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -26,7 +27,6 @@ from tokenizers import Tokenizer
 from lowbit._untrusted import load_json, read_text, require_regular
 
 from ._decoder import Decoder, DecoderConfig
-from ._decoder_hf_defaults import HF_DEFAULTS
 from ._weights import CheckpointError, ParamMapping, assign_params
 
 HF_MODEL_TYPES = (
@@ -44,6 +44,18 @@ HF_MODEL_TYPES = (
     "phi3",
 )
 """``config.json`` ``model_type`` values `decoder_config_from_hf` reads."""
+
+# What transformers assumes for the ``config.json`` fields a file leaves out, per model type
+# (a data file: the config classes' defaults, on which transformers 4.x and 5.x agree, for the
+# fields `decoder_config_from_hf` reads). ``save_pretrained`` may write only the fields that
+# differ from them (Gemma 3's nested ``text_config`` routinely omits head counts, ``head_dim``,
+# ``query_pre_attn_scalar`` and RoPE bases), so reading a file faithfully needs them. Fields
+# transformers derives from others (``head_dim`` as ``hidden_size / num_attention_heads``,
+# ``num_key_value_heads`` as ``num_attention_heads``) are derived below instead. Only absent
+# keys take these values: an explicit ``null`` stays.
+HF_DEFAULTS: dict[str, dict[str, Any]] = json.loads(
+    Path(__file__).with_name("hf_defaults.json").read_text()
+)
 
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
