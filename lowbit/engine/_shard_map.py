@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec
 
 from lowbit.engine import _compat
 from lowbit.engine._layout_rules import LayoutUnsupported, codes_per_group
-from lowbit.engine._values import NoRule, is_quantized, logical
+from lowbit.engine._values import NoRule, is_quantized
 from lowbit.qarray import QArray
 
 
@@ -80,7 +80,7 @@ def _split_qarray(q: QArray, spec: PartitionSpec, mesh: Any) -> tuple[dict, dict
 def _split(x: Any, spec: PartitionSpec, mesh: Any) -> tuple[Any, Any, Callable]:
     if not is_quantized(x):
         return x, spec, lambda local: local
-    return logical(x).shard_parts(spec, lambda q, q_spec: _split_qarray(q, q_spec, mesh))
+    return x.shard_parts(spec, lambda q, q_spec: _split_qarray(q, q_spec, mesh))
 
 
 def _enterable(ctx, eqn, dequantize_counted, x: Any, spec: PartitionSpec, mesh: Any):

@@ -18,11 +18,14 @@ the decoder with its share of heads and MLP columns (`local_config`) on its rows
 slice, and the partial outputs of o_proj and down_proj are summed over the model axis by a
 ``psum`` (two all-reduces per layer, none elsewhere). The specs state the layout, so it is
 the same on meshes with automatic and explicit axes; inside, each device's quantized weights
-are whole local arrays and take the CPU kernels like a one-device model.
+are whole local arrays (or laid-out pieces) and take the CPU kernels like a one-device model.
 
 Quantized weights (`QArray` leaves) are placed leaf by leaf: codes take the weight's spec,
 scales and zero points the same spec where each piece holds whole groups, replicated where the
-axis has a single group (per-channel scales over the split rows). Groups run along the
+axis has a single group (per-channel scales over the split rows). Where a CPU kernel runs a
+split weight's pieces, each device's piece is then laid out for it once (`PreparedPieces`),
+as a one-device model's weights are (`lowbit.quantize`); weights left whole on every device
+keep the layout they came in. Groups run along the
 contraction axis, so the column splits are always free; a row split (o_proj, down_proj) needs
 the group size to divide the rows per device, else the weight is refused, naming it. Weights
 with dynamically quantized activations (w8a8, w4a8) on the row-split projections quantize each
@@ -43,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lowbit.models._kv_cache import KVCache
-from lowbit.ops import logical_weights
+from lowbit.ops import PreparedPieces, PreparedQArray, logical_weights, prepare_weight
 from lowbit.qarray import QArray
 
 # Path suffixes (after ``layers/<i>/``) and the axis of the kernel that is split.
@@ -234,6 +237,51 @@ def _place_qarray(q: QArray, axis: int, plan: GenerationSharding, path: str) -> 
     return dataclasses.replace(q, **fields)
 
 
+def _shard_on(x: jax.Array, device: Any) -> jax.Array:
+    """The piece of `x` that `device` holds."""
+    return next(s.data for s in x.addressable_shards if s.device == device)
+
+
+def _prepared_pieces(q: QArray, axis: int, plan: GenerationSharding) -> PreparedPieces | None:
+    """`q`, placed by `_place_qarray` (split along `axis` over the model axis), with each
+    device's piece laid out for the CPU kernels (`PreparedPieces`): the kernels then run the
+    pieces as they are, where a split logical `QArray` is laid out inside every call. None
+    where no kernel runs the pieces, or a piece keeps a scale beside its layout.
+
+    Each process lays out the pieces of its own devices only, each piece once (devices along
+    the data axis hold copies)."""
+    mesh, name = plan.mesh, plan.model_axis
+    where = mesh.axis_names.index(name)
+    position = {d: index[where] for index, d in np.ndenumerate(mesh.devices)}
+    shape = list(q.shape)
+    shape[axis] //= plan.tp
+    fields = ("codes", "scale", "zero_point", "tensor_scale", "input_scale")
+    laid: dict[int, PreparedQArray] = {}
+    pieces: dict[Any, PreparedQArray] = {}
+    for device in q.codes.sharding.addressable_devices:
+        i = position[device]
+        if i not in laid:
+            present = [f for f in fields if getattr(q, f) is not None]
+            parts = {f: _shard_on(getattr(q, f), device) for f in present}
+            piece = prepare_weight(dataclasses.replace(q, **parts, shape=tuple(shape)), 0)
+            if not isinstance(piece, PreparedQArray) or piece.scale is not None:
+                return None  # no kernel, or a scale kept beside the layout
+            if piece.zero_point is not None:
+                return None
+            laid[i] = piece
+        pieces[device] = jax.device_put(laid[i], device)
+    treedef = jax.tree.structure(next(iter(pieces.values())))
+    leaves = {d: jax.tree.leaves(p) for d, p in pieces.items()}
+    sharding = plan.named(name)
+    stacked = [
+        jax.make_array_from_single_device_arrays(
+            (plan.tp, *leaf.shape), sharding, [leaves[d][j][None] for d in pieces]
+        )
+        for j, leaf in enumerate(leaves[next(iter(pieces))])
+    ]
+    return PreparedPieces(jax.tree.unflatten(treedef, stacked), name, axis, q.shape, q.dtype)
+
+
 def _check_config(config: Any, tp: int) -> None:
     for field, name in (("fused_qkv", "qkv_proj"), ("fused_gate_up", "gate_up_proj")):
         if getattr(config, field, False):
@@ -266,9 +314,10 @@ def shard_for_generation(
     """`params` placed on `mesh` for tensor-parallel generation (see the module docstring).
 
     Args:
-      params: a decoder's params (an NNX `State` or nested dicts; float arrays or `QArray`s;
-        CPU-kernel `PreparedQArray`s are turned back into `QArray`s first, their layout
-        being one device's).
+      params: a decoder's params (an NNX `State` or nested dicts; float arrays, `QArray`s,
+        or CPU-kernel `PreparedQArray`s as `lowbit.quantize` returns them: those left whole
+        on every device keep their layout, the split ones are split as `QArray`s and each
+        piece laid out again, `PreparedPieces`).
       mesh: a `Mesh`, or a `GenerationSharding` from an earlier call.
       config: the `DecoderConfig`, to check heads and MLP widths divide over the model axis
         (None skips the check; the weights' own sizes are still checked).
@@ -287,16 +336,18 @@ def shard_for_generation(
     )
     if config is not None and plan.tp > 1:
         _check_config(config, plan.tp)
-    params = logical_weights(params)
     replicated = plan.named()
 
     def place(key_path: tuple, x: Any) -> Any:
         path = _path(key_path)
         role = _role(path) if plan.tp > 1 else None
+        if isinstance(x, PreparedPieces):  # placed by an earlier call: placed again
+            x = x.logical()
         if role is None:
-            if isinstance(x, QArray):
+            if isinstance(x, QArray | PreparedQArray):  # a kernel layout stays as it is
                 return jax.tree.map(lambda a: put(a, replicated), x)
             return put(x, replicated) if hasattr(x, "dtype") else x
+        x = logical_weights(x)
         axis = x.ndim - 1 if role == "columns" else x.ndim - 2
         if x.shape[axis] % plan.tp:
             raise ValueError(
@@ -304,11 +355,14 @@ def shard_for_generation(
                 f"{plan.tp} devices of the model axis {plan.model_axis!r}"
             )
         if isinstance(x, QArray):
-            return _place_qarray(x, axis, plan, path)
+            placed = _place_qarray(x, axis, plan, path)
+            if x.ndim == 2 and path.endswith("/kernel"):
+                return _prepared_pieces(placed, axis, plan) or placed
+            return placed
         return put(x, plan.named(*_spec(x.ndim, axis, plan.model_axis)))
 
     placed = jax.tree_util.tree_map_with_path(
-        place, params, is_leaf=lambda x: isinstance(x, QArray)
+        place, params, is_leaf=lambda x: isinstance(x, QArray | PreparedQArray | PreparedPieces)
     )
     return placed, plan
 

@@ -42,6 +42,7 @@ from lowbit.ops._lora_weight import (
 )
 from lowbit.ops._operand import quantize_activation
 from lowbit.ops._prepared import (
+    PreparedPieces,
     PreparedQArray,
     is_prepared,
     logical_weights,
@@ -71,6 +72,7 @@ __all__ = [
     "LoraWeight",
     "MIN_WEIGHT_ELEMENTS",
     "PATHS",
+    "PreparedPieces",
     "PreparedQArray",
     "QatWeight",
     "conv_general_dilated",

@@ -29,7 +29,7 @@ from lowbit import kernels
 from lowbit.formats import GGUFBlockFormat
 from lowbit.ops._cpu_kernels import KernelRoute, prepare_layout, weight_route
 from lowbit.ops._host_memory import release_free_memory
-from lowbit.qarray import ArrayBacked, QArray
+from lowbit.qarray import ArrayBacked, EngineValue, NoRule, QArray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +160,16 @@ class PreparedQArray(ArrayBacked):
     def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, **kwargs: Any) -> Any:
         return NotImplemented  # `lowbit.ops.dot_general` runs the kernel it was laid out for
 
+    def shard_parts(self, spec: Any, qarray_parts: Any) -> Any:
+        """Whole on every device (a spec that splits nothing): enters a `shard_map` in its
+        layout. Split: as its logical `QArray`, whose pieces are then laid out inside every
+        call (`PreparedPieces` holds pieces laid out once)."""
+        if any(entry is not None for entry in spec):
+            return self.logical().shard_parts(spec, qarray_parts)
+        leaves, treedef = jax.tree.flatten(self)
+        specs = [jax.sharding.PartitionSpec()] * len(leaves)
+        return leaves, specs, lambda local: jax.tree.unflatten(treedef, local)
+
     @property
     def gathers_rows(self) -> bool:
         """Whether `rows` can read rows straight from the layout."""
@@ -187,6 +197,101 @@ jax.tree_util.register_dataclass(
     data_fields=["weight", "scale", "zero_point", "tensor_scale", "input_scale"],
     meta_fields=["axis", "route", "meta"],
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedPieces(EngineValue):
+    """A 2-D weight split along one axis over a mesh axis, each device's piece held in the CPU
+    kernels' layout, laid out once (`lowbit.models.shard_for_generation` builds them).
+
+    Inside a `shard_map` whose spec splits the weight the same way, each device gets its own
+    piece as a `PreparedQArray` and runs the kernel on it. Anywhere else it is its logical
+    `QArray`, the pieces joined (`logical`; counted by the engine like any dequantization).
+
+    Attributes:
+      pieces: one `PreparedQArray` for every piece, each array with a leading axis of one
+        entry per piece, split over `mesh_axis` (each device holds its own piece only).
+      mesh_axis: the mesh axis the pieces lie along.
+      axis: the logical axis the weight is split along.
+      shape, dtype: the whole weight's logical shape and dtype.
+    """
+
+    pieces: PreparedQArray
+    mesh_axis: str
+    axis: int
+    shape: tuple[int, ...]
+    dtype: Any
+
+    @property
+    def format(self) -> str:
+        return self.pieces.format
+
+    @property
+    def count(self) -> int:
+        """How many pieces."""
+        return int(self.pieces.weight.data.shape[0])
+
+    def piece(self, i: int) -> PreparedQArray:
+        return jax.tree.map(lambda a: a[i], self.pieces)
+
+    def logical(self) -> QArray:
+        """The whole weight's `QArray`: each piece's, joined along `axis`."""
+        return _join([self.piece(i).logical() for i in range(self.count)], self.axis)
+
+    def dequantize(self, dtype: Any = None) -> jax.Array:
+        return self.logical().dequantize(dtype)
+
+    def map_layout(self, qarray_fn: Any, float_fn: Any) -> Any:
+        raise NoRule(f"is split in pieces over mesh axis {self.mesh_axis!r}")
+
+    def describe(self) -> str:
+        return (
+            f"PreparedPieces({self.format}, shape={self.shape}, {self.count} pieces along "
+            f"axis {self.axis} over {self.mesh_axis!r})"
+        )
+
+    def shard_parts(self, spec: Any, qarray_parts: Any) -> Any:
+        """Each device's piece in its layout, when `spec` splits `axis` over `mesh_axis` and
+        nothing else; any other spec splits the logical `QArray` (laid out per call)."""
+        names = [spec[a] if a < len(spec) else None for a in range(len(self.shape))]
+        names = [n[0] if isinstance(n, tuple) and len(n) == 1 else n for n in names]
+        wanted = [self.mesh_axis if a == self.axis else None for a in range(len(self.shape))]
+        if names != wanted:
+            return self.logical().shard_parts(spec, qarray_parts)
+        leaves, treedef = jax.tree.flatten(self.pieces)
+        specs = [jax.sharding.PartitionSpec(self.mesh_axis)] * len(leaves)
+        return leaves, specs, lambda local: jax.tree.unflatten(treedef, [a[0] for a in local])
+
+
+jax.tree_util.register_dataclass(
+    PreparedPieces,
+    data_fields=["pieces"],
+    meta_fields=["mesh_axis", "axis", "shape", "dtype"],
+)
+
+
+def _join(qs: list[QArray], axis: int) -> QArray:
+    """QArrays of the same format joined along `axis` (each filling whole bytes there); the
+    arrays with one entry along `axis` (a scale over the whole axis) are the pieces' common
+    one."""
+    first = qs[0]
+
+    def joined(name: str) -> Any:
+        a = getattr(first, name)
+        if a is None or a.shape[axis] == 1:
+            return a
+        return jnp.concatenate([getattr(q, name) for q in qs], axis)
+
+    shape = list(first.shape)
+    shape[axis] = sum(q.shape[axis] for q in qs)
+    return dataclasses.replace(
+        first,
+        codes=jnp.concatenate([q.codes for q in qs], axis),
+        scale=joined("scale"),
+        zero_point=joined("zero_point"),
+        input_scale=joined("input_scale"),
+        shape=tuple(shape),
+    )
 
 
 def is_prepared(x: Any) -> bool:
@@ -433,9 +538,7 @@ def with_int8_activations(tree: Any, enabled: bool = True) -> Any:
 
 
 def logical_weights(tree: Any) -> Any:
-    """Every `PreparedQArray` of a pytree back to its logical `QArray` (e.g. to save it)."""
-    return jax.tree.map(
-        lambda x: x.logical() if isinstance(x, PreparedQArray) else x,
-        tree,
-        is_leaf=lambda x: isinstance(x, PreparedQArray),
-    )
+    """Every `PreparedQArray` (and `PreparedPieces`) of a pytree back to its logical `QArray`
+    (e.g. to save it)."""
+    laid_out = lambda x: isinstance(x, PreparedQArray | PreparedPieces)
+    return jax.tree.map(lambda x: x.logical() if laid_out(x) else x, tree, is_leaf=laid_out)

@@ -8,17 +8,20 @@ import numpy as np
 from flax import nnx
 
 from lowbit.api import quantize_params
-from lowbit.models import Llama, LlamaConfig, generate_tokens
+from lowbit.models import Llama, LlamaConfig, generate_tokens, shard_for_generation
+from lowbit.ops import PreparedPieces
 
-# Whole kv heads on each of 4 devices; o_proj / down_proj rows in whole groups of 32.
+# Whole kv heads on each of 4 devices; o_proj / down_proj rows in whole groups of 32. Each
+# device's piece of gate/up/down (256 x 256 and up) is large enough for the CPU kernels, so
+# those run as pieces laid out on each process (`PreparedPieces`).
 CONFIG = LlamaConfig(
     vocab_size=64,
-    dim=64,
+    dim=256,
     n_layers=2,
     n_heads=8,
     n_kv_heads=4,
-    head_dim=16,
-    ffn_dim=128,
+    head_dim=32,
+    ffn_dim=1024,
     context_length=128,
 )
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11], [3, 3, 60, 2]]
@@ -55,4 +58,14 @@ def tp_generate(out_dir: str) -> dict[str, np.ndarray]:
         for name, shape in MESHES[jax.device_count()].items():
             mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(axis_type, axis_type))
             results[f"{name}_{kind}"] = generate(mesh)
+    results["pieces"] = np.int32(_count_pieces(mesh))
     return results
+
+
+def _count_pieces(mesh) -> int:
+    """How many weights `shard_for_generation` places on `mesh` as laid-out pieces."""
+    model = Llama(CONFIG, rngs=nnx.Rngs(0))
+    params = quantize_params(nnx.state(model, nnx.Param), RECIPE)
+    placed, _ = shard_for_generation(params, mesh, CONFIG)
+    leaves = jax.tree.leaves(placed, is_leaf=lambda x: isinstance(x, PreparedPieces))
+    return sum(isinstance(leaf, PreparedPieces) for leaf in leaves)

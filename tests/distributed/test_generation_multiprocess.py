@@ -7,6 +7,8 @@ import jax
 import numpy as np
 import pytest
 
+from lowbit import kernels
+
 pytestmark = pytest.mark.skipif(
     not hasattr(jax, "set_mesh") or not hasattr(jax.sharding, "AxisType"),
     reason="explicit mesh axes need a newer JAX",
@@ -19,6 +21,8 @@ def test_sharded_generation_across_processes_equals_one_device(tmp_path, process
     expected = generation_scenarios.generate()
     results = harness.run_processes("generation_scenarios.tp_generate", processes, tmp_path)
     for pid, result in enumerate(results):
+        # gate/up/down of both layers run as pieces laid out on each process (CPU kernels).
+        assert result.pop("pieces") == (6 if kernels.available() else 0), pid
         assert set(result) == {f"{name}_{kind}" for name in meshes for kind in ("Auto", "Explicit")}
         for name, tokens in result.items():
             np.testing.assert_array_equal(tokens, expected, err_msg=f"process {pid}, {name}")

@@ -16,11 +16,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import lowbit
+from lowbit import kernels
 from lowbit.api import quantize_params
-from lowbit.engine import interpret
+from lowbit.engine import interpret, trace_report
 from lowbit.models import Llama, LlamaConfig
 from lowbit.models._generate import Sampling, _forward, _Sharded, generate_tokens
 from lowbit.models._sharding import shard_for_generation
+from lowbit.ops import PreparedPieces, PreparedQArray, logical_weights
 from lowbit.qarray import QArray
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulated) devices")
@@ -284,3 +287,43 @@ def test_each_device_runs_the_cpu_kernels_on_its_own_pieces():
     targets = set(re.findall(r'custom_call_target="([^"]+)"', text))
     assert {"lowbit_wo_linear", "lowbit_decode_attention"} <= targets
     assert len(re.findall(r"\ball-gather(?:-start)?\(", text)) == 0
+
+
+# Wide enough that each device's piece of gate/up/down (256 x 256) is run by a CPU kernel.
+WIDE = dataclasses.replace(CONFIG, dim=256, head_dim=32, ffn_dim=512)
+
+
+@pytest.mark.skipif(
+    not kernels.available() or jax.default_backend() != "cpu", reason=kernels.status()
+)
+@pytest.mark.parametrize("shape", [(1, 2), (2, 1)], ids=["tp2", "dp2"])
+def test_split_weights_run_as_laid_out_pieces_and_whole_ones_keep_their_layout(shape):
+    """`lowbit.quantize`'s CPU layouts: a weight split over the model axis has each device's
+    piece laid out once (no layout built inside the call, no fallback), one left whole keeps
+    its layout; the tokens are one device's and the pieces join back into the codes."""
+    wide = Llama(WIDE, rngs=nnx.Rngs(0))
+    params = lowbit.quantize(nnx.state(wide, nnx.Param), "int4w_g32_asym")
+    expected = generate_tokens(wide, PROMPTS, params=params, max_new_tokens=8).tokens
+    placed, plan = shard_for_generation(params, _mesh(shape, explicit=False), WIDE)
+    leaf = lambda name: placed["layers"][0]["mlp"][name]["kernel"].get_value()
+    if plan.tp == 2:
+        for name, axis in (("gate_proj", 1), ("down_proj", 0)):
+            pieces = leaf(name)
+            assert isinstance(pieces, PreparedPieces) and (pieces.count, pieces.axis) == (2, axis)
+            assert pieces.pieces.weight.data.sharding.spec == P("model")
+            logical = logical_weights(params)["layers"][0]["mlp"][name]["kernel"].get_value()
+            np.testing.assert_array_equal(pieces.logical().codes, logical.codes)
+            np.testing.assert_array_equal(pieces.logical().zero_point, logical.zero_point)
+    else:
+        assert isinstance(leaf("down_proj"), PreparedQArray)
+    cache = plan.init_cache(wide, len(PROMPTS), 64, None)
+    graphdef = _Sharded(type(wide), WIDE, wide.dtype, plan)
+    tokens = jax.device_put(jnp.ones((len(PROMPTS), 1), jnp.int32), plan.rows(2))
+    report = trace_report(functools.partial(_forward, graphdef), placed, tokens, cache)
+    assert not report.fallbacks, report
+    # Kernels run every weight of 64K+ elements on a device: gate/up/down pieces at TP=2,
+    # q/o (256 x 256) too when whole.
+    kernel_weights = 3 if plan.tp == 2 else 5
+    assert report.quantized_ops["dot_general:cpu_kernel_uint4"] == kernel_weights * WIDE.n_layers
+    out = generate_tokens(wide, PROMPTS, params=placed, max_new_tokens=8, mesh=plan)
+    assert out.tokens == expected
