@@ -369,7 +369,7 @@ def stream_tokens(
     plan = None
     if mesh is not None:
         params, plan = shard_for_generation(params, mesh, module.config)
-        graphdef = _Sharded(type(module), module.config, module.dtype, plan)
+        graphdef = _Sharded(type(module), plan.fit(module.config), module.dtype, plan)
     n_rows = len(prompts)
     if plan is not None and n_rows % plan.dp:
         # Rows split over the data axis: repeat the last prompt to fill it (dropped below).

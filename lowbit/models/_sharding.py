@@ -3,8 +3,9 @@
 Over the mesh axis `model` (tensor parallel, ``tp`` devices):
 
   * attention: q/k/v kernels (and biases) split by output columns, whole heads per device
-    (``n_kv_heads`` must divide by ``tp``, so each device holds its query heads' key/value
-    heads); o_proj split by input rows, the same heads;
+    (each device holds its query heads' key/value heads: where ``n_kv_heads`` does not divide
+    by ``tp``, zero heads are appended up to a multiple first, `_head_padding`, which leaves
+    the model's output unchanged); o_proj split by input rows, the same heads;
   * dense MLP: gate/up split by columns, down by rows;
   * the KV cache split by kv heads, like the k/v columns that fill it.
 
@@ -45,7 +46,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lowbit.models._kv_cache import KVCache
+from lowbit.models._head_padding import pad_heads, padded_kv_heads, with_kv_heads
+from lowbit.models._kv_cache import KVCache, init_kv_cache
 from lowbit.ops import PreparedPieces, PreparedQArray, logical_weights, prepare_weight
 from lowbit.qarray import QArray
 
@@ -64,11 +66,14 @@ class GenerationSharding:
         explicit ones: same devices, same names).
       model_axis: the tensor-parallel axis name, or None (no tensor parallelism).
       data_axis: the data-parallel axis name, or None (rows on every device).
+      kv_heads: the key/value heads the model runs with, padded with zero heads to a
+        multiple of `tp` (`lowbit.models._head_padding`), or None: the model's own.
     """
 
     mesh: Mesh
     model_axis: str | None
     data_axis: str | None
+    kv_heads: int | None = None
 
     @property
     def tp(self) -> int:
@@ -79,6 +84,10 @@ class GenerationSharding:
     def dp(self) -> int:
         """Devices along the data-parallel axis (1 without one)."""
         return 1 if self.data_axis is None else self.mesh.shape[self.data_axis]
+
+    def fit(self, config: Any) -> Any:
+        """`config` as it runs on this mesh: with `kv_heads` (and their query heads)."""
+        return config if self.kv_heads is None else with_kv_heads(config, self.kv_heads)
 
     def named(self, *spec: Any) -> NamedSharding:
         return NamedSharding(self.mesh, P(*spec))
@@ -100,9 +109,12 @@ class GenerationSharding:
         return jax.tree.map(one, cache)
 
     def init_cache(self, module: Any, batch: int, max_len: int, kv_cache: Any) -> KVCache:
-        """``module.init_cache(batch, max_len, kv_cache)`` created in place on the mesh: each
-        device allocates only its slice (no device or process holds the whole cache)."""
-        make = functools.partial(module.init_cache, batch, max_len, kv_cache)
+        """``module.init_cache(batch, max_len, kv_cache)`` created in place on the mesh, with
+        the heads of `fit`: each device allocates only its slice (no device or process holds
+        the whole cache)."""
+        c = self.fit(module.config)
+        shape = (c.n_layers, c.n_kv_heads, c.head_dim, batch, max_len)
+        make = functools.partial(init_kv_cache, *shape, module.dtype, kv_cache)
         return jax.jit(make, out_shardings=self.cache_shardings(jax.eval_shape(make)))()
 
     def place_cache(self, cache: KVCache) -> KVCache:
@@ -290,12 +302,6 @@ def _check_config(config: Any, tp: int) -> None:
                 f"shard_for_generation cannot split by heads over {tp} devices; generate "
                 "without a model axis (a data axis alone works)"
             )
-    if config.n_kv_heads % tp:
-        raise ValueError(
-            f"DecoderConfig.n_kv_heads={config.n_kv_heads} does not divide over {tp} devices "
-            "of the model axis: every device needs whole key/value heads. Use a model axis "
-            f"that divides {config.n_kv_heads}"
-        )
     if not config.n_experts and config.ffn_dim % tp:
         raise ValueError(
             f"DecoderConfig.ffn_dim={config.ffn_dim} does not divide over {tp} devices of the "
@@ -336,6 +342,10 @@ def shard_for_generation(
     )
     if config is not None and plan.tp > 1:
         _check_config(config, plan.tp)
+        kv_heads = padded_kv_heads(config, plan.tp)
+        if kv_heads != config.n_kv_heads:  # every device needs whole key/value heads
+            params = pad_heads(params, config, kv_heads)
+            plan = dataclasses.replace(plan, kv_heads=kv_heads)
     replicated = plan.named()
 
     def place(key_path: tuple, x: Any) -> Any:

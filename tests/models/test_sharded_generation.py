@@ -24,7 +24,7 @@ from lowbit.models import Llama, LlamaConfig
 from lowbit.models._generate import Sampling, _forward, _Sharded, generate_tokens
 from lowbit.models._sharding import shard_for_generation
 from lowbit.ops import PreparedPieces, PreparedQArray, logical_weights
-from lowbit.qarray import QArray
+from lowbit.qarray import PerTensor, QArray, quantize
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulated) devices")
 
@@ -242,10 +242,36 @@ def test_a_data_axis_alone_runs_rows_in_parallel(model):
     assert out.tokens == generate_tokens(model, PROMPTS, max_new_tokens=8).tokens
 
 
-def test_kv_heads_that_do_not_divide_the_model_axis_are_refused(model):
-    mesh = jax.make_mesh((8,), ("model",))
-    with pytest.raises(ValueError, match=r"n_kv_heads=4 does not divide over 8 devices"):
-        generate_tokens(model, PROMPTS, max_new_tokens=2, mesh=mesh)
+# 3 kv heads (6 query heads): a model axis of 2 pads them to 4 (and 8 query heads).
+THREE = dataclasses.replace(CONFIG, n_heads=6, n_kv_heads=3)
+
+
+@pytest.mark.parametrize("recipe", [None, "int8w", "int4w_g32_asym"])
+def test_kv_heads_that_do_not_divide_the_model_axis_are_padded_with_zero_heads(recipe):
+    model = Llama(THREE, rngs=nnx.Rngs(2))
+    state = nnx.state(model, nnx.Param)
+    params = state if recipe is None else quantize_params(state, recipe)
+    kw = dict(params=params, max_new_tokens=16, kv_cache="int8")
+    mesh = _mesh((2, 2), explicit=False)
+    out = generate_tokens(model, PROMPTS, mesh=mesh, **kw)
+    assert out.tokens == generate_tokens(model, PROMPTS, **kw).tokens
+    placed, plan = shard_for_generation(params, mesh, THREE)
+    assert plan.kv_heads == 4 and plan.fit(THREE).n_heads == 8
+    attn = placed["layers"][0]["attn"]
+    assert attn["v_proj"]["kernel"].get_value().shape == (64, 4 * 16)
+    assert attn["o_proj"]["kernel"].get_value().shape == (8 * 16, 64)
+    cache = plan.init_cache(model, 4, 64, "int8")
+    assert cache.keys[0].shape[1] == 4 and cache.keys[0].addressable_shards[0].data.shape[1] == 2
+
+
+def test_a_v_proj_with_one_scale_over_its_columns_cannot_be_padded():
+    params = quantize_params(nnx.state(Llama(THREE, rngs=nnx.Rngs(2)), nnx.Param), "int8w")
+    v = params["layers"][0]["attn"]["v_proj"]["kernel"]
+    v.set_value(
+        quantize(logical_weights(v.get_value()).dequantize(), "int8", granularity=PerTensor())
+    )
+    with pytest.raises(ValueError, match=r"layers/0/attn/v_proj/kernel: one int8 scale over all"):
+        shard_for_generation(params, _mesh((1, 2), False), THREE)
 
 
 def test_a_group_that_straddles_two_devices_names_the_weight():
@@ -267,8 +293,8 @@ def test_a_mesh_without_either_axis_is_refused(model):
 
 
 def test_each_device_runs_the_cpu_kernels_on_its_own_pieces():
-    """Prepared (kernel-layout) weights are split as QArrays; inside the shard_map each
-    device's pieces are whole local weights, large enough for the CPU kernels."""
+    """Prepared (kernel-layout) weights split over the model axis enter the shard_map as each
+    device's laid-out piece: the compiled step calls the CPU kernels and gathers nothing."""
     from lowbit import kernels
     from lowbit.ops import is_prepared
 
