@@ -325,15 +325,17 @@ def shard_for_generation(
         on every device keep their layout, the split ones are split as `QArray`s and each
         piece laid out again, `PreparedPieces`).
       mesh: a `Mesh`, or a `GenerationSharding` from an earlier call.
-      config: the `DecoderConfig`, to check heads and MLP widths divide over the model axis
-        (None skips the check; the weights' own sizes are still checked).
+      config: the `DecoderConfig`, to pad kv heads that do not divide over the model axis
+        (the returned plan's `kv_heads`) and check the MLP width divides (None skips both;
+        the weights' own sizes are still checked).
       model_axis, data_axis: axis names (see `generation_sharding`).
     Returns:
       ``(placed params, GenerationSharding)``; pass both to `generate_tokens` (``params=``,
       ``mesh=``), or place the KV cache with `GenerationSharding.place_cache`.
     Raises:
-      ValueError: a head count, MLP width or quantization group that does not divide over
-        the model axis (naming the parameter), or fused projections with a model axis.
+      ValueError: an MLP width or quantization group that does not divide over the model
+        axis (naming the parameter), a weight that cannot be padded with zero heads, or fused
+        projections with a model axis.
     """
     plan = (
         mesh
