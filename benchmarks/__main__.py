@@ -1,8 +1,10 @@
 """Runs benchmark modules and writes each one's markdown into its own BENCHMARKS.md section.
 
-Usage: python -m benchmarks [name ...] [--model PATH]
+Usage: python -m benchmarks [name ...] [--model PATH] [--label LABEL]
   (default: every public module in this package; `--model` runs the modules that take a model,
-  such as `generate`, on that file into their own section, ``<name>:<file name>``)
+  such as `generate`, on that file into their own section, ``<name>:<file name>``; `--label`
+  writes into a section of its own, ``<name>:<label>``, e.g. a run under other settings such as
+  an instruction set forced lower)
 
 A section is delimited by `<!-- benchmark:<name> begin -->` / `<!-- benchmark:<name> end -->`
 markers: a re-run replaces its own section and leaves the others alone; new sections are
@@ -52,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", help="a model file or directory for the modules that take one (generate)"
     )
+    parser.add_argument(
+        "--label",
+        help="write each module's result into its own section NAME:LABEL (e.g. a run with "
+        "LOWBIT_CPU_ISA=avx2) instead of NAME's",
+    )
     args = parser.parse_args(argv)
     available = discover()
     names = args.names or available
@@ -71,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             body = module.run(model=args.model)
         else:
             body = module.run()
+        if args.label is not None:
+            section = f"{section}:{args.label}"
         text = args.output.read_text() if args.output.exists() else TITLE
         if body is None:  # nothing measured here (e.g. the GPU section on a CPU machine)
             if f"<!-- benchmark:{section} begin -->" in text:

@@ -151,6 +151,13 @@ def _amx_listed() -> bool:
         return False
 
 
+def _llama_features(llama_cpp) -> str:
+    """The instruction-set features llama.cpp was built with (``AVX2 = 1``, ...), those on."""
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    on = [m.group(1) for m in re.finditer(r"([A-Z0-9_]+) = 1", info)]
+    return ", ".join(on) or info.strip()
+
+
 def _silent_log(level, text, user_data):
     """llama.cpp log callback that drops its load-time messages."""
 
@@ -337,7 +344,10 @@ def run(model: str | None = None) -> str:
         if loaded.gguf_path is None:
             raise ImportError("not a GGUF file")
         llama = _LlamaCpp(loaded.gguf_path, max(BATCHES), max(PROMPT.values()) + DECODE + 8)
-        peer = f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, {THREADS} threads)"
+        peer = (
+            f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, {THREADS} threads; its "
+            f"CPU build: {_llama_features(llama_cpp)})"
+        )
     except ImportError:
         llama, peer = None, None
     engines = {**runners, **({"llama.cpp": llama} if llama is not None else {})}
@@ -357,7 +367,9 @@ def run(model: str | None = None) -> str:
     load = os.getloadavg()
     lines += [
         f"- Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_model()}, {os.cpu_count()} cores; "
-        f"{kernels.status()}; load average at the end {', '.join(f'{x:.1f}' for x in load)}.",
+        f"{kernels.status()}; load average at the end {', '.join(f'{x:.1f}' for x in load)}"
+        + (f"; XLA_FLAGS={os.environ['XLA_FLAGS']}" if os.environ.get("XLA_FLAGS") else "")
+        + ".",
         f"- Peer: {peer or 'llama.cpp not importable (llama-cpp-python): no peer rows'}"
         + (
             "; this CPU lists AMX, where llama.cpp's AMX-repacked weight buffers crash inside "
