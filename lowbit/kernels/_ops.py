@@ -66,7 +66,32 @@ def _by_platform(native: Callable[[], Any], reference: Callable[[], Any]) -> Any
     """
     if _native.module() is None:
         return reference()
-    return jax.lax.platform_dependent(cpu=native, default=reference)
+    if not getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
+        return jax.lax.platform_dependent(cpu=native, default=reference)
+
+    def typed_native():
+        # Inside a shard_map that checks varying manual axes, an FFI call's outputs vary over
+        # none, while the pure-JAX branch's vary like its inputs; `platform_dependent` needs
+        # both branches typed alike, so the call's outputs take the reference's axes.
+        want = jax.tree.map(_varying_axes, jax.eval_shape(reference))
+        return jax.tree.map(_vary, native(), want)
+
+    return jax.lax.platform_dependent(cpu=typed_native, default=reference)
+
+
+def _varying_axes(aval: Any) -> frozenset:
+    """The manual mesh axes an abstract value varies over (JAX 0.9: ``vma``; later:
+    ``manual_axis_type.varying``)."""
+    axes = getattr(aval, "vma", None)
+    if axes is None:
+        axes = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(axes or ())
+
+
+def _vary(x: jax.Array, axes: frozenset) -> jax.Array:
+    """`x` typed as varying over `axes` too."""
+    missing = tuple(sorted(axes - _varying_axes(jax.typeof(x))))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _row_kernel(
