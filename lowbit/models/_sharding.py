@@ -276,10 +276,11 @@ def _prepared_pieces(q: QArray, axis: int, plan: GenerationSharding) -> Prepared
             present = [f for f in fields if getattr(q, f) is not None]
             parts = {f: _shard_on(getattr(q, f), device) for f in present}
             piece = prepare_weight(dataclasses.replace(q, **parts, shape=tuple(shape)), 0)
-            if not isinstance(piece, PreparedQArray) or piece.scale is not None:
+            kept = isinstance(piece, PreparedQArray) and (
+                piece.scale is not None or piece.zero_point is not None
+            )
+            if not isinstance(piece, PreparedQArray) or kept:
                 return None  # no kernel, or a scale kept beside the layout
-            if piece.zero_point is not None:
-                return None
             laid[i] = piece
         pieces[device] = jax.device_put(laid[i], device)
     treedef = jax.tree.structure(next(iter(pieces.values())))
