@@ -113,15 +113,13 @@ def run() -> str:
         f"- Target: int4 g128 streams >= {TARGET:.0%} of float32's GB/s: {share:.0%} with "
         f"float32 activations (the default), **{'met' if share >= TARGET else 'NOT met'}**; "
         f"{q8:.0%} with int8 activations (`lowbit.ops.with_int8_activations`, opt-in).",
-        "- float32's rate is the machine's memory bandwidth at that moment (it moved between "
-        "31 and 44 GB/s across runs on this shared VM); the int4 kernel with float32 "
-        "activations stays near 25 GB/s, the rate at which two cores unpack codes and "
-        "multiply-add them in float32, so its share follows the machine's bandwidth.",
-        "",
+        "- float32's rate is the machine's memory bandwidth at that moment (on a shared "
+        "machine it moves from run to run); the int4 kernel with float32 activations runs at "
+        "the rate its cores unpack codes and multiply-add them in float32, so its share "
+        "follows the machine's bandwidth. "
         f"Section time: {time.perf_counter() - begin:.0f} s.",
-        "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
