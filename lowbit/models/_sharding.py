@@ -50,6 +50,7 @@ from lowbit.models._head_padding import pad_heads, padded_kv_heads, with_kv_head
 from lowbit.models._kv_cache import KVCache, init_kv_cache
 from lowbit.ops import PreparedPieces, PreparedQArray, logical_weights, prepare_weight
 from lowbit.qarray import QArray
+from lowbit.recipes import path_string
 
 # Path suffixes (after ``layers/<i>/``) and the axis of the kernel that is split.
 _COLUMNS = ("attn/q_proj", "attn/k_proj", "attn/v_proj", "gate_proj", "up_proj")
@@ -190,19 +191,6 @@ def _role(path: str) -> str | None:
     if owner.endswith(_ROWS):
         return "rows" if parts[-1] == "kernel" else None
     return None
-
-
-def _path(key_path: tuple) -> str:
-    """``layers/0/attn/q_proj/kernel`` from a pytree key path (NNX's ``.value`` dropped)."""
-    parts = []
-    for key in key_path:
-        if isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-        elif isinstance(key, jax.tree_util.GetAttrKey) and key.name != "value":
-            parts.append(key.name)
-    return "/".join(parts)
 
 
 def _spec(ndim: int, axis: int, name: str) -> P:
@@ -352,7 +340,7 @@ def shard_for_generation(
     replicated = plan.named()
 
     def place(key_path: tuple, x: Any) -> Any:
-        path = _path(key_path)
+        path = path_string(key_path)
         role = _role(path) if plan.tp > 1 else None
         if isinstance(x, PreparedPieces):  # placed by an earlier call: placed again
             x = x.logical()
@@ -423,7 +411,7 @@ def param_specs(params: Any, plan: GenerationSharding) -> Any:
     quantization engine traces in their place), as `shard_for_generation` places them."""
 
     def spec(key_path: tuple, x: Any) -> P:
-        role = _role(_path(key_path)) if plan.tp > 1 else None
+        role = _role(path_string(key_path)) if plan.tp > 1 else None
         if role is None:
             return P()
         return _spec(x.ndim, x.ndim - 1 if role == "columns" else x.ndim - 2, plan.model_axis)
