@@ -5,28 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from lowbit.cli._common import (
-    add_measure_arguments,
-    open_measured,
-    progress,
-    report_row,
-    resolve_kv_cache,
-    row_label,
-    step,
-)
+from lowbit.cli._common import measuring_command, open_measured, progress, report_row, step
 from lowbit.eval._session import ModelSession
 
-NAME = "bench"
-HELP = (
-    "measure stored size and throughput: prefill tokens/s (512 tokens, batch 1) and KV-cache "
-    "decode tokens/s (batch 1) for language models, embedded tokens/s for encoders"
-)
 BENCH_FILE = "bench.json"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds this command's arguments to its sub-parser."""
-    add_measure_arguments(parser, _add_decode_steps)
 
 
 def _add_decode_steps(parser: argparse.ArgumentParser) -> None:
@@ -39,15 +21,15 @@ def run(args: argparse.Namespace) -> int:
     """Runs the command with parsed `args`; returns the exit status (errors raise)."""
     if args.decode_steps < 1:
         raise ValueError(f"--decode-steps={args.decode_steps} must be >= 1")
-    kv = resolve_kv_cache(args.kv_cache, args.recipe)
     with progress() as bar:
-        target = open_measured(args, bar, kv)
+        measured = open_measured(args, bar)
+        target, kv = measured.target, measured.kv_cache
         session = ModelSession(target.loaded, kv_cache=kv)
         with step(bar, f"timing {target.recipe} (compile, warm up, then timed runs)"):
             speed = session.speed(target.params, decode_steps=args.decode_steps)
     decode = speed.decode_tokens_per_s if target.loaded.kind == "lm" else None
     row = dataclasses.replace(
-        session.row(row_label(target.recipe, kv), target.params, measure_quality=False),
+        session.row(measured.label, target.params, measure_quality=False),
         prefill_tokens_per_s=speed.prefill_tokens_per_s,
         decode_tokens_per_s=decode,
     )
@@ -64,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
             f"KV cache ({cache['kv_cache']}) for {speed.prefill_tokens} tokens, batch 1: "
             f"{cache['kv_cache_bytes'] / 2**20:.2f} MiB, {cache['kv_cache_ratio']:.3f}x float32",
         )
-    report_row(row, payload, target, args, command=NAME, file=BENCH_FILE, notes=notes)
+    report_row(row, payload, target, args, file=BENCH_FILE, notes=notes)
     return 0
 
 
@@ -87,3 +69,12 @@ def _cache_memory(model, kv, tokens: int) -> dict:
         "kv_cache_bytes": used,
         "kv_cache_ratio": used / f32,
     }
+
+
+COMMAND = measuring_command(
+    "bench",
+    "measure stored size and throughput: prefill tokens/s (512 tokens, batch 1) and KV-cache "
+    "decode tokens/s (batch 1) for language models, embedded tokens/s for encoders",
+    _add_decode_steps,
+    run,
+)

@@ -4,29 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from lowbit.cli._common import (
-    add_measure_arguments,
-    open_measured,
-    progress,
-    report_row,
-    resolve_kv_cache,
-    row_label,
-    step,
-)
+from lowbit.cli._common import measuring_command, open_measured, progress, report_row, step
 from lowbit.eval import read_sentences, read_text
 from lowbit.eval._session import ModelSession
 
-NAME = "eval"
-HELP = (
-    "evaluate a checkpoint or a model: perplexity for language models, cosine similarity of "
-    "sentence embeddings to the float model for encoders"
-)
 EVAL_FILE = "eval.json"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds this command's arguments to its sub-parser."""
-    add_measure_arguments(parser, _add_input_arguments)
 
 
 def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +41,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--max-tokens={args.max_tokens} must be >= 1 and --context={args.context} >= 2"
         )
-    kv = resolve_kv_cache(args.kv_cache, args.recipe)
     # Input files are checked before any model is loaded, so their errors come at once.
     text = read_text(args.text) if args.text else None
     if text is not None and len(text.encode("utf-8")) < args.context + 1:
@@ -68,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
         _too_short(args, f"{len(text.encode('utf-8'))} bytes")
     sentences = read_sentences(args.sentences) if args.sentences else None
     with progress() as bar:
-        target = open_measured(args, bar, kv)
+        measured = open_measured(args, bar)
+        target, kv = measured.target, measured.kv_cache
         kind = target.loaded.kind
         if kind == "lm" and args.sentences:
             raise ValueError(
@@ -88,10 +70,10 @@ def run(args: argparse.Namespace) -> int:
             _too_short(args, f"{session.tokens().size} tokens")
         what = "perplexity" if kind == "lm" else "embedding cosine"
         with step(bar, f"{what} of {target.recipe}") as advance:
-            row = session.row(row_label(target.recipe, kv), target.params, on_window=advance)
+            row = session.row(measured.label, target.params, on_window=advance)
     payload = {**row.to_json(), "kv_cache": kv.to_text() if kv else None}
     json_extra = {"ratio": row.ratio, **_settings(args, session)}
-    report_row(row, payload, target, args, command=NAME, file=EVAL_FILE, json_extra=json_extra)
+    report_row(row, payload, target, args, file=EVAL_FILE, json_extra=json_extra)
     return 0
 
 
@@ -107,3 +89,12 @@ def _settings(args: argparse.Namespace, session: ModelSession) -> dict:
     if session.loaded.kind == "lm":
         return {"context": session.context, "max_tokens": session.max_tokens}
     return {"sentences": len(session.sentences)}
+
+
+COMMAND = measuring_command(
+    "eval",
+    "evaluate a checkpoint or a model: perplexity for language models, cosine similarity of "
+    "sentence embeddings to the float model for encoders",
+    _add_input_arguments,
+    run,
+)

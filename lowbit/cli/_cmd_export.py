@@ -6,11 +6,15 @@ import argparse
 import os
 from typing import Any
 
-from lowbit.cli._common import add_recipe_argument, add_target_argument, open_target, progress, step
+from lowbit.cli._common import (
+    Command,
+    add_recipe_argument,
+    add_target_argument,
+    open_target,
+    progress,
+    step,
+)
 from lowbit.ops import logical_weights
-
-NAME = "export"
-HELP = "export a checkpoint or a model to a GGUF file that llama.cpp, Ollama and LM Studio run"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,3 +130,11 @@ def _export_streaming(args: argparse.Namespace, kind: str, model: str, keep: boo
             return export_gguf(leaves, args.gguf, **options)
     with SourceParams(model, gguf_param_map(config).get, quantized=keep) as params:
         return export_gguf(params, args.gguf, **options)
+
+
+COMMAND = Command(
+    "export",
+    "export a checkpoint or a model to a GGUF file that llama.cpp, Ollama and LM Studio run",
+    add_arguments,
+    run,
+)

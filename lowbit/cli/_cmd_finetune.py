@@ -19,13 +19,13 @@ from lowbit.cli._common import (
     META_KIND,
     META_MODEL,
     META_RECIPE,
+    Command,
     progress,
+    settings_from_args,
     step,
     write_json,
 )
 
-NAME = "finetune"
-HELP = "train LoRA adapters over a quantized (QLoRA) or float base model on a text"
 FINETUNE_FILE = "finetune.json"
 LOSS_PLOT = "loss.png"
 DEFAULT_TARGETS = r".*attn/(q|k|v|o)_proj/kernel"
@@ -91,13 +91,7 @@ def run(args: argparse.Namespace) -> int:
         path=args.lora_targets, rank=args.lora_rank, alpha=alpha, dropout=args.lora_dropout
     )
     config = LoraConfig(rules=(rule,))
-    settings = FinetuneSettings(
-        steps=args.steps,
-        batch=args.batch,
-        seq_len=args.seq_len,
-        learning_rate=args.lr,
-        seed=args.seed,
-    )
+    settings = settings_from_args(FinetuneSettings, args, learning_rate="lr")
     out = Path(args.out)
     with progress() as bar:
         with step(bar, f"loading {args.model}"):
@@ -165,3 +159,11 @@ def run(args: argparse.Namespace) -> int:
         f"({summary['median_step_seconds']:.2f} s/step); loss curve {out / LOSS_PLOT}"
     )
     return 0
+
+
+COMMAND = Command(
+    "finetune",
+    "train LoRA adapters over a quantized (QLoRA) or float base model on a text",
+    add_arguments,
+    run,
+)

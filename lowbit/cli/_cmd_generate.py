@@ -12,6 +12,8 @@ import sys
 import time
 
 from lowbit.cli._common import (
+    Command,
+    add_int8_activations_argument,
     add_json_argument,
     add_language_model_arguments,
     chat_template,
@@ -19,12 +21,6 @@ from lowbit.cli._common import (
     print_json,
     resolve_kv_cache,
     stop_ids,
-)
-
-NAME = "generate"
-HELP = (
-    "generate text from a language model (a checkpoint, or smollm2 | a .gguf file with "
-    "--recipe), streamed to stdout as it is produced"
 )
 
 
@@ -59,14 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling, in (0, 1]"
     )
     parser.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
-    parser.add_argument(
-        "--int8-activations",
-        action="store_true",
-        help="quantize the activations of int8 / int4 / uint4 weights to int8 per row and "
-        "weight group in the CPU kernels (llama.cpp's Q8 blocks, as llama.cpp runs GGUF "
-        "weights), in prefill and decode: faster at the activations' rounding error (AVX2 or "
-        "AVX-512; int8 weights need AVX-512 VNNI)",
-    )
+    add_int8_activations_argument(parser)
     add_json_argument(
         parser,
         help="print one JSON object (prompts, continuations, token counts, seconds) as the only "
@@ -207,3 +196,12 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 130 if interrupted else 0
+
+
+COMMAND = Command(
+    "generate",
+    "generate text from a language model (a checkpoint, or smollm2 | a .gguf file with "
+    "--recipe), streamed to stdout as it is produced",
+    add_arguments,
+    run,
+)

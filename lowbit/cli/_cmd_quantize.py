@@ -24,6 +24,7 @@ from lowbit.cli._common import (
     META_KIND,
     META_MODEL,
     META_RECIPE,
+    Command,
     add_calibration_arguments,
     add_recipe_argument,
     calibration_sequences,
@@ -33,9 +34,6 @@ from lowbit.cli._common import (
     step,
 )
 from lowbit.eval import float32_bytes, param_bytes
-
-NAME = "quantize"
-HELP = "quantize a model by a recipe and write a checkpoint directory"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -246,3 +244,11 @@ def _check_plan_shapes(recipe, config) -> None:
     from lowbit.models import Decoder
 
     recipe.check_shapes(nnx.to_pure_dict(nnx.state(Decoder.abstract(config), nnx.Param)))
+
+
+COMMAND = Command(
+    "quantize",
+    "quantize a model by a recipe and write a checkpoint directory",
+    add_arguments,
+    run,
+)

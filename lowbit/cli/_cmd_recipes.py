@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from lowbit.cli._common import Command
 from lowbit.serving import GGUF_RECIPE
-
-NAME = "recipes"
-HELP = "list the preset recipes (one line each: name and description)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,3 +26,11 @@ def run(args: argparse.Namespace) -> int:
     for name, description in names.items():
         print(f"{name:<{width}}  {description}")
     return 0
+
+
+COMMAND = Command(
+    "recipes",
+    "list the preset recipes (one line each: name and description)",
+    add_arguments,
+    run,
+)

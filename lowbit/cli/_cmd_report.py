@@ -12,6 +12,7 @@ from rich.table import Table
 from lowbit.cli._cmd_bench import BENCH_FILE
 from lowbit.cli._cmd_eval import EVAL_FILE
 from lowbit.cli._common import (
+    Command,
     is_checkpoint,
     open_target,
     progress,
@@ -33,11 +34,6 @@ from lowbit.eval import (
 )
 from lowbit.eval._session import ModelSession
 
-NAME = "report"
-HELP = (
-    "report on a checkpoint: size, perplexity or cosine, per-layer SQNR of weights and layer "
-    "outputs; writes report.json, layer_sqnr.png and size_vs_quality.png into DIR"
-)
 WORST_SHOWN = 8
 
 
@@ -126,3 +122,12 @@ def run(args: argparse.Namespace) -> int:
         written.append(plot_size_vs_quality(rows, directory / "size_vs_quality.png"))
     console.print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+COMMAND = Command(
+    "report",
+    "report on a checkpoint: size, perplexity or cosine, per-layer SQNR of weights and layer "
+    "outputs; writes report.json, layer_sqnr.png and size_vs_quality.png into DIR",
+    add_arguments,
+    run,
+)

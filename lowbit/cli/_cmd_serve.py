@@ -13,17 +13,14 @@ import os
 import sys
 
 from lowbit.cli._common import (
+    Command,
+    add_int8_activations_argument,
     add_language_model_arguments,
     chat_template,
     open_language_model,
     resolve_kv_cache,
+    settings_from_args,
     stop_ids,
-)
-
-NAME = "serve"
-HELP = (
-    "serve a language model over an OpenAI-compatible HTTP API (completions, chat, streaming) "
-    "with continuous batching"
 )
 
 
@@ -86,9 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="decode steps per compiled call while no request waits (1-8, default 1)",
     )
-    parser.add_argument(
-        "--int8-activations",
-        action="store_true",
+    add_int8_activations_argument(
+        parser,
         help="quantize the activations of int8 / int4 / uint4 weights to int8 in the CPU "
         "kernels (as `lowbit generate --int8-activations`)",
     )
@@ -102,13 +98,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--port={args.port} must be in 1..65535")
     if args.timeout <= 0 or args.grace < 0:
         raise ValueError("--timeout must be > 0 and --grace >= 0")
-    config = server.SchedulerConfig(
-        slots=args.slots,
-        max_len=args.max_len,
-        queue=args.queue,
-        single_pass=args.prefill_chunk,
-        chunk=args.prefill_chunk,
-        steps=args.steps,
+    # --prefill-chunk is both the longest prompt prefilled in one pass and the chunk size.
+    config = settings_from_args(
+        server.SchedulerConfig, args, single_pass="prefill_chunk", chunk="prefill_chunk"
     )
     kv = resolve_kv_cache(args.kv_cache, args.recipe)
     target, metadata, params = open_language_model(args, "serve")
@@ -138,3 +130,12 @@ def run(args: argparse.Namespace) -> int:
     )
     server.run(served, host=args.host, port=args.port, grace=args.grace)
     return 0
+
+
+COMMAND = Command(
+    "serve",
+    "serve a language model over an OpenAI-compatible HTTP API (completions, chat, streaming) "
+    "with continuous batching",
+    add_arguments,
+    run,
+)

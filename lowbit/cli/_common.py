@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -11,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -24,6 +25,40 @@ META_RECIPE = serving.META_RECIPE
 META_KIND = serving.META_KIND
 MANIFEST = serving.MANIFEST
 ADAPTERS_DIR = "adapters"  # LoRA adapters of a `lowbit finetune` directory (lowbit.io.ADAPTERS_DIR)
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A `lowbit` command: each command module exposes one as ``COMMAND``, and the dispatcher
+    (`lowbit.cli._main`) makes a sub-parser of it.
+
+    Attributes:
+      name: the word that selects the command.
+      help: its line in `lowbit --help`, also the description of `lowbit NAME --help`.
+      add_arguments: adds the command's arguments to its sub-parser.
+      run: runs the command with the parsed arguments; returns the exit status (errors raise).
+    """
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+Settings = TypeVar("Settings")
+
+
+def settings_from_args(cls: type[Settings], args: argparse.Namespace, **renamed: str) -> Settings:
+    """The settings dataclass `cls` built from parsed arguments: each field from the argument
+    of its own name, or of the name `renamed` gives it where the flag is spelled otherwise
+    (``learning_rate="lr"`` for ``--lr``). A field that no argument sets keeps its default
+    (such as `FinetuneSettings.weight_decay`, which has no flag)."""
+    values = {}
+    for field in dataclasses.fields(cls):
+        source = renamed.get(field.name, field.name)
+        if hasattr(args, source):
+            values[field.name] = getattr(args, source)
+    return cls(**values)
 
 
 def stdout_console() -> Console:
@@ -119,16 +154,25 @@ def add_json_argument(parser: Any, help: str = JSON_HELP) -> None:
     parser.add_argument("--json", action="store_true", help=help)
 
 
-def add_measure_arguments(parser: Any, add_own: Callable[[Any], None]) -> None:
-    """The arguments of a command that measures a model (`bench`, `eval`), in help order:
-    ``DIR|MODEL``, ``--recipe``, the command's own (`add_own`), ``--kv-cache``, ``--json``,
-    then the calibration pair."""
-    add_target_argument(parser, "smollm2 | minilm | a model file")
-    add_recipe_argument(parser)
-    add_own(parser)
-    add_kv_cache_argument(parser)
-    add_json_argument(parser)
-    add_calibration_arguments(parser)
+def measuring_command(
+    name: str,
+    help: str,
+    add_own: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+) -> Command:
+    """A command that measures a model (`bench`, `eval`; see `open_measured`). Its arguments,
+    in help order: ``DIR|MODEL``, ``--recipe``, the command's own (`add_own`), ``--kv-cache``,
+    ``--json``, then the calibration pair."""
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        add_target_argument(parser, "smollm2 | minilm | a model file")
+        add_recipe_argument(parser)
+        add_own(parser)
+        add_kv_cache_argument(parser)
+        add_json_argument(parser)
+        add_calibration_arguments(parser)
+
+    return Command(name, help, add_arguments, run)
 
 
 def add_calibration_arguments(parser: Any) -> None:
@@ -258,22 +302,38 @@ def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None
     )
 
 
-def open_measured(args: Any, bar: Progress, kv_cache: Any) -> Target:
-    """`open_target` of ``args.target`` with ``args.recipe`` (calibrated as ``args`` says) for a
-    command that measures it (`bench`, `eval`).
+@dataclasses.dataclass(frozen=True, eq=False)
+class Measured:
+    """What a command that measures a model (`bench`, `eval`) runs: `open_measured`'s result.
+
+    Attributes:
+      target: the checkpoint, or the model quantized by ``--recipe``.
+      kv_cache: the KV cache format (`resolve_kv_cache`); None for float.
+    """
+
+    target: Target
+    kv_cache: Any
+
+    @property
+    def label(self) -> str:
+        """The result row's label: the recipe, and the KV cache format when one is quantized."""
+        recipe = self.target.recipe
+        return recipe if self.kv_cache is None else f"{recipe} kv={self.kv_cache.to_text()}"
+
+
+def open_measured(args: Any, bar: Progress) -> Measured:
+    """`open_target` of ``args.target`` with ``args.recipe`` (calibrated as ``args`` says), and
+    the KV cache of ``args.kv_cache``, for a command that measures them (`bench`, `eval`).
 
     Raises:
-      ValueError: as `open_target`, and for a quantized `kv_cache` with an encoder.
+      ValueError: as `open_target` and `resolve_kv_cache` (the latter before any model is
+        loaded), and for a quantized KV cache with an encoder.
     """
+    kv_cache = resolve_kv_cache(args.kv_cache, args.recipe)
     target = open_target(args.target, args.recipe, bar, args)
     if kv_cache is not None and target.loaded.kind != "lm":
         raise ValueError(f"--kv-cache is for language models; {target.loaded.name} is not")
-    return target
-
-
-def row_label(recipe: str, kv_cache: Any) -> str:
-    """A result row's label: the recipe, and the KV cache format when one is quantized."""
-    return recipe if kv_cache is None else f"{recipe} kv={kv_cache.to_text()}"
+    return Measured(target=target, kv_cache=kv_cache)
 
 
 def report_row(
@@ -282,19 +342,18 @@ def report_row(
     target: Target,
     args: Any,
     *,
-    command: str,
     file: str,
     notes: tuple[str, ...] = (),
     json_extra: dict[str, Any] | None = None,
 ) -> None:
     """Shows a measuring command's result: `row` as a table titled ``lowbit COMMAND: MODEL``
-    with `notes` below it (on stderr with ``--json``, so stdout holds only the JSON line),
-    `payload` written to `file` in a checkpoint directory, and with ``--json`` `payload` plus
-    `json_extra` printed as the JSON line."""
+    (COMMAND is ``args.command``, set by the dispatcher) with `notes` below it (on stderr with
+    ``--json``, so stdout holds only the JSON line), `payload` written to `file` in a checkpoint
+    directory, and with ``--json`` `payload` plus `json_extra` printed as the JSON line."""
     from lowbit.eval import print_table
 
     console = stderr_console() if args.json else stdout_console()
-    print_table([row], title=f"lowbit {command}: {target.loaded.name}", console=console)
+    print_table([row], title=f"lowbit {args.command}: {target.loaded.name}", console=console)
     for note in notes:
         console.print(note)
     if target.directory is not None:
@@ -343,6 +402,19 @@ def add_language_model_arguments(parser: Any) -> None:
         "file's own quantized blocks); not with a checkpoint",
     )
     add_kv_cache_argument(parser)
+
+
+INT8_ACTIVATIONS_HELP = (
+    "quantize the activations of int8 / int4 / uint4 weights to int8 per row and weight group in "
+    "the CPU kernels (llama.cpp's Q8 blocks, as llama.cpp runs GGUF weights), in prefill and "
+    "decode: faster at the activations' rounding error (AVX2 or AVX-512; int8 weights need "
+    "AVX-512 VNNI)"
+)
+
+
+def add_int8_activations_argument(parser: Any, help: str = INT8_ACTIVATIONS_HELP) -> None:
+    """``--int8-activations``, which `open_language_model` reads (`generate`, `serve`)."""
+    parser.add_argument("--int8-activations", action="store_true", help=help)
 
 
 def open_language_model(args: Any, command: str) -> tuple[Target, dict[str, Any] | None, Any]:

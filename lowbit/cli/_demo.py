@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from lowbit.cli._common import print_json, progress, stderr_console, stdout_console, step
+from lowbit.cli._common import Command, print_json, progress, stderr_console, stdout_console, step
 from lowbit.eval import (
     ResultRow,
     evaluate_recipes,
@@ -27,11 +27,6 @@ from lowbit.eval import (
 )
 from lowbit.serving import GGUF_RECIPE
 
-NAME = "demo"
-HELP = (
-    "quantize SmolLM2-135M and all-MiniLM-L6-v2 with the demo recipes, print one table of size, "
-    "perplexity / cosine and speed, and write plots"
-)
 RECIPES = ("float", "int8w", "int8", "int4w_g32_asym", "w4a8_g32", "int4w_g64", "nf4_g64", "mxfp4")
 # Algorithm rows, each after its round-to-nearest counterpart in the table. The data-driven
 # ones share one calibration pass per model (statistics are cached per calibration set), on
@@ -224,3 +219,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"rows": [r.to_json() for r in rows], "wall_seconds": wall})
     return 0
+
+
+COMMAND = Command(
+    "demo",
+    "quantize SmolLM2-135M and all-MiniLM-L6-v2 with the demo recipes, print one table of size, "
+    "perplexity / cosine and speed, and write plots",
+    add_arguments,
+    run,
+)

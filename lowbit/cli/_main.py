@@ -29,23 +29,23 @@ from lowbit.cli import (
     _cmd_serve,
     _demo,
 )
-from lowbit.cli._common import print_json
+from lowbit.cli._common import Command, print_json
 
 EXIT_OK = 0
 EXIT_ERROR = 2
 
-# Each command module exposes NAME, HELP, add_arguments(parser) and run(args) -> int.
-COMMANDS = (
-    _cmd_quantize,
-    _cmd_eval,
-    _cmd_finetune,
-    _cmd_report,
-    _cmd_bench,
-    _cmd_generate,
-    _cmd_serve,
-    _cmd_export,
-    _demo,
-    _cmd_recipes,
+# In the order of `lowbit --help`.
+COMMANDS: tuple[Command, ...] = (
+    _cmd_quantize.COMMAND,
+    _cmd_eval.COMMAND,
+    _cmd_finetune.COMMAND,
+    _cmd_report.COMMAND,
+    _cmd_bench.COMMAND,
+    _cmd_generate.COMMAND,
+    _cmd_serve.COMMAND,
+    _cmd_export.COMMAND,
+    _demo.COMMAND,
+    _cmd_recipes.COMMAND,
 )
 
 
@@ -74,12 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.set_defaults(debug=False)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for module in COMMANDS:
+    for command in COMMANDS:
         sub = subparsers.add_parser(
-            module.NAME, help=module.HELP, description=module.HELP, parents=[debug]
+            command.name, help=command.help, description=command.help, parents=[debug]
         )
-        module.add_arguments(sub)
-        sub.set_defaults(run=module.run)
+        command.add_arguments(sub)
+        sub.set_defaults(run=command.run)
     return parser
 
 

@@ -9,29 +9,47 @@ engine that swaps weight arrays can run it unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lowbit.models._abstract import abstract_stack
+from lowbit.models._abstract import LayerStack
+
+# Hugging Face's `hidden_act` names of the feed-forward activations BERT checkpoints use.
+ACTIVATIONS = {
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "relu": jax.nn.relu,
+}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BertConfig:
-    """Shape hyper-parameters of a BERT encoder; defaults are all-MiniLM-L6-v2's."""
+    """Hyper-parameters of a BERT encoder; defaults are all-MiniLM-L6-v2's.
+
+    `activation` is the feed-forward's, by its Hugging Face ``hidden_act`` name: ``"gelu"``
+    (exact, erf), ``"gelu_new"`` / ``"gelu_pytorch_tanh"`` (tanh approximation) or ``"relu"``.
+    """
 
     vocab_size: int = 30522
     dim: int = 384
     n_layers: int = 6
     n_heads: int = 12
+    activation: str = "gelu"
     ffn_dim: int = 1536
     max_positions: int = 512
     type_vocab_size: int = 2
     norm_eps: float = 1e-12
 
     def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"BertConfig.activation is {self.activation!r}; accepted: {sorted(ACTIVATIONS)}"
+            )
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not a multiple of n_heads={self.n_heads}")
 
@@ -90,16 +108,17 @@ class SelfAttention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """Feed-forward: ``down(gelu(up(x)))`` with exact (erf) GELU."""
+    """Feed-forward: ``down(act(up(x)))``, `act` the config's (exact GELU by default)."""
 
     def __init__(self, config: BertConfig, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.activation = config.activation
         self.up = nnx.Linear(config.dim, config.ffn_dim, **kw)
         self.down = nnx.Linear(config.ffn_dim, config.dim, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: ``[batch, seq, dim]`` -> ``[batch, seq, dim]``."""
-        return self.down(jax.nn.gelu(self.up(x), approximate=False))
+        return self.down(ACTIVATIONS[self.activation](self.up(x)))
 
 
 class EncoderLayer(nnx.Module):
@@ -118,36 +137,17 @@ class EncoderLayer(nnx.Module):
         return self.mlp_norm(x + self.mlp(x))
 
 
-class Bert(nnx.Module):
+class Bert(LayerStack):
     """BERT encoder returning the last hidden states.
 
     Parameter paths read like ``layers/2/attn/query/kernel``; kernels are
     ``[in_features, out_features]``.
     """
 
-    def __init__(
-        self,
-        config: BertConfig,
-        *,
-        dtype: Any = jnp.float32,
-        param_dtype: Any = jnp.float32,
-        rngs: nnx.Rngs,
-    ):
-        self.config = config
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    Layer = EncoderLayer
+
+    def build_input(self, config: BertConfig, **kw: Any) -> None:
         self.embeddings = Embeddings(config, **kw)
-        self.layers = nnx.List([EncoderLayer(config, **kw) for _ in range(config.n_layers)])
-
-    @classmethod
-    def abstract(
-        cls, config: BertConfig, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32
-    ) -> Bert:
-        """A shape-only instance whose parameters are `jax.ShapeDtypeStruct` placeholders.
-
-        What `nnx.eval_shape(lambda: Bert(...))` gives, built by tracing one layer and cloning
-        it, which is several times faster (`lowbit.models._abstract.abstract_stack`).
-        """
-        return abstract_stack(cls, config, EncoderLayer, dtype=dtype, param_dtype=param_dtype)
 
     def __call__(
         self,

@@ -45,9 +45,6 @@ def bert_config_from_hf(hf_config: Mapping[str, Any]) -> BertConfig:
     """A `BertConfig` from a Hugging Face ``config.json`` dict."""
     if hf_config.get("model_type", "bert") != "bert":
         raise ValueError(f"config model_type is {hf_config.get('model_type')!r}; expected 'bert'")
-    act = hf_config.get("hidden_act", "gelu")
-    if act != "gelu":
-        raise ValueError(f"config hidden_act is {act!r}; only exact 'gelu' is supported")
     pos = hf_config.get("position_embedding_type", "absolute")
     if pos != "absolute":
         raise ValueError(f"config position_embedding_type is {pos!r}; expected 'absolute'")
@@ -56,6 +53,7 @@ def bert_config_from_hf(hf_config: Mapping[str, Any]) -> BertConfig:
         dim=int(hf_config["hidden_size"]),
         n_layers=int(hf_config["num_hidden_layers"]),
         n_heads=int(hf_config["num_attention_heads"]),
+        activation=str(hf_config.get("hidden_act", "gelu")),
         ffn_dim=int(hf_config["intermediate_size"]),
         max_positions=int(hf_config["max_position_embeddings"]),
         type_vocab_size=int(hf_config.get("type_vocab_size", 2)),

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lowbit import kernels
-from lowbit.models._abstract import abstract_stack
+from lowbit.models._abstract import LayerStack
 from lowbit.models._kv_cache import KVCache, LayerKV, fp8_codes, int8_scores
 from lowbit.models._kv_cache import init_kv_cache as _init_cache
 from lowbit.recipes import KVCacheConfig
@@ -39,20 +39,20 @@ from lowbit.recipes import KVCacheConfig
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
     """Hyper-parameters of a decoder; the defaults are SmolLM2-135M's (Llama architecture).
 
     Attributes:
       architecture: the family it was read as (``"llama"``, ``"qwen3"``, ``"gemma2"`` ...),
         for messages and export; the fields below decide the computation.
-      vocab_size, dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim: shapes. ``head_dim``
+      vocab_size, dim, n_layers, ffn_dim, n_heads, n_kv_heads, head_dim: shapes. ``head_dim``
         need not be ``dim / n_heads`` (Gemma).
-      rope_base: RoPE base of global layers (and of all layers without `rope_base_local`).
       norm_eps: RMSNorm epsilon.
       tie_embeddings: the embedding also produces the logits.
-      context_length: the longest context the model was trained for.
       qkv_bias: q/k/v projections have biases (Qwen2).
+      rope_base: RoPE base of global layers (and of all layers without `rope_base_local`).
+      context_length: the longest context the model was trained for.
       qk_norm: RMSNorm over each head's queries and keys before RoPE (Qwen3, Gemma 3).
       post_norms: RMSNorm on each sub-block's output before the residual add (Gemma 2/3).
       activation: the gated MLP's activation: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU).
@@ -75,19 +75,20 @@ class DecoderConfig:
       fused_gate_up: one ``gate_up_proj`` whose outputs are gate then up (Phi-3).
     """
 
+    # The family, the residual stream, then attention and its positions.
+    architecture: str = "llama"
     vocab_size: int = 49152
     dim: int = 576
     n_layers: int = 30
+    ffn_dim: int = 1536
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
     n_heads: int = 9
     n_kv_heads: int = 3
     head_dim: int = 64
-    ffn_dim: int = 1536
-    rope_base: float = 100000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    context_length: int = 8192
-    architecture: str = "llama"
     qkv_bias: bool = False
+    rope_base: float = 100000.0
+    context_length: int = 8192
     qk_norm: bool = False
     post_norms: bool = False
     activation: str = "silu"
@@ -665,7 +666,7 @@ class LayerInputs(NamedTuple):
         return self.local if config.is_local(i) else self.full
 
 
-class Decoder(nnx.Module):
+class Decoder(LayerStack):
     """A decoder-only language model (`DecoderConfig` says which architecture).
 
     Parameter paths read like ``layers/3/attn/q_proj/kernel``; kernels are
@@ -674,34 +675,15 @@ class Decoder(nnx.Module):
     with tied embeddings, also produces the logits (`Embed.attend`).
     """
 
-    def __init__(
-        self,
-        config: DecoderConfig,
-        *,
-        dtype: Any = jnp.float32,
-        param_dtype: Any = jnp.float32,
-        rngs: nnx.Rngs,
-    ):
-        self.config = config
-        self.dtype = dtype
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    Layer = Block
+
+    def build_input(self, config: DecoderConfig, **kw: Any) -> None:
         self.embed = nnx.Embed(config.vocab_size, config.dim, **kw)
-        self.layers = nnx.List([Block(config, **kw) for _ in range(config.n_layers)])
+
+    def build_output(self, config: DecoderConfig, **kw: Any) -> None:
         self.norm = nnx.RMSNorm(config.dim, epsilon=config.norm_eps, **kw)
         if not config.tie_embeddings:
             self.lm_head = nnx.Linear(config.dim, config.vocab_size, use_bias=False, **kw)
-
-    @classmethod
-    def abstract(
-        cls, config: DecoderConfig, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32
-    ) -> Decoder:
-        """A shape-only instance whose parameters are `jax.ShapeDtypeStruct` placeholders.
-
-        The same module `nnx.eval_shape(lambda: Decoder(...))` gives, for loaders to fill in,
-        but built by tracing one layer and cloning it: NNX's tracing cost grows with the
-        length of the trace, which makes tracing all layers at once take seconds.
-        """
-        return abstract_stack(cls, config, Block, dtype=dtype, param_dtype=param_dtype)
 
     def init_cache(
         self, batch: int, max_len: int, kv_cache: KVCacheConfig | str | None = None

@@ -359,9 +359,33 @@ def stream_tokens(
     chunk: int | None = DEFAULT_CHUNK,
     mesh: jax.sharding.Mesh | GenerationSharding | None = None,
 ) -> Iterator[np.ndarray]:
-    """Yields the new tokens as they are produced: ``[batch, n]`` int32 arrays, -1 for rows
-    that already stopped (a stop token is yielded, then -1s). Arguments as in `generate_tokens`;
-    `chunk` is the number of decode steps per compiled call (None: all in one call).
+    """Continues each of a batch of token prompts, yielding the new tokens as they come.
+
+    Args:
+      model: a `Llama` (float), a `QuantizedModel` of one, or the float module with `params`.
+      prompts: per row, the prompt's token ids (lengths may differ; none may be empty).
+      params: parameters to run instead of the module's own (e.g. quantized ones from
+        `quantize_params`, `import_gguf` or `load_checkpoint`).
+      max_new_tokens: at most this many new tokens per row (>= 1).
+      sampling: greedy by default; see `Sampling`.
+      key: a `jax.random.key` or an int seed for sampling (default seed 0). Same key, same
+        tokens.
+      stop_ids: token ids that end a row.
+      kv_cache: a quantized KV cache format (`KVCacheConfig`, ``"int8"``, ``"int4"``,
+        ``"fp8"``) or None for float.
+      chunk: decode steps per compiled call (None: all in one call).
+      mesh: run on this mesh (a `jax.sharding.Mesh` with a ``"model"`` axis for tensor
+        parallelism and / or a ``"data"`` axis for batch rows, or a `GenerationSharding`):
+        params and KV cache are placed by `shard_for_generation` (heads and MLP columns
+        split over ``"model"``, rows over ``"data"``; a batch that does not divide over
+        ``"data"`` is padded with copies of its last prompt, dropped from the result).
+        None: one device.
+    Yields:
+      ``[batch, n]`` int32 arrays of new tokens, -1 for rows that already stopped (a stop
+      token is yielded, then -1s).
+    Raises:
+      ValueError: `max_new_tokens` < 1, an empty prompt or batch, a prompt plus
+        `max_new_tokens` longer than the model's context, an unknown `kv_cache` format.
     """
     graphdef, params, module = _split(model, params)
     prompts = [list(map(int, p)) for p in prompts]
@@ -424,64 +448,32 @@ def generate_tokens(
     model: Any,
     prompts: Sequence[Sequence[int]],
     *,
-    params: Any = None,
-    max_new_tokens: int = 64,
-    sampling: Sampling = Sampling(),
-    key: jax.Array | int | None = None,
-    stop_ids: Sequence[int] = (),
-    kv_cache: KVCacheConfig | str | None = None,
     on_tokens: Callable[[np.ndarray], None] | None = None,
     chunk: int | None = None,
-    mesh: jax.sharding.Mesh | GenerationSharding | None = None,
+    **options: Any,
 ) -> Generation:
-    """Continues each of a batch of token prompts.
+    """Continues each of a batch of token prompts; `stream_tokens` collected.
 
     Args:
-      model: a `Llama` (float), a `QuantizedModel` of one, or the float module with `params`.
-      prompts: per row, the prompt's token ids (lengths may differ; none may be empty).
-      params: parameters to run instead of the module's own (e.g. quantized ones from
-        `quantize_params`, `import_gguf` or `load_checkpoint`).
-      max_new_tokens: at most this many new tokens per row (>= 1).
-      sampling: greedy by default; see `Sampling`.
-      key: a `jax.random.key` or an int seed for sampling (default seed 0). Same key, same
-        tokens.
-      stop_ids: token ids that end a row (the stop token is not returned).
-      kv_cache: a quantized KV cache format (`KVCacheConfig`, ``"int8"``, ``"int4"``,
-        ``"fp8"``) or None for float.
+      model, prompts: as `stream_tokens`.
       on_tokens: called with each new ``[batch, n]`` chunk of tokens (-1 after a row stopped);
         for streaming.
       chunk: decode steps per compiled call; None runs the whole loop in one call (default,
         unless `on_tokens` is given, then `DEFAULT_CHUNK`).
-      mesh: run on this mesh (a `jax.sharding.Mesh` with a ``"model"`` axis for tensor
-        parallelism and / or a ``"data"`` axis for batch rows, or a `GenerationSharding`):
-        params and KV cache are placed by `shard_for_generation` (heads and MLP columns
-        split over ``"model"``, rows over ``"data"``; a batch that does not divide over
-        ``"data"`` is padded with copies of its last prompt, dropped from the result).
-        None: one device.
+      **options: `stream_tokens`' keyword arguments (`params`, `max_new_tokens`, `sampling`,
+        `key`, `stop_ids`, `kv_cache`, `mesh`).
     Returns:
-      A `Generation`.
+      A `Generation` (stop tokens are not in its rows).
     Raises:
-      ValueError: `max_new_tokens` < 1, an empty prompt or batch, a prompt plus
-        `max_new_tokens` longer than the model's context, an unknown `kv_cache` format.
+      As `stream_tokens`.
     """
     if on_tokens is not None and chunk is None:
         chunk = DEFAULT_CHUNK
     b = len(prompts)
     rows: list[list[int]] = [[] for _ in range(b)]
     stopped = [False] * b
-    stop_set = set(int(s) for s in stop_ids)
-    for new in stream_tokens(
-        model,
-        prompts,
-        params=params,
-        max_new_tokens=max_new_tokens,
-        sampling=sampling,
-        key=key,
-        stop_ids=stop_ids,
-        kv_cache=kv_cache,
-        chunk=chunk,
-        mesh=mesh,
-    ):
+    stop_set = set(int(s) for s in options.get("stop_ids", ()))
+    for new in stream_tokens(model, prompts, chunk=chunk, **options):
         for row in range(b):
             for t in new[row]:
                 if stopped[row] or t < 0:

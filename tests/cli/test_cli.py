@@ -7,7 +7,7 @@ import pytest
 from lowbit.cli import build_parser, main
 from lowbit.cli._main import COMMANDS
 
-COMMAND_NAMES = [module.NAME for module in COMMANDS]
+COMMAND_NAMES = [command.name for command in COMMANDS]
 
 
 def test_every_expected_command_exists():

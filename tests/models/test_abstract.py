@@ -1,4 +1,4 @@
-"""`abstract_stack`: a shape-only model built from one traced layer equals `nnx.eval_shape`'s."""
+"""`LayerStack.abstract`: one traced layer, cloned, equals `nnx.eval_shape`'s model."""
 
 import jax.numpy as jnp
 import pytest

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -11,6 +12,7 @@ from minilm_numpy_ref import minilm_embedding
 from safetensors.numpy import load_file, save_file
 
 from lowbit import models
+from lowbit.models._bert import ACTIVATIONS, MLP
 
 SENTENCES = [
     "A man is eating food.",
@@ -109,8 +111,38 @@ def test_abstract_matches_eval_shape():
     assert shapes(a) == shapes(b)
 
 
+_HF_SHAPES = {
+    "vocab_size": 100,
+    "hidden_size": 24,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "intermediate_size": 48,
+    "max_position_embeddings": 32,
+}
+
+
+def test_config_reads_the_activation():
+    read = lambda act: models.bert_config_from_hf({**_HF_SHAPES, "hidden_act": act})
+    assert read("gelu_new").activation == "gelu_new"
+    assert models.bert_config_from_hf(_HF_SHAPES).activation == "gelu"
+    with pytest.raises(ValueError, match="activation is 'swish'.*'relu'"):
+        read("swish")
+    # The activation is the one the MLP applies: relu and exact gelu differ on the same weights.
+    x = jnp.linspace(-3.0, 3.0, 2 * 3 * 24).reshape(2, 3, 24)
+    outputs = []
+    for act in ("gelu", "relu"):
+        mlp = MLP(
+            models.BertConfig(dim=24, n_heads=4, ffn_dim=48, activation=act),
+            dtype=jnp.float32,
+            param_dtype=jnp.float32,
+            rngs=nnx.Rngs(0),
+        )
+        expected = mlp.down(ACTIVATIONS[act](mlp.up(x)))
+        outputs.append(mlp(x))
+        np.testing.assert_allclose(outputs[-1], expected, rtol=1e-6)
+    assert not np.allclose(outputs[0], outputs[1])
+
+
 def test_config_rejects_other_models():
-    with pytest.raises(ValueError, match="'gelu_new'"):
-        models.bert_config_from_hf({"model_type": "bert", "hidden_act": "gelu_new"})
     with pytest.raises(ValueError, match="n_heads=5"):
         models.BertConfig(n_heads=5)
