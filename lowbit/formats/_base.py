@@ -70,9 +70,10 @@ class Format(abc.ABC):
         return False
 
     @property
-    @abc.abstractmethod
     def code_dtype(self) -> np.dtype:
-        """dtype of the unpacked codes `encode` returns."""
+        """dtype of the unpacked codes `encode` returns: uint8, where sub-byte codes sit before
+        they are packed, unless a format says otherwise."""
+        return np.dtype(np.uint8)
 
     @property
     @abc.abstractmethod

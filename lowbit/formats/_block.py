@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import numpy as np
-
 from lowbit.formats._base import Format
 from lowbit.formats._float import FP4_E2M1, FP6_E2M3, FP6_E3M2, FP8_E4M3FN, FP8_E5M2
 from lowbit.formats._integer import MXINT8_ELEMENT
 
 BLOCK_SCALE_ENCODINGS = ("e8m0", "e4m3")
+
+
+def _element_attribute(name: str) -> property:
+    """A block format's `name`: its element format's (a value, or a bound method)."""
+    return property(lambda self: getattr(self.element, name), doc=f"The element format's `{name}`.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,39 +60,17 @@ class BlockFormat(Format):
                 f"{BLOCK_SCALE_ENCODINGS}"
             )
 
-    @property
-    def code_dtype(self) -> np.dtype:
-        return self.element.code_dtype
-
-    @property
-    def max_value(self) -> float:
-        return self.element.max_value
-
-    @property
-    def min_value(self) -> float:
-        return self.element.min_value
-
-    @property
-    def bits_per_value(self) -> float:
-        return self.element.bits_per_value
-
-    def encode(self, y: jax.Array) -> jax.Array:
-        return self.element.encode(y)
-
-    def decode(self, codes: jax.Array) -> jax.Array:
-        return self.element.decode(codes)
-
-    def packed_length(self, n: int) -> int:
-        return self.element.packed_length(n)
-
-    def pack(self, codes: jax.Array, axis: int) -> jax.Array:
-        return self.element.pack(codes, axis)
-
-    def unpack(self, packed: jax.Array, n: int, axis: int) -> jax.Array:
-        return self.element.unpack(packed, n, axis)
-
-    def codes(self) -> np.ndarray:
-        return self.element.codes()
+    # A value's grid, rounding and packing are the element's; only the scale rule is the block's.
+    code_dtype = _element_attribute("code_dtype")
+    max_value = _element_attribute("max_value")
+    min_value = _element_attribute("min_value")
+    bits_per_value = _element_attribute("bits_per_value")
+    encode = _element_attribute("encode")
+    decode = _element_attribute("decode")
+    packed_length = _element_attribute("packed_length")
+    pack = _element_attribute("pack")
+    unpack = _element_attribute("unpack")
+    codes = _element_attribute("codes")
 
 
 def _block(name: str, element: Format, block_size: int, scale_encoding: str) -> BlockFormat:

@@ -78,10 +78,6 @@ class CodebookFormat(Format):
             raise ValueError(f"format {self.name!r}: values must be float32-representable")
 
     @property
-    def code_dtype(self) -> np.dtype:
-        return np.dtype(np.uint8)
-
-    @property
     def max_value(self) -> float:
         return self.values[-1]
 

@@ -41,6 +41,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from lowbit.kernels._kinds import KERNEL_KINDS, KINDS
 from lowbit.kernels._kinds import KIND_IDS as KIND_IDS  # older import path
@@ -130,8 +131,8 @@ def _check_group_size(kind: str, k: int, group_size: int | None) -> None:
 def pack(
     kind: str,
     codes: jax.Array,
-    scale: jax.Array,
-    zero_point: jax.Array | None = None,
+    scale: ArrayLike,
+    zero_point: ArrayLike | None = None,
     group_size: int | None = None,
 ) -> PreparedWeight:
     """Packs a logical weight for the kernels.

@@ -217,12 +217,39 @@ def _check_kind(w: PreparedWeight, kind: str) -> None:
         raise ValueError(f"w.kind={w.kind!r}; expected a weight prepared with kind={kind!r}")
 
 
+def _int8_activation_linear(
+    kind: str, x: jax.Array, w: PreparedWeight, bias: jax.Array | None, out_dtype
+) -> jax.Array:
+    """x: [..., K] float -> [..., N] through the kernel `lowbit_<kind>_linear` of a weight
+    prepared with `kind` ("w8a8" or "w4a8"), which quantizes each row of x to int8 itself.
+
+    The two kinds share the checks, the float rows and the call; they differ in what the
+    kernel reads beside the activations and bias, and in their pure-JAX reference.
+    """
+    _check_kind(w, kind)
+    x2, lead, out, b = _float_rows(x, w, bias, out_dtype)
+    if kind == "w8a8":
+        # Per-channel scales, and the codes' column sums that undo the kernel's unsigned shift.
+        weight, attributes = (w.data, w.colsum, w.scale), {}
+    else:
+        # Scales and column sums are in the layout's group headers; `gs` is its storage group.
+        weight, attributes = (w.data,), {"gs": w.storage_group}
+
+    def reference():
+        logical = prepared_to_logical(w)
+        if kind == "w8a8":
+            return _reference.w8a8_linear(x2, logical["codes"], w.scale, b, out)
+        return _reference.w4a8_linear(x2, logical["codes"], logical["scale"], w.group_size, b, out)
+
+    name = f"lowbit_{kind}_linear"
+    y = _row_kernel(
+        name, x2.shape[0], w.n, out, reference, x2, *weight, b, k=w.k, n=w.n, **attributes
+    )
+    return y.reshape(*lead, w.n)
+
+
 def w8a8_linear(
-    x: jax.Array,
-    w: PreparedWeight,
-    bias: jax.Array | None = None,
-    *,
-    out_dtype=None,
+    x: jax.Array, w: PreparedWeight, bias: jax.Array | None = None, *, out_dtype=None
 ) -> jax.Array:
     """x: [..., K] float32|bfloat16 -> [..., N] with dynamic per-token int8 activations.
 
@@ -230,17 +257,7 @@ def w8a8_linear(
     all-zero rows get scale 1), multiplied with the int8 weight in int32, then scaled by the
     row and channel scales; bias: [N] optional; out_dtype float32 | bfloat16 (default x.dtype).
     """
-    _check_kind(w, "w8a8")
-    x2, lead, out, b = _float_rows(x, w, bias, out_dtype)
-    m = x2.shape[0]
-
-    def reference():
-        return _reference.w8a8_linear(x2, prepared_to_logical(w)["codes"], w.scale, b, out)
-
-    y = _row_kernel(
-        "lowbit_w8a8_linear", m, w.n, out, reference, x2, w.data, w.colsum, w.scale, b, k=w.k, n=w.n
-    )
-    return y.reshape(*lead, w.n)
+    return _int8_activation_linear("w8a8", x, w, bias, out_dtype)
 
 
 def _check_xq(xq: jax.Array, w: PreparedWeight) -> jax.Array:
@@ -306,11 +323,7 @@ def w8a8_matmul_int32(xq: jax.Array, w: PreparedWeight) -> jax.Array:
 
 
 def w4a8_linear(
-    x: jax.Array,
-    w: PreparedWeight,
-    bias: jax.Array | None = None,
-    *,
-    out_dtype=None,
+    x: jax.Array, w: PreparedWeight, bias: jax.Array | None = None, *, out_dtype=None
 ) -> jax.Array:
     """x: [..., K] float32|bfloat16 -> [..., N] with dynamic per-token int8 activations.
 
@@ -318,28 +331,7 @@ def w4a8_linear(
     x is quantized as in `w8a8_linear`; products are exact int32 per group, then scaled by the
     group scale (groups summed in order), the row scale, plus bias [N] (optional).
     """
-    _check_kind(w, "w4a8")
-    x2, lead, out, b = _float_rows(x, w, bias, out_dtype)
-    m = x2.shape[0]
-
-    def reference():
-        logical = prepared_to_logical(w)
-        return _reference.w4a8_linear(x2, logical["codes"], logical["scale"], w.group_size, b, out)
-
-    y = _row_kernel(
-        "lowbit_w4a8_linear",
-        m,
-        w.n,
-        out,
-        reference,
-        x2,
-        w.data,
-        b,
-        k=w.k,
-        n=w.n,
-        gs=w.storage_group,
-    )
-    return y.reshape(*lead, w.n)
+    return _int8_activation_linear("w4a8", x, w, bias, out_dtype)
 
 
 # Cache code dtype -> the kernel's `fmt` attribute (see `decode_attention`).

@@ -247,33 +247,27 @@ def _dequantized(lhs, rhs, dimension_numbers):
 
 
 def dot_general_reference(
-    lhs: jax.Array | QArray,
-    rhs: jax.Array | QArray,
-    dimension_numbers: Any,
-    *,
-    precision: Any = None,
-    preferred_element_type: Any = None,
-    out_sharding: Any = None,
+    lhs: jax.Array | QArray, rhs: jax.Array | QArray, dimension_numbers: Any, **options: Any
 ) -> jax.Array:
     """Dequantize-then-dot: the semantics `dot_general` implements, computed the slow way.
 
     A float operand facing a QArray with an `activation` config is quantized exactly as
     `dot_general` does (per token, or with the static `activation_bounds`) and dequantized.
 
-    Args, Returns: as `dot_general`.
+    Args:
+      lhs, rhs, dimension_numbers: as `dot_general`.
+      **options: `precision`, `preferred_element_type`, `out_sharding`, as `dot_general`.
+    Returns:
+      As `dot_general`.
     """
     dimension_numbers = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
     check_operand(lhs, "lhs")
     check_operand(rhs, "rhs")
     lhs_f, rhs_f = _dequantized(lhs, rhs, dimension_numbers)
+    # The requested output dtype is not the accumulation dtype (`reference_product` widens it).
+    out_dtype = product_dtype(lhs, rhs, options.pop("preferred_element_type", None))
     return reference_product(
-        lax.dot_general,
-        lhs_f,
-        rhs_f,
-        dimension_numbers,
-        out_dtype=product_dtype(lhs, rhs, preferred_element_type),
-        precision=precision,
-        out_sharding=out_sharding,
+        lax.dot_general, lhs_f, rhs_f, dimension_numbers, out_dtype=out_dtype, **options
     )
 
 
@@ -480,8 +474,8 @@ def dot_general(
             lhs,
             rhs,
             dimension_numbers,
-            precision=precision,
-            preferred_element_type=preferred_element_type,
+            precision,
+            preferred_element_type,
             out_sharding=out_sharding,
         )
     route = kernel_route(lhs, rhs, dimension_numbers, out_sharding=out_sharding)

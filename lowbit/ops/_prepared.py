@@ -29,12 +29,13 @@ from lowbit import kernels
 from lowbit.formats import GGUFBlockFormat
 from lowbit.ops._cpu_kernels import KernelRoute, prepare_layout, weight_route
 from lowbit.ops._host_memory import release_free_memory
-from lowbit.qarray import ArrayBacked, EngineValue, NoRule, QArray
+from lowbit.qarray import META_FIELDS, ArrayBacked, EngineValue, NoRule, QArray
 
 
 @dataclasses.dataclass(frozen=True)
 class LogicalMeta:
-    """Static description of the QArray a `PreparedQArray` stands for (hashable)."""
+    """Static description of the QArray a `PreparedQArray` stands for (hashable): the
+    QArray's own static fields (`META_FIELDS`), then its scale's and zero point's shapes."""
 
     format: str
     shape: tuple[int, ...]
@@ -46,6 +47,21 @@ class LogicalMeta:
     scale_dtype: np.dtype
     zero_shape: tuple[int, ...] | None
     zero_dtype: np.dtype | None
+
+    @classmethod
+    def of(cls, q: QArray) -> LogicalMeta:
+        zero = q.zero_point
+        return cls(
+            **{name: getattr(q, name) for name in META_FIELDS},
+            scale_shape=tuple(q.scale.shape),
+            scale_dtype=np.dtype(q.scale.dtype),
+            zero_shape=None if zero is None else tuple(zero.shape),
+            zero_dtype=None if zero is None else np.dtype(zero.dtype),
+        )
+
+    def qarray_fields(self, **changed: Any) -> dict[str, Any]:
+        """The QArray's static fields (`META_FIELDS`), with `changed` ones replaced."""
+        return {name: getattr(self, name) for name in META_FIELDS} | changed
 
 
 @typing.final
@@ -376,13 +392,8 @@ def _assemble(p: PreparedQArray, parts: dict[str, Any], *, rows: bool = False) -
         scale=scale,
         zero_point=zero,
         tensor_scale=tensor_scale,
-        format=m.format,
-        shape=shape,
-        dtype=m.dtype,
-        packed_axis=packed_axis,
-        scale_encoding=m.scale_encoding,
-        activation=m.activation,
         input_scale=None if rows else p.input_scale,
+        **m.qarray_fields(shape=shape, packed_axis=packed_axis),
     )
 
 
@@ -432,18 +443,7 @@ def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
         # GGUF K-quant superblocks are not recovered from the layout yet: they stay logical
         # (the kernel route then lays them out per call).
         return q
-    meta = LogicalMeta(
-        format=q.format,
-        shape=q.shape,
-        dtype=q.dtype,
-        packed_axis=q.packed_axis,
-        scale_encoding=q.scale_encoding,
-        activation=q.activation,
-        scale_shape=tuple(q.scale.shape),
-        scale_dtype=np.dtype(q.scale.dtype),
-        zero_shape=None if q.zero_point is None else tuple(q.zero_point.shape),
-        zero_dtype=None if q.zero_point is None else np.dtype(q.zero_point.dtype),
-    )
+    meta = LogicalMeta.of(q)
     tensor_scale = None if q.tensor_scale is None else q.tensor_scale.reshape(1)
     weight, scale, zero = _prepare_checked(q, (route, axis, meta))
     kept_scale, kept_zero = q.scale, q.zero_point

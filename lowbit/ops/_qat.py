@@ -105,26 +105,23 @@ def fake_quantized_activation(x, contracting, served: QArray):
     ).dequantize(x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _qat_dot(x, value, served, key, dims, weight_rhs, gradient, precision, preferred, sharding):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _qat_dot(x, value, served, key, dims, weight_rhs, gradient, options):
     lhs, rhs = (x, served) if weight_rhs else (served, x)
-    return dot_general(
-        lhs, rhs, dims, precision=precision, preferred_element_type=preferred, out_sharding=sharding
-    )
+    return dot_general(lhs, rhs, dims, **options)
 
 
-def _qat_dot_fwd(x, value, served, key, dims, weight_rhs, gradient, precision, preferred, sharding):
-    out = _qat_dot(
-        x, value, served, key, dims, weight_rhs, gradient, precision, preferred, sharding
-    )
+def _qat_dot_fwd(x, value, served, key, dims, weight_rhs, gradient, options):
+    out = _qat_dot(x, value, served, key, dims, weight_rhs, gradient, options)
     return out, (x, value, served, key)
 
 
-def _qat_dot_bwd(dims, weight_rhs, gradient, precision, preferred, sharding, residuals, g):
+def _qat_dot_bwd(dims, weight_rhs, gradient, options, residuals, g):
     x, value, served, key = residuals
     (lc, rc), _ = dims
     xq = fake_quantized_activation(x, lc if weight_rhs else rc, served)
     wq = served.dequantize(value.dtype)
+    precision = options.get("precision")
     if weight_rhs:
         dx, dw = _backward_products(xq, wq, dims, g, gradient, key, precision)
     else:
@@ -140,17 +137,17 @@ def qat_dot_general(
     rhs: jax.Array | QatWeight,
     dimension_numbers: Any,
     *,
-    precision: Any = None,
-    preferred_element_type: Any = None,
-    out_sharding: Any = None,
     key: jax.Array | None = None,
+    **options: Any,
 ) -> jax.Array:
     """`dot_general` with a `QatWeight` operand: quantized forward, straight-through backward.
 
     Args:
       lhs, rhs: one float array (e.g. `x: [batch, in]`) and one `QatWeight` (e.g. `[in, out]`).
-      dimension_numbers, precision, preferred_element_type, out_sharding: as `lax.dot_general`.
+      dimension_numbers: as `lax.dot_general`.
       key: PRNG key for stochastic rounding of gradients (see module docstring).
+      **options: `precision`, `preferred_element_type`, `out_sharding`, as `dot_general`
+        (passed to the forward product unchanged; `precision` also to the backward ones).
     Returns:
       Exactly `dot_general(lhs, weight.served())` (or with operands in the given order).
     Raises:
@@ -158,15 +155,5 @@ def qat_dot_general(
     """
     x, weight, weight_rhs = split_operands(lhs, rhs, "qat_dot_general")
     dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
-    return _qat_dot(
-        x,
-        weight.value,
-        weight.served(),
-        key,
-        dims,
-        weight_rhs,
-        weight.gradient,
-        precision,
-        preferred_element_type,
-        out_sharding,
-    )
+    served = weight.served()
+    return _qat_dot(x, weight.value, served, key, dims, weight_rhs, weight.gradient, options)

@@ -75,15 +75,18 @@ def ragged_dot_general_path(
     rhs: Any,
     group_sizes: Any = None,
     ragged_dot_dimension_numbers: Any = BASIC_DIMENSION_NUMBERS,
-    group_offset: Any = None,
-    **params: Any,
+    **options: Any,
 ) -> str:
     """Which implementation `ragged_dot_general` uses: ``"float"``, ``"weight_only_epilogue"``,
-    ``"int8_int32"``, ``"fp8_f32"``, ``"codes_f32"`` or ``"reference"``. Static."""
+    ``"int8_int32"``, ``"fp8_f32"``, ``"codes_f32"`` or ``"reference"``. Static.
+
+    Takes the arguments of `ragged_dot_general` (an equation's params as they are); of its
+    `options` only `group_offset` (set: ``"reference"``) matters.
+    """
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return "float"
     axes = _axes(ragged_dot_dimension_numbers, lhs.shape, rhs.shape)
-    if axes is None or group_offset is not None or not isinstance(rhs, QArray):
+    if axes is None or options.get("group_offset") is not None or not isinstance(rhs, QArray):
         return "reference"
     lc, _, rc, _, _ = axes
     if rhs.scale.shape[rc] != 1:
@@ -159,15 +162,9 @@ def ragged_dot_general(
     _check(lhs, rhs)
     reject_input_scale("ragged_dot_general", lhs, rhs)
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
+        options = _lax_options(precision, preferred_element_type, group_offset, out_sharding)
         return lax.ragged_dot_general(
-            lhs,
-            rhs,
-            group_sizes,
-            ragged_dot_dimension_numbers,
-            precision=precision,
-            preferred_element_type=preferred_element_type,
-            group_offset=group_offset,
-            **_sharding_kwargs(out_sharding),
+            lhs, rhs, group_sizes, ragged_dot_dimension_numbers, **options
         )
     static = (ragged_dot_dimension_numbers, precision, preferred_element_type, out_sharding)
     if isinstance(rhs, QArray) and not isinstance(lhs, QArray) and rhs.activation is not None:
@@ -175,31 +172,13 @@ def ragged_dot_general(
     return _forward(lhs, rhs, group_sizes, group_offset, *static)
 
 
-def _forward(
-    lhs,
-    rhs,
-    group_sizes,
-    group_offset,
-    ragged_dot_dimension_numbers,
-    precision,
-    preferred_element_type,
-    out_sharding,
-):
-    path = ragged_dot_general_path(
-        lhs, rhs, group_sizes, ragged_dot_dimension_numbers, group_offset
-    )
-    kwargs = dict(
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        group_offset=group_offset,
-        **_sharding_kwargs(out_sharding),
-    )
+def _forward(lhs, rhs, group_sizes, group_offset, dims, precision, preferred, out_sharding):
+    path = ragged_dot_general_path(lhs, rhs, group_sizes, dims, group_offset=group_offset)
     if path == "reference":
-        return ragged_dot_general_reference(
-            lhs, rhs, group_sizes, ragged_dot_dimension_numbers, **kwargs
-        )
-    out_dtype = product_dtype(lhs, rhs, preferred_element_type)
-    axes = _axes(ragged_dot_dimension_numbers, lhs.shape, rhs.shape)
+        options = _lax_options(precision, preferred, group_offset, out_sharding)
+        return ragged_dot_general_reference(lhs, rhs, group_sizes, dims, **options)
+    out_dtype = product_dtype(lhs, rhs, preferred)
+    axes = _axes(dims, lhs.shape, rhs.shape)
     lc = axes[0]
     if not isinstance(lhs, QArray) and rhs.activation is not None:
         lhs = quantize_activation(lhs, (lc,), rhs.activation, rhs.activation_bounds)
@@ -213,7 +192,7 @@ def _forward(
         xv,
         wv,
         group_sizes,
-        ragged_dot_dimension_numbers,
+        dims,
         precision=None if acc_dtype == jnp.int32 else precision,
         preferred_element_type=acc_dtype,
         **_sharding_kwargs(out_sharding),
@@ -264,15 +243,22 @@ def ragged_dot_general_reference(
     rhs: jax.Array | QArray,
     group_sizes: jax.Array,
     ragged_dot_dimension_numbers: Any = BASIC_DIMENSION_NUMBERS,
-    precision: Any = None,
-    preferred_element_type: Any = None,
-    group_offset: jax.Array | None = None,
-    out_sharding: Any = None,
+    **options: Any,
 ) -> jax.Array:
     """Dequantize-then-`lax.ragged_dot_general`; a float lhs facing a weight with an
-    activation config is quantized exactly as `ragged_dot_general` does first."""
+    activation config is quantized exactly as `ragged_dot_general` does first.
+
+    Args:
+      lhs, rhs, group_sizes, ragged_dot_dimension_numbers: as `ragged_dot_general`.
+      **options: `precision`, `preferred_element_type`, `group_offset`, `out_sharding`, as
+        `ragged_dot_general`.
+    Returns:
+      As `ragged_dot_general`: [m, n] for the basic layout.
+    """
     _check(lhs, rhs)
-    out_dtype = product_dtype(lhs, rhs, preferred_element_type)
+    # The requested output dtype is not the accumulation dtype (`reference_product` widens it).
+    out_dtype = product_dtype(lhs, rhs, options.pop("preferred_element_type", None))
+    out_sharding = options.pop("out_sharding", None)
     (lc, _), _ = ragged_dot_dimension_numbers.dot_dimension_numbers
     if isinstance(rhs, QArray) and not isinstance(lhs, QArray) and rhs.activation is not None:
         lhs = quantize_activation(lhs, lc, rhs.activation, rhs.activation_bounds).dequantize(
@@ -287,8 +273,7 @@ def ragged_dot_general_reference(
         group_sizes,
         ragged_dot_dimension_numbers,
         out_dtype=out_dtype,
-        precision=precision,
-        group_offset=group_offset,
+        **options,
         **_sharding_kwargs(out_sharding),
     )
 
@@ -297,23 +282,31 @@ def ragged_dot(
     lhs: jax.Array | QArray,
     rhs: jax.Array | QArray,
     group_sizes: jax.Array,
-    precision: Any = None,
-    preferred_element_type: Any = None,
-    group_offset: jax.Array | None = None,
+    *args: Any,
+    **options: Any,
 ) -> jax.Array:
     """`lax.ragged_dot` with quantized experts: `lhs: [m, k]`, `rhs: [experts, k, n]` QArray,
-    `group_sizes: [experts]` → [m, n]. See `ragged_dot_general`."""
-    return ragged_dot_general(
-        lhs,
-        rhs,
-        group_sizes,
-        BASIC_DIMENSION_NUMBERS,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        group_offset=group_offset,
-    )
+    `group_sizes: [experts]` → [m, n]. See `ragged_dot_general`.
+
+    `precision`, `preferred_element_type`, `group_offset`: by position (in `lax.ragged_dot`'s
+    order, which is `ragged_dot_general`'s after the dimension numbers) or by keyword.
+    """
+    return ragged_dot_general(lhs, rhs, group_sizes, BASIC_DIMENSION_NUMBERS, *args, **options)
 
 
 def _sharding_kwargs(out_sharding: Any) -> dict[str, Any]:
     # `lax.ragged_dot_general` takes `out_sharding` only from JAX 0.10 on; pass it only when set.
     return {} if out_sharding is None else {"out_sharding": out_sharding}
+
+
+def _lax_options(
+    precision: Any, preferred_element_type: Any, group_offset: Any, out_sharding: Any
+) -> dict[str, Any]:
+    """The keyword arguments of `lax.ragged_dot_general` for these options (`out_sharding`
+    only when set, see `_sharding_kwargs`)."""
+    return dict(
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        group_offset=group_offset,
+        **_sharding_kwargs(out_sharding),
+    )

@@ -24,33 +24,22 @@ from lowbit.ops._ragged_dot import BASIC_DIMENSION_NUMBERS, ragged_dot_general
 from lowbit.qarray import PerChannel, QArray, quantize
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _qat_ragged(x, value, served, group_sizes, key, dims, gradient, precision, preferred, sharding):
-    return ragged_dot_general(
-        x,
-        served,
-        group_sizes,
-        dims,
-        precision=precision,
-        preferred_element_type=preferred,
-        out_sharding=sharding,
-    )
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _qat_ragged(x, value, served, group_sizes, key, dims, gradient, options):
+    return ragged_dot_general(x, served, group_sizes, dims, **options)
 
 
-def _qat_ragged_fwd(
-    x, value, served, group_sizes, key, dims, gradient, precision, preferred, sharding
-):
-    out = _qat_ragged(
-        x, value, served, group_sizes, key, dims, gradient, precision, preferred, sharding
-    )
+def _qat_ragged_fwd(x, value, served, group_sizes, key, dims, gradient, options):
+    out = _qat_ragged(x, value, served, group_sizes, key, dims, gradient, options)
     return out, (x, value, served, group_sizes, key)
 
 
-def _qat_ragged_bwd(dims, gradient, precision, preferred, sharding, residuals, g):
+def _qat_ragged_bwd(dims, gradient, options, residuals, g):
     x, value, served, group_sizes, key = residuals
     (lc, _), _ = dims.dot_dimension_numbers
     xq = fake_quantized_activation(x, lc, served)
     wq = served.dequantize(value.dtype)
+    precision = options.get("precision")
     if gradient is not None and dims == BASIC_DIMENSION_NUMBERS:
         dx, dw = _quantized_ragged_backward(xq, wq, group_sizes, g, gradient, key, precision)
     else:
@@ -120,16 +109,23 @@ def qat_ragged_dot_general(
     rhs: QatWeight,
     group_sizes: jax.Array,
     ragged_dot_dimension_numbers: Any = BASIC_DIMENSION_NUMBERS,
-    precision: Any = None,
-    preferred_element_type: Any = None,
-    group_offset: jax.Array | None = None,
-    out_sharding: Any = None,
+    *,
     key: jax.Array | None = None,
+    **options: Any,
 ) -> jax.Array:
     """`ragged_dot_general` with a `QatWeight` of experts `[experts, k, n]`: quantized forward,
     straight-through backward (quantized backward products with a `gradient` config for the
     basic `lax.ragged_dot` layout; other layouts take the float backward only without one).
 
+    Args:
+      lhs: [m, k] float tokens, rows grouped by expert.
+      rhs: [experts, k, n] QatWeight.
+      group_sizes, ragged_dot_dimension_numbers: as `ragged_dot_general`.
+      key: PRNG key for stochastic rounding of gradients (see `_qat`).
+      **options: `precision`, `preferred_element_type`, `out_sharding` (and an unset
+        `group_offset`), as `ragged_dot_general`; `precision` also for the backward products.
+    Returns:
+      [m, n], exactly `ragged_dot_general(lhs, rhs.served(), ...)`.
     Raises:
       TypeError: unless `rhs` is a QatWeight and `lhs` a float array.
       ValueError: for a `group_offset`, or a gradient config with a non-basic layout.
@@ -139,22 +135,12 @@ def qat_ragged_dot_general(
             "qat_ragged_dot_general needs a float lhs and a QatWeight rhs, got "
             f"{type(lhs).__name__} and {type(rhs).__name__}"
         )
-    if group_offset is not None:
+    if options.get("group_offset") is not None:
         raise ValueError("qat_ragged_dot_general does not take a group_offset; got one")
     if rhs.gradient is not None and ragged_dot_dimension_numbers != BASIC_DIMENSION_NUMBERS:
         raise ValueError(
             "a gradient config needs the basic ragged_dot layout (lhs [m, k], rhs [e, k, n]); "
             f"got {ragged_dot_dimension_numbers}"
         )
-    return _qat_ragged(
-        lhs,
-        rhs.value,
-        rhs.served(),
-        group_sizes,
-        key,
-        ragged_dot_dimension_numbers,
-        rhs.gradient,
-        precision,
-        preferred_element_type,
-        out_sharding,
-    )
+    dims, served = ragged_dot_dimension_numbers, rhs.served()
+    return _qat_ragged(lhs, rhs.value, served, group_sizes, key, dims, rhs.gradient, options)

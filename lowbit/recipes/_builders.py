@@ -18,6 +18,7 @@ and per-tensor choices get per-layer scales through `Rule.stacked_axes` when ask
 
 from __future__ import annotations
 
+import functools
 import re
 
 from lowbit.qarray import (
@@ -117,18 +118,19 @@ def matmul_rules(
     Returns:
       Three rules, for ``embedding``, ``kernel`` and ``weight`` paths.
     """
+    # The layouts differ only in which axes hold channels and groups.
+    weight = functools.partial(
+        weight_config,
+        fmt,
+        group_size=group_size,
+        per_tensor=per_tensor,
+        symmetric=symmetric,
+        calibration=calibration,
+    )
     return tuple(
         Rule(
             path=path_prefix + path,
-            weight=weight_config(
-                fmt,
-                channel_axis=channel_axis,
-                group_axis=group_axis,
-                group_size=group_size,
-                per_tensor=per_tensor,
-                symmetric=symmetric,
-                calibration=calibration,
-            ),
+            weight=weight(channel_axis=channel_axis, group_axis=group_axis),
             activation=activation,
             gradient=gradient,
             static_activation=static_activation,
