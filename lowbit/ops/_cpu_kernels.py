@@ -63,8 +63,13 @@ from lowbit import kernels
 from lowbit.formats import GGUFBlockFormat, get_format
 from lowbit.qarray import AbsMax, PerToken, QArray, QuantConfig
 
-KERNEL_PATHS = tuple(f"cpu_kernel_{kind}" for kind in kernels.KINDS)
-"""Path names `dot_general_path` reports for the kernel routes, one per kernel kind."""
+INT8_ACTIVATIONS_SUFFIX = "+int8_act"
+KERNEL_PATHS = (
+    *(f"cpu_kernel_{kind}" for kind in kernels.KINDS),
+    *(f"cpu_kernel_{kind}{INT8_ACTIVATIONS_SUFFIX}" for kind in kernels.INT8_ACTIVATION_KINDS),
+)
+"""Path names `dot_general_path` reports for the kernel routes: one per kernel kind, and one
+per kind whose product takes integer dots on int8 activations (``"cpu_kernel_int4+int8_act"``)."""
 
 MIN_WEIGHT_ELEMENTS = 1 << 16
 """Smallest weight (K * N) routed to a kernel, e.g. 256 x 256."""
@@ -114,7 +119,12 @@ class KernelRoute:
 
     @property
     def path(self) -> str:
-        """The name `dot_general_path` reports, e.g. ``"cpu_kernel_int4"``."""
+        """The name `dot_general_path` reports, e.g. ``"cpu_kernel_int4"``, with
+        ``"+int8_act"`` where the product runs on int8 activations. A weight that asked for
+        them on a CPU path without them for its kind (int8 weights without VNNI) reports the
+        plain kernel, so the report shows which products kept float activations."""
+        if self.int8_activations and kernels.int8_activations_supported(self.kind):
+            return f"cpu_kernel_{self.kind}{INT8_ACTIVATIONS_SUFFIX}"
         return f"cpu_kernel_{self.kind}"
 
 

@@ -526,6 +526,11 @@ def with_int8_activations(tree: Any, enabled: bool = True) -> Any:
     in integers, for one decode row, a decode batch and a prefill alike (BENCHMARKS.md,
     "Generation"), at the price of the activations' rounding error. The layouts are shared,
     not copied. Other leaves (logical QArrays, other kernels) are returned as they are.
+
+    Where the active CPU path has no int8-activation kernel for a weight's kind (int8 weights
+    need VNNI: `lowbit.kernels.int8_activations_supported`), that weight keeps float
+    activations; the engine report names each product's path, ``"cpu_kernel_int4+int8_act"``
+    for integer dots and ``"cpu_kernel_int8"`` for a weight that kept float activations.
     """
 
     def one(x):

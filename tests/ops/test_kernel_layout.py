@@ -12,6 +12,7 @@ import pytest
 from ops_helpers import EPS32, iter_eqns, jit_quantize, normal
 
 from lowbit import kernels
+from lowbit.engine import trace_report
 from lowbit.ops import (
     PreparedQArray,
     _cpu_kernels,
@@ -192,6 +193,13 @@ def test_with_int8_activations_quantizes_every_row_count(name):
     assert fast["w"].weight is prepared.weight  # the layout is shared, not copied
     assert fast["bias"] is tree["bias"]
     assert with_int8_activations(fast, enabled=False)["w"].route == prepared.route
+    # The report tells which products took int8 activations and which kept float ones.
+    supported = kernels.int8_activations_supported(prepared.route.kind)
+    suffix = "+int8_act" if supported else ""
+    assert fast["w"].route.path == f"cpu_kernel_{prepared.route.kind}{suffix}"
+    assert prepared.route.path == f"cpu_kernel_{prepared.route.kind}"
+    report = trace_report(lambda x, w: x @ w, normal(2, (4, K)), fast["w"])
+    assert dict(report.quantized_ops) == {f"dot_general:{fast['w'].route.path}": 1}
     w_float = np.asarray(prepared.logical().dequantize(jnp.float32), np.float64)
     # One decode row, a decode batch, and a prefill (which would otherwise take the float GEMM
     # on the dequantized weight).
