@@ -458,7 +458,9 @@ static void w4_run(const W4Args& a, int64_t m0, int64_t m1, int64_t p0, int64_t 
 // are signed, so there the activations are (q + 128) and the dot loses 128 * sum(c), summed
 // by one more dot with ones. The weight stream is read as the float path reads it (same
 // layout); MR rows share each unpacked k-quad.
-constexpr int kQ8Rows = 8;
+// Rows per tile: the ISA's activation tile height (AVX2: 4, whose sums of a row take two of
+// its 16 registers; AVX-512: 8).
+constexpr int kQ8Rows = kQMR;
 // Independent integer sums a row in wq8_tile at one or two rows: with VNNI each dot adds
 // into its sum in one instruction, so one sum a row chains the dots at its latency; without,
 // vpmaddubsw / vpmaddwd come first and only a cheap add is chained.
@@ -501,6 +503,25 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
         }
       }
 #endif
+    } else if constexpr (kShortQuads > 0) {
+      // Without VNNI: exact int16 sums over up to kShortQuads quads, widened to int32 once
+      // (one vpmaddwd per row and 8 quads, where each quad took one).
+      for (int64_t q0 = 0; q0 < nq; q0 += kShortQuads) {
+        const int64_t q1 = std::min<int64_t>(nq, q0 + kShortQuads);
+        VI part[MR];
+        LOWBIT_UNROLL for (int r = 0; r < MR; ++r) part[r] = izero();
+        for (int64_t q = q0; q < q1; ++q) {
+          const uint8_t* p = body + q * quad_bytes;
+          if ((q & 1) == 0) __builtin_prefetch(p + kPrefetch);
+          const auto w = q4_quad(p);
+          LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
+            int32_t x4;
+            std::memcpy(&x4, xg + r * a.kp + 4 * q, 4);
+            part[r] = udot16(part[r], w, x4);
+          }
+        }
+        LOWBIT_UNROLL for (int r = 0; r < MR; ++r) iacc[r] = iadd(iacc[r], widen16(part[r]));
+      }
     } else {
       // With one or two rows, each row's dots go into kChains independent sums: a single sum
       // makes every dot wait for the previous one (gs / 4 in a row: 8 at llama.cpp's groups

@@ -147,6 +147,23 @@ static inline VI udot(VI acc, const VI& codes, int32_t x4) {
   const __m256i x = _mm256_set1_epi32(x4);
   return VI{udot8(acc.a, codes.a, x), udot8(acc.b, codes.b, x)};
 }
+#if !defined(LOWBIT_VNNI)
+// Short sums (wq8_tile): int16 sums of a few quads' products, widened once (kShortQuads in
+// kernels_impl.h). A vpmaddubsw lane adds two products of at most 15 * 128, so 8 quads sum
+// to at most 30720 < 2**15: exact, with one vpmaddwd per 8 quads instead of one per quad.
+constexpr int kShortQuads = 8;
+static inline VI udot16(VI acc, const VI& codes, int32_t x4) {
+  const __m256i x = _mm256_set1_epi32(x4);
+  return VI{_mm256_add_epi16(acc.a, _mm256_maddubs_epi16(codes.a, x)),
+            _mm256_add_epi16(acc.b, _mm256_maddubs_epi16(codes.b, x))};
+}
+static inline VI widen16(const VI& s) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return VI{_mm256_madd_epi16(s.a, ones), _mm256_madd_epi16(s.b, ones)};
+}
+#else
+constexpr int kShortQuads = 0;  // vpdpbusd sums into int32 in one instruction
+#endif
 static inline V vcvt(VI v) { return V{_mm256_cvtepi32_ps(v.a), _mm256_cvtepi32_ps(v.b)}; }
 static inline VI iadd(const VI& x, const VI& y) {
   return VI{_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)};

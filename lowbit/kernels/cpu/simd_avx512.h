@@ -109,6 +109,16 @@ static inline __m512i udot(__m512i acc, __m512i codes, int32_t x4) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
 #endif
 }
+#if !defined(LOWBIT_VNNI)
+// Short sums: as simd_avx2.h's (exact int16 sums of up to 8 quads, widened once).
+constexpr int kShortQuads = 8;
+static inline __m512i udot16(__m512i acc, __m512i codes, int32_t x4) {
+  return _mm512_add_epi16(acc, _mm512_maddubs_epi16(codes, _mm512_set1_epi32(x4)));
+}
+static inline __m512i widen16(__m512i s) { return _mm512_madd_epi16(s, _mm512_set1_epi16(1)); }
+#else
+constexpr int kShortQuads = 0;  // vpdpbusd sums into int32 in one instruction
+#endif
 static inline V vcvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
 static inline __m512i iadd(__m512i a, __m512i b) { return _mm512_add_epi32(a, b); }
 
