@@ -503,56 +503,55 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
         }
       }
 #endif
-    } else if constexpr (kShortQuads > 0) {
-      // Without VNNI: exact int16 sums over up to kShortQuads quads, widened to int32 once
-      // (one vpmaddwd per row and 8 quads, where each quad took one).
-      for (int64_t q0 = 0; q0 < nq; q0 += kShortQuads) {
-        const int64_t q1 = std::min<int64_t>(nq, q0 + kShortQuads);
-        VI part[MR];
-        LOWBIT_UNROLL for (int r = 0; r < MR; ++r) part[r] = izero();
-        for (int64_t q = q0; q < q1; ++q) {
-          const uint8_t* p = body + q * quad_bytes;
-          if ((q & 1) == 0) __builtin_prefetch(p + kPrefetch);
-          const auto w = q4_quad(p);
-          LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
-            int32_t x4;
-            std::memcpy(&x4, xg + r * a.kp + 4 * q, 4);
-            part[r] = udot16(part[r], w, x4);
-          }
-        }
-        LOWBIT_UNROLL for (int r = 0; r < MR; ++r) iacc[r] = iadd(iacc[r], widen16(part[r]));
-      }
     } else {
-      // With one or two rows, each row's dots go into kChains independent sums: a single sum
-      // makes every dot wait for the previous one (gs / 4 in a row: 8 at llama.cpp's groups
-      // of 32), and decode then runs at the dot's latency instead of its throughput.
-      constexpr int kChains = MR <= 2 ? kQ8Chains : 1;
-      VI part[MR][kChains];
-      LOWBIT_UNROLL for (int r = 0; r < MR; ++r)
-        LOWBIT_UNROLL for (int c = 0; c < kChains; ++c) part[r][c] = izero();
-      auto quad = [&](int64_t q, auto chain) {
+      // Unpacks quad q once and hands it with each row's activation dword to dot(r, w, x4).
+      auto quad_rows = [&](int64_t q, auto&& dot) {
         const uint8_t* p = body + q * quad_bytes;
         if ((q & 1) == 0) __builtin_prefetch(p + kPrefetch);
         const auto w = q4_quad(p);
         LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
           int32_t x4;
           std::memcpy(&x4, xg + r * a.kp + 4 * q, 4);
-          part[r][decltype(chain)::value] = udot(part[r][decltype(chain)::value], w, x4);
+          dot(r, w, x4);
         }
       };
-      int64_t q = 0;
-      for (; q + kChains <= nq; q += kChains) {
-        quad(q, std::integral_constant<int, 0>{});
-        if constexpr (kChains > 1) quad(q + 1, std::integral_constant<int, 1 % kChains>{});
-        if constexpr (kChains > 2) {
-          quad(q + 2, std::integral_constant<int, 2 % kChains>{});
-          quad(q + 3, std::integral_constant<int, 3 % kChains>{});
+      if constexpr (kShortQuads > 0) {
+        // Without VNNI: exact int16 sums over up to kShortQuads quads, widened to int32 once
+        // (one vpmaddwd per row and 8 quads, where each quad took one).
+        for (int64_t q0 = 0; q0 < nq; q0 += kShortQuads) {
+          const int64_t q1 = std::min<int64_t>(nq, q0 + kShortQuads);
+          VI part[MR];
+          LOWBIT_UNROLL for (int r = 0; r < MR; ++r) part[r] = izero();
+          for (int64_t q = q0; q < q1; ++q)
+            quad_rows(q, [&](int r, const auto& w, int32_t x4) { part[r] = udot16(part[r], w, x4); });
+          LOWBIT_UNROLL for (int r = 0; r < MR; ++r) iacc[r] = iadd(iacc[r], widen16(part[r]));
         }
-      }
-      for (; q < nq; ++q) quad(q, std::integral_constant<int, 0>{});
-      LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
-        iacc[r] = part[r][0];
-        LOWBIT_UNROLL for (int c = 1; c < kChains; ++c) iacc[r] = iadd(iacc[r], part[r][c]);
+      } else {
+        // With one or two rows, each row's dots go into kChains independent sums: a single
+        // sum makes every dot wait for the previous one (gs / 4 in a row: 8 at llama.cpp's
+        // groups of 32), and decode then runs at the dot's latency instead of its throughput.
+        constexpr int kChains = MR <= 2 ? kQ8Chains : 1;
+        VI part[MR][kChains];
+        LOWBIT_UNROLL for (int r = 0; r < MR; ++r)
+          LOWBIT_UNROLL for (int c = 0; c < kChains; ++c) part[r][c] = izero();
+        auto quad = [&](int64_t q, auto chain) {
+          constexpr int c = decltype(chain)::value;
+          quad_rows(q, [&](int r, const auto& w, int32_t x4) { part[r][c] = udot(part[r][c], w, x4); });
+        };
+        int64_t q = 0;
+        for (; q + kChains <= nq; q += kChains) {
+          quad(q, std::integral_constant<int, 0>{});
+          if constexpr (kChains > 1) quad(q + 1, std::integral_constant<int, 1 % kChains>{});
+          if constexpr (kChains > 2) {
+            quad(q + 2, std::integral_constant<int, 2 % kChains>{});
+            quad(q + 3, std::integral_constant<int, 3 % kChains>{});
+          }
+        }
+        for (; q < nq; ++q) quad(q, std::integral_constant<int, 0>{});
+        LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
+          iacc[r] = part[r][0];
+          LOWBIT_UNROLL for (int c = 1; c < kChains; ++c) iacc[r] = iadd(iacc[r], part[r][c]);
+        }
       }
     }
     const float* hdr = reinterpret_cast<const float*>(gp);
