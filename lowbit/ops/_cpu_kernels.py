@@ -123,9 +123,13 @@ class KernelRoute:
         ``"+int8_act"`` where the product runs on int8 activations. A weight that asked for
         them on a CPU path without them for its kind (int8 weights without VNNI) reports the
         plain kernel, so the report shows which products kept float activations."""
-        if self.int8_activations and kernels.int8_activations_supported(self.kind):
-            return f"cpu_kernel_{self.kind}{INT8_ACTIVATIONS_SUFFIX}"
-        return f"cpu_kernel_{self.kind}"
+        return f"cpu_kernel_{self.kind}{INT8_ACTIVATIONS_SUFFIX if self.int8_dots else ''}"
+
+    @property
+    def int8_dots(self) -> bool:
+        """Whether the product takes integer dots on int8 activations: asked for, and the
+        active CPU path has them for this kind."""
+        return self.int8_activations and kernels.int8_activations_supported(self.kind)
 
 
 def _is_kernel_activation(config: QuantConfig) -> bool:
@@ -343,10 +347,9 @@ def _float_gemm(x: Any, q: Any, route: KernelRoute) -> bool:
     k, n = q.shape[::-1] if route.transposed else q.shape
     rows = int(np.prod(x.shape[:-1]))
     # Integer dots on int8 activations beat the float GEMM at every row count measured.
-    int8_dots = route.int8_activations and kernels.int8_activations_supported(route.kind)
     return (
         route.kind not in ("w8a8", "w4a8")
-        and not int8_dots
+        and not route.int8_dots
         and rows >= GEMM_MIN_ROWS
         and np.dtype(x.dtype) == np.dtype(jnp.float32)
         and k * n * 4 <= GEMM_MAX_WEIGHT_BYTES
