@@ -93,16 +93,19 @@ def test_bf16_in_and_out(kind):
         np.testing.assert_allclose(y32, ref, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("m", [70, 100])
-def test_large_batch_uses_blocked_path(m):
+@pytest.mark.parametrize("m, dtype", [(70, jnp.float32), (197, jnp.float32), (197, jnp.bfloat16)])
+def test_large_batch_uses_blocked_path(m, dtype):
     # M above the small-batch threshold and K above one K-block exercise the blocked loops;
-    # 70 rows end in a 6-row block (register path), 100 in a 36-row block whose last GEMM
-    # tile is partial. N = 70 leaves an odd panel.
+    # 70 rows end in a partial GEMM tile on every ISA; 197 rows are a full row block (192)
+    # and a 5-row one, which takes the blocked path too (it reads only the k-major copy of
+    # the activations), from bfloat16 activations as well. N = 70 leaves an odd panel.
     codes, scale, zp = make_weight("uint4", 1100, 70, 50)
     w = kernels.pack("uint4", codes, scale, zp, 50)
-    x = jnp.asarray(np.random.default_rng(4).standard_normal((m, 1100)), jnp.float32)
-    ref = np.asarray(_reference.weight_only_linear(x, "uint4", codes, scale, zp, 50))
-    for y in on_each_isa(lambda: kernels.weight_only_linear(x, w)).values():
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((m, 1100)), dtype)
+    ref = np.asarray(
+        _reference.weight_only_linear(x.astype(jnp.float32), "uint4", codes, scale, zp, 50)
+    )
+    for y in on_each_isa(lambda: kernels.weight_only_linear(x, w, out_dtype=jnp.float32)).values():
         np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-3)
 
 

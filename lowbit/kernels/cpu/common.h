@@ -74,10 +74,12 @@ struct WoArgs {
   int64_t groups;        // G
   int64_t panel_bytes;   // bytes per 16-column panel
   int64_t group_bytes;   // kGroupHeader + gs / 2 * PairBytes(kind)
-  const float* x;        // packed activations [M][kp] f32, zero beyond K
-  const float* xt;       // the same k-major in tiles of `gemm_rows` rows, [M/rows][kp][rows]
-                         // (null when M <= 16: only the large-M path reads it)
-  const float* sumx;     // per-group activation sums [M][G]
+  // Float activations: row-major [M][kp] f32, zero beyond K, with per-group sums [M][G] for
+  // the zero-point term (small M); or, when M > 16, only k-major in tiles of `gemm_rows`
+  // rows, [M/rows][kp][rows], for the large-M path (then x and sumx are null).
+  const float* x = nullptr;
+  const float* xt = nullptr;
+  const float* sumx = nullptr;
   // int8 activations (IsaKernels::wo_q8 only): codes [M][kp], and per row and group the
   // scale and the scale times the group's code sum, [M][G] each.
   const int8_t* xq = nullptr;

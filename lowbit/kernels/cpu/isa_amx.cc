@@ -80,7 +80,7 @@ static void q8_run(const Q8Args& a, int64_t m0, int64_t m1, int64_t p0, int64_t 
     const bool two_panels = p + 1 < p1;
     const int8_t* w0 = a.w + p * pstride;
     const int8_t* w1 = w0 + pstride;
-    // Row blocks start at multiples of 16 (tasks start at multiples of 128 rows).
+    // Row blocks start at multiples of 16 (tasks start at multiples of kRowBlock rows).
     for (int64_t m = m0; m < m1; m += 32) {
       const int64_t mr = std::min<int64_t>(32, m1 - m);
       const uint32_t* xm = a.xa + (m / 16) * block;

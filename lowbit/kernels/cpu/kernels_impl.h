@@ -38,7 +38,7 @@ static inline void with_rows(int64_t mr, F&& f) {
 constexpr int64_t kPrefetch = 1024;
 // K-block (in k) for weight-only tiles when M is large: the dequantized block (kc x 32 f32)
 // and the activation block stay in L2 while all panels of a thread pass over them.
-constexpr int64_t kWoKc = 512;
+constexpr int64_t kWoKc = 256;
 // K-block in k-quads for w8a8.
 constexpr int64_t kQ8Kq = 512;
 
@@ -199,7 +199,7 @@ static void wo_run_blocked(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, 
       wo_dequant_block<KIND>(a, a.blob + p * a.panel_bytes, np, g0, g1, lut, buf.data(), ldb);
       for (int64_t m = m0; m < m1; m += kFMR) {
         const int64_t mr = std::min<int64_t>(kFMR, m1 - m);
-        // Row tiles start at multiples of kFMR (tasks start at multiples of 64 rows).
+        // Row tiles start at multiples of kFMR (tasks start at multiples of kRowBlock rows).
         const float* x = a.xt + (m / kFMR) * a.kp * kFMR + g0 * a.gs * kFMR;
         float* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
         if (np == kFNP) {
@@ -222,7 +222,9 @@ template <int KIND>
 static void wo_run_kind(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1,
                         float* c, int64_t ldc) {
   const Lut lut = make_lut(KIND == kNf4 ? a.lut : KIND == kInt4 ? kInt4Table : kUint4Table);
-  if (m1 - m0 > kSmallM) {
+  // The call's activations come k-major (a.xt) when its M is large: every task then takes
+  // the blocked path, a short last row block too.
+  if (a.xt != nullptr) {
     wo_run_blocked<KIND>(a, m0, m1, p0, p1, c, ldc, lut);
     return;
   }

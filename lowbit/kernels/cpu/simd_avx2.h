@@ -3,7 +3,7 @@
 // vpmaddwd.
 
 // mr, np, mr_wide, fmr, fnp, qmr, qnp, lut_nibbles (TileShape in common.h).
-constexpr TileShape kTile{2, 1, 2, 4, 1, 4, 1, false};
+constexpr TileShape kTile{2, 1, 2, 6, 1, 4, 1, false};
 
 struct V {
   __m256 a, b;
