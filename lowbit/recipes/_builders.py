@@ -79,14 +79,21 @@ def weight_config(
 
 
 def activation_config(
-    fmt: str, *, per_tensor: bool = False, calibration: Calibration | None = None
+    fmt: str,
+    *,
+    per_tensor: bool = False,
+    group_size: int | None = None,
+    calibration: Calibration | None = None,
 ) -> QuantConfig:
-    """Dynamic activation quantization: one scale per token unless `per_tensor`."""
-    return QuantConfig(
-        format=fmt,
-        granularity=PerTensor() if per_tensor else PerToken(),
-        calibration=calibration or AbsMax(),
-    )
+    """Dynamic activation quantization: one scale per token unless `per_tensor`, or one per
+    `group_size` consecutive features of a token (along the last, contracted axis)."""
+    if per_tensor:
+        granularity = PerTensor()
+    elif group_size is not None:
+        granularity = PerGroup(group_size, axis=-1)
+    else:
+        granularity = PerToken()
+    return QuantConfig(format=fmt, granularity=granularity, calibration=calibration or AbsMax())
 
 
 def matmul_rules(

@@ -21,6 +21,7 @@ from ops_helpers import (
 
 from lowbit.ops import dot_general, dot_general_path, dot_general_reference, quantize_activation
 from lowbit.qarray import (
+    AbsMax,
     Fixed,
     MinMax,
     PerChannel,
@@ -324,6 +325,21 @@ def test_int4_activations_and_bf16_output():
         lambda x, q: dot_general(x, q, dims, preferred_element_type=jnp.float32), x, q
     )
     assert out32.dtype == jnp.float32
+
+
+def test_grouped_clipped_int4_activations():
+    # w4a4's activations: one scale per 32 features of a token, each range clipped to 0.9 of
+    # its absmax. Groups matching the weight's make an integer product per group.
+    x, w = normal(0, (3, 64)), normal(1, (64, 8))
+    act = QuantConfig(format="int4", granularity=PerGroup(32, -1), calibration=AbsMax(clip=0.9))
+    q = weight(w, QuantConfig(format="int4", granularity=PerGroup(32, 0)), act)
+    dims = (((1,), (0,)), ((), ()))
+    out, ref, xq = _both(x, q, dims)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    # Each group's largest value lands on the clipped top code: 7 steps of 0.9 * absmax / 7.
+    groups = np.abs(np.asarray(x)).reshape(3, 2, 32).max(-1)
+    got = np.abs(np.asarray(xq)).reshape(3, 2, 32).max(-1)
+    np.testing.assert_allclose(got, 0.9 * groups, rtol=1e-5)
 
 
 def test_both_qarrays_and_unsupported_layout_falls_back():

@@ -196,9 +196,17 @@ def test_w4a4_presets(name):
     report = recipe.report(PARAMS)
     kernel = recipe.rules[report["mlp/up/kernel"].rule_index]
     assert kernel.weight.format == "int4" and kernel.activation.format == "int4"
+    # One scale per 32 features of a token, clipped (QuaRot's activation clipping).
+    assert kernel.activation.granularity == PerGroup(32, axis=-1)
+    assert kernel.activation.calibration == AbsMax(clip=0.9)
     assert report["embed/embedding"].config.format == "int8"
     assert recipe.kv_cache.format == "int4"
     assert (recipe.rotate is not None) == name.endswith("_rot_gptq")
+    if recipe.rotate is not None:
+        # The untied head keeps the tied table's int8 activations, not the layers' int4 ones.
+        head = recipe.report({"lm_head": {"kernel": jnp.ones((128, 64))}})["lm_head/kernel"]
+        assert head.config.format == "int8"
+        assert recipe.rules[head.rule_index].activation.format == "int8"
 
 
 def test_rotated_presets_keep_the_untied_head_at_int8():
