@@ -96,7 +96,7 @@ def test_bf16_in_and_out(kind):
 @pytest.mark.parametrize("m, dtype", [(70, jnp.float32), (197, jnp.float32), (197, jnp.bfloat16)])
 def test_large_batch_uses_blocked_path(m, dtype):
     # M above the small-batch threshold and K above one K-block exercise the blocked loops;
-    # 70 rows end in a partial GEMM tile on every ISA; 197 rows are a full row block (192)
+    # 70 rows end in a partial GEMM tile on AVX2 and AVX-512; 197 rows are a full row block (192)
     # and a 5-row one, which takes the blocked path too (it reads only the k-major copy of
     # the activations), from bfloat16 activations as well. N = 70 leaves an odd panel.
     codes, scale, zp = make_weight("uint4", 1100, 70, 50)
