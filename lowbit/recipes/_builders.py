@@ -87,6 +87,11 @@ def activation_config(
 ) -> QuantConfig:
     """Dynamic activation quantization: one scale per token unless `per_tensor`, or one per
     `group_size` consecutive features of a token (along the last, contracted axis)."""
+    if per_tensor and group_size is not None:
+        raise ValueError(
+            f"activation_config({fmt!r}): per_tensor=True and group_size={group_size!r} ask for "
+            "two granularities; pass one of them"
+        )
     if per_tensor:
         granularity = PerTensor()
     elif group_size is not None:

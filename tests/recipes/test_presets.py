@@ -10,6 +10,7 @@ from lowbit.qarray import AbsMax, MinMax, PerChannel, PerGroup, PerToken
 from lowbit.recipes import (
     GPTQ,
     Recipe,
+    activation_config,
     int4_weight_only,
     preset,
     preset_from_maxtext_json,
@@ -207,6 +208,13 @@ def test_w4a4_presets(name):
         head = recipe.report({"lm_head": {"kernel": jnp.ones((128, 64))}})["lm_head/kernel"]
         assert head.config.format == "int8"
         assert recipe.rules[head.rule_index].activation.format == "int8"
+
+
+def test_activation_config_granularities():
+    assert activation_config("int8").granularity == PerToken()
+    assert activation_config("int4", group_size=32).granularity == PerGroup(32, axis=-1)
+    with pytest.raises(ValueError, match="two granularities"):
+        activation_config("int4", per_tensor=True, group_size=32)
 
 
 def test_rotated_presets_keep_the_untied_head_at_int8():

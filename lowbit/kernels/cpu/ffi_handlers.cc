@@ -60,12 +60,17 @@ inline uint16_t F32ToBf16(float f) {
 }
 
 // Converts row `m` of a [M, k] f32/bf16 matrix to f32.
-inline void LoadRow(const void* x, bool bf16, int64_t m, int64_t k, float* dst) {
+// Row m of x [M, K] (float32 or bfloat16) as float32 into dst[i * stride], i < k.
+inline void LoadRow(const void* x, bool bf16, int64_t m, int64_t k, float* dst,
+                    int64_t stride = 1) {
   if (bf16) {
     const uint16_t* src = static_cast<const uint16_t*>(x) + m * k;
-    for (int64_t i = 0; i < k; ++i) dst[i] = Bf16ToF32(src[i]);
-  } else {
+    for (int64_t i = 0; i < k; ++i) dst[i * stride] = Bf16ToF32(src[i]);
+  } else if (stride == 1) {
     std::memcpy(dst, static_cast<const float*>(x) + m * k, sizeof(float) * k);
+  } else {
+    const float* src = static_cast<const float*>(x) + m * k;
+    for (int64_t i = 0; i < k; ++i) dst[i * stride] = src[i];
   }
 }
 
@@ -217,14 +222,7 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   std::vector<float> xq_scale(q8 ? m * groups : 0), xq_sum(q8 ? m * groups : 0);
   ParallelFor(pool, m >= 64 ? workers : 1, m, [&](int64_t r) {
     if (blocked) {
-      float* dst = xt.data() + (r / fr) * kp * fr + r % fr;
-      if (xbf16) {
-        const uint16_t* src = static_cast<const uint16_t*>(x.untyped_data()) + r * k;
-        for (int64_t i = 0; i < k; ++i) dst[i * fr] = Bf16ToF32(src[i]);
-      } else {
-        const float* src = static_cast<const float*>(x.untyped_data()) + r * k;
-        for (int64_t i = 0; i < k; ++i) dst[i * fr] = src[i];
-      }
+      LoadRow(x.untyped_data(), xbf16, r, k, xt.data() + (r / fr) * kp * fr + r % fr, fr);
       return;
     }
     float* row = xp.data() + r * kp;
