@@ -1,6 +1,9 @@
 """`lowbit quantize FILE.gguf` streams one tensor at a time and writes the checkpoint the
 in-memory path writes, byte for byte."""
 
+import sys
+from pathlib import Path
+
 import pytest
 from flax import nnx
 
@@ -8,14 +11,26 @@ from lowbit import serving
 from lowbit.cli import main
 from lowbit.cli._cmd_quantize import _streams
 from lowbit.io import save_checkpoint
-from lowbit.models import has_smollm2, smollm2_gguf_path
 
-pytestmark = pytest.mark.skipif(not has_smollm2(), reason="needs the SmolLM2 GGUF file")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from tiny_gguf import write_tiny_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(tmp_path_factory) -> str:
+    """A tiny llama GGUF file with SmolLM2's block types (Q4_1 linear layers, a Q8_0
+    embedding), written by lowbit's own export: the streaming paths' byte-for-byte checks on
+    quantized blocks, at a thousandth of SmolLM2's size."""
+    root = tmp_path_factory.mktemp("gguf")
+    source = write_tiny_gguf("llama", root / "tiny.gguf")
+    path = root / "q4_1.gguf"
+    assert main(["export", str(source), "--recipe", "int4w_g32_asym", "--gguf", str(path)]) == 0
+    return str(path)
 
 
 @pytest.mark.parametrize("spec", ["int4w_g32_asym", "gguf"])
-def test_gguf_file_streams_to_the_in_memory_checkpoint(spec, tmp_path, capsys):
-    path = str(smollm2_gguf_path())
+def test_gguf_file_streams_to_the_in_memory_checkpoint(spec, quantized_gguf, tmp_path, capsys):
+    path = quantized_gguf
     assert _streams(path, spec) and not _streams(path, "int4w_g64_gptq")
     assert not _streams("smollm2", spec)
     assert main(["quantize", path, "--recipe", spec, "--out", str(tmp_path / "streamed")]) == 0
@@ -29,11 +44,11 @@ def test_gguf_file_streams_to_the_in_memory_checkpoint(spec, tmp_path, capsys):
         assert streamed == (tmp_path / "in_memory" / name).read_bytes(), name
 
 
-def test_export_streams_from_a_checkpoint_and_a_gguf_file(tmp_path, capsys):
+def test_export_streams_from_a_checkpoint_and_a_gguf_file(quantized_gguf, tmp_path, capsys):
     from lowbit.io import export_gguf, import_gguf, load_checkpoint
     from lowbit.models import decoder_config_from_gguf, gguf_param_map, read_gguf
 
-    path = str(smollm2_gguf_path())
+    path = quantized_gguf
     config = decoder_config_from_gguf(read_gguf(path))
     ck, out = str(tmp_path / "ck"), tmp_path / "out"
     out.mkdir()
@@ -55,8 +70,6 @@ def test_hugging_face_directory_streams_to_the_in_memory_checkpoint(
 ):
     # A sharded (llama) or single-file directory streams with a path-only recipe and writes
     # the in-memory path's checkpoint; Gemma's `1 + w` norms go through memory.
-    from pathlib import Path
-
     path = Path(__file__).resolve().parents[1] / "models" / "references" / "hf" / model_type
     assert _streams(str(path), "int8w") is streams
     assert not _streams(str(path), "int4w_g64_gptq") and not _streams(str(path), "gguf")
@@ -77,13 +90,7 @@ def test_hugging_face_directory_streams_to_the_in_memory_checkpoint(
 
 
 def test_by_layer_runs_gptq_from_a_gguf_file_one_layer_at_a_time(tmp_path, capsys):
-    import sys
-    from pathlib import Path
-
     from lowbit.io import load_checkpoint
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-    from tiny_gguf import write_tiny_gguf
 
     path = str(write_tiny_gguf("llama", tmp_path / "tiny.gguf"))
     text = tmp_path / "text.txt"

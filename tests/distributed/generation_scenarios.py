@@ -28,9 +28,12 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11], [3, 3, 60, 2]]
 NEW = 24
 RECIPE = "int4w_g32_asym"
 # (data, model) mesh shapes by the number of devices of all processes together.
+# Per device count: (name, mesh shape, axis type). Each shape runs with one axis type, the
+# two types alternating, so both kinds of axes meet both kinds of mesh over the two counts
+# at half the processes' time.
 MESHES = {
-    4: {"tp4": (1, 4), "dp2xtp2": (2, 2)},
-    8: {"dp2xtp4": (2, 4), "dp4xtp2": (4, 2)},
+    4: (("tp4", (1, 4), "Auto"), ("dp2xtp2", (2, 2), "Explicit")),
+    8: (("dp2xtp4", (2, 4), "Explicit"), ("dp4xtp2", (4, 2), "Auto")),
 }
 
 
@@ -53,11 +56,10 @@ def tp_generate(out_dir: str) -> dict[str, np.ndarray]:
     processes, data parallel across them with tensor parallel within), automatic and explicit
     axes."""
     results = {}
-    for kind in ("Auto", "Explicit"):
+    for name, shape, kind in MESHES[jax.device_count()]:
         axis_type = getattr(jax.sharding.AxisType, kind)
-        for name, shape in MESHES[jax.device_count()].items():
-            mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(axis_type, axis_type))
-            results[f"{name}_{kind}"] = generate(mesh)
+        mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(axis_type, axis_type))
+        results[f"{name}_{kind}"] = generate(mesh)
     results["pieces"] = np.int32(_count_pieces(mesh))
     return results
 
