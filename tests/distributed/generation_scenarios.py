@@ -27,10 +27,9 @@ CONFIG = LlamaConfig(
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11], [3, 3, 60, 2]]
 NEW = 24
 RECIPE = "int4w_g32_asym"
-# (data, model) mesh shapes by the number of devices of all processes together.
-# Per device count: (name, mesh shape, axis type). Each shape runs with one axis type, the
-# two types alternating, so both kinds of axes meet both kinds of mesh over the two counts
-# at half the processes' time.
+# (name, (data, model) mesh shape, axis type) by the number of devices of all processes
+# together. Each shape runs with one axis type, alternating, so that both kinds of axes meet
+# both kinds of mesh over the two counts without running every pair.
 MESHES = {
     4: (("tp4", (1, 4), "Auto"), ("dp2xtp2", (2, 2), "Explicit")),
     8: (("dp2xtp4", (2, 4), "Explicit"), ("dp4xtp2", (4, 2), "Auto")),

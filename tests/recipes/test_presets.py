@@ -203,11 +203,6 @@ def test_w4a4_presets(name):
     assert report["embed/embedding"].config.format == "int8"
     assert recipe.kv_cache.format == "int4"
     assert (recipe.rotate is not None) == name.endswith("_rot_gptq")
-    if recipe.rotate is not None:
-        # The untied head keeps the tied table's int8 activations, not the layers' int4 ones.
-        head = recipe.report({"lm_head": {"kernel": jnp.ones((128, 64))}})["lm_head/kernel"]
-        assert head.config.format == "int8"
-        assert recipe.rules[head.rule_index].activation.format == "int8"
 
 
 def test_activation_config_granularities():
@@ -221,3 +216,8 @@ def test_rotated_presets_keep_the_untied_head_at_int8():
     recipe = preset("int4w_g64_rot_gptq")
     head = recipe.report({"lm_head": {"kernel": jnp.ones((128, 64))}})["lm_head/kernel"]
     assert head.config.format == "int8" and recipe.rotate.online == ("down_proj",)
+    # w4a4's untied head keeps the tied table's int8 activations, not the layers' int4 ones.
+    recipe = preset("w4a4_g32_rot_gptq")
+    head = recipe.report({"lm_head": {"kernel": jnp.ones((128, 64))}})["lm_head/kernel"]
+    assert head.config.format == "int8"
+    assert recipe.rules[head.rule_index].activation.format == "int8"

@@ -59,7 +59,6 @@ inline uint16_t F32ToBf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-// Converts row `m` of a [M, k] f32/bf16 matrix to f32.
 // Row m of x [M, K] (float32 or bfloat16) as float32 into dst[i * stride], i < k.
 inline void LoadRow(const void* x, bool bf16, int64_t m, int64_t k, float* dst,
                     int64_t stride = 1) {
