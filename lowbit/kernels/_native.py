@@ -116,15 +116,16 @@ def supported_isas() -> list[str]:
 
 INT8_ACTIVATION_ISAS = types.MappingProxyType(
     {
-        "avx2": ("int4", "uint4"),
-        "avx2vnni": ("int4", "uint4"),
+        "avx2": ("int8", "int4", "uint4"),
+        "avx2vnni": ("int8", "int4", "uint4"),
         "avx512bw": ("int4", "uint4"),
         "avx512vnni": ("int8", "int4", "uint4"),
         "amx": ("int8", "int4", "uint4"),
     }
 )
-"""Path -> weight-only kinds its kernel multiplies with int8 activations (int8 weights need
-VNNI: without it the offset activations would saturate the int16 pair sums)."""
+"""Path -> weight-only kinds its kernel multiplies with int8 activations (int8 weights: VNNI's
+dots on offset activations, or AVX2's on the codes' magnitudes and the activations' signs;
+AVX-512 BW has neither)."""
 
 INT8_ACTIVATION_KINDS = tuple(sorted({k for kinds in INT8_ACTIVATION_ISAS.values() for k in kinds}))
 """Weight-only kinds with an int8-activation path on some CPU."""

@@ -225,6 +225,28 @@ def test_int8_activations_match_a_per_group_reference(kind, k, n, group_size):
         assert np.abs(y - float_ref[:8]).max() > 1e-4 * np.abs(float_ref[:8]).max()
 
 
+def test_int8_activations_multiply_int8_codes_of_minus_128_exactly():
+    # AVX2 takes |code| as the unsigned operand and the activation with the code's sign: -128
+    # has no positive int8, so its magnitude must be read as the unsigned byte 128.
+    rng = np.random.default_rng(15)
+    codes = rng.integers(-128, 128, (64, 32)).astype(np.int8)
+    codes[:, :4] = -128
+    scale = np.ones((2, 32), np.float32)
+    w = kernels.pack("int8", jnp.asarray(codes), jnp.asarray(scale), None, 32)
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    served = []
+
+    def run():
+        served.append(kernels.int8_activations_supported("int8"))
+        return kernels.weight_only_linear(jnp.asarray(x), w, int8_activations=True)
+
+    q8_ref = _per_group_int8_reference(x, codes.astype(np.float64), 32)
+    float_ref = x.astype(np.float64) @ codes.astype(np.float64)
+    for (name, y), integer in zip(on_each_isa(run).items(), served, strict=True):
+        want = q8_ref if integer else float_ref
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-3, err_msg=name)
+
+
 def test_int8_activations_propagate_non_finite_inputs():
     codes, scale, zp = make_weight("uint4", 64, 32, 32, seed=13)
     w = kernels.pack("uint4", codes, scale, zp, 32)

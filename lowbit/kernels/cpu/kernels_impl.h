@@ -494,7 +494,15 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
     __m512i csum = _mm512_setzero_si512();
 #endif
     if constexpr (kInt8Codes) {
-#if defined(LOWBIT_HAS_WO_Q8_INT8)
+#if defined(LOWBIT_HAS_WO_Q8_SIGNS)
+      for (int64_t q = 0; q < nq; ++q) {
+        const uint8_t* p = body + q * quad_bytes;
+        __builtin_prefetch(p + kPrefetch);
+        const VI w = q8_quad(p);
+        const VI mag = q8_magnitudes(w);
+        LOWBIT_UNROLL for (int r = 0; r < MR; ++r) iacc[r] = q8_dot(iacc[r], w, mag, xg + r * a.kp + 4 * q);
+      }
+#elif defined(LOWBIT_HAS_WO_Q8_INT8)
       for (int64_t q = 0; q < nq; ++q) {
         const uint8_t* p = body + q * quad_bytes;
         __builtin_prefetch(p + kPrefetch);
@@ -508,16 +516,12 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
       }
 #endif
     } else {
-      // Unpacks quad q once and hands it with each row's activation dword to dot(r, w, x4).
+      // Unpacks quad q once and hands it with each row's 4 activation bytes to dot(r, w, x).
       auto quad_rows = [&](int64_t q, auto&& dot) {
         const uint8_t* p = body + q * quad_bytes;
         if ((q & 1) == 0) __builtin_prefetch(p + kPrefetch);
         const auto w = q4_quad(p);
-        LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
-          int32_t x4;
-          std::memcpy(&x4, xg + r * a.kp + 4 * q, 4);
-          dot(r, w, x4);
-        }
+        LOWBIT_UNROLL for (int r = 0; r < MR; ++r) dot(r, w, xg + r * a.kp + 4 * q);
       };
       if constexpr (kShortQuads > 0) {
         // Without VNNI: exact int16 sums over up to kShortQuads quads, widened to int32 once
@@ -527,7 +531,7 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
           VI part[MR];
           LOWBIT_UNROLL for (int r = 0; r < MR; ++r) part[r] = izero();
           for (int64_t q = q0; q < q1; ++q)
-            quad_rows(q, [&](int r, const auto& w, int32_t x4) { part[r] = udot16(part[r], w, x4); });
+            quad_rows(q, [&](int r, const auto& w, const int8_t* x) { part[r] = udot16(part[r], w, x); });
           LOWBIT_UNROLL for (int r = 0; r < MR; ++r) iacc[r] = iadd(iacc[r], widen16(part[r]));
         }
       } else {
@@ -540,7 +544,11 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
           LOWBIT_UNROLL for (int c = 0; c < kChains; ++c) part[r][c] = izero();
         auto quad = [&](int64_t q, auto chain) {
           constexpr int c = decltype(chain)::value;
-          quad_rows(q, [&](int r, const auto& w, int32_t x4) { part[r][c] = udot(part[r][c], w, x4); });
+          quad_rows(q, [&](int r, const auto& w, const int8_t* x) {
+            int32_t x4;
+            std::memcpy(&x4, x, 4);
+            part[r][c] = udot(part[r][c], w, x4);
+          });
         };
         int64_t q = 0;
         for (; q + kChains <= nq; q += kChains) {
@@ -558,10 +566,14 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
         }
       }
     }
+    LOWBIT_UNROLL for (int r = 0; r < MR; ++r) iacc[r] = q4_columns(iacc[r]);
     const float* hdr = reinterpret_cast<const float*>(gp);
     const V s = vload(hdr);
     if constexpr (kInt8Codes) {
-#if defined(LOWBIT_HAS_WO_Q8_INT8)
+#if defined(LOWBIT_HAS_WO_Q8_SIGNS)
+      LOWBIT_UNROLL for (int r = 0; r < MR; ++r)
+        acc[r] = vfmadd(s, vmul(vcvt(iacc[r]), vbcast(xs[r * a.groups + g])), acc[r]);
+#elif defined(LOWBIT_HAS_WO_Q8_INT8)
       const __m512i off = _mm512_slli_epi32(csum, 7);  // 128 * sum(c)
       LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
         const V t = vmul(vcvt(_mm512_sub_epi32(iacc[r], off)), vbcast(xs[r * a.groups + g]));
@@ -633,7 +645,7 @@ static void quantize_groups(const float* x, int64_t kp, int64_t gs, int8_t* q, f
 
 // The kinds wo_q8 serves here.
 static bool wo_q8_kind(int kind) {
-#if defined(LOWBIT_HAS_WO_Q8_INT8)
+#if defined(LOWBIT_HAS_WO_Q8_INT8) || defined(LOWBIT_HAS_WO_Q8_SIGNS)
   if (kind == kInt8) return true;
 #endif
   return kind == kInt4 || kind == kUint4;
@@ -645,7 +657,7 @@ static void wo_q8(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p
     case kInt4:
       wq8_run_kind<kInt4>(a, m0, m1, p0, p1, c, ldc);
       break;
-#if defined(LOWBIT_HAS_WO_Q8_INT8)
+#if defined(LOWBIT_HAS_WO_Q8_INT8) || defined(LOWBIT_HAS_WO_Q8_SIGNS)
     case kInt8:
       wq8_run_kind<kInt8>(a, m0, m1, p0, p1, c, ldc);
       break;

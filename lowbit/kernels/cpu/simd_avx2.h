@@ -37,9 +37,22 @@ static inline V deq_s8(const uint8_t* p) {
            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p + 8)))};
 }
 
+// Bytes [0, 8) and [8, 16) at p zero-extended to dwords, with one 16-byte broadcast load and two
+// in-lane shuffles: the zero-extending loads (vpmovzxbd ymm) cross lanes, and on Zen 3 two of
+// them a pair row kept the shuffle ports busier than the eight multiply-adds of a 2-row tile
+// (llvm-mca -mcpu=znver3: 10.1 cycles a pair row, 8.8 with these; Skylake and Zen 2 7.1 both).
+static inline void load_u8x16(const uint8_t* p, __m256i& v0, __m256i& v1) {
+  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const char z = -1;  // vpshufb: an index with the top bit set writes 0
+  v0 = _mm256_shuffle_epi8(b, _mm256_setr_epi8(0, z, z, z, 1, z, z, z, 2, z, z, z, 3, z, z, z, 4, z,
+                                               z, z, 5, z, z, z, 6, z, z, z, 7, z, z, z));
+  v1 = _mm256_shuffle_epi8(b, _mm256_setr_epi8(8, z, z, z, 9, z, z, z, 10, z, z, z, 11, z, z, z, 12,
+                                               z, z, z, 13, z, z, z, 14, z, z, z, 15, z, z, z));
+}
+
 static inline void deq_nib(const uint8_t* p, V& lo, V& hi) {
-  const __m256i v0 = _mm256_cvtepu8_epi32(load8(p));
-  const __m256i v1 = _mm256_cvtepu8_epi32(load8(p + 8));
+  __m256i v0, v1;
+  load_u8x16(p, v0, v1);
   const __m256i m = _mm256_set1_epi32(15);
   lo = V{_mm256_cvtepi32_ps(_mm256_and_si256(v0, m)), _mm256_cvtepi32_ps(_mm256_and_si256(v1, m))};
   hi = V{_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4))};
@@ -120,20 +133,73 @@ static inline VI idot(VI acc, const WQ& w, const uint32_t* x) {
 #endif
 
 // int4 / uint4 weight-only panels with int8 activations (wo_q8 in kernels_impl.h) as in
-// simd_avx512.h, each 16-column quad as two ymm of 8 dwords (columns 0-7 and 8-15). The 4-bit
-// codes are vpmaddubsw's unsigned operand, whose int16 pair sums (at most 2 * 15 * 127) never
-// saturate; int8 codes would, so they stay on the float path here.
+// simd_avx512.h, each 16-column quad as two ymm of 8 dwords. The 4-bit codes are vpmaddubsw's
+// unsigned operand, whose int16 pair sums (at most 2 * 15 * 127) never saturate. int8 codes
+// take their magnitudes as that operand and the activations their signs (q8_dot), as
+// llama.cpp's AVX2 Q8_0 dot does: pair sums at most 2 * 128 * 127, exact.
 #define LOWBIT_HAS_WO_Q8 1
+#define LOWBIT_HAS_WO_Q8_SIGNS 1
 
-// simd_avx512.h's q4_quad bit moves for 8 of the 16 columns: d = a | b << 16 from the bytes
-// a of row t and b of row t + 1, then (d | d << 4) & 0x0F0F0F0F.
-static inline __m256i q4_dwords(const uint8_t* p) {
-  const __m256i d = _mm256_or_si256(_mm256_cvtepu8_epi32(load8(p)),
-                                    _mm256_slli_epi32(_mm256_cvtepu8_epi32(load8(p + 16)), 16));
-  return _mm256_and_si256(_mm256_or_si256(d, _mm256_slli_epi32(d, 4)),
-                          _mm256_set1_epi32(0x0F0F0F0F));
+// One k-quad (pair rows t, t + 1: 32 bytes) of a 16-column 4-bit panel as two ymm of 8 dwords,
+// column j's dword holding its codes for k = 4q .. 4q + 3 in byte order, in the column order
+// [0-3, 8-11] and [4-7, 12-15] (q4_columns restores it). Only in-lane shuffles after one
+// vpermq: four zero-extending loads (vpmovzxbd ymm, as simd_avx512.h unpacks) cross lanes and
+// kept the shuffle ports busy. A 4-row tile's quad, with udot16 below (llvm-mca, cycles):
+// Zen 3 12.9 -> 7.9, Zen 2 14.1 -> 8.6, Skylake 13.1 -> 9.1.
+static inline VI q4_quad(const uint8_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  // Lanes [row t 0-7, row t+1 0-7 | row t 8-15, row t+1 8-15], then each column's two bytes
+  // side by side.
+  const __m256i q = _mm256_permute4x64_epi64(v, _MM_SHUFFLE(3, 1, 2, 0));
+  const __m256i pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0,
+                                         8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  const __m256i b = _mm256_shuffle_epi8(q, pairs);
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(b, m);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+  return VI{_mm256_unpacklo_epi8(lo, hi), _mm256_unpackhi_epi8(lo, hi)};
 }
-static inline VI q4_quad(const uint8_t* p) { return VI{q4_dwords(p), q4_dwords(p + 8)}; }
+// Sums of q4_quad (or q8_quad) products back in column order 0-7, 8-15.
+static inline VI q4_columns(const VI& v) {
+  return VI{_mm256_permute2x128_si256(v.a, v.b, 0x20), _mm256_permute2x128_si256(v.a, v.b, 0x31)};
+}
+
+// One k-quad of an int8 panel (64 bytes: the 16 columns' codes of k = 4q, then 4q + 1, 4q + 2,
+// 4q + 3) as q4_quad lays a 4-bit one out: column j's dword holds its 4 codes in k order,
+// columns in the order [0-3, 8-11] and [4-7, 12-15].
+static inline VI q8_quad(const uint8_t* p) {
+  const __m256i pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0,
+                                         8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  // Each column's codes of k = 4q, 4q + 1 (then 4q + 2, 4q + 3) side by side, as 16 words.
+  auto words = [&](const uint8_t* rows) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows));
+    return _mm256_shuffle_epi8(_mm256_permute4x64_epi64(v, _MM_SHUFFLE(3, 1, 2, 0)), pairs);
+  };
+  const __m256i lo = words(p), hi = words(p + 32);
+  return VI{_mm256_unpacklo_epi16(lo, hi), _mm256_unpackhi_epi16(lo, hi)};
+}
+// The codes' magnitudes, vpmaddubsw's unsigned operand (128 for a code of -128).
+static inline VI q8_magnitudes(const VI& w) { return VI{_mm256_abs_epi8(w.a), _mm256_abs_epi8(w.b)}; }
+// acc += per column the 4 products of the int8 codes w (magnitudes m) with the 4 activation
+// bytes at x, broadcast: |w| * (x with w's sign) in vpmaddubsw, then int32 (two quads' pair
+// sums could pass int16). In asm as udot16 below, to keep the sums in registers.
+static inline VI q8_dot(VI acc, const VI& w, const VI& m, const int8_t* x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i t, u;
+  asm("vpbroadcastd %[x], %[t]\n\t"
+      "vpsignb %[wa], %[t], %[u]\n\t"
+      "vpsignb %[wb], %[t], %[t]\n\t"
+      "vpmaddubsw %[u], %[ma], %[u]\n\t"
+      "vpmaddubsw %[t], %[mb], %[t]\n\t"
+      "vpmaddwd %[ones], %[u], %[u]\n\t"
+      "vpmaddwd %[ones], %[t], %[t]\n\t"
+      "vpaddd %[u], %[pa], %[pa]\n\t"
+      "vpaddd %[t], %[pb], %[pb]"
+      : [pa] "+x"(acc.a), [pb] "+x"(acc.b), [t] "=&x"(t), [u] "=&x"(u)
+      : [wa] "x"(w.a), [wb] "x"(w.b), [ma] "x"(m.a), [mb] "x"(m.b), [ones] "x"(ones),
+        [x] "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
+}
 
 static inline __m256i udot8(__m256i acc, __m256i codes, __m256i x) {
 #if defined(LOWBIT_VNNI)
@@ -152,10 +218,20 @@ static inline VI udot(VI acc, const VI& codes, int32_t x4) {
 // kernels_impl.h). A vpmaddubsw lane adds two products of at most 15 * 128, so 8 quads sum
 // to at most 30720 < 2**15: exact, with one vpmaddwd per 8 quads instead of one per quad.
 constexpr int kShortQuads = 8;
-static inline VI udot16(VI acc, const VI& codes, int32_t x4) {
-  const __m256i x = _mm256_set1_epi32(x4);
-  return VI{_mm256_add_epi16(acc.a, _mm256_maddubs_epi16(codes.a, x)),
-            _mm256_add_epi16(acc.b, _mm256_maddubs_epi16(codes.b, x))};
+// acc += the pair sums of codes x the 4 activation bytes at x, broadcast. One asm block, so
+// that each row's sums stay in registers: from intrinsics GCC broadcast every row's bytes
+// before the first product and kept three of a 4-row tile's eight sums on the stack, each
+// quad then waiting on a store and its reload.
+static inline VI udot16(VI acc, const VI& codes, const int8_t* x) {
+  __m256i t, u;
+  asm("vpbroadcastd %[x], %[t]\n\t"
+      "vpmaddubsw %[t], %[wa], %[u]\n\t"
+      "vpmaddubsw %[t], %[wb], %[t]\n\t"
+      "vpaddw %[u], %[pa], %[pa]\n\t"
+      "vpaddw %[t], %[pb], %[pb]"
+      : [pa] "+x"(acc.a), [pb] "+x"(acc.b), [t] "=&x"(t), [u] "=&x"(u)
+      : [wa] "x"(codes.a), [wb] "x"(codes.b), [x] "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
 }
 static inline VI widen16(const VI& s) {
   const __m256i ones = _mm256_set1_epi16(1);

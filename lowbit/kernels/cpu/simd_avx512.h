@@ -100,6 +100,9 @@ static inline __m512i q4_quad(const uint8_t* p) {
                                    0xA8);
 }
 
+// q4_quad keeps the column order.
+static inline __m512i q4_columns(__m512i v) { return v; }
+
 // acc + per-lane sum of 4 (u8 code x s8 activation) products, the activation dword broadcast.
 static inline __m512i udot(__m512i acc, __m512i codes, int32_t x4) {
 #if defined(LOWBIT_VNNI)
@@ -112,7 +115,9 @@ static inline __m512i udot(__m512i acc, __m512i codes, int32_t x4) {
 #if !defined(LOWBIT_VNNI)
 // Short sums: as simd_avx2.h's (exact int16 sums of up to 8 quads, widened once).
 constexpr int kShortQuads = 8;
-static inline __m512i udot16(__m512i acc, __m512i codes, int32_t x4) {
+static inline __m512i udot16(__m512i acc, __m512i codes, const int8_t* x) {
+  int32_t x4;
+  std::memcpy(&x4, x, 4);
   return _mm512_add_epi16(acc, _mm512_maddubs_epi16(codes, _mm512_set1_epi32(x4)));
 }
 static inline __m512i widen16(__m512i s) { return _mm512_madd_epi16(s, _mm512_set1_epi16(1)); }
