@@ -407,8 +407,8 @@ def add_language_model_arguments(parser: Any) -> None:
 INT8_ACTIVATIONS_HELP = (
     "quantize the activations of int8 / int4 / uint4 weights to int8 per row and weight group in "
     "the CPU kernels (llama.cpp's Q8 blocks, as llama.cpp runs GGUF weights), in prefill and "
-    "decode: faster at the activations' rounding error (AVX2 or AVX-512; int8 weights need "
-    "AVX-512 VNNI)"
+    "decode: faster at the activations' rounding error (AVX2 or AVX-512; int8 weights not on "
+    "AVX-512 without VNNI)"
 )
 
 

@@ -130,13 +130,13 @@ def weight_only_linear(
     The weight is dequantized in registers inside the kernel. bias: [N] (optional);
     out_dtype: float32 | bfloat16, default x.dtype.
 
-    int8_activations: for int4 / uint4 (and, with AVX-512 VNNI, int8) weights whose storage
-    group is a multiple of 4, and a CPU path that has it (`int8_activations_supported(kind)`:
-    AVX2 or AVX-512), the kernel quantizes the activations to int8 with one scale per row and
-    weight group (absmax / 127, round half to even: llama.cpp's Q8 blocks) and takes integer
-    dots with the codes. Measured on 2 AVX-512 VNNI cores, int4 g32 against the float path:
-    1.5-1.9x faster on one row, 2-2.5x on 8 to 512. Elsewhere the float path runs, as it
-    always does without the flag.
+    int8_activations: for int4 / uint4 / int8 weights whose storage group is a multiple of 4,
+    and a CPU path that has it (`int8_activations_supported(kind)`: AVX2 or AVX-512, int8
+    weights not on AVX-512 without VNNI), the kernel quantizes the activations to int8 with
+    one scale per row and weight group (absmax / 127, round half to even: llama.cpp's Q8
+    blocks) and takes integer dots with the codes. Measured on 2 AVX-512 VNNI cores, int4 g32
+    against the float path: 1.5-1.9x faster on one row, 2-2.5x on 8 to 512. Elsewhere the
+    float path runs, as it always does without the flag.
     """
     if w.kind not in KIND_IDS:
         raise ValueError(f"w.kind={w.kind!r} is not a weight-only kind; expected {tuple(KIND_IDS)}")

@@ -528,7 +528,7 @@ def with_int8_activations(tree: Any, enabled: bool = True) -> Any:
     not copied. Other leaves (logical QArrays, other kernels) are returned as they are.
 
     Where the active CPU path has no int8-activation kernel for a weight's kind (int8 weights
-    need VNNI: `lowbit.kernels.int8_activations_supported`), that weight keeps float
+    on AVX-512 without VNNI: `lowbit.kernels.int8_activations_supported`), that weight keeps float
     activations; the engine report names each product's path, ``"cpu_kernel_int4+int8_act"``
     for integer dots and ``"cpu_kernel_int8"`` for a weight that kept float activations.
     """
