@@ -526,13 +526,23 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
       if constexpr (kShortQuads > 0) {
         // Without VNNI: exact int16 sums over up to kShortQuads quads, widened to int32 once
         // (one vpmaddwd per row and 8 quads, where each quad took one).
-        for (int64_t q0 = 0; q0 < nq; q0 += kShortQuads) {
-          const int64_t q1 = std::min<int64_t>(nq, q0 + kShortQuads);
+        if (nq <= kShortQuads) {
+          // One block (groups of 32 or fewer: GGUF's): widened straight into the group's
+          // sums, which then need no running total across blocks.
           VI part[MR];
           LOWBIT_UNROLL for (int r = 0; r < MR; ++r) part[r] = izero();
-          for (int64_t q = q0; q < q1; ++q)
+          for (int64_t q = 0; q < nq; ++q)
             quad_rows(q, [&](int r, const auto& w, const int8_t* x) { part[r] = udot16(part[r], w, x); });
-          LOWBIT_UNROLL for (int r = 0; r < MR; ++r) iacc[r] = iadd(iacc[r], widen16(part[r]));
+          LOWBIT_UNROLL for (int r = 0; r < MR; ++r) iacc[r] = widen16(part[r]);
+        } else {
+          for (int64_t q0 = 0; q0 < nq; q0 += kShortQuads) {
+            const int64_t q1 = std::min<int64_t>(nq, q0 + kShortQuads);
+            VI part[MR];
+            LOWBIT_UNROLL for (int r = 0; r < MR; ++r) part[r] = izero();
+            for (int64_t q = q0; q < q1; ++q)
+              quad_rows(q, [&](int r, const auto& w, const int8_t* x) { part[r] = udot16(part[r], w, x); });
+            LOWBIT_UNROLL for (int r = 0; r < MR; ++r) iacc[r] = iadd(iacc[r], widen16(part[r]));
+          }
         }
       } else {
         // With one or two rows, each row's dots go into kChains independent sums: a single
@@ -566,9 +576,10 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
         }
       }
     }
-    LOWBIT_UNROLL for (int r = 0; r < MR; ++r) iacc[r] = q4_columns(iacc[r]);
+    // The sums come in the quads' column order (quad_order): so do the scales and zero
+    // points, once a group for all rows, and the tile's accumulators until they are stored.
     const float* hdr = reinterpret_cast<const float*>(gp);
-    const V s = vload(hdr);
+    const V s = quad_order(vload(hdr));
     if constexpr (kInt8Codes) {
 #if defined(LOWBIT_HAS_WO_Q8_SIGNS)
       LOWBIT_UNROLL for (int r = 0; r < MR; ++r)
@@ -581,7 +592,7 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
       }
 #endif
     } else {
-      const V zp = KIND == kInt4 ? vbcast(8.0f) : vload(hdr + kPanel);
+      const V zp = KIND == kInt4 ? vbcast(8.0f) : quad_order(vload(hdr + kPanel));
       LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
         V t = vmul(vcvt(iacc[r]), vbcast(xs[r * a.groups + g]));
         t = vfnmadd(zp, vbcast(xz[r * a.groups + g]), t);
@@ -589,7 +600,7 @@ static void wq8_tile(const WoArgs& a, int64_t m, const uint8_t* pan, float* c, i
       }
     }
   }
-  LOWBIT_UNROLL for (int r = 0; r < MR; ++r) vstore(c + r * ldc, acc[r]);
+  LOWBIT_UNROLL for (int r = 0; r < MR; ++r) vstore(c + r * ldc, quad_order(acc[r]));
 }
 
 template <int KIND>

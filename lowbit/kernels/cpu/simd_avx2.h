@@ -142,7 +142,7 @@ static inline VI idot(VI acc, const WQ& w, const uint32_t* x) {
 
 // One k-quad (pair rows t, t + 1: 32 bytes) of a 16-column 4-bit panel as two ymm of 8 dwords,
 // column j's dword holding its codes for k = 4q .. 4q + 3 in byte order, in the column order
-// [0-3, 8-11] and [4-7, 12-15] (q4_columns restores it). Only in-lane shuffles after one
+// [0-3, 8-11] and [4-7, 12-15] (quad_order). Only in-lane shuffles after one
 // vpermq: four zero-extending loads (vpmovzxbd ymm, as simd_avx512.h unpacks) cross lanes and
 // kept the shuffle ports busy. A 4-row tile's quad, with udot16 below (llvm-mca, cycles):
 // Zen 3 12.9 -> 7.9, Zen 2 14.1 -> 8.6, Skylake 13.1 -> 9.1.
@@ -159,9 +159,10 @@ static inline VI q4_quad(const uint8_t* p) {
   const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
   return VI{_mm256_unpacklo_epi8(lo, hi), _mm256_unpackhi_epi8(lo, hi)};
 }
-// Sums of q4_quad (or q8_quad) products back in column order 0-7, 8-15.
-static inline VI q4_columns(const VI& v) {
-  return VI{_mm256_permute2x128_si256(v.a, v.b, 0x20), _mm256_permute2x128_si256(v.a, v.b, 0x31)};
+// Sixteen floats from column order 0-7, 8-15 to q4_quad's (or q8_quad's), and back: the
+// exchange of the middle two quarters is its own inverse.
+static inline V quad_order(const V& v) {
+  return V{_mm256_permute2f128_ps(v.a, v.b, 0x20), _mm256_permute2f128_ps(v.a, v.b, 0x31)};
 }
 
 // One k-quad of an int8 panel (64 bytes: the 16 columns' codes of k = 4q, then 4q + 1, 4q + 2,

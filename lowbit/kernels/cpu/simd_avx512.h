@@ -101,7 +101,7 @@ static inline __m512i q4_quad(const uint8_t* p) {
 }
 
 // q4_quad keeps the column order.
-static inline __m512i q4_columns(__m512i v) { return v; }
+static inline V quad_order(V v) { return v; }
 
 // acc + per-lane sum of 4 (u8 code x s8 activation) products, the activation dword broadcast.
 static inline __m512i udot(__m512i acc, __m512i codes, int32_t x4) {
