@@ -454,14 +454,15 @@ static void w4_run(const W4Args& a, int64_t m0, int64_t m1, int64_t p0, int64_t 
 }
 
 #if defined(LOWBIT_HAS_WO_Q8)
-// 4-bit (int4, uint4) and, with VNNI, int8 weight-only panels times int8 activations (small M,
-// IsaKernels::wo_q8). Per group g and row r, the integer dot of the codes c with the
+// 4-bit (int4, uint4) and int8 (AVX-512 VNNI, AVX2) weight-only panels times int8 activations
+// (IsaKernels::wo_q8). Per group g and row r, the integer dot of the codes c with the
 // activation codes q, then acc += s * (dx * dot - zp * dx * sum(q)) with dx the row's scale
 // for the group and zp the group's zero point (8 for int4, whose codes are stored
 // offset-binary; none for int8). The 4-bit codes are the dot's unsigned operand. int8 codes
-// are signed, so there the activations are (q + 128) and the dot loses 128 * sum(c), summed
-// by one more dot with ones. The weight stream is read as the float path reads it (same
-// layout); MR rows share each unpacked k-quad.
+// are signed: with VNNI the activations are (q + 128) and the dot loses 128 * sum(c), summed
+// by one more dot with ones; AVX2 multiplies |c| by q with c's sign (q8_dot; AVX-512 has no
+// vpsignb, so AVX-512 BW keeps int8 on the float path). The weight stream is read as the
+// float path reads it (same layout); MR rows share each unpacked k-quad.
 // Rows per tile: the ISA's activation tile height (AVX2: 4, whose sums of a row take two of
 // its 16 registers; AVX-512: 8).
 constexpr int kQ8Rows = kQMR;
