@@ -140,20 +140,26 @@ static inline VI idot(VI acc, const WQ& w, const uint32_t* x) {
 #define LOWBIT_HAS_WO_Q8 1
 #define LOWBIT_HAS_WO_Q8_SIGNS 1
 
+// 32 bytes at p, two rows of the 16 columns' bytes, as 16 words in which each column's byte of
+// the first row sits beside its byte of the second: columns 0-7, then 8-15, one lane each.
+// One vpermq, then in-lane shuffles only.
+static inline __m256i column_pairs(const uint8_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  // Lanes [row 0 0-7, row 1 0-7 | row 0 8-15, row 1 8-15], then interleaved within each.
+  const __m256i q = _mm256_permute4x64_epi64(v, _MM_SHUFFLE(3, 1, 2, 0));
+  return _mm256_shuffle_epi8(q, _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7,
+                                                 15, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14,
+                                                 7, 15));
+}
+
 // One k-quad (pair rows t, t + 1: 32 bytes) of a 16-column 4-bit panel as two ymm of 8 dwords,
 // column j's dword holding its codes for k = 4q .. 4q + 3 in byte order, in the column order
-// [0-3, 8-11] and [4-7, 12-15] (quad_order). Only in-lane shuffles after one
-// vpermq: four zero-extending loads (vpmovzxbd ymm, as simd_avx512.h unpacks) cross lanes and
-// kept the shuffle ports busy. A 4-row tile's quad, with udot16 below (llvm-mca, cycles):
-// Zen 3 12.9 -> 7.9, Zen 2 14.1 -> 8.6, Skylake 13.1 -> 9.1.
+// [0-3, 8-11] and [4-7, 12-15] (quad_order). Built from column_pairs: four zero-extending
+// loads (vpmovzxbd ymm, as simd_avx512.h unpacks) cross lanes and kept the shuffle ports
+// busy. A 4-row tile's quad, with udot16 below (llvm-mca, cycles): Zen 3 12.9 -> 7.9, Zen 2
+// 14.1 -> 8.6, Skylake 13.1 -> 9.1.
 static inline VI q4_quad(const uint8_t* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  // Lanes [row t 0-7, row t+1 0-7 | row t 8-15, row t+1 8-15], then each column's two bytes
-  // side by side.
-  const __m256i q = _mm256_permute4x64_epi64(v, _MM_SHUFFLE(3, 1, 2, 0));
-  const __m256i pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0,
-                                         8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-  const __m256i b = _mm256_shuffle_epi8(q, pairs);
+  const __m256i b = column_pairs(p);
   const __m256i m = _mm256_set1_epi8(0x0F);
   const __m256i lo = _mm256_and_si256(b, m);
   const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
@@ -169,14 +175,8 @@ static inline V quad_order(const V& v) {
 // 4q + 3) as q4_quad lays a 4-bit one out: column j's dword holds its 4 codes in k order,
 // columns in the order [0-3, 8-11] and [4-7, 12-15].
 static inline VI q8_quad(const uint8_t* p) {
-  const __m256i pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0,
-                                         8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-  // Each column's codes of k = 4q, 4q + 1 (then 4q + 2, 4q + 3) side by side, as 16 words.
-  auto words = [&](const uint8_t* rows) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows));
-    return _mm256_shuffle_epi8(_mm256_permute4x64_epi64(v, _MM_SHUFFLE(3, 1, 2, 0)), pairs);
-  };
-  const __m256i lo = words(p), hi = words(p + 32);
+  // Each column's codes of k = 4q, 4q + 1, then of 4q + 2, 4q + 3, side by side.
+  const __m256i lo = column_pairs(p), hi = column_pairs(p + 32);
   return VI{_mm256_unpacklo_epi16(lo, hi), _mm256_unpackhi_epi16(lo, hi)};
 }
 // The codes' magnitudes, vpmaddubsw's unsigned operand (128 for a code of -128).
