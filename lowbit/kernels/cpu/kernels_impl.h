@@ -18,6 +18,12 @@ constexpr int kFNP = kTile.fnp;
 constexpr int kQMR = kTile.qmr;
 constexpr int kQNP = kTile.qnp;
 constexpr bool kLutNibbles = kTile.lut_nibbles;
+// Whether rows past kMR (up to kMRWide) take wo_tile_one_chain (the ISA's vocabulary says).
+#if defined(LOWBIT_WO_ONE_CHAIN)
+constexpr bool kWoOneChain = true;
+#else
+constexpr bool kWoOneChain = false;
+#endif
 
 // Calls f(std::integral_constant<int, mr>{}) for a runtime row count 1 <= mr <= R: a tile's
 // row count is a template argument (its loops over rows unroll), the rows left at the end
@@ -122,6 +128,44 @@ static void wo_tile(const WoArgs& a, const float* x, int64_t xr, const float* sx
   }
   LOWBIT_UNROLL for (int r = 0; r < MR; ++r)
     LOWBIT_UNROLL for (int j = 0; j < NP; ++j) vstore(c + r * ldc + j * kPanel, acc[r][j]);
+}
+
+// MR rows of one panel over all groups, for ISAs whose 16 registers cannot hold wo_tile's
+// three sums a row (AVX2: with 2 rows a tile, 8 rows unpacked every weight four times). One
+// chain a row (even and odd k into the same sum) and the running output kept in c, updated
+// once a group: 4 rows' sums, the pair's weights and a broadcast fit in 14 ymm.
+template <int KIND, int MR>
+static void wo_tile_one_chain(const WoArgs& a, const float* x, int64_t xr, const float* sx,
+                              const uint8_t* pan, float* c, int64_t ldc, const Lut& lut) {
+  using D = Deq<KIND>;
+  const int64_t npairs = a.gs / 2;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const uint8_t* gp = pan + g * a.group_bytes;
+    V e[MR];
+    LOWBIT_UNROLL for (int r = 0; r < MR; ++r) e[r] = vzero();
+    const float* xg = x + g * a.gs * xr;
+    for (int64_t t = 0; t < npairs; ++t) {
+      const uint8_t* p = gp + kGroupHeader + t * D::PB;
+      if (((t * D::PB) & 63) == 0) __builtin_prefetch(p + kPrefetch);
+      V w0, w1;
+      D::pair(p, lut, w0, w1);
+      LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
+        e[r] = vfmadd(vbcast(xg[2 * t * xr + r]), w0, e[r]);
+        e[r] = vfmadd(vbcast(xg[(2 * t + 1) * xr + r]), w1, e[r]);
+      }
+    }
+    const float* hdr = reinterpret_cast<const float*>(gp);
+    V s = vload(hdr);
+    if constexpr (D::kScaleMul != 1.0f) s = vmul(s, vbcast(D::kScaleMul));
+    V szp = vzero();
+    if constexpr (D::kZp) szp = vmul(s, vload(hdr + kPanel));
+    LOWBIT_UNROLL for (int r = 0; r < MR; ++r) {
+      V out = g == 0 ? vzero() : vload(c + r * ldc);
+      out = vfmadd(s, e[r], out);
+      if constexpr (D::kZp) out = vfnmadd(szp, vbcast(sx[r * a.groups + g]), out);
+      vstore(c + r * ldc, out);
+    }
+  }
 }
 
 // Large M: dequantize groups [g0, g1) of `np` panels once into buf [k][np * 16] (exactly
@@ -261,7 +305,12 @@ static void wo_run_kind(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int
       };
       using One = std::integral_constant<int, 1>;
       if (wide) {
-        with_rows<kMRWide>(mr, [&](auto r) { tile(r, One{}); });
+        with_rows<kMRWide>(mr, [&](auto r) {
+          if constexpr (kWoOneChain && decltype(r)::value > kMR)
+            wo_tile_one_chain<KIND, decltype(r)::value>(a, x, xr, sx, pan, cc, ldc, lut);
+          else
+            tile(r, One{});
+        });
       } else if (np == kNP) {
         with_rows<kMR>(mr, [&](auto r) { tile(r, std::integral_constant<int, kNP>{}); });
       } else {

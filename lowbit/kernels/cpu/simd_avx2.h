@@ -3,7 +3,9 @@
 // vpmaddwd.
 
 // mr, np, mr_wide, fmr, fnp, qmr, qnp, lut_nibbles (TileShape in common.h).
-constexpr TileShape kTile{2, 1, 2, 6, 1, 4, 1, false};
+constexpr TileShape kTile{2, 1, 4, 6, 1, 4, 1, false};
+// 3 or 4 rows of a weight-only tile: wo_tile_one_chain (kernels_impl.h).
+#define LOWBIT_WO_ONE_CHAIN 1
 
 struct V {
   __m256 a, b;
