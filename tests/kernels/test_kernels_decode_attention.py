@@ -208,3 +208,32 @@ def test_integer_qk_matches_numpy(groups):
     with pytest.raises(ValueError, match="integer_qk needs an int8 cache"):
         f32 = keys.astype(np.float32)
         kernels.decode_attention(q, f32, f32, start, 3, integer_qk=True)
+
+
+def test_every_isa_path_matches_numpy():
+    # The vector code follows the matmul kernels' path (`kernels.set_isa`, LOWBIT_CPU_ISA), so a
+    # forced AVX2 run attends with AVX2 on an AVX-512 CPU too: each path against the reference,
+    # float keys and int8 keys read by integer products.
+    rng = np.random.default_rng(7)
+    q, keys, values = make(2, 2, 3, 64, 300, seed=7)
+    start, slot = np.array([0, 9], np.int32), 260
+    codes = make_codes("int8", (2, 2, 300, 64), rng)
+    scales = rng.uniform(0.001, 0.05, (2, 2, 300, 4)).astype(np.float16)
+    integer = jax.jit(kernels.decode_attention, static_argnames="integer_qk")
+    names = kernels.supported_isas()
+    outs = {}
+    try:
+        for name in names:
+            assert kernels.set_isa(name) == name
+            outs[name] = (
+                np.asarray(_kernel(q, keys, values, start, jnp.int32(slot))),
+                np.asarray(
+                    integer(q, codes, codes, start, jnp.int32(slot), scales, scales, integer_qk=True)
+                ),
+            )
+    finally:
+        kernels.set_isa(names[-1])
+    ref = numpy_attention(q, keys, values, start, slot)
+    for name, (out, out_int) in outs.items():
+        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5, err_msg=name)
+        np.testing.assert_allclose(out_int, outs[names[-1]][1], rtol=1e-5, atol=1e-6, err_msg=name)

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "dispatch.h"
 #include "ffi_handlers.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -41,6 +42,7 @@ inline void Store(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 typedef float V8 __attribute__((vector_size(32)));
 typedef float V4 __attribute__((vector_size(16)));
+
 
 // Horizontal sum by halves (register extracts, not a round trip through memory).
 inline float Sum(V16 v) {
@@ -140,6 +142,27 @@ __attribute__((always_inline)) inline void WeightedValues(const float* w, int64_
     for (int c = 0; c < D16; ++c) Store(acc + i * d + 16 * c, a[i][c]);
 }
 
+// acc[d] = sum over slots t of w[t] * v[t0 + t] for one query row, in native 8-lane vectors:
+// for the AVX2 copy, where GCC builds a 16-lane broadcast (`V16{} + x`, two ymm) with 16
+// scalar stores and a reload on every slot (the values pass then took twice the AVX-512 one's
+// time); an 8-lane one is a vbroadcastss. D8 = d / 8 sums stay in registers.
+template <int D8>
+__attribute__((always_inline)) inline void WeightedValues8(const float* w, const float* v,
+                                                           int64_t t0, int64_t n, float* acc) {
+  constexpr int64_t d = 8 * D8;
+  V8 a[D8] = {};
+  for (int64_t t = 0; t < n; ++t) {
+    const float* vr = v + (t0 + t) * d;
+    const V8 p = V8{} + w[t];
+    for (int c = 0; c < D8; ++c) {
+      V8 vv;
+      std::memcpy(&vv, vr + 8 * c, sizeof(vv));
+      a[c] += p * vv;
+    }
+  }
+  for (int c = 0; c < D8; ++c) std::memcpy(acc + 8 * c, &a[c], sizeof(V8));
+}
+
 // Gemma 2's soft cap on attention scores, cap * tanh(s / cap); cap <= 0 leaves them as they are.
 inline void SoftCap(float* row, int64_t n, float cap) {
   if (cap <= 0.0f) return;
@@ -152,8 +175,8 @@ inline void SoftCap(float* row, int64_t n, float cap) {
 // weighted values acc[g][d]. `scores` is scratch of g * (t1 - t0 + 15) floats. D16 = d / 16.
 // Scores come 16 slots at a time (the key block stays in L1 across the queries); the values
 // pass reads each value row once for up to GB queries.
-template <int D16>
-__attribute__((target_clones("avx512f", "avx2", "default"))) void AttendChunkVec(
+template <int D16, bool kNarrow = false>
+__attribute__((always_inline)) inline void AttendChunkVec(
     const float* q, int64_t g, const float* k, const float* v, int64_t t0, int64_t t1,
     float* scores, float* m, float* l, float* acc, float cap) {
   constexpr int64_t d = 16 * D16;
@@ -199,6 +222,10 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void AttendChunkVec
     m[i] = mx;
     l[i] = Sum(sum);
   }
+  if constexpr (kNarrow) {
+    for (int64_t i = 0; i < g; ++i) WeightedValues8<2 * D16>(scores + i * stride, v, t0, n, acc + i * d);
+    return;
+  }
   for (int64_t i = 0; i < g; i += GB) {
     const float* w = scores + i * stride;
     float* out = acc + i * d;
@@ -216,6 +243,49 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void AttendChunkVec
         WeightedValues<D16, GB>(w, stride, v, t0, n, out);
         break;
     }
+  }
+}
+
+// The vector code's instruction set follows the matmul kernels' path (`ActiveIsa`), not the
+// CPU: with LOWBIT_CPU_ISA=avx2 every kernel of lowbit runs as on an AVX2-only CPU. (With
+// target_clones, which choose by the CPU, a forced AVX2 run still attended with AVX-512.)
+enum class Width { kBase, kAvx2, kAvx512 };
+
+Width ActiveWidth() {
+  const std::string name = ActiveIsa()->name;
+  if (name.rfind("avx512", 0) == 0 || name == "amx") return Width::kAvx512;
+  if (name.rfind("avx2", 0) == 0) return Width::kAvx2;
+  return Width::kBase;
+}
+
+template <int D16>
+__attribute__((target("avx512f"))) void AttendChunkAvx512(const float* q, int64_t g,
+                                                          const float* k, const float* v,
+                                                          int64_t t0, int64_t t1, float* scores,
+                                                          float* m, float* l, float* acc,
+                                                          float cap) {
+  AttendChunkVec<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
+}
+
+template <int D16>
+__attribute__((target("avx2,fma"))) void AttendChunkAvx2(const float* q, int64_t g,
+                                                         const float* k, const float* v,
+                                                         int64_t t0, int64_t t1, float* scores,
+                                                         float* m, float* l, float* acc,
+                                                         float cap) {
+  AttendChunkVec<D16, true>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
+}
+
+template <int D16>
+void AttendChunkWidth(const float* q, int64_t g, const float* k, const float* v, int64_t t0,
+                      int64_t t1, float* scores, float* m, float* l, float* acc, float cap) {
+  switch (ActiveWidth()) {
+    case Width::kAvx512:
+      return AttendChunkAvx512<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
+    case Width::kAvx2:
+      return AttendChunkAvx2<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
+    default:
+      return AttendChunkVec<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
   }
 }
 
@@ -255,11 +325,11 @@ void AttendChunk(const float* q, int64_t g, int64_t d, const float* k, const flo
                  float cap) {
   switch (d) {
     case 32:
-      return AttendChunkVec<2>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
+      return AttendChunkWidth<2>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
     case 64:
-      return AttendChunkVec<4>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
+      return AttendChunkWidth<4>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
     case 128:
-      return AttendChunkVec<8>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
+      return AttendChunkWidth<8>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
     default:
       return AttendChunkScalar(q, g, d, k, v, t0, t1, scores, m, l, acc, cap);
   }
@@ -337,7 +407,7 @@ void Dequantize(int64_t fmt, const uint8_t* codes, int64_t row_bytes, const uint
 // [t0, t1) (kc: [slots][d], one float16 scale per slot and channel group): each query is
 // quantized per group to int8 (scale max(absmax / 127, 1e-30), round half to even) and each
 // group's dot is an exact int32 product, as `lowbit.models`' `integer_qk` caches define it.
-__attribute__((target_clones("arch=skylake-avx512", "avx2", "default"))) void IntScores(
+__attribute__((always_inline)) inline void IntScoresVec(
     const float* q, int64_t g, int64_t d, int64_t groups, const int8_t* kc, const uint16_t* ks,
     int64_t t0, int64_t t1, float* scores, int64_t stride) {
   const int64_t per = d / groups;
@@ -368,6 +438,30 @@ __attribute__((target_clones("arch=skylake-avx512", "avx2", "default"))) void In
       }
       scores[i * stride + (t - t0)] = total;
     }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) void IntScoresAvx512(
+    const float* q, int64_t g, int64_t d, int64_t groups, const int8_t* kc, const uint16_t* ks,
+    int64_t t0, int64_t t1, float* scores, int64_t stride) {
+  IntScoresVec(q, g, d, groups, kc, ks, t0, t1, scores, stride);
+}
+
+__attribute__((target("avx2,fma"))) void IntScoresAvx2(
+    const float* q, int64_t g, int64_t d, int64_t groups, const int8_t* kc, const uint16_t* ks,
+    int64_t t0, int64_t t1, float* scores, int64_t stride) {
+  IntScoresVec(q, g, d, groups, kc, ks, t0, t1, scores, stride);
+}
+
+void IntScores(const float* q, int64_t g, int64_t d, int64_t groups, const int8_t* kc,
+               const uint16_t* ks, int64_t t0, int64_t t1, float* scores, int64_t stride) {
+  switch (ActiveWidth()) {
+    case Width::kAvx512:
+      return IntScoresAvx512(q, g, d, groups, kc, ks, t0, t1, scores, stride);
+    case Width::kAvx2:
+      return IntScoresAvx2(q, g, d, groups, kc, ks, t0, t1, scores, stride);
+    default:
+      return IntScoresVec(q, g, d, groups, kc, ks, t0, t1, scores, stride);
   }
 }
 
