@@ -27,8 +27,9 @@ constexpr int64_t kChunk = 128;
 // Below this many multiply-adds in all (scores and values) one thread does everything.
 constexpr int64_t kMinParallelMacs = int64_t{1} << 16;
 
-// 16 floats: GCC / Clang vector extensions, compiled to one AVX-512 register in the avx512f
-// clone of the functions below and to narrower registers in the others.
+// 16 floats: GCC / Clang vector extensions, compiled to one AVX-512 register in the AVX-512
+// copies of the functions below (AttendChunkAvx512, IntScoresAvx512) and to narrower registers
+// in the others.
 typedef float V16 __attribute__((vector_size(64)));
 typedef int32_t I16 __attribute__((vector_size(64)));
 
@@ -42,7 +43,6 @@ inline void Store(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 typedef float V8 __attribute__((vector_size(32)));
 typedef float V4 __attribute__((vector_size(16)));
-
 
 // Horizontal sum by halves (register extracts, not a round trip through memory).
 inline float Sum(V16 v) {
@@ -92,7 +92,7 @@ constexpr int64_t ScoreStride(int64_t d, int64_t n) {
 }
 
 // Two-vector lane shuffle with constant indices (0-15 pick from a, 16-31 from b): one
-// vpermt2ps in the avx512f clones.
+// vpermt2ps in the AVX-512 copies.
 #if defined(__clang__)
 #define LOWBIT_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
@@ -174,7 +174,8 @@ inline void SoftCap(float* row, int64_t n, float cap) {
 // (k, v: [slots][d]). Writes the chunk's maximum score m[g], sum of exp(score - m) l[g] and
 // weighted values acc[g][d]. `scores` is scratch of g * (t1 - t0 + 15) floats. D16 = d / 16.
 // Scores come 16 slots at a time (the key block stays in L1 across the queries); the values
-// pass reads each value row once for up to GB queries.
+// pass reads each value row once for up to GB queries (kNarrow, the AVX2 copy: one query a
+// pass, in 8-lane vectors; see WeightedValues8).
 template <int D16, bool kNarrow = false>
 __attribute__((always_inline)) inline void AttendChunkVec(
     const float* q, int64_t g, const float* k, const float* v, int64_t t0, int64_t t1,
