@@ -228,7 +228,9 @@ def test_every_isa_path_matches_numpy():
             outs[name] = (
                 np.asarray(_kernel(q, keys, values, start, jnp.int32(slot))),
                 np.asarray(
-                    integer(q, codes, codes, start, jnp.int32(slot), scales, scales, integer_qk=True)
+                    integer(
+                        q, codes, codes, start, jnp.int32(slot), scales, scales, integer_qk=True
+                    )
                 ),
             )
     finally:
