@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dispatch.h"
@@ -252,10 +253,11 @@ __attribute__((always_inline)) inline void AttendChunkVec(
 // target_clones, which choose by the CPU, a forced AVX2 run still attended with AVX-512.)
 enum class Width { kBase, kAvx2, kAvx512 };
 
+// Called once a chunk: a view of the path's name, no copy.
 Width ActiveWidth() {
-  const std::string name = ActiveIsa()->name;
-  if (name.rfind("avx512", 0) == 0 || name == "amx") return Width::kAvx512;
-  if (name.rfind("avx2", 0) == 0) return Width::kAvx2;
+  const std::string_view name = ActiveIsa()->name;
+  if (name.substr(0, 6) == "avx512" || name == "amx") return Width::kAvx512;
+  if (name.substr(0, 4) == "avx2") return Width::kAvx2;
   return Width::kBase;
 }
 
