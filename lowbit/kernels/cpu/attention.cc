@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <immintrin.h>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -25,6 +26,11 @@ namespace lowbit {
 namespace {
 
 constexpr int64_t kChunk = 128;
+// The AVX2 scores pass prefetches keys this many slots ahead (4 KB at D = 64: across the
+// page boundary where the hardware prefetcher stops) and the values of the slots it scores
+// (into L2, for the values pass). The cache is read from memory at decode; a batch-8 call
+// over 160 slots (forced AVX2, in the model) took 130 us with them against 146.
+constexpr int64_t kPrefetchSlots = 16;
 // Below this many multiply-adds in all (scores and values) one thread does everything.
 constexpr int64_t kMinParallelMacs = int64_t{1} << 16;
 
@@ -43,6 +49,7 @@ inline V16 Load(const float* p) {
 inline void Store(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 typedef float V8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));
 typedef float V4 __attribute__((vector_size(16)));
 
 // Horizontal sum by halves (register extracts, not a round trip through memory).
@@ -61,25 +68,32 @@ inline float Sum(V16 v) {
 // exp(x) for x <= 0 (a score minus the running maximum), as Cephes' expf: n = round(x log2 e),
 // r = x - n ln 2 in two parts, a degree-6 polynomial, scaled by 2^n. Relative error about
 // 2e-7; below -87 it returns exp(-87), far below float32's resolution of the sum.
-inline V16 ExpNonPositive(V16 x) {
-  const V16 lo = V16{} - 87.0f;
+// V: 16 or 8 floats (I: as many int32); always inlined so that each ISA's copy uses its own
+// registers.
+template <typename V, typename I>
+__attribute__((always_inline)) inline V ExpNonPositiveN(V x) {
+  const V lo = V{} - 87.0f;
   x = x < lo ? lo : x;
   // Round to nearest by the 1.5 * 2^23 trick (|x log2 e| < 2^22 here).
-  const V16 magic = V16{} + 12582912.0f;
-  const V16 n = (x * 1.44269504088896341f + magic) - magic;
-  V16 r = x - n * 0.693359375f;
+  const V magic = V{} + 12582912.0f;
+  const V n = (x * 1.44269504088896341f + magic) - magic;
+  V r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  V16 p = V16{} + 1.9875691500e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const I16 bits = (__builtin_convertvector(n, I16) + 127) << 23;
-  V16 scale;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+__attribute__((always_inline)) inline V16 ExpNonPositive(V16 x) {
+  return ExpNonPositiveN<V16, I16>(x);
 }
 
 inline float ExpNonPositive(float x) {
@@ -143,27 +157,6 @@ __attribute__((always_inline)) inline void WeightedValues(const float* w, int64_
     for (int c = 0; c < D16; ++c) Store(acc + i * d + 16 * c, a[i][c]);
 }
 
-// acc[d] = sum over slots t of w[t] * v[t0 + t] for one query row, in native 8-lane vectors:
-// for the AVX2 copy, where GCC builds a 16-lane broadcast (`V16{} + x`, two ymm) with 16
-// scalar stores and a reload on every slot (the values pass then took twice the AVX-512 one's
-// time); an 8-lane one is a vbroadcastss. D8 = d / 8 sums stay in registers.
-template <int D8>
-__attribute__((always_inline)) inline void WeightedValues8(const float* w, const float* v,
-                                                           int64_t t0, int64_t n, float* acc) {
-  constexpr int64_t d = 8 * D8;
-  V8 a[D8] = {};
-  for (int64_t t = 0; t < n; ++t) {
-    const float* vr = v + (t0 + t) * d;
-    const V8 p = V8{} + w[t];
-    for (int c = 0; c < D8; ++c) {
-      V8 vv;
-      std::memcpy(&vv, vr + 8 * c, sizeof(vv));
-      a[c] += p * vv;
-    }
-  }
-  for (int c = 0; c < D8; ++c) std::memcpy(acc + 8 * c, &a[c], sizeof(V8));
-}
-
 // Gemma 2's soft cap on attention scores, cap * tanh(s / cap); cap <= 0 leaves them as they are.
 inline void SoftCap(float* row, int64_t n, float cap) {
   if (cap <= 0.0f) return;
@@ -175,9 +168,8 @@ inline void SoftCap(float* row, int64_t n, float cap) {
 // (k, v: [slots][d]). Writes the chunk's maximum score m[g], sum of exp(score - m) l[g] and
 // weighted values acc[g][d]. `scores` is scratch of g * (t1 - t0 + 15) floats. D16 = d / 16.
 // Scores come 16 slots at a time (the key block stays in L1 across the queries); the values
-// pass reads each value row once for up to GB queries (kNarrow, the AVX2 copy: one query a
-// pass, in 8-lane vectors; see WeightedValues8).
-template <int D16, bool kNarrow = false>
+// pass reads each value row once for up to GB queries. (The AVX2 copy is AttendChunkAvx2.)
+template <int D16>
 __attribute__((always_inline)) inline void AttendChunkVec(
     const float* q, int64_t g, const float* k, const float* v, int64_t t0, int64_t t1,
     float* scores, float* m, float* l, float* acc, float cap) {
@@ -224,10 +216,6 @@ __attribute__((always_inline)) inline void AttendChunkVec(
     m[i] = mx;
     l[i] = Sum(sum);
   }
-  if constexpr (kNarrow) {
-    for (int64_t i = 0; i < g; ++i) WeightedValues8<2 * D16>(scores + i * stride, v, t0, n, acc + i * d);
-    return;
-  }
   for (int64_t i = 0; i < g; i += GB) {
     const float* w = scores + i * stride;
     float* out = acc + i * d;
@@ -270,13 +258,114 @@ __attribute__((target("avx512f"))) void AttendChunkAvx512(const float* q, int64_
   AttendChunkVec<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
 }
 
-template <int D16>
+// The 8 horizontal sums of a[0..7] as one vector (lane u = sum of a[u]'s lanes).
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 Sum8x8(const __m256* a) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  // h0 = [sums of a0..a3 over lanes 0-3 | the same over lanes 4-7], h1 likewise for a4..a7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) inline float Sum8(__m256 a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// The AVX2 + FMA copy of AttendChunkVec, in 8-lane intrinsics (D8 = d / 8). The generic code's
+// 16-lane vectors come out of GCC as pairs of ymm with broadcasts and shuffles through memory,
+// and without FMA (the build's fp-contract=off); here every product is a vfmadd with its key or
+// value row as the memory operand. Scores: 8 slots at a time, one chain a slot (8 independent
+// chains hide the FMA latency), joined by Sum8x8. Values: one query a pass, at most 8 vectors of
+// sums in registers (two passes at D = 128), two slots' chains at D = 32.
+template <int D8>
 __attribute__((target("avx2,fma"))) void AttendChunkAvx2(const float* q, int64_t g,
                                                          const float* k, const float* v,
                                                          int64_t t0, int64_t t1, float* scores,
                                                          float* m, float* l, float* acc,
                                                          float cap) {
-  AttendChunkVec<D16, true>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
+  constexpr int64_t d = 8 * D8;
+  const int64_t n = t1 - t0;
+  const int64_t stride = ScoreStride(d, n);
+  for (int64_t i = 0; i < g; ++i) {
+    float* row = scores + i * stride;
+    const float* qi = q + i * d;
+    if (k != nullptr) {
+      int64_t t = 0;
+      for (; t + 8 <= n; t += 8) {
+        const float* kr = k + (t0 + t) * d;
+        if (i == 0) {  // the first query's pass fetches (see kPrefetchSlots)
+          const char* ahead = reinterpret_cast<const char*>(kr + kPrefetchSlots * d);
+          const char* values = reinterpret_cast<const char*>(v + (t0 + t) * d);
+          for (int64_t b = 0; b < 8 * d * 4; b += 64) {
+            _mm_prefetch(ahead + b, _MM_HINT_T0);
+            _mm_prefetch(values + b, _MM_HINT_T1);
+          }
+        }
+        __m256 a[8];
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+        for (int c = 0; c < D8; ++c) {
+          const __m256 qc = _mm256_loadu_ps(qi + 8 * c);
+          for (int u = 0; u < 8; ++u)
+            a[u] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kr + u * d + 8 * c), a[u]);
+        }
+        _mm256_storeu_ps(row + t, Sum8x8(a));
+      }
+      for (; t < n; ++t) {
+        const float* kr = k + (t0 + t) * d;
+        __m256 a = _mm256_setzero_ps();
+        for (int c = 0; c < D8; ++c)
+          a = _mm256_fmadd_ps(_mm256_loadu_ps(qi + 8 * c), _mm256_loadu_ps(kr + 8 * c), a);
+        row[t] = Sum8(a);
+      }
+    }
+    SoftCap(row, n, cap);
+    float mx = row[0];
+    for (int64_t t = 1; t < n; ++t) mx = row[t] > mx ? row[t] : mx;
+    // Pad to whole vectors with weight 0 (exp clamps to exp(-87); zeroed below).
+    for (int64_t t = n; t < stride; ++t) row[t] = mx - 1000.0f;
+    const V8 mv = V8{} + mx;
+    for (int64_t t = 0; t < stride; t += 8) {
+      V8 x;
+      std::memcpy(&x, row + t, sizeof(x));
+      x = ExpNonPositiveN<V8, I8>(x - mv);
+      std::memcpy(row + t, &x, sizeof(x));
+    }
+    for (int64_t t = n; t < stride; ++t) row[t] = 0.0f;
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < stride; t += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(row + t));
+    m[i] = mx;
+    l[i] = Sum8(sum);
+  }
+  constexpr int B = D8 < 8 ? D8 : 8;  // vectors of sums a pass
+  constexpr int S = B <= 4 ? 2 : 1;   // slots a step (independent chains)
+  for (int64_t i = 0; i < g; ++i) {
+    const float* w = scores + i * stride;
+    for (int c0 = 0; c0 < D8; c0 += B) {
+      __m256 a[S][B];
+      for (int s = 0; s < S; ++s)
+        for (int c = 0; c < B; ++c) a[s][c] = _mm256_setzero_ps();
+      int64_t t = 0;
+      for (; t + S <= n; t += S) {
+        for (int s = 0; s < S; ++s) {
+          const __m256 p = _mm256_broadcast_ss(w + t + s);
+          const float* vr = v + (t0 + t + s) * d + 8 * c0;
+          for (int c = 0; c < B; ++c)
+            a[s][c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), a[s][c]);
+        }
+      }
+      for (; t < n; ++t) {
+        const __m256 p = _mm256_broadcast_ss(w + t);
+        const float* vr = v + (t0 + t) * d + 8 * c0;
+        for (int c = 0; c < B; ++c) a[0][c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), a[0][c]);
+      }
+      for (int c = 0; c < B; ++c) {
+        __m256 total = a[0][c];
+        for (int s = 1; s < S; ++s) total = _mm256_add_ps(total, a[s][c]);
+        _mm256_storeu_ps(acc + i * d + 8 * (c0 + c), total);
+      }
+    }
+  }
 }
 
 template <int D16>
@@ -286,7 +375,7 @@ void AttendChunkWidth(const float* q, int64_t g, const float* k, const float* v,
     case Width::kAvx512:
       return AttendChunkAvx512<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
     case Width::kAvx2:
-      return AttendChunkAvx2<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
+      return AttendChunkAvx2<2 * D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
     default:
       return AttendChunkVec<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
   }
