@@ -141,6 +141,19 @@ def test_isa_paths_agree():
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-4)
 
 
+def test_every_small_batch_on_each_isa():
+    # 1 to 16 rows take the register tiles, their activations laid out once a call in tiles
+    # whose height depends on the ISA and on M (full tiles, a short last one, one row).
+    codes, scale, zp = make_weight("uint4", 96, 33, 32)
+    w = kernels.pack("uint4", codes, scale, zp, 32)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((16, 96)), jnp.float32)
+    ref = np.asarray(_reference.weight_only_linear(x, "uint4", codes, scale, zp, 32))
+    outs = on_each_isa(lambda: [kernels.weight_only_linear(x[:m], w) for m in range(1, 17)])
+    for name, ys in outs.items():
+        for m, y in enumerate(ys, start=1):
+            np.testing.assert_allclose(y, ref[:m], rtol=1e-5, atol=1e-4, err_msg=f"{name} M={m}")
+
+
 @pytest.mark.parametrize(("kind", "k", "n", "group_size"), CASES)
 def test_dequantize_weight_is_the_reference_exactly(kind, k, n, group_size):
     # The float weight a prefill-sized product multiplies must be the logical weight's own

@@ -74,12 +74,16 @@ struct WoArgs {
   int64_t groups;        // G
   int64_t panel_bytes;   // bytes per 16-column panel
   int64_t group_bytes;   // kGroupHeader + gs / 2 * PairBytes(kind)
-  // Float activations: row-major [M][kp] f32, zero beyond K, with per-group sums [M][G] for
-  // the zero-point term (small M); or, when M > 16, only k-major in tiles of `gemm_rows`
-  // rows, [M/rows][kp][rows], for the large-M path (then x and sumx are null).
-  const float* x = nullptr;
+  // Float activations, zero beyond K. Small M (<= 16): k-major in tiles of `xs_rows` rows
+  // (the ISA's `wo_x_rows(M)`), [ceil(M / xs_rows)][kp][xs_rows], zero past M, with per-group
+  // sums [M][G] for the zero-point term; built once a call (made per task, the copy was
+  // repeated for every panel chunk: a tenth of a decode-sized call at M = 8, K = 1536). Large
+  // M: k-major in tiles of `gemm_rows` rows, [M/rows][kp][rows], for the blocked path (then
+  // xs and sumx are null).
+  const float* xs = nullptr;
   const float* xt = nullptr;
   const float* sumx = nullptr;
+  int64_t xs_rows = 0;
   // int8 activations (IsaKernels::wo_q8 only): codes [M][kp], and per row and group the
   // scale and the scale times the group's code sum, [M][G] each.
   const int8_t* xq = nullptr;
@@ -164,6 +168,8 @@ struct IsaKernels {
                           float* scaled_sum) = nullptr;
   // Whether wo_q8 serves a weight-only kind (int4 / uint4; int8 too with VNNI).
   bool (*wo_q8_kind)(int kind) = nullptr;
+  // Rows per tile of `wo`'s small-M activations (WoArgs::xs) for a call of M <= 16 rows.
+  int64_t (*wo_x_rows)(int64_t m) = nullptr;
 };
 
 const IsaKernels* IsaScalar();

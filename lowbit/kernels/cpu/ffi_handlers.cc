@@ -239,9 +239,20 @@ ffi::Error WoLinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
                            xq_sum.data() + r * groups);
   });
 
+  // Small M on the float path: the tiles' k-major copy, once for every task (see WoArgs::xs);
+  // one row a tile is x itself.
+  const int64_t xr = blocked || q8 ? 0 : isa->wo_x_rows(m);
+  std::vector<float> xs(xr > 1 ? (m + xr - 1) / xr * xr * kp : 0, 0.0f);
+  for (int64_t r = 0; r < m && xr > 1; ++r) {
+    const float* src = xp.data() + r * kp;
+    float* dst = xs.data() + (r / xr) * kp * xr + r % xr;
+    for (int64_t i = 0; i < kp; ++i) dst[i * xr] = src[i];
+  }
+
   WoArgs a = WoWeightArgs(kind, gs, groups, group_bytes, blob, lut);
-  a.x = xp.data();
   a.xt = xt.empty() ? nullptr : xt.data();
+  a.xs = xr > 1 ? xs.data() : xp.data();
+  a.xs_rows = xr;
   a.sumx = sumx.data();
   a.xq = xq.data();
   a.xq_scale = xq_scale.data();

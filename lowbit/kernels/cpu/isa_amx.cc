@@ -148,7 +148,8 @@ const IsaKernels* IsaAmx() {
     const IsaKernels* vnni = IsaAvx512Vnni();
     return IsaKernels{"amx", 1, 16, vnni->gemm_rows, vnni->wo, isa_amx::q8_run, 16,
                       vnni->quantize_row, vnni->w4, vnni->w4_act_rows, vnni->wo_dequant,
-                      vnni->wo_q8, vnni->quantize_groups, vnni->wo_q8_kind};
+                      vnni->wo_q8, vnni->quantize_groups, vnni->wo_q8_kind,
+                      vnni->wo_x_rows};
   }();
   return &table;
 }

@@ -28,7 +28,8 @@ namespace lowbit {
 const IsaKernels* LOWBIT_ISA_GETTER() {
   namespace isa = LOWBIT_ISA_NS;
   static const IsaKernels table{LOWBIT_ISA_NAME, isa::kActWords, isa::kQMR, isa::kFMR, isa::wo_run, isa::q8_run, 0, LOWBIT_ISA_QUANTIZE_ROW,
-                                isa::w4_run, isa::kQMR, isa::wo_dequant, isa::wo_q8, isa::quantize_groups, isa::wo_q8_kind};
+                                isa::w4_run, isa::kQMR, isa::wo_dequant, isa::wo_q8, isa::quantize_groups, isa::wo_q8_kind,
+                                isa::wo_x_rows};
   return &table;
 }
 }  // namespace lowbit

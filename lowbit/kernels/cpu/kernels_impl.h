@@ -267,6 +267,10 @@ static void wo_run_blocked(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, 
   }
 }
 
+// Rows per small-M tile of activations (WoArgs::xs) for a call of m rows: up to kMR rows
+// take one tile of kNP panels, more (up to kMRWide) tiles of one panel.
+static int64_t wo_x_rows(int64_t m) { return m <= kMR ? m : std::min<int64_t>(m, kMRWide); }
+
 template <int KIND>
 static void wo_run_kind(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1,
                         float* c, int64_t ldc) {
@@ -281,22 +285,16 @@ static void wo_run_kind(const WoArgs& a, int64_t m0, int64_t m1, int64_t p0, int
   // kMR rows take kNP panels per tile; more rows (up to kMRWide) take one panel per tile so
   // the weight stream is still read once.
   const bool wide = m1 - m0 > kMR;
-  const int64_t rows = wide ? kMRWide : kMR;
   const int64_t step = wide ? 1 : kNP;
-  // Activations per row tile, k-major: xt[tile][k][xr].
-  const int64_t xr = std::min<int64_t>(rows, m1 - m0);
-  std::vector<float> xt(((m1 - m0 + xr - 1) / xr) * a.kp * xr, 0.0f);
-  for (int64_t m = m0; m < m1; ++m) {
-    const float* src = a.x + m * a.kp;
-    float* dst = xt.data() + ((m - m0) / xr) * a.kp * xr + (m - m0) % xr;
-    for (int64_t k = 0; k < a.kp; ++k) dst[k * xr] = src[k];
-  }
+  // Activations per row tile, k-major (a.xs, built by the caller; small-M tasks hold rows
+  // from a multiple of the tile height).
+  const int64_t xr = a.xs_rows;
   for (int64_t p = p0; p < p1; p += step) {
     const int64_t np = std::min<int64_t>(step, p1 - p);
     const uint8_t* pan = a.blob + p * a.panel_bytes;
     for (int64_t m = m0; m < m1; m += xr) {
       const int64_t mr = std::min<int64_t>(xr, m1 - m);
-      const float* x = xt.data() + ((m - m0) / xr) * a.kp * xr;
+      const float* x = a.xs + (m / xr) * a.kp * xr;
       const float* sx = a.sumx + m * a.groups;
       float* cc = c + (m - m0) * ldc + (p - p0) * kPanel;
       // The tile of r rows and `panels` panels over all groups.
