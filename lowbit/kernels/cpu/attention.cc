@@ -1,7 +1,7 @@
 // Decode attention over a KV cache (float32, or int8 / int4 / fp8 codes with float16 scales):
-// one query position per row, the cost following the filled slots only. XLA runs the same math as a loop of small fused ops (scores, mask,
-// running softmax, weighted values) whose per-op dispatch dominates at decode sizes; here it
-// is one call per layer.
+// one query position per row, the cost following the filled slots only. XLA runs the same
+// math as a loop of small fused ops (scores, mask, running softmax, weighted values) whose
+// per-op dispatch dominates at decode sizes; here it is one call per layer.
 //
 // Work is split into chunks of kChunk slots per (row, KV head), each producing a partial
 // softmax (max, sum, weighted values) that a final pass merges: the split-K scheme of
@@ -15,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common.h"
 #include "dispatch.h"
 #include "ffi_handlers.h"
 #include "parallel.h"
@@ -26,7 +27,7 @@ namespace lowbit {
 namespace {
 
 constexpr int64_t kChunk = 128;
-// The AVX2 scores pass prefetches keys this many slots ahead (4 KB at D = 64: across the
+// The vector scores pass (attention_chunk.h) prefetches keys this many slots ahead (4 KB at D = 64: across the
 // page boundary where the hardware prefetcher stops) and the values of the slots it scores
 // (into L2, for the values pass). The cache is read from memory at decode; a batch-8 call
 // over 160 slots (forced AVX2, in the model) took 130 us with them against 146.
@@ -35,8 +36,7 @@ constexpr int64_t kPrefetchSlots = 16;
 constexpr int64_t kMinParallelMacs = int64_t{1} << 16;
 
 // 16 floats: GCC / Clang vector extensions, compiled to one AVX-512 register in the AVX-512
-// copies of the functions below (AttendChunkAvx512, IntScoresAvx512) and to narrower registers
-// in the others.
+// copy of IntScores (IntScoresAvx512) and to narrower registers in the others.
 typedef float V16 __attribute__((vector_size(64)));
 typedef int32_t I16 __attribute__((vector_size(64)));
 
@@ -168,7 +168,8 @@ inline void SoftCap(float* row, int64_t n, float cap) {
 // (k, v: [slots][d]). Writes the chunk's maximum score m[g], sum of exp(score - m) l[g] and
 // weighted values acc[g][d]. `scores` is scratch of g * (t1 - t0 + 15) floats. D16 = d / 16.
 // Scores come 16 slots at a time (the key block stays in L1 across the queries); the values
-// pass reads each value row once for up to GB queries. (The AVX2 copy is AttendChunkAvx2.)
+// pass reads each value row once for up to GB queries. The baseline copy: x86-64's AVX2 and
+// AVX-512 copies are attention_chunk.h's AttendChunkSimd.
 template <int D16>
 __attribute__((always_inline)) inline void AttendChunkVec(
     const float* q, int64_t g, const float* k, const float* v, int64_t t0, int64_t t1,
@@ -249,133 +250,71 @@ Width ActiveWidth() {
   return Width::kBase;
 }
 
-template <int D16>
-__attribute__((target("avx512f"))) void AttendChunkAvx512(const float* q, int64_t g,
-                                                          const float* k, const float* v,
-                                                          int64_t t0, int64_t t1, float* scores,
-                                                          float* m, float* l, float* acc,
-                                                          float cap) {
-  AttendChunkVec<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
-}
+#if defined(__x86_64__)
+// The AVX2 and AVX-512 copies of the chunk: attention_chunk.h over each one's vectors.
+LOWBIT_TARGET_PUSH("avx2,fma")
+namespace avx2 {
+struct Ops {
+  using V = __m256;
+  using VE = V8;
+  using IE = I8;
+  static constexpr int kLanes = 8;
+  static constexpr int kAccRegs = 8;  // of 16 ymm
+  static V Zero() { return _mm256_setzero_ps(); }
+  static V Load(const float* p) { return _mm256_loadu_ps(p); }
+  static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V Bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V Add(V a, V b) { return _mm256_add_ps(a, b); }
+  static float Sum(V a);
+  static __m256 Fold(const V* a);
+};
+#include "attention_chunk.h"
+inline float Ops::Sum(V a) { return Sum8(a); }
+inline __m256 Ops::Fold(const V* a) { return Sum8x8(a); }
+}  // namespace avx2
+LOWBIT_TARGET_POP
 
-// The 8 horizontal sums of a[0..7] as one vector (lane u = sum of a[u]'s lanes).
-__attribute__((target("avx2,fma"), always_inline)) inline __m256 Sum8x8(const __m256* a) {
-  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  // h0 = [sums of a0..a3 over lanes 0-3 | the same over lanes 4-7], h1 likewise for a4..a7.
-  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+LOWBIT_TARGET_PUSH("avx512f,avx2,fma")
+namespace avx512 {
+struct Ops {
+  using V = __m512;
+  using VE = V16;
+  using IE = I16;
+  static constexpr int kLanes = 16;
+  static constexpr int kAccRegs = 16;  // of 32 zmm
+  static V Zero() { return _mm512_setzero_ps(); }
+  static V Load(const float* p) { return _mm512_loadu_ps(p); }
+  static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V Bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V Add(V a, V b) { return _mm512_add_ps(a, b); }
+  static float Sum(V a) { return _mm512_reduce_add_ps(a); }
+  static __m256 Fold(const V* a);
+};
+#include "attention_chunk.h"
+// Each vector's halves added (8 lanes), then the 8-vector horizontal sums.
+inline __m256 Ops::Fold(const V* a) {
+  __m256 h[8];
+  for (int u = 0; u < 8; ++u)
+    h[u] = _mm256_add_ps(_mm512_castps512_ps256(a[u]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[u]), 1)));
+  return Sum8x8(h);
 }
-
-__attribute__((target("avx2,fma"), always_inline)) inline float Sum8(__m256 a) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-// The AVX2 + FMA copy of AttendChunkVec, in 8-lane intrinsics (D8 = d / 8). The generic code's
-// 16-lane vectors come out of GCC as pairs of ymm with broadcasts and shuffles through memory,
-// and without FMA (the build's fp-contract=off); here every product is a vfmadd with its key or
-// value row as the memory operand. Scores: 8 slots at a time, one chain a slot (8 independent
-// chains hide the FMA latency), joined by Sum8x8. Values: one query a pass, at most 8 vectors of
-// sums in registers (two passes at D = 128), two slots' chains at D = 32.
-template <int D8>
-__attribute__((target("avx2,fma"))) void AttendChunkAvx2(const float* q, int64_t g,
-                                                         const float* k, const float* v,
-                                                         int64_t t0, int64_t t1, float* scores,
-                                                         float* m, float* l, float* acc,
-                                                         float cap) {
-  constexpr int64_t d = 8 * D8;
-  const int64_t n = t1 - t0;
-  const int64_t stride = ScoreStride(d, n);
-  for (int64_t i = 0; i < g; ++i) {
-    float* row = scores + i * stride;
-    const float* qi = q + i * d;
-    if (k != nullptr) {
-      int64_t t = 0;
-      for (; t + 8 <= n; t += 8) {
-        const float* kr = k + (t0 + t) * d;
-        if (i == 0) {  // the first query's pass fetches (see kPrefetchSlots)
-          const char* ahead = reinterpret_cast<const char*>(kr + kPrefetchSlots * d);
-          const char* values = reinterpret_cast<const char*>(v + (t0 + t) * d);
-          for (int64_t b = 0; b < 8 * d * 4; b += 64) {
-            _mm_prefetch(ahead + b, _MM_HINT_T0);
-            _mm_prefetch(values + b, _MM_HINT_T1);
-          }
-        }
-        __m256 a[8];
-        for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
-        for (int c = 0; c < D8; ++c) {
-          const __m256 qc = _mm256_loadu_ps(qi + 8 * c);
-          for (int u = 0; u < 8; ++u)
-            a[u] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kr + u * d + 8 * c), a[u]);
-        }
-        _mm256_storeu_ps(row + t, Sum8x8(a));
-      }
-      for (; t < n; ++t) {
-        const float* kr = k + (t0 + t) * d;
-        __m256 a = _mm256_setzero_ps();
-        for (int c = 0; c < D8; ++c)
-          a = _mm256_fmadd_ps(_mm256_loadu_ps(qi + 8 * c), _mm256_loadu_ps(kr + 8 * c), a);
-        row[t] = Sum8(a);
-      }
-    }
-    SoftCap(row, n, cap);
-    float mx = row[0];
-    for (int64_t t = 1; t < n; ++t) mx = row[t] > mx ? row[t] : mx;
-    // Pad to whole vectors with weight 0 (exp clamps to exp(-87); zeroed below).
-    for (int64_t t = n; t < stride; ++t) row[t] = mx - 1000.0f;
-    const V8 mv = V8{} + mx;
-    for (int64_t t = 0; t < stride; t += 8) {
-      V8 x;
-      std::memcpy(&x, row + t, sizeof(x));
-      x = ExpNonPositiveN<V8, I8>(x - mv);
-      std::memcpy(row + t, &x, sizeof(x));
-    }
-    for (int64_t t = n; t < stride; ++t) row[t] = 0.0f;
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t t = 0; t < stride; t += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(row + t));
-    m[i] = mx;
-    l[i] = Sum8(sum);
-  }
-  constexpr int B = D8 < 8 ? D8 : 8;  // vectors of sums a pass
-  constexpr int S = B <= 4 ? 2 : 1;   // slots a step (independent chains)
-  for (int64_t i = 0; i < g; ++i) {
-    const float* w = scores + i * stride;
-    for (int c0 = 0; c0 < D8; c0 += B) {
-      __m256 a[S][B];
-      for (int s = 0; s < S; ++s)
-        for (int c = 0; c < B; ++c) a[s][c] = _mm256_setzero_ps();
-      int64_t t = 0;
-      for (; t + S <= n; t += S) {
-        for (int s = 0; s < S; ++s) {
-          const __m256 p = _mm256_broadcast_ss(w + t + s);
-          const float* vr = v + (t0 + t + s) * d + 8 * c0;
-          for (int c = 0; c < B; ++c)
-            a[s][c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), a[s][c]);
-        }
-      }
-      for (; t < n; ++t) {
-        const __m256 p = _mm256_broadcast_ss(w + t);
-        const float* vr = v + (t0 + t) * d + 8 * c0;
-        for (int c = 0; c < B; ++c) a[0][c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), a[0][c]);
-      }
-      for (int c = 0; c < B; ++c) {
-        __m256 total = a[0][c];
-        for (int s = 1; s < S; ++s) total = _mm256_add_ps(total, a[s][c]);
-        _mm256_storeu_ps(acc + i * d + 8 * (c0 + c), total);
-      }
-    }
-  }
-}
+}  // namespace avx512
+LOWBIT_TARGET_POP
+#endif
 
 template <int D16>
 void AttendChunkWidth(const float* q, int64_t g, const float* k, const float* v, int64_t t0,
                       int64_t t1, float* scores, float* m, float* l, float* acc, float cap) {
   switch (ActiveWidth()) {
+#if defined(__x86_64__)
     case Width::kAvx512:
-      return AttendChunkAvx512<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
+      return avx512::AttendChunkSimd<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
     case Width::kAvx2:
-      return AttendChunkAvx2<2 * D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
+      return avx2::AttendChunkSimd<2 * D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
+#endif
     default:
       return AttendChunkVec<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
   }
