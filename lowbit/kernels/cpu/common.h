@@ -77,7 +77,7 @@ struct WoArgs {
   // Float activations, zero beyond K. Small M (<= 16): k-major in tiles of `xs_rows` rows
   // (the ISA's `wo_x_rows(M)`), [ceil(M / xs_rows)][kp][xs_rows], zero past M, with per-group
   // sums [M][G] for the zero-point term; built once a call (made per task, the copy was
-  // repeated for every panel chunk: a tenth of a decode-sized call at M = 8, K = 1536). Large
+  // repeated for every panel chunk: a fifth of a decode-sized call at M = 8, K = 1536). Large
   // M: k-major in tiles of `gemm_rows` rows, [M/rows][kp][rows], for the blocked path (then
   // xs and sumx are null).
   const float* xs = nullptr;
