@@ -27,9 +27,9 @@ namespace lowbit {
 namespace {
 
 constexpr int64_t kChunk = 128;
-// The vector scores pass (attention_chunk.h) prefetches keys this many slots ahead (4 KB at D = 64: across the
-// page boundary where the hardware prefetcher stops) and the values of the slots it scores
-// (into L2, for the values pass). The cache is read from memory at decode; a batch-8 call
+// The vector scores pass (attention_chunk.h) prefetches keys this many slots ahead (4 KB at
+// D = 64: across the page boundary where the hardware prefetcher stops) and the values of the
+// slots it scores (into L2, for the values pass). The cache is read from memory at decode; a batch-8 call
 // over 160 slots (forced AVX2, in the model) took 130 us with them against 146.
 constexpr int64_t kPrefetchSlots = 16;
 // Below this many multiply-adds in all (scores and values) one thread does everything.
