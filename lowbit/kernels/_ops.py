@@ -340,7 +340,11 @@ _CACHE_FORMATS = {
     jnp.dtype(jnp.int8): 1,
     jnp.dtype(jnp.uint8): 2,
     jnp.dtype(jnp.float8_e4m3fn): 3,
+    jnp.dtype(jnp.float16): 4,
+    jnp.dtype(jnp.bfloat16): 5,
 }
+# Formats whose codes are the values themselves (no scales).
+_FLOAT_CACHES = (0, 4, 5)
 
 
 def decode_attention(
@@ -363,7 +367,8 @@ def decode_attention(
 
     Args:
       q: [B, H, G, D] float32: G query heads per KV head, already scaled by 1 / sqrt(D).
-      keys, values: the cache, by dtype: float32 [B, H, L, D]; int8 codes [B, H, L, D]
+      keys, values: the cache, by dtype: float32, float16 or bfloat16 [B, H, L, D] (the
+        16-bit ones read at half the bytes, converted a chunk at a time); int8 codes [B, H, L, D]
         (``x = code * scale``); float8_e4m3fn codes [B, H, L, D] (likewise); uint8 [B, H, L,
         D / 2] int4 (channel j in the low nibble, j + D / 2 in the high one, signed nibbles c
         with ``x = (c + 1/2) * scale``) — the layouts of `lowbit.models`' caches.
@@ -394,9 +399,9 @@ def decode_attention(
         raise ValueError(f"keys have shape {keys.shape}; expected [{b}, {h}, L, {row}]")
     if values.shape != keys.shape:
         raise ValueError(f"values have shape {values.shape}; expected the keys' {keys.shape}")
-    if fmt == 0:
+    if fmt in _FLOAT_CACHES:
         if key_scales is not None or value_scales is not None:
-            raise ValueError("a float32 cache takes no scales")
+            raise ValueError(f"a {jnp.dtype(keys.dtype).name} cache takes no scales")
         key_scales = value_scales = jnp.zeros((1,), jnp.float16)
     else:
         for name, s in (("key_scales", key_scales), ("value_scales", value_scales)):
@@ -423,8 +428,9 @@ def decode_attention(
         scores = None
         if integer_qk:
             scores = _reference.int8_qk_scores(q, keys, key_scales)
-        k, v = keys, values
-        if fmt:
+        if fmt in _FLOAT_CACHES:
+            k, v = keys.astype(jnp.float32), values.astype(jnp.float32)
+        else:
             k = _reference.dequantize_cache(keys, key_scales, d)
             v = _reference.dequantize_cache(values, value_scales, d)
         return _reference.decode_attention(q, k, v, start, slot, scores, softcap)

@@ -311,15 +311,16 @@ def decode_block(max_len: int) -> int | None:
 
 def _fused_decode(q: jax.Array, kv: LayerKV) -> bool:
     """Whether a decode step runs as one CPU kernel call (`lowbit.kernels.decode_attention`):
-    float32 queries and a float32 cache, or an int8 / int4 / fp8 one (read by dequantizing,
-    or for `integer_qk` by int8 products), with the kernels built, where the step is
-    lowered for CPU. On XLA:CPU the block loop below costs mostly per-op dispatch (about
-    150 us a layer for SmolLM2 at 576 filled slots, against 30 us for the kernel)."""
-    f32 = jnp.dtype(jnp.float32)
+    a float32, float16 or bfloat16 cache (a bfloat16 model's), or an int8 / int4 / fp8 one
+    (read by dequantizing, or for `integer_qk` by int8 products), with the kernels built,
+    where the step is lowered for CPU. On XLA:CPU the block loop below costs mostly per-op
+    dispatch (about 150 us a layer for SmolLM2 at 576 filled slots, against 30 us for the
+    kernel)."""
+    floats = {jnp.dtype(t) for t in (jnp.float32, jnp.float16, jnp.bfloat16)}
     cache_ok = kv.config is not None or (
-        jnp.dtype(kv.keys.dtype) == f32 and jnp.dtype(kv.values.dtype) == f32
+        jnp.dtype(kv.keys.dtype) in floats and kv.values.dtype == kv.keys.dtype
     )
-    return cache_ok and jnp.dtype(q.dtype) == f32 and kernels.available()
+    return cache_ok and jnp.dtype(q.dtype) in floats and kernels.available()
 
 
 def _decode_attention(
@@ -353,8 +354,10 @@ def _decode_attention(
 
     def fused(q, kv, slot):
         fp8 = kv.config is not None and kv.config.format == "fp8"
+        # The kernel takes float32 queries (a bfloat16 model's are widened: its scores are
+        # then float32 products, as the block loop's are not).
         out = kernels.decode_attention(
-            q[:, 0],
+            q[:, 0].astype(jnp.float32),
             fp8_codes(kv.keys) if fp8 else kv.keys,
             fp8_codes(kv.values) if fp8 else kv.values,
             first,

@@ -1,4 +1,5 @@
-"""Decode attention over a float32 KV cache: the kernel against a NumPy (float64) reference."""
+"""Decode attention over a KV cache (float32, 16-bit float or quantized): the kernel against a
+NumPy (float64) reference."""
 
 import jax
 import jax.numpy as jnp
@@ -108,7 +109,7 @@ def test_bad_shapes_and_dtypes_are_named():
         kernels.decode_attention(q, keys[:, :1], values, start, 3)
     with pytest.raises(ValueError, match="values have shape"):
         kernels.decode_attention(q, keys, values[:, :, :8], start, 3)
-    with pytest.raises(TypeError, match="keys dtype bfloat16"):
+    with pytest.raises(TypeError, match="keys dtype bfloat16 / values dtype float32"):
         kernels.decode_attention(q, keys.astype(jnp.bfloat16), values, start, 3)
     with pytest.raises(ValueError, match="start must be"):
         kernels.decode_attention(q, keys, values, np.zeros(2, np.int32), 3)
@@ -160,6 +161,21 @@ def test_quantized_caches_match_numpy(fmt, groups, d):
         slot,
     )
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("d", [24, 64])
+def test_16_bit_float_caches_match_numpy(dtype, d):
+    # Read at half the bytes of float32 and widened a chunk at a time: exactly the float32
+    # attention over the widened values.
+    q, keys, values = make(2, 2, 3, d, 300, seed=d)
+    keys, values = (np.asarray(jnp.asarray(a).astype(dtype)) for a in (keys, values))
+    start, slot = np.array([0, 9], np.int32), 260
+    out = np.asarray(_kernel(q, keys, values, start, jnp.int32(slot)))
+    wide = [np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in (keys, values)]
+    np.testing.assert_allclose(out, numpy_attention(q, *wide, start, slot), rtol=1e-4, atol=2e-5)
+    with pytest.raises(ValueError, match="takes no scales"):
+        kernels.decode_attention(q, keys, values, start, 3, np.ones((2, 2, 300, 1), np.float16))
 
 
 def test_quantized_cache_needs_its_scales():
@@ -214,13 +230,21 @@ def test_integer_qk_matches_numpy(groups):
 def test_every_isa_path_matches_numpy(d):
     # The vector code follows the matmul kernels' path (`kernels.set_isa`, LOWBIT_CPU_ISA), so a
     # forced AVX2 run attends with AVX2 on an AVX-512 CPU too: each path against the reference,
-    # float keys and int8 keys read by integer products. Each head size takes its own unrolled
-    # copy (at 128 the AVX2 values pass runs in two halves).
+    # float keys, int8 keys read by integer products, and the caches widened a chunk at a time
+    # (int4 with scale groups, fp8, bfloat16). Each head size takes its own unrolled copy (at
+    # 128 the AVX2 values pass runs in two halves).
     rng = np.random.default_rng(7)
     q, keys, values = make(2, 2, 3, d, 300, seed=7)
     start, slot = np.array([0, 9], np.int32), 260
     codes = make_codes("int8", (2, 2, 300, d), rng)
     scales = rng.uniform(0.001, 0.05, (2, 2, 300, 4)).astype(np.float16)
+    int4, fp8 = make_codes("int4", (2, 2, 300, d), rng), make_codes("fp8", (2, 2, 300, d), rng)
+    bf16 = np.asarray(jnp.asarray(values).astype(jnp.bfloat16))
+    widened = {
+        "int4": (int4, scales, numpy_dequantize(int4, scales, "int4", d)),
+        "fp8": (fp8, scales, numpy_dequantize(fp8, scales, "fp8", d)),
+        "bf16": (bf16, None, np.asarray(jnp.asarray(bf16).astype(jnp.float32))),
+    }
     integer = jax.jit(kernels.decode_attention, static_argnames="integer_qk")
     names = kernels.supported_isas()
     outs = {}
@@ -234,10 +258,22 @@ def test_every_isa_path_matches_numpy(d):
                         q, codes, codes, start, jnp.int32(slot), scales, scales, integer_qk=True
                     )
                 ),
+                {
+                    fmt: np.asarray(_kernel(q, c, c, start, jnp.int32(slot), s, s))
+                    for fmt, (c, s, _) in widened.items()
+                },
             )
     finally:
         kernels.set_isa(names[-1])
     ref = numpy_attention(q, keys, values, start, slot)
-    for name, (out, out_int) in outs.items():
+    for name, (out, out_int, out_widened) in outs.items():
         np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5, err_msg=name)
+        for fmt, (_, _, wide) in widened.items():
+            np.testing.assert_allclose(
+                out_widened[fmt],
+                numpy_attention(q, wide, wide, start, slot),
+                rtol=1e-4,
+                atol=2e-5,
+                err_msg=f"{name} {fmt}",
+            )
         np.testing.assert_allclose(out_int, outs[names[-1]][1], rtol=1e-5, atol=1e-6, err_msg=name)

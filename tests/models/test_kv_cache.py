@@ -186,6 +186,38 @@ def test_fused_decode_kernel_matches_the_block_loop(head_dim, text, monkeypatch)
     np.testing.assert_allclose(np.asarray(fused), np.asarray(loop), rtol=2e-5, atol=2e-5)
 
 
+def test_bfloat16_model_decodes_through_the_kernel(monkeypatch):
+    # A bfloat16 model's cache is bfloat16: the kernel reads it in place (widened as loaded,
+    # queries widened to float32), where the block loop takes bfloat16 score products; the
+    # logits agree to bfloat16's resolution.
+    from lowbit import kernels
+    from lowbit.models import _decoder
+
+    if not kernels.available():
+        pytest.skip(kernels.status())
+    config = LlamaConfig(
+        vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=64
+    )
+    model = Llama(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
+    prompt = jnp.asarray(RNG.integers(0, 64, (2, 30)), jnp.int32)
+    steps = jnp.asarray(RNG.integers(0, 64, (2, 3)), jnp.int32)
+
+    run = lambda: _decode_after_prompt(model, None, [0, 7], prompt, steps)
+    calls = []
+    real = kernels.decode_attention
+    monkeypatch.setattr(
+        kernels, "decode_attention", lambda *a, **kw: calls.append(a[1].dtype) or real(*a, **kw)
+    )
+    fused = run()
+    assert calls and all(d == jnp.bfloat16 for d in calls), calls
+    monkeypatch.setattr(_decoder, "_fused_decode", lambda q, kv: False)
+    loop = run()
+    assert fused.dtype == loop.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        np.asarray(fused, np.float32), np.asarray(loop, np.float32), rtol=0.05, atol=0.05
+    )
+
+
 def test_last_only_logits_are_the_last_position():
     # Generation samples from the last position only; computing just that row must give the
     # same logits and the same cache as the full forward.

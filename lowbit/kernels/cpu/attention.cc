@@ -1,4 +1,5 @@
-// Decode attention over a KV cache (float32, or int8 / int4 / fp8 codes with float16 scales):
+// Decode attention over a KV cache (float32, float16 or bfloat16, or int8 / int4 / fp8 codes
+// with float16 scales):
 // one query position per row, the cost following the filled slots only. XLA runs the same
 // math as a loop of small fused ops (scores, mask, running softmax, weighted values) whose
 // per-op dispatch dominates at decode sizes; here it is one call per layer.
@@ -13,6 +14,7 @@
 #include <immintrin.h>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -250,9 +252,17 @@ Width ActiveWidth() {
   return Width::kBase;
 }
 
+// The 16-bit float cache elements (float16, bfloat16) as the chunk's template argument.
+struct Half {
+  uint16_t bits;
+};
+struct BHalf {
+  uint16_t bits;
+};
+
 #if defined(__x86_64__)
 // The AVX2 and AVX-512 copies of the chunk: attention_chunk.h over each one's vectors.
-LOWBIT_TARGET_PUSH("avx2,fma")
+LOWBIT_TARGET_PUSH("avx2,fma,f16c")
 namespace avx2 {
 struct Ops {
   using V = __m256;
@@ -264,6 +274,14 @@ struct Ops {
   static V Load(const float* p) { return _mm256_loadu_ps(p); }
   static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V Bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static V Widen(const float* p) { return _mm256_loadu_ps(p); }
+  static V Widen(const Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static V Widen(const BHalf* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
   static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V Add(V a, V b) { return _mm256_add_ps(a, b); }
   static float Sum(V a);
@@ -287,6 +305,14 @@ struct Ops {
   static V Load(const float* p) { return _mm512_loadu_ps(p); }
   static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V Bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static V Widen(const float* p) { return _mm512_loadu_ps(p); }
+  static V Widen(const Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static V Widen(const BHalf* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
   static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V Add(V a, V b) { return _mm512_add_ps(a, b); }
   static float Sum(V a) { return _mm512_reduce_add_ps(a); }
@@ -318,6 +344,31 @@ void AttendChunkWidth(const float* q, int64_t g, const float* k, const float* v,
     default:
       return AttendChunkVec<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
   }
+}
+
+// The chunk over a 16-bit float cache (E: Half or BHalf) read in place, widened as it is
+// loaded: half the bytes of a float32 cache from memory. False where no vector copy serves
+// the path and head size: the caller then widens the chunk into scratch (Dequantize).
+template <typename E>
+bool AttendChunk16(const float* q, int64_t g, int64_t d, const E* k, const E* v, int64_t t0,
+                   int64_t t1, float* scores, float* m, float* l, float* acc, float cap) {
+#if defined(__x86_64__)
+  const Width w = ActiveWidth();
+  if (w == Width::kBase || (d != 32 && d != 64 && d != 128)) return false;
+  auto run = [&](auto d16) {
+    constexpr int D16 = decltype(d16)::value;
+    if (w == Width::kAvx512)
+      avx512::AttendChunkSimd<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
+    else
+      avx2::AttendChunkSimd<2 * D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
+  };
+  if (d == 32) run(std::integral_constant<int, 2>{});
+  else if (d == 64) run(std::integral_constant<int, 4>{});
+  else run(std::integral_constant<int, 8>{});
+  return true;
+#else
+  return false;
+#endif
 }
 
 // Any head size: the same computation with scalar loops.
@@ -374,7 +425,12 @@ enum CacheFormat : int64_t {
   kInt4 = 2,     // uint8 [.., D / 2]: channel j in the low nibble, j + D / 2 in the high one,
                  // signed nibbles c with x = (c + 1/2) * scale
   kFp8 = 3,      // float8_e4m3fn codes: x = code * scale
+  kFloat16 = 4,  // float16 values, no scales (a 16-bit float cache: half the bytes to read)
+  kBFloat16 = 5,  // bfloat16 values, no scales
 };
+
+// Whether a format stores codes with float16 scales (the others are plain floats).
+constexpr bool Scaled(int64_t fmt) { return fmt >= kInt8 && fmt <= kFp8; }
 
 float HalfToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
@@ -406,11 +462,12 @@ const float* Fp8Table() {
   return table.data();
 }
 
-// Slots [t0, t1) of one head's codes (`row_bytes` bytes a slot) and scales (`groups` a slot)
-// as float32 [t1 - t0][d].
-void Dequantize(int64_t fmt, const uint8_t* codes, int64_t row_bytes, const uint16_t* scales,
-                int64_t groups, int64_t d, int64_t t0, int64_t t1, float* dst) {
-  const int64_t per = d / groups;
+// Slots [t0, t1) of one head's codes (`row_bytes` bytes a slot) and scales (`groups` a slot,
+// none for the 16-bit float formats) as float32 [t1 - t0][d]. The scalar copy: head sizes the
+// vector one (DequantizeSimd) does not take, and non-x86 builds.
+void DequantizeScalar(int64_t fmt, const uint8_t* codes, int64_t row_bytes,
+                      const uint16_t* scales, int64_t groups, int64_t d, int64_t t0, int64_t t1,
+                      float* dst) {
   const float* fp8 = fmt == kFp8 ? Fp8Table() : nullptr;
   for (int64_t t = t0; t < t1; ++t, dst += d) {
     const uint8_t* c = codes + t * row_bytes;
@@ -418,6 +475,17 @@ void Dequantize(int64_t fmt, const uint8_t* codes, int64_t row_bytes, const uint
       for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<float>(static_cast<int8_t>(c[j]));
     } else if (fmt == kFp8) {
       for (int64_t j = 0; j < d; ++j) dst[j] = fp8[c[j]];
+    } else if (fmt == kFloat16 || fmt == kBFloat16) {
+      for (int64_t j = 0; j < d; ++j) {
+        uint16_t h;
+        std::memcpy(&h, c + 2 * j, sizeof(h));
+        if (fmt == kFloat16) {
+          dst[j] = HalfToFloat(h);
+        } else {
+          const uint32_t bits = static_cast<uint32_t>(h) << 16;
+          std::memcpy(dst + j, &bits, sizeof(bits));
+        }
+      }
     } else {  // kInt4
       const int64_t half = d / 2;
       for (int64_t j = 0; j < half; ++j) {
@@ -429,9 +497,85 @@ void Dequantize(int64_t fmt, const uint8_t* codes, int64_t row_bytes, const uint
     }
     for (int64_t g = 0; g < groups; ++g) {
       const float sc = HalfToFloat(scales[t * groups + g]);
+      const int64_t per = d / groups;
       for (int64_t j = g * per; j < (g + 1) * per; ++j) dst[j] *= sc;
     }
   }
+}
+
+#if defined(__x86_64__)
+// DequantizeScalar's vector copy, 8 channels a step (AVX2 + F16C, for the AVX2 and AVX-512
+// paths alike: a pass over one chunk that stays in L2, where the scalar loop made a quantized
+// cache slower to attend over than a float32 one). Head sizes of whole 16-channel blocks and
+// scale groups of whole 8-channel vectors; DequantizeScalar takes the rest.
+LOWBIT_TARGET_PUSH("avx2,fma,f16c")
+namespace avx2 {
+// 8 bytes at p, sign-extended to int32.
+inline __m256i SignedBytes8(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m128i Load16Bytes(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+void DequantizeSimd(int64_t fmt, const uint8_t* codes, int64_t row_bytes, const uint16_t* scales,
+                    int64_t groups, int64_t d, int64_t t0, int64_t t1, float* dst) {
+  const float* fp8 = fmt == kFp8 ? Fp8Table() : nullptr;
+  const int64_t half = d / 2;
+  for (int64_t t = t0; t < t1; ++t, dst += d) {
+    const uint8_t* c = codes + t * row_bytes;
+    switch (fmt) {
+      case kInt8:
+        for (int64_t j = 0; j < d; j += 8)
+          _mm256_storeu_ps(dst + j, _mm256_cvtepi32_ps(SignedBytes8(c + j)));
+        break;
+      case kFp8:
+        for (int64_t j = 0; j < d; j += 8) {
+          const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + j)));
+          _mm256_storeu_ps(dst + j, _mm256_i32gather_ps(fp8, idx, 4));
+        }
+        break;
+      case kFloat16:
+        for (int64_t j = 0; j < d; j += 8)
+          _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(Load16Bytes(c + 2 * j)));
+        break;
+      case kBFloat16:
+        for (int64_t j = 0; j < d; j += 8) {
+          const __m256i w = _mm256_cvtepu16_epi32(Load16Bytes(c + 2 * j));
+          _mm256_storeu_ps(dst + j, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+        }
+        break;
+      default: {  // kInt4: signed nibbles (the byte sign-extended, then each nibble's)
+        const __m256 h = _mm256_set1_ps(0.5f);
+        for (int64_t j = 0; j < half; j += 8) {
+          const __m256i b = SignedBytes8(c + j);
+          const __m256i lo = _mm256_srai_epi32(_mm256_slli_epi32(b, 28), 28);
+          _mm256_storeu_ps(dst + j, _mm256_add_ps(_mm256_cvtepi32_ps(lo), h));
+          _mm256_storeu_ps(dst + j + half, _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(b, 4)), h));
+        }
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 sc = _mm256_set1_ps(_cvtsh_ss(scales[t * groups + g]));
+      const int64_t per = d / groups;
+      for (int64_t j = g * per; j < (g + 1) * per; j += 8)
+        _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_loadu_ps(dst + j), sc));
+    }
+  }
+}
+}  // namespace avx2
+LOWBIT_TARGET_POP
+#endif
+
+// DequantizeScalar's contract, on the vector copy where the path and the sizes allow.
+void Dequantize(int64_t fmt, const uint8_t* codes, int64_t row_bytes, const uint16_t* scales,
+                int64_t groups, int64_t d, int64_t t0, int64_t t1, float* dst) {
+#if defined(__x86_64__)
+  if (ActiveWidth() != Width::kBase && d % 16 == 0 && (groups == 0 || (d / groups) % 8 == 0))
+    return avx2::DequantizeSimd(fmt, codes, row_bytes, scales, groups, d, t0, t1, dst);
+#endif
+  DequantizeScalar(fmt, codes, row_bytes, scales, groups, d, t0, t1, dst);
 }
 
 // Scores of `g` queries (q: [g][d], already scaled) against int8 key codes of slots
@@ -509,9 +653,9 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const auto kd = k.dimensions();
   if (qd.size() != 4) return Invalid("decode attention: q must be [B, H, G, D]");
   const int64_t b = qd[0], h = qd[1], g = qd[2], d = qd[3];
-  const ffi::DataType want[] = {ffi::DataType::F32, ffi::DataType::S8, ffi::DataType::U8,
-                                ffi::DataType::F8E4M3FN};
-  if (fmt < kFloat32 || fmt > kFp8) return Invalid("decode attention: unknown cache format");
+  const ffi::DataType want[] = {ffi::DataType::F32,      ffi::DataType::S8,  ffi::DataType::U8,
+                                ffi::DataType::F8E4M3FN, ffi::DataType::F16, ffi::DataType::BF16};
+  if (fmt < kFloat32 || fmt > kBFloat16) return Invalid("decode attention: unknown cache format");
   if (integer_qk && fmt != kInt8) return Invalid("decode attention: integer QK needs int8 keys");
   if (k.element_type() != want[fmt] || v.element_type() != want[fmt])
     return Invalid("decode attention: cache codes have the wrong element type for the format");
@@ -524,7 +668,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   if (vd.size() != 4 || vd[0] != b || vd[1] != h || vd[2] != len || vd[3] != row)
     return Invalid("decode attention: values must have the keys' shape");
   int64_t groups = 0;
-  if (fmt != kFloat32) {
+  if (Scaled(fmt)) {
     const auto sd = k_scales.dimensions();
     groups = sd.size() == 4 ? sd[3] : 0;
     if (sd.size() != 4 || sd[0] != b || sd[1] != h || sd[2] != len || groups < 1 ||
@@ -563,7 +707,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const int64_t nt = static_cast<int64_t>(tasks.size());
   std::vector<float> ms(nt * g), ls(nt * g), accs(nt * g * d);
   const float* qp = q.typed_data();
-  const int64_t code_bytes = fmt == kFloat32 ? 4 : 1;
+  const int64_t code_bytes = fmt == kFloat32 ? 4 : Scaled(fmt) ? 1 : 2;
   const uint8_t* kp = static_cast<const uint8_t*>(k.untyped_data());
   const uint8_t* vp = static_cast<const uint8_t*>(v.untyped_data());
   const uint16_t* ksp = reinterpret_cast<const uint16_t*>(k_scales.typed_data());
@@ -582,7 +726,17 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                   ai, softcap);
       return;
     }
-    // A quantized cache: this chunk's keys and values dequantized into float scratch (32 KB
+    if (fmt == kFloat16 &&
+        AttendChunk16(qi, g, d, reinterpret_cast<const Half*>(kp + head),
+                      reinterpret_cast<const Half*>(vp + head), t.t0, t.t1, scores.data(), mi,
+                      li, ai, softcap))
+      return;
+    if (fmt == kBFloat16 &&
+        AttendChunk16(qi, g, d, reinterpret_cast<const BHalf*>(kp + head),
+                      reinterpret_cast<const BHalf*>(vp + head), t.t0, t.t1, scores.data(), mi,
+                      li, ai, softcap))
+      return;
+    // A quantized or 16-bit cache: this chunk's keys and values as float32 scratch (32 KB
     // each at D = 64), then the float path.
     std::vector<float> kf(integer_qk ? 0 : n * d), vf(n * d);
     const int64_t sc = t.bh * len * groups;
@@ -590,9 +744,9 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
       IntScores(qi, g, d, groups, reinterpret_cast<const int8_t*>(kp + head), ksp + sc, t.t0,
                 t.t1, scores.data(), ScoreStride(d, n));
     } else {
-      Dequantize(fmt, kp + head, row, ksp + sc, groups, d, t.t0, t.t1, kf.data());
+      Dequantize(fmt, kp + head, row * code_bytes, ksp + sc, groups, d, t.t0, t.t1, kf.data());
     }
-    Dequantize(fmt, vp + head, row, vsp + sc, groups, d, t.t0, t.t1, vf.data());
+    Dequantize(fmt, vp + head, row * code_bytes, vsp + sc, groups, d, t.t0, t.t1, vf.data());
     AttendChunk(qi, g, d, integer_qk ? nullptr : kf.data(), vf.data(), 0, n, scores.data(), mi,
                 li, ai, softcap);
   });

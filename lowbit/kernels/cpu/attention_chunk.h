@@ -4,7 +4,8 @@
 // inline. `Ops` provides: V (a native vector of kLanes floats), VE / IE (the same width as GCC
 // vector-extension float / int32 types, for ExpNonPositiveN), kAccRegs (vectors of running
 // sums that fit in registers beside the operands), Zero, Load, Store, Bcast, Fma, Add, Sum (one
-// vector's horizontal sum) and Fold (8 vectors' horizontal sums as one __m256).
+// vector's horizontal sum), Fold (8 vectors' horizontal sums as one __m256) and Widen (kLanes
+// cache elements, float / Half / BHalf, as floats).
 
 // The 8 horizontal sums of a[0..7] as one vector (lane u = sum of a[u]'s lanes).
 inline __m256 Sum8x8(const __m256* a) {
@@ -22,8 +23,8 @@ inline float Sum8(__m256 a) {
 
 // acc[i][L c0 .. L (c0 + B)) = sum over slots t of w[i][t] * v[t0 + t] (same columns) for GB
 // queries (w: query i at w + i * stride): each value row is loaded once for all GB queries.
-template <int DV, int B, int GB>
-inline void WeightedValuesSimd(const float* w, int64_t stride, const float* v, int64_t t0,
+template <int DV, int B, int GB, typename E>
+inline void WeightedValuesSimd(const float* w, int64_t stride, const E* v, int64_t t0,
                                int64_t n, int c0, float* acc) {
   using V = typename Ops::V;
   constexpr int64_t d = Ops::kLanes * DV;
@@ -31,9 +32,9 @@ inline void WeightedValuesSimd(const float* w, int64_t stride, const float* v, i
   for (int i = 0; i < GB; ++i)
     for (int c = 0; c < B; ++c) a[i][c] = Ops::Zero();
   for (int64_t t = 0; t < n; ++t) {
-    const float* vr = v + (t0 + t) * d + Ops::kLanes * c0;
+    const E* vr = v + (t0 + t) * d + Ops::kLanes * c0;
     V vv[B];
-    for (int c = 0; c < B; ++c) vv[c] = Ops::Load(vr + Ops::kLanes * c);
+    for (int c = 0; c < B; ++c) vv[c] = Ops::Widen(vr + Ops::kLanes * c);
     for (int i = 0; i < GB; ++i) {
       const V p = Ops::Bcast(w + i * stride + t);
       for (int c = 0; c < B; ++c) a[i][c] = Ops::Fma(p, vv[c], a[i][c]);
@@ -49,8 +50,9 @@ inline void WeightedValuesSimd(const float* w, int64_t stride, const float* v, i
 // Fold; the first query's pass prefetches keys kPrefetchSlots ahead and the values it will
 // weigh. Values: up to kAccRegs vectors of sums a pass, as many queries as fit sharing each
 // loaded value row.
-template <int DV>
-void AttendChunkSimd(const float* q, int64_t g, const float* k, const float* v, int64_t t0,
+// E: the cache's element (float, or Half / BHalf widened as they are loaded).
+template <int DV, typename E>
+void AttendChunkSimd(const float* q, int64_t g, const E* k, const E* v, int64_t t0,
                      int64_t t1, float* scores, float* m, float* l, float* acc, float cap) {
   using V = typename Ops::V;
   using VE = typename Ops::VE;
@@ -64,11 +66,11 @@ void AttendChunkSimd(const float* q, int64_t g, const float* k, const float* v, 
     if (k != nullptr) {
       int64_t t = 0;
       for (; t + 8 <= n; t += 8) {
-        const float* kr = k + (t0 + t) * d;
+        const E* kr = k + (t0 + t) * d;
         if (i == 0) {
           const char* ahead = reinterpret_cast<const char*>(kr + kPrefetchSlots * d);
           const char* values = reinterpret_cast<const char*>(v + (t0 + t) * d);
-          for (int64_t b = 0; b < 8 * d * 4; b += 64) {
+          for (int64_t b = 0; b < 8 * d * int64_t{sizeof(E)}; b += 64) {
             _mm_prefetch(ahead + b, _MM_HINT_T0);
             _mm_prefetch(values + b, _MM_HINT_T1);
           }
@@ -77,15 +79,15 @@ void AttendChunkSimd(const float* q, int64_t g, const float* k, const float* v, 
         for (int u = 0; u < 8; ++u) a[u] = Ops::Zero();
         for (int c = 0; c < DV; ++c) {
           const V qc = Ops::Load(qi + L * c);
-          for (int u = 0; u < 8; ++u) a[u] = Ops::Fma(qc, Ops::Load(kr + u * d + L * c), a[u]);
+          for (int u = 0; u < 8; ++u) a[u] = Ops::Fma(qc, Ops::Widen(kr + u * d + L * c), a[u]);
         }
         _mm256_storeu_ps(row + t, Ops::Fold(a));
       }
       for (; t < n; ++t) {
-        const float* kr = k + (t0 + t) * d;
+        const E* kr = k + (t0 + t) * d;
         V a = Ops::Zero();
         for (int c = 0; c < DV; ++c)
-          a = Ops::Fma(Ops::Load(qi + L * c), Ops::Load(kr + L * c), a);
+          a = Ops::Fma(Ops::Load(qi + L * c), Ops::Widen(kr + L * c), a);
         row[t] = Ops::Sum(a);
       }
     }
@@ -115,16 +117,16 @@ void AttendChunkSimd(const float* q, int64_t g, const float* k, const float* v, 
     for (int c0 = 0; c0 < DV; c0 += B) {
       switch (std::min<int64_t>(GB, g - i)) {
         case 1:
-          WeightedValuesSimd<DV, B, 1>(w, stride, v, t0, n, c0, out);
+          WeightedValuesSimd<DV, B, 1, E>(w, stride, v, t0, n, c0, out);
           break;
         case 2:
-          WeightedValuesSimd<DV, B, (GB >= 2 ? 2 : 1)>(w, stride, v, t0, n, c0, out);
+          WeightedValuesSimd<DV, B, (GB >= 2 ? 2 : 1), E>(w, stride, v, t0, n, c0, out);
           break;
         case 3:
-          WeightedValuesSimd<DV, B, (GB >= 3 ? 3 : 1)>(w, stride, v, t0, n, c0, out);
+          WeightedValuesSimd<DV, B, (GB >= 3 ? 3 : 1), E>(w, stride, v, t0, n, c0, out);
           break;
         default:
-          WeightedValuesSimd<DV, B, GB>(w, stride, v, t0, n, c0, out);
+          WeightedValuesSimd<DV, B, GB, E>(w, stride, v, t0, n, c0, out);
           break;
       }
     }
