@@ -444,8 +444,9 @@ def add_kv_cache_argument(parser: Any) -> None:
         "--kv-cache",
         metavar="FORMAT",
         default=None,
-        help="store the KV cache quantized: int8 | int4 | fp8 (optionally ':gN' for one scale "
-        "per N channels, '+qk' for int8 integer QK^T); default float, or the recipe's kv_cache",
+        help="store the KV cache as float16 | bfloat16, or quantized: int8 | int4 | fp8 "
+        "(optionally ':gN' for one scale per N channels, '+qk' for int8 integer QK^T); default "
+        "float (the model's dtype), or the recipe's kv_cache",
     )
 
 

@@ -794,7 +794,7 @@ class Decoder(LayerStack):
         logits = self.head(x[:, -1:] if last_only else x)
         if cache is None:
             return logits
-        quantized = cache.config is not None
+        quantized = cache.quantized
         new_cache = dataclasses.replace(
             cache,
             keys=tuple(kv.keys for kv in layers_out),

@@ -1,4 +1,5 @@
-"""The key/value cache of a decoder: float, or quantized on write (int8, int4, fp8).
+"""The key/value cache of a decoder: float (the model's dtype, or float16 / bfloat16), or
+quantized on write (int8, int4, fp8).
 
 A cache holds, per layer, the keys and values of every token slot written so far. A quantized
 cache stores codes plus one scale per (token, head) — or per (token, head, channel group) — and
@@ -21,7 +22,8 @@ first real slot. A token's rotary position is its slot minus its row's start, an
 never looks at slots before a row's start.
 
 Shapes (``T`` = max_len, ``H`` = n_kv_heads, ``D`` = head_dim, ``G`` = scale groups per head):
-  float codes ``[batch, H, T, D]`` in the cache dtype; int8 ``[batch, H, T, D]`` int8; fp8
+  float codes ``[batch, H, T, D]`` in the cache dtype (the model's, or float16 / bfloat16
+  where the config says); int8 ``[batch, H, T, D]`` int8; fp8
   ``[batch, H, T, D]`` uint8 holding float8_e4m3fn bits (XLA:CPU updates a uint8 buffer in
   place, but rewrites a whole float8 one for every written slot); int4 ``[batch, H, T, D / 2]``
   uint8 (channel ``d`` in the low nibble, channel ``d + D / 2`` in the high one); scales
@@ -57,13 +59,13 @@ class KVCache:
     Attributes:
       keys: per layer, the key codes (float keys for a float cache; rotary already applied).
       values: per layer, the value codes.
-      key_scales: per layer, ``[batch, n_kv_heads, max_len, groups]``; empty for float.
+      key_scales: per layer, ``[batch, n_kv_heads, max_len, groups]``; empty for floats.
       value_scales: likewise for values.
       key_offsets: per layer, ``[batch, n_kv_heads, 1, head_dim]`` float32, subtracted from
         keys before quantization; empty for float.
       length: ``int32 []``, how many leading slots hold tokens; new tokens go there.
       start: ``int32 [batch]``, each row's first real slot (0 unless left-padded).
-      config: the `KVCacheConfig` (static), or None for a float cache.
+      config: the `KVCacheConfig` (static), or None for a float cache of the model's dtype.
     """
 
     keys: tuple[jax.Array, ...]
@@ -89,9 +91,15 @@ class KVCache:
         arrays = [*self.keys, *self.values, *self.key_scales, *self.value_scales, *self.key_offsets]
         return int(sum(a.size * a.dtype.itemsize for a in arrays))
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the cache holds codes with scales (not floats of some dtype)."""
+        return self.config is not None and not self.config.is_float
+
     def layer(self, i: int) -> LayerKV:
-        """Layer `i`'s slice of the cache."""
-        if self.config is None:
+        """Layer `i`'s slice of the cache (a float16 / bfloat16 one reads and writes as a
+        float cache of that dtype: its LayerKV has no config)."""
+        if not self.quantized:
             return LayerKV(self.keys[i], self.values[i], None, None, None, self.start, None)
         return LayerKV(
             self.keys[i],
@@ -123,6 +131,9 @@ class LayerKV:
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
         def put(dst, x):
+            if dst.dtype == jnp.float16:  # beyond float16's range: its largest value, not inf
+                big = float(jnp.finfo(jnp.float16).max)
+                x = jnp.clip(x, -big, big)
             return jax.lax.dynamic_update_slice(dst, x.astype(dst.dtype), idx)
 
         if self.config is None:
@@ -207,9 +218,11 @@ def init_kv_cache(
         raise ValueError(f"batch={batch} and max_len={max_len} must both be positive")
     config = parse_kv_cache(kv_cache)
     shape = (batch, n_kv_heads, max_len, head_dim)
+    quantized = config is not None and not config.is_float
     # Separate buffers for every layer, keys and values: the decode loop donates them.
-    if config is None:
-        code_shape, code_dtype, scale_shape = shape, dtype, None
+    if not quantized:
+        code_dtype = dtype if config is None else jnp.dtype(config.format)
+        code_shape, scale_shape = shape, None
     else:
         config.check_head_dim(head_dim)
         code_shape, code_dtype = _code_layout(shape, config)
@@ -229,7 +242,7 @@ def init_kv_cache(
         key_scales=scales(),
         value_scales=scales(),
         key_offsets=()
-        if config is None
+        if not quantized
         else tuple(
             jnp.zeros((batch, n_kv_heads, 1, head_dim), jnp.float32) for _ in range(n_layers)
         ),

@@ -25,7 +25,7 @@ from lowbit.recipes._json import (
     parse_config,
     parse_granularity,
 )
-from lowbit.recipes._kv_cache import KV_FORMATS, KVCacheConfig, parse_kv_cache
+from lowbit.recipes._kv_cache import FLOAT_KV_FORMATS, KV_FORMATS, KVCacheConfig, parse_kv_cache
 from lowbit.recipes._maxtext import preset_from_maxtext_json
 from lowbit.recipes._paths import map_params, param_leaves, path_string
 from lowbit.recipes._presets import (
@@ -63,6 +63,7 @@ __all__ = [
     "Algorithm",
     "Select",
     "SmoothQuant",
+    "FLOAT_KV_FORMATS",
     "KV_FORMATS",
     "OPS",
     "KVCacheConfig",

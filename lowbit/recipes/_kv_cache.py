@@ -1,6 +1,7 @@
 """`KVCacheConfig`: how a language model's key/value cache is stored (a recipe field).
 
-Text form (JSON, the CLI's ``--kv-cache``): ``"float"`` (or null), ``"int8"``, ``"int4"``,
+Text form (JSON, the CLI's ``--kv-cache``): ``"float"`` (or null: the model's dtype),
+``"float16"`` / ``"bfloat16"`` (plain 16-bit floats, no scales), ``"int8"``, ``"int4"``,
 ``"fp8"``, optionally with a channel group size ``"int4:g32"`` (one scale per token, head and
 32 channels instead of per token and head) and ``"+qk"`` for int8 keys read by an integer
 QKᵀ (``"int8+qk"``).
@@ -13,17 +14,25 @@ from typing import Any
 
 from lowbit.recipes._text_form import field_errors, split_text_form
 
-KV_FORMATS = ("int8", "int4", "fp8")
-_FORMS = "float | int8 | int4 | fp8, optionally ':gN' (channel group) and, for int8, '+qk'"
+KV_FORMATS = ("int8", "int4", "fp8", "float16", "bfloat16")
+# Formats that store the values themselves, narrower than a float32 model's (no scales).
+FLOAT_KV_FORMATS = ("float16", "bfloat16")
+_FORMS = (
+    "float | float16 | bfloat16 | int8 | int4 | fp8, optionally ':gN' (channel group, "
+    "quantized formats) and, for int8, '+qk'"
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KVCacheConfig:
-    """A quantized KV cache: codes written on each step, scales per token and head.
+    """A KV cache narrower than the model's floats: quantized (codes written on each step,
+    scales per token and head) or 16-bit floats.
 
     Attributes:
       format: ``"int8"`` (symmetric, scale = absmax / 127), ``"int4"`` (symmetric, two codes a
-        byte, scale = absmax / 7) or ``"fp8"`` (float8 e4m3fn, scale = absmax / 448).
+        byte, scale = absmax / 7), ``"fp8"`` (float8 e4m3fn, scale = absmax / 448), or
+        ``"float16"`` / ``"bfloat16"``: the values rounded to that dtype, no scales (half a
+        float32 cache; float16 values beyond its range are clipped to its largest finite one).
       group_size: channels per scale along head_dim; None for one scale per token and head.
       integer_qk: int8 keys only: the attention scores come from an int8 x int8 -> int32
         product of the per-token quantized queries and the key codes, instead of dequantized
@@ -44,12 +53,21 @@ class KVCacheConfig:
             not isinstance(self.group_size, int) or self.group_size < 1
         ):
             raise ValueError(f"kv_cache group_size={self.group_size!r} must be a positive int")
+        if self.group_size is not None and self.is_float:
+            raise ValueError(
+                f"kv_cache {self.format} stores values without scales; drop ':g{self.group_size}'"
+            )
         if self.group_size is not None and self.format == "int4" and self.group_size % 2:
             raise ValueError(f"kv_cache int4 group_size={self.group_size} must be even")
         if self.integer_qk and self.format != "int8":
             raise ValueError(
                 f"kv_cache integer_qk is for int8 keys; format is {self.format!r}. Drop '+qk'"
             )
+
+    @property
+    def is_float(self) -> bool:
+        """Whether the cache stores plain 16-bit floats (no scales, no key offsets)."""
+        return self.format in FLOAT_KV_FORMATS
 
     def to_text(self) -> str:
         """The text form `parse_kv_cache` reads back."""
