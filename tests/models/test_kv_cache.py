@@ -173,6 +173,33 @@ def test_decode_reads_only_filled_blocks_and_matches_all_slots(text, monkeypatch
     np.testing.assert_allclose(np.asarray(blocks), np.asarray(every), rtol=2e-5, atol=2e-5)
 
 
+def _kernel_then_loop(monkeypatch, head_dim, text, dtype=jnp.float32):
+    """Logits of three decode steps through the CPU kernel, then through the XLA block loop,
+    and the cache dtypes the kernel was called with (a model of `dtype`, cache `text`)."""
+    from lowbit import kernels
+    from lowbit.models import _decoder
+
+    if not kernels.available():
+        pytest.skip(kernels.status())
+    config = LlamaConfig(
+        vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=head_dim, ffn_dim=64
+    )
+    model = Llama(config, dtype=dtype, rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(head_dim)  # the same draw whatever ran before
+    prompt = jnp.asarray(rng.integers(0, 64, (2, 30)), jnp.int32)
+    steps = jnp.asarray(rng.integers(0, 64, (2, 3)), jnp.int32)
+
+    run = lambda: _decode_after_prompt(model, text, [0, 7], prompt, steps)
+    calls = []
+    real = kernels.decode_attention
+    monkeypatch.setattr(
+        kernels, "decode_attention", lambda *a, **kw: calls.append(a[1].dtype) or real(*a, **kw)
+    )
+    fused = run()
+    monkeypatch.setattr(_decoder, "_fused_decode", lambda q, kv: False)
+    return fused, run(), calls
+
+
 @pytest.mark.parametrize(
     "head_dim, text",
     [
@@ -191,31 +218,11 @@ def test_fused_decode_kernel_matches_the_block_loop(head_dim, text, monkeypatch)
     # int8 / int4 / fp8 dequantized a chunk at a time; int8 keys by integer products) in one
     # kernel call per layer (`lowbit.kernels.decode_attention`); the XLA block loop must give
     # the same logits.
-    from lowbit import kernels
-    from lowbit.models import _decoder
-
-    if not kernels.available():
-        pytest.skip(kernels.status())
-    config = LlamaConfig(
-        vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=head_dim, ffn_dim=64
-    )
-    model = Llama(config, rngs=nnx.Rngs(3))
-    prompt = jnp.asarray(RNG.integers(0, 64, (2, 30)), jnp.int32)
-    steps = jnp.asarray(RNG.integers(0, 64, (2, 3)), jnp.int32)
-
-    run = lambda: _decode_after_prompt(model, text, [0, 7], prompt, steps)
-    calls = []
-    real = kernels.decode_attention
-    monkeypatch.setattr(
-        kernels, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw)
-    )
-    fused = run()
-    assert calls, "the float32 cache did not take the kernel"
-    monkeypatch.setattr(_decoder, "_fused_decode", lambda q, kv: False)
-    loop = run()
+    fused, loop, calls = _kernel_then_loop(monkeypatch, head_dim, text)
+    assert calls, f"the {text or 'float32'} cache did not take the kernel"
     # The same float32 arithmetic in another order (chunked online softmax against the block
-    # loop): float32 caches agreed within 2e-5 on every draw, the 16-bit ones moved a few
-    # logits by up to 6e-5 on some (the test order changes the draw).
+    # loop): float32 caches agree within 2e-5; over 16-bit ones a few logits moved by up to
+    # 6e-5 on other draws.
     tol = 2e-4 if text in ("float16", "bfloat16") else 2e-5
     np.testing.assert_allclose(np.asarray(fused), np.asarray(loop), rtol=tol, atol=tol)
 
@@ -224,28 +231,8 @@ def test_bfloat16_model_decodes_through_the_kernel(monkeypatch):
     # A bfloat16 model's cache is bfloat16: the kernel reads it in place (widened as loaded,
     # queries widened to float32), where the block loop takes bfloat16 score products; the
     # logits agree to bfloat16's resolution.
-    from lowbit import kernels
-    from lowbit.models import _decoder
-
-    if not kernels.available():
-        pytest.skip(kernels.status())
-    config = LlamaConfig(
-        vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=64
-    )
-    model = Llama(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
-    prompt = jnp.asarray(RNG.integers(0, 64, (2, 30)), jnp.int32)
-    steps = jnp.asarray(RNG.integers(0, 64, (2, 3)), jnp.int32)
-
-    run = lambda: _decode_after_prompt(model, None, [0, 7], prompt, steps)
-    calls = []
-    real = kernels.decode_attention
-    monkeypatch.setattr(
-        kernels, "decode_attention", lambda *a, **kw: calls.append(a[1].dtype) or real(*a, **kw)
-    )
-    fused = run()
+    fused, loop, calls = _kernel_then_loop(monkeypatch, 32, None, jnp.bfloat16)
     assert calls and all(d == jnp.bfloat16 for d in calls), calls
-    monkeypatch.setattr(_decoder, "_fused_decode", lambda q, kv: False)
-    loop = run()
     assert fused.dtype == loop.dtype == jnp.bfloat16
     np.testing.assert_allclose(
         np.asarray(fused, np.float32), np.asarray(loop, np.float32), rtol=0.05, atol=0.05
