@@ -148,7 +148,11 @@ def run() -> str:
         "`quantize_model` + `nnx.split` + `jax.jit(lowbit.run(...))`; prepared: "
         "`lowbit.prepare` on the logical QArrays; logical: `kernel_layouts=False`, the layout"
         " built inside every call (what the README path ran before). Ratio: prepared time / path"
-        " time (>= 0.9 is the target; above 1 is faster).",
+        " time (>= 0.9 is the target; above 1 is faster). The float32 baseline is XLA's GEMM as"
+        " this CPU runs it in every ISA table: lowbit's ISA path is forced, XLA's GEMM is not"
+        " (on an AVX-512 CPU it is XNNPACK's AVX-512 kernel, 32 registers, also under"
+        " `XLA_FLAGS=--xla_cpu_max_isa=AVX2`), so the `avx2` table's 'slower than float' compares"
+        " AVX2 kernels with an AVX-512 GEMM an AVX2-only CPU would not run.",
     ]
     if not kernels.available():
         return "\n".join([*lines, "", f"Not measured: {kernels.status()}"])
