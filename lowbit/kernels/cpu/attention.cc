@@ -273,16 +273,15 @@ struct Ops {
   static constexpr int kAccRegs = 8;  // of 16 ymm
   static V Zero() { return _mm256_setzero_ps(); }
   static V Load(const float* p) { return _mm256_loadu_ps(p); }
-  static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static V Bcast(const float* p) { return _mm256_broadcast_ss(p); }
-  static V Widen(const float* p) { return _mm256_loadu_ps(p); }
-  static V Widen(const Half* p) {
+  static V Load(const Half* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  static V Widen(const BHalf* p) {
+  static V Load(const BHalf* p) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+  static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V Bcast(const float* p) { return _mm256_broadcast_ss(p); }
   static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V Add(V a, V b) { return _mm256_add_ps(a, b); }
   static float Sum(V a);
@@ -304,16 +303,15 @@ struct Ops {
   static constexpr int kAccRegs = 16;  // of 32 zmm
   static V Zero() { return _mm512_setzero_ps(); }
   static V Load(const float* p) { return _mm512_loadu_ps(p); }
-  static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static V Bcast(const float* p) { return _mm512_set1_ps(*p); }
-  static V Widen(const float* p) { return _mm512_loadu_ps(p); }
-  static V Widen(const Half* p) {
+  static V Load(const Half* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  static V Widen(const BHalf* p) {
+  static V Load(const BHalf* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+  static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V Bcast(const float* p) { return _mm512_set1_ps(*p); }
   static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V Add(V a, V b) { return _mm512_add_ps(a, b); }
   static float Sum(V a) { return _mm512_reduce_add_ps(a); }
@@ -332,51 +330,26 @@ inline __m256 Ops::Fold(const V* a) {
 LOWBIT_TARGET_POP
 #endif
 
-template <int D16>
-void AttendChunkWidth(const float* q, int64_t g, const float* k, const float* v, int64_t t0,
+// The chunk on the path's vector copy; E: the cache's element (float, or Half / BHalf read in
+// place and widened as loaded: half the bytes of a float32 cache from memory). False where
+// no copy serves E (16-bit elements on the baseline path): the caller widens into scratch.
+template <int D16, typename E>
+bool AttendChunkWidth(const float* q, int64_t g, const E* k, const E* v, int64_t t0,
                       int64_t t1, float* scores, float* m, float* l, float* acc, float cap) {
   switch (ActiveWidth()) {
 #if defined(__x86_64__)
     case Width::kAvx512:
-      return avx512::AttendChunkSimd<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
-    case Width::kAvx2:
-      return avx2::AttendChunkSimd<2 * D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
-#endif
-    default:
-      return AttendChunkVec<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
-  }
-}
-
-// The chunk over a 16-bit float cache (E: Half or BHalf) read in place, widened as it is
-// loaded: half the bytes of a float32 cache from memory. False where no vector copy serves
-// the path and head size: the caller then widens the chunk into scratch (Dequantize).
-template <typename E>
-bool AttendChunk16(const float* q, int64_t g, int64_t d, const E* k, const E* v, int64_t t0,
-                   int64_t t1, float* scores, float* m, float* l, float* acc, float cap) {
-#if defined(__x86_64__)
-  const Width w = ActiveWidth();
-  if (w == Width::kBase || (d != 32 && d != 64 && d != 128)) return false;
-  auto run = [&](auto d16) {
-    constexpr int D16 = decltype(d16)::value;
-    if (w == Width::kAvx512)
       avx512::AttendChunkSimd<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
-    else
+      return true;
+    case Width::kAvx2:
       avx2::AttendChunkSimd<2 * D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
-  };
-  switch (d) {
-    case 32:
-      run(std::integral_constant<int, 2>{});
-      break;
-    case 64:
-      run(std::integral_constant<int, 4>{});
-      break;
-    default:
-      run(std::integral_constant<int, 8>{});
-  }
-  return true;
-#else
-  return false;
+      return true;
 #endif
+    default:
+      if constexpr (!std::is_same_v<E, float>) return false;
+      else AttendChunkVec<D16>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
+      return true;
+  }
 }
 
 // Any head size: the same computation with scalar loops.
@@ -408,11 +381,12 @@ void AttendChunkScalar(const float* q, int64_t g, int64_t d, const float* k, con
   }
 }
 
-// The chunk's attention; with k == nullptr the scores are already in `scores` (query row i at
+// The chunk's attention (false where only float elements are served: see AttendChunkWidth);
+// with k == nullptr the scores are already in `scores` (query row i at
 // scores + i * ScoreStride(d, t1 - t0)) and only the softmax and the values remain.
-void AttendChunk(const float* q, int64_t g, int64_t d, const float* k, const float* v,
-                 int64_t t0, int64_t t1, float* scores, float* m, float* l, float* acc,
-                 float cap) {
+template <typename E>
+bool AttendChunk(const float* q, int64_t g, int64_t d, const E* k, const E* v, int64_t t0,
+                 int64_t t1, float* scores, float* m, float* l, float* acc, float cap) {
   switch (d) {
     case 32:
       return AttendChunkWidth<2>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
@@ -421,7 +395,9 @@ void AttendChunk(const float* q, int64_t g, int64_t d, const float* k, const flo
     case 128:
       return AttendChunkWidth<8>(q, g, k, v, t0, t1, scores, m, l, acc, cap);
     default:
-      return AttendChunkScalar(q, g, d, k, v, t0, t1, scores, m, l, acc, cap);
+      if constexpr (!std::is_same_v<E, float>) return false;
+      else AttendChunkScalar(q, g, d, k, v, t0, t1, scores, m, l, acc, cap);
+      return true;
   }
 }
 
@@ -730,21 +706,15 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     const float* qi = qp + t.bh * g * d;
     float *mi = ms.data() + i * g, *li = ls.data() + i * g, *ai = accs.data() + i * g * d;
     const int64_t head = t.bh * len * row * code_bytes;
-    if (fmt == kFloat32) {
-      AttendChunk(qi, g, d, reinterpret_cast<const float*>(kp + head),
-                  reinterpret_cast<const float*>(vp + head), t.t0, t.t1, scores.data(), mi, li,
-                  ai, softcap);
-      return;
-    }
-    if (fmt == kFloat16 &&
-        AttendChunk16(qi, g, d, reinterpret_cast<const Half*>(kp + head),
-                      reinterpret_cast<const Half*>(vp + head), t.t0, t.t1, scores.data(), mi,
-                      li, ai, softcap))
-      return;
-    if (fmt == kBFloat16 &&
-        AttendChunk16(qi, g, d, reinterpret_cast<const BHalf*>(kp + head),
-                      reinterpret_cast<const BHalf*>(vp + head), t.t0, t.t1, scores.data(), mi,
-                      li, ai, softcap))
+    // A float cache read in place, elements of the type of `e` (a float32 one always is).
+    auto in_place = [&](auto e) {
+      using E = decltype(e);
+      return AttendChunk(qi, g, d, reinterpret_cast<const E*>(kp + head),
+                         reinterpret_cast<const E*>(vp + head), t.t0, t.t1, scores.data(), mi,
+                         li, ai, softcap);
+    };
+    if ((fmt == kFloat32 && in_place(0.0f)) || (fmt == kFloat16 && in_place(Half{})) ||
+        (fmt == kBFloat16 && in_place(BHalf{})))
       return;
     // A quantized or 16-bit cache: this chunk's keys and values as float32 scratch (32 KB
     // each at D = 64), then the float path.
@@ -757,8 +727,8 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
       Dequantize(fmt, kp + head, row * code_bytes, ksp + sc, groups, d, t.t0, t.t1, kf.data());
     }
     Dequantize(fmt, vp + head, row * code_bytes, vsp + sc, groups, d, t.t0, t.t1, vf.data());
-    AttendChunk(qi, g, d, integer_qk ? nullptr : kf.data(), vf.data(), 0, n, scores.data(), mi,
-                li, ai, softcap);
+    AttendChunk<float>(qi, g, d, integer_qk ? nullptr : kf.data(), vf.data(), 0, n,
+                       scores.data(), mi, li, ai, softcap);
   });
 
   // Merge the chunks of each (row, head): rescale each to the overall maximum.

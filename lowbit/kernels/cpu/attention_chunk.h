@@ -3,9 +3,9 @@
 // ISA's target pragma active, so every function here compiles for the ISA and the intrinsics
 // inline. `Ops` provides: V (a native vector of kLanes floats), VE / IE (the same width as GCC
 // vector-extension float / int32 types, for ExpNonPositiveN), kAccRegs (vectors of running
-// sums that fit in registers beside the operands), Zero, Load, Store, Bcast, Fma, Add, Sum (one
-// vector's horizontal sum), Fold (8 vectors' horizontal sums as one __m256) and Widen (kLanes
-// cache elements, float / Half / BHalf, as floats).
+// sums that fit in registers beside the operands), Zero, Load (kLanes floats, or kLanes Half /
+// BHalf cache elements widened), Store, Bcast, Fma, Add, Sum (one vector's horizontal sum) and
+// Fold (8 vectors' horizontal sums as one __m256).
 
 // The 8 horizontal sums of a[0..7] as one vector (lane u = sum of a[u]'s lanes).
 inline __m256 Sum8x8(const __m256* a) {
@@ -34,7 +34,7 @@ inline void WeightedValuesSimd(const float* w, int64_t stride, const E* v, int64
   for (int64_t t = 0; t < n; ++t) {
     const E* vr = v + (t0 + t) * d + Ops::kLanes * c0;
     V vv[B];
-    for (int c = 0; c < B; ++c) vv[c] = Ops::Widen(vr + Ops::kLanes * c);
+    for (int c = 0; c < B; ++c) vv[c] = Ops::Load(vr + Ops::kLanes * c);
     for (int i = 0; i < GB; ++i) {
       const V p = Ops::Bcast(w + i * stride + t);
       for (int c = 0; c < B; ++c) a[i][c] = Ops::Fma(p, vv[c], a[i][c]);
@@ -79,7 +79,7 @@ void AttendChunkSimd(const float* q, int64_t g, const E* k, const E* v, int64_t 
         for (int u = 0; u < 8; ++u) a[u] = Ops::Zero();
         for (int c = 0; c < DV; ++c) {
           const V qc = Ops::Load(qi + L * c);
-          for (int u = 0; u < 8; ++u) a[u] = Ops::Fma(qc, Ops::Widen(kr + u * d + L * c), a[u]);
+          for (int u = 0; u < 8; ++u) a[u] = Ops::Fma(qc, Ops::Load(kr + u * d + L * c), a[u]);
         }
         _mm256_storeu_ps(row + t, Ops::Fold(a));
       }
@@ -87,7 +87,7 @@ void AttendChunkSimd(const float* q, int64_t g, const E* k, const E* v, int64_t 
         const E* kr = k + (t0 + t) * d;
         V a = Ops::Zero();
         for (int c = 0; c < DV; ++c)
-          a = Ops::Fma(Ops::Load(qi + L * c), Ops::Widen(kr + L * c), a);
+          a = Ops::Fma(Ops::Load(qi + L * c), Ops::Load(kr + L * c), a);
         row[t] = Ops::Sum(a);
       }
     }
