@@ -46,10 +46,12 @@ static inline void with_rows(int64_t mr, F&& f) {
 // stayed within noise and SmolLM2's batch-1 decode ran 5-8% faster).
 constexpr int64_t kPrefetch = 4096;
 // K-block (in k) for weight-only tiles when M is large: the dequantized block (kc x fnp * 16
-// f32) and the activation block stay in L2 while all panels of a thread pass over them. The
-// AVX2 block (256 x 16, 16 KB) is shorter than the AVX-512 one (512 x 32): at M = 512 on
-// 4096 x 4096 its 6-row tile ran 1-3% faster that way (2 cores, noisy).
-constexpr int64_t kWoKc = 256 * kFNP;
+// f32, 16 KB on every ISA) stays in L1 beside the tile's activations while all row tiles of a
+// task pass over it (a group longer than kc makes the block one group). The 64 KB AVX-512
+// block (512 x 32) it replaced spilled to L2: at M = 512 on 4096 x 4096 that ran 0.92-0.94x
+// XLA's float GEMM against 0.97-1.05x with 32 or 16 KB (2 cores, Xeon with AVX-512 and 48 KB
+// L1; 12-row tiles were no faster). 16 KB leaves room beside it in Zen 4's 32 KB L1.
+constexpr int64_t kWoKc = 256 / kFNP;
 // K-block in k-quads for w8a8.
 constexpr int64_t kQ8Kq = 512;
 
