@@ -15,6 +15,9 @@ by the kernels on plain arrays:
   `w8a8_matmul_int32(xq, w)`: the same on already-quantized activations `xq [M, K] int8`.
 - `dequantize_weight(w)`: the float32 `[K, N]` of a prepared weight-only layout (for a GEMM
   outside the kernels at prefill sizes).
+- `gguf_linear(x, rows, ggml_type, *, out_dtype=None, int8_activations=False)` and
+  `gguf_dequantize(rows, ggml_type, k)`: weights held as a GGUF file's block rows
+  `uint8 [N, row_bytes]` (every type of llama.cpp's mixes, `GGUF_TYPE_IDS`), read as stored.
 - `decode_attention(q, keys, values, start, slot)`: one query position per row attending to
   the filled slots of a float32 KV cache (the decode step of `lowbit.models`), one call per
   layer instead of a loop of small XLA ops.
@@ -43,6 +46,7 @@ import warnings
 
 import jax.numpy as jnp
 
+from lowbit.kernels._gguf import GGUF_KINDS, GGUF_TYPE_IDS, gguf_dequantize, gguf_linear
 from lowbit.kernels._kinds import FORMAT_KINDS, KERNEL_KINDS, KINDS, KernelKind
 from lowbit.kernels._layout import (
     W8A8_MAX_K,
@@ -83,6 +87,8 @@ def prepare(*args, **kwargs) -> PreparedWeight:
 __all__ = [
     "FORMAT_KINDS",
     "FP4_LEVELS",
+    "GGUF_KINDS",
+    "GGUF_TYPE_IDS",
     "KERNEL_KINDS",
     "KINDS",
     "KernelKind",
@@ -93,6 +99,8 @@ __all__ = [
     "int8_activations_supported",
     "decode_attention",
     "dequantize_weight",
+    "gguf_dequantize",
+    "gguf_linear",
     "pack",
     "prepare",
     "prepared_columns",

@@ -27,6 +27,11 @@ XLA_FFI_Error* LowbitW8A8Int32(XLA_FFI_CallFrame* call_frame);
 // start s32 [B], slot s32 []) -> f32 [B,H,G,D], each row attending to slots start[b] .. slot;
 // attr fmt (0 float32, 1 int8, 2 int4, 3 fp8).
 XLA_FFI_Error* LowbitDecodeAttention(XLA_FFI_CallFrame* call_frame);
+// GGUF block rows (gguf.cc): (x [M,K] f32|bf16, w u8 [N, row_bytes]) -> y [M,N] f32|bf16;
+// attrs type (gguf_blocks.h), k, n, act_q8.
+XLA_FFI_Error* LowbitGgufLinear(XLA_FFI_CallFrame* call_frame);
+// The float32 weight [N, K] of GGUF block rows: (w u8 [N, row_bytes]) -> f32 [N, K].
+XLA_FFI_Error* LowbitGgufDequantize(XLA_FFI_CallFrame* call_frame);
 }
 
 #endif  // LOWBIT_KERNELS_CPU_FFI_HANDLERS_H_

@@ -27,6 +27,8 @@ PyObject* Targets(PyObject*, PyObject*) {
       {"lowbit_w4a8_linear", reinterpret_cast<void*>(&LowbitW4A8Linear)},
       {"lowbit_decode_attention", reinterpret_cast<void*>(&LowbitDecodeAttention)},
       {"lowbit_wo_dequantize", reinterpret_cast<void*>(&LowbitWoDequantize)},
+      {"lowbit_gguf_linear", reinterpret_cast<void*>(&LowbitGgufLinear)},
+      {"lowbit_gguf_dequantize", reinterpret_cast<void*>(&LowbitGgufDequantize)},
   };
   for (const auto& e : entries) {
     PyObject* cap = Capsule(e.fn);

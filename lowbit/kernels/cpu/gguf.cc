@@ -1,0 +1,599 @@
+// Products and dequantization of weights held as GGUF block rows (gguf_blocks.h): the
+// weight is [N, row_bytes], row n the blocks of output n along K, exactly as the file stores
+// it. Two arithmetics, both decoding each 256-element unit once per call and reusing it for
+// every activation row:
+//   - float activations: sum_i (ws q_i + wm) x_i = ws * sum q_i x_i + wm * sum x_i;
+//   - int8 activations (llama.cpp's Q8_0 blocks: one float scale per 32, absmax / 127, round
+//     half to even): integer dots of q with the codes, then ws * da per 16 and the minimum
+//     term from the per-16 activation sums.
+// AVX2 (FMA, F16C) code where the CPU path is AVX2 or above; portable code on the scalar path.
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "dispatch.h"
+#include "ffi_handlers.h"
+#include "gguf_blocks.h"
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace lowbit {
+namespace gguf {
+namespace {
+
+ffi::Error Invalid(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "lowbit: " + msg);
+}
+
+inline float Bf16ToF32(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t F32ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Activations prepared once a call, shared by every worker. K is padded to whole units.
+// int8 activations come in llama.cpp's blocks for the weight's type: Q8_0 (a float scale per
+// 32) for the 32-element types, Q8_K (a float scale per 256, integer sums per 16) for the
+// K-quants, whose integer sub-block scales then multiply integer dots.
+struct Acts {
+  int64_t m = 0, kp = 0;
+  bool q8 = false;
+  int per = 32;             // elements per activation scale (int8 path)
+  std::vector<float> x;     // float path: [M, Kp]
+  std::vector<int8_t> a;    // int8 path: [M, Kp]
+  std::vector<float> da;    // int8 path: [M, Kp / per] scales
+  std::vector<int16_t> bs;  // int8 path: [M, Kp / 16] integer sums of a
+  std::vector<float> sums;  // [M, Kp / 16]: sum of x (float) or da * sum of a (int8)
+};
+
+void PrepareActs(const void* x, bool bf16, int64_t m, int64_t k, bool q8, int per, Acts* acts) {
+  acts->m = m;
+  acts->kp = (k + kUnit - 1) / kUnit * kUnit;
+  acts->q8 = q8;
+  acts->per = per;
+  const int64_t kp = acts->kp;
+  std::vector<float> row(kp, 0.0f);
+  acts->sums.assign(m * (kp / 16), 0.0f);
+  if (q8) {
+    acts->a.assign(m * kp, 0);
+    acts->da.assign(m * (kp / per), 0.0f);
+    acts->bs.assign(m * (kp / 16), 0);
+  } else {
+    acts->x.assign(m * kp, 0.0f);
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    if (bf16) {
+      const uint16_t* src = static_cast<const uint16_t*>(x) + r * k;
+      for (int64_t i = 0; i < k; ++i) row[i] = Bf16ToF32(src[i]);
+    } else {
+      std::memcpy(row.data(), static_cast<const float*>(x) + r * k, sizeof(float) * k);
+    }
+    float* sums = acts->sums.data() + r * (kp / 16);
+    if (!q8) {
+      std::memcpy(acts->x.data() + r * kp, row.data(), sizeof(float) * kp);
+      for (int64_t g = 0; g < kp / 16; ++g) {
+        float s = 0.0f;
+        for (int i = 0; i < 16; ++i) s += row[16 * g + i];
+        sums[g] = s;
+      }
+      continue;
+    }
+    int8_t* a = acts->a.data() + r * kp;
+    float* da = acts->da.data() + r * (kp / per);
+    int16_t* bs = acts->bs.data() + r * (kp / 16);
+    for (int64_t g = 0; g < kp / per; ++g) {
+      const float* v = row.data() + per * g;
+      float amax = 0.0f;
+      for (int i = 0; i < per; ++i) amax = std::max(amax, std::fabs(v[i]));
+      // NaN or Inf activations give NaN outputs, as a float product would; a zero block gives
+      // zero codes and a zero scale, never a NaN one.
+      const float d = amax / 127.0f;
+      const float id = d > 0.0f ? 1.0f / d : 0.0f;
+      for (int i = 0; i < per; ++i) {
+        const float t = v[i] * id;
+        const int qv = static_cast<int>(std::nearbyint(std::isfinite(t) ? t : 0.0f));
+        a[per * g + i] = static_cast<int8_t>(std::clamp(qv, -127, 127));
+      }
+      da[g] = std::isfinite(amax) ? d : amax;
+    }
+    for (int64_t g = 0; g < kp / 16; ++g) {
+      int s = 0;
+      for (int i = 0; i < 16; ++i) s += a[16 * g + i];
+      bs[g] = static_cast<int16_t>(s);
+      sums[g] = da[16 * g / per] * static_cast<float>(s);
+    }
+  }
+}
+
+struct Weight {
+  int type;
+  int64_t k, n, row_bytes;
+  const uint8_t* data;
+};
+
+// Blocks in unit u of a row, and the unit's first byte.
+inline int UnitBlocks(const Weight& w, int64_t u) {
+  const TypeInfo& t = kTypes[w.type];
+  const int64_t per = kUnit / t.block;
+  return static_cast<int>(std::min<int64_t>(per, w.k / t.block - u * per));
+}
+
+inline const uint8_t* UnitBytes(const Weight& w, int64_t row, int64_t u) {
+  const TypeInfo& t = kTypes[w.type];
+  return w.data + row * w.row_bytes + u * (kUnit / t.block) * t.bytes;
+}
+
+using RowsFn = void (*)(const Weight&, const Acts&, int64_t, int64_t, float*);
+using DequantFn = void (*)(const Weight&, int64_t, int64_t, float*);
+
+// ---- portable path -------------------------------------------------------------------------
+namespace portable {
+#define LOWBIT_GGUF_HALF(p) Half(p)
+#include "gguf_decode_impl.h"
+#undef LOWBIT_GGUF_HALF
+
+template <int type>
+void Rows(const Weight& w, const Acts& acts, int64_t n0, int64_t n1, float* out) {
+  constexpr bool has_min = kTypes[type].has_min;
+  const int64_t units = acts.kp / kUnit;
+  Unit u;
+  std::vector<double> acc(acts.m);
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int64_t ui = 0; ui < units; ++ui) {
+      const int blocks = UnitBlocks(w, ui);
+      const uint8_t* b = UnitBytes(w, n, ui);
+      const int count = blocks * kTypes[type].block;
+      DecodeScales<type>(b, blocks, &u);
+      DecodeCodesScalar<type>(b, blocks, u.q);
+      for (int64_t r = 0; r < acts.m; ++r) {
+        const float* sums = acts.sums.data() + r * (acts.kp / 16) + ui * 16;
+        float total = 0.0f;
+        for (int g = 0; g < count / 16; ++g) {
+          float dot = 0.0f;
+          if (acts.q8) {
+            const int8_t* a = acts.a.data() + r * acts.kp + ui * kUnit + 16 * g;
+            int32_t s = 0;
+            for (int i = 0; i < 16; ++i) s += static_cast<int32_t>(u.q[16 * g + i]) * a[i];
+            const int64_t block = (ui * kUnit + 16 * g) / acts.per;
+            dot = static_cast<float>(s) * acts.da[r * (acts.kp / acts.per) + block];
+          } else {
+            const float* x = acts.x.data() + r * acts.kp + ui * kUnit + 16 * g;
+            for (int i = 0; i < 16; ++i) dot += static_cast<float>(u.q[16 * g + i]) * x[i];
+          }
+          total += u.ws[g] * dot;
+          if (has_min) total += u.wm[g] * sums[g];
+        }
+        acc[r] += total;
+      }
+    }
+    for (int64_t r = 0; r < acts.m; ++r) out[r * w.n + n] = static_cast<float>(acc[r]);
+  }
+}
+
+template <int type>
+void Dequant(const Weight& w, int64_t n0, int64_t n1, float* out) {
+  constexpr bool has_min = kTypes[type].has_min;
+  const int64_t units = (w.k + kUnit - 1) / kUnit;
+  Unit u;
+  for (int64_t n = n0; n < n1; ++n) {
+    float* y = out + n * w.k;
+    for (int64_t ui = 0; ui < units; ++ui) {
+      const int blocks = UnitBlocks(w, ui);
+      const uint8_t* b = UnitBytes(w, n, ui);
+      const int count = blocks * kTypes[type].block;
+      DecodeScales<type>(b, blocks, &u);
+      DecodeCodesScalar<type>(b, blocks, u.q);
+      for (int i = 0; i < count; ++i) {
+        const float v = u.ws[i / 16] * static_cast<float>(u.q[i]);
+        y[ui * kUnit + i] = has_min ? v + u.wm[i / 16] : v;
+      }
+    }
+  }
+}
+}  // namespace portable
+
+// ---- AVX2 path -----------------------------------------------------------------------------
+#if defined(__x86_64__)
+LOWBIT_TARGET_PUSH("avx2,fma,f16c,bmi,bmi2")
+namespace avx2 {
+inline float HalfF16c(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+#define LOWBIT_GGUF_HALF(p) HalfF16c(p)
+#include "gguf_decode_impl.h"
+#undef LOWBIT_GGUF_HALF
+
+inline __m256i Nibbles(const uint8_t* p) {  // 16 bytes -> low nibbles then high nibbles
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+  return _mm256_and_si256(both, _mm256_set1_epi8(15));
+}
+
+inline __m256i Lookup16(__m256i idx, const int8_t* table) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(table));
+  return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), idx);
+}
+
+// 32 bits -> 32 bytes, byte i 0xFF where bit i is set.
+inline __m256i BitsToBytes(uint32_t bits) {
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                         0x0101010101010101, 0x0000000000000000);
+  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf);
+  v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
+}
+
+inline void Store32(int8_t* q, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(q), v); }
+inline __m256i Load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+template <int type>
+inline void DecodeCodes(const uint8_t* b, int blocks, int8_t* q) {
+  const __m256i m15 = _mm256_set1_epi8(15);
+  const __m256i m3 = _mm256_set1_epi8(3);
+  constexpr TypeInfo t = kTypes[type];
+  if constexpr (t.block == 32) {
+    for (int j = 0; j < blocks; ++j, b += t.bytes, q += 32) {
+      if constexpr (type == kQ4_0) {
+        Store32(q, _mm256_sub_epi8(Nibbles(b + 2), _mm256_set1_epi8(8)));
+      } else if constexpr (type == kQ4_1) {
+        Store32(q, Nibbles(b + 4));
+      } else if constexpr (type == kIQ4_NL) {
+        Store32(q, Lookup16(Nibbles(b + 2), kIq4Values));
+      } else if constexpr (type == kQ5_0 || type == kQ5_1) {
+        constexpr int hoff = type == kQ5_0 ? 2 : 4;
+        uint32_t qh;
+        std::memcpy(&qh, b + hoff, 4);
+        __m256i v = _mm256_or_si256(Nibbles(b + hoff + 4),
+                                    _mm256_and_si256(BitsToBytes(qh), _mm256_set1_epi8(16)));
+        if constexpr (type == kQ5_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+        Store32(q, v);
+      } else if constexpr (type == kQ8_0) {
+        Store32(q, Load32(b + 2));
+      }
+    }
+  } else if constexpr (type == kQ2_K || type == kQ3_K) {
+    constexpr bool three = type == kQ3_K;
+    const uint8_t* qs = b + (three ? 32 : 16);
+    const __m256i hm = Load32(b);
+    for (int n = 0; n < 2; ++n) {
+      const __m256i v = Load32(qs + 32 * n);
+      for (int j = 0; j < 4; ++j) {
+        __m256i c = _mm256_and_si256(_mm256_srli_epi16(v, 2 * j), m3);
+        if constexpr (three) {
+          const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (4 * n + j)));
+          const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+          c = _mm256_sub_epi8(c, _mm256_andnot_si256(set, _mm256_set1_epi8(4)));
+        }
+        Store32(q + 128 * n + 32 * j, c);
+      }
+    }
+  } else if constexpr (type == kQ4_K || type == kQ5_K) {
+    constexpr bool five = type == kQ5_K;
+    const uint8_t* qs = b + (five ? 48 : 16);
+    const __m256i qh = Load32(b + 16);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = Load32(qs + 32 * c);
+      __m256i lo = _mm256_and_si256(v, m15);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+      if constexpr (five) {
+        const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * c)));
+        const __m256i b1 = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1)));
+        const __m256i s16 = _mm256_set1_epi8(16);
+        lo = _mm256_or_si256(
+            lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), s16));
+        hi = _mm256_or_si256(
+            hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), s16));
+      }
+      Store32(q + 64 * c, lo);
+      Store32(q + 64 * c + 32, hi);
+    }
+  } else if constexpr (type == kQ6_K) {
+    const __m256i m48 = _mm256_set1_epi8(48), s32 = _mm256_set1_epi8(32);
+    for (int n = 0; n < 2; ++n) {
+      const __m256i l0 = Load32(b + 64 * n), l1 = Load32(b + 64 * n + 32);
+      const __m256i h = Load32(b + 128 + 32 * n);
+      // (qh >> 2s) & 3 moved to bits 4..5
+      const __m256i h0 = _mm256_and_si256(_mm256_slli_epi16(h, 4), m48);
+      const __m256i h1 = _mm256_and_si256(_mm256_slli_epi16(h, 2), m48);
+      const __m256i h2 = _mm256_and_si256(h, m48);
+      const __m256i h3 = _mm256_and_si256(_mm256_srli_epi16(h, 2), m48);
+      const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(l0, 4), m15);
+      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(l1, 4), m15);
+      int8_t* y = q + 128 * n;
+      Store32(y, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, m15), h0), s32));
+      Store32(y + 32, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, m15), h1), s32));
+      Store32(y + 64, _mm256_sub_epi8(_mm256_or_si256(hi0, h2), s32));
+      Store32(y + 96, _mm256_sub_epi8(_mm256_or_si256(hi1, h3), s32));
+    }
+  } else if constexpr (type == kIQ4_XS) {
+    for (int j = 0; j < 8; ++j) Store32(q + 32 * j, Lookup16(Nibbles(b + 8 + 16 * j), kIq4Values));
+  }
+}
+
+inline float Hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Codes that are never negative multiply as unsigned bytes directly; signed ones through
+// their magnitudes and the activations' signs.
+template <int type>
+constexpr bool kUnsignedCodes = type == kQ4_1 || type == kQ5_1 || type == kQ2_K ||
+                                type == kQ4_K || type == kQ5_K;
+
+template <int type>
+inline __m256i ByteDots(__m256i q, __m256i a) {  // 16 int16 pair sums of q * a
+  if constexpr (kUnsignedCodes<type>) {
+    return _mm256_maddubs_epi16(q, a);
+  } else {
+    return _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(a, q));
+  }
+}
+
+template <int type>
+void Rows(const Weight& w, const Acts& acts, int64_t n0, int64_t n1, float* out) {
+  constexpr bool has_min = kTypes[type].has_min;
+  constexpr bool super = kTypes[type].block == kUnit;
+  const int64_t units = acts.kp / kUnit, m = acts.m;
+  Unit u;
+  __m256i iscale[8];
+  // pshufb controls: chunk c's two int16 scales (2c, 2c+1 of a lane holding 8) to 8 copies
+  const __m256i kPick[4] = {
+      _mm256_set_epi64x(0x0302030203020302, 0x0302030203020302, 0x0100010001000100, 0x0100010001000100),
+      _mm256_set_epi64x(0x0706070607060706, 0x0706070607060706, 0x0504050405040504, 0x0504050405040504),
+      _mm256_set_epi64x(0x0b0a0b0a0b0a0b0a, 0x0b0a0b0a0b0a0b0a, 0x0908090809080908, 0x0908090809080908),
+      _mm256_set_epi64x(0x0f0e0f0e0f0e0f0e, 0x0f0e0f0e0f0e0f0e, 0x0d0c0d0c0d0c0d0c, 0x0d0c0d0c0d0c0d0c)};
+  std::unique_ptr<__m256[]> acc(new __m256[2 * m]);
+  __m256* macc = acc.get() + m;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t r = 0; r < 2 * m; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t ui = 0; ui < units; ++ui) {
+      const int blocks = UnitBlocks(w, ui);
+      const uint8_t* b = UnitBytes(w, n, ui);
+      const int chunks = blocks * kTypes[type].block / 32;
+      DecodeCodes<type>(b, blocks, u.q);
+      __m256i imins = _mm256_setzero_si256();
+      if constexpr (super) {
+        if (acts.q8) {
+          alignas(16) int8_t is[16];
+          alignas(16) uint8_t im[16] = {};
+          IntScales<type>(b, is, im, &u.d, &u.dmin);
+          // [is[2c] x8 | is[2c+1] x8]: int16 scales in the order of maddubs' pair sums
+          const __m256i s16 = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(is)));
+          const __m256i lanes[2] = {_mm256_permute2x128_si256(s16, s16, 0x00),
+                                    _mm256_permute2x128_si256(s16, s16, 0x11)};
+          for (int c = 0; c < 8; ++c) iscale[c] = _mm256_shuffle_epi8(lanes[c / 4], kPick[c % 4]);
+          if constexpr (has_min)
+            imins = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(im)));
+        } else {
+          DecodeScales<type>(b, blocks, &u);
+        }
+      } else {
+        DecodeScales<type>(b, blocks, &u);
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        __m256 s = acc[r];
+        if (acts.q8) {
+          const int8_t* a = acts.a.data() + r * acts.kp + ui * kUnit;
+          if constexpr (super) {
+            __m256i isum = _mm256_setzero_si256();
+            for (int c = 0; c < 8; ++c) {
+              const __m256i p = ByteDots<type>(_mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + 32 * c)), Load32(a + 32 * c));
+              isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, iscale[c]));
+            }
+            const float da = acts.da[r * (acts.kp / kUnit) + ui];
+            s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(u.d * da), s);
+            if constexpr (has_min) {
+              const int16_t* bs = acts.bs.data() + r * (acts.kp / 16) + ui * 16;
+              const __m256i mins = _mm256_madd_epi16(imins, Load32(bs));
+              macc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(u.dmin * da), macc[r]);
+            }
+          } else {
+            const float* da = acts.da.data() + r * (acts.kp / 32) + ui * 8;
+            for (int c = 0; c < chunks; ++c) {
+              const __m256i p = ByteDots<type>(_mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + 32 * c)), Load32(a + 32 * c));
+              const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+              s = _mm256_fmadd_ps(dots, _mm256_set1_ps(u.ws[2 * c] * da[c]), s);
+            }
+            if constexpr (has_min) {
+              const float* sums = acts.sums.data() + r * (acts.kp / 16) + ui * 16;
+              macc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(u.wm), _mm256_loadu_ps(sums), macc[r]);
+              macc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(u.wm + 8), _mm256_loadu_ps(sums + 8), macc[r]);
+            }
+          }
+        } else {
+          const float* x = acts.x.data() + r * acts.kp + ui * kUnit;
+          for (int c = 0; c < chunks; ++c) {
+            const int8_t* qc = u.q + 32 * c;
+            const float* xc = x + 32 * c;
+            const __m256i q16a = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(qc)));
+            const __m256i q16b = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(qc + 16)));
+            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q16a)));
+            const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q16a, 1)));
+            const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q16b)));
+            const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q16b, 1)));
+            const __m256 t0 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xc + 8), _mm256_mul_ps(q0, _mm256_loadu_ps(xc)));
+            const __m256 t1 = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xc + 24), _mm256_mul_ps(q2, _mm256_loadu_ps(xc + 16)));
+            s = _mm256_fmadd_ps(t0, _mm256_set1_ps(u.ws[2 * c]), s);
+            s = _mm256_fmadd_ps(t1, _mm256_set1_ps(u.ws[2 * c + 1]), s);
+          }
+          if constexpr (has_min) {
+            const float* sums = acts.sums.data() + r * (acts.kp / 16) + ui * 16;
+            macc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(u.wm), _mm256_loadu_ps(sums), macc[r]);
+            macc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(u.wm + 8), _mm256_loadu_ps(sums + 8), macc[r]);
+          }
+        }
+        acc[r] = s;
+      }
+    }
+    for (int64_t r = 0; r < m; ++r) out[r * w.n + n] = Hsum(_mm256_add_ps(acc[r], macc[r]));
+  }
+}
+
+template <int type>
+void Dequant(const Weight& w, int64_t n0, int64_t n1, float* out) {
+  constexpr bool has_min = kTypes[type].has_min;
+  const int64_t units = (w.k + kUnit - 1) / kUnit;
+  Unit u;
+  for (int64_t n = n0; n < n1; ++n) {
+    float* y = out + n * w.k;
+    for (int64_t ui = 0; ui < units; ++ui) {
+      const int blocks = UnitBlocks(w, ui);
+      const uint8_t* b = UnitBytes(w, n, ui);
+      const int count = blocks * kTypes[type].block;
+      DecodeScales<type>(b, blocks, &u);
+      DecodeCodes<type>(b, blocks, u.q);
+      for (int i = 0; i < count; i += 8) {
+        const __m256 q = _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.q + i))));
+        __m256 v = _mm256_mul_ps(_mm256_set1_ps(u.ws[i / 16]), q);
+        if (has_min) v = _mm256_add_ps(v, _mm256_set1_ps(u.wm[i / 16]));
+        _mm256_storeu_ps(y + ui * kUnit + i, v);
+      }
+    }
+  }
+}
+}  // namespace avx2
+LOWBIT_TARGET_POP
+#endif
+
+// Per-type entry points of one path.
+#define LOWBIT_GGUF_TABLE(ns, fn, F)                                                        \
+  std::array<F, kNumTypes> {                                                               \
+    ns::fn<0>, ns::fn<1>, ns::fn<2>, ns::fn<3>, ns::fn<4>, ns::fn<5>, ns::fn<6>, ns::fn<7>, \
+        ns::fn<8>, ns::fn<9>, ns::fn<10>, ns::fn<11>                                       \
+  }
+
+bool UseAvx2() {
+#if defined(__x86_64__)
+  return std::string(ActiveIsa()->name) != "scalar";
+#else
+  return false;
+#endif
+}
+
+// Checks the weight against type, K and N; fills `w`.
+ffi::Error CheckWeight(const ffi::Buffer<ffi::U8>& data, int64_t type, int64_t k, int64_t n,
+                       Weight* w) {
+  if (type < 0 || type >= kNumTypes) return Invalid("unknown GGUF block type id " + std::to_string(type));
+  const TypeInfo& t = kTypes[type];
+  if (k <= 0 || k % t.block != 0)
+    return Invalid("K = " + std::to_string(k) + " is not a whole number of blocks");
+  const auto d = data.dimensions();
+  const int64_t row_bytes = k / t.block * t.bytes;
+  if (d.size() != 2 || d[0] != n || d[1] != row_bytes)
+    return Invalid("GGUF weight rows must be [N, " + std::to_string(row_bytes) + "] bytes");
+  *w = Weight{static_cast<int>(type), k, n, row_bytes, data.typed_data()};
+  return ffi::Error::Success();
+}
+
+// Row ranges for the workers: a few per worker, claimed dynamically.
+template <typename F>
+void OverRows(ffi::ThreadPool& pool, int64_t n, int64_t work, F&& f) {
+  const int64_t workers = work < (int64_t{1} << 17) ? 1 : NumWorkers(pool);
+  const int64_t chunks = std::min<int64_t>(n, workers > 1 ? 4 * workers : 1);
+  ParallelFor(pool, workers, chunks, [&](int64_t c) { f(n * c / chunks, n * (c + 1) / chunks); });
+}
+
+ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> data,
+                      ffi::Result<ffi::AnyBuffer> y, int64_t type, int64_t k, int64_t n,
+                      int64_t act_q8) {
+  Weight w;
+  if (ffi::Error e = CheckWeight(data, type, k, n, &w); e.failure()) return e;
+  const auto xt = x.element_type(), yt = y->element_type();
+  if ((xt != ffi::DataType::F32 && xt != ffi::DataType::BF16) ||
+      (yt != ffi::DataType::F32 && yt != ffi::DataType::BF16))
+    return Invalid("x and the output must be float32 or bfloat16");
+  const auto xd = x.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || xd[1] != k) return Invalid("x must be [M, K] with K = " + std::to_string(k));
+  const int64_t m = xd[0];
+  if (yd.size() != 2 || yd[0] != m || yd[1] != n) return Invalid("output must be [M, N]");
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  Acts acts;
+  PrepareActs(x.untyped_data(), xt == ffi::DataType::BF16, m, k, act_q8 != 0,
+              kTypes[type].block == kUnit ? kUnit : 32, &acts);
+  const bool ybf16 = yt == ffi::DataType::BF16;
+  std::vector<float> tmp(ybf16 ? m * n : 0);
+  float* out = ybf16 ? tmp.data() : static_cast<float*>(y->untyped_data());
+  static const auto portable_rows = LOWBIT_GGUF_TABLE(portable, Rows, RowsFn);
+  RowsFn rows = portable_rows[type];
+#if defined(__x86_64__)
+  static const auto avx2_rows = LOWBIT_GGUF_TABLE(avx2, Rows, RowsFn);
+  if (UseAvx2()) rows = avx2_rows[type];
+#endif
+  OverRows(pool, n, m * k * n, [&](int64_t n0, int64_t n1) { rows(w, acts, n0, n1, out); });
+  if (ybf16) {
+    uint16_t* dst = static_cast<uint16_t*>(y->untyped_data());
+    for (int64_t i = 0; i < m * n; ++i) dst[i] = F32ToBf16(tmp[i]);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> data,
+                          ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t type, int64_t k,
+                          int64_t n) {
+  Weight w;
+  if (ffi::Error e = CheckWeight(data, type, k, n, &w); e.failure()) return e;
+  const auto yd = y->dimensions();
+  if (yd.size() != 2 || yd[0] != n || yd[1] != k) return Invalid("output must be [N, K]");
+  float* out = y->typed_data();
+  static const auto portable_dequant = LOWBIT_GGUF_TABLE(portable, Dequant, DequantFn);
+  DequantFn dequant = portable_dequant[type];
+#if defined(__x86_64__)
+  static const auto avx2_dequant = LOWBIT_GGUF_TABLE(avx2, Dequant, DequantFn);
+  if (UseAvx2()) dequant = avx2_dequant[type];
+#endif
+  OverRows(pool, n, k * n, [&](int64_t n0, int64_t n1) { dequant(w, n0, n1, out); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace gguf
+}  // namespace lowbit
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitGgufLinear, lowbit::gguf::LinearImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("type")
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("act_q8"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitGgufDequantize, lowbit::gguf::DequantizeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("type")
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("n"));
