@@ -7,6 +7,7 @@ from lowbit.formats._float import FloatFormat
 from lowbit.formats._gguf import GGUF_BLOCK_FORMATS, GGUFBlockFormat
 from lowbit.formats._gguf_blocks import BLOCK_TYPES as GGUF_BLOCK_TYPES
 from lowbit.formats._gguf_decode import decode as gguf_decode
+from lowbit.formats._gguf_decode import decode_traced as gguf_decode_traced
 from lowbit.formats._gguf_encode import encode as gguf_encode
 from lowbit.formats._integer import FixedPointFormat, IntFormat
 from lowbit.formats._packing import group_shape, pack, packed_length, unpack
@@ -29,6 +30,7 @@ __all__ = [
     "format_names",
     "get_format",
     "gguf_decode",
+    "gguf_decode_traced",
     "gguf_encode",
     "group_shape",
     "normal_float_levels",

@@ -35,7 +35,7 @@ import numpy as np
 
 from lowbit.formats._base import Format
 from lowbit.formats._gguf_blocks import BlockType, block_type
-from lowbit.formats._gguf_decode import decode_traced, q4_k_fields, q6_k_fields
+from lowbit.formats._gguf_decode import decode_traced
 from lowbit.formats._gguf_encode import encode_traced
 
 
@@ -111,44 +111,6 @@ class GGUFBlockFormat(Format):
                 f"{n} {self.ggml_type} values"
             )
         return jnp.moveaxis(decode_traced(self.ggml_type, raw), -1, axis)
-
-    @property
-    def kernel_group(self) -> int | None:
-        """Group size along the block axis of the linear-kernel view (`kernel_view`), or None
-        when this type has none."""
-        return {"Q4_K": 32, "Q6_K": 16}.get(self.ggml_type)
-
-    def kernel_view(
-        self, packed: jax.Array, axis: int
-    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        """The blocks as a grouped integer weight a CPU kernel reads, blocks along `axis`.
-
-        Q4_K becomes asymmetric ``uint4`` in groups of 32 (codes, scale ``d sc``, zero point
-        ``dmin m / (d sc)`` in code units; a group with ``d sc == 0`` holds the constant
-        ``-dmin m``: codes 0, scale ``|dmin m|`` or 1, zero point its sign). Q6_K becomes
-        ``int8`` in groups of 16 (codes ``q - 32``, scale ``d sc``), exactly.
-
-        Args:
-          packed: [..., packed_length(n), ...] uint8 blocks along `axis`.
-        Returns:
-          ``(codes, scale, zero_point)`` with `axis` of length n (codes) and n / group (scale,
-          zero point; None for Q6_K).
-        """
-        raw = jnp.moveaxis(jnp.asarray(packed), axis, -1)
-        back = lambda a: None if a is None else jnp.moveaxis(a, -1, axis)  # noqa: E731
-        if self.ggml_type == "Q6_K":
-            q, scale = q6_k_fields(raw)
-            return back(q), back(scale), None
-        if self.ggml_type != "Q4_K":
-            raise ValueError(f"format {self.name!r} has no linear-kernel view")
-        q, scale, minimum = q4_k_fields(raw)
-        flat = scale == 0
-        flat_scale = jnp.where(minimum == 0, 1.0, jnp.abs(minimum))
-        zero = jnp.where(flat, jnp.sign(minimum), minimum / jnp.where(flat, 1.0, scale))
-        scale = jnp.where(flat, flat_scale, scale)
-        groups = q.reshape(*q.shape[:-1], -1, 32)
-        q = jnp.where(flat[..., None], jnp.uint8(0), groups).reshape(q.shape)
-        return back(q), back(scale), back(zero)
 
     def codes(self) -> np.ndarray:
         raise ValueError(f"format {self.name!r} has no finite code table (GGUF block storage)")

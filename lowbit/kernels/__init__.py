@@ -46,8 +46,15 @@ import warnings
 
 import jax.numpy as jnp
 
-from lowbit.kernels._gguf import GGUF_KINDS, GGUF_TYPE_IDS, gguf_dequantize, gguf_linear
-from lowbit.kernels._kinds import FORMAT_KINDS, KERNEL_KINDS, KINDS, KernelKind
+from lowbit.kernels._gguf import gguf_dequantize, gguf_linear
+from lowbit.kernels._kinds import (
+    FORMAT_KINDS,
+    GGUF_KINDS,
+    GGUF_TYPE_IDS,
+    KERNEL_KINDS,
+    KINDS,
+    KernelKind,
+)
 from lowbit.kernels._layout import (
     W8A8_MAX_K,
     PreparedWeight,

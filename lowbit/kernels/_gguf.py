@@ -17,38 +17,14 @@ runs: the blocks decoded by `lowbit.formats.gguf_decode`'s decoders, then a floa
 
 from __future__ import annotations
 
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.formats import GGUF_BLOCK_TYPES
-from lowbit.formats._gguf_decode import decode_traced
+from lowbit.formats import GGUF_BLOCK_TYPES, gguf_decode_traced
 from lowbit.kernels import _native
+from lowbit.kernels._kinds import GGUF_TYPE_IDS
 from lowbit.kernels._ops import _by_platform, _check_float
-
-GGUF_TYPE_IDS = types.MappingProxyType(
-    {
-        "Q4_0": 0,
-        "Q4_1": 1,
-        "Q5_0": 2,
-        "Q5_1": 3,
-        "Q8_0": 4,
-        "IQ4_NL": 5,
-        "Q2_K": 6,
-        "Q3_K": 7,
-        "Q4_K": 8,
-        "Q5_K": 9,
-        "Q6_K": 10,
-    }
-)
-"""GGML type -> the compiled kernels' type id (`cpu/gguf_blocks.h`): every type in
-llama.cpp's K-quant and legacy mixes."""
-
-GGUF_KINDS = tuple(t.lower() for t in GGUF_TYPE_IDS)
-"""Kernel kind names of the GGUF block types (``"q4_k"``, ...), as the engine report shows
-them (``"cpu_kernel_q4_k"``)."""
 
 
 def _row_bytes(ggml_type: str, k: int) -> int:
@@ -93,7 +69,7 @@ def gguf_dequantize(rows: jax.Array, ggml_type: str, k: int) -> jax.Array:
     n = _check_rows(rows, ggml_type, k)
 
     def reference():
-        return decode_traced(ggml_type, rows)
+        return gguf_decode_traced(ggml_type, rows)
 
     def native():
         call = jax.ffi.ffi_call(
@@ -139,7 +115,7 @@ def gguf_linear(
         xf = x2.astype(jnp.float32)
         if int8_activations:
             xf = _q8_blocks(xf)
-        w = decode_traced(ggml_type, rows)
+        w = gguf_decode_traced(ggml_type, rows)
         y = jax.lax.dot_general(xf, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return y.astype(out)
 

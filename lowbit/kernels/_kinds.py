@@ -74,3 +74,25 @@ KIND_IDS = types.MappingProxyType({k: KERNEL_KINDS[k].kernel_id for k in WEIGHT_
 
 FORMAT_KINDS = types.MappingProxyType({f: k.name for k in _TABLE for f in k.formats})
 """Element-format name of a weight-only QArray -> the kind that runs it."""
+
+GGUF_TYPE_IDS = types.MappingProxyType(
+    {
+        "Q4_0": 0,
+        "Q4_1": 1,
+        "Q5_0": 2,
+        "Q5_1": 3,
+        "Q8_0": 4,
+        "IQ4_NL": 5,
+        "Q2_K": 6,
+        "Q3_K": 7,
+        "Q4_K": 8,
+        "Q5_K": 9,
+        "Q6_K": 10,
+    }
+)
+"""GGML type -> the compiled kernels' type id (`cpu/gguf_blocks.h`): every type in
+llama.cpp's K-quant and legacy mixes."""
+
+GGUF_KINDS = tuple(t.lower() for t in GGUF_TYPE_IDS)
+"""Kernel kind names of the GGUF block types (``"q4_k"``, ...), as the engine report shows
+them (``"cpu_kernel_q4_k"``)."""

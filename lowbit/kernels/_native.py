@@ -16,6 +16,8 @@ from types import ModuleType
 
 import jax
 
+from lowbit.kernels._kinds import GGUF_KINDS
+
 _log = logging.getLogger("lowbit.kernels")
 _DISABLE_ENV = "LOWBIT_DISABLE_KERNELS"
 
@@ -127,12 +129,16 @@ INT8_ACTIVATION_ISAS = types.MappingProxyType(
 dots on offset activations, or AVX2's on the codes' magnitudes and the activations' signs;
 AVX-512 BW has neither)."""
 
-INT8_ACTIVATION_KINDS = tuple(sorted({k for kinds in INT8_ACTIVATION_ISAS.values() for k in kinds}))
-"""Weight-only kinds with an int8-activation path on some CPU."""
+INT8_ACTIVATION_KINDS = tuple(
+    sorted({k for kinds in INT8_ACTIVATION_ISAS.values() for k in kinds} | set(GGUF_KINDS))
+)
+"""Weight-only kinds with an int8-activation path on some CPU (the GGUF block kinds on all)."""
 
 
 def int8_activations_supported(kind: str) -> bool:
     """Whether `weight_only_linear(..., int8_activations=True)` takes integer dots for `kind`
     on the active path (elsewhere the float path runs)."""
     mod = module()
+    if mod is not None and kind in GGUF_KINDS:
+        return True  # the GGUF block kernels take int8 dots on every path (gguf.cc)
     return mod is not None and kind in INT8_ACTIVATION_ISAS.get(mod.isa(), ())

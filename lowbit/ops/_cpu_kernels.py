@@ -20,9 +20,9 @@ A `dot_general` is sent to a compiled kernel when all of these hold (else the pu
       - nf4 per channel or per group;
       - FP4 E2M1 (`fp4_e2m1`, `mxfp4`, `nvfp4`) per channel or per group / block along K;
       - fp8_e4m3fn per channel or per group;
-      - GGUF ``q4_k`` (as asymmetric uint4, groups of 32) and ``q6_k`` (as int8, groups of 16)
-        with blocks along K, converted when the layout is built
-        (`lowbit.formats.GGUFBlockFormat.kernel_view`);
+      - GGUF block formats (``q4_k``, ``q6_k``, ``q5_0``, ... : `lowbit.kernels.GGUF_KINDS`)
+        with blocks along K, each on its own type's kernel reading the block rows as stored
+        (`lowbit.kernels.gguf_linear`);
 
     or, with activations quantized by the kernel:
 
@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit import kernels
-from lowbit.formats import GGUFBlockFormat, get_format
+from lowbit.formats import get_format
 from lowbit.qarray import AbsMax, PerToken, QArray, QuantConfig
 
 INT8_ACTIVATIONS_SUFFIX = "+int8_act"
@@ -86,10 +86,9 @@ GEMM gains), nor does a 49152-row output projection."""
 
 FLOAT_ACTIVATIONS = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 _FLOATS = FLOAT_ACTIVATIONS
-# Element format name -> kernel kind of a weight without activation quantization.
-# GGUF Q4_K / Q6_K blocks run through their grouped-integer view (scales and minimums decoded
-# when the layout is built).
-_WEIGHT_KINDS = {**kernels.FORMAT_KINDS, "q4_k": "uint4", "q6_k": "int8"}
+# Element format name -> kernel kind of a weight without activation quantization. GGUF block
+# formats run on their own type's kernel, reading the file's block rows (`kernels.gguf_linear`).
+_WEIGHT_KINDS = {**kernels.FORMAT_KINDS, **{kind: kind for kind in kernels.GGUF_KINDS}}
 _PER_CHANNEL_ONLY = ("w8a8",)
 
 
@@ -208,14 +207,15 @@ def weight_route(w: QArray, axis: int = 0) -> KernelRoute | None:
     if found is None:
         return None
     kind, shift_int4 = found
+    if kind in kernels.GGUF_KINDS:
+        # Block rows along the contracted axis: the kernel reads them as stored.
+        if w.packed_axis != axis:
+            return None
+        return KernelRoute(kind=kind, group_size=None, transposed=axis == 1)
     groups, columns = w.scale.shape if axis == 0 else w.scale.shape[::-1]
     if columns not in (1, n):
         return None
     group_size = None if groups == 1 else k // groups
-    if isinstance(w.fmt, GGUFBlockFormat):
-        if w.packed_axis != axis:
-            return None
-        group_size = w.fmt.kernel_group
     if group_size is not None and kind in _PER_CHANNEL_ONLY:
         return None
     if not kernels.supports(kind, k, n, group_size, jnp.float32):
@@ -267,14 +267,11 @@ def prepare_layout(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
     """
     axis = 1 if route.transposed else 0  # q's contracted axis; the other one is N
     k, n = q.shape[axis], q.shape[1 - axis]
+    if route.kind in kernels.GGUF_KINDS:
+        return gguf_rows(q, route)
     chunk = _CHUNK_COLUMNS
     packed_n = q.packed_axis == 1 - axis
-    if (
-        n <= chunk
-        or n % chunk
-        or isinstance(q.fmt, GGUFBlockFormat)
-        or (packed_n and q.codes.shape[1 - axis] * 2 != n)
-    ):
+    if n <= chunk or n % chunk or (packed_n and q.codes.shape[1 - axis] * 2 != n):
         return _prepare_dense(q.T if route.transposed else q, route)
     # Slice the stored array along N first, then orient the slice: a transposed weight (a
     # tied embedding) is never transposed whole.
@@ -293,6 +290,15 @@ def prepare_layout(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
         join(parts.scale),
         join(parts.colsum),
     )
+
+
+def gguf_rows(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
+    """A GGUF block weight as its kernel reads it: the block rows ``uint8 [N, row_bytes]``
+    (the codes themselves when stored ``[N, K]``, a transposed copy of them when ``[K, N]``)."""
+    axis = 1 if route.transposed else 0
+    k, n = q.shape[axis], q.shape[1 - axis]
+    rows = q.codes if axis == 1 else q.codes.T
+    return kernels.PreparedWeight(route.kind, k, n, None, q.fmt.block.block_size, rows)
 
 
 def _oriented_slice(q: QArray, start: jax.Array, size: int, axis: int) -> QArray:
@@ -322,9 +328,6 @@ def _oriented_slice(q: QArray, start: jax.Array, size: int, axis: int) -> QArray
 def _prepare_dense(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
     k, n = q.shape
     rows = 1 if route.group_size is None else k // route.group_size
-    if isinstance(q.fmt, GGUFBlockFormat):
-        codes, scale, zero_point = q.fmt.kernel_view(q.codes, 0)
-        return kernels.pack(route.kind, codes, scale, zero_point, route.group_size)
     codes = q.unpacked_codes()
     scale = jnp.broadcast_to(q.scale_values(), (rows, n))
     if route.kind == "w4a8":  # int4 values as two's-complement nibbles
@@ -358,7 +361,10 @@ def _float_gemm(x: Any, q: Any, route: KernelRoute) -> bool:
 
 def builds_layout_per_call(x: Any, q: Any, route: KernelRoute) -> bool:
     """Whether `kernel_linear(x, q, route)` lays a logical QArray out inside the call: a full
-    pass over its codes on every call, which a weight prepared once does not pay."""
+    pass over its codes on every call, which a weight prepared once does not pay. (A GGUF
+    block weight stored ``[N, K]`` is its own layout: its codes are the rows the kernel reads.)"""
+    if route.kind in kernels.GGUF_KINDS and route.transposed:
+        return False
     return isinstance(q, QArray) and not _float_gemm(x, q, route)
 
 
@@ -377,6 +383,8 @@ def kernel_linear(x: jax.Array, q: Any, route: KernelRoute, out_dtype: Any) -> j
     """
     out_dtype = np.dtype(out_dtype)
     kernel_out = out_dtype if out_dtype in _FLOATS else np.dtype(jnp.float32)
+    if route.kind in kernels.GGUF_KINDS:
+        return _gguf_linear(x, q, route, out_dtype, kernel_out)
     if _float_gemm(x, q, route):
         # Prefill sizes: XLA's float GEMM on the dequantized weight is faster than the
         # kernels' own float tiles; the float weight lives for this call only. A prepared
@@ -397,4 +405,21 @@ def kernel_linear(x: jax.Array, q: Any, route: KernelRoute, out_dtype: Any) -> j
         y = kernels.weight_only_linear(
             x, weight, out_dtype=kernel_out, int8_activations=route.int8_activations
         )
+    return y.astype(out_dtype)
+
+
+def _gguf_linear(x: Any, q: Any, route: KernelRoute, out_dtype: Any, kernel_out: Any) -> Any:
+    """`kernel_linear` for a GGUF block weight: its rows read as stored, or at prefill sizes
+    XLA's GEMM on the weight the kernels dequantize for that call."""
+    weight = gguf_rows(q, route) if isinstance(q, QArray) else q.weight
+    ggml_type = route.kind.upper()
+    if _float_gemm(x, q, route):
+        w = kernels.gguf_dequantize(weight.data, ggml_type, weight.k)
+        y = jax.lax.dot_general(
+            x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        return y.astype(out_dtype)
+    y = kernels.gguf_linear(
+        x, weight.data, ggml_type, out_dtype=kernel_out, int8_activations=route.int8_dots
+    )
     return y.astype(out_dtype)

@@ -26,8 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit import kernels
-from lowbit.formats import GGUFBlockFormat
-from lowbit.ops._cpu_kernels import KernelRoute, prepare_layout, weight_route
+from lowbit.ops._cpu_kernels import KernelRoute, gguf_rows, prepare_layout, weight_route
 from lowbit.ops._host_memory import release_free_memory
 from lowbit.qarray import META_FIELDS, ArrayBacked, EngineValue, NoRule, QArray
 
@@ -204,6 +203,12 @@ class PreparedQArray(ArrayBacked):
         Returns:
           QArray [M, K] (the contracted axis last, as logical rows of a `[N, K]` weight).
         """
+        if self.route.kind in kernels.GGUF_KINDS:
+            # Whole block rows: the gathered rows are a QArray of the same format.
+            rows = jnp.take(self.weight.data, ids, axis=0)
+            return dataclasses.replace(
+                _gguf_qarray(self, rows, (int(ids.shape[0]), self.weight.k)), packed_axis=1
+            )
         cols = kernels.prepared_columns(self.weight, ids)
         return _assemble(self, cols, rows=True)
 
@@ -399,7 +404,24 @@ def _assemble(p: PreparedQArray, parts: dict[str, Any], *, rows: bool = False) -
 
 @jax.jit
 def _logical(p: PreparedQArray) -> QArray:
+    if p.route.kind in kernels.GGUF_KINDS:
+        return _gguf_qarray(p, p.weight.data if p.axis == 1 else p.weight.data.T, p.meta.shape)
     return _assemble(p, kernels.prepared_to_logical(p.weight))
+
+
+_gguf_rows = jax.jit(gguf_rows, static_argnums=1)
+
+
+def _gguf_qarray(p: PreparedQArray, codes: jax.Array, shape: tuple[int, ...]) -> QArray:
+    """The QArray of GGUF block codes (blocks along axis `p.axis` of `shape`)."""
+    return QArray(
+        codes=codes,
+        scale=jnp.ones(p.meta.scale_shape, p.meta.scale_dtype),
+        zero_point=None,
+        tensor_scale=None,
+        input_scale=None,
+        **p.meta.qarray_fields(shape=tuple(shape), packed_axis=p.axis),
+    )
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -439,11 +461,13 @@ def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
     if axis not in (0, 1):
         raise ValueError(f"axis={axis!r}: a 2-D weight is contracted over axis 0 or 1")
     route = weight_route(q, axis)
-    if route is None or isinstance(q.fmt, GGUFBlockFormat):
-        # GGUF K-quant superblocks are not recovered from the layout yet: they stay logical
-        # (the kernel route then lays them out per call).
+    if route is None:
         return q
     meta = LogicalMeta.of(q)
+    if route.kind in kernels.GGUF_KINDS:
+        # The block rows are the layout (a copy only when stored [K, N]); the logical QArray
+        # comes back from them exactly.
+        return PreparedQArray(_gguf_rows(q, route), None, None, None, axis, route, meta)
     tensor_scale = None if q.tensor_scale is None else q.tensor_scale.reshape(1)
     weight, scale, zero = _prepare_checked(q, (route, axis, meta))
     kept_scale, kept_zero = q.scale, q.zero_point

@@ -1,0 +1,102 @@
+"""GGUF block-row kernels: dequantization bit-identical to llama.cpp's, products in both
+arithmetics on every CPU path, bad input refused."""
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowbit import kernels
+from lowbit.formats import gguf_decode, gguf_encode
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.status())
+
+TYPES = tuple(kernels.GGUF_TYPE_IDS)
+ISAS = tuple(kernels.supported_isas())
+
+
+def _rows(ggml_type: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    w[1] = 0.0  # an all-zero row: zero scales
+    w[2, : k // 2] = 0.25  # constant blocks: Q4_K / Q2_K sub-blocks holding only their minimum
+    return np.asarray(gguf_encode(ggml_type, w))
+
+
+def _k(ggml_type: str) -> int:
+    # 32-element types: 18 blocks, so the second 256-element unit is partial.
+    return 576 if kernels.GGUF_TYPE_IDS[ggml_type] <= 5 else 512
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    before = kernels.set_isa(ISAS[-1])
+    kernels.set_isa(request.param)
+    yield request.param
+    kernels.set_isa(before)
+
+
+_dequantize = jax.jit(kernels.gguf_dequantize, static_argnums=(1, 2))
+_linear = jax.jit(kernels.gguf_linear, static_argnames=("ggml_type", "int8_activations"))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_dequantize_is_llama_cpps(ggml_type, isa):
+    k = _k(ggml_type)
+    rows = _rows(ggml_type, 24, k)
+    got = np.asarray(_dequantize(jnp.asarray(rows), ggml_type, k))
+    # gguf-py's NumPy decoder: an independent reference of llama.cpp's dequantization.
+    ref = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[ggml_type]).reshape(24, k)
+    assert got.tobytes() == ref.astype(np.float32).tobytes()
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_products_in_both_arithmetics(ggml_type, isa):
+    k, n = _k(ggml_type), 40
+    rows = jnp.asarray(_rows(ggml_type, n, k, seed=1))
+    w = gguf_decode(ggml_type, np.asarray(rows))
+    rng = np.random.default_rng(2)
+    for m in (1, 5):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[0, :32] = 0.0  # a zero activation block: zero scale, no NaN
+        ref = x @ w.T
+        y = np.asarray(_linear(jnp.asarray(x), rows, ggml_type=ggml_type, int8_activations=False))
+        np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+        yq = np.asarray(_linear(jnp.asarray(x), rows, ggml_type=ggml_type, int8_activations=True))
+        assert np.isfinite(yq).all()
+        # int8 activations: the error of rounding x to 8 bits, not more.
+        err = np.abs(yq - ref).max() / np.abs(ref).max()
+        assert err < 3e-2, err
+        np.testing.assert_array_equal(y[:, 1], 0.0)  # the zero row
+
+
+def test_int8_activations_match_the_reference_rounding():
+    """Q8_0 blocks of 32 for 32-element types: the kernel equals the pure-JAX reference's
+    rounding of the activations within float summation order."""
+    k, n = 576, 16
+    rows = jnp.asarray(_rows("Q8_0", n, k))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, k)).astype(np.float32))
+    from lowbit.kernels._gguf import _q8_blocks
+
+    ref = np.asarray(_q8_blocks(x)) @ gguf_decode("Q8_0", np.asarray(rows)).T
+    y = np.asarray(_linear(x, rows, ggml_type="Q8_0", int8_activations=True))
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+
+
+def test_bfloat16_in_and_out():
+    rows = jnp.asarray(_rows("Q4_K", 8, 256))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 256)), jnp.bfloat16)
+    y = kernels.gguf_linear(x, rows, "Q4_K")
+    assert y.dtype == jnp.bfloat16 and y.shape == (3, 8)
+    ref = np.asarray(x, np.float32) @ gguf_decode("Q4_K", np.asarray(rows)).T
+    np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_bad_input_is_refused_by_name():
+    rows = jnp.asarray(_rows("Q4_K", 8, 256))
+    with pytest.raises(ValueError, match=r"uint8 \[N, 288\] for K = 512"):
+        kernels.gguf_linear(jnp.ones((1, 512)), rows, "Q4_K")
+    with pytest.raises(ValueError, match="no kernel"):
+        kernels.gguf_linear(jnp.ones((1, 256)), rows, "TQ1_0")
+    with pytest.raises(ValueError, match="whole number"):
+        kernels.gguf_dequantize(rows, "Q4_K", 300)
