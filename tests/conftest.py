@@ -5,6 +5,9 @@ import os
 # Must be set before JAX initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The CLI turns on JAX's persistent compilation cache in the user's cache directory; tests run
+# in-process and compile their own programs.
+os.environ.setdefault("LOWBIT_COMPILATION_CACHE", "0")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -128,7 +128,10 @@ class Target:
     directory: Path | None
 
 
-RECIPE_HELP = "quantize MODEL with this recipe first (default: float); not with a checkpoint"
+RECIPE_HELP = (
+    "quantize MODEL with this recipe first (default: a .gguf file's own blocks, 'gguf'; float "
+    "for any other model); not with a checkpoint"
+)
 JSON_HELP = (
     "print the result (or the error) as one JSON object: the only line on stdout, "
     "tables go to stderr"
@@ -249,6 +252,22 @@ def _print_algorithm_report(bar: Progress, report: Any) -> None:
         bar.console.print(f"  {note}")
 
 
+def print_fallbacks(bar: Progress, loaded: Any, params: Any, shown: int = 5) -> None:
+    """Says how many weights the model's forward would dequantize or lay out on every call
+    (the engine's fallbacks: a slow path), and which, when there are any."""
+    lines = serving.fallback_report(loaded, params)
+    if not lines:
+        return
+    bar.console.print(
+        f"fallbacks: {len(lines)} quantized weight uses run without their kernel layout "
+        "(dequantized or laid out on every call):"
+    )
+    for line in lines[:shown]:
+        bar.console.print(f"  {line}")
+    if len(lines) > shown:
+        bar.console.print(f"  ... and {len(lines) - shown} more")
+
+
 def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None) -> Target:
     """A checkpoint directory written by `lowbit quantize`, or a model spec plus a recipe.
 
@@ -284,15 +303,20 @@ def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None
         raise ValueError(f"{target!r} is a directory without {MANIFEST}; it is not a checkpoint")
     if recipe is not None:
         serving.check_recipe_spec(recipe)
+    # A GGUF file runs its own blocks unless another recipe is asked for, as llama.cpp runs
+    # it, and then loads no float copy of its weights.
+    gguf_file = str(target).endswith(".gguf")
+    spec = recipe or (serving.GGUF_RECIPE if gguf_file else serving.FLOAT_RECIPE)
     with step(bar, f"loading {target}"):
-        loaded = serving.load_model(target)
-    spec = recipe or serving.FLOAT_RECIPE
+        loaded = serving.load_model(target, float_weights=spec != serving.GGUF_RECIPE)
     with step(bar, "rotating"):
         loaded = serving.rotated_for_spec(loaded, spec)
     print_rotation(bar, loaded)
     float_params = nnx.split(loaded.model)[1]
     with step(bar, f"quantizing with {spec}"):
         params, _ = quantize_with_progress(bar, loaded, float_params, spec, args)
+    if spec != serving.FLOAT_RECIPE:
+        print_fallbacks(bar, loaded, params)
     return Target(
         loaded=loaded,
         float_params=float_params,
@@ -398,8 +422,8 @@ def add_language_model_arguments(parser: Any) -> None:
     add_target_argument(parser, "smollm2 | a .gguf file")
     add_recipe_argument(
         parser,
-        help="quantize MODEL with this recipe first (default: float; 'gguf' runs the GGUF "
-        "file's own quantized blocks); not with a checkpoint",
+        help="quantize MODEL with this recipe first (default for a .gguf file: 'gguf', its own "
+        "quantized blocks; for smollm2: float); not with a checkpoint",
     )
     add_kv_cache_argument(parser)
 

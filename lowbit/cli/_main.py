@@ -13,6 +13,7 @@ so a script can parse every outcome. A command that takes ``--json`` prints its 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -90,6 +91,25 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
+COMPILATION_CACHE_ENV = "LOWBIT_COMPILATION_CACHE"
+
+
+def _use_compilation_cache() -> None:
+    """JAX's persistent compilation cache in the user's cache directory, so that a second
+    `serve`, `generate` or `bench` of the same model loads its compiled programs instead of
+    compiling them again. ``LOWBIT_COMPILATION_CACHE=DIR`` moves it, ``=0`` turns it off; a
+    cache directory the user configured for JAX is left as it is."""
+    import jax
+
+    setting = os.environ.get(COMPILATION_CACHE_ENV, "")
+    if setting == "0" or jax.config.jax_compilation_cache_dir:
+        return
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    jax.config.update("jax_compilation_cache_dir", setting or os.path.join(base, "lowbit", "jax"))
+    # Programs that compile in under a second are not worth a file each.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the `lowbit` command line.
 
@@ -104,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_mode = "--json" in argv
     try:
         args = build_parser().parse_args(argv)
+        _use_compilation_cache()
         if getattr(args, "run", None) is None:
             raise UsageError("a command is required (see `lowbit --help`)")
         return int(args.run(args) or EXIT_OK)

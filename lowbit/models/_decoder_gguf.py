@@ -375,10 +375,14 @@ def _layer_tensors(c: DecoderConfig) -> list[str]:
 
 
 def load_decoder_gguf(
-    source: str | os.PathLike[str] | GGUFFile, dtype: Any = jnp.float32
+    source: str | os.PathLike[str] | GGUFFile, dtype: Any = jnp.float32, *, weights: bool = True
 ) -> tuple[Decoder, Tokenizer]:
     """Load a GGUF decoder file (a path, or one already read) as a float `Decoder` with
     dequantized weights, and its tokenizer.
+
+    `weights=False` builds the model from the file's shapes alone (`jax.ShapeDtypeStruct`
+    parameters, nothing dequantized or read): the skeleton that serving a file's own blocks
+    (`lowbit.io.import_gguf`) fills in, with no float copy of the model in memory.
 
     Raises:
       ValueError: naming the file and the tensor or key: an unsupported architecture, a
@@ -396,7 +400,8 @@ def load_decoder_gguf(
         )
     model = Decoder.abstract(config, dtype=dtype, param_dtype=dtype)
     try:
-        assign_params(model, _Dequantized(gguf_file), mapping, dtype)
+        if weights:
+            assign_params(model, _Dequantized(gguf_file), mapping, dtype)
     except ValueError as err:
         raise ValueError(f"GGUF file {gguf_file.path!r}: {err}") from None
     try:

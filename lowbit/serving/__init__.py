@@ -29,7 +29,7 @@ from lowbit.serving._load import (
     load_model,
     model_fn,
 )
-from lowbit.serving._ready import kernel_axes_fn, ready
+from lowbit.serving._ready import fallback_report, kernel_axes_fn, ready
 from lowbit.serving._recipe_spec import (
     FLOAT_RECIPE,
     GGUF_RECIPE,
@@ -59,6 +59,7 @@ __all__ = [
     "checkpoint_recipe_label",
     "is_checkpoint",
     "is_hf_directory",
+    "fallback_report",
     "kernel_axes_fn",
     "load_model",
     "rotated_for_spec",

@@ -52,6 +52,12 @@ def apply_recipe(
       ValueError: for ``"gguf"`` on a model not read from a GGUF file, a bad recipe, or a
         recipe that needs calibration data given no `calibrate`.
     """
+    if loaded.abstract and recipe_spec != GGUF_RECIPE:
+        raise ValueError(
+            f"model {loaded.name!r} was loaded without float weights (load_model(..., "
+            f"float_weights=False)); recipe {recipe_spec!r} quantizes float weights: load it "
+            "with float_weights=True, or use recipe 'gguf'"
+        )
     pure = nnx.to_pure_dict(float_params)
     if recipe_spec == GGUF_RECIPE:
         if loaded.gguf_path is None:

@@ -39,6 +39,8 @@ class LoadedModel:
       rotation: the `lowbit.recipes.RotationConfig` its float weights were rotated by
         (`lowbit.serving.rotated_model`), or None.
       rotation_report: what that rotation did (`lowbit.models.RotationReport`), or None.
+      abstract: the model's parameters are shapes only (`load_model(..., float_weights=False)`
+        of a GGUF file): it runs with the file's own blocks (recipe ``"gguf"``) and nothing else.
     """
 
     name: str
@@ -49,6 +51,7 @@ class LoadedModel:
     gguf_path: Path | None = None
     rotation: Any = None
     rotation_report: Any = None
+    abstract: bool = False
 
 
 def _models():
@@ -84,11 +87,16 @@ def _load_hf_decoder(directory: Path) -> LoadedModel:
 
 
 @functools.lru_cache(maxsize=4)
-def load_model(spec: str) -> LoadedModel:
+def load_model(spec: str, float_weights: bool = True) -> LoadedModel:
     """`lowbit.serving.load_model`: a float reference model by name or path (module docstring).
 
     Loaded models are cached per spec (they are never modified), so repeated commands in one
     process read the weights once.
+
+    `float_weights=False` reads a ``.gguf`` file's shapes and tokenizer only (an `abstract`
+    model): for serving the file's own blocks, which `apply_recipe(..., "gguf")` reads
+    straight into their kernels' layout, without a float copy of the model. Other models
+    ignore it.
 
     Raises:
       ValueError: for an unknown name or file type; FileNotFoundError for a missing file or
@@ -120,7 +128,7 @@ def load_model(spec: str) -> LoadedModel:
         raise FileNotFoundError(f"model file {spec!r} does not exist")
     path = path.resolve()
     if path.suffix == ".gguf":
-        model, tokenizer = models.load_decoder_gguf(path)
+        model, tokenizer = models.load_decoder_gguf(path, weights=float_weights)
         return LoadedModel(
             name=path.stem,
             spec=str(path),
@@ -128,6 +136,7 @@ def load_model(spec: str) -> LoadedModel:
             model=model,
             tokenizer=tokenizer,
             gguf_path=path,
+            abstract=not float_weights,
         )
     if path.name == "model.safetensors" and _hf_decoder_type(path.parent):
         return _load_hf_decoder(path.parent)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from lowbit.api import kernel_axes_of, prepare
+from lowbit.engine import trace_report
 from lowbit.serving._load import LoadedModel, model_fn
 
 # The example batch the forward is traced on (abstractly: nothing runs). The contraction
@@ -46,3 +47,11 @@ def kernel_axes_fn(loaded: LoadedModel) -> Callable[[Any], dict[tuple, int]]:
     fn = model_fn(loaded.model, loaded.kind)
     batch = _example_batch(loaded)
     return lambda params: kernel_axes_of(fn, params, *batch)
+
+
+def fallback_report(loaded: LoadedModel, params: Any) -> list[str]:
+    """One line per weight the model's forward would dequantize or lay out on every call
+    (the engine's fallbacks, traced abstractly on the example batch): empty when every
+    quantized weight runs on a kernel in its prepared layout."""
+    report = trace_report(model_fn(loaded.model, loaded.kind), params, *_example_batch(loaded))
+    return list(report.fallback_details)
