@@ -49,6 +49,25 @@ def _copies(nbytes: int, llc: int) -> int:
     return max(2, -(-2 * llc // nbytes))
 
 
+def stream_gbps() -> float:
+    """The float32 GEMV's rate (GB/s) at M = 1, K = N = 8192, on copies that exceed the
+    last-level cache twice over: the machine's streaming rate, which decode shares are of."""
+    llc = _llc_bytes()
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((1, K), np.float32))
+    base = jnp.asarray(rng.standard_normal((K, N), np.float32) * 0.02)
+    floats = [base * (1 + i / 8) for i in range(_copies(base.nbytes, llc))]
+    dot = jax.jit(lambda x, w: x @ w)
+    state = {"i": 0}
+
+    def once():
+        state["i"] = (state["i"] + 1) % len(floats)
+        return dot(x, floats[state["i"]])
+
+    best = best_times({"float32": once}, min_seconds=2.0, min_reps=20, max_reps=60)["float32"]
+    return base.nbytes / best / 1e9
+
+
 def run() -> str:
     begin = time.perf_counter()
     llc = _llc_bytes()

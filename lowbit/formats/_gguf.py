@@ -18,6 +18,7 @@ and `pack` encodes float values to blocks with llama.cpp's reference quantizer.
   q5_0     Q5_0         32     22   5.5
   q5_1     Q5_1         32     24   6.0
   iq4_nl   IQ4_NL       32     18   4.5
+  iq4_xs   IQ4_XS      256    136   4.25
   tq1_0    TQ1_0       256     54   1.6875
   tq2_0    TQ2_0       256     66   2.0625
 
@@ -131,6 +132,7 @@ GGUF_BLOCK_FORMATS = tuple(
         "Q5_0",
         "Q5_1",
         "IQ4_NL",
+        "IQ4_XS",
         "TQ1_0",
         "TQ2_0",
     )

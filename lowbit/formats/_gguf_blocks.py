@@ -24,6 +24,7 @@ path.
   Q5_K      256   176     5.5      d, dmin, sc/m 6-bit[12], qh[32], nib[128]   x = d sc q - dmin m
   Q6_K      256   210     6.5625   ql[128], qh[64], sc int8[16], d             x = d sc (q - 32)
   Q8_K      256   292     9.125    d f32, q int8[256], bsums i16[16]           x = d q
+  IQ4_XS    256   136     4.25     d, sc 2+4 bit [8], nibbles[128]             x = d (sc-32) K[q]
   TQ1_0     256    54     1.6875   base-3 trits[48 + 4], d                     x = d (t - 1)
   TQ2_0     256    66     2.0625   2-bit trits[64], d                          x = d (t - 1)
 
@@ -77,6 +78,7 @@ BLOCK_TYPES: dict[str, BlockType] = {
         BlockType("Q5_K", QK_K, 176),
         BlockType("Q6_K", QK_K, 210),
         BlockType("Q8_K", QK_K, 292),
+        BlockType("IQ4_XS", QK_K, 136),
         BlockType("TQ1_0", QK_K, 54),
         BlockType("TQ2_0", QK_K, 66),
     )

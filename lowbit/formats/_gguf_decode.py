@@ -1,6 +1,5 @@
-"""GGUF block decoders: blocks to float32, bit-identical to llama.cpp's dequantization,
-and the views of Q4_K / Q6_K blocks the linear kernels read (see `_gguf_blocks` for the layouts).
-"""
+"""GGUF block decoders: blocks to float32, bit-identical to llama.cpp's dequantization (see
+`_gguf_blocks` for the layouts)."""
 
 from __future__ import annotations
 
@@ -61,6 +60,18 @@ def _dec_q5_1(b):
 def _dec_iq4_nl(b):
     values = jnp.asarray(IQ4_NL_VALUES, jnp.int8)[unpack_nibbles_32(b[..., 2:])]
     return f16(b[..., 0:2])[..., None] * values.astype(jnp.float32)
+
+
+def _dec_iq4_xs(b):
+    d = f16(b[..., 0:2])
+    high = b[..., 2].astype(jnp.int32) | (b[..., 3].astype(jnp.int32) << 8)
+    j = jnp.arange(8)
+    low = (b[..., 4:8][..., j // 2].astype(jnp.int32) >> (4 * (j % 2))) & 15
+    ls = low | (((high[..., None] >> (2 * j)) & 3) << 4)
+    dl = d[..., None] * (ls - 32).astype(jnp.float32)
+    qs = b[..., 8:].reshape(*b.shape[:-1], 8, 16)
+    values = jnp.asarray(IQ4_NL_VALUES, jnp.int8)[unpack_nibbles_32(qs)].astype(jnp.float32)
+    return (dl[..., None] * values).reshape(*b.shape[:-1], QK_K)
 
 
 def _dec_q2_k(b):

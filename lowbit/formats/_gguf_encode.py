@@ -120,6 +120,46 @@ def _enc_iq4_nl(x, ntry=7):
     return jnp.concatenate([f16_bytes(d), pack_nibbles_32(idx)], -1)
 
 
+def _enc_iq4_xs(x, ntry=7):
+    """llama.cpp's `quantize_row_iq4_xs_impl` without an importance matrix: an IQ4_NL scale
+    search per 32 elements (with `_enc_iq4_nl`'s extra candidate), then 6-bit sub-block scales
+    under one fp16 superblock scale."""
+    values = jnp.asarray(IQ4_NL_VALUES, jnp.float32)
+    xb = x.reshape(*x.shape[:-1], 8, 32)
+    w = xb * xb
+    amax, mx = signed_absmax(xb)
+    flat = amax < GROUP_MAX_EPS
+    mx_safe = jnp.where(flat, 1.0, mx)
+    d = -mx_safe / values[0]
+    q = values[_best_index_iq4(xb * (1 / d)[..., None])]
+    sumqx, sumq2 = (w * q * xb).sum(-1), (w * q * q).sum(-1)
+    d = safe_div(sumqx, sumq2)
+    best = d * sumqx
+    # llama.cpp's candidates, plus IQ4_NL's extra one (the extreme value onto the top level),
+    # so that decoded blocks re-encode to themselves.
+    candidates = [(itry + values[0]) / mx_safe for itry in range(-ntry, ntry + 1)]
+    for i, inv in enumerate([*candidates, values[15] / mx_safe]):
+        q = values[_best_index_iq4(xb * inv[..., None])]
+        sqx, sq2 = (w * q * xb).sum(-1), (w * q * q).sum(-1)
+        slack = 1 - 1e-6 if i == len(candidates) else 1.0
+        better = (sq2 > 0) & (sqx * sqx > best * sq2 * slack)
+        d = jnp.where(better, safe_div(sqx, sq2), d)
+        best = jnp.where(better, d * sqx, best)
+    scales = jnp.where(flat, 0.0, d)  # [..., 8]
+    first = jnp.argmax(jnp.abs(scales), axis=-1)
+    max_scale = jnp.take_along_axis(scales, first[..., None], axis=-1)[..., 0]
+    dsup = -max_scale / 32
+    l = jnp.clip(nearest(safe_div(1.0, dsup)[..., None] * scales), -32, 31)
+    dl = dsup[..., None] * l.astype(jnp.float32)
+    idx = _best_index_iq4(xb * safe_div(1.0, dl)[..., None])
+    ls = (l + 32).astype(jnp.uint8)
+    low = ls[..., 0::2] & 15 | ((ls[..., 1::2] & 15) << 4)
+    high = jnp.sum((ls >> 4).astype(jnp.uint16) << (2 * jnp.arange(8, dtype=jnp.uint16)), -1)
+    high = jax.lax.bitcast_convert_type(high.astype(jnp.uint16), jnp.uint8)
+    qs = pack_nibbles_32(idx).reshape(*x.shape[:-1], 128)
+    return jnp.concatenate([f16_bytes(dsup), high, low, qs], -1)
+
+
 def _make_qkx2(x, weights, nmax, rmin, rdelta, nstep, use_mad):
     """llama.cpp's `make_qkx2_quants` on every group (last axis): (scale, -min, codes)."""
     lo = jnp.minimum(x.min(-1), 0.0)

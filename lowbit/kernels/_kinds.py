@@ -88,6 +88,7 @@ GGUF_TYPE_IDS = types.MappingProxyType(
         "Q4_K": 8,
         "Q5_K": 9,
         "Q6_K": 10,
+        "IQ4_XS": 11,
     }
 )
 """GGML type -> the compiled kernels' type id (`cpu/gguf_blocks.h`): every type in

@@ -17,7 +17,8 @@ EXPECTED = (
     + ["fp8_e4m3fn", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz", "fp6_e2m3", "fp6_e3m2"]
     + ["fp4_e2m1", "nf4", "ternary", "ternary_b3"]
     + ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8", "nvfp4"]
-    + ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_k", "q5_0", "q5_1", "iq4_nl", "tq1_0", "tq2_0"]
+    + ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_k", "q5_0", "q5_1", "iq4_nl", "iq4_xs"]
+    + ["tq1_0", "tq2_0"]
 )
 
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.status()
 
 # The GGUF kinds imported as GGUF block formats (Q4_0 / Q4_1 / Q8_0 import as int4 / uint4 /
 # int8 QArrays, which run on those kernels).
-FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl")
+FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "iq4_xs")
 
 
 def _weight(fmt: str, axis: int):

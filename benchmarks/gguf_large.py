@@ -1,0 +1,159 @@
+"""Benchmark section: Q4_K_M files of 1.5B and 8B shapes, lowbit against llama.cpp, with memory.
+
+The files are written by `benchmarks._big_gguf` (random blocks laid out as llama.cpp's
+quantizer lays out Q4_K_M: Q4_K, Q6_K for the tied embedding / output projection and the
+"more bits" layers' attn_v / ffn_down; no float file). Each engine runs in a process of its
+own, so its peak RSS is its own: load the file, prefill a prompt, decode greedily at batch 1
+and batch 8. lowbit runs the path of `lowbit generate FILE` (recipe `gguf`, no float copy of
+the model), with float and with int8 activations; llama.cpp (llama-cpp-python) through its C
+API (`generate._LlamaCpp`).
+
+Streaming share: weight bytes read a token (the file's tensor bytes) x batch-1 tokens/s,
+against the float32 GEMV's rate on weights larger than the L3 (`bandwidth.stream_gbps`).
+
+Sizes: `LOWBIT_GGUF_LARGE=qwen2-1.5b,llama3-8b` (default: the 1.5B shape only; the 8B file
+is 4.6 GB and its runs take several minutes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks._machine import cpu_model
+
+PROMPT = 64
+DECODE = 32
+BATCHES = (1, 8)
+
+
+def _child(engine: str, path: str) -> None:
+    """Runs in the measured process: prints one JSON line of tok/s per batch."""
+    import numpy as np
+
+    from benchmarks import generate as g
+
+    g.DECODE = DECODE
+    g.REPS = 2
+    out: dict[str, object] = {}
+    start = time.perf_counter()
+    if engine.startswith("lowbit"):
+        from flax import nnx
+
+        from lowbit.ops import with_int8_activations
+        from lowbit.serving import apply_recipe, load_model
+
+        loaded = load_model(path, float_weights=False)
+        params = apply_recipe(loaded, nnx.split(loaded.model)[1], "gguf")[0]
+        if engine.endswith("int8"):
+            params = with_int8_activations(params)
+        runner = g._Lowbit(loaded.model, params)
+        vocab = loaded.model.config.vocab_size
+    else:
+        runner = g._LlamaCpp(path, max(BATCHES), PROMPT + DECODE + 8)
+        vocab = runner.n_vocab
+    out["load_s"] = time.perf_counter() - start
+    rng = np.random.default_rng(0)
+    for batch in BATCHES:
+        prompts = rng.integers(100, min(vocab, 40000), (batch, PROMPT)).astype(np.int32)
+        pre, dec = g.engine_seconds({"e": runner}, prompts)["e"]
+        out[f"prefill_{batch}"] = batch * PROMPT / pre
+        out[f"decode_{batch}"] = batch * DECODE / dec
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def _measure(engine: str, path: str) -> dict:
+    """Runs `_child` in its own process; its result with the process's peak RSS (MiB)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from benchmarks.gguf_large import _child; _child({engine!r}, {path!r})",
+        ],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONPATH": root, "LOWBIT_COMPILATION_CACHE": "0"},
+    )
+    stdout = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}"}
+    result = json.loads(lines[-1][len("RESULT ") :])
+    result["rss_mib"] = usage.ru_maxrss / 1024
+    return result
+
+
+def _weight_bytes(path: str) -> int:
+    from lowbit.models import read_gguf
+
+    return sum(t.raw.nbytes for t in read_gguf(path).tensors.values())
+
+
+def run() -> str | None:
+    """Markdown: decode / prefill tok/s and peak RSS of each engine on each file."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    from benchmarks import bandwidth
+    from benchmarks._big_gguf import write_q4_k_m
+    from lowbit import kernels
+
+    shapes = os.environ.get("LOWBIT_GGUF_LARGE", "qwen2-1.5b").split(",")
+    engines = ("lowbit", "lowbit int8", "llama.cpp")
+    lines = ["## Q4_K_M files of 1.5B / 8B shapes: lowbit against llama.cpp, with peak memory", ""]
+    stream = bandwidth.stream_gbps()
+    rows = []
+    begin = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in shapes:
+            path = write_q4_k_m(os.path.join(tmp, f"{shape}-Q4_K_M.gguf"), shape)
+            size = os.path.getsize(path)
+            weights = _weight_bytes(path)
+            for engine in engines:
+                rows.append((shape, size, weights, engine, _measure(engine, path)))
+            os.remove(path)
+    lines += [
+        f"- Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_model()}, {os.cpu_count()} cores; "
+        f"{kernels.status()}; llama-cpp-python {llama_cpp.__version__} (its CPU build: "
+        f"{__import__('benchmarks.generate', fromlist=['x'])._llama_features(llama_cpp)}).",
+        f"- Prompt {PROMPT} random tokens a row, then {DECODE} greedy tokens; best of 2 runs after "
+        "a warm-up, each engine in its own process (peak RSS is that process's, loading "
+        f"included). Float32 GEMV streaming rate on this machine: {stream:.1f} GB/s "
+        "(weights beyond the L3). `python -m benchmarks gguf_large`.",
+        "",
+        "| file | engine | load s | prefill tok/s | decode b1 tok/s | x llama.cpp | stream share "
+        "| decode b8 tok/s | x llama.cpp | peak RSS MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    peer = {s: r for s, _, _, e, r in rows if e == "llama.cpp"}
+    for shape, size, weights, engine, r in rows:
+        if "error" in r:
+            lines.append(f"| {shape} ({size / 2**30:.2f} GiB) | {engine} | {r['error']} |||||||")
+            continue
+        p = peer.get(shape, {})
+
+        def ratio(key: str, r=r, p=p) -> str:
+            return f"{r[key] / p[key]:.2f}x" if key in p else "-"
+
+        share = weights * r["decode_1"] / (stream * 1e9)
+        lines.append(
+            f"| {shape} ({size / 2**30:.2f} GiB) | {engine} | {r['load_s']:.1f} | "
+            f"{r['prefill_1']:.1f} | {r['decode_1']:.2f} | {ratio('decode_1')} | {share:.0%} | "
+            f"{r['decode_8']:.2f} | {ratio('decode_8')} | {r['rss_mib']:.0f} |"
+        )
+    lines += ["", f"Section time: {time.perf_counter() - begin:.0f} s.", ""]
+    return "\n".join(lines)
+
+
+def not_measured() -> str:
+    return "llama-cpp-python is not importable: run in the bench environment (`make bench-env`)."
