@@ -149,10 +149,10 @@ def _enc_iq4_xs(x, ntry=7):
     first = jnp.argmax(jnp.abs(scales), axis=-1)
     max_scale = jnp.take_along_axis(scales, first[..., None], axis=-1)[..., 0]
     dsup = -max_scale / 32
-    l = jnp.clip(nearest(safe_div(1.0, dsup)[..., None] * scales), -32, 31)
-    dl = dsup[..., None] * l.astype(jnp.float32)
+    level = jnp.clip(nearest(safe_div(1.0, dsup)[..., None] * scales), -32, 31)
+    dl = dsup[..., None] * level.astype(jnp.float32)
     idx = _best_index_iq4(xb * safe_div(1.0, dl)[..., None])
-    ls = (l + 32).astype(jnp.uint8)
+    ls = (level + 32).astype(jnp.uint8)
     low = ls[..., 0::2] & 15 | ((ls[..., 1::2] & 15) << 4)
     high = jnp.sum((ls >> 4).astype(jnp.uint16) << (2 * jnp.arange(8, dtype=jnp.uint16)), -1)
     high = jax.lax.bitcast_convert_type(high.astype(jnp.uint16), jnp.uint8)
