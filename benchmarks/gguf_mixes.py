@@ -8,10 +8,10 @@ Q4_K, Q6_K and, where a row is not whole 256-blocks, Q5_0 / Q8_0). Each file is 
 its blocks, run by its own type's kernel) and decoded greedily, batch 1 and 8, beside
 llama.cpp on the same file in the same process, interleaved (`generate.engine_seconds`).
 
-Rows: lowbit with float activations (the default) and with int8 activations
-(`with_int8_activations`: Q8_0 / Q8_K activation blocks, as llama.cpp's own arithmetic), and
-llama.cpp. The per-call fallbacks the engine counted on the decode step are listed (none is the
-goal: every weight on its type's kernel).
+Rows: lowbit as `lowbit generate FILE` runs it (the block types on int8 activations in
+llama.cpp's Q8_0 / Q8_K blocks, its own arithmetic; Q4_0 / Q4_1 / Q8_0 tensors, imported as
+int4 / uint4 / int8 weights, on float activations), the same with float activations everywhere
+(`with_int8_activations(params, enabled=False)`), and llama.cpp.
 """
 
 from __future__ import annotations
@@ -87,7 +87,9 @@ def run() -> str | None:
             params = apply_recipe(loaded, nnx.split(loaded.model)[1], "gguf")[0]
             engines = {
                 "lowbit": g._Lowbit(loaded.model, params),
-                "lowbit + int8 act.": g._Lowbit(loaded.model, with_int8_activations(params)),
+                "lowbit, float act.": g._Lowbit(
+                    loaded.model, with_int8_activations(params, enabled=False)
+                ),
                 "llama.cpp": g._LlamaCpp(path, max(BATCHES), max(PROMPT.values()) + g.DECODE + 8),
             }
             for batch in BATCHES:

@@ -541,7 +541,9 @@ def prepare_weights(tree: Any, axes: Mapping[Any, int] | Callable[[Any], int | N
     return jax.tree_util.tree_unflatten(treedef, [leaf for _, leaf in flat])
 
 
-def with_int8_activations(tree: Any, enabled: bool = True) -> Any:
+def with_int8_activations(
+    tree: Any, enabled: bool = True, kinds: tuple[str, ...] | None = None
+) -> Any:
     """`tree` with its prepared int8 / int4 / uint4 weight-only weights asking the kernels for
     int8 activations, or no longer asking (`enabled=False`).
 
@@ -555,10 +557,14 @@ def with_int8_activations(tree: Any, enabled: bool = True) -> Any:
     on AVX-512 without VNNI: `lowbit.kernels.int8_activations_supported`), that weight keeps float
     activations; the engine report names each product's path, ``"cpu_kernel_int4+int8_act"``
     for integer dots and ``"cpu_kernel_int8"`` for a weight that kept float activations.
+
+    `kinds`: only the weights of these kernel kinds (e.g. `lowbit.kernels.GGUF_KINDS`); default
+    every kind that has the int8 path.
     """
+    wanted = kernels.INT8_ACTIVATION_KINDS if kinds is None else kinds
 
     def one(x):
-        if isinstance(x, PreparedQArray) and x.route.kind in kernels.INT8_ACTIVATION_KINDS:
+        if isinstance(x, PreparedQArray) and x.route.kind in wanted:
             route = dataclasses.replace(x.route, int8_activations=bool(enabled))
             return dataclasses.replace(x, route=route)
         return x

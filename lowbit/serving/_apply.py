@@ -66,14 +66,18 @@ def apply_recipe(
                 "was not read from a GGUF file"
             )
         from lowbit.io import import_gguf
+        from lowbit.kernels import GGUF_KINDS
         from lowbit.models import gguf_param_map
+        from lowbit.ops import with_int8_activations
 
         mapping = gguf_param_map(loaded.model.config)
         # Laid out as each tensor is read, so the tree is resident once.
         params, _ = import_gguf(
             loaded.gguf_path, name_map=mapping.get, kernel_axes=kernel_axes_fn(loaded)
         )
-        return params, None
+        # The block types multiply as llama.cpp multiplies them: activations in its Q8_0 / Q8_K
+        # blocks, integer dots (`with_int8_activations(params, False)` for float activations).
+        return with_int8_activations(params, kinds=GGUF_KINDS), None
     from lowbit.api import quantize_params
 
     recipe = load_recipe(recipe_spec)

@@ -250,31 +250,36 @@ inline __m256i BitsToBytes(uint32_t bits) {
 inline void Store32(int8_t* q, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(q), v); }
 inline __m256i Load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// The 32 codes of one block of a 32-element type, in a register.
+template <int type>
+inline __m256i BlockCodes(const uint8_t* b) {
+  if constexpr (type == kQ4_0) {
+    return _mm256_sub_epi8(Nibbles(b + 2), _mm256_set1_epi8(8));
+  } else if constexpr (type == kQ4_1) {
+    return Nibbles(b + 4);
+  } else if constexpr (type == kIQ4_NL) {
+    return Lookup16(Nibbles(b + 2), kIq4Values);
+  } else if constexpr (type == kQ5_0 || type == kQ5_1) {
+    constexpr int hoff = type == kQ5_0 ? 2 : 4;
+    uint32_t qh;
+    std::memcpy(&qh, b + hoff, 4);
+    const __m256i v = _mm256_or_si256(Nibbles(b + hoff + 4),
+                                      _mm256_and_si256(BitsToBytes(qh), _mm256_set1_epi8(16)));
+    if constexpr (type == kQ5_0) return _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+    return v;
+  } else {
+    static_assert(type == kQ8_0);
+    return Load32(b + 2);
+  }
+}
+
 template <int type>
 inline void DecodeCodes(const uint8_t* b, int blocks, int8_t* q) {
   const __m256i m15 = _mm256_set1_epi8(15);
   const __m256i m3 = _mm256_set1_epi8(3);
   constexpr TypeInfo t = kTypes[type];
   if constexpr (t.block == 32) {
-    for (int j = 0; j < blocks; ++j, b += t.bytes, q += 32) {
-      if constexpr (type == kQ4_0) {
-        Store32(q, _mm256_sub_epi8(Nibbles(b + 2), _mm256_set1_epi8(8)));
-      } else if constexpr (type == kQ4_1) {
-        Store32(q, Nibbles(b + 4));
-      } else if constexpr (type == kIQ4_NL) {
-        Store32(q, Lookup16(Nibbles(b + 2), kIq4Values));
-      } else if constexpr (type == kQ5_0 || type == kQ5_1) {
-        constexpr int hoff = type == kQ5_0 ? 2 : 4;
-        uint32_t qh;
-        std::memcpy(&qh, b + hoff, 4);
-        __m256i v = _mm256_or_si256(Nibbles(b + hoff + 4),
-                                    _mm256_and_si256(BitsToBytes(qh), _mm256_set1_epi8(16)));
-        if constexpr (type == kQ5_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
-        Store32(q, v);
-      } else if constexpr (type == kQ8_0) {
-        Store32(q, Load32(b + 2));
-      }
-    }
+    for (int j = 0; j < blocks; ++j, b += t.bytes, q += 32) Store32(q, BlockCodes<type>(b));
   } else if constexpr (type == kQ2_K || type == kQ3_K) {
     constexpr bool three = type == kQ3_K;
     const uint8_t* qs = b + (three ? 32 : 16);
@@ -356,11 +361,77 @@ inline __m256i ByteDots(__m256i q, __m256i a) {  // 16 int16 pair sums of q * a
   }
 }
 
-template <int type>
-void Rows(const Weight& w, const Acts& acts, int64_t n0, int64_t n1, float* out) {
+// The row loops take activation rows M at a time (M = 1, 2, 4 or 8), their accumulators in
+// registers: an accumulator kept in memory put a store-to-load round trip on every block's
+// dependency chain (measured: the single-row loop ran at half the speed).
+
+// 32-element types: each block decoded in a register and multiplied with the M activation
+// rows, no unit buffer (these types carry one float scale a block, nothing to share).
+template <int type, int M>
+void Rows32(const Weight& w, const Acts& acts, int64_t r0, int64_t n0, int64_t n1, float* out) {
   constexpr bool has_min = kTypes[type].has_min;
-  constexpr bool super = kTypes[type].block == kUnit;
-  const int64_t units = acts.kp / kUnit, m = acts.m;
+  constexpr int bytes = kTypes[type].bytes;
+  const int64_t blocks = w.k / 32, kp = acts.kp;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* a0 = acts.q8 ? acts.a.data() + r0 * kp : nullptr;
+  const float* da0 = acts.q8 ? acts.da.data() + r0 * (kp / 32) : nullptr;
+  const float* x0 = acts.q8 ? nullptr : acts.x.data() + r0 * kp;
+  const float* s0 = acts.sums.data() + r0 * (kp / 16);
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[M];
+    float macc[M];
+    for (int r = 0; r < M; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      macc[r] = 0.0f;
+    }
+    const uint8_t* b = w.data + n * w.row_bytes;
+    for (int64_t j = 0; j < blocks; ++j, b += bytes) {
+      _mm_prefetch(reinterpret_cast<const char*>(b) + 512, _MM_HINT_T0);
+      const __m256i q = BlockCodes<type>(b);
+      const float d = HalfF16c(b);
+      if (acts.q8) {
+#pragma GCC unroll 8
+        for (int r = 0; r < M; ++r) {
+          const __m256i p = ByteDots<type>(q, Load32(a0 + r * kp + 32 * j));
+          const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+          acc[r] = _mm256_fmadd_ps(dots, _mm256_set1_ps(d * da0[r * (kp / 32) + j]), acc[r]);
+        }
+      } else {
+        const __m256i q16a = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+        const __m256i q16b = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q16a)));
+        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q16a, 1)));
+        const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q16b)));
+        const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q16b, 1)));
+        const __m256 dv = _mm256_set1_ps(d);
+#pragma GCC unroll 8
+        for (int r = 0; r < M; ++r) {
+          const float* x = x0 + r * kp + 32 * j;
+          __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(x));
+          t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(x + 8), t);
+          t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(x + 16), t);
+          t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(x + 24), t);
+          acc[r] = _mm256_fmadd_ps(t, dv, acc[r]);
+        }
+      }
+      if constexpr (has_min) {
+        const float mn = HalfF16c(b + 2);
+        for (int r = 0; r < M; ++r) {
+          const float* sums = s0 + r * (kp / 16) + 2 * j;
+          macc[r] += mn * (sums[0] + sums[1]);
+        }
+      }
+    }
+    for (int r = 0; r < M; ++r) out[(r0 + r) * w.n + n] = Hsum(acc[r]) + macc[r];
+  }
+}
+
+// 256-element types: a unit decoded once into `Unit` (codes, and the integer scales as pshufb
+// operands or the float ones), then multiplied with the M activation rows.
+template <int type, int M>
+void RowsK(const Weight& w, const Acts& acts, int64_t r0, int64_t n0, int64_t n1, float* out) {
+  constexpr bool has_min = kTypes[type].has_min;
+  const int64_t units = acts.kp / kUnit, kp = acts.kp;
   Unit u;
   __m256i iscale[8];
   // pshufb controls: chunk c's two int16 scales (2c, 2c+1 of a lane holding 8) to 8 copies
@@ -369,68 +440,67 @@ void Rows(const Weight& w, const Acts& acts, int64_t n0, int64_t n1, float* out)
       _mm256_set_epi64x(0x0706070607060706, 0x0706070607060706, 0x0504050405040504, 0x0504050405040504),
       _mm256_set_epi64x(0x0b0a0b0a0b0a0b0a, 0x0b0a0b0a0b0a0b0a, 0x0908090809080908, 0x0908090809080908),
       _mm256_set_epi64x(0x0f0e0f0e0f0e0f0e, 0x0f0e0f0e0f0e0f0e, 0x0d0c0d0c0d0c0d0c, 0x0d0c0d0c0d0c0d0c)};
-  std::unique_ptr<__m256[]> acc(new __m256[2 * m]);
-  __m256* macc = acc.get() + m;
-  const __m256i ones = _mm256_set1_epi16(1);
+  const float* s0 = acts.sums.data() + r0 * (kp / 16);
   for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t r = 0; r < 2 * m; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc[M], macc[M];
+    for (int r = 0; r < M; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
     for (int64_t ui = 0; ui < units; ++ui) {
-      const int blocks = UnitBlocks(w, ui);
       const uint8_t* b = UnitBytes(w, n, ui);
-      const int chunks = blocks * kTypes[type].block / 32;
-      DecodeCodes<type>(b, blocks, u.q);
-      __m256i imins = _mm256_setzero_si256();
-      if constexpr (super) {
-        if (acts.q8) {
+      _mm_prefetch(reinterpret_cast<const char*>(b) + 2 * kTypes[type].bytes, _MM_HINT_T0);
+      DecodeCodes<type>(b, 1, u.q);
+      if (acts.q8) {
+        __m256i s16, imins = _mm256_setzero_si256();
+        if constexpr (type == kQ4_K || type == kQ5_K) {
+          // The 12 scale bytes unpacked in four words (scales 0..3, 4..7, mins 0..3, 4..7),
+          // then each byte doubled: one int16 per 16 elements.
+          uint32_t w3[3];
+          std::memcpy(w3, b + 4, 12);
+          const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, lo2 = 0x03030303u;
+          const __m128i v = _mm_set_epi32(
+              static_cast<int>(((w3[2] >> 4) & lo4) | (((w3[1] >> 6) & lo2) << 4)),
+              static_cast<int>(w3[1] & lo6),
+              static_cast<int>((w3[2] & lo4) | (((w3[0] >> 6) & lo2) << 4)),
+              static_cast<int>(w3[0] & lo6));
+          s16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
+          imins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v));
+          u.d = HalfF16c(b);
+          u.dmin = HalfF16c(b + 2);
+        } else {
           alignas(16) int8_t is[16];
           alignas(16) uint8_t im[16] = {};
           IntScales<type>(b, is, im, &u.d, &u.dmin);
-          // [is[2c] x8 | is[2c+1] x8]: int16 scales in the order of maddubs' pair sums
-          const __m256i s16 = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(is)));
-          const __m256i lanes[2] = {_mm256_permute2x128_si256(s16, s16, 0x00),
-                                    _mm256_permute2x128_si256(s16, s16, 0x11)};
-          for (int c = 0; c < 8; ++c) iscale[c] = _mm256_shuffle_epi8(lanes[c / 4], kPick[c % 4]);
+          s16 = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(is)));
           if constexpr (has_min)
             imins = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(im)));
-        } else {
-          DecodeScales<type>(b, blocks, &u);
+        }
+        // [is[2c] x8 | is[2c+1] x8]: int16 scales in the order of maddubs' pair sums
+        const __m256i lanes[2] = {_mm256_permute2x128_si256(s16, s16, 0x00),
+                                  _mm256_permute2x128_si256(s16, s16, 0x11)};
+        for (int c = 0; c < 8; ++c) iscale[c] = _mm256_shuffle_epi8(lanes[c / 4], kPick[c % 4]);
+#pragma GCC unroll 8
+        for (int r = 0; r < M; ++r) {
+          const int8_t* a = acts.a.data() + (r0 + r) * kp + ui * kUnit;
+          __m256i isum = _mm256_setzero_si256();
+          for (int c = 0; c < 8; ++c) {
+            const __m256i p = ByteDots<type>(
+                _mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + 32 * c)), Load32(a + 32 * c));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, iscale[c]));
+          }
+          const float da = acts.da[(r0 + r) * units + ui];
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(u.d * da), acc[r]);
+          if constexpr (has_min) {
+            const __m256i bs = Load32(acts.bs.data() + (r0 + r) * (kp / 16) + ui * 16);
+            const __m256i mins = _mm256_madd_epi16(imins, bs);
+            macc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(u.dmin * da), macc[r]);
+          }
         }
       } else {
-        DecodeScales<type>(b, blocks, &u);
-      }
-      for (int64_t r = 0; r < m; ++r) {
-        __m256 s = acc[r];
-        if (acts.q8) {
-          const int8_t* a = acts.a.data() + r * acts.kp + ui * kUnit;
-          if constexpr (super) {
-            __m256i isum = _mm256_setzero_si256();
-            for (int c = 0; c < 8; ++c) {
-              const __m256i p = ByteDots<type>(_mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + 32 * c)), Load32(a + 32 * c));
-              isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, iscale[c]));
-            }
-            const float da = acts.da[r * (acts.kp / kUnit) + ui];
-            s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(u.d * da), s);
-            if constexpr (has_min) {
-              const int16_t* bs = acts.bs.data() + r * (acts.kp / 16) + ui * 16;
-              const __m256i mins = _mm256_madd_epi16(imins, Load32(bs));
-              macc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(u.dmin * da), macc[r]);
-            }
-          } else {
-            const float* da = acts.da.data() + r * (acts.kp / 32) + ui * 8;
-            for (int c = 0; c < chunks; ++c) {
-              const __m256i p = ByteDots<type>(_mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + 32 * c)), Load32(a + 32 * c));
-              const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
-              s = _mm256_fmadd_ps(dots, _mm256_set1_ps(u.ws[2 * c] * da[c]), s);
-            }
-            if constexpr (has_min) {
-              const float* sums = acts.sums.data() + r * (acts.kp / 16) + ui * 16;
-              macc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(u.wm), _mm256_loadu_ps(sums), macc[r]);
-              macc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(u.wm + 8), _mm256_loadu_ps(sums + 8), macc[r]);
-            }
-          }
-        } else {
-          const float* x = acts.x.data() + r * acts.kp + ui * kUnit;
-          for (int c = 0; c < chunks; ++c) {
+        DecodeScales<type>(b, 1, &u);
+#pragma GCC unroll 8
+        for (int r = 0; r < M; ++r) {
+          const float* x = acts.x.data() + (r0 + r) * kp + ui * kUnit;
+          __m256 s = acc[r];
+          for (int c = 0; c < 8; ++c) {
             const int8_t* qc = u.q + 32 * c;
             const float* xc = x + 32 * c;
             const __m256i q16a = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(qc)));
@@ -444,17 +514,35 @@ void Rows(const Weight& w, const Acts& acts, int64_t n0, int64_t n1, float* out)
             s = _mm256_fmadd_ps(t0, _mm256_set1_ps(u.ws[2 * c]), s);
             s = _mm256_fmadd_ps(t1, _mm256_set1_ps(u.ws[2 * c + 1]), s);
           }
+          acc[r] = s;
           if constexpr (has_min) {
-            const float* sums = acts.sums.data() + r * (acts.kp / 16) + ui * 16;
+            const float* sums = s0 + r * (kp / 16) + ui * 16;
             macc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(u.wm), _mm256_loadu_ps(sums), macc[r]);
             macc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(u.wm + 8), _mm256_loadu_ps(sums + 8), macc[r]);
           }
         }
-        acc[r] = s;
       }
     }
-    for (int64_t r = 0; r < m; ++r) out[r * w.n + n] = Hsum(_mm256_add_ps(acc[r], macc[r]));
+    for (int r = 0; r < M; ++r) out[(r0 + r) * w.n + n] = Hsum(_mm256_add_ps(acc[r], macc[r]));
   }
+}
+
+template <int type, int M>
+void RowsM(const Weight& w, const Acts& acts, int64_t r0, int64_t n0, int64_t n1, float* out) {
+  if constexpr (kTypes[type].block == kUnit) {
+    RowsK<type, M>(w, acts, r0, n0, n1, out);
+  } else {
+    Rows32<type, M>(w, acts, r0, n0, n1, out);
+  }
+}
+
+template <int type>
+void Rows(const Weight& w, const Acts& acts, int64_t n0, int64_t n1, float* out) {
+  int64_t r = 0;
+  for (; r + 8 <= acts.m; r += 8) RowsM<type, 8>(w, acts, r, n0, n1, out);
+  if (acts.m - r >= 4) RowsM<type, 4>(w, acts, r, n0, n1, out), r += 4;
+  if (acts.m - r >= 2) RowsM<type, 2>(w, acts, r, n0, n1, out), r += 2;
+  if (acts.m - r >= 1) RowsM<type, 1>(w, acts, r, n0, n1, out);
 }
 
 template <int type>
