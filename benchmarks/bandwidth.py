@@ -49,21 +49,31 @@ def _copies(nbytes: int, llc: int) -> int:
     return max(2, -(-2 * llc // nbytes))
 
 
-def stream_gbps() -> float:
-    """The float32 GEMV's rate (GB/s) at M = 1, K = N = 8192, on copies that exceed the
-    last-level cache twice over: the machine's streaming rate, which decode shares are of."""
-    llc = _llc_bytes()
+def _float_weights(llc: int) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
+    """(x [1, K], a float32 weight [K, N], copies of it that exceed the cache twice over)."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, K), np.float32))
     base = jnp.asarray(rng.standard_normal((K, N), np.float32) * 0.02)
-    floats = [base * (1 + i / 8) for i in range(_copies(base.nbytes, llc))]
-    dot = jax.jit(lambda x, w: x @ w)
+    return x, base, [base * (1 + i / 8) for i in range(_copies(base.nbytes, llc))]
+
+
+def _rotating(call, weights):
+    """A function calling `call` on the next of `weights` each time (none stays in cache)."""
     state = {"i": 0}
 
     def once():
-        state["i"] = (state["i"] + 1) % len(floats)
-        return dot(x, floats[state["i"]])
+        state["i"] = (state["i"] + 1) % len(weights)
+        return call(weights[state["i"]])
 
+    return once
+
+
+def stream_gbps() -> float:
+    """The float32 GEMV's rate (GB/s) at M = 1, K = N = 8192, on copies that exceed the
+    last-level cache twice over: the machine's streaming rate, which decode shares are of."""
+    x, base, floats = _float_weights(_llc_bytes())
+    dot = jax.jit(lambda x, w: x @ w)
+    once = _rotating(lambda w: dot(x, w), floats)
     best = best_times({"float32": once}, min_seconds=2.0, min_reps=20, max_reps=60)["float32"]
     return base.nbytes / best / 1e9
 
@@ -71,22 +81,10 @@ def stream_gbps() -> float:
 def run() -> str:
     begin = time.perf_counter()
     llc = _llc_bytes()
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((1, K), np.float32))
-    base = jnp.asarray(rng.standard_normal((K, N), np.float32) * 0.02)
-    floats = [base * (1 + i / 8) for i in range(_copies(base.nbytes, llc))]
+    x, base, floats = _float_weights(llc)
     dot = jax.jit(lambda x, w: x @ w)
     matmul = jax.jit(lowbit.run(lambda p, x: x @ p["kernel"]))
-
-    def rotating(call, weights):
-        state = {"i": 0}
-
-        def once():
-            state["i"] = (state["i"] + 1) % len(weights)
-            return call(weights[state["i"]])
-
-        return once
-
+    rotating = _rotating
     fns = {"float32": rotating(lambda w: dot(x, w), floats)}
     nbytes, copies, kinds = {"float32": base.nbytes}, {"float32": len(floats)}, {}
     for preset in PRESETS:

@@ -32,8 +32,7 @@ PROMPT = {1: 128, 8: 32}
 
 def make_mixes(directory: str, mixes=MIXES) -> dict[str, str]:
     """{mix: path} of SmolLM2 GGUF files made by llama.cpp's quantizer from an F16 export."""
-    import llama_cpp as L
-
+    from benchmarks.mixes import quantize_llama_cpp
     from lowbit.io import export_gguf
     from lowbit.models import smollm2_gguf_path
     from lowbit.serving import load_model
@@ -46,13 +45,8 @@ def make_mixes(directory: str, mixes=MIXES) -> dict[str, str]:
     )
     paths = {}
     for mix in mixes:
-        out = os.path.join(directory, f"smollm2-{mix}.gguf")
-        params = L.llama_model_quantize_default_params()
-        params.ftype = getattr(L, f"LLAMA_FTYPE_MOSTLY_{mix}")
-        params.nthread = os.cpu_count() or 1
-        if L.llama_model_quantize(f16.encode(), out.encode(), params) != 0:
-            raise RuntimeError(f"llama_model_quantize to {mix} failed")
-        paths[mix] = out
+        paths[mix] = os.path.join(directory, f"smollm2-{mix}.gguf")
+        quantize_llama_cpp(f16, paths[mix], mix)
     return paths
 
 

@@ -46,7 +46,7 @@ def _log(text: str) -> None:
     print(f"[mixes] {text}", file=sys.stderr, flush=True)
 
 
-def _quantize_llama_cpp(source: str, out: str, mix: str) -> float:
+def quantize_llama_cpp(source: str, out: str, mix: str) -> float:
     """llama.cpp's quantizer from `source` to `out` as `mix`; returns the seconds taken."""
     import llama_cpp as L
 
@@ -136,7 +136,7 @@ def run() -> str | None:
         results = {}
         for mix in MIXES:
             theirs = os.path.join(tmp, f"llama-{mix}.gguf")
-            seconds = _quantize_llama_cpp(f16, theirs, mix)
+            seconds = quantize_llama_cpp(f16, theirs, mix)
             # The plan's weights get what llama.cpp's whole file holds, less what every lowbit
             # export holds besides them (metadata, tokenizer, norms: as in the F16 file).
             budget = os.path.getsize(theirs) - overhead

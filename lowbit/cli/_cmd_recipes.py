@@ -21,7 +21,10 @@ def run(args: argparse.Namespace) -> int:
     from lowbit.recipes import preset_names
 
     names = dict(preset_names())
-    names[GGUF_RECIPE] = "the GGUF checkpoint's own Q8_0/Q4_0/Q4_1 blocks, imported directly"
+    names[GGUF_RECIPE] = (
+        "a GGUF file's own blocks (every type of llama.cpp's mixes), each on its type's kernel, "
+        "multiplied on int8 activations as llama.cpp does (the default for a .gguf MODEL)"
+    )
     width = max(len(n) for n in names)
     for name, description in names.items():
         print(f"{name:<{width}}  {description}")

@@ -92,7 +92,14 @@ def _best_index_iq4(x):
     return jnp.where(x <= values[0], 0, jnp.where(x >= values[15], 15, idx))
 
 
-def _enc_iq4_nl(x, ntry=7):
+def _iq4_scale(x, ntry=7):
+    """llama.cpp's IQ4_NL scale search on every block (last axis), 0 for a flat block.
+
+    Besides llama.cpp's candidates, one maps the extreme value onto the top level (113): it can
+    only lower the error and makes decoded blocks re-encode to themselves. A tie with it (a
+    constant block fits every candidate exactly) goes to the extra one: which of equal scores
+    wins is otherwise float rounding, which differs across XLA builds.
+    """
     values = jnp.asarray(IQ4_NL_VALUES, jnp.float32)
     w = x * x
     amax, mx = signed_absmax(x)
@@ -103,10 +110,6 @@ def _enc_iq4_nl(x, ntry=7):
     sumqx, sumq2 = (w * q * x).sum(-1), (w * q * q).sum(-1)
     d = safe_div(sumqx, sumq2)
     best = d * sumqx
-    # llama.cpp's candidates, plus one mapping the extreme value onto the top level (113):
-    # it can only lower the error and makes decoded blocks re-encode to themselves.
-    # A tie with it (a constant block fits every candidate exactly) goes to the extra one:
-    # which of equal scores wins is otherwise float rounding, which differs across XLA builds.
     candidates = [(itry + values[0]) / mx_safe for itry in range(-ntry, ntry + 1)]
     for i, inv in enumerate([*candidates, values[15] / mx_safe]):
         q = values[_best_index_iq4(x * inv[..., None])]
@@ -115,37 +118,21 @@ def _enc_iq4_nl(x, ntry=7):
         better = (sq2 > 0) & (sqx * sqx > best * sq2 * slack)
         d = jnp.where(better, safe_div(sqx, sq2), d)
         best = jnp.where(better, d * sqx, best)
-    d = jnp.where(flat, 0.0, d)
+    return jnp.where(flat, 0.0, d)
+
+
+def _enc_iq4_nl(x):
+    d = _iq4_scale(x)
     idx = _best_index_iq4(x * safe_div(1.0, d)[..., None])
     return jnp.concatenate([f16_bytes(d), pack_nibbles_32(idx)], -1)
 
 
-def _enc_iq4_xs(x, ntry=7):
-    """llama.cpp's `quantize_row_iq4_xs_impl` without an importance matrix: an IQ4_NL scale
-    search per 32 elements (with `_enc_iq4_nl`'s extra candidate), then 6-bit sub-block scales
-    under one fp16 superblock scale."""
-    values = jnp.asarray(IQ4_NL_VALUES, jnp.float32)
+def _enc_iq4_xs(x):
+    """llama.cpp's `quantize_row_iq4_xs_impl` without an importance matrix: the IQ4_NL scale
+    search per 32 elements (`_iq4_scale`), then 6-bit sub-block scales under one fp16
+    superblock scale."""
     xb = x.reshape(*x.shape[:-1], 8, 32)
-    w = xb * xb
-    amax, mx = signed_absmax(xb)
-    flat = amax < GROUP_MAX_EPS
-    mx_safe = jnp.where(flat, 1.0, mx)
-    d = -mx_safe / values[0]
-    q = values[_best_index_iq4(xb * (1 / d)[..., None])]
-    sumqx, sumq2 = (w * q * xb).sum(-1), (w * q * q).sum(-1)
-    d = safe_div(sumqx, sumq2)
-    best = d * sumqx
-    # llama.cpp's candidates, plus IQ4_NL's extra one (the extreme value onto the top level),
-    # so that decoded blocks re-encode to themselves.
-    candidates = [(itry + values[0]) / mx_safe for itry in range(-ntry, ntry + 1)]
-    for i, inv in enumerate([*candidates, values[15] / mx_safe]):
-        q = values[_best_index_iq4(xb * inv[..., None])]
-        sqx, sq2 = (w * q * xb).sum(-1), (w * q * q).sum(-1)
-        slack = 1 - 1e-6 if i == len(candidates) else 1.0
-        better = (sq2 > 0) & (sqx * sqx > best * sq2 * slack)
-        d = jnp.where(better, safe_div(sqx, sq2), d)
-        best = jnp.where(better, d * sqx, best)
-    scales = jnp.where(flat, 0.0, d)  # [..., 8]
+    scales = _iq4_scale(xb)  # [..., 8]
     first = jnp.argmax(jnp.abs(scales), axis=-1)
     max_scale = jnp.take_along_axis(scales, first[..., None], axis=-1)[..., 0]
     dsup = -max_scale / 32

@@ -83,6 +83,17 @@ def test_int8_activations_match_the_reference_rounding():
     np.testing.assert_allclose(y, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("ggml_type", ["Q5_0", "Q4_K"])
+def test_nan_activations_give_nan_outputs(ggml_type):
+    k = _k(ggml_type)
+    rows = jnp.asarray(_rows(ggml_type, 8, k))
+    x = np.ones((2, k), np.float32)
+    x[1, 5] = np.nan
+    for q8 in (False, True):
+        y = np.asarray(_linear(jnp.asarray(x), rows, ggml_type=ggml_type, int8_activations=q8))
+        assert np.isfinite(y[0]).all() and np.isnan(y[1]).all()
+
+
 def test_bfloat16_in_and_out():
     rows = jnp.asarray(_rows("Q4_K", 8, 256))
     x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 256)), jnp.bfloat16)

@@ -182,6 +182,22 @@ const IsaKernels* IsaAvx512Vnni();
 const IsaKernels* IsaAmx();
 bool AmxUsable();
 
+// bfloat16 <-> float32 (round to nearest even; NaN stays NaN), for the handlers' float I/O.
+inline float Bf16ToF32(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t F32ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
 }  // namespace lowbit
 
 // Functions between LOWBIT_TARGET_PUSH("avx2,fma,...") and LOWBIT_TARGET_POP compile for those

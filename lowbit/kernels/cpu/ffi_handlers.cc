@@ -44,21 +44,6 @@ constexpr int64_t kChunksPerWorker = 4;
 // Below this many multiply-adds the fork/join costs more than it saves.
 constexpr int64_t kMinParallelMacs = int64_t{1} << 18;
 
-inline float Bf16ToF32(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t F32ToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
-
 // Row m of x [M, K] (float32 or bfloat16) as float32 into dst[i * stride], i < k.
 inline void LoadRow(const void* x, bool bf16, int64_t m, int64_t k, float* dst,
                     int64_t stride = 1) {

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,21 +36,6 @@ namespace {
 
 ffi::Error Invalid(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "lowbit: " + msg);
-}
-
-inline float Bf16ToF32(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t F32ToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
 }
 
 // Activations prepared once a call, shared by every worker. K is padded to whole units.
@@ -105,9 +91,13 @@ void PrepareActs(const void* x, bool bf16, int64_t m, int64_t k, bool q8, int pe
     for (int64_t g = 0; g < kp / per; ++g) {
       const float* v = row.data() + per * g;
       float amax = 0.0f;
-      for (int i = 0; i < per; ++i) amax = std::max(amax, std::fabs(v[i]));
-      // NaN or Inf activations give NaN outputs, as a float product would; a zero block gives
-      // zero codes and a zero scale, never a NaN one.
+      bool finite = true;
+      for (int i = 0; i < per; ++i) {
+        amax = std::max(amax, std::fabs(v[i]));
+        finite = finite && std::isfinite(v[i]);
+      }
+      // A NaN or Inf activation makes its block's scale NaN, so the outputs are NaN as a float
+      // product's would be; a zero block gives zero codes and a zero scale, never a NaN one.
       const float d = amax / 127.0f;
       const float id = d > 0.0f ? 1.0f / d : 0.0f;
       for (int i = 0; i < per; ++i) {
@@ -115,7 +105,7 @@ void PrepareActs(const void* x, bool bf16, int64_t m, int64_t k, bool q8, int pe
         const int qv = static_cast<int>(std::nearbyint(std::isfinite(t) ? t : 0.0f));
         a[per * g + i] = static_cast<int8_t>(std::clamp(qv, -127, 127));
       }
-      da[g] = std::isfinite(amax) ? d : amax;
+      da[g] = finite ? d : std::numeric_limits<float>::quiet_NaN();
     }
     for (int64_t g = 0; g < kp / 16; ++g) {
       int s = 0;
