@@ -4,8 +4,9 @@ The files are written by `benchmarks._big_gguf` (random blocks laid out as llama
 quantizer lays out Q4_K_M: Q4_K, Q6_K for the tied embedding / output projection and the
 "more bits" layers' attn_v / ffn_down; no float file). Each engine runs in a process of its
 own, so its peak RSS is its own: load the file, prefill a prompt, decode greedily at batch 1
-and batch 8. lowbit runs the path of `lowbit generate FILE` (recipe `gguf`, no float copy of
-the model), with float and with int8 activations; llama.cpp (llama-cpp-python) through its C
+and batch 8. lowbit runs the path of `lowbit generate FILE` (recipe `gguf`: no float copy of
+the model, the blocks multiplied on int8 activations as llama.cpp does), and the same with
+float activations; llama.cpp (llama-cpp-python) through its C
 API (`generate._LlamaCpp`).
 
 Streaming share: weight bytes read a token (the file's tensor bytes) x batch-1 tokens/s,
@@ -49,8 +50,8 @@ def _child(engine: str, path: str) -> None:
 
         loaded = load_model(path, float_weights=False)
         params = apply_recipe(loaded, nnx.split(loaded.model)[1], "gguf")[0]
-        if engine.endswith("int8"):
-            params = with_int8_activations(params)
+        if engine.endswith("float act."):
+            params = with_int8_activations(params, enabled=False)
         runner = g._Lowbit(loaded.model, params)
         vocab = loaded.model.config.vocab_size
     else:
@@ -109,7 +110,7 @@ def run() -> str | None:
     from lowbit import kernels
 
     shapes = os.environ.get("LOWBIT_GGUF_LARGE", "qwen2-1.5b").split(",")
-    engines = ("lowbit", "lowbit int8", "llama.cpp")
+    engines = ("lowbit", "lowbit, float act.", "llama.cpp")
     lines = ["## Q4_K_M files of 1.5B / 8B shapes: lowbit against llama.cpp, with peak memory", ""]
     stream = bandwidth.stream_gbps()
     rows = []
