@@ -64,11 +64,16 @@ def _child(engine: str, path: str) -> None:
         pre, dec = g.engine_seconds({"e": runner}, prompts)["e"]
         out[f"prefill_{batch}"] = batch * PROMPT / pre
         out[f"decode_{batch}"] = batch * DECODE / dec
+    # The process's own peak (VmHWM): `ru_maxrss` from wait4 would also count the parent's
+    # memory at the fork, which Linux carries over into the child.
+    with open("/proc/self/status") as f:
+        hwm = next(line for line in f if line.startswith("VmHWM:"))
+    out["rss_mib"] = int(hwm.split()[1]) / 1024
     print("RESULT " + json.dumps(out), flush=True)
 
 
 def _measure(engine: str, path: str) -> dict:
-    """Runs `_child` in its own process; its result with the process's peak RSS (MiB)."""
+    """Runs `_child` in its own process; its result, with that process's peak RSS (MiB)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(
         [
@@ -82,15 +87,11 @@ def _measure(engine: str, path: str) -> dict:
         text=True,
         env={**os.environ, "PYTHONPATH": root, "LOWBIT_COMPILATION_CACHE": "0"},
     )
-    stdout = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    stdout, _ = proc.communicate()
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         return {"error": f"exit {proc.returncode}"}
-    result = json.loads(lines[-1][len("RESULT ") :])
-    result["rss_mib"] = usage.ru_maxrss / 1024
-    return result
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def _weight_bytes(path: str) -> int:
