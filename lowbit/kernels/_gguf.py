@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit.formats import GGUF_BLOCK_TYPES, gguf_decode_traced
-from lowbit.kernels import _native
 from lowbit.kernels._kinds import GGUF_TYPE_IDS
 from lowbit.kernels._ops import _by_platform, _check_float
 
@@ -135,7 +134,3 @@ def gguf_linear(
     y = reference() if m == 0 else _by_platform(native, reference)
     return y.reshape(*lead, n)
 
-
-def gguf_kernels_available() -> bool:
-    """Whether the compiled GGUF kernels are loaded (else the reference runs)."""
-    return _native.module() is not None

@@ -52,14 +52,12 @@ inline constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -
                                           1,    13,   25,  38,  53,  69,  89,  113};
 
 // One decoded unit. `q` is 32-byte aligned for vector loads.
-// 256-element types also keep the integer parts of their scales, for integer dots on Q8_K
-// activations: ws[i] = d * is[i], wm[i] = -(dmin * im[i]).
+// d and dmin: a 256-element unit's superblock scales, for the integer dots on Q8_K
+// activations (whose integer sub-block scales `IntScales` reads from the block itself).
 struct alignas(32) Unit {
   int8_t q[kUnit];
   float ws[kUnit / 16];
   float wm[kUnit / 16];
-  int16_t is[kUnit / 16];
-  int16_t im[kUnit / 16];
   float d, dmin;
 };
 

@@ -26,8 +26,6 @@ inline void DecodeScales(const uint8_t* b, int blocks, Unit* u) {
       u->d = d;
       u->dmin = dmin;
       for (int i = 0; i < 16; ++i) {
-        u->is[i] = b[i] & 15;
-        u->im[i] = b[i] >> 4;
         u->ws[i] = d * static_cast<float>(b[i] & 15);
         u->wm[i] = -(dmin * static_cast<float>(b[i] >> 4));
       }
@@ -38,10 +36,7 @@ inline void DecodeScales(const uint8_t* b, int blocks, Unit* u) {
       int sc[16];
       Q3Scales(b + 96, sc);
       u->d = d;
-      for (int i = 0; i < 16; ++i) {
-        u->is[i] = static_cast<int16_t>(sc[i] - 32);
-        u->ws[i] = d * static_cast<float>(sc[i] - 32);
-      }
+      for (int i = 0; i < 16; ++i) u->ws[i] = d * static_cast<float>(sc[i] - 32);
       break;
     }
     case kQ4_K:
@@ -52,8 +47,6 @@ inline void DecodeScales(const uint8_t* b, int blocks, Unit* u) {
       for (int j = 0; j < 8; ++j) {
         int sc, m;
         ScaleMinK4(j, b + 4, &sc, &m);
-        u->is[2 * j] = u->is[2 * j + 1] = static_cast<int16_t>(sc);
-        u->im[2 * j] = u->im[2 * j + 1] = static_cast<int16_t>(m);
         u->ws[2 * j] = u->ws[2 * j + 1] = d * static_cast<float>(sc);
         u->wm[2 * j] = u->wm[2 * j + 1] = -(dmin * static_cast<float>(m));
       }
@@ -62,10 +55,8 @@ inline void DecodeScales(const uint8_t* b, int blocks, Unit* u) {
     case kQ6_K: {
       const float d = LOWBIT_GGUF_HALF(b + 208);
       u->d = d;
-      for (int i = 0; i < 16; ++i) {
-        u->is[i] = static_cast<int8_t>(b[192 + i]);
-        u->ws[i] = d * static_cast<float>(u->is[i]);
-      }
+      for (int i = 0; i < 16; ++i)
+        u->ws[i] = d * static_cast<float>(static_cast<int8_t>(b[192 + i]));
       break;
     }
     case kIQ4_XS: {
@@ -75,7 +66,6 @@ inline void DecodeScales(const uint8_t* b, int blocks, Unit* u) {
       std::memcpy(&sh, b + 2, 2);
       for (int j = 0; j < 8; ++j) {
         const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4);
-        u->is[2 * j] = u->is[2 * j + 1] = static_cast<int16_t>(ls - 32);
         u->ws[2 * j] = u->ws[2 * j + 1] = d * static_cast<float>(ls - 32);
       }
       break;
