@@ -26,6 +26,7 @@ from lowbit.cli._common import (
     progress,
     step,
 )
+from lowbit.io._atomic import atomic_write
 
 PLAN_NAME = "plan"
 
@@ -176,7 +177,7 @@ def run_budget(args: argparse.Namespace) -> int:
         )
         print(plan)
         if args.plan_out:
-            Path(args.plan_out).write_text(plan.recipe.to_json() + "\n", encoding="utf-8")
+            atomic_write(args.plan_out, (plan.recipe.to_json() + "\n").encode("utf-8"))
             print(f"wrote plan {args.plan_out} (reuse it with --recipe {args.plan_out})")
         if args.plot:
             from lowbit.eval import plot_bits_per_layer

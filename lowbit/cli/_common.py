@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lowbit import serving
+from lowbit.io._atomic import atomic_write
 
 # Metadata keys the CLI stores in a checkpoint manifest to find the float model again.
 META_MODEL = serving.META_MODEL
@@ -403,10 +404,14 @@ def print_json(payload: Any) -> None:
 
 
 def write_json(path: Path, payload: Any) -> None:
-    """Writes `payload` as JSON atomically."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_finite(payload), indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    """Writes `payload` as JSON (infinities as null) by `atomic_write`: never through a link
+    planted in a checkpoint.
+
+    Raises:
+      LinkedPathError: if `path` is a symbolic link.
+    """
+    text = json.dumps(_finite(payload), indent=1) + "\n"
+    atomic_write(path, text.encode("utf-8"))
 
 
 def read_json(path: Path) -> Any:

@@ -17,16 +17,15 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from lowbit.eval._report import ResultRow
+from lowbit.io._atomic import atomic_write
 
 
 def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
-    # Written beside the target and renamed, so a reader never sees half a PNG.
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=110, format="png")
-    os.replace(tmp, path)
+    # A reader never sees half a PNG, and a link planted at the name is refused.
+    atomic_write(path, lambda f: fig.savefig(f, dpi=110, format="png"))
     return path
 
 

@@ -13,6 +13,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from lowbit.io._atomic import atomic_write
+
 METRICS = ("ppl", "cosine")
 REPORT_FILE = "report.json"
 
@@ -163,9 +165,7 @@ def write_report(
         }
     payload.update(extra or {})
     path = directory / REPORT_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, (json.dumps(payload, indent=1) + "\n").encode("utf-8"), within=directory)
     return path
 
 

@@ -1,4 +1,11 @@
-"""Durable, atomic replacement of a directory, and the temporaries a killed writer leaves.
+"""Durable, atomic replacement of a file or a directory, and the temporaries a killed writer
+leaves.
+
+Every file lowbit writes outside a checkpoint's private temporary directory goes through
+`atomic_write`: a new file created beside the target with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under
+a random name, written, flushed to disk and renamed over the target. Checkpoints come from
+strangers, so no name in one can be trusted: a symlink planted at the target, at a temporary's
+name or at a directory on the way never redirects the write (see `atomic_write`).
 
 A directory is written whole into a temporary directory beside its target, flushed, and then
 swapped in by rename. Where the kernel offers it (Linux ``renameat2`` with
@@ -17,13 +24,15 @@ removed. Where locks are unavailable nothing is ever proved stale, so nothing is
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import re
 import secrets
 import stat
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from typing import BinaryIO
 
 try:
     import fcntl
@@ -33,6 +42,156 @@ except ImportError:  # not POSIX: no locks, so temporaries are never proved stal
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 TEMP_INFIX = ".tmp-"
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIRECTORY_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC
+# Descriptor-relative calls pin the directory: a link swapped in after the checks is not followed.
+_AT_DIRECTORY = {os.open, os.stat, os.rename, os.unlink} <= os.supports_dir_fd
+
+
+class LinkedPathError(ValueError):
+    """A write refused because its target, or a directory on its way, is a symbolic link."""
+
+
+def atomic_write(
+    path: str | os.PathLike[str],
+    content: bytes | Callable[[BinaryIO], None],
+    *,
+    within: str | os.PathLike[str] | None = None,
+) -> None:
+    """Writes the whole file `path`, so that readers see the old file or the new one, and
+    nothing is ever written through a link.
+
+    The bytes go to a new file beside `path`, created with ``O_CREAT | O_EXCL | O_NOFOLLOW``
+    under a random name (so a link planted at any name cannot receive them), flushed to disk,
+    and renamed over `path` (a rename replaces the directory entry, never what a link at it
+    points to). The directory is opened once and every step is taken relative to it. The
+    new file gets the modes a plain ``open`` would (0666 less the umask).
+
+    Args:
+      path: the file to write; its directory must exist.
+      content: the bytes, or a function that writes them to the open file it is given (opened
+        for reading too, so it may check what it wrote; closing it is allowed).
+      within: a directory the caller trusts (e.g. a checkpoint given on the command line, which
+        may itself be a link the user made), holding `path`. Every directory below it on the
+        way to `path` must be a real directory, not a link.
+    Raises:
+      LinkedPathError: naming the path, if `path` or a directory below `within` is a symlink.
+      IsADirectoryError: if `path` is a directory.
+      ValueError: if `path` is not inside `within`.
+    """
+    shown = os.fspath(path)
+    parent, name = os.path.split(os.path.abspath(shown))
+    directory = _open_parent(parent, within, shown)
+    try:
+        _refuse_link(name, directory, shown)
+        temporary, fd = _create_beside(name, directory, shown)
+        try:
+            with os.fdopen(fd, "w+b", closefd=False) as f:
+                if callable(content):
+                    content(f)
+                else:
+                    f.write(content)
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            _refuse_link(name, directory, shown)  # again: one may have been planted meanwhile
+            _at(os.replace, directory, parent)(temporary, name)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                _at(os.unlink, directory, parent)(temporary)
+            raise
+        if directory is not None:
+            os.fsync(directory)
+        else:
+            _fsync_directory(parent)
+    finally:
+        if directory is not None:
+            os.close(directory)
+
+
+def _at(function: Callable, directory: int | None, parent: str) -> Callable:
+    """`function` of names in the open `directory` (or, without descriptor calls, in `parent`)."""
+    if directory is None:
+        if function is os.replace:
+            return lambda a, b: os.replace(os.path.join(parent, a), os.path.join(parent, b))
+        return lambda a, **kw: function(os.path.join(parent, a), **kw)
+    if function is os.replace:
+        return lambda a, b: os.replace(a, b, src_dir_fd=directory, dst_dir_fd=directory)
+    return lambda a, **kw: function(a, dir_fd=directory, **kw)
+
+
+def _open_parent(parent: str, within: str | os.PathLike[str] | None, shown: str) -> int | None:
+    """The directory `parent`, open, checked link-free below `within`; None where the system
+    has no descriptor-relative calls (then the checks are made by path)."""
+    steps: list[str] = []
+    if within is not None:
+        root = os.path.abspath(within)
+        relative = os.path.relpath(parent, root)
+        if relative == os.pardir or relative.startswith(os.pardir + os.sep):
+            raise ValueError(f"{shown!r} is not inside {os.fspath(within)!r}")
+        steps = [part for part in relative.split(os.sep) if part not in ("", os.curdir)]
+        parent = root
+    if not _AT_DIRECTORY:
+        for part in steps:
+            parent = os.path.join(parent, part)
+            if os.path.islink(parent):
+                raise _linked(parent, shown)
+        return None
+    directory = os.open(parent, _DIRECTORY_FLAGS)
+    for part in steps:
+        try:
+            step = os.open(part, _DIRECTORY_FLAGS | _NOFOLLOW, dir_fd=directory)
+        except OSError:
+            link = os.path.join(parent, part)
+            is_link = stat.S_ISLNK(os.stat(part, dir_fd=directory, follow_symlinks=False).st_mode)
+            os.close(directory)
+            if is_link:
+                raise _linked(link, shown) from None
+            raise
+        os.close(directory)
+        directory, parent = step, os.path.join(parent, part)
+    return directory
+
+
+def _refuse_link(name: str, directory: int | None, shown: str) -> None:
+    try:
+        mode = _at(os.stat, directory, os.path.dirname(os.path.abspath(shown)))(
+            name, follow_symlinks=False
+        ).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        raise _linked(shown, shown)
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(f"cannot write {shown!r}: it is a directory")
+
+
+def _linked(link: str, shown: str) -> LinkedPathError:
+    target = os.readlink(link) if os.path.islink(link) else "?"
+    where = "it is" if link == shown else f"{link!r}, a directory on its way, is"
+    return LinkedPathError(
+        f"refusing to write {shown!r}: {where} a symbolic link (to {target!r}), and lowbit never "
+        "writes through a link (it may have come with a downloaded checkpoint). Remove the link, "
+        "or write somewhere else."
+    )
+
+
+def _create_beside(name: str, directory: int | None, shown: str) -> tuple[str, int]:
+    """A new, empty file ``.<name>.<random>.tmp`` beside `name`, open for reading and writing."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+    create = _at(os.open, directory, os.path.dirname(os.path.abspath(shown)))
+    for _ in range(100):
+        temporary = f".{name}.{secrets.token_hex(8)}.tmp"
+        try:
+            return temporary, create(temporary, flags=flags, mode=0o666)
+        except FileExistsError:  # taken (or a link planted at it): another name
+            continue
+    raise FileExistsError(f"cannot create a temporary file beside {shown!r}")
 
 
 def write_file(file: str, data: bytes) -> None:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -49,6 +48,7 @@ import jax
 import numpy as np
 
 from lowbit.formats import GGUF_BLOCK_TYPES, GGUFBlockFormat, gguf_encode
+from lowbit.io._atomic import atomic_write
 from lowbit.models import (
     DecoderConfig,
     decoder_config_from_gguf,
@@ -539,14 +539,15 @@ def _file_type(type_: str | None, written: list[str]) -> int:
 
 def _write(path, plan, encoded, metadata, config, file_type) -> None:
     """Writes the file: header and tensor table from `plan`, then each array `encoded`
-    yields (one per planned tensor, in order), so one tensor is resident at a time."""
+    yields (one per planned tensor, in order), so one tensor is resident at a time.
+
+    Through `atomic_write`: checked before it replaces `path`, never through a link."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise OSError(f"cannot write {path!r}: directory {directory!r} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".gguf", dir=directory)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, config.architecture)
+
+    def write(file) -> None:
+        writer = _FileWriter(file, config.architecture)
         if metadata is None:
             for key, (value, vtype) in _config_metadata(config).items():
                 if key not in _SKIP_KEYS:
@@ -565,24 +566,29 @@ def _write(path, plan, encoded, metadata, config, file_type) -> None:
         for raw in encoded:
             writer.write_tensor_data(np.ascontiguousarray(raw))
             del raw
-        writer.close()
-        _validate(tmp, plan)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        writer.flush()
+        _validate(file, plan)
+
+    atomic_write(path, write)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+class _FileWriter(gguf.GGUFWriter):
+    """gguf's writer, writing to a file we opened (it would open the path itself, following
+    links) rather than to a path."""
+
+    def __init__(self, file, architecture: str):
+        super().__init__(None, architecture)
+        self._file = file
+
+    def open_output_file(self, path=None) -> None:
+        if self.state is gguf.WriterState.NO_FILE:
+            self.fout = [self._file]
+            self.state = gguf.WriterState.EMPTY
 
 
-def _validate(path: str, plan) -> None:
-    reader = gguf.GGUFReader(path)
+def _validate(file, plan) -> None:
+    """Checks the written `file` (a path or an open file) holds every planned tensor."""
+    reader = gguf.GGUFReader(file)
     found = {t.name: t for t in reader.tensors}
     for p in plan:
         t = found.get(p.name)

@@ -1,6 +1,8 @@
 """`lowbit quantize` + `eval --json` + `report` + `bench` end to end on all-MiniLM-L6-v2."""
 
 import json
+import os
+import shutil
 
 import pytest
 
@@ -112,6 +114,50 @@ def test_report_writes_table_json_and_plots(recipe_file_checkpoint, capsys):
             assert (v > 15.0) if "embed" in name else (15.0 < v < 35.0), (name, v)
     for name in ("layer_sqnr.png", "size_vs_quality.png"):
         assert (recipe_file_checkpoint / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def _planted(checkpoint, tmp_path, names):
+    """A copy of `checkpoint` with a link at each of `names` to its own file outside it."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, copy)
+    victims = {}
+    for name in names:
+        victims[name] = tmp_path / f"victim-{name.strip('.')}"
+        victims[name].write_bytes(b"keep")
+        os.symlink(victims[name], copy / name)
+    return copy, victims
+
+
+# The names `eval` and `report` wrote through before their writes were made link-proof.
+OLD_TEMPORARIES = ["eval.json.tmp", "report.json.tmp", ".layer_sqnr.png.tmp"]
+OLD_TEMPORARIES += [".size_vs_quality.png.tmp"]
+
+
+def test_eval_and_report_never_write_through_planted_links(
+    int8_checkpoint, sentences_file, tmp_path, capsys
+):
+    copy, victims = _planted(int8_checkpoint, tmp_path, OLD_TEMPORARIES)
+    assert main(["eval", str(copy), "--sentences", str(sentences_file)]) == 0
+    assert main(["report", str(copy)]) == 0
+    assert all(v.read_bytes() == b"keep" for v in victims.values())
+    for name in ("eval.json", "report.json", "layer_sqnr.png", "size_vs_quality.png"):
+        assert (copy / name).is_file() and not (copy / name).is_symlink()
+
+
+@pytest.mark.parametrize("name", ["eval.json", "report.json", "layer_sqnr.png"])
+def test_a_link_at_a_written_name_is_refused_in_one_line(
+    int8_checkpoint, sentences_file, tmp_path, capsys, name
+):
+    copy, victims = _planted(int8_checkpoint, tmp_path, [name])
+    command = ["eval", str(copy), "--sentences", str(sentences_file)]
+    if name != "eval.json":
+        command = ["report", str(copy), "--no-eval"]
+    assert main(command) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress lines
+    assert err.startswith("lowbit: error: refusing to write") and "symbolic link" in err
+    assert name in err and "Remove the link" in err
+    assert victims[name].read_bytes() == b"keep"
+    assert (copy / name).is_symlink()
 
 
 def test_bench_json_reports_encoder_throughput(int8_checkpoint, capsys):

@@ -3,6 +3,7 @@
 import io
 import json
 import math
+import os
 
 import pytest
 from rich.console import Console
@@ -84,6 +85,34 @@ def test_plots_write_png(tmp_path):
         lbe.plot_size_vs_quality(
             [ROWS[0].__class__(**{**ROWS[0].to_json(), "value": None})], tmp_path / "y.png"
         )
+
+
+PLANTED = ["report.json", "report.json.tmp", "size.png", ".size.png.tmp", "bits.png"]
+
+
+@pytest.mark.parametrize("name", PLANTED)
+def test_report_and_plots_never_write_through_a_planted_link(tmp_path, name):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    os.symlink(victim, directory / name)
+    refused = name in ("report.json", "size.png", "bits.png")
+    writes = [
+        lambda: lbe.write_report(directory, ROWS),
+        lambda: lbe.plot_size_vs_quality(ROWS, directory / "size.png"),
+        lambda: lbe.plot_bits_per_layer({"embed": 8.5}, directory / "bits.png"),
+    ]
+    for write in writes:
+        try:
+            write()
+        except ValueError as err:
+            assert refused and "symbolic link" in str(err) and name in str(err)
+    assert victim.read_bytes() == b"keep"
+    assert (directory / name).is_symlink()
+    written = {"report.json", "size.png", "bits.png"} - {name}
+    assert {p.name for p in directory.iterdir()} == written | {name}
+    assert not any((directory / w).is_symlink() for w in written)
 
 
 def test_bits_per_layer_plot(tmp_path):

@@ -75,6 +75,12 @@ def _make(kind, path):
     elif kind == "manifest_is_a_symlink":
         (path.parent / "elsewhere.json").write_text("{}")
         os.symlink(path.parent / "elsewhere.json", path / "manifest.json")
+    elif kind == "tensor_file_is_a_symlink":
+        path.rmdir()
+        save_checkpoint(path, OLD)
+        (path.parent / "elsewhere.safetensors").write_bytes(b"keep")
+        os.unlink(path / "model.safetensors")
+        os.symlink(path.parent / "elsewhere.safetensors", path / "model.safetensors")
 
 
 NOT_OURS = [
@@ -87,6 +93,7 @@ NOT_OURS = [
     "checkpoint_plus_subdirectory",
     "tensor_file_is_a_directory",
     "manifest_is_a_symlink",
+    "tensor_file_is_a_symlink",
 ]
 
 

@@ -82,7 +82,7 @@ def test_requantized_export_reads_back_through_import(tmp_path, capsys):
     params = _params()
     path = tmp_path / "m.gguf"
     report = export_gguf(params, path, config=CONFIG, type="Q4_K_M")
-    assert report.nbytes == os.path.getsize(path) and not list(tmp_path.glob(".tmp-*"))
+    assert report.nbytes == os.path.getsize(path) and os.listdir(tmp_path) == ["m.gguf"]
     reader = gguf.GGUFReader(path)  # validates
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     # llama.cpp's Q4_K_M choices: Q6_K for the tied embedding and the "more bits" layers.
@@ -231,6 +231,17 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
         export_gguf(_params(), tmp_path / "m.gguf", config=CONFIG, log=None)
     assert (tmp_path / "m.gguf").read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+
+
+def test_export_never_writes_through_a_planted_link(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    (tmp_path / "out").mkdir()
+    os.symlink(victim, tmp_path / "out" / "m.gguf")
+    with pytest.raises(ValueError, match="m.gguf'.*symbolic link.*Remove the link"):
+        export_gguf(_params(), tmp_path / "out" / "m.gguf", config=CONFIG, log=None)
+    assert victim.read_bytes() == b"keep"
+    assert os.listdir(tmp_path / "out") == ["m.gguf"]  # the link, and no temporary
 
 
 @pytest.mark.parametrize(
