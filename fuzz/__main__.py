@@ -23,6 +23,7 @@ import time
 HARNESSES = (
     "gguf_reader",
     "gguf_import",
+    "gguf_model",
     "safetensors_reader",
     "checkpoint_manifest",
     "recipe_json",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import tempfile
 from collections.abc import Iterator
 
@@ -111,6 +112,77 @@ def gguf_seeds() -> Iterator[Seed]:
     yield "every_value_type.gguf", _gguf_writer_bytes(_every_value_type)
     yield "smollm2_head_4k.gguf", _read(str(smollm2_gguf_path()))[:4096]
     yield "smollm2_small_truncated.gguf", small[: len(small) * 2 // 3]
+    yield from hostile_gguf_seeds()
+
+
+def _gguf_header(n_tensors: int, n_kv: int) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv)
+
+
+def _gguf_string(text: str) -> bytes:
+    raw = text.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _tiny_llama(block_count: int, **widths: int):
+    """A whole two-layer Llama (no tokenizer) whose metadata declares `block_count` layers and
+    the given widths: the cost of a file's declarations must follow the file, not them."""
+
+    def fill(writer) -> None:
+        dim, ffn, heads, vocab = 16, 32, 2, 8
+        metadata = {"block_count": block_count, "embedding_length": dim}
+        metadata |= {"feed_forward_length": ffn, "attention.head_count": heads, **widths}
+        for key, value in metadata.items():
+            writer.add_uint32(f"llama.{key}", value)
+        rng = np.random.default_rng(0)
+
+        def tensor(name, *shape):
+            writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+
+        tensor("token_embd.weight", vocab, dim)
+        tensor("output_norm.weight", dim)
+        for i in range(2):
+            for name, shape in (
+                ("attn_norm", (dim,)),
+                ("ffn_norm", (dim,)),
+                ("attn_q", (dim, dim)),
+                ("attn_k", (dim, dim)),
+                ("attn_v", (dim, dim)),
+                ("attn_output", (dim, dim)),
+                ("ffn_gate", (ffn, dim)),
+                ("ffn_up", (ffn, dim)),
+                ("ffn_down", (dim, ffn)),
+            ):
+                tensor(f"blk.{i}.{name}.weight", *shape)
+
+    return fill
+
+
+def hostile_gguf_seeds() -> Iterator[Seed]:
+    """Small files declaring counts and sizes far beyond what they hold: tensors, metadata
+    keys, string and array lengths, tensor dimensions, layers and widths. Each must be refused
+    at a cost in proportion to the file (`fuzz._bounded`)."""
+    yield "hostile_tensor_count.gguf", _gguf_header(2**40, 0) + bytes(64)
+    yield "hostile_kv_count.gguf", _gguf_header(0, 2**40) + bytes(64)
+    key = _gguf_string("general.name")
+    yield (
+        "hostile_string_length.gguf",
+        (_gguf_header(0, 1) + key + struct.pack("<IQ", 8, 2**62) + b"x" * 64),
+    )
+    yield (
+        "hostile_array_length.gguf",
+        (_gguf_header(0, 1) + key + struct.pack("<IIQ", 9, 0, 2**60) + bytes(64)),
+    )
+    yield (
+        "hostile_nested_array_length.gguf",
+        (_gguf_header(0, 1) + key + struct.pack("<IIQ", 9, 9, 2**40) + bytes(64)),
+    )
+    info = _gguf_string("w") + struct.pack("<IQQIQ", 2, 2**40, 2**40, 0, 0)
+    yield "hostile_tensor_dims.gguf", _gguf_header(1, 0) + info + bytes(64)
+    yield "hostile_block_count.gguf", _gguf_writer_bytes(_tiny_llama(10**9))
+    yield "hostile_width.gguf", _gguf_writer_bytes(_tiny_llama(2, embedding_length=10**9))
+    heads = {"attention.head_count": 2**31}
+    yield "hostile_heads.gguf", _gguf_writer_bytes(_tiny_llama(2, **heads))
 
 
 def safetensors_seeds() -> Iterator[Seed]:
@@ -146,6 +218,31 @@ def safetensors_seeds() -> Iterator[Seed]:
         yield "checkpoint.safetensors", _read(os.path.join(checkpoint, "model.safetensors"))
         write_safetensors(os.path.join(tmp, "plain.safetensors"), {"x": np.ones(4, np.int32)})
         yield "plain.safetensors", _read(os.path.join(tmp, "plain.safetensors"))
+    yield from hostile_safetensors_seeds()
+
+
+def _safetensors(header: dict, data: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def hostile_safetensors_seeds() -> Iterator[Seed]:
+    """Headers declaring sizes far beyond the file: a header length, a shape, a byte range."""
+    yield "hostile_header_length.safetensors", struct.pack("<Q", 2**62) + b"{}"
+    yield (
+        "hostile_shape.safetensors",
+        _safetensors(
+            {"w": {"dtype": "F32", "shape": [2**31, 2**31], "data_offsets": [0, 16]}}, bytes(16)
+        ),
+    )
+    yield (
+        "hostile_offsets.safetensors",
+        _safetensors(
+            {"w": {"dtype": "U8", "shape": [2**40], "data_offsets": [0, 2**40]}}, bytes(16)
+        ),
+    )
+    many = {f"t{i}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]} for i in range(2000)}
+    yield "hostile_many_empty_tensors.safetensors", _safetensors(many)
 
 
 def _checkpoint(directory: str) -> str:

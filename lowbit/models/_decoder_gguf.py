@@ -159,17 +159,76 @@ def decoder_config_from_gguf(gguf_file: GGUFFile) -> DecoderConfig:
 
     Raises:
       ValueError: naming the file and key for an architecture not in `ARCHITECTURES`, a
-        missing or out-of-range hyper-parameter, or tensors that disagree with them.
+        missing or out-of-range hyper-parameter, or tensors that disagree with them; and,
+        before anything is built per layer, a ``block_count`` larger than the number of
+        layers the file holds tensors for.
     """
     tensors = gguf_file.tensors
+    _check_block_count(gguf_file)
     vocab = int(tensors["token_embd.weight"].shape[0]) if "token_embd.weight" in tensors else 0
-    return _config_from(
+    config = _config_from(
         gguf_file.metadata,
         gguf_file.path,
         vocab,
         "output.weight" not in tensors,
         lambda head_dim: _freq_factors(gguf_file, head_dim),
     )
+    _check_declared_shapes(gguf_file, config)
+    return config
+
+
+def _check_declared_shapes(gguf_file: GGUFFile, c: DecoderConfig) -> None:
+    """Refuses widths the tensors contradict, on the first layer's tensors.
+
+    A model built from its own blocks (``weights=False``) takes its shapes from the metadata
+    alone, so a declared width of 10**9 would reach the first matmul (or run a model whose
+    metadata lies) instead of being refused here, naming the keys.
+    """
+    arch = c.architecture
+    width = f"{arch}.embedding_length"
+    heads = f"{arch}.attention.head_count, head_count_kv, key_length"
+    expected = {"token_embd.weight": ((c.vocab_size, c.dim), width)}
+    if c.fused_qkv:
+        rows = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+        expected["blk.0.attn_qkv.weight"] = ((rows, c.dim), f"{width}, {heads}")
+    else:
+        expected["blk.0.attn_q.weight"] = ((c.n_heads * c.head_dim, c.dim), f"{width}, {heads}")
+        expected["blk.0.attn_k.weight"] = ((c.n_kv_heads * c.head_dim, c.dim), f"{width}, {heads}")
+    expected["blk.0.attn_output.weight"] = ((c.dim, c.n_heads * c.head_dim), f"{width}, {heads}")
+    if not c.n_experts:
+        up = 2 * c.ffn_dim if c.fused_gate_up else c.ffn_dim
+        expected["blk.0.ffn_up.weight"] = ((up, c.dim), f"{width}, {arch}.feed_forward_length")
+    for name, (shape, keys) in expected.items():
+        tensor = gguf_file.tensors.get(name)
+        if tensor is not None and tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"GGUF file {gguf_file.path!r}: tensor {name!r} has shape {tensor.shape}, but "
+                f"the metadata ({keys}) declares {shape}; the file is corrupt"
+            )
+
+
+_LAYER_INDEX = re.compile(r"blk\.(\d+)\.")
+
+
+def _check_block_count(gguf_file: GGUFFile) -> None:
+    """Refuses a declared layer count the file cannot hold.
+
+    The per-layer maps (`gguf_param_map`) and modules are built from ``block_count`` before any
+    tensor is looked up, so a 5 MB file declaring 10**9 layers would otherwise take memory and
+    time in proportion to the declaration, not to the file. Every layer has tensors
+    (``blk.{i}.*``), so the count is bounded by the layers present.
+    """
+    key = f"{gguf_file.architecture}.block_count"
+    declared = gguf_file.metadata.get(key)
+    if not isinstance(declared, int) or isinstance(declared, bool):
+        return  # missing or not a number: `_Metadata.get` names it
+    present = {int(m.group(1)) for name in gguf_file.tensors if (m := _LAYER_INDEX.match(name))}
+    if declared > len(present):
+        raise ValueError(
+            f"GGUF file {gguf_file.path!r}: metadata {key!r} declares {declared} layers, but the "
+            f"file holds tensors for {len(present)} (blk.N.* names); the file is corrupt or "
+            "truncated"
+        )
 
 
 def _config_from(

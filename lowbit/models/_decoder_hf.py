@@ -599,6 +599,39 @@ def _read_index(index: Path) -> dict[str, str]:
     return weight_map
 
 
+# The fewest bytes a layer's tensors take in safetensors files: each tensor has a header entry
+# (``"n":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}``, over 40 bytes) and its data.
+_MIN_LAYER_BYTES = 48
+
+
+def _check_declared_layers(config_json: Mapping[str, Any], directory: Path) -> None:
+    """Refuses a ``num_hidden_layers`` the weight files are too small to hold, before the
+    per-layer lists and maps are built from it (their cost follows the declaration, so a
+    small directory declaring 10**9 layers would take gigabytes)."""
+    try:
+        declared = _text_config(config_json, str(directory / "config.json")).get(
+            "num_hidden_layers"
+        )
+    except ValueError:
+        return  # `decoder_config_from_hf` names the problem
+    if not isinstance(declared, int) or isinstance(declared, bool) or declared <= 0:
+        return
+    index = directory / INDEX_FILE
+    if not index.is_file() and not (directory / SINGLE_FILE).is_file():
+        raise FileNotFoundError(
+            f"{directory}: no {SINGLE_FILE} and no {INDEX_FILE}; a Hugging Face checkpoint "
+            "needs one of them"
+        )
+    files = sorted(set(_read_index(index).values())) if index.is_file() else [SINGLE_FILE]
+    size = sum(os.path.getsize(directory / n) for n in files if (directory / n).is_file())
+    if declared * _MIN_LAYER_BYTES > size:
+        raise ValueError(
+            f"{directory / 'config.json'}: field 'num_hidden_layers' is {declared}, but the "
+            f"weight files hold {size} bytes, room for at most {size // _MIN_LAYER_BYTES} "
+            "layers; the config does not belong to these weights (or they are truncated)"
+        )
+
+
 def read_hf_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """``config.json`` of a Hugging Face checkpoint directory, as a dict."""
     path = Path(directory) / "config.json"
@@ -632,6 +665,7 @@ def load_decoder_hf(
     """
     directory = Path(directory)
     config_json = read_hf_config(directory)
+    _check_declared_layers(config_json, directory)
     config = decoder_config_from_hf(config_json, directory / "config.json")
     tokenizer_path = directory / "tokenizer.json"
     if tokenizer and not tokenizer_path.is_file():

@@ -140,3 +140,25 @@ def test_demo_checks_compare_against_the_float_row():
         "minilm int8: cosine >= 0.999": True,
         "minilm int4 g32: cosine >= 0.95": False,
     }
+
+
+def test_a_gguf_declaring_more_layers_than_it_holds_fails_fast_in_one_line(tmp_path, capsys):
+    # A small file declaring 10**9 layers once built per-layer maps until memory ran out.
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "hostile.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in (("block_count", 10**9), ("embedding_length", 8)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_uint32("llama.attention.head_count", 2)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert main(["eval", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("lowbit: error: GGUF file") and "hostile.gguf" in err
+    assert "'llama.block_count' declares 1000000000 layers" in err and "holds tensors for 1" in err

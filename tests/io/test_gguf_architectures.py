@@ -201,6 +201,23 @@ def qwen2_file(tmp_path_factory):
             r"has tensor 'blk.0.ffn_gate_exps.weight', which this architecture does not use",
         ),
         (dict(tensors={"blk.2.attn_v.bias": None}), r"no tensor named 'blk.2.attn_v.bias'"),
+        (
+            dict(metadata={"qwen2.block_count": 10**9}),
+            r"'qwen2.block_count' declares 1000000000 layers, but the file holds tensors for 3",
+        ),
+        (
+            dict(metadata={"qwen2.embedding_length": 10**9}),
+            r"'token_embd.weight' has shape \(64, 32\), but the metadata "
+            r"\(qwen2.embedding_length\) declares \(64, 1000000000\)",
+        ),
+        (
+            dict(metadata={"qwen2.feed_forward_length": 10**9}),
+            r"'blk.0.ffn_up.weight' has shape .*qwen2.feed_forward_length",
+        ),
+        (
+            dict(metadata={"qwen2.attention.key_length": 10**6}),
+            r"'blk.0.attn_q.weight' has shape .*key_length\) declares \(4000000, 32\)",
+        ),
     ],
 )
 def test_bad_files_are_refused_naming_the_file_and_field(qwen2_file, tmp_path, change, message):
@@ -208,6 +225,14 @@ def test_bad_files_are_refused_naming_the_file_and_field(qwen2_file, tmp_path, c
     with pytest.raises(ValueError, match=message) as err:
         load_decoder_gguf(bad)
     assert "bad.gguf" in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["block_count", "embedding_length", "feed_forward_length"])
+def test_declared_sizes_are_checked_before_a_model_is_built_on_shapes(qwen2_file, tmp_path, key):
+    # Serving a file's own blocks builds the model from metadata alone (no weights to check).
+    bad = _rewrite(qwen2_file, tmp_path / "bad.gguf", metadata={f"qwen2.{key}": 10**9})
+    with pytest.raises(ValueError, match=rf"bad.gguf.*qwen2.{key}"):
+        load_decoder_gguf(bad, weights=False)
 
 
 def test_a_file_without_a_tokenizer_is_named(qwen2_file):

@@ -199,6 +199,14 @@ def test_truncated_shard_is_named(tmp_path):
         load_decoder_hf(directory)
 
 
+def test_a_layer_count_the_weights_cannot_hold_is_refused_before_building(tmp_path):
+    # Per-layer lists and maps follow num_hidden_layers: 10**9 would take gigabytes.
+    directory = _copy(tmp_path, "llama")
+    _edit_config(directory, num_hidden_layers=10**9)
+    with pytest.raises(ValueError, match=r"config.json: field 'num_hidden_layers' is 1000000000"):
+        load_decoder_hf(directory)
+
+
 def test_missing_shard_is_named(tmp_path):
     directory = _copy(tmp_path, "llama")
     (directory / "model-00003-of-00003.safetensors").unlink()
