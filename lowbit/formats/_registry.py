@@ -59,7 +59,10 @@ def get_format(fmt: str | Format) -> Format:
     if isinstance(fmt, Format):
         return fmt
     if not isinstance(fmt, str):
-        raise TypeError(f"format must be a str or Format, got {type(fmt).__name__}: {fmt!r}")
+        raise TypeError(
+            f"format must be a format name (str) or a Format, got {type(fmt).__name__}: "
+            f"{fmt!r}; accepted names: {', '.join(sorted(FORMATS))}"
+        )
     found = FORMATS.get(ALIASES.get(fmt, fmt))
     if found is None:
         aliases = ", ".join(f"{a} (= {n})" for a, n in sorted(ALIASES.items()))

@@ -14,7 +14,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from lowbit._untrusted import load_json, read_text
+from lowbit._untrusted import load_json, read_text, require_regular
 
 from ._assets import minilm_dir
 from ._bert import Bert, BertConfig, mean_pool
@@ -96,7 +96,14 @@ def load_hf_bert(
     model_dir = os.fspath(model_dir)
     config_file = os.path.join(model_dir, "config.json")
     config = bert_config_from_hf(load_json(read_text(config_file), config_file))
-    arrays = load_file(os.path.join(model_dir, "model.safetensors"))
+    weights = os.path.join(model_dir, "model.safetensors")
+    require_regular(weights)  # load_file opens it by path: a FIFO would block it
+    try:
+        arrays = load_file(weights)
+    except Exception as err:  # the safetensors error types are not public
+        raise ValueError(
+            f"{weights}: not a readable safetensors file (truncated or corrupt?): {err}"
+        ) from None
     # Some exports prefix every name with the architecture ("bert.").
     arrays = {k.removeprefix("bert."): v for k, v in arrays.items()}
     mapping = hf_bert_param_map(config)

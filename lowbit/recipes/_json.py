@@ -108,8 +108,20 @@ def parse_calibration_field(text: str, field: str = "calibration"):
     parts = [p.strip() for p in str(text).split(",")]
     with field_errors(field):
         if parts[0].lower() == "mse" and len(parts) > 1:
-            return qarray.MSE(grid=tuple(float(p) for p in parts[1:]))
+            return qarray.MSE(grid=tuple(_grid_ratio(p, text) for p in parts[1:]))
         return qarray.parse_calibration(text)
+
+
+def _grid_ratio(part: str, text: str) -> float:
+    """One clip ratio of an ``"mse,r1,r2,..."`` grid; the error says what the form is."""
+    try:
+        return float(part)
+    except ValueError:
+        what = "an empty ratio" if not part else f"ratio {part!r}, not a number"
+        raise ValueError(
+            f"{text!r} has {what}; accepted: 'mse' (the default grid) or 'mse,' followed by "
+            "comma-separated positive clip ratios, e.g. 'mse,1.0,0.95,0.9'"
+        ) from None
 
 
 def config_to_dict(config: QuantConfig) -> dict[str, Any]:

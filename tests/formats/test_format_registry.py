@@ -41,7 +41,7 @@ def test_unknown_name_lists_accepted_names():
     message = str(info.value)
     for name in ALL + list(ALIASES):
         assert name in message
-    with pytest.raises(TypeError, match="str or Format"):
+    with pytest.raises(TypeError, match=r"format name \(str\) or a Format"):
         get_format(4)
     assert get_format(FORMATS["int4"]) is FORMATS["int4"]
 

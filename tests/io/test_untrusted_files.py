@@ -173,3 +173,15 @@ def test_manifest_tensor_reference_that_is_not_a_name_is_refused():
 
     with pytest.raises(CheckpointError, match=r"refers to tensor \['a'\]"):
         decode_tree({"kind": "array", "tensor": ["a"]}, {}, "m.json")
+
+
+def test_a_corrupt_safetensors_header_names_the_file(tmp_path):
+    # It reached the user as a bare "SafetensorError: ... header too large".
+    from lowbit.models import has_minilm, load_hf_bert, minilm_dir
+
+    if not has_minilm():
+        pytest.skip("all-MiniLM-L6-v2 is not installed")
+    (tmp_path / "config.json").write_bytes((minilm_dir() / "config.json").read_bytes())
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 7 + b"\x7f{}")
+    with pytest.raises(ValueError, match=r"model.safetensors: not a readable safetensors file"):
+        load_hf_bert(tmp_path)

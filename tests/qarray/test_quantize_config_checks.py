@@ -17,6 +17,16 @@ def test_granularity_must_be_a_granularity_object():
         QuantConfig(granularity="per_tensor")
 
 
+@pytest.mark.parametrize("value", [3, None, ["int4"]])
+def test_format_that_is_not_a_name_is_a_type_error_listing_the_names(value):
+    with pytest.raises(
+        TypeError,
+        match=r"format must be a format name \(str\) or a Format, got "
+        rf"{type(value).__name__}: .*; accepted names: .*int4, .*nf4",
+    ):
+        QuantConfig(format=value)
+
+
 def test_calibration_must_be_a_calibration_object():
     with pytest.raises(TypeError, match=r"QuantConfig.calibration='absmax' is a str"):
         QuantConfig(calibration="absmax")

@@ -242,6 +242,15 @@ def _rule_json(**weight):
             r"Rule.weight.calibration: calibration 'absmax,x' does not parse; accepted",
         ),
         (
+            _rule_json(format="int8", calibration="mse,"),
+            r"Rule.weight.calibration: 'mse,' has an empty ratio; accepted: 'mse' \(the default "
+            r"grid\) or 'mse,' followed by comma-separated positive clip ratios",
+        ),
+        (
+            _rule_json(format="int8", calibration="mse,1.0,x"),
+            r"Rule.weight.calibration: 'mse,1.0,x' has ratio 'x', not a number; accepted",
+        ),
+        (
             _rule_json(format="int8", scale_dtype="float64"),
             r"Rule.weight.scale_dtype: 'float64'; accepted",
         ),
