@@ -17,7 +17,8 @@ by the kernels on plain arrays:
   outside the kernels at prefill sizes).
 - `gguf_linear(x, rows, ggml_type, *, out_dtype=None, int8_activations=False)` and
   `gguf_dequantize(rows, ggml_type, k)`: weights held as a GGUF file's block rows
-  `uint8 [N, row_bytes]` (every type of llama.cpp's mixes, `GGUF_TYPE_IDS`), read as stored.
+  `uint8 [N, row_bytes]` (every type of llama.cpp's mixes, `GGUF_TYPE_IDS`), read as stored,
+  or (Q4_K, Q6_K) as tiles of 8 rows: `gguf_tile` / `gguf_untile`, `tiled=True`.
 - `decode_attention(q, keys, values, start, slot)`: one query position per row attending to
   the filled slots of a float32 KV cache (the decode step of `lowbit.models`), one call per
   layer instead of a loop of small XLA ops.
@@ -46,7 +47,14 @@ import warnings
 
 import jax.numpy as jnp
 
-from lowbit.kernels._gguf import gguf_dequantize, gguf_linear
+from lowbit.kernels._gguf import (
+    gguf_dequantize,
+    gguf_linear,
+    gguf_tile,
+    gguf_tileable,
+    gguf_untile,
+    is_tiled,
+)
 from lowbit.kernels._kinds import (
     FORMAT_KINDS,
     GGUF_KINDS,
@@ -108,6 +116,10 @@ __all__ = [
     "dequantize_weight",
     "gguf_dequantize",
     "gguf_linear",
+    "gguf_tile",
+    "gguf_tileable",
+    "gguf_untile",
+    "is_tiled",
     "pack",
     "prepare",
     "prepared_columns",

@@ -11,6 +11,11 @@ Each 256-element unit of a row is decoded once a call into int8 codes with float
   (absmax / 127, round half to even: llama.cpp's Q8_0 blocks) and multiplied in integers, as
   llama.cpp multiplies these types.
 
+Q4_K and Q6_K weights can also be held as tiles (`gguf_tile`): the blocks of 8 rows
+interleaved, `cpu/gguf_tiles.h`, so that one register multiplies 8 rows with one activation
+word. The tile kernels run the int8-activation product; the other paths read a tiled weight's
+rows back a group of 8 at a time. `gguf_untile` gives the block rows back byte for byte.
+
 On a lowering platform other than CPU (or without the compiled module) the pure-JAX reference
 runs: the blocks decoded by `lowbit.formats.gguf_decode`'s decoders, then a float product.
 """
@@ -33,11 +38,21 @@ def _row_bytes(ggml_type: str, k: int) -> int:
     return k // t.block_size * t.type_size
 
 
-def _check_rows(rows: jax.Array, ggml_type: str, k: int) -> int:
+def _check_rows(rows: jax.Array, ggml_type: str, k: int, tiled: bool = False) -> int:
+    """N of block rows (or of tiles, `tiled`) checked against the type and K."""
     if ggml_type not in GGUF_TYPE_IDS:
         raise ValueError(
             f"GGUF type {ggml_type!r} has no kernel; accepted: {', '.join(GGUF_TYPE_IDS)}"
         )
+    if tiled:
+        want = k // 256 * TILE_BYTES.get(ggml_type, 0)
+        n = int(rows.shape[0]) * TILE_ROWS if rows.ndim == 2 else 0
+        if not gguf_tileable(ggml_type, k, n) or rows.dtype != jnp.uint8 or rows.shape[1] != want:
+            raise ValueError(
+                f"tiled {ggml_type} weight must be uint8 [N / 8, {want}] for K = {k} (Q4_K or "
+                f"Q6_K, K a multiple of 256), got {rows.dtype} {tuple(rows.shape)}"
+            )
+        return n
     want = _row_bytes(ggml_type, k)
     if rows.ndim != 2 or rows.dtype != jnp.uint8 or rows.shape[1] != want:
         raise ValueError(
@@ -45,6 +60,122 @@ def _check_rows(rows: jax.Array, ggml_type: str, k: int) -> int:
             f"{rows.dtype} {tuple(rows.shape)}"
         )
     return int(rows.shape[0])
+
+
+# Bytes of one tile (8 rows of one 256-element unit) of the types with a tiled layout.
+TILE_BYTES = {"Q4_K": 1184, "Q6_K": 1680}
+TILE_ROWS = 8
+
+
+def gguf_tileable(ggml_type: str, k: int, n: int) -> bool:
+    """Whether a ``[N, K]`` weight of `ggml_type` has a tiled layout (`gguf_tile`)."""
+    return ggml_type in TILE_BYTES and k % 256 == 0 and n % TILE_ROWS == 0 and n > 0
+
+
+def is_tiled(data: jax.Array, n: int) -> bool:
+    """Whether GGUF weight bytes `data` of N = `n` outputs are tiles (``[N / 8, ...]``) rather
+    than block rows (``[N, ...]``)."""
+    return int(data.shape[0]) != n
+
+
+def _q4k_scales(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The 8 scales and 8 minimums ``[..., 8]`` of Q4_K's 12 packed bytes ``[..., 12]``."""
+    lo6 = lambda v: v & 63
+    scales = [lo6(s[..., j]) for j in range(4)] + [
+        (s[..., j + 4] & 15) | ((s[..., j - 4] >> 6) << 4) for j in range(4, 8)
+    ]
+    mins = [lo6(s[..., j + 4]) for j in range(4)] + [
+        (s[..., j + 4] >> 4) | ((s[..., j] >> 6) << 4) for j in range(4, 8)
+    ]
+    return jnp.stack(scales, -1), jnp.stack(mins, -1)
+
+
+def _q4k_pack(sc: jax.Array, m: jax.Array) -> jax.Array:
+    """The 12 packed bytes ``[..., 12]`` of Q4_K's 8 scales and minimums (`_q4k_scales`'s inverse)."""
+    first = [(sc[..., j] & 63) | ((sc[..., j + 4] >> 4) << 6) for j in range(4)]
+    second = [(m[..., j] & 63) | ((m[..., j + 4] >> 4) << 6) for j in range(4)]
+    third = [(sc[..., j + 4] & 15) | ((m[..., j + 4] & 15) << 4) for j in range(4)]
+    return jnp.stack(first + second + third, -1).astype(jnp.uint8)
+
+
+def _chunks(a: jax.Array) -> jax.Array:
+    """[G, U, 8, B] -> [G, U, B / 4 * 32]: 4-byte chunk c of the 8 rows side by side."""
+    g, u, r, b = a.shape
+    return a.reshape(g, u, r, b // 4, 4).transpose(0, 1, 3, 2, 4).reshape(g, u, -1)
+
+
+def _unchunk(a: jax.Array, b: int) -> jax.Array:
+    """`_chunks`' inverse: [G, U, b / 4 * 32] -> [G, U, 8, b]."""
+    g, u = a.shape[:2]
+    return a.reshape(g, u, b // 4, TILE_ROWS, 4).transpose(0, 1, 3, 2, 4).reshape(g, u, TILE_ROWS, b)
+
+
+def _pairs(a: jax.Array) -> jax.Array:
+    """[G, U, 8, S] -> [G, U, S * 8]: per pair p of sub-blocks, row r's (2p, 2p + 1)."""
+    g, u, r, n = a.shape
+    return a.reshape(g, u, r, n // 2, 2).transpose(0, 1, 3, 2, 4).reshape(g, u, -1)
+
+
+def _unpairs(a: jax.Array, n: int) -> jax.Array:
+    g, u = a.shape[:2]
+    return a.reshape(g, u, n // 2, TILE_ROWS, 2).transpose(0, 1, 3, 2, 4).reshape(g, u, TILE_ROWS, n)
+
+
+def gguf_tile(rows: jax.Array, ggml_type: str) -> jax.Array:
+    """Block rows ``uint8 [N, row_bytes]`` of a Q4_K or Q6_K weight as tiles
+    ``uint8 [N / 8, units * TILE_BYTES[type]]`` (layout: `cpu/gguf_tiles.h`)."""
+    t = GGUF_BLOCK_TYPES[ggml_type]
+    n = rows.shape[0]
+    k = rows.shape[1] // t.type_size * t.block_size
+    if not gguf_tileable(ggml_type, k, n):
+        raise ValueError(f"{ggml_type} [{n}, {k}] has no tiled layout (Q4_K or Q6_K, K % 256, N % 8)")
+    units = k // 256
+    b = rows.reshape(n // TILE_ROWS, TILE_ROWS, units, t.type_size).transpose(0, 2, 1, 3)
+    g = b.shape[0]
+    half = lambda a: a.reshape(g, units, -1)  # [G, U, 8, 2] fp16 bytes -> d[r]
+    if ggml_type == "Q4_K":
+        sc, m = _q4k_scales(b[..., 4:16])  # [G, U, 8 rows, 8 sub-blocks]
+        parts = [
+            half(b[..., 0:2]),
+            half(b[..., 2:4]),
+            sc.transpose(0, 1, 3, 2).reshape(g, units, -1),
+            _pairs(m),
+            _chunks(b[..., 16:144]),
+        ]
+    else:
+        parts = [
+            half(b[..., 208:210]),
+            _pairs(b[..., 192:208]),
+            _chunks(b[..., 0:128]),
+            _chunks(b[..., 128:192]),
+        ]
+    return jnp.concatenate(parts, axis=-1).astype(jnp.uint8).reshape(g, -1)
+
+
+def gguf_untile(tiles: jax.Array, ggml_type: str, k: int) -> jax.Array:
+    """`gguf_tile`'s inverse: the block rows ``uint8 [N, row_bytes]``, byte for byte."""
+    units = k // 256
+    g = tiles.shape[0]
+    a = tiles.reshape(g, units, TILE_BYTES[ggml_type])
+    two = lambda x: x.reshape(g, units, TILE_ROWS, 2)
+    if ggml_type == "Q4_K":
+        sc = a[..., 32:96].reshape(g, units, 8, TILE_ROWS).transpose(0, 1, 3, 2)
+        m = _unpairs(a[..., 96:160], 8)
+        b = jnp.concatenate(
+            [two(a[..., 0:16]), two(a[..., 16:32]), _q4k_pack(sc, m), _unchunk(a[..., 160:], 128)],
+            axis=-1,
+        )
+    else:
+        b = jnp.concatenate(
+            [
+                _unchunk(a[..., 144:1168], 128),
+                _unchunk(a[..., 1168:], 64),
+                _unpairs(a[..., 16:144], 16),
+                two(a[..., 0:16]),
+            ],
+            axis=-1,
+        )
+    return b.transpose(0, 2, 1, 3).reshape(g * TILE_ROWS, -1)
 
 
 def _q8_blocks(x: jax.Array) -> jax.Array:
@@ -57,18 +188,19 @@ def _q8_blocks(x: jax.Array) -> jax.Array:
     return (q * d).reshape(m, -1)[:, :k]
 
 
-def gguf_dequantize(rows: jax.Array, ggml_type: str, k: int) -> jax.Array:
+def gguf_dequantize(rows: jax.Array, ggml_type: str, k: int, *, tiled: bool = False) -> jax.Array:
     """The float32 weight ``[N, K]`` of GGUF block rows, equal to llama.cpp's dequantization.
 
     Args:
-      rows: uint8 ``[N, row_bytes]``, row n the blocks of output n.
+      rows: uint8 ``[N, row_bytes]``, row n the blocks of output n (or tiles
+        ``[N / 8, ...]`` from `gguf_tile` when `tiled`).
       ggml_type: e.g. ``"Q4_K"`` (one of `GGUF_TYPE_IDS`).
       k: elements a row.
     """
-    n = _check_rows(rows, ggml_type, k)
+    n = _check_rows(rows, ggml_type, k, tiled)
 
     def reference():
-        return gguf_decode_traced(ggml_type, rows)
+        return gguf_decode_traced(ggml_type, gguf_untile(rows, ggml_type, k) if tiled else rows)
 
     def native():
         call = jax.ffi.ffi_call(
@@ -76,7 +208,13 @@ def gguf_dequantize(rows: jax.Array, ggml_type: str, k: int) -> jax.Array:
             jax.ShapeDtypeStruct((n, k), jnp.float32),
             vmap_method="sequential",
         )
-        return call(rows, type=np.int64(GGUF_TYPE_IDS[ggml_type]), k=np.int64(k), n=np.int64(n))
+        return call(
+            rows,
+            type=np.int64(GGUF_TYPE_IDS[ggml_type]),
+            k=np.int64(k),
+            n=np.int64(n),
+            tiled=np.int64(tiled),
+        )
 
     return _by_platform(native, reference)
 
@@ -88,22 +226,25 @@ def gguf_linear(
     *,
     out_dtype=None,
     int8_activations: bool = False,
+    tiled: bool = False,
 ) -> jax.Array:
     """``x @ W.T`` for W the GGUF block rows `rows` (``[N, K]`` logically).
 
     Args:
       x: [..., K] float32 | bfloat16.
-      rows: uint8 ``[N, row_bytes]``.
+      rows: uint8 ``[N, row_bytes]``, or tiles ``[N / 8, ...]`` from `gguf_tile` when
+        `tiled`.
       ggml_type: one of `GGUF_TYPE_IDS`.
       out_dtype: float32 | bfloat16, default x's.
       int8_activations: multiply on int8 activations in blocks of 32 (see the module
         docstring) instead of float ones.
+      tiled: `rows` are tiles (`gguf_tile`).
     Returns:
       [..., N] in `out_dtype`.
     """
     x = jnp.asarray(x)
     k = int(x.shape[-1])
-    n = _check_rows(rows, ggml_type, k)
+    n = _check_rows(rows, ggml_type, k, tiled)
     _check_float("x", x.dtype)
     out = _check_float("out_dtype", out_dtype or x.dtype)
     lead = x.shape[:-1]
@@ -114,7 +255,7 @@ def gguf_linear(
         xf = x2.astype(jnp.float32)
         if int8_activations:
             xf = _q8_blocks(xf)
-        w = gguf_decode_traced(ggml_type, rows)
+        w = gguf_decode_traced(ggml_type, gguf_untile(rows, ggml_type, k) if tiled else rows)
         y = jax.lax.dot_general(xf, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return y.astype(out)
 
@@ -129,6 +270,7 @@ def gguf_linear(
             k=np.int64(k),
             n=np.int64(n),
             act_q8=np.int64(bool(int8_activations)),
+            tiled=np.int64(tiled),
         )
 
     y = reference() if m == 0 else _by_platform(native, reference)

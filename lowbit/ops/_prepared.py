@@ -205,7 +205,7 @@ class PreparedQArray(ArrayBacked):
         """
         if self.route.kind in kernels.GGUF_KINDS:
             # Whole block rows: the gathered rows are a QArray of the same format.
-            rows = jnp.take(self.weight.data, ids, axis=0)
+            rows = _gguf_take(self.weight, ids)
             return dataclasses.replace(
                 _gguf_qarray(self, rows, (int(ids.shape[0]), self.weight.k)), packed_axis=1
             )
@@ -405,11 +405,30 @@ def _assemble(p: PreparedQArray, parts: dict[str, Any], *, rows: bool = False) -
 @jax.jit
 def _logical(p: PreparedQArray) -> QArray:
     if p.route.kind in kernels.GGUF_KINDS:
-        return _gguf_qarray(p, p.weight.data if p.axis == 1 else p.weight.data.T, p.meta.shape)
+        rows = _gguf_block_rows(p.weight)
+        return _gguf_qarray(p, rows if p.axis == 1 else rows.T, p.meta.shape)
     return _assemble(p, kernels.prepared_to_logical(p.weight))
 
 
-_gguf_rows = jax.jit(gguf_rows, static_argnums=1)
+# Laid out once: Q4_K / Q6_K weights as tiles, the other types as their block rows.
+_gguf_layout = jax.jit(functools.partial(gguf_rows, tile=True), static_argnums=1)
+
+
+def _gguf_block_rows(w: kernels.PreparedWeight) -> jax.Array:
+    """The block rows ``uint8 [N, row_bytes]`` of a GGUF layout (tiles read back)."""
+    if kernels.is_tiled(w.data, w.n):
+        return kernels.gguf_untile(w.data, w.kind.upper(), w.k)
+    return w.data
+
+
+def _gguf_take(w: kernels.PreparedWeight, ids: jax.Array) -> jax.Array:
+    """Block rows `ids` ``[M]`` of a GGUF layout, ``uint8 [M, row_bytes]``: of tiles, the
+    groups of 8 holding them read back and the rows picked."""
+    if not kernels.is_tiled(w.data, w.n):
+        return jnp.take(w.data, ids, axis=0)
+    groups = kernels.gguf_untile(jnp.take(w.data, ids // 8, axis=0), w.kind.upper(), w.k)
+    picked = jnp.arange(ids.shape[0]) * 8 + ids % 8
+    return jnp.take(groups, picked, axis=0)
 
 
 def _gguf_qarray(p: PreparedQArray, codes: jax.Array, shape: tuple[int, ...]) -> QArray:
@@ -465,9 +484,10 @@ def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
         return q
     meta = LogicalMeta.of(q)
     if route.kind in kernels.GGUF_KINDS:
-        # The block rows are the layout (a copy only when stored [K, N]); the logical QArray
-        # comes back from them exactly.
-        return PreparedQArray(_gguf_rows(q, route), None, None, None, axis, route, meta)
+        # The block rows are the layout (a copy only when stored [K, N]), or for Q4_K / Q6_K
+        # their tiles of 8 rows (Q4_K's 32 bytes a tile larger); the logical QArray comes back
+        # from either exactly.
+        return PreparedQArray(_gguf_layout(q, route), None, None, None, axis, route, meta)
     tensor_scale = None if q.tensor_scale is None else q.tensor_scale.reshape(1)
     weight, scale, zero = _prepare_checked(q, (route, axis, meta))
     kept_scale, kept_zero = q.scale, q.zero_point

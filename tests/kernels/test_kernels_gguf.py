@@ -1,5 +1,6 @@
 """GGUF block-row kernels: dequantization bit-identical to llama.cpp's, products in both
-arithmetics on every CPU path, bad input refused."""
+arithmetics on every CPU path, Q4_K / Q6_K tiles the same bytes reordered and the same
+products, bad input refused."""
 
 import gguf
 import jax
@@ -37,7 +38,10 @@ def isa(request):
 
 
 _dequantize = jax.jit(kernels.gguf_dequantize, static_argnums=(1, 2))
-_linear = jax.jit(kernels.gguf_linear, static_argnames=("ggml_type", "int8_activations"))
+_linear = jax.jit(
+    kernels.gguf_linear, static_argnames=("ggml_type", "int8_activations", "tiled")
+)
+TILED_TYPES = ("Q4_K", "Q6_K")
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
@@ -68,6 +72,45 @@ def test_products_in_both_arithmetics(ggml_type, isa):
         err = np.abs(yq - ref).max() / np.abs(ref).max()
         assert err < 3e-2, err
         np.testing.assert_array_equal(y[:, 1], 0.0)  # the zero row
+
+
+@pytest.mark.parametrize("ggml_type", TILED_TYPES)
+def test_tiles_are_the_block_rows_reordered(ggml_type):
+    # Any bytes at all (scale fields with every 6-bit pattern, NaN halves): tiles are a
+    # permutation of them, read back byte for byte.
+    n, k = 24, 512
+    row_bytes = k // 256 * (144 if ggml_type == "Q4_K" else 210)
+    rows = np.random.default_rng(5).integers(0, 256, (n, row_bytes), dtype=np.uint8)
+    tiles = kernels.gguf_tile(jnp.asarray(rows), ggml_type)
+    assert tiles.shape == (n // 8, k // 256 * (1184 if ggml_type == "Q4_K" else 1680))
+    back = kernels.gguf_untile(tiles, ggml_type, k)
+    assert np.asarray(back).tobytes() == rows.tobytes()
+
+
+@pytest.mark.parametrize("ggml_type", TILED_TYPES)
+def test_tiled_products_are_the_rows_products(ggml_type, isa):
+    """The tile kernels (int8 activations, 1-8 activation rows at a time) and the paths that
+    read tiles back a group at a time (float activations, the portable path, dequantization)
+    give the block rows' results, within float summation order."""
+    k, n = 512, 40
+    rows = jnp.asarray(_rows(ggml_type, n, k, seed=6))
+    tiles = kernels.gguf_tile(rows, ggml_type)
+    got = np.asarray(_dequantize_tiled(tiles, ggml_type, k))
+    assert got.tobytes() == np.asarray(_dequantize(rows, ggml_type, k)).tobytes()
+    rng = np.random.default_rng(7)
+    for m in (1, 2, 3, 8, 13):
+        x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+        for q8 in (True, False):
+            ref = np.asarray(_linear(x, rows, ggml_type=ggml_type, int8_activations=q8))
+            y = np.asarray(_linear(x, tiles, ggml_type=ggml_type, int8_activations=q8, tiled=True))
+            np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+            np.testing.assert_array_equal(y[:, 1], 0.0)  # the zero row
+
+
+_dequantize_tiled = jax.jit(
+    lambda t, ggml_type, k: kernels.gguf_dequantize(t, ggml_type, k, tiled=True),
+    static_argnums=(1, 2),
+)
 
 
 def test_int8_activations_match_the_reference_rounding():
@@ -111,3 +154,7 @@ def test_bad_input_is_refused_by_name():
         kernels.gguf_linear(jnp.ones((1, 256)), rows, "TQ1_0")
     with pytest.raises(ValueError, match="whole number"):
         kernels.gguf_dequantize(rows, "Q4_K", 300)
+    with pytest.raises(ValueError, match=r"tiled Q5_0 weight must be"):
+        kernels.gguf_linear(jnp.ones((1, 256)), rows, "Q5_0", tiled=True)
+    with pytest.raises(ValueError, match="no tiled layout"):
+        kernels.gguf_tile(rows[:4], "Q4_K")

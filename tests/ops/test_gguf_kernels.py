@@ -1,5 +1,5 @@
 """GGUF block weights on their own type's CPU kernel: prepared once (the block rows), exact
-back to the logical QArray, rows gathered from the layout, decode and prefill sizes, both
+back to the logical QArray (Q4_K / Q6_K from their tiles), rows gathered from the layout, decode and prefill sizes, both
 arithmetics, and a per-call layout counted."""
 
 import jax
@@ -36,7 +36,10 @@ def test_gguf_weights_run_their_own_kernel(fmt, axis):
     fn = (lambda p, x: x @ p) if axis == 0 else (lambda p, x: x @ p.T)
     prepared = prepare_weight(q, axis)
     assert isinstance(prepared, PreparedQArray) and prepared.route.kind == fmt
-    assert prepared.resident_nbytes == q.codes.size  # the block rows, nothing beside them
+    # the block rows, nothing beside them (Q4_K / Q6_K: as tiles of 8 rows)
+    tiled = fmt in ("q4_k", "q6_k")
+    assert kernels.is_tiled(prepared.weight.data, 256) == tiled
+    assert prepared.resident_nbytes == q.codes.size * (1184 / 1152 if fmt == "q4_k" else 1)
     back = prepared.logical()
     assert np.asarray(back.codes).tobytes() == np.asarray(q.codes).tobytes()
     dense = np.asarray(q.dequantize())
@@ -51,12 +54,13 @@ def test_gguf_weights_run_their_own_kernel(fmt, axis):
         assert report.fallbacks == {}
         y, ref = np.asarray(forward(prepared, x)), np.asarray(x) @ dense
         np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
-    x = jnp.asarray(rng.standard_normal((2, 512)).astype(np.float32))
     int8 = with_int8_activations(prepared)
-    report = lowbit.trace_report(fn, int8, x)
-    assert report.quantized_ops == {f"dot_general:cpu_kernel_{fmt}+int8_act": 1}
-    y, ref = np.asarray(forward(int8, x)), np.asarray(x) @ dense
-    assert np.abs(y - ref).max() < 3e-2 * np.abs(ref).max()
+    for m in (1, 2, 9):  # the tile kernels' one-row and several-row loops
+        x = jnp.asarray(rng.standard_normal((m, 512)).astype(np.float32))
+        report = lowbit.trace_report(fn, int8, x)
+        assert report.quantized_ops == {f"dot_general:cpu_kernel_{fmt}+int8_act": 1}
+        y, ref = np.asarray(forward(int8, x)), np.asarray(x) @ dense
+        assert np.abs(y - ref).max() < 3e-2 * np.abs(ref).max()
 
 
 def test_rows_are_gathered_from_the_block_rows():

@@ -15,12 +15,14 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
 #include "dispatch.h"
 #include "ffi_handlers.h"
 #include "gguf_blocks.h"
+#include "gguf_tiles.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -116,10 +118,13 @@ void PrepareActs(const void* x, bool bf16, int64_t m, int64_t k, bool q8, int pe
   }
 }
 
+// Block rows [N, row_bytes], or tiles (gguf_tiles.h) [N / 8, row_bytes], row_bytes then the
+// bytes of one group of 8 rows.
 struct Weight {
   int type;
   int64_t k, n, row_bytes;
   const uint8_t* data;
+  bool tiled = false;
 };
 
 // Blocks in unit u of a row, and the unit's first byte.
@@ -517,6 +522,315 @@ void RowsK(const Weight& w, const Acts& acts, int64_t r0, int64_t n0, int64_t n1
   }
 }
 
+
+// ---- tiles of 8 rows (gguf_tiles.h), int8 activations --------------------------------------
+// Every cache line of the tile `ahead` tiles on: a tile is 19 (Q4_K) or 27 (Q6_K) lines read
+// from three places at once, which the hardware prefetcher alone follows too late.
+template <int tb>
+inline void PrefetchTile(const uint8_t* t) {
+  for (int off = 0; off < tb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(t) + off, _MM_HINT_T0);
+}
+
+inline __m256i Bcast4(const int8_t* a) {
+  int32_t v;
+  std::memcpy(&v, a, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// int16 pair (lo, hi) broadcast to every int32 lane: madd's second operand.
+inline __m256i Pair16(int lo, int hi) {
+  return _mm256_set1_epi32(static_cast<int>((static_cast<uint32_t>(hi) << 16) |
+                                            (static_cast<uint32_t>(lo) & 0xffffu)));
+}
+
+// Q4_K: per sub-block of 32, 8 maddubs sums of 8 rows x 4 elements kept in int16 (at most
+// 8 * 2 * 15 * 127 = 30480), then one madd with the 8 rows' scales.
+template <int M>
+void TilesQ4KOne(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  constexpr int tb = TileBytes(kQ4_K);
+  const int64_t units = w.k / kUnit, kp = acts.kp;
+  const __m256i m15 = _mm256_set1_epi8(15);
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < units; ++u) {
+      const uint8_t* t = w.data + g * w.row_bytes + u * tb;
+      PrefetchTile<tb>(t + 2 * tb);
+      __m256i isum[M], imin[M];
+      for (int r = 0; r < M; ++r) isum[r] = imin[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        __m256i slo[M], shi[M];
+        for (int r = 0; r < M; ++r) slo[r] = shi[r] = _mm256_setzero_si256();
+        const uint8_t* qs = t + 160 + 256 * j;
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) {
+          const __m256i v = Load32(qs + 32 * c);
+          const __m256i lo = _mm256_and_si256(v, m15);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+#pragma GCC unroll 4
+          for (int r = 0; r < M; ++r) {
+            const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 64 * j + 4 * c;
+            slo[r] = _mm256_add_epi16(slo[r], _mm256_maddubs_epi16(lo, Bcast4(a)));
+            shi[r] = _mm256_add_epi16(shi[r], _mm256_maddubs_epi16(hi, Bcast4(a + 32)));
+          }
+        }
+        __m256i sl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * j)));
+        __m256i sh = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 40 + 16 * j)));
+        sl = _mm256_or_si256(sl, _mm256_slli_epi32(sl, 16));
+        sh = _mm256_or_si256(sh, _mm256_slli_epi32(sh, 16));
+        for (int r = 0; r < M; ++r)
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(slo[r], sl),
+                                                               _mm256_madd_epi16(shi[r], sh)));
+      }
+      for (int p = 0; p < 4; ++p) {
+        const __m256i mv =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 96 + 16 * p)));
+        for (int r = 0; r < M; ++r) {
+          const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16 + 4 * p;
+          imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(mv, Pair16(bs[0] + bs[1], bs[2] + bs[3])));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+      const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16)));
+      for (int r = 0; r < M; ++r) {
+        const __m256 da = _mm256_set1_ps(acts.da[(r0 + r) * units + u]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, da), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[r]), _mm256_mul_ps(dm, da), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) _mm256_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
+  }
+}
+
+
+// Several activation rows: each tile's codes decoded once into `lo` / `hi` (2 KiB, in L1),
+// then read by every row; the row's sums in registers.
+template <int M>
+void TilesQ4K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  if constexpr (M == 1) {
+    TilesQ4KOne<1>(w, acts, r0, g0, g1, out);
+  } else {
+    constexpr int tb = TileBytes(kQ4_K);
+    const int64_t units = w.k / kUnit, kp = acts.kp;
+    const __m256i m15 = _mm256_set1_epi8(15);
+    alignas(32) uint8_t lo[32][32], hi[32][32];
+    for (int64_t g = g0; g < g1; ++g) {
+      __m256 acc[M];
+      for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t u = 0; u < units; ++u) {
+        const uint8_t* t = w.data + g * w.row_bytes + u * tb;
+        PrefetchTile<tb>(t + 2 * tb);
+        for (int c = 0; c < 32; ++c) {
+          const __m256i v = Load32(t + 160 + 32 * c);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(lo[c]), _mm256_and_si256(v, m15));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(hi[c]),
+                             _mm256_and_si256(_mm256_srli_epi16(v, 4), m15));
+        }
+        __m256i sc[8], mv[4];
+        for (int s = 0; s < 8; ++s) {
+          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 8 * s)));
+          sc[s] = _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+        }
+        for (int p = 0; p < 4; ++p)
+          mv[p] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 96 + 16 * p)));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+        const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16)));
+        for (int r = 0; r < M; ++r) {
+          const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit;
+          const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16;
+          __m256i isum = _mm256_setzero_si256(), imin = _mm256_setzero_si256();
+          for (int j = 0; j < 4; ++j) {
+            __m256i slo = _mm256_setzero_si256(), shi = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; ++c) {
+              const int8_t* ac = a + 64 * j + 4 * c;
+              slo = _mm256_add_epi16(slo, _mm256_maddubs_epi16(
+                  _mm256_load_si256(reinterpret_cast<const __m256i*>(lo[8 * j + c])), Bcast4(ac)));
+              shi = _mm256_add_epi16(shi, _mm256_maddubs_epi16(
+                  _mm256_load_si256(reinterpret_cast<const __m256i*>(hi[8 * j + c])), Bcast4(ac + 32)));
+            }
+            isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_madd_epi16(slo, sc[2 * j]),
+                                                         _mm256_madd_epi16(shi, sc[2 * j + 1])));
+            imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mv[j], Pair16(bs[4 * j] + bs[4 * j + 1],
+                                                                           bs[4 * j + 2] + bs[4 * j + 3])));
+          }
+          const __m256 da = _mm256_set1_ps(acts.da[(r0 + r) * units + u]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, da), acc[r]);
+          acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(dm, da), acc[r]);
+        }
+      }
+      for (int r = 0; r < M; ++r) _mm256_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
+    }
+  }
+}
+
+// Q6_K: codes taken unsigned (0..63) and 32 * (scale . activation sums) subtracted; per
+// sub-block of 16, two maddubs sums kept in int16 (at most 2 * 2 * 63 * 127 = 32004), then
+// one madd with the 8 rows' scales.
+template <int M>
+void TilesQ6KOne(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  constexpr int tb = TileBytes(kQ6_K);
+  const int64_t units = w.k / kUnit, kp = acts.kp;
+  const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(48);
+  // int16 scales (2p, 2p+1) of each row -> (2p, 2p) or (2p+1, 2p+1)
+  const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+  const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < units; ++u) {
+      const uint8_t* t = w.data + g * w.row_bytes + u * tb;
+      PrefetchTile<tb>(t + 2 * tb);
+      const uint8_t* ql = t + 144;
+      const uint8_t* qh = t + 1168;
+      __m256i isum[M], corr[M];
+      for (int r = 0; r < M; ++r) isum[r] = corr[r] = _mm256_setzero_si256();
+      __m256i sc16[8];
+      for (int p = 0; p < 8; ++p) {
+        sc16[p] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 + 16 * p)));
+        for (int r = 0; r < M; ++r) {
+          const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16 + 2 * p;
+          corr[r] = _mm256_add_epi32(corr[r], _mm256_madd_epi16(sc16[p], Pair16(bs[0], bs[1])));
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        for (int half = 0; half < 2; ++half) {  // positions l in [16 half, 16 half + 16)
+          // sub-block of element 128h + 32s + l: 8h + 2s + half, scale pair 4h + s
+          __m256i scale[4];
+          for (int s = 0; s < 4; ++s)
+            scale[s] = _mm256_shuffle_epi8(sc16[4 * h + s], half ? odd : even);
+          for (int q2 = 0; q2 < 2; ++q2) {
+            __m256i pend[M][4];
+#pragma GCC unroll 2
+            for (int q1 = 0; q1 < 2; ++q1) {
+              const int l = 16 * half + 8 * q2 + 4 * q1;
+              const __m256i A = Load32(ql + 8 * (64 * h + l));
+              const __m256i B = Load32(ql + 8 * (64 * h + 32 + l));
+              const __m256i C = Load32(qh + 8 * (32 * h + l));
+              __m256i c[4];
+              c[0] = _mm256_or_si256(_mm256_and_si256(A, m15), _mm256_and_si256(_mm256_slli_epi16(C, 4), m48));
+              c[1] = _mm256_or_si256(_mm256_and_si256(B, m15), _mm256_and_si256(_mm256_slli_epi16(C, 2), m48));
+              c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m15), _mm256_and_si256(C, m48));
+              c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m15),
+                                     _mm256_and_si256(_mm256_srli_epi16(C, 2), m48));
+#pragma GCC unroll 4
+              for (int r = 0; r < M; ++r) {
+                const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 128 * h + l;
+                for (int s = 0; s < 4; ++s) {
+                  const __m256i prod = _mm256_maddubs_epi16(c[s], Bcast4(a + 32 * s));
+                  pend[r][s] = q1 == 0 ? prod : _mm256_add_epi16(pend[r][s], prod);
+                }
+              }
+            }
+            for (int r = 0; r < M; ++r)
+              for (int s = 0; s < 4; ++s)
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pend[r][s], scale[s]));
+          }
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+      for (int r = 0; r < M; ++r) {
+        const __m256 da = _mm256_set1_ps(acts.da[(r0 + r) * units + u]);
+        const __m256i dot = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(corr[r], 5));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, da), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) _mm256_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
+  }
+}
+
+
+// Several activation rows: the tile's 6-bit codes decoded once into `codes` (2 KiB), its 16
+// scale vectors once, then read by every row.
+template <int M>
+void TilesQ6K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  if constexpr (M == 1) {
+    TilesQ6KOne<1>(w, acts, r0, g0, g1, out);
+  } else {
+    constexpr int tb = TileBytes(kQ6_K);
+    const int64_t units = w.k / kUnit, kp = acts.kp;
+    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(48);
+    const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                          0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+    const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
+    // codes[h][i][s]: elements 128h + 32s + 4i .. + 3 of the 8 rows
+    alignas(32) uint8_t codes[2][8][4][32];
+    for (int64_t g = g0; g < g1; ++g) {
+      __m256 acc[M];
+      for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t u = 0; u < units; ++u) {
+        const uint8_t* t = w.data + g * w.row_bytes + u * tb;
+        PrefetchTile<tb>(t + 2 * tb);
+        const uint8_t* ql = t + 144;
+        const uint8_t* qh = t + 1168;
+        auto store = [](uint8_t* dst, __m256i v) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(dst), v);
+        };
+        for (int h = 0; h < 2; ++h) {
+          for (int i = 0; i < 8; ++i) {
+            const __m256i A = Load32(ql + 8 * (64 * h + 4 * i));
+            const __m256i B = Load32(ql + 8 * (64 * h + 32 + 4 * i));
+            const __m256i C = Load32(qh + 8 * (32 * h + 4 * i));
+            store(codes[h][i][0], _mm256_or_si256(_mm256_and_si256(A, m15), _mm256_and_si256(_mm256_slli_epi16(C, 4), m48)));
+            store(codes[h][i][1], _mm256_or_si256(_mm256_and_si256(B, m15), _mm256_and_si256(_mm256_slli_epi16(C, 2), m48)));
+            store(codes[h][i][2], _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m15), _mm256_and_si256(C, m48)));
+            store(codes[h][i][3], _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m15),
+                                                  _mm256_and_si256(_mm256_srli_epi16(C, 2), m48)));
+          }
+        }
+        __m256i sc16[8], scale[16];  // scale[sub-block]
+        for (int p = 0; p < 8; ++p) {
+          sc16[p] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 + 16 * p)));
+          scale[2 * p] = _mm256_shuffle_epi8(sc16[p], even);
+          scale[2 * p + 1] = _mm256_shuffle_epi8(sc16[p], odd);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+        for (int r = 0; r < M; ++r) {
+          const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit;
+          const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16;
+          __m256i isum = _mm256_setzero_si256(), corr = _mm256_setzero_si256();
+          for (int p = 0; p < 8; ++p)
+            corr = _mm256_add_epi32(corr, _mm256_madd_epi16(sc16[p], Pair16(bs[2 * p], bs[2 * p + 1])));
+          for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 4
+            for (int i = 0; i < 8; i += 2) {  // positions 4i .. 4i + 7: one sub-block each s
+              for (int s = 0; s < 4; ++s) {
+                const int8_t* as = a + 128 * h + 32 * s + 4 * i;
+                const __m256i p0 = _mm256_maddubs_epi16(
+                    _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[h][i][s])), Bcast4(as));
+                const __m256i p1 = _mm256_maddubs_epi16(
+                    _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[h][i + 1][s])), Bcast4(as + 4));
+                isum = _mm256_add_epi32(
+                    isum, _mm256_madd_epi16(_mm256_add_epi16(p0, p1), scale[8 * h + 2 * s + i / 4]));
+              }
+            }
+          }
+          const __m256 da = _mm256_set1_ps(acts.da[(r0 + r) * units + u]);
+          const __m256i dot = _mm256_sub_epi32(isum, _mm256_slli_epi32(corr, 5));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, da), acc[r]);
+        }
+      }
+      for (int r = 0; r < M; ++r) _mm256_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
+    }
+  }
+}
+
+// Groups g0..g1 of a tiled weight on int8 activations, activation rows 8 at a time.
+template <int type>
+void Tiles(const Weight& w, const Acts& acts, int64_t g0, int64_t g1, float* out) {
+  constexpr auto fn = [](auto m) {
+    constexpr int M = decltype(m)::value;
+    if constexpr (type == kQ4_K) return &TilesQ4K<M>;
+    else return &TilesQ6K<M>;
+  };
+  int64_t r = 0;
+  for (; r + 8 <= acts.m; r += 8) fn(std::integral_constant<int, 8>{})(w, acts, r, g0, g1, out);
+  if (acts.m - r >= 4) fn(std::integral_constant<int, 4>{})(w, acts, r, g0, g1, out), r += 4;
+  if (acts.m - r >= 2) fn(std::integral_constant<int, 2>{})(w, acts, r, g0, g1, out), r += 2;
+  if (acts.m - r >= 1) fn(std::integral_constant<int, 1>{})(w, acts, r, g0, g1, out);
+}
+
 template <int type, int M>
 void RowsM(const Weight& w, const Acts& acts, int64_t r0, int64_t n0, int64_t n1, float* out) {
   if constexpr (kTypes[type].block == kUnit) {
@@ -577,19 +891,43 @@ bool UseAvx2() {
 #endif
 }
 
-// Checks the weight against type, K and N; fills `w`.
+// Checks the weight against type, K, N and layout (block rows, or tiles); fills `w`.
 ffi::Error CheckWeight(const ffi::Buffer<ffi::U8>& data, int64_t type, int64_t k, int64_t n,
-                       Weight* w) {
+                       int64_t tiled, Weight* w) {
   if (type < 0 || type >= kNumTypes) return Invalid("unknown GGUF block type id " + std::to_string(type));
   const TypeInfo& t = kTypes[type];
   if (k <= 0 || k % t.block != 0)
     return Invalid("K = " + std::to_string(k) + " is not a whole number of blocks");
   const auto d = data.dimensions();
+  if (tiled) {
+    const int tb = TileBytes(static_cast<int>(type));
+    if (tb == 0) return Invalid("GGUF type id " + std::to_string(type) + " has no tiled layout");
+    if (k % kUnit != 0 || n % kTileRows != 0)
+      return Invalid("a tiled weight needs K a multiple of 256 and N of 8");
+    const int64_t group_bytes = k / kUnit * tb;
+    if (d.size() != 2 || d[0] != n / kTileRows || d[1] != group_bytes)
+      return Invalid("tiled GGUF weight must be [N / 8, " + std::to_string(group_bytes) + "] bytes");
+    *w = Weight{static_cast<int>(type), k, n, group_bytes, data.typed_data(), true};
+    return ffi::Error::Success();
+  }
   const int64_t row_bytes = k / t.block * t.bytes;
   if (d.size() != 2 || d[0] != n || d[1] != row_bytes)
     return Invalid("GGUF weight rows must be [N, " + std::to_string(row_bytes) + "] bytes");
   *w = Weight{static_cast<int>(type), k, n, row_bytes, data.typed_data()};
   return ffi::Error::Success();
+}
+
+// The block rows of groups g0..g1 of a tiled weight, one group at a time, as a Weight of 8
+// rows in `rows` (scratch): for the paths that read rows (float activations, the portable
+// code, dequantization).
+template <typename F>
+void OverUntiledGroups(const Weight& w, int64_t g0, int64_t g1, F&& f) {
+  const int64_t row_bytes = w.k / kTypes[w.type].block * kTypes[w.type].bytes;
+  std::vector<uint8_t> rows(kTileRows * row_bytes);
+  for (int64_t g = g0; g < g1; ++g) {
+    UntileGroup(w.type, w.data + g * w.row_bytes, w.k / kUnit, rows.data());
+    f(g, Weight{w.type, w.k, kTileRows, row_bytes, rows.data()});
+  }
 }
 
 // Row ranges for the workers: a few per worker, claimed dynamically.
@@ -602,9 +940,9 @@ void OverRows(ffi::ThreadPool& pool, int64_t n, int64_t work, F&& f) {
 
 ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> data,
                       ffi::Result<ffi::AnyBuffer> y, int64_t type, int64_t k, int64_t n,
-                      int64_t act_q8) {
+                      int64_t act_q8, int64_t tiled) {
   Weight w;
-  if (ffi::Error e = CheckWeight(data, type, k, n, &w); e.failure()) return e;
+  if (ffi::Error e = CheckWeight(data, type, k, n, tiled, &w); e.failure()) return e;
   const auto xt = x.element_type(), yt = y->element_type();
   if ((xt != ffi::DataType::F32 && xt != ffi::DataType::BF16) ||
       (yt != ffi::DataType::F32 && yt != ffi::DataType::BF16))
@@ -626,7 +964,31 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U
   static const auto avx2_rows = LOWBIT_GGUF_TABLE(avx2, Rows, RowsFn);
   if (UseAvx2()) rows = avx2_rows[type];
 #endif
-  OverRows(pool, n, m * k * n, [&](int64_t n0, int64_t n1) { rows(w, acts, n0, n1, out); });
+  if (!w.tiled) {
+    OverRows(pool, n, m * k * n, [&](int64_t n0, int64_t n1) { rows(w, acts, n0, n1, out); });
+  } else {
+    const int64_t groups = n / kTileRows;
+    bool done = false;
+#if defined(__x86_64__)
+    if (UseAvx2() && acts.q8) {  // the tile kernels
+      const auto tiles = type == kQ4_K ? avx2::Tiles<kQ4_K> : avx2::Tiles<kQ6_K>;
+      OverRows(pool, groups, m * k * n,
+               [&](int64_t g0, int64_t g1) { tiles(w, acts, g0, g1, out); });
+      done = true;
+    }
+#endif
+    if (!done) {  // float activations or the portable path: rows untiled a group at a time
+      OverRows(pool, groups, m * k * n, [&](int64_t g0, int64_t g1) {
+        std::vector<float> part(m * kTileRows);
+        OverUntiledGroups(w, g0, g1, [&](int64_t g, const Weight& rw) {
+          rows(rw, acts, 0, kTileRows, part.data());
+          for (int64_t r = 0; r < m; ++r)
+            std::memcpy(out + r * n + kTileRows * g, part.data() + r * kTileRows,
+                        sizeof(float) * kTileRows);
+        });
+      });
+    }
+  }
   if (ybf16) {
     uint16_t* dst = static_cast<uint16_t*>(y->untyped_data());
     for (int64_t i = 0; i < m * n; ++i) dst[i] = F32ToBf16(tmp[i]);
@@ -636,9 +998,9 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U
 
 ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> data,
                           ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t type, int64_t k,
-                          int64_t n) {
+                          int64_t n, int64_t tiled) {
   Weight w;
-  if (ffi::Error e = CheckWeight(data, type, k, n, &w); e.failure()) return e;
+  if (ffi::Error e = CheckWeight(data, type, k, n, tiled, &w); e.failure()) return e;
   const auto yd = y->dimensions();
   if (yd.size() != 2 || yd[0] != n || yd[1] != k) return Invalid("output must be [N, K]");
   float* out = y->typed_data();
@@ -648,7 +1010,15 @@ ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> data,
   static const auto avx2_dequant = LOWBIT_GGUF_TABLE(avx2, Dequant, DequantFn);
   if (UseAvx2()) dequant = avx2_dequant[type];
 #endif
-  OverRows(pool, n, k * n, [&](int64_t n0, int64_t n1) { dequant(w, n0, n1, out); });
+  if (!w.tiled) {
+    OverRows(pool, n, k * n, [&](int64_t n0, int64_t n1) { dequant(w, n0, n1, out); });
+  } else {
+    OverRows(pool, n / kTileRows, k * n, [&](int64_t g0, int64_t g1) {
+      OverUntiledGroups(w, g0, g1, [&](int64_t g, const Weight& rw) {
+        dequant(rw, 0, kTileRows, out + g * kTileRows * k);
+      });
+    });
+  }
   return ffi::Error::Success();
 }
 
@@ -665,7 +1035,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitGgufLinear, lowbit::gguf::LinearImpl,
                                   .Attr<int64_t>("type")
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("n")
-                                  .Attr<int64_t>("act_q8"));
+                                  .Attr<int64_t>("act_q8")
+                                  .Attr<int64_t>("tiled"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitGgufDequantize, lowbit::gguf::DequantizeImpl,
                               ffi::Ffi::Bind()
@@ -674,4 +1045,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitGgufDequantize, lowbit::gguf::DequantizeImpl
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("type")
                                   .Attr<int64_t>("k")
-                                  .Attr<int64_t>("n"));
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("tiled"));
