@@ -29,6 +29,7 @@ bytes as a read-only memory-mapped ``uint8 [*shape[:-1], row_bytes]`` view (NumP
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 from typing import Any
 
@@ -171,6 +172,23 @@ def place_tensor(tensor: GGUFTensor, placement: Placement, quantized: bool) -> A
     return jnp.asarray(swap_last(value) if placement.transpose else value)
 
 
+def drop_mapped_pages(view: np.ndarray) -> None:
+    """Takes the pages of a memory-mapped tensor out of this process's resident memory once
+    its bytes have been copied: they still count in the resident set while the file stays
+    mapped (for its metadata), so a model read whole would be resident twice at its peak, in
+    the file's pages and in its own buffers. The pages stay in the page cache, and a later read
+    of the view maps them back. Views of other memory are left alone."""
+    base = view  # down to the array over the whole mapping (whose base is the mmap itself)
+    while isinstance(base, np.ndarray) and not isinstance(base.base, mmap.mmap):
+        base = base.base
+    if not isinstance(base, np.memmap) or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    mapped = base.base
+    start = view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    first = start // mmap.PAGESIZE * mmap.PAGESIZE
+    mapped.madvise(mmap.MADV_DONTNEED, first, start + view.nbytes - first)
+
+
 def import_gguf(
     path: str | os.PathLike[str],
     *,
@@ -205,6 +223,7 @@ def import_gguf(
         placement = Placement(path=(name,)) if name_map is None else resolve(name, name_map(name))
         if placement is not None:
             placed.append((placement.path, place_tensor(tensor, placement, quantized)))
+            drop_mapped_pages(tensor.raw)
     params = nest(placed)
     del placed
     if kernel_axes is None:

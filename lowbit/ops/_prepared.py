@@ -487,7 +487,10 @@ def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
         # The block rows are the layout (a copy only when stored [K, N]), or for Q4_K / Q6_K
         # their tiles of 8 rows (Q4_K's 32 bytes a tile larger); the logical QArray comes back
         # from either exactly.
-        return PreparedQArray(_gguf_layout(q, route), None, None, None, axis, route, meta)
+        weight = _gguf_layout(q, route)
+        del q
+        release_free_memory()  # the replaced rows and the tiling's temporaries
+        return PreparedQArray(weight, None, None, None, axis, route, meta)
     tensor_scale = None if q.tensor_scale is None else q.tensor_scale.reshape(1)
     weight, scale, zero = _prepare_checked(q, (route, axis, meta))
     kept_scale, kept_zero = q.scale, q.zero_point
