@@ -8,6 +8,10 @@ Q4_K, Q6_K and, where a row is not whole 256-blocks, Q5_0 / Q8_0). Each file is 
 its blocks, run by its own type's kernel) and decoded greedily, batch 1 and 8, beside
 llama.cpp on the same file in the same process, interleaved (`generate.engine_seconds`).
 
+Perplexity: each file scored by lowbit (both arithmetics) and by llama.cpp on the same token
+ids (`PPL_TOKENS` tokens of the default speeches, windows of 512, no BOS; llama.cpp through
+`benchmarks.gguf._llama_ppl`, logits of every position).
+
 Rows: lowbit as `lowbit generate FILE` runs it (the block types on int8 activations in
 llama.cpp's Q8_0 / Q8_K blocks, its own arithmetic; Q4_0 / Q4_1 / Q8_0 tensors, imported as
 int4 / uint4 / int8 weights, on float activations), the same with float activations everywhere
@@ -28,6 +32,7 @@ from benchmarks._machine import cpu_model
 MIXES = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 BATCHES = (1, 8)
 PROMPT = {1: 128, 8: 32}
+PPL_TOKENS = 1024
 
 
 def make_mixes(directory: str, mixes=MIXES) -> dict[str, str]:
@@ -64,7 +69,9 @@ def run() -> str | None:
     except ImportError:
         return None
     from benchmarks import generate as g
+    from benchmarks import gguf as round_trip
     from lowbit import kernels
+    from lowbit.eval._session import ModelSession
     from lowbit.models import has_smollm2
     from lowbit.ops import with_int8_activations
     from lowbit.serving import apply_recipe, load_model
@@ -73,7 +80,8 @@ def run() -> str | None:
         return None
     g.PROMPT = PROMPT
     lines = ["## llama.cpp's K-quant mixes of SmolLM2-135M, lowbit against llama.cpp", ""]
-    rows = []
+    rows, ppl = [], []
+    round_trip.MAX_TOKENS = PPL_TOKENS
     begin = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for mix, path in make_mixes(tmp).items():
@@ -92,6 +100,15 @@ def run() -> str | None:
                     rows.append((mix, name, batch, prompts.size / pre, batch * g.DECODE / dec))
             engines["llama.cpp"].close()
             rows.append((mix, "types", 0, _types(path), os.path.getsize(path)))
+            session = ModelSession(loaded, context=round_trip.CONTEXT, max_tokens=PPL_TOKENS)
+            ppl.append(
+                (
+                    mix,
+                    session.quality(engines["lowbit"].params)[0],
+                    session.quality(engines["lowbit, float act."].params)[0],
+                    round_trip._llama_ppl(path, session.tokens()),
+                )
+            )
             del engines, params, loaded
     load = os.getloadavg()
     lines += [
@@ -112,6 +129,17 @@ def run() -> str | None:
             continue
         rp, rd = peer[(m, b)]
         lines.append(f"| {m} | {name} | {b} | {p:.0f} | {p / rp:.2f}x | {d:.1f} | {d / rd:.2f}x |")
+    lines += [
+        "",
+        f"Perplexity on {PPL_TOKENS} tokens of the default speeches (windows of "
+        f"{round_trip.CONTEXT}, the same token ids in both; llama.cpp fed one token a call):",
+        "",
+        "| file | lowbit | lowbit, float act. | llama.cpp | lowbit / llama.cpp |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {m} | {a:.3f} | {f:.3f} | {r:.3f} | {a / r - 1:+.2%} |" for m, a, f, r in ppl
+    ]
     lines += ["", "Tensor types of each file (llama.cpp's quantizer):", ""]
     lines += [f"- {m} ({size / 2**20:.1f} MiB): {t}" for m, (t, size) in types.items()]
     lines += ["", f"Section time: {time.perf_counter() - begin:.0f} s.", ""]
