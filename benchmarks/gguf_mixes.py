@@ -137,9 +137,7 @@ def run() -> str | None:
         "| file | lowbit | lowbit, float act. | llama.cpp | lowbit / llama.cpp |",
         "|---|---:|---:|---:|---:|",
     ]
-    lines += [
-        f"| {m} | {a:.3f} | {f:.3f} | {r:.3f} | {a / r - 1:+.2%} |" for m, a, f, r in ppl
-    ]
+    lines += [f"| {m} | {a:.3f} | {f:.3f} | {r:.3f} | {a / r - 1:+.2%} |" for m, a, f, r in ppl]
     lines += ["", "Tensor types of each file (llama.cpp's quantizer):", ""]
     lines += [f"- {m} ({size / 2**20:.1f} MiB): {t}" for m, (t, size) in types.items()]
     lines += ["", f"Section time: {time.perf_counter() - begin:.0f} s.", ""]

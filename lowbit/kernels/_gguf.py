@@ -91,7 +91,8 @@ def _q4k_scales(s: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _q4k_pack(sc: jax.Array, m: jax.Array) -> jax.Array:
-    """The 12 packed bytes ``[..., 12]`` of Q4_K's 8 scales and minimums (`_q4k_scales`'s inverse)."""
+    """The 12 packed bytes ``[..., 12]`` of Q4_K's 8 scales and minimums (the inverse of
+    `_q4k_scales`)."""
     first = [(sc[..., j] & 63) | ((sc[..., j + 4] >> 4) << 6) for j in range(4)]
     second = [(m[..., j] & 63) | ((m[..., j + 4] >> 4) << 6) for j in range(4)]
     third = [(sc[..., j + 4] & 15) | ((m[..., j + 4] & 15) << 4) for j in range(4)]
@@ -107,7 +108,9 @@ def _chunks(a: jax.Array) -> jax.Array:
 def _unchunk(a: jax.Array, b: int) -> jax.Array:
     """`_chunks`' inverse: [G, U, b / 4 * 32] -> [G, U, 8, b]."""
     g, u = a.shape[:2]
-    return a.reshape(g, u, b // 4, TILE_ROWS, 4).transpose(0, 1, 3, 2, 4).reshape(g, u, TILE_ROWS, b)
+    return (
+        a.reshape(g, u, b // 4, TILE_ROWS, 4).transpose(0, 1, 3, 2, 4).reshape(g, u, TILE_ROWS, b)
+    )
 
 
 def _pairs(a: jax.Array) -> jax.Array:
@@ -118,7 +121,9 @@ def _pairs(a: jax.Array) -> jax.Array:
 
 def _unpairs(a: jax.Array, n: int) -> jax.Array:
     g, u = a.shape[:2]
-    return a.reshape(g, u, n // 2, TILE_ROWS, 2).transpose(0, 1, 3, 2, 4).reshape(g, u, TILE_ROWS, n)
+    return (
+        a.reshape(g, u, n // 2, TILE_ROWS, 2).transpose(0, 1, 3, 2, 4).reshape(g, u, TILE_ROWS, n)
+    )
 
 
 def gguf_tile(rows: jax.Array, ggml_type: str) -> jax.Array:
@@ -128,7 +133,9 @@ def gguf_tile(rows: jax.Array, ggml_type: str) -> jax.Array:
     n = rows.shape[0]
     k = rows.shape[1] // t.type_size * t.block_size
     if not gguf_tileable(ggml_type, k, n):
-        raise ValueError(f"{ggml_type} [{n}, {k}] has no tiled layout (Q4_K or Q6_K, K % 256, N % 8)")
+        raise ValueError(
+            f"{ggml_type} [{n}, {k}] has no tiled layout (Q4_K or Q6_K, K % 256, N % 8)"
+        )
     units = k // 256
     b = rows.reshape(n // TILE_ROWS, TILE_ROWS, units, t.type_size).transpose(0, 2, 1, 3)
     g = b.shape[0]
@@ -275,4 +282,3 @@ def gguf_linear(
 
     y = reference() if m == 0 else _by_platform(native, reference)
     return y.reshape(*lead, n)
-

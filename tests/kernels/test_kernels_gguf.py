@@ -38,9 +38,7 @@ def isa(request):
 
 
 _dequantize = jax.jit(kernels.gguf_dequantize, static_argnums=(1, 2))
-_linear = jax.jit(
-    kernels.gguf_linear, static_argnames=("ggml_type", "int8_activations", "tiled")
-)
+_linear = jax.jit(kernels.gguf_linear, static_argnames=("ggml_type", "int8_activations", "tiled"))
 TILED_TYPES = ("Q4_K", "Q6_K")
 
 

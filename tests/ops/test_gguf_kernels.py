@@ -1,6 +1,6 @@
-"""GGUF block weights on their own type's CPU kernel: prepared once (the block rows), exact
-back to the logical QArray (Q4_K / Q6_K from their tiles), rows gathered from the layout, decode and prefill sizes, both
-arithmetics, and a per-call layout counted."""
+"""GGUF block weights on their own type's CPU kernel: prepared once (block rows, Q4_K / Q6_K
+as tiles of 8 rows), exact back to the logical QArray, rows gathered from the layout, decode
+and prefill sizes, both arithmetics, and a per-call layout counted."""
 
 import jax
 import jax.numpy as jnp
