@@ -62,6 +62,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="per-request deadline (default 600)",
     )
     parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=1 << 20,
+        metavar="N",
+        help="largest request body accepted; larger ones get 413 without being read "
+        "(default 1048576, 1 MiB)",
+    )
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a client must send a request's headers within this long of connecting (or of "
+        "the previous answer), and its body within this long of the headers; a slower one is "
+        "dropped and never holds a slot (default 30)",
+    )
+    parser.add_argument(
         "--grace",
         type=float,
         default=30.0,
@@ -98,6 +115,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--port={args.port} must be in 1..65535")
     if args.timeout <= 0 or args.grace < 0:
         raise ValueError("--timeout must be > 0 and --grace >= 0")
+    if args.max_body_bytes < 1 or not args.read_timeout > 0:
+        raise ValueError(
+            f"--max-body-bytes={args.max_body_bytes} must be >= 1 and "
+            f"--read-timeout={args.read_timeout} > 0"
+        )
     # --prefill-chunk is both the longest prompt prefilled in one pass and the chunk size.
     config = settings_from_args(
         server.SchedulerConfig, args, single_pass="prefill_chunk", chunk="prefill_chunk"
@@ -119,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
         scheduler=scheduler,
         api_key=args.api_key or os.environ.get("LOWBIT_API_KEY") or None,
         request_timeout=args.timeout,
+        max_body_bytes=args.max_body_bytes,
+        read_timeout=args.read_timeout,
     )
     print(
         f"lowbit serve: {loaded.name} ({target.recipe}; kv cache "

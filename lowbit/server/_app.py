@@ -20,10 +20,12 @@ from typing import Any
 
 import anyio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from lowbit.server._limits import MAX_BODY_BYTES, READ_TIMEOUT, BodyLimit
 from lowbit.server._metrics import CONTENT_TYPE, Metrics
 from lowbit.server._openapi import openapi_document
 from lowbit.server._protocol import APIError, CompletionRequest, bad, parse_body, parse_request
@@ -58,6 +60,9 @@ class ServedModel:
       scheduler: the running `Scheduler`.
       api_key: when set, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``.
       request_timeout: seconds a request may take from arrival to its last token.
+      max_body_bytes: the largest request body accepted; larger ones get a 413.
+      read_timeout: seconds a client has to send a request's head, and again its body; a
+        slower one is dropped (a 408 for a body) before it reaches the scheduler.
     """
 
     name: str
@@ -67,6 +72,8 @@ class ServedModel:
     scheduler: Scheduler
     api_key: str | None = None
     request_timeout: float = 600.0
+    max_body_bytes: int = MAX_BODY_BYTES
+    read_timeout: float = READ_TIMEOUT
 
 
 def _error(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -428,7 +435,19 @@ def create_app(served: ServedModel) -> Starlette:
         Route("/v1/completions", h.wrap("/v1/completions", h.completions), methods=["POST"]),
         Route("/v1/chat/completions", h.wrap("/v1/chat/completions", h.chat), methods=["POST"]),
     ]
-    app = Starlette(routes=routes)
+    paths = {route.path for route in routes}
+
+    def refused(path: str, status: int) -> None:
+        metrics.requests.labels(path if path in paths else "other", str(status)).inc()
+
+    # Every body is read whole, bounded in size and time, before a handler runs.
+    limit = Middleware(
+        BodyLimit,
+        max_bytes=served.max_body_bytes,
+        timeout=served.read_timeout,
+        on_refused=refused,
+    )
+    app = Starlette(routes=routes, middleware=[limit])
     app.state.served = served
     app.state.metrics = metrics
     return app

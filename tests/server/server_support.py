@@ -1,6 +1,6 @@
 """A tiny served model for the server tests: a random-weight GGUF decoder (a 260-token
 byte-level vocabulary, 256-token context), a trivial chat template, and a uvicorn server on a
-free loopback port in a background thread."""
+free loopback port in a background thread, configured as `lowbit serve` configures it."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import uvicorn
 
 from lowbit import server, serving
 from lowbit.models._chat_template import ChatTemplate
+from lowbit.server._run import uvicorn_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from tiny_gguf import write_tiny_gguf  # noqa: E402
@@ -41,6 +43,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def connect(url: str, timeout: float = 60.0) -> socket.socket:
+    """A raw TCP connection to the server at `url` (for clients no HTTP library would be)."""
+    parts = urlsplit(url)
+    return socket.create_connection((parts.hostname, parts.port), timeout=timeout)
+
+
+def read_to_close(sock: socket.socket) -> bytes:
+    """Everything the server sends on `sock` until it closes the connection."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
 def served_model(loaded, config=CONFIG, **options) -> server.ServedModel:
     from lowbit.cli._common import stop_ids
 
@@ -60,10 +76,7 @@ def running(served: server.ServedModel, start: bool = True) -> Iterator[str]:
     """Serves `served` on a free loopback port; yields the base URL once it is ready.
     `start` False: its scheduler already runs (another app on the same model)."""
     port = free_port()
-    app = server.create_app(served)
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", lifespan="off", access_log=False
-    )
+    config = uvicorn_config(served, host="127.0.0.1", port=port, log_level="warning")
     uv = uvicorn.Server(config)
     if start:
         served.scheduler.start()

@@ -1,4 +1,5 @@
-"""`lowbit serve` as a process: SIGTERM lets the running request finish, then exits 0."""
+"""`lowbit serve` as a process: its flags reach the server; SIGTERM lets the running request
+finish, then exits 0."""
 
 import json
 import os
@@ -9,7 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
-from server_support import ARCH, free_port, write_tiny_gguf
+from server_support import ARCH, connect, free_port, read_to_close, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +21,7 @@ def test_sigterm_drains_the_running_request_and_exits_0(tmp_path):
     command = [
         sys.executable, "-c", "import sys; from lowbit.cli import main; sys.exit(main())",
         "serve", str(model), "--port", str(port), "--slots", "2", "--max-len", "64",
-        "--prefill-chunk", "16", "--grace", "20",
+        "--prefill-chunk", "16", "--grace", "20", "--max-body-bytes", "2048",
     ]  # fmt: skip
     log = open(tmp_path / "log.txt", "w+")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -37,6 +38,12 @@ def test_sigterm_drains_the_running_request_and_exits_0(tmp_path):
                 pass
             assert time.monotonic() < deadline, "the server never became ready"
             time.sleep(0.2)
+        with connect(url) as sock:  # --max-body-bytes: refused from the declared length
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 2049\r\n\r\n"
+            )
+            answer = read_to_close(sock)
+        assert answer.startswith(b"HTTP/1.1 413") and b"2048 bytes" in answer, answer
         body = {"prompt": "drain", "max_tokens": 40, "temperature": 0, "stream": True}
         events = []
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
