@@ -124,6 +124,8 @@ def _planted(checkpoint, tmp_path, names):
     for name in names:
         victims[name] = tmp_path / f"victim-{name.strip('.')}"
         victims[name].write_bytes(b"keep")
+        # The shared checkpoint may already hold the name, written by a test before this one.
+        (copy / name).unlink(missing_ok=True)
         os.symlink(victims[name], copy / name)
     return copy, victims
 
