@@ -99,31 +99,18 @@ def _q4k_pack(sc: jax.Array, m: jax.Array) -> jax.Array:
     return jnp.stack(first + second + third, -1).astype(jnp.uint8)
 
 
-def _chunks(a: jax.Array) -> jax.Array:
-    """[G, U, 8, B] -> [G, U, B / 4 * 32]: 4-byte chunk c of the 8 rows side by side."""
+def _interleave(a: jax.Array, width: int) -> jax.Array:
+    """[G, U, 8, B] -> [G, U, B * 8]: the 8 rows' `width`-byte pieces side by side, piece by
+    piece (4-byte code chunks; 2-byte scale pairs)."""
     g, u, r, b = a.shape
-    return a.reshape(g, u, r, b // 4, 4).transpose(0, 1, 3, 2, 4).reshape(g, u, -1)
+    return a.reshape(g, u, r, b // width, width).transpose(0, 1, 3, 2, 4).reshape(g, u, -1)
 
 
-def _unchunk(a: jax.Array, b: int) -> jax.Array:
-    """`_chunks`' inverse: [G, U, b / 4 * 32] -> [G, U, 8, b]."""
+def _deinterleave(a: jax.Array, width: int, b: int) -> jax.Array:
+    """`_interleave`'s inverse: [G, U, b * 8] -> [G, U, 8, b]."""
     g, u = a.shape[:2]
-    return (
-        a.reshape(g, u, b // 4, TILE_ROWS, 4).transpose(0, 1, 3, 2, 4).reshape(g, u, TILE_ROWS, b)
-    )
-
-
-def _pairs(a: jax.Array) -> jax.Array:
-    """[G, U, 8, S] -> [G, U, S * 8]: per pair p of sub-blocks, row r's (2p, 2p + 1)."""
-    g, u, r, n = a.shape
-    return a.reshape(g, u, r, n // 2, 2).transpose(0, 1, 3, 2, 4).reshape(g, u, -1)
-
-
-def _unpairs(a: jax.Array, n: int) -> jax.Array:
-    g, u = a.shape[:2]
-    return (
-        a.reshape(g, u, n // 2, TILE_ROWS, 2).transpose(0, 1, 3, 2, 4).reshape(g, u, TILE_ROWS, n)
-    )
+    pieces = a.reshape(g, u, b // width, TILE_ROWS, width).transpose(0, 1, 3, 2, 4)
+    return pieces.reshape(g, u, TILE_ROWS, b)
 
 
 def gguf_tile(rows: jax.Array, ggml_type: str) -> jax.Array:
@@ -146,15 +133,15 @@ def gguf_tile(rows: jax.Array, ggml_type: str) -> jax.Array:
             half(b[..., 0:2]),
             half(b[..., 2:4]),
             sc.transpose(0, 1, 3, 2).reshape(g, units, -1),
-            _pairs(m),
-            _chunks(b[..., 16:144]),
+            _interleave(m, 2),
+            _interleave(b[..., 16:144], 4),
         ]
     else:
         parts = [
             half(b[..., 208:210]),
-            _pairs(b[..., 192:208]),
-            _chunks(b[..., 0:128]),
-            _chunks(b[..., 128:192]),
+            _interleave(b[..., 192:208], 2),
+            _interleave(b[..., 0:128], 4),
+            _interleave(b[..., 128:192], 4),
         ]
     return jnp.concatenate(parts, axis=-1).astype(jnp.uint8).reshape(g, -1)
 
@@ -167,17 +154,22 @@ def gguf_untile(tiles: jax.Array, ggml_type: str, k: int) -> jax.Array:
     two = lambda x: x.reshape(g, units, TILE_ROWS, 2)
     if ggml_type == "Q4_K":
         sc = a[..., 32:96].reshape(g, units, 8, TILE_ROWS).transpose(0, 1, 3, 2)
-        m = _unpairs(a[..., 96:160], 8)
+        m = _deinterleave(a[..., 96:160], 2, 8)
         b = jnp.concatenate(
-            [two(a[..., 0:16]), two(a[..., 16:32]), _q4k_pack(sc, m), _unchunk(a[..., 160:], 128)],
+            [
+                two(a[..., 0:16]),
+                two(a[..., 16:32]),
+                _q4k_pack(sc, m),
+                _deinterleave(a[..., 160:], 4, 128),
+            ],
             axis=-1,
         )
     else:
         b = jnp.concatenate(
             [
-                _unchunk(a[..., 144:1168], 128),
-                _unchunk(a[..., 1168:], 64),
-                _unpairs(a[..., 16:144], 16),
+                _deinterleave(a[..., 144:1168], 4, 128),
+                _deinterleave(a[..., 1168:], 4, 64),
+                _deinterleave(a[..., 16:144], 2, 16),
                 two(a[..., 0:16]),
             ],
             axis=-1,

@@ -488,8 +488,9 @@ def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
         # their tiles of 8 rows (Q4_K's 32 bytes a tile larger); the logical QArray comes back
         # from either exactly.
         weight = _gguf_layout(q, route)
-        del q
-        release_free_memory()  # the replaced rows and the tiling's temporaries
+        # The tiling's temporaries, and the codes of the weight laid out before this one
+        # (`prepare_leaves` drops them as it replaces each leaf), back to the system.
+        release_free_memory()
         return PreparedQArray(weight, None, None, None, axis, route, meta)
     tensor_scale = None if q.tensor_scale is None else q.tensor_scale.reshape(1)
     weight, scale, zero = _prepare_checked(q, (route, axis, meta))
