@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from lowbit import serving
 from lowbit.cli._common import (
     Command,
     add_int8_activations_argument,
@@ -132,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         template = None
         print(f"lowbit serve: no chat endpoint ({err})", file=sys.stderr)
-    scheduler = server.Scheduler(loaded.model, params, kv, config)
+    scheduler = server.Scheduler(
+        loaded.model, params, kv, config, program_dir=serving.program_directory()
+    )
     served = server.ServedModel(
         name=loaded.name,
         tokenizer=loaded.tokenizer,

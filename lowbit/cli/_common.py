@@ -256,7 +256,7 @@ def _print_algorithm_report(bar: Progress, report: Any) -> None:
 def print_fallbacks(bar: Progress, loaded: Any, params: Any, shown: int = 5) -> None:
     """Says how many weights the model's forward would dequantize or lay out on every call
     (the engine's fallbacks: a slow path), and which, when there are any."""
-    lines = serving.fallback_report(loaded, params)
+    lines = serving.fallback_report(loaded, params, serving.program_directory())
     if not lines:
         return
     bar.console.print(

@@ -110,6 +110,13 @@ def set_isa(name: str) -> str:
     return mod.set_isa(name)
 
 
+def ffi_targets() -> list[str]:
+    """The names of the compiled module's FFI targets (empty when the kernels are
+    unavailable): the custom calls a program traced with them holds."""
+    mod = module()
+    return [] if mod is None else sorted(mod.targets())
+
+
 def supported_isas() -> list[str]:
     """Paths this CPU can run, slowest first (empty when the kernels are unavailable)."""
     mod = _load()[0]

@@ -7,6 +7,10 @@ step writes all rows at the cache's ``length``. A row's prompt sits just before 
 joined at different times decode side by side, each seeing only its own tokens. Free rows
 keep their ``start`` at ``T``: they attend to nothing and their tokens are ignored.
 
+Every program here is a plain function (the model's ones take its graph definition first):
+the scheduler compiles each once per shape (`lowbit.serving.compile_stored`, which keeps the
+traced form for the next start), donating the cache it is given.
+
 A prompt is prefilled alone, as `lowbit.generate` prefills a batch of one (left-padded to a
 bucketed width ``W``, in a ``W``-slot cache), then copied into its row (`insert`). So a slot
 computes what ``generate_tokens([prompt], key=seed)`` computes, bit for bit. A prompt too long
@@ -70,7 +74,6 @@ def _sample(logits: jax.Array, rows: RowSampling) -> jax.Array:
     return sample_rows(logits, keys, rows.temperature, rows.top_k, rows.top_p)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def decode(
     graphdef: nnx.GraphDef,
     params: Any,
@@ -99,7 +102,6 @@ def decode(
     return out, cache
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
 def prefill(
     graphdef: nnx.GraphDef,
     params: Any,
@@ -113,7 +115,6 @@ def prefill(
     return _sample(logits[:, -1], rows), cache
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
 def prefill_chunk(
     graphdef: nnx.GraphDef,
     params: Any,
@@ -126,7 +127,6 @@ def prefill_chunk(
     return logits[:, -1], cache
 
 
-@jax.jit
 def sample(logits: jax.Array, rows: RowSampling) -> jax.Array:
     """`_sample` as its own program (the first token of a chunked prefill)."""
     return _sample(logits, rows)
@@ -148,7 +148,6 @@ def _with_slot_arrays(cache: KVCache, arrays: Any, **changes: Any) -> KVCache:
     )
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
 def insert(
     big: KVCache,
     small: KVCache,
@@ -181,7 +180,6 @@ def insert(
     return _with_slot_arrays(big, arrays, key_offsets=offsets, start=start)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
 def shift(cache: KVCache, by: jax.Array, start: jax.Array) -> KVCache:
     """Slides every row's slots left by `by` (right for a negative one); `start` ``[B]`` is
     the new starts. What rolls in at the far end is unused."""

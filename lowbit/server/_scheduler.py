@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +30,10 @@ from flax import nnx
 from lowbit.models._generate import bucket
 from lowbit.server import _programs as programs
 from lowbit.server._programs import RowSampling
+from lowbit.serving import StoredProgram, compile_stored, describe
+
+# The model's programs, and the position of the KV cache among their arguments.
+_MODEL_PROGRAMS = {"decode": 1, "prefill": 2, "prefill_chunk": 2}
 
 # Finish reasons a job ends with.
 STOP, LENGTH, CANCELLED, TIMEOUT, SHUTDOWN = "stop", "length", "cancelled", "timeout", "shutdown"
@@ -146,9 +152,19 @@ class Scheduler:
       params: the parameters to run (quantized or not); None: the module's own.
       kv_cache: the KV cache format (a `KVCacheConfig`) or None for float.
       config: slots, cache length, queue bound, prefill chunking.
+      program_dir: where the compiled programs' traced forms are kept between starts
+        (`lowbit.serving.compile_stored`; `lowbit.serving.program_directory()` is the one
+        beside JAX's compilation cache); None traces them at every start.
     """
 
-    def __init__(self, model: nnx.Module, params: Any, kv_cache: Any, config: SchedulerConfig):
+    def __init__(
+        self,
+        model: nnx.Module,
+        params: Any,
+        kv_cache: Any,
+        config: SchedulerConfig,
+        program_dir: str | os.PathLike[str] | None = None,
+    ):
         if config.max_len > model.config.context_length:
             config = dataclasses.replace(config, max_len=_fit(model.config.context_length))
         self.config = config
@@ -156,6 +172,8 @@ class Scheduler:
         self.graphdef, state = nnx.split(model)
         self.params = state if params is None else params
         self.kv_cache = kv_cache
+        self.program_dir = program_dir
+        self._compiled: dict[tuple[str, int], StoredProgram] = {}
         c = config
         self.single_pass = min(c.single_pass, c.max_len)
         self.prefill_widths = _widths(0, bucket(self.single_pass))
@@ -276,7 +294,12 @@ class Scheduler:
         )
 
     def _warm_up(self) -> None:
-        """Runs every program once on dummy data, so that no request compiles."""
+        """Compiles every program for the shapes it will run, so that no request compiles.
+
+        Nothing runs: each program is compiled from example arguments built by the same code
+        that builds a request's (`_prefill_args`, `_decode_args`). The model's programs come
+        through `compile_stored`, which reads their traced form from `program_dir` when an
+        earlier start kept it there."""
         dummy = Job(
             prompt=[0],
             max_tokens=1,
@@ -291,22 +314,40 @@ class Scheduler:
         for width in self.prefill_widths + self.chunk_widths:
             job = dataclasses.replace(dummy, prompt=[0] * min(width, self.max_prompt))
             state = self._begin_prefill(job)
-            while state.first is None:
-                self._advance_prefill(state)
-            self.clock = self.config.max_len
-            self.cache = self._set_start(self.cache)
-            self.cache = programs.insert(
-                self.cache,
-                state.cache,
-                jnp.int32(0),
-                jnp.int32(state.source),
-                jnp.int32(len(job.prompt)),
-                jnp.asarray(self.start_host),
+            name, args = self._prefill_args(state)
+            program = self._program(name, width, args)
+            if name == "prefill_chunk":
+                logits, _ = program.out_shapes
+                self._program("sample", 1, (logits, self._row_sampling(job)))
+            self._program("insert", width, self._insert_args(state, 0, len(job.prompt)))
+        self._program("decode", self.config.slots, self._decode_args(1))
+        self._program("shift", self.config.slots, self._shift_args(1))
+
+    def _program(self, name: str, width: int, args: tuple) -> StoredProgram:
+        """The compiled program `name` (a function of `programs`) for arguments shaped like
+        `args`, compiled on first use; `width` tells its shapes apart."""
+        compiled = self._compiled.get((name, width))
+        if compiled is None:
+            fn = getattr(programs, name)
+            static, out_like, donate = "", (lambda a: a[0]), (0,)  # the moves: cache -> cache
+            if name in _MODEL_PROGRAMS:
+                fn = functools.partial(fn, self.graphdef)
+                static = describe((self.graphdef, self.model.config, self.kv_cache))
+                cache_at = _MODEL_PROGRAMS[name]
+                out_like, donate = (lambda a: (0, a[cache_at])), (cache_at,)
+            elif name == "sample":
+                out_like, donate = (lambda a: 0), ()
+            compiled = compile_stored(
+                f"{name}-{width}",
+                fn,
+                args,
+                static=static,
+                out_like=out_like,
+                donate_argnums=donate,
+                directory=self.program_dir,
             )
-        self._decode(1)
-        self.cache = programs.shift(self.cache, jnp.int32(1), jnp.asarray(self.start_host))
-        jax.block_until_ready(self.cache)
-        self._reset_rows()
+            self._compiled[(name, width)] = compiled
+        return compiled
 
     def _turn(self) -> bool:
         """One loop turn; False when the loop should end."""
@@ -406,31 +447,31 @@ class Scheduler:
         cache = self.model.init_cache(1, width, self.kv_cache)
         return _Prefill(job, width, cache, tokens, source=0)
 
+    def _prefill_args(self, state: _Prefill) -> tuple[str, tuple]:
+        """The program for `state`'s next pass or chunk, and its arguments (after the graph
+        definition)."""
+        job = state.job
+        if len(job.prompt) <= self.single_pass:
+            tokens = jnp.asarray(state.tokens)
+            return "prefill", (self.params, tokens, state.cache, self._row_sampling(job))
+        c = self.config.chunk
+        # The last chunk ends at the prompt's last token (it may overlap the one before).
+        at = min(state.next_chunk * c, len(job.prompt) - c)
+        cache = dataclasses.replace(state.cache, length=jnp.int32(at))
+        return "prefill_chunk", (self.params, jnp.asarray(state.tokens[:, at : at + c]), cache)
+
     def _advance_prefill(self, state: _Prefill) -> None:
         """One pass (a short prompt) or one chunk (a long one)."""
         job = state.job
-        n = len(job.prompt)
-        if n <= self.single_pass:
-            first, state.cache = programs.prefill(
-                self.graphdef,
-                self.params,
-                jnp.asarray(state.tokens),
-                state.cache,
-                self._row_sampling(job),
-            )
-            state.first = int(first[0])
+        name, args = self._prefill_args(state)
+        out, state.cache = self._program(name, state.width, args)(*args)
+        if name == "prefill":
+            state.first = int(out[0])
             return
-        c = self.config.chunk
-        chunks = -(-n // c)
-        # The last chunk ends at the prompt's last token (it may overlap the one before).
-        at = min(state.next_chunk * c, n - c)
-        cache = dataclasses.replace(state.cache, length=jnp.int32(at))
-        logits, state.cache = programs.prefill_chunk(
-            self.graphdef, self.params, jnp.asarray(state.tokens[:, at : at + c]), cache
-        )
         state.next_chunk += 1
-        if state.next_chunk == chunks:
-            state.first = int(programs.sample(logits, self._row_sampling(job))[0])
+        if state.next_chunk == -(-len(job.prompt) // self.config.chunk):
+            sample = self._program("sample", 1, (out, self._row_sampling(job)))
+            state.first = int(sample(out, self._row_sampling(job))[0])
 
     def _first_token(self, state: _Prefill) -> None:
         job = state.job
@@ -464,15 +505,8 @@ class Scheduler:
             self._shift(-by)
         r = free[0]
         self.start_host[r] = self.clock - n
-        self.cache = dataclasses.replace(self.cache, length=jnp.int32(self.clock))
-        self.cache = programs.insert(
-            self.cache,
-            state.cache,
-            jnp.int32(r),
-            jnp.int32(state.source),
-            jnp.int32(n),
-            jnp.asarray(self.start_host),
-        )
+        args = self._insert_args(state, r, n)
+        self.cache = self._program("insert", state.width, args)(*args)
         key = np.asarray(jax.random.key_data(jax.random.key(job.seed)))
         self.keys_host[r] = key
         self.token_host[r] = state.first
@@ -483,6 +517,21 @@ class Scheduler:
         with self._lock:
             self._rows[r] = job
             self._prefill = None
+
+    def _insert_args(self, state: _Prefill, r: int, n: int) -> tuple:
+        """`programs.insert`'s arguments: `state`'s `n` prompt slots into row `r`."""
+        big = dataclasses.replace(self.cache, length=jnp.int32(self.clock))
+        return (
+            big,
+            state.cache,
+            jnp.int32(r),
+            jnp.int32(state.source),
+            jnp.int32(n),
+            jnp.asarray(self.start_host),
+        )
+
+    def _shift_args(self, by: int) -> tuple:
+        return self.cache, jnp.int32(by), jnp.asarray(self.start_host)
 
     def _needs_end(self, r: int) -> int:
         """One past the last cache slot row `r` will write (its last token is never fed)."""
@@ -497,9 +546,24 @@ class Scheduler:
         )
         self.clock -= by
         self.slides += 1
-        self.cache = programs.shift(self.cache, jnp.int32(by), jnp.asarray(self.start_host))
+        args = self._shift_args(by)
+        self.cache = self._program("shift", self.config.slots, args)(*args)
 
     # -- decode -------------------------------------------------------------------------------
+
+    def _decode_args(self, steps: int) -> tuple:
+        """`programs.decode`'s arguments (after the graph definition) for `steps` steps."""
+        rows = RowSampling(
+            keys=jnp.asarray(self.keys_host),
+            count=jnp.asarray(self.count_host),
+            temperature=jnp.asarray(self.temp_host),
+            top_k=jnp.asarray(self.topk_host),
+            top_p=jnp.asarray(self.topp_host),
+        )
+        cache = dataclasses.replace(
+            self.cache, length=jnp.int32(self.clock), start=jnp.asarray(self.start_host)
+        )
+        return self.params, cache, jnp.asarray(self.token_host), rows, jnp.int32(steps)
 
     def _decode(self, steps: int) -> None:
         t = self.config.max_len
@@ -508,24 +572,8 @@ class Scheduler:
             self._shift(min(int(self.start_host[r]) for r in active) if active else self.clock)
         # Every row must still have a slot for each step.
         steps = max(1, min(steps, t - self.clock))
-        rows = RowSampling(
-            keys=jnp.asarray(self.keys_host),
-            count=jnp.asarray(self.count_host),
-            temperature=jnp.asarray(self.temp_host),
-            top_k=jnp.asarray(self.topk_host),
-            top_p=jnp.asarray(self.topp_host),
-        )
-        self.cache = dataclasses.replace(
-            self.cache, length=jnp.int32(self.clock), start=jnp.asarray(self.start_host)
-        )
-        out, self.cache = programs.decode(
-            self.graphdef,
-            self.params,
-            self.cache,
-            jnp.asarray(self.token_host),
-            rows,
-            jnp.int32(steps),
-        )
+        args = self._decode_args(steps)
+        out, self.cache = self._program("decode", self.config.slots, args)(*args)
         out = np.asarray(out)
         self.clock += steps
         self.steps_run += steps

@@ -7,15 +7,21 @@ model's own forward traced abstractly on a ``[1, 8]`` token batch.
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from lowbit.api import kernel_axes_of, prepare
 from lowbit.engine import trace_report
+from lowbit.io._atomic import atomic_write
 from lowbit.serving._load import LoadedModel, model_fn
+from lowbit.serving._stored import describe, program_key
 
 # The example batch the forward is traced on (abstractly: nothing runs). The contraction
 # axes do not depend on its size.
@@ -49,9 +55,34 @@ def kernel_axes_fn(loaded: LoadedModel) -> Callable[[Any], dict[tuple, int]]:
     return lambda params: kernel_axes_of(fn, params, *batch)
 
 
-def fallback_report(loaded: LoadedModel, params: Any) -> list[str]:
+def fallback_report(
+    loaded: LoadedModel, params: Any, directory: str | os.PathLike[str] | None = None
+) -> list[str]:
     """One line per weight the model's forward would dequantize or lay out on every call
     (the engine's fallbacks, traced abstractly on the example batch): empty when every
-    quantized weight runs on a kernel in its prepared layout."""
-    report = trace_report(model_fn(loaded.model, loaded.kind), params, *_example_batch(loaded))
-    return list(report.fallback_details)
+    quantized weight runs on a kernel in its prepared layout.
+
+    With a `directory` (`program_directory()`), the lines are kept there under the same key
+    as a compiled program of this model and these parameters' layouts (`program_key`), so a
+    second start does not trace the model again for them."""
+    batch = _example_batch(loaded)
+    path = None
+    if directory is not None:
+        static = describe((nnx.graphdef(loaded.model), loaded.model.config, loaded.kind))
+        key = program_key("fallbacks", static, (params, batch))
+        path = pathlib.Path(directory) / f"{key}.json"
+        try:
+            lines = json.loads(path.read_text())
+            if isinstance(lines, list) and all(isinstance(x, str) for x in lines):
+                return lines
+        except (OSError, ValueError):
+            pass  # not kept yet, or damaged: traced again below
+    report = trace_report(model_fn(loaded.model, loaded.kind), params, *batch)
+    lines = list(report.fallback_details)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, json.dumps(lines).encode())
+        except OSError:
+            pass  # kept next time, or never: only a slower start
+    return lines

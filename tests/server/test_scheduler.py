@@ -108,13 +108,13 @@ def test_a_restarted_server_gives_the_same_answers(loaded):
     assert all(len(ids) >= 1 for ids, _ in runs[0])
 
 
-def test_an_int8_kv_cache_slides_and_still_matches_generate(loaded):
-    """The scheduler alone (no HTTP): two slots of a 64-slot int8 cache, six requests, so rows
-    join mid-way and the cache slides left several times."""
+def _run_int8_slots(loaded, program_dir=None):
+    """Six requests through two slots of a 64-slot int8 cache (rows join mid-way and the cache
+    slides left several times); returns the scheduler and each request's tokens."""
     from lowbit.server import Job, Scheduler, SchedulerConfig
 
     config = SchedulerConfig(slots=2, max_len=64, single_pass=16, chunk=16)
-    scheduler = Scheduler(loaded.model, None, "int8", config)
+    scheduler = Scheduler(loaded.model, None, "int8", config, program_dir=program_dir)
     scheduler.start()
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in (5, 12, 9, 16, 14, 7)]
@@ -140,7 +140,29 @@ def test_an_int8_kv_cache_slides_and_still_matches_generate(loaded):
     finally:
         scheduler.close()
     assert sorted(done) == [(i, "length") for i in range(len(prompts))]
+    return scheduler, prompts, answers
+
+
+def test_an_int8_kv_cache_slides_and_still_matches_generate(loaded):
+    """The scheduler alone (no HTTP)."""
+    scheduler, prompts, answers = _run_int8_slots(loaded)
     assert scheduler.slides >= 1
     for i, p in enumerate(prompts):
         expected = generate_tokens(loaded.model, [p], max_new_tokens=20, kv_cache="int8")
         assert answers[i] == expected.tokens[0], i
+
+
+def test_a_second_start_reads_its_programs_and_answers_the_same(loaded, tmp_path):
+    """With a program directory, the first start keeps every program's traced form there; the
+    second compiles from those files without tracing, and every request gets the same tokens."""
+    first, _, answers = _run_int8_slots(loaded, tmp_path)
+    kept = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    assert all(name.endswith(".jaxexport") for name in kept)
+    assert {name.split("-")[0] for name in kept} >= {"decode", "prefill", "insert", "shift"}
+    assert all(program.stored for program in first._compiled.values())
+
+    second, _, again = _run_int8_slots(loaded, tmp_path)
+    # Nothing traced again: no file added or rewritten.
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == kept
+    assert set(second._compiled) == set(first._compiled)
+    assert again == answers

@@ -1,0 +1,155 @@
+"""`lowbit.serving.compile_stored`: a program's traced form kept on disk and read back by a
+second start, with the same results and no trace."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import lowbit
+from lowbit import kernels, serving
+
+
+def _affine(counter):
+    def fn(params, x):
+        counter.append(1)  # once per trace
+        return {"y": x @ params["w"] + params["b"], "n": jnp.sum(x)}
+
+    return fn
+
+
+def _args():
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32), "b": jnp.ones((4,))}
+    return params, jnp.asarray(rng.normal(size=(3, 8)), jnp.float32)
+
+
+def _compile(fn, args, directory, **options):
+    return serving.compile_stored(
+        "affine",
+        fn,
+        args,
+        static="affine v1",
+        out_like=lambda a: {"y": 0, "n": 0},
+        directory=directory,
+        **options,
+    )
+
+
+def test_a_second_compile_reads_the_kept_program_without_tracing(tmp_path):
+    args = _args()
+    traces = []
+    first = _compile(_affine(traces), args, tmp_path)
+    assert first.stored and len(traces) == 1
+    kept = list(tmp_path.iterdir())
+    assert len(kept) == 1 and kept[0].name.startswith("affine-")
+
+    traces.clear()
+    second = _compile(_affine(traces), args, tmp_path)
+    assert second.stored and traces == []
+    expected = jax.jit(_affine([]))(*args)
+    for program in (first, second):
+        out = program(*args)
+        np.testing.assert_allclose(out["y"], expected["y"], rtol=1e-6)
+        np.testing.assert_allclose(out["n"], expected["n"], rtol=1e-6)
+    assert second.out_shapes["y"].shape == (3, 4)
+
+
+def test_the_key_changes_with_shapes_dtypes_and_the_static_description(tmp_path):
+    params, x = _args()
+    key = serving.program_key("p", "s", (params, x))
+    assert key == serving.program_key("p", "s", (params, x))
+    assert key != serving.program_key("p", "t", (params, x))
+    assert key != serving.program_key("p", "s", (params, x[:2]))
+    assert key != serving.program_key("p", "s", (params, x.astype(jnp.bfloat16)))
+    assert key != serving.program_key("p", "s", ({"w": params["w"]}, x))
+
+
+def test_describe_drops_process_addresses():
+    def f():
+        pass
+
+    assert " at 0x" in repr(f) and " at 0x" not in serving.describe(f)
+
+
+def test_a_damaged_file_is_traced_again(tmp_path):
+    args = _args()
+    _compile(_affine([]), args, tmp_path)
+    (kept,) = tmp_path.iterdir()
+    kept.write_bytes(b"not a program")
+    traces = []
+    program = _compile(_affine(traces), args, tmp_path)
+    assert traces == [1] and program.stored
+    np.testing.assert_allclose(program(*args)["y"], jax.jit(_affine([]))(*args)["y"], rtol=1e-6)
+
+
+def test_without_a_directory_nothing_is_kept(tmp_path):
+    program = _compile(_affine([]), _args(), None)
+    assert not program.stored
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_program_export_refuses_still_compiles(tmp_path):
+    """A host callback cannot be serialized: the program is traced and compiled as usual."""
+
+    def fn(params, x):
+        jax.debug.callback(lambda v: None, x)
+        return {"y": x @ params["w"], "n": jnp.sum(x)}
+
+    args = _args()
+    program = _compile(fn, args, tmp_path)
+    assert not program.stored and list(tmp_path.iterdir()) == []
+    np.testing.assert_allclose(program(*args)["y"], args[1] @ args[0]["w"], rtol=1e-6)
+
+
+def test_the_output_structure_is_checked_when_traced(tmp_path):
+    with pytest.raises(ValueError, match="out_like"):
+        serving.compile_stored(
+            "bad",
+            _affine([]),
+            _args(),
+            static="",
+            out_like=lambda a: (0, 0),
+            directory=tmp_path,
+        )
+
+
+def test_donated_arguments_are_consumed(tmp_path):
+    args = _args()
+    program = serving.compile_stored(
+        "donate",
+        lambda params, x: {"y": x * 2, "n": jnp.sum(x)},
+        args,
+        static="",
+        out_like=lambda a: {"y": 0, "n": 0},
+        donate_argnums=(1,),
+        directory=tmp_path,
+    )
+    x = jnp.array(args[1])
+    out = program(args[0], x)
+    np.testing.assert_allclose(out["y"], args[1] * 2)
+    assert x.is_deleted()
+
+
+@pytest.mark.skipif(
+    not (kernels.available() and jax.default_backend() == "cpu"), reason="CPU kernels"
+)
+def test_a_model_on_the_cpu_kernels_round_trips(tiny_lm, tmp_path):
+    """lowbit's own FFI calls (int8 kernels on prepared weights) are kept and read back."""
+    state = nnx.to_pure_dict(nnx.state(tiny_lm.model))
+    served = serving.ready(tiny_lm, lowbit.quantize_params(state, "int8"))
+    fn = lowbit.run(serving.model_fn(tiny_lm.model, tiny_lm.kind))
+    tokens = jnp.array([[1, 2, 3, 4]], jnp.int32)
+    expected = np.asarray(jax.jit(fn)(served, tokens))
+    for _ in range(2):
+        program = serving.compile_stored(
+            "lm",
+            fn,
+            (served, tokens),
+            static=serving.describe(nnx.graphdef(tiny_lm.model)),
+            out_like=lambda a: 0,
+            directory=tmp_path,
+        )
+        assert program.stored
+        np.testing.assert_array_equal(np.asarray(program(served, tokens)), expected)
