@@ -16,7 +16,7 @@ import dataclasses
 import gguf
 import numpy as np
 
-from lowbit.formats import GGUF_BLOCK_TYPES
+from lowbit.gguf import BLOCK_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ def _more_bits(i: int, n: int) -> bool:  # llama.cpp's rule for the _M mixes
 
 def _blocks(rng: np.random.Generator, ggml_type: str, rows: int, k: int) -> np.ndarray:
     """Random blocks of `ggml_type` for a [rows, k] tensor, scales small and finite."""
-    t = GGUF_BLOCK_TYPES[ggml_type]
+    t = BLOCK_TYPES[ggml_type]
     n = rows * (k // t.block_size)
     b = rng.integers(0, 256, (n, t.type_size), dtype=np.uint8)
     half = lambda v: np.frombuffer(np.float16(v).tobytes(), np.uint8)  # noqa: E731
@@ -126,7 +126,7 @@ def write_q4_k_m(path: str, shape: str, seed: int = 0) -> str:
             )
             w.add_tensor_info(name, value.shape, value.dtype, value.nbytes)
         else:
-            t = GGUF_BLOCK_TYPES[kind]
+            t = BLOCK_TYPES[kind]
             row_bytes = dims[1] // t.block_size * t.type_size
             w.add_tensor_info(
                 name, (dims[0], row_bytes), np.dtype(np.uint8), dims[0] * row_bytes, raw_dtype=raw

@@ -43,7 +43,7 @@ def _small_smollm2(writer) -> None:
     to a few rows (blocks kept as stored), and tensors of the other block types."""
     import gguf
 
-    from lowbit.formats import gguf_encode
+    from lowbit.gguf import encode as gguf_encode
     from lowbit.models import read_gguf
     from lowbit.models._assets import smollm2_gguf_path
 

@@ -2,15 +2,19 @@
 
 import ast
 import pathlib
+import sys
 
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "lowbit"
 
-# Bottom to top. Kernels sit below ops (the ops layer picks kernels); algorithms (rounding
-# math and calibration statistics) sit below the api that runs them from `quantize`; models
-# (plain float reference networks) sit below io, whose importers map checkpoints onto them.
+# Bottom to top. GGUF (block codecs, the file reader and writer) sits below everything that
+# reads or writes GGUF; kernels sit below ops (the ops layer picks kernels); algorithms
+# (rounding math and calibration statistics) sit below the api that runs them from `quantize`;
+# models (plain float reference networks) sit below io, whose importers map checkpoints onto
+# them.
 LAYERS = [
+    "gguf",
     "formats",
     "qarray",
     "kernels",
@@ -68,6 +72,20 @@ def test_imports_only_from_lower_layers(layer, path):
     for name in _imports(path):
         other = _rank(name)
         assert other is None or other <= rank, f"{path.name} ({layer}) imports {name}"
+
+
+# What the bottom layer may import besides the standard library and the package-root helpers.
+GGUF_THIRD_PARTY = {"numpy", "jax", "ml_dtypes", "gguf"}
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "gguf").rglob("*.py")), ids=lambda p: p.name)
+def test_gguf_layer_needs_only_numpy_jax_and_gguf(path):
+    for name in _imports(path):
+        top = name.split(".")[0]
+        if top == "lowbit":
+            assert name.split(".")[1] in ("gguf", "_untrusted", "_atomic"), f"{path.name}: {name}"
+        else:
+            assert top in sys.stdlib_module_names or top in GGUF_THIRD_PARTY, f"{path.name}: {name}"
 
 
 def test_the_check_reads_every_import_form(tmp_path):

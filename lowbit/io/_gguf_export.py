@@ -14,7 +14,7 @@ re-interleaved for llama.cpp's RoPE) and in one of three ways:
     rounded (printed). A Q4_1 block whose codes are all zero is written with ``d = 0``, as
     llama.cpp writes constant blocks, so an imported file exports byte for byte.
   * **requantized** to the requested type (or the type's fallback, below) from the weight's
-    values, with llama.cpp's reference quantizer (`lowbit.formats.gguf_encode`), printed.
+    values, with llama.cpp's reference quantizer (`lowbit.gguf.encode`), printed.
   * **float**: 1-D tensors (norms) as F32; other float weights as F32 unless a type is asked.
 
 Requested types: a GGML type (``Q8_0``, ``Q4_1``, ``Q4_K``, ``Q6_K``, ``IQ4_NL``, ``F16``,
@@ -47,7 +47,9 @@ import gguf
 import jax
 import numpy as np
 
-from lowbit.formats import GGUF_BLOCK_TYPES, GGUFBlockFormat, gguf_encode
+from lowbit.formats import GGUFBlockFormat
+from lowbit.gguf import BLOCK_TYPES
+from lowbit.gguf import encode as gguf_encode
 from lowbit.io._atomic import atomic_write
 from lowbit.models import (
     DecoderConfig,
@@ -82,7 +84,7 @@ choices; applied until the rows fit)."""
 MIXES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S")
 FLOAT_TYPES = ("F32", "F16")
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16}
-EXPORT_TYPES = (*FLOAT_TYPES, *GGUF_BLOCK_TYPES, *MIXES)
+EXPORT_TYPES = (*FLOAT_TYPES, *BLOCK_TYPES, *MIXES)
 """Accepted `type` values (besides None: keep quantized weights, floats as F32)."""
 
 _FILE_TYPES = {

@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.formats import GGUF_BLOCK_FORMATS, get_format, gguf_decode
+from lowbit.formats import GGUF_BLOCK_FORMATS, get_format
+from lowbit.gguf import decode as gguf_decode
 from lowbit.io._placement import NameMap, Placement, nest, resolve
 from lowbit.models import GGUFTensor, read_gguf, swap_last, unpermute_rope_rows
 from lowbit.ops import prepare_leaves

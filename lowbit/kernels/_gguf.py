@@ -17,7 +17,7 @@ word. The tile kernels run the int8-activation product; the other paths read a t
 rows back a group of 8 at a time. `gguf_untile` gives the block rows back byte for byte.
 
 On a lowering platform other than CPU (or without the compiled module) the pure-JAX reference
-runs: the blocks decoded by `lowbit.formats.gguf_decode`'s decoders, then a float product.
+runs: the blocks decoded by their `lowbit.gguf` block type, then a float product.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.formats import GGUF_BLOCK_TYPES, gguf_decode_traced
+from lowbit.gguf import block_type
 from lowbit.kernels._kinds import GGUF_TYPE_IDS
 from lowbit.kernels._ops import _by_platform, _check_float
 
 
 def _row_bytes(ggml_type: str, k: int) -> int:
-    t = GGUF_BLOCK_TYPES[ggml_type]
+    t = block_type(ggml_type)
     if k % t.block_size:
         raise ValueError(f"K = {k} is not a whole number of {ggml_type} blocks ({t.block_size})")
     return k // t.block_size * t.type_size
@@ -116,7 +116,7 @@ def _deinterleave(a: jax.Array, width: int, b: int) -> jax.Array:
 def gguf_tile(rows: jax.Array, ggml_type: str) -> jax.Array:
     """Block rows ``uint8 [N, row_bytes]`` of a Q4_K or Q6_K weight as tiles
     ``uint8 [N / 8, units * TILE_BYTES[type]]`` (layout: `cpu/gguf_tiles.h`)."""
-    t = GGUF_BLOCK_TYPES[ggml_type]
+    t = block_type(ggml_type)
     n = rows.shape[0]
     k = rows.shape[1] // t.type_size * t.block_size
     if not gguf_tileable(ggml_type, k, n):
@@ -199,7 +199,7 @@ def gguf_dequantize(rows: jax.Array, ggml_type: str, k: int, *, tiled: bool = Fa
     n = _check_rows(rows, ggml_type, k, tiled)
 
     def reference():
-        return gguf_decode_traced(ggml_type, gguf_untile(rows, ggml_type, k) if tiled else rows)
+        return block_type(ggml_type).decode(gguf_untile(rows, ggml_type, k) if tiled else rows)
 
     def native():
         call = jax.ffi.ffi_call(
@@ -254,7 +254,7 @@ def gguf_linear(
         xf = x2.astype(jnp.float32)
         if int8_activations:
             xf = _q8_blocks(xf)
-        w = gguf_decode_traced(ggml_type, gguf_untile(rows, ggml_type, k) if tiled else rows)
+        w = block_type(ggml_type).decode(gguf_untile(rows, ggml_type, k) if tiled else rows)
         y = jax.lax.dot_general(xf, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return y.astype(out)
 

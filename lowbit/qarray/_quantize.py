@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from lowbit.formats import Format, GGUFBlockFormat, get_format, gguf_encode
+from lowbit.formats import Format, GGUFBlockFormat, get_format
+from lowbit.gguf import encode as gguf_encode
 from lowbit.qarray._calibration import MSE, AbsMax, Calibration, Fixed, MinMax
 from lowbit.qarray._granularity import Granularity, PerGroup, PerTensor
 from lowbit.qarray._qarray import QArray, broadcast_blocks

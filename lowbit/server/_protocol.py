@@ -138,9 +138,17 @@ def parse_body(raw: bytes) -> dict[str, Any]:
       APIError: for a body that is not a UTF-8 JSON object.
     """
     try:
+        # UTF-8 only (a byte-order mark is ignored): Python's parser would also take UTF-16
+        # and UTF-32 bytes, which JSON exchanged between systems must not be (RFC 8259).
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise APIError(
+            400, f"the request body is not UTF-8 ({err}); send one JSON object", code="invalid_json"
+        ) from None
+    try:
         # Bounded like every untrusted JSON: deep nesting, 5,000-digit integers and duplicate
         # keys are a 400, never a RecursionError (a 500) or a key silently dropped.
-        body = load_json(raw, "the request body")
+        body = load_json(text, "the request body")
     except ValueError as err:
         raise APIError(400, f"{err}; send one JSON object", code="invalid_json") from None
     if not isinstance(body, dict):
@@ -172,6 +180,20 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open
     return float(value)
 
 
+def _text(name: str, value: str) -> str:
+    """`value`, refused (a 400 naming `name`) when it is not Unicode text: JSON may escape a
+    lone surrogate (``"\\ud800"``), which has no UTF-8 form and which the tokenizer refuses."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        at = err.start
+        raise bad(
+            name,
+            f"holds a lone surrogate (\\u{ord(value[at]):04x}) at index {at}; send Unicode text",
+        ) from None
+    return value
+
+
 def _stop(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -182,7 +204,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise bad("stop", "must be a non-empty string or a list of them")
     if len(stop) > MAX_STOP_STRINGS:
         raise bad("stop", f"has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
-    return tuple(stop)
+    return tuple(_text("stop", s) for s in stop)
 
 
 def _prompt(body: dict) -> str | tuple[int, ...]:
@@ -192,7 +214,7 @@ def _prompt(body: dict) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad("prompt", "is empty; give the text to continue")
-        return prompt
+        return _text("prompt", prompt)
     if (
         isinstance(prompt, list)
         and prompt
@@ -230,6 +252,7 @@ def _messages(body: dict) -> tuple[dict[str, str], ...]:
             content = "".join(parts)
         if not isinstance(content, str):
             raise bad(f"{name}.content", "must be a string")
+        _text(f"{name}.content", content)
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return tuple(out)
 

@@ -138,7 +138,7 @@ def _storage_kind(fmt):
         {
             _storage_kind(f): n
             for n, f in sorted(FORMATS.items())
-            if not isinstance(f, GGUFBlockFormat)  # block storage: tests/formats/test_gguf_*
+            if not isinstance(f, GGUFBlockFormat)  # block storage: tests/formats/test_gguf.py
         }.values()
     ),
 )

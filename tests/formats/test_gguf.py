@@ -1,18 +1,19 @@
 """GGUF block formats: QArrays stored as GGML blocks, and their errors."""
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gguf_support import weights
 
-from lowbit.formats import (
-    GGUF_BLOCK_FORMATS,
-    GGUF_BLOCK_TYPES,
-    get_format,
-    gguf_decode,
-    gguf_encode,
-)
+from lowbit.formats import GGUF_BLOCK_FORMATS, get_format
+from lowbit.gguf import BLOCK_TYPES, decode, encode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gguf"))
+from gguf_support import weights  # noqa: E402
+
 from lowbit.qarray import PerGroup, quantize
 
 
@@ -22,12 +23,12 @@ from lowbit.qarray import PerGroup, quantize
     ids=lambda f: f.name,
 )
 def test_qarray_of_block_format(fmt):
-    t = GGUF_BLOCK_TYPES[fmt.ggml_type]
+    t = BLOCK_TYPES[fmt.ggml_type]
     w = weights(6, 512)  # blocks along axis 1
     q = quantize(jnp.asarray(w), fmt.name, granularity=PerGroup(t.block_size, axis=1))
     assert q.packed_axis == 1 and q.codes.dtype == jnp.uint8
     assert q.nbytes == 6 * 512 // t.block_size * t.type_size  # exactly the GGUF bytes
-    expected = gguf_decode(fmt.ggml_type, gguf_encode(fmt.ggml_type, w))
+    expected = decode(fmt.ggml_type, encode(fmt.ggml_type, w))
     np.testing.assert_array_equal(np.asarray(q.dequantize()), expected)
     # Transposed (blocks along axis 0, a Flax kernel), inside jit.
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: a.dequantize())(q.T)), expected.T)

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowbit.formats import gguf_decode, gguf_encode
+from lowbit.gguf import decode as gguf_decode
+from lowbit.gguf import encode as gguf_encode
 from lowbit.io import export_gguf, import_gguf
 from lowbit.io._gguf_export import _permute_rope_rows
 from lowbit.models import LlamaConfig, gguf_param_map, read_gguf, unpermute_rope_rows

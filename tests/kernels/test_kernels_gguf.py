@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from lowbit import kernels
-from lowbit.formats import gguf_decode, gguf_encode
+from lowbit.gguf import decode as gguf_decode
+from lowbit.gguf import encode as gguf_encode
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.status())
 

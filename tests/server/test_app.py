@@ -109,6 +109,13 @@ def test_models_health_and_metrics(base_url):
         ("/v1/completions", {"prompt": "hi", "max_tokens": CONFIG.max_len + 1}, "max_tokens"),
         ("/v1/completions", {"prompt": [9999]}, "prompt"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
+        # A lone surrogate, escaped as JSON allows: not text the tokenizer encodes (was a 500).
+        ("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+            "messages[0].content",
+        ),
     ],
 )
 def test_bad_input_gets_a_400_error_object(base_url, path, body, param):

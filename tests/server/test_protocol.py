@@ -42,6 +42,9 @@ def test_token_prompts_and_chat_messages_parse():
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
         ({}, "prompt"),
+        # JSON may escape a lone surrogate; it is no text (the tokenizer raised: a 500).
+        ({"prompt": "a\ud800b"}, "prompt"),
+        ({"prompt": "hi", "stop": ["ok", "\udfff"]}, "stop"),
     ],
 )
 def test_bad_completion_fields_name_the_field(body, param):
@@ -54,6 +57,9 @@ def test_bad_completion_fields_name_the_field(body, param):
 def test_bad_chat_messages_name_the_message():
     with pytest.raises(APIError, match=r"messages\[1\]\.role"):
         parse_request({"messages": [{"role": "user", "content": "a"}, {"role": "bot"}]}, True)
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "\ud834"}]
+    with pytest.raises(APIError, match=r"messages\[0\]\.content: holds a lone surrogate"):
+        parse_request({"messages": [{"role": "user", "content": parts}]}, True)
 
 
 @pytest.mark.parametrize("raw", [b"{", b"[1, 2]", b"\xff"])
@@ -69,9 +75,12 @@ def test_a_body_that_is_not_a_json_object_is_refused(raw):
         (b"[" * 100_000, "nested too deeply"),
         (b'{"max_tokens": ' + b"9" * 5000 + b"}", "4300 digits"),
         (b'{"prompt": "a", "prompt": "b"}', "appears twice"),
-        (b"\xff\xfe{", "not valid JSON"),
+        (b"\xff\xfe{", "not UTF-8"),
+        # Python's parser takes UTF-16 and UTF-32 bytes; a request body is UTF-8 only.
+        ('{"prompt": "hi"}'.encode("utf-16"), "not UTF-8"),
+        ('{"prompt": "hi"}'.encode("utf-32-le"), "not valid JSON"),  # NULs are UTF-8
     ],
-    ids=["deep", "long-int", "duplicate-key", "not-utf8"],
+    ids=["deep", "long-int", "duplicate-key", "not-utf8", "utf-16", "utf-32"],
 )
 def test_hostile_bodies_are_a_400_not_a_crash(raw, why):
     # Found by fuzz/serve_request.py's contract: each was a RecursionError or a bare ValueError

@@ -12,15 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lowbit.formats._gguf_blocks import (
-    f16,
-    f16_bytes,
-    nearest,
-    pack_q3_k,
-    safe_div,
-    signed_absmax,
-)
-from lowbit.formats._gguf_decode import decode_traced
+from lowbit.gguf._bits import f16, f16_bytes, nearest, pack_q3_k, safe_div, signed_absmax
 
 
 def _exact_sub_blocks(xs, d, dmin, ls, lm, q, codes, levels, reach, skip=None):
@@ -226,7 +218,7 @@ def refit_q6_k(xs, d16, sc, q):
     return _per_block(use, candidate[:3], best[:3])
 
 
-def q3_k_lattice(x):
+def q3_k_lattice(x, decode):
     """The Q3_K block whose decoded values are exactly `x`, when there is one.
 
     The scale search does not find the grid that decoded values already lie on (about half of
@@ -241,6 +233,8 @@ def q3_k_lattice(x):
 
     Args:
       x: [..., 256] float32 values.
+      decode: Q3_K's block decoder (blocks [..., 110] -> values [..., 256]), to check the
+        found blocks with.
     Returns:
       (found [...] bool: the blocks decode exactly to `x`, blocks [..., 110] uint8).
     """
@@ -294,5 +288,5 @@ def q3_k_lattice(x):
     q = jnp.where((sc == 0)[..., None], 0.0, jnp.round(n / jnp.where(sc == 0, 1, sc)[..., None]))
     blocks = pack_q3_k(f16_bytes(d), (sc + 32).astype(jnp.int32), q + 4)
     found &= jnp.all(done, axis=-1)
-    found &= jnp.all(decode_traced("Q3_K", blocks) == x, axis=-1)
+    found &= jnp.all(decode(blocks) == x, axis=-1)
     return found, blocks

@@ -1,46 +1,8 @@
-"""GGUF (GGML) block types, their constants and the bit packing their codecs share.
-
-Every GGML quantization type stores a row as consecutive blocks of `block_size` elements in
-`type_size` bytes, each block carrying its own scales. Decoders here reproduce llama.cpp's
-dequantization bit for bit (same float32 operations in the same order, so the values equal
-`gguf.quants.dequantize`); encoders are vectorised ports of llama.cpp's reference quantizers
-(``quantize_row_*_ref``: the same scale searches, on every block at once). Values that already
-are decoded blocks come back with the same values: Q8_K keeps such a block's own scale; where
-some K-quant sub-block already decodes exactly from the search's result, the blocks are
-re-fitted onto the grid the values lie on (Q2_K / Q4_K / Q5_K / Q6_K levels near the searched
-ones or from the values' own steps, Q3_K's recovered outright); float weights never take that
-path.
-
-  type     block bytes  bits/value  layout (little-endian)
-  Q8_0       32    34     8.5      d f16, q int8[32]                          x = d q
-  Q4_0       32    18     4.5      d f16, nibbles[16]                          x = d (q - 8)
-  Q4_1       32    20     5.0      d f16, m f16, nibbles[16]                   x = d q + m
-  Q5_0       32    22     5.5      d f16, qh u32, nibbles[16]                  x = d (q - 16)
-  Q5_1       32    24     6.0      d f16, m f16, qh u32, nibbles[16]           x = d q + m
-  IQ4_NL     32    18     4.5      d f16, nibbles[16]                          x = d K[q]
-  Q2_K      256    84     2.625    sc/m 4+4 bit [16], q 2-bit[64], d, dmin     x = d sc q - dmin m
-  Q3_K      256   110     3.4375   hmask[32], q 2-bit[64], sc 6-bit[12], d     x = d (sc-32) q
-  Q4_K      256   144     4.5      d, dmin, sc/m 6-bit[12], nibbles[128]       x = d sc q - dmin m
-  Q5_K      256   176     5.5      d, dmin, sc/m 6-bit[12], qh[32], nib[128]   x = d sc q - dmin m
-  Q6_K      256   210     6.5625   ql[128], qh[64], sc int8[16], d             x = d sc (q - 32)
-  Q8_K      256   292     9.125    d f32, q int8[256], bsums i16[16]           x = d q
-  IQ4_XS    256   136     4.25     d, sc 2+4 bit [8], nibbles[128]             x = d (sc-32) K[q]
-  TQ1_0     256    54     1.6875   base-3 trits[48 + 4], d                     x = d (t - 1)
-  TQ2_0     256    66     2.0625   2-bit trits[64], d                          x = d (t - 1)
-
-Sub-block sizes: Q2_K, Q3_K and Q6_K 16 elements, Q4_K and Q5_K 32. In the 4-bit 32-element
-types byte `j` holds element `j` (low nibble) and `j + 16` (high); in the K types a 64-element
-chunk's byte `l` holds element `l` (low) and `l + 32` (high).
-
-Arrays: `decode(name, blocks)` takes ``uint8 [..., n_blocks * type_size]`` and returns
-``float32 [..., n_blocks * block_size]``; `encode(name, x)` the reverse. Both are jitted JAX
-functions (so a decoder also runs inside a traced `QArray.dequantize`), vectorised over every
-block of a tensor.
+"""The bit-level pieces the block codecs share: float16 fields, llama.cpp's rounding, and the
+packings of 2-bit, 4-bit and 6-bit fields into block bytes (layouts: `lowbit.gguf._types`).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -48,50 +10,6 @@ import jax.numpy as jnp
 QK_K = 256
 GROUP_MAX_EPS = 1e-15
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockType:
-    """One GGML block type: its name, block size and bytes per block."""
-
-    name: str
-    block_size: int
-    type_size: int
-
-    @property
-    def bits_per_value(self) -> float:
-        return self.type_size * 8 / self.block_size
-
-
-BLOCK_TYPES: dict[str, BlockType] = {
-    t.name: t
-    for t in (
-        BlockType("Q8_0", 32, 34),
-        BlockType("Q4_0", 32, 18),
-        BlockType("Q4_1", 32, 20),
-        BlockType("Q5_0", 32, 22),
-        BlockType("Q5_1", 32, 24),
-        BlockType("IQ4_NL", 32, 18),
-        BlockType("Q2_K", QK_K, 84),
-        BlockType("Q3_K", QK_K, 110),
-        BlockType("Q4_K", QK_K, 144),
-        BlockType("Q5_K", QK_K, 176),
-        BlockType("Q6_K", QK_K, 210),
-        BlockType("Q8_K", QK_K, 292),
-        BlockType("IQ4_XS", QK_K, 136),
-        BlockType("TQ1_0", QK_K, 54),
-        BlockType("TQ2_0", QK_K, 66),
-    )
-}
-"""GGML type name -> `BlockType`, for every type this module encodes and decodes."""
-
-
-def block_type(name: str) -> BlockType:
-    """The `BlockType` called `name` (e.g. ``"Q4_K"``); ValueError listing the known ones."""
-    found = BLOCK_TYPES.get(name)
-    if found is None:
-        raise ValueError(f"unknown GGUF block type {name!r}; accepted: {', '.join(BLOCK_TYPES)}")
-    return found
 
 
 def f16(b: jax.Array) -> jax.Array:

@@ -5,14 +5,14 @@ import numpy as np
 import pytest
 from gguf_support import TYPES
 
-from lowbit.formats import GGUF_BLOCK_TYPES, gguf_decode
+from lowbit.gguf import BLOCK_TYPES, decode
 
 
 @pytest.mark.parametrize("name", TYPES)
 def test_decode_is_bit_identical_to_gguf_on_random_bytes(name):
-    t = GGUF_BLOCK_TYPES[name]
+    t = BLOCK_TYPES[name]
     raw = np.random.default_rng(1).integers(0, 256, (3, 2 * t.type_size), dtype=np.uint8)
-    got = gguf_decode(name, raw)
+    got = decode(name, raw)
     assert got.shape == (3, 2 * t.block_size) and got.dtype == np.float32
     if name == "Q8_K":  # gguf has no Q8_K decoder: d (float32) times int8 codes
         blocks = raw.reshape(3, 2, t.type_size)

@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from lowbit.formats import GGUF_BLOCK_TYPES
+from lowbit.gguf import BLOCK_TYPES
 
-TYPES = sorted(GGUF_BLOCK_TYPES)
+TYPES = sorted(BLOCK_TYPES)
 # Types `gguf.quants` can also encode (llama.cpp's simple reference quantizers).
 GGUF_ENCODES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "TQ1_0", "TQ2_0")
 # Types whose encoder gives decoded blocks back byte for byte (beyond the simple ones gguf

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 from gguf_support import weights
 
-from lowbit.formats import GGUF_BLOCK_TYPES, gguf_decode, gguf_encode
+from lowbit.gguf import BLOCK_TYPES, block_type, decode, encode
 
 
 def test_q8_k_re_encodes_decoded_blocks_exactly():
     # The reference quantizer's d = 1 / (-127 / max) is often one ulp off a decoded block's d
     # (about 1 block in 6 on Gaussian weights); the encoder keeps the block's own d.
     x = np.random.default_rng(5).standard_normal((16, 1024)).astype(np.float32)
-    blocks = gguf_encode("Q8_K", x)
-    np.testing.assert_array_equal(gguf_encode("Q8_K", gguf_decode("Q8_K", blocks)), blocks)
+    blocks = encode("Q8_K", x)
+    np.testing.assert_array_equal(encode("Q8_K", decode("Q8_K", blocks)), blocks)
 
 
 # Least share of decoded blocks re-encoded byte for byte (Q3_K 0.709 and Q6_K 0.805 measured
@@ -27,13 +27,13 @@ K_BYTE_SHARE = {"Q2_K": 1.0, "Q3_K": 0.6, "Q4_K": 1.0, "Q5_K": 1.0, "Q6_K": 0.7}
 
 @pytest.mark.parametrize("name", sorted(K_BYTE_SHARE))
 def test_k_quants_re_encode_decoded_blocks(name):
-    t = GGUF_BLOCK_TYPES[name]
+    t = BLOCK_TYPES[name]
     x = np.random.default_rng(7).standard_normal((16, 2048)).astype(np.float32)
     x *= np.exp(np.random.default_rng(8).standard_normal((16, 1))).astype(np.float32)
-    blocks = gguf_encode(name, x)
-    y = gguf_decode(name, blocks)
-    again = gguf_encode(name, y)
-    np.testing.assert_array_equal(gguf_decode(name, again), y)  # every block, value-exact
+    blocks = encode(name, x)
+    y = decode(name, blocks)
+    again = encode(name, y)
+    np.testing.assert_array_equal(decode(name, again), y)  # every block, value-exact
     same = np.all(again.reshape(-1, t.type_size) == blocks.reshape(-1, t.type_size), axis=-1)
     assert same.mean() >= K_BYTE_SHARE[name], same.mean()
 
@@ -42,12 +42,12 @@ def test_k_quants_re_encode_decoded_blocks(name):
 def test_k_quant_refits_leave_float_inputs_to_the_search(name, monkeypatch):
     # The exact refits run only where the values look decoded, which float weights never do;
     # run on float weights anyway, they change nothing.
-    from lowbit.formats import _gguf_encode, _gguf_refit
+    from lowbit.gguf import _refit
 
     x = weights(4, 512)
-    monkeypatch.setattr(_gguf_refit, "needs_refit", lambda *args: jnp.asarray(True))
-    got = jax.jit(lambda v: _gguf_encode.encode_traced(name, v))(x)
-    np.testing.assert_array_equal(np.asarray(got), gguf_encode(name, x))
+    monkeypatch.setattr(_refit, "needs_refit", lambda *args: jnp.asarray(True))
+    got = jax.jit(lambda v: block_type(name).encode(v))(x)
+    np.testing.assert_array_equal(np.asarray(got), encode(name, x))
 
 
 def test_q2_k_outlier_block_re_encodes_alone():
@@ -55,7 +55,7 @@ def test_q2_k_outlier_block_re_encodes_alone():
     # only, the others at small, mostly odd levels. The reference search lands on 2/3 of its
     # super-scale, where no sub-block decodes exactly; the block must still come back whole,
     # on its own (no other block in the tensor to show the values are decoded).
-    from lowbit.formats._gguf_blocks import pack_2bit_128
+    from lowbit.gguf._bits import pack_2bit_128
 
     rng = np.random.default_rng(3)
     ls = np.array([2, 4, 3, 3, 3, 3, 3, 15, 3, 4, 6, 12, 3, 2, 3, 9], np.uint8)
@@ -66,5 +66,5 @@ def test_q2_k_outlier_block_re_encodes_alone():
     qs = np.asarray(pack_2bit_128(jnp.asarray(q.reshape(256), jnp.uint8)))
     d = np.array([0.02577, 0.0409], np.float16).view(np.uint8)
     block = np.concatenate([ls | (lm << 4), qs, d])
-    values = gguf_decode("Q2_K", block)
-    np.testing.assert_array_equal(gguf_encode("Q2_K", values), block)
+    values = decode("Q2_K", block)
+    np.testing.assert_array_equal(encode("Q2_K", values), block)

@@ -1,0 +1,158 @@
+"""Codecs of the 32-element block types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL.
+
+Each block is a float16 scale ``d`` (Q4_1 / Q5_1 also a float16 minimum ``m``) and 32 codes.
+Per type: `fields_*` splits blocks ``[..., nb, type_size]`` into ``d [..., nb]`` (float32,
+float16 values), ``m`` (or None) and the stored codes ``q [..., nb, 32]`` in element order
+(Q8_0's int8, the others' unsigned), read by the decoder and by importers that keep the codes
+as they are; `decode_*` gives ``[..., nb, 32]`` float32 and `encode_*` takes it back to blocks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lowbit.gguf import _search as search
+from lowbit.gguf._bits import (
+    IQ4_NL_VALUES,
+    f16,
+    f16_bytes,
+    pack_nibbles_32,
+    roundf,
+    safe_div,
+    signed_absmax,
+    u8,
+    unpack_nibbles_32,
+)
+
+# --- Q8_0 ---------------------------------------------------------------------------------
+
+
+def fields_q8_0(b):
+    return f16(b[..., 0:2]), None, jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8)
+
+
+def decode_q8_0(b):
+    d, _, q = fields_q8_0(b)
+    return d[..., None] * q
+
+
+def encode_q8_0(x):
+    amax, _ = signed_absmax(x)
+    d = amax / 127
+    q = roundf(x * safe_div(1.0, d)[..., None]).astype(jnp.int8)
+    return jnp.concatenate([f16_bytes(d), jax.lax.bitcast_convert_type(q, jnp.uint8)], -1)
+
+
+# --- Q4_0 ---------------------------------------------------------------------------------
+
+
+def fields_q4_0(b):
+    return f16(b[..., 0:2]), None, unpack_nibbles_32(b[..., 2:])
+
+
+def decode_q4_0(b):
+    d, _, q = fields_q4_0(b)
+    q = q.astype(jnp.int8) - jnp.int8(8)
+    return d[..., None] * q.astype(jnp.float32)
+
+
+def encode_q4_0(x):
+    _, mx = signed_absmax(x)
+    d = mx / -8
+    x0 = x * safe_div(1.0, d)[..., None]
+    q = jnp.minimum(15, (x0 + 8.5).astype(jnp.int8))
+    return jnp.concatenate([f16_bytes(d), pack_nibbles_32(q)], -1)
+
+
+# --- Q4_1 ---------------------------------------------------------------------------------
+
+
+def fields_q4_1(b):
+    return f16(b[..., 0:2]), f16(b[..., 2:4]), unpack_nibbles_32(b[..., 4:])
+
+
+def decode_q4_1(b):
+    d, m, q = fields_q4_1(b)
+    return d[..., None] * q.astype(jnp.float32) + m[..., None]
+
+
+def encode_q4_1(x):
+    lo, hi = x.min(-1), x.max(-1)
+    d = (hi - lo) / 15
+    x0 = (x - lo[..., None]) * safe_div(1.0, d)[..., None]
+    q = jnp.minimum(15, (x0 + 0.5).astype(jnp.int8))
+    return jnp.concatenate([f16_bytes(d), f16_bytes(lo), pack_nibbles_32(q)], -1)
+
+
+# --- Q5_0 ---------------------------------------------------------------------------------
+
+
+def _q5_high(qh: jax.Array) -> jax.Array:
+    """4 bytes -> [..., 32] bits (element j's fifth bit is bit j of the little-endian u32)."""
+    bits = qh[..., :, None] >> jnp.arange(8, dtype=jnp.uint8)
+    return (bits & 1).reshape(*qh.shape[:-1], 32)
+
+
+def _q5_high_bytes(q):
+    bits = ((u8(q) >> 4) & 1).reshape(*q.shape[:-1], 4, 8)
+    return jnp.sum(bits << jnp.arange(8, dtype=jnp.uint8), axis=-1, dtype=jnp.uint8)
+
+
+def fields_q5_0(b):
+    return f16(b[..., 0:2]), None, unpack_nibbles_32(b[..., 6:]) | (_q5_high(b[..., 2:6]) << 4)
+
+
+def decode_q5_0(b):
+    d, _, q = fields_q5_0(b)
+    q = q.astype(jnp.int8) - jnp.int8(16)
+    return d[..., None] * q.astype(jnp.float32)
+
+
+def encode_q5_0(x):
+    _, mx = signed_absmax(x)
+    d = mx / -16
+    x0 = x * safe_div(1.0, d)[..., None]
+    q = jnp.minimum(31, (x0 + 16.5).astype(jnp.int8))
+    return jnp.concatenate([f16_bytes(d), _q5_high_bytes(q), pack_nibbles_32(q & 15)], -1)
+
+
+# --- Q5_1 ---------------------------------------------------------------------------------
+
+
+def fields_q5_1(b):
+    q = unpack_nibbles_32(b[..., 8:]) | (_q5_high(b[..., 4:8]) << 4)
+    return f16(b[..., 0:2]), f16(b[..., 2:4]), q
+
+
+def decode_q5_1(b):
+    d, m, q = fields_q5_1(b)
+    return d[..., None] * q.astype(jnp.float32) + m[..., None]
+
+
+def encode_q5_1(x):
+    lo, hi = x.min(-1), x.max(-1)
+    d = (hi - lo) / 31
+    x0 = (x - lo[..., None]) * safe_div(1.0, d)[..., None]
+    q = jnp.minimum(31, (x0 + 0.5).astype(jnp.int8))
+    parts = [f16_bytes(d), f16_bytes(lo), _q5_high_bytes(q), pack_nibbles_32(q & 15)]
+    return jnp.concatenate(parts, -1)
+
+
+# --- IQ4_NL -------------------------------------------------------------------------------
+
+
+def fields_iq4_nl(b):
+    return f16(b[..., 0:2]), None, unpack_nibbles_32(b[..., 2:])
+
+
+def decode_iq4_nl(b):
+    d, _, q = fields_iq4_nl(b)
+    values = jnp.asarray(IQ4_NL_VALUES, jnp.int8)[q]
+    return d[..., None] * values.astype(jnp.float32)
+
+
+def encode_iq4_nl(x):
+    d = search.iq4_scale(x)
+    idx = search.best_index_iq4(x * safe_div(1.0, d)[..., None])
+    return jnp.concatenate([f16_bytes(d), pack_nibbles_32(idx)], -1)
