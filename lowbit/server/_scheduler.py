@@ -14,6 +14,7 @@ from its thread; the HTTP side sets ``job.cancelled`` (a disconnect, a stop stri
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import os
@@ -311,17 +312,26 @@ class Scheduler:
             deadline=float("inf"),
             emit=lambda tokens, finish: None,
         )
+        programs_to_compile = [("decode", self.config.slots, self._decode_args(1))]
+        programs_to_compile.append(("shift", self.config.slots, self._shift_args(1)))
+        chunked = None
         for width in self.prefill_widths + self.chunk_widths:
             job = dataclasses.replace(dummy, prompt=[0] * min(width, self.max_prompt))
             state = self._begin_prefill(job)
             name, args = self._prefill_args(state)
-            program = self._program(name, width, args)
+            programs_to_compile.append((name, width, args))
+            insert = self._insert_args(state, 0, len(job.prompt))
+            programs_to_compile.append(("insert", width, insert))
             if name == "prefill_chunk":
-                logits, _ = program.out_shapes
-                self._program("sample", 1, (logits, self._row_sampling(job)))
-            self._program("insert", width, self._insert_args(state, 0, len(job.prompt)))
-        self._program("decode", self.config.slots, self._decode_args(1))
-        self._program("shift", self.config.slots, self._shift_args(1))
+                chunked = (width, job)
+        # Reading a kept program and XLA's compile release the GIL: a few at a time.
+        workers = max(1, min(4, os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            list(pool.map(lambda spec: self._program(*spec), programs_to_compile))
+        if chunked is not None:
+            width, job = chunked
+            logits, _ = self._compiled[("prefill_chunk", width)].out_shapes
+            self._program("sample", 1, (logits, self._row_sampling(job)))
 
     def _program(self, name: str, width: int, args: tuple) -> StoredProgram:
         """The compiled program `name` (a function of `programs`) for arguments shaped like
