@@ -22,6 +22,8 @@ runs: the blocks decoded by their `lowbit.gguf` block type, then a float product
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,6 +115,8 @@ def _deinterleave(a: jax.Array, width: int, b: int) -> jax.Array:
     return pieces.reshape(g, u, TILE_ROWS, b)
 
 
+# One program per shape: as eager ops, laying out a 1.5B model's tiles took seconds of dispatch.
+@functools.partial(jax.jit, static_argnums=(1,))
 def gguf_tile(rows: jax.Array, ggml_type: str) -> jax.Array:
     """Block rows ``uint8 [N, row_bytes]`` of a Q4_K or Q6_K weight as tiles
     ``uint8 [N / 8, units * TILE_BYTES[type]]`` (layout: `cpu/gguf_tiles.h`)."""
@@ -146,6 +150,7 @@ def gguf_tile(rows: jax.Array, ggml_type: str) -> jax.Array:
     return jnp.concatenate(parts, axis=-1).astype(jnp.uint8).reshape(g, -1)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def gguf_untile(tiles: jax.Array, ggml_type: str, k: int) -> jax.Array:
     """`gguf_tile`'s inverse: the block rows ``uint8 [N, row_bytes]``, byte for byte."""
     units = k // 256
