@@ -61,7 +61,8 @@ def _blocks(rng: np.random.Generator, ggml_type: str, rows: int, k: int) -> np.n
 
 def write_q4_k_m(path: str, shape: str, seed: int = 0) -> str:
     """Writes the random Q4_K_M file of `SHAPES[shape]` to `path`; returns `path`."""
-    from lowbit.models import read_gguf, smollm2_gguf_path
+    from lowbit.gguf import read_gguf
+    from lowbit.models import smollm2_gguf_path
 
     s = SHAPES[shape]
     rng = np.random.default_rng(seed)

@@ -81,8 +81,9 @@ def _llama_quantize(src: str, dst: str, ftype: str) -> None:
 
 def _weight_errors(ours: str, theirs: str, float_params, config) -> list[tuple]:
     """Per GGML type: (type, tensors, rel RMSE lowbit, rel RMSE llama.cpp, identical blocks)."""
+    from lowbit.gguf import read_gguf
     from lowbit.io._gguf_export import _lookup, _permute_rope_rows
-    from lowbit.models import gguf_param_map, read_gguf
+    from lowbit.models import gguf_param_map
 
     a, b = read_gguf(ours), read_gguf(theirs)
     mapping = gguf_param_map(config)

@@ -95,7 +95,7 @@ def _measure(engine: str, path: str) -> dict:
 
 
 def _weight_bytes(path: str) -> int:
-    from lowbit.models import read_gguf
+    from lowbit.gguf import read_gguf
 
     return sum(t.raw.nbytes for t in read_gguf(path).tensors.values())
 

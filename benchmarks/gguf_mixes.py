@@ -56,7 +56,7 @@ def make_mixes(directory: str, mixes=MIXES) -> dict[str, str]:
 
 
 def _types(path: str) -> str:
-    from lowbit.models import read_gguf
+    from lowbit.gguf import read_gguf
 
     counts = collections.Counter(t.ggml_type.name for t in read_gguf(path).tensors.values())
     return ", ".join(f"{n} {k}" for k, n in counts.most_common())

@@ -44,7 +44,7 @@ def _small_smollm2(writer) -> None:
     import gguf
 
     from lowbit.gguf import encode as gguf_encode
-    from lowbit.models import read_gguf
+    from lowbit.gguf import read_gguf
     from lowbit.models._assets import smollm2_gguf_path
 
     source = read_gguf(smollm2_gguf_path())

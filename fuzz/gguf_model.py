@@ -19,7 +19,8 @@ _PATH = scratch_file("model.gguf")
 
 def _load():
     global gguf_param_map, load_decoder_gguf, read_gguf
-    from lowbit.models import gguf_param_map, load_decoder_gguf, read_gguf
+    from lowbit.gguf import read_gguf
+    from lowbit.models import gguf_param_map, load_decoder_gguf
 
 
 def test_one(data: bytes) -> None:

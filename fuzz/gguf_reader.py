@@ -1,6 +1,6 @@
-"""Fuzzes the GGUF reader (`lowbit.models.read_gguf`, which `lowbit.io.import_gguf` and
-`lowbit.io.read_gguf_file` use): header, metadata of every value type, tensor infos, alignment,
-offsets, and each small tensor's NumPy decoding.
+"""Fuzzes the GGUF reader (`lowbit.gguf.read_gguf`, which `lowbit.io.import_gguf` and the
+GGUF model loaders use): header, metadata of every value type, tensor infos, alignment,
+offsets, and each small tensor's decoding.
 
 Contract: `GGUFError` naming the file, a `ValueError` naming the tensor for a storage type
 that cannot be dequantized, or a file whose every tensor views exactly its declared bytes.
@@ -24,7 +24,7 @@ def _load():
     global GGUFError, read_gguf, gguf
     import gguf
 
-    from lowbit.models import GGUFError, read_gguf
+    from lowbit.gguf import GGUFError, read_gguf
 
 
 def test_one(data: bytes) -> None:

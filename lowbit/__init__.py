@@ -34,9 +34,9 @@ from lowbit.api import (
 )
 from lowbit.engine import EngineFallbackError, EngineReport, interpret, kernel_axes, trace_report
 from lowbit.formats import FORMATS, Format, format_names, get_format
+from lowbit.gguf import GGUFError
 from lowbit.io import (
     CheckpointError,
-    GGUFError,
     export_gguf,
     import_gguf,
     load_adapted_checkpoint,

@@ -120,15 +120,17 @@ def _stream_source(target: str, recipe: str | None) -> tuple[str, str, bool] | N
 
 def _export_streaming(args: argparse.Namespace, kind: str, model: str, keep: bool, log) -> Any:
     """`export_gguf` reading one leaf at a time from the checkpoint or the GGUF file."""
+    from lowbit.gguf import read_gguf
     from lowbit.io import SourceParams, checkpoint_leaves, export_gguf
-    from lowbit.models import decoder_config_from_gguf, gguf_param_map, read_gguf
+    from lowbit.models import decoder_config_from_gguf, gguf_param_map
 
-    config = decoder_config_from_gguf(read_gguf(model))
-    options = dict(config=config, type=args.type, source=model, strict=args.strict, log=log)
+    source = read_gguf(model)  # read once: config, metadata and (from a GGUF file) tensors
+    config = decoder_config_from_gguf(source)
+    options = dict(config=config, type=args.type, source=source, strict=args.strict, log=log)
     if kind == "checkpoint":
         with checkpoint_leaves(args.target) as leaves:
             return export_gguf(leaves, args.gguf, **options)
-    with SourceParams(model, gguf_param_map(config).get, quantized=keep) as params:
+    with SourceParams(source, gguf_param_map(config).get, quantized=keep) as params:
         return export_gguf(params, args.gguf, **options)
 
 

@@ -159,13 +159,9 @@ def _run_streaming(args: argparse.Namespace) -> int:
     from tokenizers import Tokenizer
 
     from lowbit.eval._calibration_set import lm_calibration_batches
+    from lowbit.gguf import read_gguf
     from lowbit.io import convert_checkpoint
-    from lowbit.models import (
-        decoder_config_from_gguf,
-        gguf_param_map,
-        read_gguf,
-        tokenizer_from_gguf,
-    )
+    from lowbit.models import decoder_config_from_gguf, gguf_param_map, tokenizer_from_gguf
 
     path = Path(args.model).resolve()
     keep = args.recipe == serving.GGUF_RECIPE

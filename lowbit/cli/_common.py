@@ -499,7 +499,7 @@ def gguf_metadata(loaded: Any) -> dict[str, Any] | None:
     """The GGUF metadata of a model read from a GGUF file, else None."""
     if loaded.gguf_path is None:
         return None
-    from lowbit.models import read_gguf
+    from lowbit.gguf import read_gguf
 
     return read_gguf(loaded.gguf_path).metadata
 

@@ -1,16 +1,26 @@
-"""GGUF: the GGML block types and their codecs (bit-identical to llama.cpp).
+"""GGUF: the GGML block types and their codecs (bit-identical to llama.cpp), and the file
+reader.
 
 `BLOCK_TYPES` is the one list of block types lowbit encodes and decodes: each `BlockType`
 holds its sizes, its ggml type id and its codec (`BlockType.encode` / `BlockType.decode`,
-traced JAX functions); `encode` and `decode` are their compiled NumPy entry points.
+traced JAX functions); `encode`, `decode` and `split` (a 32-element block's scale, minimum
+and codes) are their compiled NumPy entry points.
+`read_gguf` parses a file's header once and hands each tensor over as a memory-mapped view of
+its stored blocks (`GGUFFile`, `GGUFTensor`); a malformed file raises `GGUFError`.
 """
 
-from lowbit.gguf._types import BLOCK_TYPES, BlockType, block_type, decode, encode
+from lowbit.gguf._reader import GGUFError, GGUFFile, GGUFTensor, read_gguf
+from lowbit.gguf._types import BLOCK_TYPES, BlockType, block_type, decode, encode, split
 
 __all__ = [
     "BLOCK_TYPES",
     "BlockType",
+    "GGUFError",
+    "GGUFFile",
+    "GGUFTensor",
     "block_type",
     "decode",
     "encode",
+    "read_gguf",
+    "split",
 ]

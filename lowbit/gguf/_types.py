@@ -224,12 +224,14 @@ def block_type(name: str) -> BlockType:
     return found
 
 
-# Blocks are coded independently, so a tensor of any shape is coded as a flat list of blocks in
-# chunks of two fixed sizes (in elements): each type compiles at most twice per direction per
-# process, whatever the tensor shapes, and the large chunk bounds the scale searches'
-# temporaries.
-_LARGE_CHUNK = 1 << 20
-_SMALL_CHUNK = 1 << 14
+# A tensor of any shape is coded as a flat list of blocks, in chunks of a few fixed sizes (in
+# elements), so each type compiles a few programs per process whatever the tensor shapes, and
+# the largest chunk bounds the temporaries. The encoder takes whole chunks of 2**20 elements,
+# then the rest in chunks of 2**14, the last one padded: its refits are decided per chunk, so
+# the chunks stay these. Decoding and splitting are per block: chunks of every power of two
+# between the two, so that any tensor takes a few calls.
+_ENCODE_CHUNKS = (1 << 20, 1 << 14)
+_BLOCKWISE_CHUNKS = tuple(1 << k for k in range(20, 13, -1))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -242,24 +244,34 @@ def _decode_jit(name, raw):
     return block_type(name).decode(raw)
 
 
-def _chunked(code: Callable, rows: np.ndarray, t: BlockType, out: np.ndarray) -> np.ndarray:
-    """`out` [n, ...] filled with `code` ([k, width] -> [k, ...]) of every row of `rows`
-    [n, width]: whole chunks of `_LARGE_CHUNK` elements' blocks, then the rest in chunks of
-    `_SMALL_CHUNK` elements' blocks padded with zeros."""
-    large, small = _LARGE_CHUNK // t.block_size, _SMALL_CHUNK // t.block_size
-    n_large = rows.shape[0] // large * large
-    for i in range(0, n_large, large):
-        out[i : i + large] = np.asarray(code(rows[i : i + large]))
-    for i in range(n_large, rows.shape[0], small):
-        chunk = rows[i : i + small]
-        padded = np.zeros((small, rows.shape[1]), rows.dtype)
-        padded[: chunk.shape[0]] = chunk
-        out[i : i + chunk.shape[0]] = np.asarray(code(padded))[: chunk.shape[0]]
-    return out
+@functools.partial(jax.jit, static_argnums=0)
+def _split_jit(name, raw):
+    return block_type(name).split(raw)
 
 
-def _rows_per_chunk(t: BlockType) -> tuple[int, int]:
-    return _LARGE_CHUNK // t.block_size, _SMALL_CHUNK // t.block_size
+def _chunked(
+    code: Callable, rows: np.ndarray, t: BlockType, sizes: tuple[int, ...], *outs: np.ndarray | None
+) -> None:
+    """Fills `outs` [n, ...] with the outputs of `code` ([k, width] -> a tuple of [k, ...], None
+    where an out is None) on every row (block) of `rows` [n, width]: as many whole chunks of
+    each of `sizes` (elements, largest first) as fit in what is left, then the rest padded with
+    zeros to the smallest."""
+    starts, i = [], 0
+    for size in sizes:
+        k = size // t.block_size
+        while rows.shape[0] - i >= k:
+            starts.append((i, k))
+            i += k
+    if i < rows.shape[0]:
+        starts.append((i, sizes[-1] // t.block_size))
+    for i, k in starts:
+        chunk = rows[i : i + k]
+        n = chunk.shape[0]
+        if n < k:
+            chunk = np.concatenate([chunk, np.zeros((k - n, rows.shape[1]), rows.dtype)])
+        for out, value in zip(outs, code(chunk), strict=True):
+            if out is not None:
+                out[i : i + n] = np.asarray(value)[:n]
 
 
 def decode(name: str, raw: jax.Array | np.ndarray) -> np.ndarray:
@@ -284,7 +296,7 @@ def decode(name: str, raw: jax.Array | np.ndarray) -> np.ndarray:
         return np.zeros((*raw.shape[:-1], raw.shape[-1] // t.type_size * t.block_size), np.float32)
     blocks = np.ascontiguousarray(raw).reshape(-1, t.type_size)
     values = np.empty((blocks.shape[0], t.block_size), np.float32)
-    _chunked(functools.partial(_decode_jit, name), blocks, t, values)
+    _chunked(lambda chunk: (_decode_jit(name, chunk),), blocks, t, _BLOCKWISE_CHUNKS, values)
     return values.reshape(*raw.shape[:-1], -1)
 
 
@@ -321,5 +333,45 @@ def encode(name: str, x: jax.Array | np.ndarray) -> np.ndarray:
         return np.zeros((*x.shape[:-1], 0), np.uint8)
     values = np.ascontiguousarray(x).reshape(-1, t.block_size)
     blocks = np.empty((values.shape[0], t.type_size), np.uint8)
-    _chunked(functools.partial(_encode_jit, name), values, t, blocks)
+    _chunked(lambda chunk: (_encode_jit(name, chunk),), values, t, _ENCODE_CHUNKS, blocks)
     return blocks.reshape(*x.shape[:-1], -1)
+
+
+@functools.cache
+def _fields_of(name: str) -> tuple[jax.ShapeDtypeStruct | None, ...]:
+    """Shape and dtype of one block's `BlockType.split` fields (None: the type has no such
+    field); ValueError for a type without fields."""
+    t = block_type(name)
+    one = jax.eval_shape(t.split, jax.ShapeDtypeStruct((t.type_size,), np.uint8))
+    return tuple(None if f is None else jax.ShapeDtypeStruct(f.shape, f.dtype) for f in one)
+
+
+def split(
+    name: str, raw: jax.Array | np.ndarray
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """A 32-element type's blocks as their fields (`BlockType.split`), in NumPy.
+
+    Args:
+      name: GGML type name: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL.
+      raw: uint8 [..., n_blocks * type_size].
+    Returns:
+      ``(d, m, q)``: scales and minimums (None for the types without) float32
+      [..., n_blocks], float16 values; the stored codes [..., n_blocks * 32] in element order
+      (int8 for Q8_0, else uint8).
+    Raises:
+      ValueError: for a type without such fields, or bytes that are not uint8 whole blocks.
+    """
+    t = block_type(name)
+    raw = np.asarray(raw)
+    if raw.dtype != np.uint8 or raw.ndim == 0 or raw.shape[-1] % t.type_size:
+        raise ValueError(
+            f"{name} blocks must be uint8 with a last axis that is a multiple of "
+            f"{t.type_size} bytes, got {raw.dtype} {raw.shape}"
+        )
+    blocks = np.ascontiguousarray(raw).reshape(-1, t.type_size)
+    n = blocks.shape[0]
+    outs = [None if f is None else np.empty((n, *f.shape), f.dtype) for f in _fields_of(name)]
+    if n:
+        _chunked(lambda chunk: _split_jit(name, chunk), blocks, t, _BLOCKWISE_CHUNKS, *outs)
+    lead = raw.shape[:-1]
+    return tuple(None if o is None else o.reshape(*lead, -1) for o in outs)

@@ -20,18 +20,13 @@ from lowbit.io._checkpoint_writer import CheckpointWriter
 from lowbit.io._config_dict import quant_config_from_dict, quant_config_to_dict
 from lowbit.io._convert import ConvertReport, convert_checkpoint, streaming_problem
 from lowbit.io._gguf_export import EXPORT_TYPES, ExportReport, TensorNote, export_gguf
-from lowbit.io._gguf_import import (
-    GGUFTensorData,
-    gguf_tensor_to_qarray,
-    import_gguf,
-    read_gguf_file,
-)
+from lowbit.io._gguf_import import gguf_tensor_to_qarray, import_gguf
 from lowbit.io._hf_import import import_safetensors
 from lowbit.io._manifest import CheckpointError
 from lowbit.io._placement import Placement
 from lowbit.io._processes import ProcessError
 from lowbit.io._source import SourceParams
-from lowbit.models import GGUFError, unpermute_rope_rows
+from lowbit.models import unpermute_rope_rows
 
 __all__ = [
     "ADAPTERS_DIR",
@@ -41,8 +36,6 @@ __all__ = [
     "CheckpointWriter",
     "ConvertReport",
     "ExportReport",
-    "GGUFError",
-    "GGUFTensorData",
     "Placement",
     "ProcessError",
     "SourceParams",
@@ -60,7 +53,6 @@ __all__ = [
     "load_checkpoint",
     "quant_config_from_dict",
     "quant_config_to_dict",
-    "read_gguf_file",
     "read_adapter_metadata",
     "read_manifest",
     "save_adapters",

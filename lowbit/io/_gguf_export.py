@@ -48,7 +48,7 @@ import jax
 import numpy as np
 
 from lowbit.formats import GGUFBlockFormat
-from lowbit.gguf import BLOCK_TYPES
+from lowbit.gguf import BLOCK_TYPES, GGUFFile, read_gguf
 from lowbit.gguf import encode as gguf_encode
 from lowbit.io._atomic import atomic_write
 from lowbit.models import (
@@ -56,7 +56,6 @@ from lowbit.models import (
     decoder_config_from_gguf,
     gguf_metadata,
     gguf_param_map,
-    read_gguf,
     swap_last,
 )
 from lowbit.ops import PreparedQArray
@@ -313,28 +312,24 @@ def _config_metadata(config: DecoderConfig) -> dict[str, tuple[Any, gguf.GGUFVal
     }
 
 
-def _decoder_config(path: str | os.PathLike[str]) -> DecoderConfig | None:
+def _decoder_config(gguf_file: GGUFFile) -> DecoderConfig | None:
     try:
-        return decoder_config_from_gguf(read_gguf(path))
+        return decoder_config_from_gguf(gguf_file)
     except ValueError:
         return None
 
 
-def _source_metadata(path: str | os.PathLike[str]) -> list[tuple[str, Any, Any, Any]]:
-    """(key, value, type, array item type) of every field of a GGUF file, in file order."""
-    reader = gguf.GGUFReader(path)
+def _source_metadata(gguf_file: GGUFFile) -> list[tuple[str, Any, Any, Any]]:
+    """(key, value, type, array item type) of every metadata key of a GGUF file, in file
+    order, but those set for the output."""
     fields = []
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in _SKIP_KEYS:
+    for key, value in gguf_file.metadata.items():
+        if key in _SKIP_KEYS:
             continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        value = field.contents()
-        if sub is not None:
-            value = list(value)
-            if not value:
-                continue  # the writer cannot write an empty array; llama.cpp reads none
-        fields.append((field.name, value, vtype, sub))
+        vtype, sub = gguf_file.value_types[key]
+        if vtype == gguf.GGUFValueType.ARRAY and not value:
+            continue  # the writer cannot write an empty array; llama.cpp reads none
+        fields.append((key, value, vtype, sub))
     return fields
 
 
@@ -344,7 +339,7 @@ def export_gguf(
     *,
     config: DecoderConfig,
     type: str | None = None,  # noqa: A002 - the GGUF term
-    source: str | os.PathLike[str] | None = None,
+    source: str | os.PathLike[str] | GGUFFile | None = None,
     strict: bool = False,
     log: Callable[[str], None] | None = print,
 ) -> ExportReport:
@@ -359,9 +354,10 @@ def export_gguf(
       config: the model's `DecoderConfig`.
       type: None (keep quantized weights that map directly, the others as Q8_0; floats as
         F32), a GGML type, or a llama.cpp mix; see `EXPORT_TYPES` and the module docstring.
-      source: a GGUF file to copy metadata (tokenizer, chat template, ...) from. Its
-        hyper-parameters are kept when they describe `config`; otherwise (another
-        architecture or other shapes) only its ``general.*`` and ``tokenizer.*`` keys are.
+      source: a GGUF file (a path, or one already read) to copy metadata (tokenizer, chat
+        template, ...) from, each key with its type. Its hyper-parameters are kept when they
+        describe `config`; otherwise (another architecture or other shapes) only its
+        ``general.*`` and ``tokenizer.*`` keys are.
       strict: raise instead of falling back when a tensor's rows are not whole blocks.
       log: called with one line per tensor that was not written directly (None: silent).
     Returns:
@@ -391,9 +387,10 @@ def export_gguf(
     file_type = _file_type(type_, [p.written for p in plan])
     metadata = None
     if source is not None:
-        metadata = _source_metadata(source)
+        source_file = source if isinstance(source, GGUFFile) else read_gguf(source)
+        metadata = _source_metadata(source_file)
         arch_keys = [m for m in metadata if m[0].startswith(f"{config.architecture}.")]
-        if not arch_keys or _decoder_config(source) != config:
+        if not arch_keys or _decoder_config(source_file) != config:
             # Another architecture's file (its tokenizer wanted), or other shapes: the
             # hyper-parameters come from `config`, everything else from the file.
             ours = [(k, v, t, None) for k, (v, t) in _config_metadata(config).items()]

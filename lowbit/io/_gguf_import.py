@@ -16,13 +16,14 @@ The 4-bit codes are taken out of GGML's nibble order (byte ``j`` of a block hold
 ``j`` low and ``j + 16`` high) and packed in this library's order (element ``2k`` low,
 ``2k + 1`` high); the values are untouched.
 
-The K-quants (Q2_K .. Q8_K), Q5_0, Q5_1, IQ4_NL, TQ1_0 and TQ2_0 keep their GGUF blocks as they
-are: a QArray of the matching `lowbit.formats.GGUFBlockFormat` (``q4_k``, ...) whose codes are
-the file's bytes, decoded bit-identically to llama.cpp. Other storage types (F32, F16, BF16,
-IQ2_XXS, ...) are dequantized to float32 by `lowbit.models.GGUFTensor.dequantize`, which gives
-the same values as `gguf.quants.dequantize`.
+The other types of `lowbit.gguf.BLOCK_TYPES` (the K-quants Q2_K .. Q8_K, Q5_0, Q5_1, IQ4_NL,
+IQ4_XS, TQ1_0 and TQ2_0) keep their GGUF blocks as they are: a QArray of the matching
+`lowbit.formats.GGUFBlockFormat` (``q4_k``, ...) whose codes are the file's bytes, decoded
+bit-identically to llama.cpp. Other storage types (F32, F16, BF16, IQ2_XXS, ...) are
+dequantized to float32 by `lowbit.gguf.GGUFTensor.dequantize`, which gives the same values as
+`gguf.quants.dequantize`.
 
-Files are read by `lowbit.models.read_gguf`: metadata as Python values, each tensor's stored
+Files are read by `lowbit.gguf.read_gguf`: metadata as Python values, each tensor's stored
 bytes as a read-only memory-mapped ``uint8 [*shape[:-1], row_bytes]`` view (NumPy shape order).
 """
 
@@ -37,47 +38,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.formats import GGUF_BLOCK_FORMATS, get_format
-from lowbit.gguf import decode as gguf_decode
+from lowbit.formats import GGUF_ELEMENT_FORMATS, get_format
+from lowbit.gguf import BLOCK_TYPES, GGUFFile, GGUFTensor, read_gguf, split
 from lowbit.io._placement import NameMap, Placement, nest, resolve
-from lowbit.models import GGUFTensor, read_gguf, swap_last, unpermute_rope_rows
+from lowbit.models import swap_last, unpermute_rope_rows
 from lowbit.ops import prepare_leaves
 from lowbit.qarray import QArray, is_qarray
-
-DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
-BLOCK_TYPES = tuple(f.ggml_type for f in GGUF_BLOCK_FORMATS)
-"""GGUF types imported as `GGUFBlockFormat` QArrays (their blocks kept as stored)."""
-
-GGUFTensorData = GGUFTensor
-"""One tensor read from a GGUF file: `lowbit.models.GGUFTensor` (name, ggml_type, shape, raw)."""
-
-
-def read_gguf_file(
-    path: str | os.PathLike[str],
-) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
-    """Reads a GGUF file's metadata and tensor table (`lowbit.models.read_gguf`, as a pair).
-
-    Returns:
-      ``(metadata, tensors)``: key -> Python value; name -> `lowbit.models.GGUFTensor`, in
-      file order.
-    Raises:
-      ValueError: for a path that is not a GGUF file, an unsupported version, an unknown value
-        or tensor type, a row length that is not a whole number of blocks, or a file that ends
-        inside the header or a tensor.
-    """
-    gguf_file = read_gguf(path)
-    return gguf_file.metadata, gguf_file.tensors
-
-
-def _half(blocks: np.ndarray, start: int) -> np.ndarray:
-    """The fp16 field at byte `start` of every block: [..., n_blocks] float16."""
-    return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0]
-
-
-def _nibbles(blocks: np.ndarray) -> np.ndarray:
-    """GGML 4-bit block bytes [..., n_blocks, 16] -> codes [..., n_blocks * 32] uint8."""
-    codes = np.concatenate([blocks & 0x0F, blocks >> 4], axis=-1)
-    return codes.reshape(*blocks.shape[:-2], -1)
 
 
 def gguf_tensor_to_qarray(tensor: GGUFTensor) -> QArray:
@@ -87,13 +53,19 @@ def gguf_tensor_to_qarray(tensor: GGUFTensor) -> QArray:
       tensor: a tensor read from a GGUF file, shape ``[*lead, n]``.
     Returns:
       QArray of shape ``[*lead, n]``, logical dtype float32. Q8_0 / Q4_0 / Q4_1: scale
-      ``[*lead, n / 32]`` float16, 4-bit codes packed along the last axis. `BLOCK_TYPES`: the
-      stored blocks as codes (packed along the last axis) and a unit scale ``[1, ..., 1]``.
+      ``[*lead, n / 32]`` float16, 4-bit codes packed along the last axis. Every other type of
+      `lowbit.gguf.BLOCK_TYPES`: the stored blocks as codes (packed along the last axis) and a
+      unit scale ``[1, ..., 1]``.
     Raises:
       ValueError: for any other storage type.
     """
-    kind = tensor.ggml_type.name
-    if kind in BLOCK_TYPES:
+    kind = tensor.type_name
+    if kind not in BLOCK_TYPES:
+        raise ValueError(
+            f"tensor {tensor.name!r} has type {kind}; direct import accepts "
+            f"{', '.join(BLOCK_TYPES)}"
+        )
+    if kind not in GGUF_ELEMENT_FORMATS:
         return QArray(
             codes=jnp.asarray(np.ascontiguousarray(tensor.raw)),
             scale=jnp.ones((1,) * len(tensor.shape), jnp.uint8),
@@ -104,30 +76,20 @@ def gguf_tensor_to_qarray(tensor: GGUFTensor) -> QArray:
             dtype=np.float32,
             packed_axis=len(tensor.shape) - 1,
         ).check()
-    if kind not in DIRECT_TYPES:
-        raise ValueError(
-            f"tensor {tensor.name!r} has type {kind}; direct import accepts "
-            f"{DIRECT_TYPES + BLOCK_TYPES}"
-        )
-    blocks = tensor.blocks()
-    d = _half(blocks, 0)
-    zero_point = None
+    d32, m32, codes = split(kind, tensor.raw)
+    d = d32.astype(np.float16)  # float16 values, exactly
     if kind == "Q8_0":
-        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(tensor.shape)
         return _qarray(tensor, "int8", codes, d, None)
     if kind == "Q4_0":
         # q - 8 in 4-bit two's complement is q with its top bit flipped.
-        return _qarray(tensor, "int4", _nibbles(blocks[..., 2:]) ^ 0x08, d, None)
-    m = _half(blocks, 2)
-    codes = _nibbles(blocks[..., 4:])
-    d32, m32 = d.astype(np.float32), m.astype(np.float32)
+        return _qarray(tensor, "int4", codes ^ 0x08, d, None)
+    m = m32.astype(np.float16)
     flat = d == 0
     with np.errstate(divide="ignore", invalid="ignore"):
         zero_point = np.where(flat, -np.sign(m32), -m32 / d32).astype(np.float32)
     scale = np.where(flat, np.where(m == 0, np.float16(1), np.abs(m)), d).astype(np.float16)
     if flat.any():
-        block_view = codes.reshape(*flat.shape, -1)
-        block_view[flat] = 0
+        codes.reshape(*flat.shape, -1)[flat] = 0
     return _qarray(tensor, "uint4", codes, scale, zero_point)
 
 
@@ -162,14 +124,10 @@ def place_tensor(tensor: GGUFTensor, placement: Placement, quantized: bool) -> A
         # Whole rows move, so each row's blocks stay intact.
         raw = unpermute_rope_rows(tensor.raw, placement.unpermute_heads)
         tensor = GGUFTensor(tensor.name, tensor.ggml_type, tensor.shape, raw)
-    if quantized and tensor.ggml_type.name in DIRECT_TYPES + BLOCK_TYPES:
+    if quantized and tensor.type_name in BLOCK_TYPES:
         value = gguf_tensor_to_qarray(tensor)
         return swap_last(value) if placement.transpose else value
-    if tensor.ggml_type.name in BLOCK_TYPES:
-        # This library's decoder: the same values as gguf's, faster, and it knows Q8_K.
-        value = gguf_decode(tensor.ggml_type.name, tensor.raw).reshape(tensor.shape)
-    else:
-        value = tensor.dequantize()
+    value = tensor.dequantize()
     return jnp.asarray(swap_last(value) if placement.transpose else value)
 
 
@@ -191,7 +149,7 @@ def drop_mapped_pages(view: np.ndarray) -> None:
 
 
 def import_gguf(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | GGUFFile,
     *,
     name_map: NameMap | None = None,
     quantized: bool = True,
@@ -200,7 +158,8 @@ def import_gguf(
     """Reads a GGUF file into a params tree, keeping quantized tensors quantized as stored.
 
     Args:
-      path: the ``.gguf`` file.
+      path: the ``.gguf`` file, or one already read (`lowbit.gguf.read_gguf`: its header is
+        not parsed again).
       name_map: GGUF tensor name -> where it goes (see `lowbit.io.Placement`: None skips the
         tensor, a path places it as stored, a Placement may also transpose it ``[out, in]`` ->
         ``[in, out]`` and un-interleave RoPE rows). Without one, the result is flat and keyed
@@ -211,14 +170,15 @@ def import_gguf(
         one, e.g. ``lambda p: lowbit.api.kernel_axes_of(fn, p, tokens)``; the layouts
         replace the codes. None (default): logical QArrays.
     Returns:
-      ``(params, metadata)``: nested dicts of `QArray`s (`DIRECT_TYPES` and `BLOCK_TYPES`)
-      and float32 arrays (other types); the file's key/value metadata.
+      ``(params, metadata)``: nested dicts of `QArray`s (the types of
+      `lowbit.gguf.BLOCK_TYPES`) and float32 arrays (other types); the file's key/value
+      metadata.
     Raises:
       ValueError: for a malformed file, an undecodable tensor type, or two tensors mapped to
         one path.
       TypeError: if `name_map` returns something other than the accepted kinds.
     """
-    gguf_file = read_gguf(path)
+    gguf_file = path if isinstance(path, GGUFFile) else read_gguf(path)
     placed = []
     for name, tensor in gguf_file.tensors.items():
         placement = Placement(path=(name,)) if name_map is None else resolve(name, name_map(name))

@@ -18,12 +18,12 @@ import jax
 import numpy as np
 
 from lowbit._untrusted import load_json, open_regular
-from lowbit.io._gguf_import import BLOCK_TYPES, DIRECT_TYPES, place_tensor
+from lowbit.gguf import BLOCK_TYPES, GGUFFile, read_gguf
+from lowbit.io._gguf_import import place_tensor
 from lowbit.io._hf_import import place_array
 from lowbit.io._placement import NameMap, Placement, resolve
 from lowbit.io._safetensors_file import TensorEntry, read_header, read_tensor
 from lowbit.io._tree import Path, path_name
-from lowbit.models import read_gguf
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -115,8 +115,9 @@ class SourceParams(Mapping):
     a context manager (or call `close`) to close the files.
 
     Args:
-      source: a ``.gguf`` file, a ``.safetensors`` file, a shard index JSON, or a directory
-        holding ``model.safetensors.index.json`` or ``model.safetensors``.
+      source: a ``.gguf`` file (or one already read, a `lowbit.gguf.GGUFFile`), a
+        ``.safetensors`` file, a shard index JSON, or a directory holding
+        ``model.safetensors.index.json`` or ``model.safetensors``.
       name_map: file tensor name -> where it goes (`lowbit.io.Placement`; None skips it).
       quantized: GGUF only: keep quantized tensors as QArrays (False: float32 values).
       dtype: safetensors only: cast floating tensors to this dtype (default: as stored).
@@ -127,20 +128,21 @@ class SourceParams(Mapping):
 
     def __init__(
         self,
-        source: str | os.PathLike[str],
+        source: str | os.PathLike[str] | GGUFFile,
         name_map: NameMap,
         *,
         quantized: bool = True,
         dtype: Any = None,
     ):
-        self.source = os.fspath(source)
+        self.gguf = source if isinstance(source, GGUFFile) else None
+        self.source = source.path if self.gguf is not None else os.fspath(source)
         self._quantized, self._dtype = quantized, dtype
         self._files: dict[str, BinaryIO] = {}
-        self.gguf = None
         items: dict[Path, _Item] = {}
         above: dict[Path, Path] = {}
-        if self.source.endswith(".gguf"):
+        if self.gguf is None and self.source.endswith(".gguf"):
             self.gguf = read_gguf(self.source)
+        if self.gguf is not None:
             found = [(name, t, t.shape, None) for name, t in self.gguf.tensors.items()]
         else:
             found = [
@@ -160,7 +162,7 @@ class SourceParams(Mapping):
     def _abstract(self, where, shape, stored, placement) -> jax.ShapeDtypeStruct | None:
         shape = _swap(tuple(shape), placement.transpose)
         if stored is None:  # GGUF
-            kept = where.ggml_type.name in DIRECT_TYPES + BLOCK_TYPES
+            kept = where.type_name in BLOCK_TYPES
             return None if self._quantized and kept else jax.ShapeDtypeStruct(shape, np.float32)
         if self._dtype is not None and np.issubdtype(stored, np.floating):
             stored = np.dtype(self._dtype)

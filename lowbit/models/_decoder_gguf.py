@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer
 
+from lowbit.gguf import GGUFFile, read_gguf
+
 from ._assets import smollm2_gguf_path
 from ._decoder import Decoder, DecoderConfig
-from ._gguf_reader import GGUFFile, read_gguf
 from ._tokenizer import tokenizer_from_gguf
 from ._weights import ParamMapping, assign_params
 

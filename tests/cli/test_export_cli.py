@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from lowbit.cli._main import main
-from lowbit.models import has_smollm2, read_gguf, smollm2_gguf_path
+from lowbit.gguf import read_gguf
+from lowbit.models import has_smollm2, smollm2_gguf_path
 
 
 @pytest.mark.skipif(not has_smollm2(), reason="SmolLM2 GGUF asset not installed")

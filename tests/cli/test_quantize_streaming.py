@@ -45,8 +45,9 @@ def test_gguf_file_streams_to_the_in_memory_checkpoint(spec, quantized_gguf, tmp
 
 
 def test_export_streams_from_a_checkpoint_and_a_gguf_file(quantized_gguf, tmp_path, capsys):
+    from lowbit.gguf import read_gguf
     from lowbit.io import export_gguf, import_gguf, load_checkpoint
-    from lowbit.models import decoder_config_from_gguf, gguf_param_map, read_gguf
+    from lowbit.models import decoder_config_from_gguf, gguf_param_map
 
     path = quantized_gguf
     config = decoder_config_from_gguf(read_gguf(path))

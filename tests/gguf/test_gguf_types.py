@@ -8,7 +8,8 @@ import pytest
 from gguf_support import TYPES, weights
 
 from lowbit.formats import GGUF_BLOCK_FORMATS, GGUF_ELEMENT_FORMATS
-from lowbit.gguf import BLOCK_TYPES, block_type, decode, encode
+from lowbit.gguf import BLOCK_TYPES, GGUFTensor, block_type, decode, encode, split
+from lowbit.io import gguf_tensor_to_qarray
 from lowbit.io._gguf_export import EXPORT_TYPES, FLOAT_TYPES, MIXES
 from lowbit.kernels._kinds import GGUF_KINDS, GGUF_TYPE_IDS
 
@@ -34,6 +35,16 @@ def test_formats_hold_every_type_once():
     assert not set(blocks) & set(GGUF_ELEMENT_FORMATS)
 
 
+def test_import_keeps_the_registry_types():
+    for name, t in BLOCK_TYPES.items():
+        raw = np.zeros((1, t.type_size), np.uint8)
+        q = gguf_tensor_to_qarray(GGUFTensor("t", t.ggml_type, (1, t.block_size), raw))
+        assert q.format == GGUF_ELEMENT_FORMATS.get(name, name.lower())
+    f16 = GGUFTensor("t", gguf.GGMLQuantizationType.F16, (1, 2), np.zeros((1, 4), np.uint8))
+    with pytest.raises(ValueError, match="direct import accepts " + ", ".join(BLOCK_TYPES)):
+        gguf_tensor_to_qarray(f16)
+
+
 def test_export_accepts_the_registry_types():
     quantized = [t for t in EXPORT_TYPES if t not in FLOAT_TYPES + MIXES]
     assert quantized == list(BLOCK_TYPES)
@@ -49,7 +60,12 @@ def test_kernel_types_are_registry_types():
 def test_split_fields_decode_to_the_values(name):
     t = block_type(name)
     raw = encode(name, weights(3, 64))
-    d, m, q = (None if a is None else np.asarray(a) for a in t.split(raw))
+    d, m, q = split(name, raw)
+    for ours, traced in zip((d, m, q), jax.jit(t.split)(raw), strict=True):
+        assert (ours is None) == (traced is None)
+        if ours is not None:
+            assert ours.dtype == traced.dtype
+            np.testing.assert_array_equal(ours, np.asarray(traced))
     assert d.shape == (3, 2) and (m is None or m.shape == (3, 2)) and q.shape == (3, 64)
     q = q.reshape(3, 2, 32).astype(np.float32)
     offset = {"Q4_0": 8, "Q5_0": 16}.get(name, 0)
@@ -62,6 +78,10 @@ def test_split_fields_decode_to_the_values(name):
 def test_split_refuses_the_256_element_types():
     with pytest.raises(ValueError, match="Q4_K blocks have no scale / minimum / codes split"):
         block_type("Q4_K").split(np.zeros((1, 144), np.uint8))
+    with pytest.raises(ValueError, match="Q4_K blocks have no scale / minimum / codes split"):
+        split("Q4_K", np.zeros((1, 144), np.uint8))
+    with pytest.raises(ValueError, match="multiple of 18 bytes"):
+        split("Q4_0", np.zeros((1, 17), np.uint8))
 
 
 def test_traced_codecs_match_the_compiled_ones():

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import lowbit
+from lowbit.gguf import read_gguf
 from lowbit.io import export_gguf, import_gguf
 from lowbit.models import (
     ARCHITECTURES,
@@ -23,7 +24,6 @@ from lowbit.models import (
     gguf_metadata,
     gguf_param_map,
     load_decoder_gguf,
-    read_gguf,
 )
 from lowbit.qarray import is_qarray
 

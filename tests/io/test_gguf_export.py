@@ -11,9 +11,10 @@ import pytest
 
 from lowbit.gguf import decode as gguf_decode
 from lowbit.gguf import encode as gguf_encode
+from lowbit.gguf import read_gguf
 from lowbit.io import export_gguf, import_gguf
 from lowbit.io._gguf_export import _permute_rope_rows
-from lowbit.models import LlamaConfig, gguf_param_map, read_gguf, unpermute_rope_rows
+from lowbit.models import LlamaConfig, gguf_param_map, unpermute_rope_rows
 from lowbit.qarray import PerGroup, QArray, quantize
 
 CONFIG = LlamaConfig(

@@ -9,21 +9,15 @@ import numpy as np
 import pytest
 
 from lowbit import models
-from lowbit.io import (
-    GGUFTensorData,
-    Placement,
-    gguf_tensor_to_qarray,
-    import_gguf,
-    read_gguf_file,
-    unpermute_rope_rows,
-)
+from lowbit.gguf import GGUFTensor, read_gguf
+from lowbit.io import Placement, gguf_tensor_to_qarray, import_gguf, unpermute_rope_rows
 from lowbit.qarray import QArray
 
 Q = gguf.GGMLQuantizationType
 _dequantize = jax.jit(lambda q: q.dequantize())
 
 
-def _random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> GGUFTensorData:
+def _random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> GGUFTensor:
     """Random codes with random finite fp16 d (and m); some Q4_1 blocks with d == 0."""
     rng = np.random.default_rng(seed)
     qtype = Q[kind]
@@ -38,10 +32,10 @@ def _random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> GGUFTensor
         m[0, 0], m[0, 1] = np.float16(-0.3), np.float16(0.7)
         raw[..., 2:4] = m[..., None].view(np.uint8).reshape(*m.shape, 2)
     raw[..., 0:2] = d[..., None].view(np.uint8).reshape(*d.shape, 2)
-    return GGUFTensorData("t", qtype, (rows, cols), raw.reshape(rows, -1))
+    return GGUFTensor("t", qtype, (rows, cols), raw.reshape(rows, -1))
 
 
-def _reference(tensor: GGUFTensorData) -> np.ndarray:
+def _reference(tensor: GGUFTensor) -> np.ndarray:
     return gguf.quants.dequantize(tensor.raw, tensor.ggml_type).reshape(tensor.shape)
 
 
@@ -74,7 +68,7 @@ def test_nibble_order_matches_gguf():
     # One Q4_0 block with codes 0..15 then 15..0 and d = 1: x = q - 8 in element order.
     values = np.concatenate([np.arange(16), np.arange(15, -1, -1)]).astype(np.float32) - 8
     raw = gguf.quants.quantize(values[None], Q.Q4_0)
-    tensor = GGUFTensorData("t", Q.Q4_0, (1, 32), raw)
+    tensor = GGUFTensor("t", Q.Q4_0, (1, 32), raw)
     assert np.array_equal(np.asarray(_dequantize(gguf_tensor_to_qarray(tensor))), values[None])
 
 
@@ -149,16 +143,18 @@ def test_unpermute_rope_rows_pairs_to_halves():
         unpermute_rope_rows(rows, 3)
 
 
-def test_io_reuses_the_models_reader(tmp_path):
+def test_io_reuses_the_gguf_reader(tmp_path):
     assert unpermute_rope_rows is models.unpermute_rope_rows
-    assert GGUFTensorData is models.GGUFTensor
     values = _write_gguf(tmp_path / "m.gguf")
-    metadata, tensors = read_gguf_file(tmp_path / "m.gguf")
-    ref = models.read_gguf(tmp_path / "m.gguf")
-    assert metadata == ref.metadata and list(tensors) == list(ref.tensors) == list(values)
-    for name, tensor in tensors.items():
-        assert isinstance(tensor, models.GGUFTensor)
-        assert np.array_equal(tensor.raw, ref.tensors[name].raw)
+    ref = read_gguf(tmp_path / "m.gguf")
+    assert list(ref.tensors) == list(values)
+    # A file already read is imported without reading its header again, to the same params.
+    params, metadata = import_gguf(tmp_path / "m.gguf", quantized=False)
+    again, metadata_again = import_gguf(ref, quantized=False)
+    assert metadata == metadata_again == ref.metadata and list(params) == list(again)
+    for name, value in params.items():
+        assert np.array_equal(np.asarray(value), np.asarray(again[name]))
+        assert np.array_equal(np.asarray(value), ref.tensors[name].dequantize())
 
 
 @pytest.mark.parametrize("heads", [0, -2, 2.0])
@@ -180,7 +176,7 @@ def test_bad_name_map_result(tmp_path):
 def test_not_a_gguf_file(tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"GGML" + bytes(20))
     with pytest.raises(ValueError, match="bad magic"):
-        read_gguf_file(tmp_path / "x.gguf")
+        read_gguf(tmp_path / "x.gguf")
 
 
 # --- the real SmolLM2 file ------------------------------------------------------------------
@@ -199,9 +195,9 @@ needs_smollm2 = pytest.mark.skipif(
 
 @needs_smollm2
 def test_real_file_tensors_match_gguf_dequantize():
-    _, tensors = read_gguf_file(_REAL)
+    tensors = read_gguf(_REAL).tensors
     embed = tensors["token_embd.weight"]
-    rows = GGUFTensorData(embed.name, embed.ggml_type, (512, embed.shape[1]), embed.raw[:512])
+    rows = GGUFTensor(embed.name, embed.ggml_type, (512, embed.shape[1]), embed.raw[:512])
     picked = [rows] + [
         tensors[n] for n in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.29.attn_k.weight")
     ]

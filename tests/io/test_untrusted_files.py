@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from lowbit._untrusted import load_json, open_regular, read_text
+from lowbit.gguf import GGUFError, read_gguf
 from lowbit.io import CheckpointError, load_checkpoint, save_checkpoint
 from lowbit.io._safetensors_file import read_header
-from lowbit.models import GGUFError, read_gguf
 
 
 @pytest.fixture(autouse=True)

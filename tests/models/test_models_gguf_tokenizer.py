@@ -16,6 +16,7 @@ import random
 import pytest
 
 from lowbit import models
+from lowbit.gguf import read_gguf
 
 REFS = pathlib.Path(__file__).parent / "references"
 VOCABS = json.loads((REFS / "tokenizer_vocabs.json").read_text(encoding="utf-8"))
@@ -262,7 +263,7 @@ def test_live_llama_cpp_smollm2():
     script = _reference_script()
     path = models.smollm2_gguf_path()
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-    tok = models.tokenizer_from_gguf(models.read_gguf(path).metadata)
+    tok = models.tokenizer_from_gguf(read_gguf(path).metadata)
     for text in script.TEXTS + _random_texts(150, seed=7):
         ids = llm.tokenize(text.encode(), add_bos=True, special=True)
         assert tok.encode(text).ids == ids, text

@@ -94,7 +94,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 def test_logits_match_numpy_reference(smollm2_file, sequence, full_logits):
     # The same dequantized GGUF tensors the loader uses (the decoders are checked against the
-    # gguf package in test_models_gguf_reader), by GGUF name and in GGUF layout.
+    # gguf package in tests/gguf/test_gguf_reader.py), by GGUF name and in GGUF layout.
     weights = {name: t.dequantize() for name, t in smollm2_file.tensors.items()}
     ref = smollm2_logits(weights, smollm2_file.metadata, sequence[0])
     scale = np.abs(ref).max()

@@ -19,7 +19,7 @@ import pytest
 from decoder_numpy_ref import decoder_logits, read_gguf_numpy
 from tiny_gguf import ARCHITECTURES, gguf_architecture, write_tiny_gguf
 
-from lowbit import models
+from lowbit.gguf import read_gguf
 
 REFERENCES = Path(__file__).parent / "references"
 
@@ -57,7 +57,7 @@ def test_file_bytes_match_the_reference(arch, tiny_files, reference, tmp_path):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_lowbit_reader_reads_the_file(arch, tiny_files):
-    f = models.read_gguf(tiny_files[arch])
+    f = read_gguf(tiny_files[arch])
     assert f.architecture == gguf_architecture(arch)
     reader = gguf.GGUFReader(str(tiny_files[arch]))
     expected = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from lowbit import models
+from lowbit.gguf import read_gguf
 
 
 def _write_small_gguf(path, arch: str = "llama") -> dict[str, np.ndarray]:
@@ -46,7 +47,7 @@ def _write_small_gguf(path, arch: str = "llama") -> dict[str, np.ndarray]:
 def test_matches_gguf_reader_on_small_file(tmp_path):
     path = tmp_path / "small.gguf"
     _write_small_gguf(path)
-    ours = models.read_gguf(path)
+    ours = read_gguf(path)
     ref = gguf.GGUFReader(str(path))
     for key, field in ref.fields.items():
         if not key.startswith("GGUF."):
@@ -116,15 +117,15 @@ def test_dequantize_matches_gguf_package(smollm2_file):
 
 def test_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="not a GGUF file"):
-        models.read_gguf(tmp_path / "missing.gguf")
+        read_gguf(tmp_path / "missing.gguf")
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not gguf at all")
     with pytest.raises(ValueError, match="bad magic"):
-        models.read_gguf(junk)
+        read_gguf(junk)
     path = tmp_path / "bert.gguf"
     _write_small_gguf(path, arch="bert")
     with pytest.raises(ValueError, match="'bert'"):
-        models.decoder_config_from_gguf(models.read_gguf(path))
+        models.decoder_config_from_gguf(read_gguf(path))
     # A tensor whose ggml type id this gguf package does not know: the error names the file
     # and the tensor. Tensor info: name, n_dims (u32), dims (u64 each), type (u32), offset.
     raw = bytearray(path.read_bytes())
@@ -135,4 +136,18 @@ def test_errors_name_the_problem(tmp_path):
     bad = tmp_path / "bad_type.gguf"
     bad.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match=r"bad_type\.gguf.*'a\.f32'.*unknown ggml type 999"):
-        models.read_gguf(bad)
+        read_gguf(bad)
+
+
+def test_value_types_match_gguf_reader(tmp_path):
+    path = tmp_path / "small.gguf"
+    _write_small_gguf(path)
+    ours = read_gguf(path)
+    ref = gguf.GGUFReader(str(path))
+    assert list(ours.value_types) == list(ours.metadata)
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        vtype, item_type = ours.value_types[key]
+        assert vtype == field.types[0], key
+        assert item_type == (field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None), key

@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from lowbit import models
+from lowbit.gguf import GGUFError, read_gguf
 from lowbit.io import import_gguf
 
 F32 = int(gguf.GGMLQuantizationType.F32)
@@ -56,7 +56,7 @@ def _write(tmp_path, name: str, data: bytes):
 
 def test_well_formed_hand_written_file_reads(tmp_path):
     path = _write(tmp_path, "ok.gguf", _gguf_bytes(kv=((b"a.b", U32, struct.pack("<I", 7)),)))
-    f = models.read_gguf(path)
+    f = read_gguf(path)
     assert f.metadata == {"a.b": 7}
     np.testing.assert_array_equal(f.tensor("w").dequantize(), np.arange(8.0).reshape(4, 2))
 
@@ -122,12 +122,12 @@ BAD_NAME = b"bad\xff\xfename"
 )
 def test_malformed_files_raise_one_error_naming_the_file(tmp_path, data, fragment):
     path = _write(tmp_path, "bad.gguf", data)
-    with pytest.raises(models.GGUFError, match=rf"'{path}'.*{fragment}|{fragment}.*'{path}'"):
-        models.read_gguf(path)
+    with pytest.raises(GGUFError, match=rf"'{path}'.*{fragment}|{fragment}.*'{path}'"):
+        read_gguf(path)
 
 
 def test_import_gguf_reports_the_same_error(tmp_path):
     path = _write(tmp_path, "dup.gguf", _gguf_bytes(tensors=((b"w", (4, 2), F32, 0),) * 2))
-    with pytest.raises(models.GGUFError, match="two tensors are named 'w'"):
+    with pytest.raises(GGUFError, match="two tensors are named 'w'"):
         import_gguf(path)
-    assert issubclass(models.GGUFError, ValueError)
+    assert issubclass(GGUFError, ValueError)

@@ -1,19 +1,14 @@
-"""Read a GGUF file into metadata plus raw, still-quantized tensor blocks.
+"""Read a GGUF file: its header parsed once, each tensor a lazy view of its stored blocks.
 
 GGUF tensors are stored row-major with ggml's dimension order reversed relative to NumPy; here
 every shape is given in NumPy order, so a linear layer's weight is `[out_features,
 in_features]` and quantization blocks run along the last (input) axis.
 
-The raw bytes of each tensor are kept as a `uint8` array of shape `[*shape[:-1], row_bytes]`, so
-that an importer can reinterpret Q8_0 / Q4_0 / Q4_1 blocks directly as quantized arrays without
-a float round trip. Block layouts (all little-endian, 32 elements per block):
-
-  * Q8_0 (34 bytes): fp16 scale `d`, then 32 int8 codes; `x = d * q`.
-  * Q4_0 (18 bytes): fp16 scale `d`, then 16 bytes of nibbles; `x = d * (q - 8)`.
-  * Q4_1 (20 bytes): fp16 scale `d`, fp16 min `m`, then 16 bytes of nibbles; `x = d * q + m`.
-
-In the 4-bit formats byte `j` of a block holds element `j` in its low nibble and element
-`j + 16` in its high nibble.
+The raw bytes of each tensor are a read-only memory-mapped `uint8` view of shape
+`[*shape[:-1], row_bytes]`, so that an importer can keep the blocks as they are stored (see
+`lowbit.gguf._types` for the layouts) and nothing is read or decoded until asked.
+`GGUFTensor.dequantize` decodes the types of `lowbit.gguf.BLOCK_TYPES` with their codecs and
+any other ggml type with the `gguf` package's.
 """
 
 from __future__ import annotations
@@ -28,6 +23,7 @@ import gguf
 import numpy as np
 
 from lowbit._untrusted import open_regular
+from lowbit.gguf._types import BLOCK_TYPES, decode
 
 
 class GGUFError(ValueError):
@@ -71,10 +67,20 @@ class GGUFTensor:
         return self.raw.reshape(*self.shape[:-1], -1, self.type_size)
 
     def dequantize(self) -> np.ndarray:
-        """The tensor as ``float32`` of shape `shape`."""
-        fast = _DEQUANTIZE.get(self.ggml_type)
-        if fast is not None:
-            return fast(self.blocks()).reshape(self.shape)
+        """The tensor as ``float32`` of shape `shape`: F32 and F16 as stored, the block types
+        of `lowbit.gguf.BLOCK_TYPES` by their decoders (bit-identical to llama.cpp's), any
+        other type by `gguf.quants.dequantize`.
+
+        Raises:
+          ValueError: naming the tensor, for a type neither decodes.
+        """
+        name = self.type_name
+        if name == "F32":
+            return self.raw.copy().view(np.float32).reshape(self.shape)
+        if name == "F16":
+            return self.raw.copy().view(np.float16).astype(np.float32).reshape(self.shape)
+        if name in BLOCK_TYPES:
+            return decode(name, self.raw).reshape(self.shape)
         try:
             values = gguf.quants.dequantize(self.raw, self.ggml_type)
         except NotImplementedError as err:
@@ -85,41 +91,6 @@ class GGUFTensor:
         return np.asarray(values, dtype=np.float32).reshape(self.shape)
 
 
-# Whole-tensor NumPy decoders for the common types (the `gguf` package's generic path works
-# 16 rows at a time, which takes seconds on a 49k-row embedding). blocks: [..., n, type_size].
-
-
-def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
-    """The fp16 at byte `at` of each block, as float32 [..., n, 1]."""
-    return blocks[..., at : at + 2].copy().view(np.float16).astype(np.float32)
-
-
-def _nibbles(packed: np.ndarray) -> np.ndarray:
-    """[..., 16] bytes -> [..., 32] codes: low nibbles are elements 0-15, high ones 16-31."""
-    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.float32)
-
-
-def _dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
-    return _fp16(blocks, 0) * blocks[..., 2:].view(np.int8).astype(np.float32)
-
-
-def _dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
-    return _fp16(blocks, 0) * (_nibbles(blocks[..., 2:]) - 8.0)
-
-
-def _dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
-    return _fp16(blocks, 0) * _nibbles(blocks[..., 4:]) + _fp16(blocks, 2)
-
-
-_DEQUANTIZE = {
-    gguf.GGMLQuantizationType.F32: lambda b: b.copy().view(np.float32),
-    gguf.GGMLQuantizationType.F16: lambda b: b.copy().view(np.float16).astype(np.float32),
-    gguf.GGMLQuantizationType.Q8_0: _dequantize_q8_0,
-    gguf.GGMLQuantizationType.Q4_0: _dequantize_q4_0,
-    gguf.GGMLQuantizationType.Q4_1: _dequantize_q4_1,
-}
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class GGUFFile:
     """Metadata and tensors of one GGUF file.
@@ -127,13 +98,20 @@ class GGUFFile:
     Attributes:
       path: where it was read from.
       metadata: key/value metadata with plain Python values (strings, numbers, bools, lists),
-        e.g. ``metadata["llama.block_count"] == 30``.
+        e.g. ``metadata["llama.block_count"] == 30``, in file order.
       tensors: tensors by GGUF name, in file order.
+      value_types: each metadata key's stored type (``gguf.GGUFValueType``) and, for an array,
+        its items' type (None otherwise, or for an empty array of a type this package does not
+        know), e.g. ``(ARRAY, STRING)`` for ``tokenizer.ggml.tokens``: what a writer needs to
+        copy the key as it is.
     """
 
     path: str
     metadata: dict[str, Any]
     tensors: dict[str, GGUFTensor]
+    value_types: dict[str, tuple[gguf.GGUFValueType, gguf.GGUFValueType | None]] = (
+        dataclasses.field(default_factory=dict)
+    )
 
     @property
     def architecture(self) -> str:
@@ -217,6 +195,19 @@ class _Cursor:
         self.pos += n
         return value
 
+    def entry(self, what: str) -> tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]:
+        """One metadata value and its types: (value, value type, an array's item type)."""
+        vtype = self.unpack("<I")
+        item = None
+        if vtype == gguf.GGUFValueType.ARRAY and self.remaining() >= 4:
+            (item,) = struct.unpack_from("<I", self.buf, self.pos)
+        value = self.value(vtype, what)
+        try:
+            item_type = None if item is None else gguf.GGUFValueType(item)
+        except ValueError:  # an empty array's (any other fails to read)
+            item_type = None
+        return value, gguf.GGUFValueType(vtype), item_type
+
     def value(self, vtype: int, what: str, depth: int = 0) -> Any:
         if vtype == gguf.GGUFValueType.STRING:
             return self.string(f"string value of {what}")
@@ -284,11 +275,13 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     n_tensors = cur.count("tensor count", _MIN_TENSOR_INFO_BYTES)
     n_kv = cur.count("metadata key count", _MIN_KV_BYTES)
     metadata: dict[str, Any] = {}
+    value_types = {}
     for i in range(n_kv):
         key = cur.string(f"metadata key #{i}")
         if key in metadata:
             raise cur.fail(f"metadata key {key!r} appears twice")
-        metadata[key] = cur.value(cur.unpack("<I"), f"metadata key {key!r}")
+        metadata[key], vtype, item_type = cur.entry(f"metadata key {key!r}")
+        value_types[key] = (vtype, item_type)
     infos = []
     names: set[str] = set()
     for i in range(n_tensors):
@@ -350,4 +343,4 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
             )
         raw = np.asarray(data[begin : begin + n_bytes]).reshape(*shape[:-1], row_bytes)
         tensors[name] = GGUFTensor(name=name, ggml_type=ggml_type, shape=shape, raw=raw)
-    return GGUFFile(path=path, metadata=metadata, tensors=tensors)
+    return GGUFFile(path=path, metadata=metadata, tensors=tensors, value_types=value_types)
