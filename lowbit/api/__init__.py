@@ -40,6 +40,13 @@ from lowbit.api._quantize import (
 )
 from lowbit.api._sparsegpt import sparsegpt_params
 from lowbit.api._sparsity import SparseRule, apply_masks, nm_masks, nm_sparsify_params
+from lowbit.api._stored import (
+    StoredProgram,
+    compile_stored,
+    describe,
+    program_directory,
+    program_key,
+)
 from lowbit.api._trace import param_uses
 
 __all__ = [
@@ -91,4 +98,9 @@ __all__ = [
     "run",
     "sparsegpt_params",
     "with_activation_bounds",
+    "StoredProgram",
+    "compile_stored",
+    "describe",
+    "program_directory",
+    "program_key",
 ]

@@ -112,6 +112,7 @@ class _TextStream:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the command with parsed `args`; returns the exit status (errors raise)."""
+    from lowbit.api import program_directory
     from lowbit.models._generate import Sampling, generate_tokens, stream_tokens
 
     if args.max_new_tokens < 1:
@@ -137,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         key=args.seed,
         stop_ids=stops,
         kv_cache=kv,
+        program_dir=program_directory(),
     )
     summary = f"recipe {target.recipe}; kv cache {kv.to_text() if kv else 'float'}"
     if args.int8_activations:

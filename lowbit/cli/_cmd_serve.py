@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from lowbit import serving
+from lowbit.api import program_directory
 from lowbit.cli._common import (
     Command,
     add_int8_activations_argument,
@@ -133,9 +133,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         template = None
         print(f"lowbit serve: no chat endpoint ({err})", file=sys.stderr)
-    scheduler = server.Scheduler(
-        loaded.model, params, kv, config, program_dir=serving.program_directory()
-    )
+    scheduler = server.Scheduler(loaded.model, params, kv, config, program_dir=program_directory())
     served = server.ServedModel(
         name=loaded.name,
         tokenizer=loaded.tokenizer,

@@ -18,7 +18,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lowbit import serving
-from lowbit.io._atomic import atomic_write
+from lowbit._atomic import atomic_write
+from lowbit.api import program_directory
 
 # Metadata keys the CLI stores in a checkpoint manifest to find the float model again.
 META_MODEL = serving.META_MODEL
@@ -256,7 +257,7 @@ def _print_algorithm_report(bar: Progress, report: Any) -> None:
 def print_fallbacks(bar: Progress, loaded: Any, params: Any, shown: int = 5) -> None:
     """Says how many weights the model's forward would dequantize or lay out on every call
     (the engine's fallbacks: a slow path), and which, when there are any."""
-    lines = serving.fallback_report(loaded, params, serving.program_directory())
+    lines = serving.fallback_report(loaded, params, program_directory())
     if not lines:
         return
     bar.console.print(

@@ -47,10 +47,10 @@ import gguf
 import jax
 import numpy as np
 
+from lowbit._atomic import atomic_write
 from lowbit.formats import GGUFBlockFormat
 from lowbit.gguf import BLOCK_TYPES, GGUFFile, read_gguf
 from lowbit.gguf import encode as gguf_encode
-from lowbit.io._atomic import atomic_write
 from lowbit.models import (
     DecoderConfig,
     decoder_config_from_gguf,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lowbit.api import compile_stored, describe
 from lowbit.engine import interpret
 from lowbit.models._chat_template import chat_template_from_gguf as chat_template_from_gguf
 from lowbit.models._kv_cache import KVCache
@@ -358,6 +360,7 @@ def stream_tokens(
     kv_cache: KVCacheConfig | str | None = None,
     chunk: int | None = DEFAULT_CHUNK,
     mesh: jax.sharding.Mesh | GenerationSharding | None = None,
+    program_dir: str | os.PathLike[str] | None = None,
 ) -> Iterator[np.ndarray]:
     """Continues each of a batch of token prompts, yielding the new tokens as they come.
 
@@ -374,6 +377,10 @@ def stream_tokens(
       kv_cache: a quantized KV cache format (`KVCacheConfig`, ``"int8"``, ``"int4"``,
         ``"fp8"``) or None for float.
       chunk: decode steps per compiled call (None: all in one call).
+      program_dir: keep the prefill and decode programs' traced form here
+        (`lowbit.api.compile_stored`; `lowbit.api.program_directory()` is the one beside
+        JAX's compilation cache), so that the next process generating with the same model
+        and shapes does not trace them; one device only (ignored with a `mesh`).
       mesh: run on this mesh (a `jax.sharding.Mesh` with a ``"model"`` axis for tensor
         parallelism and / or a ``"data"`` axis for batch rows, or a `GenerationSharding`):
         params and KV cache are placed by `shard_for_generation` (heads and MLP columns
@@ -429,10 +436,15 @@ def stream_tokens(
         stop_arr, key = put(stop_arr, plan.named()), put(key, plan.named())
     cache = dataclasses.replace(cache, start=start)
 
-    state = _prefill(graphdef, sampling, capacity, params, tokens, cache, stop_arr, key)
-    emitted = 0
     limit = jnp.int32(max_new_tokens)
     steps = jnp.int32(max_new_tokens if chunk is None else chunk)
+    prefill, decode = _prefill, _decode
+    if program_dir is not None and plan is None:
+        prefill, decode = _stored_programs(
+            program_dir, graphdef, module, sampling, capacity, params, tokens, cache, stop_arr, key
+        )
+    state = prefill(graphdef, sampling, capacity, params, tokens, cache, stop_arr, key)
+    emitted = 0
     host = np.asarray if plan is None else fetch  # with processes: every one gathers
     while True:
         count = int(host(state.count))
@@ -441,7 +453,54 @@ def stream_tokens(
             emitted = count
         if count >= max_new_tokens or bool(host(state.done)[:n_rows].all()):
             return
-        state = _decode(graphdef, sampling, params, state, steps, limit, stop_arr, key)
+        state = decode(graphdef, sampling, params, state, steps, limit, stop_arr, key)
+
+
+def _stored_programs(directory, graphdef, module, sampling, capacity, *args):
+    """`_prefill` and `_decode` (same signatures) compiled through `compile_stored`: their
+    traced form read from `directory`, or kept there. The PRNG key travels as its data."""
+    params, tokens, cache, stop_arr, key = args
+    impl = jax.random.key_impl(key)
+    static = describe((graphdef, module.config, sampling, capacity, impl))
+
+    def first(params, tokens, cache, stop_arr, data):
+        key = jax.random.wrap_key_data(data, impl=impl)
+        return _prefill(graphdef, sampling, capacity, params, tokens, cache, stop_arr, key)
+
+    data = jax.random.key_data(key)
+    prefill = compile_stored(
+        "generate-prefill",
+        first,
+        (params, tokens, cache, stop_arr, data),
+        static=static,
+        out_like=lambda a: DecodeState(cache=a[2], token=0, out=0, count=0, done=0),
+        donate_argnums=(2,),
+        directory=directory,
+    )
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), prefill.out_shapes)
+
+    def step(params, state, steps, limit, stop_arr, data):
+        key = jax.random.wrap_key_data(data, impl=impl)
+        return _decode(graphdef, sampling, params, state, steps, limit, stop_arr, key)
+
+    scalar = jnp.int32(0)
+    decode = compile_stored(
+        "generate-decode",
+        step,
+        (params, state, scalar, scalar, stop_arr, data),
+        static=static,
+        out_like=lambda a: a[1],
+        donate_argnums=(1,),
+        directory=directory,
+    )
+
+    def run_prefill(graphdef, sampling, capacity, params, tokens, cache, stop_arr, key):
+        return prefill(params, tokens, cache, stop_arr, jax.random.key_data(key))
+
+    def run_decode(graphdef, sampling, params, state, steps, limit, stop_arr, key):
+        return decode(params, state, steps, limit, stop_arr, jax.random.key_data(key))
+
+    return run_prefill, run_decode
 
 
 def generate_tokens(

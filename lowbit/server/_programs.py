@@ -8,7 +8,7 @@ joined at different times decode side by side, each seeing only its own tokens. 
 keep their ``start`` at ``T``: they attend to nothing and their tokens are ignored.
 
 Every program here is a plain function (the model's ones take its graph definition first):
-the scheduler compiles each once per shape (`lowbit.serving.compile_stored`, which keeps the
+the scheduler compiles each once per shape (`lowbit.api.compile_stored`, which keeps the
 traced form for the next start), donating the cache it is given.
 
 A prompt is prefilled alone, as `lowbit.generate` prefills a batch of one (left-padded to a

@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lowbit.api import StoredProgram, compile_stored, describe
 from lowbit.models._generate import bucket
 from lowbit.server import _programs as programs
 from lowbit.server._programs import RowSampling
-from lowbit.serving import StoredProgram, compile_stored, describe
 
 # The model's programs, and the position of the KV cache among their arguments.
 _MODEL_PROGRAMS = {"decode": 1, "prefill": 2, "prefill_chunk": 2}
@@ -154,7 +154,7 @@ class Scheduler:
       kv_cache: the KV cache format (a `KVCacheConfig`) or None for float.
       config: slots, cache length, queue bound, prefill chunking.
       program_dir: where the compiled programs' traced forms are kept between starts
-        (`lowbit.serving.compile_stored`; `lowbit.serving.program_directory()` is the one
+        (`lowbit.api.compile_stored`; `lowbit.api.program_directory()` is the one
         beside JAX's compilation cache); None traces them at every start.
     """
 

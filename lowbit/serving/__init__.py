@@ -38,13 +38,6 @@ from lowbit.serving._recipe_spec import (
     recipe_label,
 )
 from lowbit.serving._rotation import rotated_for_spec, rotated_model, storable, wrap_online
-from lowbit.serving._stored import (
-    StoredProgram,
-    compile_stored,
-    describe,
-    program_directory,
-    program_key,
-)
 
 __all__ = [
     "FLOAT_RECIPE",
@@ -57,11 +50,6 @@ __all__ = [
     "META_RECIPE",
     "MODEL_NAMES",
     "Calibrate",
-    "StoredProgram",
-    "compile_stored",
-    "describe",
-    "program_directory",
-    "program_key",
     "LoadedModel",
     "apply_recipe",
     "as_numpy_tokens",

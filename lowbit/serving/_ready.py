@@ -17,11 +17,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lowbit.api import kernel_axes_of, prepare
+from lowbit._atomic import atomic_write
+from lowbit.api import describe, kernel_axes_of, prepare, program_key
 from lowbit.engine import trace_report
-from lowbit.io._atomic import atomic_write
 from lowbit.serving._load import LoadedModel, model_fn
-from lowbit.serving._stored import describe, program_key
 
 # The example batch the forward is traced on (abstractly: nothing runs). The contraction
 # axes do not depend on its size.

@@ -149,3 +149,30 @@ def test_greedy_tokens_is_argmax(logits):
     # Rounded values make ties common; NaN, infinities and signed zeros as argmax treats them.
     got = np.asarray(greedy_tokens(jnp.asarray(logits)))
     np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1)))
+
+
+@pytest.mark.parametrize("kv_cache", [None, "int8"])
+def test_kept_programs_give_the_same_tokens_in_a_new_process(tiny, tmp_path, kv_cache):
+    """With a program directory, generation keeps its prefill and decode programs there; a
+    new process (the in-process programs forgotten) reads them back without tracing and
+    samples the same tokens, greedy and sampled, quantized weights included."""
+    from lowbit.api import _stored
+
+    params = quantize_params(nnx.to_pure_dict(nnx.state(tiny)), "int8")
+    options = dict(
+        params=params,
+        max_new_tokens=NEW,
+        sampling=Sampling(temperature=0.8, top_k=20),
+        key=3,
+        kv_cache=kv_cache,
+        stop_ids=[5],
+    )
+    expected = generate_tokens(tiny, PROMPTS, **options)
+    _stored._COMPILED.clear()
+    kept = generate_tokens(tiny, PROMPTS, program_dir=tmp_path, **options)
+    files = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    assert {name.split("-")[1] for name in files} == {"prefill", "decode"}
+    _stored._COMPILED.clear()
+    again = generate_tokens(tiny, PROMPTS, program_dir=tmp_path, **options)
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == files
+    assert kept == expected and again == expected

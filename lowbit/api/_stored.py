@@ -1,11 +1,12 @@
 """Compiled programs whose traced form is kept on disk, so that a second start skips tracing.
 
-A server or a generation loop compiles a handful of programs (a decode step, prefill widths)
-over a quantized model. JAX's persistent compilation cache already skips XLA's compile on a
-second start, but not the Python trace in front of it: tracing lowbit's engine through every
-layer of a 1.5B model takes seconds per program, and that trace is what a warm start is made
-of. `compile_stored` keeps each program's lowered form (``jax.export``, StableHLO, no Python
-objects) in a directory, keyed by everything the trace depends on except the arrays' values:
+A server, a generation loop or a user's own ``jax.jit(lowbit.run(fn))`` compiles a handful of
+programs (a decode step, prefill widths) over a quantized model. JAX's persistent compilation
+cache already skips XLA's compile on a second start, but not the Python trace in front of it:
+tracing lowbit's engine through every layer of a 1.5B model takes seconds per program, and
+that trace is what a warm start is made of. `compile_stored` keeps each program's lowered form
+(``jax.export``, StableHLO, no Python objects) in a directory, keyed by everything the trace
+depends on except the arrays' values:
 
   * the program's name and its static description (the model's graph definition and config,
     with process-specific addresses removed);
@@ -40,11 +41,14 @@ import jax
 from jax import export
 
 from lowbit import kernels
-from lowbit.io._atomic import atomic_write
+from lowbit._atomic import atomic_write
 
 _log = logging.getLogger("lowbit.serving")
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+# Programs compiled in this process, by key: a second request for one is free (as jax.jit's
+# own cache makes a second call of a jitted function).
+_COMPILED: dict[tuple, StoredProgram] = {}
 _SUFFIX = ".jaxexport"
 
 
@@ -158,11 +162,15 @@ def compile_stored(
       directory: where programs are kept; None compiles without keeping anything.
     Returns:
       A `StoredProgram`: a function of arguments shaped like `args`, returning what `fn`
-      returns. It never traces or compiles again.
+      returns. It never traces or compiles again; the same request later in the process
+      returns the same program.
     """
     leaves, in_tree = jax.tree.flatten(args)
     avals = _avals(leaves)
     out_tree = jax.tree.structure(out_like(args))
+    memo = (program_key(name, static, args), donate_argnums, str(directory))
+    if memo in _COMPILED:
+        return _COMPILED[memo]
     donated = tuple(i for i, position in enumerate(_positions(args)) if position in donate_argnums)
 
     def flat(*flat_args: Any) -> list[Any]:
@@ -182,13 +190,15 @@ def compile_stored(
         runner = jax.jit(flat, donate_argnums=donated)
     compiled = runner.lower(*avals).compile()
     shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in jax.tree.leaves(compiled.out_info)]
-    return StoredProgram(
+    program = StoredProgram(
         compiled=compiled,
         in_count=len(leaves),
         out_tree=out_tree,
         out_shapes=jax.tree.unflatten(out_tree, shapes),
         stored=exported is not None,
     )
+    _COMPILED[memo] = program
+    return program
 
 
 def _positions(args: tuple) -> list[int]:
