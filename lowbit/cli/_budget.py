@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lowbit import serving
+from lowbit._atomic import atomic_write
 from lowbit.cli._common import (
     META_KIND,
     META_MODEL,
@@ -26,7 +27,6 @@ from lowbit.cli._common import (
     progress,
     step,
 )
-from lowbit.io._atomic import atomic_write
 
 PLAN_NAME = "plan"
 

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lowbit import serving
-from lowbit.io._atomic import atomic_write
+from lowbit._atomic import atomic_write
 
 # Metadata keys the CLI stores in a checkpoint manifest to find the float model again.
 META_MODEL = serving.META_MODEL

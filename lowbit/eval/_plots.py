@@ -16,8 +16,8 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from lowbit._atomic import atomic_write
 from lowbit.eval._report import ResultRow
-from lowbit.io._atomic import atomic_write
 
 
 def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:

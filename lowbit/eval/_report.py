@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from lowbit.io._atomic import atomic_write
+from lowbit._atomic import atomic_write
 
 METRICS = ("ppl", "cosine")
 REPORT_FILE = "report.json"

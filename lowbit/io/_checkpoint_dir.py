@@ -3,7 +3,7 @@
 A checkpoint is a directory holding exactly ``manifest.json`` and ``model.safetensors`` (or,
 written by several processes, ``manifest.json`` and one ``process-NNNNN.safetensors`` per
 process: `lowbit.io._shard_index`). It
-is only ever published whole (`lowbit.io._atomic`): files inside a published directory are
+is only ever published whole (`lowbit._atomic`): files inside a published directory are
 never rewritten, a new checkpoint replaces the directory. So a reader that opens both files
 from the same directory (resolved once, held open as a descriptor) reads one checkpoint, old
 or new, never a mix: if a save swaps the directory between the two opens, the reader notices
@@ -18,8 +18,8 @@ import os
 from collections.abc import Iterator
 from typing import BinaryIO
 
+from lowbit._atomic import publish_permissions, replace_directory, same_directory, write_file
 from lowbit._untrusted import open_regular
-from lowbit.io._atomic import publish_permissions, replace_directory, same_directory, write_file
 from lowbit.io._manifest import FORMAT_NAME, READABLE_VERSIONS, CheckpointError
 from lowbit.io._shard_index import is_shard_file
 from lowbit.io._untrusted_json import load_json

@@ -1,7 +1,7 @@
 """The writing side of a checkpoint saved by several processes: each writes its own pieces.
 
 Every process runs the same save. Process 0 creates the temporary directory beside the target
-(`lowbit.io._atomic`) and tells the others its name; each process writes the pieces it owns
+(`lowbit._atomic`) and tells the others its name; each process writes the pieces it owns
 (of every array split over processes, the device pieces whose ``replica_id`` is 0 and that
 live on its devices; every other array, whole, by process 0) into its own
 ``process-NNNNN.safetensors`` there. Then the processes agree on the manifest: each sends its
@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from lowbit.io._atomic import (
+from lowbit._atomic import (
     make_temporary,
     release_temporary,
     remove_stale_temporaries,

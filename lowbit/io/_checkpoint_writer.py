@@ -4,7 +4,7 @@ The checkpoint is the one `save_checkpoint` writes (which is this writer given t
 at once): the same manifest and the same tensor file. Each leaf's tensors go to disk (and
 their sha256 into the manifest's table) when the leaf is added, so the writer holds one leaf
 at a time and a model larger than memory can be converted tensor by tensor. Everything is
-written into a temporary directory beside the target (`lowbit.io._atomic`) and swapped in by
+written into a temporary directory beside the target (`lowbit._atomic`) and swapped in by
 `close`; until then, and after any failure, the target is untouched.
 """
 
@@ -20,12 +20,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from lowbit._version import __version__
-from lowbit.io._atomic import (
+from lowbit._atomic import (
     make_temporary,
     release_temporary,
     remove_stale_temporaries,
 )
+from lowbit._version import __version__
 from lowbit.io._checkpoint_dir import (
     CHECKPOINT_FILES,
     TENSORS_FILE,

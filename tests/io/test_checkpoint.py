@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import lowbit.io
+from lowbit import _atomic as atomic_module
 from lowbit.formats import FORMATS, GGUFBlockFormat
 from lowbit.io import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
-from lowbit.io import _atomic as atomic_module
 from lowbit.io import _checkpoint as checkpoint_module
 from lowbit.io import _checkpoint_dir as dir_module
 from lowbit.io import _checkpoint_writer as writer_module

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lowbit import _atomic as atomic_module
 from lowbit import cli
 from lowbit.io import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
-from lowbit.io import _atomic as atomic_module
 from lowbit.io import _checkpoint as checkpoint_module
 from lowbit.io import _checkpoint_dir as dir_module
 from lowbit.qarray import quantize

@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from lowbit.io._atomic import LinkedPathError, atomic_write
+from lowbit._atomic import LinkedPathError, atomic_write
 
 
 def _plant(link, victim):
@@ -64,7 +64,7 @@ def test_links_at_the_old_temporary_names_are_not_followed(tmp_path, name):
 
 def test_a_link_at_the_temporary_name_is_not_followed(tmp_path, monkeypatch):
     # The name is random, but even one guessed right is created with O_EXCL | O_NOFOLLOW.
-    from lowbit.io import _atomic
+    from lowbit import _atomic
 
     tokens = iter(["0" * 16, "1" * 16])
     monkeypatch.setattr(_atomic.secrets, "token_hex", lambda n: next(tokens))
