@@ -1,5 +1,5 @@
 """GGUF: the GGML block types and their codecs (bit-identical to llama.cpp), and the file
-reader.
+reader and writer.
 
 `BLOCK_TYPES` is the one list of block types lowbit encodes and decodes: each `BlockType`
 holds its sizes, its ggml type id and its codec (`BlockType.encode` / `BlockType.decode`,
@@ -7,20 +7,26 @@ traced JAX functions); `encode`, `decode` and `split` (a 32-element block's scal
 and codes) are their compiled NumPy entry points.
 `read_gguf` parses a file's header once and hands each tensor over as a memory-mapped view of
 its stored blocks (`GGUFFile`, `GGUFTensor`); a malformed file raises `GGUFError`.
+`write_gguf` writes one atomically, its tensors declared up front (`TensorSpec`) and their
+data streamed one at a time.
 """
 
 from lowbit.gguf._reader import GGUFError, GGUFFile, GGUFTensor, read_gguf
 from lowbit.gguf._types import BLOCK_TYPES, BlockType, block_type, decode, encode, split
+from lowbit.gguf._writer import FLOAT_TYPES, TensorSpec, write_gguf
 
 __all__ = [
     "BLOCK_TYPES",
+    "FLOAT_TYPES",
     "BlockType",
     "GGUFError",
     "GGUFFile",
     "GGUFTensor",
+    "TensorSpec",
     "block_type",
     "decode",
     "encode",
     "read_gguf",
     "split",
+    "write_gguf",
 ]

@@ -27,9 +27,9 @@ Q3_K -> IQ4_NL, TQ -> Q4_0 ...), printed, or raises with ``strict=True``.
 
 Metadata: every key of the source GGUF (architecture, tokenizer, chat template, ...) is copied
 with its type, except the file type, which is set for the output; without a source file the
-architecture keys are built from the `LlamaConfig` (no tokenizer then). The file is written to
-a temporary name beside the target, read back with `gguf.GGUFReader`, and renamed into place;
-on any error nothing is left behind.
+architecture keys are built from the `LlamaConfig` (no tokenizer then). The file is written by
+`lowbit.gguf.write_gguf`: to a temporary name beside the target, read back with
+`gguf.GGUFReader`, and renamed into place; on any error nothing is left behind.
 
 Streaming: every tensor's type and byte shape is planned from shapes and metadata first (the
 header precedes the data), then each leaf is read, encoded and written in turn, so with a lazy
@@ -49,7 +49,15 @@ import numpy as np
 
 from lowbit._atomic import atomic_write
 from lowbit.formats import GGUFBlockFormat
-from lowbit.gguf import BLOCK_TYPES, GGUFFile, read_gguf
+from lowbit.gguf import (
+    BLOCK_TYPES,
+    FLOAT_TYPES,
+    GGUFFile,
+    TensorSpec,
+    block_type,
+    read_gguf,
+    write_gguf,
+)
 from lowbit.gguf import encode as gguf_encode
 from lowbit.models import (
     DecoderConfig,
@@ -81,7 +89,6 @@ K_FALLBACK = {
 choices; applied until the rows fit)."""
 
 MIXES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S")
-FLOAT_TYPES = ("F32", "F16")
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16}
 EXPORT_TYPES = (*FLOAT_TYPES, *BLOCK_TYPES, *MIXES)
 """Accepted `type` values (besides None: keep quantized weights, floats as F32)."""
@@ -169,20 +176,16 @@ def _requested(name: str, type_: str | None, n_layers: int, tied: bool) -> str |
 def _fitting(type_: str, name: str, row: int, strict: bool) -> tuple[str, str]:
     """`type_` or its fallback for rows of `row` elements: (type, note)."""
     chosen = type_
-    while chosen not in FLOAT_TYPES and row % gguf.GGML_QUANT_SIZES[_ggml(chosen)][0]:
+    while chosen not in FLOAT_TYPES and row % block_type(chosen).block_size:
         if strict:
             raise ValueError(
                 f"tensor {name!r}: rows of {row} elements are not a multiple of the "
-                f"{chosen} block size {gguf.GGML_QUANT_SIZES[_ggml(chosen)][0]}; drop strict "
+                f"{chosen} block size {block_type(chosen).block_size}; drop strict "
                 "(--strict) to fall back per tensor, or choose a type with blocks of 32"
             )
         chosen = K_FALLBACK[chosen]
     note = "" if chosen == type_ else f"rows of {row} are not whole {type_} blocks: {chosen}"
     return chosen, note
-
-
-def _ggml(type_: str) -> gguf.GGMLQuantizationType:
-    return gguf.GGMLQuantizationType[type_]
 
 
 def _nibbles_ggml(codes: np.ndarray) -> np.ndarray:
@@ -418,7 +421,16 @@ def export_gguf(
                 log(f"{p.name}: {how} as {written}" + (f" ({note})" if note else ""))
             yield raw
 
-    _write(path, plan, encoded(), metadata, config, file_type)
+    if metadata is None:
+        ours = _config_metadata(config).items()
+        metadata = [(k, v, t, None) for k, (v, t) in ours if k not in _SKIP_KEYS]
+    uint32 = gguf.GGUFValueType.UINT32
+    metadata += [
+        ("general.file_type", file_type, uint32, None),
+        ("general.quantization_version", 2, uint32, None),
+    ]
+    specs = [TensorSpec(p.name, p.written, p.shape, p.dtype) for p in plan]
+    write_gguf(path, config.architecture, metadata, specs, encoded())
     return ExportReport(path=path, nbytes=os.path.getsize(path), tensors=tuple(notes))
 
 
@@ -433,19 +445,14 @@ class _Planned:
     shape: tuple[int, ...]
     dtype: np.dtype
 
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
-
 
 def _planned(name: str, where: Any, written: str, value: Any) -> _Planned:
     shape = tuple(value.shape)
     if written in FLOAT_TYPES:
         return _Planned(name, where, written, shape, np.dtype(_FLOAT_DTYPES[written]))
-    block, type_size = gguf.GGML_QUANT_SIZES[_ggml(written)]
-    return _Planned(
-        name, where, written, (*shape[:-1], shape[-1] // block * type_size), np.dtype(np.uint8)
-    )
+    t = block_type(written)
+    row_bytes = shape[-1] // t.block_size * t.type_size
+    return _Planned(name, where, written, (*shape[:-1], row_bytes), np.dtype(np.uint8))
 
 
 def _leaf(params: Any, path: tuple, *, abstract: bool) -> Any:
@@ -534,64 +541,3 @@ def _file_type(type_: str | None, written: list[str]) -> int:
         key = _FILE_TYPES.get(common, f"MOSTLY_{common}")
     member = getattr(gguf.LlamaFileType, key, gguf.LlamaFileType.GUESSED)
     return int(member)
-
-
-def _write(path, plan, encoded, metadata, config, file_type) -> None:
-    """Writes the file: header and tensor table from `plan`, then each array `encoded`
-    yields (one per planned tensor, in order), so one tensor is resident at a time.
-
-    Through `atomic_write`: checked before it replaces `path`, never through a link."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise OSError(f"cannot write {path!r}: directory {directory!r} does not exist")
-
-    def write(file) -> None:
-        writer = _FileWriter(file, config.architecture)
-        if metadata is None:
-            for key, (value, vtype) in _config_metadata(config).items():
-                if key not in _SKIP_KEYS:
-                    writer.add_key_value(key, value, vtype)
-        else:
-            for key, value, vtype, sub in metadata:
-                writer.add_key_value(key, value, vtype, sub_type=sub)
-        writer.add_key_value("general.file_type", file_type, gguf.GGUFValueType.UINT32)
-        writer.add_key_value("general.quantization_version", 2, gguf.GGUFValueType.UINT32)
-        for p in plan:
-            raw_dtype = None if p.written in FLOAT_TYPES else _ggml(p.written)
-            writer.add_tensor_info(p.name, p.shape, p.dtype, p.nbytes, raw_dtype=raw_dtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for raw in encoded:
-            writer.write_tensor_data(np.ascontiguousarray(raw))
-            del raw
-        writer.flush()
-        _validate(file, plan)
-
-    atomic_write(path, write)
-
-
-class _FileWriter(gguf.GGUFWriter):
-    """gguf's writer, writing to a file we opened (it would open the path itself, following
-    links) rather than to a path."""
-
-    def __init__(self, file, architecture: str):
-        super().__init__(None, architecture)
-        self._file = file
-
-    def open_output_file(self, path=None) -> None:
-        if self.state is gguf.WriterState.NO_FILE:
-            self.fout = [self._file]
-            self.state = gguf.WriterState.EMPTY
-
-
-def _validate(file, plan) -> None:
-    """Checks the written `file` (a path or an open file) holds every planned tensor."""
-    reader = gguf.GGUFReader(file)
-    found = {t.name: t for t in reader.tensors}
-    for p in plan:
-        t = found.get(p.name)
-        if t is None or t.tensor_type.name != p.written or t.n_bytes != p.nbytes:
-            raise ValueError(
-                f"written GGUF file does not read back tensor {p.name!r} as {p.written}"
-            )

@@ -222,12 +222,12 @@ def test_bad_type_and_unwritable_place(tmp_path):
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
-    from lowbit.io import _gguf_export
+    from lowbit.gguf import _writer
 
     def broken(*args, **kwargs):
         raise ValueError("written GGUF file does not read back")
 
-    monkeypatch.setattr(_gguf_export, "_validate", broken)
+    monkeypatch.setattr(_writer, "_validate", broken)
     (tmp_path / "m.gguf").write_bytes(b"old")
     with pytest.raises(ValueError, match="does not read back"):
         export_gguf(_params(), tmp_path / "m.gguf", config=CONFIG, log=None)
