@@ -47,7 +47,6 @@ import gguf
 import jax
 import numpy as np
 
-from lowbit._atomic import atomic_write
 from lowbit.formats import GGUFBlockFormat
 from lowbit.gguf import (
     BLOCK_TYPES,
