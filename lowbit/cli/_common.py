@@ -502,7 +502,7 @@ def gguf_metadata(loaded: Any) -> dict[str, Any] | None:
         return None
     from lowbit.gguf import read_gguf
 
-    return read_gguf(loaded.gguf_path).metadata
+    return (loaded.gguf_file or read_gguf(loaded.gguf_path)).metadata
 
 
 def stop_ids(loaded: Any, metadata: dict[str, Any] | None) -> list[int]:

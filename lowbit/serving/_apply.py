@@ -73,7 +73,9 @@ def apply_recipe(
         mapping = gguf_param_map(loaded.model.config)
         # Laid out as each tensor is read, so the tree is resident once.
         params, _ = import_gguf(
-            loaded.gguf_path, name_map=mapping.get, kernel_axes=kernel_axes_fn(loaded)
+            loaded.gguf_file or loaded.gguf_path,
+            name_map=mapping.get,
+            kernel_axes=kernel_axes_fn(loaded),
         )
         # The block types multiply as llama.cpp multiplies them: activations in its Q8_0 / Q8_K
         # blocks, integer dots (`with_int8_activations(params, False)` for float activations).

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from lowbit.gguf import read_gguf
+
 MODEL_NAMES = ("smollm2", "minilm")
 KINDS = ("lm", "encoder")
 HF_FILES = ("model.safetensors", "config.json", "tokenizer.json")
@@ -36,6 +38,8 @@ class LoadedModel:
       model: the float NNX module.
       tokenizer: its `tokenizers.Tokenizer`.
       gguf_path: the GGUF file it was read from, or None.
+      gguf_file: that file as read (`lowbit.gguf.GGUFFile`: its metadata, and its tensors as
+        memory-mapped views), so the file's header is parsed once however many steps use it.
       rotation: the `lowbit.recipes.RotationConfig` its float weights were rotated by
         (`lowbit.serving.rotated_model`), or None.
       rotation_report: what that rotation did (`lowbit.models.RotationReport`), or None.
@@ -49,6 +53,7 @@ class LoadedModel:
     model: nnx.Module
     tokenizer: Any
     gguf_path: Path | None = None
+    gguf_file: Any = None
     rotation: Any = None
     rotation_report: Any = None
     abstract: bool = False
@@ -128,7 +133,8 @@ def load_model(spec: str, float_weights: bool = True) -> LoadedModel:
         raise FileNotFoundError(f"model file {spec!r} does not exist")
     path = path.resolve()
     if path.suffix == ".gguf":
-        model, tokenizer = models.load_decoder_gguf(path, weights=float_weights)
+        gguf_file = read_gguf(path)
+        model, tokenizer = models.load_decoder_gguf(gguf_file, weights=float_weights)
         return LoadedModel(
             name=path.stem,
             spec=str(path),
@@ -136,6 +142,7 @@ def load_model(spec: str, float_weights: bool = True) -> LoadedModel:
             model=model,
             tokenizer=tokenizer,
             gguf_path=path,
+            gguf_file=gguf_file,
             abstract=not float_weights,
         )
     if path.name == "model.safetensors" and _hf_decoder_type(path.parent):
