@@ -21,8 +21,9 @@ cache); one not found is traced, exported, written atomically and compiled. Expo
 some programs (effects it cannot serialize, say): those are traced and compiled as usual,
 with the reason logged once. Weights' values are never written: only the program.
 
-Loading never executes code: the file is a flatbuffer of StableHLO bytecode, read by JAX's
-own deserializer.
+Loading never executes Python: the file is a flatbuffer of StableHLO bytecode, read by JAX's
+own deserializer. The folder deserves the trust JAX's compilation cache beside it does (that
+one holds machine code).
 """
 
 from __future__ import annotations
@@ -38,21 +39,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jaxlib
 from jax import export
 
 from lowbit import kernels
 from lowbit._atomic import atomic_write
 
-_log = logging.getLogger("lowbit.serving")
+_log = logging.getLogger("lowbit.api")
 
+PROGRAMS_FOLDER = "lowbit-programs"
+_SUFFIX = ".jaxexport"
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 # Programs compiled in this process, by key: a second request for one is free (as jax.jit's
 # own cache makes a second call of a jitted function).
 _COMPILED: dict[tuple, StoredProgram] = {}
-_SUFFIX = ".jaxexport"
-
-
-PROGRAMS_FOLDER = "lowbit-programs"
 
 
 def program_directory() -> str | None:
@@ -104,6 +104,7 @@ def program_key(name: str, static: str, args: tuple) -> str:
         str(tree),
         repr([(a.shape, str(a.dtype), a.weak_type) for a in _avals(leaves)]),
         jax.__version__,
+        jaxlib.__version__,
         jax.default_backend(),
         str(jax.config.jax_enable_x64),
         str(jax.config.jax_default_matmul_precision),
