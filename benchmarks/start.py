@@ -45,7 +45,7 @@ def _generate(path: str, cache: str) -> float:
     env = dict(os.environ, PYTHONPATH=str(ROOT), LOWBIT_COMPILATION_CACHE=cache)
     begin = time.perf_counter()
     subprocess.run(
-        [*CLI, "generate", path, "The capital of France is", "--max-new-tokens", "8"],
+        [*CLI, "generate", path, "--prompt", "The capital of France is", "--max-new-tokens", "8"],
         cwd=ROOT,
         env=env,
         check=True,
