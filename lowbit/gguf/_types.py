@@ -274,6 +274,22 @@ def _chunked(
                 out[i : i + n] = np.asarray(value)[:n]
 
 
+def _whole_blocks(name: str, raw: jax.Array | np.ndarray) -> tuple[BlockType, np.ndarray]:
+    """`name`'s block type and `raw` as a NumPy array of whole blocks.
+
+    Raises:
+      ValueError: for an unknown type, or bytes that are not uint8 whole blocks.
+    """
+    t = block_type(name)
+    raw = np.asarray(raw)
+    if raw.dtype != np.uint8 or raw.ndim == 0 or raw.shape[-1] % t.type_size:
+        raise ValueError(
+            f"{name} blocks must be uint8 with a last axis that is a multiple of "
+            f"{t.type_size} bytes, got {raw.dtype} {raw.shape}"
+        )
+    return t, raw
+
+
 def decode(name: str, raw: jax.Array | np.ndarray) -> np.ndarray:
     """GGUF blocks to float32, bit-identical to llama.cpp's dequantization.
 
@@ -285,13 +301,7 @@ def decode(name: str, raw: jax.Array | np.ndarray) -> np.ndarray:
     Raises:
       ValueError: for an unknown type, or bytes that are not uint8 whole blocks.
     """
-    t = block_type(name)
-    raw = np.asarray(raw)
-    if raw.dtype != np.uint8 or raw.ndim == 0 or raw.shape[-1] % t.type_size:
-        raise ValueError(
-            f"{name} blocks must be uint8 with a last axis that is a multiple of "
-            f"{t.type_size} bytes, got {raw.dtype} {raw.shape}"
-        )
+    t, raw = _whole_blocks(name, raw)
     if raw.size == 0:
         return np.zeros((*raw.shape[:-1], raw.shape[-1] // t.type_size * t.block_size), np.float32)
     blocks = np.ascontiguousarray(raw).reshape(-1, t.type_size)
@@ -361,13 +371,7 @@ def split(
     Raises:
       ValueError: for a type without such fields, or bytes that are not uint8 whole blocks.
     """
-    t = block_type(name)
-    raw = np.asarray(raw)
-    if raw.dtype != np.uint8 or raw.ndim == 0 or raw.shape[-1] % t.type_size:
-        raise ValueError(
-            f"{name} blocks must be uint8 with a last axis that is a multiple of "
-            f"{t.type_size} bytes, got {raw.dtype} {raw.shape}"
-        )
+    t, raw = _whole_blocks(name, raw)
     blocks = np.ascontiguousarray(raw).reshape(-1, t.type_size)
     n = blocks.shape[0]
     outs = [None if f is None else np.empty((n, *f.shape), f.dtype) for f in _fields_of(name)]
