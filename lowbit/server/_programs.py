@@ -12,7 +12,8 @@ the scheduler compiles each once per shape (`lowbit.api.compile_stored`, which k
 traced form for the next start), donating the cache it is given.
 
 A prompt is prefilled alone, as `lowbit.generate` prefills a batch of one (left-padded to a
-bucketed width ``W``, in a ``W``-slot cache), then copied into its row (`insert`). So a slot
+bucketed width ``W``, in a cache of the widest one-pass width's slots, whose slots past ``W``
+stay empty and unseen), then copied into its row (`insert`, one program for every ``W``). So a slot
 computes what ``generate_tokens([prompt], key=seed)`` computes, bit for bit. A prompt too long
 for one pass is prefilled in chunks (`prefill_chunk`) into a ``T``-slot cache, between decode
 steps of the others (the same tokens up to float rounding: the chunks' products differ in

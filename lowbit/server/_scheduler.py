@@ -320,8 +320,10 @@ class Scheduler:
             state = self._begin_prefill(job)
             name, args = self._prefill_args(state)
             programs_to_compile.append((name, width, args))
-            insert = self._insert_args(state, 0, len(job.prompt))
-            programs_to_compile.append(("insert", width, insert))
+            slots = state.cache.max_len
+            if ("insert", slots) not in {spec[:2] for spec in programs_to_compile}:
+                insert = self._insert_args(state, 0, len(job.prompt))
+                programs_to_compile.append(("insert", slots, insert))
             if name == "prefill_chunk":
                 chunked = (width, job)
         # Reading a kept program and XLA's compile release the GIL: a few at a time.
@@ -448,7 +450,9 @@ class Scheduler:
             width = bucket(n)
             tokens = np.zeros((1, width), np.int32)
             tokens[0, width - n :] = job.prompt
-            cache = self.model.init_cache(1, width, self.kv_cache)
+            # Every width prefills into a cache of the widest one's slots (the slots past the
+            # prompt stay empty and unseen), so one program moves any of them into a row.
+            cache = self.model.init_cache(1, self.prefill_widths[-1], self.kv_cache)
             cache = dataclasses.replace(cache, start=jnp.asarray([width - n], jnp.int32))
             return _Prefill(job, width, cache, tokens, source=width - n)
         width = self.config.max_len
@@ -516,7 +520,7 @@ class Scheduler:
         r = free[0]
         self.start_host[r] = self.clock - n
         args = self._insert_args(state, r, n)
-        self.cache = self._program("insert", state.width, args)(*args)
+        self.cache = self._program("insert", state.cache.max_len, args)(*args)
         key = np.asarray(jax.random.key_data(jax.random.key(job.seed)))
         self.keys_host[r] = key
         self.token_host[r] = state.first
