@@ -484,8 +484,8 @@ class Scheduler:
             return
         state.next_chunk += 1
         if state.next_chunk == -(-len(job.prompt) // self.config.chunk):
-            sample = self._program("sample", 1, (out, self._row_sampling(job)))
-            state.first = int(sample(out, self._row_sampling(job))[0])
+            args = (out, self._row_sampling(job))
+            state.first = int(self._program("sample", 1, args)(*args)[0])
 
     def _first_token(self, state: _Prefill) -> None:
         job = state.job
