@@ -57,6 +57,16 @@ def _compile(template: str):
         raise ValueError(f"tokenizer.chat_template is not a valid Jinja template: {e}") from e
 
 
+@functools.lru_cache(maxsize=16)
+def template_variables(template: str) -> frozenset[str]:
+    """The names `template` reads from its caller (``messages``, ``tools``, ...): a template
+    that never reads ``tools`` ignores any tools passed to it."""
+    from jinja2 import meta
+
+    compiled = _compile(template)
+    return frozenset(meta.find_undeclared_variables(compiled.environment.parse(template)))
+
+
 def _as_messages(messages: Messages) -> list[dict[str, Any]]:
     if isinstance(messages, str):
         return [{"role": "user", "content": messages}]
@@ -126,14 +136,23 @@ class ChatTemplate:
     eos_token: str = ""
     strip_bos: bool = False
 
-    def __call__(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` (a user message, or role/content dicts)."""
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the template renders a ``tools`` list (else it ignores one)."""
+        return "tools" in template_variables(self.template)
+
+    def __call__(
+        self, messages: Messages, *, add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
+        """The prompt text for `messages` (a user message, or role/content dicts); `variables`
+        are further names for the template (e.g. ``tools``, as `render_chat_template`)."""
         text = render_chat_template(
             self.template,
             messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
+            **variables,
         )
         if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token) :]

@@ -41,6 +41,8 @@ from lowbit.server._scheduler import (
     Scheduler,
 )
 from lowbit.server._text import TextStream
+from lowbit.server._tool_calls import Parsed
+from lowbit.server._tool_prompt import chat_prompt, tool_call_stream
 
 # Seconds a client is told to wait after a 429.
 RETRY_AFTER = 1
@@ -198,7 +200,7 @@ class _Handler:
                     code="no_chat_template",
                 )
             try:
-                text = self.served.chat_template([dict(m) for m in req.messages])
+                text = chat_prompt(self.served.chat_template, req.messages, req.tools)
             except ValueError as err:
                 raise bad("messages", str(err)) from None
             ids = tok.encode(text).ids
@@ -288,6 +290,8 @@ class _Answer:
         self.created = int(time.time())
         self.finish: str | None = None
         self.recorded = False
+        # With tools offered (tool_choice auto), the text goes through the call parser.
+        self.calls = tool_call_stream(handler.served.chat_template, req.tools)
 
     def close(self) -> None:
         """Ends the job if it still runs (the client left, or the answer is complete)."""
@@ -338,11 +342,20 @@ class _Answer:
             )
         return None
 
-    def _choice(self, text: str, finish: str | None, ids: list[int], delta: bool) -> dict:
+    def _choice(
+        self,
+        text: str | None,
+        finish: str | None,
+        ids: list[int],
+        delta: bool,
+        tool_calls: list[dict] | None = None,
+    ) -> dict:
         choice: dict[str, Any] = {"index": 0}
         if self.req.chat:
             key = "delta" if delta else "message"
             choice[key] = {"role": "assistant", "content": text} if not delta else {"content": text}
+            if tool_calls:
+                choice[key]["tool_calls"] = tool_calls
         else:
             choice["text"] = text
             choice["logprobs"] = None
@@ -368,13 +381,20 @@ class _Answer:
             raise failure
         self.finish = STOP if finish == STOP else LENGTH
         self._record(self.finish)
+        text: str | None = "".join(parts)
+        reason, calls = self.finish, None
+        if self.calls is not None:
+            self.calls.add(text)
+            parsed = self.calls.finish()[1]
+            if parsed.calls:
+                text, reason, calls = parsed.content, "tool_calls", _tool_calls(parsed)
         return JSONResponse(
             {
                 "id": self.id,
                 "object": "chat.completion" if self.req.chat else "text_completion",
                 "created": self.created,
                 "model": self.handler.served.name,
-                "choices": [self._choice("".join(parts), self.finish, list(self.ids), False)],
+                "choices": [self._choice(text, reason, list(self.ids), False, calls)],
                 "usage": self._usage(),
             }
         )
@@ -403,6 +423,8 @@ class _Answer:
             sent = len(self.ids)
             piece, finish = await self._next()
             new_ids = self.ids[sent:]
+            if self.calls is not None:
+                piece = self.calls.add(piece)
             if finish is None:
                 if piece or self.req.return_token_ids:
                     yield self._chunk([self._choice(piece, None, new_ids, True)])
@@ -415,11 +437,35 @@ class _Answer:
                 return
             self.finish = STOP if finish == STOP else LENGTH
             self._record(self.finish)
-            yield self._chunk([self._choice(piece, self.finish, new_ids, True)])
+            parsed = None
+            if self.calls is not None:
+                rest, parsed = self.calls.finish()
+                piece += rest
+            if parsed is not None and parsed.calls:
+                # The content's rest, then one chunk per call, then the finish reason.
+                if piece or self.req.return_token_ids:
+                    yield self._chunk([self._choice(piece, None, new_ids, True)])
+                for call in _tool_calls(parsed, streamed=True):
+                    yield self._chunk([self._choice(None, None, [], True, [call])])
+                yield self._chunk([self._choice(None, "tool_calls", [], True)])
+            else:
+                yield self._chunk([self._choice(piece, self.finish, new_ids, True)])
             if self.req.include_usage:
                 yield self._chunk([], self._usage())
             yield "data: [DONE]\n\n"
             return
+
+
+def _tool_calls(parsed: Parsed, streamed: bool = False) -> list[dict[str, Any]]:
+    """OpenAI's ``tool_calls`` of an answer (each with a fresh id; ``index`` when streamed)."""
+    out = []
+    for i, call in enumerate(parsed.calls):
+        entry: dict[str, Any] = {"index": i} if streamed else {}
+        entry["id"] = "call_" + uuid.uuid4().hex[:24]
+        entry["type"] = "function"
+        entry["function"] = {"name": call.name, "arguments": call.arguments_json}
+        out.append(entry)
+    return out
 
 
 def create_app(served: ServedModel) -> Starlette:

@@ -13,6 +13,13 @@ import math
 from typing import Any
 
 from lowbit._untrusted import load_json
+from lowbit.server._tool_request import (
+    ToolError,
+    ToolRequest,
+    parse_tools,
+    tool_calls_message,
+    tool_message,
+)
 
 # Fields the server reads; others OpenAI defines are accepted and ignored when they hold
 # their default (or null), refused otherwise (see `_UNSUPPORTED`).
@@ -32,6 +39,7 @@ _COMMON = {
 }
 _COMPLETION = _COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_CHAT |= {"tools", "tool_choice", "parallel_tool_calls"}
 # Fields a request may carry only with these neutral values.
 _NEUTRAL = {
     "echo": (False,),
@@ -43,9 +51,6 @@ _NEUTRAL = {
     "presence_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
 }
 MAX_STOP_STRINGS = 4
 
@@ -107,7 +112,8 @@ class CompletionRequest:
       chat: True for ``/v1/chat/completions`` (`messages` set), False for ``/v1/completions``
         (`prompt` set).
       prompt: the prompt text, or its token ids.
-      messages: the chat messages (role/content dicts).
+      messages: the chat messages (role/content dicts; an assistant's may hold ``tool_calls``,
+        a ``tool`` message its ``tool_call_id``), as chat templates take them.
       max_tokens: new tokens at most, or None for the rest of the context.
       temperature, top_p, top_k: sampling (top_k 0: all tokens).
       seed: the PRNG seed, or None (then a random one).
@@ -115,11 +121,12 @@ class CompletionRequest:
       stream: answer with server-sent events.
       include_usage: with `stream`, a last chunk carrying the usage counts.
       return_token_ids: add each choice's token ids (``token_ids``) to the answer.
+      tools: the offered tools and ``tool_choice``, or None.
     """
 
     chat: bool
     prompt: str | tuple[int, ...] | None
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     max_tokens: int | None
     temperature: float
     top_p: float
@@ -129,6 +136,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    tools: ToolRequest | None = None
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -229,7 +237,7 @@ def _prompt(body: dict) -> str | tuple[int, ...]:
     )
 
 
-def _messages(body: dict) -> tuple[dict[str, str], ...]:
+def _messages(body: dict) -> tuple[dict[str, Any], ...]:
     messages = body.get("messages")
     if messages is None:
         raise bad("messages", "is required", code="missing_field")
@@ -241,8 +249,13 @@ def _messages(body: dict) -> tuple[dict[str, str], ...]:
         if not isinstance(m, dict):
             raise bad(name, "must be an object with role and content")
         role, content = m.get("role"), m.get("content")
-        if role not in ("system", "user", "assistant", "developer"):
-            raise bad(f"{name}.role", f"must be system, user, assistant or developer, got {role!r}")
+        if role not in ("system", "user", "assistant", "developer", "tool"):
+            raise bad(
+                f"{name}.role", f"must be system, user, assistant, developer or tool, got {role!r}"
+            )
+        calls = role == "assistant" and m.get("tool_calls") is not None
+        if calls and content is None:  # an assistant's turn of calls only
+            content = ""
         if isinstance(content, list):  # content parts: text only
             parts = []
             for part in content:
@@ -253,6 +266,15 @@ def _messages(body: dict) -> tuple[dict[str, str], ...]:
         if not isinstance(content, str):
             raise bad(f"{name}.content", "must be a string")
         _text(f"{name}.content", content)
+        try:
+            if calls:
+                out.append(tool_calls_message(i, m, content))
+                continue
+            if role == "tool":
+                out.append(tool_message(i, m, content))
+                continue
+        except ToolError as err:
+            raise bad(err.param, str(err)) from None
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return tuple(out)
 
@@ -299,6 +321,10 @@ def parse_request(body: dict[str, Any], chat: bool) -> CompletionRequest:
         raise bad("return_token_ids", "must be true or false")
     if not chat and body.get("model") is not None and not isinstance(body["model"], str):
         raise bad("model", "must be a string")
+    try:
+        tools = parse_tools(body) if chat else None
+    except ToolError as err:
+        raise bad(err.param, str(err), err.code) from None
     return CompletionRequest(
         chat=chat,
         prompt=None if chat else _prompt(body),
@@ -312,4 +338,5 @@ def parse_request(body: dict[str, Any], chat: bool) -> CompletionRequest:
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         return_token_ids=return_ids,
+        tools=tools,
     )
