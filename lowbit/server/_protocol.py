@@ -304,7 +304,9 @@ def parse_request(body: dict[str, Any], chat: bool) -> CompletionRequest:
     max_tokens = _int(body, "max_tokens", 1)
     if chat and body.get("max_completion_tokens") is not None:
         max_tokens = _int(body, "max_completion_tokens", 1)
-    top_k = _int(body, "top_k", 0) or 0
+    # The sampler holds k in int32; any k past the vocabulary keeps every token, so a larger
+    # one means the same (unclamped, 2**32 crashed the scheduler thread: every request lost).
+    top_k = min(_int(body, "top_k", 0) or 0, 2**31 - 1)
     seed = body.get("seed")
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, int):
