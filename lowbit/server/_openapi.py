@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from lowbit.server._protocol import _NEUTRAL, MAX_STOP_STRINGS
+from lowbit.server._tool_request import MAX_TOOLS
 
 
 def _neutral(values: tuple) -> dict[str, Any]:
@@ -53,6 +54,74 @@ def _sampling(context: int) -> dict[str, Any]:
         "user": {"type": "string"},
         "return_token_ids": {"type": "boolean"},
         **{name: _neutral(values) for name, values in _NEUTRAL.items()},
+    }
+
+
+def _tool_messages() -> list[dict[str, Any]]:
+    """An assistant's message (maybe of tool calls only) and a tool's result."""
+    call = {
+        "type": "object",
+        "required": ["id", "function"],
+        "properties": {
+            "id": {"type": "string"},
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "required": ["name", "arguments"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "arguments": {"type": "string", "description": "a JSON object"},
+                },
+            },
+        },
+    }
+    assistant = {
+        "type": "object",
+        "required": ["role"],
+        "properties": {
+            "role": {"const": "assistant"},
+            "content": {"type": ["string", "null"], "description": "null only with tool_calls"},
+            "tool_calls": {"type": ["array", "null"], "items": call},
+        },
+    }
+    tool = {
+        "type": "object",
+        "required": ["role", "content", "tool_call_id"],
+        "properties": {
+            "role": {"const": "tool"},
+            "content": {"type": "string"},
+            "tool_call_id": {"type": "string"},
+        },
+    }
+    return [assistant, tool]
+
+
+def _tool_fields() -> dict[str, Any]:
+    """``tools``, ``tool_choice`` (none or auto) and ``parallel_tool_calls``."""
+    function = {
+        "type": "object",
+        "required": ["name"],
+        "additionalProperties": False,
+        "properties": {
+            "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+            "description": {"type": ["string", "null"]},
+            "parameters": {"type": ["object", "null"], "description": "a JSON Schema"},
+            "strict": {"type": ["boolean", "null"]},
+        },
+    }
+    tool = {
+        "type": "object",
+        "required": ["type", "function"],
+        "additionalProperties": False,
+        "properties": {"type": {"const": "function"}, "function": function},
+    }
+    return {
+        "tools": {"type": ["array", "null"], "items": tool, "maxItems": MAX_TOOLS},
+        "tool_choice": {
+            "enum": ["none", "auto", None],
+            "description": "required and a named function are not supported yet",
+        },
+        "parallel_tool_calls": {"type": ["boolean", "null"]},
     }
 
 
@@ -120,7 +189,7 @@ def openapi_document(model: str, vocab: int, context: int) -> dict[str, Any]:
         "type": "object",
         "required": ["role", "content"],
         "properties": {
-            "role": {"enum": ["system", "user", "assistant", "developer"]},
+            "role": {"enum": ["system", "user", "developer"]},
             "content": {"type": "string"},
         },
     }
@@ -130,7 +199,12 @@ def openapi_document(model: str, vocab: int, context: int) -> dict[str, Any]:
         "additionalProperties": False,
         "properties": {
             **sampling,
-            "messages": {"type": "array", "items": message, "minItems": 1},
+            "messages": {
+                "type": "array",
+                "items": {"oneOf": [message, *_tool_messages()]},
+                "minItems": 1,
+            },
+            **_tool_fields(),
             "max_completion_tokens": sampling["max_tokens"],
         },
     }

@@ -1,0 +1,480 @@
+"""Tools on ``/v1/chat/completions``: the call parser in each format (whole and streamed at
+every split), request validation, prompts through a Hermes-style template and through the
+fallback, and end to end with the official `openai` client (a scripted tokenizer makes the tiny
+random model "say" a call)."""
+
+import contextlib
+import dataclasses
+import json
+
+import httpx
+import openai
+import pytest
+from server_support import running
+
+from lowbit.models._chat_template import ChatTemplate
+from lowbit.server._protocol import APIError, parse_request
+from lowbit.server._tool_calls import (
+    Call,
+    Parsed,
+    ToolCallStream,
+    ToolFormat,
+    parse_tool_calls,
+    tool_format,
+)
+from lowbit.server._tool_prompt import FALLBACK_SYSTEM, chat_prompt
+
+H, L, M = ToolFormat.HERMES, ToolFormat.LLAMA3, ToolFormat.MISTRAL
+OFFERED = {"get_weather", "get_time"}
+accept = lambda name, arguments: name in OFFERED  # noqa: E731
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+TIME = '{"name": "get_time", "arguments": {}}'
+PARIS = Call("get_weather", {"city": "Paris"})
+NOW = Call("get_time", {})
+
+CASES = [
+    # Hermes / Qwen: one call, several, text around them, a missing close at the very end.
+    (H, f"<tool_call>\n{WEATHER}\n</tool_call>", Parsed(None, (PARIS,))),
+    (
+        H,
+        f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>\n",
+        Parsed("Let me look.", (PARIS, NOW)),
+    ),
+    (H, f"A<tool_call>{WEATHER}</tool_call> and B", Parsed("A and B", (PARIS,))),
+    (H, f"<tool_call>\n{TIME}", Parsed(None, (NOW,))),
+    # Arguments written as a JSON string holding an object are taken.
+    (H, '<tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>', Parsed(None, (NOW,))),
+    # Not calls: unknown tool, arguments not an object, malformed JSON, trailing junk, no JSON.
+    (H, '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', None),
+    (H, '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>', None),
+    (H, '<tool_call>{"name": "get_time", "arguments": {</tool_call>', None),
+    (H, f"<tool_call>{TIME} extra</tool_call>", None),
+    (H, "<tool_call></tool_call>", None),
+    (H, "plain text, no call <tool", None),
+    # ...while a good call beside a bad one is still taken.
+    (
+        H,
+        f'<tool_call>{{"name": "nope"}}</tool_call><tool_call>{TIME}</tool_call>',
+        Parsed('<tool_call>{"name": "nope"}</tool_call>', (NOW,)),
+    ),
+    # Llama 3.1/3.2: the answer is the JSON (with or without <|python_tag|>), "parameters".
+    (L, '{"name": "get_weather", "parameters": {"city": "Paris"}}', Parsed(None, (PARIS,))),
+    (
+        L,
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+        '{"name": "get_time", "parameters": {}}',
+        Parsed(None, (PARIS, NOW)),
+    ),
+    (L, 'Sure: <|python_tag|>{"name": "get_time", "parameters": {}}', Parsed("Sure:", (NOW,))),
+    (L, 'I would call {"name": "get_time", "parameters": {}}', None),  # JSON mid-text: prose
+    (L, '{"name": "get_time", "parameters": {}} then text', Parsed(" then text", (NOW,))),
+    (L, '{"city": "Paris"}', None),
+    # Mistral: [TOOL_CALLS] and an array (the control token is usually dropped by decoding).
+    (M, f"[TOOL_CALLS] [{WEATHER}, {TIME}]", Parsed(None, (PARIS, NOW))),
+    (M, f"[{WEATHER}]", Parsed(None, (PARIS,))),
+    (M, f'[{WEATHER}, {{"name": "nope", "arguments": {{}}}}]', None),  # all of an array or none
+    (M, "[1, 2, 3]", None),
+    (M, f"Here: [TOOL_CALLS][{TIME}]", Parsed("Here:", (NOW,))),
+]
+
+
+def _streamed(fmt, pieces, limit=None):
+    stream = ToolCallStream(fmt, accept, limit)
+    released = "".join(stream.add(p) for p in pieces)
+    rest, parsed = stream.finish()
+    return released + rest, parsed
+
+
+@pytest.mark.parametrize("fmt, text, expected", CASES)
+def test_calls_are_parsed_whole_and_streamed_at_every_split(fmt, text, expected):
+    expected = expected or Parsed(text, ())  # not a call: the text stays content
+    assert parse_tool_calls(text, fmt, accept) == expected
+    content = (expected.content or "") if expected.calls else text
+    for at in range(len(text) + 1):
+        assert _streamed(fmt, [text[:at], text[at:]]) == (content, expected), at
+    assert _streamed(fmt, list(text)) == (content, expected)
+
+
+def test_streaming_releases_text_before_a_call_and_holds_from_its_opening():
+    stream = ToolCallStream(H, accept)
+    assert stream.add("Hello there ") == "Hello there"  # the blank waits: a call may follow
+    assert stream.add("<tool") == ""
+    assert stream.add("bar> and") == " <toolbar> and"  # not an opening after all
+    assert stream.add(f"<tool_call>{TIME}</tool_call> more") == ""
+    assert stream.finish() == (" more", Parsed("Hello there <toolbar> and more", (NOW,)))
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = f"<tool_call>{WEATHER}</tool_call><tool_call>{TIME}</tool_call>"
+    out = parse_tool_calls(text, H, accept, limit=1)
+    assert out == Parsed(f"<tool_call>{TIME}</tool_call>", (PARIS,))
+    assert _streamed(H, list(text), limit=1)[1] == out
+
+
+@pytest.mark.parametrize(
+    "template, fmt",
+    [
+        ("{{ tools }} <tool_call> </tool_call>", H),  # Hermes 2 Pro, Qwen2.5, Qwen3
+        ("{{ tools }} [AVAILABLE_TOOLS] [TOOL_CALLS]", M),
+        ('{{ tools }} <|python_tag|> "parameters" ipython', L),
+        ("{{ tools }} anything else", H),
+    ],
+)
+def test_the_format_follows_the_template(template, fmt):
+    assert tool_format(template) is fmt
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time"}}
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+]
+
+
+def _chat(**fields):
+    return parse_request({"messages": HISTORY, **fields}, chat=True)
+
+
+def _param_of(**fields):
+    with pytest.raises(APIError) as err:
+        _chat(**fields)
+    assert err.value.status == 400
+    return err.value.param
+
+
+def _with_function(**function):
+    return [{"type": "function", "function": {"name": "f", **function}}]
+
+
+def _nested(depth):
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"tools": {"type": "function"}}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+        ({"tools": [WEATHER_TOOL, {"type": "function"}]}, "tools[1].function"),
+        ({"tools": _with_function(name="has space")}, "tools[0].function.name"),
+        ({"tools": _with_function(name="x" * 65)}, "tools[0].function.name"),
+        ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools[1].function.name"),
+        ({"tools": _with_function(parameters={"type": "strng"})}, "tools[0].function.parameters"),
+        ({"tools": _with_function(parameters=[1])}, "tools[0].function.parameters"),
+        (
+            {"tools": _with_function(parameters={"$schema": "http://example.com/meta"})},
+            "tools[0].function.parameters",
+        ),
+        (
+            {"tools": _with_function(strict=True, parameters={"type": "string", "pattern": "(("})},
+            "tools[0].function.parameters",
+        ),
+        ({"tools": _with_function(parameters=_nested(40))}, "tools[0].function.parameters"),
+        ({"tools": [TIME_TOOL] * 129}, "tools"),
+        ({"tools": _with_function(description=5)}, "tools[0].function.description"),
+        ({"tools": _with_function(extra=1)}, "tools[0].function.extra"),
+        ({"tools": [TIME_TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [TIME_TOOL], "tool_choice": {"type": "function"}}, "tool_choice"),
+        (
+            {"tools": [TIME_TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        # Honest refusals: nothing here could guarantee a call yet.
+        ({"tools": [TIME_TOOL], "tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [TIME_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+            },
+            "tool_choice",
+        ),
+        ({"tools": [TIME_TOOL], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ],
+)
+def test_bad_tools_name_the_field(fields, param):
+    assert _param_of(**fields) == param
+
+
+@pytest.mark.parametrize(
+    "message, param",
+    [
+        ({"role": "tool", "content": "x"}, "messages[0].tool_call_id"),
+        ({"role": "assistant", "content": None, "tool_calls": {}}, "messages[0].tool_calls"),
+        (
+            {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]},
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1]"}}],
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+            "messages[0].tool_calls[0].id",
+        ),
+        ({"role": "assistant", "content": None}, "messages[0].content"),
+    ],
+)
+def test_bad_tool_messages_name_the_field(message, param):
+    with pytest.raises(APIError) as err:
+        parse_request({"messages": [message]}, chat=True)
+    assert err.value.param == param
+
+
+def test_good_tools_are_parsed_and_strict_ones_check_arguments():
+    strict = {**WEATHER_TOOL, "function": {**WEATHER_TOOL["function"], "strict": True}}
+    req = _chat(tools=[strict, TIME_TOOL], tool_choice="auto", parallel_tool_calls=False)
+    assert [t.name for t in req.tools.tools] == ["get_weather", "get_time"]
+    assert not req.tools.parallel and req.tools.choice == "auto"
+    assert req.tools.accepts("get_weather", {"city": "Paris"})
+    assert not req.tools.accepts("get_weather", {"city": 5})  # strict: the schema holds
+    assert req.tools.accepts("get_time", {"any": "thing"})  # not strict: any object
+    assert not req.tools.accepts("rm_rf", {})
+    assert req.messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert req.messages[2]["content"] == ""
+    assert req.messages[3] == {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}
+    assert _chat(tools=[], tool_choice="none").tools is None
+
+
+# -- prompts ----------------------------------------------------------------------------------
+
+# A small template in the style of Hermes 2 Pro / Qwen2.5.
+HERMES_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages if message.role != 'system' %}
+{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{{ message.content }}{% for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_template_that_takes_tools_renders_them_and_the_history():
+    template = ChatTemplate(HERMES_TEMPLATE)
+    req = _chat(tools=[WEATHER_TOOL, TIME_TOOL])
+    prompt = chat_prompt(template, req.messages, req.tools)
+    assert prompt == (
+        "<|im_start|>system\nBe brief.\n\n# Tools\n<tools>\n"
+        f"{json.dumps(WEATHER_TOOL)}\n{json.dumps(TIME_TOOL)}\n</tools><|im_end|>\n"
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        f"<|im_start|>assistant\n<tool_call>\n{WEATHER}\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n18 C, sunny\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    # tool_choice none: the tools are not shown (the history still is).
+    hidden = chat_prompt(template, req.messages, _chat(tools=[TIME_TOOL], tool_choice="none").tools)
+    assert "<tools>" not in hidden and "<tool_response>" in hidden
+    # Other callers of ChatTemplate are unchanged.
+    assert template("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_template_without_tools_gets_the_fallback(served):
+    req = _chat(tools=[WEATHER_TOOL])
+    prompt = chat_prompt(served.chat_template, req.messages, req.tools)
+    section = FALLBACK_SYSTEM.format(tools=json.dumps(WEATHER_TOOL))
+    assert prompt == (
+        f"system: Be brief.\n\n{section}\n"
+        "user: Weather in Paris?\n"
+        f"assistant: <tool_call>\n{WEATHER}\n</tool_call>\n"
+        "user: <tool_response>\n18 C, sunny\n</tool_response>\n"
+        "assistant:"
+    )
+    assert "<tools>" not in chat_prompt(served.chat_template, req.messages, None)
+
+
+# -- end to end -------------------------------------------------------------------------------
+
+
+# The tiny model's context is 128 byte tokens: a terse template that renders tools (by name)
+# and the tool history, for requests to fit.
+TERSE_TEMPLATE = (
+    "{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+    "{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}"
+    "{{ c.function.arguments | tojson }}</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+TERSE_HISTORY = [
+    {"role": "user", "content": "Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "9:00"},
+]
+
+
+def _client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@contextlib.contextmanager
+def _serving(served, **changes):
+    """Another app on the running scheduler, with `changes` to what it serves."""
+    with running(dataclasses.replace(served, **changes), start=False) as url:
+        yield url
+
+
+def test_requests_with_tools_and_tool_messages_are_answered(served, base_url):
+    with _serving(served, chat_template=ChatTemplate(TERSE_TEMPLATE)) as url:
+        client = _client(url)
+        args = dict(model="tiny", messages=TERSE_HISTORY, tools=[WEATHER_TOOL, TIME_TOOL])
+        out = client.chat.completions.create(**args, max_tokens=4, temperature=0)
+        chunks = list(
+            client.chat.completions.create(**args, max_tokens=4, temperature=0, stream=True)
+        )
+    prompt = (
+        "tools: get_weather get_time\nuser: Paris?\n"
+        "assistant: <tool_call>get_time{}</tool_call>\ntool: 9:00\nassistant:"
+    )
+    assert out.usage.prompt_tokens == len(served.tokenizer.encode(prompt).ids)
+    assert out.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    assert chunks[-1].choices[0].finish_reason == out.choices[0].finish_reason
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"tools": _with_function(parameters={"type": 7})}, "tools[0].function.parameters"),
+        ({"tools": [TIME_TOOL], "tool_choice": "required"}, "tool_choice"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ],
+)
+def test_bad_tools_get_a_400_over_http(base_url, fields, param):
+    body = {"messages": TERSE_HISTORY, **fields}
+    r = httpx.post(f"{base_url}/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+class _Scripted:
+    """A tokenizer whose decode says `pieces` (the i-th generated token decodes to the i-th
+    piece), the real one otherwise: the random model's tokens become a scripted answer."""
+
+    def __init__(self, tokenizer, pieces):
+        self.tokenizer = tokenizer
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[: len(ids)])
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+SCRIPT = f"Checking.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>"
+
+
+def test_a_generated_call_comes_back_as_tool_calls_streamed_and_not(served):
+    pieces = [SCRIPT[i : i + 7] for i in range(0, len(SCRIPT), 7)]
+    with _serving(
+        served,
+        tokenizer=_Scripted(served.tokenizer, pieces),
+        chat_template=ChatTemplate(TERSE_TEMPLATE),
+        stop_ids=frozenset(),  # the script, not an early end of text, decides the answer
+    ) as url:
+        client = _client(url)
+        args = dict(
+            model="tiny",
+            messages=[{"role": "user", "content": "Weather and time?"}],
+            tools=[WEATHER_TOOL, TIME_TOOL],
+            max_tokens=len(pieces),
+            temperature=0,
+        )
+        out = client.chat.completions.create(**args)
+        with client.chat.completions.stream(**args) as stream:
+            final = stream.get_final_completion()
+        chunks = list(client.chat.completions.create(**args, stream=True))
+        hidden = client.chat.completions.create(**args, tool_choice="none")
+    for choice in (out.choices[0], final.choices[0]):
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Checking."
+        calls = choice.message.tool_calls
+        assert [(c.type, c.function.name) for c in calls] == [
+            ("function", "get_weather"),
+            ("function", "get_time"),
+        ]
+        assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris"}, {}]
+        assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Checking."
+    assert [d.tool_calls[0].index for d in deltas if d.tool_calls] == [0, 1]
+    # tool_choice none: no parsing, the text is the answer.
+    assert hidden.choices[0].message.content == SCRIPT
+    assert hidden.choices[0].message.tool_calls is None
+    assert hidden.choices[0].finish_reason == "length"
+
+
+def test_the_openapi_document_states_the_tool_fields():
+    import jsonschema_rs
+
+    from lowbit.server._openapi import openapi_document
+
+    schema = openapi_document("tiny", 260, 128)["components"]["schemas"]["ChatRequest"]
+    valid = jsonschema_rs.validator_for(schema).is_valid
+    good = {"tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": "auto", "parallel_tool_calls": True}
+    assert valid({"messages": HISTORY, **good})
+    assert valid({"messages": TERSE_HISTORY, "tool_choice": "none"})
+    for bad in (
+        {"tools": _with_function(name="has space")},
+        {"tools": [{"type": "function", "function": {"name": "f", "extra": 1}}]},
+        {"tool_choice": "required"},
+        {"parallel_tool_calls": "yes"},
+        {"messages": [{"role": "tool", "content": "x"}]},
+    ):
+        assert not valid({"messages": HISTORY, **bad}), bad
