@@ -25,6 +25,25 @@ HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_OPEN = "[TOOL_CALLS]"
 _SEPARATORS = re.compile(r"[\s;]*")
+MAX_ARGUMENTS_DEPTH = 64  # deeper arguments are not a call (and could not be re-serialized)
+
+
+def json_depth(value: Any, cap: int) -> int:
+    """How deeply `value` (parsed JSON) nests objects and arrays, counted up to `cap + 1`.
+
+    Iterative: Python's parser takes nesting that a recursive walk, ``json.dumps`` or the
+    schema validator could not (a `RecursionError`, or a native stack overflow).
+    """
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict | list):
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > cap:
+                return deepest
+            todo.extend((v, depth) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 class ToolFormat(enum.Enum):
@@ -85,7 +104,11 @@ def _call(value: Any, accept: Accept) -> Call | None:
             arguments = json.loads(arguments)
         except (ValueError, RecursionError):
             return None
-    if not isinstance(arguments, dict) or not accept(value["name"], arguments):
+    if not isinstance(arguments, dict) or json_depth(arguments, MAX_ARGUMENTS_DEPTH) > (
+        MAX_ARGUMENTS_DEPTH
+    ):
+        return None
+    if not accept(value["name"], arguments):
         return None
     return Call(value["name"], arguments)
 

@@ -16,9 +16,12 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from lowbit.server._tool_calls import json_depth
+
 MAX_TOOLS = 128  # OpenAI's own limit
 MAX_SCHEMA_DEPTH = 32  # nesting of a tool's parameters schema (objects and arrays)
 MAX_SCHEMA_CHARS = 32_768  # a tool's parameters schema as compact JSON
+MAX_NESTING = 64  # any other tool value (a tool, a message's tool_calls or arguments)
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 # The meta-schemas the validator knows: any other ``$schema`` would make it fetch a URL.
 _DRAFTS = {
@@ -95,14 +98,6 @@ class ToolRequest:
         return [json.loads(json.dumps(t.definition)) for t in self.tools]
 
 
-def _depth(value: Any) -> int:
-    if isinstance(value, dict):
-        return 1 + max(map(_depth, value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max(map(_depth, value), default=0)
-    return 0
-
-
 def _schemas(value: Any):
     """Every object in `value` (each may be a subschema holding ``$schema``)."""
     if isinstance(value, dict):
@@ -119,7 +114,7 @@ def _parameters(param: str, schema: Any, strict: bool) -> None:
 
     if not isinstance(schema, dict):
         raise ToolError(param, f"must be a JSON Schema object, got {json.dumps(schema)[:80]}")
-    if _depth(schema) > MAX_SCHEMA_DEPTH:
+    if json_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
         raise ToolError(param, f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
     size = len(json.dumps(schema, separators=(",", ":")))
     if size > MAX_SCHEMA_CHARS:
@@ -158,7 +153,9 @@ def _compiled(schema: str):
 
 def _unicode(param: str, value: Any) -> None:
     """Refuses a lone surrogate anywhere in `value` (JSON may escape one; the tokenizer cannot
-    encode it into the prompt)."""
+    encode it into the prompt), and nesting past what the prompt's JSON can be written with."""
+    if json_depth(value, MAX_NESTING) > MAX_NESTING:
+        raise ToolError(param, f"nests deeper than {MAX_NESTING} levels")
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
@@ -277,6 +274,8 @@ def _arguments(param: str, value: Any) -> dict[str, Any]:
         ) from None
     if not isinstance(arguments, dict):
         raise ToolError(param, "must hold a JSON object")
+    if json_depth(arguments, MAX_NESTING) > MAX_NESTING:
+        raise ToolError(param, f"nests deeper than {MAX_NESTING} levels")
     return arguments
 
 

@@ -52,6 +52,8 @@ CASES = [
     (H, f"<tool_call>{TIME} extra</tool_call>", None),
     (H, "<tool_call></tool_call>", None),
     (H, "plain text, no call <tool", None),
+    # Arguments nested past what can be re-serialized are not a call.
+    (H, '<tool_call>{"name": "get_time", "arguments": {"a": ' + "[" * 70 + "]" * 70 + "}}", None),
     # ...while a good call beside a bad one is still taken.
     (
         H,
@@ -200,6 +202,8 @@ def _nested(depth):
             "tools[0].function.parameters",
         ),
         ({"tools": _with_function(parameters=_nested(40))}, "tools[0].function.parameters"),
+        # Deeper than any recursive walk (or json.dumps) could go: still a 400, never a 500.
+        ({"tools": _with_function(parameters=_nested(5000))}, "tools[0]"),
         ({"tools": [TIME_TOOL] * 129}, "tools"),
         ({"tools": _with_function(description=5)}, "tools[0].function.description"),
         ({"tools": _with_function(extra=1)}, "tools[0].function.extra"),
@@ -246,6 +250,30 @@ def test_bad_tools_name_the_field(fields, param):
             "messages[0].tool_calls[0].id",
         ),
         ({"role": "assistant", "content": None}, "messages[0].content"),
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "c", "function": {"name": "f", "arguments": '{"a": ' + "[" * 5000}}
+                ],
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {
+                        "id": "c",
+                        "function": {
+                            "name": "f",
+                            "arguments": '{"a": ' + "[" * 5000 + "]" * 5000 + "}",
+                        },
+                    }
+                ],
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
     ],
 )
 def test_bad_tool_messages_name_the_field(message, param):
