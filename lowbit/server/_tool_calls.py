@@ -234,13 +234,14 @@ class ToolCallStream:
         self.fmt = fmt
         self.accept = accept
         self.limit = limit
-        self.text = ""
-        self.released = 0
+        self.parts: list[str] = []  # the whole text, joined at the end
+        self.tail = ""  # the text after what was released (short until an opening is seen)
+        self.released = 0  # characters released
         self.opened = False  # a full opening was seen: nothing more is released
 
     def _hold(self) -> tuple[int, bool]:
-        """Index from which the text is held back, and whether a whole opening starts there."""
-        tail_at = self.released
+        """Index in `tail` from which text is held back, and whether an opening starts there."""
+        tail = self.tail
         if self.fmt is ToolFormat.HERMES:
             opener, bare = HERMES_OPEN, None
         elif self.fmt is ToolFormat.LLAMA3:
@@ -248,32 +249,32 @@ class ToolCallStream:
         else:
             opener, bare = MISTRAL_OPEN, "["
         if bare is not None and self.released == 0:  # the answer may start with bare JSON
-            first = _start(self.text)
-            rest = self.text[first:]
+            first = _start(tail)
+            rest = tail[first:]
             if rest.startswith(bare):
                 return first, True
             if rest and opener.startswith(rest[: len(opener)]):
                 return first, rest.startswith(opener)
-        at = tail_at + _partial(self.text[tail_at:], opener)
-        return at, self.text.startswith(opener, at)
+        at = _partial(tail, opener)
+        return at, tail.startswith(opener, at)
 
     def add(self, piece: str) -> str:
         """Adds `piece`; returns the content that is final now (maybe empty)."""
-        self.text += piece
+        self.parts.append(piece)
         if self.opened:
             return ""
+        self.tail += piece
         hold, self.opened = self._hold()
-        end = len(self.text[:hold].rstrip())
-        if end <= self.released:
-            return ""
-        out = self.text[self.released : end]
-        self.released = end
+        end = len(self.tail[:hold].rstrip())
+        out, self.tail = self.tail[:end], self.tail[end:]
+        self.released += end
         return out
 
     def finish(self) -> tuple[str, Parsed]:
         """The content not yet released, and the whole answer parsed."""
-        parsed = parse_tool_calls(self.text, self.fmt, self.accept, self.limit)
-        whole = parsed.content or "" if parsed.calls else self.text
+        text = "".join(self.parts)
+        parsed = parse_tool_calls(text, self.fmt, self.accept, self.limit)
+        whole = (parsed.content or "") if parsed.calls else text
         # `released` never passes the first opening nor ends in a blank: a head of `whole`.
-        assert whole.startswith(self.text[: self.released])
+        assert whole.startswith(text[: self.released])
         return whole[self.released :], parsed
