@@ -95,6 +95,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "between the running requests' decode steps (a power of two >= 16; default 256)",
     )
     parser.add_argument(
+        "--kv-memory",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="memory for the prefix cache: keys and values of earlier prompts, reused by "
+        "requests that start with the same tokens (bytes, or with a K, M or G suffix; 0 turns "
+        "it off; default: half of what the slots' KV cache takes)",
+    )
+    parser.add_argument(
         "--steps",
         type=int,
         default=1,
@@ -106,6 +115,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="quantize the activations of int8 / int4 / uint4 weights to int8 in the CPU "
         "kernels (as `lowbit generate --int8-activations`)",
     )
+
+
+def _size(text: str) -> int:
+    """``"512M"`` -> bytes (K, M, G: powers of 1024; a bare number is bytes)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    digits, unit = (text[:-1], text[-1].upper()) if text[-1:].isalpha() else (text, "")
+    if unit and unit not in units or not digits.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give bytes, or a number with K, M or G (e.g. 512M)"
+        )
+    return int(digits) * units.get(unit, 1)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -330,6 +330,7 @@ class _Answer:
             "prompt_tokens": prompt,
             "completion_tokens": len(self.ids),
             "total_tokens": prompt + len(self.ids),
+            "prompt_tokens_details": {"cached_tokens": self.job.cached_tokens},
         }
 
     @staticmethod
@@ -471,7 +472,7 @@ def _tool_calls(parsed: Parsed, streamed: bool = False) -> list[dict[str, Any]]:
 def create_app(served: ServedModel) -> Starlette:
     """The ASGI app serving `served` (its scheduler started and stopped with the app)."""
     s = served.scheduler
-    metrics = Metrics(lambda: s.queue_length, lambda: s.busy_slots, s.config.slots)
+    metrics = Metrics(lambda: s.queue_length, lambda: s.busy_slots, s.config.slots, s.prefix)
     h = _Handler(served, metrics)
     routes = [
         Route("/health", h.wrap("/health", h.health), methods=["GET"]),

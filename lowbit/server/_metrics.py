@@ -6,6 +6,9 @@ from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from lowbit.server._prefix import PrefixIndex
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -21,11 +24,20 @@ class Metrics:
       queue_length: returns the number of requests waiting for a slot.
       busy_slots: returns the number of slots decoding a request.
       slots: the number of slots.
+      prefix: the scheduler's prefix cache, or None (no prefix-cache metrics).
     """
 
-    def __init__(self, queue_length: Callable[[], int], busy_slots: Callable[[], int], slots: int):
+    def __init__(
+        self,
+        queue_length: Callable[[], int],
+        busy_slots: Callable[[], int],
+        slots: int,
+        prefix: PrefixIndex | None = None,
+    ):
         self.registry = CollectorRegistry()
         r = self.registry
+        if prefix is not None:
+            r.register(_PrefixCollector(prefix))
         self.requests = Counter(
             "lowbit_requests",
             "HTTP requests by endpoint and status",
@@ -63,3 +75,37 @@ class Metrics:
     def render(self) -> bytes:
         """The metrics in the Prometheus text format."""
         return generate_latest(self.registry)
+
+
+class _PrefixCollector:
+    """The prefix cache's counts, read when scraped (the scheduler thread keeps them)."""
+
+    def __init__(self, index: PrefixIndex):
+        self.index = index
+
+    def collect(self):
+        s, index = self.index.stats, self.index
+        yield CounterMetricFamily(
+            "lowbit_prefix_cache_queried_tokens",
+            "prompt tokens that looked up the prefix cache",
+            value=s.queried_tokens,
+        )
+        yield CounterMetricFamily(
+            "lowbit_prefix_cache_hit_tokens",
+            "prompt tokens read from the prefix cache instead of prefilled",
+            value=s.hit_tokens,
+        )
+        yield CounterMetricFamily(
+            "lowbit_prefix_cache_evictions", "blocks evicted to make room", value=s.evictions
+        )
+        yield GaugeMetricFamily(
+            "lowbit_prefix_cache_hit_rate",
+            "hit tokens / queried tokens since start",
+            value=s.hit_tokens / max(s.queried_tokens, 1),
+        )
+        yield GaugeMetricFamily(
+            "lowbit_prefix_cache_blocks_used", "blocks holding a prefix", value=index.used
+        )
+        yield GaugeMetricFamily(
+            "lowbit_prefix_cache_blocks", "blocks in the prefix cache", value=index.blocks
+        )

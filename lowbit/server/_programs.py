@@ -186,3 +186,36 @@ def shift(cache: KVCache, by: jax.Array, start: jax.Array) -> KVCache:
     the new starts. What rolls in at the far end is unused."""
     arrays = jax.tree.map(lambda a: jnp.roll(a, -by, axis=2), _slot_arrays(cache))
     return _with_slot_arrays(cache, arrays, length=cache.length - by, start=start)
+
+
+def save(pool: KVCache, cache: KVCache, slot: jax.Array, block: jax.Array) -> KVCache:
+    """Copies `cache`'s row 0 slots ``slot .. slot + P - 1`` (and its key offsets) into pool
+    block `block`; the pool is a cache of one row of ``P`` slots per block."""
+    p = pool.max_len
+
+    def put(dst, src):
+        src = jax.lax.dynamic_slice_in_dim(src, slot, p, axis=2)
+        return jax.lax.dynamic_update_index_in_dim(dst, src[0], block, 0)
+
+    arrays = jax.tree.map(put, _slot_arrays(pool), _slot_arrays(cache))
+    offsets = tuple(
+        jax.lax.dynamic_update_index_in_dim(dst, src[0], block, 0)
+        for dst, src in zip(pool.key_offsets, cache.key_offsets, strict=True)
+    )
+    return _with_slot_arrays(pool, arrays, key_offsets=offsets)
+
+
+def load(cache: KVCache, pool: KVCache, block: jax.Array, slot: jax.Array) -> KVCache:
+    """Copies pool block `block` into `cache`'s row 0 at slots ``slot .. slot + P - 1``, and
+    its key offsets (every block of one chain holds the same) into row 0's."""
+
+    def put(dst, src):
+        src = jax.lax.dynamic_index_in_dim(src, block, 0)  # [1, H, P, D]
+        return jax.lax.dynamic_update_slice_in_dim(dst, src, slot, axis=2)
+
+    arrays = jax.tree.map(put, _slot_arrays(cache), _slot_arrays(pool))
+    offsets = tuple(
+        jax.lax.dynamic_update_index_in_dim(dst, src[block], 0, 0)
+        for dst, src in zip(cache.key_offsets, pool.key_offsets, strict=True)
+    )
+    return _with_slot_arrays(cache, arrays, key_offsets=offsets)

@@ -31,6 +31,7 @@ from flax import nnx
 from lowbit.api import StoredProgram, compile_stored, describe
 from lowbit.models._generate import bucket
 from lowbit.server import _programs as programs
+from lowbit.server._prefix import PrefixIndex, chain
 from lowbit.server._programs import RowSampling
 
 # The model's programs, and the position of the KV cache among their arguments.
@@ -78,6 +79,7 @@ class Job:
     first_token: float | None = None
     generated: int = 0
     finished: str | None = None
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of prefilled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +94,9 @@ class SchedulerConfig:
     chunk: tokens per prefill chunk (a power of two, at most `single_pass`).
     steps: decode steps per call while no request waits (more steps, less dispatch cost;
       a cancelled slot is then freed within one call).
+    kv_memory: bytes of the prefix cache's blocks (keys and values of earlier prompts, in the
+      KV cache's format); None: half of what the slots' cache takes; 0: no prefix cache.
+    prefix_block: tokens per prefix-cache block (a power of two from 8 to `chunk`).
     """
 
     slots: int = 8
@@ -100,6 +105,8 @@ class SchedulerConfig:
     single_pass: int = 256
     chunk: int = 256
     steps: int = 1
+    kv_memory: int | None = None
+    prefix_block: int = 16
 
     def __post_init__(self):
         if self.slots < 1:
@@ -118,6 +125,13 @@ class SchedulerConfig:
             )
         if not 1 <= self.steps <= programs.MAX_STEPS:
             raise ValueError(f"steps={self.steps} must be in 1..{programs.MAX_STEPS}")
+        if self.kv_memory is not None and self.kv_memory < 0:
+            raise ValueError(f"kv_memory={self.kv_memory} must be >= 0 (0: no prefix cache)")
+        b = self.prefix_block
+        if b < 8 or b & (b - 1) or b > self.chunk:
+            raise ValueError(
+                f"prefix_block={b} must be a power of two from 8 to chunk ({self.chunk})"
+            )
 
 
 def _widths(lo: int, hi: int) -> list[int]:
@@ -140,9 +154,12 @@ class _Prefill:
     width: int
     cache: Any
     tokens: np.ndarray
+    chunked: bool = False  # prefilled in chunks into a cache of a slot's length
+    begin: int = 0  # chunked: the first slot to prefill (those before come from the pool)
     next_chunk: int = 0  # chunked: index of the next chunk; single pass: unused
     first: int | None = None  # the first sampled token once prefilled
     source: int = 0  # the prompt's first slot in `cache`
+    names: list[bytes] = dataclasses.field(default_factory=list)  # its blocks' prefix names
 
 
 class Scheduler:
@@ -191,6 +208,26 @@ class Scheduler:
         self.steps_run = 0
         self._thread: threading.Thread | None = None
         self._reset_rows()
+        self.prefix, self.pool = self._prefix_pool()
+        if self.prefix is not None and not self.chunk_widths:
+            # The rest of a prompt whose head is cached is prefilled in chunks.
+            self.chunk_widths = [c.max_len]
+
+    def _prefix_pool(self) -> tuple[PrefixIndex | None, Any]:
+        """The prefix cache's index and block pool (a cache of one row per block), or Nones."""
+        c = self.config
+        budget = self.cache.nbytes() // 2 if c.kv_memory is None else c.kv_memory
+        if budget == 0:
+            return None, None
+        one = self.model.init_cache(1, c.prefix_block, self.kv_cache).nbytes()
+        blocks = budget // one
+        if blocks < 1:
+            raise ValueError(
+                f"kv_memory={budget} bytes holds no prefix-cache block of {c.prefix_block} "
+                f"tokens ({one} bytes each); give at least {one}, or 0 for no prefix cache"
+            )
+        pool = self.model.init_cache(blocks, c.prefix_block, self.kv_cache)
+        return PrefixIndex(blocks, c.prefix_block), pool
 
     # -- limits -------------------------------------------------------------------------------
 
@@ -317,7 +354,7 @@ class Scheduler:
         chunked = None
         for width in self.prefill_widths + self.chunk_widths:
             job = dataclasses.replace(dummy, prompt=[0] * min(width, self.max_prompt))
-            state = self._begin_prefill(job)
+            state = self._begin_prefill(job, chunked=width in self.chunk_widths)
             name, args = self._prefill_args(state)
             programs_to_compile.append((name, width, args))
             slots = state.cache.max_len
@@ -326,6 +363,13 @@ class Scheduler:
                 programs_to_compile.append(("insert", slots, insert))
             if name == "prefill_chunk":
                 chunked = (width, job)
+        if self.prefix is not None:
+            t, zero = self.config.max_len, jnp.int32(0)
+            big = self.model.init_cache(1, t, self.kv_cache)
+            programs_to_compile.append(("load", t, (big, self.pool, zero, zero)))
+            for slots in sorted({self.prefill_widths[-1], t}):
+                src = big if slots == t else self.model.init_cache(1, slots, self.kv_cache)
+                programs_to_compile.append(("save", slots, (self.pool, src, zero, zero)))
         # Reading a kept program and XLA's compile release the GIL: a few at a time.
         workers = max(1, min(4, os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -379,7 +423,7 @@ class Scheduler:
             else:
                 job = None
         if job is not None:
-            self._prefill = self._begin_prefill(job)
+            self._prefill = self._begin_prefill(job, *self._lookup(job))
         state = self._prefill
         if state is not None:
             if state.job.cancelled or time.monotonic() > state.job.deadline:
@@ -443,9 +487,35 @@ class Scheduler:
             top_p=jnp.asarray([job.top_p], jnp.float32),
         )
 
-    def _begin_prefill(self, job: Job) -> _Prefill:
+    def _lookup(self, job: Job) -> tuple[list[bytes], list[int]]:
+        """The names of the prompt's full blocks, and the pool blocks holding its head.
+
+        Only a prompt longer than one chunk reads the pool: the rest is prefilled in chunks
+        ending at its last token, and the one chunk of a shorter prompt would write over every
+        slot read (a quantized cache's key offset included)."""
+        if self.prefix is None:
+            return [], []
+        n, size = len(job.prompt), self.config.prefix_block
+        names = chain(job.prompt, size)
+        self.prefix.stats.queried_tokens += n
+        if n <= self.config.chunk:
+            return names, []
+        # The last token is always prefilled: its logits give the first new token.
+        return names, self.prefix.match(names[: (n - 1) // size])
+
+    def _begin_prefill(
+        self,
+        job: Job,
+        names: Sequence[bytes] = (),
+        hit: Sequence[int] = (),
+        chunked: bool | None = None,
+    ) -> _Prefill:
+        """The prefill of `job`: one pass, or chunks after the `hit` pool blocks (its prompt's
+        first blocks, named `names[:len(hit)]`) are copied in."""
         n = len(job.prompt)
-        if n <= self.single_pass:
+        if chunked is None:
+            chunked = bool(hit) or n > self.single_pass
+        if not chunked:
             # Exactly as `generate_tokens` runs a batch of one: left-padded to bucket(n).
             width = bucket(n)
             tokens = np.zeros((1, width), np.int32)
@@ -454,23 +524,33 @@ class Scheduler:
             # prompt stay empty and unseen), so one program moves any of them into a row.
             cache = self.model.init_cache(1, self.prefill_widths[-1], self.kv_cache)
             cache = dataclasses.replace(cache, start=jnp.asarray([width - n], jnp.int32))
-            return _Prefill(job, width, cache, tokens, source=width - n)
+            return _Prefill(job, width, cache, tokens, source=width - n, names=list(names))
         width = self.config.max_len
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :n] = job.prompt
         cache = self.model.init_cache(1, width, self.kv_cache)
-        return _Prefill(job, width, cache, tokens, source=0)
+        size = self.config.prefix_block
+        for i, block in enumerate(hit):
+            args = (cache, self.pool, jnp.int32(block), jnp.int32(i * size))
+            cache = self._program("load", width, args)(*args)
+        if hit:
+            self.prefix.touch(names[: len(hit)])
+            job.cached_tokens = len(hit) * size
+            self.prefix.stats.hit_tokens += job.cached_tokens
+        return _Prefill(
+            job, width, cache, tokens, chunked=True, begin=len(hit) * size, names=list(names)
+        )
 
     def _prefill_args(self, state: _Prefill) -> tuple[str, tuple]:
         """The program for `state`'s next pass or chunk, and its arguments (after the graph
         definition)."""
         job = state.job
-        if len(job.prompt) <= self.single_pass:
+        if not state.chunked:
             tokens = jnp.asarray(state.tokens)
             return "prefill", (self.params, tokens, state.cache, self._row_sampling(job))
         c = self.config.chunk
         # The last chunk ends at the prompt's last token (it may overlap the one before).
-        at = min(state.next_chunk * c, len(job.prompt) - c)
+        at = min(state.begin + state.next_chunk * c, len(job.prompt) - c)
         cache = dataclasses.replace(state.cache, length=jnp.int32(at))
         return "prefill_chunk", (self.params, jnp.asarray(state.tokens[:, at : at + c]), cache)
 
@@ -481,11 +561,23 @@ class Scheduler:
         out, state.cache = self._program(name, state.width, args)(*args)
         if name == "prefill":
             state.first = int(out[0])
+            self._save_prefix(state)
             return
         state.next_chunk += 1
-        if state.next_chunk == -(-len(job.prompt) // self.config.chunk):
+        if state.next_chunk == -(-(len(job.prompt) - state.begin) // self.config.chunk):
             args = (out, self._row_sampling(job))
             state.first = int(self._program("sample", 1, args)(*args)[0])
+            self._save_prefix(state)
+
+    def _save_prefix(self, state: _Prefill) -> None:
+        """Copies the prompt's full blocks that the pool lacks into it (evicting as needed)."""
+        if self.prefix is None or not state.names:
+            return
+        size = self.config.prefix_block
+        for i, block in self.prefix.allocate(state.names):
+            args = (self.pool, state.cache, jnp.int32(state.source + i * size), jnp.int32(block))
+            self.pool = self._program("save", state.cache.max_len, args)(*args)
+        self.prefix.touch(state.names)
 
     def _first_token(self, state: _Prefill) -> None:
         job = state.job
