@@ -3,7 +3,7 @@ the values are log-softmax of the model's own logits, computed here without the 
 
 import numpy as np
 import openai
-from reference_logits import log_softmax, next_logits
+from reference_logits import answer_logits, log_softmax
 
 PROMPT = "The quick brown fox"
 TOLERANCE = 2e-3  # the server's KV-cache decode against one full forward pass, in float32
@@ -17,8 +17,8 @@ def _check_against_the_model(loaded, prompt_ids, ids, chosen, tops):
     """`chosen[i]` is token `ids[i]`'s log-probability and `tops[i]` the (id, logprob) pairs
     of the largest ones, per the model's logits after ``prompt + ids[:i]``."""
     assert len(chosen) == len(ids) >= 2
-    for i, token in enumerate(ids):
-        reference = log_softmax(next_logits(loaded, prompt_ids + ids[:i]))
+    references = log_softmax(answer_logits(loaded, prompt_ids, ids))
+    for i, (token, reference) in enumerate(zip(ids, references, strict=True)):
         assert abs(chosen[i] - reference[token]) < TOLERANCE, i
         values = [lp for _, lp in tops[i]]
         assert values == sorted(values, reverse=True)
@@ -47,8 +47,8 @@ def test_completion_logprobs_are_the_models_own(base_url, loaded):
     assert lp.text_offset == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
     assert all(len(top) == 3 for top in lp.top_logprobs)
     prompt_ids = loaded.tokenizer.encode(PROMPT).ids
-    for i, token in enumerate(ids):
-        reference = log_softmax(next_logits(loaded, prompt_ids + ids[:i]))
+    references = log_softmax(answer_logits(loaded, prompt_ids, ids))
+    for i, (token, reference) in enumerate(zip(ids, references, strict=True)):
         assert abs(lp.token_logprobs[i] - reference[token]) < TOLERANCE
         assert max(lp.top_logprobs[i].values()) == lp.token_logprobs[i]  # greedy
 
