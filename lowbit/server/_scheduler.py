@@ -34,8 +34,14 @@ from lowbit.server import _programs as programs
 from lowbit.server._logprobs import TokenLogprob, TokenLogprobs, host_logprobs
 from lowbit.server._programs import Decoded, RowSampling
 
-# The model's programs, and the position of the KV cache among their arguments.
-_MODEL_PROGRAMS = {"decode": 1, "decode_logprobs": 1, "prefill": 2, "prefill_chunk": 2}
+# The model's programs, and the positions among their arguments of the buffers they reuse:
+# the KV cache, and the decode steps' token counts.
+_MODEL_PROGRAMS = {
+    "decode": (1, 4),
+    "decode_logprobs": (1, 4),
+    "prefill": (2,),
+    "prefill_chunk": (2,),
+}
 # The structure of each program's output ahead of its first value (leaves: anything).
 _OUT_LIKE = {
     "decode": lambda a: (Decoded(0, 0, None), a[1]),
@@ -394,7 +400,7 @@ class Scheduler:
             if name in _MODEL_PROGRAMS:
                 fn = functools.partial(fn, self.graphdef)
                 static = describe((self.graphdef, self.model.config, self.kv_cache))
-                donate = (_MODEL_PROGRAMS[name],)
+                donate = _MODEL_PROGRAMS[name]
             elif name in _OUT_LIKE:
                 donate = ()
             compiled = compile_stored(
