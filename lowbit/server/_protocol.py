@@ -238,7 +238,7 @@ def _prompt(body: dict) -> str | tuple[int, ...]:
         raise bad("prompt", "is required", code="missing_field")
     raise bad(
         "prompt",
-        "must be a non-empty string or a non-empty list of token ids (one prompt: n = 1)",
+        "must be a non-empty string or a non-empty list of token ids (one prompt per request)",
     )
 
 

@@ -401,7 +401,7 @@ class Scheduler:
                 fn = functools.partial(fn, self.graphdef)
                 static = describe((self.graphdef, self.model.config, self.kv_cache))
                 donate = _MODEL_PROGRAMS[name]
-            elif name in _OUT_LIKE:
+            elif name in ("sample", "logprobs"):  # small programs of logits: nothing to reuse
                 donate = ()
             compiled = compile_stored(
                 f"{name}-{width}",
