@@ -4,6 +4,7 @@ the values are log-softmax of the model's own logits, computed here without the 
 import numpy as np
 import openai
 from reference_logits import answer_logits, log_softmax
+from server_support import CONFIG
 
 PROMPT = "The quick brown fox"
 TOLERANCE = 2e-3  # the server's KV-cache decode against one full forward pass, in float32
@@ -124,3 +125,23 @@ def test_streamed_logprobs_equal_the_whole_answers(base_url):
 def test_requests_without_logprobs_answer_none(base_url):
     out = _client(base_url).completions.create(model="tiny", prompt="hi", max_tokens=2)
     assert out.choices[0].logprobs is None
+
+
+def test_a_chunked_prompts_first_token_has_its_logprobs(base_url, loaded):
+    # Longer than CONFIG.single_pass: prefilled in chunks, its first token sampled apart.
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 250, CONFIG.single_pass + 9)]
+    out = _client(base_url).completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=3,
+        temperature=0,
+        logprobs=2,
+        extra_body={"return_token_ids": True},
+    )
+    choice = out.choices[0]
+    ids = choice.model_extra["token_ids"]
+    references = log_softmax(answer_logits(loaded, prompt, ids))
+    chosen = choice.logprobs.token_logprobs
+    assert len(chosen) == len(ids) >= 1
+    for value, token, reference in zip(chosen, ids, references, strict=True):
+        assert abs(value - reference[token]) < TOLERANCE
