@@ -45,8 +45,8 @@ def seeds() -> Iterator[tuple[str, bytes]]:
 
 
 def _load():
-    global APIError, parse_body, parse_request
-    from lowbit.server._protocol import APIError, parse_body, parse_request
+    global APIError, parse_body, parse_request, MAX_LOGPROBS, MAX_N
+    from lowbit.server._protocol import MAX_LOGPROBS, MAX_N, APIError, parse_body, parse_request
 
 
 def _check(request) -> None:
@@ -61,6 +61,15 @@ def _check(request) -> None:
         raise ContractViolation(f"temperature {request.temperature!r} / top_p {request.top_p!r}")
     if not all(isinstance(s, str) for s in request.stop):
         raise ContractViolation(f"stop {request.stop!r}")
+    if not (type(request.n) is int and 1 <= request.n <= MAX_N):
+        raise ContractViolation(f"n {request.n!r}")
+    if request.logprobs is not None and not (
+        type(request.logprobs) is int and 0 <= request.logprobs <= MAX_LOGPROBS
+    ):
+        raise ContractViolation(f"logprobs {request.logprobs!r}")
+    for penalty in (request.presence_penalty, request.frequency_penalty):
+        if not (type(penalty) is float and -2.0 <= penalty <= 2.0):
+            raise ContractViolation(f"penalty {penalty!r}")
 
 
 def test_one(data: bytes) -> None:

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from lowbit.server._limits import MAX_BODY_BYTES, READ_TIMEOUT, BodyLimit
+from lowbit.server._logprob_format import TokenTexts, chat_logprobs, completion_logprobs
 from lowbit.server._metrics import CONTENT_TYPE, Metrics
 from lowbit.server._openapi import openapi_document
 from lowbit.server._protocol import APIError, CompletionRequest, bad, parse_body, parse_request
@@ -41,7 +42,7 @@ from lowbit.server._scheduler import (
     Scheduler,
 )
 from lowbit.server._text import TextStream
-from lowbit.server._tool_calls import Parsed
+from lowbit.server._tool_calls import Parsed, ToolCallStream
 from lowbit.server._tool_prompt import chat_prompt, tool_call_stream
 
 # Seconds a client is told to wait after a 429.
@@ -175,7 +176,9 @@ class _Handler:
     async def openapi(self, request: Request) -> Response:
         s = self.served.scheduler
         vocab = self.served.tokenizer.get_vocab_size()
-        return JSONResponse(openapi_document(self.served.name, vocab, s.config.max_len))
+        most = min(s.config.slots, s.config.queue)
+        document = openapi_document(self.served.name, vocab, s.config.max_len, most)
+        return JSONResponse(document)
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
@@ -235,28 +238,42 @@ class _Handler:
         if why is not None:
             param = "max_tokens" if "max_tokens" in why else ("messages" if chat else "prompt")
             raise bad(param, why, code="context_length_exceeded")
+        why = s.check_choices(req.n, len(ids), max_tokens)
+        if why is not None:
+            raise bad("n", why)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
-        def emit(tokens: list[int], finish: str | None) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, (tokens, finish))
-            except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
-                pass
+        def emitter(index: int) -> Callable[[list[int], str | None], None]:
+            def emit(tokens: list[int], finish: str | None) -> None:
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (index, tokens, finish))
+                except RuntimeError:  # the event loop has closed (shutdown): nobody listens
+                    pass
 
-        job = Job(
-            prompt=ids,
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
-            seed=secrets.randbits(32) if req.seed is None else req.seed,
-            stop_ids=self.served.stop_ids,
-            deadline=time.monotonic() + self.served.request_timeout,
-            emit=emit,
-        )
+            return emit
+
+        seed = secrets.randbits(32) if req.seed is None else req.seed
+        deadline = time.monotonic() + self.served.request_timeout
+        jobs = [
+            Job(
+                prompt=ids,
+                max_tokens=max_tokens,
+                temperature=req.temperature,
+                top_k=req.top_k,
+                top_p=req.top_p,
+                seed=(seed + i) % 2**32,  # choice i draws with seed + i: choice 0 is n = 1's
+                stop_ids=self.served.stop_ids,
+                deadline=deadline,
+                emit=emitter(i),
+                logprobs=req.logprobs,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+            )
+            for i in range(req.n)
+        ]
         try:
-            s.submit(job)
+            s.submit_all(jobs)
         except QueueFull as err:
             raise APIError(
                 429,
@@ -267,7 +284,7 @@ class _Handler:
         except NotReady as err:
             raise APIError(503, str(err), type="server_error", code="unavailable") from None
         self.metrics.prompt_tokens.inc(len(ids))
-        answer = _Answer(self, req, job, events)
+        answer = _Answer(self, req, jobs, events)
         if req.stream:
             return _EventStream(answer.stream(), on_close=answer.close)
         try:
@@ -276,61 +293,96 @@ class _Handler:
             answer.close()
 
 
-class _Answer:
-    """Turns one job's emitted tokens into text and the OpenAI answer objects."""
+@dataclasses.dataclass(eq=False)
+class _Choice:
+    """One choice of an answer: its job and what it has produced so far.
 
-    def __init__(self, handler: _Handler, req: CompletionRequest, job: Job, events: asyncio.Queue):
+    Attributes:
+      finish: the scheduler's finish reason (or STOP at a stop string) once it ended.
+      reason: the finish reason answered (stop or length), once answered.
+      offset: the completions ``text_offset`` of its next token.
+    """
+
+    index: int
+    job: Job
+    text: TextStream
+    ids: list[int] = dataclasses.field(default_factory=list)
+    finish: str | None = None
+    reason: str | None = None
+    offset: int = 0
+    calls: ToolCallStream | None = None  # the parser of its text, when tools are offered
+
+
+class _Answer:
+    """Turns the emitted tokens of one request's jobs (one per choice) into text and the
+    OpenAI answer objects."""
+
+    def __init__(
+        self, handler: _Handler, req: CompletionRequest, jobs: list[Job], events: asyncio.Queue
+    ):
         self.handler = handler
         self.req = req
-        self.job = job
+        tokenizer = handler.served.tokenizer
+        self.choices = [
+            _Choice(i, job, TextStream(tokenizer, req.stop)) for i, job in enumerate(jobs)
+        ]
+        self.texts = TokenTexts(tokenizer) if req.logprobs is not None else None
         self.events = events
-        self.text = TextStream(handler.served.tokenizer, req.stop)
-        self.ids: list[int] = []
         self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.finish: str | None = None
         self.recorded = False
-        # With tools offered (tool_choice auto), the text goes through the call parser.
-        self.calls = tool_call_stream(handler.served.chat_template, req.tools)
+        # With tools offered (tool_choice auto), each choice's text goes through a call parser.
+        for choice in self.choices:
+            choice.calls = tool_call_stream(handler.served.chat_template, req.tools)
 
     def close(self) -> None:
-        """Ends the job if it still runs (the client left, or the answer is complete)."""
-        if self.job.finished is None:
-            self.handler.served.scheduler.cancel(self.job)
-        self._record(self.finish or self.job.finished or CANCELLED)
+        """Ends the jobs still running (the client left, or the answer is complete)."""
+        for choice in self.choices:
+            if choice.job.finished is None:
+                self.handler.served.scheduler.cancel(choice.job)
+        self._record()
 
-    def _record(self, reason: str) -> None:
+    def _record(self) -> None:
         if self.recorded:
             return
         self.recorded = True
         m = self.handler.metrics
-        job = self.job
-        m.finished.labels(reason).inc()
-        m.generated_tokens.inc(len(self.ids))
-        if job.first_token is not None:
-            m.ttft.observe(job.first_token - job.submitted)
-            if len(self.ids) > 1:
-                m.tpot.observe((time.monotonic() - job.first_token) / (len(self.ids) - 1))
+        for choice in self.choices:
+            job = choice.job
+            m.finished.labels(choice.reason or job.finished or CANCELLED).inc()
+            m.generated_tokens.inc(len(choice.ids))
+            if job.first_token is not None:
+                m.ttft.observe(job.first_token - job.submitted)
+                if len(choice.ids) > 1:
+                    m.tpot.observe((time.monotonic() - job.first_token) / (len(choice.ids) - 1))
 
-    async def _next(self) -> tuple[str, str | None]:
-        """The next piece of text and, at the end, the finish reason."""
-        tokens, finish = await self.events.get()
-        self.ids.extend(tokens)
-        piece = self.text.add(tokens)
-        if self.text.stopped:
-            self.handler.served.scheduler.cancel(self.job)
-            return piece, STOP
-        if finish is not None:
-            return piece + self.text.finish(), finish
-        return piece, None
+    async def _next(self) -> tuple[_Choice, str, str | None, int]:
+        """The next piece of text of some choice, its finish reason at the end (None before),
+        and how many of the choice's tokens came before."""
+        while True:
+            index, tokens, finish = await self.events.get()
+            choice = self.choices[index]
+            if choice.finish is None:  # else: it ended at a stop string; its job was cancelled
+                break
+        before = len(choice.ids)
+        choice.ids.extend(tokens)
+        piece = choice.text.add(tokens)
+        if choice.text.stopped:
+            self.handler.served.scheduler.cancel(choice.job)
+            finish = STOP
+        elif finish is not None:
+            piece += choice.text.finish()
+        choice.finish = finish
+        return choice, piece, finish, before
 
     def _usage(self) -> dict[str, int]:
-        prompt = len(self.job.prompt)
+        prompt = len(self.choices[0].job.prompt)
+        completion = sum(len(choice.ids) for choice in self.choices)
         return {
             "prompt_tokens": prompt,
-            "completion_tokens": len(self.ids),
-            "total_tokens": prompt + len(self.ids),
-            "prompt_tokens_details": {"cached_tokens": self.job.cached_tokens},
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.choices[0].job.cached_tokens},
         }
 
     @staticmethod
@@ -343,59 +395,79 @@ class _Answer:
             )
         return None
 
+    def _logprobs(self, choice: _Choice, before: int) -> dict[str, Any] | None:
+        """The log-probabilities of `choice`'s tokens from index `before` on, if asked for."""
+        if self.texts is None:
+            return None
+        ids = choice.ids[before:]
+        # The scheduler appends a token's entry before handing the token over.
+        entries = choice.job.token_logprobs[before : len(choice.ids)]
+        if self.req.chat:
+            return chat_logprobs(ids, entries, self.texts)
+        out, choice.offset = completion_logprobs(ids, entries, self.texts, choice.offset)
+        return out
+
     def _choice(
         self,
+        choice: _Choice,
         text: str | None,
         finish: str | None,
-        ids: list[int],
+        before: int,
         delta: bool,
         tool_calls: list[dict] | None = None,
     ) -> dict:
-        choice: dict[str, Any] = {"index": 0}
+        out: dict[str, Any] = {"index": choice.index}
         if self.req.chat:
             key = "delta" if delta else "message"
-            choice[key] = {"role": "assistant", "content": text} if not delta else {"content": text}
+            out[key] = {"role": "assistant", "content": text} if not delta else {"content": text}
             if tool_calls:
-                choice[key]["tool_calls"] = tool_calls
+                out[key]["tool_calls"] = tool_calls
+            if self.texts is not None:
+                out["logprobs"] = self._logprobs(choice, before)
         else:
-            choice["text"] = text
-            choice["logprobs"] = None
-        choice["finish_reason"] = finish
+            out["text"] = text
+            out["logprobs"] = self._logprobs(choice, before)
+        out["finish_reason"] = finish
         if self.req.return_token_ids:
-            choice["token_ids"] = ids
-        return choice
+            out["token_ids"] = choice.ids[before:]
+        return out
+
+    def _answered(self, choice: _Choice) -> str:
+        choice.reason = STOP if choice.finish == STOP else LENGTH
+        return choice.reason
 
     async def whole(self, request: Request) -> Response:
-        parts = []
-        while True:
+        parts: list[list[str]] = [[] for _ in self.choices]
+        while any(choice.finish is None for choice in self.choices):
             try:
-                piece, finish = await asyncio.wait_for(self._next(), _POLL)
+                choice, piece, _, _ = await asyncio.wait_for(self._next(), _POLL)
             except TimeoutError:
                 if await request.is_disconnected():
                     return Response(status_code=499)
                 continue
-            parts.append(piece)
-            if finish is not None:
-                break
-        failure = self._failure(finish)
-        if failure is not None:
-            raise failure
-        self.finish = STOP if finish == STOP else LENGTH
-        self._record(self.finish)
-        text: str | None = "".join(parts)
-        reason, calls = self.finish, None
-        if self.calls is not None:
-            self.calls.add(text)
-            parsed = self.calls.finish()[1]
-            if parsed.calls:
-                text, reason, calls = parsed.content, "tool_calls", _tool_calls(parsed)
+            parts[choice.index].append(piece)
+        for choice in self.choices:
+            failure = self._failure(choice.finish)
+            if failure is not None:
+                raise failure
+        choices = []
+        for choice in self.choices:
+            text: str | None = "".join(parts[choice.index])
+            reason, calls = self._answered(choice), None
+            if choice.calls is not None:
+                choice.calls.add(text)
+                parsed = choice.calls.finish()[1]
+                if parsed.calls:
+                    text, reason, calls = parsed.content, "tool_calls", _tool_calls(parsed)
+            choices.append(self._choice(choice, text, reason, 0, False, calls))
+        self._record()
         return JSONResponse(
             {
                 "id": self.id,
                 "object": "chat.completion" if self.req.chat else "text_completion",
                 "created": self.created,
                 "model": self.handler.served.name,
-                "choices": [self._choice(text, reason, list(self.ids), False, calls)],
+                "choices": choices,
                 "usage": self._usage(),
             }
         )
@@ -413,22 +485,22 @@ class _Answer:
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
     async def stream(self) -> AsyncIterator[str]:
-        if self.req.chat:  # the first chunk carries the role
-            first = {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "finish_reason": None,
-            }
-            yield self._chunk([first])
+        if self.req.chat:  # each choice's first chunk carries the role
+            for choice in self.choices:
+                first = {
+                    "index": choice.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "finish_reason": None,
+                }
+                yield self._chunk([first])
         while True:
-            sent = len(self.ids)
-            piece, finish = await self._next()
-            new_ids = self.ids[sent:]
-            if self.calls is not None:
-                piece = self.calls.add(piece)
+            choice, piece, finish, before = await self._next()
+            if choice.calls is not None:
+                piece = choice.calls.add(piece)
             if finish is None:
-                if piece or self.req.return_token_ids:
-                    yield self._chunk([self._choice(piece, None, new_ids, True)])
+                new = len(choice.ids) > before
+                if piece or self.req.return_token_ids or (new and self.texts is not None):
+                    yield self._chunk([self._choice(choice, piece, None, before, True)])
                 continue
             failure = self._failure(finish)
             if failure is not None:
@@ -436,21 +508,24 @@ class _Answer:
                 return
             if finish == CANCELLED:
                 return
-            self.finish = STOP if finish == STOP else LENGTH
-            self._record(self.finish)
+            reason = self._answered(choice)
             parsed = None
-            if self.calls is not None:
-                rest, parsed = self.calls.finish()
+            if choice.calls is not None:
+                rest, parsed = choice.calls.finish()
                 piece += rest
             if parsed is not None and parsed.calls:
                 # The content's rest, then one chunk per call, then the finish reason.
                 if piece or self.req.return_token_ids:
-                    yield self._chunk([self._choice(piece, None, new_ids, True)])
+                    yield self._chunk([self._choice(choice, piece, None, before, True)])
+                end = len(choice.ids)
                 for call in _tool_calls(parsed, streamed=True):
-                    yield self._chunk([self._choice(None, None, [], True, [call])])
-                yield self._chunk([self._choice(None, "tool_calls", [], True)])
+                    yield self._chunk([self._choice(choice, None, None, end, True, [call])])
+                yield self._chunk([self._choice(choice, None, "tool_calls", end, True)])
             else:
-                yield self._chunk([self._choice(piece, self.finish, new_ids, True)])
+                yield self._chunk([self._choice(choice, piece, reason, before, True)])
+            if any(other.reason is None for other in self.choices):
+                continue
+            self._record()
             if self.req.include_usage:
                 yield self._chunk([], self._usage())
             yield "data: [DONE]\n\n"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lowbit.server._protocol import _NEUTRAL, MAX_STOP_STRINGS
+from lowbit.server._protocol import _NEUTRAL, MAX_LOGPROBS, MAX_STOP_STRINGS
 from lowbit.server._tool_request import MAX_TOOLS
 
 
@@ -18,8 +18,8 @@ def _neutral(values: tuple) -> dict[str, Any]:
     return {"enum": list(values)}
 
 
-def _sampling(context: int) -> dict[str, Any]:
-    """Fields both endpoints accept."""
+def _sampling(context: int, choices: int) -> dict[str, Any]:
+    """Fields both endpoints accept (`choices`: the most `n` may be)."""
     integer_or_null = lambda lo, hi=None: {  # noqa: E731
         "type": ["integer", "null"],
         "minimum": lo,
@@ -44,7 +44,9 @@ def _sampling(context: int) -> dict[str, Any]:
                 },
             ]
         },
-        "n": {"enum": [1, None]},
+        "n": integer_or_null(1, choices),
+        "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+        "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
         "stream": {"type": "boolean"},
         "stream_options": {
             "type": ["object", "null"],
@@ -162,16 +164,19 @@ def _answers(ok: str) -> dict[str, Any]:
     }
 
 
-def openapi_document(model: str, vocab: int, context: int) -> dict[str, Any]:
+def openapi_document(model: str, vocab: int, context: int, choices: int = 1) -> dict[str, Any]:
     """The OpenAPI 3.1 document of a server of `model` (token ids below `vocab`, `context`
-    tokens per request)."""
-    sampling = _sampling(context)
+    tokens per request, up to `choices` choices per request)."""
+    sampling = _sampling(context, choices)
+    top_logprobs = {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS}
     completion = {
         "type": "object",
         "required": ["prompt"],
         "additionalProperties": False,
         "properties": {
             **sampling,
+            # false is taken for null, as before log-probabilities were served.
+            "logprobs": {"oneOf": [top_logprobs, {"const": False}]},
             "prompt": {
                 "oneOf": [
                     {"type": "string", "minLength": 1},
@@ -199,6 +204,9 @@ def openapi_document(model: str, vocab: int, context: int) -> dict[str, Any]:
         "additionalProperties": False,
         "properties": {
             **sampling,
+            # top_logprobs needs logprobs true (a 400 otherwise, which a schema cannot state).
+            "logprobs": {"type": ["boolean", "null"]},
+            "top_logprobs": top_logprobs,
             "messages": {
                 "type": "array",
                 "items": {"oneOf": [message, *_tool_messages()]},

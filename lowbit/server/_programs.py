@@ -39,6 +39,9 @@ from flax import nnx
 from lowbit.engine import interpret
 from lowbit.models import KVCache
 from lowbit.models._generate import sample_rows
+from lowbit.server._logprobs import TokenLogprobs, token_logprobs
+from lowbit.server._penalties import count_tokens, penalize, restart_counts
+from lowbit.server._protocol import MAX_LOGPROBS
 
 # Decode steps one call may run (outputs are [B, MAX_STEPS]).
 MAX_STEPS = 8
@@ -56,6 +59,8 @@ class RowSampling:
       temperature: ``[B]`` float32, 0 for greedy.
       top_k: ``[B]`` int32, 0 for all tokens.
       top_p: ``[B]`` float32.
+      presence, frequency: ``[B]`` float32, the penalties (`lowbit.server._penalties`; 0:
+        none). Only decode steps apply them: a first token follows no generated one.
     """
 
     keys: jax.Array
@@ -63,6 +68,26 @@ class RowSampling:
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+    """What a decode call returns besides the cache.
+
+    Attributes:
+      tokens: ``[B, MAX_STEPS]`` int32, the sampled tokens (columns past the steps run: -1).
+      counts: ``[B, V]`` int32, each row's generated tokens counted (the penalties' state;
+        the next call takes it back).
+      logprobs: ``[B, MAX_STEPS]`` `TokenLogprobs` of the sampled tokens (`decode_logprobs`
+        only; None from `decode`).
+    """
+
+    tokens: jax.Array
+    counts: jax.Array
+    logprobs: TokenLogprobs | None
 
 
 def _forward(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, cache: KVCache):
@@ -81,26 +106,52 @@ def decode(
     cache: KVCache,
     token: jax.Array,
     rows: RowSampling,
+    counts: jax.Array,
     steps: jax.Array,
-) -> tuple[jax.Array, KVCache]:
+    *,
+    logprobs: bool = False,
+) -> tuple[Decoded, KVCache]:
     """`steps` (1 .. `MAX_STEPS`) decode steps of every row: feeds ``token [B]``, samples the
-    next. Returns the sampled tokens ``[B, MAX_STEPS]`` (columns past `steps` are -1) and the
-    cache."""
+    next. ``counts [B, V]`` are the rows' generated tokens before this call (a row whose
+    ``rows.count`` is 1, just placed, starts from none). `logprobs`: also each sampled
+    token's `TokenLogprobs` (the `decode_logprobs` program)."""
     b = token.shape[0]
 
-    def run(params, cache, token, count):
+    def run(params, cache, token, count, counts):
         def body(i, carry):
-            cache, token, count, out = carry
+            cache, token, count, counts, out, lp = carry
             logits, cache = _forward(graphdef, params, token[:, None], cache)
-            token = _sample(logits[:, -1], dataclasses.replace(rows, count=count))
+            logits = logits[:, -1]
+            counts = count_tokens(counts, token)  # `token` is the row's latest generated one
+            penalized = penalize(logits, counts, rows.presence, rows.frequency)
+            token = _sample(penalized, dataclasses.replace(rows, count=count))
             out = jax.lax.dynamic_update_slice(out, token[:, None], (0, i))
-            return cache, token, count + 1, out
+            if logprobs:
+                new = token_logprobs(logits, token)
+                lp = jax.tree.map(
+                    lambda all_, one: jax.lax.dynamic_update_index_in_dim(all_, one, i, 1),
+                    lp,
+                    new,
+                )
+            return cache, token, count + 1, counts, out, lp
 
         out = jnp.full((b, MAX_STEPS), -1, jnp.int32)
-        return jax.lax.fori_loop(0, steps, body, (cache, token, count, out))
+        lp = None
+        if logprobs:
+            k = min(MAX_LOGPROBS, counts.shape[-1])
+            lp = TokenLogprobs(
+                jnp.zeros((b, MAX_STEPS), jnp.float32),
+                jnp.zeros((b, MAX_STEPS, k), jnp.float32),
+                jnp.zeros((b, MAX_STEPS, k), jnp.int32),
+            )
+        counts = restart_counts(counts, count == 1)
+        return jax.lax.fori_loop(0, steps, body, (cache, token, count, counts, out, lp))
 
-    cache, _, _, out = interpret(run)(params, cache, token, rows.count)
-    return out, cache
+    cache, _, _, counts, out, lp = interpret(run)(params, cache, token, rows.count, counts)
+    return Decoded(out, counts, lp), cache
+
+
+decode_logprobs = functools.partial(decode, logprobs=True)
 
 
 def prefill(
@@ -109,11 +160,12 @@ def prefill(
     tokens: jax.Array,
     cache: KVCache,
     rows: RowSampling,
-) -> tuple[jax.Array, KVCache]:
+) -> tuple[tuple[jax.Array, jax.Array], KVCache]:
     """One left-padded prompt ``tokens [1, W]`` into an empty ``W``-slot `cache` (its ``start``
-    set to the padding); returns the first sampled token ``[1]`` and the cache."""
+    set to the padding); returns the first sampled token ``[1]`` with the logits it was
+    drawn from ``[1, V]`` (for its log-probabilities), and the cache."""
     logits, cache = interpret(functools.partial(_forward, graphdef))(params, tokens, cache)
-    return _sample(logits[:, -1], rows), cache
+    return (_sample(logits[:, -1], rows), logits[:, -1]), cache
 
 
 def prefill_chunk(
@@ -131,6 +183,11 @@ def prefill_chunk(
 def sample(logits: jax.Array, rows: RowSampling) -> jax.Array:
     """`_sample` as its own program (the first token of a chunked prefill)."""
     return _sample(logits, rows)
+
+
+def logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
+    """`token_logprobs` as its own program (a first token's, for a request that asks)."""
+    return token_logprobs(logits, tokens)
 
 
 def _slot_arrays(cache: KVCache) -> tuple[tuple[jax.Array, ...], ...]:

@@ -36,6 +36,8 @@ _COMMON = {
     "stream_options",
     "user",
     "return_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
 }
 _COMPLETION = _COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
@@ -43,16 +45,17 @@ _CHAT |= {"tools", "tool_choice", "parallel_tool_calls"}
 # Fields a request may carry only with these neutral values.
 _NEUTRAL = {
     "echo": (False,),
-    "logprobs": (None, False),
-    "top_logprobs": (None,),
     "suffix": (None,),
     "best_of": (None, 1),
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}),
 }
 MAX_STOP_STRINGS = 4
+# The most alternatives per token `logprobs` (completions) or `top_logprobs` (chat) may ask for
+# (OpenAI: 20 for chat, 5 for the legacy completions).
+MAX_LOGPROBS = 20
+# The most choices one request may ask for (the server also limits `n` to its slots).
+MAX_N = 128
 
 
 def _is_neutral(value: Any, neutral: tuple) -> bool:
@@ -122,6 +125,12 @@ class CompletionRequest:
       include_usage: with `stream`, a last chunk carrying the usage counts.
       return_token_ids: add each choice's token ids (``token_ids``) to the answer.
       tools: the offered tools and ``tool_choice``, or None.
+      n: choices; choice i draws with seed ``seed + i``.
+      logprobs: alternatives per token to report with each token's log-probability, or None
+        for no log-probabilities (completions' ``logprobs``; chat's ``top_logprobs`` when
+        ``logprobs`` is true).
+      presence_penalty, frequency_penalty: in [-2, 2], subtracted from the logits of tokens
+        the answer already holds (once, and once per occurrence).
     """
 
     chat: bool
@@ -137,6 +146,10 @@ class CompletionRequest:
     include_usage: bool
     return_token_ids: bool
     tools: ToolRequest | None = None
+    n: int = 1
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -233,7 +246,7 @@ def _prompt(body: dict) -> str | tuple[int, ...]:
         raise bad("prompt", "is required", code="missing_field")
     raise bad(
         "prompt",
-        "must be a non-empty string or a non-empty list of token ids (one prompt: n = 1)",
+        "must be a non-empty string or a non-empty list of token ids (one prompt per request)",
     )
 
 
@@ -279,6 +292,23 @@ def _messages(body: dict) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives per token to report, or None when log-probabilities are not asked for."""
+    if not chat:  # completions: logprobs is the number of alternatives
+        if body.get("logprobs") is False:
+            return None
+        return _int(body, "logprobs", 0, MAX_LOGPROBS)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise bad("logprobs", f"must be true or false, got {json.dumps(wanted)}")
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if not wanted:
+        if top is not None:
+            raise bad("top_logprobs", "needs logprobs: true")
+        return None
+    return top or 0
+
+
 def parse_request(body: dict[str, Any], chat: bool) -> CompletionRequest:
     """Validates a ``/v1/completions`` (`chat` False) or ``/v1/chat/completions`` body.
 
@@ -298,9 +328,7 @@ def parse_request(body: dict[str, Any], chat: bool) -> CompletionRequest:
                 )
             continue
         raise bad(name, "is not a field this endpoint accepts", code="unknown_field")
-    n = _int(body, "n", 1)
-    if n not in (None, 1):
-        raise bad("n", f"must be 1 (one choice per request), got {n}", code="unsupported")
+    n = _int(body, "n", 1, MAX_N) or 1
     max_tokens = _int(body, "max_tokens", 1)
     if chat and body.get("max_completion_tokens") is not None:
         max_tokens = _int(body, "max_completion_tokens", 1)
@@ -341,4 +369,8 @@ def parse_request(body: dict[str, Any], chat: bool) -> CompletionRequest:
         include_usage=bool(options.get("include_usage", False)),
         return_token_ids=return_ids,
         tools=tools,
+        n=n,
+        logprobs=_logprobs(body, chat),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0, lo_open=False),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0, lo_open=False),
     )

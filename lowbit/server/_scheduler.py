@@ -31,11 +31,27 @@ from flax import nnx
 from lowbit.api import StoredProgram, compile_stored, describe
 from lowbit.models._generate import bucket
 from lowbit.server import _programs as programs
+from lowbit.server._logprobs import TokenLogprob, TokenLogprobs, host_logprobs
 from lowbit.server._prefix import PrefixIndex, chain
-from lowbit.server._programs import RowSampling
+from lowbit.server._programs import Decoded, RowSampling
 
-# The model's programs, and the position of the KV cache among their arguments.
-_MODEL_PROGRAMS = {"decode": 1, "prefill": 2, "prefill_chunk": 2}
+# The model's programs, and the positions among their arguments of the buffers they reuse:
+# the KV cache, and the decode steps' token counts.
+_MODEL_PROGRAMS = {
+    "decode": (1, 4),
+    "decode_logprobs": (1, 4),
+    "prefill": (2,),
+    "prefill_chunk": (2,),
+}
+# The structure of each program's output ahead of its first value (leaves: anything).
+_OUT_LIKE = {
+    "decode": lambda a: (Decoded(0, 0, None), a[1]),
+    "decode_logprobs": lambda a: (Decoded(0, 0, TokenLogprobs(0, 0, 0)), a[1]),
+    "prefill": lambda a: ((0, 0), a[2]),
+    "prefill_chunk": lambda a: (0, a[2]),
+    "sample": lambda a: 0,
+    "logprobs": lambda a: TokenLogprobs(0, 0, 0),
+}
 
 # Finish reasons a job ends with.
 STOP, LENGTH, CANCELLED, TIMEOUT, SHUTDOWN = "stop", "length", "cancelled", "timeout", "shutdown"
@@ -63,6 +79,10 @@ class Job:
       deadline: ``time.monotonic()`` after which the request ends with `TIMEOUT`.
       emit: called from the scheduler thread with new token ids and, on the last call, the
         finish reason (None before).
+      logprobs: alternatives to report with each token's log-probability, or None for no
+        log-probabilities; then each token's `TokenLogprob` is appended to `token_logprobs`
+        before the `emit` call that hands the token over.
+      presence_penalty, frequency_penalty: see `lowbit.server._penalties` (0: none).
     """
 
     prompt: Sequence[int]
@@ -74,6 +94,10 @@ class Job:
     stop_ids: frozenset[int]
     deadline: float
     emit: Callable[[list[int], str | None], None]
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     cancelled: bool = False
     submitted: float = dataclasses.field(default_factory=time.monotonic)
     first_token: float | None = None
@@ -158,6 +182,7 @@ class _Prefill:
     begin: int = 0  # chunked: the first slot to prefill (those before come from the pool)
     next_chunk: int = 0  # chunked: index of the next chunk; single pass: unused
     first: int | None = None  # the first sampled token once prefilled
+    logits: Any = None  # ``[1, V]``, what `first` was drawn from
     source: int = 0  # the prompt's first slot in `cache`
     names: list[bytes] = dataclasses.field(default_factory=list)  # its blocks' prefix names
 
@@ -253,21 +278,41 @@ class Scheduler:
             )
         return None
 
+    def check_choices(self, n: int, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why `n` choices of this size cannot run together (a message naming `n`), or None:
+        more choices than slots (or queue places) would wait on each other, and they must fit
+        the KV cache side by side."""
+        c = self.config
+        most = min(c.slots, c.queue)
+        if n > most:
+            return f"this server runs at most {most} choices per request (its slots); got {n}"
+        if n * (prompt_tokens + max_tokens - 1) > c.slots * c.max_len:
+            return (
+                f"{n} choices of {prompt_tokens} prompt tokens plus max_tokens={max_tokens} "
+                f"exceed the KV cache ({c.slots} slots of {c.max_len} tokens); lower n or "
+                "max_tokens"
+            )
+        return None
+
     # -- the HTTP side ------------------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
-        """Queues `job`.
+        """Queues `job` (`submit_all` of one)."""
+        self.submit_all([job])
+
+    def submit_all(self, jobs: Sequence[Job]) -> None:
+        """Queues `jobs` (a request's choices), all or none.
 
         Raises:
           NotReady: while compiling or after `close`.
-          QueueFull: when `SchedulerConfig.queue` requests already wait.
+          QueueFull: when `SchedulerConfig.queue` has no room for all of them.
         """
         with self._lock:
             if not self.ready or self._stop:
                 raise NotReady("the server is not ready" if not self._stop else "shutting down")
-            if len(self._waiting) >= self.config.queue:
+            if len(self._waiting) + len(jobs) > self.config.queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting")
-            self._waiting.append(job)
+            self._waiting.extend(jobs)
             self._lock.notify()
 
     def cancel(self, job: Job) -> None:
@@ -324,6 +369,10 @@ class Scheduler:
         self.temp_host = np.zeros((c.slots,), np.float32)
         self.topk_host = np.zeros((c.slots,), np.int32)
         self.topp_host = np.ones((c.slots,), np.float32)
+        self.presence_host = np.zeros((c.slots,), np.float32)
+        self.frequency_host = np.zeros((c.slots,), np.float32)
+        # Each row's generated tokens counted, on the device (`lowbit.server._penalties`).
+        self.counts = jnp.zeros((c.slots, self.model.config.vocab_size), jnp.int32)
         self.cache = self._set_start(self.cache)
 
     def _set_start(self, cache: Any) -> Any:
@@ -349,7 +398,10 @@ class Scheduler:
             deadline=float("inf"),
             emit=lambda tokens, finish: None,
         )
-        programs_to_compile = [("decode", self.config.slots, self._decode_args(1))]
+        decode_args = self._decode_args(1)
+        programs_to_compile = [
+            (name, self.config.slots, decode_args) for name in ("decode", "decode_logprobs")
+        ]
         programs_to_compile.append(("shift", self.config.slots, self._shift_args(1)))
         chunked = None
         for width in self.prefill_widths + self.chunk_widths:
@@ -374,6 +426,8 @@ class Scheduler:
         workers = max(1, min(4, os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             list(pool.map(lambda spec: self._program(*spec), programs_to_compile))
+        (_, logits), _ = self._compiled[("prefill", self.prefill_widths[0])].out_shapes
+        self._program("logprobs", 1, (logits, jnp.zeros((1,), jnp.int32)))
         if chunked is not None:
             width, job = chunked
             logits, _ = self._compiled[("prefill_chunk", width)].out_shapes
@@ -385,14 +439,14 @@ class Scheduler:
         compiled = self._compiled.get((name, width))
         if compiled is None:
             fn = getattr(programs, name)
-            static, out_like, donate = "", (lambda a: a[0]), (0,)  # the moves: cache -> cache
+            static, donate = "", (0,)  # the moves: cache -> cache
+            out_like = _OUT_LIKE.get(name, lambda a: a[0])
             if name in _MODEL_PROGRAMS:
                 fn = functools.partial(fn, self.graphdef)
                 static = describe((self.graphdef, self.model.config, self.kv_cache))
-                cache_at = _MODEL_PROGRAMS[name]
-                out_like, donate = (lambda a: (0, a[cache_at])), (cache_at,)
-            elif name == "sample":
-                out_like, donate = (lambda a: 0), ()
+                donate = _MODEL_PROGRAMS[name]
+            elif name in ("sample", "logprobs"):  # small programs of logits: nothing to reuse
+                donate = ()
             compiled = compile_stored(
                 f"{name}-{width}",
                 fn,
@@ -456,6 +510,7 @@ class Scheduler:
         self.start_host[r] = self.config.max_len
         self.temp_host[r] = 0.0
         self.topk_host[r] = 0
+        self.presence_host[r] = self.frequency_host[r] = 0.0
         if job is not None:
             self._finish(job, reason)
 
@@ -485,6 +540,8 @@ class Scheduler:
             temperature=jnp.asarray([job.temperature], jnp.float32),
             top_k=jnp.asarray([job.top_k], jnp.int32),
             top_p=jnp.asarray([job.top_p], jnp.float32),
+            presence=jnp.asarray([job.presence_penalty], jnp.float32),
+            frequency=jnp.asarray([job.frequency_penalty], jnp.float32),
         )
 
     def _lookup(self, job: Job) -> tuple[list[bytes], list[int]]:
@@ -560,12 +617,14 @@ class Scheduler:
         name, args = self._prefill_args(state)
         out, state.cache = self._program(name, state.width, args)(*args)
         if name == "prefill":
-            state.first = int(out[0])
+            first, state.logits = out
+            state.first = int(first[0])
             self._save_prefix(state)
             return
         state.next_chunk += 1
         if state.next_chunk == -(-(len(job.prompt) - state.begin) // self.config.chunk):
             args = (out, self._row_sampling(job))
+            state.logits = out
             state.first = int(self._program("sample", 1, args)(*args)[0])
             self._save_prefix(state)
 
@@ -582,6 +641,12 @@ class Scheduler:
     def _first_token(self, state: _Prefill) -> None:
         job = state.job
         job.first_token = time.monotonic()
+        if job.logprobs is not None and state.first not in job.stop_ids:
+            args = (state.logits, jnp.asarray([state.first], jnp.int32))
+            arrays = self._program("logprobs", 1, args)(*args)
+            arrays = jax.tree.map(lambda a: np.asarray(a)[:, None], arrays)  # one step
+            job.token_logprobs.extend(host_logprobs(arrays, 0, 1, job.logprobs))
+        state.logits = None
         if state.first in job.stop_ids:
             self._finish(job, STOP)
             self._prefill = None
@@ -620,6 +685,8 @@ class Scheduler:
         self.temp_host[r] = job.temperature
         self.topk_host[r] = job.top_k
         self.topp_host[r] = job.top_p
+        self.presence_host[r] = job.presence_penalty
+        self.frequency_host[r] = job.frequency_penalty
         with self._lock:
             self._rows[r] = job
             self._prefill = None
@@ -665,11 +732,14 @@ class Scheduler:
             temperature=jnp.asarray(self.temp_host),
             top_k=jnp.asarray(self.topk_host),
             top_p=jnp.asarray(self.topp_host),
+            presence=jnp.asarray(self.presence_host),
+            frequency=jnp.asarray(self.frequency_host),
         )
         cache = dataclasses.replace(
             self.cache, length=jnp.int32(self.clock), start=jnp.asarray(self.start_host)
         )
-        return self.params, cache, jnp.asarray(self.token_host), rows, jnp.int32(steps)
+        token = jnp.asarray(self.token_host)
+        return self.params, cache, token, rows, self.counts, jnp.int32(steps)
 
     def _decode(self, steps: int) -> None:
         t = self.config.max_len
@@ -679,8 +749,13 @@ class Scheduler:
         # Every row must still have a slot for each step.
         steps = max(1, min(steps, t - self.clock))
         args = self._decode_args(steps)
-        out, self.cache = self._program("decode", self.config.slots, args)(*args)
-        out = np.asarray(out)
+        # The variant that also ranks the vocabulary runs only while a row asks for it.
+        asks = any(job is not None and job.logprobs is not None for job in self._rows)
+        name = "decode_logprobs" if asks else "decode"
+        decoded, self.cache = self._program(name, self.config.slots, args)(*args)
+        self.counts = decoded.counts
+        out = np.asarray(decoded.tokens)
+        lp = None if decoded.logprobs is None else jax.tree.map(np.asarray, decoded.logprobs)
         self.clock += steps
         self.steps_run += steps
         self.count_host += steps
@@ -690,12 +765,19 @@ class Scheduler:
                 continue
             new: list[int] = []
             reason = None
+            if lp is not None and job.logprobs is not None:
+                # Appended before the emit that hands their tokens over (see `Job`).
+                entries = host_logprobs(lp, r, steps, job.logprobs)
+            else:
+                entries = None
             for token in out[r, :steps]:
                 token = int(token)
                 if token in job.stop_ids:
                     reason = STOP
                     break
                 new.append(token)
+                if entries is not None:
+                    job.token_logprobs.append(entries[len(new) - 1])
                 job.generated += 1
                 if job.generated >= job.max_tokens:
                     reason = LENGTH

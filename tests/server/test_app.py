@@ -104,7 +104,7 @@ def test_models_health_and_metrics(base_url):
     [
         ("/v1/completions", b'{"prompt": "hi",', None),
         ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
-        ("/v1/completions", {"prompt": "hi", "n": 3}, "n"),
+        ("/v1/completions", {"prompt": "hi", "n": CONFIG.slots + 1}, "n"),
         ("/v1/completions", {"prompt": [5] * (CONFIG.max_len + 10)}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": CONFIG.max_len + 1}, "max_tokens"),
         ("/v1/completions", {"prompt": [9999]}, "prompt"),

@@ -3,7 +3,7 @@
 import pytest
 
 from lowbit.server import APIError, parse_request
-from lowbit.server._protocol import parse_body
+from lowbit.server._protocol import MAX_LOGPROBS, MAX_N, parse_body
 
 
 def test_a_valid_completion_parses_with_openai_defaults():
@@ -24,7 +24,18 @@ def test_token_prompts_and_chat_messages_parse():
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "n": 0}, "n"),
+        ({"prompt": "hi", "n": MAX_N + 1}, "n"),
+        ({"prompt": "hi", "n": "2"}, "n"),
+        ({"prompt": "hi", "n": 2.0}, "n"),
+        ({"prompt": "hi", "logprobs": MAX_LOGPROBS + 1}, "logprobs"),
+        ({"prompt": "hi", "logprobs": -1}, "logprobs"),
+        ({"prompt": "hi", "logprobs": True}, "logprobs"),
+        ({"prompt": "hi", "top_logprobs": 2}, "top_logprobs"),  # a chat field
+        ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "hi", "presence_penalty": "high"}, "presence_penalty"),
+        ({"prompt": "hi", "frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"prompt": "hi", "frequency_penalty": True}, "frequency_penalty"),
         ({"prompt": "hi", "temperature": 3}, "temperature"),
         ({"prompt": "hi", "temperature": "hot"}, "temperature"),
         ({"prompt": "hi", "top_p": 0}, "top_p"),
@@ -52,6 +63,40 @@ def test_bad_completion_fields_name_the_field(body, param):
         parse_request(body, chat=False)
     assert err.value.status == 400 and err.value.param == param
     assert err.value.body()["error"]["message"].startswith(param)
+
+
+def test_choices_logprobs_and_penalties_parse():
+    req = parse_request(
+        {"prompt": "hi", "n": 3, "logprobs": 0, "presence_penalty": -2, "frequency_penalty": 2},
+        chat=False,
+    )
+    assert (req.n, req.logprobs, req.presence_penalty, req.frequency_penalty) == (3, 0, -2, 2)
+    req = parse_request({"prompt": "hi", "logprobs": False, "presence_penalty": None}, False)
+    assert (req.n, req.logprobs, req.presence_penalty) == (1, None, 0.0)
+    chat = {"messages": [{"role": "user", "content": "a"}]}
+    assert parse_request({**chat, "logprobs": True}, True).logprobs == 0
+    assert parse_request({**chat, "logprobs": True, "top_logprobs": 20}, True).logprobs == 20
+    assert parse_request({**chat, "logprobs": False}, True).logprobs is None
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"n": 0}, "n"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+    ],
+)
+def test_bad_chat_logprobs_choices_and_penalties_name_the_field(fields, param):
+    body = {"messages": [{"role": "user", "content": "a"}], **fields}
+    with pytest.raises(APIError) as err:
+        parse_request(body, chat=True)
+    assert err.value.status == 400 and err.value.param == param
 
 
 def test_bad_chat_messages_name_the_message():
