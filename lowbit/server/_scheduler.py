@@ -30,6 +30,7 @@ from flax import nnx
 
 from lowbit.api import StoredProgram, compile_stored, describe
 from lowbit.models._generate import bucket
+from lowbit.server import _embeddings as embeddings
 from lowbit.server import _programs as programs
 from lowbit.server._programs import RowSampling
 
@@ -181,6 +182,9 @@ class Scheduler:
         self.prefill_widths = [w for w in self.prefill_widths if w <= c.max_len]
         # Longer prompts are prefilled in chunks into a cache as long as a slot's: one program.
         self.chunk_widths = [c.max_len] if self.prefill_widths[-1] < c.max_len else []
+        # Embedding batches of `single_pass` tokens: each costs about one prefill pass.
+        self.embed_widths = embeddings.embedding_widths(self.single_pass)
+        self._embedding: collections.deque[embeddings.EmbedJob] = collections.deque()
         self._lock = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._prefill: _Prefill | None = None
@@ -200,6 +204,11 @@ class Scheduler:
         if self.chunk_widths:
             return self.config.max_len - 1
         return min(self.single_pass, self.config.max_len - 1)
+
+    @property
+    def max_embedding_tokens(self) -> int:
+        """The longest input `/v1/embeddings` accepts (its widest batch)."""
+        return self.embed_widths[-1]
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request of this size cannot run (a message naming the field), or None."""
@@ -233,7 +242,21 @@ class Scheduler:
             self._waiting.append(job)
             self._lock.notify()
 
-    def cancel(self, job: Job) -> None:
+    def submit_embedding(self, job: embeddings.EmbedJob) -> None:
+        """Queues `job`; its batches run between decode steps (as prefill passes do).
+
+        Raises:
+          NotReady, QueueFull: as `submit` (embedding and generation requests share the queue).
+        """
+        with self._lock:
+            if not self.ready or self._stop:
+                raise NotReady("the server is not ready" if not self._stop else "shutting down")
+            if len(self._waiting) + len(self._embedding) >= self.config.queue:
+                raise QueueFull(f"{len(self._waiting) + len(self._embedding)} requests are waiting")
+            self._embedding.append(job)
+            self._lock.notify()
+
+    def cancel(self, job: Job | embeddings.EmbedJob) -> None:
         """Ends `job` at the next step (a disconnected client, a stop string)."""
         with self._lock:
             job.cancelled = True
@@ -241,7 +264,7 @@ class Scheduler:
 
     @property
     def queue_length(self) -> int:
-        return len(self._waiting) + (self._prefill is not None)
+        return len(self._waiting) + (self._prefill is not None) + len(self._embedding)
 
     @property
     def busy_slots(self) -> int:
@@ -314,6 +337,8 @@ class Scheduler:
         )
         programs_to_compile = [("decode", self.config.slots, self._decode_args(1))]
         programs_to_compile.append(("shift", self.config.slots, self._shift_args(1)))
+        for width in self.embed_widths:
+            programs_to_compile.append(("embed", width, self._embed_args(width, [[0]], [0])))
         chunked = None
         for width in self.prefill_widths + self.chunk_widths:
             job = dataclasses.replace(dummy, prompt=[0] * min(width, self.max_prompt))
@@ -336,13 +361,17 @@ class Scheduler:
             self._program("sample", 1, (logits, self._row_sampling(job)))
 
     def _program(self, name: str, width: int, args: tuple) -> StoredProgram:
-        """The compiled program `name` (a function of `programs`) for arguments shaped like
-        `args`, compiled on first use; `width` tells its shapes apart."""
+        """The compiled program `name` (a function of `programs`, or `embeddings.embed`) for
+        arguments shaped like `args`, compiled on first use; `width` tells its shapes apart."""
         compiled = self._compiled.get((name, width))
         if compiled is None:
-            fn = getattr(programs, name)
+            fn = getattr(embeddings if name == "embed" else programs, name)
             static, out_like, donate = "", (lambda a: a[0]), (0,)  # the moves: cache -> cache
-            if name in _MODEL_PROGRAMS:
+            if name == "embed":
+                fn = functools.partial(fn, self.graphdef)
+                static = describe((self.graphdef, self.model.config))
+                out_like, donate = (lambda a: 0), ()
+            elif name in _MODEL_PROGRAMS:
                 fn = functools.partial(fn, self.graphdef)
                 static = describe((self.graphdef, self.model.config, self.kv_cache))
                 cache_at = _MODEL_PROGRAMS[name]
@@ -369,6 +398,7 @@ class Scheduler:
                 and not self._waiting
                 and self._prefill is None
                 and self.busy_slots == 0
+                and not self._embedding
             ):
                 self._lock.wait()
             if self._stop:
@@ -391,6 +421,8 @@ class Scheduler:
                     self._first_token(state)
             else:
                 self._place(state)
+        if self._embedding:
+            self._embed_batch(self._embedding[0])
         if self.busy_slots:
             waiting = self._prefill is not None or bool(self._waiting)
             self._decode(1 if waiting else self.config.steps)
@@ -430,6 +462,8 @@ class Scheduler:
                 self._prefill = None
             while self._waiting:
                 self._finish(self._waiting.popleft(), reason)
+            while self._embedding:
+                self._end_embedding(self._embedding[0], None, reason)
 
     # -- prefill ------------------------------------------------------------------------------
 
@@ -562,6 +596,37 @@ class Scheduler:
         self.slides += 1
         args = self._shift_args(by)
         self.cache = self._program("shift", self.config.slots, args)(*args)
+
+    # -- embeddings ---------------------------------------------------------------------------
+
+    def _embed_args(self, width: int, inputs: list, indices: list[int]) -> tuple:
+        """`embeddings.embed`'s arguments (after the graph definition): `inputs` at `indices`
+        in a batch of `width`."""
+        rows = embeddings.batch_rows(width, self.single_pass)
+        tokens, lengths = embeddings.batch_arrays(inputs, indices, width, rows)
+        return self.params, jnp.asarray(tokens), jnp.asarray(lengths)
+
+    def _embed_batch(self, job: embeddings.EmbedJob) -> None:
+        """One batch of `job`'s inputs; answers it once every input has its vector."""
+        if job.cancelled or time.monotonic() > job.deadline:
+            self._end_embedding(job, None, CANCELLED if job.cancelled else TIMEOUT)
+            return
+        width, indices = embeddings.next_batch(job, self.embed_widths, self.single_pass)
+        args = self._embed_args(width, job.inputs, indices)
+        out = np.asarray(self._program("embed", width, args)(*args))
+        for row, i in enumerate(indices):
+            job.vectors[i] = out[row]
+        if all(v is not None for v in job.vectors):
+            self._end_embedding(job, np.stack(job.vectors), None)
+
+    def _end_embedding(
+        self, job: embeddings.EmbedJob, vectors: np.ndarray | None, reason: str | None
+    ) -> None:
+        with self._lock:
+            self._embedding.remove(job)
+        if not job.finished:
+            job.finished = True
+            job.done(vectors, reason)
 
     # -- decode -------------------------------------------------------------------------------
 
