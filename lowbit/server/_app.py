@@ -179,7 +179,14 @@ class _Handler:
     async def openapi(self, request: Request) -> Response:
         s = self.served.scheduler
         vocab = self.served.tokenizer.get_vocab_size()
-        return JSONResponse(openapi_document(self.served.name, vocab, s.config.max_len))
+        document = openapi_document(
+            self.served.name,
+            vocab,
+            s.config.max_len,
+            embedding_dim=self.served.embedding_dim,
+            embedding_tokens=s.max_embedding_tokens,
+        )
+        return JSONResponse(document)
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)

@@ -101,6 +101,8 @@ def _inputs_of(value: Any, name: str | None) -> tuple[str | tuple[int, ...], ...
             out.append(tuple(item))
         else:
             raise bad(field, "must be a non-empty string or a non-empty list of token ids")
+    if len({type(item) for item in out}) > 1:
+        raise bad("input", "mixes texts and lists of token ids; send one kind")
     return tuple(out)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lowbit.server._embeddings import ENCODING_FORMATS, MAX_INPUTS
 from lowbit.server._protocol import _NEUTRAL, MAX_STOP_STRINGS
 
 
@@ -93,9 +94,74 @@ def _answers(ok: str) -> dict[str, Any]:
     }
 
 
-def openapi_document(model: str, vocab: int, context: int) -> dict[str, Any]:
+def _embeddings(vocab: int, dim: int, tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``/v1/embeddings``' request schema and path item (vectors of `dim`, inputs of at most
+    `tokens` tokens)."""
+    ids = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1},
+        "minItems": 1,
+        "maxItems": tokens,
+    }
+    many = lambda item: {"type": "array", "items": item, "minItems": 1, "maxItems": MAX_INPUTS}  # noqa: E731
+    text = {"type": "string", "minLength": 1}
+    request = {
+        "type": "object",
+        "required": ["input"],
+        "additionalProperties": False,
+        "properties": {
+            "model": {"type": ["string", "null"]},
+            "input": {"oneOf": [text, many(text), ids, many(ids)]},
+            "encoding_format": {"enum": [*ENCODING_FORMATS, None]},
+            "dimensions": {"enum": [dim, None]},
+            "user": {"type": ["string", "null"]},
+        },
+    }
+    vector = {"oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}
+    item = {
+        "type": "object",
+        "required": ["object", "index", "embedding"],
+        "properties": {
+            "object": {"const": "embedding"},
+            "index": {"type": "integer"},
+            "embedding": vector,
+        },
+    }
+    answer = {
+        "type": "object",
+        "required": ["object", "data", "model", "usage"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": item},
+            "model": {"type": "string"},
+            "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"]},
+        },
+    }
+    answers = _answers("the vectors")
+    answers["200"] = {
+        "description": "the vectors",
+        "content": {"application/json": {"schema": answer}},
+    }
+    body = {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/EmbeddingRequest"}}
+        },
+    }
+    return request, {"post": {"requestBody": body, "responses": answers}}
+
+
+def openapi_document(
+    model: str,
+    vocab: int,
+    context: int,
+    *,
+    embedding_dim: int | None = None,
+    embedding_tokens: int | None = None,
+) -> dict[str, Any]:
     """The OpenAPI 3.1 document of a server of `model` (token ids below `vocab`, `context`
-    tokens per request)."""
+    tokens per request; with `embedding_dim`, ``/v1/embeddings`` of vectors that wide and
+    inputs of at most `embedding_tokens` tokens)."""
     sampling = _sampling(context)
     completion = {
         "type": "object",
@@ -139,7 +205,7 @@ def openapi_document(model: str, vocab: int, context: int) -> dict[str, Any]:
         "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
     }
     plain = lambda text: {"200": {"description": text}}  # noqa: E731
-    return {
+    document = {
         "openapi": "3.1.0",
         "info": {"title": f"lowbit serve: {model}", "version": "1"},
         "paths": {
@@ -161,3 +227,8 @@ def openapi_document(model: str, vocab: int, context: int) -> dict[str, Any]:
             }
         },
     }
+    if embedding_dim is not None:
+        schema, path = _embeddings(vocab, embedding_dim, embedding_tokens or context)
+        document["paths"]["/v1/embeddings"] = path
+        document["components"]["schemas"]["EmbeddingRequest"] = schema
+    return document

@@ -90,8 +90,9 @@ def test_token_ids_and_base64_as_sent(base_url, loaded):
         ({"input": ["fine", ""]}, "input[1]"),
         ({"input": ["fine", [1, -2]]}, "input[1]"),
         ({"input": [[1, 2], []]}, "input[1]"),
+        ({"input": ["text", [1, 2]]}, "input"),
         ({"input": [3] * (CONFIG.single_pass + 1)}, "input"),
-        ({"input": ["ok", [3] * (CONFIG.single_pass + 1)]}, "input[1]"),
+        ({"input": [[3], [3] * (CONFIG.single_pass + 1)]}, "input[1]"),
         ({"input": ["a"] * (MAX_INPUTS + 1)}, "input"),
         ({"input": [9999]}, "input"),
         # A lone surrogate, escaped as JSON allows: not text the tokenizer encodes.
