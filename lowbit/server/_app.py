@@ -286,6 +286,14 @@ class _Handler:
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         s = self.served.scheduler
+        if not s.generates:
+            raise APIError(
+                400,
+                f"{self.served.name} is an encoder: it embeds text (/v1/embeddings) and "
+                "generates none",
+                param="model",
+                code="model_not_supported",
+            )
         req = parse_request(parse_body(await request.body()), chat)
         if not s.ready or s.error is not None:
             raise APIError(

@@ -150,7 +150,8 @@ class Scheduler:
     """Continuous batching over a fixed number of slots (see the module docstring).
 
     Args:
-      model: a `lowbit.models.Decoder` (its float module).
+      model: a `lowbit.models.Decoder` (its float module), or a `lowbit.models.Bert` encoder,
+        which only embeds (`generates` is False: no slots, cache or generation programs).
       params: the parameters to run (quantized or not); None: the module's own.
       kv_cache: the KV cache format (a `KVCacheConfig`) or None for float.
       config: slots, cache length, queue bound, prefill chunking.
@@ -167,8 +168,10 @@ class Scheduler:
         config: SchedulerConfig,
         program_dir: str | os.PathLike[str] | None = None,
     ):
-        if config.max_len > model.config.context_length:
-            config = dataclasses.replace(config, max_len=_fit(model.config.context_length))
+        self.generates = hasattr(model, "init_cache")
+        context = model.config.context_length if self.generates else model.config.max_positions
+        if config.max_len > context:
+            config = dataclasses.replace(config, max_len=_fit(context))
         self.config = config
         self.model = model
         self.graphdef, state = nnx.split(model)
@@ -194,7 +197,8 @@ class Scheduler:
         self.error: BaseException | None = None
         self.steps_run = 0
         self._thread: threading.Thread | None = None
-        self._reset_rows()
+        if self.generates:
+            self._reset_rows()
 
     # -- limits -------------------------------------------------------------------------------
 
@@ -335,10 +339,14 @@ class Scheduler:
             deadline=float("inf"),
             emit=lambda tokens, finish: None,
         )
+        embed = [("embed", w, self._embed_args(w, [[0]], [0])) for w in self.embed_widths]
+        if not self.generates:
+            for spec in embed:
+                self._program(*spec)
+            return
         programs_to_compile = [("decode", self.config.slots, self._decode_args(1))]
         programs_to_compile.append(("shift", self.config.slots, self._shift_args(1)))
-        for width in self.embed_widths:
-            programs_to_compile.append(("embed", width, self._embed_args(width, [[0]], [0])))
+        programs_to_compile.extend(embed)
         chunked = None
         for width in self.prefill_widths + self.chunk_widths:
             job = dataclasses.replace(dummy, prompt=[0] * min(width, self.max_prompt))

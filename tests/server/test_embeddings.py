@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-from server_support import CONFIG
+from server_support import CONFIG, running
 
 from lowbit.models._generate import Sampling, generate_tokens
 from lowbit.server._embeddings import MAX_INPUTS
@@ -151,3 +151,36 @@ def test_a_completion_running_meanwhile_is_unaffected(base_url, loaded, served):
         r'lowbit_requests_total\{endpoint="/v1/embeddings",status="200"\} (\d+)', metrics
     )
     assert served_ok and int(float(served_ok.group(1))) >= len(texts)
+
+
+def test_a_minilm_encoder_serves_embeddings_and_no_completions():
+    models = pytest.importorskip("lowbit.models")
+    if not models.has_minilm():
+        pytest.skip("all-MiniLM-L6-v2 is not installed")
+    from lowbit import server, serving
+
+    loaded = serving.load_model("minilm")
+    scheduler = server.Scheduler(loaded.model, None, None, CONFIG)
+    assert not scheduler.generates
+    served = server.ServedModel(
+        name="minilm",
+        tokenizer=loaded.tokenizer,
+        chat_template=None,
+        stop_ids=frozenset(),
+        scheduler=scheduler,
+    )
+    texts = ["The cat sat on the mat.", "Stock markets fell.", "The cat sat on the mat."]
+    with running(served) as url:
+        out = _client(url).embeddings.create(model="minilm", input=texts)
+        for path, body in [
+            ("/v1/completions", {"prompt": "hi"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ]:
+            r = httpx.post(f"{url}{path}", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+            assert "encoder" in r.json()["error"]["message"]
+    vectors = np.asarray([d.embedding for d in out.data])
+    # sentence-transformers' pipeline, as `lowbit eval` runs it (a batch padded otherwise).
+    expected = models.embed_sentences(loaded.model, loaded.tokenizer, texts)
+    np.testing.assert_allclose(vectors, expected, atol=TOL)
+    assert out.usage.prompt_tokens == sum(len(loaded.tokenizer.encode(t).ids) for t in texts)
