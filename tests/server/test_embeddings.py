@@ -6,6 +6,7 @@ import concurrent.futures
 import re
 
 import httpx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import openai
@@ -28,6 +29,31 @@ def _reference(loaded, ids):
     hidden = np.asarray(loaded.model.hidden_states(jnp.asarray([ids], jnp.int32))[0], np.float64)
     pooled = hidden.mean(axis=0)
     return pooled / np.linalg.norm(pooled)
+
+
+def test_the_program_runs_the_quantized_weights_and_ignores_padding(loaded):
+    """`embed` on int8 weights, in a padded batch of rows of several lengths, against the
+    quantized model's hidden states of each input alone."""
+    from flax import nnx
+
+    from lowbit import serving
+    from lowbit.engine import interpret
+    from lowbit.server import _embeddings as embeddings
+
+    graphdef, state = nnx.split(loaded.model)
+    params, _ = serving.apply_recipe(loaded, state, "int8")
+    inputs = [[5, 6, 7], list(range(1, 17))]
+    tokens, lengths = embeddings.batch_arrays(inputs, [0, 1], 16, 3)
+    embed = jax.jit(embeddings.embed, static_argnums=0)
+    out = np.asarray(embed(graphdef, params, tokens, lengths))
+    hidden = jax.jit(interpret(lambda p, t: nnx.merge(graphdef, p).hidden_states(t)))
+    for row, ids in enumerate(inputs):
+        alone = np.asarray(hidden(params, jnp.asarray([ids], jnp.int32))[0], np.float64)
+        pooled = alone.mean(axis=0)
+        np.testing.assert_allclose(out[row], pooled / np.linalg.norm(pooled), atol=TOL)
+    np.testing.assert_array_equal(out[2], 0)  # the unused row
+    float_out = np.asarray(embed(graphdef, state, tokens, lengths))
+    assert np.abs(float_out - out).max() > 1e-4  # the weights really are int8
 
 
 def test_one_text_is_its_mean_pooled_hidden_state(base_url, loaded):
