@@ -102,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="decode steps per compiled call while no request waits (1-8, default 1)",
     )
+    parser.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="also serve POST /v1/embeddings (mean-pooled final hidden states, normalized; "
+        "inputs of up to --prefill-chunk tokens): compiles a few more programs at start. An "
+        "encoder (minilm, a BERT checkpoint) always serves it, and only it",
+    )
     add_int8_activations_argument(
         parser,
         help="quantize the activations of int8 / int4 / uint4 weights to int8 in the CPU "

@@ -183,7 +183,7 @@ class _Handler:
             self.served.name,
             vocab,
             s.config.max_len,
-            embedding_dim=self.served.embedding_dim,
+            embedding_dim=self.served.embedding_dim if s.embed_widths else None,
             embedding_tokens=s.max_embedding_tokens,
         )
         return JSONResponse(document)
@@ -199,6 +199,14 @@ class _Handler:
 
     async def embeddings(self, request: Request) -> Response:
         s = self.served.scheduler
+        if not s.embed_widths:
+            raise APIError(
+                400,
+                f"this server does not embed with {self.served.name}: start lowbit serve with "
+                "--embeddings",
+                param="model",
+                code="embeddings_disabled",
+            )
         req = embeddings.parse_embedding_request(parse_body(await request.body()))
         if not s.ready or s.error is not None:
             raise APIError(

@@ -6,12 +6,13 @@ L2-normalized (`lowbit.models.mean_pool`, as sentence-transformers pools): for a
 final norm's output, before the LM head (`Decoder.hidden_states`); for an encoder (BERT,
 MiniLM) its last layer's output.
 
-Inputs run in batches of ``R`` rows of ``W`` tokens, right-padded: ``W`` is a power of two
-from `MIN_WIDTH` to the longest input accepted, and ``R * W`` is the scheduler's one-pass
-prefill width, so one batch costs about what one prefill pass costs and runs between decode
-steps as a prefill pass does. Padding is left out of the mean; with a decoder's causal
-attention it is also never seen by the text's own tokens (an encoder masks it in attention),
-so a text's vector does not depend on the batch it ran in, up to float rounding.
+Inputs run in batches of ``R`` rows of ``W`` tokens, right-padded: ``W`` is one of a few
+widths from `MIN_WIDTH` to the longest input accepted (`embedding_widths`), and ``R * W`` is
+at most the scheduler's one-pass prefill length, so a batch costs about what a prefill pass
+costs and runs between decode steps as a prefill pass does. Padding is left out of the mean;
+with a decoder's causal attention it is also never seen by the text's own tokens (an encoder
+masks it in attention), so a text's vector does not depend on the batch it ran in, up to
+float rounding.
 """
 
 from __future__ import annotations
@@ -191,13 +192,18 @@ def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str
 
 
 def embedding_widths(budget: int) -> list[int]:
-    """The batch widths: powers of two from `MIN_WIDTH` to at most `budget` tokens (the
-    longest input accepted is the last)."""
+    """The batch widths: the largest power of two at most `budget` (the longest input
+    accepted; `budget` >= `MIN_WIDTH`), after `MIN_WIDTH` times the powers of four below it.
+    Steps of four keep the programs few (each costs start time) at up to four times the
+    padding."""
+    top = MIN_WIDTH
+    while top * 2 <= budget:
+        top *= 2
     widths, width = [], MIN_WIDTH
-    while width <= budget:
+    while width < top:
         widths.append(width)
-        width *= 2
-    return widths
+        width *= 4
+    return [*widths, top]
 
 
 def embed(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, lengths: jax.Array) -> jax.Array:

@@ -93,6 +93,8 @@ class SchedulerConfig:
     chunk: tokens per prefill chunk (a power of two, at most `single_pass`).
     steps: decode steps per call while no request waits (more steps, less dispatch cost;
       a cancelled slot is then freed within one call).
+    embeddings: compile the embedding programs and serve ``/v1/embeddings`` (an encoder,
+      which only embeds, always does).
     """
 
     slots: int = 8
@@ -101,6 +103,7 @@ class SchedulerConfig:
     single_pass: int = 256
     chunk: int = 256
     steps: int = 1
+    embeddings: bool = False
 
     def __post_init__(self):
         if self.slots < 1:
@@ -186,7 +189,8 @@ class Scheduler:
         # Longer prompts are prefilled in chunks into a cache as long as a slot's: one program.
         self.chunk_widths = [c.max_len] if self.prefill_widths[-1] < c.max_len else []
         # Embedding batches of `single_pass` tokens: each costs about one prefill pass.
-        self.embed_widths = embeddings.embedding_widths(self.single_pass)
+        embeds = c.embeddings or not self.generates
+        self.embed_widths = embeddings.embedding_widths(self.single_pass) if embeds else []
         self._embedding: collections.deque[embeddings.EmbedJob] = collections.deque()
         self._lock = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
@@ -211,8 +215,9 @@ class Scheduler:
 
     @property
     def max_embedding_tokens(self) -> int:
-        """The longest input `/v1/embeddings` accepts (its widest batch)."""
-        return self.embed_widths[-1]
+        """The longest input `/v1/embeddings` accepts (its widest batch); 0 without
+        `SchedulerConfig.embeddings`."""
+        return self.embed_widths[-1] if self.embed_widths else 0
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request of this size cannot run (a message naming the field), or None."""

@@ -31,6 +31,40 @@ def _reference(loaded, ids):
     return pooled / np.linalg.norm(pooled)
 
 
+@pytest.mark.parametrize(
+    "budget, widths",
+    [
+        (16, [16]),
+        (32, [16, 32]),
+        (100, [16, 64]),
+        (256, [16, 64, 256]),
+        (2048, [16, 64, 256, 1024, 2048]),
+    ],
+)
+def test_batch_widths_step_by_four_up_to_the_budget(budget, widths):
+    from lowbit.server._embeddings import batch_rows, embedding_widths
+
+    assert embedding_widths(budget) == widths
+    assert all(batch_rows(w, budget) * w <= budget for w in widths)
+
+
+def test_without_embeddings_the_endpoint_is_a_400_and_undocumented(loaded, served):
+    import dataclasses
+
+    from starlette.testclient import TestClient
+
+    from lowbit import server
+
+    config = dataclasses.replace(CONFIG, embeddings=False)
+    scheduler = server.Scheduler(loaded.model, None, None, config)  # not started: no compiling
+    app = server.create_app(dataclasses.replace(served, scheduler=scheduler))
+    with TestClient(app) as client:
+        r = client.post("/v1/embeddings", json={"input": "hi"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "embeddings_disabled"
+        assert "--embeddings" in r.json()["error"]["message"]
+        assert "/v1/embeddings" not in client.get("/openapi.json").json()["paths"]
+
+
 def test_the_program_runs_the_quantized_weights_and_ignores_padding(loaded):
     """`embed` on int8 weights, in a padded batch of rows of several lengths, against the
     quantized model's hidden states of each input alone."""
