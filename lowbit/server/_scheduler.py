@@ -3,9 +3,11 @@ runs continuous batching.
 
 Each loop turn it (1) drops cancelled and expired requests, freeing their slots at once,
 (2) advances the prefill of the oldest waiting request by one pass or one chunk, placing it in
-a free slot when done, and (3) runs one decode call over every slot, handing each request its
-new tokens. So a new request joins the running batch at the next step, and a long prompt's
-chunks alternate with the others' tokens. See `lowbit.server._programs` for the cache layout.
+a free slot when done, (3) runs one batch of the oldest embeddings request (`EmbedJob`, see
+`lowbit.server._embeddings`), and (4) runs one decode call over every slot, handing each
+request its new tokens. So a new request joins the running batch at the next step, and a long
+prompt's chunks or a large embeddings request's batches alternate with the others' tokens. See
+`lowbit.server._programs` for the cache layout.
 
 Requests talk to the scheduler through `Job`: the scheduler calls ``job.emit(tokens, finish)``
 from its thread; the HTTP side sets ``job.cancelled`` (a disconnect, a stop string).
