@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -233,14 +232,15 @@ class EmbedJob:
       done: called once from the scheduler thread: with the vectors ``[N, D]`` float32 and
         None, or with None and the reason it ended early (cancelled, timeout, shutdown).
       cancelled: set by the HTTP side (the client went away).
+      vectors: each input's ``[D]`` vector once its batch has run (the scheduler fills them).
+      finished: `done` has been called.
     """
 
     inputs: Sequence[Sequence[int]]
     deadline: float
     done: Callable[[np.ndarray | None, str | None], None]
     cancelled: bool = False
-    submitted: float = dataclasses.field(default_factory=time.monotonic)
-    vectors: list[np.ndarray | None] = dataclasses.field(default_factory=list)
+    vectors: list[np.ndarray | None] = dataclasses.field(init=False)
     finished: bool = False
 
     def __post_init__(self) -> None:
