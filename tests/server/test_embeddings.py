@@ -244,3 +244,36 @@ def test_a_minilm_encoder_serves_embeddings_and_no_completions():
     expected = models.embed_sentences(loaded.model, loaded.tokenizer, texts)
     np.testing.assert_allclose(vectors, expected, atol=TOL)
     assert out.usage.prompt_tokens == sum(len(loaded.tokenizer.encode(t).ids) for t in texts)
+
+
+def test_an_api_key_guards_embeddings(served, base_url):
+    import dataclasses
+
+    guarded = dataclasses.replace(served, api_key="s3cret")
+    with running(guarded, start=False) as url:
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": "hi"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert len(client.embeddings.create(model="tiny", input="hi").data) == 1
+
+
+def test_503_while_loading_and_a_full_queue_refuses_embeddings(loaded, served):
+    import dataclasses
+
+    from starlette.testclient import TestClient
+
+    from lowbit import server
+    from lowbit.server._embeddings import EmbedJob
+
+    config = dataclasses.replace(CONFIG, queue=1)
+    scheduler = server.Scheduler(loaded.model, None, None, config)  # never started
+    app = server.create_app(dataclasses.replace(served, scheduler=scheduler))
+    with TestClient(app) as client:
+        r = client.post("/v1/embeddings", json={"input": "hi"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
+    scheduler.ready = True  # as after the warm-up, with no loop to take jobs
+    job = lambda: EmbedJob(inputs=[[1]], deadline=float("inf"), done=lambda v, r: None)  # noqa: E731
+    scheduler.submit_embedding(job())
+    with pytest.raises(server.QueueFull):
+        scheduler.submit_embedding(job())
+    assert scheduler.queue_length == 1
