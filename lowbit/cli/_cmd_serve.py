@@ -1,7 +1,8 @@
 """`lowbit serve DIR|MODEL`: an OpenAI-compatible HTTP server with continuous batching.
 
-MODEL is anything `lowbit generate` takes; the chat template and stop tokens come from the
-model as for ``generate --chat``. The server answers ``/health`` with "loading" while it
+MODEL is anything `lowbit generate` takes, or a BERT encoder (``minilm``, a BERT checkpoint),
+which serves ``/v1/embeddings`` only; the chat template and stop tokens come from the model as
+for ``generate --chat``. The server answers ``/health`` with "loading" while it
 compiles, then "ok". SIGTERM drains: running requests finish (up to ``--grace`` seconds), then
 the process exits 0. See docs/serve.md.
 """
@@ -110,6 +111,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="decode steps per compiled call while no request waits (1-8, default 1)",
     )
+    parser.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="also serve POST /v1/embeddings (mean-pooled final hidden states, normalized; "
+        "inputs of up to --prefill-chunk tokens): compiles a few more programs at start. An "
+        "encoder (minilm, a BERT checkpoint) always serves it, and only it",
+    )
     add_int8_activations_argument(
         parser,
         help="quantize the activations of int8 / int4 / uint4 weights to int8 in the CPU "
@@ -146,30 +154,38 @@ def run(args: argparse.Namespace) -> int:
         server.SchedulerConfig, args, single_pass="prefill_chunk", chunk="prefill_chunk"
     )
     kv = resolve_kv_cache(args.kv_cache, args.recipe)
-    target, metadata, params = open_language_model(args, "serve")
+    target, metadata, params = open_language_model(args, "serve", encoders=True)
     loaded = target.loaded
+    encoder = loaded.kind != "lm"
+    if encoder and kv is not None:
+        raise ValueError(f"--kv-cache: {loaded.name} is an encoder; it keeps no KV cache")
+    template = None
     try:
-        template = chat_template(metadata)
+        template = None if encoder else chat_template(metadata)
     except ValueError as err:
-        template = None
         print(f"lowbit serve: no chat endpoint ({err})", file=sys.stderr)
     scheduler = server.Scheduler(loaded.model, params, kv, config, program_dir=program_directory())
     served = server.ServedModel(
         name=loaded.name,
         tokenizer=loaded.tokenizer,
         chat_template=template,
-        stop_ids=frozenset(stop_ids(loaded, metadata)),
+        stop_ids=frozenset() if encoder else frozenset(stop_ids(loaded, metadata)),
         scheduler=scheduler,
         api_key=args.api_key or os.environ.get("LOWBIT_API_KEY") or None,
         request_timeout=args.timeout,
         max_body_bytes=args.max_body_bytes,
         read_timeout=args.read_timeout,
     )
+    if encoder:
+        serves = f"embeddings of up to {scheduler.max_embedding_tokens} tokens (an encoder)"
+    else:
+        serves = (
+            f"kv cache {kv.to_text() if kv else 'float'}; {scheduler.config.slots} slots of "
+            f"{scheduler.config.max_len} tokens"
+        )
     print(
-        f"lowbit serve: {loaded.name} ({target.recipe}; kv cache "
-        f"{kv.to_text() if kv else 'float'}) on http://{args.host}:{args.port}, "
-        f"{scheduler.config.slots} slots of {scheduler.config.max_len} tokens; compiling "
-        "(GET /health says ok when ready)",
+        f"lowbit serve: {loaded.name} ({target.recipe}) on http://{args.host}:{args.port}, "
+        f"{serves}; compiling (GET /health says ok when ready)",
         file=sys.stderr,
         flush=True,
     )
@@ -179,8 +195,8 @@ def run(args: argparse.Namespace) -> int:
 
 COMMAND = Command(
     "serve",
-    "serve a language model over an OpenAI-compatible HTTP API (completions, chat, streaming) "
-    "with continuous batching",
+    "serve a language model over an OpenAI-compatible HTTP API (completions, chat, streaming, "
+    "embeddings) with continuous batching, or an encoder's embeddings",
     add_arguments,
     run,
 )

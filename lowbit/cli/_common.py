@@ -447,18 +447,20 @@ def add_int8_activations_argument(parser: Any, help: str = INT8_ACTIVATIONS_HELP
     parser.add_argument("--int8-activations", action="store_true", help=help)
 
 
-def open_language_model(args: Any, command: str) -> tuple[Target, dict[str, Any] | None, Any]:
+def open_language_model(
+    args: Any, command: str, *, encoders: bool = False
+) -> tuple[Target, dict[str, Any] | None, Any]:
     """(target, its GGUF metadata or None, the params to run) for `generate` and `serve`:
     ``args.target`` opened with ``args.recipe``, with int8 activations when
     ``args.int8_activations``.
 
     Raises:
-      ValueError: when the model is an encoder (no text to generate).
+      ValueError: when the model is an encoder (no text to generate), unless `encoders`.
     """
     with progress() as bar:
         target = open_target(args.target, args.recipe, bar)
     loaded = target.loaded
-    if loaded.kind != "lm":
+    if loaded.kind != "lm" and not encoders:
         raise ValueError(f"{command} needs a language model; {loaded.name} is an encoder")
     params = target.params
     if args.int8_activations:

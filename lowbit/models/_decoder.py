@@ -783,14 +783,8 @@ class Decoder(LayerStack):
         Returns:
           ``logits [batch, seq, vocab]`` without a cache; ``(logits, new_cache)`` with one.
         """
-        c = self.config
         inputs = self.layer_inputs(tokens.shape, positions=positions, cache=cache)
-        x = self.embed_tokens(tokens)
-        layers_out = []
-        for i, layer in enumerate(self.layers):
-            kv = None if cache is None else cache.layer(i)
-            x, new_kv = layer(x, inputs.of(c, i), kv)
-            layers_out.append(new_kv)
+        x, layers_out = self._layers(self.embed_tokens(tokens), inputs, cache)
         logits = self.head(x[:, -1:] if last_only else x)
         if cache is None:
             return logits
@@ -805,6 +799,29 @@ class Decoder(LayerStack):
             length=inputs.full.slot + tokens.shape[1],
         )
         return logits, new_cache
+
+    def _layers(
+        self, x: jax.Array, inputs: LayerInputs, cache: KVCache | None
+    ) -> tuple[jax.Array, list[LayerKV | None]]:
+        """Every layer over ``x [batch, seq, dim]``; returns the last one's output and each
+        layer's new cache (None entries without a cache)."""
+        layers_out = []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else cache.layer(i)
+            x, new_kv = layer(x, inputs.of(self.config, i), kv)
+            layers_out.append(new_kv)
+        return x, layers_out
+
+    def hidden_states(self, tokens: jax.Array) -> jax.Array:
+        """The final norm's output ``[batch, seq, dim]`` for ``tokens [batch, seq]`` int32:
+        what the LM head reads (no cache; positions ``0..seq-1``).
+
+        Attention is causal, so tokens appended on the right (padding) change nothing at the
+        positions before them: a right-padded batch gives each row its own hidden states
+        (up to float rounding), which is how sentence embeddings of a batch are taken."""
+        inputs = self.layer_inputs(tokens.shape)
+        x, _ = self._layers(self.embed_tokens(tokens), inputs, None)
+        return self.norm(x)
 
     def decode_step(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Append `tokens` (``[batch, seq]``, usually seq 1) to `cache`.

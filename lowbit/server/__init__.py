@@ -1,8 +1,9 @@
 """`lowbit serve`: an OpenAI-compatible HTTP server with continuous batching.
 
 `Scheduler` owns the compiled decode step and a fixed number of slots; `create_app` builds the
-Starlette app (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-``/metrics``) around a `ServedModel`; `run` serves it on uvicorn. See docs/serve.md.
+Starlette app (``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``,
+``/v1/models``, ``/health``, ``/metrics``) around a `ServedModel`; `run` serves it on
+uvicorn. See docs/serve.md.
 """
 
 from lowbit.server._app import ServedModel, create_app

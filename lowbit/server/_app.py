@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from lowbit.server import _embeddings as embeddings
 from lowbit.server._limits import MAX_BODY_BYTES, READ_TIMEOUT, BodyLimit
 from lowbit.server._logprob_format import TokenTexts, chat_logprobs, completion_logprobs
 from lowbit.server._metrics import CONTENT_TYPE, Metrics
@@ -77,6 +78,11 @@ class ServedModel:
     request_timeout: float = 600.0
     max_body_bytes: int = MAX_BODY_BYTES
     read_timeout: float = READ_TIMEOUT
+
+    @property
+    def embedding_dim(self) -> int:
+        """The width of the model's embeddings (``/v1/embeddings``)."""
+        return self.scheduler.model.config.dim
 
 
 def _error(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -177,7 +183,14 @@ class _Handler:
         s = self.served.scheduler
         vocab = self.served.tokenizer.get_vocab_size()
         most = min(s.config.slots, s.config.queue)
-        document = openapi_document(self.served.name, vocab, s.config.max_len, most)
+        document = openapi_document(
+            self.served.name,
+            vocab,
+            s.config.max_len,
+            most,
+            embedding_dim=self.served.embedding_dim if s.embed_widths else None,
+            embedding_tokens=s.max_embedding_tokens,
+        )
         return JSONResponse(document)
 
     async def metrics_text(self, request: Request) -> Response:
@@ -188,6 +201,72 @@ class _Handler:
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
+
+    async def embeddings(self, request: Request) -> Response:
+        s = self.served.scheduler
+        if not s.embed_widths:
+            raise APIError(
+                400,
+                f"this server does not embed with {self.served.name}: start lowbit serve with "
+                "--embeddings",
+                param="model",
+                code="embeddings_disabled",
+            )
+        req = embeddings.parse_embedding_request(parse_body(await request.body()))
+        if not s.ready or s.error is not None:
+            raise APIError(
+                503,
+                "the model is loading; retry when /health says ok",
+                type="server_error",
+                code="loading",
+            )
+        width = self.served.embedding_dim
+        if req.dimensions is not None and req.dimensions != width:
+            raise bad(
+                "dimensions",
+                f"is {req.dimensions}; this model's embeddings have {width} (omit it or send "
+                f"{width})",
+                code="unsupported",
+            )
+        tok = self.served.tokenizer
+        ids = embeddings.input_ids(req, tok, tok.get_vocab_size(), s.max_embedding_tokens)
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future = loop.create_future()
+
+        def done(vectors, reason) -> None:
+            try:
+                loop.call_soon_threadsafe(result.set_result, (vectors, reason))
+            except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
+                pass
+
+        deadline = time.monotonic() + self.served.request_timeout
+        job = embeddings.EmbedJob(inputs=ids, deadline=deadline, done=done)
+        try:
+            s.submit_embedding(job)
+        except QueueFull as err:
+            raise APIError(
+                429,
+                f"the server is busy ({err}); retry later",
+                type="rate_limit_error",
+                code="queue_full",
+            ) from None
+        except NotReady as err:
+            raise APIError(503, str(err), type="server_error", code="unavailable") from None
+        try:
+            while not result.done():
+                await asyncio.wait([result], timeout=_POLL)
+                if not result.done() and await request.is_disconnected():
+                    return Response(status_code=499)
+        finally:
+            if not result.done():
+                s.cancel(job)
+        vectors, reason = result.result()
+        if vectors is None:
+            raise _Answer._failure(reason) or APIError(
+                503, "the request was cancelled", type="server_error", code="cancelled"
+            )
+        tokens = sum(len(i) for i in ids)
+        return JSONResponse(embeddings.answer_body(req, vectors, self.served.name, tokens))
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -220,6 +299,14 @@ class _Handler:
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         s = self.served.scheduler
+        if not s.generates:
+            raise APIError(
+                400,
+                f"{self.served.name} is an encoder: it embeds text (/v1/embeddings) and "
+                "generates none",
+                param="model",
+                code="model_not_supported",
+            )
         req = parse_request(parse_body(await request.body()), chat)
         if not s.ready or s.error is not None:
             raise APIError(
@@ -556,6 +643,7 @@ def create_app(served: ServedModel) -> Starlette:
         Route("/openapi.json", h.wrap("/openapi.json", h.openapi), methods=["GET"]),
         Route("/v1/completions", h.wrap("/v1/completions", h.completions), methods=["POST"]),
         Route("/v1/chat/completions", h.wrap("/v1/chat/completions", h.chat), methods=["POST"]),
+        Route("/v1/embeddings", h.wrap("/v1/embeddings", h.embeddings), methods=["POST"]),
     ]
     paths = {route.path for route in routes}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lowbit.server._embeddings import ENCODING_FORMATS, MAX_INPUTS
 from lowbit.server._protocol import _NEUTRAL, MAX_LOGPROBS, MAX_STOP_STRINGS
 from lowbit.server._tool_request import MAX_TOOLS
 
@@ -164,9 +165,75 @@ def _answers(ok: str) -> dict[str, Any]:
     }
 
 
-def openapi_document(model: str, vocab: int, context: int, choices: int = 1) -> dict[str, Any]:
+def _embeddings(vocab: int, dim: int, tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``/v1/embeddings``' request schema and path item (vectors of `dim`, inputs of at most
+    `tokens` tokens)."""
+    ids = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1},
+        "minItems": 1,
+        "maxItems": tokens,
+    }
+    many = lambda item: {"type": "array", "items": item, "minItems": 1, "maxItems": MAX_INPUTS}  # noqa: E731
+    text = {"type": "string", "minLength": 1}
+    request = {
+        "type": "object",
+        "required": ["input"],
+        "additionalProperties": False,
+        "properties": {
+            "model": {"type": ["string", "null"]},
+            "input": {"oneOf": [text, many(text), ids, many(ids)]},
+            "encoding_format": {"enum": [*ENCODING_FORMATS, None]},
+            "dimensions": {"enum": [dim, None]},
+            "user": {"type": ["string", "null"]},
+        },
+    }
+    vector = {"oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}
+    item = {
+        "type": "object",
+        "required": ["object", "index", "embedding"],
+        "properties": {
+            "object": {"const": "embedding"},
+            "index": {"type": "integer"},
+            "embedding": vector,
+        },
+    }
+    answer = {
+        "type": "object",
+        "required": ["object", "data", "model", "usage"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": item},
+            "model": {"type": "string"},
+            "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"]},
+        },
+    }
+    answers = _answers("the vectors")
+    answers["200"] = {
+        "description": "the vectors",
+        "content": {"application/json": {"schema": answer}},
+    }
+    body = {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/EmbeddingRequest"}}
+        },
+    }
+    return request, {"post": {"requestBody": body, "responses": answers}}
+
+
+def openapi_document(
+    model: str,
+    vocab: int,
+    context: int,
+    choices: int = 1,
+    *,
+    embedding_dim: int | None = None,
+    embedding_tokens: int | None = None,
+) -> dict[str, Any]:
     """The OpenAPI 3.1 document of a server of `model` (token ids below `vocab`, `context`
-    tokens per request, up to `choices` choices per request)."""
+    tokens per request, up to `choices` choices per request; with `embedding_dim`,
+    ``/v1/embeddings`` of vectors that wide and inputs of at most `embedding_tokens` tokens)."""
     sampling = _sampling(context, choices)
     top_logprobs = {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS}
     completion = {
@@ -221,7 +288,7 @@ def openapi_document(model: str, vocab: int, context: int, choices: int = 1) -> 
         "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
     }
     plain = lambda text: {"200": {"description": text}}  # noqa: E731
-    return {
+    document = {
         "openapi": "3.1.0",
         "info": {"title": f"lowbit serve: {model}", "version": "1"},
         "paths": {
@@ -243,3 +310,8 @@ def openapi_document(model: str, vocab: int, context: int, choices: int = 1) -> 
             }
         },
     }
+    if embedding_dim is not None:
+        schema, path = _embeddings(vocab, embedding_dim, embedding_tokens or context)
+        document["paths"]["/v1/embeddings"] = path
+        document["components"]["schemas"]["EmbeddingRequest"] = schema
+    return document

@@ -3,9 +3,11 @@ runs continuous batching.
 
 Each loop turn it (1) drops cancelled and expired requests, freeing their slots at once,
 (2) advances the prefill of the oldest waiting request by one pass or one chunk, placing it in
-a free slot when done, and (3) runs one decode call over every slot, handing each request its
-new tokens. So a new request joins the running batch at the next step, and a long prompt's
-chunks alternate with the others' tokens. See `lowbit.server._programs` for the cache layout.
+a free slot when done, (3) runs one batch of the oldest embeddings request (`EmbedJob`, see
+`lowbit.server._embeddings`), and (4) runs one decode call over every slot, handing each
+request its new tokens. So a new request joins the running batch at the next step, and a long
+prompt's chunks or a large embeddings request's batches alternate with the others' tokens. See
+`lowbit.server._programs` for the cache layout.
 
 Requests talk to the scheduler through `Job`: the scheduler calls ``job.emit(tokens, finish)``
 from its thread; the HTTP side sets ``job.cancelled`` (a disconnect, a stop string).
@@ -30,6 +32,7 @@ from flax import nnx
 
 from lowbit.api import StoredProgram, compile_stored, describe
 from lowbit.models._generate import bucket
+from lowbit.server import _embeddings as embeddings
 from lowbit.server import _programs as programs
 from lowbit.server._logprobs import TokenLogprob, TokenLogprobs, host_logprobs
 from lowbit.server._prefix import PrefixIndex, chain
@@ -121,6 +124,8 @@ class SchedulerConfig:
     kv_memory: bytes of the prefix cache's blocks (keys and values of earlier prompts, in the
       KV cache's format); None: half of what the slots' cache takes; 0: no prefix cache.
     prefix_block: tokens per prefix-cache block (a power of two from 8 to `chunk`).
+    embeddings: compile the embedding programs and serve ``/v1/embeddings`` (an encoder,
+      which only embeds, always does).
     """
 
     slots: int = 8
@@ -131,6 +136,7 @@ class SchedulerConfig:
     steps: int = 1
     kv_memory: int | None = None
     prefix_block: int = 16
+    embeddings: bool = False
 
     def __post_init__(self):
         if self.slots < 1:
@@ -191,7 +197,8 @@ class Scheduler:
     """Continuous batching over a fixed number of slots (see the module docstring).
 
     Args:
-      model: a `lowbit.models.Decoder` (its float module).
+      model: a `lowbit.models.Decoder` (its float module), or a `lowbit.models.Bert` encoder,
+        which only embeds (`generates` is False: no slots, cache or generation programs).
       params: the parameters to run (quantized or not); None: the module's own.
       kv_cache: the KV cache format (a `KVCacheConfig`) or None for float.
       config: slots, cache length, queue bound, prefill chunking.
@@ -208,8 +215,10 @@ class Scheduler:
         config: SchedulerConfig,
         program_dir: str | os.PathLike[str] | None = None,
     ):
-        if config.max_len > model.config.context_length:
-            config = dataclasses.replace(config, max_len=_fit(model.config.context_length))
+        self.generates = hasattr(model, "init_cache")
+        context = model.config.context_length if self.generates else model.config.max_positions
+        if config.max_len > context:
+            config = dataclasses.replace(config, max_len=_fit(context))
         self.config = config
         self.model = model
         self.graphdef, state = nnx.split(model)
@@ -223,6 +232,10 @@ class Scheduler:
         self.prefill_widths = [w for w in self.prefill_widths if w <= c.max_len]
         # Longer prompts are prefilled in chunks into a cache as long as a slot's: one program.
         self.chunk_widths = [c.max_len] if self.prefill_widths[-1] < c.max_len else []
+        # Embedding batches of `single_pass` tokens: each costs about one prefill pass.
+        embeds = c.embeddings or not self.generates
+        self.embed_widths = embeddings.embedding_widths(self.single_pass) if embeds else []
+        self._embedding: collections.deque[embeddings.EmbedJob] = collections.deque()
         self._lock = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._prefill: _Prefill | None = None
@@ -232,8 +245,9 @@ class Scheduler:
         self.error: BaseException | None = None
         self.steps_run = 0
         self._thread: threading.Thread | None = None
-        self._reset_rows()
-        self.prefix, self.pool = self._prefix_pool()
+        if self.generates:
+            self._reset_rows()
+        self.prefix, self.pool = self._prefix_pool() if self.generates else (None, None)
         if self.prefix is not None and not self.chunk_widths:
             # The rest of a prompt whose head is cached is prefilled in chunks.
             self.chunk_widths = [c.max_len]
@@ -262,6 +276,12 @@ class Scheduler:
         if self.chunk_widths:
             return self.config.max_len - 1
         return min(self.single_pass, self.config.max_len - 1)
+
+    @property
+    def max_embedding_tokens(self) -> int:
+        """The longest input `/v1/embeddings` accepts (its widest batch); 0 without
+        `SchedulerConfig.embeddings`."""
+        return self.embed_widths[-1] if self.embed_widths else 0
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request of this size cannot run (a message naming the field), or None."""
@@ -315,7 +335,21 @@ class Scheduler:
             self._waiting.extend(jobs)
             self._lock.notify()
 
-    def cancel(self, job: Job) -> None:
+    def submit_embedding(self, job: embeddings.EmbedJob) -> None:
+        """Queues `job`; its batches run between decode steps (as prefill passes do).
+
+        Raises:
+          NotReady, QueueFull: as `submit` (embedding and generation requests share the queue).
+        """
+        with self._lock:
+            if not self.ready or self._stop:
+                raise NotReady("the server is not ready" if not self._stop else "shutting down")
+            if len(self._waiting) + len(self._embedding) >= self.config.queue:
+                raise QueueFull(f"{len(self._waiting) + len(self._embedding)} requests are waiting")
+            self._embedding.append(job)
+            self._lock.notify()
+
+    def cancel(self, job: Job | embeddings.EmbedJob) -> None:
         """Ends `job` at the next step (a disconnected client, a stop string)."""
         with self._lock:
             job.cancelled = True
@@ -323,7 +357,7 @@ class Scheduler:
 
     @property
     def queue_length(self) -> int:
-        return len(self._waiting) + (self._prefill is not None)
+        return len(self._waiting) + (self._prefill is not None) + len(self._embedding)
 
     @property
     def busy_slots(self) -> int:
@@ -398,11 +432,17 @@ class Scheduler:
             deadline=float("inf"),
             emit=lambda tokens, finish: None,
         )
+        embed = [("embed", w, self._embed_args(w, [[0]], [0])) for w in self.embed_widths]
+        if not self.generates:
+            for spec in embed:
+                self._program(*spec)
+            return
         decode_args = self._decode_args(1)
         programs_to_compile = [
             (name, self.config.slots, decode_args) for name in ("decode", "decode_logprobs")
         ]
         programs_to_compile.append(("shift", self.config.slots, self._shift_args(1)))
+        programs_to_compile.extend(embed)
         chunked = None
         for width in self.prefill_widths + self.chunk_widths:
             job = dataclasses.replace(dummy, prompt=[0] * min(width, self.max_prompt))
@@ -434,14 +474,18 @@ class Scheduler:
             self._program("sample", 1, (logits, self._row_sampling(job)))
 
     def _program(self, name: str, width: int, args: tuple) -> StoredProgram:
-        """The compiled program `name` (a function of `programs`) for arguments shaped like
-        `args`, compiled on first use; `width` tells its shapes apart."""
+        """The compiled program `name` (a function of `programs`, or `embeddings.embed`) for
+        arguments shaped like `args`, compiled on first use; `width` tells its shapes apart."""
         compiled = self._compiled.get((name, width))
         if compiled is None:
-            fn = getattr(programs, name)
+            fn = getattr(embeddings if name == "embed" else programs, name)
             static, donate = "", (0,)  # the moves: cache -> cache
             out_like = _OUT_LIKE.get(name, lambda a: a[0])
-            if name in _MODEL_PROGRAMS:
+            if name == "embed":
+                fn = functools.partial(fn, self.graphdef)
+                static = describe((self.graphdef, self.model.config))
+                out_like, donate = (lambda a: 0), ()
+            elif name in _MODEL_PROGRAMS:
                 fn = functools.partial(fn, self.graphdef)
                 static = describe((self.graphdef, self.model.config, self.kv_cache))
                 donate = _MODEL_PROGRAMS[name]
@@ -467,6 +511,7 @@ class Scheduler:
                 and not self._waiting
                 and self._prefill is None
                 and self.busy_slots == 0
+                and not self._embedding
             ):
                 self._lock.wait()
             if self._stop:
@@ -489,6 +534,8 @@ class Scheduler:
                     self._first_token(state)
             else:
                 self._place(state)
+        if self._embedding:
+            self._embed_batch(self._embedding[0])
         if self.busy_slots:
             waiting = self._prefill is not None or bool(self._waiting)
             self._decode(1 if waiting else self.config.steps)
@@ -529,6 +576,8 @@ class Scheduler:
                 self._prefill = None
             while self._waiting:
                 self._finish(self._waiting.popleft(), reason)
+            while self._embedding:
+                self._end_embedding(self._embedding[0], None, reason)
 
     # -- prefill ------------------------------------------------------------------------------
 
@@ -721,6 +770,37 @@ class Scheduler:
         self.slides += 1
         args = self._shift_args(by)
         self.cache = self._program("shift", self.config.slots, args)(*args)
+
+    # -- embeddings ---------------------------------------------------------------------------
+
+    def _embed_args(self, width: int, inputs: list, indices: list[int]) -> tuple:
+        """`embeddings.embed`'s arguments (after the graph definition): `inputs` at `indices`
+        in a batch of `width`."""
+        rows = embeddings.batch_rows(width, self.single_pass)
+        tokens, lengths = embeddings.batch_arrays(inputs, indices, width, rows)
+        return self.params, jnp.asarray(tokens), jnp.asarray(lengths)
+
+    def _embed_batch(self, job: embeddings.EmbedJob) -> None:
+        """One batch of `job`'s inputs; answers it once every input has its vector."""
+        if job.cancelled or time.monotonic() > job.deadline:
+            self._end_embedding(job, None, CANCELLED if job.cancelled else TIMEOUT)
+            return
+        width, indices = embeddings.next_batch(job, self.embed_widths, self.single_pass)
+        args = self._embed_args(width, job.inputs, indices)
+        out = np.asarray(self._program("embed", width, args)(*args))
+        for row, i in enumerate(indices):
+            job.vectors[i] = out[row]
+        if all(v is not None for v in job.vectors):
+            self._end_embedding(job, np.stack(job.vectors), None)
+
+    def _end_embedding(
+        self, job: embeddings.EmbedJob, vectors: np.ndarray | None, reason: str | None
+    ) -> None:
+        with self._lock:
+            self._embedding.remove(job)
+        if not job.finished:
+            job.finished = True
+            job.done(vectors, reason)
 
     # -- decode -------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from flax import nnx
 
 import lowbit
 from lowbit.models import Decoder, DecoderConfig
+from lowbit.models._decoder import softcap
 from lowbit.qarray import is_qarray
 
 BASE = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48)
@@ -71,6 +72,18 @@ def test_cached_decode_matches_one_prefill(name, kv_cache):
     assert err < tol, err
     if kv_cache is None:
         assert jnp.argmax(jnp.concatenate(outs, 1), -1).tolist() == jnp.argmax(full, -1).tolist()
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral"])
+def test_hidden_states_are_what_the_head_reads_and_ignore_right_padding(name):
+    # The LM head of the hidden states gives the logits; tokens appended on the right (a
+    # padded batch's) leave the positions before them as they were (causal attention).
+    model = Decoder(DecoderConfig(**BASE, **VARIANTS[name]), rngs=nnx.Rngs(0))
+    hidden = model.hidden_states(TOKENS)
+    assert hidden.shape == (2, 12, BASE["dim"])
+    logits = softcap(model.embed.attend(hidden), model.config.final_softcap)
+    np.testing.assert_allclose(logits, model(TOKENS), atol=1e-5)
+    np.testing.assert_allclose(model.hidden_states(TOKENS[:, :7]), hidden[:, :7], atol=1e-5)
 
 
 @pytest.mark.parametrize("global_every, local", [(0, True), (2, True), (2, False)])

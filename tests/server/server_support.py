@@ -29,7 +29,9 @@ TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 # Small enough to compile in seconds, large enough for a chunked prefill and a cache shift.
-CONFIG = server.SchedulerConfig(slots=4, max_len=128, queue=64, single_pass=32, chunk=16)
+CONFIG = server.SchedulerConfig(
+    slots=4, max_len=128, queue=64, single_pass=32, chunk=16, embeddings=True
+)
 
 
 def tiny_model(directory: Path) -> serving.LoadedModel:
