@@ -13,6 +13,7 @@ import dataclasses
 import hmac
 import json
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from lowbit.server._grammar import Constraint, GrammarError, Grammars
+from lowbit.server._guidance import parse_guidance
 from lowbit.server._limits import MAX_BODY_BYTES, READ_TIMEOUT, BodyLimit
 from lowbit.server._metrics import CONTENT_TYPE, Metrics
 from lowbit.server._openapi import openapi_document
@@ -46,6 +49,9 @@ from lowbit.server._text import TextStream
 RETRY_AFTER = 1
 # Seconds between checks that a non-streaming client is still connected.
 _POLL = 0.25
+# Seconds a response_format's schema may take to compile (llguidance's limits bound it well
+# below this; the wait is a second bound).
+COMPILE_TIMEOUT = 10.0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -117,6 +123,8 @@ class _Handler:
         self.served = served
         self.metrics = metrics
         self.created = int(time.time())
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -213,9 +221,41 @@ class _Handler:
             raise bad("prompt" if not req.chat else "messages", "encodes to no tokens")
         return ids
 
+    def _vocab(self) -> int:
+        """Token ids a request may name: the tokenizer's that the model has logits for."""
+        width = self.served.scheduler.model.config.vocab_size
+        return min(self.served.tokenizer.get_vocab_size(), width)
+
+    def _constraint(self, schema: dict[str, Any]) -> Constraint:
+        """A fresh grammar state for `schema` (run in a worker thread: it may take a while)."""
+        with self._grammars_lock:  # adapting the vocabulary takes up to a second: once
+            if self._grammars is None:
+                s = self.served
+                width = s.scheduler.model.config.vocab_size
+                self._grammars = Grammars(s.tokenizer, s.stop_ids, width)
+        return self._grammars.constrain(schema)
+
+    async def _compile(self, schema: dict[str, Any]) -> Constraint:
+        param = "response_format.json_schema.schema"
+        try:
+            work = asyncio.to_thread(self._constraint, schema)
+            return await asyncio.wait_for(work, COMPILE_TIMEOUT)
+        except TimeoutError:
+            raise bad(param, f"took over {COMPILE_TIMEOUT:g} s to compile; simplify it") from None
+        except GrammarError as err:
+            raise bad(param, f"cannot be used for constrained decoding: {err}") from None
+        except (ValueError, RuntimeError) as err:  # the tokenizer cannot be adapted
+            raise bad(
+                "response_format",
+                f"this model's tokenizer does not support structured output ({err})",
+                code="unsupported",
+            ) from None
+
     async def _generate(self, request: Request, chat: bool) -> Response:
         s = self.served.scheduler
-        req = parse_request(parse_body(await request.body()), chat)
+        body = parse_body(await request.body())
+        req = parse_request(body, chat)
+        guidance = parse_guidance(body, self._vocab())
         if not s.ready or s.error is not None:
             raise APIError(
                 503,
@@ -233,6 +273,7 @@ class _Handler:
         if why is not None:
             param = "max_tokens" if "max_tokens" in why else ("messages" if chat else "prompt")
             raise bad(param, why, code="context_length_exceeded")
+        constraint = None if guidance.schema is None else await self._compile(guidance.schema)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -252,6 +293,8 @@ class _Handler:
             stop_ids=self.served.stop_ids,
             deadline=time.monotonic() + self.served.request_timeout,
             emit=emit,
+            logit_bias=guidance.logit_bias,
+            constraint=constraint,
         )
         try:
             s.submit(job)

@@ -56,6 +56,9 @@ class RowSampling:
       temperature: ``[B]`` float32, 0 for greedy.
       top_k: ``[B]`` int32, 0 for all tokens.
       top_p: ``[B]`` float32.
+      bias: ``[B, V]`` float32, added to the logits before sampling: a request's
+        ``logit_bias`` and its grammar's mask (0 for an allowed token, -inf for another);
+        zeros for a row with neither, which then samples exactly what it would without.
     """
 
     keys: jax.Array
@@ -63,6 +66,7 @@ class RowSampling:
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    bias: jax.Array
 
 
 def _forward(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, cache: KVCache):
@@ -72,6 +76,7 @@ def _forward(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, cache: KVCa
 def _sample(logits: jax.Array, rows: RowSampling) -> jax.Array:
     """``logits [b, V]`` -> ``[b]`` tokens, row r drawn with ``fold_in(key_r, count_r)``."""
     keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(rows.keys), rows.count)
+    logits = logits.astype(jnp.float32) + rows.bias  # x + 0.0 is x: unbiased rows unchanged
     return sample_rows(logits, keys, rows.temperature, rows.top_k, rows.top_p)
 
 

@@ -29,6 +29,8 @@ _COMMON = {
     "stream_options",
     "user",
     "return_token_ids",
+    "response_format",  # both read by `lowbit.server._guidance`
+    "logit_bias",
 }
 _COMPLETION = _COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
@@ -41,8 +43,6 @@ _NEUTRAL = {
     "best_of": (None, 1),
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None,),

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,9 @@ from lowbit.api import StoredProgram, compile_stored, describe
 from lowbit.models._generate import bucket
 from lowbit.server import _programs as programs
 from lowbit.server._programs import RowSampling
+
+if TYPE_CHECKING:
+    from lowbit.server._grammar import Constraint
 
 # The model's programs, and the position of the KV cache among their arguments.
 _MODEL_PROGRAMS = {"decode": 1, "prefill": 2, "prefill_chunk": 2}
@@ -62,6 +65,10 @@ class Job:
       deadline: ``time.monotonic()`` after which the request ends with `TIMEOUT`.
       emit: called from the scheduler thread with new token ids and, on the last call, the
         finish reason (None before).
+      logit_bias: ``(token id, bias)`` pairs added to the logits at every step.
+      constraint: the grammar the tokens must follow (a fresh `Constraint`, advanced by the
+        scheduler with each token), or None. While a constrained row runs, decode calls run
+        one step (a mask holds for one token).
     """
 
     prompt: Sequence[int]
@@ -73,6 +80,8 @@ class Job:
     stop_ids: frozenset[int]
     deadline: float
     emit: Callable[[list[int], str | None], None]
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Constraint | None = None
     cancelled: bool = False
     submitted: float = dataclasses.field(default_factory=time.monotonic)
     first_token: float | None = None
@@ -287,6 +296,8 @@ class Scheduler:
         self.temp_host = np.zeros((c.slots,), np.float32)
         self.topk_host = np.zeros((c.slots,), np.int32)
         self.topp_host = np.ones((c.slots,), np.float32)
+        self.bias_host = np.zeros((c.slots, self.model.config.vocab_size), np.float32)
+        self._bias_device: jax.Array | None = None  # bias_host on the device, until it changes
         self.cache = self._set_start(self.cache)
 
     def _set_start(self, cache: Any) -> Any:
@@ -412,6 +423,7 @@ class Scheduler:
         self.start_host[r] = self.config.max_len
         self.temp_host[r] = 0.0
         self.topk_host[r] = 0
+        self._set_bias(r, None)
         if job is not None:
             self._finish(job, reason)
 
@@ -431,16 +443,49 @@ class Scheduler:
             while self._waiting:
                 self._finish(self._waiting.popleft(), reason)
 
+    # -- logit bias ---------------------------------------------------------------------------
+
+    def _job_bias(self, job: Job) -> np.ndarray | None:
+        """``[V]`` float32: what `job` adds to its next token's logits (its `logit_bias` and
+        its grammar's mask), or None for nothing."""
+        if not job.logit_bias and job.constraint is None:
+            return None
+        row = np.zeros((self.bias_host.shape[1],), np.float32)
+        if job.constraint is not None:
+            row += job.constraint.mask
+        for token, bias in job.logit_bias:
+            row[token] += bias
+        return row
+
+    def _set_bias(self, r: int, row: np.ndarray | None) -> None:
+        """Sets row `r`'s bias (None: zeros)."""
+        if row is None:
+            if not self.bias_host[r].any():
+                return
+            self.bias_host[r] = 0.0
+        else:
+            self.bias_host[r] = row
+        self._bias_device = None
+
+    def _bias(self) -> jax.Array:
+        if self._bias_device is None:
+            self._bias_device = jnp.asarray(self.bias_host)
+        return self._bias_device
+
     # -- prefill ------------------------------------------------------------------------------
 
     def _row_sampling(self, job: Job) -> RowSampling:
         key = jax.random.key_data(jax.random.key(job.seed))
+        bias = self._job_bias(job)
+        if bias is None:
+            bias = np.zeros((self.bias_host.shape[1],), np.float32)
         return RowSampling(
             keys=jnp.asarray(key)[None],
             count=jnp.zeros((1,), jnp.int32),
             temperature=jnp.asarray([job.temperature], jnp.float32),
             top_k=jnp.asarray([job.top_k], jnp.int32),
             top_p=jnp.asarray([job.top_p], jnp.float32),
+            bias=jnp.asarray(bias)[None],
         )
 
     def _begin_prefill(self, job: Job) -> _Prefill:
@@ -495,6 +540,10 @@ class Scheduler:
             self._prefill = None
             return
         job.generated = 1
+        if job.constraint is not None and not job.constraint.advance(state.first):
+            self._finish(job, STOP, [state.first])  # the grammar is complete
+            self._prefill = None
+            return
         if job.max_tokens == 1:
             self._finish(job, LENGTH, [state.first])
             self._prefill = None
@@ -528,6 +577,7 @@ class Scheduler:
         self.temp_host[r] = job.temperature
         self.topk_host[r] = job.top_k
         self.topp_host[r] = job.top_p
+        self._set_bias(r, self._job_bias(job))
         with self._lock:
             self._rows[r] = job
             self._prefill = None
@@ -573,6 +623,7 @@ class Scheduler:
             temperature=jnp.asarray(self.temp_host),
             top_k=jnp.asarray(self.topk_host),
             top_p=jnp.asarray(self.topp_host),
+            bias=self._bias(),
         )
         cache = dataclasses.replace(
             self.cache, length=jnp.int32(self.clock), start=jnp.asarray(self.start_host)
@@ -584,7 +635,9 @@ class Scheduler:
         if self.clock >= t:
             active = [r for r, j in enumerate(self._rows) if j is not None]
             self._shift(min(int(self.start_host[r]) for r in active) if active else self.clock)
-        # Every row must still have a slot for each step.
+        # Every row must still have a slot for each step; a grammar's mask holds for one.
+        if any(job is not None and job.constraint is not None for job in self._rows):
+            steps = 1
         steps = max(1, min(steps, t - self.clock))
         args = self._decode_args(steps)
         out, self.cache = self._program("decode", self.config.slots, args)(*args)
@@ -605,16 +658,22 @@ class Scheduler:
                     break
                 new.append(token)
                 job.generated += 1
+                if job.constraint is not None and not job.constraint.advance(token):
+                    reason = STOP  # the grammar is complete (or broke a work bound)
+                    break
                 if job.generated >= job.max_tokens:
                     reason = LENGTH
                     break
             if reason is None:
+                if job.constraint is not None:
+                    self._set_bias(r, self._job_bias(job))
                 if new:
                     job.emit(new, None)
             else:
                 with self._lock:
                     self._rows[r] = None
                 self.start_host[r] = t
+                self._set_bias(r, None)
                 self._finish(job, reason, new)
 
 
