@@ -39,6 +39,13 @@ LIMITS = dict(
 # spin on newlines forever inside a valid answer.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# Byte b of a bitmask -> its 8 tokens' biases (bit i, token 8b + i: 0 when set, else -inf): one
+# table lookup per byte is faster than unpacking the bits and choosing.
+_BYTE_BIAS = np.where(
+    np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"),
+    np.float32(0),
+    np.float32(-np.inf),
+).astype(np.float32)
 
 
 class GrammarError(ValueError):
@@ -56,6 +63,7 @@ class Constraint:
         self._matcher = matcher
         self._vocab = min(vocab, width)
         self._words = np.zeros((-(-vocab // 32),), np.int32)  # llguidance's bitmask
+        self._biases = np.empty((self._words.nbytes, 8), np.float32)  # its bits as biases
         self.mask = np.full((width,), -np.inf, np.float32)
         if not self._refresh():
             raise GrammarError(matcher.get_error() or "the grammar allows no first token")
@@ -66,9 +74,9 @@ class Constraint:
         m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
         if m.is_error():
             return False
-        bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")[: self._vocab]
-        self.mask[: self._vocab] = np.where(bits, np.float32(0), np.float32(-np.inf))
-        return bool(bits.any())
+        np.take(_BYTE_BIAS, self._words.view(np.uint8), axis=0, out=self._biases)
+        self.mask[: self._vocab] = self._biases.reshape(-1)[: self._vocab]
+        return bool(self._words.any())
 
     def advance(self, token: int) -> bool:
         """Feeds `token` (never a stop token); False when the row must end: the grammar is

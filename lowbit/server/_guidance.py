@@ -68,7 +68,7 @@ def _schema(value: Any) -> dict[str, Any] | None:
         raise bad(f"{_SCHEMA}.name", "must be 1 to 64 letters, digits, '_' or '-'")
     if not isinstance(spec.get("description", ""), str):
         raise bad(f"{_SCHEMA}.description", "must be a string")
-    if spec.get("strict") not in (None, True, False):
+    if not isinstance(spec.get("strict", False), bool | None):  # not 1: 1 == True
         raise bad(f"{_SCHEMA}.strict", "must be true, false or null")
     schema = spec.get("schema")
     if not isinstance(schema, dict):
