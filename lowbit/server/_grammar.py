@@ -82,9 +82,12 @@ class Constraint:
         """Feeds `token` (never a stop token); False when the row must end: the grammar is
         complete and takes no more, or the token broke it or a work bound (`LIMITS`)."""
         m = self._matcher
-        if not m.consume_token(int(token)) or m.is_stopped():
+        try:
+            if not m.consume_token(int(token)) or m.is_stopped():
+                return False
+            return self._refresh()
+        except Exception:  # noqa: BLE001 - one request's grammar never takes the scheduler down
             return False
-        return self._refresh()
 
 
 class Grammars:

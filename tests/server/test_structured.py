@@ -4,6 +4,7 @@ that matches its schema, and rows without a constraint give the tokens they give
 
 import concurrent.futures
 import json
+import time
 
 import jsonschema_rs
 import openai
@@ -205,3 +206,56 @@ def test_unconstrained_rows_are_unaffected_by_constrained_ones(base_url, loaded,
         for other in others:
             jsonschema_rs.validate(SCHEMA, json.loads(other.result().text))
         assert long.result().text.startswith("{")
+
+
+def test_the_scheduler_runs_constrained_rows_one_step_a_call_beside_multi_step_ones(loaded):
+    """The scheduler alone, at 4 decode steps a call: a constrained row, a biased row and a
+    plain row run together; the constrained one matches its schema, the plain one gives the
+    tokens `generate_tokens` gives, the biased one never emits its banned token."""
+    from lowbit.server import Job, Scheduler, SchedulerConfig
+    from lowbit.server._grammar import Grammars
+
+    config = SchedulerConfig(slots=3, max_len=64, single_pass=16, chunk=16, steps=4)
+    scheduler = Scheduler(loaded.model, None, None, config)
+    grammars = Grammars(loaded.tokenizer, [258], loaded.model.config.vocab_size)
+    prompt = loaded.tokenizer.encode("Answer:").ids
+    plain_tokens = generate_tokens(loaded.model, [prompt], max_new_tokens=30).tokens[0]
+    banned = plain_tokens[0]
+    answers, done = {}, {}
+
+    def job(name, **kwargs):
+        def emit(tokens, finish):
+            answers.setdefault(name, []).extend(tokens)
+            if finish is not None:
+                done[name] = finish
+
+        args = dict(max_tokens=30, temperature=0.0, top_k=0, top_p=1.0, seed=3)
+        return Job(
+            prompt,
+            **(args | kwargs),
+            stop_ids=frozenset([258]),
+            deadline=time.monotonic() + 120,
+            emit=emit,
+        )
+
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not scheduler.ready:
+            assert time.monotonic() < deadline and scheduler.error is None
+            time.sleep(0.05)
+        scheduler.submit(job("plain"))
+        json_job = job(
+            "json", max_tokens=48, temperature=1.0, constraint=grammars.constrain(SCHEMA)
+        )
+        scheduler.submit(json_job)
+        scheduler.submit(job("biased", logit_bias=((banned, -100.0),)))
+        while len(done) < 3:
+            assert time.monotonic() < deadline and scheduler.error is None
+            time.sleep(0.05)
+    finally:
+        scheduler.close()
+    assert answers["plain"] == plain_tokens
+    assert done["json"] == "stop"
+    jsonschema_rs.validate(SCHEMA, json.loads(loaded.tokenizer.decode(answers["json"])))
+    assert banned not in answers["biased"]
