@@ -244,7 +244,7 @@ class _Handler:
             raise bad(param, f"took over {COMPILE_TIMEOUT:g} s to compile; simplify it") from None
         except GrammarError as err:
             raise bad(param, f"cannot be used for constrained decoding: {err}") from None
-        except (ValueError, RuntimeError) as err:  # the tokenizer cannot be adapted
+        except Exception as err:  # noqa: BLE001 - the tokenizer cannot be adapted: never a 500
             raise bad(
                 "response_format",
                 f"this model's tokenizer does not support structured output ({err})",
