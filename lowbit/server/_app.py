@@ -273,6 +273,8 @@ class _Handler:
         if why is not None:
             param = "max_tokens" if "max_tokens" in why else ("messages" if chat else "prompt")
             raise bad(param, why, code="context_length_exceeded")
+        if (body.get("max_tokens") or 0) > context:  # overridden by max_completion_tokens
+            raise bad("max_tokens", f"must be at most the context, {context} tokens")
         constraint = None if guidance.schema is None else await self._compile(guidance.schema)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
