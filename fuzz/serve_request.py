@@ -1,5 +1,6 @@
 """Fuzzes the bodies `lowbit serve` reads (`lowbit.server`: `parse_body`, then
-`parse_request` for ``/v1/completions`` and ``/v1/chat/completions``).
+`parse_request` for ``/v1/completions`` and ``/v1/chat/completions``, and `parse_guidance` for
+their ``response_format`` and ``logit_bias``).
 
 Contract: an `APIError` with a 4xx status and a message (answered as an OpenAI error object),
 or a request whose fields have the documented types and ranges.
@@ -36,6 +37,14 @@ BODIES = (
         "logprobs": None,
     },
     {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "text"}},
+    {
+        "prompt": "x",
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "a", "schema": {"type": "object"}, "strict": True},
+        },
+        "logit_bias": {"5": -100, "7": 2.5},
+    },
 )
 
 
@@ -45,7 +54,8 @@ def seeds() -> Iterator[tuple[str, bytes]]:
 
 
 def _load():
-    global APIError, parse_body, parse_request, MAX_LOGPROBS, MAX_N
+    global APIError, parse_body, parse_request, parse_guidance, MAX_LOGPROBS, MAX_N
+    from lowbit.server._guidance import parse_guidance
     from lowbit.server._protocol import MAX_LOGPROBS, MAX_N, APIError, parse_body, parse_request
 
 
@@ -75,7 +85,11 @@ def _check(request) -> None:
 def test_one(data: bytes) -> None:
     for chat in (False, True):
         try:
-            _check(parse_request(parse_body(data), chat))
+            body = parse_body(data)
+            _check(parse_request(body, chat))
+            guidance = parse_guidance(body, 260)
+            if not all(0 <= t < 260 and -100 <= b <= 100 for t, b in guidance.logit_bias):
+                raise ContractViolation(f"logit_bias {guidance.logit_bias!r}")
         except APIError as err:
             if not (400 <= err.status < 500 and err.message):
                 raise ContractViolation(f"APIError {err.status} {err.message!r}") from err

@@ -13,6 +13,7 @@ import dataclasses
 import hmac
 import json
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +27,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from lowbit.server import _embeddings as embeddings
+from lowbit.server._grammar import Constraint, GrammarError, Grammars
+from lowbit.server._guidance import parse_guidance
 from lowbit.server._limits import MAX_BODY_BYTES, READ_TIMEOUT, BodyLimit
 from lowbit.server._logprob_format import TokenTexts, chat_logprobs, completion_logprobs
 from lowbit.server._metrics import CONTENT_TYPE, Metrics
@@ -50,6 +53,9 @@ from lowbit.server._tool_prompt import chat_prompt, tool_call_stream
 RETRY_AFTER = 1
 # Seconds between checks that a non-streaming client is still connected.
 _POLL = 0.25
+# Seconds a response_format's schema may take to compile (llguidance's limits bound it well
+# below this; the wait is a second bound).
+COMPILE_TIMEOUT = 10.0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -126,6 +132,8 @@ class _Handler:
         self.served = served
         self.metrics = metrics
         self.created = int(time.time())
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -297,6 +305,36 @@ class _Handler:
             raise bad("prompt" if not req.chat else "messages", "encodes to no tokens")
         return ids
 
+    def _vocab(self) -> int:
+        """Token ids a request may name: the tokenizer's that the model has logits for."""
+        width = self.served.scheduler.model.config.vocab_size
+        return min(self.served.tokenizer.get_vocab_size(), width)
+
+    def _constraint(self, schema: dict[str, Any]) -> Constraint:
+        """A fresh grammar state for `schema` (run in a worker thread: it may take a while)."""
+        with self._grammars_lock:  # adapting the vocabulary takes up to a second: once
+            if self._grammars is None:
+                s = self.served
+                width = s.scheduler.model.config.vocab_size
+                self._grammars = Grammars(s.tokenizer, s.stop_ids, width)
+        return self._grammars.constrain(schema)
+
+    async def _compile(self, schema: dict[str, Any]) -> Constraint:
+        param = "response_format.json_schema.schema"
+        try:
+            work = asyncio.to_thread(self._constraint, schema)
+            return await asyncio.wait_for(work, COMPILE_TIMEOUT)
+        except TimeoutError:
+            raise bad(param, f"took over {COMPILE_TIMEOUT:g} s to compile; simplify it") from None
+        except GrammarError as err:
+            raise bad(param, f"cannot be used for constrained decoding: {err}") from None
+        except Exception as err:  # noqa: BLE001 - the tokenizer cannot be adapted: never a 500
+            raise bad(
+                "response_format",
+                f"this model's tokenizer does not support structured output ({err})",
+                code="unsupported",
+            ) from None
+
     async def _generate(self, request: Request, chat: bool) -> Response:
         s = self.served.scheduler
         if not s.generates:
@@ -307,7 +345,9 @@ class _Handler:
                 param="model",
                 code="model_not_supported",
             )
-        req = parse_request(parse_body(await request.body()), chat)
+        body = parse_body(await request.body())
+        req = parse_request(body, chat)
+        guidance = parse_guidance(body, self._vocab())
         if not s.ready or s.error is not None:
             raise APIError(
                 503,
@@ -328,6 +368,13 @@ class _Handler:
         why = s.check_choices(req.n, len(ids), max_tokens)
         if why is not None:
             raise bad("n", why)
+        if (body.get("max_tokens") or 0) > context:  # overridden by max_completion_tokens
+            raise bad("max_tokens", f"must be at most the context, {context} tokens")
+        # Each choice follows the grammar with a matcher of its own.
+        constraints = [
+            None if guidance.schema is None else await self._compile(guidance.schema)
+            for _ in range(req.n)
+        ]
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -356,6 +403,8 @@ class _Handler:
                 logprobs=req.logprobs,
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
+                logit_bias=guidance.logit_bias,
+                constraint=constraints[i],
             )
             for i in range(req.n)
         ]

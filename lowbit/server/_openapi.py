@@ -11,12 +11,58 @@ from __future__ import annotations
 from typing import Any
 
 from lowbit.server._embeddings import ENCODING_FORMATS, MAX_INPUTS
+from lowbit.server._guidance import MAX_LOGIT_BIAS, SCHEMA_NAME, TOKEN_KEY
 from lowbit.server._protocol import _NEUTRAL, MAX_LOGPROBS, MAX_STOP_STRINGS
 from lowbit.server._tool_request import MAX_TOOLS
 
 
 def _neutral(values: tuple) -> dict[str, Any]:
     return {"enum": list(values)}
+
+
+def _guidance() -> dict[str, Any]:
+    """``response_format`` and ``logit_bias`` (`lowbit.server._guidance`)."""
+    only_type = lambda kind: {  # noqa: E731
+        "type": "object",
+        "required": ["type"],
+        "properties": {"type": {"const": kind}},
+        "additionalProperties": False,
+    }
+    json_schema = {
+        "type": "object",
+        "required": ["type", "json_schema"],
+        "properties": {
+            "type": {"const": "json_schema"},
+            "json_schema": {
+                "type": "object",
+                "required": ["name", "schema"],
+                "properties": {
+                    "name": {"type": "string", "pattern": f"^{SCHEMA_NAME}$"},
+                    "description": {"type": "string"},
+                    "schema": {"type": "object"},
+                    "strict": {"type": ["boolean", "null"]},
+                },
+                "additionalProperties": False,
+            },
+        },
+        "additionalProperties": False,
+    }
+    return {
+        "response_format": {
+            "oneOf": [
+                {"type": "null"},
+                only_type("text"),
+                only_type("json_object"),
+                json_schema,
+            ]
+        },
+        "logit_bias": {
+            "type": ["object", "null"],
+            "propertyNames": {"pattern": f"^{TOKEN_KEY}$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            "maxProperties": MAX_LOGIT_BIAS,
+        },
+    }
 
 
 def _sampling(context: int, choices: int) -> dict[str, Any]:
@@ -56,6 +102,7 @@ def _sampling(context: int, choices: int) -> dict[str, Any]:
         },
         "user": {"type": "string"},
         "return_token_ids": {"type": "boolean"},
+        **_guidance(),
         **{name: _neutral(values) for name, values in _NEUTRAL.items()},
     }
 

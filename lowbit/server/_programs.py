@@ -61,6 +61,9 @@ class RowSampling:
       top_p: ``[B]`` float32.
       presence, frequency: ``[B]`` float32, the penalties (`lowbit.server._penalties`; 0:
         none). Only decode steps apply them: a first token follows no generated one.
+      bias: ``[B, V]`` float32, added to the logits before sampling: a request's
+        ``logit_bias`` and its grammar's mask (0 for an allowed token, -inf for another);
+        zeros for a row with neither, which then samples exactly what it would without.
     """
 
     keys: jax.Array
@@ -70,6 +73,7 @@ class RowSampling:
     top_p: jax.Array
     presence: jax.Array
     frequency: jax.Array
+    bias: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -97,6 +101,7 @@ def _forward(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, cache: KVCa
 def _sample(logits: jax.Array, rows: RowSampling) -> jax.Array:
     """``logits [b, V]`` -> ``[b]`` tokens, row r drawn with ``fold_in(key_r, count_r)``."""
     keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(rows.keys), rows.count)
+    logits = logits.astype(jnp.float32) + rows.bias  # x + 0.0 is x: unbiased rows unchanged
     return sample_rows(logits, keys, rows.temperature, rows.top_k, rows.top_p)
 
 

@@ -38,6 +38,8 @@ _COMMON = {
     "return_token_ids",
     "presence_penalty",
     "frequency_penalty",
+    "response_format",  # both read by `lowbit.server._guidance`
+    "logit_bias",
 }
 _COMPLETION = _COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
@@ -47,8 +49,6 @@ _NEUTRAL = {
     "echo": (False,),
     "suffix": (None,),
     "best_of": (None, 1),
-    "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
 }
 MAX_STOP_STRINGS = 4
 # The most alternatives per token `logprobs` (completions) or `top_logprobs` (chat) may ask for

@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,9 @@ from lowbit.server import _programs as programs
 from lowbit.server._logprobs import TokenLogprob, TokenLogprobs, host_logprobs
 from lowbit.server._prefix import PrefixIndex, chain
 from lowbit.server._programs import Decoded, RowSampling
+
+if TYPE_CHECKING:
+    from lowbit.server._grammar import Constraint
 
 # The model's programs, and the positions among their arguments of the buffers they reuse:
 # the KV cache, and the decode steps' token counts.
@@ -86,6 +89,10 @@ class Job:
         log-probabilities; then each token's `TokenLogprob` is appended to `token_logprobs`
         before the `emit` call that hands the token over.
       presence_penalty, frequency_penalty: see `lowbit.server._penalties` (0: none).
+      logit_bias: ``(token id, bias)`` pairs added to the logits at every step.
+      constraint: the grammar the tokens must follow (a fresh `Constraint`, advanced by the
+        scheduler with each token), or None. While a constrained row runs, decode calls run
+        one step (a mask holds for one token).
     """
 
     prompt: Sequence[int]
@@ -101,6 +108,8 @@ class Job:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Constraint | None = None
     cancelled: bool = False
     submitted: float = dataclasses.field(default_factory=time.monotonic)
     first_token: float | None = None
@@ -407,6 +416,8 @@ class Scheduler:
         self.frequency_host = np.zeros((c.slots,), np.float32)
         # Each row's generated tokens counted, on the device (`lowbit.server._penalties`).
         self.counts = jnp.zeros((c.slots, self.model.config.vocab_size), jnp.int32)
+        self.bias_host = np.zeros((c.slots, self.model.config.vocab_size), np.float32)
+        self._bias_device: jax.Array | None = None  # bias_host on the device, until it changes
         self.cache = self._set_start(self.cache)
 
     def _set_start(self, cache: Any) -> Any:
@@ -558,6 +569,7 @@ class Scheduler:
         self.temp_host[r] = 0.0
         self.topk_host[r] = 0
         self.presence_host[r] = self.frequency_host[r] = 0.0
+        self._set_bias(r, None)
         if job is not None:
             self._finish(job, reason)
 
@@ -579,10 +591,42 @@ class Scheduler:
             while self._embedding:
                 self._end_embedding(self._embedding[0], None, reason)
 
+    # -- logit bias ---------------------------------------------------------------------------
+
+    def _job_bias(self, job: Job) -> np.ndarray | None:
+        """``[V]`` float32: what `job` adds to its next token's logits (its `logit_bias` and
+        its grammar's mask), or None for nothing."""
+        if not job.logit_bias and job.constraint is None:
+            return None
+        row = np.zeros((self.bias_host.shape[1],), np.float32)
+        if job.constraint is not None:
+            row += job.constraint.mask
+        for token, bias in job.logit_bias:
+            row[token] += bias
+        return row
+
+    def _set_bias(self, r: int, row: np.ndarray | None) -> None:
+        """Sets row `r`'s bias (None: zeros)."""
+        if row is None:
+            if not self.bias_host[r].any():
+                return
+            self.bias_host[r] = 0.0
+        else:
+            self.bias_host[r] = row
+        self._bias_device = None
+
+    def _bias(self) -> jax.Array:
+        if self._bias_device is None:
+            self._bias_device = jnp.asarray(self.bias_host)
+        return self._bias_device
+
     # -- prefill ------------------------------------------------------------------------------
 
     def _row_sampling(self, job: Job) -> RowSampling:
         key = jax.random.key_data(jax.random.key(job.seed))
+        bias = self._job_bias(job)
+        if bias is None:
+            bias = np.zeros((self.bias_host.shape[1],), np.float32)
         return RowSampling(
             keys=jnp.asarray(key)[None],
             count=jnp.zeros((1,), jnp.int32),
@@ -591,6 +635,7 @@ class Scheduler:
             top_p=jnp.asarray([job.top_p], jnp.float32),
             presence=jnp.asarray([job.presence_penalty], jnp.float32),
             frequency=jnp.asarray([job.frequency_penalty], jnp.float32),
+            bias=jnp.asarray(bias)[None],
         )
 
     def _lookup(self, job: Job) -> tuple[list[bytes], list[int]]:
@@ -701,6 +746,10 @@ class Scheduler:
             self._prefill = None
             return
         job.generated = 1
+        if job.constraint is not None and not job.constraint.advance(state.first):
+            self._finish(job, STOP, [state.first])  # the grammar is complete
+            self._prefill = None
+            return
         if job.max_tokens == 1:
             self._finish(job, LENGTH, [state.first])
             self._prefill = None
@@ -736,6 +785,7 @@ class Scheduler:
         self.topp_host[r] = job.top_p
         self.presence_host[r] = job.presence_penalty
         self.frequency_host[r] = job.frequency_penalty
+        self._set_bias(r, self._job_bias(job))
         with self._lock:
             self._rows[r] = job
             self._prefill = None
@@ -814,6 +864,7 @@ class Scheduler:
             top_p=jnp.asarray(self.topp_host),
             presence=jnp.asarray(self.presence_host),
             frequency=jnp.asarray(self.frequency_host),
+            bias=self._bias(),
         )
         cache = dataclasses.replace(
             self.cache, length=jnp.int32(self.clock), start=jnp.asarray(self.start_host)
@@ -826,7 +877,9 @@ class Scheduler:
         if self.clock >= t:
             active = [r for r, j in enumerate(self._rows) if j is not None]
             self._shift(min(int(self.start_host[r]) for r in active) if active else self.clock)
-        # Every row must still have a slot for each step.
+        # Every row must still have a slot for each step; a grammar's mask holds for one.
+        if any(job is not None and job.constraint is not None for job in self._rows):
+            steps = 1
         steps = max(1, min(steps, t - self.clock))
         args = self._decode_args(steps)
         # The variant that also ranks the vocabulary runs only while a row asks for it.
@@ -859,16 +912,22 @@ class Scheduler:
                 if entries is not None:
                     job.token_logprobs.append(entries[len(new) - 1])
                 job.generated += 1
+                if job.constraint is not None and not job.constraint.advance(token):
+                    reason = STOP  # the grammar is complete (or broke a work bound)
+                    break
                 if job.generated >= job.max_tokens:
                     reason = LENGTH
                     break
             if reason is None:
+                if job.constraint is not None:
+                    self._set_bias(r, self._job_bias(job))
                 if new:
                     job.emit(new, None)
             else:
                 with self._lock:
                     self._rows[r] = None
                 self.start_host[r] = t
+                self._set_bias(r, None)
                 self._finish(job, reason, new)
 
 

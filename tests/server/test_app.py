@@ -109,6 +109,16 @@ def test_models_health_and_metrics(base_url):
         ("/v1/completions", {"prompt": "hi", "max_tokens": CONFIG.max_len + 1}, "max_tokens"),
         ("/v1/completions", {"prompt": [9999]}, "prompt"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
+        # max_completion_tokens overrides it, but a max_tokens past the context is still bad.
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": CONFIG.max_len + 1,
+                "max_completion_tokens": 1,
+            },
+            "max_tokens",
+        ),
         # A lone surrogate, escaped as JSON allows: not text the tokenizer encodes (was a 500).
         ("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt"),
         (

@@ -44,7 +44,7 @@ def test_token_prompts_and_chat_messages_parse():
         ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
         ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"prompt": "hi", "stream": "yes"}, "stream"),
-        ({"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"prompt": "hi", "suffix": "x"}, "suffix"),
         ({"prompt": "hi", "colour": "red"}, "colour"),
         # Neutral values compare by JSON type: 0.0 is not false, true is not 1.
         ({"prompt": "hi", "logprobs": 0.0}, "logprobs"),
