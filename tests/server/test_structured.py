@@ -67,6 +67,27 @@ def test_greedy_chat_answers_match_the_schema_streamed_and_not(base_url, stream)
     jsonschema_rs.validate(SCHEMA, json.loads(text))
 
 
+def test_each_of_n_sampled_choices_matches_the_schema_and_logprobs_come_along(base_url):
+    """n choices each follow the grammar with a matcher of their own; logprobs and penalties
+    ride along on the same rows."""
+    r = _client(base_url).completions.create(
+        model="tiny",
+        prompt="Answer in JSON:",
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=7,
+        n=3,
+        logprobs=2,
+        presence_penalty=0.5,
+        extra_body={"response_format": JSON_SCHEMA},
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema_rs.validate(SCHEMA, json.loads(choice.text))
+        assert len(choice.logprobs.tokens) >= 1
+
+
 def test_json_object_answers_are_objects(base_url):
     stopped = 0
     for seed in range(6):
