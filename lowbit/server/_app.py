@@ -91,6 +91,22 @@ class ServedModel:
         return self.scheduler.model.config.dim
 
 
+def _submit(submit: Callable[[], None]) -> None:
+    """Runs `submit` (a hand-over to the scheduler): a full queue is a 429, a scheduler still
+    compiling or shutting down a 503."""
+    try:
+        submit()
+    except QueueFull as err:
+        raise APIError(
+            429,
+            f"the server is busy ({err}); retry later",
+            type="rate_limit_error",
+            code="queue_full",
+        ) from None
+    except NotReady as err:
+        raise APIError(503, str(err), type="server_error", code="unavailable") from None
+
+
 def _error(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
@@ -249,17 +265,7 @@ class _Handler:
 
         deadline = time.monotonic() + self.served.request_timeout
         job = embeddings.EmbedJob(inputs=ids, deadline=deadline, done=done)
-        try:
-            s.submit_embedding(job)
-        except QueueFull as err:
-            raise APIError(
-                429,
-                f"the server is busy ({err}); retry later",
-                type="rate_limit_error",
-                code="queue_full",
-            ) from None
-        except NotReady as err:
-            raise APIError(503, str(err), type="server_error", code="unavailable") from None
+        _submit(lambda: s.submit_embedding(job))
         try:
             while not result.done():
                 await asyncio.wait([result], timeout=_POLL)
@@ -408,17 +414,7 @@ class _Handler:
             )
             for i in range(req.n)
         ]
-        try:
-            s.submit_all(jobs)
-        except QueueFull as err:
-            raise APIError(
-                429,
-                f"the server is busy ({err}); retry later",
-                type="rate_limit_error",
-                code="queue_full",
-            ) from None
-        except NotReady as err:
-            raise APIError(503, str(err), type="server_error", code="unavailable") from None
+        _submit(lambda: s.submit_all(jobs))
         self.metrics.prompt_tokens.inc(len(ids))
         answer = _Answer(self, req, jobs, events)
         if req.stream:
