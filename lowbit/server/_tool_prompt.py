@@ -107,7 +107,7 @@ def tool_call_stream(
 ) -> ToolCallStream | None:
     """The parser of an answer's calls, or None when calls are not parsed (no tools, or
     ``tool_choice: "none"``)."""
-    if tools is None or tools.choice != "auto":
+    if tools is None or tools.choice == "none":
         return None
     limit = None if tools.parallel else 1
     return ToolCallStream(answer_format(chat_template), tools.accepts, limit)
