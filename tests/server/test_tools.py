@@ -1,7 +1,9 @@
 """Tools on ``/v1/chat/completions``: the call parser in each format (whole and streamed at
 every split), request validation, prompts through a Hermes-style template and through the
 fallback, and end to end with the official `openai` client (a scripted tokenizer makes the tiny
-random model "say" a call)."""
+random model "say" a call). ``tool_choice`` required and a named function: the grammar of calls
+in each format against the parser, and the tiny model's sampled and greedy answers (streamed and
+not) always calls of offered tools whose arguments fit the schema."""
 
 import contextlib
 import dataclasses
