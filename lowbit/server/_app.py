@@ -47,7 +47,9 @@ from lowbit.server._scheduler import (
 )
 from lowbit.server._text import TextStream
 from lowbit.server._tool_calls import Parsed, ToolCallStream
-from lowbit.server._tool_prompt import chat_prompt, tool_call_stream
+from lowbit.server._tool_grammar import schema_problem, tool_grammar
+from lowbit.server._tool_prompt import answer_format, chat_prompt, tool_call_stream
+from lowbit.server._tool_request import ToolRequest
 
 # Seconds a client is told to wait after a 429.
 RETRY_AFTER = 1
@@ -316,19 +318,26 @@ class _Handler:
         width = self.served.scheduler.model.config.vocab_size
         return min(self.served.tokenizer.get_vocab_size(), width)
 
-    def _constraint(self, schema: dict[str, Any]) -> Constraint:
-        """A fresh grammar state for `schema` (run in a worker thread: it may take a while)."""
+    def _constraint(self, grammar: dict[str, Any] | str) -> Constraint:
+        """A fresh grammar state for a JSON schema or a Lark grammar (run in a worker thread:
+        it may take a while)."""
         with self._grammars_lock:  # adapting the vocabulary takes up to a second: once
             if self._grammars is None:
                 s = self.served
                 width = s.scheduler.model.config.vocab_size
                 self._grammars = Grammars(s.tokenizer, s.stop_ids, width)
-        return self._grammars.constrain(schema)
+        if isinstance(grammar, str):
+            return self._grammars.constrain_lark(grammar)
+        return self._grammars.constrain(grammar)
 
-    async def _compile(self, schema: dict[str, Any]) -> Constraint:
-        param = "response_format.json_schema.schema"
+    async def _compile(
+        self,
+        grammar: dict[str, Any] | str,
+        param: str = "response_format.json_schema.schema",
+        field: str = "response_format",
+    ) -> Constraint:
         try:
-            work = asyncio.to_thread(self._constraint, schema)
+            work = asyncio.to_thread(self._constraint, grammar)
             return await asyncio.wait_for(work, COMPILE_TIMEOUT)
         except TimeoutError:
             raise bad(param, f"took over {COMPILE_TIMEOUT:g} s to compile; simplify it") from None
@@ -336,10 +345,19 @@ class _Handler:
             raise bad(param, f"cannot be used for constrained decoding: {err}") from None
         except Exception as err:  # noqa: BLE001 - the tokenizer cannot be adapted: never a 500
             raise bad(
-                "response_format",
+                field,
                 f"this model's tokenizer does not support structured output ({err})",
                 code="unsupported",
             ) from None
+
+    async def _tool_grammar(self, tools: ToolRequest) -> str:
+        """The Lark grammar of a forced tool answer, once each tool's schema is known to
+        compile (else a 400 naming the first that does not)."""
+        problem = await asyncio.to_thread(schema_problem, tools)
+        if problem is not None:
+            param, why = problem
+            raise bad(param, f"cannot be used for constrained decoding: {why}")
+        return tool_grammar(tools, answer_format(self.served.chat_template))
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         s = self.served.scheduler
@@ -377,8 +395,19 @@ class _Handler:
         if (body.get("max_tokens") or 0) > context:  # overridden by max_completion_tokens
             raise bad("max_tokens", f"must be at most the context, {context} tokens")
         # Each choice follows the grammar with a matcher of its own.
+        grammar: dict[str, Any] | str | None = guidance.schema
+        param, field = "response_format.json_schema.schema", "response_format"
+        if req.tools is not None and req.tools.forced:  # the answer must be calls
+            if guidance.schema is not None:
+                raise bad(
+                    "response_format",
+                    "cannot be combined with tool_choice required or a named function (the "
+                    "answer is tool calls)",
+                )
+            grammar = await self._tool_grammar(req.tools)
+            param, field = "tools", "tool_choice"
         constraints = [
-            None if guidance.schema is None else await self._compile(guidance.schema)
+            None if grammar is None else await self._compile(grammar, param, field)
             for _ in range(req.n)
         ]
         loop = asyncio.get_running_loop()
@@ -463,7 +492,7 @@ class _Answer:
         self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.recorded = False
-        # With tools offered (tool_choice auto), each choice's text goes through a call parser.
+        # With tools shown (tool_choice not none), each choice's text goes through a parser.
         for choice in self.choices:
             choice.calls = tool_call_stream(handler.served.chat_template, req.tools)
 

@@ -24,6 +24,8 @@ import numpy as np
 
 # The largest schema compiled, as compact JSON.
 MAX_SCHEMA_BYTES = 32 * 1024
+# The largest Lark grammar compiled (tool calls: up to 128 tools' schemas and their framing).
+MAX_LARK_BYTES = 1024 * 1024
 # Bounds on llguidance's work per schema and per token (its defaults are in brackets): the
 # compile's lexer fuel (1M, ~20 ms), grammar symbols (500K), lexer states (250K, ~1-2 kB each,
 # built lazily while decoding), Earley items per token (50K) and a token's lexer fuel (200K).
@@ -126,6 +128,24 @@ class Grammars:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=_JSON_OPTIONS)
         except ValueError as err:
             raise GrammarError(str(err)) from None
+        return self._matched(grammar)
+
+    def constrain_lark(self, lark: str) -> Constraint:
+        """A fresh `Constraint` for text matching the Lark grammar `lark` (llguidance's
+        dialect, which embeds JSON schemas with ``%json``); bounded as `constrain`.
+
+        Raises:
+          GrammarError: the grammar is too large or cannot be compiled.
+        """
+        if len(lark.encode()) > MAX_LARK_BYTES:
+            raise GrammarError(f"is {len(lark.encode())} bytes; at most {MAX_LARK_BYTES}")
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        except ValueError as err:
+            raise GrammarError(str(err)) from None
+        return self._matched(grammar)
+
+    def _matched(self, grammar: str) -> Constraint:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())

@@ -147,7 +147,8 @@ def _tool_messages() -> list[dict[str, Any]]:
 
 
 def _tool_fields() -> dict[str, Any]:
-    """``tools``, ``tool_choice`` (none or auto) and ``parallel_tool_calls``."""
+    """``tools``, ``tool_choice`` (none, auto, required or a named function) and
+    ``parallel_tool_calls``."""
     function = {
         "type": "object",
         "required": ["name"],
@@ -168,8 +169,23 @@ def _tool_fields() -> dict[str, Any]:
     return {
         "tools": {"type": ["array", "null"], "items": tool, "maxItems": MAX_TOOLS},
         "tool_choice": {
-            "enum": ["none", "auto", None],
-            "description": "required and a named function are not supported yet",
+            "oneOf": [
+                {"enum": ["none", "auto", "required", None]},
+                {
+                    "type": "object",
+                    "required": ["type", "function"],
+                    "properties": {
+                        "type": {"const": "function"},
+                        "function": {
+                            "type": "object",
+                            "required": ["name"],
+                            "properties": {"name": {"type": "string"}},
+                        },
+                    },
+                },
+            ],
+            "description": "required (or a named function, one of tools): the answer is "
+            "decoded under a grammar that admits only calls (that one function's)",
         },
         "parallel_tool_calls": {"type": ["boolean", "null"]},
     }

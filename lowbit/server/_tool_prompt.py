@@ -105,9 +105,10 @@ def chat_prompt(
 def tool_call_stream(
     chat_template: Callable[..., str], tools: ToolRequest | None
 ) -> ToolCallStream | None:
-    """The parser of an answer's calls, or None when calls are not parsed (no tools, or
-    ``tool_choice: "none"``)."""
-    if tools is None or tools.choice != "auto":
+    """The parser of an answer's calls (auto, required or a named function: the same parser
+    reads what the grammar of forced calls writes), or None when calls are not parsed (no
+    tools, or ``tool_choice: "none"``)."""
+    if tools is None or tools.choice == "none":
         return None
     limit = None if tools.parallel else 1
     return ToolCallStream(answer_format(chat_template), tools.accepts, limit)

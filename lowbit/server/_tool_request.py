@@ -74,13 +74,27 @@ class ToolRequest:
     Attributes:
       tools: the offered functions, in request order (never empty).
       choice: ``"none"`` (the tools are not shown to the model and answers are not parsed for
-        calls) or ``"auto"`` (shown, and calls in the answer are returned as ``tool_calls``).
+        calls), ``"auto"`` (shown, and calls in the answer are returned as ``tool_calls``),
+        ``"required"`` (the answer is decoded under a grammar that admits only calls) or
+        ``"function"`` (likewise, exactly one call of `function`).
       parallel: several calls per answer; False: the first call only (later ones stay text).
+      function: the tool a named ``tool_choice`` names (choice ``"function"``), else None.
     """
 
     tools: tuple[Tool, ...]
     choice: str
     parallel: bool
+    function: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        """Whether the answer must be calls (``required`` or a named function)."""
+        return self.choice in ("required", "function")
+
+    @property
+    def callable(self) -> tuple[Tool, ...]:
+        """The tools an answer may call: the named one, or all offered."""
+        return tuple(t for t in self.tools if self.function in (None, t.name))
 
     @property
     def names(self) -> frozenset[str]:
@@ -89,7 +103,7 @@ class ToolRequest:
     def accepts(self, name: str, arguments: Mapping[str, Any]) -> bool:
         """Whether a call of `name` with `arguments` is one to return: an offered tool, and
         arguments that satisfy its schema when it is strict."""
-        tool = next((t for t in self.tools if t.name == name), None)
+        tool = next((t for t in self.callable if t.name == name), None)
         return tool is not None and arguments_fit(tool, arguments)
 
     @property
@@ -210,8 +224,8 @@ def parse_tools(body: Mapping[str, Any]) -> ToolRequest | None:
     """The request's tools, or None when it offers none (``tools`` absent, null or empty).
 
     Raises:
-      ToolError: for a malformed tool, duplicate names, a ``tool_choice`` naming no offered
-        tool, or a choice this server cannot honour (``required``, a named function).
+      ToolError: for a malformed tool, duplicate names, or a ``tool_choice`` naming no offered
+        tool (or ``required`` without tools).
     """
     tools = body.get("tools")
     choice = body.get("tool_choice")
@@ -232,6 +246,7 @@ def parse_tools(body: Mapping[str, Any]) -> ToolRequest | None:
         seen.add(t.name)
     if choice is None:
         choice = "auto"
+    name = None
     if isinstance(choice, dict):
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
@@ -250,17 +265,9 @@ def parse_tools(body: Mapping[str, Any]) -> ToolRequest | None:
         )
     if choice == "required" and not parsed:
         raise ToolError("tool_choice", "is required but no tools are given")
-    if choice in ("required", "function"):
-        # A call can be promised only with constrained decoding, which is not here yet.
-        raise ToolError(
-            "tool_choice",
-            "required and a named function are not supported yet (nothing would guarantee a "
-            "call); use auto and check finish_reason",
-            code="unsupported",
-        )
     if not parsed:
         return None
-    return ToolRequest(tools=parsed, choice=choice, parallel=parallel is not False)
+    return ToolRequest(tools=parsed, choice=choice, parallel=parallel is not False, function=name)
 
 
 def _arguments(param: str, value: Any) -> dict[str, Any]:

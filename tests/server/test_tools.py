@@ -1,7 +1,9 @@
 """Tools on ``/v1/chat/completions``: the call parser in each format (whole and streamed at
 every split), request validation, prompts through a Hermes-style template and through the
 fallback, and end to end with the official `openai` client (a scripted tokenizer makes the tiny
-random model "say" a call)."""
+random model "say" a call). ``tool_choice`` required and a named function: the grammar of calls
+in each format against the parser, and the tiny model's sampled and greedy answers (streamed and
+not) always calls of offered tools whose arguments fit the schema."""
 
 import contextlib
 import dataclasses
@@ -213,15 +215,8 @@ def _nested(depth):
             {"tools": [TIME_TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
             "tool_choice",
         ),
-        # Honest refusals: nothing here could guarantee a call yet.
-        ({"tools": [TIME_TOOL], "tool_choice": "required"}, "tool_choice"),
-        (
-            {
-                "tools": [TIME_TOOL],
-                "tool_choice": {"type": "function", "function": {"name": "get_time"}},
-            },
-            "tool_choice",
-        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [], "tool_choice": "required"}, "tool_choice"),
         ({"tools": [TIME_TOOL], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ],
 )
@@ -419,7 +414,7 @@ def test_requests_with_tools_and_tool_messages_are_answered(served, base_url):
     "fields, param",
     [
         ({"tools": _with_function(parameters={"type": 7})}, "tools[0].function.parameters"),
-        ({"tools": [TIME_TOOL], "tool_choice": "required"}, "tool_choice"),
+        ({"tools": [TIME_TOOL], "tool_choice": {"type": "function"}}, "tool_choice"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ],
 )
@@ -498,11 +493,203 @@ def test_the_openapi_document_states_the_tool_fields():
     good = {"tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": "auto", "parallel_tool_calls": True}
     assert valid({"messages": HISTORY, **good})
     assert valid({"messages": TERSE_HISTORY, "tool_choice": "none"})
+    assert valid({"messages": HISTORY, "tools": [TIME_TOOL], "tool_choice": "required"})
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert valid({"messages": HISTORY, "tools": [TIME_TOOL], "tool_choice": named})
     for bad in (
         {"tools": _with_function(name="has space")},
         {"tools": [{"type": "function", "function": {"name": "f", "extra": 1}}]},
-        {"tool_choice": "required"},
+        {"tool_choice": "sometimes"},
+        {"tool_choice": {"type": "function"}},
         {"parallel_tool_calls": "yes"},
         {"messages": [{"role": "tool", "content": "x"}]},
     ):
         assert not valid({"messages": HISTORY, **bad}), bad
+
+
+# -- tool_choice required and a named function: grammar-constrained calls ---------------------
+
+PICK_SCHEMA = {
+    "type": "object",
+    "properties": {"c": {"enum": ["a", "b"]}},
+    "required": ["c"],
+    "additionalProperties": False,
+}
+PICK_TOOL = {"type": "function", "function": {"name": "pick", "parameters": PICK_SCHEMA}}
+NOOP_TOOL = {"type": "function", "function": {"name": "noop"}}
+NAMED = {"type": "function", "function": {"name": "pick"}}
+# What each format's grammar writes for a pick and a noop call, and between two calls.
+FORMAT_TEXTS = {
+    H: (
+        '<tool_call>\n{"name": "pick", "arguments": {"c": "b"}}\n</tool_call>',
+        "\n",
+        '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>',
+    ),
+    L: ('{"name": "pick", "parameters": {"c": "b"}}', "; ", '{"name": "noop", "parameters": {}}'),
+    M: ('{"name": "pick", "arguments": {"c": "b"}}', ", ", '{"name": "noop", "arguments": {}}'),
+}
+
+
+def _grammar_takes(grammars, tokenizer, lark, text, stops):
+    """Whether the grammar `lark` admits `text` (as the tokenizer splits it) as a whole answer."""
+    constraint = grammars.constrain_lark(lark)
+    tokens = tokenizer.encode(text, add_special_tokens=False).ids
+    for i, token in enumerate(tokens):
+        if constraint.mask[token] != 0:
+            return False
+        if not constraint.advance(token):
+            return i == len(tokens) - 1  # complete: the grammar takes no more
+    return any(constraint.mask[s] == 0 for s in stops)
+
+
+@pytest.fixture(scope="module")
+def grammars(served):
+    from lowbit.server._grammar import Grammars
+
+    return Grammars(served.tokenizer, served.stop_ids, served.scheduler.model.config.vocab_size)
+
+
+@pytest.mark.parametrize("fmt", [H, L, M])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_the_forced_grammar_writes_what_the_parser_reads(grammars, served, fmt, parallel):
+    from lowbit.server._tool_grammar import tool_grammar
+
+    tools = _chat(
+        tools=[PICK_TOOL, NOOP_TOOL], tool_choice="required", parallel_tool_calls=parallel
+    )
+    named = _chat(tools=[PICK_TOOL, NOOP_TOOL], tool_choice=NAMED, parallel_tool_calls=parallel)
+    one, between, other = FORMAT_TEXTS[fmt]
+    wrap = (lambda t: f"[{t}]") if fmt is M else (lambda t: t)
+    both = wrap(one + between + other)
+    stops = served.stop_ids
+    for req, text, calls in [
+        (tools, wrap(one), ["pick"]),
+        (tools, wrap(other), ["noop"]),
+        (tools, both, ["pick", "noop"] if parallel else None),
+        (named, wrap(one), ["pick"]),
+        (named, wrap(other), None),  # not the named function
+        (named, both, None),  # one call only
+        (tools, wrap(one.replace('"b"', '"z"')), None),  # arguments off the schema
+        (tools, wrap(one.replace(": ", ":")), None),  # another layout
+        (tools, "Sure. " + wrap(one), None),  # text before the call
+    ]:
+        lark = tool_grammar(req.tools, fmt)
+        taken = _grammar_takes(grammars, served.tokenizer, lark, text, stops)
+        assert taken == (calls is not None), (text, lark)
+        if calls is not None:
+            limit = None if req.tools.parallel else 1
+            parsed = parse_tool_calls(text, fmt, req.tools.accepts, limit)
+            assert [c.name for c in parsed.calls] == calls and parsed.content is None
+
+
+def test_a_schema_llguidance_cannot_compile_is_named():
+    from lowbit.server._tool_grammar import schema_problem
+
+    lookaround = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)"}}}
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": lookaround}}
+    req = _chat(tools=[PICK_TOOL, bad_tool], tool_choice="required")
+    param, message = schema_problem(req.tools)
+    assert param == "tools[1].function.parameters" and "look-around" in message
+    # Only the tools the answer may call are compiled.
+    assert schema_problem(_chat(tools=[PICK_TOOL, bad_tool], tool_choice=NAMED).tools) is None
+
+
+def _calls_of_stream(chunks):
+    """choice index -> (its tool calls as (name, arguments text), finish reason, content)."""
+    out = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            calls, reason, content = out.setdefault(choice.index, ({}, None, ""))
+            for call in choice.delta.tool_calls or []:
+                name, arguments = calls.get(call.index, ("", ""))
+                calls[call.index] = (
+                    name + (call.function.name or ""),
+                    arguments + (call.function.arguments or ""),
+                )
+            out[choice.index] = (
+                calls,
+                choice.finish_reason or reason,
+                content + (choice.delta.content or ""),
+            )
+    return {i: ([calls[k] for k in sorted(calls)], r, c) for i, (calls, r, c) in out.items()}
+
+
+@pytest.mark.parametrize(
+    "choice, parallel",
+    [("required", True), ("required", False), (NAMED, True), (NAMED, False)],
+    ids=["required", "required-one", "named", "named-one"],
+)
+def test_forced_tool_choices_always_answer_with_valid_calls(served, base_url, choice, parallel):
+    import jsonschema_rs
+
+    valid = jsonschema_rs.validator_for(PICK_SCHEMA).is_valid
+    names = {"pick"} if choice == NAMED else {"pick", "noop"}
+    with _serving(served, chat_template=ChatTemplate(TERSE_TEMPLATE)) as url:
+        client = _client(url)
+        args = dict(
+            model="tiny",
+            messages=[{"role": "user", "content": "?"}],
+            tools=[PICK_TOOL, NOOP_TOOL],
+            tool_choice=choice,
+            parallel_tool_calls=parallel,
+            max_tokens=90,
+        )
+        answers = []  # (calls as (name, arguments text), finish reason, content)
+        for sampling in (dict(temperature=0), dict(temperature=1.0, seed=7, n=3)):
+            out = client.chat.completions.create(**args, **sampling)
+            for c in out.choices:
+                calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+                answers.append((calls, c.finish_reason, c.message.content))
+            chunks = list(client.chat.completions.create(**args, **sampling, stream=True))
+            answers.extend(_calls_of_stream(chunks).values())
+    assert len(answers) == 8
+    for calls, reason, content in answers:
+        assert reason == "tool_calls" and calls, (calls, reason, content)
+        several = parallel and choice == "required"
+        assert len(calls) == 1 or several
+        # Calls only (with several, a later call that max_tokens cut short stays text).
+        assert not content or (several and content.lstrip().startswith("<tool_call>"))
+        for name, arguments in calls:
+            assert name in names
+            if name == "pick":
+                assert valid(json.loads(arguments)), arguments
+            else:
+                assert isinstance(json.loads(arguments), dict)
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        (
+            {
+                "tools": [
+                    PICK_TOOL,
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "string", "pattern": "(?<=a)b"},
+                        },
+                    },
+                ],
+                "tool_choice": "required",
+            },
+            "tools[1].function.parameters",
+        ),
+        (
+            {
+                "tools": [PICK_TOOL],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
+        ({"tools": [PICK_TOOL], "tool_choice": NAMED | {"function": {"name": "x"}}}, "tool_choice"),
+    ],
+)
+def test_bad_forced_tool_requests_get_a_400(served, base_url, fields, param):
+    body = {"messages": [{"role": "user", "content": "?"}], "max_tokens": 8, **fields}
+    with _serving(served, chat_template=ChatTemplate(TERSE_TEMPLATE)) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
