@@ -32,7 +32,7 @@ import numpy as np
 
 from benchmarks._machine import cpu_model
 
-CONCURRENCY = (1, 4, 8, 16)
+CONCURRENCY = (1, 8, 32)
 ROUNDS = 2
 PROMPT = 64
 MAX_TOKENS = 64
