@@ -9,8 +9,9 @@ bundled SmolLM2-135M Q4_1 GGUF file (`--recipe gguf --int8-activations`), each a
   answers included) and streaming `ANSWER` greedy tokens. Time to first token (TTFT) per turn;
   the ratio compares turns after the first (the ones that can reuse the history).
 - **No shared prefix (0% hits)**: `CLIENTS` clients each send `ROUNDS` streamed greedy
-  completions of different ~64-token prompts (as the serve benchmark sends them): tokens per second
-  of the whole level. With the cache on, every prompt is still looked up and its blocks saved.
+  completions of different ~64-token prompts (the serve benchmark's), 64 new tokens each:
+  tokens per second of the whole level. With the cache on, every prompt still leaves its
+  blocks in the pool.
 
 The servers run one after the other; the first start keeps the compiled programs, so the
 second start is fast and shares them.
@@ -29,13 +30,14 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks._machine import cpu_model
-from benchmarks.serve import ROOT, ROUNDS, _free_port, _level, _prompts, _rss_mib, _start, _stop
+from benchmarks.serve import ROOT, _free_port, _level, _prompts, _rss_mib, _start, _stop
 
 HISTORY = 2000
 TURNS = 4
 CHATS = 3
 ANSWER = 32
 CLIENTS = 8
+ROUNDS = 4
 MAX_LEN = 3072
 QUESTIONS = (
     "Summarize the text above in one sentence.",
@@ -113,7 +115,7 @@ def _serve(gguf: str, logs: Path, memory: str | None) -> dict:
     try:
         prompts = _prompts(64)
         asyncio.run(_level(url, 2, prompts, True))  # warm-up
-        level = asyncio.run(_level(url, CLIENTS, prompts, True))
+        level = asyncio.run(_level(url, CLIENTS, prompts, True, ROUNDS))
         chats = asyncio.run(_chats(url))
         rss = _rss_mib(proc.pid)
     finally:

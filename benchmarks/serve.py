@@ -114,15 +114,17 @@ async def _request(client, url: str, prompt: str, max_tokens: int, ids: bool) ->
     return {"sent": sent, "stamps": stamps, "tokens": tokens}
 
 
-async def _level(url: str, clients: int, prompts: list[str], ids: bool) -> dict:
+async def _level(
+    url: str, clients: int, prompts: list[str], ids: bool, rounds: int = ROUNDS
+) -> dict:
     import httpx
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as c:
 
         async def one(i: int) -> list[dict]:
             return [
-                await _request(c, url, prompts[(i * ROUNDS + k) % len(prompts)], MAX_TOKENS, ids)
-                for k in range(ROUNDS)
+                await _request(c, url, prompts[(i * rounds + k) % len(prompts)], MAX_TOKENS, ids)
+                for k in range(rounds)
             ]
 
         start = time.perf_counter()
