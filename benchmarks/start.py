@@ -96,8 +96,8 @@ def run() -> str:
         f"- Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_model()}, {os.cpu_count()} cores "
         f"(load average {load:.1f} at the end); {kernels.status()}.",
         "- serve: from launch to the first `/health` 200 (8 slots, 2048-token cache, prefill "
-        "widths up to 256: 11 model programs); generate: launch to exit, 8 new tokens. "
-        "First: empty cache directory; second: the same directory again. "
+        "widths up to 256: 12 model programs, the prefix cache on); generate: launch to exit, "
+        "8 new tokens. First: empty cache directory; second: the same directory again. "
         "`python -m benchmarks start`.",
         "",
         "| file | serve first s | serve second s | generate first s | generate second s "
