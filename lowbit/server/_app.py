@@ -93,6 +93,17 @@ class ServedModel:
         return self.scheduler.model.config.dim
 
 
+def _check_ready(scheduler: Scheduler) -> None:
+    """A 503 while the scheduler compiles its programs (or after it failed)."""
+    if not scheduler.ready or scheduler.error is not None:
+        raise APIError(
+            503,
+            "the model is loading; retry when /health says ok",
+            type="server_error",
+            code="loading",
+        )
+
+
 def _submit(submit: Callable[[], None]) -> None:
     """Runs `submit` (a hand-over to the scheduler): a full queue is a 429, a scheduler still
     compiling or shutting down a 503."""
@@ -239,13 +250,7 @@ class _Handler:
                 code="embeddings_disabled",
             )
         req = embeddings.parse_embedding_request(parse_body(await request.body()))
-        if not s.ready or s.error is not None:
-            raise APIError(
-                503,
-                "the model is loading; retry when /health says ok",
-                type="server_error",
-                code="loading",
-            )
+        _check_ready(s)
         width = self.served.embedding_dim
         if req.dimensions is not None and req.dimensions != width:
             raise bad(
@@ -372,13 +377,7 @@ class _Handler:
         body = parse_body(await request.body())
         req = parse_request(body, chat)
         guidance = parse_guidance(body, self._vocab())
-        if not s.ready or s.error is not None:
-            raise APIError(
-                503,
-                "the model is loading; retry when /health says ok",
-                type="server_error",
-                code="loading",
-            )
+        _check_ready(s)
         ids = self._prompt_ids(req)
         context = s.config.max_len
         max_tokens = req.max_tokens
