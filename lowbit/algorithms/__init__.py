@@ -13,13 +13,9 @@ only the rows routed to it: GPTQ and the clip search run per expert; AWQ / Smoot
 scale shared by all experts (the router, left in float, absorbs it too); SparseGPT prunes each
 expert on its own statistics.
 
-This layer sits below `lowbit.api`. The names `quantize_params`, `quantize_model` and
-`quantize_with_report` (deprecated: use `lowbit.quantize_params` / `lowbit.quantize_model`),
-`algorithm_weights` and `sparsegpt_params` live in `lowbit.api`; they are still reachable here,
-resolved on first use so that this module imports nothing above it.
+This layer sits below `lowbit.api`, which holds the entry points that run it
+(`lowbit.quantize_params`, `lowbit.api.algorithm_weights`, `lowbit.api.sparsegpt_params`).
 """
-
-import importlib
 
 from lowbit.algorithms._capture import CalibrationError, Statistics, WeightStats, capture
 from lowbit.algorithms._gptq import gptq_matrix
@@ -46,22 +42,6 @@ from lowbit.algorithms._sensitivity import Measured, measure, output_error, outp
 from lowbit.algorithms._sparsegpt import prune_one, sparsegpt_matrix
 from lowbit.algorithms._walk import activation_rows, batch_args, kept_rows, walk_batch
 
-# Names defined in `lowbit.api`, above this layer: {name: attribute of lowbit.api}.
-_FROM_API = {
-    "algorithm_weights": "algorithm_weights",
-    "quantize_model": "deprecated_quantize_model",
-    "quantize_params": "deprecated_quantize_params",
-    "quantize_with_report": "deprecated_quantize_with_report",
-    "sparsegpt_params": "sparsegpt_params",
-}
-
-
-def __getattr__(name: str):
-    if name in _FROM_API:
-        return getattr(importlib.import_module("lowbit.api"), _FROM_API[name])
-    raise AttributeError(f"module 'lowbit.algorithms' has no attribute {name!r}")
-
-
 __all__ = [
     "IMPLEMENTED",
     "Measured",
@@ -82,7 +62,6 @@ __all__ = [
     "WeightStats",
     "activation_rows",
     "batch_args",
-    "algorithm_weights",
     "capture",
     "check_algorithm",
     "first_rounding",
@@ -92,12 +71,8 @@ __all__ = [
     "hqq_qarray",
     "kept_rows",
     "prune_one",
-    "quantize_model",
-    "quantize_params",
-    "quantize_with_report",
     "rounding_for",
     "sample_rows",
     "sparsegpt_matrix",
-    "sparsegpt_params",
     "walk_batch",
 ]

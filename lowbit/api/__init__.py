@@ -13,12 +13,7 @@ from lowbit.api._budget import (
 )
 from lowbit.api._calibrate import METHODS, activation_ranges, calibrate, with_activation_bounds
 from lowbit.api._candidate_time import time_candidates
-from lowbit.api._deprecated import (
-    deprecated_quantize_model,
-    deprecated_quantize_params,
-    deprecated_quantize_with_report,
-)
-from lowbit.api._fp8 import FP8_PRESETS, Fp8Recipe, fp8_apply, fp8_init, fp8_recipe, fp8_scales
+from lowbit.api._fp8 import FP8_PRESETS, Fp8Recipe, fp8_apply, fp8_init, fp8_recipe
 from lowbit.api._lora import (
     LoraConfig,
     LoraRule,
@@ -29,7 +24,7 @@ from lowbit.api._lora import (
     lora_param_count,
 )
 from lowbit.api._model import QuantizedLinen, QuantizedModel, quantize_model, run
-from lowbit.api._prepare import prepare, prepare_for_kernels
+from lowbit.api._prepare import prepare
 from lowbit.api._qat import convert, qat
 from lowbit.api._quantize import (
     algorithm_weights,
@@ -73,13 +68,9 @@ __all__ = [
     "calibrate",
     "check_adapters",
     "convert",
-    "deprecated_quantize_model",
-    "deprecated_quantize_params",
-    "deprecated_quantize_with_report",
     "fp8_apply",
     "fp8_init",
     "fp8_recipe",
-    "fp8_scales",
     "kernel_axes_of",
     "lora_apply",
     "lora_init",
@@ -88,7 +79,6 @@ __all__ = [
     "nm_masks",
     "nm_sparsify_params",
     "param_uses",
-    "prepare_for_kernels",
     "prepare",
     "qat",
     "quantize",

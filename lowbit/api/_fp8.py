@@ -28,8 +28,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-
 from lowbit.ops import Fp8Scaling, Fp8State, Fp8Weight
 from lowbit.ops._fp8_scaling import init_state
 from lowbit.recipes import Select, map_params, param_leaves, select_params
@@ -149,26 +147,3 @@ def fp8_apply(params: Any, state: dict[str, Fp8State], recipe: Fp8Recipe | str) 
             f"lacks {sorted(selected - set(state))[:4]}: it was made for another model or recipe"
         )
     return map_params(one, params)
-
-
-def fp8_scales(state: dict[str, Fp8State], recipe: Fp8Recipe | str) -> dict[str, dict[str, Any]]:
-    """The scales the next step will use for weight, activation and gradient (for logging).
-
-    Entries whose history is still empty read 0 (the next step uses the current amax).
-    """
-    recipe = _as_recipe(recipe)
-    s = recipe.scaling
-    from lowbit.ops._fp8_scaling import max_finite
-
-    def scale(history, fmt, axis=-1):
-        return jax.numpy.max(history, axis=axis) * 2.0**s.margin / max_finite(fmt)
-
-    weight_axis = -2 if s.weight_axes == "channel" else -1
-    return {
-        path: {
-            "weight": scale(st["weight"], s.forward_format, weight_axis),
-            "activation": scale(st["activation"], s.forward_format),
-            "gradient": scale(st["gradient"], s.gradient_format),
-        }
-        for path, st in state.items()
-    }

@@ -15,7 +15,6 @@ logical QArray exactly; other leaves are returned as they are. The CLI, the load
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -90,14 +89,3 @@ def prepare(target: Any, *args: Any, **kwargs: Any) -> Any:
         )
     fn, *example = args
     return prepare_params(fn, target, *example, **kwargs)
-
-
-def prepare_for_kernels(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: Any) -> Any:
-    """Deprecated: `lowbit.prepare(params, fn, *args)` (params first, as everywhere else)."""
-    warnings.warn(
-        "lowbit.prepare_for_kernels(fn, params, *args) is deprecated; use "
-        "lowbit.prepare(params, fn, *args)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return prepare_params(fn, params, *args, **kwargs)

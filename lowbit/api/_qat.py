@@ -22,7 +22,6 @@ to the QAT forward pass.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -84,19 +83,6 @@ def qat(params: Any, recipe: Recipe | str, **options: Any) -> Any:
 
 
 qat.wrapper = wrapper  # type: ignore[attr-defined]
-
-
-def _deprecated_prepare(recipe: Recipe | str, **options: Any) -> Callable[[Any], Any]:
-    """Deprecated name of `qat.wrapper` (`lowbit.prepare` now means kernel layouts only)."""
-    warnings.warn(
-        "lowbit.qat.prepare(recipe) is deprecated; use lowbit.qat.wrapper(recipe)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return wrapper(recipe, **options)
-
-
-qat.prepare = _deprecated_prepare  # type: ignore[attr-defined]
 
 
 def convert(params: Any, recipe: Recipe | str, **options: Any) -> Any:

@@ -27,7 +27,7 @@ def sparsegpt_params(
     passes: int = 1,
     row_mask: Callable[..., Any] | None = None,
 ) -> tuple[Any, dict[str, jax.Array], list[str]]:
-    """`lowbit.algorithms.sparsegpt_params`: prune every weight `rule` selects with SparseGPT.
+    """`lowbit.api.sparsegpt_params`: prune every weight `rule` selects with SparseGPT.
 
     Statistics come from captures of the model on `batches` (``fn(params, *batch)``). With
     ``passes > 1`` the weights are pruned in that many groups, in the order the model reads them,

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lowbit.qarray import NMSparse, QuantConfig, nm_mask, nm_sparsify, quantize
+from lowbit.qarray import QuantConfig, nm_mask, nm_sparsify, quantize
 from lowbit.recipes import Select, map_params, select_params
 
 
@@ -138,7 +138,3 @@ def nm_sparsify_params(
             raise ValueError(f"{path} {tuple(leaf.shape)}: {err}") from None
 
     return map_params(one, params)
-
-
-def is_sparse_leaf(x: Any) -> bool:
-    return isinstance(x, NMSparse)

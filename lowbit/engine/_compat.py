@@ -185,11 +185,6 @@ def call_body(eqn: Any) -> ClosedJaxpr:
     raise KeyError(f"no sub-jaxpr among the params of {eqn.primitive.name}: {sorted(eqn.params)}")
 
 
-def call_num_consts(eqn: Any) -> int:
-    """Leading operands of a custom_jvp/custom_vjp equation that are its closed-over consts."""
-    return int(eqn.params.get("num_consts", 0))
-
-
 def jit_options(eqn: Any) -> dict[str, Any]:
     return {"inline": bool(eqn.params.get("inline", False)), "name": eqn.params.get("name")}
 

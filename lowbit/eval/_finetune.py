@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from lowbit.api import LoraConfig, lora_apply, lora_init, run
@@ -100,8 +101,6 @@ def lm_loss_fn(graphdef: Any, config: LoraConfig) -> Callable[..., jax.Array]:
 
 def make_train_step(graphdef: Any, config: LoraConfig, optimizer: Any) -> Callable[..., Any]:
     """A jitted ``step(adapters, opt_state, params, tokens, key)``: new adapters, state, loss."""
-    import optax
-
     loss = lm_loss_fn(graphdef, config)
 
     @jax.jit
@@ -114,8 +113,6 @@ def make_train_step(graphdef: Any, config: LoraConfig, optimizer: Any) -> Callab
 
 
 def make_optimizer(settings: FinetuneSettings) -> Any:
-    import optax
-
     warmup = max(1, settings.steps // 10)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, settings.learning_rate, warmup, max(settings.steps, warmup + 1)
@@ -179,12 +176,3 @@ def finetune_lm(
         if on_step is not None:
             on_step(i + 1, settings.steps, loss)
     return FinetuneResult(adapters=adapters, losses=tuple(losses), step_seconds=tuple(seconds))
-
-
-def smoothed(values: Sequence[float], window: int = 10) -> np.ndarray:
-    """Trailing moving average (shorter at the start)."""
-    values = np.asarray(values, np.float64)
-    cumsum = np.cumsum(np.insert(values, 0, 0.0))
-    idx = np.arange(1, values.size + 1)
-    lo = np.maximum(0, idx - window)
-    return (cumsum[idx] - cumsum[lo]) / (idx - lo)

@@ -25,7 +25,7 @@ from lowbit.eval._speed import SpeedResult, decode_tokens_per_s, prefill_tokens_
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LMRunner:
-    """Jitted entry points of a causal LM with KV cache (`lowbit.models.Llama`).
+    """Jitted entry points of a causal LM with KV cache (`lowbit.models.Decoder`).
 
     Attributes:
       graphdef: the module structure (`nnx.split(model)[0]`).

@@ -188,12 +188,3 @@ FP8_E5M2FNUZ = _float("fp8_e5m2fnuz", 5, 2, 16, "fnuz", "float8_e5m2fnuz")
 FP6_E2M3 = _float("fp6_e2m3", 2, 3, 1, "finite", "float6_e2m3fn")
 FP6_E3M2 = _float("fp6_e3m2", 3, 2, 3, "finite", "float6_e3m2fn")
 FP4_E2M1 = _float("fp4_e2m1", 2, 1, 1, "finite", "float4_e2m1fn")
-FLOAT_FORMATS = (
-    FP8_E4M3FN,
-    FP8_E5M2,
-    FP8_E4M3FNUZ,
-    FP8_E5M2FNUZ,
-    FP6_E2M3,
-    FP6_E3M2,
-    FP4_E2M1,
-)

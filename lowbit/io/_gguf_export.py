@@ -27,7 +27,7 @@ Q3_K -> IQ4_NL, TQ -> Q4_0 ...), printed, or raises with ``strict=True``.
 
 Metadata: every key of the source GGUF (architecture, tokenizer, chat template, ...) is copied
 with its type, except the file type, which is set for the output; without a source file the
-architecture keys are built from the `LlamaConfig` (no tokenizer then). The file is written by
+architecture keys are built from the `DecoderConfig` (no tokenizer then). The file is written by
 `lowbit.gguf.write_gguf`: to a temporary name beside the target, read back with
 `gguf.GGUFReader`, and renamed into place; on any error nothing is left behind.
 

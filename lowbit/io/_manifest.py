@@ -28,6 +28,7 @@ from lowbit.formats import get_format
 from lowbit.io._config_dict import quant_config_from_dict
 from lowbit.io._safetensors_file import DTYPES, dtype_from_name
 from lowbit.io._tree import QARRAY_ROLES, Key, Path, path_name
+from lowbit.models import CheckpointError
 from lowbit.qarray import META_FIELDS, NMSparse, QArray
 from lowbit.qarray._sparse import meta_bits
 
@@ -49,10 +50,6 @@ _SCALE_ENCODINGS = ("float", "e8m0", "e4m3")
 # the limit keeps a hostile manifest from exhausting the interpreter's recursion (and so keeps
 # every walk of the tree, here and when building it, far from Python's recursion limit).
 MAX_TREE_DEPTH = 100
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: the message names the file, tensor and problem."""
 
 
 class Plan:

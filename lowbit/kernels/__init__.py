@@ -43,8 +43,6 @@ module is missing or `LOWBIT_DISABLE_KERNELS=1` is set, every platform takes the
 
 from __future__ import annotations
 
-import warnings
-
 import jax.numpy as jnp
 
 from lowbit.kernels._gguf import (
@@ -91,15 +89,6 @@ from lowbit.kernels._ops import (
 )
 from lowbit.kernels._reference import FP4_LEVELS, NF4_LEVELS, quantize_per_token
 
-
-def prepare(*args, **kwargs) -> PreparedWeight:
-    """Deprecated name of `pack` (`lowbit.prepare` is the serving transform)."""
-    warnings.warn(
-        "lowbit.kernels.prepare is deprecated; use lowbit.kernels.pack", DeprecationWarning, 2
-    )
-    return pack(*args, **kwargs)
-
-
 __all__ = [
     "FORMAT_KINDS",
     "FP4_LEVELS",
@@ -123,7 +112,6 @@ __all__ = [
     "gguf_untile",
     "is_tiled",
     "pack",
-    "prepare",
     "prepared_columns",
     "prepared_to_logical",
     "quantize_per_token",

@@ -66,9 +66,6 @@ KINDS = tuple(KERNEL_KINDS)
 WEIGHT_ONLY_KINDS = tuple(k.name for k in _TABLE if k.kernel_id is not None)
 """Kinds run by the weight-only kernel (float activations)."""
 
-ACTIVATION_KINDS = tuple(k.name for k in _TABLE if k.kernel_id is None)
-"""Kinds that quantize activations to int8 per token (w8a8, w4a8)."""
-
 KIND_IDS = types.MappingProxyType({k: KERNEL_KINDS[k].kernel_id for k in WEIGHT_ONLY_KINDS})
 """Weight-only kind -> compiled kernel id."""
 

@@ -27,8 +27,6 @@ from ._chat_template import ChatTemplate, render_chat_template
 from ._decoder import (
     Decoder,
     DecoderConfig,
-    Llama,
-    LlamaConfig,
     apply_rope,
     init_kv_cache,
     rope_tables,
@@ -68,9 +66,17 @@ from ._rotate import (
 )
 from ._sharding import GenerationSharding, shard_for_generation
 from ._tokenizer import chat_prompt, tokenizer_from_gguf, wordpiece_tokenizer
-from ._weights import ParamMapping, assign_params, path_str, swap_last, unpermute_rope_rows
+from ._weights import (
+    CheckpointError,
+    ParamMapping,
+    assign_params,
+    path_str,
+    swap_last,
+    unpermute_rope_rows,
+)
 
 __all__ = [
+    "CheckpointError",
     "ARCHITECTURES",
     "HF_MODEL_TYPES",
     "Decoder",
@@ -81,8 +87,6 @@ __all__ = [
     "Generation",
     "GenerationSharding",
     "KVCache",
-    "Llama",
-    "LlamaConfig",
     "ParamMapping",
     "RotationError",
     "RotationReport",

@@ -1,7 +1,7 @@
 """A plain float BERT encoder (all-MiniLM-L6-v2) in Flax NNX.
 
 Post-norm Transformer encoder as in Hugging Face's `BertModel`, without the pooler (sentence
-embeddings mean-pool the last hidden states instead). Like `Llama`, weights are read only
+embeddings mean-pool the last hidden states instead). Like `Decoder`, weights are read only
 through standard `flax.nnx` layers and the forward pass is plain `jnp` code, so a quantization
 engine that swaps weight arrays can run it unchanged.
 """

@@ -179,10 +179,6 @@ class DecoderConfig:
         return self.global_every == 0 or (layer + 1) % self.global_every != 0
 
 
-LlamaConfig = DecoderConfig
-"""The Llama architecture's name for `DecoderConfig` (its defaults are SmolLM2's)."""
-
-
 def init_kv_cache(
     config: DecoderConfig,
     batch: int,
@@ -829,7 +825,3 @@ class Decoder(LayerStack):
         Returns ``(logits [batch, seq, vocab], new_cache)``; the input cache is not modified.
         """
         return self(tokens, cache=cache)
-
-
-Llama = Decoder
-"""The Llama architecture's name for `Decoder`."""

@@ -302,11 +302,11 @@ def _decode(
 
 
 def _split(model: Any, params: Any) -> tuple[nnx.GraphDef, Any, nnx.Module]:
-    """(graphdef, params, module) of a `Llama`, a `QuantizedModel` or a module plus params."""
+    """(graphdef, params, module) of a `Decoder`, a `QuantizedModel` or a module plus params."""
     module = getattr(model, "module", model)  # QuantizedModel wraps the module
     if not isinstance(module, nnx.Module):
         raise TypeError(
-            f"model must be a flax nnx.Module (e.g. lowbit.models.Llama) or a QuantizedModel, "
+            f"model must be a flax nnx.Module (e.g. lowbit.models.Decoder) or a QuantizedModel, "
             f"got {type(model).__name__}"
         )
     graphdef, state = nnx.split(module)
@@ -365,7 +365,7 @@ def stream_tokens(
     """Continues each of a batch of token prompts, yielding the new tokens as they come.
 
     Args:
-      model: a `Llama` (float), a `QuantizedModel` of one, or the float module with `params`.
+      model: a `Decoder` (float), a `QuantizedModel` of one, or the float module with `params`.
       prompts: per row, the prompt's token ids (lengths may differ; none may be empty).
       params: parameters to run instead of the module's own (e.g. quantized ones from
         `quantize_params`, `import_gguf` or `load_checkpoint`).

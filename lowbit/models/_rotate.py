@@ -71,12 +71,6 @@ def _signs(dim: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).choice(np.array([-1.0, 1.0]), size=dim)
 
 
-def residual_rotation(dim: int, seed: int = 0) -> np.ndarray:
-    """``Q = diag(±1) H``: the ``[dim, dim]`` float64 orthogonal matrix of the residual stream
-    (the transform applies it as signs then `hadamard_transform`, never densely)."""
-    return _signs(dim, seed)[:, None] * hadamard_matrix(dim, np.float64)
-
-
 def _uniform(scale: np.ndarray) -> bool:
     return bool(np.all(scale == scale.reshape(-1)[0]))
 

@@ -89,8 +89,10 @@ def swap_last(w: Any) -> Any:
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not fit the module; `tensor` is the checkpoint name at fault
-    (None when a parameter has no tensor), so a loader can name the file holding it."""
+    """A checkpoint that cannot be loaded or does not fit the module: the message names the
+    file, tensor and problem. `tensor` is the checkpoint name at fault (None when a parameter
+    has no tensor), so a loader can name the file holding it. The one class for every
+    checkpoint the library reads (`lowbit.io`'s too)."""
 
     def __init__(self, message: str, tensor: str | None = None):
         super().__init__(message)

@@ -35,7 +35,6 @@ from lowbit.ops._hadamard_weight import HadamardInput, rotate_weight_input
 from lowbit.ops._lora_weight import (
     LoraLayoutError,
     LoraWeight,
-    is_lora_weight,
     lora_dot_general,
     lora_dot_general_path,
     lora_init,
@@ -52,7 +51,7 @@ from lowbit.ops._prepared import (
     with_int8_activations,
 )
 from lowbit.ops._qat import qat_dot_general
-from lowbit.ops._qat_weight import QatWeight, is_qat_weight, qat_weight
+from lowbit.ops._qat_weight import QatWeight, qat_weight
 from lowbit.ops._ragged_dot import (
     ragged_dot,
     ragged_dot_general,
@@ -85,9 +84,7 @@ __all__ = [
     "fp8_dot_general",
     "hadamard_matrix",
     "hadamard_transform",
-    "is_lora_weight",
     "is_prepared",
-    "is_qat_weight",
     "linear_contraction_axis",
     "logical_weights",
     "lora_dot_general",

@@ -155,10 +155,5 @@ def side_to_output(
     return a.reshape(lead + own + ones if is_lhs else lead + ones + own)
 
 
-def varying_axes(block_array_shape: Sequence[int], axes: Sequence[int]) -> tuple[int, ...]:
-    """Which of `axes` a per-block array varies along (size > 1)."""
-    return tuple(a for a in axes if block_array_shape[a] != 1)
-
-
 def contracted_size(shape: Sequence[int], contracting: Sequence[int]) -> int:
     return int(np.prod([shape[a] for a in contracting], dtype=np.int64))

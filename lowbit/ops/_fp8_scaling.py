@@ -129,7 +129,6 @@ def _qdq(x: jax.Array, scale: jax.Array, fmt: str) -> jax.Array:
 #   "activation": [*stacked, length] float32
 #   "gradient":   [*stacked, length] float32
 Fp8State = dict[str, jax.Array]
-STATE_KEYS = ("weight", "activation", "gradient")
 
 
 def init_state(shape: tuple[int, ...], scaling: Fp8Scaling, stacked_axes: int = 0) -> Fp8State:

@@ -129,10 +129,6 @@ jax.tree_util.register_dataclass(
 )
 
 
-def is_lora_weight(x: Any) -> bool:
-    return isinstance(x, LoraWeight)
-
-
 class LoraLayoutError(ValueError):
     """The matmul does not contract exactly the adapter's input axes."""
 

@@ -133,7 +133,3 @@ def qat_weight(
         activation=activation,
         gradient=gradient,
     )
-
-
-def is_qat_weight(x: Any) -> bool:
-    return isinstance(x, QatWeight)

@@ -41,7 +41,7 @@ from lowbit.qarray._quantize import (
     dequantize,
     quantize,
 )
-from lowbit.qarray._sparse import NMSparse, is_nm_sparse, meta_bits, nm_mask, nm_sparsify
+from lowbit.qarray._sparse import NMSparse, meta_bits, nm_mask, nm_sparsify
 from lowbit.qarray._value import ArrayBacked, EngineValue, NoRule
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
     "NoRule",
     "META_FIELDS",
     "NMSparse",
-    "is_nm_sparse",
     "meta_bits",
     "nm_mask",
     "nm_sparsify",

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.formats._packing import pack, packed_length, unpack
+from lowbit.formats._packing import pack, unpack
 from lowbit.qarray._qarray import QArray
 from lowbit.qarray._value import EngineValue, NoRule
 
@@ -217,14 +217,3 @@ def nm_sparsify(
     return NMSparse(
         values=values, meta=meta, shape=tuple(x.shape), dtype=x.dtype, axis=axis, n=n, m=m
     )
-
-
-def is_nm_sparse(x: Any) -> bool:
-    return isinstance(x, NMSparse)
-
-
-def nm_meta_bytes(shape: tuple[int, ...], n: int, m: int, axis: int) -> int:
-    """Bytes of index metadata for a dense `shape` (for size estimates)."""
-    axis = _check(tuple(shape), n, m, axis)
-    rest = math.prod(s for i, s in enumerate(shape) if i != axis)
-    return rest * packed_length(shape[axis] // m, meta_bits(n, m))

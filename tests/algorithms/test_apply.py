@@ -68,29 +68,6 @@ def test_lowbit_quantize_runs_the_algorithm_and_lays_weights_out():
     )
 
 
-def test_deprecated_algorithm_entry_points_warn_and_call_the_one_quantize():
-    params, batches = _setup()
-    recipe = Recipe(rules=(Rule(weight=INT4, algorithm=GPTQ()),), name="g")
-    expected = lowbit.quantize_params(params, recipe, fn=_fn, calibration=batches)
-    with pytest.warns(DeprecationWarning, match="lowbit.quantize_params"):
-        old = lowbit.algorithms.quantize_params(params, recipe, fn=_fn, calibration=batches)
-    with pytest.warns(DeprecationWarning, match="report=AlgorithmReport"):
-        old2, report = lowbit.algorithms.quantize_with_report(
-            params, recipe, fn=_fn, calibration=batches, sequential=1
-        )
-    for tree in (old, old2):
-        np.testing.assert_array_equal(tree["a"].codes, expected["a"].codes)
-    assert sorted(report.applied) == ["a", "b"]
-    model = nnx.Linear(D_IN, D_OUT, rngs=nnx.Rngs(0))
-    with pytest.warns(DeprecationWarning, match="lowbit.quantize_model"):
-        qmodel = lowbit.algorithms.quantize_model(
-            model,
-            Recipe(rules=(Rule(path=".*kernel", weight=INT4, algorithm=GPTQ()),)),
-            calibration=batches,
-        )
-    assert qmodel(batches[0]).shape == (64, D_OUT)
-
-
 def test_too_few_tokens_says_how_many():
     params, batches = _setup()
     recipe = Recipe(rules=(Rule(weight=INT4, algorithm=GPTQ()),))

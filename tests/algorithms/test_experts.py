@@ -10,10 +10,10 @@ from algorithm_support import quantize_with_report
 from flax import nnx
 
 import lowbit
-from lowbit.algorithms import capture, sparsegpt_params
+from lowbit.algorithms import capture
 from lowbit.algorithms._clip import clip_experts
 from lowbit.algorithms._smooth import apply_folds, plan_folds
-from lowbit.api import SparseRule, nm_masks
+from lowbit.api import SparseRule, nm_masks, sparsegpt_params
 from lowbit.models import Decoder, DecoderConfig
 from lowbit.models._decoder import MoE
 from lowbit.qarray import PerGroup, PerToken, QuantConfig

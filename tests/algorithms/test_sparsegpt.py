@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowbit.algorithms import sparsegpt_matrix, sparsegpt_params
-from lowbit.api import SparseRule, nm_sparsify_params
+from lowbit.algorithms import sparsegpt_matrix
+from lowbit.api import SparseRule, nm_sparsify_params, sparsegpt_params
 from lowbit.qarray import NMSparse, nm_mask, nm_sparsify
 
 F, K = 6, 32

@@ -62,19 +62,3 @@ def test_quantized_model_records_that_it_is_prepared():
 def test_params_without_their_function_are_refused():
     with pytest.raises(TypeError, match=r"lowbit.prepare\(qparams, fn, \*example_args\)"):
         lowbit.prepare({"kernel": jnp.ones((4, 4))}, X)
-
-
-def test_former_names_warn_and_do_the_same():
-    graphdef, state = nnx.split(_Mlp(rngs=nnx.Rngs(0)))
-    logical = quantize_params(nnx.to_pure_dict(state), "int8")
-    fn = lambda p, x: nnx.merge(graphdef, p)(x)
-    with pytest.warns(DeprecationWarning, match="lowbit.prepare"):
-        old = lowbit.prepare_for_kernels(fn, logical, X)
-    assert _kinds(old) == _kinds(lowbit.prepare(logical, fn, X))
-    codes = jnp.zeros((64, 8), jnp.int8)
-    with pytest.warns(DeprecationWarning, match="kernels.pack"):
-        kernels.prepare("int8", codes, jnp.ones((1, 8)))
-    params = {"w": jnp.ones((8, 8))}
-    with pytest.warns(DeprecationWarning, match="qat.wrapper"):
-        old_qat = lowbit.qat.prepare("int8w")(params)
-    assert jax.tree.structure(old_qat) == jax.tree.structure(lowbit.qat.wrapper("int8w")(params))

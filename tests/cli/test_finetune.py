@@ -14,9 +14,9 @@ WORDS = [f"w{i}" for i in range(63)]
 
 @pytest.fixture
 def tiny_model(monkeypatch, tmp_path):
-    from lowbit.models import Llama, LlamaConfig
+    from lowbit.models import Decoder, DecoderConfig
 
-    config = LlamaConfig(
+    config = DecoderConfig(
         vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128
     )
     tokenizer = Tokenizer(
@@ -27,7 +27,7 @@ def tiny_model(monkeypatch, tmp_path):
         name="tiny",
         spec="tiny",
         kind="lm",
-        model=Llama(config, rngs=nnx.Rngs(0)),
+        model=Decoder(config, rngs=nnx.Rngs(0)),
         tokenizer=tokenizer,
     )
     real = serving.load_model

@@ -8,13 +8,13 @@ import numpy as np
 from flax import nnx
 
 from lowbit.api import quantize_params
-from lowbit.models import Llama, LlamaConfig, generate_tokens, shard_for_generation
+from lowbit.models import Decoder, DecoderConfig, generate_tokens, shard_for_generation
 from lowbit.ops import PreparedPieces
 
 # Whole kv heads on each of 4 devices; o_proj / down_proj rows in whole groups of 32. Each
 # device's piece of gate/up/down (256 x 256 and up) is large enough for the CPU kernels, so
 # those run as pieces laid out on each process (`PreparedPieces`).
-CONFIG = LlamaConfig(
+CONFIG = DecoderConfig(
     vocab_size=64,
     dim=256,
     n_layers=2,
@@ -42,7 +42,7 @@ def generate(mesh=None) -> np.ndarray:
     Every process builds the same model and quantizes it the same way (same seed), so each
     holds identical host copies; `shard_for_generation` keeps only its pieces on its devices.
     """
-    model = Llama(CONFIG, rngs=nnx.Rngs(0))
+    model = Decoder(CONFIG, rngs=nnx.Rngs(0))
     params = quantize_params(nnx.state(model, nnx.Param), RECIPE)
     out = generate_tokens(
         model, PROMPTS, params=params, max_new_tokens=NEW, kv_cache="int8", mesh=mesh
@@ -65,7 +65,7 @@ def tp_generate(out_dir: str) -> dict[str, np.ndarray]:
 
 def _count_pieces(mesh) -> int:
     """How many weights `shard_for_generation` places on `mesh` as laid-out pieces."""
-    model = Llama(CONFIG, rngs=nnx.Rngs(0))
+    model = Decoder(CONFIG, rngs=nnx.Rngs(0))
     params = quantize_params(nnx.state(model, nnx.Param), RECIPE)
     placed, _ = shard_for_generation(params, mesh, CONFIG)
     leaves = jax.tree.leaves(placed, is_leaf=lambda x: isinstance(x, PreparedPieces))

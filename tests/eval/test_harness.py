@@ -11,10 +11,10 @@ from flax import nnx
 from lowbit import eval as lbe
 from lowbit.api import quantize_params
 from lowbit.eval._harness import encoder_runner, lm_perplexity, lm_runner, lm_speed, pad_batch
-from lowbit.models import Bert, BertConfig, Llama, LlamaConfig, mean_pool
+from lowbit.models import Bert, BertConfig, Decoder, DecoderConfig, mean_pool
 from lowbit.recipes import preset
 
-LLAMA = LlamaConfig(
+LLAMA = DecoderConfig(
     vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64
 )
 CONTEXT = 16
@@ -29,7 +29,7 @@ def _init(build):
 
 @pytest.fixture(scope="module")
 def llama():
-    model = _init(lambda rngs: Llama(LLAMA, rngs=rngs))
+    model = _init(lambda rngs: Decoder(LLAMA, rngs=rngs))
     runner, params = lm_runner(model)
     tokens = np.asarray(jax.random.randint(jax.random.key(1), (3 * CONTEXT + 1,), 0, 64))
     return model, runner, params, tokens

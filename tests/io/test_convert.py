@@ -25,10 +25,10 @@ from lowbit.io import (
     save_checkpoint,
 )
 from lowbit.io import _checkpoint_writer as writer_module
-from lowbit.models import LlamaConfig, gguf_param_map
+from lowbit.models import DecoderConfig, gguf_param_map
 from lowbit.qarray import PerGroup, is_qarray, quantize
 
-CONFIG = LlamaConfig(
+CONFIG = DecoderConfig(
     vocab_size=96,
     dim=64,
     n_layers=2,

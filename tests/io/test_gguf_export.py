@@ -14,10 +14,10 @@ from lowbit.gguf import encode as gguf_encode
 from lowbit.gguf import read_gguf
 from lowbit.io import export_gguf, import_gguf
 from lowbit.io._gguf_export import _permute_rope_rows
-from lowbit.models import LlamaConfig, gguf_param_map, unpermute_rope_rows
+from lowbit.models import DecoderConfig, gguf_param_map, unpermute_rope_rows
 from lowbit.qarray import PerGroup, QArray, quantize
 
-CONFIG = LlamaConfig(
+CONFIG = DecoderConfig(
     vocab_size=64,
     dim=256,
     n_layers=2,
@@ -176,7 +176,7 @@ def test_k_quant_qarrays_export_directly_and_import_as_stored(tmp_path):
 
 
 def test_rows_that_are_not_whole_blocks_fall_back_or_fail(tmp_path):
-    config = LlamaConfig(
+    config = DecoderConfig(
         vocab_size=64,
         dim=96,
         n_layers=1,

@@ -1,4 +1,4 @@
-"""Plain-NumPy SmolLM2 forward pass, written independently of `lowbit.models.Llama`.
+"""Plain-NumPy SmolLM2 forward pass, written independently of `lowbit.models.Decoder`.
 
 It works directly in GGUF's layout: weights keyed by GGUF tensor name, `[out, in]`, and the
 query/key rows left in llama.cpp's interleaved order, so the rotary embedding rotates adjacent

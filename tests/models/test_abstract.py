@@ -8,8 +8,8 @@ from lowbit import models
 
 CASES = [
     (
-        models.Llama,
-        models.LlamaConfig(
+        models.Decoder,
+        models.DecoderConfig(
             vocab_size=97, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48
         ),
     ),

@@ -17,7 +17,7 @@ from flax import nnx
 from jax import export
 
 import lowbit
-from lowbit.models import Llama, LlamaConfig
+from lowbit.models import Decoder, DecoderConfig
 
 # These layers are far below the size where CUDA runs the Pallas kernel; the export checks
 # need its branch in the CUDA module.
@@ -42,7 +42,7 @@ _ALLOW_CPU_TARGETS = [
 
 # SmolLM2's shape of block (GQA 3:1, head_dim 64, gated MLP), fewer and narrower layers; every
 # projection is large enough for the CPU kernels, so a CPU lowering does carry FFI calls.
-_CONFIG = LlamaConfig(
+_CONFIG = DecoderConfig(
     vocab_size=512,
     dim=256,
     n_layers=2,
@@ -56,7 +56,7 @@ _CONFIG = LlamaConfig(
 
 @pytest.fixture(scope="module")
 def llm():
-    model = Llama(_CONFIG, rngs=nnx.Rngs(0))
+    model = Decoder(_CONFIG, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     return model, graphdef, nnx.to_pure_dict(state)
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from lowbit.api import quantize_params
-from lowbit.models import Llama, LlamaConfig
+from lowbit.models import Decoder, DecoderConfig
 from lowbit.models._generate import (
     Sampling,
     bucket,
@@ -21,7 +21,7 @@ from lowbit.models._generate import (
     sample_logits,
 )
 
-CONFIG = LlamaConfig(
+CONFIG = DecoderConfig(
     vocab_size=64,
     dim=32,
     n_layers=2,
@@ -37,7 +37,7 @@ NEW = 6
 
 @pytest.fixture(scope="module")
 def tiny():
-    return Llama(CONFIG, rngs=nnx.Rngs(0))
+    return Decoder(CONFIG, rngs=nnx.Rngs(0))
 
 
 def _reference_greedy(model, prompt, n):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lowbit.models import Llama, LlamaConfig, dequantize_kv, init_kv_cache, quantize_kv
+from lowbit.models import Decoder, DecoderConfig, dequantize_kv, init_kv_cache, quantize_kv
 from lowbit.models._kv_cache import hadamard, unpack_int4
 from lowbit.recipes import KVCacheConfig, Recipe, parse_kv_cache
 
@@ -81,7 +81,7 @@ def test_zero_and_tiny_rows_get_finite_scales():
     [("int8", 0.26), ("fp8", 0.26), ("int4", 0.15), ("float16", 0.5), ("bfloat16", 0.5)],
 )
 def test_cache_bytes_against_float32_at_smollm2_shapes(text, bound):
-    config = LlamaConfig()
+    config = DecoderConfig()
     nbytes = lambda kv: init_kv_cache(config, 1, 512, jnp.float32, kv).nbytes()  # noqa: E731
     assert nbytes(text) / nbytes(None) <= bound
 
@@ -90,10 +90,10 @@ def test_cache_bytes_against_float32_at_smollm2_shapes(text, bound):
     "text", ["int8", "int8+qk", "fp8", "int4", "int4:g4", "float16", "bfloat16"]
 )
 def test_attention_through_a_quantized_cache_stays_close(text):
-    config = LlamaConfig(
+    config = DecoderConfig(
         vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64
     )
-    model = Llama(config, rngs=nnx.Rngs(1))
+    model = Decoder(config, rngs=nnx.Rngs(1))
     tokens = jnp.asarray(RNG.integers(0, 64, (2, 12)), jnp.int32)
     ref = model(tokens)
     logits, cache = model(tokens, cache=model.init_cache(2, 16, text))
@@ -124,7 +124,7 @@ def test_float16_cache_clips_to_its_range():
     # Keys or values beyond float16's range are stored as its largest finite value: the cache
     # never holds inf (whose scores would give NaN).
     kv = init_kv_cache(
-        LlamaConfig(n_layers=1, n_kv_heads=1, head_dim=4), 1, 4, jnp.float32, "float16"
+        DecoderConfig(n_layers=1, n_kv_heads=1, head_dim=4), 1, 4, jnp.float32, "float16"
     )
     big = jnp.full((1, 1, 1, 4), 1e6, jnp.float32)
     layer = kv.layer(0).write(big, -big, jnp.int32(0))
@@ -133,7 +133,7 @@ def test_float16_cache_clips_to_its_range():
 
 
 def test_cache_is_a_pytree_with_static_config():
-    cache = init_kv_cache(LlamaConfig(n_layers=2), 1, 8, jnp.float32, "int8")
+    cache = init_kv_cache(DecoderConfig(n_layers=2), 1, 8, jnp.float32, "int8")
     leaves, treedef = jax.tree.flatten(cache)
     assert len(leaves) == 5 * 2 + 2  # codes, scales (keys and values), key offsets; length, start
     assert jax.tree.unflatten(treedef, leaves).config == cache.config
@@ -158,10 +158,10 @@ def test_decode_reads_only_filled_blocks_and_matches_all_slots(text, monkeypatch
     # over slots start..slot gives what attention over every slot with a mask gives.
     from lowbit.models import _decoder
 
-    config = LlamaConfig(
+    config = DecoderConfig(
         vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64
     )
-    model = Llama(config, rngs=nnx.Rngs(2))
+    model = Decoder(config, rngs=nnx.Rngs(2))
     prompt = jnp.asarray(RNG.integers(0, 64, (2, 30)), jnp.int32)
     steps = jnp.asarray(RNG.integers(0, 64, (2, 4)), jnp.int32)
 
@@ -181,10 +181,10 @@ def _kernel_then_loop(monkeypatch, head_dim, text, dtype=jnp.float32):
 
     if not kernels.available():
         pytest.skip(kernels.status())
-    config = LlamaConfig(
+    config = DecoderConfig(
         vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=head_dim, ffn_dim=64
     )
-    model = Llama(config, dtype=dtype, rngs=nnx.Rngs(3))
+    model = Decoder(config, dtype=dtype, rngs=nnx.Rngs(3))
     rng = np.random.default_rng(head_dim)  # the same draw whatever ran before
     prompt = jnp.asarray(rng.integers(0, 64, (2, 30)), jnp.int32)
     steps = jnp.asarray(rng.integers(0, 64, (2, 3)), jnp.int32)
@@ -242,10 +242,10 @@ def test_bfloat16_model_decodes_through_the_kernel(monkeypatch):
 def test_last_only_logits_are_the_last_position():
     # Generation samples from the last position only; computing just that row must give the
     # same logits and the same cache as the full forward.
-    config = LlamaConfig(
+    config = DecoderConfig(
         vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64
     )
-    model = Llama(config, rngs=nnx.Rngs(4))
+    model = Decoder(config, rngs=nnx.Rngs(4))
     prompt = jnp.asarray(RNG.integers(0, 64, (2, 9)), jnp.int32)
     full, cache_full = model(prompt, cache=model.init_cache(2, 16))
     last, cache_last = model(prompt, cache=model.init_cache(2, 16), last_only=True)

@@ -1,4 +1,4 @@
-"""`Llama` mechanics on a tiny random model (fast to compile): cache chunks, positions, dtype.
+"""`Decoder` mechanics on a tiny random model (fast to compile): cache chunks, positions, dtype.
 
 Every forward runs under `jax.jit`, and parameters are drawn with NumPy into an abstract
 model: op-by-op JAX execution compiles each primitive on its own, which costs more here than
@@ -17,7 +17,7 @@ from flax import nnx
 
 from lowbit import models
 
-CONFIG = models.LlamaConfig(
+CONFIG = models.DecoderConfig(
     vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48
 )
 
@@ -32,7 +32,7 @@ def run(model, tokens, **kw):
 
 
 def random_model(config, dtype=jnp.float32, seed=0):
-    graphdef, state = nnx.split(models.Llama.abstract(config, dtype=dtype, param_dtype=dtype))
+    graphdef, state = nnx.split(models.Decoder.abstract(config, dtype=dtype, param_dtype=dtype))
     rng = np.random.default_rng(seed)
     state = jax.tree.map(lambda s: (0.3 * rng.standard_normal(s.shape)).astype(s.dtype), state)
     return nnx.merge(graphdef, state)
@@ -77,7 +77,7 @@ def test_causal(tiny, tokens, full):
 
 
 def test_bfloat16_and_untied_head(tokens):
-    config = models.LlamaConfig(**{**CONFIG.__dict__, "tie_embeddings": False})
+    config = models.DecoderConfig(**{**CONFIG.__dict__, "tie_embeddings": False})
     model = random_model(config, dtype=jnp.bfloat16)
     assert model.lm_head.kernel.shape == (32, 97)
     logits, cache = run(model, tokens, cache=model.init_cache(2, 16))

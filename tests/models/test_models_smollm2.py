@@ -1,4 +1,4 @@
-"""SmolLM2 as a float NNX `Llama`: structure, logits against NumPy, KV cache, generation."""
+"""SmolLM2 as a float NNX `Decoder`: structure, logits against NumPy, KV cache, generation."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def full_logits(smollm2, sequence):
 
 def test_config_from_metadata(smollm2):
     model, _ = smollm2
-    assert model.config == models.LlamaConfig(
+    assert model.config == models.DecoderConfig(
         vocab_size=49152,
         dim=576,
         n_layers=30,

@@ -20,7 +20,7 @@ import lowbit
 from lowbit import kernels
 from lowbit.api import quantize_params
 from lowbit.engine import interpret, trace_report
-from lowbit.models import Llama, LlamaConfig
+from lowbit.models import Decoder, DecoderConfig
 from lowbit.models._generate import Sampling, _forward, _Sharded, generate_tokens
 from lowbit.models._sharding import shard_for_generation
 from lowbit.ops import PreparedPieces, PreparedQArray, logical_weights
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulat
 
 # 8 query heads over 4 kv heads, so a model axis of 2 or 4 gives whole kv heads per device;
 # o_proj and down_proj have 128 rows: 32 per device at TP=4, whole groups of 32.
-CONFIG = LlamaConfig(
+CONFIG = DecoderConfig(
     vocab_size=64,
     dim=64,
     n_layers=2,
@@ -62,20 +62,20 @@ def _mesh(shape, explicit: bool):
 
 @pytest.fixture(scope="module")
 def model():
-    return Llama(CONFIG, rngs=nnx.Rngs(0))
+    return Decoder(CONFIG, rngs=nnx.Rngs(0))
 
 
 @functools.cache
 def _params(recipe):
     if recipe is None:
         return None
-    return quantize_params(nnx.state(Llama(CONFIG, rngs=nnx.Rngs(0)), nnx.Param), recipe)
+    return quantize_params(nnx.state(Decoder(CONFIG, rngs=nnx.Rngs(0)), nnx.Param), recipe)
 
 
 @functools.cache
 def _one_device(case):
     recipe, kv = CASES[case]
-    model = Llama(CONFIG, rngs=nnx.Rngs(0))
+    model = Decoder(CONFIG, rngs=nnx.Rngs(0))
     return generate_tokens(
         model, PROMPTS, params=_params(recipe), max_new_tokens=NEW, kv_cache=kv
     ).tokens
@@ -158,7 +158,7 @@ def test_weights_and_cache_are_split_by_heads_and_columns():
     # Each device holds a quarter of q_proj's codes: a model axis of 2 halves the columns.
     piece = q.codes.addressable_shards[0].data.shape
     assert piece == (q.codes.shape[0], q.codes.shape[1] // 2)
-    cache = plan.place_cache(Llama(CONFIG, rngs=nnx.Rngs(0)).init_cache(4, 64, "int8"))
+    cache = plan.place_cache(Decoder(CONFIG, rngs=nnx.Rngs(0)).init_cache(4, 64, "int8"))
     assert cache.key_scales[1].sharding.spec == P("data", "model", None, None)
     assert cache.start.sharding.spec == P("data")
     assert cache.keys[0].addressable_shards[0].data.shape == (2, 2, 64, 16)
@@ -216,7 +216,7 @@ OTHER_ARCHITECTURES = {
 
 @pytest.mark.parametrize("config", OTHER_ARCHITECTURES.values(), ids=OTHER_ARCHITECTURES.keys())
 def test_other_architectures_equal_one_device(config):
-    model = Llama(config, rngs=nnx.Rngs(1))
+    model = Decoder(config, rngs=nnx.Rngs(1))
     out = generate_tokens(model, PROMPTS, max_new_tokens=24, mesh=_mesh((2, 2), False))
     assert out.tokens == generate_tokens(model, PROMPTS, max_new_tokens=24).tokens
 
@@ -248,7 +248,7 @@ THREE = dataclasses.replace(CONFIG, n_heads=6, n_kv_heads=3)
 
 @pytest.mark.parametrize("recipe", [None, "int8w", "int4w_g32_asym"])
 def test_kv_heads_that_do_not_divide_the_model_axis_are_padded_with_zero_heads(recipe):
-    model = Llama(THREE, rngs=nnx.Rngs(2))
+    model = Decoder(THREE, rngs=nnx.Rngs(2))
     state = nnx.state(model, nnx.Param)
     params = state if recipe is None else quantize_params(state, recipe)
     kw = dict(params=params, max_new_tokens=16, kv_cache="int8")
@@ -265,7 +265,7 @@ def test_kv_heads_that_do_not_divide_the_model_axis_are_padded_with_zero_heads(r
 
 
 def test_a_v_proj_with_one_scale_over_its_columns_cannot_be_padded():
-    params = quantize_params(nnx.state(Llama(THREE, rngs=nnx.Rngs(2)), nnx.Param), "int8w")
+    params = quantize_params(nnx.state(Decoder(THREE, rngs=nnx.Rngs(2)), nnx.Param), "int8w")
     v = params["layers"][0]["attn"]["v_proj"]["kernel"]
     v.set_value(
         quantize(logical_weights(v.get_value()).dequantize(), "int8", granularity=PerTensor())
@@ -301,7 +301,7 @@ def test_each_device_runs_the_cpu_kernels_on_its_own_pieces():
     if not kernels.available():
         pytest.skip("CPU kernels not built")
     config = dataclasses.replace(CONFIG, dim=512, n_layers=1, head_dim=64, ffn_dim=1024)
-    model = Llama(config, rngs=nnx.Rngs(0))
+    model = Decoder(config, rngs=nnx.Rngs(0))
     params = quantize_params(nnx.state(model, nnx.Param), "int4w_g32_asym", kernel_layouts=True)
     assert is_prepared(params["layers"][0]["attn"]["q_proj"]["kernel"].get_value())
     params, plan = shard_for_generation(params, _mesh((1, 2), False), config)
@@ -327,7 +327,7 @@ def test_split_weights_run_as_laid_out_pieces_and_whole_ones_keep_their_layout(s
     """`lowbit.quantize`'s CPU layouts: a weight split over the model axis has each device's
     piece laid out once (no layout built inside the call, no fallback), one left whole keeps
     its layout; the tokens are one device's and the pieces join back into the codes."""
-    wide = Llama(WIDE, rngs=nnx.Rngs(0))
+    wide = Decoder(WIDE, rngs=nnx.Rngs(0))
     params = lowbit.quantize(nnx.state(wide, nnx.Param), "int4w_g32_asym")
     expected = generate_tokens(wide, PROMPTS, params=params, max_new_tokens=8).tokens
     placed, plan = shard_for_generation(params, _mesh(shape, explicit=False), WIDE)

@@ -48,7 +48,7 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
 # model_type -> (config class, model class, config overrides, save options)
 SPECS = {
     "llama": (
-        "LlamaConfig",
+        "DecoderConfig",
         "LlamaForCausalLM",
         dict(
             num_hidden_layers=2,

