@@ -3,6 +3,7 @@
 
 import dataclasses
 import json
+import os
 
 import pytest
 from flax import nnx
@@ -87,6 +88,13 @@ def test_eval_of_a_checkpoint_stores_the_divergence_and_report_shows_it(tiny, tm
     float_row = report["rows"][0]
     assert float_row["recipe"] == "float"
     assert float_row["value"] == pytest.approx(stored["divergence"]["base_perplexity"])
+    # The plot is written as every report file is: never through a link planted at its name.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    (out / "kld_by_position.png").unlink()
+    os.symlink(victim, out / "kld_by_position.png")
+    assert main(["report", str(out)]) == 2
+    assert "symbolic link" in capsys.readouterr().err and victim.read_bytes() == b"keep"
 
 
 def test_a_base_with_another_vocabulary_is_refused_naming_both_sizes(tiny, capsys):
