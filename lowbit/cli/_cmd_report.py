@@ -22,10 +22,12 @@ from lowbit.cli._common import (
     write_json,
 )
 from lowbit.eval import (
+    DivergenceResult,
     ResultRow,
     float32_bytes,
     output_sqnr,
     param_bytes,
+    plot_kld_by_position,
     plot_layer_sqnr,
     plot_size_vs_quality,
     print_table,
@@ -58,6 +60,17 @@ def _layer_table(weight: dict[str, float], output: dict[str, float]) -> Table:
         out = output.get(path, math.nan)
         table.add_row(path, f"{weight[path]:.1f}", f"{out:.1f}")
     return table
+
+
+def _divergence(stored: dict | None) -> tuple[DivergenceResult | None, str]:
+    """The divergence `lowbit eval --against` stored in eval.json, and its base's label."""
+    if not stored or "divergence" not in stored:
+        return None, ""
+    base = f"{stored.get('against_model', stored.get('against'))} ({stored.get('against_recipe')})"
+    try:
+        return DivergenceResult.from_json(stored["divergence"]), base
+    except ValueError as err:
+        raise ValueError(f"{EVAL_FILE}: {err}; run `lowbit eval --against` again") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,21 +107,33 @@ def run(args: argparse.Namespace) -> int:
         prefill_tokens_per_s=speed.get("prefill_tokens_per_s"),
         decode_tokens_per_s=speed.get("decode_tokens_per_s"),
     )
+    divergence, against = _divergence(stored)
+    float_value = 1.0 if metric == "cosine" else None
+    if divergence is not None and against == f"{row.model} (float)":
+        float_value = divergence.base_perplexity  # measured on the same windows
     float_row = ResultRow(
         model=row.model,
         recipe="float",
         size_bytes=reference,
         float32_bytes=reference,
         metric=metric,
-        value=1.0 if metric == "cosine" else None,
+        value=float_value,
     )
     rows = [float_row, row]
     console = stdout_console()
     print_table(rows, title=f"lowbit report: {args.directory}", console=console)
+    if divergence is not None:
+        for line in divergence.lines(against):
+            console.print(line)
     if weight:
         console.print(_layer_table(weight, output))
     name = f"{row.model}/{row.recipe}"
-    write_report(directory, rows, layer_sqnr={name: {"weight": weight, "output": output}})
+    extra = {}
+    if divergence is not None:
+        extra = {"against": against, "divergence": stored["divergence"]}
+    write_report(
+        directory, rows, layer_sqnr={name: {"weight": weight, "output": output}}, extra=extra
+    )
     written = [directory / "report.json"]
     if weight:
         written.append(
@@ -120,6 +145,14 @@ def run(args: argparse.Namespace) -> int:
         )
     if any(r.value is not None for r in rows):
         written.append(plot_size_vs_quality(rows, directory / "size_vs_quality.png"))
+    if divergence is not None and divergence.position_starts:
+        written.append(
+            plot_kld_by_position(
+                divergence,
+                directory / "kld_by_position.png",
+                title=f"KL-divergence of {name} to {against} by position in the window",
+            )
+        )
     console.print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
@@ -127,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
 COMMAND = Command(
     "report",
     "report on a checkpoint: size, perplexity or cosine, per-layer SQNR of weights and layer "
-    "outputs; writes report.json, layer_sqnr.png and size_vs_quality.png into DIR",
+    "outputs, and the KL-divergence that `lowbit eval DIR --against BASE` stored; writes "
+    "report.json, layer_sqnr.png, size_vs_quality.png (and kld_by_position.png) into DIR",
     add_arguments,
     run,
 )

@@ -1,4 +1,5 @@
-"""Evaluation: perplexity, embedding similarity, per-layer SQNR, sizes, speed, reports and plots."""
+"""Evaluation: perplexity, KL-divergence to a base model, embedding similarity, per-layer SQNR,
+sizes, speed, reports and plots."""
 
 from lowbit.eval._calibration_set import calibrator, output_sensitivity_of
 from lowbit.eval._corpus import (
@@ -9,6 +10,7 @@ from lowbit.eval._corpus import (
     read_sentences,
     read_text,
 )
+from lowbit.eval._divergence import DivergenceResult, divergence, mean_ci95, token_divergence
 from lowbit.eval._finetune import (
     FinetuneResult,
     FinetuneSettings,
@@ -29,6 +31,7 @@ from lowbit.eval._harness import (
 from lowbit.eval._perplexity import PerplexityResult, perplexity, token_nll, window_starts
 from lowbit.eval._plots import (
     plot_bits_per_layer,
+    plot_kld_by_position,
     plot_layer_sqnr,
     plot_loss_curve,
     plot_size_vs_quality,
@@ -53,6 +56,10 @@ from lowbit.eval._variants import quantize_variant
 from lowbit.serving import GGUF_RECIPE, LoadedModel, load_model, load_recipe, recipe_label
 
 __all__ = [
+    "DivergenceResult",
+    "divergence",
+    "mean_ci95",
+    "token_divergence",
     "default_training_text",
     "finetune_lm",
     "lm_loss_fn",
@@ -95,6 +102,7 @@ __all__ = [
     "param_bytes",
     "perplexity",
     "plot_bits_per_layer",
+    "plot_kld_by_position",
     "plot_layer_sqnr",
     "plot_size_vs_quality",
     "prefill_tokens_per_s",

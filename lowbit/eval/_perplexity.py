@@ -103,6 +103,7 @@ def perplexity(
     stride: int | None = None,
     max_tokens: int = 4096,
     on_window: Callable[[int, int], None] | None = None,
+    on_logits: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], None] | None = None,
 ) -> PerplexityResult:
     """Perplexity of a causal LM on a token stream.
 
@@ -114,6 +115,10 @@ def perplexity(
       stride: distance between window starts; defaults to `context` (no overlap).
       max_tokens: stop after the window that reaches this many scored tokens.
       on_window: called as ``on_window(done, total)`` after each window (progress bars).
+      on_logits: called as ``on_logits(window, targets, logits, weights)`` after each window
+        (outside its timing), with its tokens and targets ([1, context] int32), its logits and
+        the scored positions' weights ([1, context] float32, 1 where scored): to compute more
+        from the same logits (`lowbit.eval.divergence`) without keeping them.
     Returns:
       A `PerplexityResult`.
     Raises:
@@ -136,9 +141,11 @@ def perplexity(
             raise ValueError(
                 f"logits_fn returned shape {tuple(logits.shape)}; expected (1, {context}, vocab)"
             )
-        weights = full if begin == 0 else tail
-        total = jax.block_until_ready(total + token_nll(logits, targets, jnp.asarray(weights)))
+        weights = jnp.asarray(full if begin == 0 else tail)
+        total = jax.block_until_ready(total + token_nll(logits, targets, weights))
         seconds.append(time.perf_counter() - start)
+        if on_logits is not None:
+            on_logits(window, targets, logits, weights)
         count += context if begin == 0 else stride
         if on_window is not None:
             on_window(i + 1, len(starts))

@@ -1,4 +1,5 @@
-"""PNG plots of a report: per-layer SQNR bars, and size against quality across recipes.
+"""PNG plots of a report: per-layer SQNR bars, size against quality across recipes, and
+KL-divergence to a base model by position in the window.
 
 Every ``plot_*`` function writes one PNG file at `path` (its folder made if missing) and returns
 that path as a `Path`; a ``title`` argument titles the figure; ValueError when there is nothing
@@ -17,6 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from lowbit._atomic import atomic_write
+from lowbit.eval._divergence import DivergenceResult
 from lowbit.eval._report import ResultRow
 
 
@@ -171,4 +173,40 @@ def plot_bits_per_layer(
     ax.set_ylabel("bits per weight")
     ax.set_title(title)
     ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_kld_by_position(
+    result: DivergenceResult,
+    path: str | os.PathLike[str],
+    *,
+    title: str = "KL-divergence by position in the window",
+) -> Path:
+    """Bars of mean KLD (with 95% confidence intervals) per bucket of window positions: how
+    the divergence changes with the context a prediction has seen.
+
+    Args:
+      result: a `DivergenceResult` with at least one position bucket.
+    """
+    if not result.position_starts:
+        raise ValueError("plot_kld_by_position needs a result with position buckets")
+    ends = [*result.position_starts[1:], result.context]
+    labels = [f"{a}-{b - 1}" for a, b in zip(result.position_starts, ends, strict=True)]
+    fig = Figure(figsize=(6.5, 3.8), layout="constrained")
+    ax = fig.subplots()
+    ax.bar(
+        range(len(labels)),
+        result.position_kld,
+        yerr=result.position_ci95,
+        width=0.8,
+        color="tab:blue",
+        capsize=3,
+    )
+    ax.axhline(result.kld_mean, color="tab:red", linewidth=1, label=f"mean {result.kld_mean:.4f}")
+    ax.set_xticks(range(len(labels)), labels, rotation=20, fontsize=7)
+    ax.set_xlabel("position in the window (tokens of context seen)")
+    ax.set_ylabel("mean KLD (nats/token)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
     return _save(fig, path)

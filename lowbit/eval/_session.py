@@ -7,6 +7,7 @@ way against the same baseline.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import weakref
 from collections.abc import Callable, Sequence
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from lowbit.eval._corpus import default_sentences, default_text
+from lowbit.eval._divergence import DivergenceResult, divergence
 from lowbit.eval._harness import encoder_runner, lm_perplexity, lm_runner, lm_speed
 from lowbit.eval._perplexity import PerplexityResult
 from lowbit.eval._report import ResultRow
@@ -80,8 +82,7 @@ class ModelSession:
     def tokens(self) -> np.ndarray:
         """[n] int32 token ids of the perplexity text (tokenized once)."""
         if self._tokens is None:
-            text = self._text if self._text is not None else default_text()
-            self._tokens = as_numpy_tokens(self.loaded.tokenizer, text)
+            self._tokens = as_numpy_tokens(self.loaded.tokenizer, self._text_or_default())
         return self._tokens
 
     def reference_embeddings(self) -> np.ndarray:
@@ -178,3 +179,56 @@ class ModelSession:
             prefill_tokens_per_s=prefill,
             decode_tokens_per_s=decode,
         )
+
+    def divergence_row(
+        self,
+        recipe: str,
+        params: Any,
+        base: ModelSession,
+        base_params: Any,
+        *,
+        on_window: Progress = None,
+    ) -> tuple[ResultRow, DivergenceResult]:
+        """The `row` of `params` (its perplexity) and its divergence from `base_params` run by
+        `base`'s model, on this session's windows in one pass (LMs only).
+
+        Raises:
+          ValueError: if either model is not a language model, if `base` tokenizes this
+            session's text differently, or if the two vocabularies differ.
+        """
+        for session, role in ((self, "the model"), (base, "the base model")):
+            if session.loaded.kind != "lm":
+                raise ValueError(
+                    f"KL-divergence compares language models; {role} {session.loaded.name!r} "
+                    "is an encoder"
+                )
+        self._check_same_tokens(base)
+        result, summary = divergence(
+            lambda window: self.runner.forward(params, window),
+            lambda window: base.runner.forward(base_params, window),
+            self.tokens(),
+            context=self.context,
+            max_tokens=self.max_tokens,
+            on_window=on_window,
+        )
+        row = self.row(recipe, params, measure_quality=False)
+        return dataclasses.replace(row, value=result.perplexity), summary
+
+    def _check_same_tokens(self, base: ModelSession) -> None:
+        if base.loaded.tokenizer is self.loaded.tokenizer:
+            return
+        ours = self.tokens()
+        theirs = as_numpy_tokens(base.loaded.tokenizer, self._text_or_default())
+        if ours.shape == theirs.shape and np.array_equal(ours, theirs):
+            return
+        n = min(ours.size, theirs.size)
+        first = int(np.argmax(ours[:n] != theirs[:n])) if np.any(ours[:n] != theirs[:n]) else n
+        raise ValueError(
+            f"the base model {base.loaded.name!r} tokenizes the text differently from "
+            f"{self.loaded.name!r} ({theirs.size} and {ours.size} tokens, the first difference "
+            f"at token {first}); KL-divergence compares next-token distributions over one "
+            "vocabulary, so the base must be the same model family with the same tokenizer"
+        )
+
+    def _text_or_default(self) -> str:
+        return self._text if self._text is not None else default_text()
