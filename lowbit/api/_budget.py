@@ -94,6 +94,9 @@ class BudgetPlan:
       fixed: bytes the file holds besides the planned weights (`FileBytes`), 0 when the
         plan was measured without a file.
       file: the file it was measured for (`FileBytes.what`), or None.
+      step: the fewest bytes any change to a candidate of lower error adds (more than the
+        bytes left, or it would have been made); None when every weight has its least-error
+        candidate (the budget does not bind).
     """
 
     recipe: Recipe
@@ -104,6 +107,7 @@ class BudgetPlan:
     max_seconds: float | None = None
     fixed: int = 0
     file: str | None = None
+    step: int | None = None
 
     @property
     def seconds(self) -> float | None:
@@ -152,6 +156,14 @@ class BudgetPlan:
             head += (
                 f"; the {self.file}: {self.file_nbytes} bytes ({self.fixed} besides the planned "
                 f"weights) within {self.budget + self.fixed}"
+            )
+        left = self.budget - self.nbytes
+        if self.step is None:
+            head += f"; {left} bytes left: every weight has its least-error candidate"
+        else:
+            head += (
+                f"; {left} bytes left: the smallest change to a candidate of lower error adds "
+                f"{self.step} bytes"
             )
         if timed:
             limit = "" if self.max_seconds is None else f" within {self.max_seconds * 1e3:.4g}"
@@ -420,6 +432,12 @@ def plan_within(
         TensorChoice(path, shapes[path], ms[j], tuple(ms))
         for (path, ms), j in zip(measured.items(), picks, strict=True)
     )
+    steps = [
+        m.nbytes - t.chosen.nbytes
+        for t in tensors
+        for m in t.measured
+        if m.error < t.chosen.error and m.nbytes > t.chosen.nbytes
+    ]
     recipe = plan_recipe({t.path: (t.chosen.candidate, t.shape) for t in tensors}, name=name)
     return BudgetPlan(
         recipe,
@@ -430,6 +448,7 @@ def plan_within(
         max_seconds,
         fixed=measurements.fixed,
         file=measurements.file,
+        step=min(steps, default=None),
     )
 
 

@@ -152,6 +152,11 @@ def run_budget(args: argparse.Namespace) -> int:
         _check_gguf_model(loaded, target)
         paths = tuple(planned_weights(pure, candidates))
         file = _gguf_file(loaded, pure, paths) if args.max_bytes is not None else None
+        if file is not None and given is None:
+            # In the file, a lowbit format that is not a GGML type is requantized to Q8_0:
+            # it costs Q8_0's bytes for more error than Q8_0's, so only GGML types are worth
+            # their bytes (and they give the knapsack finer steps: Q5_0, Q5_1, Q6_K, ...).
+            candidates = default_candidates("gguf")
         check_budget(
             pure,
             bits=args.bits,
