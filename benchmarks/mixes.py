@@ -3,9 +3,9 @@
 SmolLM2's float weights (the asset dequantized) are exported as an F16 GGUF file. llama.cpp's
 `llama_model_quantize` (llama-cpp-python) makes Q2_K, Q3_K_M, Q4_K_M and Q5_K_M from it. For each,
 lowbit chooses a plan from the GGML types it encodes (`lowbit.api.plan_within`, candidates
-measured once on the calibration set) with a byte budget that makes its file as large as
-llama.cpp's (the file's size less what lowbit's export holds besides the planned weights), and
-exports it (`export_gguf`, each weight as its chosen type). Every
+measured once on the calibration set) with llama.cpp's file size as its budget (`--max-bytes`:
+every byte of the file counted, `lowbit.io.gguf_plan_bytes`), and exports it (`export_gguf`,
+each weight as its chosen type). Every
 file is scored by llama.cpp's perplexity on the same evaluation text.
 
 Caveat: the SmolLM2 asset is itself a Q4_1 file (210 weights Q4_1, the embedding Q8_0), so its
@@ -85,7 +85,7 @@ def run() -> str | None:
     """Markdown: per llama.cpp mix, its file against lowbit's plan at the same size."""
     from lowbit.api import AlgorithmOptions, measure_candidates, plan_within, quantize_params
     from lowbit.eval import calibrator, default_text
-    from lowbit.io import export_gguf
+    from lowbit.io import export_gguf, gguf_plan_bytes
     from lowbit.models import has_smollm2, smollm2_gguf_path
     from lowbit.recipes import parse_candidates
     from lowbit.serving import apply_recipe, load_model
@@ -108,7 +108,6 @@ def run() -> str | None:
         base = _llama_cpp_perplexity(f16, tokens)
         _log(f"F16 file: perplexity {base:.3f}")
         rows.append(("F16 (lowbit export)", os.path.getsize(f16), *_weight_bytes(f16), base, 0.0))
-        overhead = os.path.getsize(f16) - _weight_bytes(f16)[0]
 
         candidates = parse_candidates(CANDIDATES)
         from lowbit.api._budget import planned_weights
@@ -118,7 +117,10 @@ def run() -> str | None:
         statistics = calibrator(None, SEQUENCES)(loaded, pure, paths, 0)
         capture_s = time.perf_counter() - start
         start = time.perf_counter()
-        measurements = measure_candidates(pure, statistics, candidates=candidates, target="gguf")
+        file = gguf_plan_bytes(pure, paths, config=config, source=source)
+        measurements = measure_candidates(
+            pure, statistics, candidates=candidates, target="gguf", file=file
+        )
         measure_s = time.perf_counter() - start
         _log(f"measured: capture {capture_s:.0f} s, candidates {measure_s:.0f} s")
 
@@ -137,9 +139,7 @@ def run() -> str | None:
         for mix in MIXES:
             theirs = os.path.join(tmp, f"llama-{mix}.gguf")
             seconds = quantize_llama_cpp(f16, theirs, mix)
-            # The plan's weights get what llama.cpp's whole file holds, less what every lowbit
-            # export holds besides them (metadata, tokenizer, norms: as in the F16 file).
-            budget = os.path.getsize(theirs) - overhead
+            budget = os.path.getsize(theirs)  # the whole file: header, tokenizer, norms too
             their_bytes, elements = _weight_bytes(theirs)
             ppl = _llama_cpp_perplexity(theirs, tokens)
             rows.append(

@@ -179,6 +179,30 @@ def _rtn_delta(w: jax.Array, config) -> jax.Array:
     return quantize(w, config).dequantize(jnp.float32) - w
 
 
+def stored_nbytes(
+    path: str,
+    w: Any,
+    candidate: Candidate,
+    *,
+    target: str,
+    nbytes: Callable[[str, Any], int] | None = None,
+) -> int:
+    """Bytes the target stores for the weight `w` (an array or a shape struct: only its shape
+    is read) at `path` as `candidate`: the QArray's (``"lowbit"``), the GGML blocks'
+    (``"gguf"``), or a file's own count, ``nbytes(path, q)`` of the QArray's shapes."""
+    if nbytes is None and target == "gguf":
+        return candidate.gguf_nbytes(tuple(np.shape(w)))
+    shapes = _quantized_shapes(tuple(np.shape(w)), candidate.config(path, len(np.shape(w))))
+    return int(shapes.nbytes) if nbytes is None else int(nbytes(path, shapes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _quantized_shapes(shape: tuple[int, ...], config) -> Any:
+    # Traced once per shape and config: a model's weights share a few shapes.
+    w = jax.ShapeDtypeStruct(shape, jnp.float32)
+    return jax.eval_shape(functools.partial(quantize, config=config), w)
+
+
 def measure(
     path: str,
     w: jax.Array,
@@ -189,6 +213,7 @@ def measure(
     rows: int,
     factors: dict | None = None,
     sensitivity: jax.Array | None = None,
+    nbytes: Callable[[str, Any], int] | None = None,
 ) -> list[Measured]:
     """Every candidate that fits the weight, with its bytes and error.
 
@@ -205,6 +230,8 @@ def measure(
       factors: shared inverse-Hessian factors across weights (`gptq_matrix`).
       sensitivity: the weight's `output_sensitivity`; given, the error is ``Σ s ΔW²`` (the
         model's output change) instead of the layer's own output error.
+      nbytes: ``nbytes(path, q)``, the bytes a file holds for the weight quantized as `q` (a
+        QArray of shape structs), instead of the target's (`lowbit.api.FileBytes`).
     Returns:
       One `Measured` per candidate tried, in the order given.
     """
@@ -221,12 +248,11 @@ def measure(
             q, _ = gptq_qarray(w, _rtn(w, config), stats, cand.algorithm, factors)
             delta = q.dequantize(jnp.float32) - w
         else:
-            q = jax.eval_shape(functools.partial(quantize, config=config), w)  # shapes only
             delta = _rtn_delta(w, config)
-        nbytes = cand.gguf_nbytes(shape) if target == "gguf" else int(q.nbytes)
+        stored = stored_nbytes(path, w, cand, target=target, nbytes=nbytes)
         if sensitivity is None:
             error = output_error(delta, stats, rows)
         else:
             error = float(_sensitivity_weighted(delta, jnp.asarray(sensitivity, jnp.float32)))
-        out.append(Measured(cand, nbytes, error))
+        out.append(Measured(cand, stored, error))
     return out

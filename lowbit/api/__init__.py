@@ -4,9 +4,11 @@ LoRA adapters."""
 from lowbit.api._algorithms import AlgorithmOptions
 from lowbit.api._budget import (
     BudgetPlan,
+    FileBytes,
     Measurements,
     TensorChoice,
     budget_bytes,
+    check_budget,
     choose_plan,
     measure_candidates,
     plan_within,
@@ -46,12 +48,14 @@ from lowbit.api._trace import param_uses
 
 __all__ = [
     "BudgetPlan",
+    "FileBytes",
     "Measurements",
     "measure_candidates",
     "plan_within",
     "time_candidates",
     "TensorChoice",
     "budget_bytes",
+    "check_budget",
     "choose_plan",
     "AlgorithmOptions",
     "FP8_PRESETS",

@@ -5,6 +5,11 @@ stored bytes, and output error on the calibration Gram matrices), then one candi
 is chosen by the multiple-choice knapsack (`lowbit.algorithms.solve_knapsack`) to minimise the
 summed error within the budget. The budget is mean bits per weight (``bits``: stored bytes of the
 planned weights, scales included, times 8 over their element count) or bytes (``max_bytes``).
+
+Measured with a `FileBytes` (`lowbit.io.gguf_plan_bytes` for a GGUF export), a candidate costs
+the bytes the file holds for it (in the type the file stores its format as, padding included),
+and ``max_bytes`` is the whole file's size: the bytes it holds besides the planned weights
+(header, metadata, norms, alignment) are taken off the budget first.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import numpy as np
 
 from lowbit.algorithms import Statistics
 from lowbit.algorithms._knapsack import bounds, solve, solve_timed
-from lowbit.algorithms._sensitivity import Measured, measure
+from lowbit.algorithms._sensitivity import Measured, measure, stored_nbytes
 from lowbit.api._candidate_time import time_candidates
 from lowbit.recipes import (
     Candidate,
@@ -30,6 +35,24 @@ from lowbit.recipes import (
     plan_recipe,
     storable,
 )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FileBytes:
+    """How a file counts a plan's bytes.
+
+    Attributes:
+      fixed: bytes the file holds besides the planned weights (header, metadata, tensor
+        table, alignment padding, tensors left in float).
+      nbytes: ``nbytes(path, q) -> int``: bytes the weight at `path` takes in the file when
+        quantized as `q` (a QArray of shape structs: shapes and formats, no data), padding
+        included.
+      what: the file, as plans and errors name it (e.g. ``"GGUF file"``).
+    """
+
+    fixed: int
+    nbytes: Callable[[str, Any], int]
+    what: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +91,12 @@ class BudgetPlan:
       target: ``"lowbit"`` or ``"gguf"``.
       unplanned: {path: why} for 2-D+ weights no candidate fits (left in float).
       max_seconds: the time limit per token it was chosen under, or None.
+      fixed: bytes the file holds besides the planned weights (`FileBytes`), 0 when the
+        plan was measured without a file.
+      file: the file it was measured for (`FileBytes.what`), or None.
+      step: the fewest bytes any change to a candidate of lower error adds (more than the
+        bytes left, or it would have been made); None when every weight has its least-error
+        candidate (the budget does not bind).
     """
 
     recipe: Recipe
@@ -76,6 +105,9 @@ class BudgetPlan:
     target: str
     unplanned: Mapping[str, str] = dataclasses.field(default_factory=dict)
     max_seconds: float | None = None
+    fixed: int = 0
+    file: str | None = None
+    step: int | None = None
 
     @property
     def seconds(self) -> float | None:
@@ -85,7 +117,13 @@ class BudgetPlan:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the planned weights."""
         return sum(t.chosen.nbytes for t in self.tensors)
+
+    @property
+    def file_nbytes(self) -> int:
+        """Bytes of the whole file (the planned weights and `fixed`)."""
+        return self.nbytes + self.fixed
 
     @property
     def bits(self) -> float:
@@ -114,6 +152,19 @@ class BudgetPlan:
             f"plan for {self.target}: {len(self.tensors)} weights, {self.nbytes} bytes "
             f"({self.bits:.3f} bits per weight) within {self.budget} bytes"
         )
+        if self.file is not None:
+            head += (
+                f"; the {self.file}: {self.file_nbytes} bytes ({self.fixed} besides the planned "
+                f"weights) within {self.budget + self.fixed}"
+            )
+        left = self.budget - self.nbytes
+        if self.step is None:
+            head += f"; {left} bytes left: every weight has its least-error candidate"
+        else:
+            head += (
+                f"; {left} bytes left: the smallest change to a candidate of lower error adds "
+                f"{self.step} bytes"
+            )
         if timed:
             limit = "" if self.max_seconds is None else f" within {self.max_seconds * 1e3:.4g}"
             head += f"; {self.seconds * 1e3:.4g} ms of kernels per token{limit}"
@@ -148,22 +199,36 @@ def planned_weights(params: Any, candidates: tuple[Candidate, ...]) -> dict[str,
 
 
 def budget_bytes(
-    *, bits: float | None, max_bytes: int | None, elements: int, low: int, high: int
+    *,
+    bits: float | None,
+    max_bytes: int | None,
+    elements: int,
+    low: int,
+    high: int,
+    fixed: int = 0,
+    file: str | None = None,
 ) -> int:
-    """The byte budget of `bits` (mean bits per weight over `elements`) or `max_bytes`.
+    """The byte budget of the planned weights: `bits` (mean bits per weight over `elements`)
+    or `max_bytes` (less the `fixed` bytes a file holds besides them).
 
     Raises:
-      ValueError: for neither or both, or a budget outside [low, high] (naming both bounds).
+      ValueError: for neither or both, or a budget outside [low, high] (naming both bounds,
+        and with a `file`, the file's smallest and largest size).
     """
     if (bits is None) == (max_bytes is None):
         raise ValueError("give exactly one budget: bits (--bits) or max_bytes (--max-bytes)")
-    budget = int(bits * elements / 8) if bits is not None else int(max_bytes)
+    budget = int(bits * elements / 8) if bits is not None else int(max_bytes) - fixed
     low_bits, high_bits = 8 * low / elements, 8 * high / elements
     what = f"--bits {bits}" if bits is not None else f"--max-bytes {max_bytes}"
     span = (
         f"the candidates give {low} to {high} bytes ({low_bits:.3f} to {high_bits:.3f} bits per "
         "weight)"
     )
+    if file is not None:
+        span = (
+            f"the {file} takes {low + fixed} to {high + fixed} bytes ({fixed} besides the "
+            f"planned weights); {span}"
+        )
     if budget < low:
         raise ValueError(
             f"{what} is below the smallest plan: {span}; raise the budget or add smaller "
@@ -177,6 +242,47 @@ def budget_bytes(
     return budget
 
 
+def check_budget(
+    params: Any,
+    *,
+    bits: float | None = None,
+    max_bytes: int | None = None,
+    candidates: tuple[Candidate, ...] | None = None,
+    target: str = "lowbit",
+    file: FileBytes | None = None,
+) -> None:
+    """Refuses a budget that no plan can meet, from the weights' shapes alone: before the
+    calibration and measuring that `plan_within` would refuse it after (`choose_plan`'s
+    arguments).
+
+    Raises:
+      ValueError: as `budget_bytes` (naming the smallest and largest plan, or file).
+    """
+    candidates = storable(candidates or default_candidates(target), target)
+    leaves = dict(param_leaves(params))
+    costs, elements = [], 0
+    nbytes = None if file is None else file.nbytes
+    for path, shape in planned_weights(params, candidates).items():
+        fit = [c for c in candidates if c.fits(path, shape)]
+        if fit:
+            costs.append(
+                [stored_nbytes(path, leaves[path], c, target=target, nbytes=nbytes) for c in fit]
+            )
+            elements += math.prod(shape)
+    if not costs:
+        return  # `measure_candidates` says which weights and why
+    low, high = bounds(costs)
+    budget_bytes(
+        bits=bits,
+        max_bytes=max_bytes,
+        elements=elements,
+        low=low,
+        high=high,
+        fixed=0 if file is None else file.fixed,
+        file=None if file is None else file.what,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Measurements:
     """Every candidate measured on every weight: what a plan is chosen from, for any budget.
@@ -186,12 +292,16 @@ class Measurements:
       measured: {path: [Measured, ...]} (the candidates that fit each weight).
       target: ``"lowbit"`` or ``"gguf"``.
       unplanned: {path: why} for weights no candidate fits.
+      fixed: bytes the file holds besides the planned weights (`FileBytes.fixed`), or 0.
+      file: the file the bytes were counted for (`FileBytes.what`), or None.
     """
 
     shapes: Mapping[str, tuple[int, ...]]
     measured: Mapping[str, list[Measured]]
     target: str
     unplanned: Mapping[str, str]
+    fixed: int = 0
+    file: str | None = None
 
     @property
     def elements(self) -> int:
@@ -210,9 +320,13 @@ def measure_candidates(
     target: str = "lowbit",
     on_weight: Callable[[int, int], None] | None = None,
     sensitivity: Mapping[str, Any] | None = None,
+    file: FileBytes | None = None,
 ) -> Measurements:
     """Measures every candidate on every weight a candidate's layout names (see
     `choose_plan`, which takes the same arguments).
+
+    With a `file`, each candidate costs the bytes that file holds for it, and its fixed bytes
+    are kept for a ``max_bytes`` budget (see module docstring).
 
     Raises:
       ValueError: for a candidate the target cannot store, no weight a candidate fits, or a
@@ -243,6 +357,7 @@ def measure_candidates(
             rows=rows,
             factors=factors,
             sensitivity=None if sensitivity is None else sensitivity[path],
+            nbytes=None if file is None else file.nbytes,
         )
         if found:
             measured[path] = found
@@ -256,7 +371,14 @@ def measure_candidates(
             f"groups must divide the contraction axis ({len(shapes)} weights, e.g. "
             f"{next(iter(shapes.items()), None)})"
         )
-    return Measurements(shapes, measured, target, unplanned)
+    return Measurements(
+        shapes,
+        measured,
+        target,
+        unplanned,
+        fixed=0 if file is None else file.fixed,
+        file=None if file is None else file.what,
+    )
 
 
 def plan_within(
@@ -283,7 +405,13 @@ def plan_within(
     errors = [[m.error for m in ms] for ms in measured.values()]
     low, high = bounds(costs)
     budget = budget_bytes(
-        bits=bits, max_bytes=max_bytes, elements=measurements.elements, low=low, high=high
+        bits=bits,
+        max_bytes=max_bytes,
+        elements=measurements.elements,
+        low=low,
+        high=high,
+        fixed=measurements.fixed,
+        file=measurements.file,
     )
     max_seconds = None
     if max_ms_per_token is None:
@@ -304,9 +432,23 @@ def plan_within(
         TensorChoice(path, shapes[path], ms[j], tuple(ms))
         for (path, ms), j in zip(measured.items(), picks, strict=True)
     )
+    steps = [
+        m.nbytes - t.chosen.nbytes
+        for t in tensors
+        for m in t.measured
+        if m.error < t.chosen.error and m.nbytes > t.chosen.nbytes
+    ]
     recipe = plan_recipe({t.path: (t.chosen.candidate, t.shape) for t in tensors}, name=name)
     return BudgetPlan(
-        recipe, tensors, budget, measurements.target, measurements.unplanned, max_seconds
+        recipe,
+        tensors,
+        budget,
+        measurements.target,
+        measurements.unplanned,
+        max_seconds,
+        fixed=measurements.fixed,
+        file=measurements.file,
+        step=min(steps, default=None),
     )
 
 
@@ -322,6 +464,7 @@ def choose_plan(
     on_weight: Callable[[int, int], None] | None = None,
     sensitivity: Mapping[str, Any] | None = None,
     max_ms_per_token: float | None = None,
+    file: FileBytes | None = None,
 ) -> BudgetPlan:
     """Chooses a format per weight within a size budget (see module docstring).
 
@@ -346,6 +489,9 @@ def choose_plan(
         candidates. The CLI computes it by default.
       max_ms_per_token: also limit the chosen candidates' summed kernel time for one token,
         timed on this machine (`time_candidates`; see `plan_within`).
+      file: how the file that will hold the plan counts bytes (`lowbit.io.gguf_plan_bytes`):
+        each candidate then costs what that file holds for it, and `max_bytes` is the whole
+        file's size.
     Returns:
       A `BudgetPlan` (its `recipe` quantizes the model: `quantize_params(params, plan.recipe,
       algorithm_options=AlgorithmOptions(statistics=statistics))`).
@@ -362,6 +508,7 @@ def choose_plan(
         target=target,
         on_weight=on_weight,
         sensitivity=sensitivity,
+        file=file,
     )
     if max_ms_per_token is not None:
         measurements = time_candidates(measurements)

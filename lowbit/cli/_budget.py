@@ -47,7 +47,10 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-bytes",
         type=int,
         metavar="N",
-        help="stored bytes of the planned weights, scales included",
+        help="the size of the model's GGUF file (Llama-family models: --out FILE.gguf, or "
+        "`lowbit export DIR --gguf FILE` from the checkpoint), metadata, norms and padding "
+        "included, each weight counted in the GGUF type the export writes it as; for other "
+        "models, the checkpoint's stored bytes of the planned weights",
     )
     budget.add_argument(
         "--candidates",
@@ -123,6 +126,7 @@ def run_budget(args: argparse.Namespace) -> int:
 
     from lowbit.api import (
         AlgorithmOptions,
+        check_budget,
         measure_candidates,
         plan_within,
         quantize_params,
@@ -147,6 +151,20 @@ def run_budget(args: argparse.Namespace) -> int:
         pure = nnx.to_pure_dict(nnx.split(loaded.model)[1])
         _check_gguf_model(loaded, target)
         paths = tuple(planned_weights(pure, candidates))
+        file = _gguf_file(loaded, pure, paths) if args.max_bytes is not None else None
+        if file is not None and given is None:
+            # In the file, a lowbit format that is not a GGML type is requantized to Q8_0:
+            # it costs Q8_0's bytes for more error than Q8_0's, so only GGML types are worth
+            # their bytes (and they give the knapsack finer steps: Q5_0, Q5_1, Q6_K, ...).
+            candidates = default_candidates("gguf")
+        check_budget(
+            pure,
+            bits=args.bits,
+            max_bytes=args.max_bytes,
+            candidates=candidates,
+            target=target,
+            file=file,
+        )
         with step(bar, "calibrating") as on_batch:
             calibrate = calibrator(args.calibration, sequences, on_batch=on_batch)
             statistics = calibrate(loaded, pure, paths, 0)
@@ -164,6 +182,7 @@ def run_budget(args: argparse.Namespace) -> int:
                 target=target,
                 on_weight=on_weight,
                 sensitivity=sensitivity,
+                file=file,
             )
         if args.max_ms_per_token is not None:
             with step(bar, "timing candidates") as on_weight:
@@ -229,6 +248,18 @@ def write_output(bar: Any, args: Any, loaded: Any, params: Any, recipe: Any, lab
         f"wrote {args.out}: {loaded.name} with recipe {label}, {size / 1e6:.2f} MB "
         f"({size / reference:.3f} of float32 {reference / 1e6:.2f} MB)"
     )
+
+
+def _gguf_file(loaded: Any, pure: Any, paths: tuple[str, ...]) -> Any:
+    """How the GGUF file of a Llama-family model counts a plan's bytes (`gguf_plan_bytes`),
+    for a ``--max-bytes`` budget: the file written by ``--out FILE.gguf``, or by ``lowbit
+    export DIR --gguf FILE`` from the checkpoint. None for other models (their budget is the
+    checkpoint's planned weights)."""
+    if loaded.kind != "lm" or not hasattr(getattr(loaded.model, "config", None), "n_kv_heads"):
+        return None
+    from lowbit.io import gguf_plan_bytes
+
+    return gguf_plan_bytes(pure, paths, config=loaded.model.config, source=loaded.gguf_path)
 
 
 def _check_gguf_model(loaded: Any, target: str) -> None:

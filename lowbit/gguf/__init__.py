@@ -8,12 +8,12 @@ and codes) are their compiled NumPy entry points.
 `read_gguf` parses a file's header once and hands each tensor over as a memory-mapped view of
 its stored blocks (`GGUFFile`, `GGUFTensor`); a malformed file raises `GGUFError`.
 `write_gguf` writes one atomically, its tensors declared up front (`TensorSpec`) and their
-data streamed one at a time.
+data streamed one at a time; `header_nbytes` and `padded` give its size before it is written.
 """
 
 from lowbit.gguf._reader import GGUFError, GGUFFile, GGUFTensor, read_gguf
 from lowbit.gguf._types import BLOCK_TYPES, BlockType, block_type, decode, encode, split
-from lowbit.gguf._writer import FLOAT_TYPES, TensorSpec, write_gguf
+from lowbit.gguf._writer import FLOAT_TYPES, TensorSpec, header_nbytes, padded, write_gguf
 
 __all__ = [
     "BLOCK_TYPES",
@@ -26,6 +26,8 @@ __all__ = [
     "block_type",
     "decode",
     "encode",
+    "header_nbytes",
+    "padded",
     "read_gguf",
     "split",
     "write_gguf",

@@ -11,6 +11,7 @@ can be produced one tensor at a time.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -77,17 +78,7 @@ def write_gguf(
         raise OSError(f"cannot write {path!r}: directory {directory!r} does not exist")
 
     def write(file) -> None:
-        writer = _FileWriter(file, architecture)
-        for key, value, vtype, sub in metadata:
-            writer.add_key_value(key, value, vtype, sub_type=sub)
-        for t in tensors:
-            raw_dtype = (
-                None if t.ggml_type in FLOAT_TYPES else gguf.GGMLQuantizationType[t.ggml_type]
-            )
-            writer.add_tensor_info(t.name, t.shape, t.dtype, t.nbytes, raw_dtype=raw_dtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
+        writer = _write_header(file, architecture, metadata, tensors)
         arrays = iter(data)
         for t in tensors:
             raw = next(arrays, None)
@@ -107,6 +98,44 @@ def write_gguf(
         _validate(file, tensors)
 
     atomic_write(path, write)
+
+
+def header_nbytes(
+    architecture: str, metadata: Iterable[Metadata], tensors: Sequence[TensorSpec]
+) -> int:
+    """Bytes `write_gguf` writes before the first tensor's data: the header, the metadata, the
+    tensor table and the padding to the data's alignment (written to memory, not to a file).
+
+    A file's size is this plus `padded` of each tensor's bytes: every tensor's data starts
+    aligned and is padded after.
+    """
+    buffer = io.BytesIO()
+    _write_header(buffer, architecture, metadata, tensors)
+    return padded(buffer.tell())
+
+
+def padded(nbytes: int) -> int:
+    """`nbytes` rounded up to the alignment of a GGUF file's tensor data (32 bytes: the
+    writer sets no ``general.alignment``)."""
+    align = gguf.GGUF_DEFAULT_ALIGNMENT
+    return -(-nbytes // align) * align
+
+
+def _write_header(
+    file, architecture: str, metadata: Iterable[Metadata], tensors: Sequence[TensorSpec]
+) -> gguf.GGUFWriter:
+    """Writes the header, the metadata and the tensor table to `file`; returns the writer,
+    ready for the tensors' data."""
+    writer = _FileWriter(file, architecture)
+    for key, value, vtype, sub in metadata:
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    for t in tensors:
+        raw_dtype = None if t.ggml_type in FLOAT_TYPES else gguf.GGMLQuantizationType[t.ggml_type]
+        writer.add_tensor_info(t.name, t.shape, t.dtype, t.nbytes, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    return writer
 
 
 class _FileWriter(gguf.GGUFWriter):

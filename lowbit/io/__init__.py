@@ -21,6 +21,7 @@ from lowbit.io._config_dict import quant_config_from_dict, quant_config_to_dict
 from lowbit.io._convert import ConvertReport, convert_checkpoint, streaming_problem
 from lowbit.io._gguf_export import EXPORT_TYPES, ExportReport, TensorNote, export_gguf
 from lowbit.io._gguf_import import gguf_tensor_to_qarray, import_gguf
+from lowbit.io._gguf_size import gguf_nbytes, gguf_plan_bytes
 from lowbit.io._hf_import import import_safetensors
 from lowbit.io._manifest import CheckpointError
 from lowbit.io._placement import Placement
@@ -44,6 +45,8 @@ __all__ = [
     "checkpoint_leaves",
     "convert_checkpoint",
     "export_gguf",
+    "gguf_nbytes",
+    "gguf_plan_bytes",
     "gguf_tensor_to_qarray",
     "has_adapters",
     "import_gguf",

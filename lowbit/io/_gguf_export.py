@@ -371,6 +371,54 @@ def export_gguf(
     """
     type_ = check_type(type)
     path = os.fspath(path)
+    plan, metadata = _layout(params, config, type_, source, strict)
+    notes: list[TensorNote] = []
+
+    def encoded() -> Iterator[np.ndarray]:
+        for p in plan:
+            if p.where is None:
+                yield np.asarray(config.rope_freq_factors, np.float32)
+                continue
+            value = _oriented(p.name, p.where, _leaf(params, p.where.path, abstract=False))
+            raw, written, how, note = _tensor(p.name, value, type_, config, strict)
+            del value
+            if p.where.unpermute_heads is not None:
+                raw = _permute_rope_rows(raw, p.where.unpermute_heads)
+            if (written, tuple(raw.shape), raw.dtype) != (p.written, p.shape, p.dtype):
+                raise ValueError(
+                    f"GGUF tensor {p.name!r}: planned as {p.written} {p.shape} but encoded as "
+                    f"{written} {tuple(raw.shape)}: its leaf changed while exporting"
+                )
+            notes.append(TensorNote(p.name, written, how, note))
+            if log is not None and (how == "requantized" or note):  # not plain float -> type
+                log(f"{p.name}: {how} as {written}" + (f" ({note})" if note else ""))
+            yield raw
+
+    write_gguf(path, config.architecture, metadata, _specs(plan), encoded())
+    return ExportReport(path=path, nbytes=os.path.getsize(path), tensors=tuple(notes))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """One tensor of the file, before its data: GGUF name, where its leaf is (None for the
+    config's rope_freqs), the type written, and the written array's shape and dtype."""
+
+    name: str
+    where: Any
+    written: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def _layout(
+    params: Any,
+    config: DecoderConfig,
+    type_: str | None,
+    source: str | os.PathLike[str] | GGUFFile | None,
+    strict: bool,
+) -> tuple[list[_Planned], list[tuple[str, Any, Any, Any]]]:
+    """Every tensor of the file `export_gguf` writes (name, type, byte shape), from shapes and
+    metadata alone, and the file's metadata keys: all that precedes the tensors' data."""
     # Pass 1 plans every tensor (name, type, byte shape) from shapes and metadata alone: the
     # file's header comes before its data. Pass 2 reads, encodes and writes one at a time.
     plan = []
@@ -398,28 +446,6 @@ def export_gguf(
             ours = [(k, v, t, None) for k, (v, t) in _config_metadata(config).items()]
             metadata = [m for m in metadata if m[0].startswith(("general.", "tokenizer."))]
             metadata += [m for m in ours if m[0] not in _SKIP_KEYS]
-    notes: list[TensorNote] = []
-
-    def encoded() -> Iterator[np.ndarray]:
-        for p in plan:
-            if p.where is None:
-                yield np.asarray(config.rope_freq_factors, np.float32)
-                continue
-            value = _oriented(p.name, p.where, _leaf(params, p.where.path, abstract=False))
-            raw, written, how, note = _tensor(p.name, value, type_, config, strict)
-            del value
-            if p.where.unpermute_heads is not None:
-                raw = _permute_rope_rows(raw, p.where.unpermute_heads)
-            if (written, tuple(raw.shape), raw.dtype) != (p.written, p.shape, p.dtype):
-                raise ValueError(
-                    f"GGUF tensor {p.name!r}: planned as {p.written} {p.shape} but encoded as "
-                    f"{written} {tuple(raw.shape)}: its leaf changed while exporting"
-                )
-            notes.append(TensorNote(p.name, written, how, note))
-            if log is not None and (how == "requantized" or note):  # not plain float -> type
-                log(f"{p.name}: {how} as {written}" + (f" ({note})" if note else ""))
-            yield raw
-
     if metadata is None:
         ours = _config_metadata(config).items()
         metadata = [(k, v, t, None) for k, (v, t) in ours if k not in _SKIP_KEYS]
@@ -428,21 +454,12 @@ def export_gguf(
         ("general.file_type", file_type, uint32, None),
         ("general.quantization_version", 2, uint32, None),
     ]
-    specs = [TensorSpec(p.name, p.written, p.shape, p.dtype) for p in plan]
-    write_gguf(path, config.architecture, metadata, specs, encoded())
-    return ExportReport(path=path, nbytes=os.path.getsize(path), tensors=tuple(notes))
+    return plan, metadata
 
 
-@dataclasses.dataclass(frozen=True)
-class _Planned:
-    """One tensor of the file, before its data: GGUF name, where its leaf is (None for the
-    config's rope_freqs), the type written, and the written array's shape and dtype."""
-
-    name: str
-    where: Any
-    written: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
+def _specs(plan: list[_Planned]) -> list[TensorSpec]:
+    """The writer's declaration of each planned tensor."""
+    return [TensorSpec(p.name, p.written, p.shape, p.dtype) for p in plan]
 
 
 def _planned(name: str, where: Any, written: str, value: Any) -> _Planned:

@@ -189,3 +189,33 @@ def test_plan_within_a_time_limit(model):
     assert "ms of kernels per token within 4" in str(plan)
     with pytest.raises(ValueError, match="the fastest found takes 0.002 s"):
         plan_within(timed, bits=8.5, max_ms_per_token=1.0)
+
+
+def test_a_file_counts_its_own_bytes(model):
+    """With a `FileBytes`, each candidate costs the file's bytes for it, `max_bytes` is the
+    whole file (its fixed bytes first), and a budget below the smallest file is refused from
+    shapes alone, naming the file's sizes."""
+    from lowbit.api import FileBytes, check_budget
+
+    params, stats, _ = model
+    candidates = parse_candidates(CANDIDATES)
+    # A stand-in file: every weight padded by 100 bytes, 5000 bytes of header.
+    file = FileBytes(fixed=5000, nbytes=lambda path, q: int(q.nbytes) + 100, what="test file")
+    measured = measure_candidates(params, stats, candidates=candidates, file=file)
+    plain = measure_candidates(params, stats, candidates=candidates)
+    for path, ms in measured.measured.items():
+        assert [m.nbytes for m in ms] == [m.nbytes + 100 for m in plain.measured[path]]
+    low, high = measured.bounds()
+    budget = 5000 + (low + high) // 2
+    plan = plan_within(measured, max_bytes=budget)
+    assert plan.file_nbytes == plan.nbytes + 5000 <= budget
+    assert f"the test file: {plan.file_nbytes} bytes (5000 besides" in str(plan)
+    # The bytes left are fewer than any change of lower error would add.
+    assert plan.step is not None and budget - plan.file_nbytes < plan.step
+    assert plan_within(measured, max_bytes=high + 5000).step is None  # every weight at its best
+    message = rf"below the smallest plan: the test file takes {low + 5000} to {high + 5000} bytes"
+    with pytest.raises(ValueError, match=message):
+        plan_within(measured, max_bytes=low + 4999)
+    with pytest.raises(ValueError, match=message):
+        check_budget(params, max_bytes=low + 4999, candidates=candidates, file=file)
+    check_budget(params, max_bytes=low + 5000, candidates=candidates, file=file)

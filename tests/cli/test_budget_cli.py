@@ -7,6 +7,7 @@ from pathlib import Path
 
 import gguf
 import pytest
+from flax import nnx
 
 from lowbit.cli._main import main
 
@@ -99,3 +100,33 @@ def test_plan_on_output_sensitivity_within_a_time_limit(tiny, capsys):
     assert "bits per layer" in printed and "ms of kernels per token within 1000" in printed
     chosen = {t for n, t in _types(out).items() if n.endswith(".weight") and "norm" not in n}
     assert chosen and chosen <= {"Q8_0", "Q4_0"}
+
+
+def test_max_bytes_holds_in_the_exported_file(tiny, capsys):
+    """`--max-bytes N` to a checkpoint with lowbit formats, then `lowbit export`:
+    the file is at most N and, with N binding, within 2% of it; below the smallest file, the
+    error names its size (every weight Q4_1, the cheapest type the candidates export as)."""
+    from lowbit.io import export_gguf
+    from lowbit.serving import load_model
+
+    model, root = tiny
+    loaded = load_model(str(model))
+    pure = nnx.to_pure_dict(nnx.split(loaded.model)[1])
+    sizes = {}
+    for type_ in ("Q4_1", "Q8_0"):
+        out = root / f"all-{type_}.gguf"
+        export_gguf(pure, out, config=loaded.model.config, type=type_, source=model, log=None)
+        sizes[type_] = out.stat().st_size
+    calib = ["--calibration", str(root / "calib.txt"), "--calibration-sequences", "1"]
+    # Q4_1 written directly; per-channel int8 and NF4 requantized as Q8_0.
+    candidates = ["--candidates", "int4:g32:asym,int8,nf4:g64"]
+    argv = ["quantize", str(model), "--sensitivity", "gram", *candidates, *calib]
+    budget = (sizes["Q4_1"] + sizes["Q8_0"]) // 2
+    checkpoint, exported = root / "budget-ckpt", root / "budget.gguf"
+    assert main([*argv, "--max-bytes", str(budget), "--out", str(checkpoint)]) == 0, _error(capsys)
+    assert main(["export", str(checkpoint), "--gguf", str(exported)]) == 0, _error(capsys)
+    assert 0.98 * budget <= exported.stat().st_size <= budget
+
+    low = sizes["Q4_1"] - 1
+    assert main([*argv, "--max-bytes", str(low), "--out", str(root / "none")]) == 2
+    assert f"the GGUF file takes {sizes['Q4_1']} to" in _error(capsys)
