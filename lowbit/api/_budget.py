@@ -18,9 +18,14 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.algorithms import Statistics
-from lowbit.algorithms._knapsack import bounds, solve, solve_timed
-from lowbit.algorithms._sensitivity import Measured, measure
+from lowbit.algorithms import (
+    Measured,
+    Statistics,
+    knapsack_bounds,
+    measure,
+    solve_knapsack,
+    solve_knapsack_timed,
+)
 from lowbit.api._candidate_time import time_candidates
 from lowbit.recipes import (
     Candidate,
@@ -199,7 +204,7 @@ class Measurements:
 
     def bounds(self) -> tuple[int, int]:
         """(smallest, largest) total bytes the candidates can give."""
-        return bounds([[m.nbytes for m in ms] for ms in self.measured.values()])
+        return knapsack_bounds([[m.nbytes for m in ms] for ms in self.measured.values()])
 
 
 def measure_candidates(
@@ -271,7 +276,7 @@ def plan_within(
 
     `max_ms_per_token` also limits the summed kernel time of the chosen candidates (timed by
     `time_candidates`, one activation row: a decode step): error is traded for time only as
-    far as the limit needs (`lowbit.algorithms._knapsack.solve_timed`).
+    far as the limit needs (`lowbit.algorithms.solve_knapsack_timed`).
 
     Raises:
       ValueError: for neither or both budgets, one outside what the candidates can give
@@ -281,13 +286,13 @@ def plan_within(
     measured = measurements.measured
     costs = [[m.nbytes for m in ms] for ms in measured.values()]
     errors = [[m.error for m in ms] for ms in measured.values()]
-    low, high = bounds(costs)
+    low, high = knapsack_bounds(costs)
     budget = budget_bytes(
         bits=bits, max_bytes=max_bytes, elements=measurements.elements, low=low, high=high
     )
     max_seconds = None
     if max_ms_per_token is None:
-        picks = solve(costs, errors, budget)
+        picks = solve_knapsack(costs, errors, budget)
     else:
         if max_ms_per_token <= 0:
             raise ValueError(f"max_ms_per_token={max_ms_per_token} must be > 0")
@@ -298,7 +303,7 @@ def plan_within(
             )
         max_seconds = max_ms_per_token / 1e3
         times = [[m.seconds for m in ms] for ms in measured.values()]
-        picks = solve_timed(costs, errors, times, budget, max_seconds)
+        picks = solve_knapsack_timed(costs, errors, times, budget, max_seconds)
     shapes = measurements.shapes
     tensors = tuple(
         TensorChoice(path, shapes[path], ms[j], tuple(ms))

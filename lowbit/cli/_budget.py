@@ -125,10 +125,10 @@ def run_budget(args: argparse.Namespace) -> int:
         AlgorithmOptions,
         measure_candidates,
         plan_within,
+        planned_weights,
         quantize_params,
         time_candidates,
     )
-    from lowbit.api._budget import planned_weights
     from lowbit.eval import calibrator, output_sensitivity_of
     from lowbit.recipes import default_candidates, parse_candidates, storable
 

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 from lowbit.cli._common import measuring_command, open_measured, progress, report_row, step
-from lowbit.eval._session import ModelSession
+from lowbit.eval import ModelSession
 
 BENCH_FILE = "bench.json"
 

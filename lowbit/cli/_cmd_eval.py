@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 
 from lowbit.cli._common import measuring_command, open_measured, progress, report_row, step
-from lowbit.eval import read_sentences, read_text
-from lowbit.eval._session import ModelSession
+from lowbit.eval import ModelSession, read_sentences, read_text
 
 EVAL_FILE = "eval.json"
 

@@ -41,10 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the command with parsed `args`; returns the exit status (errors raise)."""
-    from lowbit.io import export_gguf
-    from lowbit.io._gguf_export import check_type
+    from lowbit.io import check_export_type, export_gguf
 
-    check_type(args.type)
+    check_export_type(args.type)
     lines: list[str] = []
     streamed = _stream_source(args.target, args.recipe)
     if streamed is not None:

@@ -77,11 +77,11 @@ def run(args: argparse.Namespace) -> int:
         FinetuneSettings,
         default_training_text,
         finetune_lm,
+        named_leaves,
         plot_loss_curve,
+        quantize_variant,
         read_text,
     )
-    from lowbit.eval._tree import named_leaves
-    from lowbit.eval._variants import quantize_variant
     from lowbit.io import save_adapters, save_checkpoint
     from lowbit.ops import logical_weights
 

@@ -113,7 +113,7 @@ class _TextStream:
 def run(args: argparse.Namespace) -> int:
     """Runs the command with parsed `args`; returns the exit status (errors raise)."""
     from lowbit.api import program_directory
-    from lowbit.models._generate import Sampling, generate_tokens, stream_tokens
+    from lowbit.models import Sampling, generate_tokens, stream_tokens
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")

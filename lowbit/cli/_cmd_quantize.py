@@ -158,7 +158,7 @@ def _run_streaming(args: argparse.Namespace) -> int:
     in-memory path writes)."""
     from tokenizers import Tokenizer
 
-    from lowbit.eval._calibration_set import lm_calibration_batches
+    from lowbit.eval import lm_calibration_batches
     from lowbit.gguf import read_gguf
     from lowbit.io import convert_checkpoint
     from lowbit.models import decoder_config_from_gguf, gguf_param_map, tokenizer_from_gguf

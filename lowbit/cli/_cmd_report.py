@@ -22,6 +22,7 @@ from lowbit.cli._common import (
     write_json,
 )
 from lowbit.eval import (
+    ModelSession,
     ResultRow,
     float32_bytes,
     output_sqnr,
@@ -32,7 +33,6 @@ from lowbit.eval import (
     weight_sqnr,
     write_report,
 )
-from lowbit.eval._session import ModelSession
 
 WORST_SHOWN = 8
 

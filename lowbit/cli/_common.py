@@ -510,7 +510,7 @@ def gguf_metadata(loaded: Any) -> dict[str, Any] | None:
 def stop_ids(loaded: Any, metadata: dict[str, Any] | None) -> list[int]:
     """The token ids that end a generation: the common end-of-turn / end-of-text names the
     tokenizer knows, plus a GGUF file's own end-of-generation ids (EOS, end of turn)."""
-    from lowbit.models._generate import DEFAULT_STOP_TOKENS, stop_token_ids
+    from lowbit.models import DEFAULT_STOP_TOKENS, stop_token_ids
 
     stops = stop_token_ids(loaded.tokenizer, DEFAULT_STOP_TOKENS)
     if metadata is not None:
@@ -526,7 +526,7 @@ def chat_template(metadata: dict[str, Any] | None, flag: str = "--chat") -> Any:
     Raises:
       ValueError: without GGUF metadata (naming `flag`), or without a template in it.
     """
-    from lowbit.models._generate import chat_template_from_gguf
+    from lowbit.models import chat_template_from_gguf
 
     if metadata is None:
         raise ValueError(f"{flag} reads the chat template from a GGUF file; this model has none")

@@ -30,6 +30,7 @@ from lowbit.ops._fp8_scaling import (
     Fp8Weight,
     fp8_dot_general,
 )
+from lowbit.ops._fp8_scaling import init_state as fp8_init_state
 from lowbit.ops._hadamard import hadamard_matrix, hadamard_transform
 from lowbit.ops._hadamard_weight import HadamardInput, rotate_weight_input
 from lowbit.ops._lora_weight import (
@@ -45,6 +46,7 @@ from lowbit.ops._prepared import (
     PreparedQArray,
     is_prepared,
     logical_weights,
+    on_explicit_axes,
     prepare_leaves,
     prepare_weight,
     prepare_weights,
@@ -104,4 +106,6 @@ __all__ = [
     "ragged_dot_general_path",
     "ragged_dot_general_reference",
     "with_int8_activations",
+    "fp8_init_state",
+    "on_explicit_axes",
 ]

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit import kernels
+from lowbit._host_memory import release_free_memory
 from lowbit.ops._cpu_kernels import KernelRoute, gguf_rows, prepare_layout, weight_route
-from lowbit.ops._host_memory import release_free_memory
 from lowbit.qarray import META_FIELDS, ArrayBacked, EngineValue, NoRule, QArray
 
 
