@@ -27,6 +27,7 @@ from lowbit.algorithms import (
     solve_knapsack_timed,
 )
 from lowbit.api._candidate_time import time_candidates
+from lowbit.api._measurements import Measurements
 from lowbit.recipes import (
     Candidate,
     Recipe,
@@ -180,31 +181,6 @@ def budget_bytes(
             "candidate, so lower the budget or add larger candidates (--candidates)"
         )
     return budget
-
-
-@dataclasses.dataclass(frozen=True)
-class Measurements:
-    """Every candidate measured on every weight: what a plan is chosen from, for any budget.
-
-    Attributes:
-      shapes: {path: shape} of the measured weights.
-      measured: {path: [Measured, ...]} (the candidates that fit each weight).
-      target: ``"lowbit"`` or ``"gguf"``.
-      unplanned: {path: why} for weights no candidate fits.
-    """
-
-    shapes: Mapping[str, tuple[int, ...]]
-    measured: Mapping[str, list[Measured]]
-    target: str
-    unplanned: Mapping[str, str]
-
-    @property
-    def elements(self) -> int:
-        return sum(math.prod(self.shapes[p]) for p in self.measured)
-
-    def bounds(self) -> tuple[int, int]:
-        """(smallest, largest) total bytes the candidates can give."""
-        return knapsack_bounds([[m.nbytes for m in ms] for ms in self.measured.values()])
 
 
 def measure_candidates(

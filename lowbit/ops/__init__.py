@@ -13,7 +13,6 @@ from lowbit.ops._conv import (
     conv_general_dilated_path,
     conv_general_dilated_reference,
 )
-from lowbit.ops._conv_qat import qat_conv_general_dilated
 from lowbit.ops._cpu_kernels import KERNEL_PATHS, MIN_WEIGHT_ELEMENTS
 from lowbit.ops._cpu_kernels import contract_axis as linear_contraction_axis
 from lowbit.ops._dot_general import (
@@ -52,15 +51,19 @@ from lowbit.ops._prepared import (
     prepare_weights,
     with_int8_activations,
 )
-from lowbit.ops._qat import qat_dot_general
-from lowbit.ops._qat_weight import QatWeight, qat_weight
+from lowbit.ops._qat_weight import (
+    QatWeight,
+    qat_conv_general_dilated,
+    qat_dot_general,
+    qat_ragged_dot_general,
+    qat_weight,
+)
 from lowbit.ops._ragged_dot import (
     ragged_dot,
     ragged_dot_general,
     ragged_dot_general_path,
     ragged_dot_general_reference,
 )
-from lowbit.ops._ragged_dot_qat import qat_ragged_dot_general
 
 __all__ = [
     "KERNEL_PATHS",
