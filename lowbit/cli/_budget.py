@@ -17,8 +17,18 @@ import os
 from pathlib import Path
 from typing import Any
 
+from flax import nnx
+
 from lowbit import serving
 from lowbit._atomic import atomic_write
+from lowbit.api import (
+    AlgorithmOptions,
+    measure_candidates,
+    plan_within,
+    planned_weights,
+    quantize_params,
+    time_candidates,
+)
 from lowbit.cli._common import (
     META_KIND,
     META_MODEL,
@@ -27,6 +37,16 @@ from lowbit.cli._common import (
     progress,
     step,
 )
+from lowbit.eval import (
+    calibrator,
+    float32_bytes,
+    output_sensitivity_of,
+    param_bytes,
+    plot_bits_per_layer,
+)
+from lowbit.io import check_save_path, export_gguf, save_checkpoint
+from lowbit.recipes import default_candidates, parse_candidates, storable
+from lowbit.serving import ready
 
 PLAN_NAME = "plan"
 
@@ -119,19 +139,6 @@ def target_of(args: argparse.Namespace) -> str:
 
 def run_budget(args: argparse.Namespace) -> int:
     """Chooses, prints and writes a plan, then the quantized model (see module docstring)."""
-    from flax import nnx
-
-    from lowbit.api import (
-        AlgorithmOptions,
-        measure_candidates,
-        plan_within,
-        planned_weights,
-        quantize_params,
-        time_candidates,
-    )
-    from lowbit.eval import calibrator, output_sensitivity_of
-    from lowbit.recipes import default_candidates, parse_candidates, storable
-
     target = target_of(args)
     given = parse_candidates(args.candidates) if args.candidates else None
     candidates = storable(given or default_candidates(target), target)  # before the slow work
@@ -180,8 +187,6 @@ def run_budget(args: argparse.Namespace) -> int:
             atomic_write(args.plan_out, (plan.recipe.to_json() + "\n").encode("utf-8"))
             print(f"wrote plan {args.plan_out} (reuse it with --recipe {args.plan_out})")
         if args.plot:
-            from lowbit.eval import plot_bits_per_layer
-
             title = f"{loaded.name}: {plan.bits:.3f} bits per weight ({target})"
             plot_bits_per_layer(plan.bits_per_layer(), args.plot, title=title)
             print(f"wrote {args.plot}")
@@ -196,8 +201,6 @@ def write_output(bar: Any, args: Any, loaded: Any, params: Any, recipe: Any, lab
     """Writes quantized `params` (logical QArrays) to ``args.out``: a GGUF file when it ends
     in ``.gguf`` (each weight as its direct GGML type), else a checkpoint directory."""
     if str(args.out).endswith(".gguf"):
-        from lowbit.io import export_gguf
-
         _check_gguf_model(loaded, "gguf")
         lines: list[str] = []
         with step(bar, f"writing {args.out}"):
@@ -216,9 +219,6 @@ def write_output(bar: Any, args: Any, loaded: Any, params: Any, recipe: Any, lab
         types = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
         print(f"wrote {args.out}: {report.nbytes / 1e6:.2f} MB, tensors {types}")
         return
-    from lowbit.eval import float32_bytes, param_bytes
-    from lowbit.io import check_save_path, save_checkpoint
-    from lowbit.serving import ready
 
     check_save_path(args.out)
     metadata = {META_MODEL: loaded.spec, META_RECIPE: label, META_KIND: loaded.kind}
