@@ -90,8 +90,10 @@ test-jax-compat: $(STAMP)
 		print('jax', jax.__version__, 'lowbit from', lowbit.__file__); print(k.status())"
 	cd tests && $(CURDIR)/$(COMPAT_VENV)/bin/pytest -x -q -p no:cacheprovider qarray ops engine
 
+# ruff, then the layer contracts of pyproject.toml's [tool.importlinter] (docs/architecture.md).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lowbit tests benchmarks
+	$(VENV)/bin/lint-imports --no-cache pyproject.toml
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) $(BENCH_VENV) build *.egg-info

@@ -1,12 +1,21 @@
-"""The package's layers import only from layers below them, and nothing imports pickle."""
+"""The package's layers import only from layers below them, and nothing imports pickle.
+
+The same layers, with no import of another package's private module and no cycle between the
+modules of a package, are import-linter contracts in pyproject.toml (`make lint`); the last
+tests here run them."""
 
 import ast
+import importlib.util
+import os
 import pathlib
+import subprocess
 import sys
+import tomllib
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "lowbit"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lowbit"
 
 # Bottom to top. GGUF (block codecs, the file reader and writer) sits below everything that
 # reads or writes GGUF; kernels sit below ops (the ops layer picks kernels); algorithms
@@ -107,3 +116,44 @@ def test_no_pickle_anywhere():
     for path in PACKAGE.rglob("*.py"):
         names = _imports(path)
         assert not {"pickle", "cloudpickle", "dill"} & names, path
+
+
+def _contracts() -> list[dict]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    assert config["root_package"] == "lowbit"
+    return config["contracts"]
+
+
+def test_the_import_linter_contracts_are_these_layers_with_no_exceptions():
+    contracts = _contracts()
+    assert sorted(c["type"] for c in contracts) == ["acyclic_siblings", "layers", "private_modules"]
+    (layers,) = [c for c in contracts if c["type"] == "layers"]
+    assert layers["layers"] == [f"lowbit.{name}" for name in reversed(LAYERS)]
+    for contract in contracts:
+        assert not {"ignore_imports", "unmatched_ignore_imports_alerting"} & set(contract), contract
+
+
+def test_import_linter_contracts_hold():
+    if importlib.util.find_spec("importlinter") is None:
+        pytest.skip(
+            "import-linter is not installed (it is in the test extras: pip install -e '.[test]')"
+        )
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from importlinter.cli import lint_imports_command; lint_imports_command()",
+            "--no-cache",
+            "--no-logo",
+            "pyproject.toml",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, f"import-linter:\n{result.stdout}\n{result.stderr}"

@@ -29,7 +29,9 @@ from lowbit.algorithms._rounding import (
     Context,
     GptqRounding,
     HqqRounding,
+    Nearest,
     NearestRounding,
+    Rescaled,
     Rounding,
     check_algorithm,
     first_rounding,
@@ -38,8 +40,29 @@ from lowbit.algorithms._rounding import (
     rounding_for,
     sample_rows,
 )
-from lowbit.algorithms._sensitivity import Measured, measure, output_error, output_sensitivity
+from lowbit.algorithms._sensitivity import (
+    Measured,
+    measure,
+    output_error,
+    output_sensitivity,
+    stored_nbytes,
+)
+from lowbit.algorithms._smooth import (
+    apply_factors,
+    fold_factors,
+    input_scales,
+    plan_folds,
+    scale_leaf,
+)
 from lowbit.algorithms._sparsegpt import prune_one, sparsegpt_matrix
+from lowbit.algorithms._spread import (
+    check_same_everywhere,
+    held_whole,
+    local_copy,
+    plan_spread,
+    spanning_processes,
+    stats_span_processes,
+)
 from lowbit.algorithms._walk import activation_rows, batch_args, kept_rows, walk_batch
 
 __all__ = [
@@ -51,6 +74,7 @@ __all__ = [
     "output_sensitivity",
     "solve_knapsack",
     "solve_knapsack_timed",
+    "stored_nbytes",
     "AlgorithmReport",
     "CalibrationError",
     "Context",
@@ -75,4 +99,17 @@ __all__ = [
     "sample_rows",
     "sparsegpt_matrix",
     "walk_batch",
+    "Nearest",
+    "Rescaled",
+    "apply_factors",
+    "check_same_everywhere",
+    "fold_factors",
+    "held_whole",
+    "input_scales",
+    "local_copy",
+    "plan_folds",
+    "plan_spread",
+    "scale_leaf",
+    "spanning_processes",
+    "stats_span_processes",
 ]

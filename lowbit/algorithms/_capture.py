@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit.algorithms._walk import activation_rows, batch_args, kept_rows, walk_batch
@@ -249,8 +250,6 @@ def _on_host(x: jax.Array) -> np.ndarray:
     """`x` in this process's memory. Rows split over processes (data-parallel calibration) are
     gathered: a sample of activation rows, small, and the same in every process."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 

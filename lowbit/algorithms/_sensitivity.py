@@ -42,8 +42,7 @@ from lowbit.algorithms._capture import WeightStats
 from lowbit.algorithms._gptq import as_matrix, gptq_qarray
 from lowbit.algorithms._walk import batch_args
 from lowbit.qarray import quantize
-from lowbit.recipes._candidates import Candidate
-from lowbit.recipes._paths import param_leaves
+from lowbit.recipes import Candidate, param_leaves
 
 
 @dataclasses.dataclass(frozen=True)

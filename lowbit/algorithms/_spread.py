@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit.algorithms._capture import CalibrationError
@@ -216,8 +217,6 @@ def _no_mesh():
 
 def _allgather_bytes(payload: bytes) -> list[bytes]:
     """Every process's `payload` (lengths first, then the bytes padded to the longest)."""
-    from jax.experimental import multihost_utils
-
     lengths = multihost_utils.process_allgather(np.asarray(len(payload), np.int64))
     longest = int(np.max(lengths))
     mine = np.zeros(max(longest, 1), np.uint8)
@@ -341,7 +340,6 @@ def check_same_everywhere(what: str, name: str, text: str, fix: str) -> None:
     """
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
 
     label = name.encode()[:64].ljust(64, b"\0")
     mine = np.frombuffer(digest(text) + label, np.uint8)

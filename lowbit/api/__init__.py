@@ -12,6 +12,7 @@ from lowbit.api._budget import (
     choose_plan,
     measure_candidates,
     plan_within,
+    planned_weights,
 )
 from lowbit.api._calibrate import METHODS, activation_ranges, calibrate, with_activation_bounds
 from lowbit.api._candidate_time import time_candidates
@@ -19,17 +20,22 @@ from lowbit.api._fp8 import FP8_PRESETS, Fp8Recipe, fp8_apply, fp8_init, fp8_rec
 from lowbit.api._lora import (
     LoraConfig,
     LoraRule,
+    as_lora_config,
     check_adapters,
     lora_apply,
     lora_init,
     lora_merge,
     lora_param_count,
+    lora_plan,
 )
 from lowbit.api._model import QuantizedLinen, QuantizedModel, quantize_model, run
 from lowbit.api._prepare import prepare
 from lowbit.api._qat import convert, qat
 from lowbit.api._quantize import (
     algorithm_weights,
+    as_recipe,
+    check_decisions,
+    fixed_bounds,
     kernel_axes_of,
     quantize,
     quantize_params,
@@ -97,4 +103,10 @@ __all__ = [
     "describe",
     "program_directory",
     "program_key",
+    "as_lora_config",
+    "as_recipe",
+    "check_decisions",
+    "fixed_bounds",
+    "lora_plan",
+    "planned_weights",
 ]

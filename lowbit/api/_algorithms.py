@@ -16,32 +16,30 @@ from typing import Any
 
 import numpy as np
 
+from lowbit._host_memory import release_free_memory
 from lowbit.algorithms import (
     AlgorithmReport,
+    Context,
+    Nearest,
+    Rescaled,
     Statistics,
+    apply_factors,
     capture,
+    check_same_everywhere,
     first_rounding,
+    fold_factors,
     folds,
     gptq_one,
+    held_whole,
+    input_scales,
+    local_copy,
+    plan_folds,
+    plan_spread,
     rounding_for,
     sample_rows,
-)
-from lowbit.algorithms._rounding import Context, Nearest, Rescaled
-from lowbit.algorithms._smooth import (
-    apply_factors,
-    fold_factors,
-    input_scales,
-    plan_folds,
     scale_leaf,
-)
-from lowbit.algorithms._spread import (
-    check_same_everywhere,
-    held_whole,
-    local_copy,
-    plan_spread,
     stats_span_processes,
 )
-from lowbit.ops._host_memory import release_free_memory
 from lowbit.qarray import QArray
 from lowbit.recipes import GPTQ, Recipe, map_params, param_leaves
 

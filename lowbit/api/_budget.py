@@ -23,10 +23,17 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.algorithms import Statistics
-from lowbit.algorithms._knapsack import bounds, solve, solve_timed
-from lowbit.algorithms._sensitivity import Measured, measure, stored_nbytes
+from lowbit.algorithms import (
+    Measured,
+    Statistics,
+    knapsack_bounds,
+    measure,
+    solve_knapsack,
+    solve_knapsack_timed,
+    stored_nbytes,
+)
 from lowbit.api._candidate_time import time_candidates
+from lowbit.api._measurements import Measurements
 from lowbit.recipes import (
     Candidate,
     Recipe,
@@ -271,7 +278,7 @@ def check_budget(
             elements += math.prod(shape)
     if not costs:
         return  # `measure_candidates` says which weights and why
-    low, high = bounds(costs)
+    low, high = knapsack_bounds(costs)
     budget_bytes(
         bits=bits,
         max_bytes=max_bytes,
@@ -281,35 +288,6 @@ def check_budget(
         fixed=0 if file is None else file.fixed,
         file=None if file is None else file.what,
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class Measurements:
-    """Every candidate measured on every weight: what a plan is chosen from, for any budget.
-
-    Attributes:
-      shapes: {path: shape} of the measured weights.
-      measured: {path: [Measured, ...]} (the candidates that fit each weight).
-      target: ``"lowbit"`` or ``"gguf"``.
-      unplanned: {path: why} for weights no candidate fits.
-      fixed: bytes the file holds besides the planned weights (`FileBytes.fixed`), or 0.
-      file: the file the bytes were counted for (`FileBytes.what`), or None.
-    """
-
-    shapes: Mapping[str, tuple[int, ...]]
-    measured: Mapping[str, list[Measured]]
-    target: str
-    unplanned: Mapping[str, str]
-    fixed: int = 0
-    file: str | None = None
-
-    @property
-    def elements(self) -> int:
-        return sum(math.prod(self.shapes[p]) for p in self.measured)
-
-    def bounds(self) -> tuple[int, int]:
-        """(smallest, largest) total bytes the candidates can give."""
-        return bounds([[m.nbytes for m in ms] for ms in self.measured.values()])
 
 
 def measure_candidates(
@@ -393,7 +371,7 @@ def plan_within(
 
     `max_ms_per_token` also limits the summed kernel time of the chosen candidates (timed by
     `time_candidates`, one activation row: a decode step): error is traded for time only as
-    far as the limit needs (`lowbit.algorithms._knapsack.solve_timed`).
+    far as the limit needs (`lowbit.algorithms.solve_knapsack_timed`).
 
     Raises:
       ValueError: for neither or both budgets, one outside what the candidates can give
@@ -403,7 +381,7 @@ def plan_within(
     measured = measurements.measured
     costs = [[m.nbytes for m in ms] for ms in measured.values()]
     errors = [[m.error for m in ms] for ms in measured.values()]
-    low, high = bounds(costs)
+    low, high = knapsack_bounds(costs)
     budget = budget_bytes(
         bits=bits,
         max_bytes=max_bytes,
@@ -415,7 +393,7 @@ def plan_within(
     )
     max_seconds = None
     if max_ms_per_token is None:
-        picks = solve(costs, errors, budget)
+        picks = solve_knapsack(costs, errors, budget)
     else:
         if max_ms_per_token <= 0:
             raise ValueError(f"max_ms_per_token={max_ms_per_token} must be > 0")
@@ -426,7 +404,7 @@ def plan_within(
             )
         max_seconds = max_ms_per_token / 1e3
         times = [[m.seconds for m in ms] for ms in measured.values()]
-        picks = solve_timed(costs, errors, times, budget, max_seconds)
+        picks = solve_knapsack_timed(costs, errors, times, budget, max_seconds)
     shapes = measurements.shapes
     tensors = tuple(
         TensorChoice(path, shapes[path], ms[j], tuple(ms))

@@ -16,18 +16,15 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit.api._measurements import Measurements
 from lowbit.ops import dot_general, prepare_weight
 from lowbit.qarray import quantize
 from lowbit.recipes import Candidate, contraction_axis
-
-if TYPE_CHECKING:  # _budget imports this module
-    from lowbit.api._budget import Measurements
 
 REPEATS = 20
 

@@ -29,7 +29,7 @@ import dataclasses
 from typing import Any
 
 from lowbit.ops import Fp8Scaling, Fp8State, Fp8Weight
-from lowbit.ops._fp8_scaling import init_state
+from lowbit.ops import fp8_init_state as init_state
 from lowbit.recipes import Select, map_params, param_leaves, select_params
 
 

@@ -35,8 +35,15 @@ from lowbit.api._quantize import quantize_params
 from lowbit.ops import LoraWeight
 from lowbit.ops import lora_init as init_factors
 from lowbit.qarray import QArray
-from lowbit.recipes import Recipe, Select, map_params, param_leaves
-from lowbit.recipes._select import check_regex, first_matches, no_match_error
+from lowbit.recipes import (
+    Recipe,
+    Select,
+    check_regex,
+    first_matches,
+    map_params,
+    no_match_error,
+    param_leaves,
+)
 
 Adapters = dict[str, dict[str, jax.Array]]
 

@@ -28,7 +28,7 @@ from flax import linen, nnx
 
 from lowbit.algorithms import AlgorithmReport
 from lowbit.api._algorithms import AlgorithmOptions
-from lowbit.api._prepare import prepare_module, prepare_traced
+from lowbit.api._kernel_layout import prepare_module, prepare_traced
 from lowbit.api._quantize import as_recipe, quantize_params
 from lowbit.api._trace import layout_axes, ops_by_path, trace_params
 from lowbit.engine import EngineReport, interpret

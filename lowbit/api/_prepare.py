@@ -10,50 +10,18 @@ contracted over, then replace every weight a kernel runs by its `lowbit.ops.Prep
 (`lowbit.ops.prepare_weights`): the kernel's layout *instead of* the codes, so each weight is
 resident once and no call repacks it. Saving, dequantizing and any other use recover the
 logical QArray exactly; other leaves are returned as they are. The CLI, the loaders
-(`lowbit.serving`) and `QuantizedModel` all prepare through this module.
+(`lowbit.serving`) and `QuantizedModel` all prepare through this module and the layout
+functions it calls (`_kernel_layout`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from flax import nnx
 
-from lowbit.api._trace import Traced, layout_axes, trace_params
-from lowbit.ops import prepare_weights
-
-
-def prepare_params(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: Any) -> Any:
-    """`params` (with `QArray` leaves) laid out for ``fn(params, *args, **kwargs)``.
-
-    Args:
-      fn: the function served, e.g. ``model.apply`` or ``lambda params, x: ...``.
-      params: its first argument.
-      *args, **kwargs: example inputs (arrays or `jax.ShapeDtypeStruct`s).
-    Returns:
-      `params` with `PreparedQArray`s in place of the weights a CPU kernel runs.
-    """
-    return prepare_traced(params, trace_params(fn, params, *args, **kwargs))
-
-
-def prepare_traced(params: Any, traced: Traced) -> Any:
-    """`params` laid out by a walk already made (`trace_params` of the function they serve,
-    possibly on their float form): `quantize_model` traces once for the uses, the layouts
-    before quantizing and this."""
-    return prepare_weights(params, layout_axes(traced, params))
-
-
-def prepare_module(module: nnx.Module, method: str, *args: Any, **kwargs: Any) -> nnx.Module:
-    """Lays out `module`'s quantized weights for ``module.method(*args, **kwargs)``, in place.
-
-    Returns:
-      `module` itself (its state updated).
-    """
-    graphdef, state = nnx.split(module)
-    call = lambda s, *a, **k: getattr(nnx.merge(graphdef, s), method)(*a, **k)
-    nnx.update(module, prepare_params(call, state, *args, **kwargs))
-    return module
+from lowbit.api._kernel_layout import prepare_module, prepare_params
+from lowbit.api._model import QuantizedModel
 
 
 def prepare(target: Any, *args: Any, **kwargs: Any) -> Any:
@@ -73,10 +41,7 @@ def prepare(target: Any, *args: Any, **kwargs: Any) -> Any:
       >>> served = lowbit.prepare(qparams, model.apply, x)
     """
     if isinstance(target, nnx.Module):
-        # The wrapper records that it is prepared, so its first call does not trace again;
-        # imported here because `_model` prepares through this module.
-        from lowbit.api._model import QuantizedModel
-
+        # The wrapper records that it is prepared, so its first call does not trace again.
         if isinstance(target, QuantizedModel):
             target.prepare("__call__", *args, **kwargs)
             return target

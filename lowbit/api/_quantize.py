@@ -12,14 +12,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lowbit.algorithms import AlgorithmReport, check_algorithm
-from lowbit.algorithms._spread import spanning_processes
+from lowbit.algorithms import AlgorithmReport, check_algorithm, spanning_processes
 from lowbit.api._algorithms import AlgorithmOptions, check_same_recipe, round_with_algorithms
 from lowbit.api._trace import layout_axes, trace_params
-from lowbit.engine._compat import EXPLICIT_AXES_QUANTIZE
+from lowbit.engine import EXPLICIT_AXES_QUANTIZE
 from lowbit.formats import FORMATS
-from lowbit.ops import is_prepared, prepare_weights
-from lowbit.ops._prepared import on_explicit_axes
+from lowbit.ops import is_prepared, on_explicit_axes, prepare_weights
 from lowbit.qarray import Fixed, QArray, QuantConfig, check_values
 from lowbit.qarray import quantize as quantize_array
 from lowbit.recipes import Recipe, Rule, map_params, param_leaves, path_string, preset

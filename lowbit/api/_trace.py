@@ -15,9 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.engine._axes import contraction_axes
-from lowbit.engine._values import is_quantized
-from lowbit.engine._walker import Traced, ops_fed, trace
+from lowbit.engine import Traced, contraction_axes, is_quantized, ops_fed, trace
 from lowbit.recipes import path_string
 
 

@@ -17,8 +17,19 @@ import os
 from pathlib import Path
 from typing import Any
 
+from flax import nnx
+
 from lowbit import serving
 from lowbit._atomic import atomic_write
+from lowbit.api import (
+    AlgorithmOptions,
+    check_budget,
+    measure_candidates,
+    plan_within,
+    planned_weights,
+    quantize_params,
+    time_candidates,
+)
 from lowbit.cli._common import (
     META_KIND,
     META_MODEL,
@@ -27,6 +38,16 @@ from lowbit.cli._common import (
     progress,
     step,
 )
+from lowbit.eval import (
+    calibrator,
+    float32_bytes,
+    output_sensitivity_of,
+    param_bytes,
+    plot_bits_per_layer,
+)
+from lowbit.io import check_save_path, export_gguf, gguf_plan_bytes, save_checkpoint
+from lowbit.recipes import default_candidates, parse_candidates, storable
+from lowbit.serving import ready
 
 PLAN_NAME = "plan"
 
@@ -122,20 +143,6 @@ def target_of(args: argparse.Namespace) -> str:
 
 def run_budget(args: argparse.Namespace) -> int:
     """Chooses, prints and writes a plan, then the quantized model (see module docstring)."""
-    from flax import nnx
-
-    from lowbit.api import (
-        AlgorithmOptions,
-        check_budget,
-        measure_candidates,
-        plan_within,
-        quantize_params,
-        time_candidates,
-    )
-    from lowbit.api._budget import planned_weights
-    from lowbit.eval import calibrator, output_sensitivity_of
-    from lowbit.recipes import default_candidates, parse_candidates, storable
-
     target = target_of(args)
     given = parse_candidates(args.candidates) if args.candidates else None
     candidates = storable(given or default_candidates(target), target)  # before the slow work
@@ -199,8 +206,6 @@ def run_budget(args: argparse.Namespace) -> int:
             atomic_write(args.plan_out, (plan.recipe.to_json() + "\n").encode("utf-8"))
             print(f"wrote plan {args.plan_out} (reuse it with --recipe {args.plan_out})")
         if args.plot:
-            from lowbit.eval import plot_bits_per_layer
-
             title = f"{loaded.name}: {plan.bits:.3f} bits per weight ({target})"
             plot_bits_per_layer(plan.bits_per_layer(), args.plot, title=title)
             print(f"wrote {args.plot}")
@@ -215,8 +220,6 @@ def write_output(bar: Any, args: Any, loaded: Any, params: Any, recipe: Any, lab
     """Writes quantized `params` (logical QArrays) to ``args.out``: a GGUF file when it ends
     in ``.gguf`` (each weight as its direct GGML type), else a checkpoint directory."""
     if str(args.out).endswith(".gguf"):
-        from lowbit.io import export_gguf
-
         _check_gguf_model(loaded, "gguf")
         lines: list[str] = []
         with step(bar, f"writing {args.out}"):
@@ -235,9 +238,6 @@ def write_output(bar: Any, args: Any, loaded: Any, params: Any, recipe: Any, lab
         types = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
         print(f"wrote {args.out}: {report.nbytes / 1e6:.2f} MB, tensors {types}")
         return
-    from lowbit.eval import float32_bytes, param_bytes
-    from lowbit.io import check_save_path, save_checkpoint
-    from lowbit.serving import ready
 
     check_save_path(args.out)
     metadata = {META_MODEL: loaded.spec, META_RECIPE: label, META_KIND: loaded.kind}
@@ -257,8 +257,6 @@ def _gguf_file(loaded: Any, pure: Any, paths: tuple[str, ...]) -> Any:
     checkpoint's planned weights)."""
     if loaded.kind != "lm" or not hasattr(getattr(loaded.model, "config", None), "n_kv_heads"):
         return None
-    from lowbit.io import gguf_plan_bytes
-
     return gguf_plan_bytes(pure, paths, config=loaded.model.config, source=loaded.gguf_path)
 
 

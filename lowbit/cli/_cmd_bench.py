@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+
 from lowbit.cli._common import measuring_command, open_measured, progress, report_row, step
-from lowbit.eval._session import ModelSession
+from lowbit.eval import ModelSession
+from lowbit.models import init_kv_cache
 
 BENCH_FILE = "bench.json"
 
@@ -52,10 +56,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _cache_memory(model, kv, tokens: int) -> dict:
     """Bytes of a batch-1 KV cache of `tokens` slots, against a float32 cache."""
-    import jax
-    import jax.numpy as jnp
-
-    from lowbit.models import init_kv_cache
 
     def nbytes(kv_cache):
         shapes = jax.eval_shape(

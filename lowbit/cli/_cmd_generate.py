@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 
+from lowbit.api import program_directory
 from lowbit.cli._common import (
     Command,
     add_int8_activations_argument,
@@ -22,6 +23,7 @@ from lowbit.cli._common import (
     resolve_kv_cache,
     stop_ids,
 )
+from lowbit.models import Sampling, generate_tokens, stream_tokens
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,9 +114,6 @@ class _TextStream:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the command with parsed `args`; returns the exit status (errors raise)."""
-    from lowbit.api import program_directory
-    from lowbit.models._generate import Sampling, generate_tokens, stream_tokens
-
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)

@@ -17,6 +17,8 @@ import argparse
 from pathlib import Path
 
 import numpy as np
+from flax import nnx
+from tokenizers import Tokenizer
 
 from lowbit import serving
 from lowbit.cli._budget import add_budget_arguments, budget_requested, run_budget, write_output
@@ -33,7 +35,20 @@ from lowbit.cli._common import (
     quantize_with_progress,
     step,
 )
-from lowbit.eval import float32_bytes, param_bytes
+from lowbit.eval import float32_bytes, lm_calibration_batches, param_bytes
+from lowbit.gguf import read_gguf
+from lowbit.io import check_save_path, convert_checkpoint, save_checkpoint, streaming_problem
+from lowbit.models import (
+    HF_MODEL_TYPES,
+    Decoder,
+    decoder_config_from_gguf,
+    decoder_config_from_hf,
+    gguf_param_map,
+    hf_param_map,
+    read_hf_config,
+    tokenizer_from_gguf,
+)
+from lowbit.ops import logical_weights
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,8 +84,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the command with parsed `args`; returns the exit status (errors raise)."""
-    from lowbit.io import check_save_path, save_checkpoint
-
     if budget_requested(args):
         return run_budget(args)
     serving.check_recipe_spec(args.recipe)
@@ -96,8 +109,6 @@ def run(args: argparse.Namespace) -> int:
 def _load_and_quantize(bar, args: argparse.Namespace):
     """``(loaded, float_params, params, recipe)``: the model, rotated as the recipe says (if it
     does, the rotation reported), its float params, and the params quantized by the recipe."""
-    from flax import nnx
-
     with step(bar, f"loading {args.model}"):
         loaded = serving.load_model(args.model)
     loaded = serving.rotated_for_spec(loaded, args.recipe)
@@ -111,8 +122,6 @@ def _load_and_quantize(bar, args: argparse.Namespace):
 def _run_to_gguf(args: argparse.Namespace) -> int:
     """`run` with a ``.gguf`` output: quantize in memory, write each weight as the GGML type
     its format maps onto (a plan's choices; other formats are re-encoded as Q8_0)."""
-    from lowbit.ops import logical_weights
-
     with progress() as bar:
         loaded, _, params, recipe = _load_and_quantize(bar, args)
         label = serving.recipe_label(args.recipe)
@@ -125,8 +134,6 @@ def _streams(model: str, spec: str) -> bool:
     recipe whose rules all select by path, `lowbit.io.streaming_problem`), or a Hugging Face
     decoder directory with such a recipe whose tensors each fill one parameter as stored
     (not Gemma's ``1 + w`` norms or per-expert tensors, which are stacked in memory)."""
-    from lowbit.io import streaming_problem
-
     path = Path(model)
     if path.suffix == ".gguf" and path.is_file():
         return spec == serving.GGUF_RECIPE or streaming_problem(serving.load_recipe(spec)) is None
@@ -137,8 +144,6 @@ def _streams(model: str, spec: str) -> bool:
 
 def _hf_stream_map(path: Path) -> dict | None:
     """The name map of a Hugging Face decoder directory when every tensor streams, else None."""
-    from lowbit.models import HF_MODEL_TYPES, decoder_config_from_hf, hf_param_map, read_hf_config
-
     if not (path.is_dir() and (path / "config.json").is_file()):
         return None
     config_json = read_hf_config(path)
@@ -156,13 +161,6 @@ def _run_streaming(args: argparse.Namespace) -> int:
     """`run` for a GGUF file or a Hugging Face directory: read, quantize and write one tensor
     at a time, so a model larger than memory converts (the checkpoint is the one the
     in-memory path writes)."""
-    from tokenizers import Tokenizer
-
-    from lowbit.eval._calibration_set import lm_calibration_batches
-    from lowbit.gguf import read_gguf
-    from lowbit.io import convert_checkpoint
-    from lowbit.models import decoder_config_from_gguf, gguf_param_map, tokenizer_from_gguf
-
     path = Path(args.model).resolve()
     keep = args.recipe == serving.GGUF_RECIPE
     recipe = None if keep else serving.load_recipe(args.recipe)
@@ -224,7 +222,6 @@ def _run_streaming(args: argparse.Namespace) -> int:
 
 
 def _hf_config(path: Path):
-    from lowbit.models import decoder_config_from_hf, read_hf_config
 
     return decoder_config_from_hf(read_hf_config(path), path / "config.json")
 
@@ -235,10 +232,6 @@ def _check_plan_shapes(recipe, config) -> None:
     Raises:
       ValueError: naming the first planned weight this model lacks or shapes otherwise.
     """
-    from flax import nnx
-
-    from lowbit.models import Decoder
-
     recipe.check_shapes(nnx.to_pure_dict(nnx.state(Decoder.abstract(config), nnx.Param)))
 
 

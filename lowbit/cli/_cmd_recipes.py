@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from lowbit.cli._common import Command
+from lowbit.recipes import preset_names
 from lowbit.serving import GGUF_RECIPE
 
 
@@ -18,8 +19,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the command with parsed `args`; returns the exit status (errors raise)."""
-    from lowbit.recipes import preset_names
-
     names = dict(preset_names())
     names[GGUF_RECIPE] = (
         "a GGUF file's own blocks (every type of llama.cpp's mixes), each on its type's kernel, "

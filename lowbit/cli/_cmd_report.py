@@ -23,6 +23,7 @@ from lowbit.cli._common import (
 )
 from lowbit.eval import (
     DivergenceResult,
+    ModelSession,
     ResultRow,
     float32_bytes,
     output_sqnr,
@@ -34,7 +35,6 @@ from lowbit.eval import (
     weight_sqnr,
     write_report,
 )
-from lowbit.eval._session import ModelSession
 
 WORST_SHOWN = 8
 

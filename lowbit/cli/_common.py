@@ -14,12 +14,23 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from flax import nnx
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lowbit import serving
 from lowbit._atomic import atomic_write
 from lowbit.api import program_directory
+from lowbit.eval import calibrator, print_table
+from lowbit.gguf import read_gguf
+from lowbit.models import (
+    DEFAULT_STOP_TOKENS,
+    chat_template_from_gguf,
+    special_token_ids,
+    stop_token_ids,
+)
+from lowbit.ops import with_int8_activations
+from lowbit.recipes import parse_kv_cache
 
 # Metadata keys the CLI stores in a checkpoint manifest to find the float model again.
 META_MODEL = serving.META_MODEL
@@ -214,8 +225,6 @@ def quantize_with_progress(
 ) -> tuple[Any, Any]:
     """`lowbit.serving.apply_recipe` with progress tasks for calibration batches and algorithm
     weights; data-driven recipes calibrate on `lowbit.eval.calibrator`'s set."""
-    from lowbit.eval import calibrator
-
     calibration = getattr(args, "calibration", None)
     sequences = calibration_sequences(args)
     with (
@@ -278,8 +287,6 @@ def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None
     Raises:
       ValueError: for a checkpoint without the CLI's metadata, or `recipe` given with one.
     """
-    from flax import nnx
-
     if is_checkpoint(target):
         if recipe is not None:
             raise ValueError(
@@ -376,8 +383,6 @@ def report_row(
     (COMMAND is ``args.command``, set by the dispatcher) with `notes` below it (on stderr with
     ``--json``, so stdout holds only the JSON line), `payload` written to `file` in a checkpoint
     directory, and with ``--json`` `payload` plus `json_extra` printed as the JSON line."""
-    from lowbit.eval import print_table
-
     console = stderr_console() if args.json else stdout_console()
     print_table([row], title=f"lowbit {args.command}: {target.loaded.name}", console=console)
     for note in notes:
@@ -464,8 +469,6 @@ def open_language_model(
         raise ValueError(f"{command} needs a language model; {loaded.name} is an encoder")
     params = target.params
     if args.int8_activations:
-        from lowbit.ops import with_int8_activations
-
         params = with_int8_activations(params)
     return target, gguf_metadata(loaded), params
 
@@ -489,8 +492,6 @@ def resolve_kv_cache(flag: str | None, recipe_spec: str | None) -> Any:
     Raises:
       ValueError: for an unknown format, naming ``--kv-cache``.
     """
-    from lowbit.recipes import parse_kv_cache
-
     if flag is not None:
         return parse_kv_cache(flag, "--kv-cache")
     if recipe_spec in (None, serving.GGUF_RECIPE, serving.FLOAT_RECIPE):
@@ -502,7 +503,6 @@ def gguf_metadata(loaded: Any) -> dict[str, Any] | None:
     """The GGUF metadata of a model read from a GGUF file, else None."""
     if loaded.gguf_path is None:
         return None
-    from lowbit.gguf import read_gguf
 
     return (loaded.gguf_file or read_gguf(loaded.gguf_path)).metadata
 
@@ -510,12 +510,8 @@ def gguf_metadata(loaded: Any) -> dict[str, Any] | None:
 def stop_ids(loaded: Any, metadata: dict[str, Any] | None) -> list[int]:
     """The token ids that end a generation: the common end-of-turn / end-of-text names the
     tokenizer knows, plus a GGUF file's own end-of-generation ids (EOS, end of turn)."""
-    from lowbit.models._generate import DEFAULT_STOP_TOKENS, stop_token_ids
-
     stops = stop_token_ids(loaded.tokenizer, DEFAULT_STOP_TOKENS)
     if metadata is not None:
-        from lowbit.models import special_token_ids
-
         stops = sorted(set(stops) | set(special_token_ids(metadata).end_of_generation))
     return stops
 
@@ -526,8 +522,6 @@ def chat_template(metadata: dict[str, Any] | None, flag: str = "--chat") -> Any:
     Raises:
       ValueError: without GGUF metadata (naming `flag`), or without a template in it.
     """
-    from lowbit.models._generate import chat_template_from_gguf
-
     if metadata is None:
         raise ValueError(f"{flag} reads the chat template from a GGUF file; this model has none")
     return chat_template_from_gguf(metadata)

@@ -25,6 +25,7 @@ from lowbit.eval import (
     relative_change,
     write_report,
 )
+from lowbit.models import has_minilm, has_smollm2
 from lowbit.serving import GGUF_RECIPE
 
 RECIPES = ("float", "int8w", "int8", "int4w_g32_asym", "w4a8_g32", "int4w_g64", "nf4_g64", "mxfp4")
@@ -109,7 +110,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _available(name: str) -> bool:
-    from lowbit.models import has_minilm, has_smollm2
 
     return has_smollm2() if name == "smollm2" else has_minilm()
 

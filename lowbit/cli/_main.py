@@ -18,6 +18,8 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+import jax
+
 from lowbit.cli import (
     _cmd_bench,
     _cmd_eval,
@@ -99,8 +101,6 @@ def _use_compilation_cache() -> None:
     `serve`, `generate` or `bench` of the same model loads its compiled programs instead of
     compiling them again. ``LOWBIT_COMPILATION_CACHE=DIR`` moves it, ``=0`` turns it off; a
     cache directory the user configured for JAX is left as it is."""
-    import jax
-
     setting = os.environ.get(COMPILATION_CACHE_ENV, "")
     if setting == "0" or jax.config.jax_compilation_cache_dir:
         return

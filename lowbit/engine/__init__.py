@@ -10,10 +10,13 @@ ops a parameter feeds, which axis `kernel_axes` lays a weight out for) are reduc
 abstract walk of the jaxpr (`_walker`), which follows every sub-jaxpr through one table.
 """
 
-from lowbit.engine._axes import kernel_axes
+from lowbit.engine._axes import contraction_axes, kernel_axes
+from lowbit.engine._compat import EXPLICIT_AXES_QUANTIZE, distributed_client
 from lowbit.engine._interpreter import interpret, probe, trace_report
 from lowbit.engine._probe import Probe, Scaled, Use
 from lowbit.engine._report import EngineFallbackError, EngineReport
+from lowbit.engine._values import is_quantized
+from lowbit.engine._walker import Traced, ops_fed, trace
 
 __all__ = [
     "EngineFallbackError",
@@ -25,4 +28,11 @@ __all__ = [
     "kernel_axes",
     "probe",
     "trace_report",
+    "EXPLICIT_AXES_QUANTIZE",
+    "Traced",
+    "contraction_axes",
+    "distributed_client",
+    "is_quantized",
+    "ops_fed",
+    "trace",
 ]

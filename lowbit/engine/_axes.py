@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from lowbit.engine._values import is_quantized
 from lowbit.engine._walker import Record, Step, trace
+from lowbit.ops import linear_contraction_axis
 
 
 def _flipped(steps: tuple[Step, ...]) -> bool | None:
@@ -50,8 +51,6 @@ def contraction_axes(record: Record, quantized: Collection[int]) -> dict[int, in
     Returns:
       {leaf index: 0 or 1}.
     """
-    from lowbit.ops import linear_contraction_axis
-
     quantized = set(quantized)
     found: dict[int, set[int]] = {}
     for site in record.sites:

@@ -267,6 +267,8 @@ def is_fill_mode(mode: Any) -> bool:
 
 def available_primitives() -> set[str]:
     """Names of the JAX primitives this engine looks up, as found in the installed JAX."""
+    # Private JAX modules, imported where used: a release that moves them breaks this call
+    # only, not `import lowbit`.
     from jax._src.lax import control_flow, lax, slicing
 
     found = set()
@@ -282,6 +284,6 @@ def distributed_client() -> Any | None:
     """JAX's key-value store client (the one its multi-host utilities and Orbax use), or None
     before `jax.distributed.initialize`. Its reads take deadlines, unlike a collective barrier,
     so a process that died is noticed instead of waited for."""
-    from jax._src import distributed
+    from jax._src import distributed  # where used, as in `available_primitives`
 
     return distributed.global_state.client

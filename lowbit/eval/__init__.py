@@ -1,7 +1,7 @@
 """Evaluation: perplexity, KL-divergence to a base model, embedding similarity, per-layer SQNR,
 sizes, speed, reports and plots."""
 
-from lowbit.eval._calibration_set import calibrator, output_sensitivity_of
+from lowbit.eval._calibration_set import calibrator, lm_calibration_batches, output_sensitivity_of
 from lowbit.eval._corpus import (
     SOTU_SPEECHES,
     default_sentences,
@@ -120,4 +120,5 @@ __all__ = [
     "weight_sqnr",
     "window_starts",
     "write_report",
+    "lm_calibration_batches",
 ]

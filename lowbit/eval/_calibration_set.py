@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from lowbit.algorithms import capture, output_sensitivity
 from lowbit.eval._corpus import calibration_text, read_text
 from lowbit.eval._harness import pad_batch
 from lowbit.serving import Calibrate, LoadedModel, model_fn
@@ -105,8 +106,6 @@ def calibrator(
     """
 
     def calibrate(loaded: LoadedModel, params: Any, paths: tuple[str, ...], rows: Any) -> Any:
-        from lowbit.algorithms import capture
-
         n, batches = _batches(loaded, calibration_file, sequences)
         fn = model_fn(loaded.model, loaded.kind)
         progress = None if on_batch is None else (lambda done: on_batch(done, len(batches)))
@@ -164,8 +163,6 @@ def output_sensitivity_of(
 ) -> dict[str, Any]:
     """`lowbit.algorithms.output_sensitivity` of a loaded model on this calibration set (at
     most `SENSITIVITY_BATCHES` of its batches, `probes` projections each)."""
-    from lowbit.algorithms import output_sensitivity
-
     _, batches = _batches(loaded, calibration_file, sequences)
     if len(batches) > SENSITIVITY_BATCHES:
         picks = np.linspace(0, len(batches) - 1, SENSITIVITY_BATCHES).round().astype(int)

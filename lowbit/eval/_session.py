@@ -23,6 +23,7 @@ from lowbit.eval._report import ResultRow
 from lowbit.eval._similarity import embedding_similarity
 from lowbit.eval._speed import SpeedResult, time_call
 from lowbit.eval._tree import float32_bytes, param_bytes
+from lowbit.models import mean_pool
 from lowbit.serving import LoadedModel, as_numpy_tokens
 
 Progress = Callable[[int, int], None] | None
@@ -67,8 +68,6 @@ class ModelSession:
             if loaded.kind == "lm":
                 runners[kv_cache] = lm_runner(loaded.model, kv_cache)
             else:
-                from lowbit.models import mean_pool
-
                 runners[kv_cache] = encoder_runner(loaded.model, loaded.tokenizer, mean_pool)
         self.runner, self.float_params = runners[kv_cache]
         self.sentences: list[str] = []

@@ -20,6 +20,7 @@ from lowbit.io._checkpoint_writer import CheckpointWriter
 from lowbit.io._config_dict import quant_config_from_dict, quant_config_to_dict
 from lowbit.io._convert import ConvertReport, convert_checkpoint, streaming_problem
 from lowbit.io._gguf_export import EXPORT_TYPES, ExportReport, TensorNote, export_gguf
+from lowbit.io._gguf_export import check_type as check_export_type
 from lowbit.io._gguf_import import gguf_tensor_to_qarray, import_gguf
 from lowbit.io._gguf_size import gguf_nbytes, gguf_plan_bytes
 from lowbit.io._hf_import import import_safetensors
@@ -62,4 +63,5 @@ __all__ = [
     "save_checkpoint",
     "streaming_problem",
     "unpermute_rope_rows",
+    "check_export_type",
 ]

@@ -14,8 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from lowbit.api import LoraConfig, LoraRule, check_adapters, lora_apply
-from lowbit.api._lora import as_lora_config, lora_plan
+from lowbit.api import (
+    LoraConfig,
+    LoraRule,
+    as_lora_config,
+    check_adapters,
+    lora_apply,
+    lora_plan,
+)
 from lowbit.io._checkpoint import load_checkpoint, read_manifest, save_checkpoint
 from lowbit.io._manifest import CheckpointError
 from lowbit.qarray import QArray

@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from lowbit._host_memory import release_free_memory
 from lowbit._version import __version__
 from lowbit.io._checkpoint_dir import (
     MANIFEST_FILE,
@@ -71,7 +72,6 @@ from lowbit.io._safetensors_file import (
 from lowbit.io._tree import leaf_shapes, path_name
 from lowbit.io._untrusted_json import load_json
 from lowbit.ops import prepare_weight
-from lowbit.ops._host_memory import release_free_memory
 
 
 def _sha256(array: np.ndarray) -> str:

@@ -31,7 +31,7 @@ from lowbit.io._shard_index import (
     overlaps,
 )
 from lowbit.io._tree import Path, path_name
-from lowbit.qarray._quantize import _check_tiles_within_shards
+from lowbit.qarray import check_tiles_within_shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +193,7 @@ def check_groups(plan: Plan, targets: Mapping[str, Any], file: str) -> None:
         block = tuple(n // s for n, s in zip(shape, scale_shape, strict=True))
         logical = jax.ShapeDtypeStruct(shape, np.float32, sharding=target)
         try:
-            _check_tiles_within_shards(logical, block)
+            check_tiles_within_shards(logical, block)
         except ValueError as err:
             raise CheckpointError(
                 f"process {jax.process_index()}: {file}: qarray {path_name(path)!r} (shape "

@@ -25,15 +25,20 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.api import AlgorithmOptions, quantize_weight
-from lowbit.api._quantize import as_recipe, check_decisions, fixed_bounds
+from lowbit._host_memory import release_free_memory
+from lowbit.api import (
+    AlgorithmOptions,
+    as_recipe,
+    check_decisions,
+    fixed_bounds,
+    quantize_weight,
+)
 from lowbit.io._checkpoint_writer import CheckpointWriter
 from lowbit.io._convert_layers import convert_layers
 from lowbit.io._placement import NameMap, nest
 from lowbit.io._source import SourceParams
 from lowbit.io._tree import path_name
 from lowbit.models import DecoderConfig
-from lowbit.ops._host_memory import release_free_memory
 from lowbit.qarray import QArray
 from lowbit.recipes import Recipe
 

@@ -29,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lowbit._host_memory import release_free_memory
 from lowbit.api import AlgorithmOptions, quantize, run
 from lowbit.io._placement import nest
 from lowbit.models import Decoder, DecoderConfig
-from lowbit.ops._host_memory import release_free_memory
 from lowbit.recipes import Recipe
 
 Path = tuple

@@ -29,8 +29,7 @@ from lowbit.io._config_dict import quant_config_from_dict
 from lowbit.io._safetensors_file import DTYPES, dtype_from_name
 from lowbit.io._tree import QARRAY_ROLES, Key, Path, path_name
 from lowbit.models import CheckpointError
-from lowbit.qarray import META_FIELDS, NMSparse, QArray
-from lowbit.qarray._sparse import meta_bits
+from lowbit.qarray import META_FIELDS, NMSparse, QArray, meta_bits
 
 FORMAT_NAME = "lowbit.checkpoint"
 # The tensor file's header records the sha256 of the manifest's bytes under this key, so the

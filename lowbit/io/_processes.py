@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from lowbit.engine._compat import distributed_client
+from lowbit.engine import distributed_client
 
 _FAILED = "failed: "
 # Every process runs the same saves in the same order, so the n-th save has the same number

@@ -47,12 +47,16 @@ from ._decoder_hf import (
     read_hf_config,
 )
 from ._generate import (
+    DEFAULT_STOP_TOKENS,
     Generation,
     Sampling,
+    bucket,
     chat_template_from_gguf,
     generate,
     generate_greedy,
     generate_tokens,
+    sample_rows,
+    stop_token_ids,
     stream_tokens,
 )
 from ._gguf_tokenizer import SpecialTokens, special_token_ids
@@ -134,4 +138,8 @@ __all__ = [
     "swap_last",
     "unpermute_rope_rows",
     "wordpiece_tokenizer",
+    "DEFAULT_STOP_TOKENS",
+    "bucket",
+    "sample_rows",
+    "stop_token_ids",
 ]

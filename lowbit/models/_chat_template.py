@@ -42,6 +42,7 @@ def _strftime_now(fmt: str) -> str:
 @functools.lru_cache(maxsize=16)
 def _compile(template: str):
     """The sandboxed, compiled template (cached: the same file's template is reused per prompt)."""
+    # jinja2 (~80 ms, 20 modules) loads with the first chat template, not with `import lowbit`.
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -61,7 +62,7 @@ def _compile(template: str):
 def template_variables(template: str) -> frozenset[str]:
     """The names `template` reads from its caller (``messages``, ``tools``, ...): a template
     that never reads ``tools`` ignores any tools passed to it."""
-    from jinja2 import meta
+    from jinja2 import meta  # lazily, as in `_compile`
 
     compiled = _compile(template)
     return frozenset(meta.find_undeclared_variables(compiled.environment.parse(template)))
@@ -101,7 +102,7 @@ def render_chat_template(
         ``raise_exception`` (its message is kept), or one that fails while rendering
         (including the sandbox refusing an unsafe operation).
     """
-    import jinja2
+    import jinja2  # lazily, as in `_compile`
 
     compiled = _compile(template)
     try:

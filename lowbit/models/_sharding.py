@@ -43,6 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -140,7 +141,6 @@ def fetch(x: jax.Array) -> np.ndarray:
     process must call it)."""
     if x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x)
-    from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 

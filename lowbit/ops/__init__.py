@@ -13,7 +13,6 @@ from lowbit.ops._conv import (
     conv_general_dilated_path,
     conv_general_dilated_reference,
 )
-from lowbit.ops._conv_qat import qat_conv_general_dilated
 from lowbit.ops._cpu_kernels import KERNEL_PATHS, MIN_WEIGHT_ELEMENTS
 from lowbit.ops._cpu_kernels import contract_axis as linear_contraction_axis
 from lowbit.ops._dot_general import (
@@ -30,6 +29,7 @@ from lowbit.ops._fp8_scaling import (
     Fp8Weight,
     fp8_dot_general,
 )
+from lowbit.ops._fp8_scaling import init_state as fp8_init_state
 from lowbit.ops._hadamard import hadamard_matrix, hadamard_transform
 from lowbit.ops._hadamard_weight import HadamardInput, rotate_weight_input
 from lowbit.ops._lora_weight import (
@@ -45,20 +45,25 @@ from lowbit.ops._prepared import (
     PreparedQArray,
     is_prepared,
     logical_weights,
+    on_explicit_axes,
     prepare_leaves,
     prepare_weight,
     prepare_weights,
     with_int8_activations,
 )
-from lowbit.ops._qat import qat_dot_general
-from lowbit.ops._qat_weight import QatWeight, qat_weight
+from lowbit.ops._qat_weight import (
+    QatWeight,
+    qat_conv_general_dilated,
+    qat_dot_general,
+    qat_ragged_dot_general,
+    qat_weight,
+)
 from lowbit.ops._ragged_dot import (
     ragged_dot,
     ragged_dot_general,
     ragged_dot_general_path,
     ragged_dot_general_reference,
 )
-from lowbit.ops._ragged_dot_qat import qat_ragged_dot_general
 
 __all__ = [
     "KERNEL_PATHS",
@@ -104,4 +109,6 @@ __all__ = [
     "ragged_dot_general_path",
     "ragged_dot_general_reference",
     "with_int8_activations",
+    "fp8_init_state",
+    "on_explicit_axes",
 ]

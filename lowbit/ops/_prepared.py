@@ -26,8 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit import kernels
+from lowbit._host_memory import release_free_memory
+from lowbit.formats import get_format
 from lowbit.ops._cpu_kernels import KernelRoute, gguf_rows, prepare_layout, weight_route
-from lowbit.ops._host_memory import release_free_memory
 from lowbit.qarray import META_FIELDS, ArrayBacked, EngineValue, NoRule, QArray
 
 
@@ -320,7 +321,6 @@ def is_prepared(x: Any) -> bool:
 
 
 def _logical_nbytes(meta: LogicalMeta, tensor_scale: Any, input_scale: Any) -> int:
-    from lowbit.formats import get_format
 
     fmt = get_format(meta.format)
     shape = list(meta.shape)
@@ -381,7 +381,6 @@ def _assemble(p: PreparedQArray, parts: dict[str, Any], *, rows: bool = False) -
             zero = None if zero is None else zero.T
         shape, packed_axis = m.shape, m.packed_axis
         kept_scale, kept_zero = p.scale, p.zero_point
-    from lowbit.formats import get_format
 
     fmt = get_format(m.format)
     codes = codes.astype(fmt.code_dtype) if codes.dtype != fmt.code_dtype else codes

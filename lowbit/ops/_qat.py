@@ -14,6 +14,9 @@ round-to-nearest (fp8_e5m2 gradients meet fp8_e4m3fn operands), and the product 
 codes (int8 x int8 -> int32, fp8 x fp8 -> f32). Stochastic rounding takes `key`; without one a
 key is derived from `jax.random.key(0)`, the shapes and the bits of `sum(g)`, so it is
 deterministic for a given step yet changes from step to step.
+
+Here the products run on a weight's parts (float value, served QArray); `qat_dot_general`,
+which takes the `QatWeight` itself, checks its operands in `_qat_weight`.
 """
 
 from __future__ import annotations
@@ -31,20 +34,7 @@ from jax import lax
 from lowbit.ops import _dims
 from lowbit.ops._dot_general import dot_general
 from lowbit.ops._operand import quantize_activation
-from lowbit.ops._qat_weight import QatWeight
 from lowbit.qarray import QArray, QuantConfig
-
-
-def split_operands(lhs, rhs, op: str):
-    """(float operand, QatWeight, whether the weight is the rhs)."""
-    if isinstance(rhs, QatWeight) and not isinstance(lhs, QatWeight | QArray):
-        return lhs, rhs, True
-    if isinstance(lhs, QatWeight) and not isinstance(rhs, QatWeight | QArray):
-        return rhs, lhs, False
-    raise TypeError(
-        f"{op} needs one QatWeight and one float array, got {type(lhs).__name__} and "
-        f"{type(rhs).__name__}"
-    )
 
 
 def companion_config(config: QuantConfig) -> QuantConfig:
@@ -106,13 +96,16 @@ def fake_quantized_activation(x, contracting, served: QArray):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _qat_dot(x, value, served, key, dims, weight_rhs, gradient, options):
+def qat_dot(x, value, served, key, dims, weight_rhs, gradient, options):
+    """`dot_general` of float `x` and `served` (the weight's QArray, rhs if `weight_rhs`) by
+    normalized `dims`, with the straight-through backward above: d value from `value`'s dtype,
+    `gradient` the backward config (None: float), `key` for its stochastic rounding."""
     lhs, rhs = (x, served) if weight_rhs else (served, x)
     return dot_general(lhs, rhs, dims, **options)
 
 
 def _qat_dot_fwd(x, value, served, key, dims, weight_rhs, gradient, options):
-    out = _qat_dot(x, value, served, key, dims, weight_rhs, gradient, options)
+    out = qat_dot(x, value, served, key, dims, weight_rhs, gradient, options)
     return out, (x, value, served, key)
 
 
@@ -129,31 +122,4 @@ def _qat_dot_bwd(dims, weight_rhs, gradient, options, residuals, g):
     return dx.astype(x.dtype), dw.astype(value.dtype), None, None
 
 
-_qat_dot.defvjp(_qat_dot_fwd, _qat_dot_bwd)
-
-
-def qat_dot_general(
-    lhs: jax.Array | QatWeight,
-    rhs: jax.Array | QatWeight,
-    dimension_numbers: Any,
-    *,
-    key: jax.Array | None = None,
-    **options: Any,
-) -> jax.Array:
-    """`dot_general` with a `QatWeight` operand: quantized forward, straight-through backward.
-
-    Args:
-      lhs, rhs: one float array (e.g. `x: [batch, in]`) and one `QatWeight` (e.g. `[in, out]`).
-      dimension_numbers: as `lax.dot_general`.
-      key: PRNG key for stochastic rounding of gradients (see module docstring).
-      **options: `precision`, `preferred_element_type`, `out_sharding`, as `dot_general`
-        (passed to the forward product unchanged; `precision` also to the backward ones).
-    Returns:
-      Exactly `dot_general(lhs, weight.served())` (or with operands in the given order).
-    Raises:
-      TypeError: unless exactly one operand is a QatWeight and the other a float array.
-    """
-    x, weight, weight_rhs = split_operands(lhs, rhs, "qat_dot_general")
-    dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
-    served = weight.served()
-    return _qat_dot(x, weight.value, served, key, dims, weight_rhs, weight.gradient, options)
+qat_dot.defvjp(_qat_dot_fwd, _qat_dot_bwd)

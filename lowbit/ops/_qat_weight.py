@@ -4,6 +4,11 @@ The float `value` is what the optimizer updates; `qarray` is `quantize(value, we
 recomputed wherever the weight is built (so forward numerics are exactly those of the served
 PTQ model). The recipe parts that must not be traced (`activation`, `gradient`) are static
 pytree metadata: a change of recipe is a new jit cache entry, never a stale trace.
+
+The ops that take one (`qat_dot_general`, `qat_conv_general_dilated`, `qat_ragged_dot_general`,
+which the engine calls through `QatWeight`'s methods) check their operands here and run the
+training twins on the weight's parts: its float value and the served QArray (`_qat`,
+`_conv_qat`, `_ragged_dot_qat`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lowbit.ops import _dims
+from lowbit.ops._conv import hashable_params
+from lowbit.ops._conv_qat import qat_conv
+from lowbit.ops._qat import qat_dot
+from lowbit.ops._ragged_dot import BASIC_DIMENSION_NUMBERS
+from lowbit.ops._ragged_dot_qat import qat_ragged
 from lowbit.qarray import ArrayBacked, QArray, QuantConfig, quantize
 
 
@@ -76,20 +87,13 @@ class QatWeight(ArrayBacked):
             lambda local: dataclasses.replace(self, value=local[0], qarray=rebuild(local[1])),
         )
 
-    # The QAT ops import this module: they are imported where they are used.
     def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, **kwargs: Any):
-        from lowbit.ops._qat import qat_dot_general
-
         return qat_dot_general(lhs, rhs, dimension_numbers, **kwargs), "qat"
 
     def conv_general_dilated(self, lhs: Any, rhs: Any, **params: Any):
-        from lowbit.ops._conv_qat import qat_conv_general_dilated
-
         return qat_conv_general_dilated(lhs, rhs, **params), "qat"
 
     def ragged_dot_general(self, lhs: Any, rhs: Any, group_sizes: Any, **params: Any):
-        from lowbit.ops._ragged_dot_qat import qat_ragged_dot_general
-
         return qat_ragged_dot_general(lhs, rhs, group_sizes, **params), "qat"
 
     def transpose(self, axes: tuple[int, ...]) -> QatWeight:
@@ -133,3 +137,107 @@ def qat_weight(
         activation=activation,
         gradient=gradient,
     )
+
+
+def _split_operands(lhs, rhs, op: str):
+    """(float operand, QatWeight, whether the weight is the rhs)."""
+    if isinstance(rhs, QatWeight) and not isinstance(lhs, QatWeight | QArray):
+        return lhs, rhs, True
+    if isinstance(lhs, QatWeight) and not isinstance(rhs, QatWeight | QArray):
+        return rhs, lhs, False
+    raise TypeError(
+        f"{op} needs one QatWeight and one float array, got {type(lhs).__name__} and "
+        f"{type(rhs).__name__}"
+    )
+
+
+def qat_dot_general(
+    lhs: jax.Array | QatWeight,
+    rhs: jax.Array | QatWeight,
+    dimension_numbers: Any,
+    *,
+    key: jax.Array | None = None,
+    **options: Any,
+) -> jax.Array:
+    """`dot_general` with a `QatWeight` operand: quantized forward, straight-through backward.
+
+    Args:
+      lhs, rhs: one float array (e.g. `x: [batch, in]`) and one `QatWeight` (e.g. `[in, out]`).
+      dimension_numbers: as `lax.dot_general`.
+      key: PRNG key for stochastic rounding of gradients (see `lowbit.ops._qat`).
+      **options: `precision`, `preferred_element_type`, `out_sharding`, as `dot_general`
+        (passed to the forward product unchanged; `precision` also to the backward ones).
+    Returns:
+      Exactly `dot_general(lhs, weight.served())` (or with operands in the given order).
+    Raises:
+      TypeError: unless exactly one operand is a QatWeight and the other a float array.
+    """
+    x, weight, weight_rhs = _split_operands(lhs, rhs, "qat_dot_general")
+    dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
+    served = weight.served()
+    return qat_dot(x, weight.value, served, key, dims, weight_rhs, weight.gradient, options)
+
+
+def qat_conv_general_dilated(lhs: jax.Array, rhs: QatWeight, **params: Any) -> jax.Array:
+    """`conv_general_dilated` with a `QatWeight` kernel: quantized forward, straight-through
+    float backward (d input = conv transpose with the dequantized kernel, d value with the
+    fake-quantized input).
+
+    Raises:
+      TypeError: unless `rhs` is a QatWeight and `lhs` a float array.
+      ValueError: if the weight has a `gradient` config (quantized backward convolutions are
+        not provided; use gradient=None for convolution kernels).
+    """
+    if not isinstance(rhs, QatWeight) or isinstance(lhs, QatWeight | QArray):
+        raise TypeError(
+            "qat_conv_general_dilated needs a float lhs and a QatWeight rhs, got "
+            f"{type(lhs).__name__} and {type(rhs).__name__}"
+        )
+    if rhs.gradient is not None:
+        raise ValueError(
+            f"gradient={rhs.gradient!r} on a convolution kernel: quantized backward products "
+            "exist for dot_general and ragged_dot only; set gradient=None for this kernel"
+        )
+    return qat_conv(lhs, rhs.value, rhs.served(), hashable_params(params))
+
+
+def qat_ragged_dot_general(
+    lhs: jax.Array,
+    rhs: QatWeight,
+    group_sizes: jax.Array,
+    ragged_dot_dimension_numbers: Any = BASIC_DIMENSION_NUMBERS,
+    *,
+    key: jax.Array | None = None,
+    **options: Any,
+) -> jax.Array:
+    """`ragged_dot_general` with a `QatWeight` of experts `[experts, k, n]`: quantized forward,
+    straight-through backward (quantized backward products with a `gradient` config for the
+    basic `lax.ragged_dot` layout; other layouts take the float backward only without one).
+
+    Args:
+      lhs: [m, k] float tokens, rows grouped by expert.
+      rhs: [experts, k, n] QatWeight.
+      group_sizes, ragged_dot_dimension_numbers: as `ragged_dot_general`.
+      key: PRNG key for stochastic rounding of gradients (see `_qat`).
+      **options: `precision`, `preferred_element_type`, `out_sharding` (and an unset
+        `group_offset`), as `ragged_dot_general`; `precision` also for the backward products.
+    Returns:
+      [m, n], exactly `ragged_dot_general(lhs, rhs.served(), ...)`.
+    Raises:
+      TypeError: unless `rhs` is a QatWeight and `lhs` a float array.
+      ValueError: for a `group_offset`, or a gradient config with a non-basic layout.
+    """
+    if not isinstance(rhs, QatWeight) or isinstance(lhs, QatWeight | QArray):
+        raise TypeError(
+            "qat_ragged_dot_general needs a float lhs and a QatWeight rhs, got "
+            f"{type(lhs).__name__} and {type(rhs).__name__}"
+        )
+    if options.get("group_offset") is not None:
+        raise ValueError("qat_ragged_dot_general does not take a group_offset; got one")
+    if rhs.gradient is not None and ragged_dot_dimension_numbers != BASIC_DIMENSION_NUMBERS:
+        raise ValueError(
+            "a gradient config needs the basic ragged_dot layout (lhs [m, k], rhs [e, k, n]); "
+            f"got {ragged_dot_dimension_numbers}"
+        )
+    dims, served = ragged_dot_dimension_numbers, rhs.served()
+    return qat_ragged(lhs, rhs.value, served, group_sizes, key, dims, rhs.gradient, options)

@@ -5,13 +5,13 @@ Forward: `ragged_dot_general` on `QatWeight.served()`. Backward (see `_qat`): d 
 transposed times their `g`. With a `gradient` config both backward products run on quantized
 operands: d tokens as an int8 / fp8 ragged dot (`g` per token, experts per (expert, k) channel),
 d value as a ragged contraction over rows (tokens and `g` per column, so the scales stay
-constant along the contracted rows).
+constant along the contracted rows). `qat_ragged_dot_general` (in `_qat_weight`) checks the
+operands and runs this on the weight's parts.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,18 +19,18 @@ from jax import lax
 
 from lowbit.ops._operand import core_dtypes, from_qarray, quantize_activation
 from lowbit.ops._qat import companion_config, derived_key, fake_quantized_activation
-from lowbit.ops._qat_weight import QatWeight
 from lowbit.ops._ragged_dot import BASIC_DIMENSION_NUMBERS, ragged_dot_general
-from lowbit.qarray import PerChannel, QArray, quantize
+from lowbit.qarray import PerChannel, quantize
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _qat_ragged(x, value, served, group_sizes, key, dims, gradient, options):
+def qat_ragged(x, value, served, group_sizes, key, dims, gradient, options):
+    """`ragged_dot_general(x, served, group_sizes, dims, **options)` with the backward above."""
     return ragged_dot_general(x, served, group_sizes, dims, **options)
 
 
 def _qat_ragged_fwd(x, value, served, group_sizes, key, dims, gradient, options):
-    out = _qat_ragged(x, value, served, group_sizes, key, dims, gradient, options)
+    out = qat_ragged(x, value, served, group_sizes, key, dims, gradient, options)
     return out, (x, value, served, group_sizes, key)
 
 
@@ -51,7 +51,7 @@ def _qat_ragged_bwd(dims, gradient, options, residuals, g):
     return dx.astype(x.dtype), dw.astype(value.dtype), None, None, None
 
 
-_qat_ragged.defvjp(_qat_ragged_fwd, _qat_ragged_bwd)
+qat_ragged.defvjp(_qat_ragged_fwd, _qat_ragged_bwd)
 
 # d w[e] = sum over the rows m of expert e of x[m]^T g[m]: the rows are contracted, raggedly.
 _RAGGED_CONTRACTION = lax.RaggedDotDimensionNumbers(
@@ -102,45 +102,3 @@ def _quantized_ragged_backward(x, w, group_sizes, g, gradient, key, precision):
         )
     dw = acc * xq.scale.reshape(1, -1, 1) * gq_cols.scale.reshape(1, 1, -1)
     return dx, dw
-
-
-def qat_ragged_dot_general(
-    lhs: jax.Array,
-    rhs: QatWeight,
-    group_sizes: jax.Array,
-    ragged_dot_dimension_numbers: Any = BASIC_DIMENSION_NUMBERS,
-    *,
-    key: jax.Array | None = None,
-    **options: Any,
-) -> jax.Array:
-    """`ragged_dot_general` with a `QatWeight` of experts `[experts, k, n]`: quantized forward,
-    straight-through backward (quantized backward products with a `gradient` config for the
-    basic `lax.ragged_dot` layout; other layouts take the float backward only without one).
-
-    Args:
-      lhs: [m, k] float tokens, rows grouped by expert.
-      rhs: [experts, k, n] QatWeight.
-      group_sizes, ragged_dot_dimension_numbers: as `ragged_dot_general`.
-      key: PRNG key for stochastic rounding of gradients (see `_qat`).
-      **options: `precision`, `preferred_element_type`, `out_sharding` (and an unset
-        `group_offset`), as `ragged_dot_general`; `precision` also for the backward products.
-    Returns:
-      [m, n], exactly `ragged_dot_general(lhs, rhs.served(), ...)`.
-    Raises:
-      TypeError: unless `rhs` is a QatWeight and `lhs` a float array.
-      ValueError: for a `group_offset`, or a gradient config with a non-basic layout.
-    """
-    if not isinstance(rhs, QatWeight) or isinstance(lhs, QatWeight | QArray):
-        raise TypeError(
-            "qat_ragged_dot_general needs a float lhs and a QatWeight rhs, got "
-            f"{type(lhs).__name__} and {type(rhs).__name__}"
-        )
-    if options.get("group_offset") is not None:
-        raise ValueError("qat_ragged_dot_general does not take a group_offset; got one")
-    if rhs.gradient is not None and ragged_dot_dimension_numbers != BASIC_DIMENSION_NUMBERS:
-        raise ValueError(
-            "a gradient config needs the basic ragged_dot layout (lhs [m, k], rhs [e, k, n]); "
-            f"got {ragged_dot_dimension_numbers}"
-        )
-    dims, served = ragged_dot_dimension_numbers, rhs.served()
-    return _qat_ragged(lhs, rhs.value, served, group_sizes, key, dims, rhs.gradient, options)

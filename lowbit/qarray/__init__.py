@@ -37,6 +37,7 @@ from lowbit.qarray._qarray import (
 from lowbit.qarray._quantize import (
     QuantConfig,
     blocks_view,
+    check_tiles_within_shards,
     check_values,
     dequantize,
     quantize,
@@ -83,4 +84,5 @@ __all__ = [
     "is_qarray",
     "parse_calibration",
     "quantize",
+    "check_tiles_within_shards",
 ]

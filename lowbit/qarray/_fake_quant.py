@@ -8,6 +8,7 @@ training).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -64,8 +65,6 @@ def fake_quant(
     if not isinstance(config, QuantConfig):
         config = QuantConfig(format=config, **overrides)
     elif overrides:
-        import dataclasses
-
         config = dataclasses.replace(config, **overrides)
     if config.rounding != "nearest":
         raise ValueError("fake_quant supports rounding='nearest' only (it takes no PRNG key)")

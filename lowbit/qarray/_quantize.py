@@ -262,7 +262,7 @@ def _shard_shape(x: jax.Array) -> tuple[int, ...] | None:
     return tuple(shape)
 
 
-def _check_tiles_within_shards(x: jax.Array, tile: tuple[int, ...]) -> None:
+def check_tiles_within_shards(x: jax.Array, tile: tuple[int, ...]) -> None:
     """Refuses a group that would straddle two devices' pieces of a sharded `x`: the codes of
     one scale would live on two devices, a layout the sharded types cannot express."""
     pieces = _shard_shape(x)
@@ -423,7 +423,7 @@ def quantize(
     logical_shape, logical_dtype = x.shape, x.dtype
     x32 = x.astype(jnp.float32)
     tile = _tile(config, fmt, x.shape)
-    _check_tiles_within_shards(x, tile)
+    check_tiles_within_shards(x, tile)
     grid = tuple(n // t for n, t in zip(x.shape, tile, strict=True))
 
     blocks = blocks_view(x32, tile)

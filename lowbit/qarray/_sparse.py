@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.formats._packing import pack, unpack
+from lowbit.formats import pack, unpack
 from lowbit.qarray._qarray import QArray
 from lowbit.qarray._value import EngineValue, NoRule
 

@@ -44,7 +44,14 @@ from lowbit.recipes._presets import (
 from lowbit.recipes._recipe import Decision, Recipe, RecipeReport
 from lowbit.recipes._rotation import RotationConfig, parse_rotation
 from lowbit.recipes._rule import Rule, stack_granularity
-from lowbit.recipes._select import OPS, Select, select_params
+from lowbit.recipes._select import (
+    OPS,
+    Select,
+    check_regex,
+    first_matches,
+    no_match_error,
+    select_params,
+)
 
 __all__ = [
     "Candidate",
@@ -100,4 +107,7 @@ __all__ = [
     "select_params",
     "stack_granularity",
     "weight_config",
+    "check_regex",
+    "first_matches",
+    "no_match_error",
 ]

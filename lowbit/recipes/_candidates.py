@@ -28,8 +28,7 @@ import re
 
 import jax.numpy as jnp
 
-from lowbit.formats import format_names, get_format
-from lowbit.formats._gguf import GGUFBlockFormat
+from lowbit.formats import GGUFBlockFormat, format_names, get_format
 from lowbit.qarray import AbsMax, MinMax, PerChannel, PerGroup, QuantConfig
 from lowbit.recipes._algorithm import GPTQ
 from lowbit.recipes._builders import layout_axes

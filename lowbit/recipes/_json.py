@@ -1,4 +1,5 @@
-"""Recipes as JSON, and the text forms of configs that only JSON and presets accept.
+"""The JSON forms of rules and configs (a `Recipe` is its rules in JSON: `Recipe.to_json`), and
+the text forms of configs that only JSON and presets accept.
 
 Text forms (parsed here, at the edge, into typed objects at once):
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,13 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit import qarray
-from lowbit._untrusted import load_json
 from lowbit.formats import format_names, get_format
 from lowbit.qarray import QuantConfig
 from lowbit.recipes._algorithm import algorithm_to_dict, parse_algorithm
-from lowbit.recipes._kv_cache import format_kv_cache, parse_kv_cache
-from lowbit.recipes._recipe import Recipe
-from lowbit.recipes._rotation import format_rotation, parse_rotation
 from lowbit.recipes._rule import Rule
 from lowbit.recipes._text_form import field_errors
 
@@ -226,57 +222,3 @@ def parse_rule(value: Any, field: str) -> Rule:
         return Rule(**kwargs)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{field}: {err}") from None
-
-
-def recipe_to_json(recipe: Recipe) -> str:
-    data: dict[str, Any] = {"name": recipe.name, "rules": [rule_to_dict(r) for r in recipe.rules]}
-    if recipe.kv_cache is not None:
-        data["kv_cache"] = format_kv_cache(recipe.kv_cache)
-    if recipe.rotate is not None:
-        data["rotate"] = format_rotation(recipe.rotate)
-    if recipe.shapes is not None:
-        data["shapes"] = {path: list(shape) for path, shape in recipe.shapes}
-    return json.dumps(data, indent=2)
-
-
-def recipe_from_json(text: str | Mapping[str, Any]) -> Recipe:
-    """Parses a recipe from JSON text or a dict ``{"name": ..., "rules": [...]}``.
-
-    Raises:
-      ValueError: naming the field, the value and what is accepted; also for text that is not
-        JSON, nests deeper than Python's parser goes, or names a key twice.
-    """
-    if isinstance(text, str | bytes):
-        data = load_json(text, "recipe JSON")
-    else:
-        data = text
-    if not isinstance(data, Mapping) or not isinstance(data.get("rules"), list):
-        raise ValueError('recipe JSON must be an object {"name": str, "rules": [rule, ...]}')
-    keys = ["name", "rules", "kv_cache", "rotate", "shapes"]
-    unknown = sorted(set(data) - set(keys))
-    if unknown:
-        raise ValueError(f"Recipe: unknown keys {unknown}; accepted: {keys}")
-    rules = tuple(parse_rule(r, f"Recipe.rules[{i}]") for i, r in enumerate(data["rules"]))
-    name = data.get("name", "custom")
-    if not isinstance(name, str):
-        raise ValueError(f"Recipe.name: {name!r}; accepted: a string")
-    kv_cache = parse_kv_cache(data.get("kv_cache"), "Recipe.kv_cache")
-    rotate = parse_rotation(data.get("rotate"), "Recipe.rotate")
-    return Recipe(
-        rules=rules, name=name, kv_cache=kv_cache, rotate=rotate, shapes=_parse_shapes(data)
-    )
-
-
-def _parse_shapes(data: Mapping[str, Any]) -> tuple | None:
-    shapes = data.get("shapes")
-    if shapes is None:
-        return None
-    ok = isinstance(shapes, Mapping) and all(
-        isinstance(v, list) and all(isinstance(d, int) and d >= 0 for d in v)
-        for v in shapes.values()
-    )
-    if not ok:
-        raise ValueError(
-            f"Recipe.shapes: {shapes!r}; accepted: an object {{parameter path: [dim, ...]}}"
-        )
-    return tuple((str(p), tuple(v)) for p, v in shapes.items())

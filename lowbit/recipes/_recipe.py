@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 
+from lowbit._untrusted import load_json
 from lowbit.formats import get_format
 from lowbit.qarray import PerGroup, QuantConfig
-from lowbit.recipes._kv_cache import KVCacheConfig, parse_kv_cache
+from lowbit.recipes._json import parse_rule, rule_to_dict
+from lowbit.recipes._kv_cache import KVCacheConfig, format_kv_cache, parse_kv_cache
 from lowbit.recipes._paths import is_param_leaf, param_leaves
-from lowbit.recipes._rotation import RotationConfig, parse_rotation
+from lowbit.recipes._rotation import RotationConfig, format_rotation, parse_rotation
 from lowbit.recipes._rule import Rule
 
 
@@ -202,20 +205,57 @@ class Recipe:
 
     def to_json(self) -> str:
         """JSON text that `Recipe.from_json` reads back to an equal recipe."""
-        from lowbit.recipes._json import recipe_to_json
-
-        return recipe_to_json(self)
+        data: dict[str, Any] = {"name": self.name, "rules": [rule_to_dict(r) for r in self.rules]}
+        if self.kv_cache is not None:
+            data["kv_cache"] = format_kv_cache(self.kv_cache)
+        if self.rotate is not None:
+            data["rotate"] = format_rotation(self.rotate)
+        if self.shapes is not None:
+            data["shapes"] = {path: list(shape) for path, shape in self.shapes}
+        return json.dumps(data, indent=2)
 
     @classmethod
     def from_json(cls, text: str | Mapping[str, Any]) -> Recipe:
-        """Parses `to_json` output (or the equivalent dict).
+        """Parses `to_json` output (or the equivalent dict ``{"name": ..., "rules": [...]}``).
 
         Raises:
-          ValueError: naming the field, the value and what is accepted.
+          ValueError: naming the field, the value and what is accepted; also for text that is
+            not JSON, nests deeper than Python's parser goes, or names a key twice.
         """
-        from lowbit.recipes._json import recipe_from_json
+        if isinstance(text, str | bytes):
+            data = load_json(text, "recipe JSON")
+        else:
+            data = text
+        if not isinstance(data, Mapping) or not isinstance(data.get("rules"), list):
+            raise ValueError('recipe JSON must be an object {"name": str, "rules": [rule, ...]}')
+        keys = ["name", "rules", "kv_cache", "rotate", "shapes"]
+        unknown = sorted(set(data) - set(keys))
+        if unknown:
+            raise ValueError(f"Recipe: unknown keys {unknown}; accepted: {keys}")
+        rules = tuple(parse_rule(r, f"Recipe.rules[{i}]") for i, r in enumerate(data["rules"]))
+        name = data.get("name", "custom")
+        if not isinstance(name, str):
+            raise ValueError(f"Recipe.name: {name!r}; accepted: a string")
+        kv_cache = parse_kv_cache(data.get("kv_cache"), "Recipe.kv_cache")
+        rotate = parse_rotation(data.get("rotate"), "Recipe.rotate")
+        return cls(
+            rules=rules, name=name, kv_cache=kv_cache, rotate=rotate, shapes=_parse_shapes(data)
+        )
 
-        return recipe_from_json(text)
+
+def _parse_shapes(data: Mapping[str, Any]) -> tuple | None:
+    shapes = data.get("shapes")
+    if shapes is None:
+        return None
+    ok = isinstance(shapes, Mapping) and all(
+        isinstance(v, list) and all(isinstance(d, int) and d >= 0 for d in v)
+        for v in shapes.values()
+    )
+    if not ok:
+        raise ValueError(
+            f"Recipe.shapes: {shapes!r}; accepted: an object {{parameter path: [dim, ...]}}"
+        )
+    return tuple((str(p), tuple(v)) for p, v in shapes.items())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

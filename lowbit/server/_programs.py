@@ -37,8 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lowbit.engine import interpret
-from lowbit.models import KVCache
-from lowbit.models._generate import sample_rows
+from lowbit.models import KVCache, sample_rows
 from lowbit.server._logprobs import TokenLogprobs, token_logprobs
 from lowbit.server._penalties import count_tokens, penalize, restart_counts
 from lowbit.server._protocol import MAX_LOGPROBS

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from lowbit.api import StoredProgram, compile_stored, describe
-from lowbit.models._generate import bucket
+from lowbit.models import bucket
 from lowbit.server import _embeddings as embeddings
 from lowbit.server import _programs as programs
 from lowbit.server._logprobs import TokenLogprob, TokenLogprobs, host_logprobs

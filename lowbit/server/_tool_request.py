@@ -16,6 +16,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import jsonschema_rs
+
 from lowbit.server._tool_calls import json_depth
 
 MAX_TOOLS = 128  # OpenAI's own limit
@@ -124,7 +126,6 @@ def _schemas(value: Any):
 
 
 def _parameters(param: str, schema: Any, strict: bool) -> None:
-    import jsonschema_rs
 
     if not isinstance(schema, dict):
         raise ToolError(param, f"must be a JSON Schema object, got {json.dumps(schema)[:80]}")
@@ -158,7 +159,6 @@ def _validator(schema: Mapping[str, Any]):
 
 @functools.lru_cache(maxsize=64)
 def _compiled(schema: str):
-    import jsonschema_rs
 
     return jsonschema_rs.validator_for(
         json.loads(schema), offline=True, pattern_options=jsonschema_rs.RegexOptions()

@@ -8,6 +8,12 @@ from typing import Any
 
 from flax import nnx
 
+from lowbit.algorithms import AlgorithmReport, sample_rows
+from lowbit.api import AlgorithmOptions, algorithm_weights, quantize_params
+from lowbit.io import import_gguf
+from lowbit.kernels import GGUF_KINDS
+from lowbit.models import gguf_param_map
+from lowbit.ops import with_int8_activations
 from lowbit.serving._load import LoadedModel
 from lowbit.serving._ready import kernel_axes_fn, ready
 from lowbit.serving._recipe_spec import FLOAT_RECIPE, GGUF_RECIPE, load_recipe
@@ -65,10 +71,6 @@ def apply_recipe(
                 f"recipe 'gguf' imports a GGUF file's own quantization; model {loaded.name!r} "
                 "was not read from a GGUF file"
             )
-        from lowbit.io import import_gguf
-        from lowbit.kernels import GGUF_KINDS
-        from lowbit.models import gguf_param_map
-        from lowbit.ops import with_int8_activations
 
         mapping = gguf_param_map(loaded.model.config)
         # Laid out as each tensor is read, so the tree is resident once.
@@ -80,7 +82,6 @@ def apply_recipe(
         # The block types multiply as llama.cpp multiplies them: activations in its Q8_0 / Q8_K
         # blocks, integer dots (`with_int8_activations(params, False)` for float activations).
         return with_int8_activations(params, kinds=GGUF_KINDS), None
-    from lowbit.api import quantize_params
 
     recipe = load_recipe(recipe_spec)
     if recipe_spec == FLOAT_RECIPE:
@@ -98,8 +99,6 @@ def apply_recipe(
     rules_only = dataclasses.replace(recipe, rotate=None)
     if not any(r.algorithm is not None for r in recipe.rules):
         return wrap_online(ready(loaded, quantize_params(pure, rules_only)), online), recipe
-    from lowbit.algorithms import AlgorithmReport, sample_rows
-    from lowbit.api import AlgorithmOptions, algorithm_weights
 
     data_paths = tuple(
         sorted(

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lowbit.io import has_adapters, load_adapted_checkpoint, read_manifest
+from lowbit.recipes import Recipe
 from lowbit.serving._load import LoadedModel
 from lowbit.serving._ready import ready
 from lowbit.serving._rotation import online_paths, wrap_online
@@ -33,8 +35,6 @@ def checkpoint_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
     Raises:
       ValueError: for a checkpoint without `META_MODEL` (not written by `lowbit quantize`).
     """
-    from lowbit.io import read_manifest
-
     meta = read_manifest(directory).get("metadata") or {}
     if META_MODEL not in meta:
         raise ValueError(
@@ -46,17 +46,12 @@ def checkpoint_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
 
 def checkpoint_recipe_label(directory: str | os.PathLike[str]) -> str:
     """The recipe label of a checkpoint (``+lora`` when it holds adapters)."""
-    from lowbit.io import has_adapters
-
     label = str(checkpoint_metadata(directory).get(META_RECIPE, "custom"))
     return f"{label}+lora" if has_adapters(directory) else label
 
 
 def checkpoint_recipe(directory: str | os.PathLike[str]) -> Any:
     """The `Recipe` a checkpoint was written with, or None when it stores none."""
-    from lowbit.io import read_manifest
-    from lowbit.recipes import Recipe
-
     text = read_manifest(directory).get("recipe")
     return None if text is None else Recipe.from_json(text)
 
@@ -70,8 +65,6 @@ def read_checkpoint(directory: str | os.PathLike[str], loaded: LoadedModel) -> A
       ValueError: for a checkpoint of a rotated model read for `loaded` not rotated so (load
         it through `rotated_model(loaded, checkpoint_recipe(directory))`).
     """
-    from lowbit.io import load_adapted_checkpoint
-
     recipe = checkpoint_recipe(directory)
     rotation = None if recipe is None else recipe.rotate
     if rotation is not None and loaded.rotation != rotation:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from lowbit import models
 from lowbit.gguf import read_gguf
 
 MODEL_NAMES = ("smollm2", "minilm")
@@ -59,12 +60,6 @@ class LoadedModel:
     abstract: bool = False
 
 
-def _models():
-    import lowbit.models as models  # the heavy model code loads only when a model is needed
-
-    return models
-
-
 def is_hf_directory(path: str | Path) -> bool:
     """Whether `path` is a directory holding a Hugging Face checkpoint: `HF_FILES`, or a
     sharded one (`HF_INDEX` in place of ``model.safetensors``)."""
@@ -75,7 +70,6 @@ def is_hf_directory(path: str | Path) -> bool:
 
 def _hf_decoder_type(directory: Path) -> bool:
     """Whether `directory`'s ``config.json`` names a decoder model type."""
-    models = _models()
     config = directory / "config.json"
     return (
         config.is_file()
@@ -85,7 +79,7 @@ def _hf_decoder_type(directory: Path) -> bool:
 
 def _load_hf_decoder(directory: Path) -> LoadedModel:
     directory = directory.resolve()
-    model, tokenizer = _models().load_decoder_hf(directory)
+    model, tokenizer = models.load_decoder_hf(directory)
     return LoadedModel(
         name=directory.name, spec=str(directory), kind="lm", model=model, tokenizer=tokenizer
     )
@@ -107,7 +101,6 @@ def load_model(spec: str, float_weights: bool = True) -> LoadedModel:
       ValueError: for an unknown name or file type; FileNotFoundError for a missing file or
         an uninstalled model package.
     """
-    models = _models()
     if spec == "smollm2":
         model, tokenizer = models.load_smollm2()
         path = models.smollm2_gguf_path()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lowbit._untrusted import read_text
+from lowbit.recipes import Recipe, preset, preset_names
 
 GGUF_RECIPE = "gguf"
 FLOAT_RECIPE = "float"
@@ -20,8 +21,6 @@ def load_recipe(spec: str) -> Any:
     Raises:
       ValueError: for an unknown name (listing the presets) or a malformed file.
     """
-    from lowbit.recipes import Recipe, preset, preset_names
-
     if spec.endswith(".json") or os.sep in spec:
         path = Path(spec)
         if not path.exists():

@@ -22,6 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit.models import Decoder, rotate_model
+from lowbit.ops import HadamardInput, hadamard_matrix, rotate_weight_input
+from lowbit.qarray import EngineValue
+from lowbit.recipes import param_leaves
 from lowbit.serving._load import LoadedModel
 from lowbit.serving._recipe_spec import FLOAT_RECIPE, GGUF_RECIPE, load_recipe
 
@@ -42,7 +46,6 @@ def rotated_model(loaded: LoadedModel, recipe: Any) -> LoadedModel:
     rotation = getattr(recipe, "rotate", None)
     if rotation is None or loaded.rotation == rotation:
         return loaded
-    from lowbit.models import Decoder, rotate_model
 
     if loaded.rotation is not None:
         raise ValueError(
@@ -78,7 +81,6 @@ def online_paths(params: Any, rotation: Any) -> tuple[str, ...]:
     """Paths of the weights `rotation` rotates online (``/``-joined, sorted)."""
     if rotation is None or not rotation.online:
         return ()
-    from lowbit.recipes import param_leaves
 
     patterns = [_ONLINE[target] for target in rotation.online]
     paths = [p for p, _ in param_leaves(params) if any(r.fullmatch(p) for r in patterns)]
@@ -96,7 +98,6 @@ def _map_paths(params: Any, paths: tuple[str, ...], fn: Any) -> Any:
 
 
 def _is_value(x: Any) -> bool:
-    from lowbit.qarray import EngineValue
 
     return isinstance(x, EngineValue)
 
@@ -104,8 +105,6 @@ def _is_value(x: Any) -> bool:
 def rotate_online_inputs(params: Any, paths: tuple[str, ...]) -> Any:
     """Float `params` with the weights at `paths` replaced by ``Hᵀ W`` (rotated along their
     input axis 0), ready to be quantized."""
-    from lowbit.ops import rotate_weight_input
-
     return _map_paths(params, paths, lambda w: rotate_weight_input(jnp.asarray(w), 0))
 
 
@@ -116,7 +115,6 @@ def rotate_statistics(statistics: Any, paths: tuple[str, ...]) -> Any:
     per-channel scale of ``x`` is no longer one of ``x H``)."""
     if statistics is None or not paths:
         return statistics
-    from lowbit.ops import hadamard_matrix
 
     wanted = set(paths)
     weights = dict(statistics.weights)
@@ -141,15 +139,12 @@ def rotate_statistics(statistics: Any, paths: tuple[str, ...]) -> Any:
 def wrap_online(params: Any, paths: tuple[str, ...]) -> Any:
     """`params` with the weights at `paths` (holding ``Hᵀ W``) served as
     `lowbit.ops.HadamardInput`."""
-    from lowbit.ops import HadamardInput
-
     return _map_paths(params, paths, lambda w: HadamardInput(w, axis=0))
 
 
 def storable(params: Any) -> Any:
     """`params` with every `lowbit.ops.HadamardInput` replaced by the ``Hᵀ W`` it holds (what
     a checkpoint stores; the recipe's rotation says which to wrap again)."""
-    from lowbit.ops import HadamardInput
 
     def unwrap(x: Any) -> Any:
         return x.inner if isinstance(x, HadamardInput) else x
