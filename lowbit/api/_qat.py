@@ -18,6 +18,12 @@ quantized ops use `qarray` in the forward pass and send straight-through gradien
 `convert(params, recipe)` then quantizes the trained float params with the same compiled quantizer
 and attaches the same activation quantizers, so the served model's forward pass is bit-identical
 to the QAT forward pass.
+
+A rule whose weight format is a GGUF block format (``q4_k``, ``q6_k``, ``iq4_nl``, ...) can also
+learn its blocks' scales and minimums (`lowbit.api._qat_grid`): ``grids = qat.grid_init(params,
+recipe)`` gives llama.cpp's parameters per such weight, ``wrap(params, grids)`` trains on the
+grid they give (differentiate with respect to both), and ``convert(params, recipe, grids=grids)``
+packs exactly those blocks.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 
 import jax
 
+from lowbit.api import _qat_grid
 from lowbit.api._quantize import as_recipe, check_decisions, quantize_params, quantize_weight
 from lowbit.ops import QatWeight
 from lowbit.recipes import Recipe, map_params
@@ -41,19 +48,24 @@ def wrapper(
       recipe: a `Recipe` or preset name.
       uses: ops each parameter feeds, for rules with an `ops` filter (`param_uses`).
     Returns:
-      ``params -> params`` with a `QatWeight` for each selected weight; traceable (decisions
-      depend only on paths, shapes and dtypes), so it runs under `jit` and `grad`.
+      ``(params, grids=None) -> params`` with a `QatWeight` for each selected weight; traceable
+      (decisions depend only on paths, shapes and dtypes), so it runs under `jit` and `grad`.
+      With `grids` (`grid_init`), the weights it names train on their GGUF grid with those
+      parameters (gradients reach both).
     """
     recipe = as_recipe(recipe)
 
-    def apply(params: Any) -> Any:
+    def apply(params: Any, grids: Mapping[str, Any] | None = None) -> Any:
         decisions = check_decisions(recipe, params, uses)
+        _check_grids(grids, decisions)
 
         def one(path: str, leaf: Any) -> Any:
             decision = decisions[path]
             if not decision.quantized:
                 return leaf
             rule = recipe.rules[decision.rule_index]
+            if grids is not None and path in grids:
+                return _qat_grid.grid_qat_weight(leaf, grids[path], decision.config, rule)
             # The quantized copy carries no gradient: the QAT ops route it to `value` (STE).
             qarray = quantize_weight(jax.lax.stop_gradient(leaf), decision.config, rule)
             return QatWeight(
@@ -82,15 +94,53 @@ def qat(params: Any, recipe: Recipe | str, **options: Any) -> Any:
     return wrapper(recipe, **options)(params)
 
 
+def grid_init(
+    params: Any, recipe: Recipe | str, *, uses: Mapping[str, frozenset[str]] | None = None
+) -> dict[str, Any]:
+    """`lowbit.qat.grid_init`: llama.cpp's block parameters for every weight the recipe puts in
+    a GGUF block format with a trainable grid (`lowbit.api._qat_grid`), by path.
+
+    Args:
+      params: concrete float params (call it once, outside `jit`).
+      recipe, uses: as for `wrapper`.
+    Returns:
+      ``{path: {"d": ..., "dmin": ..., "scale": ..., "min": ...}}`` float32 arrays (the keys
+      the type stores), to train beside the params.
+    """
+    recipe = as_recipe(recipe)
+    return _qat_grid.grid_init(params, recipe, check_decisions(recipe, params, uses))
+
+
+def _check_grids(grids: Mapping[str, Any] | None, decisions: Mapping[str, Any]) -> None:
+    if grids is None:
+        return
+    for path in grids:
+        decision = decisions.get(path)
+        if decision is None or not decision.quantized:
+            raise ValueError(
+                f"grids names {path!r}, which the recipe does not quantize; build grids with "
+                "lowbit.qat.grid_init(params, recipe)"
+            )
+        if _qat_grid.grid_type(decision.config) is None:
+            raise ValueError(
+                f"grids names {path!r}, whose format {decision.config.format!r} has no GGUF grid"
+            )
+
+
 qat.wrapper = wrapper  # type: ignore[attr-defined]
+qat.grid_init = grid_init  # type: ignore[attr-defined]
 
 
-def convert(params: Any, recipe: Recipe | str, **options: Any) -> Any:
+def convert(
+    params: Any, recipe: Recipe | str, *, grids: Mapping[str, Any] | None = None, **options: Any
+) -> Any:
     """`lowbit.convert`: trained float params (or QAT params) to served PTQ params.
 
     Args:
       params: the float params the QAT loop trained (`QatWeight` leaves are unwrapped).
       recipe: the recipe used for QAT.
+      grids: the trained GGUF grid parameters (`grid_init`), if QAT learned them: those
+        weights become the blocks they give, byte for byte.
       **options: as for `quantize_params`.
     Returns:
       Params with packed `QArray`s whose forward pass equals the QAT forward pass bit for bit.
@@ -100,4 +150,18 @@ def convert(params: Any, recipe: Recipe | str, **options: Any) -> Any:
         params,
         is_leaf=lambda x: isinstance(x, QatWeight),
     )
-    return quantize_params(floats, recipe, **options)
+    if not grids:
+        return quantize_params(floats, recipe, **options)
+    recipe = as_recipe(recipe)
+    decisions = check_decisions(recipe, floats, options.get("uses"))
+    _check_grids(grids, decisions)
+    quantized = quantize_params(floats, recipe, skip=tuple(grids), **options)
+
+    def one(path: str, leaf: Any) -> Any:
+        if path not in grids:
+            return leaf
+        decision = decisions[path]
+        rule = recipe.rules[decision.rule_index]
+        return _qat_grid.grid_qarray(leaf, grids[path], decision.config, rule)
+
+    return map_params(one, quantized)

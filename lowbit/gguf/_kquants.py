@@ -159,9 +159,13 @@ def decode_q5_k(b):
 
 def encode_q5_k(x):
     header, q = _k_min_encode(x, 31, -0.5, 15)
-    high = ((q >> 4) & 1).reshape(*q.shape[:-1], 8, 32)
-    qh = jnp.sum(high << jnp.arange(8, dtype=jnp.uint8)[:, None], axis=-2, dtype=jnp.uint8)
-    return jnp.concatenate([*header, qh, pack_nibbles_64(q & 15)], -1)
+    return jnp.concatenate([*header, q5_k_high_bytes(q), pack_nibbles_64(q & 15)], -1)
+
+
+def q5_k_high_bytes(q):
+    """Q5_K codes [..., 256] < 32 -> their fifth bits [..., 32] (`_q5k_high`'s inverse)."""
+    high = ((u8(q) >> 4) & 1).reshape(*q.shape[:-1], 8, 32)
+    return jnp.sum(high << jnp.arange(8, dtype=jnp.uint8)[:, None], axis=-2, dtype=jnp.uint8)
 
 
 # --- Q6_K ---------------------------------------------------------------------------------
@@ -204,22 +208,28 @@ def encode_q6_k(x):
         lambda: refit.refit_q6_k(xs, d16, sc.astype(jnp.int32), q),
         lambda: (d16, sc.astype(jnp.int32), q),
     )
-    q = u8(q.reshape(*x.shape[:-1], QK_K)).reshape(*x.shape[:-1], 2, 4, 32)
+    sc8 = jax.lax.bitcast_convert_type(sc.astype(jnp.int8), jnp.uint8)
+    return jnp.concatenate([q6_k_code_bytes(q.reshape(*x.shape[:-1], QK_K)), sc8, d16], -1)
+
+
+def q6_k_code_bytes(q):
+    """Q6_K codes [..., 256] (value + 32) -> ql [..., 128] and qh [..., 64], concatenated
+    (`_q6k_codes`' inverse)."""
+    q = u8(q).reshape(*q.shape[:-1], 2, 4, 32)
     ql = jnp.concatenate(
         [
             q[..., 0, :] & 15 | (q[..., 2, :] & 15) << 4,
             q[..., 1, :] & 15 | (q[..., 3, :] & 15) << 4,
         ],
         axis=-1,
-    ).reshape(*x.shape[:-1], 128)
+    ).reshape(*q.shape[:-3], 128)
     qh = (
         (q[..., 0, :] >> 4)
         | ((q[..., 1, :] >> 4) << 2)
         | ((q[..., 2, :] >> 4) << 4)
         | ((q[..., 3, :] >> 4) << 6)
-    ).reshape(*x.shape[:-1], 64)
-    sc8 = jax.lax.bitcast_convert_type(sc.astype(jnp.int8), jnp.uint8)
-    return jnp.concatenate([ql, qh, sc8, d16], -1)
+    ).reshape(*q.shape[:-3], 64)
+    return jnp.concatenate([ql, qh], -1)
 
 
 # --- Q8_K ---------------------------------------------------------------------------------

@@ -94,7 +94,8 @@ def _q5_high(qh: jax.Array) -> jax.Array:
     return (bits & 1).reshape(*qh.shape[:-1], 32)
 
 
-def _q5_high_bytes(q):
+def q5_high_bytes(q):
+    """Codes [..., 32] < 32 -> their fifth bits as 4 bytes (`_q5_high`'s inverse)."""
     bits = ((u8(q) >> 4) & 1).reshape(*q.shape[:-1], 4, 8)
     return jnp.sum(bits << jnp.arange(8, dtype=jnp.uint8), axis=-1, dtype=jnp.uint8)
 
@@ -114,7 +115,7 @@ def encode_q5_0(x):
     d = mx / -16
     x0 = x * safe_div(1.0, d)[..., None]
     q = jnp.minimum(31, (x0 + 16.5).astype(jnp.int8))
-    return jnp.concatenate([f16_bytes(d), _q5_high_bytes(q), pack_nibbles_32(q & 15)], -1)
+    return jnp.concatenate([f16_bytes(d), q5_high_bytes(q), pack_nibbles_32(q & 15)], -1)
 
 
 # --- Q5_1 ---------------------------------------------------------------------------------
@@ -135,7 +136,7 @@ def encode_q5_1(x):
     d = (hi - lo) / 31
     x0 = (x - lo[..., None]) * safe_div(1.0, d)[..., None]
     q = jnp.minimum(31, (x0 + 0.5).astype(jnp.int8))
-    parts = [f16_bytes(d), f16_bytes(lo), _q5_high_bytes(q), pack_nibbles_32(q & 15)]
+    parts = [f16_bytes(d), f16_bytes(lo), q5_high_bytes(q), pack_nibbles_32(q & 15)]
     return jnp.concatenate(parts, -1)
 
 

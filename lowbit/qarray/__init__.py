@@ -18,6 +18,7 @@ from lowbit.qarray._calibration import (
     parse_calibration,
 )
 from lowbit.qarray._fake_quant import fake_quant
+from lowbit.qarray._gguf_fake_quant import gguf_fake_quant, gguf_grid_init, gguf_pack
 from lowbit.qarray._granularity import (
     Granularity,
     PerBlock,
@@ -81,6 +82,9 @@ __all__ = [
     "decode_scale",
     "dequantize",
     "fake_quant",
+    "gguf_fake_quant",
+    "gguf_grid_init",
+    "gguf_pack",
     "is_qarray",
     "parse_calibration",
     "quantize",

@@ -1,0 +1,111 @@
+"""QAT on a GGUF block format's exact grid, with the blocks' scales and minimums learned.
+
+A rule whose weight format is a GGUF block format with a trainable grid (``q5_0``,
+``iq4_nl``, ``q2_k``, ``q3_k``, ``q4_k``, ``q5_k``, ``q6_k``; `lowbit.gguf._grid.GRIDS`) can
+train its blocks' parameters as well as the weight: `grid_init` gives, per such weight,
+llama.cpp's parameters (``d`` / ``dmin`` per block, the K-quants' sub-block levels), a plain
+pytree the optimizer trains beside the params. Inside the loss each such weight becomes a
+`QatWeight` whose `qarray` holds the blocks those parameters and the weight pack to
+(`gguf_pack`), and whose `value` is `gguf_fake_quant` of the weight: the forward pass runs the
+served op on the blocks, and the backward pass sends the straight-through gradient through
+`gguf_fake_quant` to the weight and (LSQ) to the parameters. `grid_qarray` gives the same
+blocks for `convert`, so the served QArray is the trained grid, byte for byte, and an export
+writes those bytes as they are.
+
+Parameters are laid out as `gguf_fake_quant` takes them: for a weight whose blocks run along
+axis ``a`` (the QArray's `packed_axis`), that axis moved last and cut into blocks, e.g. a
+``[512, 8]`` kernel with blocks along axis 0 has ``d`` ``[8, 2]`` for Q4_K.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lowbit.formats import GGUFBlockFormat, get_format
+from lowbit.gguf._grid import GRIDS
+from lowbit.ops import QatWeight
+from lowbit.qarray import QArray, QuantConfig, quantize
+from lowbit.qarray._gguf_fake_quant import gguf_fake_quant, gguf_grid_init, gguf_pack
+from lowbit.recipes import Recipe, Rule, param_leaves
+
+GridParams = dict[str, jax.Array]
+
+
+def grid_type(config: QuantConfig) -> str | None:
+    """The GGML type whose grid a weight config trains on, or None (not a GGUF block format
+    with a trainable grid)."""
+    fmt = get_format(config.format)
+    if isinstance(fmt, GGUFBlockFormat) and fmt.ggml_type in GRIDS:
+        return fmt.ggml_type
+    return None
+
+
+def _layout(leaf: jax.Array, config: QuantConfig) -> QArray:
+    """The QArray `quantize` makes of `leaf` (abstract: only its structure and block axis)."""
+    return jax.eval_shape(
+        lambda x: quantize(x, config), jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    )
+
+
+def grid_params(leaf: jax.Array, config: QuantConfig) -> GridParams:
+    """llama.cpp's grid parameters for one weight (concrete; see the module docstring)."""
+    ggml_type = grid_type(config)
+    if ggml_type is None:
+        raise ValueError(
+            f"format {config.format!r} has no trainable GGUF grid; use one of "
+            f"{', '.join(t.lower() for t in GRIDS if t.lower() != 'q8_0')}"
+        )
+    axis = _layout(leaf, config).packed_axis
+    return gguf_grid_init(jnp.moveaxis(jnp.asarray(leaf, jnp.float32), axis, -1), ggml_type)
+
+
+def grid_qarray(leaf: jax.Array, params: GridParams, config: QuantConfig, rule: Rule) -> QArray:
+    """The QArray of `leaf`'s blocks on the grid `params` give (traceable).
+
+    Returns:
+      The QArray `quantize(leaf, config)` would be, with these blocks as its codes and the
+      rule's activation quantizer.
+    """
+    layout = _layout(leaf, config)
+    axis = layout.packed_axis
+    rows = jnp.moveaxis(jnp.asarray(leaf, jnp.float32), axis, -1)
+    codes = jnp.moveaxis(gguf_pack(rows, params, grid_type(config)), -1, axis)
+    return QArray(
+        codes=codes,
+        scale=jnp.ones(layout.scale.shape, layout.scale.dtype),
+        zero_point=None,
+        tensor_scale=None,
+        format=layout.format,
+        shape=layout.shape,
+        dtype=layout.dtype,
+        packed_axis=axis,
+        activation=rule.activation,
+    )
+
+
+def grid_qat_weight(
+    leaf: jax.Array, params: GridParams, config: QuantConfig, rule: Rule
+) -> QatWeight:
+    """`leaf` as a `QatWeight` on its grid: forward on the packed blocks, gradients to `leaf`
+    (straight-through) and to `params` (LSQ) through `gguf_fake_quant`."""
+    qarray = grid_qarray(jax.lax.stop_gradient(leaf), params, config, rule)
+    axis = qarray.packed_axis
+    rows = jnp.moveaxis(leaf, axis, -1)
+    value = jnp.moveaxis(gguf_fake_quant(rows, params, grid_type(config)), -1, axis)
+    return QatWeight(value=value, qarray=qarray, activation=rule.activation, gradient=rule.gradient)
+
+
+def grid_init(params: Any, recipe: Recipe, decisions: Mapping[str, Any]) -> dict[str, GridParams]:
+    """Path -> llama.cpp's grid parameters, for every weight `decisions` quantize to a format
+    with a trainable grid."""
+    out = {}
+    for path, leaf in param_leaves(params):
+        decision = decisions.get(path)
+        if decision is None or not decision.quantized or grid_type(decision.config) is None:
+            continue
+        out[path] = grid_params(leaf, decision.config)
+    return out

@@ -1,0 +1,70 @@
+"""QAT on GGUF grids through `lowbit.qat`: learned block scales, and `convert` packs exactly
+the trained grid (the served forward equals the QAT forward bit for bit)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowbit.api import convert, qat, run
+from lowbit.gguf import decode
+from lowbit.qarray import QArray, QuantConfig
+from lowbit.recipes import Recipe, Rule
+
+
+def model(params, x):
+    return jnp.tanh(x @ params["up"]["kernel"]) @ params["down"]["kernel"]
+
+
+def _setup(fmt):
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {
+        "up": {"kernel": 0.05 * jax.random.normal(k1, (512, 256))},
+        "down": {"kernel": 0.05 * jax.random.normal(k2, (256, 8))},
+    }
+    x = jax.random.normal(k3, (4, 512))
+    recipe = Recipe(rules=(Rule(path=r".*kernel", weight=QuantConfig(format=fmt)),))
+    return params, x, recipe
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "iq4_nl"])
+def test_trained_grid_converts_exactly(fmt):
+    params, x, recipe = _setup(fmt)
+    grids = qat.grid_init(params, recipe)
+    assert set(grids) == {"up/kernel", "down/kernel"}
+    wrap = qat.wrapper(recipe)
+    forward = run(model)
+
+    # Step 0 is llama.cpp's PTQ.
+    ptq = forward(convert(params, recipe), x)
+    np.testing.assert_array_equal(np.asarray(forward(wrap(params, grids), x)), np.asarray(ptq))
+
+    def loss(params, grids):
+        return jnp.sum(forward(wrap(params, grids), x) ** 2)
+
+    g_params, g_grids = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, grids)
+    for leaf in jax.tree.leaves((g_params, g_grids)):
+        assert np.isfinite(np.asarray(leaf)).all()
+    assert float(jnp.abs(g_grids["up/kernel"]["d"]).max()) > 0
+    assert float(jnp.abs(g_params["up"]["kernel"]).max()) > 0
+
+    # A step that moves the grid: the served params are that grid, byte for byte.
+    params = jax.tree.map(lambda p, g: p - 0.5 * g, params, g_params)
+    grids = jax.tree.map(lambda p, g: p - 1e-4 * jnp.sign(g) * jnp.abs(p), grids, g_grids)
+    served = convert(params, recipe, grids=grids)
+    trained = forward(wrap(params, grids), x)
+    np.testing.assert_array_equal(np.asarray(forward(served, x)), np.asarray(trained))
+    assert not np.array_equal(np.asarray(trained), np.asarray(forward(convert(params, recipe), x)))
+    q = served["up"]["kernel"]
+    assert isinstance(q, QArray) and q.format == fmt
+    rows = np.moveaxis(np.asarray(q.codes), q.packed_axis, -1)
+    values = np.moveaxis(decode(fmt.upper(), rows), -1, q.packed_axis)
+    np.testing.assert_array_equal(np.asarray(q.dequantize()), values)
+
+
+def test_grids_must_name_grid_weights():
+    params, x, recipe = _setup("q4_k")
+    with pytest.raises(ValueError, match="does not quantize"):
+        qat.wrapper(recipe)(params, {"missing": {}})
+    int8 = Recipe(rules=(Rule(path=r".*kernel", weight=QuantConfig(format="int8")),))
+    assert qat.grid_init(params, int8) == {}
