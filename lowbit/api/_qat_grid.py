@@ -26,10 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from lowbit.formats import GGUFBlockFormat, get_format
-from lowbit.gguf._grid import GRIDS
+from lowbit.gguf import GRIDS
 from lowbit.ops import QatWeight
-from lowbit.qarray import QArray, QuantConfig, quantize
-from lowbit.qarray._gguf_fake_quant import gguf_fake_quant, gguf_grid_init, gguf_pack
+from lowbit.qarray import QArray, QuantConfig, gguf_fake_quant, gguf_grid_init, gguf_pack, quantize
 from lowbit.recipes import Recipe, Rule, param_leaves
 
 GridParams = dict[str, jax.Array]

@@ -11,11 +11,27 @@ its stored blocks (`GGUFFile`, `GGUFTensor`); a malformed file raises `GGUFError
 data streamed one at a time; `header_nbytes` and `padded` give its size before it is written.
 """
 
+from lowbit.gguf._grid import (
+    GRIDS,
+    Grid,
+    GridParams,
+    grid_initial_params,
+    grid_of,
+    round_fp16,
+    round_level,
+)
 from lowbit.gguf._reader import GGUFError, GGUFFile, GGUFTensor, read_gguf
 from lowbit.gguf._types import BLOCK_TYPES, BlockType, block_type, decode, encode, split
 from lowbit.gguf._writer import FLOAT_TYPES, TensorSpec, header_nbytes, padded, write_gguf
 
 __all__ = [
+    "GRIDS",
+    "Grid",
+    "GridParams",
+    "grid_initial_params",
+    "grid_of",
+    "round_fp16",
+    "round_level",
     "BLOCK_TYPES",
     "FLOAT_TYPES",
     "BlockType",

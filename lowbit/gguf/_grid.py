@@ -54,14 +54,14 @@ from lowbit.gguf._kquants import (
 from lowbit.gguf._legacy import q5_high_bytes
 from lowbit.gguf._types import encode
 
-Params = dict[str, jax.Array]
+GridParams = dict[str, jax.Array]
 Round = Callable[[jax.Array], jax.Array]
 
 
 _F16_MAX = float(np.finfo(np.float16).max)
 
 
-def fp16(x: jax.Array) -> jax.Array:
+def round_fp16(x: jax.Array) -> jax.Array:
     """float32 -> the nearest float16 value, as float32 (what a block stores); values past
     float16's range saturate to its largest finite one, as a stored field must stay finite."""
     return jnp.clip(x, -_F16_MAX, _F16_MAX).astype(jnp.float16).astype(jnp.float32)
@@ -69,10 +69,10 @@ def fp16(x: jax.Array) -> jax.Array:
 
 def _f16_field(x: jax.Array) -> jax.Array:
     """float32 [...] -> uint8 [..., 2]: the float16 field `fp16` gives."""
-    return f16_bytes(fp16(x))
+    return f16_bytes(round_fp16(x))
 
 
-def level(x: jax.Array) -> jax.Array:
+def round_level(x: jax.Array) -> jax.Array:
     """Float levels -> the nearest integers (half to even, llama.cpp's `nearest_int`)."""
     return jnp.round(x)
 
@@ -104,16 +104,16 @@ class Grid:
     sub_size: int
     values: tuple[float, ...]
     per_block: tuple[str, ...]
-    init: Callable[[jax.Array], Params] = dataclasses.field(repr=False)
-    affine: Callable[[Params, Round, Round], tuple[jax.Array, jax.Array]] = dataclasses.field(
+    init: Callable[[jax.Array], GridParams] = dataclasses.field(repr=False)
+    affine: Callable[[GridParams, Round, Round], tuple[jax.Array, jax.Array]] = dataclasses.field(
         repr=False
     )
-    codes: Callable[[jax.Array, Params], jax.Array] = dataclasses.field(repr=False)
-    pack: Callable[[jax.Array, Params], jax.Array] = dataclasses.field(repr=False)
+    codes: Callable[[jax.Array, GridParams], jax.Array] = dataclasses.field(repr=False)
+    pack: Callable[[jax.Array, GridParams], jax.Array] = dataclasses.field(repr=False)
 
-    def stored(self, params: Params) -> tuple[jax.Array, jax.Array]:
+    def stored(self, params: GridParams) -> tuple[jax.Array, jax.Array]:
         """(step, offset) ``[..., nb, n_sub]`` as the blocks store them."""
-        return self.affine(params, fp16, level)
+        return self.affine(params, round_fp16, round_level)
 
     @property
     def from_blocks(self) -> bool:
@@ -135,7 +135,7 @@ class Grid:
             return ()
         return ("scale", "min") if "dmin" in self.per_block else ("scale",)
 
-    def encode_with(self, x: jax.Array, params: Params) -> jax.Array:
+    def encode_with(self, x: jax.Array, params: GridParams) -> jax.Array:
         """Values ``[..., nb, block_size]`` -> blocks on the grid `params` give."""
         return self.pack(self.codes(x, params), params)
 
@@ -225,7 +225,7 @@ def _k_codes(sub, low, high, affine):
     (``nearest((x + ml) / dl)``); 0 where the step is 0 (any code decodes to the offset)."""
 
     def codes(x, p):
-        step, offset = affine(p, fp16, level)
+        step, offset = affine(p, round_fp16, round_level)
         xs = _subs(x, sub)
         safe = jnp.where(step == 0, 1, step)[..., None]
         q = jnp.clip(nearest((xs - offset[..., None]) / safe), low, high)
@@ -236,7 +236,7 @@ def _k_codes(sub, low, high, affine):
 
 
 def _stored_levels(p, key, low, top):
-    return jnp.clip(level(p[key]), low, top).astype(jnp.int32)
+    return jnp.clip(round_level(p[key]), low, top).astype(jnp.int32)
 
 
 def _q2_k_init(b):
@@ -365,7 +365,7 @@ GRIDS: types.MappingProxyType[str, Grid] = types.MappingProxyType(
 """GGML type name -> `Grid`: the types whose grid can be trained on (`lowbit.qarray`)."""
 
 
-def grid(name: str) -> Grid:
+def grid_of(name: str) -> Grid:
     """The `Grid` of GGML type `name`; ValueError listing the types that have one."""
     found = GRIDS.get(name)
     if found is None:
@@ -376,11 +376,11 @@ def grid(name: str) -> Grid:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _traced_init(name: str, x: jax.Array) -> Params:
-    return grid(name).init(x)
+def _traced_init(name: str, x: jax.Array) -> GridParams:
+    return grid_of(name).init(x)
 
 
-def initial_params(name: str, x: jax.Array | np.ndarray) -> Params:
+def grid_initial_params(name: str, x: jax.Array | np.ndarray) -> GridParams:
     """llama.cpp's parameters for values `x` ``[..., nb, block_size]`` on `name`'s grid.
 
     Not traced (the K-quants run `lowbit.gguf.encode`, see the module docstring): call it on
@@ -390,7 +390,7 @@ def initial_params(name: str, x: jax.Array | np.ndarray) -> Params:
       ValueError: for a type without a grid, or values `lowbit.gguf.encode` refuses (NaN,
         Inf, beyond the type's float16 range).
     """
-    g = grid(name)
+    g = grid_of(name)
     if not g.from_blocks:
         x = np.asarray(x, np.float32)
         if not np.isfinite(x).all():

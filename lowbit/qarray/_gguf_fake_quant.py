@@ -31,8 +31,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lowbit.gguf import block_type
-from lowbit.gguf._grid import Grid, Params, fp16, grid, initial_params, level
+from lowbit.gguf import (
+    Grid,
+    GridParams,
+    block_type,
+    grid_initial_params,
+    grid_of,
+    round_fp16,
+    round_level,
+)
 
 _sg = jax.lax.stop_gradient
 
@@ -51,7 +58,7 @@ def _blocks(w: jax.Array, g: Grid) -> jax.Array:
     return jnp.asarray(w, jnp.float32).reshape(*w.shape[:-1], -1, g.block_size)
 
 
-def _check_params(params: Params, x: jax.Array, g: Grid) -> None:
+def _check_params(params: GridParams, x: jax.Array, g: Grid) -> None:
     shapes = {k: tuple(jnp.shape(v)) for k, v in params.items()}
     want = g.param_shapes(x.shape)
     if shapes != want:
@@ -61,7 +68,7 @@ def _check_params(params: Params, x: jax.Array, g: Grid) -> None:
         )
 
 
-def gguf_grid_init(w: jax.Array, ggml_type: str) -> Params:
+def gguf_grid_init(w: jax.Array, ggml_type: str) -> GridParams:
     """llama.cpp's parameters for `w` on `ggml_type`'s grid (the training's initial ones).
 
     Not traced: call it on concrete weights, outside `jit`, once before training.
@@ -77,11 +84,11 @@ def gguf_grid_init(w: jax.Array, ggml_type: str) -> Params:
       ValueError: for a type without a grid, a last axis that is not whole blocks, or values
         llama.cpp's quantizer refuses (NaN, Inf, beyond float16's range).
     """
-    g = grid(ggml_type)
-    return initial_params(ggml_type, _blocks(jnp.asarray(w), g))
+    g = grid_of(ggml_type)
+    return grid_initial_params(ggml_type, _blocks(jnp.asarray(w), g))
 
 
-def gguf_pack(w: jax.Array, params: Params, ggml_type: str) -> jax.Array:
+def gguf_pack(w: jax.Array, params: GridParams, ggml_type: str) -> jax.Array:
     """The GGUF blocks of `w` on the grid `params` give (what an export of the trained weight
     writes): they decode to `gguf_fake_quant(w, params, ggml_type)` bit for bit.
 
@@ -90,14 +97,14 @@ def gguf_pack(w: jax.Array, params: Params, ggml_type: str) -> jax.Array:
     Returns:
       ``uint8 [..., n / block_size * type_size]``.
     """
-    g = grid(ggml_type)
+    g = grid_of(ggml_type)
     x = _blocks(w, g)
     _check_params(params, x, g)
     blocks = g.encode_with(_sg(x), jax.tree.map(_sg, params))
     return blocks.reshape(*w.shape[:-1], -1)
 
 
-def gguf_fake_quant(w: jax.Array, params: Params, ggml_type: str) -> jax.Array:
+def gguf_fake_quant(w: jax.Array, params: GridParams, ggml_type: str) -> jax.Array:
     """`w` on `ggml_type`'s grid with parameters `params` (see the module docstring).
 
     Args:
@@ -110,13 +117,13 @@ def gguf_fake_quant(w: jax.Array, params: Params, ggml_type: str) -> jax.Array:
       ValueError: for a type without a grid, a last axis that is not whole blocks, or
         parameters of other shapes than `gguf_grid_init` gives for `w`.
     """
-    g = grid(ggml_type)
+    g = grid_of(ggml_type)
     x = _blocks(w, g)
     _check_params(params, x, g)
     codes = g.codes(_sg(x), jax.tree.map(_sg, params))
     exact = block_type(ggml_type).decode_blocks(g.pack(codes, jax.tree.map(_sg, params)))
 
-    step, offset = g.affine(params, _ste(fp16), _ste(level))  # [..., nb, n_sub]
+    step, offset = g.affine(params, _ste(round_fp16), _ste(round_level))  # [..., nb, n_sub]
     xs = x.reshape(*x.shape[:-1], -1, g.sub_size)
     values = jnp.asarray(g.values, jnp.float32)
     gq = values[codes].reshape(xs.shape)

@@ -11,7 +11,7 @@ from lm_support import WORDS, tiny_lm
 
 from lowbit import serving
 from lowbit.cli import main
-from lowbit.models import Llama
+from lowbit.models import Decoder
 
 CONTEXT, TOKENS = 16, 48
 WINDOW = ["--context", str(CONTEXT), "--max-tokens", str(TOKENS)]
@@ -23,7 +23,7 @@ def models():
     # The same tokenizer, a model with 80 logits per token: a vocabulary that does not match.
     config = dataclasses.replace(tiny.model.config, vocab_size=80)
     wide = dataclasses.replace(
-        tiny, name="wide", spec="wide", model=Llama(config, rngs=nnx.Rngs(1))
+        tiny, name="wide", spec="wide", model=Decoder(config, rngs=nnx.Rngs(1))
     )
     return {"tiny": tiny, "wide": wide}
 

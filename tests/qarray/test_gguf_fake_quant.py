@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from lowbit import gguf
-from lowbit.gguf._grid import GRIDS
-from lowbit.qarray._gguf_fake_quant import gguf_fake_quant, gguf_grid_init, gguf_pack
+from lowbit.gguf import GRIDS
+from lowbit.qarray import gguf_fake_quant, gguf_grid_init, gguf_pack
 
 TYPES = tuple(GRIDS)
 
