@@ -479,7 +479,10 @@ class Scheduler:
         w0 = self.prefill_widths[0]
 
         def logprobs_args() -> tuple:
-            (_, logits), _ = self.programs.get("prefill", w0).out_shapes
+            # Every width's logits are alike: those of one compiled already (a request that
+            # asks has compiled its own), so that this one never waits for another width.
+            ready = [w for w in self.prefill_widths if self.programs.ready("prefill", w)]
+            (_, logits), _ = self.programs.get("prefill", (ready or [w0])[0]).out_shapes
             return logits, jnp.zeros((1,), jnp.int32)
 
         register("logprobs", 1, logprobs_args, at_start=False)
