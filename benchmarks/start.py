@@ -6,6 +6,9 @@ Q4_K_M file; llama.cpp's server started on the same file beside them.
 Each start is its own process with the same settings as a user's (`--recipe gguf` by default
 for a .gguf). The cache directory is a fresh temporary one (`LOWBIT_COMPILATION_CACHE`), so
 the first start is cold however the machine's own cache stands.
+
+``LOWBIT_BENCH_BIG_GGUF=PATH``: use that Qwen2-1.5B-shaped Q4_K_M file (one an earlier run
+wrote with `benchmarks._big_gguf.write_q4_k_m`) instead of writing a new one.
 """
 
 from __future__ import annotations
@@ -82,8 +85,10 @@ def run() -> str:
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp)
         files = [("SmolLM2-135M Q4_1 (bundled)", str(smollm2_gguf_path()))]
-        big = os.path.join(tmp, "qwen2-1.5b-Q4_K_M.gguf")
-        files.append(("Qwen2-1.5B-shaped Q4_K_M (random)", write_q4_k_m(big, "qwen2-1.5b")))
+        big = os.environ.get("LOWBIT_BENCH_BIG_GGUF") or write_q4_k_m(
+            os.path.join(tmp, "qwen2-1.5b-Q4_K_M.gguf"), "qwen2-1.5b"
+        )
+        files.append(("Qwen2-1.5B-shaped Q4_K_M (random)", big))
         for name, path in files:
             cache = os.path.join(tmp, f"cache-{len(rows)}")
             serve = [_serve_start(path, cache, logs) for _ in range(2)]
