@@ -268,7 +268,7 @@ class Scheduler:
         budget = self.cache.nbytes() // 2 if c.kv_memory is None else c.kv_memory
         if budget == 0:
             return None, None
-        one = self.model.init_cache(1, c.prefix_block, self.kv_cache).nbytes()
+        one = self._empty_cache(1, c.prefix_block, abstract=True).nbytes()
         blocks = budget // one
         if blocks < 1:
             raise ValueError(
@@ -469,7 +469,8 @@ class Scheduler:
         states = {}
         for width in self.prefill_widths + self.chunk_widths:
             job = dataclasses.replace(dummy, prompt=[0] * min(width, self.max_prompt))
-            states[width] = self._begin_prefill(job, chunked=width in self.chunk_widths)
+            chunked = width in self.chunk_widths
+            states[width] = self._begin_prefill(job, chunked=chunked, abstract=True)
         one_pass = states[self.prefill_widths[0]]
         insert = self._insert_args(one_pass, 0, len(one_pass.job.prompt))
         register("insert", one_pass.cache.max_len, insert, at_start=True)
@@ -503,13 +504,22 @@ class Scheduler:
             register("sample", 1, sample_args, at_start=False)
         if self.prefix is not None:
             t, zero = self.config.max_len, jnp.int32(0)
-            big = self.model.init_cache(1, t, self.kv_cache)
+            big = self._empty_cache(1, t, abstract=True)
             register("load", t, (big, self.pool, zero, zero), at_start=False)
             for slots in sorted({self.prefill_widths[-1], t}):
-                src = big if slots == t else self.model.init_cache(1, slots, self.kv_cache)
+                src = big if slots == t else self._empty_cache(1, slots, abstract=True)
                 register("save", slots, (self.pool, src, zero, zero), at_start=False)
         for spec in embed:
             register(*spec, at_start=False)
+
+    def _empty_cache(self, rows: int, slots: int, abstract: bool = False) -> Any:
+        """An empty KV cache of `rows` rows of `slots` slots; `abstract`: its leaves' shapes
+        and dtypes only (`jax.ShapeDtypeStruct`), which example arguments need, without
+        allocating or filling anything."""
+        if abstract:
+            make = functools.partial(self.model.init_cache, rows, slots, self.kv_cache)
+            return jax.eval_shape(make)
+        return self.model.init_cache(rows, slots, self.kv_cache)
 
     def _background_failed(self, err: BaseException) -> None:
         """A program the background thread compiled failed: /health reports it."""
@@ -701,9 +711,11 @@ class Scheduler:
         names: Sequence[bytes] = (),
         hit: Sequence[int] = (),
         chunked: bool | None = None,
+        abstract: bool = False,
     ) -> _Prefill:
         """The prefill of `job`: one pass, or chunks after the `hit` pool blocks (its prompt's
-        first blocks, named `names[:len(hit)]`) are copied in."""
+        first blocks, named `names[:len(hit)]`) are copied in. `abstract`: its cache's shapes
+        only (`_empty_cache`), as example arguments."""
         n = len(job.prompt)
         if chunked is None:
             chunked = bool(hit) or n > self.single_pass
@@ -714,13 +726,13 @@ class Scheduler:
             tokens[0, width - n :] = job.prompt
             # Every width prefills into a cache of the widest one's slots (the slots past the
             # prompt stay empty and unseen), so one program moves any of them into a row.
-            cache = self.model.init_cache(1, self.prefill_widths[-1], self.kv_cache)
+            cache = self._empty_cache(1, self.prefill_widths[-1], abstract)
             cache = dataclasses.replace(cache, start=jnp.asarray([width - n], jnp.int32))
             return _Prefill(job, width, cache, tokens, source=width - n, names=list(names))
         width = self.config.max_len
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :n] = job.prompt
-        cache = self.model.init_cache(1, width, self.kv_cache)
+        cache = self._empty_cache(1, width, abstract)
         size = self.config.prefix_block
         for i, block in enumerate(hit):
             args = (cache, self.pool, jnp.int32(block), jnp.int32(i * size))
