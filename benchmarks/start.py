@@ -6,6 +6,9 @@ Q4_K_M file; llama.cpp's server started on the same file beside them.
 Each start is its own process with the same settings as a user's (`--recipe gguf` by default
 for a .gguf). The cache directory is a fresh temporary one (`LOWBIT_COMPILATION_CACHE`), so
 the first start is cold however the machine's own cache stands.
+
+``LOWBIT_BENCH_BIG_GGUF=PATH``: use that Qwen2-1.5B-shaped Q4_K_M file (one an earlier run
+wrote with `benchmarks._big_gguf.write_q4_k_m`) instead of writing a new one.
 """
 
 from __future__ import annotations
@@ -25,7 +28,11 @@ CLI = [sys.executable, "-c", "import sys; from lowbit.cli import main; sys.exit(
 
 
 def _serve_start(path: str, cache: str, logs: Path) -> float:
-    """Seconds from launching `lowbit serve` to its first ``/health`` 200."""
+    """Seconds from launching `lowbit serve` to its first ``/health`` 200. The server is
+    stopped once its background compile is done (``/health``'s ``compiling`` 0), as a
+    server that ran a while is: so a second start finds every program kept."""
+    import httpx
+
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), LOWBIT_COMPILATION_CACHE=cache)
     begin = time.perf_counter()
@@ -36,6 +43,9 @@ def _serve_start(path: str, cache: str, logs: Path) -> float:
         env=env,
     )
     seconds = time.perf_counter() - begin
+    url = f"http://127.0.0.1:{port}/health"
+    while httpx.get(url, timeout=10).json().get("compiling", 0):
+        time.sleep(0.5)
     _stop(proc)
     return seconds
 
@@ -82,8 +92,10 @@ def run() -> str:
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp)
         files = [("SmolLM2-135M Q4_1 (bundled)", str(smollm2_gguf_path()))]
-        big = os.path.join(tmp, "qwen2-1.5b-Q4_K_M.gguf")
-        files.append(("Qwen2-1.5B-shaped Q4_K_M (random)", write_q4_k_m(big, "qwen2-1.5b")))
+        big = os.environ.get("LOWBIT_BENCH_BIG_GGUF") or write_q4_k_m(
+            os.path.join(tmp, "qwen2-1.5b-Q4_K_M.gguf"), "qwen2-1.5b"
+        )
+        files.append(("Qwen2-1.5B-shaped Q4_K_M (random)", big))
         for name, path in files:
             cache = os.path.join(tmp, f"cache-{len(rows)}")
             serve = [_serve_start(path, cache, logs) for _ in range(2)]
@@ -96,7 +108,9 @@ def run() -> str:
         f"- Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_model()}, {os.cpu_count()} cores "
         f"(load average {load:.1f} at the end); {kernels.status()}.",
         "- serve: from launch to the first `/health` 200 (8 slots, 2048-token cache, prefill "
-        "widths up to 256: 12 model programs, the prefix cache on); generate: launch to exit, "
+        "widths up to 256: 12 model programs, the prefix cache on; the decode step and the "
+        "row copy compiled before it, the others in the background after, each start stopped "
+        "once they are); generate: launch to exit, "
         "8 new tokens. First: empty cache directory; second: the same directory again. "
         "`python -m benchmarks start`.",
         "",

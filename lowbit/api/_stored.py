@@ -169,7 +169,8 @@ def compile_stored(
     leaves, in_tree = jax.tree.flatten(args)
     avals = _avals(leaves)
     out_tree = jax.tree.structure(out_like(args))
-    memo = (program_key(name, static, args), donate_argnums, str(directory))
+    key = program_key(name, static, args)
+    memo = (key, donate_argnums, str(directory))
     if memo in _COMPILED:
         return _COMPILED[memo]
     donated = tuple(i for i, position in enumerate(_positions(args)) if position in donate_argnums)
@@ -184,7 +185,7 @@ def compile_stored(
 
     exported = None
     if directory is not None:
-        exported = _exported(name, flat, avals, static, args, directory)
+        exported = _exported(name, key, flat, avals, directory)
     if exported is not None:
         runner = jax.jit(exported.call, donate_argnums=donated)
     else:
@@ -207,10 +208,10 @@ def _positions(args: tuple) -> list[int]:
     return [i for i, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
 
 
-def _exported(name, flat, avals, static, args, directory) -> export.Exported | None:
-    """The program from `directory`, else traced, exported and written there; None where
-    export refuses it."""
-    path = pathlib.Path(directory) / (program_key(name, static, args) + _SUFFIX)
+def _exported(name, key, flat, avals, directory) -> export.Exported | None:
+    """The program `key` (its `program_key`) from `directory`, else traced, exported and
+    written there; None where export refuses it."""
+    path = pathlib.Path(directory) / (key + _SUFFIX)
     if path.is_file():
         try:
             return export.deserialize(bytearray(path.read_bytes()))

@@ -13,18 +13,28 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING
 
 from lowbit._atomic import atomic_write
 from lowbit.eval._divergence import DivergenceResult
 from lowbit.eval._report import ResultRow
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+def _figure(**options) -> Figure:
+    # matplotlib is imported on first use: it takes seconds, and every command imports lowbit.
+    from matplotlib.figure import Figure
+
+    return Figure(**options)
+
 
 def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     FigureCanvasAgg(fig)
     # A reader never sees half a PNG, and a link planted at the name is refused.
     atomic_write(path, lambda f: fig.savefig(f, dpi=110, format="png"))
@@ -47,7 +57,7 @@ def plot_layer_sqnr(
     """
     if not series:
         raise ValueError("plot_layer_sqnr needs at least one series")
-    fig = Figure(figsize=(11, 1.0 + 2.0 * len(series)), layout="constrained")
+    fig = _figure(figsize=(11, 1.0 + 2.0 * len(series)), layout="constrained")
     axes = fig.subplots(len(series), 1, squeeze=False)[:, 0]
     for ax, (label, values) in zip(axes, series.items(), strict=True):
         if not values:
@@ -100,7 +110,7 @@ def plot_size_vs_quality(rows: Sequence[ResultRow], path: str | os.PathLike[str]
             models.setdefault(row.model, []).append(row)
     if not models:
         raise ValueError("plot_size_vs_quality needs at least one row with a measured value")
-    fig = Figure(figsize=(5.5 * len(models), 4.2), layout="constrained")
+    fig = _figure(figsize=(5.5 * len(models), 4.2), layout="constrained")
     axes = fig.subplots(1, len(models), squeeze=False)[0]
     for ax, (model, model_rows) in zip(axes, models.items(), strict=True):
         # One colour and marker per recipe, named in the legend: recipes of similar size and
@@ -140,7 +150,7 @@ def plot_loss_curve(
         sum(losses[max(0, i - window) : i]) / (i - max(0, i - window))
         for i in range(1, len(losses) + 1)
     ]
-    fig = Figure(figsize=(6.0, 3.8), layout="constrained")
+    fig = _figure(figsize=(6.0, 3.8), layout="constrained")
     ax = fig.subplots()
     ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="per step")
     ax.plot(steps, averaged, color="tab:blue", linewidth=2, label=f"{window}-step average")
@@ -166,7 +176,7 @@ def plot_bits_per_layer(
     """
     if not bits:
         raise ValueError("plot_bits_per_layer needs at least one layer")
-    fig = Figure(figsize=(max(6.0, 0.3 * len(bits) + 2), 3.6), layout="constrained")
+    fig = _figure(figsize=(max(6.0, 0.3 * len(bits) + 2), 3.6), layout="constrained")
     ax = fig.subplots()
     ax.bar(range(len(bits)), list(bits.values()), width=0.85, color="tab:blue")
     ax.set_xticks(range(len(bits)), list(bits), rotation=90, fontsize=6)

@@ -205,7 +205,8 @@ class _Handler:
             return JSONResponse({"status": "error", "error": str(s.error)}, status_code=500)
         if not s.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        # Programs the first requests rarely need still compile in the background meanwhile.
+        return JSONResponse({"status": "ok", "compiling": s.programs.pending})
 
     async def models(self, request: Request) -> Response:
         model = {
@@ -707,7 +708,13 @@ def _tool_calls(parsed: Parsed, streamed: bool = False) -> list[dict[str, Any]]:
 def create_app(served: ServedModel) -> Starlette:
     """The ASGI app serving `served` (its scheduler started and stopped with the app)."""
     s = served.scheduler
-    metrics = Metrics(lambda: s.queue_length, lambda: s.busy_slots, s.config.slots, s.prefix)
+    metrics = Metrics(
+        lambda: s.queue_length,
+        lambda: s.busy_slots,
+        s.config.slots,
+        s.prefix,
+        compiling=lambda: s.programs.pending,
+    )
     h = _Handler(served, metrics)
     routes = [
         Route("/health", h.wrap("/health", h.health), methods=["GET"]),

@@ -25,6 +25,8 @@ class Metrics:
       busy_slots: returns the number of slots decoding a request.
       slots: the number of slots.
       prefix: the scheduler's prefix cache, or None (no prefix-cache metrics).
+      compiling: returns the number of programs not compiled yet (the background compile
+        after start), or None (no such gauge).
     """
 
     def __init__(
@@ -33,6 +35,7 @@ class Metrics:
         busy_slots: Callable[[], int],
         slots: int,
         prefix: PrefixIndex | None = None,
+        compiling: Callable[[], int] | None = None,
     ):
         self.registry = CollectorRegistry()
         r = self.registry
@@ -59,6 +62,11 @@ class Metrics:
         occupancy = Gauge("lowbit_batch_occupancy", "busy slots / slots", registry=r)
         occupancy.set_function(lambda: busy_slots() / slots)
         Gauge("lowbit_slots", "decode slots (the batch size)", registry=r).set(slots)
+        if compiling is not None:
+            pending = Gauge(
+                "lowbit_programs_compiling", "programs not compiled yet (after start)", registry=r
+            )
+            pending.set_function(lambda: float(compiling()))
         self.ttft = Histogram(
             "lowbit_time_to_first_token_seconds",
             "from arrival to the first token",

@@ -16,7 +16,6 @@ from its thread; the HTTP side sets ``job.cancelled`` (a disconnect, a stop stri
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import functools
 import os
@@ -37,6 +36,7 @@ from lowbit.server import _programs as programs
 from lowbit.server._logprobs import TokenLogprob, TokenLogprobs, host_logprobs
 from lowbit.server._prefix import PrefixIndex, chain
 from lowbit.server._programs import Decoded, RowSampling
+from lowbit.server._registry import ProgramRegistry
 
 if TYPE_CHECKING:
     from lowbit.server._grammar import Constraint
@@ -234,7 +234,8 @@ class Scheduler:
         self.params = state if params is None else params
         self.kv_cache = kv_cache
         self.program_dir = program_dir
-        self._compiled: dict[tuple[str, int], StoredProgram] = {}
+        # Reading a kept program and XLA's compile release the GIL: a few at a time at start.
+        self.programs = ProgramRegistry(self._compile, workers=min(4, os.cpu_count() or 1))
         c = config
         self.single_pass = min(c.single_pass, c.max_len)
         self.prefill_widths = _widths(0, bucket(self.single_pass))
@@ -267,7 +268,7 @@ class Scheduler:
         budget = self.cache.nbytes() // 2 if c.kv_memory is None else c.kv_memory
         if budget == 0:
             return None, None
-        one = self.model.init_cache(1, c.prefix_block, self.kv_cache).nbytes()
+        one = self._empty_cache(1, c.prefix_block, abstract=True).nbytes()
         blocks = budget // one
         if blocks < 1:
             raise ValueError(
@@ -373,7 +374,8 @@ class Scheduler:
         return sum(job is not None for job in self._rows)
 
     def start(self) -> None:
-        """Compiles every program in a background thread, then serves (`ready` turns True)."""
+        """Compiles the programs the first requests need in a background thread, then serves
+        (`ready` turns True) while that thread compiles the others (`programs`)."""
         self._thread = threading.Thread(target=self._main, name="lowbit-scheduler", daemon=True)
         self._thread.start()
 
@@ -382,8 +384,10 @@ class Scheduler:
         with self._lock:
             self._stop = True
             self._lock.notify()
+        begin = time.monotonic()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.programs.close(max(0.0, timeout - (time.monotonic() - begin)))
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -392,6 +396,7 @@ class Scheduler:
             self._warm_up()
             with self._lock:
                 self.ready = True
+            self.programs.start_background(self._background_failed)
             while self._turn():
                 pass
         except BaseException as err:  # surfaced by /health and in the log
@@ -426,12 +431,23 @@ class Scheduler:
         )
 
     def _warm_up(self) -> None:
-        """Compiles every program for the shapes it will run, so that no request compiles.
+        """Registers every program for the shapes it will run (`_register_programs`) and
+        compiles those the first requests need; the others are compiled in the background
+        once the server is ready (`ProgramRegistry`)."""
+        self._register_programs()
+        self.programs.compile_at_start()
 
-        Nothing runs: each program is compiled from example arguments built by the same code
-        that builds a request's (`_prefill_args`, `_decode_args`). The model's programs come
-        through `compile_stored`, which reads their traced form from `program_dir` when an
-        earlier start kept it there."""
+    def _register_programs(self) -> None:
+        """Declares each program with example arguments built by the same code that builds a
+        request's (`_prefill_args`, `_decode_args`); nothing runs.
+
+        At start: the decode step and the copy of a one-pass prefill into a row (what a
+        request needs after its prefill). In the background, in this order: the one-pass
+        prefills from the narrowest (a request whose width is not compiled yet compiles it
+        itself), the first token's sampling and log-probabilities, the decode step with
+        log-probabilities, the slide, the chunked prefill and its copy into a row, the prefix
+        cache's copies, the embedding batches."""
+        register = self.programs.register
         dummy = Job(
             prompt=[0],
             max_tokens=1,
@@ -444,75 +460,106 @@ class Scheduler:
             emit=lambda tokens, finish: None,
         )
         embed = [("embed", w, self._embed_args(w, [[0]], [0])) for w in self.embed_widths]
-        if not self.generates:
+        if not self.generates:  # an encoder: embeddings are all it serves
             for spec in embed:
-                self._program(*spec)
+                register(*spec, at_start=True)
             return
         decode_args = self._decode_args(1)
-        programs_to_compile = [
-            (name, self.config.slots, decode_args) for name in ("decode", "decode_logprobs")
-        ]
-        programs_to_compile.append(("shift", self.config.slots, self._shift_args(1)))
-        programs_to_compile.extend(embed)
-        chunked = None
+        register("decode", self.config.slots, decode_args, at_start=True)
+        states = {}
         for width in self.prefill_widths + self.chunk_widths:
             job = dataclasses.replace(dummy, prompt=[0] * min(width, self.max_prompt))
-            state = self._begin_prefill(job, chunked=width in self.chunk_widths)
+            chunked = width in self.chunk_widths
+            states[width] = self._begin_prefill(job, chunked=chunked, abstract=True)
+        one_pass = states[self.prefill_widths[0]]
+        insert = self._insert_args(one_pass, 0, len(one_pass.job.prompt))
+        register("insert", one_pass.cache.max_len, insert, at_start=True)
+        for width in self.prefill_widths:
+            name, args = self._prefill_args(states[width])
+            register(name, width, args, at_start=False)
+        w0 = self.prefill_widths[0]
+
+        def logprobs_args() -> tuple:
+            # Every width's logits are alike: those of one compiled already (a request that
+            # asks has compiled its own), so that this one never waits for another width.
+            ready = [w for w in self.prefill_widths if self.programs.ready("prefill", w)]
+            (_, logits), _ = self.programs.get("prefill", (ready or [w0])[0]).out_shapes
+            return logits, jnp.zeros((1,), jnp.int32)
+
+        register("logprobs", 1, logprobs_args, at_start=False)
+        register("decode_logprobs", self.config.slots, decode_args, at_start=False)
+        register("shift", self.config.slots, self._shift_args(1), at_start=False)
+        for width in self.chunk_widths:
+            state = states[width]
             name, args = self._prefill_args(state)
-            programs_to_compile.append((name, width, args))
-            slots = state.cache.max_len
-            if ("insert", slots) not in {spec[:2] for spec in programs_to_compile}:
-                insert = self._insert_args(state, 0, len(job.prompt))
-                programs_to_compile.append(("insert", slots, insert))
-            if name == "prefill_chunk":
-                chunked = (width, job)
+            register(name, width, args, at_start=False)
+            insert = self._insert_args(state, 0, len(state.job.prompt))
+            register("insert", state.cache.max_len, insert, at_start=False)
+            sampling = self._row_sampling(state.job)
+
+            def sample_args(width=width, sampling=sampling) -> tuple:
+                logits, _ = self.programs.get("prefill_chunk", width).out_shapes
+                return logits, sampling
+
+            register("sample", 1, sample_args, at_start=False)
         if self.prefix is not None:
             t, zero = self.config.max_len, jnp.int32(0)
-            big = self.model.init_cache(1, t, self.kv_cache)
-            programs_to_compile.append(("load", t, (big, self.pool, zero, zero)))
+            big = self._empty_cache(1, t, abstract=True)
+            register("load", t, (big, self.pool, zero, zero), at_start=False)
             for slots in sorted({self.prefill_widths[-1], t}):
-                src = big if slots == t else self.model.init_cache(1, slots, self.kv_cache)
-                programs_to_compile.append(("save", slots, (self.pool, src, zero, zero)))
-        # Reading a kept program and XLA's compile release the GIL: a few at a time.
-        workers = max(1, min(4, os.cpu_count() or 1))
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda spec: self._program(*spec), programs_to_compile))
-        (_, logits), _ = self._compiled[("prefill", self.prefill_widths[0])].out_shapes
-        self._program("logprobs", 1, (logits, jnp.zeros((1,), jnp.int32)))
-        if chunked is not None:
-            width, job = chunked
-            logits, _ = self._compiled[("prefill_chunk", width)].out_shapes
-            self._program("sample", 1, (logits, self._row_sampling(job)))
+                src = big if slots == t else self._empty_cache(1, slots, abstract=True)
+                register("save", slots, (self.pool, src, zero, zero), at_start=False)
+        for spec in embed:
+            register(*spec, at_start=False)
+
+    def _empty_cache(self, rows: int, slots: int, abstract: bool = False) -> Any:
+        """An empty KV cache of `rows` rows of `slots` slots; `abstract`: its leaves' shapes
+        and dtypes only (`jax.ShapeDtypeStruct`), which example arguments need, without
+        allocating or filling anything."""
+        if abstract:
+            make = functools.partial(self.model.init_cache, rows, slots, self.kv_cache)
+            return jax.eval_shape(make)
+        return self.model.init_cache(rows, slots, self.kv_cache)
+
+    def _background_failed(self, err: BaseException) -> None:
+        """A program the background thread compiled failed: /health reports it."""
+        self.error = err
 
     def _program(self, name: str, width: int, args: tuple) -> StoredProgram:
-        """The compiled program `name` (a function of `programs`, or `embeddings.embed`) for
-        arguments shaped like `args`, compiled on first use; `width` tells its shapes apart."""
-        compiled = self._compiled.get((name, width))
-        if compiled is None:
-            fn = getattr(embeddings if name == "embed" else programs, name)
-            static, donate = "", (0,)  # the moves: cache -> cache
-            out_like = _OUT_LIKE.get(name, lambda a: a[0])
-            if name == "embed":
-                fn = functools.partial(fn, self.graphdef)
-                static = describe((self.graphdef, self.model.config))
-                out_like, donate = (lambda a: 0), ()
-            elif name in _MODEL_PROGRAMS:
-                fn = functools.partial(fn, self.graphdef)
-                static = describe((self.graphdef, self.model.config, self.kv_cache))
-                donate = _MODEL_PROGRAMS[name]
-            elif name in ("sample", "logprobs"):  # small programs of logits: nothing to reuse
-                donate = ()
-            compiled = compile_stored(
-                f"{name}-{width}",
-                fn,
-                args,
-                static=static,
-                out_like=out_like,
-                donate_argnums=donate,
-                directory=self.program_dir,
-            )
-            self._compiled[(name, width)] = compiled
-        return compiled
+        """The compiled program `name` for arguments shaped like `args` (`width` tells its
+        shapes apart): from `programs`, compiled now if it is not yet."""
+        return self.programs.get(name, width, args)
+
+    @functools.cached_property
+    def _model_static(self) -> str:
+        # A long repr: described once, not once per program.
+        return describe((self.graphdef, self.model.config, self.kv_cache))
+
+    def _compile(self, name: str, width: int, args: tuple) -> StoredProgram:
+        """Compiles program `name` (a function of `programs`, or `embeddings.embed`) for
+        arguments shaped like `args` (`ProgramRegistry` calls it, from any thread)."""
+        fn = getattr(embeddings if name == "embed" else programs, name)
+        static, donate = "", (0,)  # the moves: cache -> cache
+        out_like = _OUT_LIKE.get(name, lambda a: a[0])
+        if name == "embed":
+            fn = functools.partial(fn, self.graphdef)
+            static = describe((self.graphdef, self.model.config))
+            out_like, donate = (lambda a: 0), ()
+        elif name in _MODEL_PROGRAMS:
+            fn = functools.partial(fn, self.graphdef)
+            static = self._model_static
+            donate = _MODEL_PROGRAMS[name]
+        elif name in ("sample", "logprobs"):  # small programs of logits: nothing to reuse
+            donate = ()
+        return compile_stored(
+            f"{name}-{width}",
+            fn,
+            args,
+            static=static,
+            out_like=out_like,
+            donate_argnums=donate,
+            directory=self.program_dir,
+        )
 
     def _turn(self) -> bool:
         """One loop turn; False when the loop should end."""
@@ -643,11 +690,15 @@ class Scheduler:
 
         Only a prompt longer than one chunk reads the pool: the rest is prefilled in chunks
         ending at its last token, and the one chunk of a shorter prompt would write over every
-        slot read (a quantized cache's key offset included)."""
+        slot read (a quantized cache's key offset included). Until the copy out of the pool is
+        compiled (in the background after start) nothing is read: the prompt is prefilled
+        whole, and its blocks are still saved."""
         if self.prefix is None:
             return [], []
         n, size = len(job.prompt), self.config.prefix_block
         names = chain(job.prompt, size)
+        if not self.programs.ready("load", self.config.max_len):
+            return names, []
         self.prefix.stats.queried_tokens += n
         if n <= self.config.chunk:
             return names, []
@@ -660,9 +711,11 @@ class Scheduler:
         names: Sequence[bytes] = (),
         hit: Sequence[int] = (),
         chunked: bool | None = None,
+        abstract: bool = False,
     ) -> _Prefill:
         """The prefill of `job`: one pass, or chunks after the `hit` pool blocks (its prompt's
-        first blocks, named `names[:len(hit)]`) are copied in."""
+        first blocks, named `names[:len(hit)]`) are copied in. `abstract`: its cache's shapes
+        only (`_empty_cache`), as example arguments."""
         n = len(job.prompt)
         if chunked is None:
             chunked = bool(hit) or n > self.single_pass
@@ -673,13 +726,13 @@ class Scheduler:
             tokens[0, width - n :] = job.prompt
             # Every width prefills into a cache of the widest one's slots (the slots past the
             # prompt stay empty and unseen), so one program moves any of them into a row.
-            cache = self.model.init_cache(1, self.prefill_widths[-1], self.kv_cache)
+            cache = self._empty_cache(1, self.prefill_widths[-1], abstract)
             cache = dataclasses.replace(cache, start=jnp.asarray([width - n], jnp.int32))
             return _Prefill(job, width, cache, tokens, source=width - n, names=list(names))
         width = self.config.max_len
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :n] = job.prompt
-        cache = self.model.init_cache(1, width, self.kv_cache)
+        cache = self._empty_cache(1, width, abstract)
         size = self.config.prefix_block
         for i, block in enumerate(hit):
             args = (cache, self.pool, jnp.int32(block), jnp.int32(i * size))
@@ -723,8 +776,11 @@ class Scheduler:
             self._save_prefix(state)
 
     def _save_prefix(self, state: _Prefill) -> None:
-        """Copies the prompt's full blocks that the pool lacks into it (evicting as needed)."""
+        """Copies the prompt's full blocks that the pool lacks into it (evicting as needed);
+        nothing until the copy is compiled (in the background after start)."""
         if self.prefix is None or not state.names:
+            return
+        if not self.programs.ready("save", state.cache.max_len):
             return
         size = self.config.prefix_block
         for i, block in self.prefix.allocate(state.names):

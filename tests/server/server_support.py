@@ -75,8 +75,9 @@ def served_model(loaded, config=CONFIG, **options) -> server.ServedModel:
 
 @contextlib.contextmanager
 def running(served: server.ServedModel, start: bool = True) -> Iterator[str]:
-    """Serves `served` on a free loopback port; yields the base URL once it is ready.
-    `start` False: its scheduler already runs (another app on the same model)."""
+    """Serves `served` on a free loopback port; yields the base URL once it is ready and its
+    background compile is done (so that the prefix cache reads and saves from the first
+    request on). `start` False: its scheduler already runs (another app on the same model)."""
     port = free_port()
     config = uvicorn_config(served, host="127.0.0.1", port=port, log_level="warning")
     uv = uvicorn.Server(config)
@@ -85,7 +86,8 @@ def running(served: server.ServedModel, start: bool = True) -> Iterator[str]:
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 300
-    while not (uv.started and served.scheduler.ready):
+    scheduler = served.scheduler
+    while not (uv.started and scheduler.ready and scheduler.programs.done.is_set()):
         if served.scheduler.error is not None:
             raise served.scheduler.error
         if time.monotonic() > deadline:

@@ -86,9 +86,13 @@ def test_chat_uses_the_template_streamed_and_not(base_url, loaded, served):
 
 def test_models_health_and_metrics(base_url):
     assert [m.id for m in _client(base_url).models.list().data] == ["tiny"]
-    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+    health = httpx.get(f"{base_url}/health").json()
+    # What the background thread has left to compile (0 once it is done).
+    assert health["status"] == "ok" and health.keys() == {"status", "compiling"}
+    assert isinstance(health["compiling"], int) and health["compiling"] >= 0
     text = httpx.get(f"{base_url}/metrics").text
     for name in (
+        "lowbit_programs_compiling",
         "lowbit_requests_total",
         "lowbit_generated_tokens_total",
         "lowbit_queue_length",

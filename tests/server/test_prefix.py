@@ -147,7 +147,8 @@ def test_quantized_caches_hit_and_match_a_miss(loaded, kv):
     scheduler.start()
     try:
         deadline = time.monotonic() + 300
-        while not scheduler.ready:  # the warm-up has compiled the pool's programs
+        # Until the background compile is done, the pool is neither read nor written.
+        while not scheduler.programs.done.is_set():
             assert time.monotonic() < deadline and scheduler.error is None
             time.sleep(0.05)
         index, scheduler.prefix = scheduler.prefix, None

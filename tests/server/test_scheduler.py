@@ -138,6 +138,8 @@ def _run_int8_slots(loaded, program_dir=None):
         while len(done) < len(prompts):
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        # Every program compiled (and kept), the background ones too.
+        assert scheduler.programs.done.wait(300) and scheduler.error is None
     finally:
         scheduler.close()
     assert sorted(done) == [(i, "length") for i in range(len(prompts))]
@@ -160,11 +162,12 @@ def test_a_second_start_reads_its_programs_and_answers_the_same(loaded, tmp_path
     kept = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
     assert all(name.endswith(".jaxexport") for name in kept)
     assert {name.split("-")[0] for name in kept} >= {"decode", "prefill", "insert", "shift"}
-    assert all(program.stored for program in first._compiled.values())
+    compiled = first.programs.compiled()
+    assert all(program.stored for program in compiled.values())
 
     _stored._COMPILED.clear()  # as a new process
     second, _, again = _run_int8_slots(loaded, tmp_path)
     # Nothing traced again: no file added or rewritten.
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == kept
-    assert set(second._compiled) == set(first._compiled)
+    assert set(second.programs.compiled()) == set(compiled)
     assert again == answers
