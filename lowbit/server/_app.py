@@ -707,7 +707,9 @@ def _tool_calls(parsed: Parsed, streamed: bool = False) -> list[dict[str, Any]]:
 def create_app(served: ServedModel) -> Starlette:
     """The ASGI app serving `served` (its scheduler started and stopped with the app)."""
     s = served.scheduler
-    metrics = Metrics(lambda: s.queue_length, lambda: s.busy_slots, s.config.slots, s.prefix)
+    metrics = Metrics(
+        lambda: s.queue_length, lambda: s.busy_slots, s.config.slots, s.prefix, s.speculation
+    )
     h = _Handler(served, metrics)
     routes = [
         Route("/health", h.wrap("/health", h.health), methods=["GET"]),
