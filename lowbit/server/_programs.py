@@ -187,7 +187,7 @@ def decode_rows(
     tokens for them, at about ``b / B`` of the dense work. The other rows are not run: their
     tokens come back -1 and their cache slots and counts unchanged. Arguments and results are
     `decode`'s, every one of ``B`` rows."""
-    pick = lambda a: jnp.take(a, index, axis=0)
+    pick = functools.partial(_gather, index=index)
     decoded, small = decode(
         graphdef,
         params,
@@ -197,8 +197,8 @@ def decode_rows(
         pick(counts),
         steps,
     )
-    tokens = jnp.full((cache.batch, MAX_STEPS), -1, jnp.int32).at[index].set(decoded.tokens)
-    counts = counts.at[index].set(decoded.counts)
+    tokens = _scatter(jnp.full((cache.batch, MAX_STEPS), -1, jnp.int32), index, decoded.tokens)
+    counts = _scatter(counts, index, decoded.counts)
     return Decoded(tokens, counts, None), _put_rows(cache, small, index, MAX_STEPS)
 
 
@@ -276,12 +276,30 @@ def _with_slot_arrays(cache: KVCache, arrays: Any, **changes: Any) -> KVCache:
     )
 
 
+def _gather(a: jax.Array, index: jax.Array) -> jax.Array:
+    """``a[index]`` along the first axis (``index [b]``), a row at a time: XLA:CPU runs a
+    gather element by element, a slice as one copy."""
+    rows = [jax.lax.dynamic_index_in_dim(a, index[i], 0) for i in range(index.shape[0])]
+    return jnp.concatenate(rows, axis=0)
+
+
+def _scatter(a: jax.Array, index: jax.Array, rows: jax.Array, at: int | jax.Array = 0) -> jax.Array:
+    """`a` with ``rows[i]`` written at row ``index[i]`` (distinct), and along the third axis
+    from `at` when `rows` is narrower there; a row at a time, as `_gather`."""
+    for i in range(index.shape[0]):
+        corner = (index[i], *(at if axis == 2 else 0 for axis in range(1, a.ndim)))
+        a = jax.lax.dynamic_update_slice(a, rows[i : i + 1], corner)
+    return a
+
+
 def _take_rows(cache: KVCache, index: jax.Array) -> KVCache:
     """Rows ``index [b]`` of `cache` as a cache of ``b`` rows at the same clock (every leaf
     with a row axis: codes, scales, key offsets, starts)."""
-    take = lambda a: jnp.take(a, index, axis=0)
+    take = functools.partial(_gather, index=index)
     arrays = jax.tree.map(take, _slot_arrays(cache))
     offsets = tuple(take(a) for a in cache.key_offsets)
+    # One copy, read by everything after: not a slice fused into each of its readers.
+    arrays, offsets = jax.lax.optimization_barrier((arrays, offsets))
     return _with_slot_arrays(cache, arrays, key_offsets=offsets, start=take(cache.start))
 
 
@@ -292,12 +310,9 @@ def _put_rows(big: KVCache, small: KVCache, index: jax.Array, width: int) -> KVC
     clock past 0, so they need no copy back; nothing else changed."""
 
     def put(dst, src):
-        # Both slices clamp a window that would run past the end back to the same slots.
+        # A window that would run past the end is clamped back to the same slots as here.
         part = jax.lax.dynamic_slice_in_dim(src, big.length, width, axis=2)
-        window = jax.lax.dynamic_slice_in_dim(dst, big.length, width, axis=2)
-        return jax.lax.dynamic_update_slice_in_dim(
-            dst, window.at[index].set(part), big.length, axis=2
-        )
+        return _scatter(dst, index, part, at=big.length)
 
     arrays = jax.tree.map(put, _slot_arrays(big), _slot_arrays(small))
     return _with_slot_arrays(big, arrays, length=small.length)
