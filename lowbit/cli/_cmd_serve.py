@@ -122,9 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--speculate-tokens",
         type=int,
-        default=4,
+        default=8,
         metavar="K",
-        help="tokens guessed per request and step with --speculate (1-8, default 4)",
+        help="tokens guessed per request and step with --speculate (1-8, default 8)",
     )
     parser.add_argument(
         "--embeddings",
