@@ -112,6 +112,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode steps per compiled call while no request waits (1-8, default 1)",
     )
     parser.add_argument(
+        "--speculate",
+        choices=["ngram"],
+        default=None,
+        help="speculative decoding: 'ngram' guesses each greedy request's next tokens from "
+        "its own prompt and answer (prompt lookup) and checks them in one forward pass; the "
+        "same tokens, faster when answers copy their prompt (default: off)",
+    )
+    parser.add_argument(
+        "--speculate-tokens",
+        type=int,
+        default=8,
+        metavar="K",
+        help="tokens guessed per request and step with --speculate (1-8, default 8)",
+    )
+    parser.add_argument(
         "--embeddings",
         action="store_true",
         help="also serve POST /v1/embeddings (mean-pooled final hidden states, normalized; "

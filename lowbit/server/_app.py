@@ -714,6 +714,7 @@ def create_app(served: ServedModel) -> Starlette:
         s.config.slots,
         s.prefix,
         compiling=lambda: s.programs.pending,
+        speculation=s.speculation,
     )
     h = _Handler(served, metrics)
     routes = [

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lowbit.server._prefix import PrefixIndex
+from lowbit.server._speculate import Stats as SpeculationStats
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -27,6 +28,7 @@ class Metrics:
       prefix: the scheduler's prefix cache, or None (no prefix-cache metrics).
       compiling: returns the number of programs not compiled yet (the background compile
         after start), or None (no such gauge).
+      speculation: the scheduler's speculative decoding counts, or None (not speculating).
     """
 
     def __init__(
@@ -36,11 +38,14 @@ class Metrics:
         slots: int,
         prefix: PrefixIndex | None = None,
         compiling: Callable[[], int] | None = None,
+        speculation: SpeculationStats | None = None,
     ):
         self.registry = CollectorRegistry()
         r = self.registry
         if prefix is not None:
             r.register(_PrefixCollector(prefix))
+        if speculation is not None:
+            r.register(_SpeculationCollector(speculation))
         self.requests = Counter(
             "lowbit_requests",
             "HTTP requests by endpoint and status",
@@ -116,4 +121,23 @@ class _PrefixCollector:
         )
         yield GaugeMetricFamily(
             "lowbit_prefix_cache_blocks", "blocks in the prefix cache", value=index.blocks
+        )
+
+
+class _SpeculationCollector:
+    """Speculative decoding's counts, read when scraped (the scheduler thread keeps them)."""
+
+    def __init__(self, stats: SpeculationStats):
+        self.stats = stats
+
+    def collect(self):
+        yield CounterMetricFamily(
+            "lowbit_speculation_drafted_tokens",
+            "tokens guessed by prompt lookup and checked",
+            value=self.stats.drafted_tokens,
+        )
+        yield CounterMetricFamily(
+            "lowbit_speculation_accepted_tokens",
+            "guessed tokens the model confirmed and the server handed out",
+            value=self.stats.accepted_tokens,
         )

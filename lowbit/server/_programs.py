@@ -19,6 +19,13 @@ for one pass is prefilled in chunks (`prefill_chunk`) into a ``T``-slot cache, b
 steps of the others (the same tokens up to float rounding: the chunks' products differ in
 shape, and a quantized cache takes its key offset from the first chunk).
 
+While fewer rows are busy than there are slots, `decode_rows` decodes only the busy ones: it
+gathers them (every leaf of the cache with a row axis, and the rows' states) into a cache of a
+bucketed ``b`` rows, runs `decode` on it, and writes back only the slots that call wrote. Free
+rows need no step: they see nothing, and a new prompt's `insert` writes every slot its row
+will read. `verify` feeds some rows several tokens at once (speculative decoding's check,
+`lowbit.server._speculate`) through the same gather.
+
 When the clock reaches ``T``, `shift` slides the whole cache left by the first row's start (one
 program for any offset); positions are slot minus start, so nothing else changes.
 
@@ -34,10 +41,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from lowbit.engine import interpret
-from lowbit.models import KVCache, sample_rows
+from lowbit.models import KVCache, greedy_tokens, sample_rows
 from lowbit.server._logprobs import TokenLogprobs, token_logprobs
 from lowbit.server._penalties import count_tokens, penalize, restart_counts
 from lowbit.server._protocol import MAX_LOGPROBS
@@ -93,8 +101,14 @@ class Decoded:
     logprobs: TokenLogprobs | None
 
 
-def _forward(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, cache: KVCache):
-    return nnx.merge(graphdef, params)(tokens, cache=cache, last_only=True)
+def _forward(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    tokens: jax.Array,
+    cache: KVCache,
+    last_only: bool = True,
+):
+    return nnx.merge(graphdef, params)(tokens, cache=cache, last_only=last_only)
 
 
 def _sample(logits: jax.Array, rows: RowSampling) -> jax.Array:
@@ -158,6 +172,57 @@ def decode(
 decode_logprobs = functools.partial(decode, logprobs=True)
 
 
+def decode_rows(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    cache: KVCache,
+    token: jax.Array,
+    rows: RowSampling,
+    counts: jax.Array,
+    steps: jax.Array,
+    index: jax.Array,
+) -> tuple[Decoded, KVCache]:
+    """`decode` of the rows ``index [b]`` only (distinct row numbers, ``b <= B``): the same
+    tokens for them, at about ``b / B`` of the dense work. The other rows are not run: their
+    tokens come back -1 and their cache slots and counts unchanged. Arguments and results are
+    `decode`'s, every one of ``B`` rows."""
+    pick = functools.partial(_gather, index=index)
+    decoded, small = decode(
+        graphdef,
+        params,
+        _take_rows(cache, index),
+        pick(token),
+        jax.tree.map(pick, rows),
+        pick(counts),
+        steps,
+    )
+    tokens = _scatter(jnp.full((cache.batch, MAX_STEPS), -1, jnp.int32), index, decoded.tokens)
+    counts = _scatter(counts, index, decoded.counts)
+    return Decoded(tokens, counts, None), _put_rows(cache, small, index, MAX_STEPS)
+
+
+def verify(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    cache: KVCache,
+    tokens: jax.Array,
+    index: jax.Array,
+) -> tuple[jax.Array, KVCache]:
+    """Feeds row ``index[i]`` the tokens ``tokens[i] [K + 1]`` (its latest token, then K
+    guesses) at the cache's clock, in one forward pass; returns the greedy next token after
+    each of them ``[b, K + 1]`` int32 (the first maximum, as `sample_rows` picks for a greedy
+    row) and the cache, its clock ``K + 1`` later (the caller moves it back to what it
+    accepts: the slots past it are unseen and written over later). ``b == B`` takes every row
+    in order (``index`` is ``0 .. B - 1``) without a copy. The clock plus ``K + 1`` must fit
+    the cache: a write past its end would be clipped onto earlier slots."""
+    whole = index.shape[0] == cache.batch
+    small = cache if whole else _take_rows(cache, index)
+    forward = functools.partial(_forward, graphdef, last_only=False)
+    logits, small = interpret(forward)(params, tokens, small)
+    greedy = greedy_tokens(logits.astype(jnp.float32))
+    return greedy, small if whole else _put_rows(cache, small, index, tokens.shape[1])
+
+
 def prefill(
     graphdef: nnx.GraphDef,
     params: Any,
@@ -208,6 +273,48 @@ def _with_slot_arrays(cache: KVCache, arrays: Any, **changes: Any) -> KVCache:
         value_scales=value_scales,
         **changes,
     )
+
+
+def _gather(a: jax.Array, index: jax.Array) -> jax.Array:
+    """``a[index]`` along the first axis (``index [b]``), a row at a time: XLA:CPU runs a
+    gather element by element, a slice as one copy."""
+    rows = [jax.lax.dynamic_index_in_dim(a, index[i], 0) for i in range(index.shape[0])]
+    return jnp.concatenate(rows, axis=0)
+
+
+def _scatter(a: jax.Array, index: jax.Array, rows: jax.Array, at: int | jax.Array = 0) -> jax.Array:
+    """`a` with ``rows[i]`` written at row ``index[i]`` (distinct), and along the third axis
+    from `at` when `rows` is narrower there; a row at a time, as `_gather`."""
+    for i in range(index.shape[0]):
+        corner = (index[i], *(at if axis == 2 else 0 for axis in range(1, a.ndim)))
+        a = jax.lax.dynamic_update_slice(a, rows[i : i + 1], corner)
+    return a
+
+
+def _take_rows(cache: KVCache, index: jax.Array) -> KVCache:
+    """Rows ``index [b]`` of `cache` as a cache of ``b`` rows at the same clock (every leaf
+    with a row axis: codes, scales, key offsets, starts)."""
+    take = functools.partial(_gather, index=index)
+    arrays = jax.tree.map(take, _slot_arrays(cache))
+    offsets = tuple(take(a) for a in cache.key_offsets)
+    # One copy, read by everything after: not a slice fused into each of its readers.
+    arrays, offsets = jax.lax.optimization_barrier((arrays, offsets))
+    return _with_slot_arrays(cache, arrays, key_offsets=offsets, start=take(cache.start))
+
+
+def _put_rows(big: KVCache, small: KVCache, index: jax.Array, width: int) -> KVCache:
+    """`big` with rows ``index [b]`` (distinct) of slots ``big.length .. + width - 1`` taken
+    from `small` (`_take_rows` of them after a call that wrote those slots), and `small`'s
+    clock. The key offsets are set by a prompt's first write only, never by a call at a
+    clock past 0, so they need no copy back; nothing else changed."""
+
+    def put(dst, src):
+        # A window that would run past the end is clamped back to the same slots as here.
+        part = jax.lax.dynamic_slice_in_dim(src, big.length, width, axis=2)
+        return _scatter(dst, index, part, at=big.length)
+
+    arrays = jax.tree.map(put, _slot_arrays(big), _slot_arrays(small))
+    return _with_slot_arrays(big, arrays, length=small.length)
 
 
 def insert(
@@ -280,3 +387,23 @@ def load(cache: KVCache, pool: KVCache, block: jax.Array, slot: jax.Array) -> KV
         for dst, src in zip(cache.key_offsets, pool.key_offsets, strict=True)
     )
     return _with_slot_arrays(cache, arrays, key_offsets=offsets)
+
+
+def row_buckets(slots: int) -> list[int]:
+    """The row counts below `slots` that `decode_rows` runs: 1, 2, 4, ..."""
+    out, b = [], 1
+    while b < slots:
+        out.append(b)
+        b *= 2
+    return out
+
+
+def row_index(busy: list[int], slots: int) -> np.ndarray:
+    """``[b]`` int32: the `busy` rows, then free ones up to the smallest bucket of
+    `row_buckets` holding them all (distinct rows: no two write back the same slots), or
+    every row ``0 .. slots - 1`` when none does."""
+    b = next((b for b in row_buckets(slots) if b >= len(busy)), slots)
+    if b == slots:
+        return np.arange(slots, dtype=np.int32)
+    free = [r for r in range(slots) if r not in busy]
+    return np.asarray(sorted(busy) + free[: b - len(busy)], np.int32)

@@ -33,6 +33,7 @@ from lowbit.api import StoredProgram, compile_stored, describe
 from lowbit.models import bucket
 from lowbit.server import _embeddings as embeddings
 from lowbit.server import _programs as programs
+from lowbit.server import _speculate as speculate
 from lowbit.server._logprobs import TokenLogprob, TokenLogprobs, host_logprobs
 from lowbit.server._prefix import PrefixIndex, chain
 from lowbit.server._programs import Decoded, RowSampling
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 _MODEL_PROGRAMS = {
     "decode": (1, 4),
     "decode_logprobs": (1, 4),
+    "decode_rows": (1, 4),
+    "verify": (1,),
     "prefill": (2,),
     "prefill_chunk": (2,),
 }
@@ -53,6 +56,8 @@ _MODEL_PROGRAMS = {
 _OUT_LIKE = {
     "decode": lambda a: (Decoded(0, 0, None), a[1]),
     "decode_logprobs": lambda a: (Decoded(0, 0, TokenLogprobs(0, 0, 0)), a[1]),
+    "decode_rows": lambda a: (Decoded(0, 0, None), a[1]),
+    "verify": lambda a: (0, a[1]),
     "prefill": lambda a: ((0, 0), a[2]),
     "prefill_chunk": lambda a: (0, a[2]),
     "sample": lambda a: 0,
@@ -117,6 +122,19 @@ class Job:
     finished: str | None = None
     cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of prefilled
 
+    def may_speculate(self) -> bool:
+        """Whether the next tokens may be guessed and checked (`lowbit.server._speculate`):
+        greedy, without log-probabilities, grammar, penalties or logit bias (a check returns
+        greedy tokens only, and none of these)."""
+        return (
+            self.temperature == 0.0
+            and self.logprobs is None
+            and self.constraint is None
+            and self.presence_penalty == 0.0
+            and self.frequency_penalty == 0.0
+            and not self.logit_bias
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
@@ -135,6 +153,10 @@ class SchedulerConfig:
     prefix_block: tokens per prefix-cache block (a power of two from 8 to `chunk`).
     embeddings: compile the embedding programs and serve ``/v1/embeddings`` (an encoder,
       which only embeds, always does).
+    speculate: None, or ``"ngram"``: speculative decoding by prompt lookup
+      (`lowbit.server._speculate`) in the turns where every busy row may take it (greedy,
+      without log-probabilities, grammar, penalties or logit bias).
+    speculate_tokens: tokens guessed per row and turn (checked in one forward pass).
     """
 
     slots: int = 8
@@ -146,8 +168,16 @@ class SchedulerConfig:
     kv_memory: int | None = None
     prefix_block: int = 16
     embeddings: bool = False
+    speculate: str | None = None
+    speculate_tokens: int = 8
 
     def __post_init__(self):
+        if self.speculate not in (None, "ngram"):
+            raise ValueError(f"speculate={self.speculate!r} must be None or 'ngram'")
+        if not 1 <= self.speculate_tokens <= programs.MAX_STEPS:
+            raise ValueError(
+                f"speculate_tokens={self.speculate_tokens} must be in 1..{programs.MAX_STEPS}"
+            )
         if self.slots < 1:
             raise ValueError(f"slots={self.slots} must be >= 1")
         if self.max_len < 64 or bucket(self.max_len) != self.max_len:
@@ -255,6 +285,7 @@ class Scheduler:
         self.error: BaseException | None = None
         self.steps_run = 0
         self._thread: threading.Thread | None = None
+        self.speculation = speculate.Stats() if config.speculate is not None else None
         if self.generates:
             self._reset_rows()
         self.prefix, self.pool = self._prefix_pool() if self.generates else (None, None)
@@ -423,6 +454,8 @@ class Scheduler:
         self.counts = jnp.zeros((c.slots, self.model.config.vocab_size), jnp.int32)
         self.bias_host = np.zeros((c.slots, self.model.config.vocab_size), np.float32)
         self._bias_device: jax.Array | None = None  # bias_host on the device, until it changes
+        # Each row's prompt and tokens so far (what `speculate.draft` looks up).
+        self.history: list[list[int]] = [[] for _ in range(c.slots)]
         self.cache = self._set_start(self.cache)
 
     def _set_start(self, cache: Any) -> Any:
@@ -489,6 +522,8 @@ class Scheduler:
         register("logprobs", 1, logprobs_args, at_start=False)
         register("decode_logprobs", self.config.slots, decode_args, at_start=False)
         register("shift", self.config.slots, self._shift_args(1), at_start=False)
+        for spec in self._row_programs():
+            register(*spec, at_start=False)
         for width in self.chunk_widths:
             state = states[width]
             name, args = self._prefill_args(state)
@@ -524,6 +559,29 @@ class Scheduler:
     def _background_failed(self, err: BaseException) -> None:
         """A program the background thread compiled failed: /health reports it."""
         self.error = err
+
+    def _row_programs(self) -> list[tuple[str, int, tuple]]:
+        """The programs over some of the rows (`programs.decode_rows` for each row bucket,
+        and with `SchedulerConfig.speculate` `programs.verify` for each bucket and every row),
+        with example arguments. A turn runs one only once it is compiled
+        (`ProgramRegistry.ready`), else the full decode."""
+        slots, out = self.config.slots, []
+        for b in programs.row_buckets(slots) if self._copies_pay() else []:
+            out.append(("decode_rows", b, self._decode_args(1, np.arange(b, dtype=np.int32))))
+        if self.config.speculate is not None:
+            k = self.config.speculate_tokens
+            for b in [*programs.row_buckets(slots), slots]:
+                index = np.arange(b, dtype=np.int32)
+                out.append(("verify", b, self._verify_args(np.zeros((b, k + 1), np.int32), index)))
+        return out
+
+    def _copies_pay(self) -> bool:
+        """Whether decoding the busy rows alone pays for copying their cache rows: each step
+        copies a whole row of ``max_len`` slots, which costs about what it saves once a row's
+        cache takes a quarter of the weights' bytes (SmolLM2 Q4_1 on 2 EPYC cores, measured
+        2026-11-29: faster at 512 slots, slower at 1024)."""
+        weights = sum(getattr(a, "nbytes", 0) for a in jax.tree.leaves(self.params))
+        return 4 * self.cache.nbytes() // self.config.slots <= weights
 
     def _program(self, name: str, width: int, args: tuple) -> StoredProgram:
         """The compiled program `name` for arguments shaped like `args` (`width` tells its
@@ -836,6 +894,7 @@ class Scheduler:
         self.keys_host[r] = key
         self.token_host[r] = state.first
         self.count_host[r] = 1
+        self.history[r] = [*job.prompt, state.first]
         self.temp_host[r] = job.temperature
         self.topk_host[r] = job.top_k
         self.topp_host[r] = job.top_p
@@ -910,8 +969,9 @@ class Scheduler:
 
     # -- decode -------------------------------------------------------------------------------
 
-    def _decode_args(self, steps: int) -> tuple:
-        """`programs.decode`'s arguments (after the graph definition) for `steps` steps."""
+    def _decode_args(self, steps: int, index: np.ndarray | None = None) -> tuple:
+        """`programs.decode`'s arguments (after the graph definition) for `steps` steps, or
+        with rows `index` `programs.decode_rows`'s."""
         rows = RowSampling(
             keys=jnp.asarray(self.keys_host),
             count=jnp.asarray(self.count_host),
@@ -926,7 +986,15 @@ class Scheduler:
             self.cache, length=jnp.int32(self.clock), start=jnp.asarray(self.start_host)
         )
         token = jnp.asarray(self.token_host)
-        return self.params, cache, token, rows, self.counts, jnp.int32(steps)
+        args = (self.params, cache, token, rows, self.counts, jnp.int32(steps))
+        return args if index is None else (*args, jnp.asarray(index))
+
+    def _verify_args(self, tokens: np.ndarray, index: np.ndarray) -> tuple:
+        """`programs.verify`'s arguments: ``tokens [b, K + 1]`` for rows ``index [b]``."""
+        cache = dataclasses.replace(
+            self.cache, length=jnp.int32(self.clock), start=jnp.asarray(self.start_host)
+        )
+        return self.params, cache, jnp.asarray(tokens), jnp.asarray(index)
 
     def _decode(self, steps: int) -> None:
         t = self.config.max_len
@@ -936,12 +1004,18 @@ class Scheduler:
         # Every row must still have a slot for each step; a grammar's mask holds for one.
         if any(job is not None and job.constraint is not None for job in self._rows):
             steps = 1
+        if self.speculation is not None and self._speculate():
+            return
         steps = max(1, min(steps, t - self.clock))
-        args = self._decode_args(steps)
         # The variant that also ranks the vocabulary runs only while a row asks for it.
         asks = any(job is not None and job.logprobs is not None for job in self._rows)
-        name = "decode_logprobs" if asks else "decode"
-        decoded, self.cache = self._program(name, self.config.slots, args)(*args)
+        name, width, index = "decode_logprobs" if asks else "decode", self.config.slots, None
+        busy = [r for r, job in enumerate(self._rows) if job is not None]
+        rows = programs.row_index(busy, width)
+        if not asks and len(rows) < width and self.programs.ready("decode_rows", len(rows)):
+            name, width, index = "decode_rows", len(rows), rows  # only the busy rows run
+        args = self._decode_args(steps, index)
+        decoded, self.cache = self._program(name, width, args)(*args)
         self.counts = decoded.counts
         out = np.asarray(decoded.tokens)
         lp = None if decoded.logprobs is None else jax.tree.map(np.asarray, decoded.logprobs)
@@ -952,39 +1026,89 @@ class Scheduler:
         for r, job in enumerate(self._rows):
             if job is None:
                 continue
-            new: list[int] = []
-            reason = None
             if lp is not None and job.logprobs is not None:
                 # Appended before the emit that hands their tokens over (see `Job`).
                 entries = host_logprobs(lp, r, steps, job.logprobs)
             else:
                 entries = None
-            for token in out[r, :steps]:
-                token = int(token)
-                if token in job.stop_ids:
-                    reason = STOP
-                    break
-                new.append(token)
-                if entries is not None:
-                    job.token_logprobs.append(entries[len(new) - 1])
-                job.generated += 1
-                if job.constraint is not None and not job.constraint.advance(token):
-                    reason = STOP  # the grammar is complete (or broke a work bound)
-                    break
-                if job.generated >= job.max_tokens:
-                    reason = LENGTH
-                    break
-            if reason is None:
-                if job.constraint is not None:
-                    self._set_bias(r, self._job_bias(job))
-                if new:
-                    job.emit(new, None)
-            else:
-                with self._lock:
-                    self._rows[r] = None
-                self.start_host[r] = t
-                self._set_bias(r, None)
-                self._finish(job, reason, new)
+            self._hand_out(r, out[r, :steps], entries)
+
+    def _hand_out(self, r: int, tokens: np.ndarray, entries: list | None = None) -> None:
+        """Gives row `r`'s job its new `tokens` (with their log-probability `entries`), up
+        to a stop token, its grammar's end or its max_tokens; frees the row when it ends."""
+        t, job = self.config.max_len, self._rows[r]
+        new: list[int] = []
+        reason = None
+        for token in tokens:
+            token = int(token)
+            if token in job.stop_ids:
+                reason = STOP
+                break
+            new.append(token)
+            if entries is not None:
+                job.token_logprobs.append(entries[len(new) - 1])
+            job.generated += 1
+            if job.constraint is not None and not job.constraint.advance(token):
+                reason = STOP  # the grammar is complete (or broke a work bound)
+                break
+            if job.generated >= job.max_tokens:
+                reason = LENGTH
+                break
+        self.history[r].extend(new)
+        if reason is None:
+            if job.constraint is not None:
+                self._set_bias(r, self._job_bias(job))
+            if new:
+                job.emit(new, None)
+        else:
+            with self._lock:
+                self._rows[r] = None
+            self.start_host[r] = t
+            self._set_bias(r, None)
+            self._finish(job, reason, new)
+
+    def _speculate(self) -> bool:
+        """One turn of speculative decoding (`lowbit.server._speculate`), when every busy
+        row may take it and has a guess; False (nothing run) otherwise."""
+        t, k = self.config.max_len, self.config.speculate_tokens
+        busy = [r for r, job in enumerate(self._rows) if job is not None]
+        if not all(self._rows[r].may_speculate() for r in busy):
+            return False
+        guesses = {r: speculate.draft(np.asarray(self.history[r]), k) for r in busy}
+        if not all(len(g) for g in guesses.values()):
+            return False
+        index = programs.row_index(busy, self.config.slots)
+        if not self.programs.ready("verify", len(index)):
+            return False
+        if self.clock + k + 1 > t:  # the guesses are written past the clock: make room
+            first = min(int(self.start_host[r]) for r in busy)
+            if self.clock - first + k + 1 > t:
+                return False
+            self._shift(first)
+        tokens = np.zeros((len(index), k + 1), np.int32)
+        for i, r in enumerate(index):
+            if r in guesses:
+                tokens[i, 0] = self.token_host[r]
+                tokens[i, 1 : 1 + len(guesses[r])] = guesses[r]
+        args = self._verify_args(tokens, index)
+        greedy, cache = self._program("verify", len(index), args)(*args)
+        greedy = np.asarray(greedy)
+        row_of = {int(r): i for i, r in enumerate(index)}
+        agreed = {r: speculate.accepted(guesses[r], greedy[row_of[r]]) for r in busy}
+        # One clock for all rows: each keeps the fewest guesses any row got right, plus the
+        # model's own token after them.
+        keep = min(agreed.values())
+        self.clock += keep + 1
+        self.cache = dataclasses.replace(cache, length=jnp.int32(self.clock))
+        self.steps_run += keep + 1
+        self.speculation.drafted_tokens += sum(len(g) for g in guesses.values())
+        self.speculation.accepted_tokens += keep * len(busy)
+        for r in busy:
+            new = greedy[row_of[r], : keep + 1]
+            self.count_host[r] += keep + 1
+            self.token_host[r] = new[-1]
+            self._hand_out(r, new)
+        return True
 
 
 def _fit(context: int) -> int:

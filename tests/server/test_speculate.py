@@ -1,0 +1,172 @@
+"""Speculative decoding by prompt lookup, and decoding over the busy rows only: the scheduler
+hands out exactly the tokens `generate_tokens` gives each request alone, while guesses are
+accepted (counted) and the smaller programs run."""
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowbit.cli._common import stop_ids
+from lowbit.models._generate import Sampling, generate_tokens
+from lowbit.server import Job, Scheduler, SchedulerConfig
+from lowbit.server import _programs as programs
+from lowbit.server._speculate import accepted, draft
+
+NEW = 24
+
+
+def test_draft_follows_the_latest_earlier_occurrence_of_the_longest_tail():
+    text = np.array([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3])
+    # The tail [5, 2, 3] never occurred; [2, 3] last did at 6, followed by 7, 8, 5.
+    assert draft(text, 3).tolist() == [7, 8, 5]
+    assert draft(text, 8).tolist() == [7, 8, 5, 2, 3]  # up to the end of the text
+    assert draft(np.array([4, 5, 6]), 3).tolist() == []  # nothing repeats
+    assert draft(np.array([4]), 3).tolist() == []
+
+
+def test_accepted_counts_the_leading_agreement():
+    assert accepted(np.array([1, 2, 3]), np.array([1, 2, 3, 4])) == 3
+    assert accepted(np.array([1, 2, 3]), np.array([1, 7, 3, 4])) == 1
+    assert accepted(np.array([1, 2]), np.array([0, 2, 3])) == 0
+
+
+def test_row_index_pads_with_distinct_free_rows():
+    assert programs.row_buckets(8) == [1, 2, 4]
+    assert programs.row_index([5], 8).tolist() == [5]
+    assert programs.row_index([1, 6, 3], 8).tolist() == [1, 3, 6, 0]
+    assert programs.row_index([0, 1, 2, 3, 4], 8).tolist() == list(range(8))
+    assert programs.row_index([0], 1).tolist() == [0]
+
+
+def _serve(loaded, config, kv_cache, requests):
+    """Runs `requests` (prompt, max_tokens, temperature, seed, delay) through a scheduler;
+    returns it, each request's tokens and finish reasons, and the programs each turn ran."""
+    scheduler = Scheduler(loaded.model, None, kv_cache, config)
+    ran = []
+    program = scheduler._program
+
+    def spy(name, width, args):
+        if scheduler.ready:
+            ran.append((name, width))
+        return program(name, width, args)
+
+    scheduler._program = spy
+    scheduler.start()
+    answers = {i: [] for i in range(len(requests))}
+    done = {}
+    try:
+        deadline = time.monotonic() + 300
+        while not scheduler.ready:
+            assert time.monotonic() < deadline and scheduler.error is None
+            time.sleep(0.05)
+        for i, (prompt, max_tokens, temperature, seed, delay) in enumerate(requests):
+            time.sleep(delay)
+
+            def emit(tokens, finish, i=i):
+                answers[i].extend(tokens)
+                if finish is not None:
+                    done[i] = finish
+
+            stop = frozenset(stop_ids(loaded, None))
+            job = Job(prompt, max_tokens, temperature, 0, 1.0, seed, stop, deadline, emit)
+            scheduler.submit(job)
+        while len(done) < len(requests):
+            assert time.monotonic() < deadline and scheduler.error is None
+            time.sleep(0.05)
+    finally:
+        scheduler.close()
+    return scheduler, answers, done, ran
+
+
+def _repeating(rng, n, period):
+    unit = [int(t) for t in rng.integers(3, 250, period)]
+    return (unit * (n // period + 1))[:n]
+
+
+@pytest.mark.parametrize("kv_cache", [None, "int8", "int4", "fp8"])
+def test_take_and_put_rows_move_only_the_written_slots(loaded, kv_cache):
+    cache = loaded.model.init_cache(4, 64, kv_cache)
+    rng = np.random.default_rng(0)
+    noise = lambda a: jnp.asarray(rng.integers(0, 100, a.shape)).astype(a.dtype)
+    cache = jax.tree.map(noise, cache)
+    cache = dataclasses.replace(cache, length=jnp.int32(30), start=jnp.arange(4, dtype=jnp.int32))
+    index = jnp.asarray([2, 0], jnp.int32)
+    small = programs._take_rows(cache, index)
+    assert small.start.tolist() == [2, 0] and small.batch == 2
+    for big, part in zip(jax.tree.leaves(cache), jax.tree.leaves(small), strict=True):
+        if big.ndim:  # every leaf with a row axis is gathered
+            np.testing.assert_array_equal(np.asarray(big)[[2, 0]], np.asarray(part))
+    # A call writes slots 30 .. 32 of its rows (and, unseen, every other slot).
+    written = jax.tree.map(lambda a: a + 1 if a.ndim == 4 else a, small)
+    written = dataclasses.replace(written, length=jnp.int32(33))
+    out = programs._put_rows(cache, written, index, 3)
+    assert int(out.length) == 33
+    for before, after in zip(
+        jax.tree.leaves(programs._slot_arrays(cache)),
+        jax.tree.leaves(programs._slot_arrays(out)),
+        strict=True,
+    ):
+        before, after = np.asarray(before), np.asarray(after)
+        changed = np.zeros(before.shape, bool)
+        changed[[2, 0], :, 30:33] = True
+        np.testing.assert_array_equal(after[~changed], before[~changed])
+        np.testing.assert_array_equal(after[changed], (before + 1)[changed])
+
+
+@pytest.mark.parametrize("kv_cache", [None, "int4"])
+def test_speculation_gives_the_greedy_tokens_and_accepts_guesses(loaded, kv_cache):
+    rng = np.random.default_rng(3)
+    prompt = lambda n: [int(t) for t in rng.integers(3, 250, n)]
+    # A long greedy answer alone (a random model's answers repeat pieces of themselves), a
+    # short max_tokens, and rows joining later (one sampled: no guesses while it runs) in a
+    # 64-slot cache that must slide.
+    requests = [
+        (prompt(5), 44, 0.0, 0, 0.0),
+        (prompt(9), 3, 0.0, 1, 0.0),
+        (prompt(7), 10, 0.9, 2, 1.0),
+        (prompt(12), 40, 0.0, 3, 0.0),
+    ]
+    config = SchedulerConfig(
+        slots=2,
+        max_len=64,
+        single_pass=16,
+        chunk=16,
+        kv_memory=0,
+        speculate="ngram",
+        speculate_tokens=4,
+    )
+    scheduler, answers, done, ran = _serve(loaded, config, kv_cache, requests)
+    stop = stop_ids(loaded, None)
+    for i, (prompt_, max_tokens, temperature, seed, _) in enumerate(requests):
+        expected = generate_tokens(
+            loaded.model,
+            [prompt_],
+            max_new_tokens=max_tokens,
+            sampling=Sampling(temperature=temperature),
+            key=seed,
+            stop_ids=stop,
+            kv_cache=kv_cache,
+        )
+        assert answers[i] == expected.tokens[0], i
+        assert done[i] == ("stop" if expected.stopped[0] else "length"), i
+    stats = scheduler.speculation
+    assert 0 < stats.accepted_tokens <= stats.drafted_tokens
+    assert ("verify", 1) in ran
+    assert scheduler.slides >= 1
+
+
+def test_decode_runs_only_the_busy_rows(loaded):
+    rng = np.random.default_rng(4)
+    requests = [([int(t) for t in rng.integers(3, 250, n)], 12, 0.0, n, 0.0) for n in (5, 9)]
+    config = SchedulerConfig(slots=4, max_len=64, single_pass=16, chunk=16, kv_memory=0)
+    scheduler, answers, done, ran = _serve(loaded, config, None, requests)
+    for i, (prompt, max_tokens, *_rest) in enumerate(requests):
+        expected = generate_tokens(loaded.model, [prompt], max_new_tokens=max_tokens)
+        assert answers[i] == expected.tokens[0], i
+    assert ("decode", 4) not in ran
+    assert {("decode_rows", 1), ("decode_rows", 2)} & set(ran)
+    assert scheduler.speculation is None
