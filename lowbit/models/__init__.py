@@ -55,6 +55,7 @@ from ._generate import (
     generate,
     generate_greedy,
     generate_tokens,
+    greedy_tokens,
     sample_rows,
     stop_token_ids,
     stream_tokens,
@@ -140,6 +141,7 @@ __all__ = [
     "wordpiece_tokenizer",
     "DEFAULT_STOP_TOKENS",
     "bucket",
+    "greedy_tokens",
     "sample_rows",
     "stop_token_ids",
 ]
