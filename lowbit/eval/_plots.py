@@ -202,7 +202,7 @@ def plot_kld_by_position(
         raise ValueError("plot_kld_by_position needs a result with position buckets")
     ends = [*result.position_starts[1:], result.context]
     labels = [f"{a}-{b - 1}" for a, b in zip(result.position_starts, ends, strict=True)]
-    fig = Figure(figsize=(6.5, 3.8), layout="constrained")
+    fig = _figure(figsize=(6.5, 3.8), layout="constrained")
     ax = fig.subplots()
     ax.bar(
         range(len(labels)),
