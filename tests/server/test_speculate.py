@@ -60,7 +60,9 @@ def _serve(loaded, config, kv_cache, requests):
     done = {}
     try:
         deadline = time.monotonic() + 300
-        while not scheduler.ready:
+        # Also the background compile: a turn speculates (or decodes the busy rows alone) only
+        # once its program is compiled.
+        while not scheduler.ready or scheduler.programs.pending:
             assert time.monotonic() < deadline and scheduler.error is None
             time.sleep(0.05)
         for i, (prompt, max_tokens, temperature, seed, delay) in enumerate(requests):
