@@ -4,7 +4,8 @@ another, and prints executions, coverage and findings.
 Seeds come from `fuzz._seeds` (built from the real SmolLM2 / MiniLM files and files lowbit
 writes): small ones are kept in ``fuzz/corpus/<harness>/`` (committed), larger ones and the
 corpus libFuzzer grows go to the work directory (``--work``, default ``fuzz/.work``). Inputs that
-break a harness's contract (exceptions, hangs past ``--timeout``, memory past ``--rss-mb``) are
+break a harness's contract (exceptions, hangs past ``--timeout``, memory past the contract's bound,
+`fuzz._bounded`: 4x the largest input plus 256 MiB above start-up, as a data-segment cap) are
 saved under ``fuzz/findings/`` and listed; the run's totals are appended to
 ``<work>/runs.jsonl`` so that several runs add up.
 """
@@ -14,11 +15,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import re
 import subprocess
 import sys
 import time
+
+from fuzz._bounded import BASE_BYTES, BASE_SECONDS, BYTES_PER_SECOND, PER_BYTE
 
 HARNESSES = (
     "gguf_reader",
@@ -74,6 +78,7 @@ def _run(name: str, args: argparse.Namespace) -> dict:
         "-m",
         f"fuzz.{name}",
         f"-max_total_time={args.seconds}",
+        *([f"-runs={args.runs}"] if args.runs else []),
         f"-timeout={args.timeout}",
         f"-rss_limit_mb={args.rss_mb}",
         f"-malloc_limit_mb={args.rss_mb}",
@@ -86,9 +91,9 @@ def _run(name: str, args: argparse.Namespace) -> dict:
     ]
     start = time.monotonic()
     log_path = os.path.join(args.work, name, "last.log")
-    # The data-segment cap each harness sets on itself (see `fuzz._contract`): twice the RSS
-    # bound, since thread stacks and allocator arenas count there but are mostly untouched.
-    env = {**os.environ, "LOWBIT_FUZZ_DATA_MB": str(2 * args.rss_mb)}
+    # The contract's memory bound for the largest input, which each harness sets on itself as
+    # a data-segment cap above its start-up (`fuzz._contract`).
+    env = {**os.environ, "LOWBIT_FUZZ_ABOVE_MB": str(_above_mb(args.max_len))}
     with open(log_path, "w") as log:
         done = subprocess.run(
             command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=False
@@ -96,6 +101,8 @@ def _run(name: str, args: argparse.Namespace) -> dict:
     with open(log_path, errors="replace") as log:
         text = log.read()
     stats = {k: int(v) for k, v in re.findall(r"stat::(\w+):\s+(\d+)", text)}
+    startup = re.search(r"lowbit-fuzz start-up: rss_mb=(\d+)", text)
+    startup_rss = int(startup.group(1)) if startup else 0
     coverage = re.findall(r"cov: (\d+) ft: (\d+) corp: (\d+)", text)
     new = sorted(set(os.listdir(findings)) - before)
     result = {
@@ -105,6 +112,8 @@ def _run(name: str, args: argparse.Namespace) -> dict:
         "executions": stats.get("number_of_executed_units", 0),
         "exec_per_s": stats.get("average_exec_per_sec", 0),
         "peak_rss_mb": stats.get("peak_rss_mb", 0),
+        "startup_rss_mb": startup_rss,
+        "cap_above_mb": _above_mb(args.max_len),
         "coverage": int(coverage[-1][0]) if coverage else 0,
         "features": int(coverage[-1][1]) if coverage else 0,
         "corpus": int(coverage[-1][2]) if coverage else 0,
@@ -116,6 +125,16 @@ def _run(name: str, args: argparse.Namespace) -> dict:
     with open(os.path.join(args.work, "runs.jsonl"), "a") as runs:
         runs.write(json.dumps(result) + "\n")
     return result
+
+
+def _above_mb(max_len: int) -> int:
+    """The contract's memory bound above start-up for inputs of up to `max_len` bytes, MiB."""
+    return -(-(BASE_BYTES + PER_BYTE * max_len) // 2**20)
+
+
+def _timeout(max_len: int) -> int:
+    """The contract's time bound for inputs of up to `max_len` bytes, whole seconds."""
+    return math.ceil(BASE_SECONDS + max_len / BYTES_PER_SECOND)
 
 
 def _totals(work: str) -> dict[str, int]:
@@ -133,33 +152,46 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fuzz", description=__doc__.split("\n")[0])
     parser.add_argument("harness", nargs="*", choices=[[], *HARNESSES], default=[])
     parser.add_argument("--seconds", type=int, default=120, help="per harness (default 120)")
-    parser.add_argument("--timeout", type=int, default=10, help="per input, seconds")
-    parser.add_argument("--rss-mb", type=int, default=1024, help="memory bound per process")
+    parser.add_argument("--runs", type=int, default=0, help="stop after N executions (0: none)")
+    parser.add_argument(
+        "--timeout", type=int, default=0, help="per input, seconds (default: the contract's)"
+    )
+    parser.add_argument(
+        "--rss-mb", type=int, default=2048, help="libFuzzer's absolute RSS limit, a backstop"
+    )
     parser.add_argument("--max-len", type=int, default=1 << 16, help="largest input, bytes")
     parser.add_argument("--work", default=os.path.join(HERE, ".work"))
     args = parser.parse_args(argv)
     args.work = os.path.abspath(args.work)
+    args.timeout = args.timeout or _timeout(args.max_len)
     names = args.harness or list(HARNESSES)
     results = []
     for name in names:
-        print(f"fuzzing {name} for {args.seconds} s ...", flush=True)
+        runs = f" or {args.runs} executions" if args.runs else ""
+        print(f"fuzzing {name} for {args.seconds} s{runs} ...", flush=True)
         result = _run(name, args)
         results.append(result)
         print(
             f"  {result['executions']} executions ({result['exec_per_s']}/s), coverage "
             f"{result['coverage']} edges / {result['features']} features, corpus "
-            f"{result['corpus']}, peak RSS {result['peak_rss_mb']} MB, "
+            f"{result['corpus']}, peak RSS {result['peak_rss_mb']} MB (start-up "
+            f"{result['startup_rss_mb']} MB, cap {result['cap_above_mb']} MiB above it), "
             f"{len(result['findings'])} findings",
             flush=True,
         )
         for finding in result["findings"]:
             print(f"    finding: {finding}")
     totals = _totals(args.work)
-    print("\nharness                executions  exec/s  coverage  peak RSS MB  findings  total")
+    print(
+        "\nharness                executions  exec/s  coverage  peak RSS MB  above start-up MB"
+        "  findings  total"
+    )
     for r in results:
+        above = r["peak_rss_mb"] - r["startup_rss_mb"]
         print(
             f"{r['harness']:<22} {r['executions']:>10}  {r['exec_per_s']:>6}  {r['coverage']:>8}"
-            f"  {r['peak_rss_mb']:>11}  {len(r['findings']):>8}  {totals.get(r['harness'], 0)}"
+            f"  {r['peak_rss_mb']:>11}  {above:>17}  {len(r['findings']):>8}"
+            f"  {totals.get(r['harness'], 0)}"
         )
     return 1 if any(r["findings"] for r in results) else 0
 

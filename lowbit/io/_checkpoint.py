@@ -271,12 +271,14 @@ def load_checkpoint(
         ``shape`` the stored shape), e.g. to shard codes and scales alike along one axis.
         A sharding may span processes, of any count or mesh shape, whichever wrote the
         checkpoint: each process then reads only the stored pieces its devices need.
-      kernel_axes: lay the weights out for the CPU kernels as they load
-        (`lowbit.ops.prepare_weights`): a mapping {key path: contraction axis}, or a function
-        called with the checkpoint's abstract tree (QArrays of shape structs, before any data
-        is read) that returns one, e.g. ``lambda p: lowbit.api.kernel_axes_of(fn, p, x)``.
-        Each prepared weight replaces its codes as soon as it is read, so the tree is
-        resident once. None (default): logical QArrays.
+      kernel_axes: how the weights are laid out for the CPU kernels as they load
+        (`lowbit.ops.prepare_weights`). None (default): as they were saved: a weight saved
+        prepared (from `lowbit.quantize` or `lowbit.prepare`) is prepared again for the same
+        contraction axis, when `sharding` is None; the rest stay logical. False: every weight
+        logical. Or a mapping {key path: contraction axis}, or a function called with the
+        checkpoint's abstract tree (QArrays of shape structs, before any data is read) that
+        returns one, e.g. ``lambda p: lowbit.api.kernel_axes_of(fn, p, x)``. Each prepared
+        weight replaces its codes as soon as it is read, so the tree is resident once.
     Returns:
       The params tree, with dicts, lists and tuples as saved (``nnx.State`` comes back as a
       dict) and `QArray`s holding the stored codes.
@@ -321,12 +323,14 @@ def load_checkpoint(
         if callable(kernel_axes):
             kernel_axes = kernel_axes(abstract)
         del abstract
-        if kernel_axes is None:
+        if kernel_axes is False or (kernel_axes is None and sharding is not None):
             return build_tree(plan, reader)
         # Each weight is laid out as soon as its tensors are read, and its codes dropped: the
         # tree is never resident in both forms.
+        if kernel_axes is None:
+            return build_tree(plan, reader, on_qarray=lambda keys, q, saved: _prepared(q, saved))
         lookup = kernel_axes.get if isinstance(kernel_axes, Mapping) else kernel_axes
-        return build_tree(plan, reader, on_qarray=lambda keys, q: _prepared(q, lookup(keys)))
+        return build_tree(plan, reader, on_qarray=lambda keys, q, saved: _prepared(q, lookup(keys)))
 
 
 def piece_reader(snapshot, manifest, plan, header, targets, path) -> PieceReader:

@@ -8,7 +8,8 @@ A params tree is stored as a tree of JSON nodes, one per container or leaf:
   ``{"kind": "scalar", "value": 1.5}``  (a Python bool, int or float leaf)
   ``{"kind": "array", "tensor": name}``
   ``{"kind": "qarray", "tensors": {role: name}, "format": ..., "shape": [...], "dtype": ...,
-    "packed_axis": ..., "scale_encoding": ..., "activation": {QuantConfig dict} | null}``
+    "packed_axis": ..., "scale_encoding": ..., "activation": {QuantConfig dict} | null,
+    "kernel_axis": 0 | 1 (optional: saved in the kernel layout for that contraction axis)}``
 
 and each tensor the file holds gets ``{"path", "role", "dtype", "shape", "sha256"}``. Decoding
 checks every node, name and number against fixed tables, so a manifest can describe a tree but
@@ -27,7 +28,7 @@ import numpy as np
 from lowbit.formats import get_format
 from lowbit.io._config_dict import quant_config_from_dict
 from lowbit.io._safetensors_file import DTYPES, dtype_from_name
-from lowbit.io._tree import QARRAY_ROLES, Key, Path, path_name
+from lowbit.io._tree import KERNEL_AXIS, QARRAY_ROLES, Key, Path, path_name
 from lowbit.models import CheckpointError
 from lowbit.qarray import META_FIELDS, NMSparse, QArray, meta_bits
 
@@ -198,8 +199,11 @@ def _item_key(item: Any, at: str) -> Key:
 
 def _check_qarray(node: Mapping[str, Any], at: str) -> None:
     expected = {"kind", "tensors", *META_FIELDS}
-    if set(node) != expected:
-        raise CheckpointError(f"{at}: qarray keys {sorted(node)} != {sorted(expected)}")
+    if set(node) - {KERNEL_AXIS} != expected:
+        raise CheckpointError(
+            f"{at}: qarray keys {sorted(node)} != {sorted(expected)} (and optionally "
+            f"{KERNEL_AXIS!r})"
+        )
     if not isinstance(node["format"], str):
         raise CheckpointError(f"{at}: format {node['format']!r} is not a name")
     _checked(lambda: get_format(node["format"]), at)
@@ -210,6 +214,14 @@ def _check_qarray(node: Mapping[str, Any], at: str) -> None:
     axis = node["packed_axis"]
     if axis is not None and not (isinstance(axis, int) and 0 <= axis < max(len(shape), 1)):
         raise CheckpointError(f"{at}: packed_axis {axis!r} is out of range for shape {shape}")
+    kernel_axis = node.get(KERNEL_AXIS)
+    if KERNEL_AXIS in node and (
+        type(kernel_axis) is not int or len(shape) != 2 or kernel_axis not in (0, 1)
+    ):
+        raise CheckpointError(
+            f"{at}: {KERNEL_AXIS} {kernel_axis!r} for shape {shape}; accepted: 0 or 1, for a "
+            "2-D weight"
+        )
     if node["scale_encoding"] not in _SCALE_ENCODINGS:
         raise CheckpointError(
             f"{at}: scale_encoding {node['scale_encoding']!r}; accepted: {_SCALE_ENCODINGS}"
@@ -260,7 +272,7 @@ def _build_nm_sparse(node: Mapping[str, Any], values: Any, meta: Any, path: Path
 def build_tree(
     plan: Plan,
     arrays: Mapping[str, Any],
-    on_qarray: Callable[[tuple[Any, ...], QArray], Any] | None = None,
+    on_qarray: Callable[[tuple[Any, ...], QArray, int | None], Any] | None = None,
 ) -> Any:
     """Builds the params tree of a checked `plan` from its tensors (by name).
 
@@ -271,7 +283,7 @@ def build_tree(
     Args:
       plan: from `decode_tree`.
       arrays: tensor name -> array (looked up once per tensor, in tree order).
-      on_qarray: ``(key path, qarray) -> leaf``, the key path as
+      on_qarray: ``(key path, qarray, kernel axis saved or None) -> leaf``, the key path as
         `jax.tree_util.tree_flatten_with_path` gives it for the built tree (QArrays as
         leaves); the leaf it returns takes the QArray's place.
     Raises:
@@ -313,6 +325,8 @@ def build_tree(
                 f"qarray {path_name(path)!r}: codes of shape {tuple(q.codes.shape)} do not fit "
                 f"the logical shape {tuple(node['shape'])}"
             )
-        return q if on_qarray is None or keys is None else on_qarray(keys, q)
+        if on_qarray is None or keys is None:
+            return q
+        return on_qarray(keys, q, node.get(KERNEL_AXIS))
 
     return walk(plan.tree, (), ())

@@ -20,6 +20,9 @@ from lowbit.qarray import DATA_FIELDS, NMSparse, QArray
 
 # A QArray's tensor roles are its data fields; its metadata is its own manifest encoding.
 QARRAY_ROLES = DATA_FIELDS
+# A qarray node's optional key: the axis the weight was laid out for the kernels over when it
+# was saved (a `PreparedQArray`'s), so that `load_checkpoint` lays it out again by default.
+KERNEL_AXIS = "kernel_axis"
 
 Key = str | int
 Path = tuple[Key, ...]
@@ -74,9 +77,11 @@ def encode_tree(
             node = node.get_value()
         if node is None:
             return {"kind": "none"}
+        kernel_axis = None
         if isinstance(node, PreparedQArray):
             # Checkpoints hold the logical form only: recovered from the kernel layout here.
-            node = node.logical()
+            # The axis it was laid out for is kept, so that loading lays it out again.
+            kernel_axis, node = node.axis, node.logical()
         if isinstance(node, NMSparse):
             return {
                 "kind": "nm_sparse",
@@ -90,6 +95,8 @@ def encode_tree(
             }
         if isinstance(node, QArray):
             meta = {"kind": "qarray", **node.manifest_metadata(quant_config_to_dict)}
+            if kernel_axis is not None:
+                meta[KERNEL_AXIS] = kernel_axis
             meta["tensors"] = {
                 role: add(path, role, array) for role, array in node.manifest_tensors().items()
             }

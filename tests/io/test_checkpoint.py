@@ -22,6 +22,7 @@ from lowbit.io import CheckpointError, load_checkpoint, read_manifest, save_chec
 from lowbit.io import _checkpoint as checkpoint_module
 from lowbit.io import _checkpoint_dir as dir_module
 from lowbit.io import _checkpoint_writer as writer_module
+from lowbit.io._manifest import decode_tree
 from lowbit.io._safetensors_file import (
     read_file_header,
     read_header,
@@ -485,17 +486,38 @@ def test_kernel_layouts_are_rebuilt_on_load_never_stored(tmp_path):
     q = quantize(w, QuantConfig(format="int4", granularity=PerGroup(32, 0)))
     stored = prepare_weight(q, 0)
     save_checkpoint(tmp_path / "ck", {"dense": {"kernel": stored}})
-    roles = {name.rsplit(":", 1)[-1] for name in read_manifest(tmp_path / "ck")["tensors"]}
+    manifest = read_manifest(tmp_path / "ck")
+    roles = {name.rsplit(":", 1)[-1] for name in manifest["tensors"]}
     assert roles == {"codes", "scale"}
-    plain = load_checkpoint(tmp_path / "ck")["dense"]["kernel"]
+    prepared_here = kernels.available() and jax.default_backend() == "cpu"
+    node = manifest["tree"]["items"][0][1]["items"][0][1]
+    assert node.get("kernel_axis") == (0 if prepared_here else None)
+    plain = load_checkpoint(tmp_path / "ck", kernel_axes=False)["dense"]["kernel"]
+    assert isinstance(plain, QArray)
     np.testing.assert_array_equal(np.asarray(plain.codes), np.asarray(q.codes))
     key = (jax.tree_util.DictKey("dense"), jax.tree_util.DictKey("kernel"))
-    loaded = load_checkpoint(tmp_path / "ck", kernel_axes={key: 0})["dense"]["kernel"]
-    if kernels.available() and jax.default_backend() == "cpu":
-        assert isinstance(loaded, PreparedQArray) and loaded.axis == 0
-        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(stored), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        np.testing.assert_array_equal(np.asarray(loaded.logical().codes), np.asarray(q.codes))
+    given = load_checkpoint(tmp_path / "ck", kernel_axes={key: 0})["dense"]["kernel"]
+    # By default a weight saved laid out is laid out again, for the axis it was saved for.
+    default = load_checkpoint(tmp_path / "ck")["dense"]["kernel"]
+    if prepared_here:
+        for loaded in (given, default):
+            assert isinstance(loaded, PreparedQArray) and loaded.axis == 0
+            for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(stored), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            np.testing.assert_array_equal(np.asarray(loaded.logical().codes), np.asarray(q.codes))
+    # A logical QArray saved stays logical.
+    save_checkpoint(tmp_path / "plain", {"w": q})
+    assert isinstance(load_checkpoint(tmp_path / "plain")["w"], QArray)
+
+
+@pytest.mark.parametrize("axis", [2, -1, True, "0", 0.0])
+def test_a_saved_kernel_axis_out_of_range_is_refused(tmp_path, axis):
+    q = quantize(jnp.ones((64, 32)), QuantConfig(format="int8", granularity=PerGroup(32, 0)))
+    save_checkpoint(tmp_path / "ck", {"w": q})
+    manifest = read_manifest(tmp_path / "ck")
+    manifest["tree"]["items"][0][1]["kernel_axis"] = axis
+    with pytest.raises(CheckpointError, match="kernel_axis"):
+        decode_tree(manifest["tree"], manifest["tensors"], "manifest.json")
 
 
 @pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")

@@ -39,7 +39,7 @@ before_peak, before_anon = status("VmHWM"), status("RssAnon")
 is_q = lambda x: isinstance(x, QArray | PreparedQArray)
 # Every weight is contracted over axis 0 ([in, out], groups along it).
 axes = lambda tree: {k: 0 for k, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_q)[0]}
-params = load_checkpoint(sys.argv[1], kernel_axes=axes if sys.argv[2] == "1" else None)
+params = load_checkpoint(sys.argv[1], kernel_axes=axes if sys.argv[2] == "1" else False)
 jax.block_until_ready(params)
 leaves = jax.tree.leaves(params, is_leaf=is_q)
 print(json.dumps({
