@@ -6,8 +6,9 @@ writes): small ones are kept in ``fuzz/corpus/<harness>/`` (committed), larger o
 corpus libFuzzer grows go to the work directory (``--work``, default ``fuzz/.work``). Inputs that
 break a harness's contract (exceptions, hangs past ``--timeout``, memory past the contract's bound,
 `fuzz._bounded`: 4x the largest input plus 256 MiB above start-up, as a data-segment cap) are
-saved under ``fuzz/findings/`` and listed; the run's totals are appended to
-``<work>/runs.jsonl`` so that several runs add up.
+saved under ``fuzz/findings/`` and listed. After each run, every input of the corpus and seeds
+is replayed under the bound of its own size (`fuzz._bounded.run_bounded`). The run's totals are
+appended to ``<work>/runs.jsonl`` so that several runs add up.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 
-from fuzz._bounded import BASE_BYTES, BASE_SECONDS, BYTES_PER_SECOND, PER_BYTE
+from fuzz._bounded import BASE_BYTES, BASE_SECONDS, BYTES_PER_SECOND, PER_BYTE, run_bounded
 
 HARNESSES = (
     "gguf_reader",
@@ -36,6 +38,8 @@ HARNESSES = (
 )
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+# Inputs replayed under their own bound by one process each (a crash loses only its chunk).
+_REPLAY_CHUNK = 200
 # A seed this small is committed under fuzz/corpus/; larger ones are rebuilt at run time.
 _SMALL_SEED = 8 * 1024
 
@@ -122,9 +126,41 @@ def _run(name: str, args: argparse.Namespace) -> dict:
     }
     if done.returncode and not new:
         result["findings"].append(f"exit {done.returncode} without an artifact: see {log_path}")
+    if args.replay:
+        result["bounded"], bounded_findings = _replay(name, [corpus, *_seed(name, args.work)])
+        result["findings"] += bounded_findings
     with open(os.path.join(args.work, "runs.jsonl"), "a") as runs:
         runs.write(json.dumps(result) + "\n")
     return result
+
+
+def _replay(name: str, directories: list[str]) -> tuple[dict[str, int], list[str]]:
+    """Every input of the corpus and seeds run again under the bound of its own size
+    (`fuzz._bounded`); an input that breaks it is copied to the findings.
+
+    Returns:
+      (verdict -> count, the findings' paths).
+    """
+    files = sorted(
+        os.path.join(d, f) for d in directories for f in os.listdir(d) if not f.startswith(".")
+    )
+    counts: dict[str, int] = {}
+    found = []
+    for start in range(0, len(files), _REPLAY_CHUNK):
+        chunk = files[start : start + _REPLAY_CHUNK]
+        timeout = 120 + sum(_timeout(os.path.getsize(f)) for f in chunk)
+        for outcome in run_bounded(name, chunk, timeout=timeout):
+            counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
+            if outcome.verdict != "ok":
+                target = os.path.join(
+                    HERE,
+                    "findings",
+                    name,
+                    f"bounded-{outcome.verdict}-" + os.path.basename(outcome.file),
+                )
+                shutil.copyfile(outcome.file, target)
+                found.append(f"{target}: {outcome.detail}")
+    return counts, found
 
 
 def _above_mb(max_len: int) -> int:
@@ -161,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-len", type=int, default=1 << 16, help="largest input, bytes")
     parser.add_argument("--work", default=os.path.join(HERE, ".work"))
+    parser.add_argument(
+        "--no-replay",
+        dest="replay",
+        action="store_false",
+        help="skip replaying the corpus under each input's own memory and time bound",
+    )
     args = parser.parse_args(argv)
     args.work = os.path.abspath(args.work)
     args.timeout = args.timeout or _timeout(args.max_len)
@@ -179,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(result['findings'])} findings",
             flush=True,
         )
+        if "bounded" in result:
+            print(f"  replayed under each input's own bound: {result['bounded']}", flush=True)
         for finding in result["findings"]:
             print(f"    finding: {finding}")
     totals = _totals(args.work)
