@@ -39,13 +39,7 @@ from ._decoder_gguf import (
     load_decoder_gguf,
     load_smollm2,
 )
-from ._decoder_hf import (
-    HF_MODEL_TYPES,
-    decoder_config_from_hf,
-    hf_param_map,
-    load_decoder_hf,
-    read_hf_config,
-)
+from ._decoder_hf import hf_param_map, load_decoder_hf, read_hf_config
 from ._generate import (
     DEFAULT_STOP_TOKENS,
     Generation,
@@ -61,6 +55,7 @@ from ._generate import (
     stream_tokens,
 )
 from ._gguf_tokenizer import SpecialTokens, special_token_ids
+from ._hf_config import HF_MODEL_TYPES, decoder_config_from_hf
 from ._kv_cache import KVCache, dequantize_kv, quantize_kv
 from ._rotate import (
     RotationError,
