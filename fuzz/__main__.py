@@ -97,7 +97,11 @@ def _run(name: str, args: argparse.Namespace) -> dict:
     log_path = os.path.join(args.work, name, "last.log")
     # The contract's memory bound for the largest input, which each harness sets on itself as
     # a data-segment cap above its start-up (`fuzz._contract`).
-    env = {**os.environ, "LOWBIT_FUZZ_ABOVE_MB": str(_above_mb(args.max_len))}
+    env = {
+        **os.environ,
+        "LOWBIT_FUZZ_ABOVE_MB": str(_above_mb(args.max_len)),
+        "LOWBIT_FUZZ_FINDINGS": findings,
+    }
     with open(log_path, "w") as log:
         done = subprocess.run(
             command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import resource
 import sys
@@ -96,5 +97,27 @@ def main(test_one: Callable[[bytes], Any], instrumented: Callable[[], Any]) -> N
     with atheris.instrument_imports(include=["lowbit"]):
         instrumented()
     _bound_memory(test_one)
-    atheris.Setup(sys.argv, test_one)
+    atheris.Setup(sys.argv, _keeping_findings(test_one))
     atheris.Fuzz()
+
+
+def _keeping_findings(test_one: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """`test_one` that first saves an input breaking the contract to ``LOWBIT_FUZZ_FINDINGS``,
+    named as libFuzzer names its artifacts (``crash-<sha1>``). libFuzzer writes one too, but
+    only if its crash handler gets to run: a timer signal arriving while the process unwinds
+    has ended runs before it did."""
+    directory = os.environ.get("LOWBIT_FUZZ_FINDINGS")
+    if not directory:
+        return test_one
+
+    def guarded(data: bytes) -> Any:
+        try:
+            return test_one(data)
+        except BaseException:
+            path = os.path.join(directory, "crash-" + hashlib.sha1(data).hexdigest())
+            with open(path + ".tmp", "wb") as f:
+                f.write(data)
+            os.replace(path + ".tmp", path)
+            raise
+
+    return guarded

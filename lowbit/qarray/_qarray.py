@@ -133,7 +133,8 @@ class QArray(EngineValue):
         for axis, (n, stored) in enumerate(zip(shape, codes_shape, strict=True)):
             if axis == self.packed_axis:
                 full = get_format(self.format).packed_length(n)
-                if stored != full and stored and full % stored == 0:
+                # `full` 0 (an empty logical axis) has no pieces: `check` refuses the codes.
+                if stored != full and stored and full and full % stored == 0:
                     local[axis] = n // (full // stored)
             elif stored != n and stored and n % stored == 0:
                 local[axis] = stored

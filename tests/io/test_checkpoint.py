@@ -22,7 +22,7 @@ from lowbit.io import CheckpointError, load_checkpoint, read_manifest, save_chec
 from lowbit.io import _checkpoint as checkpoint_module
 from lowbit.io import _checkpoint_dir as dir_module
 from lowbit.io import _checkpoint_writer as writer_module
-from lowbit.io._manifest import decode_tree
+from lowbit.io._manifest import build_tree, decode_tree
 from lowbit.io._safetensors_file import (
     read_file_header,
     read_header,
@@ -533,3 +533,17 @@ def test_checkpoint_files_follow_the_umask(tmp_path, mask):
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "ck").iterdir()}
     assert (tmp_path / "ck").stat().st_mode & 0o777 == 0o777 & ~mask
     assert modes == {"manifest.json": 0o666 & ~mask, "model.safetensors": 0o666 & ~mask}
+
+
+def test_a_qarray_with_an_empty_packed_axis_and_codes_is_refused(tmp_path):
+    # Found by fuzzing the manifest: a logical size of 0 along the packed axis, with codes
+    # stored there, once divided by zero while the QArray was built.
+    q = quantize(jnp.ones((64, 32)), QuantConfig(format="int4", granularity=PerGroup(32, 0)))
+    save_checkpoint(tmp_path / "ck", {"w": q})
+    manifest = read_manifest(tmp_path / "ck")
+    node = manifest["tree"]["items"][0][1]
+    node["shape"][node["packed_axis"]] = 0
+    plan = decode_tree(manifest["tree"], manifest["tensors"], "manifest.json")
+    abstract = {n: jax.ShapeDtypeStruct(s, d) for n, (d, s) in plan.tensors.items()}
+    with pytest.raises(CheckpointError, match="qarray 'w': codes shape"):
+        build_tree(plan, abstract)
