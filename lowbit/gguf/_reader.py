@@ -195,6 +195,34 @@ class _Cursor:
         self.pos += n
         return value
 
+    def strings(self, n: int, what: str) -> list[str]:
+        """`n` strings in a row: `string` n times, in one tight loop (a vocabulary holds
+        10**5 of them, tokens and merges, and a second start reads them all again)."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        starts = [0] * n
+        out: list[Any] = [None] * n
+        for i in range(n):
+            if end - pos < 8:
+                raise self.fail(f"truncated at byte {pos}")
+            length = int.from_bytes(buf[pos : pos + 8], "little")
+            pos += 8
+            if length > end - pos:
+                raise self.fail(
+                    f"length of {what} {length} at byte {pos - 8} needs at least {length} "
+                    f"bytes, but only {end - pos} remain: the header is corrupt or truncated"
+                )
+            starts[i] = pos
+            out[i] = buf[pos : pos + length]
+            pos += length
+        try:
+            out = [str(raw, "utf-8") for raw in out]
+        except UnicodeDecodeError:
+            for start in starts:  # again, one by one, so that the error names the string
+                self.pos = start - 8
+                self.string(what)
+        self.pos = pos
+        return out
+
     def entry(self, what: str) -> tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]:
         """One metadata value and its types: (value, value type, an array's item type)."""
         vtype = self.unpack("<I")
@@ -225,6 +253,8 @@ class _Cursor:
                 return values.tolist()
             # Strings take at least their 8-byte length, nested arrays their 12-byte header.
             n = self.count(f"length of array {what}", 8)
+            if item_type == gguf.GGUFValueType.STRING:
+                return self.strings(n, f"string value of {what}")
             return [self.value(item_type, what, depth + 1) for _ in range(n)]
         fmt = _SCALAR_FORMATS.get(vtype)
         if fmt is None:

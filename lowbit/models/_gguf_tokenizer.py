@@ -150,9 +150,12 @@ def _list(metadata: Mapping[str, Any], key: str, kinds: tuple[type, ...], what: 
     value = metadata.get(key, [])
     if not isinstance(value, list | tuple):
         raise ValueError(f"{key} is {type(value).__name__} {value!r:.80}, not a list of {what}")
-    for i, item in enumerate(value):
-        if isinstance(item, bool) or not isinstance(item, kinds):
-            raise ValueError(f"{key}[{i}] is {item!r:.80}, not {what}")
+    # The types present, found at C speed (vocabularies are long); the entry that fails is
+    # looked for only when one does.
+    if not set(map(type, value)) <= set(kinds):
+        for i, item in enumerate(value):
+            if isinstance(item, bool) or not isinstance(item, kinds):
+                raise ValueError(f"{key}[{i}] is {item!r:.80}, not {what}")
     return list(value)
 
 
@@ -279,20 +282,26 @@ def _spm_tokenizer(metadata: Mapping[str, Any], tokens: list[str], types: list[i
 def _bpe_tokenizer(metadata: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
     pre = _pre(metadata)
     _required(metadata, "tokenizer.ggml.merges", "gpt2")
-    merges = []
-    for i, merge in enumerate(_list(metadata, "tokenizer.ggml.merges", (str,), "a merge")):
-        left, space, right = merge.partition(" ")
-        if not space:
-            raise ValueError(f"tokenizer.ggml.merges[{i}] is {merge!r:.80}, not 'left right'")
-        merges.append((left, right))
+    texts = _list(metadata, "tokenizer.ggml.merges", (str,), "a merge")
+    merges = [tuple(merge.split(" ", 1)) for merge in texts]
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
-    for i, (left, right) in enumerate(merges):
-        missing = next((t for t in (left, right, left + right) if t not in vocab), None)
-        if missing is not None:
-            raise ValueError(
-                f"tokenizer.ggml.merges[{i}] ({left} {right!r:.80}) needs {missing!r:.80}, which "
-                "tokenizer.ggml.tokens lacks"
-            )
+    # Every merge checked at once; the first bad one is looked for only when there is one.
+    pairs_ok = all(len(pair) == 2 for pair in merges)
+    if (
+        not pairs_ok
+        or not ({t for pair in merges for t in pair} | {left + right for left, right in merges})
+        <= vocab.keys()
+    ):
+        for i, (merge, pair) in enumerate(zip(texts, merges, strict=True)):
+            if len(pair) != 2:
+                raise ValueError(f"tokenizer.ggml.merges[{i}] is {merge!r:.80}, not 'left right'")
+            left, right = pair
+            missing = next((t for t in (left, right, left + right) if t not in vocab), None)
+            if missing is not None:
+                raise ValueError(
+                    f"tokenizer.ggml.merges[{i}] ({left} {right!r:.80}) needs {missing!r:.80}, "
+                    "which tokenizer.ggml.tokens lacks"
+                )
     tok = Tokenizer(
         models.BPE(
             vocab=vocab,

@@ -80,6 +80,30 @@ BAD_NAME = b"bad\xff\xfename"
             "length of string value of metadata key 'k' 4611686018427387904",
         ),
         (
+            _gguf_bytes(
+                kv=(
+                    (
+                        b"k",
+                        ARRAY,
+                        struct.pack("<IQ", STRING, 2) + _string(b"ok") + _string(b"\xc3\x28"),
+                    ),
+                )
+            ),
+            "string value of metadata key 'k' at byte 59 is not valid UTF-8",
+        ),
+        (
+            _gguf_bytes(
+                kv=(
+                    (
+                        b"k",
+                        ARRAY,
+                        struct.pack("<IQ", STRING, 2) + _string(b"ok") + _string(b"a", 2**62),
+                    ),
+                )
+            ),
+            "length of string value of metadata key 'k' 4611686018427387904 at byte 59",
+        ),
+        (
             _gguf_bytes(kv=((b"k", ARRAY, struct.pack("<IQ", ARRAY, 1) * 5000),)),
             "metadata key 'k' nests arrays deeper than",
         ),
