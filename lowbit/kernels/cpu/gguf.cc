@@ -816,13 +816,85 @@ void TilesQ6K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t
   }
 }
 
+// 32-element types (Q4_0, Q4_1, Q5_0, Q5_1): a tile's codes as unsigned bytes in 8 registers
+// (nibbles, with the fifth bit of Q5_0 / Q5_1 picked from each row's 32-bit qh), multiplied
+// by maddubs with one broadcast activation word; the offset of Q4_0 / Q5_0 (8 / 16) comes off
+// as that many times the activation block's integer sum, the minimum of Q4_1 / Q5_1 as
+// m * da * sum(a), as in the row kernel.
+template <int type, int M>
+void Tiles32(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  constexpr int tb = TileBytes(type);
+  constexpr bool has_min = kTypes[type].has_min;
+  constexpr bool five = type == kQ5_0 || type == kQ5_1;
+  constexpr int offset = type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : 0;
+  const int64_t blocks = w.k / 32, kp = acts.kp;
+  const __m256i m15 = _mm256_set1_epi8(15), s16 = _mm256_set1_epi8(16);
+  const __m256i ones = _mm256_set1_epi16(1);
+  // Element 4c + i (i < 4) of a row is bit 4c + i of its qh: byte c / 2 (16 + 4c + i: byte
+  // 2 + c / 2) copied to the four bytes of the row's lane, then tested with its bit mask.
+  auto pick = [](int byte) {
+    const int64_t b = static_cast<int64_t>(byte) * 0x0101010101010101;
+    return _mm256_set_epi64x(b + 0x0c0c0c0c08080808, b + 0x0404040400000000,
+                             b + 0x0c0c0c0c08080808, b + 0x0404040400000000);
+  };
+  const __m256i sel[4] = {pick(0), pick(1), pick(2), pick(3)};
+  const __m256i bit[2] = {_mm256_set1_epi32(0x08040201), _mm256_set1_epi32(static_cast<int>(0x80402010u))};
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    const uint8_t* t = w.data + g * w.row_bytes;
+    for (int64_t j = 0; j < blocks; ++j, t += tb) {
+      _mm_prefetch(reinterpret_cast<const char*>(t) + 8 * tb, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(t) + 8 * tb + 64, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(t) + 8 * tb + 128, _MM_HINT_T0);
+      __m256i u[8];  // u[c]: elements 4c.. of the 8 rows; u[4 + c]: elements 16 + 4c..
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = Load32(t + TileNibbles(type) + 32 * c);
+        u[c] = _mm256_and_si256(v, m15);
+        u[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+        if constexpr (five) {
+          const __m256i qh = Load32(t + TileHighBits(type));
+          const __m256i b = bit[c % 2];
+          const __m256i lo = _mm256_and_si256(_mm256_shuffle_epi8(qh, sel[c / 2]), b);
+          const __m256i hi = _mm256_and_si256(_mm256_shuffle_epi8(qh, sel[2 + c / 2]), b);
+          u[c] = _mm256_or_si256(u[c], _mm256_and_si256(_mm256_cmpeq_epi8(lo, b), s16));
+          u[4 + c] = _mm256_or_si256(u[4 + c], _mm256_and_si256(_mm256_cmpeq_epi8(hi, b), s16));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+#pragma GCC unroll 8
+      for (int r = 0; r < M; ++r) {
+        const int8_t* a = acts.a.data() + (r0 + r) * kp + 32 * j;
+        __m256i slo = _mm256_maddubs_epi16(u[0], Bcast4(a));
+        __m256i shi = _mm256_maddubs_epi16(u[4], Bcast4(a + 16));
+        for (int c = 1; c < 4; ++c) {  // at most 4 * 2 * 31 * 127 = 31496: no int16 overflow
+          slo = _mm256_add_epi16(slo, _mm256_maddubs_epi16(u[c], Bcast4(a + 4 * c)));
+          shi = _mm256_add_epi16(shi, _mm256_maddubs_epi16(u[4 + c], Bcast4(a + 16 + 4 * c)));
+        }
+        __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(slo, ones), _mm256_madd_epi16(shi, ones));
+        const int64_t s = (r0 + r) * (kp / 16) + 2 * j;  // the block's two sums of 16
+        if constexpr (offset != 0)
+          dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(offset * (acts.bs[s] + acts.bs[s + 1])));
+        const __m256 da = _mm256_set1_ps(acts.da[(r0 + r) * (kp / 32) + j]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, da), acc[r]);
+        if constexpr (has_min) {
+          const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16)));
+          acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(acts.sums[s] + acts.sums[s + 1]), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < M; ++r) _mm256_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
+  }
+}
+
 // Groups g0..g1 of a tiled weight on int8 activations, activation rows 8 at a time.
 template <int type>
 void Tiles(const Weight& w, const Acts& acts, int64_t g0, int64_t g1, float* out) {
   constexpr auto fn = [](auto m) {
     constexpr int M = decltype(m)::value;
     if constexpr (type == kQ4_K) return &TilesQ4K<M>;
-    else return &TilesQ6K<M>;
+    else if constexpr (type == kQ6_K) return &TilesQ6K<M>;
+    else return &Tiles32<type, M>;
   };
   int64_t r = 0;
   for (; r + 8 <= acts.m; r += 8) fn(std::integral_constant<int, 8>{})(w, acts, r, g0, g1, out);
@@ -902,9 +974,8 @@ ffi::Error CheckWeight(const ffi::Buffer<ffi::U8>& data, int64_t type, int64_t k
   if (tiled) {
     const int tb = TileBytes(static_cast<int>(type));
     if (tb == 0) return Invalid("GGUF type id " + std::to_string(type) + " has no tiled layout");
-    if (k % kUnit != 0 || n % kTileRows != 0)
-      return Invalid("a tiled weight needs K a multiple of 256 and N of 8");
-    const int64_t group_bytes = k / kUnit * tb;
+    if (n % kTileRows != 0) return Invalid("a tiled weight needs N a multiple of 8");
+    const int64_t group_bytes = k / t.block * tb;
     if (d.size() != 2 || d[0] != n / kTileRows || d[1] != group_bytes)
       return Invalid("tiled GGUF weight must be [N / 8, " + std::to_string(group_bytes) + "] bytes");
     *w = Weight{static_cast<int>(type), k, n, group_bytes, data.typed_data(), true};
@@ -925,7 +996,7 @@ void OverUntiledGroups(const Weight& w, int64_t g0, int64_t g1, F&& f) {
   const int64_t row_bytes = w.k / kTypes[w.type].block * kTypes[w.type].bytes;
   std::vector<uint8_t> rows(kTileRows * row_bytes);
   for (int64_t g = g0; g < g1; ++g) {
-    UntileGroup(w.type, w.data + g * w.row_bytes, w.k / kUnit, rows.data());
+    UntileGroup(w.type, w.data + g * w.row_bytes, w.k / kTypes[w.type].block, rows.data());
     f(g, Weight{w.type, w.k, kTileRows, row_bytes, rows.data()});
   }
 }
@@ -971,7 +1042,15 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U
     bool done = false;
 #if defined(__x86_64__)
     if (UseAvx2() && acts.q8) {  // the tile kernels
-      const auto tiles = type == kQ4_K ? avx2::Tiles<kQ4_K> : avx2::Tiles<kQ6_K>;
+      using TilesFn = void (*)(const Weight&, const Acts&, int64_t, int64_t, float*);
+      static const std::array<TilesFn, kNumTypes> table = [] {
+        std::array<TilesFn, kNumTypes> t{};
+        t[kQ4_0] = avx2::Tiles<kQ4_0>, t[kQ4_1] = avx2::Tiles<kQ4_1>;
+        t[kQ5_0] = avx2::Tiles<kQ5_0>, t[kQ5_1] = avx2::Tiles<kQ5_1>;
+        t[kQ4_K] = avx2::Tiles<kQ4_K>, t[kQ6_K] = avx2::Tiles<kQ6_K>;
+        return t;
+      }();
+      const TilesFn tiles = table[type];
       OverRows(pool, groups, m * k * n,
                [&](int64_t g0, int64_t g1) { tiles(w, acts, g0, g1, out); });
       done = true;
