@@ -11,7 +11,7 @@ Each 256-element unit of a row is decoded once a call into int8 codes with float
   (absmax / 127, round half to even: llama.cpp's Q8_0 blocks) and multiplied in integers, as
   llama.cpp multiplies these types.
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K weights can also be held as tiles (`gguf_tile`): the
+Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K and Q6_K weights can also be held as tiles (`gguf_tile`): the
 blocks of 8 rows interleaved, `cpu/gguf_tiles.h`, so that one register multiplies 8 rows with
 one activation word. The tile kernels run the int8-activation product; the other paths read a
 tiled weight's rows back a group of 8 at a time. `gguf_untile` gives the block rows back byte
@@ -66,7 +66,10 @@ def _check_rows(rows: jax.Array, ggml_type: str, k: int, tiled: bool = False) ->
 
 
 # Bytes of one tile (8 rows of one block) of the types with a tiled layout.
-TILE_BYTES = {"Q4_0": 144, "Q4_1": 160, "Q5_0": 176, "Q5_1": 192, "Q4_K": 1184, "Q6_K": 1680}
+TILE_BYTES = {
+    **{"Q4_0": 144, "Q4_1": 160, "Q5_0": 176, "Q5_1": 192},
+    **{"Q3_K": 912, "Q4_K": 1184, "Q6_K": 1680},
+}
 TILE_ROWS = 8
 
 
@@ -102,6 +105,27 @@ def _q4k_pack(sc: jax.Array, m: jax.Array) -> jax.Array:
     second = [(m[..., j] & 63) | ((m[..., j + 4] >> 4) << 6) for j in range(4)]
     third = [(sc[..., j + 4] & 15) | ((m[..., j + 4] & 15) << 4) for j in range(4)]
     return jnp.stack(first + second + third, -1).astype(jnp.uint8)
+
+
+def _q3k_scales(s: jax.Array) -> jax.Array:
+    """The 16 6-bit scales ``[..., 16]`` (stored + 32) of Q3_K's 12 packed bytes ``[..., 12]``."""
+    low = [s[..., i] & 15 for i in range(8)] + [s[..., i] >> 4 for i in range(8)]
+    return jnp.stack(
+        [low[i] | (((s[..., 8 + i % 4] >> (2 * (i // 4))) & 3) << 4) for i in range(16)], -1
+    )
+
+
+def _q3k_pack(sc: jax.Array) -> jax.Array:
+    """The 12 packed bytes ``[..., 12]`` of Q3_K's 16 scales (the inverse of `_q3k_scales`)."""
+    low = [(sc[..., i] & 15) | ((sc[..., i + 8] & 15) << 4) for i in range(8)]
+    high = [
+        (sc[..., j] >> 4)
+        | ((sc[..., j + 4] >> 4) << 2)
+        | ((sc[..., j + 8] >> 4) << 4)
+        | ((sc[..., j + 12] >> 4) << 6)
+        for j in range(4)
+    ]
+    return jnp.stack(low + high, -1).astype(jnp.uint8)
 
 
 def _interleave(a: jax.Array, width: int) -> jax.Array:
@@ -148,6 +172,14 @@ def gguf_tile(rows: jax.Array, ggml_type: str) -> jax.Array:
         fields = _FIELDS32[ggml_type]
         parts = [half(b[..., i : i + w]) for i, w in fields[:-1]]
         parts.append(_interleave(b[..., fields[-1][0] :], 4))
+    elif ggml_type == "Q3_K":
+        scale = (_q3k_scales(b[..., 96:108]) - 32).astype(jnp.uint8)  # int8 bytes
+        parts = [
+            half(b[..., 108:110]),
+            _interleave(scale, 2),
+            _interleave(b[..., 32:96], 4),
+            _interleave(b[..., 0:32], 4),
+        ]
     elif ggml_type == "Q4_K":
         sc, m = _q4k_scales(b[..., 4:16])  # [G, U, 8 rows, 8 sub-blocks]
         parts = [
@@ -182,6 +214,17 @@ def gguf_untile(tiles: jax.Array, ggml_type: str, k: int) -> jax.Array:
             parts.append(field.reshape(g, units, TILE_ROWS, w))
         parts.append(_deinterleave(a[..., TILE_ROWS * fields[-1][0] :], 4, 16))
         b = jnp.concatenate(parts, axis=-1)
+    elif ggml_type == "Q3_K":
+        scale = (_deinterleave(a[..., 16:144], 2, 16) + 32) & 63
+        b = jnp.concatenate(
+            [
+                _deinterleave(a[..., 656:], 4, 32),
+                _deinterleave(a[..., 144:656], 4, 64),
+                _q3k_pack(scale),
+                two(a[..., 0:16]),
+            ],
+            axis=-1,
+        )
     elif ggml_type == "Q4_K":
         sc = a[..., 32:96].reshape(g, units, 8, TILE_ROWS).transpose(0, 1, 3, 2)
         m = _deinterleave(a[..., 96:160], 2, 8)

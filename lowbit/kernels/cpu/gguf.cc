@@ -816,11 +816,77 @@ void TilesQ6K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t
   }
 }
 
+// Q3_K: each 4-byte chunk's 2-bit codes with their hmask bit as unsigned bytes 0..7 (the
+// code plus 4), multiplied by maddubs with one broadcast activation word and summed in int16
+// per sub-block of 16 (at most 4 * 2 * 7 * 127 = 7112), then one madd with the 8 rows'
+// scales; the + 4 comes off as 4 * sum_s scale_s * sum(a over s), as in Q6_K's tiles.
+template <int M>
+void TilesQ3K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  constexpr int tb = TileBytes(kQ3_K);
+  const int64_t units = w.k / kUnit, kp = acts.kp;
+  const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+  const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+  const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < units; ++u) {
+      const uint8_t* t = w.data + g * w.row_bytes + u * tb;
+      PrefetchTile<tb>(t + 2 * tb);
+      const uint8_t* qs = t + 144;
+      const uint8_t* hm = t + 656;
+      __m256i isum[M], corr[M];
+      for (int r = 0; r < M; ++r) isum[r] = corr[r] = _mm256_setzero_si256();
+      for (int p = 0; p < 8; ++p) {  // sub-blocks 2p, 2p + 1: h = p / 4, j = p % 4
+        const int h = p / 4, j = p % 4;
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 + 16 * p)));
+        const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (4 * h + j)));
+        __m256i s[2][M];
+        for (int half = 0; half < 2; ++half)
+          for (int r = 0; r < M; ++r) s[half][r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) {  // elements 128h + 32j + 4c .. + 3 of the 8 rows
+          const __m256i q = _mm256_and_si256(_mm256_srli_epi16(Load32(qs + 32 * (8 * h + c)), 2 * j), m3);
+          const __m256i hb = _mm256_cmpeq_epi8(_mm256_and_si256(Load32(hm + 32 * c), bit), bit);
+          const __m256i v = _mm256_or_si256(q, _mm256_and_si256(hb, four));
+#pragma GCC unroll 8
+          for (int r = 0; r < M; ++r) {
+            const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 128 * h + 32 * j + 4 * c;
+            s[c / 4][r] = _mm256_add_epi16(s[c / 4][r], _mm256_maddubs_epi16(v, Bcast4(a)));
+          }
+        }
+        const __m256i lo = _mm256_shuffle_epi8(sc16, even), hi = _mm256_shuffle_epi8(sc16, odd);
+        for (int r = 0; r < M; ++r) {
+          const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16 + 2 * p;
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(s[0][r], lo),
+                                                               _mm256_madd_epi16(s[1][r], hi)));
+          corr[r] = _mm256_add_epi32(corr[r], _mm256_madd_epi16(sc16, Pair16(bs[0], bs[1])));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+      for (int r = 0; r < M; ++r) {
+        const __m256 da = _mm256_set1_ps(acts.da[(r0 + r) * units + u]);
+        const __m256i dot = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(corr[r], 2));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, da), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) _mm256_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
+  }
+}
+
 // 32-element types (Q4_0, Q4_1, Q5_0, Q5_1): a tile's codes as unsigned bytes in 8 registers
 // (nibbles, with the fifth bit of Q5_0 / Q5_1 picked from each row's 32-bit qh), multiplied
 // by maddubs with one broadcast activation word; the offset of Q4_0 / Q5_0 (8 / 16) comes off
 // as that many times the activation block's integer sum, the minimum of Q4_1 / Q5_1 as
 // m * da * sum(a), as in the row kernel.
+// pshufb control: byte `byte` of each 32-bit lane copied to the lane's four bytes.
+inline __m256i LanePick(int byte) {
+  const int64_t b = static_cast<int64_t>(byte) * 0x0101010101010101;
+  return _mm256_set_epi64x(b + 0x0c0c0c0c08080808, b + 0x0404040400000000,
+                           b + 0x0c0c0c0c08080808, b + 0x0404040400000000);
+}
+
 template <int type, int M>
 void Tiles32(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
   constexpr int tb = TileBytes(type);
@@ -832,12 +898,7 @@ void Tiles32(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t 
   const __m256i ones = _mm256_set1_epi16(1);
   // Element 4c + i (i < 4) of a row is bit 4c + i of its qh: byte c / 2 (16 + 4c + i: byte
   // 2 + c / 2) copied to the four bytes of the row's lane, then tested with its bit mask.
-  auto pick = [](int byte) {
-    const int64_t b = static_cast<int64_t>(byte) * 0x0101010101010101;
-    return _mm256_set_epi64x(b + 0x0c0c0c0c08080808, b + 0x0404040400000000,
-                             b + 0x0c0c0c0c08080808, b + 0x0404040400000000);
-  };
-  const __m256i sel[4] = {pick(0), pick(1), pick(2), pick(3)};
+  const __m256i sel[4] = {LanePick(0), LanePick(1), LanePick(2), LanePick(3)};
   const __m256i bit[2] = {_mm256_set1_epi32(0x08040201), _mm256_set1_epi32(static_cast<int>(0x80402010u))};
   for (int64_t g = g0; g < g1; ++g) {
     __m256 acc[M];
@@ -894,6 +955,7 @@ void Tiles(const Weight& w, const Acts& acts, int64_t g0, int64_t g1, float* out
     constexpr int M = decltype(m)::value;
     if constexpr (type == kQ4_K) return &TilesQ4K<M>;
     else if constexpr (type == kQ6_K) return &TilesQ6K<M>;
+    else if constexpr (type == kQ3_K) return &TilesQ3K<M>;
     else return &Tiles32<type, M>;
   };
   int64_t r = 0;
@@ -1047,7 +1109,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U
         std::array<TilesFn, kNumTypes> t{};
         t[kQ4_0] = avx2::Tiles<kQ4_0>, t[kQ4_1] = avx2::Tiles<kQ4_1>;
         t[kQ5_0] = avx2::Tiles<kQ5_0>, t[kQ5_1] = avx2::Tiles<kQ5_1>;
-        t[kQ4_K] = avx2::Tiles<kQ4_K>, t[kQ6_K] = avx2::Tiles<kQ6_K>;
+        t[kQ3_K] = avx2::Tiles<kQ3_K>, t[kQ4_K] = avx2::Tiles<kQ4_K>, t[kQ6_K] = avx2::Tiles<kQ6_K>;
         return t;
       }();
       const TilesFn tiles = table[type];

@@ -23,6 +23,12 @@
 //     [16, 144)    scale[p][r][t]            i8, the scale of sub-block 2p + t (16 elements)
 //     [144, 1168)  ql[c][r][0..3]            block bytes ql[4c .. 4c + 3], c < 32
 //     [1168, 1680) qh[c][r][0..3]            block bytes qh[4c .. 4c + 3], c < 16
+//   Q3_K (912 bytes, 32 more than 8 blocks):
+//     [0, 16)      d[r]                      fp16
+//     [16, 144)    scale[p][r][t]            i8, the scale of sub-block 2p + t (16 elements)
+//                                            less 32 (the 6-bit scales spelled out)
+//     [144, 656)   qs[c][r][0..3]            block bytes qs[4c .. 4c + 3], c < 16
+//     [656, 912)   hmask[c][r][0..3]         block bytes hmask[4c .. 4c + 3], c < 8
 //   Q4_0 (144), Q4_1 (160), Q5_0 (176), Q5_1 (192 bytes: the same as 8 blocks):
 //     [0, 16)      d[r]                      fp16
 //     [16, 32)     m[r]                      fp16 (Q4_1, Q5_1 only; the fields below move up
@@ -49,6 +55,7 @@ inline constexpr int kTileRows = 8;
 inline constexpr int TileBytes(int type) {
   switch (type) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: return kTileRows * kTypes[type].bytes;
+    case kQ3_K: return 912;
     case kQ4_K: return 1184;
     case kQ6_K: return 1680;
     default: return 0;
@@ -70,6 +77,17 @@ inline void UntileBlock(int type, const uint8_t* tile, int r, uint8_t* b) {
     if (TileNibbles(type) != TileHighBits(type))
       std::memcpy(b + at, tile + TileHighBits(type) + 4 * r, 4), at += 4;
     for (int c = 0; c < 4; ++c) std::memcpy(b + at + 4 * c, tile + TileNibbles(type) + 32 * c + 4 * r, 4);
+  } else if (type == kQ3_K) {
+    for (int c = 0; c < 8; ++c) std::memcpy(b + 4 * c, tile + 656 + 32 * c + 4 * r, 4);
+    for (int c = 0; c < 16; ++c) std::memcpy(b + 32 + 4 * c, tile + 144 + 32 * c + 4 * r, 4);
+    int sc[16];
+    for (int s = 0; s < 16; ++s) sc[s] = (static_cast<int8_t>(tile[16 + 16 * (s / 2) + 2 * r + s % 2]) + 32) & 63;
+    uint8_t* k = b + 96;  // the 12 packed bytes (Q3Scales read backwards)
+    for (int i = 0; i < 8; ++i) k[i] = static_cast<uint8_t>((sc[i] & 15) | ((sc[i + 8] & 15) << 4));
+    for (int j = 0; j < 4; ++j)
+      k[8 + j] = static_cast<uint8_t>((sc[j] >> 4) | ((sc[j + 4] >> 4) << 2) | ((sc[j + 8] >> 4) << 4) |
+                                      ((sc[j + 12] >> 4) << 6));
+    std::memcpy(b + 108, tile + 2 * r, 2);
   } else if (type == kQ4_K) {
     std::memcpy(b, tile + 2 * r, 2);
     std::memcpy(b + 2, tile + 16 + 2 * r, 2);
