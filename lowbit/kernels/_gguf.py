@@ -11,11 +11,11 @@ Each 256-element unit of a row is decoded once a call into int8 codes with float
   (absmax / 127, round half to even: llama.cpp's Q8_0 blocks) and multiplied in integers, as
   llama.cpp multiplies these types.
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K and Q6_K weights can also be held as tiles (`gguf_tile`): the
-blocks of 8 rows interleaved, `cpu/gguf_tiles.h`, so that one register multiplies 8 rows with
-one activation word. The tile kernels run the int8-activation product; the other paths read a
-tiled weight's rows back a group of 8 at a time. `gguf_untile` gives the block rows back byte
-for byte.
+Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K and Q6_K weights can also be held as tiles
+(`gguf_tile`): the blocks of 8 rows interleaved, `cpu/gguf_tiles.h`, so that one register
+multiplies 8 rows with one activation word. The tile kernels run the int8-activation product;
+the other paths read a tiled weight's rows back a group of 8 at a time. `gguf_untile` gives
+the block rows back byte for byte.
 
 On a lowering platform other than CPU (or without the compiled module) the pure-JAX reference
 runs: the blocks decoded by their `lowbit.gguf` block type, then a float product.
@@ -68,7 +68,7 @@ def _check_rows(rows: jax.Array, ggml_type: str, k: int, tiled: bool = False) ->
 # Bytes of one tile (8 rows of one block) of the types with a tiled layout.
 TILE_BYTES = {
     **{"Q4_0": 144, "Q4_1": 160, "Q5_0": 176, "Q5_1": 192},
-    **{"Q3_K": 912, "Q4_K": 1184, "Q6_K": 1680},
+    **{"Q3_K": 912, "Q4_K": 1184, "Q5_K": 1440, "Q6_K": 1680},
 }
 TILE_ROWS = 8
 
@@ -180,15 +180,18 @@ def gguf_tile(rows: jax.Array, ggml_type: str) -> jax.Array:
             _interleave(b[..., 32:96], 4),
             _interleave(b[..., 0:32], 4),
         ]
-    elif ggml_type == "Q4_K":
+    elif ggml_type in ("Q4_K", "Q5_K"):
         sc, m = _q4k_scales(b[..., 4:16])  # [G, U, 8 rows, 8 sub-blocks]
+        qs = 48 if ggml_type == "Q5_K" else 16
         parts = [
             half(b[..., 0:2]),
             half(b[..., 2:4]),
             sc.transpose(0, 1, 3, 2).reshape(g, units, -1),
             _interleave(m, 2),
-            _interleave(b[..., 16:144], 4),
+            _interleave(b[..., qs : qs + 128], 4),
         ]
+        if ggml_type == "Q5_K":  # its qh after Q4_K's tile
+            parts.append(_interleave(b[..., 16:48], 4))
     else:
         parts = [
             half(b[..., 208:210]),
@@ -225,15 +228,17 @@ def gguf_untile(tiles: jax.Array, ggml_type: str, k: int) -> jax.Array:
             ],
             axis=-1,
         )
-    elif ggml_type == "Q4_K":
+    elif ggml_type in ("Q4_K", "Q5_K"):
         sc = a[..., 32:96].reshape(g, units, 8, TILE_ROWS).transpose(0, 1, 3, 2)
         m = _deinterleave(a[..., 96:160], 2, 8)
+        qh = [_deinterleave(a[..., 1184:], 4, 32)] if ggml_type == "Q5_K" else []
         b = jnp.concatenate(
             [
                 two(a[..., 0:16]),
                 two(a[..., 16:32]),
                 _q4k_pack(sc, m),
-                _deinterleave(a[..., 160:], 4, 128),
+                *qh,
+                _deinterleave(a[..., 160:1184], 4, 128),
             ],
             axis=-1,
         )

@@ -1,5 +1,5 @@
 """GGUF block-row kernels: dequantization bit-identical to llama.cpp's, products in both
-arithmetics on every CPU path, tiles (Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q6_K) the same bytes
+arithmetics on every CPU path, tiles (Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K) the same bytes
 reordered and the same products, bad input refused."""
 
 import gguf
@@ -42,7 +42,7 @@ def isa(request):
 
 _dequantize = jax.jit(kernels.gguf_dequantize, static_argnums=(1, 2))
 _linear = jax.jit(kernels.gguf_linear, static_argnames=("ggml_type", "int8_activations", "tiled"))
-TILED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q6_K")
+TILED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
@@ -84,7 +84,7 @@ def test_tiles_are_the_block_rows_reordered(ggml_type):
     rows = np.random.default_rng(5).integers(0, 256, (n, k // t.block_size * t.type_size), np.uint8)
     tiles = kernels.gguf_tile(jnp.asarray(rows), ggml_type)
     assert tiles.shape == (n // 8, k // t.block_size * TILE_BYTES[ggml_type])
-    assert tiles.size == rows.size or ggml_type in ("Q3_K", "Q4_K")  # scales spelled out
+    assert tiles.size == rows.size or ggml_type in ("Q3_K", "Q4_K", "Q5_K")  # scales spelled out
     back = kernels.gguf_untile(tiles, ggml_type, k)
     assert np.asarray(back).tobytes() == rows.tobytes()
 

@@ -1,5 +1,5 @@
-"""GGUF block weights on their own type's CPU kernel: prepared once (block rows, Q5_0 / Q5_1 /
-Q3_K / Q4_K / Q6_K as tiles of 8 rows), exact back to the logical QArray, rows gathered from the
+"""GGUF block weights on their own type's CPU kernel: prepared once (block rows, the types
+with tiles as tiles of 8 rows), exact back to the logical QArray, rows gathered from the
 layout, decode and prefill sizes, both arithmetics, and a per-call layout counted."""
 
 import jax
@@ -36,10 +36,14 @@ def test_gguf_weights_run_their_own_kernel(fmt, axis):
     fn = (lambda p, x: x @ p) if axis == 0 else (lambda p, x: x @ p.T)
     prepared = prepare_weight(q, axis)
     assert isinstance(prepared, PreparedQArray) and prepared.route.kind == fmt
-    # the block rows, nothing beside them (Q5_0 / Q5_1 / Q3_K / Q4_K / Q6_K: as tiles of 8 rows)
-    tiled = fmt in ("q5_0", "q5_1", "q3_k", "q4_k", "q6_k")
+    # the block rows, nothing beside them (types with tiles: as tiles of 8 rows)
+    tiled = fmt in ("q5_0", "q5_1", "q3_k", "q4_k", "q5_k", "q6_k")
     assert kernels.is_tiled(prepared.weight.data, 256) == tiled
-    spelled_out = {"q3_k": 912 / 880, "q4_k": 1184 / 1152}  # tiles with their scales as bytes
+    spelled_out = {
+        "q3_k": 912 / 880,
+        "q4_k": 1184 / 1152,
+        "q5_k": 1440 / 1408,
+    }  # tiles with their scales as bytes
     assert prepared.resident_nbytes == q.codes.size * spelled_out.get(fmt, 1)
     back = prepared.logical()
     assert np.asarray(back.codes).tobytes() == np.asarray(q.codes).tobytes()

@@ -816,6 +816,73 @@ void TilesQ6K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t
   }
 }
 
+// Q5_K: Q4_K's tile product with the fifth bit of each code from the tile's qh; 5-bit codes
+// sum in int16 over 4 chunks at a time (at most 4 * 2 * 31 * 127 = 31496), not 8.
+template <int M>
+void TilesQ5K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  constexpr int tb = TileBytes(kQ5_K);
+  const int64_t units = w.k / kUnit, kp = acts.kp;
+  const __m256i m15 = _mm256_set1_epi8(15), s16 = _mm256_set1_epi8(16);
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < units; ++u) {
+      const uint8_t* t = w.data + g * w.row_bytes + u * tb;
+      PrefetchTile<tb>(t + 2 * tb);
+      __m256i isum[M], imin[M];
+      for (int r = 0; r < M; ++r) isum[r] = imin[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * j)));
+        const __m256i b1 = _mm256_set1_epi8(static_cast<char>(1 << (2 * j + 1)));
+        __m256i slo[2][M], shi[2][M];
+        for (int h = 0; h < 2; ++h)
+          for (int r = 0; r < M; ++r) slo[h][r] = shi[h][r] = _mm256_setzero_si256();
+        const uint8_t* qs = t + 160 + 256 * j;
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) {
+          const __m256i v = Load32(qs + 32 * c);
+          const __m256i qh = Load32(t + 1184 + 32 * c);
+          const __m256i lo = _mm256_or_si256(
+              _mm256_and_si256(v, m15), _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), s16));
+          const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m15),
+                                             _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), s16));
+#pragma GCC unroll 8
+          for (int r = 0; r < M; ++r) {
+            const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 64 * j + 4 * c;
+            slo[c / 4][r] = _mm256_add_epi16(slo[c / 4][r], _mm256_maddubs_epi16(lo, Bcast4(a)));
+            shi[c / 4][r] = _mm256_add_epi16(shi[c / 4][r], _mm256_maddubs_epi16(hi, Bcast4(a + 32)));
+          }
+        }
+        __m256i sl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * j)));
+        __m256i sh = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 40 + 16 * j)));
+        sl = _mm256_or_si256(sl, _mm256_slli_epi32(sl, 16));
+        sh = _mm256_or_si256(sh, _mm256_slli_epi32(sh, 16));
+        for (int r = 0; r < M; ++r) {
+          const __m256i l = _mm256_add_epi32(_mm256_madd_epi16(slo[0][r], sl), _mm256_madd_epi16(slo[1][r], sl));
+          const __m256i h = _mm256_add_epi32(_mm256_madd_epi16(shi[0][r], sh), _mm256_madd_epi16(shi[1][r], sh));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(l, h));
+        }
+      }
+      for (int p = 0; p < 4; ++p) {
+        const __m256i mv =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 96 + 16 * p)));
+        for (int r = 0; r < M; ++r) {
+          const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16 + 4 * p;
+          imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(mv, Pair16(bs[0] + bs[1], bs[2] + bs[3])));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+      const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16)));
+      for (int r = 0; r < M; ++r) {
+        const __m256 da = _mm256_set1_ps(acts.da[(r0 + r) * units + u]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, da), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[r]), _mm256_mul_ps(dm, da), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) _mm256_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
+  }
+}
+
 // Q3_K: each 4-byte chunk's 2-bit codes with their hmask bit as unsigned bytes 0..7 (the
 // code plus 4), multiplied by maddubs with one broadcast activation word and summed in int16
 // per sub-block of 16 (at most 4 * 2 * 7 * 127 = 7112), then one madd with the 8 rows'
@@ -956,6 +1023,7 @@ void Tiles(const Weight& w, const Acts& acts, int64_t g0, int64_t g1, float* out
     if constexpr (type == kQ4_K) return &TilesQ4K<M>;
     else if constexpr (type == kQ6_K) return &TilesQ6K<M>;
     else if constexpr (type == kQ3_K) return &TilesQ3K<M>;
+    else if constexpr (type == kQ5_K) return &TilesQ5K<M>;
     else return &Tiles32<type, M>;
   };
   int64_t r = 0;
@@ -1109,7 +1177,8 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U
         std::array<TilesFn, kNumTypes> t{};
         t[kQ4_0] = avx2::Tiles<kQ4_0>, t[kQ4_1] = avx2::Tiles<kQ4_1>;
         t[kQ5_0] = avx2::Tiles<kQ5_0>, t[kQ5_1] = avx2::Tiles<kQ5_1>;
-        t[kQ3_K] = avx2::Tiles<kQ3_K>, t[kQ4_K] = avx2::Tiles<kQ4_K>, t[kQ6_K] = avx2::Tiles<kQ6_K>;
+        t[kQ3_K] = avx2::Tiles<kQ3_K>, t[kQ4_K] = avx2::Tiles<kQ4_K>;
+        t[kQ5_K] = avx2::Tiles<kQ5_K>, t[kQ6_K] = avx2::Tiles<kQ6_K>;
         return t;
       }();
       const TilesFn tiles = table[type];

@@ -18,6 +18,8 @@
 //     [32, 96)     scale[s][r]               u8, sub-block s < 8 (32 elements each)
 //     [96, 160)    min[p][r][t]              u8, the minimum of sub-block 2p + t
 //     [160, 1184)  qs[c][r][0..3]            block bytes qs[4c .. 4c + 3], c < 32
+//   Q5_K (1440 bytes): Q4_K's tile (its qs the block's bytes 48..175), then
+//     [1184, 1440) qh[c][r][0..3]            block bytes qh[4c .. 4c + 3], c < 8
 //   Q6_K (1680 bytes, the same as 8 blocks):
 //     [0, 16)      d[r]                      fp16
 //     [16, 144)    scale[p][r][t]            i8, the scale of sub-block 2p + t (16 elements)
@@ -57,6 +59,7 @@ inline constexpr int TileBytes(int type) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: return kTileRows * kTypes[type].bytes;
     case kQ3_K: return 912;
     case kQ4_K: return 1184;
+    case kQ5_K: return 1440;
     case kQ6_K: return 1680;
     default: return 0;
   }
@@ -88,7 +91,7 @@ inline void UntileBlock(int type, const uint8_t* tile, int r, uint8_t* b) {
       k[8 + j] = static_cast<uint8_t>((sc[j] >> 4) | ((sc[j + 4] >> 4) << 2) | ((sc[j + 8] >> 4) << 4) |
                                       ((sc[j + 12] >> 4) << 6));
     std::memcpy(b + 108, tile + 2 * r, 2);
-  } else if (type == kQ4_K) {
+  } else if (type == kQ4_K || type == kQ5_K) {
     std::memcpy(b, tile + 2 * r, 2);
     std::memcpy(b + 2, tile + 16 + 2 * r, 2);
     int sc[8], m[8];
@@ -102,7 +105,12 @@ inline void UntileBlock(int type, const uint8_t* tile, int r, uint8_t* b) {
       k[j + 4] = static_cast<uint8_t>((m[j] & 63) | ((m[j + 4] >> 4) << 6));
       k[j + 8] = static_cast<uint8_t>((sc[j + 4] & 15) | ((m[j + 4] & 15) << 4));
     }
-    for (int c = 0; c < 32; ++c) std::memcpy(b + 16 + 4 * c, tile + 160 + 32 * c + 4 * r, 4);
+    uint8_t* qs = b + 16;
+    if (type == kQ5_K) {
+      for (int c = 0; c < 8; ++c) std::memcpy(b + 16 + 4 * c, tile + 1184 + 32 * c + 4 * r, 4);
+      qs = b + 48;
+    }
+    for (int c = 0; c < 32; ++c) std::memcpy(qs + 4 * c, tile + 160 + 32 * c + 4 * r, 4);
   } else {  // kQ6_K
     for (int c = 0; c < 32; ++c) std::memcpy(b + 4 * c, tile + 144 + 32 * c + 4 * r, 4);
     for (int c = 0; c < 16; ++c) std::memcpy(b + 128 + 4 * c, tile + 1168 + 32 * c + 4 * r, 4);
