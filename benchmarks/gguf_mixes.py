@@ -12,10 +12,10 @@ Perplexity: each file scored by lowbit (both arithmetics) and by llama.cpp on th
 ids (`PPL_TOKENS` tokens of the default speeches, windows of 512, no BOS; llama.cpp through
 `benchmarks.gguf._llama_ppl`, logits of every position).
 
-Rows: lowbit as `lowbit generate FILE` runs it (the block types on int8 activations in
-llama.cpp's Q8_0 / Q8_K blocks, its own arithmetic; Q4_0 / Q4_1 / Q8_0 tensors, imported as
-int4 / uint4 / int8 weights, on float activations), the same with float activations everywhere
-(`with_int8_activations(params, enabled=False)`), and llama.cpp.
+Rows: lowbit as `lowbit generate FILE` runs it (every quantized tensor on int8 activations in
+llama.cpp's Q8_0 / Q8_K blocks, as llama.cpp multiplies it: the block types, and the Q4_0 /
+Q4_1 / Q8_0 tensors imported as int4 / uint4 / int8 weights in groups of 32), the same with
+float activations everywhere (`with_int8_activations(params, enabled=False)`), and llama.cpp.
 """
 
 from __future__ import annotations

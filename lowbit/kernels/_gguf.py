@@ -11,10 +11,11 @@ Each 256-element unit of a row is decoded once a call into int8 codes with float
   (absmax / 127, round half to even: llama.cpp's Q8_0 blocks) and multiplied in integers, as
   llama.cpp multiplies these types.
 
-Q4_K and Q6_K weights can also be held as tiles (`gguf_tile`): the blocks of 8 rows
-interleaved, `cpu/gguf_tiles.h`, so that one register multiplies 8 rows with one activation
-word. The tile kernels run the int8-activation product; the other paths read a tiled weight's
-rows back a group of 8 at a time. `gguf_untile` gives the block rows back byte for byte.
+Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K and Q6_K weights can also be held as tiles
+(`gguf_tile`): the blocks of 8 rows interleaved, `cpu/gguf_tiles.h`, so that one register
+multiplies 8 rows with one activation word. The tile kernels run the int8-activation product;
+the other paths read a tiled weight's rows back a group of 8 at a time. `gguf_untile` gives
+the block rows back byte for byte.
 
 On a lowering platform other than CPU (or without the compiled module) the pure-JAX reference
 runs: the blocks decoded by their `lowbit.gguf` block type, then a float product.
@@ -47,12 +48,12 @@ def _check_rows(rows: jax.Array, ggml_type: str, k: int, tiled: bool = False) ->
             f"GGUF type {ggml_type!r} has no kernel; accepted: {', '.join(GGUF_TYPE_IDS)}"
         )
     if tiled:
-        want = k // 256 * TILE_BYTES.get(ggml_type, 0)
+        want = k // block_type(ggml_type).block_size * TILE_BYTES.get(ggml_type, 0)
         n = int(rows.shape[0]) * TILE_ROWS if rows.ndim == 2 else 0
         if not gguf_tileable(ggml_type, k, n) or rows.dtype != jnp.uint8 or rows.shape[1] != want:
             raise ValueError(
-                f"tiled {ggml_type} weight must be uint8 [N / 8, {want}] for K = {k} (Q4_K or "
-                f"Q6_K, K a multiple of 256), got {rows.dtype} {tuple(rows.shape)}"
+                f"tiled {ggml_type} weight must be uint8 [N / 8, {want}] for K = {k} (types "
+                f"{', '.join(TILE_BYTES)}, K whole blocks), got {rows.dtype} {tuple(rows.shape)}"
             )
         return n
     want = _row_bytes(ggml_type, k)
@@ -64,14 +65,19 @@ def _check_rows(rows: jax.Array, ggml_type: str, k: int, tiled: bool = False) ->
     return int(rows.shape[0])
 
 
-# Bytes of one tile (8 rows of one 256-element unit) of the types with a tiled layout.
-TILE_BYTES = {"Q4_K": 1184, "Q6_K": 1680}
+# Bytes of one tile (8 rows of one block) of the types with a tiled layout.
+TILE_BYTES = {
+    **{"Q4_0": 144, "Q4_1": 160, "Q5_0": 176, "Q5_1": 192},
+    **{"Q3_K": 912, "Q4_K": 1184, "Q5_K": 1440, "Q6_K": 1680},
+}
 TILE_ROWS = 8
 
 
 def gguf_tileable(ggml_type: str, k: int, n: int) -> bool:
     """Whether a ``[N, K]`` weight of `ggml_type` has a tiled layout (`gguf_tile`)."""
-    return ggml_type in TILE_BYTES and k % 256 == 0 and n % TILE_ROWS == 0 and n > 0
+    if ggml_type not in TILE_BYTES:
+        return False
+    return k % block_type(ggml_type).block_size == 0 and n % TILE_ROWS == 0 and n > 0
 
 
 def is_tiled(data: jax.Array, n: int) -> bool:
@@ -101,6 +107,27 @@ def _q4k_pack(sc: jax.Array, m: jax.Array) -> jax.Array:
     return jnp.stack(first + second + third, -1).astype(jnp.uint8)
 
 
+def _q3k_scales(s: jax.Array) -> jax.Array:
+    """The 16 6-bit scales ``[..., 16]`` (stored + 32) of Q3_K's 12 packed bytes ``[..., 12]``."""
+    low = [s[..., i] & 15 for i in range(8)] + [s[..., i] >> 4 for i in range(8)]
+    return jnp.stack(
+        [low[i] | (((s[..., 8 + i % 4] >> (2 * (i // 4))) & 3) << 4) for i in range(16)], -1
+    )
+
+
+def _q3k_pack(sc: jax.Array) -> jax.Array:
+    """The 12 packed bytes ``[..., 12]`` of Q3_K's 16 scales (the inverse of `_q3k_scales`)."""
+    low = [(sc[..., i] & 15) | ((sc[..., i + 8] & 15) << 4) for i in range(8)]
+    high = [
+        (sc[..., j] >> 4)
+        | ((sc[..., j + 4] >> 4) << 2)
+        | ((sc[..., j + 8] >> 4) << 4)
+        | ((sc[..., j + 12] >> 4) << 6)
+        for j in range(4)
+    ]
+    return jnp.stack(low + high, -1).astype(jnp.uint8)
+
+
 def _interleave(a: jax.Array, width: int) -> jax.Array:
     """[G, U, 8, B] -> [G, U, B * 8]: the 8 rows' `width`-byte pieces side by side, piece by
     piece (4-byte code chunks; 2-byte scale pairs)."""
@@ -115,31 +142,56 @@ def _deinterleave(a: jax.Array, width: int, b: int) -> jax.Array:
     return pieces.reshape(g, u, TILE_ROWS, b)
 
 
+# The fields of a 32-element block in order, (first byte, width): d, then m (Q4_1, Q5_1), qh
+# (Q5_0, Q5_1), and the 16 nibble bytes last (those interleaved in 4-byte pieces in a tile).
+_FIELDS32 = {
+    "Q4_0": ((0, 2), (2, 16)),
+    "Q4_1": ((0, 2), (2, 2), (4, 16)),
+    "Q5_0": ((0, 2), (2, 4), (6, 16)),
+    "Q5_1": ((0, 2), (2, 2), (4, 4), (8, 16)),
+}
+
+
 # One program per shape: as eager ops, laying out a 1.5B model's tiles took seconds of dispatch.
 @functools.partial(jax.jit, static_argnums=(1,))
 def gguf_tile(rows: jax.Array, ggml_type: str) -> jax.Array:
-    """Block rows ``uint8 [N, row_bytes]`` of a Q4_K or Q6_K weight as tiles
-    ``uint8 [N / 8, units * TILE_BYTES[type]]`` (layout: `cpu/gguf_tiles.h`)."""
+    """Block rows ``uint8 [N, row_bytes]`` of a weight of a type in `TILE_BYTES` as tiles
+    ``uint8 [N / 8, blocks * TILE_BYTES[type]]`` (layout: `cpu/gguf_tiles.h`)."""
     t = block_type(ggml_type)
     n = rows.shape[0]
     k = rows.shape[1] // t.type_size * t.block_size
     if not gguf_tileable(ggml_type, k, n):
         raise ValueError(
-            f"{ggml_type} [{n}, {k}] has no tiled layout (Q4_K or Q6_K, K % 256, N % 8)"
+            f"{ggml_type} [{n}, {k}] has no tiled layout (types {', '.join(TILE_BYTES)}, N % 8)"
         )
-    units = k // 256
+    units = k // t.block_size
     b = rows.reshape(n // TILE_ROWS, TILE_ROWS, units, t.type_size).transpose(0, 2, 1, 3)
     g = b.shape[0]
-    half = lambda a: a.reshape(g, units, -1)  # [G, U, 8, 2] fp16 bytes -> d[r]
-    if ggml_type == "Q4_K":
+    half = lambda a: a.reshape(g, units, -1)  # [G, U, 8, w] -> row r's w bytes side by side
+    if t.block_size == 32:
+        fields = _FIELDS32[ggml_type]
+        parts = [half(b[..., i : i + w]) for i, w in fields[:-1]]
+        parts.append(_interleave(b[..., fields[-1][0] :], 4))
+    elif ggml_type == "Q3_K":
+        scale = (_q3k_scales(b[..., 96:108]) - 32).astype(jnp.uint8)  # int8 bytes
+        parts = [
+            half(b[..., 108:110]),
+            _interleave(scale, 2),
+            _interleave(b[..., 32:96], 4),
+            _interleave(b[..., 0:32], 4),
+        ]
+    elif ggml_type in ("Q4_K", "Q5_K"):
         sc, m = _q4k_scales(b[..., 4:16])  # [G, U, 8 rows, 8 sub-blocks]
+        qs = 48 if ggml_type == "Q5_K" else 16
         parts = [
             half(b[..., 0:2]),
             half(b[..., 2:4]),
             sc.transpose(0, 1, 3, 2).reshape(g, units, -1),
             _interleave(m, 2),
-            _interleave(b[..., 16:144], 4),
+            _interleave(b[..., qs : qs + 128], 4),
         ]
+        if ggml_type == "Q5_K":  # its qh after Q4_K's tile
+            parts.append(_interleave(b[..., 16:48], 4))
     else:
         parts = [
             half(b[..., 208:210]),
@@ -153,19 +205,40 @@ def gguf_tile(rows: jax.Array, ggml_type: str) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def gguf_untile(tiles: jax.Array, ggml_type: str, k: int) -> jax.Array:
     """`gguf_tile`'s inverse: the block rows ``uint8 [N, row_bytes]``, byte for byte."""
-    units = k // 256
+    units = k // block_type(ggml_type).block_size
     g = tiles.shape[0]
     a = tiles.reshape(g, units, TILE_BYTES[ggml_type])
     two = lambda x: x.reshape(g, units, TILE_ROWS, 2)
-    if ggml_type == "Q4_K":
+    if ggml_type in _FIELDS32:
+        # The tile holds the block's fields in their order, each 8 times as wide.
+        fields, parts = _FIELDS32[ggml_type], []
+        for i, w in fields[:-1]:
+            field = a[..., TILE_ROWS * i : TILE_ROWS * (i + w)]
+            parts.append(field.reshape(g, units, TILE_ROWS, w))
+        parts.append(_deinterleave(a[..., TILE_ROWS * fields[-1][0] :], 4, 16))
+        b = jnp.concatenate(parts, axis=-1)
+    elif ggml_type == "Q3_K":
+        scale = (_deinterleave(a[..., 16:144], 2, 16) + 32) & 63
+        b = jnp.concatenate(
+            [
+                _deinterleave(a[..., 656:], 4, 32),
+                _deinterleave(a[..., 144:656], 4, 64),
+                _q3k_pack(scale),
+                two(a[..., 0:16]),
+            ],
+            axis=-1,
+        )
+    elif ggml_type in ("Q4_K", "Q5_K"):
         sc = a[..., 32:96].reshape(g, units, 8, TILE_ROWS).transpose(0, 1, 3, 2)
         m = _deinterleave(a[..., 96:160], 2, 8)
+        qh = [_deinterleave(a[..., 1184:], 4, 32)] if ggml_type == "Q5_K" else []
         b = jnp.concatenate(
             [
                 two(a[..., 0:16]),
                 two(a[..., 16:32]),
                 _q4k_pack(sc, m),
-                _deinterleave(a[..., 160:], 4, 128),
+                *qh,
+                _deinterleave(a[..., 160:1184], 4, 128),
             ],
             axis=-1,
         )

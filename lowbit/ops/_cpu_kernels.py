@@ -295,9 +295,9 @@ def prepare_layout(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
 def gguf_rows(q: QArray, route: KernelRoute, *, tile: bool = False) -> kernels.PreparedWeight:
     """A GGUF block weight as its kernel reads it: the block rows ``uint8 [N, row_bytes]``
     (the codes themselves when stored ``[N, K]``, a transposed copy of them when ``[K, N]``),
-    or with `tile` (a weight laid out once) the tiles of 8 rows of a Q4_K / Q6_K weight
-    (`kernels.gguf_tile`: the same bytes reordered, which its kernels read about twice as
-    fast at one decode row)."""
+    or with `tile` (a weight laid out once) the tiles of 8 rows of a weight whose type has
+    them (`kernels.gguf_tileable`; `kernels.gguf_tile`: the same bytes reordered, which its
+    kernels read about twice as fast on int8 activations)."""
     axis = 1 if route.transposed else 0
     k, n = q.shape[axis], q.shape[1 - axis]
     rows = q.codes if axis == 1 else q.codes.T

@@ -409,7 +409,7 @@ def _logical(p: PreparedQArray) -> QArray:
     return _assemble(p, kernels.prepared_to_logical(p.weight))
 
 
-# Laid out once: Q4_K / Q6_K weights as tiles, the other types as their block rows.
+# Laid out once: the types with tiles (`kernels.gguf_tileable`) as tiles, the others as rows.
 _gguf_layout = jax.jit(functools.partial(gguf_rows, tile=True), static_argnums=1)
 
 

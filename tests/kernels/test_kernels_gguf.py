@@ -1,6 +1,6 @@
 """GGUF block-row kernels: dequantization bit-identical to llama.cpp's, products in both
-arithmetics on every CPU path, Q4_K / Q6_K tiles the same bytes reordered and the same
-products, bad input refused."""
+arithmetics on every CPU path, tiles (Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K) the same bytes
+reordered and the same products, bad input refused."""
 
 import gguf
 import jax
@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from lowbit import kernels
+from lowbit.gguf import block_type
 from lowbit.gguf import decode as gguf_decode
 from lowbit.gguf import encode as gguf_encode
+from lowbit.kernels._gguf import TILE_BYTES
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.status())
 
@@ -40,7 +42,7 @@ def isa(request):
 
 _dequantize = jax.jit(kernels.gguf_dequantize, static_argnums=(1, 2))
 _linear = jax.jit(kernels.gguf_linear, static_argnames=("ggml_type", "int8_activations", "tiled"))
-TILED_TYPES = ("Q4_K", "Q6_K")
+TILED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
@@ -77,11 +79,12 @@ def test_products_in_both_arithmetics(ggml_type, isa):
 def test_tiles_are_the_block_rows_reordered(ggml_type):
     # Any bytes at all (scale fields with every 6-bit pattern, NaN halves): tiles are a
     # permutation of them, read back byte for byte.
-    n, k = 24, 512
-    row_bytes = k // 256 * (144 if ggml_type == "Q4_K" else 210)
-    rows = np.random.default_rng(5).integers(0, 256, (n, row_bytes), dtype=np.uint8)
+    n, k = 24, _k(ggml_type)
+    t = block_type(ggml_type)
+    rows = np.random.default_rng(5).integers(0, 256, (n, k // t.block_size * t.type_size), np.uint8)
     tiles = kernels.gguf_tile(jnp.asarray(rows), ggml_type)
-    assert tiles.shape == (n // 8, k // 256 * (1184 if ggml_type == "Q4_K" else 1680))
+    assert tiles.shape == (n // 8, k // t.block_size * TILE_BYTES[ggml_type])
+    assert tiles.size == rows.size or ggml_type in ("Q3_K", "Q4_K", "Q5_K")  # scales spelled out
     back = kernels.gguf_untile(tiles, ggml_type, k)
     assert np.asarray(back).tobytes() == rows.tobytes()
 
@@ -91,7 +94,7 @@ def test_tiled_products_are_the_rows_products(ggml_type, isa):
     """The tile kernels (int8 activations, 1-8 activation rows at a time) and the paths that
     read tiles back a group at a time (float activations, the portable path, dequantization)
     give the block rows' results, within float summation order."""
-    k, n = 512, 40
+    k, n = _k(ggml_type), 40
     rows = jnp.asarray(_rows(ggml_type, n, k, seed=6))
     tiles = kernels.gguf_tile(rows, ggml_type)
     got = np.asarray(_dequantize_tiled(tiles, ggml_type, k))
@@ -153,7 +156,7 @@ def test_bad_input_is_refused_by_name():
         kernels.gguf_linear(jnp.ones((1, 256)), rows, "TQ1_0")
     with pytest.raises(ValueError, match="whole number"):
         kernels.gguf_dequantize(rows, "Q4_K", 300)
-    with pytest.raises(ValueError, match=r"tiled Q5_0 weight must be"):
-        kernels.gguf_linear(jnp.ones((1, 256)), rows, "Q5_0", tiled=True)
+    with pytest.raises(ValueError, match=r"tiled Q8_0 weight must be"):
+        kernels.gguf_linear(jnp.ones((1, 256)), rows, "Q8_0", tiled=True)
     with pytest.raises(ValueError, match="no tiled layout"):
         kernels.gguf_tile(rows[:4], "Q4_K")

@@ -1,6 +1,6 @@
-"""GGUF block weights on their own type's CPU kernel: prepared once (block rows, Q4_K / Q6_K
-as tiles of 8 rows), exact back to the logical QArray, rows gathered from the layout, decode
-and prefill sizes, both arithmetics, and a per-call layout counted."""
+"""GGUF block weights on their own type's CPU kernel: prepared once (block rows, the types
+with tiles as tiles of 8 rows), exact back to the logical QArray, rows gathered from the
+layout, decode and prefill sizes, both arithmetics, and a per-call layout counted."""
 
 import jax
 import jax.numpy as jnp
@@ -36,10 +36,15 @@ def test_gguf_weights_run_their_own_kernel(fmt, axis):
     fn = (lambda p, x: x @ p) if axis == 0 else (lambda p, x: x @ p.T)
     prepared = prepare_weight(q, axis)
     assert isinstance(prepared, PreparedQArray) and prepared.route.kind == fmt
-    # the block rows, nothing beside them (Q4_K / Q6_K: as tiles of 8 rows)
-    tiled = fmt in ("q4_k", "q6_k")
+    # the block rows, nothing beside them (types with tiles: as tiles of 8 rows)
+    tiled = fmt in ("q5_0", "q5_1", "q3_k", "q4_k", "q5_k", "q6_k")
     assert kernels.is_tiled(prepared.weight.data, 256) == tiled
-    assert prepared.resident_nbytes == q.codes.size * (1184 / 1152 if fmt == "q4_k" else 1)
+    spelled_out = {
+        "q3_k": 912 / 880,
+        "q4_k": 1184 / 1152,
+        "q5_k": 1440 / 1408,
+    }  # tiles with their scales as bytes
+    assert prepared.resident_nbytes == q.codes.size * spelled_out.get(fmt, 1)
     back = prepared.logical()
     assert np.asarray(back.codes).tobytes() == np.asarray(q.codes).tobytes()
     dense = np.asarray(q.dequantize())

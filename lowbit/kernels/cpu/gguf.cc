@@ -816,13 +816,215 @@ void TilesQ6K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t
   }
 }
 
+// Q5_K: Q4_K's tile product with the fifth bit of each code from the tile's qh; 5-bit codes
+// sum in int16 over 4 chunks at a time (at most 4 * 2 * 31 * 127 = 31496), not 8.
+template <int M>
+void TilesQ5K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  constexpr int tb = TileBytes(kQ5_K);
+  const int64_t units = w.k / kUnit, kp = acts.kp;
+  const __m256i m15 = _mm256_set1_epi8(15), s16 = _mm256_set1_epi8(16);
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < units; ++u) {
+      const uint8_t* t = w.data + g * w.row_bytes + u * tb;
+      PrefetchTile<tb>(t + 2 * tb);
+      __m256i isum[M], imin[M];
+      for (int r = 0; r < M; ++r) isum[r] = imin[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * j)));
+        const __m256i b1 = _mm256_set1_epi8(static_cast<char>(1 << (2 * j + 1)));
+        __m256i slo[2][M], shi[2][M];
+        for (int h = 0; h < 2; ++h)
+          for (int r = 0; r < M; ++r) slo[h][r] = shi[h][r] = _mm256_setzero_si256();
+        const uint8_t* qs = t + 160 + 256 * j;
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) {
+          const __m256i v = Load32(qs + 32 * c);
+          const __m256i qh = Load32(t + 1184 + 32 * c);
+          const __m256i lo = _mm256_or_si256(
+              _mm256_and_si256(v, m15), _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), s16));
+          const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m15),
+                                             _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), s16));
+#pragma GCC unroll 8
+          for (int r = 0; r < M; ++r) {
+            const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 64 * j + 4 * c;
+            slo[c / 4][r] = _mm256_add_epi16(slo[c / 4][r], _mm256_maddubs_epi16(lo, Bcast4(a)));
+            shi[c / 4][r] = _mm256_add_epi16(shi[c / 4][r], _mm256_maddubs_epi16(hi, Bcast4(a + 32)));
+          }
+        }
+        __m256i sl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * j)));
+        __m256i sh = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 40 + 16 * j)));
+        sl = _mm256_or_si256(sl, _mm256_slli_epi32(sl, 16));
+        sh = _mm256_or_si256(sh, _mm256_slli_epi32(sh, 16));
+        for (int r = 0; r < M; ++r) {
+          const __m256i l = _mm256_add_epi32(_mm256_madd_epi16(slo[0][r], sl), _mm256_madd_epi16(slo[1][r], sl));
+          const __m256i h = _mm256_add_epi32(_mm256_madd_epi16(shi[0][r], sh), _mm256_madd_epi16(shi[1][r], sh));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(l, h));
+        }
+      }
+      for (int p = 0; p < 4; ++p) {
+        const __m256i mv =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 96 + 16 * p)));
+        for (int r = 0; r < M; ++r) {
+          const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16 + 4 * p;
+          imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(mv, Pair16(bs[0] + bs[1], bs[2] + bs[3])));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+      const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16)));
+      for (int r = 0; r < M; ++r) {
+        const __m256 da = _mm256_set1_ps(acts.da[(r0 + r) * units + u]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, da), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[r]), _mm256_mul_ps(dm, da), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) _mm256_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
+  }
+}
+
+// Q3_K: each 4-byte chunk's 2-bit codes with their hmask bit as unsigned bytes 0..7 (the
+// code plus 4), multiplied by maddubs with one broadcast activation word and summed in int16
+// per sub-block of 16 (at most 4 * 2 * 7 * 127 = 7112), then one madd with the 8 rows'
+// scales; the + 4 comes off as 4 * sum_s scale_s * sum(a over s), as in Q6_K's tiles.
+template <int M>
+void TilesQ3K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  constexpr int tb = TileBytes(kQ3_K);
+  const int64_t units = w.k / kUnit, kp = acts.kp;
+  const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+  const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+  const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < units; ++u) {
+      const uint8_t* t = w.data + g * w.row_bytes + u * tb;
+      PrefetchTile<tb>(t + 2 * tb);
+      const uint8_t* qs = t + 144;
+      const uint8_t* hm = t + 656;
+      __m256i isum[M], corr[M];
+      for (int r = 0; r < M; ++r) isum[r] = corr[r] = _mm256_setzero_si256();
+      for (int p = 0; p < 8; ++p) {  // sub-blocks 2p, 2p + 1: h = p / 4, j = p % 4
+        const int h = p / 4, j = p % 4;
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 + 16 * p)));
+        const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (4 * h + j)));
+        __m256i s[2][M];
+        for (int half = 0; half < 2; ++half)
+          for (int r = 0; r < M; ++r) s[half][r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) {  // elements 128h + 32j + 4c .. + 3 of the 8 rows
+          const __m256i q = _mm256_and_si256(_mm256_srli_epi16(Load32(qs + 32 * (8 * h + c)), 2 * j), m3);
+          const __m256i hb = _mm256_cmpeq_epi8(_mm256_and_si256(Load32(hm + 32 * c), bit), bit);
+          const __m256i v = _mm256_or_si256(q, _mm256_and_si256(hb, four));
+#pragma GCC unroll 8
+          for (int r = 0; r < M; ++r) {
+            const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 128 * h + 32 * j + 4 * c;
+            s[c / 4][r] = _mm256_add_epi16(s[c / 4][r], _mm256_maddubs_epi16(v, Bcast4(a)));
+          }
+        }
+        const __m256i lo = _mm256_shuffle_epi8(sc16, even), hi = _mm256_shuffle_epi8(sc16, odd);
+        for (int r = 0; r < M; ++r) {
+          const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16 + 2 * p;
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(s[0][r], lo),
+                                                               _mm256_madd_epi16(s[1][r], hi)));
+          corr[r] = _mm256_add_epi32(corr[r], _mm256_madd_epi16(sc16, Pair16(bs[0], bs[1])));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+      for (int r = 0; r < M; ++r) {
+        const __m256 da = _mm256_set1_ps(acts.da[(r0 + r) * units + u]);
+        const __m256i dot = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(corr[r], 2));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, da), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) _mm256_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
+  }
+}
+
+// 32-element types (Q4_0, Q4_1, Q5_0, Q5_1): a tile's codes as unsigned bytes in 8 registers
+// (nibbles, with the fifth bit of Q5_0 / Q5_1 picked from each row's 32-bit qh), multiplied
+// by maddubs with one broadcast activation word; the offset of Q4_0 / Q5_0 (8 / 16) comes off
+// as that many times the activation block's integer sum, the minimum of Q4_1 / Q5_1 as
+// m * da * sum(a), as in the row kernel.
+// pshufb control: byte `byte` of each 32-bit lane copied to the lane's four bytes.
+inline __m256i LanePick(int byte) {
+  const int64_t b = static_cast<int64_t>(byte) * 0x0101010101010101;
+  return _mm256_set_epi64x(b + 0x0c0c0c0c08080808, b + 0x0404040400000000,
+                           b + 0x0c0c0c0c08080808, b + 0x0404040400000000);
+}
+
+template <int type, int M>
+void Tiles32(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  constexpr int tb = TileBytes(type);
+  constexpr bool has_min = kTypes[type].has_min;
+  constexpr bool five = type == kQ5_0 || type == kQ5_1;
+  constexpr int offset = type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : 0;
+  const int64_t blocks = w.k / 32, kp = acts.kp;
+  const __m256i m15 = _mm256_set1_epi8(15), s16 = _mm256_set1_epi8(16);
+  const __m256i ones = _mm256_set1_epi16(1);
+  // Element 4c + i (i < 4) of a row is bit 4c + i of its qh: byte c / 2 (16 + 4c + i: byte
+  // 2 + c / 2) copied to the four bytes of the row's lane, then tested with its bit mask.
+  const __m256i sel[4] = {LanePick(0), LanePick(1), LanePick(2), LanePick(3)};
+  const __m256i bit[2] = {_mm256_set1_epi32(0x08040201), _mm256_set1_epi32(static_cast<int>(0x80402010u))};
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    const uint8_t* t = w.data + g * w.row_bytes;
+    for (int64_t j = 0; j < blocks; ++j, t += tb) {
+      _mm_prefetch(reinterpret_cast<const char*>(t) + 8 * tb, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(t) + 8 * tb + 64, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(t) + 8 * tb + 128, _MM_HINT_T0);
+      __m256i u[8];  // u[c]: elements 4c.. of the 8 rows; u[4 + c]: elements 16 + 4c..
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = Load32(t + TileNibbles(type) + 32 * c);
+        u[c] = _mm256_and_si256(v, m15);
+        u[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+        if constexpr (five) {
+          const __m256i qh = Load32(t + TileHighBits(type));
+          const __m256i b = bit[c % 2];
+          const __m256i lo = _mm256_and_si256(_mm256_shuffle_epi8(qh, sel[c / 2]), b);
+          const __m256i hi = _mm256_and_si256(_mm256_shuffle_epi8(qh, sel[2 + c / 2]), b);
+          u[c] = _mm256_or_si256(u[c], _mm256_and_si256(_mm256_cmpeq_epi8(lo, b), s16));
+          u[4 + c] = _mm256_or_si256(u[4 + c], _mm256_and_si256(_mm256_cmpeq_epi8(hi, b), s16));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+#pragma GCC unroll 8
+      for (int r = 0; r < M; ++r) {
+        const int8_t* a = acts.a.data() + (r0 + r) * kp + 32 * j;
+        __m256i slo = _mm256_maddubs_epi16(u[0], Bcast4(a));
+        __m256i shi = _mm256_maddubs_epi16(u[4], Bcast4(a + 16));
+        for (int c = 1; c < 4; ++c) {  // at most 4 * 2 * 31 * 127 = 31496: no int16 overflow
+          slo = _mm256_add_epi16(slo, _mm256_maddubs_epi16(u[c], Bcast4(a + 4 * c)));
+          shi = _mm256_add_epi16(shi, _mm256_maddubs_epi16(u[4 + c], Bcast4(a + 16 + 4 * c)));
+        }
+        __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(slo, ones), _mm256_madd_epi16(shi, ones));
+        const int64_t s = (r0 + r) * (kp / 16) + 2 * j;  // the block's two sums of 16
+        if constexpr (offset != 0)
+          dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(offset * (acts.bs[s] + acts.bs[s + 1])));
+        const __m256 da = _mm256_set1_ps(acts.da[(r0 + r) * (kp / 32) + j]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, da), acc[r]);
+        if constexpr (has_min) {
+          const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16)));
+          acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(acts.sums[s] + acts.sums[s + 1]), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < M; ++r) _mm256_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
+  }
+}
+
 // Groups g0..g1 of a tiled weight on int8 activations, activation rows 8 at a time.
 template <int type>
 void Tiles(const Weight& w, const Acts& acts, int64_t g0, int64_t g1, float* out) {
   constexpr auto fn = [](auto m) {
     constexpr int M = decltype(m)::value;
     if constexpr (type == kQ4_K) return &TilesQ4K<M>;
-    else return &TilesQ6K<M>;
+    else if constexpr (type == kQ6_K) return &TilesQ6K<M>;
+    else if constexpr (type == kQ3_K) return &TilesQ3K<M>;
+    else if constexpr (type == kQ5_K) return &TilesQ5K<M>;
+    else return &Tiles32<type, M>;
   };
   int64_t r = 0;
   for (; r + 8 <= acts.m; r += 8) fn(std::integral_constant<int, 8>{})(w, acts, r, g0, g1, out);
@@ -902,9 +1104,8 @@ ffi::Error CheckWeight(const ffi::Buffer<ffi::U8>& data, int64_t type, int64_t k
   if (tiled) {
     const int tb = TileBytes(static_cast<int>(type));
     if (tb == 0) return Invalid("GGUF type id " + std::to_string(type) + " has no tiled layout");
-    if (k % kUnit != 0 || n % kTileRows != 0)
-      return Invalid("a tiled weight needs K a multiple of 256 and N of 8");
-    const int64_t group_bytes = k / kUnit * tb;
+    if (n % kTileRows != 0) return Invalid("a tiled weight needs N a multiple of 8");
+    const int64_t group_bytes = k / t.block * tb;
     if (d.size() != 2 || d[0] != n / kTileRows || d[1] != group_bytes)
       return Invalid("tiled GGUF weight must be [N / 8, " + std::to_string(group_bytes) + "] bytes");
     *w = Weight{static_cast<int>(type), k, n, group_bytes, data.typed_data(), true};
@@ -925,7 +1126,7 @@ void OverUntiledGroups(const Weight& w, int64_t g0, int64_t g1, F&& f) {
   const int64_t row_bytes = w.k / kTypes[w.type].block * kTypes[w.type].bytes;
   std::vector<uint8_t> rows(kTileRows * row_bytes);
   for (int64_t g = g0; g < g1; ++g) {
-    UntileGroup(w.type, w.data + g * w.row_bytes, w.k / kUnit, rows.data());
+    UntileGroup(w.type, w.data + g * w.row_bytes, w.k / kTypes[w.type].block, rows.data());
     f(g, Weight{w.type, w.k, kTileRows, row_bytes, rows.data()});
   }
 }
@@ -971,7 +1172,16 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U
     bool done = false;
 #if defined(__x86_64__)
     if (UseAvx2() && acts.q8) {  // the tile kernels
-      const auto tiles = type == kQ4_K ? avx2::Tiles<kQ4_K> : avx2::Tiles<kQ6_K>;
+      using TilesFn = void (*)(const Weight&, const Acts&, int64_t, int64_t, float*);
+      static const std::array<TilesFn, kNumTypes> table = [] {
+        std::array<TilesFn, kNumTypes> t{};
+        t[kQ4_0] = avx2::Tiles<kQ4_0>, t[kQ4_1] = avx2::Tiles<kQ4_1>;
+        t[kQ5_0] = avx2::Tiles<kQ5_0>, t[kQ5_1] = avx2::Tiles<kQ5_1>;
+        t[kQ3_K] = avx2::Tiles<kQ3_K>, t[kQ4_K] = avx2::Tiles<kQ4_K>;
+        t[kQ5_K] = avx2::Tiles<kQ5_K>, t[kQ6_K] = avx2::Tiles<kQ6_K>;
+        return t;
+      }();
+      const TilesFn tiles = table[type];
       OverRows(pool, groups, m * k * n,
                [&](int64_t g0, int64_t g1) { tiles(w, acts, g0, g1, out); });
       done = true;

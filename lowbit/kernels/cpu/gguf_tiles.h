@@ -8,8 +8,9 @@
 // the blocks (only reordered, the 6-bit Q4_K scales spelled out as bytes), so `UntileGroup`
 // gives the file's blocks back byte for byte.
 //
-// A tiled weight is uint8 [N / 8, units * TileBytes(type)]: group g holds rows 8g..8g+7, its
-// tiles in unit order. One tile (one 256-element unit of 8 rows), row r of the group:
+// A tiled weight is uint8 [N / 8, blocks * TileBytes(type)]: group g holds rows 8g..8g+7, its
+// tiles in block order. One tile (one block of 8 rows: 256 elements of a K-quant, 32 of the
+// 32-element types), row r of the group:
 //
 //   Q4_K (1184 bytes, 32 more than 8 blocks):
 //     [0, 16)      d[r]                      fp16
@@ -17,11 +18,26 @@
 //     [32, 96)     scale[s][r]               u8, sub-block s < 8 (32 elements each)
 //     [96, 160)    min[p][r][t]              u8, the minimum of sub-block 2p + t
 //     [160, 1184)  qs[c][r][0..3]            block bytes qs[4c .. 4c + 3], c < 32
+//   Q5_K (1440 bytes): Q4_K's tile (its qs the block's bytes 48..175), then
+//     [1184, 1440) qh[c][r][0..3]            block bytes qh[4c .. 4c + 3], c < 8
 //   Q6_K (1680 bytes, the same as 8 blocks):
 //     [0, 16)      d[r]                      fp16
 //     [16, 144)    scale[p][r][t]            i8, the scale of sub-block 2p + t (16 elements)
 //     [144, 1168)  ql[c][r][0..3]            block bytes ql[4c .. 4c + 3], c < 32
 //     [1168, 1680) qh[c][r][0..3]            block bytes qh[4c .. 4c + 3], c < 16
+//   Q3_K (912 bytes, 32 more than 8 blocks):
+//     [0, 16)      d[r]                      fp16
+//     [16, 144)    scale[p][r][t]            i8, the scale of sub-block 2p + t (16 elements)
+//                                            less 32 (the 6-bit scales spelled out)
+//     [144, 656)   qs[c][r][0..3]            block bytes qs[4c .. 4c + 3], c < 16
+//     [656, 912)   hmask[c][r][0..3]         block bytes hmask[4c .. 4c + 3], c < 8
+//   Q4_0 (144), Q4_1 (160), Q5_0 (176), Q5_1 (192 bytes: the same as 8 blocks):
+//     [0, 16)      d[r]                      fp16
+//     [16, 32)     m[r]                      fp16 (Q4_1, Q5_1 only; the fields below move up
+//                                            16 bytes in Q4_0 / Q5_0)
+//     [32, 64)     qh[r]                     u32, the 32 high bits (Q5_0, Q5_1 only)
+//     [64, 192)    qs[c][r][0..3]            block bytes qs[4c .. 4c + 3], c < 4: low nibbles
+//                                            elements 4c.., high nibbles 16 + 4c..
 //
 // `lowbit/kernels/_gguf.py` (`gguf_tile`, `gguf_untile`) builds and reads the same layout.
 #ifndef LOWBIT_KERNELS_CPU_GGUF_TILES_H_
@@ -39,12 +55,43 @@ inline constexpr int kTileRows = 8;
 
 // Bytes of one tile of `type`, or 0 when the type has no tiled layout.
 inline constexpr int TileBytes(int type) {
-  return type == kQ4_K ? 1184 : type == kQ6_K ? 1680 : 0;
+  switch (type) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: return kTileRows * kTypes[type].bytes;
+    case kQ3_K: return 912;
+    case kQ4_K: return 1184;
+    case kQ5_K: return 1440;
+    case kQ6_K: return 1680;
+    default: return 0;
+  }
+}
+
+// 32-element tiles: where the high bits (Q5_0 / Q5_1) and the nibbles start.
+inline constexpr int TileHighBits(int type) { return kTypes[type].has_min ? 32 : 16; }
+inline constexpr int TileNibbles(int type) {
+  return TileHighBits(type) + ((type == kQ5_0 || type == kQ5_1) ? 32 : 0);
 }
 
 // Row r's block of one tile, in the file's block layout (kTypes[type].bytes bytes).
 inline void UntileBlock(int type, const uint8_t* tile, int r, uint8_t* b) {
-  if (type == kQ4_K) {
+  if (kTypes[type].block == 32) {  // d, [m], [qh], qs: the block's own field order
+    int at = 0;
+    std::memcpy(b, tile + 2 * r, 2), at = 2;
+    if (kTypes[type].has_min) std::memcpy(b + at, tile + 16 + 2 * r, 2), at += 2;
+    if (TileNibbles(type) != TileHighBits(type))
+      std::memcpy(b + at, tile + TileHighBits(type) + 4 * r, 4), at += 4;
+    for (int c = 0; c < 4; ++c) std::memcpy(b + at + 4 * c, tile + TileNibbles(type) + 32 * c + 4 * r, 4);
+  } else if (type == kQ3_K) {
+    for (int c = 0; c < 8; ++c) std::memcpy(b + 4 * c, tile + 656 + 32 * c + 4 * r, 4);
+    for (int c = 0; c < 16; ++c) std::memcpy(b + 32 + 4 * c, tile + 144 + 32 * c + 4 * r, 4);
+    int sc[16];
+    for (int s = 0; s < 16; ++s) sc[s] = (static_cast<int8_t>(tile[16 + 16 * (s / 2) + 2 * r + s % 2]) + 32) & 63;
+    uint8_t* k = b + 96;  // the 12 packed bytes (Q3Scales read backwards)
+    for (int i = 0; i < 8; ++i) k[i] = static_cast<uint8_t>((sc[i] & 15) | ((sc[i + 8] & 15) << 4));
+    for (int j = 0; j < 4; ++j)
+      k[8 + j] = static_cast<uint8_t>((sc[j] >> 4) | ((sc[j + 4] >> 4) << 2) | ((sc[j + 8] >> 4) << 4) |
+                                      ((sc[j + 12] >> 4) << 6));
+    std::memcpy(b + 108, tile + 2 * r, 2);
+  } else if (type == kQ4_K || type == kQ5_K) {
     std::memcpy(b, tile + 2 * r, 2);
     std::memcpy(b + 2, tile + 16 + 2 * r, 2);
     int sc[8], m[8];
@@ -58,7 +105,12 @@ inline void UntileBlock(int type, const uint8_t* tile, int r, uint8_t* b) {
       k[j + 4] = static_cast<uint8_t>((m[j] & 63) | ((m[j + 4] >> 4) << 6));
       k[j + 8] = static_cast<uint8_t>((sc[j + 4] & 15) | ((m[j + 4] & 15) << 4));
     }
-    for (int c = 0; c < 32; ++c) std::memcpy(b + 16 + 4 * c, tile + 160 + 32 * c + 4 * r, 4);
+    uint8_t* qs = b + 16;
+    if (type == kQ5_K) {
+      for (int c = 0; c < 8; ++c) std::memcpy(b + 16 + 4 * c, tile + 1184 + 32 * c + 4 * r, 4);
+      qs = b + 48;
+    }
+    for (int c = 0; c < 32; ++c) std::memcpy(qs + 4 * c, tile + 160 + 32 * c + 4 * r, 4);
   } else {  // kQ6_K
     for (int c = 0; c < 32; ++c) std::memcpy(b + 4 * c, tile + 144 + 32 * c + 4 * r, 4);
     for (int c = 0; c < 16; ++c) std::memcpy(b + 128 + 4 * c, tile + 1168 + 32 * c + 4 * r, 4);
@@ -67,11 +119,11 @@ inline void UntileBlock(int type, const uint8_t* tile, int r, uint8_t* b) {
   }
 }
 
-// The 8 block rows (8 x row_bytes) of group `tiles` (units tiles of `type`).
-inline void UntileGroup(int type, const uint8_t* tiles, int64_t units, uint8_t* rows) {
+// The 8 block rows (8 x row_bytes) of group `tiles` (`blocks` tiles of `type`).
+inline void UntileGroup(int type, const uint8_t* tiles, int64_t blocks, uint8_t* rows) {
   const int tb = TileBytes(type), bb = kTypes[type].bytes;
-  const int64_t row_bytes = units * bb;
-  for (int64_t u = 0; u < units; ++u)
+  const int64_t row_bytes = blocks * bb;
+  for (int64_t u = 0; u < blocks; ++u)
     for (int r = 0; r < kTileRows; ++r)
       UntileBlock(type, tiles + u * tb, r, rows + r * row_bytes + u * bb);
 }
