@@ -19,12 +19,14 @@ for one pass is prefilled in chunks (`prefill_chunk`) into a ``T``-slot cache, b
 steps of the others (the same tokens up to float rounding: the chunks' products differ in
 shape, and a quantized cache takes its key offset from the first chunk).
 
-While fewer rows are busy than there are slots, `decode_rows` decodes only the busy ones: it
-gathers them (every leaf of the cache with a row axis, and the rows' states) into a cache of a
-bucketed ``b`` rows, runs `decode` on it, and writes back only the slots that call wrote. Free
-rows need no step: they see nothing, and a new prompt's `insert` writes every slot its row
-will read. `verify` feeds some rows several tokens at once (speculative decoding's check,
-`lowbit.server._speculate`) through the same gather.
+While fewer rows are busy than there are slots, `decode_rows` decodes only the busy ones
+(padded to a bucketed ``b`` rows): the cache is handed to `decode` with those rows
+(`KVCache.rows`), which its writes and its attention index in place, so no cache row is copied
+and a step costs about ``b / B`` of the dense one at any cache length. Free rows need no step:
+they see nothing, and a new prompt's `insert` writes every slot its row will read. `verify`
+feeds some rows several tokens at once (speculative decoding's check,
+`lowbit.server._speculate`): it gathers them into a cache of ``b`` rows and writes back only
+the slots it wrote.
 
 When the clock reaches ``T``, `shift` slides the whole cache left by the first row's start (one
 program for any offset); positions are slot minus start, so nothing else changes.
@@ -183,14 +185,15 @@ def decode_rows(
     index: jax.Array,
 ) -> tuple[Decoded, KVCache]:
     """`decode` of the rows ``index [b]`` only (distinct row numbers, ``b <= B``): the same
-    tokens for them, at about ``b / B`` of the dense work. The other rows are not run: their
-    tokens come back -1 and their cache slots and counts unchanged. Arguments and results are
-    `decode`'s, every one of ``B`` rows."""
+    tokens for them, at about ``b / B`` of the dense work, reading and writing their cache
+    rows in place (`KVCache.rows`). The other rows are not run: their tokens come back -1 and
+    their cache slots and counts unchanged. Arguments and results are `decode`'s, every one
+    of ``B`` rows."""
     pick = functools.partial(_gather, index=index)
-    decoded, small = decode(
+    decoded, cache = decode(
         graphdef,
         params,
-        _take_rows(cache, index),
+        dataclasses.replace(cache, rows=index),
         pick(token),
         jax.tree.map(pick, rows),
         pick(counts),
@@ -198,7 +201,7 @@ def decode_rows(
     )
     tokens = _scatter(jnp.full((cache.batch, MAX_STEPS), -1, jnp.int32), index, decoded.tokens)
     counts = _scatter(counts, index, decoded.counts)
-    return Decoded(tokens, counts, None), _put_rows(cache, small, index, MAX_STEPS)
+    return Decoded(tokens, counts, None), dataclasses.replace(cache, rows=None)
 
 
 def verify(

@@ -566,7 +566,7 @@ class Scheduler:
         with example arguments. A turn runs one only once it is compiled
         (`ProgramRegistry.ready`), else the full decode."""
         slots, out = self.config.slots, []
-        for b in programs.row_buckets(slots) if self._copies_pay() else []:
+        for b in programs.row_buckets(slots):
             out.append(("decode_rows", b, self._decode_args(1, np.arange(b, dtype=np.int32))))
         if self.config.speculate is not None:
             k = self.config.speculate_tokens
@@ -574,14 +574,6 @@ class Scheduler:
                 index = np.arange(b, dtype=np.int32)
                 out.append(("verify", b, self._verify_args(np.zeros((b, k + 1), np.int32), index)))
         return out
-
-    def _copies_pay(self) -> bool:
-        """Whether decoding the busy rows alone pays for copying their cache rows: each step
-        copies a whole row of ``max_len`` slots, which costs about what it saves once a row's
-        cache takes a quarter of the weights' bytes (SmolLM2 Q4_1 on 2 EPYC cores, measured
-        2026-11-29: faster at 512 slots, slower at 1024)."""
-        weights = sum(getattr(a, "nbytes", 0) for a in jax.tree.leaves(self.params))
-        return 4 * self.cache.nbytes() // self.config.slots <= weights
 
     def _program(self, name: str, width: int, args: tuple) -> StoredProgram:
         """The compiled program `name` for arguments shaped like `args` (`width` tells its
