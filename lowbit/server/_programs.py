@@ -11,10 +11,11 @@ Every program here is a plain function (the model's ones take its graph definiti
 the scheduler compiles each once per shape (`lowbit.api.compile_stored`, which keeps the
 traced form for the next start), donating the cache it is given.
 
-A prompt is prefilled alone, as `lowbit.generate` prefills a batch of one (left-padded to a
+A prompt is prefilled as `lowbit.generate` prefills a batch of one (left-padded to a
 bucketed width ``W``, in a cache of the widest one-pass width's slots, whose slots past ``W``
-stay empty and unseen), then copied into its row (`insert`, one program for every ``W``). So a slot
-computes what ``generate_tokens([prompt], key=seed)`` computes, bit for bit. A prompt too long
+stay empty and unseen), alone or in a batch of prompts of the same width
+(`lowbit.server._batch_prefill`), then copied into its row (`insert`, one program for every
+``W``). So a slot computes what ``generate_tokens([prompt], key=seed)`` computes. A prompt too long
 for one pass is prefilled in chunks (`prefill_chunk`) into a ``T``-slot cache, between decode
 steps of the others (the same tokens up to float rounding: the chunks' products differ in
 shape, and a quantized cache takes its key offset from the first chunk).
@@ -233,9 +234,10 @@ def prefill(
     cache: KVCache,
     rows: RowSampling,
 ) -> tuple[tuple[jax.Array, jax.Array], KVCache]:
-    """One left-padded prompt ``tokens [1, W]`` into an empty ``W``-slot `cache` (its ``start``
-    set to the padding); returns the first sampled token ``[1]`` with the logits it was
-    drawn from ``[1, V]`` (for its log-probabilities), and the cache."""
+    """Left-padded prompts ``tokens [b, W]`` (one, or a batch of one width:
+    `lowbit.server._batch_prefill`) into an empty cache of ``b`` rows (its ``start`` set to
+    the padding); returns each row's first sampled token ``[b]`` with the logits it was drawn
+    from ``[b, V]`` (for its log-probabilities), and the cache."""
     logits, cache = interpret(functools.partial(_forward, graphdef))(params, tokens, cache)
     return (_sample(logits[:, -1], rows), logits[:, -1]), cache
 
@@ -324,12 +326,14 @@ def insert(
     big: KVCache,
     small: KVCache,
     row: jax.Array,
+    source_row: jax.Array,
     source: jax.Array,
     length: jax.Array,
     start: jax.Array,
 ) -> KVCache:
-    """Copies `small`'s row 0 slots ``source .. source + length - 1`` into `big`'s row `row`,
-    ending just before `big`'s clock; `start` ``[B]`` is the new rows' starts."""
+    """Copies `small`'s row `source_row` slots ``source .. source + length - 1`` into `big`'s
+    row `row`, ending just before `big`'s clock; `start` ``[B]`` is the new rows' starts.
+    (`small` is a prefill's cache: one prompt's, or a batch's, `lowbit.server._batch_prefill`.)"""
     t = big.max_len
     end = big.length
     first = end - length
@@ -337,7 +341,7 @@ def insert(
     inside = (slot >= first) & (slot < end)
 
     def move(dst, src):
-        src = src[0]
+        src = jax.lax.dynamic_index_in_dim(src, source_row, 0, keepdims=False)
         if src.shape[1] < t:
             src = jnp.pad(src, ((0, 0), (0, t - src.shape[1]), (0, 0)))
         src = jnp.roll(src, first - source, axis=1)
@@ -346,7 +350,9 @@ def insert(
 
     arrays = jax.tree.map(move, _slot_arrays(big), _slot_arrays(small))
     offsets = tuple(
-        jax.lax.dynamic_update_index_in_dim(dst, src[0], row, 0)
+        jax.lax.dynamic_update_index_in_dim(
+            dst, jax.lax.dynamic_index_in_dim(src, source_row, 0, keepdims=False), row, 0
+        )
         for dst, src in zip(big.key_offsets, small.key_offsets, strict=True)
     )
     return _with_slot_arrays(big, arrays, key_offsets=offsets, start=start)
