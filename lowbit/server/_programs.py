@@ -365,18 +365,21 @@ def shift(cache: KVCache, by: jax.Array, start: jax.Array) -> KVCache:
     return _with_slot_arrays(cache, arrays, length=cache.length - by, start=start)
 
 
-def save(pool: KVCache, cache: KVCache, slot: jax.Array, block: jax.Array) -> KVCache:
-    """Copies `cache`'s row 0 slots ``slot .. slot + P - 1`` (and its key offsets) into pool
-    block `block`; the pool is a cache of one row of ``P`` slots per block."""
+def save(
+    pool: KVCache, cache: KVCache, slot: jax.Array, block: jax.Array, row: jax.Array
+) -> KVCache:
+    """Copies `cache`'s row `row` slots ``slot .. slot + P - 1`` (and its key offsets) into
+    pool block `block`; the pool is a cache of one row of ``P`` slots per block."""
     p = pool.max_len
+    pick = lambda a: jax.lax.dynamic_index_in_dim(a, row, 0, keepdims=False)  # noqa: E731
 
     def put(dst, src):
         src = jax.lax.dynamic_slice_in_dim(src, slot, p, axis=2)
-        return jax.lax.dynamic_update_index_in_dim(dst, src[0], block, 0)
+        return jax.lax.dynamic_update_index_in_dim(dst, pick(src), block, 0)
 
     arrays = jax.tree.map(put, _slot_arrays(pool), _slot_arrays(cache))
     offsets = tuple(
-        jax.lax.dynamic_update_index_in_dim(dst, src[0], block, 0)
+        jax.lax.dynamic_update_index_in_dim(dst, pick(src), block, 0)
         for dst, src in zip(pool.key_offsets, cache.key_offsets, strict=True)
     )
     return _with_slot_arrays(pool, arrays, key_offsets=offsets)

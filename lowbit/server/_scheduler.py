@@ -556,7 +556,7 @@ class Scheduler:
             register("load", t, (big, self.pool, zero, zero), at_start=False)
             for slots in sorted({self.prefill_widths[-1], t}):
                 src = big if slots == t else self._empty_cache(1, slots, abstract=True)
-                register("save", slots, (self.pool, src, zero, zero), at_start=False)
+                register("save", slots, (self.pool, src, zero, zero, zero), at_start=False)
         for spec in embed:
             register(*spec, at_start=False)
 
@@ -869,7 +869,7 @@ class Scheduler:
 
     def _batch_programs(self, dummy: Job) -> list[tuple[str, Any, tuple]]:
         """The batched prefills (each width of one chunk or less, each batch size) and their
-        copies into a row, with example arguments."""
+        copies into a row and into the prefix cache's pool, with example arguments."""
         out = []
         for rows in self.batch_sizes:
             for width in self.prefill_widths:
@@ -881,7 +881,10 @@ class Scheduler:
             _, tokens, cache, _ = self._batch_args([job], rows, True)
             state = _Prefill(job, self.prefill_widths[0], cache, tokens)
             insert = self._insert_args(state, 0, len(job.prompt))
-            out.append(("insert", _insert_width(cache), insert))
+            out.append(("insert", _cache_key(cache), insert))
+            if self.prefix is not None:
+                zero = jnp.int32(0)
+                out.append(("save", _cache_key(cache), (self.pool, cache, zero, zero, zero)))
         return out
 
     def _prefill_batch(self, jobs: list[Job]) -> None:
@@ -894,6 +897,7 @@ class Scheduler:
         first = np.asarray(first)
         tokens = np.asarray(args[1])
         for i, job in enumerate(jobs):
+            names, _ = self._lookup(job)  # one chunk or less: never read from the pool
             state = _Prefill(
                 job,
                 width,
@@ -902,8 +906,10 @@ class Scheduler:
                 first=int(first[i]),
                 logits=logits[i : i + 1] if job.logprobs is not None else None,
                 source=width - len(job.prompt),
+                names=names,
                 row=i,
             )
+            self._save_prefix(state)
             self._prefill = state
             self._first_token(state)
             if self._prefill is state:  # no room yet: placed in a later turn
@@ -932,12 +938,14 @@ class Scheduler:
         nothing until the copy is compiled (in the background after start)."""
         if self.prefix is None or not state.names:
             return
-        if not self.programs.ready("save", state.cache.max_len):
+        key = _cache_key(state.cache)
+        if not self.programs.ready("save", key):
             return
         size = self.config.prefix_block
         for i, block in self.prefix.allocate(state.names):
-            args = (self.pool, state.cache, jnp.int32(state.source + i * size), jnp.int32(block))
-            self.pool = self._program("save", state.cache.max_len, args)(*args)
+            slot = jnp.int32(state.source + i * size)
+            args = (self.pool, state.cache, slot, jnp.int32(block), jnp.int32(state.row))
+            self.pool = self._program("save", key, args)(*args)
         self.prefix.touch(state.names)
 
     def _first_token(self, state: _Prefill) -> None:
@@ -983,7 +991,7 @@ class Scheduler:
         r = free[0]
         self.start_host[r] = self.clock - n
         args = self._insert_args(state, r, n)
-        self.cache = self._program("insert", _insert_width(state.cache), args)(*args)
+        self.cache = self._program("insert", _cache_key(state.cache), args)(*args)
         key = np.asarray(jax.random.key_data(jax.random.key(job.seed)))
         self.keys_host[r] = key
         self.token_host[r] = state.first
@@ -1206,8 +1214,9 @@ class Scheduler:
         return True
 
 
-def _insert_width(cache: Any) -> int | tuple[int, int]:
-    """The `insert` program's key for a prefill cache: its slots, and its rows for a batch's."""
+def _cache_key(cache: Any) -> int | tuple[int, int]:
+    """The key of the programs that copy out of a prefill cache (`insert`, `save`): its
+    slots, and its rows for a batch's."""
     return cache.max_len if cache.batch == 1 else (cache.max_len, cache.batch)
 
 

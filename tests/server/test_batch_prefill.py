@@ -1,6 +1,6 @@
 """Waiting prompts prefilled together: the batch's choice and layout, and a scheduler that
 prefills several waiting prompts in one pass hands out exactly the tokens `generate_tokens`
-gives each alone."""
+gives each alone, and saves their blocks to the prefix cache."""
 
 import time
 
@@ -50,7 +50,7 @@ def test_waiting_prompts_prefilled_together_match_each_alone(loaded, kv_cache):
     # Three prompts of one width (16) and a sampled one among them; all wait at once.
     requests = [(5, 0.0, 0), (14, 0.8, 3), (9, 0.0, 0)]
     prompts = [[int(t) for t in rng.integers(3, 250, n)] for n, _, _ in requests]
-    config = SchedulerConfig(slots=4, max_len=64, single_pass=16, chunk=16, kv_memory=0)
+    config = SchedulerConfig(slots=4, max_len=64, single_pass=16, chunk=16, prefix_block=8)
     scheduler = Scheduler(loaded.model, None, kv_cache, config)
     ran = []
     program = scheduler._program
@@ -87,6 +87,8 @@ def test_waiting_prompts_prefilled_together_match_each_alone(loaded, kv_cache):
         scheduler.close()
     assert ("prefill", (16, 4)) in ran and ("insert", (16, 4)) in ran
     assert ("prefill", 16) not in ran  # none was prefilled alone
+    # Each prompt's full blocks went to the prefix cache from its row of the batch.
+    assert ("save", (16, 4)) in ran and scheduler.prefix.used == 2
     for i, (prompt, (_, temperature, seed)) in enumerate(zip(prompts, requests, strict=True)):
         expected = generate_tokens(
             loaded.model,
