@@ -21,7 +21,8 @@ by the kernels on plain arrays:
   or (Q4_K, Q6_K) as tiles of 8 rows: `gguf_tile` / `gguf_untile`, `tiled=True`.
 - `decode_attention(q, keys, values, start, slot)`: one query position per row attending to
   the filled slots of a float32 KV cache (the decode step of `lowbit.models`), one call per
-  layer instead of a loop of small XLA ops.
+  layer instead of a loop of small XLA ops; ``rows=`` reads some rows of a larger cache in
+  place.
 
 Logical weights (inputs to `pack`, outputs of `prepared_to_logical`): codes `[K, N]`
 (contraction axis first, like a Flax `Dense` kernel); scale `[G, N]` float32 with

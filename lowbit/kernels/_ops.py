@@ -358,6 +358,7 @@ def decode_attention(
     *,
     integer_qk: bool = False,
     softcap: float | None = None,
+    rows: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of one query position per row over a KV cache, in one kernel call.
 
@@ -367,24 +368,29 @@ def decode_attention(
 
     Args:
       q: [B, H, G, D] float32: G query heads per KV head, already scaled by 1 / sqrt(D).
-      keys, values: the cache, by dtype: float32, float16 or bfloat16 [B, H, L, D] (the
-        16-bit ones read at half the bytes, converted a chunk at a time); int8 codes [B, H, L, D]
-        (``x = code * scale``); float8_e4m3fn codes [B, H, L, D] (likewise); uint8 [B, H, L,
+      keys, values: the cache, by dtype: float32, float16 or bfloat16 [R, H, L, D] (the
+        16-bit ones read at half the bytes, converted a chunk at a time); int8 codes [R, H, L, D]
+        (``x = code * scale``); float8_e4m3fn codes [R, H, L, D] (likewise); uint8 [R, H, L,
         D / 2] int4 (channel j in the low nibble, j + D / 2 in the high one, signed nibbles c
-        with ``x = (c + 1/2) * scale``) — the layouts of `lowbit.models`' caches.
-      start: [B] int32, each row's first slot (left padding before it).
+        with ``x = (c + 1/2) * scale``) — the layouts of `lowbit.models`' caches. ``R`` is
+        ``B`` unless `rows` is given.
+      start: [B] int32, each query row's first slot (left padding before it).
       slot: [] int32, the query's slot (the last one attended to).
-      key_scales, value_scales: [B, H, L, S] float16, S scale groups along D (quantized
+      key_scales, value_scales: [R, H, L, S] float16, S scale groups along D (quantized
         caches only).
       integer_qk: int8 keys only: the scores are exact int32 products of the int8 keys with
         the queries quantized to int8 per scale group (``lowbit.models``' ``int8+qk`` caches),
         instead of float products with the dequantized keys.
       softcap: ``c * tanh(s / c)`` on the (scaled) scores before the softmax (Gemma 2), or
         None.
+      rows: [B] int32, the cache row each query row reads (distinct or not, each in
+        ``0 .. R - 1``), so that some rows of a larger cache are attended to in place, without
+        copying them out; None: row b reads row b (``R == B``).
     Returns:
       [B, H, G, D] float32; zeros for a row with no slot to attend to.
     """
     b, h, g, d = q.shape
+    r = b if rows is None else keys.shape[0]
     fmt = _CACHE_FORMATS.get(jnp.dtype(keys.dtype))
     if fmt is None or jnp.dtype(values.dtype) != jnp.dtype(keys.dtype):
         raise TypeError(
@@ -395,8 +401,8 @@ def decode_attention(
     if jnp.dtype(q.dtype) != jnp.dtype(jnp.float32):
         raise TypeError(f"q dtype {jnp.dtype(q.dtype).name} is not supported; expected float32")
     row = d // 2 if fmt == 2 else d
-    if keys.ndim != 4 or keys.shape[:2] != (b, h) or keys.shape[3] != row:
-        raise ValueError(f"keys have shape {keys.shape}; expected [{b}, {h}, L, {row}]")
+    if keys.ndim != 4 or keys.shape[:2] != (r, h) or keys.shape[3] != row:
+        raise ValueError(f"keys have shape {keys.shape}; expected [{r}, {h}, L, {row}]")
     if values.shape != keys.shape:
         raise ValueError(f"values have shape {values.shape}; expected the keys' {keys.shape}")
     if fmt in _FLOAT_CACHES:
@@ -414,7 +420,7 @@ def decode_attention(
             ):
                 shape = None if s is None else s.shape
                 raise ValueError(
-                    f"{name} is {shape}; a quantized cache needs float16 [{b}, {h}, "
+                    f"{name} is {shape}; a quantized cache needs float16 [{r}, {h}, "
                     f"{keys.shape[2]}, S] scales with S dividing {d}"
                 )
     if integer_qk and fmt != 1:
@@ -423,16 +429,25 @@ def decode_attention(
     slot = jnp.asarray(slot, jnp.int32)
     if start.shape != (b,) or slot.shape != ():
         raise ValueError(f"start must be [{b}] and slot a scalar; got {start.shape}, {slot.shape}")
+    indexed = rows is not None
+    rows = jnp.asarray(rows, jnp.int32) if indexed else jnp.arange(b, dtype=jnp.int32)
+    if rows.shape != (b,):
+        raise ValueError(f"rows must be [{b}] (one cache row per query row); got {rows.shape}")
 
     def reference():
+        keys_, values_, ks, vs = keys, values, key_scales, value_scales
+        if indexed:
+            keys_, values_ = jnp.take(keys, rows, axis=0), jnp.take(values, rows, axis=0)
+            if fmt not in _FLOAT_CACHES:
+                ks, vs = jnp.take(ks, rows, axis=0), jnp.take(vs, rows, axis=0)
         scores = None
         if integer_qk:
-            scores = _reference.int8_qk_scores(q, keys, key_scales)
+            scores = _reference.int8_qk_scores(q, keys_, ks)
         if fmt in _FLOAT_CACHES:
-            k, v = keys.astype(jnp.float32), values.astype(jnp.float32)
+            k, v = keys_.astype(jnp.float32), values_.astype(jnp.float32)
         else:
-            k = _reference.dequantize_cache(keys, key_scales, d)
-            v = _reference.dequantize_cache(values, value_scales, d)
+            k = _reference.dequantize_cache(keys_, ks, d)
+            v = _reference.dequantize_cache(values_, vs, d)
         return _reference.decode_attention(q, k, v, start, slot, scores, softcap)
 
     def native():
@@ -449,6 +464,7 @@ def decode_attention(
             value_scales,
             start,
             slot,
+            rows,
             fmt=np.int64(fmt),
             integer_qk=np.int64(integer_qk),
             softcap=np.float32(softcap or 0.0),

@@ -362,6 +362,7 @@ def _decode_attention(
             kv.value_scales,
             integer_qk=kv.config is not None and kv.config.integer_qk,
             softcap=cap,
+            rows=kv.rows,
         )
         return out[:, None]
 
@@ -493,6 +494,13 @@ class Attention(nnx.Module):
             out = kv.unrotate(out.astype(x.dtype))
             out = out.reshape(b, s, c.n_heads * c.head_dim)
             return self.o_proj(out), kv
+        if kv is not None and kv.rows is not None:
+            raise ValueError(
+                f"a KV cache with rows (decoding some of its {kv.keys.shape[0]} rows in place) "
+                "takes one token per row on a cache of a multiple of 32 slots, at least 64; "
+                f"got {s} tokens on {kv.keys.shape[2]} slots. Run the whole cache (rows=None) "
+                "instead"
+            )
         if kv is not None:
             kv = kv.write(k, v, slot)
             q = kv.rotate(q)  # a rotated cache: scores are the same with rotated queries
@@ -723,7 +731,7 @@ class Decoder(LayerStack):
             slot = cache.length
             offsets = slot + jnp.arange(s, dtype=jnp.int32)
             key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
-            first = cache.start
+            first = cache.start if cache.rows is None else cache.start[cache.rows]
         if positions is None:
             positions = jnp.maximum(offsets[None, :] - first[:, None], 0)
         positions = jnp.broadcast_to(positions, (b, s))

@@ -66,6 +66,10 @@ class KVCache:
       length: ``int32 []``, how many leading slots hold tokens; new tokens go there.
       start: ``int32 [batch]``, each row's first real slot (0 unless left-padded).
       config: the `KVCacheConfig` (static), or None for a float cache of the model's dtype.
+      rows: ``int32 [b]``, or None: the rows the next tokens go to (distinct), when they are
+        fewer than the cache's rows (one decoded token each: the others are not run and
+        their slots stay as they were). The write and the attention index those rows in
+        place, without copying them out (what a server's decode over its busy rows runs).
     """
 
     keys: tuple[jax.Array, ...]
@@ -76,6 +80,7 @@ class KVCache:
     length: jax.Array
     start: jax.Array
     config: KVCacheConfig | None = dataclasses.field(default=None, metadata=dict(static=True))
+    rows: jax.Array | None = None
 
     @property
     def max_len(self) -> int:
@@ -100,7 +105,9 @@ class KVCache:
         """Layer `i`'s slice of the cache (a float16 / bfloat16 one reads and writes as a
         float cache of that dtype: its LayerKV has no config)."""
         if not self.quantized:
-            return LayerKV(self.keys[i], self.values[i], None, None, None, self.start, None)
+            return LayerKV(
+                self.keys[i], self.values[i], None, None, None, self.start, None, self.rows
+            )
         return LayerKV(
             self.keys[i],
             self.values[i],
@@ -109,6 +116,7 @@ class KVCache:
             self.key_offsets[i],
             self.start,
             self.config,
+            self.rows,
         )
 
 
@@ -123,30 +131,37 @@ class LayerKV:
     key_offsets: jax.Array | None
     start: jax.Array
     config: KVCacheConfig | None
+    rows: jax.Array | None = None  # see `KVCache.rows`
 
     def write(self, k: jax.Array, v: jax.Array, slot: jax.Array) -> LayerKV:
-        """Stores ``k, v [batch, seq, H, D]`` at slots ``slot .. slot + seq - 1``."""
+        """Stores ``k, v [batch, seq, H, D]`` at slots ``slot .. slot + seq - 1`` (of rows
+        `rows` when set: ``batch`` of them)."""
         zero = jnp.zeros((), jnp.int32)
-        idx = (zero, zero, slot, zero)
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
         def put(dst, x):
             if dst.dtype == jnp.float16:  # beyond float16's range: its largest value, not inf
                 big = float(jnp.finfo(jnp.float16).max)
                 x = jnp.clip(x, -big, big)
-            return jax.lax.dynamic_update_slice(dst, x.astype(dst.dtype), idx)
+            return _put_rows(dst, x.astype(dst.dtype), self.rows, (zero, slot, zero))
 
         if self.config is None:
             return dataclasses.replace(self, keys=put(self.keys, k), values=put(self.values, v))
         k, v = self.rotate(k), self.rotate(v)
         # The first write (slot 0: the prompt) sets the key offset: the mean of its real tokens.
-        real = (slot + jnp.arange(k.shape[2]))[None, :] >= self.start[:, None]  # [b, seq]
+        start, current = self.start, self.key_offsets
+        if self.rows is not None:
+            start, current = _take_rows(start, self.rows), _take_rows(current, self.rows)
+        real = (slot + jnp.arange(k.shape[2]))[None, :] >= start[:, None]  # [b, seq]
         real = real[:, None, :, None].astype(jnp.float32)
         mean = jnp.sum(k.astype(jnp.float32) * real, axis=2, keepdims=True) / jnp.maximum(
             jnp.sum(real, axis=2, keepdims=True), 1.0
         )
-        offsets = jnp.where(slot == 0, mean, self.key_offsets)
+        offsets = jnp.where(slot == 0, mean, current)
         k = k.astype(jnp.float32) - offsets
+        if self.rows is not None:
+            zero = jnp.zeros((), jnp.int32)
+            offsets = _put_rows(self.key_offsets, offsets, self.rows, (zero, zero, zero))
         kc, ks = quantize_kv(k, self.config)
         vc, vs = quantize_kv(v, self.config)
         return dataclasses.replace(
@@ -174,8 +189,13 @@ class LayerKV:
 
     def slots(self, first: jax.Array, size: int) -> LayerKV:
         """Slots ``first .. first + size - 1`` (``first`` traced, ``size`` static) as a layer
-        cache of ``size`` slots (what attention over part of the cache reads)."""
-        take = lambda a: jax.lax.dynamic_slice_in_dim(a, first, size, axis=2)
+        cache of ``size`` slots (what attention over part of the cache reads); only rows
+        `rows` when set."""
+
+        def take(a):
+            a = jax.lax.dynamic_slice_in_dim(a, first, size, axis=2)
+            return a if self.rows is None else _take_rows(a, self.rows)
+
         if self.config is None:
             return dataclasses.replace(self, keys=take(self.keys), values=take(self.values))
         return dataclasses.replace(
@@ -187,7 +207,7 @@ class LayerKV:
         )
 
     def read_keys(self, dtype: Any) -> jax.Array:
-        """``[batch, H, T, D]`` keys in `dtype`."""
+        """``[batch, H, T, D]`` keys in `dtype` (every row: not for a cache with `rows`)."""
         if self.config is None:
             return self.keys.astype(dtype)
         return dequantize_kv(self.keys, self.key_scales, self.config, dtype)
@@ -197,6 +217,26 @@ class LayerKV:
         if self.config is None:
             return self.values.astype(dtype)
         return dequantize_kv(self.values, self.value_scales, self.config, dtype)
+
+
+def _take_rows(a: jax.Array, rows: jax.Array) -> jax.Array:
+    """``a[rows]`` along the first axis, a row at a time (XLA:CPU runs a gather element by
+    element, a slice as one copy)."""
+    parts = [jax.lax.dynamic_index_in_dim(a, rows[i], 0) for i in range(rows.shape[0])]
+    return jnp.concatenate(parts, axis=0)
+
+
+def _put_rows(
+    dst: jax.Array, x: jax.Array, rows: jax.Array | None, corner: tuple[jax.Array, ...]
+) -> jax.Array:
+    """`dst` with ``x`` written at `corner` (the indices past the first axis): row ``i`` of
+    `x` into row ``rows[i]``, one in-place update each (rows distinct), or `x` at row 0
+    without `rows`."""
+    if rows is None:
+        return jax.lax.dynamic_update_slice(dst, x, (jnp.zeros((), jnp.int32), *corner))
+    for i in range(rows.shape[0]):
+        dst = jax.lax.dynamic_update_slice(dst, x[i : i + 1], (rows[i], *corner))
+    return dst
 
 
 def init_kv_cache(

@@ -11,20 +11,23 @@ Every program here is a plain function (the model's ones take its graph definiti
 the scheduler compiles each once per shape (`lowbit.api.compile_stored`, which keeps the
 traced form for the next start), donating the cache it is given.
 
-A prompt is prefilled alone, as `lowbit.generate` prefills a batch of one (left-padded to a
+A prompt is prefilled as `lowbit.generate` prefills a batch of one (left-padded to a
 bucketed width ``W``, in a cache of the widest one-pass width's slots, whose slots past ``W``
-stay empty and unseen), then copied into its row (`insert`, one program for every ``W``). So a slot
-computes what ``generate_tokens([prompt], key=seed)`` computes, bit for bit. A prompt too long
+stay empty and unseen), alone or in a batch of prompts of the same width
+(`lowbit.server._batch_prefill`), then copied into its row (`insert`, one program for every
+``W``). So a slot computes what ``generate_tokens([prompt], key=seed)`` computes. A prompt too long
 for one pass is prefilled in chunks (`prefill_chunk`) into a ``T``-slot cache, between decode
 steps of the others (the same tokens up to float rounding: the chunks' products differ in
 shape, and a quantized cache takes its key offset from the first chunk).
 
-While fewer rows are busy than there are slots, `decode_rows` decodes only the busy ones: it
-gathers them (every leaf of the cache with a row axis, and the rows' states) into a cache of a
-bucketed ``b`` rows, runs `decode` on it, and writes back only the slots that call wrote. Free
-rows need no step: they see nothing, and a new prompt's `insert` writes every slot its row
-will read. `verify` feeds some rows several tokens at once (speculative decoding's check,
-`lowbit.server._speculate`) through the same gather.
+While fewer rows are busy than there are slots, `decode_rows` decodes only the busy ones
+(padded to a bucketed ``b`` rows): the cache is handed to `decode` with those rows
+(`KVCache.rows`), which its writes and its attention index in place, so no cache row is copied
+and a step costs about ``b / B`` of the dense one at any cache length. Free rows need no step:
+they see nothing, and a new prompt's `insert` writes every slot its row will read. `verify`
+feeds some rows several tokens at once (speculative decoding's check,
+`lowbit.server._speculate`): it gathers them into a cache of ``b`` rows and writes back only
+the slots it wrote.
 
 When the clock reaches ``T``, `shift` slides the whole cache left by the first row's start (one
 program for any offset); positions are slot minus start, so nothing else changes.
@@ -183,14 +186,15 @@ def decode_rows(
     index: jax.Array,
 ) -> tuple[Decoded, KVCache]:
     """`decode` of the rows ``index [b]`` only (distinct row numbers, ``b <= B``): the same
-    tokens for them, at about ``b / B`` of the dense work. The other rows are not run: their
-    tokens come back -1 and their cache slots and counts unchanged. Arguments and results are
-    `decode`'s, every one of ``B`` rows."""
+    tokens for them, at about ``b / B`` of the dense work, reading and writing their cache
+    rows in place (`KVCache.rows`). The other rows are not run: their tokens come back -1 and
+    their cache slots and counts unchanged. Arguments and results are `decode`'s, every one
+    of ``B`` rows."""
     pick = functools.partial(_gather, index=index)
-    decoded, small = decode(
+    decoded, cache = decode(
         graphdef,
         params,
-        _take_rows(cache, index),
+        dataclasses.replace(cache, rows=index),
         pick(token),
         jax.tree.map(pick, rows),
         pick(counts),
@@ -198,7 +202,7 @@ def decode_rows(
     )
     tokens = _scatter(jnp.full((cache.batch, MAX_STEPS), -1, jnp.int32), index, decoded.tokens)
     counts = _scatter(counts, index, decoded.counts)
-    return Decoded(tokens, counts, None), _put_rows(cache, small, index, MAX_STEPS)
+    return Decoded(tokens, counts, None), dataclasses.replace(cache, rows=None)
 
 
 def verify(
@@ -230,9 +234,10 @@ def prefill(
     cache: KVCache,
     rows: RowSampling,
 ) -> tuple[tuple[jax.Array, jax.Array], KVCache]:
-    """One left-padded prompt ``tokens [1, W]`` into an empty ``W``-slot `cache` (its ``start``
-    set to the padding); returns the first sampled token ``[1]`` with the logits it was
-    drawn from ``[1, V]`` (for its log-probabilities), and the cache."""
+    """Left-padded prompts ``tokens [b, W]`` (one, or a batch of one width:
+    `lowbit.server._batch_prefill`) into an empty cache of ``b`` rows (its ``start`` set to
+    the padding); returns each row's first sampled token ``[b]`` with the logits it was drawn
+    from ``[b, V]`` (for its log-probabilities), and the cache."""
     logits, cache = interpret(functools.partial(_forward, graphdef))(params, tokens, cache)
     return (_sample(logits[:, -1], rows), logits[:, -1]), cache
 
@@ -321,12 +326,14 @@ def insert(
     big: KVCache,
     small: KVCache,
     row: jax.Array,
+    source_row: jax.Array,
     source: jax.Array,
     length: jax.Array,
     start: jax.Array,
 ) -> KVCache:
-    """Copies `small`'s row 0 slots ``source .. source + length - 1`` into `big`'s row `row`,
-    ending just before `big`'s clock; `start` ``[B]`` is the new rows' starts."""
+    """Copies `small`'s row `source_row` slots ``source .. source + length - 1`` into `big`'s
+    row `row`, ending just before `big`'s clock; `start` ``[B]`` is the new rows' starts.
+    (`small` is a prefill's cache: one prompt's, or a batch's, `lowbit.server._batch_prefill`.)"""
     t = big.max_len
     end = big.length
     first = end - length
@@ -334,7 +341,7 @@ def insert(
     inside = (slot >= first) & (slot < end)
 
     def move(dst, src):
-        src = src[0]
+        src = jax.lax.dynamic_index_in_dim(src, source_row, 0, keepdims=False)
         if src.shape[1] < t:
             src = jnp.pad(src, ((0, 0), (0, t - src.shape[1]), (0, 0)))
         src = jnp.roll(src, first - source, axis=1)
@@ -343,7 +350,9 @@ def insert(
 
     arrays = jax.tree.map(move, _slot_arrays(big), _slot_arrays(small))
     offsets = tuple(
-        jax.lax.dynamic_update_index_in_dim(dst, src[0], row, 0)
+        jax.lax.dynamic_update_index_in_dim(
+            dst, jax.lax.dynamic_index_in_dim(src, source_row, 0, keepdims=False), row, 0
+        )
         for dst, src in zip(big.key_offsets, small.key_offsets, strict=True)
     )
     return _with_slot_arrays(big, arrays, key_offsets=offsets, start=start)
@@ -356,18 +365,21 @@ def shift(cache: KVCache, by: jax.Array, start: jax.Array) -> KVCache:
     return _with_slot_arrays(cache, arrays, length=cache.length - by, start=start)
 
 
-def save(pool: KVCache, cache: KVCache, slot: jax.Array, block: jax.Array) -> KVCache:
-    """Copies `cache`'s row 0 slots ``slot .. slot + P - 1`` (and its key offsets) into pool
-    block `block`; the pool is a cache of one row of ``P`` slots per block."""
+def save(
+    pool: KVCache, cache: KVCache, slot: jax.Array, block: jax.Array, row: jax.Array
+) -> KVCache:
+    """Copies `cache`'s row `row` slots ``slot .. slot + P - 1`` (and its key offsets) into
+    pool block `block`; the pool is a cache of one row of ``P`` slots per block."""
     p = pool.max_len
+    pick = lambda a: jax.lax.dynamic_index_in_dim(a, row, 0, keepdims=False)  # noqa: E731
 
     def put(dst, src):
         src = jax.lax.dynamic_slice_in_dim(src, slot, p, axis=2)
-        return jax.lax.dynamic_update_index_in_dim(dst, src[0], block, 0)
+        return jax.lax.dynamic_update_index_in_dim(dst, pick(src), block, 0)
 
     arrays = jax.tree.map(put, _slot_arrays(pool), _slot_arrays(cache))
     offsets = tuple(
-        jax.lax.dynamic_update_index_in_dim(dst, src[0], block, 0)
+        jax.lax.dynamic_update_index_in_dim(dst, pick(src), block, 0)
         for dst, src in zip(pool.key_offsets, cache.key_offsets, strict=True)
     )
     return _with_slot_arrays(pool, arrays, key_offsets=offsets)

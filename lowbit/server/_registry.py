@@ -27,10 +27,13 @@ from lowbit.api import StoredProgram
 
 _log = logging.getLogger("lowbit.server")
 
-Key = tuple[str, int]
+# (name, width): the width tells apart the shapes one name is compiled for (an int, or a
+# tuple of them such as a batched prefill's width and rows).
+Width = int | tuple[int, ...]
+Key = tuple[str, Width]
 # (name, width, example arguments) -> the compiled program; the arguments' arrays may be
 # shape-and-dtype stand-ins (`jax.ShapeDtypeStruct`).
-Compile = Callable[[str, int, tuple], StoredProgram]
+Compile = Callable[[str, Width, tuple], StoredProgram]
 
 
 def _stand_in(leaf: Any) -> Any:
@@ -65,7 +68,7 @@ class ProgramRegistry:
         self.done = threading.Event()  # set once every registered program is compiled
 
     def register(
-        self, name: str, width: int, args: tuple | Callable[[], tuple], *, at_start: bool
+        self, name: str, width: Width, args: tuple | Callable[[], tuple], *, at_start: bool
     ) -> None:
         """Declares program ``(name, width)`` with example arguments `args` (only their
         structure, shapes and dtypes count), or a function returning them, called by the
@@ -81,13 +84,13 @@ class ProgramRegistry:
             (self._at_start if at_start else self._later).append(key)
             self.done.clear()
 
-    def ready(self, name: str, width: int) -> bool:
+    def ready(self, name: str, width: Width) -> bool:
         """Whether program ``(name, width)`` is compiled (`get` would not wait)."""
         with self._lock:
             future = self._futures.get((name, width))
         return future is not None and future.done() and future.exception() is None
 
-    def get(self, name: str, width: int, args: tuple | None = None) -> StoredProgram:
+    def get(self, name: str, width: Width, args: tuple | None = None) -> StoredProgram:
         """Program ``(name, width)``, compiled now if it is not yet (in this thread, or
         waiting for the thread compiling it). `args`: example arguments, for a program not
         registered (it is registered then).

@@ -31,6 +31,7 @@ from flax import nnx
 
 from lowbit.api import StoredProgram, compile_stored, describe
 from lowbit.models import bucket
+from lowbit.server import _batch_prefill as batch_prefill
 from lowbit.server import _embeddings as embeddings
 from lowbit.server import _programs as programs
 from lowbit.server import _speculate as speculate
@@ -157,6 +158,8 @@ class SchedulerConfig:
       (`lowbit.server._speculate`) in the turns where every busy row may take it (greedy,
       without log-probabilities, grammar, penalties or logit bias).
     speculate_tokens: tokens guessed per row and turn (checked in one forward pass).
+    prefill_rows: waiting prompts prefilled together in one pass, at most
+      (`lowbit.server._batch_prefill`); 1: each alone.
     """
 
     slots: int = 8
@@ -170,6 +173,7 @@ class SchedulerConfig:
     embeddings: bool = False
     speculate: str | None = None
     speculate_tokens: int = 8
+    prefill_rows: int = 4
 
     def __post_init__(self):
         if self.speculate not in (None, "ngram"):
@@ -180,6 +184,8 @@ class SchedulerConfig:
             )
         if self.slots < 1:
             raise ValueError(f"slots={self.slots} must be >= 1")
+        if self.prefill_rows < 1:
+            raise ValueError(f"prefill_rows={self.prefill_rows} must be >= 1 (1: each alone)")
         if self.max_len < 64 or bucket(self.max_len) != self.max_len:
             raise ValueError(
                 f"max_len={self.max_len} must be a cache bucket of at least 64 (64, 96, 128, "
@@ -229,6 +235,7 @@ class _Prefill:
     first: int | None = None  # the first sampled token once prefilled
     logits: Any = None  # ``[1, V]``, what `first` was drawn from
     source: int = 0  # the prompt's first slot in `cache`
+    row: int = 0  # the prompt's row in `cache` (a batch's: `_batch_prefill`)
     names: list[bytes] = dataclasses.field(default_factory=list)  # its blocks' prefix names
 
 
@@ -279,6 +286,9 @@ class Scheduler:
         self._lock = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._prefill: _Prefill | None = None
+        # Prompts prefilled in a batch with another, waiting for room in the slots.
+        self._pending: collections.deque[_Prefill] = collections.deque()
+        self.batch_sizes = batch_prefill.batch_sizes(min(c.prefill_rows, c.slots))
         self._rows: list[Job | None] = [None] * c.slots
         self._stop = False
         self.ready = False
@@ -398,7 +408,8 @@ class Scheduler:
 
     @property
     def queue_length(self) -> int:
-        return len(self._waiting) + (self._prefill is not None) + len(self._embedding)
+        prefilling = (self._prefill is not None) + len(self._pending)
+        return len(self._waiting) + prefilling + len(self._embedding)
 
     @property
     def busy_slots(self) -> int:
@@ -524,6 +535,8 @@ class Scheduler:
         register("shift", self.config.slots, self._shift_args(1), at_start=False)
         for spec in self._row_programs():
             register(*spec, at_start=False)
+        for spec in self._batch_programs(dummy):
+            register(*spec, at_start=False)
         for width in self.chunk_widths:
             state = states[width]
             name, args = self._prefill_args(state)
@@ -543,7 +556,7 @@ class Scheduler:
             register("load", t, (big, self.pool, zero, zero), at_start=False)
             for slots in sorted({self.prefill_widths[-1], t}):
                 src = big if slots == t else self._empty_cache(1, slots, abstract=True)
-                register("save", slots, (self.pool, src, zero, zero), at_start=False)
+                register("save", slots, (self.pool, src, zero, zero, zero), at_start=False)
         for spec in embed:
             register(*spec, at_start=False)
 
@@ -566,7 +579,7 @@ class Scheduler:
         with example arguments. A turn runs one only once it is compiled
         (`ProgramRegistry.ready`), else the full decode."""
         slots, out = self.config.slots, []
-        for b in programs.row_buckets(slots) if self._copies_pay() else []:
+        for b in programs.row_buckets(slots):
             out.append(("decode_rows", b, self._decode_args(1, np.arange(b, dtype=np.int32))))
         if self.config.speculate is not None:
             k = self.config.speculate_tokens
@@ -575,15 +588,7 @@ class Scheduler:
                 out.append(("verify", b, self._verify_args(np.zeros((b, k + 1), np.int32), index)))
         return out
 
-    def _copies_pay(self) -> bool:
-        """Whether decoding the busy rows alone pays for copying their cache rows: each step
-        copies a whole row of ``max_len`` slots, which costs about what it saves once a row's
-        cache takes a quarter of the weights' bytes (SmolLM2 Q4_1 on 2 EPYC cores, measured
-        2026-11-29: faster at 512 slots, slower at 1024)."""
-        weights = sum(getattr(a, "nbytes", 0) for a in jax.tree.leaves(self.params))
-        return 4 * self.cache.nbytes() // self.config.slots <= weights
-
-    def _program(self, name: str, width: int, args: tuple) -> StoredProgram:
+    def _program(self, name: str, width: int | tuple[int, int], args: tuple) -> StoredProgram:
         """The compiled program `name` for arguments shaped like `args` (`width` tells its
         shapes apart): from `programs`, compiled now if it is not yet."""
         return self.programs.get(name, width, args)
@@ -593,7 +598,7 @@ class Scheduler:
         # A long repr: described once, not once per program.
         return describe((self.graphdef, self.model.config, self.kv_cache))
 
-    def _compile(self, name: str, width: int, args: tuple) -> StoredProgram:
+    def _compile(self, name: str, width: int | tuple[int, int], args: tuple) -> StoredProgram:
         """Compiles program `name` (a function of `programs`, or `embeddings.embed`) for
         arguments shaped like `args` (`ProgramRegistry` calls it, from any thread)."""
         fn = getattr(embeddings if name == "embed" else programs, name)
@@ -609,8 +614,9 @@ class Scheduler:
             donate = _MODEL_PROGRAMS[name]
         elif name in ("sample", "logprobs"):  # small programs of logits: nothing to reuse
             donate = ()
+        label = width if isinstance(width, int) else "x".join(map(str, width))
         return compile_stored(
-            f"{name}-{width}",
+            f"{name}-{label}",
             fn,
             args,
             static=static,
@@ -626,6 +632,7 @@ class Scheduler:
                 not self._stop
                 and not self._waiting
                 and self._prefill is None
+                and not self._pending
                 and self.busy_slots == 0
                 and not self._embedding
             ):
@@ -633,12 +640,15 @@ class Scheduler:
             if self._stop:
                 return False
             self._drop_finished()
+            if self._prefill is None and self._pending:
+                self._prefill = self._pending.popleft()
+            batch = []
             if self._prefill is None and self._waiting:
-                job = self._waiting.popleft()
-            else:
-                job = None
-        if job is not None:
-            self._prefill = self._begin_prefill(job, *self._lookup(job))
+                batch = self._take_batch()
+        if len(batch) > 1:
+            self._prefill_batch(batch)
+        elif batch:
+            self._prefill = self._begin_prefill(batch[0], *self._lookup(batch[0]))
         state = self._prefill
         if state is not None:
             if state.job.cancelled or time.monotonic() > state.job.deadline:
@@ -653,7 +663,7 @@ class Scheduler:
         if self._embedding:
             self._embed_batch(self._embedding[0])
         if self.busy_slots:
-            waiting = self._prefill is not None or bool(self._waiting)
+            waiting = self._prefill is not None or bool(self._waiting or self._pending)
             self._decode(1 if waiting else self.config.steps)
         return True
 
@@ -691,6 +701,8 @@ class Scheduler:
             if self._prefill is not None:
                 self._finish(self._prefill.job, reason)
                 self._prefill = None
+            while self._pending:
+                self._finish(self._pending.popleft().job, reason)
             while self._waiting:
                 self._finish(self._waiting.popleft(), reason)
             while self._embedding:
@@ -816,6 +828,94 @@ class Scheduler:
         cache = dataclasses.replace(state.cache, length=jnp.int32(at))
         return "prefill_chunk", (self.params, jnp.asarray(state.tokens[:, at : at + c]), cache)
 
+    def _batch_width(self, n: int) -> int | None:
+        """The prefill width of a prompt of `n` tokens that may be prefilled in a batch
+        (`_batch_prefill`: one chunk or less), else None."""
+        return bucket(n) if n <= self.config.chunk else None
+
+    def _take_batch(self) -> list[Job]:
+        """Pops the oldest waiting job and, when a batch of them is compiled, the waiting jobs
+        to prefill with it (`_batch_prefill.partners`), at most the free slots. Call with the
+        lock held."""
+        head = self._waiting.popleft()
+        width = self._batch_width(len(head.prompt))
+        free = sum(job is None for job in self._rows)
+        most = min(free, self.batch_sizes[-1] if self.batch_sizes else 1) - 1
+        if width is None or most < 1:
+            return [head]
+        prompts = [job.prompt for job in self._waiting]
+        picked = batch_prefill.partners(prompts, width, self._batch_width, most)
+        rows = batch_prefill.batch_size(1 + len(picked), self.batch_sizes)
+        if not picked or not self.programs.ready("prefill", (width, rows)):
+            return [head]
+        if not self.programs.ready("insert", (self.prefill_widths[-1], rows)):
+            return [head]
+        taken = [self._waiting[i] for i in picked]
+        self._waiting = collections.deque(j for j in self._waiting if j not in taken)
+        return [head, *taken]
+
+    def _batch_args(self, jobs: Sequence[Job], rows: int, abstract: bool = False) -> tuple:
+        """`programs.prefill`'s arguments (after the graph definition) for `jobs`' prompts
+        (of one width) in a batch of `rows`; `abstract`: the cache's shapes only."""
+        width = bucket(len(jobs[0].prompt))
+        prompts = [job.prompt for job in jobs]
+        tokens, start = batch_prefill.batch_tokens(prompts, width, rows)
+        cache = self._empty_cache(rows, self.prefill_widths[-1], abstract)
+        cache = dataclasses.replace(cache, start=jnp.asarray(start))
+        # Rows past the prompts repeat the first one (their output is dropped).
+        one = [self._row_sampling(jobs[i] if i < len(jobs) else jobs[0]) for i in range(rows)]
+        sampling = jax.tree.map(lambda *a: jnp.asarray(np.concatenate(a)), *one)
+        return self.params, jnp.asarray(tokens), cache, sampling
+
+    def _batch_programs(self, dummy: Job) -> list[tuple[str, Any, tuple]]:
+        """The batched prefills (each width of one chunk or less, each batch size) and their
+        copies into a row and into the prefix cache's pool, with example arguments."""
+        out = []
+        for rows in self.batch_sizes:
+            for width in self.prefill_widths:
+                if width > self.config.chunk:
+                    break
+                job = dataclasses.replace(dummy, prompt=[0] * width)
+                out.append(("prefill", (width, rows), self._batch_args([job], rows, True)))
+            job = dataclasses.replace(dummy, prompt=[0] * self.prefill_widths[0])
+            _, tokens, cache, _ = self._batch_args([job], rows, True)
+            state = _Prefill(job, self.prefill_widths[0], cache, tokens)
+            insert = self._insert_args(state, 0, len(job.prompt))
+            out.append(("insert", _cache_key(cache), insert))
+            if self.prefix is not None:
+                zero = jnp.int32(0)
+                out.append(("save", _cache_key(cache), (self.pool, cache, zero, zero, zero)))
+        return out
+
+    def _prefill_batch(self, jobs: list[Job]) -> None:
+        """Prefills `jobs` (waiting prompts of one width) in one pass, hands each its first
+        token and places it in a free slot (or leaves it pending until there is room)."""
+        rows = batch_prefill.batch_size(len(jobs), self.batch_sizes)
+        args = self._batch_args(jobs, rows)
+        width = args[1].shape[1]
+        (first, logits), cache = self._program("prefill", (width, rows), args)(*args)
+        first = np.asarray(first)
+        tokens = np.asarray(args[1])
+        for i, job in enumerate(jobs):
+            names, _ = self._lookup(job)  # one chunk or less: never read from the pool
+            state = _Prefill(
+                job,
+                width,
+                cache,
+                tokens[i : i + 1],
+                first=int(first[i]),
+                logits=logits[i : i + 1] if job.logprobs is not None else None,
+                source=width - len(job.prompt),
+                names=names,
+                row=i,
+            )
+            self._save_prefix(state)
+            self._prefill = state
+            self._first_token(state)
+            if self._prefill is state:  # no room yet: placed in a later turn
+                self._pending.append(state)
+        self._prefill = None
+
     def _advance_prefill(self, state: _Prefill) -> None:
         """One pass (a short prompt) or one chunk (a long one)."""
         job = state.job
@@ -838,12 +938,14 @@ class Scheduler:
         nothing until the copy is compiled (in the background after start)."""
         if self.prefix is None or not state.names:
             return
-        if not self.programs.ready("save", state.cache.max_len):
+        key = _cache_key(state.cache)
+        if not self.programs.ready("save", key):
             return
         size = self.config.prefix_block
         for i, block in self.prefix.allocate(state.names):
-            args = (self.pool, state.cache, jnp.int32(state.source + i * size), jnp.int32(block))
-            self.pool = self._program("save", state.cache.max_len, args)(*args)
+            slot = jnp.int32(state.source + i * size)
+            args = (self.pool, state.cache, slot, jnp.int32(block), jnp.int32(state.row))
+            self.pool = self._program("save", key, args)(*args)
         self.prefix.touch(state.names)
 
     def _first_token(self, state: _Prefill) -> None:
@@ -889,7 +991,7 @@ class Scheduler:
         r = free[0]
         self.start_host[r] = self.clock - n
         args = self._insert_args(state, r, n)
-        self.cache = self._program("insert", state.cache.max_len, args)(*args)
+        self.cache = self._program("insert", _cache_key(state.cache), args)(*args)
         key = np.asarray(jax.random.key_data(jax.random.key(job.seed)))
         self.keys_host[r] = key
         self.token_host[r] = state.first
@@ -912,6 +1014,7 @@ class Scheduler:
             big,
             state.cache,
             jnp.int32(r),
+            jnp.int32(state.row),
             jnp.int32(state.source),
             jnp.int32(n),
             jnp.asarray(self.start_host),
@@ -1109,6 +1212,12 @@ class Scheduler:
             self.token_host[r] = new[-1]
             self._hand_out(r, new)
         return True
+
+
+def _cache_key(cache: Any) -> int | tuple[int, int]:
+    """The key of the programs that copy out of a prefill cache (`insert`, `save`): its
+    slots, and its rows for a batch's."""
+    return cache.max_len if cache.batch == 1 else (cache.max_len, cache.batch)
 
 
 def _fit(context: int) -> int:

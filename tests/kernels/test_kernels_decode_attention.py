@@ -277,3 +277,36 @@ def test_every_isa_path_matches_numpy(d):
                 err_msg=f"{name} {fmt}",
             )
         np.testing.assert_allclose(out_int, outs[names[-1]][1], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("fmt", [None, "int8"])
+def test_rows_read_some_rows_of_a_larger_cache_in_place(fmt):
+    # Query row i reads cache row rows[i] of a 4-row cache: the same as attending to those
+    # rows copied out (each row's own keys: a wrong row gives other outputs).
+    q, keys, values = make(2, 2, 2, 64, 256, seed=11)
+    _, big_keys, big_values = make(4, 2, 2, 64, 256, seed=12)
+    rows = np.array([3, 1], np.int32)
+    big_keys[rows], big_values[rows] = keys, values
+    start, slot = np.array([0, 9], np.int32), jnp.int32(200)
+    scales = (None, None)
+    if fmt == "int8":
+        k_scale = np.abs(big_keys).max(-1, keepdims=True) / 127
+        v_scale = np.abs(big_values).max(-1, keepdims=True) / 127
+        big_keys = np.round(big_keys / k_scale).astype(np.int8)
+        big_values = np.round(big_values / v_scale).astype(np.int8)
+        scales = (k_scale.astype(np.float16), v_scale.astype(np.float16))
+    out = kernels.decode_attention(q, big_keys, big_values, start, slot, *scales, rows=rows)
+    copied = [None if s is None else s[rows] for s in scales]
+    want = kernels.decode_attention(q, big_keys[rows], big_values[rows], start, slot, *copied)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    other = kernels.decode_attention(
+        q,
+        big_keys[:2],
+        big_values[:2],
+        start,
+        slot,
+        *[None if s is None else s[:2] for s in scales],
+    )
+    assert np.abs(np.asarray(other) - np.asarray(want)).max() > 1e-3
+    with pytest.raises(ValueError, match="rows must be"):
+        kernels.decode_attention(q, big_keys, big_values, start, slot, *scales, rows=rows[:1])

@@ -252,3 +252,54 @@ def test_last_only_logits_are_the_last_position():
     assert last.shape == (2, 1, 64)
     np.testing.assert_allclose(np.asarray(last), np.asarray(full[:, -1:]), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(cache_last.keys[1]), np.asarray(cache_full.keys[1]))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("text", [None, "int8", "int4"])
+def test_decoding_some_rows_in_place_matches_decoding_all(text, fused, monkeypatch):
+    # A cache with `rows` decodes those rows only, reading and writing them in place: their
+    # logits and slots are the full step's, every other row's slots stay as they were (the
+    # CPU kernel and the XLA block loop alike).
+    from lowbit.models import _decoder
+
+    if not fused:
+        monkeypatch.setattr(_decoder, "_fused_decode", lambda q, kv: False)
+    config = DecoderConfig(
+        vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64
+    )
+    model = Decoder(config, rngs=nnx.Rngs(4))
+    rng = np.random.default_rng(5)
+    prompt = jnp.asarray(rng.integers(0, 64, (3, 20)), jnp.int32)
+    steps = jnp.asarray(rng.integers(0, 64, (3, 3)), jnp.int32)
+    cache = model.init_cache(3, 64, text)
+    cache = dataclasses.replace(cache, start=jnp.asarray([0, 4, 9], jnp.int32))
+    _, cache = model(prompt, cache=cache)
+    rows = jnp.asarray([2, 0], jnp.int32)
+    full, some = cache, dataclasses.replace(cache, rows=rows)
+    for i in range(steps.shape[1]):
+        want, full = model(steps[:, i : i + 1], cache=full)
+        got, some = model(steps[rows, i : i + 1], cache=some)
+        # int4's Hadamard rotation is a product whose rounding may follow the batch size.
+        tol = 1e-5 if text == "int4" else 0.0
+        want = np.asarray(want)[np.asarray(rows)]
+        np.testing.assert_allclose(np.asarray(got), want, rtol=tol, atol=tol)
+    assert some.rows is not None
+    some = dataclasses.replace(some, rows=None)
+    leaves = zip(*map(jax.tree.leaves, (some, full, cache)), strict=True)
+    for a, b, before in leaves:
+        if a.ndim < 2:  # length, start
+            continue
+        if text != "int4":
+            np.testing.assert_array_equal(np.asarray(a)[[0, 2]], np.asarray(b)[[0, 2]])
+        np.testing.assert_array_equal(np.asarray(a)[1], np.asarray(before)[1])
+    assert int(some.length) == int(full.length) == 23
+
+
+def test_rows_take_one_token_each():
+    config = DecoderConfig(
+        vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64
+    )
+    model = Decoder(config, rngs=nnx.Rngs(4))
+    cache = dataclasses.replace(model.init_cache(3, 64), rows=jnp.asarray([1], jnp.int32))
+    with pytest.raises(ValueError, match="one token per row"):
+        model(jnp.zeros((1, 2), jnp.int32), cache=cache)

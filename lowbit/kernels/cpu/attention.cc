@@ -633,8 +633,9 @@ ffi::Error Invalid(const std::string& msg) {
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                                ffi::AnyBuffer v, ffi::Buffer<ffi::F16> k_scales,
                                ffi::Buffer<ffi::F16> v_scales, ffi::Buffer<ffi::S32> start,
-                               ffi::Buffer<ffi::S32> slot, ffi::ResultBuffer<ffi::F32> out,
-                               int64_t fmt, int64_t integer_qk, float softcap) {
+                               ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> rows,
+                               ffi::ResultBuffer<ffi::F32> out, int64_t fmt, int64_t integer_qk,
+                               float softcap) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   if (qd.size() != 4) return Invalid("decode attention: q must be [B, H, G, D]");
@@ -647,20 +648,27 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     return Invalid("decode attention: cache codes have the wrong element type for the format");
   const int64_t row = fmt == kInt4 ? d / 2 : d;  // codes per slot
   if (fmt == kInt4 && d % 2 != 0) return Invalid("decode attention: int4 needs an even D");
-  if (kd.size() != 4 || kd[0] != b || kd[1] != h || kd[3] != row)
-    return Invalid("decode attention: keys must be [B, H, L, D] matching q [B, H, G, D]");
+  // Query row r reads cache row rows[r]: the cache may hold more rows than are decoded.
+  if (kd.size() != 4 || kd[1] != h || kd[3] != row)
+    return Invalid("decode attention: keys must be [R, H, L, D] matching q [B, H, G, D]");
+  const int64_t cache_rows = kd[0];
+  if (rows.element_count() != static_cast<size_t>(b))
+    return Invalid("decode attention: rows must be [B]");
+  for (int64_t r = 0; r < b; ++r)
+    if (rows.typed_data()[r] < 0 || rows.typed_data()[r] >= cache_rows)
+      return Invalid("decode attention: a row index is outside the cache's rows");
   const int64_t len = kd[2];
   const auto vd = v.dimensions();
-  if (vd.size() != 4 || vd[0] != b || vd[1] != h || vd[2] != len || vd[3] != row)
+  if (vd.size() != 4 || vd[0] != cache_rows || vd[1] != h || vd[2] != len || vd[3] != row)
     return Invalid("decode attention: values must have the keys' shape");
   int64_t groups = 0;
   if (Scaled(fmt)) {
     const auto sd = k_scales.dimensions();
     groups = sd.size() == 4 ? sd[3] : 0;
-    if (sd.size() != 4 || sd[0] != b || sd[1] != h || sd[2] != len || groups < 1 ||
+    if (sd.size() != 4 || sd[0] != cache_rows || sd[1] != h || sd[2] != len || groups < 1 ||
         d % groups != 0 || v_scales.dimensions().size() != 4 ||
         v_scales.element_count() != k_scales.element_count())
-      return Invalid("decode attention: scales must be [B, H, L, G] with G dividing D");
+      return Invalid("decode attention: scales must be [R, H, L, G] with G dividing D");
   }
   if (start.element_count() != static_cast<size_t>(b))
     return Invalid("decode attention: start must be [B]");
@@ -705,7 +713,9 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     std::vector<float> scores(g * ScoreStride(d, n));
     const float* qi = qp + t.bh * g * d;
     float *mi = ms.data() + i * g, *li = ls.data() + i * g, *ai = accs.data() + i * g * d;
-    const int64_t head = t.bh * len * row * code_bytes;
+    // The (cache row, head) this task reads.
+    const int64_t ch = rows.typed_data()[t.bh / h] * h + t.bh % h;
+    const int64_t head = ch * len * row * code_bytes;
     // A float cache read in place, elements of the type of `e` (a float32 one always is).
     auto in_place = [&](auto e) {
       using E = decltype(e);
@@ -719,7 +729,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     // A quantized or 16-bit cache: this chunk's keys and values as float32 scratch (32 KB
     // each at D = 64), then the float path.
     std::vector<float> kf(integer_qk ? 0 : n * d), vf(n * d);
-    const int64_t sc = t.bh * len * groups;
+    const int64_t sc = ch * len * groups;
     if (integer_qk) {
       IntScores(qi, g, d, groups, reinterpret_cast<const int8_t*>(kp + head), ksp + sc, t.t0,
                 t.t1, scores.data(), ScoreStride(d, n));
@@ -766,6 +776,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitDecodeAttention, lowbit::DecodeAttentionImpl
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
