@@ -36,6 +36,14 @@ from lowbit.eval._plots import (
     plot_loss_curve,
     plot_size_vs_quality,
 )
+from lowbit.eval._qat_gguf import (
+    QatGGUFResult,
+    QatGGUFSettings,
+    calibration_windows,
+    gguf_recipe,
+    mix_types,
+    qat_gguf,
+)
 from lowbit.eval._report import (
     ResultRow,
     print_table,
@@ -65,6 +73,12 @@ __all__ = [
     "lm_loss_fn",
     "make_train_step",
     "plot_loss_curve",
+    "QatGGUFResult",
+    "QatGGUFSettings",
+    "calibration_windows",
+    "gguf_recipe",
+    "mix_types",
+    "qat_gguf",
     "GGUF_RECIPE",
     "SOTU_SPEECHES",
     "EncoderRunner",
