@@ -1,7 +1,9 @@
 """`lowbit finetune MODEL --qat gguf:TYPE|gguf:MIX --text FILE --out DIR`: QAT onto a GGUF mix.
 
 Trains MODEL onto the exact grids of a llama.cpp mix (``gguf:Q2_K``, ``gguf:Q3_K_M``,
-``gguf:Q4_0``, ...: llama.cpp's per-tensor types), distilled from its own float logits
+``gguf:Q4_0``, ...: llama.cpp's per-tensor types), or of the GGML types a budget plan chose
+(``gguf:plan.json`` from ``lowbit quantize MODEL --max-bytes N --target gguf --plan-out
+plan.json``), distilled from its own float logits
 (`lowbit.eval.qat_gguf`: block by block, then end to end on block scales and norms), and
 writes DIR: a checkpoint whose quantized weights are the trained GGUF blocks (`lowbit export
 DIR --gguf F` writes them as they are), ``loss.png`` and ``finetune.json`` (settings, the
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
 
 from lowbit import serving
 from lowbit.cli._common import META_KIND, META_MODEL, META_RECIPE, progress, step, write_json
@@ -25,6 +28,7 @@ from lowbit.eval import (
     plot_loss_curve,
     qat_gguf,
     read_text,
+    recipe_types,
 )
 from lowbit.io import check_mix, save_checkpoint
 
@@ -37,9 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the ``--qat`` arguments to `lowbit finetune`'s parser."""
     parser.add_argument(
         "--qat",
-        metavar="gguf:TYPE|gguf:MIX",
+        metavar="gguf:TYPE|gguf:MIX|gguf:PLAN.json",
         help="quantization-aware training onto a llama.cpp mix's grids (gguf:Q2_K, "
-        "gguf:Q3_K_M, gguf:Q4_0, ...), distilled from the float model, instead of LoRA",
+        "gguf:Q3_K_M, gguf:Q4_0, ...) or a budget plan's GGML types (gguf:plan.json from "
+        "lowbit quantize --max-bytes N --target gguf --plan-out plan.json), distilled from "
+        "the float model, instead of LoRA",
     )
     parser.add_argument(
         "--windows", type=int, default=64, metavar="W", help="--qat: calibration windows (64)"
@@ -53,11 +59,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_qat(text: str) -> str:
-    """The llama.cpp mix of a ``--qat`` value; ValueError naming the flag and the forms."""
+    """The llama.cpp mix (or plan file) of a ``--qat`` value; ValueError naming the flag and
+    the forms."""
     if not str(text).lower().startswith(_PREFIX):
-        raise ValueError(f"--qat {text!r}: accepted: gguf:TYPE or gguf:MIX, e.g. gguf:Q3_K_M")
+        raise ValueError(
+            f"--qat {text!r}: accepted: gguf:TYPE, gguf:MIX or gguf:PLAN.json, e.g. gguf:Q3_K_M"
+        )
+    name = text[len(_PREFIX) :]
+    if name.endswith(".json"):
+        return name
     try:
-        return check_mix(text[len(_PREFIX) :])
+        return check_mix(name)
     except ValueError as e:
         raise ValueError(f"--qat {text!r}: {e}") from None
 
@@ -87,6 +99,10 @@ def run(args: argparse.Namespace) -> int:
         text = read_text(args.text) if args.text else default_training_text()
         with step(bar, "tokenizing"):
             tokens = serving.as_numpy_tokens(loaded.tokenizer, text)
+        types = None
+        if mix.endswith(".json"):
+            float_params = nnx.split(loaded.model)[1].to_pure_dict()
+            types = recipe_types(serving.load_recipe(mix), float_params)
         with step(bar, f"QAT onto {mix}") as advance:
             total = loaded.model.config.n_layers * settings.block_steps + settings.e2e_steps
             done = [0]
@@ -97,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                 advance(done[0], total)
 
             start = time.perf_counter()
-            result = qat_gguf(loaded.model, tokens, mix, settings, on_step=on_step)
+            result = qat_gguf(loaded.model, tokens, mix, settings, types=types, on_step=on_step)
             seconds = time.perf_counter() - start
         served = result.served()
         for leaf in jax.tree.leaves(served):

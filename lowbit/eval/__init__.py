@@ -43,6 +43,7 @@ from lowbit.eval._qat_gguf import (
     gguf_recipe,
     mix_types,
     qat_gguf,
+    recipe_types,
 )
 from lowbit.eval._report import (
     ResultRow,
@@ -79,6 +80,7 @@ __all__ = [
     "gguf_recipe",
     "mix_types",
     "qat_gguf",
+    "recipe_types",
     "GGUF_RECIPE",
     "SOTU_SPEECHES",
     "EncoderRunner",

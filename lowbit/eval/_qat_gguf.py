@@ -40,6 +40,7 @@ import optax
 from flax import nnx
 
 from lowbit.api import convert, qat, run
+from lowbit.formats import GGUFBlockFormat, get_format
 from lowbit.io import check_mix, planned_types
 from lowbit.recipes import Recipe, Rule, map_params, param_leaves, parse_candidate
 
@@ -139,6 +140,30 @@ def mix_types(params: Any, config: Any, target: str) -> dict[str, str]:
     """
     types = planned_types(params, config, check_mix(target))
     return {path: t for path, t in types.items() if t not in _FLOAT}
+
+
+def recipe_types(recipe: Recipe, params: Any) -> dict[str, str]:
+    """Param path -> GGML type of every weight `recipe` quantizes (e.g. a plan of the budget
+    planner, `lowbit quantize --max-bytes N --target gguf --plan-out plan.json`).
+
+    Raises:
+      ValueError: naming a weight whose format is no GGML type, and the ones that are.
+    """
+    types = {}
+    for decision in recipe.report(params, None).decisions:
+        if not decision.quantized:
+            continue
+        fmt = get_format(decision.config.format)
+        ggml_type = fmt.ggml_type if isinstance(fmt, GGUFBlockFormat) else None
+        ggml_type = ggml_type or qat.grid_type(decision.config)
+        if ggml_type is None:
+            raise ValueError(
+                f"the recipe quantizes {decision.path!r} to {fmt.name!r}, which is no GGML type; "
+                "GGUF QAT takes GGUF formats (q2_k .. q8_0, iq4_nl) or candidates q4_0 / q4_1 / "
+                "q8_0 (lowbit quantize --target gguf plans only these)"
+            )
+        types[decision.path] = ggml_type
+    return types
 
 
 def gguf_recipe(types: Mapping[str, str], params: Any, *, prefix: str = "") -> Recipe:

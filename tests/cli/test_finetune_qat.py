@@ -103,7 +103,7 @@ def test_bad_input_is_named_and_nothing_is_written(tiny, tmp_path, capsys):
     text, _ = tiny
     cases = [
         (["--qat", "gguf:Q3_K_XL"], "'Q3_K_XL' is not a llama.cpp mix.*Q3_K_M"),
-        (["--qat", "q4_k"], "--qat 'q4_k'.*gguf:TYPE or gguf:MIX"),
+        (["--qat", "q4_k"], "--qat 'q4_k'.*gguf:TYPE, gguf:MIX or gguf:PLAN.json"),
         (["--windows", "50", "--seq-len", "128"], "has 200 tokens; the calibration needs 6400"),
         # Training that diverges stops with the phase, the layer and the step.
         (["--lr", "1e30", "--e2e-steps", "0"], r"diverged in layers/0 at step \d+: .*layers/0/"),

@@ -7,9 +7,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lowbit.eval import QatGGUFSettings, calibration_windows, gguf_recipe, qat_gguf
+from lowbit.eval import (
+    QatGGUFSettings,
+    calibration_windows,
+    gguf_recipe,
+    qat_gguf,
+    recipe_types,
+)
 from lowbit.models import Decoder, DecoderConfig
-from lowbit.qarray import QArray, gguf_fake_quant
+from lowbit.qarray import QArray, QuantConfig, gguf_fake_quant
+from lowbit.recipes import Recipe, Rule
 
 TYPES = {"layers/0/mlp/down_proj/kernel": "Q3_K", "layers/0/attn/q_proj/kernel": "Q2_K"}
 
@@ -41,11 +48,22 @@ def test_k_quant_qat_lowers_the_divergence_and_serves_the_trained_grid():
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(result.grids))
 
 
-def test_recipe_and_windows():
-    params = {"layers": {0: {"attn": {"q_proj": {"kernel": np.zeros((256, 8))}}}}}
-    recipe = gguf_recipe({"layers/0/attn/q_proj/kernel": "Q4_0"}, params)
-    (rule,) = recipe.rules
-    assert rule.weight.format == "int4" and rule.weight.granularity.size == 32
+def test_recipe_types_and_windows():
+    params = {
+        "layers": {
+            0: {
+                "attn": {"q_proj": {"kernel": np.zeros((256, 8))}},
+                "mlp": {"up_proj": {"kernel": np.zeros((256, 8))}},
+            }
+        }
+    }
+    types = {"layers/0/attn/q_proj/kernel": "Q4_0", "layers/0/mlp/up_proj/kernel": "Q5_K"}
+    recipe = gguf_recipe(types, params)
+    assert {r.weight.format for r in recipe.rules} == {"int4", "q5_k"}
+    assert recipe_types(recipe, params) == types  # a plan's types, back
+    nf4 = Recipe(rules=(Rule(path=r".*kernel", weight=QuantConfig(format="nf4")),))
+    with pytest.raises(ValueError, match="quantizes 'layers/0/attn/q_proj/kernel' to 'nf4'"):
+        recipe_types(nf4, params)
     settings = QatGGUFSettings(windows=3, seq_len=4, batch=2)
     np.testing.assert_array_equal(
         calibration_windows(np.arange(13), settings), np.arange(12).reshape(3, 4)
