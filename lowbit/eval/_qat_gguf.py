@@ -375,29 +375,27 @@ def _block_phase(model, float_params, grids, recipe, types, windows, settings, r
     params = float_params
     grids = dict(grids)
     losses = []
+    programs: dict[Any, _LayerPrograms] = {}
     for i in range(config.n_layers):
         prefix = f"layers/{i}/"
-        layer_def = nnx.graphdef(model.layers[i])
         layer_params = params["layers"][i]
         layer_grids = {p[len(prefix) :]: g for p, g in grids.items() if p.startswith(prefix)}
-        wrap = qat.wrapper(gguf_recipe(types, layer_params, prefix=prefix))
-        layer = run(lambda s, x, view, d=layer_def: nnx.merge(d, s)(x, view, None)[0])
-        plain = jax.jit(lambda s, x, view, d=layer_def: nnx.merge(d, s)(x, view, None)[0])
-        y_float = plain(layer_params, x_float, full_inputs.of(config, i))
-        view = inputs.of(config, i)
-
-        def loss_fn(trainable, frozen, x, target, wrap=wrap, layer=layer, view=view):
-            state = _assemble(frozen, trainable)
-            y = layer(wrap(state, trainable["grids"]), x, view)
-            return jnp.mean((y - target) ** 2) / jnp.mean(target**2)
-
+        # Layers of one structure and the same types share their compiled programs.
+        layer_def = nnx.graphdef(model.layers[i])
+        key = (layer_def, tuple(sorted((p, t) for p, t in types.items() if p.startswith(prefix))))
+        if key not in programs:
+            recipe_i = gguf_recipe(types, layer_params, prefix=prefix)
+            programs[key] = _layer_programs(layer_def, recipe_i, settings)
+        prog = programs[key]
+        y_float = prog.plain(layer_params, x_float, full_inputs.of(config, i))
         trainable = {**_split_trainable(layer_params, types, prefix), "grids": layer_grids}
         layer_losses = []
         if settings.block_steps:
             trainable, layer_losses = _train(
-                loss_fn,
+                prog.step,
+                prog.optimizer,
                 trainable,
-                layer_params,
+                (layer_params, inputs.of(config, i)),
                 (x_quant, y_float),
                 settings,
                 settings.block_steps,
@@ -409,11 +407,40 @@ def _block_phase(model, float_params, grids, recipe, types, windows, settings, r
         layer_params = _assemble(layer_params, trainable)
         params = _replace_layer(params, i, layer_params)
         grids.update({prefix + p: g for p, g in trainable["grids"].items()})
-        served = jax.jit(lambda s, g, x, view, wrap=wrap, layer=layer: layer(wrap(s, g), x, view))
-        x_quant = served(layer_params, trainable["grids"], x_quant, full_inputs.of(config, i))
+        x_quant = prog.served(layer_params, trainable["grids"], x_quant, full_inputs.of(config, i))
         x_float = y_float
         losses.append(tuple(layer_losses))
     return params, grids, tuple(losses)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerPrograms:
+    """One layer structure's compiled programs: the float layer, the quantized layer, and a
+    training step (`_make_step`) with its optimizer."""
+
+    plain: Callable[..., jax.Array]
+    served: Callable[..., jax.Array]
+    step: Callable[..., Any]
+    optimizer: optax.GradientTransformation
+
+
+def _layer_programs(layer_def: Any, recipe: Recipe, settings: QatGGUFSettings) -> _LayerPrograms:
+    wrap = qat.wrapper(recipe)
+    call = lambda s, x, view: nnx.merge(layer_def, s)(x, view, None)[0]  # noqa: E731
+    layer = run(call)
+
+    def loss_fn(trainable, frozen, x, target):
+        layer_params, view = frozen
+        y = layer(wrap(_assemble(layer_params, trainable), trainable["grids"]), x, view)
+        return jnp.mean((y - target) ** 2) / jnp.mean(target**2)
+
+    optimizer = _optimizer(settings, settings.block_steps)
+    return _LayerPrograms(
+        plain=jax.jit(call),
+        served=jax.jit(lambda s, g, x, view: layer(wrap(s, g), x, view)),
+        step=_make_step(loss_fn, optimizer),
+        optimizer=optimizer,
+    )
 
 
 def _replace_layer(params: Any, i: int, layer_params: Any) -> Any:
@@ -436,8 +463,10 @@ def _e2e_phase(graphdef, float_params, params, grids, recipe, types, windows, se
         return _kl(jax.lax.stop_gradient(teacher(teacher_params, batch)), logits)
 
     trainable = {"norms": _split_trainable(params, types, "")["norms"], "grids": dict(grids)}
+    optimizer = _optimizer(settings, settings.e2e_steps)
     trainable, losses = _train(
-        loss_fn,
+        _make_step(loss_fn, optimizer),
+        optimizer,
         trainable,
         (params, float_params),
         (windows, windows),
@@ -451,14 +480,9 @@ def _e2e_phase(graphdef, float_params, params, grids, recipe, types, windows, se
     return _assemble(params, trainable), trainable["grids"], tuple(losses)
 
 
-def _train(loss_fn, trainable, frozen, data, settings, steps, rng, where, prefix, on_step):
-    """`steps` Adam steps of `loss_fn(trainable, frozen, x, target)` on random batches of the
-    windows `data` = (inputs, targets); stops on a non-finite loss or parameter."""
-    groups = {"weights": {}, "norms": {}, "grids": {}}
-    groups.update(trainable)
-    trainable = groups
-    optimizer = _optimizer(settings, steps)
-    opt_state = optimizer.init(trainable)
+def _make_step(loss_fn: Callable[..., jax.Array], optimizer: Any) -> Callable[..., Any]:
+    """A jitted ``step(trainable, opt_state, frozen, x, target) -> (trainable, opt_state,
+    loss)`` of `optimizer` on `loss_fn(trainable, frozen, x, target)`."""
 
     @jax.jit
     def step(trainable, opt_state, frozen, x, target):
@@ -466,6 +490,16 @@ def _train(loss_fn, trainable, frozen, data, settings, steps, rng, where, prefix
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         return optax.apply_updates(trainable, updates), opt_state, loss
 
+    return step
+
+
+def _train(step, optimizer, trainable, frozen, data, settings, steps, rng, where, prefix, on_step):
+    """`steps` of `step` (`_make_step`) on random batches of the windows `data` = (inputs,
+    targets); stops on a non-finite loss or parameter."""
+    groups = {"weights": {}, "norms": {}, "grids": {}}
+    groups.update(trainable)
+    trainable = groups
+    opt_state = optimizer.init(trainable)
     inputs, targets = data
     losses = []
     for s in range(steps):
