@@ -382,7 +382,8 @@ def _block_phase(model, float_params, grids, recipe, types, windows, settings, r
         layer_grids = {p[len(prefix) :]: g for p, g in grids.items() if p.startswith(prefix)}
         # Layers of one structure and the same types share their compiled programs.
         layer_def = nnx.graphdef(model.layers[i])
-        key = (layer_def, tuple(sorted((p, t) for p, t in types.items() if p.startswith(prefix))))
+        own = sorted((p[len(prefix) :], t) for p, t in types.items() if p.startswith(prefix))
+        key = (layer_def, tuple(own))
         if key not in programs:
             recipe_i = gguf_recipe(types, layer_params, prefix=prefix)
             programs[key] = _layer_programs(layer_def, recipe_i, settings)
