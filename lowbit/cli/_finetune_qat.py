@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--block-steps", type=int, default=100, metavar="N", help="--qat: steps per layer (100)"
     )
     parser.add_argument(
-        "--e2e-steps", type=int, default=100, metavar="N", help="--qat: end-to-end steps (100)"
+        "--e2e-steps", type=int, default=25, metavar="N", help="--qat: end-to-end steps (25)"
     )
 
 
