@@ -10,7 +10,7 @@ text (the evaluation speeches, which the training text leaves out): llama.cpp's 
 `lowbit eval FILE --against F32` reports), on the same token ids.
 
 Settings: ``LOWBIT_QAT_MIXES`` (default ``Q2_K``), ``LOWBIT_QAT_SETTINGS`` as
-``windows,seq_len,batch,block_steps,e2e_steps`` (default ``64,128,4,100,100``; a short run
+``windows,seq_len,batch,block_steps,e2e_steps`` (default ``64,128,4,100,25``; a short run
 says so in its table), ``LOWBIT_QAT_PPL_TOKENS`` (default 4096).
 """
 
@@ -27,7 +27,7 @@ from benchmarks._machine import cpu_model
 
 MIXES = tuple(os.environ.get("LOWBIT_QAT_MIXES", "Q2_K").split(","))
 SETTINGS = tuple(
-    int(x) for x in os.environ.get("LOWBIT_QAT_SETTINGS", "64,128,4,100,100").split(",")
+    int(x) for x in os.environ.get("LOWBIT_QAT_SETTINGS", "64,128,4,100,25").split(",")
 )
 PPL_TOKENS = int(os.environ.get("LOWBIT_QAT_PPL_TOKENS", "4096"))
 PPL_CONTEXT = 512
@@ -118,7 +118,7 @@ def run() -> str | None:
             _log(f"{mix} QAT: llama.cpp ppl {ppl_qat:.3f}, lowbit ppl {lowbit_ppl:.3f}")
             rows.append((f"{mix} lowbit QAT", f"{result.seconds:.0f} s", os.path.getsize(qat),
                          ppl_qat, div, lowbit_ppl))  # fmt: skip
-    full = SETTINGS == (64, 128, 4, 100, 100)
+    full = SETTINGS == (64, 128, 4, 100, 25)
     lines = [
         "## QAT onto llama.cpp mixes (`lowbit finetune --qat gguf:MIX`) vs llama.cpp's quantizer",
         "",
