@@ -64,6 +64,8 @@ def run() -> str | None:
     import jax
     from flax import nnx
 
+    # llama.cpp's perplexity (`benchmarks.mixes`) on as many tokens as lowbit's KL.
+    os.environ.setdefault("LOWBIT_MIXES_PPL_TOKENS", str(PPL_TOKENS))
     from benchmarks.mixes import _llama_cpp_perplexity, quantize_llama_cpp
     from lowbit.eval import QatGGUFSettings, default_text, default_training_text, qat_gguf
     from lowbit.io import export_gguf
