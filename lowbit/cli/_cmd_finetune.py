@@ -5,6 +5,9 @@ with the quantized base frozen, and writes DIR: the quantized base as a checkpoi
 `lowbit quantize` writes), the adapters beside it in ``DIR/adapters`` (`lowbit.save_adapters`),
 ``loss.png`` and ``finetune.json`` (settings and the loss per step). `lowbit eval DIR` and
 `lowbit generate DIR` run the base with the adapters.
+
+With ``--qat gguf:MIX`` it trains the model onto a llama.cpp mix's grids instead
+(`lowbit.cli._finetune_qat`).
 """
 
 from __future__ import annotations
