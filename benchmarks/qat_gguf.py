@@ -125,7 +125,9 @@ def run() -> str | None:
         "## QAT onto llama.cpp mixes (`lowbit finetune --qat gguf:MIX`) vs llama.cpp's quantizer",
         "",
         f"Machine: {cpu_model()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; measured "
-        "while the machine was shared (times are noisy).",
+        "while the machine was shared (times are noisy). Command: "
+        f"`LOWBIT_QAT_MIXES={','.join(MIXES)} LOWBIT_QAT_SETTINGS={','.join(map(str, SETTINGS))} "
+        f"LOWBIT_QAT_PPL_TOKENS={PPL_TOKENS} python -m benchmarks qat_gguf`.",
         f"SmolLM2-135M. QAT settings: {windows} windows x {seq_len} tokens, batch {batch}, "
         f"{block_steps} steps per layer, {e2e_steps} end-to-end steps"
         + ("" if full else " (a SHORT setting, not the default)")
