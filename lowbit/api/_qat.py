@@ -129,6 +129,7 @@ def _check_grids(grids: Mapping[str, Any] | None, decisions: Mapping[str, Any]) 
 
 qat.wrapper = wrapper  # type: ignore[attr-defined]
 qat.grid_init = grid_init  # type: ignore[attr-defined]
+qat.grid_type = _qat_grid.grid_type  # type: ignore[attr-defined]
 
 
 def convert(

@@ -5,6 +5,9 @@ with the quantized base frozen, and writes DIR: the quantized base as a checkpoi
 `lowbit quantize` writes), the adapters beside it in ``DIR/adapters`` (`lowbit.save_adapters`),
 ``loss.png`` and ``finetune.json`` (settings and the loss per step). `lowbit eval DIR` and
 `lowbit generate DIR` run the base with the adapters.
+
+With ``--qat gguf:MIX`` it trains the model onto a llama.cpp mix's grids instead
+(`lowbit.cli._finetune_qat`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from flax import nnx
 
 from lowbit import serving
 from lowbit.api import LoraConfig, LoraRule, lora_param_count
+from lowbit.cli import _finetune_qat
 from lowbit.cli._common import (
     ADAPTERS_DIR,
     META_KIND,
@@ -80,10 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-3, metavar="LR", help="peak learning rate")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (0)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    _finetune_qat.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Runs the command with parsed `args`; returns the exit status (errors raise)."""
+    if args.qat is not None:
+        return _finetune_qat.run(args)
     serving.check_recipe_spec(args.recipe)
     alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
     rule = LoraRule(

@@ -36,6 +36,15 @@ from lowbit.eval._plots import (
     plot_loss_curve,
     plot_size_vs_quality,
 )
+from lowbit.eval._qat_gguf import (
+    QatGGUFResult,
+    QatGGUFSettings,
+    calibration_windows,
+    gguf_recipe,
+    mix_types,
+    qat_gguf,
+    recipe_types,
+)
 from lowbit.eval._report import (
     ResultRow,
     print_table,
@@ -65,6 +74,13 @@ __all__ = [
     "lm_loss_fn",
     "make_train_step",
     "plot_loss_curve",
+    "QatGGUFResult",
+    "QatGGUFSettings",
+    "calibration_windows",
+    "gguf_recipe",
+    "mix_types",
+    "qat_gguf",
+    "recipe_types",
     "GGUF_RECIPE",
     "SOTU_SPEECHES",
     "EncoderRunner",

@@ -19,7 +19,16 @@ from lowbit.io._checkpoint_leaves import CheckpointLeaves, checkpoint_leaves
 from lowbit.io._checkpoint_writer import CheckpointWriter
 from lowbit.io._config_dict import quant_config_from_dict, quant_config_to_dict
 from lowbit.io._convert import ConvertReport, convert_checkpoint, streaming_problem
-from lowbit.io._gguf_export import EXPORT_TYPES, ExportReport, TensorNote, export_gguf
+from lowbit.io._gguf_export import (
+    EXPORT_TYPES,
+    LLAMA_MIXES,
+    ExportReport,
+    TensorNote,
+    check_mix,
+    export_gguf,
+    mix_type,
+    planned_types,
+)
 from lowbit.io._gguf_export import check_type as check_export_type
 from lowbit.io._gguf_import import gguf_tensor_to_qarray, import_gguf
 from lowbit.io._gguf_size import gguf_nbytes, gguf_plan_bytes
@@ -33,6 +42,10 @@ from lowbit.models import unpermute_rope_rows
 __all__ = [
     "ADAPTERS_DIR",
     "EXPORT_TYPES",
+    "LLAMA_MIXES",
+    "check_mix",
+    "mix_type",
+    "planned_types",
     "CheckpointError",
     "CheckpointLeaves",
     "CheckpointWriter",

@@ -18,12 +18,15 @@ re-interleaved for llama.cpp's RoPE) and in one of three ways:
   * **float**: 1-D tensors (norms) as F32; other float weights as F32 unless a type is asked.
 
 Requested types: a GGML type (``Q8_0``, ``Q4_1``, ``Q4_K``, ``Q6_K``, ``IQ4_NL``, ``F16``,
-...) for every 2-D weight, or a llama.cpp mix (``Q4_K_M``, ``Q4_K_S``, ``Q5_K_M``, ``Q5_K_S``)
-with llama.cpp's per-tensor choices: Q6_K for the output / tied embedding and for ``attn_v``
-and ``ffn_down`` in the first and last eighth of the layers and every third layer between
-(``_M`` mixes). A row length that is not a multiple of the block size (256 for K-quants)
-falls back per tensor as llama.cpp does (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K /
-Q3_K -> IQ4_NL, TQ -> Q4_0 ...), printed, or raises with ``strict=True``.
+...) for every 2-D weight, or a llama.cpp mix (`MIXES`: ``Q3_K_S`` .. ``Q5_K_M``) with
+llama.cpp's per-tensor choices (`mix_type`): e.g. Q6_K for the output / tied embedding, and
+for ``attn_v`` and ``ffn_down`` in the first and last eighth of the layers and every third
+layer between (``Q4_K_M``, ``Q5_K_M``). `LLAMA_MIXES` adds the mixes named like a GGML type
+(``Q2_K``, ``Q6_K``, ``Q4_0``, ``Q8_0``, ...): as an export type such a name means that type
+for every weight; `mix_type` and `planned_types` take it as llama.cpp's quantizer does. A row
+length that is not a multiple of the block size (256 for K-quants) falls back per tensor as
+llama.cpp does (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K -> Q4_0, TQ -> Q4_0
+...), printed, or raises with ``strict=True``.
 
 Metadata: every key of the source GGUF (architecture, tokenizer, chat template, ...) is copied
 with its type, except the file type, which is set for the output; without a source file the
@@ -69,8 +72,8 @@ from lowbit.ops import PreparedQArray
 from lowbit.qarray import QArray
 
 K_FALLBACK = {
-    "Q2_K": "IQ4_NL",
-    "Q3_K": "IQ4_NL",
+    "Q2_K": "Q4_0",
+    "Q3_K": "Q4_0",
     "Q4_K": "Q5_0",
     "Q5_K": "Q5_1",
     "Q6_K": "Q8_0",
@@ -87,7 +90,12 @@ K_FALLBACK = {
 """Type -> what a tensor whose rows are not whole blocks of it is written as instead (llama.cpp's
 choices; applied until the rows fit)."""
 
-MIXES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S")
+MIXES = ("Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M")
+"""llama.cpp mixes an export type names (their names are no GGML type's)."""
+LLAMA_MIXES = ("Q2_K", *MIXES, "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+"""Every llama.cpp mix (``llama-quantize`` file type) `mix_type` knows: `MIXES` and those
+named like the GGML type most of their weights take."""
+_MIX_BASE = {"Q2_K": "Q2_K", "Q3_K": "Q3_K", "Q4_K": "Q4_K", "Q5_K": "Q5_K"}
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16}
 EXPORT_TYPES = (*FLOAT_TYPES, *BLOCK_TYPES, *MIXES)
 """Accepted `type` values (besides None: keep quantized weights, floats as F32)."""
@@ -154,22 +162,103 @@ def _use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def _requested(name: str, type_: str | None, n_layers: int, tied: bool) -> str | None:
+def check_mix(mix: str) -> str:
+    """The canonical spelling of a llama.cpp mix name; ValueError listing `LLAMA_MIXES`."""
+    canonical = str(mix).upper()
+    if canonical not in LLAMA_MIXES:
+        raise ValueError(
+            f"{mix!r} is not a llama.cpp mix lowbit knows; accepted: {', '.join(LLAMA_MIXES)}"
+        )
+    return canonical
+
+
+def mix_type(name: str, mix: str, config: DecoderConfig) -> str | None:
+    """The type llama.cpp's quantizer gives GGUF tensor `name` in `mix` (before the fallback
+    for rows that are not whole blocks, `_fitting`); None for a tensor it keeps float.
+
+    Follows ``llama_tensor_get_type`` of llama.cpp for dense, non-Falcon models.
+
+    Args:
+      name: a GGUF tensor name (``blk.3.attn_v.weight``, ``output.weight``, ...).
+      mix: one of `LLAMA_MIXES`.
+      config: the model's `DecoderConfig` (layer count, grouped-query ratio, tied embedding).
+    """
+    if name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
+        return None  # expert routers stay float, as llama.cpp's quantizer keeps them
+    mix = check_mix(mix)
+    base = _MIX_BASE.get(mix[:4], mix)
+    n = config.n_layers
+    if name == "output.weight" or (config.tie_embeddings and name == "token_embd.weight"):
+        return "Q8_0" if base == "Q8_0" else "Q6_K"
+    if not name.startswith("blk."):
+        return base
+    layer = int(name.split(".")[1])
+    if name.endswith("attn_v.weight"):
+        gqa = config.n_heads // config.n_kv_heads
+        if mix == "Q2_K":
+            return "Q4_K" if gqa >= 4 else "Q3_K"
+        if mix == "Q3_K_M":
+            return "Q5_K" if layer < 2 else "Q4_K"
+        if mix == "Q3_K_L":
+            return "Q5_K"
+        if mix in ("Q4_K_M", "Q5_K_M") and _use_more_bits(layer, n):
+            return "Q6_K"
+        if mix == "Q4_K_S" and layer < 4:
+            return "Q5_K"
+        return base
+    if name.endswith("ffn_down.weight"):
+        if mix == "Q2_K":
+            return "Q3_K"
+        if mix == "Q3_K_M":
+            return "Q5_K" if layer < n // 16 else "Q4_K"
+        if mix == "Q3_K_L":
+            return "Q5_K"
+        if mix in ("Q4_K_M", "Q5_K_M") and _use_more_bits(layer, n):
+            return "Q6_K"
+        if mix == "Q4_K_S" and layer < n // 8:
+            return "Q5_K"
+        return base
+    if name.endswith("attn_output.weight"):
+        return {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K"}.get(mix, base)
+    return base
+
+
+def _requested(name: str, type_: str | None, config: DecoderConfig) -> str | None:
     """The type `type_` asks for tensor `name` (None: keep / float)."""
     if name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
         return None  # expert routers stay float, as llama.cpp's quantizer keeps them
     if type_ is None or type_ not in MIXES:
         return type_
-    base = "Q4_K" if type_.startswith("Q4") else "Q5_K"
-    if name == "output.weight" or (tied and name == "token_embd.weight"):
-        return "Q6_K"
-    if name.endswith(("attn_v.weight", "ffn_down.weight")):
-        layer = int(name.split(".")[1])
-        if type_.endswith("_M") and _use_more_bits(layer, n_layers):
-            return "Q6_K"
-        if type_ == "Q4_K_S" and layer < (4 if "attn_v" in name else n_layers // 8):
-            return "Q5_K"
-    return base
+    return mix_type(name, type_, config)
+
+
+def planned_types(params: Any, config: DecoderConfig, mix: str) -> dict[str, str]:
+    """Param path -> the GGML type llama.cpp's quantizer writes it as in `mix`: `mix_type`,
+    then the fallback for rows that are not whole blocks (``F16`` where none fits). 1-D params
+    (norms) and tensors llama.cpp keeps float are left out.
+
+    Args:
+      params: the `Decoder` params (arrays or shape structs: only shapes are read).
+      config: its `DecoderConfig`.
+      mix: one of `LLAMA_MIXES` (any case).
+    Raises:
+      ValueError: for a mix llama.cpp does not have, or a missing parameter.
+    """
+    mix = check_mix(mix)
+    types = {}
+    for name, where in gguf_param_map(config).items():
+        value = _leaf(params, where.path, abstract=True)
+        if value is None:
+            raise ValueError(
+                f"params have no {'/'.join(map(str, where.path))} for GGUF tensor {name!r}"
+            )
+        value = _oriented(name, where, _abstract(value))
+        requested = mix_type(name, mix, config)
+        if len(value.shape) < 2 or requested is None:
+            continue
+        path = "/".join(map(str, where.path))
+        types[path] = _fitting(requested, name, value.shape[-1], strict=False)[0]
+    return types
 
 
 def _fitting(type_: str, name: str, row: int, strict: bool) -> tuple[str, str]:
@@ -510,7 +599,7 @@ def _oriented(name: str, where: Any, value: Any) -> Any:
 
 def _choice(name: str, value: Any, type_: str | None, config: DecoderConfig, strict: bool) -> str:
     """The type tensor `name` is written as, from its shape and metadata (`_tensor`'s rule)."""
-    requested = _requested(name, type_, config.n_layers, config.tie_embeddings)
+    requested = _requested(name, type_, config)
     if isinstance(value, QArray):
         direct = _direct_type(value)
         if direct is not None:
@@ -523,7 +612,7 @@ def _choice(name: str, value: Any, type_: str | None, config: DecoderConfig, str
 
 def _tensor(name, value, type_, config, strict) -> tuple[np.ndarray, str, str, str]:
     """One tensor in GGUF layout -> (raw or float array, type, how, note)."""
-    requested = _requested(name, type_, config.n_layers, config.tie_embeddings)
+    requested = _requested(name, type_, config)
     if isinstance(value, QArray):
         direct = _direct(value)
         if direct is not None:

@@ -68,3 +68,35 @@ def test_grids_must_name_grid_weights():
         qat.wrapper(recipe)(params, {"missing": {}})
     int8 = Recipe(rules=(Rule(path=r".*kernel", weight=QuantConfig(format="int8")),))
     assert qat.grid_init(params, int8) == {}
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1"])
+def test_ggml_32_blocks_held_as_element_formats_train_on_their_grid(ggml_type):
+    from lowbit.qarray import gguf_fake_quant
+    from lowbit.recipes import parse_candidate
+
+    params, x, _ = _setup("q4_k")
+    config = parse_candidate(ggml_type.lower()).config("up/kernel", 2)
+    recipe = Recipe(rules=(Rule(path=r".*kernel", weight=config),))
+    grids = qat.grid_init(params, recipe)
+    assert set(grids) == {"up/kernel", "down/kernel"}
+    wrap = qat.wrapper(recipe)
+    forward = run(model)
+
+    def loss(params, grids):
+        return jnp.sum(forward(wrap(params, grids), x) ** 2)
+
+    g_params, g_grids = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, grids)
+    assert float(jnp.abs(g_grids["up/kernel"]["d"]).max()) > 0
+    grids = jax.tree.map(lambda p, g: p - 1e-3 * jnp.sign(g) * jnp.abs(p), grids, g_grids)
+    served = convert(params, recipe, grids=grids)
+    np.testing.assert_array_equal(
+        np.asarray(forward(served, x)), np.asarray(forward(wrap(params, grids), x))
+    )
+    q = served["up"]["kernel"]
+    assert isinstance(q, QArray) and q.format == config.format
+    # The element QArray holds the trained blocks: its values are the fake-quantized weight
+    # (Q4_1's zero point -m / d costs a float32 rounding).
+    want = gguf_fake_quant(params["up"]["kernel"].T, grids["up/kernel"], ggml_type).T
+    tolerance = 1e-6 if ggml_type == "Q4_1" else 0
+    np.testing.assert_allclose(np.asarray(q.dequantize()), np.asarray(want), atol=tolerance)

@@ -1,0 +1,148 @@
+"""Benchmark section: `lowbit finetune --qat gguf:MIX` against llama.cpp's own quantizer.
+
+SmolLM2's float weights (the bundled asset dequantized) are exported by lowbit as an F32 GGUF
+file; llama.cpp's quantizer (`llama_model_quantize`, llama-cpp-python) makes each mix from it
+(its PTQ, no importance matrix), and lowbit's QAT (`lowbit.eval.qat_gguf`: the same per-tensor
+types, block by block then end to end, distilled from the float model on training speeches)
+is exported with its trained blocks written as they are. Both files are scored on held-out
+text (the evaluation speeches, which the training text leaves out): llama.cpp's perplexity
+(`PPL_TOKENS` tokens, windows of 512) and lowbit's KL divergence from the float model (what
+`lowbit eval FILE --against F32` reports), on the same token ids.
+
+Settings: ``LOWBIT_QAT_MIXES`` (default ``Q2_K``), ``LOWBIT_QAT_SETTINGS`` as
+``windows,seq_len,batch,block_steps,e2e_steps`` (default ``64,128,4,100,25``; a short run
+says so in its table), ``LOWBIT_QAT_PPL_TOKENS`` (default 4096).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks._machine import cpu_model
+
+MIXES = tuple(os.environ.get("LOWBIT_QAT_MIXES", "Q2_K").split(","))
+SETTINGS = tuple(
+    int(x) for x in os.environ.get("LOWBIT_QAT_SETTINGS", "64,128,4,100,25").split(",")
+)
+PPL_TOKENS = int(os.environ.get("LOWBIT_QAT_PPL_TOKENS", "4096"))
+PPL_CONTEXT = 512
+
+
+def _log(text: str) -> None:
+    print(f"[qat_gguf] {text}", file=sys.stderr, flush=True)
+
+
+def _kl(path: str, base_logits, config, graphdef, tokens: np.ndarray):
+    """(perplexity, KL divergence from the float model) of a GGUF file run by lowbit."""
+    import jax
+    from flax import nnx
+
+    from lowbit.api import run
+    from lowbit.eval import divergence
+    from lowbit.io import import_gguf
+    from lowbit.models import gguf_param_map
+
+    params, _ = import_gguf(path, name_map=gguf_param_map(config).get)
+    forward = jax.jit(run(lambda s, t: nnx.merge(graphdef, s)(t)))
+    ppl, div = divergence(
+        lambda t: forward(params, t),
+        base_logits,
+        tokens,
+        context=PPL_CONTEXT,
+        max_tokens=PPL_TOKENS,
+    )
+    return ppl.perplexity, div
+
+
+def run() -> str | None:
+    """Markdown: per mix, llama.cpp's PTQ file against lowbit's QAT file."""
+    import jax
+    from flax import nnx
+
+    # llama.cpp's perplexity (`benchmarks.mixes`) on as many tokens as lowbit's KL.
+    os.environ.setdefault("LOWBIT_MIXES_PPL_TOKENS", str(PPL_TOKENS))
+    from benchmarks.mixes import _llama_cpp_perplexity, quantize_llama_cpp
+    from lowbit.eval import QatGGUFSettings, default_text, default_training_text, qat_gguf
+    from lowbit.io import export_gguf
+    from lowbit.models import has_smollm2, smollm2_gguf_path
+    from lowbit.serving import load_model
+
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None
+    if not has_smollm2():
+        return None
+    windows, seq_len, batch, block_steps, e2e_steps = SETTINGS
+    settings = QatGGUFSettings(
+        windows=windows,
+        seq_len=seq_len,
+        batch=batch,
+        block_steps=block_steps,
+        e2e_steps=e2e_steps,
+    )
+    loaded = load_model("smollm2")
+    config = loaded.model.config
+    graphdef, state = nnx.split(loaded.model)
+    pure = state.to_pure_dict()
+    encode = lambda text: np.asarray(loaded.tokenizer.encode(text).ids, np.int32)  # noqa: E731
+    train, held_out = encode(default_training_text()), encode(default_text())
+    source = str(smollm2_gguf_path())
+    float_forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
+    base_logits = lambda t: float_forward(pure, t)  # noqa: E731
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        f32 = os.path.join(tmp, "smollm2-f32.gguf")
+        export_gguf(pure, f32, config=config, type="F32", source=source, log=None)
+        base = _llama_cpp_perplexity(f32, held_out)
+        _log(f"F32: llama.cpp perplexity {base:.3f}")
+        rows.append(("F32 (lowbit export)", "-", os.path.getsize(f32), base, None, None))
+        for mix in MIXES:
+            ptq = os.path.join(tmp, f"ptq-{mix}.gguf")
+            seconds = quantize_llama_cpp(f32, ptq, mix)
+            ppl = _llama_cpp_perplexity(ptq, held_out)
+            _, div = _kl(ptq, base_logits, config, graphdef, held_out)
+            _log(f"{mix} llama.cpp: ppl {ppl:.3f}, KL {div.kld_mean:.4f}")
+            rows.append((f"{mix} llama.cpp quantizer", f"{seconds:.0f} s", os.path.getsize(ptq),
+                         ppl, div, None))  # fmt: skip
+            result = qat_gguf(loaded.model, train, mix, settings)
+            _log(f"{mix} QAT: {result.seconds:.0f} s, train KL {result.kl_before:.4f} -> "
+                 f"{result.kl_after:.4f}")  # fmt: skip
+            qat = os.path.join(tmp, f"qat-{mix}.gguf")
+            export_gguf(result.served(), qat, config=config, source=source, log=None)
+            ppl_qat = _llama_cpp_perplexity(qat, held_out)
+            lowbit_ppl, div = _kl(qat, base_logits, config, graphdef, held_out)
+            _log(f"{mix} QAT: llama.cpp ppl {ppl_qat:.3f}, lowbit ppl {lowbit_ppl:.3f}")
+            rows.append((f"{mix} lowbit QAT", f"{result.seconds:.0f} s", os.path.getsize(qat),
+                         ppl_qat, div, lowbit_ppl))  # fmt: skip
+    full = SETTINGS == (64, 128, 4, 100, 25)
+    lines = [
+        "## QAT onto llama.cpp mixes (`lowbit finetune --qat gguf:MIX`) vs llama.cpp's quantizer",
+        "",
+        f"Machine: {cpu_model()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; measured "
+        "while the machine was shared (times are noisy). Command: "
+        f"`LOWBIT_QAT_MIXES={','.join(MIXES)} LOWBIT_QAT_SETTINGS={','.join(map(str, SETTINGS))} "
+        f"LOWBIT_QAT_PPL_TOKENS={PPL_TOKENS} python -m benchmarks qat_gguf`.",
+        f"SmolLM2-135M. QAT settings: {windows} windows x {seq_len} tokens, batch {batch}, "
+        f"{block_steps} steps per layer, {e2e_steps} end-to-end steps"
+        + ("" if full else " (a SHORT setting, not the default)")
+        + f". Held-out scoring: {PPL_TOKENS} tokens of the evaluation speeches, windows of "
+        f"{PPL_CONTEXT}; KL = lowbit's mean KL divergence from the float model (nats/token).",
+        "",
+        "| file | time to make | bytes | llama.cpp ppl | KL vs float | top-1 | lowbit ppl |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, took, size, ppl, div, own in rows:
+        kl = "-" if div is None else f"{div.kld_mean:.4f} ± {div.kld_ci95:.4f}"
+        top1 = "-" if div is None else f"{100 * div.top1:.1f}%"
+        lines.append(
+            f"| {name} | {took} | {size:,} | {ppl:.3f} | {kl} | {top1} | "
+            + ("-" if own is None else f"{own:.3f}")
+            + " |"
+        )
+    return "\n".join(lines)
