@@ -57,9 +57,11 @@ PROMPTS = 24
 TITLE = "## `lowbit serve` soak: well-behaved and hostile clients at once"
 GGUF_SHOWN = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the bundled file (lowbit.models.smollm2_gguf_path)
 MAX_BODY_BYTES = 65536
+# --deterministic: answers are checked token for token against the same request run alone,
+# which holds only while a row's arithmetic does not depend on the rows beside it.
 SERVER_FLAGS = [
     "--recipe", "gguf", "--int8-activations", "--slots", "8", "--max-len", "512",
-    "--max-body-bytes", str(MAX_BODY_BYTES),
+    "--max-body-bytes", str(MAX_BODY_BYTES), "--deterministic",
 ]  # fmt: skip
 
 

@@ -127,6 +127,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens guessed per request and step with --speculate (1-8, default 8)",
     )
     parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="run every decode step over all slots and prefill every prompt alone, so that a "
+        "request's tokens never depend on which others run beside it (slower for a few "
+        "clients; default: the busy rows only, waiting prompts together)",
+    )
+    parser.add_argument(
         "--embeddings",
         action="store_true",
         help="also serve POST /v1/embeddings (mean-pooled final hidden states, normalized; "

@@ -160,6 +160,12 @@ class SchedulerConfig:
     speculate_tokens: tokens guessed per row and turn (checked in one forward pass).
     prefill_rows: waiting prompts prefilled together in one pass, at most
       (`lowbit.server._batch_prefill`); 1: each alone.
+    deterministic: every decode step runs all slots and every prompt is prefilled alone, so
+      a request's tokens never depend on which others run beside it. Otherwise the busy rows
+      alone are decoded and waiting prompts prefilled together: faster for a few clients,
+      but XLA orders a float reduction (an RMSNorm's sum) by the batch's size, and int8
+      activations turn a last-bit difference into another token where two are nearly tied,
+      so a greedy answer may then differ from the same request run alone.
     """
 
     slots: int = 8
@@ -174,6 +180,7 @@ class SchedulerConfig:
     speculate: str | None = None
     speculate_tokens: int = 8
     prefill_rows: int = 4
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.speculate not in (None, "ngram"):
@@ -288,7 +295,8 @@ class Scheduler:
         self._prefill: _Prefill | None = None
         # Prompts prefilled in a batch with another, waiting for room in the slots.
         self._pending: collections.deque[_Prefill] = collections.deque()
-        self.batch_sizes = batch_prefill.batch_sizes(min(c.prefill_rows, c.slots))
+        rows = 1 if c.deterministic else c.prefill_rows
+        self.batch_sizes = batch_prefill.batch_sizes(min(rows, c.slots))
         self._rows: list[Job | None] = [None] * c.slots
         self._stop = False
         self.ready = False
@@ -579,11 +587,13 @@ class Scheduler:
         with example arguments. A turn runs one only once it is compiled
         (`ProgramRegistry.ready`), else the full decode."""
         slots, out = self.config.slots, []
-        for b in programs.row_buckets(slots):
+        # Deterministic: programs over all the rows only (see `SchedulerConfig`).
+        buckets = [] if self.config.deterministic else programs.row_buckets(slots)
+        for b in buckets:
             out.append(("decode_rows", b, self._decode_args(1, np.arange(b, dtype=np.int32))))
         if self.config.speculate is not None:
             k = self.config.speculate_tokens
-            for b in [*programs.row_buckets(slots), slots]:
+            for b in [*buckets, slots]:
                 index = np.arange(b, dtype=np.int32)
                 out.append(("verify", b, self._verify_args(np.zeros((b, k + 1), np.int32), index)))
         return out

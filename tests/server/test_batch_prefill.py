@@ -2,6 +2,7 @@
 prefills several waiting prompts in one pass hands out exactly the tokens `generate_tokens`
 gives each alone, and saves their blocks to the prefix cache."""
 
+import dataclasses
 import time
 
 import numpy as np
@@ -101,3 +102,17 @@ def test_waiting_prompts_prefilled_together_match_each_alone(loaded, kv_cache):
         )
         assert answers[i] == expected.tokens[0], i
         assert done[i] == ("stop" if expected.stopped[0] else "length"), i
+
+
+def test_deterministic_runs_every_step_over_all_slots_and_each_prompt_alone(loaded):
+    # A row's arithmetic then never depends on the rows beside it (see SchedulerConfig).
+    config = SchedulerConfig(
+        slots=4, max_len=64, single_pass=16, chunk=16, speculate="ngram", deterministic=True
+    )
+    scheduler = Scheduler(loaded.model, None, None, config)
+    assert max(scheduler.batch_sizes, default=1) == 1
+    programs = [(name, width) for name, width, _ in scheduler._row_programs()]
+    assert programs == [("verify", 4)]
+    fast = Scheduler(loaded.model, None, None, dataclasses.replace(config, deterministic=False))
+    assert max(fast.batch_sizes) > 1
+    assert ("decode_rows", 1) in [(name, width) for name, width, _ in fast._row_programs()]

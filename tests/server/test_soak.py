@@ -55,7 +55,7 @@ def test_a_short_soak_gets_no_5xx_and_no_wrong_or_lost_answer(tmp_path):
         sys.executable, "-c", "import sys; from lowbit.cli import main; sys.exit(main())",
         "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--slots", "2",
         "--max-len", "64", "--prefill-chunk", "32", "--queue", "8",
-        "--max-body-bytes", str(MAX_BODY_BYTES), "--read-timeout", "20",
+        "--max-body-bytes", str(MAX_BODY_BYTES), "--read-timeout", "20", "--deterministic",
     ]  # fmt: skip
     log = tmp_path / "server.log"
     proc = start_server(command, port, log, dict(os.environ, PYTHONPATH=str(ROOT)), ROOT, 240)
