@@ -3,7 +3,8 @@
 A prompt is prefilled as `lowbit.generate` prefills a batch of one: left-padded to its bucketed
 width ``W`` (`lowbit.server._programs.prefill`). Prompts of the same width can share that pass:
 each row of a ``[b, W]`` batch is left-padded as it would be alone, and a row attends only to
-its own slots, so each computes what it would alone while the weights are read once for all.
+its own slots, so each computes what it would alone (up to the float rounding of a batch's
+shape: `SchedulerConfig.deterministic` prefills each alone) while the weights are read once.
 A batch takes prompts of one width only (a wider padding would change nothing but cost), in
 the order they arrived, at most as many as there are free slots (each is placed at once), and
 only prompts of one chunk or less (longer ones may read the prefix cache, one at a time).

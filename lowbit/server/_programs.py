@@ -15,7 +15,8 @@ A prompt is prefilled as `lowbit.generate` prefills a batch of one (left-padded 
 bucketed width ``W``, in a cache of the widest one-pass width's slots, whose slots past ``W``
 stay empty and unseen), alone or in a batch of prompts of the same width
 (`lowbit.server._batch_prefill`), then copied into its row (`insert`, one program for every
-``W``). So a slot computes what ``generate_tokens([prompt], key=seed)`` computes. A prompt too long
+``W``). So a slot computes what ``generate_tokens([prompt], key=seed)`` computes (bit for bit
+when prefilled alone; a batch's shape may round its floats otherwise). A prompt too long
 for one pass is prefilled in chunks (`prefill_chunk`) into a ``T``-slot cache, between decode
 steps of the others (the same tokens up to float rounding: the chunks' products differ in
 shape, and a quantized cache takes its key offset from the first chunk).
