@@ -56,7 +56,7 @@ from ._generate import (
 )
 from ._gguf_tokenizer import SpecialTokens, special_token_ids
 from ._hf_config import HF_MODEL_TYPES, decoder_config_from_hf
-from ._kv_cache import KVCache, dequantize_kv, quantize_kv
+from ._kv_cache import KVCache, dequantize_kv, quantize_kv, take_rows
 from ._rotate import (
     RotationError,
     RotationReport,
@@ -87,6 +87,7 @@ __all__ = [
     "Generation",
     "GenerationSharding",
     "KVCache",
+    "take_rows",
     "ParamMapping",
     "RotationError",
     "RotationReport",

@@ -151,7 +151,7 @@ class LayerKV:
         # The first write (slot 0: the prompt) sets the key offset: the mean of its real tokens.
         start, current = self.start, self.key_offsets
         if self.rows is not None:
-            start, current = _take_rows(start, self.rows), _take_rows(current, self.rows)
+            start, current = take_rows(start, self.rows), take_rows(current, self.rows)
         real = (slot + jnp.arange(k.shape[2]))[None, :] >= start[:, None]  # [b, seq]
         real = real[:, None, :, None].astype(jnp.float32)
         mean = jnp.sum(k.astype(jnp.float32) * real, axis=2, keepdims=True) / jnp.maximum(
@@ -194,7 +194,7 @@ class LayerKV:
 
         def take(a):
             a = jax.lax.dynamic_slice_in_dim(a, first, size, axis=2)
-            return a if self.rows is None else _take_rows(a, self.rows)
+            return a if self.rows is None else take_rows(a, self.rows)
 
         if self.config is None:
             return dataclasses.replace(self, keys=take(self.keys), values=take(self.values))
@@ -219,7 +219,7 @@ class LayerKV:
         return dequantize_kv(self.values, self.value_scales, self.config, dtype)
 
 
-def _take_rows(a: jax.Array, rows: jax.Array) -> jax.Array:
+def take_rows(a: jax.Array, rows: jax.Array) -> jax.Array:
     """``a[rows]`` along the first axis, a row at a time (XLA:CPU runs a gather element by
     element, a slice as one copy)."""
     parts = [jax.lax.dynamic_index_in_dim(a, rows[i], 0) for i in range(rows.shape[0])]

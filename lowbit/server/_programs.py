@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 
 from lowbit.engine import interpret
-from lowbit.models import KVCache, greedy_tokens, sample_rows
+from lowbit.models import KVCache, greedy_tokens, sample_rows, take_rows
 from lowbit.server._logprobs import TokenLogprobs, token_logprobs
 from lowbit.server._penalties import count_tokens, penalize, restart_counts
 from lowbit.server._protocol import MAX_LOGPROBS
@@ -191,7 +191,7 @@ def decode_rows(
     rows in place (`KVCache.rows`). The other rows are not run: their tokens come back -1 and
     their cache slots and counts unchanged. Arguments and results are `decode`'s, every one
     of ``B`` rows."""
-    pick = functools.partial(_gather, index=index)
+    pick = functools.partial(take_rows, rows=index)
     decoded, cache = decode(
         graphdef,
         params,
@@ -281,16 +281,9 @@ def _with_slot_arrays(cache: KVCache, arrays: Any, **changes: Any) -> KVCache:
     )
 
 
-def _gather(a: jax.Array, index: jax.Array) -> jax.Array:
-    """``a[index]`` along the first axis (``index [b]``), a row at a time: XLA:CPU runs a
-    gather element by element, a slice as one copy."""
-    rows = [jax.lax.dynamic_index_in_dim(a, index[i], 0) for i in range(index.shape[0])]
-    return jnp.concatenate(rows, axis=0)
-
-
 def _scatter(a: jax.Array, index: jax.Array, rows: jax.Array, at: int | jax.Array = 0) -> jax.Array:
     """`a` with ``rows[i]`` written at row ``index[i]`` (distinct), and along the third axis
-    from `at` when `rows` is narrower there; a row at a time, as `_gather`."""
+    from `at` when `rows` is narrower there; a row at a time, as `lowbit.models.take_rows`."""
     for i in range(index.shape[0]):
         corner = (index[i], *(at if axis == 2 else 0 for axis in range(1, a.ndim)))
         a = jax.lax.dynamic_update_slice(a, rows[i : i + 1], corner)
@@ -300,7 +293,7 @@ def _scatter(a: jax.Array, index: jax.Array, rows: jax.Array, at: int | jax.Arra
 def _take_rows(cache: KVCache, index: jax.Array) -> KVCache:
     """Rows ``index [b]`` of `cache` as a cache of ``b`` rows at the same clock (every leaf
     with a row axis: codes, scales, key offsets, starts)."""
-    take = functools.partial(_gather, index=index)
+    take = functools.partial(take_rows, rows=index)
     arrays = jax.tree.map(take, _slot_arrays(cache))
     offsets = tuple(take(a) for a in cache.key_offsets)
     # One copy, read by everything after: not a slice fused into each of its readers.
