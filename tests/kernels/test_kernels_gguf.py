@@ -12,7 +12,7 @@ from lowbit import kernels
 from lowbit.gguf import block_type
 from lowbit.gguf import decode as gguf_decode
 from lowbit.gguf import encode as gguf_encode
-from lowbit.kernels._gguf import TILE_BYTES
+from lowbit.kernels._gguf import TILE_BYTES, _q8_blocks
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.status())
 
@@ -121,11 +121,32 @@ def test_int8_activations_match_the_reference_rounding():
     k, n = 576, 16
     rows = jnp.asarray(_rows("Q8_0", n, k))
     x = jnp.asarray(np.random.default_rng(3).standard_normal((2, k)).astype(np.float32))
-    from lowbit.kernels._gguf import _q8_blocks
 
     ref = np.asarray(_q8_blocks(x)) @ gguf_decode("Q8_0", np.asarray(rows)).T
     y = np.asarray(_linear(x, rows, ggml_type="Q8_0", int8_activations=True))
     np.testing.assert_allclose(y, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_K"])
+def test_int8_activations_round_ties_to_even_on_every_path(ggml_type, isa):
+    """Rows quantized in parallel (M >= 16) and by the vector copy: halves round to even as the
+    reference's, an all-zero block gives no NaN, and an Inf activation makes its row NaN."""
+    k, m = 512, 20
+    rows = jnp.asarray(_rows(ggml_type, 16, k))
+    x = np.random.default_rng(5).standard_normal((m, k)).astype(np.float32)
+    # amax 127: scale exactly 1, so these are ties in both the kernel's x * (1 / d) and x / d.
+    x[:, :32] = np.resize(np.array([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, -126.5], np.float32), 32)
+    x[3, 32:64] = 0.0
+    x[7, 100] = np.inf
+    x[9, 200] = -np.inf
+    ref = np.asarray(_q8_blocks(jnp.asarray(x))) @ gguf_decode(ggml_type, np.asarray(rows)).T
+    y = np.asarray(_linear(jnp.asarray(x), rows, ggml_type=ggml_type, int8_activations=True))
+    finite = [r for r in range(m) if r not in (7, 9)]
+    assert np.isnan(y[[7, 9]]).all() and np.isfinite(y[finite]).all()
+    if ggml_type == "Q8_0":  # Q8_K's blocks of 256 round other values than the reference's 32
+        np.testing.assert_allclose(
+            y[finite], ref[finite], rtol=0, atol=1e-4 * np.abs(ref[finite]).max()
+        )
 
 
 @pytest.mark.parametrize("ggml_type", ["Q5_0", "Q4_K"])
