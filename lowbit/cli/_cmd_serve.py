@@ -19,11 +19,15 @@ from lowbit.cli._common import (
     add_int8_activations_argument,
     add_language_model_arguments,
     chat_template,
+    is_checkpoint,
     open_language_model,
+    open_target,
+    progress,
     resolve_kv_cache,
     settings_from_args,
     stop_ids,
 )
+from lowbit.ops import with_int8_activations
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,11 +117,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--speculate",
-        choices=["ngram"],
+        metavar="ngram|MODEL",
         default=None,
         help="speculative decoding: 'ngram' guesses each greedy request's next tokens from "
-        "its own prompt and answer (prompt lookup) and checks them in one forward pass; the "
-        "same tokens, faster when answers copy their prompt (default: off)",
+        "its own prompt and answer (prompt lookup); a model (a name, GGUF file or checkpoint "
+        "of the same tokenizer, run with --recipe) guesses them as a draft model. The served "
+        "model checks the guesses in one forward pass: the same tokens, faster when the "
+        "guesses hold (default: off)",
     )
     parser.add_argument(
         "--speculate-tokens",
@@ -158,6 +164,30 @@ def _size(text: str) -> int:
     return int(digits) * units.get(unit, 1)
 
 
+def _draft_model(args: argparse.Namespace, spec: str, served: object) -> object:
+    """``--speculate MODEL``: the draft model, opened with ``--recipe`` (a checkpoint with its
+    own) and ``--int8-activations`` as the served one.
+
+    Raises:
+      ValueError: naming --speculate, for an encoder or another tokenizer.
+    """
+    from lowbit import server
+
+    with progress() as bar:
+        target = open_target(spec, None if is_checkpoint(spec) else args.recipe, bar)
+    draft = target.loaded
+    if draft.kind != "lm":
+        raise ValueError(f"--speculate {spec}: {draft.name} is an encoder, not a draft model")
+    vocab = getattr(draft.tokenizer, "get_vocab", dict)()
+    if vocab != getattr(served.tokenizer, "get_vocab", dict)():
+        raise ValueError(
+            f"--speculate {spec}: {draft.name}'s tokenizer is not {served.name}'s; a draft "
+            "model must share the served model's tokenizer (the same tokens and ids)"
+        )
+    params = with_int8_activations(target.params) if args.int8_activations else target.params
+    return server.DraftModel(draft.model, params)
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs the command with parsed `args`; returns the exit status (errors raise)."""
     # The server (starlette, uvicorn, llguidance: ~0.5 s, ~150 modules) loads for `serve` only,
@@ -174,13 +204,21 @@ def run(args: argparse.Namespace) -> int:
             f"--read-timeout={args.read_timeout} > 0"
         )
     # --prefill-chunk is both the longest prompt prefilled in one pass and the chunk size.
+    draft_spec = args.speculate if args.speculate not in (None, "ngram") else None
+    speculate = "draft" if draft_spec else args.speculate
     config = settings_from_args(
-        server.SchedulerConfig, args, single_pass="prefill_chunk", chunk="prefill_chunk"
+        server.SchedulerConfig,
+        argparse.Namespace(**{**vars(args), "speculate": speculate}),
+        single_pass="prefill_chunk",
+        chunk="prefill_chunk",
     )
     kv = resolve_kv_cache(args.kv_cache, args.recipe)
     target, metadata, params = open_language_model(args, "serve", encoders=True)
     loaded = target.loaded
     encoder = loaded.kind != "lm"
+    if encoder and args.speculate is not None:
+        raise ValueError(f"--speculate: {loaded.name} is an encoder; it generates no tokens")
+    draft = None if draft_spec is None else _draft_model(args, draft_spec, loaded)
     if encoder and kv is not None:
         raise ValueError(f"--kv-cache: {loaded.name} is an encoder; it keeps no KV cache")
     template = None
@@ -188,7 +226,9 @@ def run(args: argparse.Namespace) -> int:
         template = None if encoder else chat_template(metadata)
     except ValueError as err:
         print(f"lowbit serve: no chat endpoint ({err})", file=sys.stderr)
-    scheduler = server.Scheduler(loaded.model, params, kv, config, program_dir=program_directory())
+    scheduler = server.Scheduler(
+        loaded.model, params, kv, config, program_dir=program_directory(), draft=draft
+    )
     served = server.ServedModel(
         name=loaded.name,
         tokenizer=loaded.tokenizer,

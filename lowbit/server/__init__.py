@@ -10,11 +10,13 @@ from lowbit.server._app import ServedModel, create_app
 from lowbit.server._protocol import APIError, CompletionRequest, parse_request
 from lowbit.server._run import run
 from lowbit.server._scheduler import Job, NotReady, QueueFull, Scheduler, SchedulerConfig
+from lowbit.server._speculate import DraftModel
 from lowbit.server._text import TextStream
 
 __all__ = [
     "APIError",
     "CompletionRequest",
+    "DraftModel",
     "Job",
     "NotReady",
     "QueueFull",

@@ -154,9 +154,10 @@ class SchedulerConfig:
     prefix_block: tokens per prefix-cache block (a power of two from 8 to `chunk`).
     embeddings: compile the embedding programs and serve ``/v1/embeddings`` (an encoder,
       which only embeds, always does).
-    speculate: None, or ``"ngram"``: speculative decoding by prompt lookup
-      (`lowbit.server._speculate`) in the turns where every busy row may take it (greedy,
-      without log-probabilities, grammar, penalties or logit bias).
+    speculate: None, ``"ngram"`` (speculative decoding by prompt lookup) or ``"draft"``
+      (guesses of the scheduler's `DraftModel`), `lowbit.server._speculate`, in the turns
+      where every busy row may take it (greedy, without log-probabilities, grammar,
+      penalties or logit bias).
     speculate_tokens: tokens guessed per row and turn (checked in one forward pass).
     prefill_rows: waiting prompts prefilled together in one pass, at most
       (`lowbit.server._batch_prefill`); 1: each alone.
@@ -183,8 +184,8 @@ class SchedulerConfig:
     deterministic: bool = False
 
     def __post_init__(self):
-        if self.speculate not in (None, "ngram"):
-            raise ValueError(f"speculate={self.speculate!r} must be None or 'ngram'")
+        if self.speculate not in (None, "ngram", "draft"):
+            raise ValueError(f"speculate={self.speculate!r} must be None, 'ngram' or 'draft'")
         if not 1 <= self.speculate_tokens <= programs.MAX_STEPS:
             raise ValueError(
                 f"speculate_tokens={self.speculate_tokens} must be in 1..{programs.MAX_STEPS}"
@@ -258,6 +259,8 @@ class Scheduler:
       program_dir: where the compiled programs' traced forms are kept between starts
         (`lowbit.api.compile_stored`; `lowbit.api.program_directory()` is the one
         beside JAX's compilation cache); None traces them at every start.
+      draft: the model that guesses with ``config.speculate == "draft"`` (same tokenizer,
+        so the same vocabulary size), else None.
     """
 
     def __init__(
@@ -267,8 +270,21 @@ class Scheduler:
         kv_cache: Any,
         config: SchedulerConfig,
         program_dir: str | os.PathLike[str] | None = None,
+        draft: speculate.DraftModel | None = None,
     ):
         self.generates = hasattr(model, "init_cache")
+        if (config.speculate == "draft") != (draft is not None):
+            raise ValueError("speculate='draft' needs a draft model, and a draft model needs it")
+        if draft is not None and draft.model.config.vocab_size != model.config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft.model.config.vocab_size} tokens) is not "
+                f"the served model's ({model.config.vocab_size}): give a draft model of the "
+                "same tokenizer"
+            )
+        self.draft = draft
+        if draft is not None:
+            self.draft_graphdef, state = nnx.split(draft.model)
+            self.draft_params = state if draft.params is None else draft.params
         context = model.config.context_length if self.generates else model.config.max_positions
         if config.max_len > context:
             config = dataclasses.replace(config, max_len=_fit(context))
@@ -476,6 +492,12 @@ class Scheduler:
         # Each row's prompt and tokens so far (what `speculate.draft` looks up).
         self.history: list[list[int]] = [[] for _ in range(c.slots)]
         self.cache = self._set_start(self.cache)
+        if self.draft is not None:
+            # The draft model's cache: the same slots on the same clock; a row's slots from
+            # its start up to `draft_seen` hold what the draft model has been fed.
+            self.draft_cache = self.draft.model.init_cache(c.slots, c.max_len, self.kv_cache)
+            self.draft_seen = np.zeros((c.slots,), np.int32)
+            self.draft_counts = jnp.zeros((c.slots, self.model.config.vocab_size), jnp.int32)
 
     def _set_start(self, cache: Any) -> Any:
         return dataclasses.replace(
@@ -596,6 +618,17 @@ class Scheduler:
             for b in [*buckets, slots]:
                 index = np.arange(b, dtype=np.int32)
                 out.append(("verify", b, self._verify_args(np.zeros((b, k + 1), np.int32), index)))
+        if self.draft is not None:
+            feeds = {(speculate.STEADY, b) for b in [*buckets, slots]}
+            feeds |= {(w, 1) for w in speculate.FEED_WIDTHS}
+            for w, b in sorted(feeds):
+                tokens = np.zeros((b, w), np.int32)
+                out.append(("draft_verify", (w, b), self._draft_feed_args(tokens, 0, np.arange(b))))
+            for b in [*buckets, slots]:
+                index = np.arange(b, dtype=np.int32)
+                args = self._draft_decode_args(np.zeros(slots), index)
+                out.append(("draft_decode_rows", b, args))
+            out.append(("draft_shift", slots, self._draft_shift_args(1)))
         return out
 
     def _program(self, name: str, width: int | tuple[int, int], args: tuple) -> StoredProgram:
@@ -608,13 +641,24 @@ class Scheduler:
         # A long repr: described once, not once per program.
         return describe((self.graphdef, self.model.config, self.kv_cache))
 
+    @functools.cached_property
+    def _draft_static(self) -> str:
+        return describe((self.draft_graphdef, self.draft.model.config, self.kv_cache))
+
     def _compile(self, name: str, width: int | tuple[int, int], args: tuple) -> StoredProgram:
         """Compiles program `name` (a function of `programs`, or `embeddings.embed`) for
         arguments shaped like `args` (`ProgramRegistry` calls it, from any thread)."""
-        fn = getattr(embeddings if name == "embed" else programs, name)
+        base = name.removeprefix("draft_")  # the draft model's programs (`_draft_guesses`)
+        fn = getattr(embeddings if name == "embed" else programs, base)
         static, donate = "", (0,)  # the moves: cache -> cache
         out_like = _OUT_LIKE.get(name, lambda a: a[0])
-        if name == "embed":
+        if base != name:
+            out_like = _OUT_LIKE.get(base, out_like)
+            if base in _MODEL_PROGRAMS:
+                fn = functools.partial(fn, self.draft_graphdef)
+                static = self._draft_static
+                donate = _MODEL_PROGRAMS[base]
+        elif name == "embed":
             fn = functools.partial(fn, self.graphdef)
             static = describe((self.graphdef, self.model.config))
             out_like, donate = (lambda a: 0), ()
@@ -1007,6 +1051,8 @@ class Scheduler:
         self.token_host[r] = state.first
         self.count_host[r] = 1
         self.history[r] = [*job.prompt, state.first]
+        if self.draft is not None:
+            self.draft_seen[r] = self.start_host[r]  # fed lazily (`_draft_guesses`)
         self.temp_host[r] = job.temperature
         self.topk_host[r] = job.top_k
         self.topp_host[r] = job.top_p
@@ -1048,6 +1094,10 @@ class Scheduler:
         self.slides += 1
         args = self._shift_args(by)
         self.cache = self._program("shift", self.config.slots, args)(*args)
+        if self.draft is not None:
+            self.draft_seen = np.maximum(self.draft_seen - by, 0).astype(np.int32)
+            args = self._draft_shift_args(by)
+            self.draft_cache = self._program("draft_shift", self.config.slots, args)(*args)
 
     # -- embeddings ---------------------------------------------------------------------------
 
@@ -1187,17 +1237,23 @@ class Scheduler:
         busy = [r for r, job in enumerate(self._rows) if job is not None]
         if not all(self._rows[r].may_speculate() for r in busy):
             return False
-        guesses = {r: speculate.draft(np.asarray(self.history[r]), k) for r in busy}
-        if not all(len(g) for g in guesses.values()):
-            return False
+        guesses = {}
+        if self.draft is None:
+            guesses = {r: speculate.draft(np.asarray(self.history[r]), k) for r in busy}
+            if not all(len(g) for g in guesses.values()):
+                return False
         index = programs.row_index(busy, self.config.slots)
         if not self.programs.ready("verify", len(index)):
+            return False
+        if self.draft is not None and not self._draft_ready(busy, index):
             return False
         if self.clock + k + 1 > t:  # the guesses are written past the clock: make room
             first = min(int(self.start_host[r]) for r in busy)
             if self.clock - first + k + 1 > t:
                 return False
             self._shift(first)
+        if self.draft is not None:
+            guesses = self._draft_guesses(busy, index, k)
         tokens = np.zeros((len(index), k + 1), np.int32)
         for i, r in enumerate(index):
             if r in guesses:
@@ -1211,6 +1267,8 @@ class Scheduler:
         # One clock for all rows: each keeps the fewest guesses any row got right, plus the
         # model's own token after them.
         keep = min(agreed.values())
+        if self.draft is not None:  # it saw the latest token and guesses 1 .. k - 1
+            self.draft_seen[busy] = self.clock + min(keep, k - 1) + 1
         self.clock += keep + 1
         self.cache = dataclasses.replace(cache, length=jnp.int32(self.clock))
         self.steps_run += keep + 1
@@ -1222,6 +1280,111 @@ class Scheduler:
             self.token_host[r] = new[-1]
             self._hand_out(r, new)
         return True
+
+    # -- the draft model (`lowbit.server._speculate`) ------------------------------------------
+
+    def _draft_feed_args(self, tokens: np.ndarray, at: int, index: np.ndarray) -> tuple:
+        """`programs.verify`'s arguments for the draft model: ``tokens [b, W]`` written at
+        slots ``at .. at + W - 1`` of rows ``index [b]``."""
+        cache = dataclasses.replace(
+            self.draft_cache, length=jnp.int32(at), start=jnp.asarray(self.start_host)
+        )
+        return self.draft_params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(index)
+
+    def _draft_decode_args(self, token: np.ndarray, index: np.ndarray) -> tuple:
+        """`programs.decode_rows`'s arguments for the draft model: greedy steps of rows
+        `index` from ``token [B]`` at the clock's next slot (the clock's own holds the latest
+        token, fed by `_draft_guesses`)."""
+        slots = self.config.slots
+        rows = RowSampling(
+            keys=jnp.zeros((slots, 2), jnp.uint32),
+            count=jnp.full((slots,), 2, jnp.int32),  # past the first: counts are kept
+            temperature=jnp.zeros((slots,), jnp.float32),
+            top_k=jnp.zeros((slots,), jnp.int32),
+            top_p=jnp.ones((slots,), jnp.float32),
+            presence=jnp.zeros((slots,), jnp.float32),
+            frequency=jnp.zeros((slots,), jnp.float32),
+            bias=jnp.zeros((slots, self.model.config.vocab_size), jnp.float32),
+        )
+        cache = dataclasses.replace(
+            self.draft_cache, length=jnp.int32(self.clock + 1), start=jnp.asarray(self.start_host)
+        )
+        steps = jnp.int32(self.config.speculate_tokens - 1)
+        token = jnp.asarray(token, jnp.int32)
+        return self.draft_params, cache, token, rows, self.draft_counts, steps, jnp.asarray(index)
+
+    def _draft_shift_args(self, by: int) -> tuple:
+        return self.draft_cache, jnp.int32(by), jnp.asarray(self.start_host)
+
+    def _draft_needs(self, busy: list[int]) -> dict[int, int]:
+        """Each busy row's tokens the draft model has not been fed, its latest one included."""
+        return {r: self.clock + 1 - int(self.draft_seen[r]) for r in busy}
+
+    def _draft_ready(self, busy: list[int], index: np.ndarray) -> bool:
+        """Whether every draft program this turn needs is compiled (else no speculation:
+        they compile in the background)."""
+        need = self._draft_needs(busy)
+        steady = [r for r in busy if need[r] <= speculate.STEADY]
+        keys = [("draft_decode_rows", len(index))]
+        if steady:
+            rows = programs.row_index(steady, self.config.slots)
+            keys.append(("draft_verify", (speculate.STEADY, len(rows))))
+        for r in busy:
+            if need[r] > speculate.STEADY:
+                keys += [("draft_verify", (w, 1)) for w in set(speculate.windows(need[r]))]
+        return all(self.programs.ready(name, width) for name, width in keys)
+
+    def _draft_window(self, r: int, at: int, width: int) -> np.ndarray:
+        """Row `r`'s tokens at slots ``at .. at + width - 1`` (its prompt from its start, then
+        what it generated; the clock's slot holds its latest token)."""
+        begin = at - int(self.start_host[r])
+        return np.asarray(self.history[r][begin : begin + width], np.int32)
+
+    def _draft_feed(self, tokens: np.ndarray, at: int, index: np.ndarray) -> np.ndarray:
+        """Feeds the draft model ``tokens [b, W]`` at slots ``at ..`` of rows `index`; its
+        greedy token after each, ``[b, W]``."""
+        args = self._draft_feed_args(tokens, at, index)
+        key = (tokens.shape[1], tokens.shape[0])
+        greedy, self.draft_cache = self._program("draft_verify", key, args)(*args)
+        return np.asarray(greedy)
+
+    def _draft_guesses(self, busy: list[int], index: np.ndarray, k: int) -> dict[int, np.ndarray]:
+        """`k` greedy guesses of the draft model for each busy row (`index`: the verify's rows).
+
+        Rows at most `speculate.STEADY` tokens behind are fed together, the others alone in
+        `speculate.windows` (a new prompt: its whole text once); the last token fed is the
+        row's latest, whose greedy successor is the first guess. Then ``k - 1`` greedy steps
+        of every row in one call."""
+        slots, need = self.config.slots, self._draft_needs(busy)
+        first = np.zeros((slots,), np.int32)
+        steady = [r for r in busy if need[r] <= speculate.STEADY]
+        if steady:
+            rows = programs.row_index(steady, slots)
+            at = self.clock + 1 - speculate.STEADY
+            tokens = np.zeros((len(rows), speculate.STEADY), np.int32)
+            for i, r in enumerate(rows):
+                if r in steady:
+                    tokens[i] = self._draft_window(r, at, speculate.STEADY)
+            greedy = self._draft_feed(tokens, at, rows)
+            for i, r in enumerate(rows):
+                if r in steady:
+                    first[r] = greedy[i, -1]
+        for r in busy:
+            if need[r] <= speculate.STEADY:
+                continue
+            at = int(self.draft_seen[r])
+            for width in speculate.windows(need[r]):
+                greedy = self._draft_feed(self._draft_window(r, at, width)[None], at, np.array([r]))
+                at += width
+            first[r] = greedy[0, -1]
+        guesses = {r: first[r : r + 1] for r in busy}
+        if k > 1:
+            args = self._draft_decode_args(first, index)
+            decoded, self.draft_cache = self._program("draft_decode_rows", len(index), args)(*args)
+            self.draft_counts = decoded.counts
+            out = np.asarray(decoded.tokens)
+            guesses = {r: np.concatenate([first[r : r + 1], out[r, : k - 1]]) for r in busy}
+        return guesses
 
 
 def _cache_key(cache: Any) -> int | tuple[int, int]:

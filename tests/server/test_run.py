@@ -1,4 +1,4 @@
-"""`lowbit serve` as a process: its flags reach the server; SIGTERM lets the running request
+"""`lowbit serve` as a process: its flags (a draft model among them) reach the server; SIGTERM lets the running request
 finish, then exits 0."""
 
 import json
@@ -22,6 +22,7 @@ def test_sigterm_drains_the_running_request_and_exits_0(tmp_path):
         sys.executable, "-c", "import sys; from lowbit.cli import main; sys.exit(main())",
         "serve", str(model), "--port", str(port), "--slots", "2", "--max-len", "64",
         "--prefill-chunk", "16", "--grace", "20", "--max-body-bytes", "2048", "--embeddings",
+        "--speculate", str(model),  # a draft model: the file itself
     ]  # fmt: skip
     log = open(tmp_path / "log.txt", "w+")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -46,6 +47,8 @@ def test_sigterm_drains_the_running_request_and_exits_0(tmp_path):
         assert answer.startswith(b"HTTP/1.1 413") and b"2048 bytes" in answer, answer
         r = httpx.post(f"{url}/v1/embeddings", json={"input": ["a", "b"]}, timeout=60)
         assert r.status_code == 200 and len(r.json()["data"]) == 2, r.text  # --embeddings
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert "lowbit_speculation_drafted_tokens_total" in metrics  # --speculate MODEL
         body = {"prompt": "drain", "max_tokens": 40, "temperature": 0, "stream": True}
         events = []
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:

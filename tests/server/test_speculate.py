@@ -12,9 +12,9 @@ import pytest
 
 from lowbit.cli._common import stop_ids
 from lowbit.models._generate import Sampling, generate_tokens
-from lowbit.server import Job, Scheduler, SchedulerConfig
+from lowbit.server import DraftModel, Job, Scheduler, SchedulerConfig
 from lowbit.server import _programs as programs
-from lowbit.server._speculate import accepted, draft
+from lowbit.server._speculate import accepted, draft, windows
 
 NEW = 24
 
@@ -42,10 +42,10 @@ def test_row_index_pads_with_distinct_free_rows():
     assert programs.row_index([0], 1).tolist() == [0]
 
 
-def _serve(loaded, config, kv_cache, requests):
+def _serve(loaded, config, kv_cache, requests, draft=None):
     """Runs `requests` (prompt, max_tokens, temperature, seed, delay) through a scheduler;
     returns it, each request's tokens and finish reasons, and the programs each turn ran."""
-    scheduler = Scheduler(loaded.model, None, kv_cache, config)
+    scheduler = Scheduler(loaded.model, None, kv_cache, config, draft=draft)
     ran = []
     program = scheduler._program
 
@@ -119,8 +119,26 @@ def test_take_and_put_rows_move_only_the_written_slots(loaded, kv_cache):
         np.testing.assert_array_equal(after[changed], (before + 1)[changed])
 
 
-@pytest.mark.parametrize("kv_cache", [None, "int4"])
-def test_speculation_gives_the_greedy_tokens_and_accepts_guesses(loaded, kv_cache):
+def test_windows_feed_exactly_the_unseen_tokens():
+    assert windows(1) == [1] and windows(2) == [2] and windows(13) == [8, 4, 1]
+    assert windows(200) == [64, 64, 64, 8]
+
+
+def _perturbed(loaded, scale):
+    """The tiny model's own module with its weights scaled (a draft that sometimes differs)."""
+    from flax import nnx
+
+    state = nnx.split(loaded.model)[1]
+    return jax.tree.map(lambda a: a * scale if a.dtype == jnp.float32 else a, state)
+
+
+@pytest.mark.parametrize(
+    ("kv_cache", "speculate", "scale"),
+    [(None, "ngram", None), ("int4", "ngram", None), (None, "draft", 1.0), ("int8", "draft", 0.8)],
+)
+def test_speculation_gives_the_greedy_tokens_and_accepts_guesses(
+    loaded, kv_cache, speculate, scale
+):
     rng = np.random.default_rng(3)
     prompt = lambda n: [int(t) for t in rng.integers(3, 250, n)]
     # A long greedy answer alone (a random model's answers repeat pieces of themselves), a
@@ -138,10 +156,13 @@ def test_speculation_gives_the_greedy_tokens_and_accepts_guesses(loaded, kv_cach
         single_pass=16,
         chunk=16,
         kv_memory=0,
-        speculate="ngram",
+        speculate=speculate,
         speculate_tokens=4,
     )
-    scheduler, answers, done, ran = _serve(loaded, config, kv_cache, requests)
+    # A draft model: the served one itself (its guesses all hold, up to float rounding) or
+    # with weights scaled (some do not).
+    draft = None if scale is None else DraftModel(loaded.model, _perturbed(loaded, scale))
+    scheduler, answers, done, ran = _serve(loaded, config, kv_cache, requests, draft)
     stop = stop_ids(loaded, None)
     for i, (prompt_, max_tokens, temperature, seed, _) in enumerate(requests):
         expected = generate_tokens(
@@ -159,6 +180,24 @@ def test_speculation_gives_the_greedy_tokens_and_accepts_guesses(loaded, kv_cach
     assert 0 < stats.accepted_tokens <= stats.drafted_tokens
     assert ("verify", 1) in ran
     assert scheduler.slides >= 1
+    if scale == 1.0:  # the served model drafting for itself: nearly every guess holds
+        assert stats.accepted_tokens >= 0.8 * stats.drafted_tokens
+    if draft is not None:  # a new prompt fed alone in windows, then the rows together
+        assert ("draft_decode_rows", 1) in ran and ("draft_verify", (2, 1)) in ran
+        assert any(name == "draft_verify" and w[0] > 2 for name, w in ran)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(loaded):
+    import dataclasses as dc
+
+    class Other:
+        config = dc.replace(loaded.model.config, vocab_size=loaded.model.config.vocab_size + 1)
+
+    config = SchedulerConfig(slots=1, max_len=64, single_pass=16, chunk=16, speculate="draft")
+    with pytest.raises(ValueError, match="same tokenizer"):
+        Scheduler(loaded.model, None, None, config, draft=DraftModel(Other()))
+    with pytest.raises(ValueError, match="needs a draft model"):
+        Scheduler(loaded.model, None, None, config)
 
 
 def test_decode_runs_only_the_busy_rows(loaded):
