@@ -4,8 +4,7 @@ nested into a params tree. Slower than `fuzz.gguf_reader` (JAX runs per tensor),
 the same seeds but explores less; run it for longer.
 
 Contract: `GGUFError` naming the file, a `ValueError` naming a tensor, or params whose every
-leaf has its tensor's shape and decodes to values (NaN and Inf only where the file stores
-them: a hostile fp16 scale may be Inf).
+leaf has its tensor's shape and traces a decode of that shape.
 """
 
 from __future__ import annotations
@@ -21,7 +20,8 @@ _MAX_TENSOR_BYTES = 1 << 14
 
 
 def _load():
-    global GGUFError, import_gguf, read_gguf, is_qarray
+    global GGUFError, import_gguf, read_gguf, is_qarray, jax
+    import jax
     from lowbit.gguf import GGUFError, read_gguf
     from lowbit.io import import_gguf
     from lowbit.qarray import is_qarray
@@ -40,7 +40,11 @@ def test_one(data: bytes) -> None:
             leaf = params[name]
             assert tuple(leaf.shape) == tensor.shape, (name, leaf.shape, tensor.shape)
             if is_qarray(leaf):
-                assert tuple(leaf.dequantize().shape) == tensor.shape
+                # Traced, not run: running it compiled each decoder's ops for every new
+                # shape (5 s for a 7.7 KB file of seven block types), a cost of JAX's
+                # warm-up, not of the input. The decoders' values are tested against
+                # llama.cpp's in tests/gguf.
+                assert tuple(jax.eval_shape(leaf.dequantize).shape) == tensor.shape
 
 
 if __name__ == "__main__":

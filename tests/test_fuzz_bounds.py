@@ -53,3 +53,12 @@ def test_the_bounds_catch_a_declaration_that_costs_more_than_the_file(tmp_path, 
     )
     outcome = json.loads(done.stdout.splitlines()[-1])
     assert outcome["verdict"] in ("memory", "time"), outcome
+
+
+def test_a_small_file_of_seven_block_types_imports_within_the_time_bound(monkeypatch):
+    # A fuzz finding (2026-11-30): 7.7 KB, seven block types; decoding each leaf to check it
+    # compiled every decoder op for its shape, 5 s, past the bound. The harness now traces it.
+    monkeypatch.chdir(ROOT)
+    file = str(ROOT / "fuzz" / "corpus" / "gguf_import" / "finding_seven_block_types.gguf")
+    outcomes = run_bounded("gguf_import", [file], timeout=120)
+    assert [o.verdict for o in outcomes] == ["ok"], outcomes
