@@ -22,6 +22,7 @@ _MAX_TENSOR_BYTES = 1 << 14
 def _load():
     global GGUFError, import_gguf, read_gguf, is_qarray, jax
     import jax
+
     from lowbit.gguf import GGUFError, read_gguf
     from lowbit.io import import_gguf
     from lowbit.qarray import is_qarray
