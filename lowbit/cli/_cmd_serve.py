@@ -19,7 +19,6 @@ from lowbit.cli._common import (
     add_int8_activations_argument,
     add_language_model_arguments,
     chat_template,
-    is_checkpoint,
     open_language_model,
     open_target,
     progress,
@@ -120,8 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ngram|MODEL",
         default=None,
         help="speculative decoding: 'ngram' guesses each greedy request's next tokens from "
-        "its own prompt and answer (prompt lookup); a model (a name, GGUF file or checkpoint "
-        "of the same tokenizer, run with --recipe) guesses them as a draft model. The served "
+        "its own prompt and answer (prompt lookup); a model of the same tokenizer (a name, "
+        "GGUF file or checkpoint, opened with its own default: a GGUF runs its own blocks) "
+        "guesses them as a draft model. The served "
         "model checks the guesses in one forward pass: the same tokens, faster when the "
         "guesses hold (default: off)",
     )
@@ -165,8 +165,10 @@ def _size(text: str) -> int:
 
 
 def _draft_model(args: argparse.Namespace, spec: str, served: object) -> object:
-    """``--speculate MODEL``: the draft model, opened with ``--recipe`` (a checkpoint with its
-    own) and ``--int8-activations`` as the served one.
+    """``--speculate MODEL``: the draft model as ``lowbit serve MODEL`` would open it (a GGUF
+    file runs its own blocks, a checkpoint its own recipe), with ``--int8-activations`` as
+    the served one. ``--recipe`` is the served model's only: a float model's draft is then
+    typically its own quantized file.
 
     Raises:
       ValueError: naming --speculate, for an encoder or another tokenizer.
@@ -174,7 +176,7 @@ def _draft_model(args: argparse.Namespace, spec: str, served: object) -> object:
     from lowbit import server
 
     with progress() as bar:
-        target = open_target(spec, None if is_checkpoint(spec) else args.recipe, bar)
+        target = open_target(spec, None, bar)
     draft = target.loaded
     if draft.kind != "lm":
         raise ValueError(f"--speculate {spec}: {draft.name} is an encoder, not a draft model")

@@ -485,11 +485,26 @@ class Attention(nnx.Module):
         scale = jnp.float32(c.attn_scale)
         # Query head h uses key/value head h // group, as in Hugging Face's repeat_kv.
         q = q.reshape(b, s, c.n_kv_heads, group, c.head_dim)
-        if kv is not None and s == 1 and decode_block(kv.keys.shape[2]) is not None:
+        block = None if kv is None else decode_block(kv.keys.shape[2])
+        if block is not None and (s == 1 or kv.rows is not None):
             kv = kv.write(k, v, slot)
             q = kv.rotate(q) * scale.astype(q.dtype)
-            out = _decode_attention(
-                q, kv, slot, decode_block(kv.keys.shape[2]), at.first, c.attn_softcap
+            # Several tokens on some rows in place (a speculative check): one decode-attention
+            # call per token, each up to its own slot, from the first slot its mask shows
+            # (the row's start, or later on a sliding-window layer).
+            out = jnp.concatenate(
+                [
+                    _decode_attention(
+                        q[:, j : j + 1],
+                        kv,
+                        slot + j,
+                        block,
+                        at.first if s == 1 else jnp.argmax(mask[:, j], axis=-1).astype(jnp.int32),
+                        c.attn_softcap,
+                    )
+                    for j in range(s)
+                ],
+                axis=1,
             )
             out = kv.unrotate(out.astype(x.dtype))
             out = out.reshape(b, s, c.n_heads * c.head_dim)
@@ -497,9 +512,8 @@ class Attention(nnx.Module):
         if kv is not None and kv.rows is not None:
             raise ValueError(
                 f"a KV cache with rows (decoding some of its {kv.keys.shape[0]} rows in place) "
-                "takes one token per row on a cache of a multiple of 32 slots, at least 64; "
-                f"got {s} tokens on {kv.keys.shape[2]} slots. Run the whole cache (rows=None) "
-                "instead"
+                "needs a cache of a multiple of 32 slots, at least 64; got "
+                f"{kv.keys.shape[2]} slots. Run the whole cache (rows=None) instead"
             )
         if kv is not None:
             kv = kv.write(k, v, slot)

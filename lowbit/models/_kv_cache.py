@@ -67,8 +67,8 @@ class KVCache:
       start: ``int32 [batch]``, each row's first real slot (0 unless left-padded).
       config: the `KVCacheConfig` (static), or None for a float cache of the model's dtype.
       rows: ``int32 [b]``, or None: the rows the next tokens go to (distinct), when they are
-        fewer than the cache's rows (one decoded token each: the others are not run and
-        their slots stay as they were). The write and the attention index those rows in
+        fewer than the cache's rows (one decoded token each, or a few: the others are not
+        run and their slots stay as they were). The write and the attention index those rows in
         place, without copying them out (what a server's decode over its busy rows runs).
     """
 
