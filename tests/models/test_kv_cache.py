@@ -295,11 +295,42 @@ def test_decoding_some_rows_in_place_matches_decoding_all(text, fused, monkeypat
     assert int(some.length) == int(full.length) == 23
 
 
-def test_rows_take_one_token_each():
+@pytest.mark.parametrize("fused", [True, False])
+def test_some_rows_take_several_tokens_in_place_as_the_whole_cache_does(fused, monkeypatch):
+    # A speculative check: three tokens on rows 2 and 0 in place, one decode-attention call
+    # per token, against the whole cache's causal attention over the same tokens.
+    from lowbit.models import _decoder
+
+    if not fused:
+        monkeypatch.setattr(_decoder, "_fused_decode", lambda q, kv: False)
+    config = DecoderConfig(
+        vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64
+    )
+    model = Decoder(config, rngs=nnx.Rngs(4))
+    rng = np.random.default_rng(6)
+    prompt = jnp.asarray(rng.integers(0, 64, (3, 20)), jnp.int32)
+    check = jnp.asarray(rng.integers(0, 64, (3, 3)), jnp.int32)
+    cache = model.init_cache(3, 64)
+    cache = dataclasses.replace(cache, start=jnp.asarray([0, 4, 9], jnp.int32))
+    _, cache = model(prompt, cache=cache)
+    rows = jnp.asarray([2, 0], jnp.int32)
+    want, full = model(check, cache=cache)
+    got, some = model(check[rows], cache=dataclasses.replace(cache, rows=rows))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want)[[2, 0]], rtol=1e-5, atol=1e-5)
+    some = dataclasses.replace(some, rows=None)
+    assert int(some.length) == int(full.length) == 23
+    for a, b, before in zip(*map(jax.tree.leaves, (some, full, cache)), strict=True):
+        if a.ndim < 2:
+            continue
+        np.testing.assert_allclose(np.asarray(a)[[0, 2]], np.asarray(b)[[0, 2]], atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(a)[1], np.asarray(before)[1])
+
+
+def test_rows_need_a_cache_with_decode_blocks():
     config = DecoderConfig(
         vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64
     )
     model = Decoder(config, rngs=nnx.Rngs(4))
-    cache = dataclasses.replace(model.init_cache(3, 64), rows=jnp.asarray([1], jnp.int32))
-    with pytest.raises(ValueError, match="one token per row"):
+    cache = dataclasses.replace(model.init_cache(3, 48), rows=jnp.asarray([1], jnp.int32))
+    with pytest.raises(ValueError, match="multiple of 32 slots"):
         model(jnp.zeros((1, 2), jnp.int32), cache=cache)
