@@ -254,12 +254,9 @@ def test_last_only_logits_are_the_last_position():
     np.testing.assert_array_equal(np.asarray(cache_last.keys[1]), np.asarray(cache_full.keys[1]))
 
 
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("text", [None, "int8", "int4"])
-def test_decoding_some_rows_in_place_matches_decoding_all(text, fused, monkeypatch):
-    # A cache with `rows` decodes those rows only, reading and writing them in place: their
-    # logits and slots are the full step's, every other row's slots stay as they were (the
-    # CPU kernel and the XLA block loop alike).
+def _three_rows(fused, monkeypatch, seed, text):
+    """A two-layer model, an rng, a [3, 20] prompt and an empty 64-slot cache of 3 rows that
+    start at slots 0, 4 and 9; without `fused` attention runs as the XLA block loop."""
     from lowbit.models import _decoder
 
     if not fused:
@@ -268,11 +265,20 @@ def test_decoding_some_rows_in_place_matches_decoding_all(text, fused, monkeypat
         vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64
     )
     model = Decoder(config, rngs=nnx.Rngs(4))
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(seed)
     prompt = jnp.asarray(rng.integers(0, 64, (3, 20)), jnp.int32)
-    steps = jnp.asarray(rng.integers(0, 64, (3, 3)), jnp.int32)
     cache = model.init_cache(3, 64, text)
-    cache = dataclasses.replace(cache, start=jnp.asarray([0, 4, 9], jnp.int32))
+    return model, rng, prompt, dataclasses.replace(cache, start=jnp.asarray([0, 4, 9], jnp.int32))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("text", [None, "int8", "int4"])
+def test_decoding_some_rows_in_place_matches_decoding_all(text, fused, monkeypatch):
+    # A cache with `rows` decodes those rows only, reading and writing them in place: their
+    # logits and slots are the full step's, every other row's slots stay as they were (the
+    # CPU kernel and the XLA block loop alike).
+    model, rng, prompt, cache = _three_rows(fused, monkeypatch, 5, text)
+    steps = jnp.asarray(rng.integers(0, 64, (3, 3)), jnp.int32)
     _, cache = model(prompt, cache=cache)
     rows = jnp.asarray([2, 0], jnp.int32)
     full, some = cache, dataclasses.replace(cache, rows=rows)
@@ -299,19 +305,8 @@ def test_decoding_some_rows_in_place_matches_decoding_all(text, fused, monkeypat
 def test_some_rows_take_several_tokens_in_place_as_the_whole_cache_does(fused, monkeypatch):
     # A speculative check: three tokens on rows 2 and 0 in place, one decode-attention call
     # per token, against the whole cache's causal attention over the same tokens.
-    from lowbit.models import _decoder
-
-    if not fused:
-        monkeypatch.setattr(_decoder, "_fused_decode", lambda q, kv: False)
-    config = DecoderConfig(
-        vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64
-    )
-    model = Decoder(config, rngs=nnx.Rngs(4))
-    rng = np.random.default_rng(6)
-    prompt = jnp.asarray(rng.integers(0, 64, (3, 20)), jnp.int32)
+    model, rng, prompt, cache = _three_rows(fused, monkeypatch, 6, None)
     check = jnp.asarray(rng.integers(0, 64, (3, 3)), jnp.int32)
-    cache = model.init_cache(3, 64)
-    cache = dataclasses.replace(cache, start=jnp.asarray([0, 4, 9], jnp.int32))
     _, cache = model(prompt, cache=cache)
     rows = jnp.asarray([2, 0], jnp.int32)
     want, full = model(check, cache=cache)
