@@ -1,5 +1,5 @@
-"""`lowbit serve` as a process: its flags (a draft model among them) reach the server; SIGTERM lets the running request
-finish, then exits 0."""
+"""`lowbit serve` as a process: its flags (a draft model among them) reach the server;
+SIGTERM lets the running request finish, then exits 0."""
 
 import json
 import os
