@@ -180,8 +180,7 @@ def _draft_model(args: argparse.Namespace, spec: str, served: object) -> object:
     draft = target.loaded
     if draft.kind != "lm":
         raise ValueError(f"--speculate {spec}: {draft.name} is an encoder, not a draft model")
-    vocab = getattr(draft.tokenizer, "get_vocab", dict)()
-    if vocab != getattr(served.tokenizer, "get_vocab", dict)():
+    if draft.tokenizer.get_vocab() != served.tokenizer.get_vocab():
         raise ValueError(
             f"--speculate {spec}: {draft.name}'s tokenizer is not {served.name}'s; a draft "
             "model must share the served model's tokenizer (the same tokens and ids)"

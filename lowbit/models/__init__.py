@@ -28,7 +28,6 @@ from ._decoder import (
     Decoder,
     DecoderConfig,
     apply_rope,
-    decode_block,
     init_kv_cache,
     rope_tables,
 )
@@ -138,7 +137,6 @@ __all__ = [
     "wordpiece_tokenizer",
     "DEFAULT_STOP_TOKENS",
     "bucket",
-    "decode_block",
     "greedy_tokens",
     "sample_rows",
     "stop_token_ids",

@@ -48,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 from lowbit.engine import interpret
-from lowbit.models import KVCache, decode_block, greedy_tokens, sample_rows, take_rows
+from lowbit.models import KVCache, greedy_tokens, sample_rows, take_rows
 from lowbit.server._logprobs import TokenLogprobs, token_logprobs
 from lowbit.server._penalties import count_tokens, penalize, restart_counts
 from lowbit.server._protocol import MAX_LOGPROBS
@@ -220,19 +220,14 @@ def verify(
     in order (``index`` is ``0 .. B - 1``) without a copy. The clock plus ``K + 1`` must fit
     the cache: a write past its end would be clipped onto earlier slots."""
     whole = index.shape[0] == cache.batch
-    # The rows in place (`KVCache.rows`), as `decode_rows` runs them: gathered into a cache of
-    # b rows and back, a SmolLM2 check on one row of 8 at 1,024 slots took 0.18 s (the
-    # copies); a cache whose length has no decode block takes that way still.
-    in_place = decode_block(cache.max_len) is not None
+    # Other rows' slots are not touched: the rows run in place (`KVCache.rows`), as in
+    # `decode_rows`. (Gathered into a cache of b rows and back, a SmolLM2 check on one row of
+    # 8 at 1,024 slots took 0.18 s, nearly all copies.) A scheduler's cache length is a
+    # multiple of 32 slots, which in-place rows need.
+    small = cache if whole else dataclasses.replace(cache, rows=index)
     forward = functools.partial(_forward, graphdef, last_only=False)
-    if whole or in_place:
-        small = cache if whole else dataclasses.replace(cache, rows=index)
-        logits, out = interpret(forward)(params, tokens, small)
-        out = dataclasses.replace(out, rows=None)
-    else:
-        logits, small = interpret(forward)(params, tokens, _take_rows(cache, index))
-        out = _put_rows(cache, small, index, tokens.shape[1])
-    return greedy_tokens(logits.astype(jnp.float32)), out
+    logits, out = interpret(forward)(params, tokens, small)
+    return greedy_tokens(logits.astype(jnp.float32)), dataclasses.replace(out, rows=None)
 
 
 def prefill(
@@ -288,39 +283,13 @@ def _with_slot_arrays(cache: KVCache, arrays: Any, **changes: Any) -> KVCache:
     )
 
 
-def _scatter(a: jax.Array, index: jax.Array, rows: jax.Array, at: int | jax.Array = 0) -> jax.Array:
-    """`a` with ``rows[i]`` written at row ``index[i]`` (distinct), and along the third axis
-    from `at` when `rows` is narrower there; a row at a time, as `lowbit.models.take_rows`."""
+def _scatter(a: jax.Array, index: jax.Array, rows: jax.Array) -> jax.Array:
+    """`a` with ``rows[i]`` written at row ``index[i]`` (distinct); a row at a time, as
+    `lowbit.models.take_rows`."""
     for i in range(index.shape[0]):
-        corner = (index[i], *(at if axis == 2 else 0 for axis in range(1, a.ndim)))
+        corner = (index[i], *(0 for _ in range(1, a.ndim)))
         a = jax.lax.dynamic_update_slice(a, rows[i : i + 1], corner)
     return a
-
-
-def _take_rows(cache: KVCache, index: jax.Array) -> KVCache:
-    """Rows ``index [b]`` of `cache` as a cache of ``b`` rows at the same clock (every leaf
-    with a row axis: codes, scales, key offsets, starts)."""
-    take = functools.partial(take_rows, rows=index)
-    arrays = jax.tree.map(take, _slot_arrays(cache))
-    offsets = tuple(take(a) for a in cache.key_offsets)
-    # One copy, read by everything after: not a slice fused into each of its readers.
-    arrays, offsets = jax.lax.optimization_barrier((arrays, offsets))
-    return _with_slot_arrays(cache, arrays, key_offsets=offsets, start=take(cache.start))
-
-
-def _put_rows(big: KVCache, small: KVCache, index: jax.Array, width: int) -> KVCache:
-    """`big` with rows ``index [b]`` (distinct) of slots ``big.length .. + width - 1`` taken
-    from `small` (`_take_rows` of them after a call that wrote those slots), and `small`'s
-    clock. The key offsets are set by a prompt's first write only, never by a call at a
-    clock past 0, so they need no copy back; nothing else changed."""
-
-    def put(dst, src):
-        # A window that would run past the end is clamped back to the same slots as here.
-        part = jax.lax.dynamic_slice_in_dim(src, big.length, width, axis=2)
-        return _scatter(dst, index, part, at=big.length)
-
-    arrays = jax.tree.map(put, _slot_arrays(big), _slot_arrays(small))
-    return _with_slot_arrays(big, arrays, length=small.length)
 
 
 def insert(

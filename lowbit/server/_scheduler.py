@@ -497,7 +497,19 @@ class Scheduler:
             # its start up to `draft_seen` hold what the draft model has been fed.
             self.draft_cache = self.draft.model.init_cache(c.slots, c.max_len, self.kv_cache)
             self.draft_seen = np.zeros((c.slots,), np.int32)
-            self.draft_counts = jnp.zeros((c.slots, self.model.config.vocab_size), jnp.int32)
+            vocab = self.model.config.vocab_size
+            self.draft_counts = jnp.zeros((c.slots, vocab), jnp.int32)
+            # Greedy, no penalty or bias: the same every turn (not donated), so made once.
+            self.draft_sampling = RowSampling(
+                keys=jnp.zeros((c.slots, 2), jnp.uint32),
+                count=jnp.full((c.slots,), 2, jnp.int32),  # past the first: counts are kept
+                temperature=jnp.zeros((c.slots,), jnp.float32),
+                top_k=jnp.zeros((c.slots,), jnp.int32),
+                top_p=jnp.ones((c.slots,), jnp.float32),
+                presence=jnp.zeros((c.slots,), jnp.float32),
+                frequency=jnp.zeros((c.slots,), jnp.float32),
+                bias=jnp.zeros((c.slots, vocab), jnp.float32),
+            )
 
     def _set_start(self, cache: Any) -> Any:
         return dataclasses.replace(
@@ -1295,23 +1307,13 @@ class Scheduler:
         """`programs.decode_rows`'s arguments for the draft model: greedy steps of rows
         `index` from ``token [B]`` at the clock's next slot (the clock's own holds the latest
         token, fed by `_draft_guesses`)."""
-        slots = self.config.slots
-        rows = RowSampling(
-            keys=jnp.zeros((slots, 2), jnp.uint32),
-            count=jnp.full((slots,), 2, jnp.int32),  # past the first: counts are kept
-            temperature=jnp.zeros((slots,), jnp.float32),
-            top_k=jnp.zeros((slots,), jnp.int32),
-            top_p=jnp.ones((slots,), jnp.float32),
-            presence=jnp.zeros((slots,), jnp.float32),
-            frequency=jnp.zeros((slots,), jnp.float32),
-            bias=jnp.zeros((slots, self.model.config.vocab_size), jnp.float32),
-        )
         cache = dataclasses.replace(
             self.draft_cache, length=jnp.int32(self.clock + 1), start=jnp.asarray(self.start_host)
         )
         steps = jnp.int32(self.config.speculate_tokens - 1)
         token = jnp.asarray(token, jnp.int32)
-        return self.draft_params, cache, token, rows, self.draft_counts, steps, jnp.asarray(index)
+        rows, counts = self.draft_sampling, self.draft_counts
+        return self.draft_params, cache, token, rows, counts, steps, jnp.asarray(index)
 
     def _draft_shift_args(self, by: int) -> tuple:
         return self.draft_cache, jnp.int32(by), jnp.asarray(self.start_host)

@@ -2,7 +2,6 @@
 hands out exactly the tokens `generate_tokens` gives each request alone, while guesses are
 accepted (counted) and the smaller programs run."""
 
-import dataclasses
 import time
 
 import jax
@@ -87,36 +86,6 @@ def _serve(loaded, config, kv_cache, requests, draft=None):
 def _repeating(rng, n, period):
     unit = [int(t) for t in rng.integers(3, 250, period)]
     return (unit * (n // period + 1))[:n]
-
-
-@pytest.mark.parametrize("kv_cache", [None, "int8", "int4", "fp8"])
-def test_take_and_put_rows_move_only_the_written_slots(loaded, kv_cache):
-    cache = loaded.model.init_cache(4, 64, kv_cache)
-    rng = np.random.default_rng(0)
-    noise = lambda a: jnp.asarray(rng.integers(0, 100, a.shape)).astype(a.dtype)
-    cache = jax.tree.map(noise, cache)
-    cache = dataclasses.replace(cache, length=jnp.int32(30), start=jnp.arange(4, dtype=jnp.int32))
-    index = jnp.asarray([2, 0], jnp.int32)
-    small = programs._take_rows(cache, index)
-    assert small.start.tolist() == [2, 0] and small.batch == 2
-    for big, part in zip(jax.tree.leaves(cache), jax.tree.leaves(small), strict=True):
-        if big.ndim:  # every leaf with a row axis is gathered
-            np.testing.assert_array_equal(np.asarray(big)[[2, 0]], np.asarray(part))
-    # A call writes slots 30 .. 32 of its rows (and, unseen, every other slot).
-    written = jax.tree.map(lambda a: a + 1 if a.ndim == 4 else a, small)
-    written = dataclasses.replace(written, length=jnp.int32(33))
-    out = programs._put_rows(cache, written, index, 3)
-    assert int(out.length) == 33
-    for before, after in zip(
-        jax.tree.leaves(programs._slot_arrays(cache)),
-        jax.tree.leaves(programs._slot_arrays(out)),
-        strict=True,
-    ):
-        before, after = np.asarray(before), np.asarray(after)
-        changed = np.zeros(before.shape, bool)
-        changed[[2, 0], :, 30:33] = True
-        np.testing.assert_array_equal(after[~changed], before[~changed])
-        np.testing.assert_array_equal(after[changed], (before + 1)[changed])
 
 
 def test_windows_feed_exactly_the_unseen_tokens():
