@@ -32,9 +32,10 @@ $(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 install: $(STAMP)
 
 # Two workers (one per core of the CI machines), a test file per worker at a time so module
-# fixtures (compiled models) are built once.
+# fixtures (compiled models) are built once. A crashed worker ends the run (xdist's file
+# scheduling waits forever for a restarted one's files).
 test: $(STAMP)
-	$(PY) -m pytest -x -q -n 2 --dist loadfile
+	$(PY) -m pytest -x -q -n 2 --dist loadfile --max-worker-restart=0
 
 demo: $(STAMP)
 	$(VENV)/bin/lowbit demo

@@ -317,7 +317,9 @@ def test_some_rows_take_several_tokens_in_place_as_the_whole_cache_does(fused, m
     for a, b, before in zip(*map(jax.tree.leaves, (some, full, cache)), strict=True):
         if a.ndim < 2:
             continue
-        np.testing.assert_allclose(np.asarray(a)[[0, 2]], np.asarray(b)[[0, 2]], atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(a)[[0, 2]], np.asarray(b)[[0, 2]], rtol=1e-5, atol=1e-5
+        )
         np.testing.assert_array_equal(np.asarray(a)[1], np.asarray(before)[1])
 
 
