@@ -32,17 +32,31 @@ def gpu_kernel_on_small_weights(monkeypatch):
     monkeypatch.setattr(_dot_general, "GPU_MIN_WEIGHT_ELEMENTS", 0)
 
 
+# Compiled programs are dropped past this many memory mappings (Linux's default limit is 65,530).
+MAX_MAPPINGS = 20_000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Drops JAX's compiled programs after each test file. XLA:CPU executables keep memory
-    mappings of their own (tests/models and tests/ops alone left 47,000 in one process, 1,200
-    with this), and a worker compiling for the whole suite passed Linux's default limit of
-    65,530: XLA's next compile failed, and the C++ exception it raised crashed the worker
-    while unwinding (a segfault in _Unwind_Find_FDE)."""
+    """Drops JAX's compiled programs after a test file once the process holds `MAX_MAPPINGS`
+    memory mappings. XLA:CPU executables keep mappings of their own (tests/models and
+    tests/ops alone left 47,000 in one process), and a worker compiling for the whole suite
+    passed the limit: XLA's next compile failed, and the C++ exception it raised crashed the
+    worker while unwinding (a segfault in _Unwind_Find_FDE). Dropping them after every file
+    instead made the suite 60% slower (programs shared between files compiled again)."""
     yield
-    import gc
+    if _mappings() > MAX_MAPPINGS:
+        import gc
 
-    import jax
+        import jax
 
-    jax.clear_caches()
-    gc.collect()
+        jax.clear_caches()
+        gc.collect()
