@@ -109,6 +109,31 @@ def test_tiled_products_are_the_rows_products(ggml_type, isa):
             np.testing.assert_array_equal(y[:, 1], 0.0)  # the zero row
 
 
+@pytest.mark.parametrize("ggml_type", TILED_TYPES)
+def test_tiled_products_are_the_same_bits_on_every_path(ggml_type):
+    """Every CPU path's tile kernel (AVX-512 VNNI: two groups a register, the odd last group
+    on AVX2) sums the same integers in the same float order as the AVX2 tiles: the same bits,
+    so a batch's answers do not depend on the instruction set."""
+    paths = [i for i in ISAS if i != "scalar"]
+    if len(paths) < 2:
+        pytest.skip("one vector path on this CPU")
+    k, n = _k(ggml_type), 56  # 7 groups: pairs and an odd one
+    tiles = kernels.gguf_tile(jnp.asarray(_rows(ggml_type, n, k, seed=8)), ggml_type)
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((13, k)).astype(np.float32))
+    before = kernels.set_isa(ISAS[-1])
+    try:
+        got = {}
+        for path in paths:
+            kernels.set_isa(path)
+            got[path] = np.asarray(
+                _linear(x, tiles, ggml_type=ggml_type, int8_activations=True, tiled=True)
+            )
+    finally:
+        kernels.set_isa(before)
+    for path in paths[1:]:
+        assert got[path].tobytes() == got[paths[0]].tobytes(), path
+
+
 _dequantize_tiled = jax.jit(
     lambda t, ggml_type, k: kernels.gguf_dequantize(t, ggml_type, k, tiled=True),
     static_argnums=(1, 2),

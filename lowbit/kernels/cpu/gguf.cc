@@ -21,6 +21,8 @@
 #include "common.h"
 #include "dispatch.h"
 #include "ffi_handlers.h"
+#include "gguf_args.h"
+#include "gguf_avx512.h"
 #include "gguf_blocks.h"
 #include "gguf_tiles.h"
 #include "parallel.h"
@@ -39,21 +41,6 @@ namespace {
 ffi::Error Invalid(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "lowbit: " + msg);
 }
-
-// Activations prepared once a call, shared by every worker. K is padded to whole units.
-// int8 activations come in llama.cpp's blocks for the weight's type: Q8_0 (a float scale per
-// 32) for the 32-element types, Q8_K (a float scale per 256, integer sums per 16) for the
-// K-quants, whose integer sub-block scales then multiply integer dots.
-struct Acts {
-  int64_t m = 0, kp = 0;
-  bool q8 = false;
-  int per = 32;             // elements per activation scale (int8 path)
-  std::vector<float> x;     // float path: [M, Kp]
-  std::vector<int8_t> a;    // int8 path: [M, Kp]
-  std::vector<float> da;    // int8 path: [M, Kp / per] scales
-  std::vector<int16_t> bs;  // int8 path: [M, Kp / 16] integer sums of a
-  std::vector<float> sums;  // [M, Kp / 16]: sum of x (float) or da * sum of a (int8)
-};
 
 // One activation row [kp] (zero-padded past K) to int8 codes per block of `per`: d = amax /
 // 127, codes round(x / d) half to even, and per 16 the integer sum (bs) and d times it (sums).
@@ -133,15 +120,6 @@ void PrepareActs(ffi::ThreadPool& pool, QuantizeRowFn quantize, const void* x, b
     }
   });
 }
-
-// Block rows [N, row_bytes], or tiles (gguf_tiles.h) [N / 8, row_bytes], row_bytes then the
-// bytes of one group of 8 rows.
-struct Weight {
-  int type;
-  int64_t k, n, row_bytes;
-  const uint8_t* data;
-  bool tiled = false;
-};
 
 // Blocks in unit u of a row, and the unit's first byte.
 inline int UnitBlocks(const Weight& w, int64_t u) {
@@ -1163,6 +1141,15 @@ bool UseAvx2() {
 #endif
 }
 
+bool UseAvx512Vnni() {
+#if defined(__x86_64__)
+  const std::string isa = ActiveIsa()->name;
+  return isa == "avx512vnni" || isa == "amx";
+#else
+  return false;
+#endif
+}
+
 // Checks the weight against type, K, N and layout (block rows, or tiles); fills `w`.
 ffi::Error CheckWeight(const ffi::Buffer<ffi::U8>& data, int64_t type, int64_t k, int64_t n,
                        int64_t tiled, Weight* w) {
@@ -1256,8 +1243,17 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U
         return t;
       }();
       const TilesFn tiles = table[type];
-      OverRows(pool, groups, m * k * n,
-               [&](int64_t g0, int64_t g1) { tiles(w, acts, g0, g1, out); });
+      // Several activation rows on AVX-512 VNNI: pairs of groups in 64-byte registers (the
+      // last group of an odd range on AVX2). One row is bound by memory, not instructions.
+      const bool wide = m > 1 && UseAvx512Vnni() && HasTilesAvx512(static_cast<int>(type));
+      OverRows(pool, groups, m * k * n, [&](int64_t g0, int64_t g1) {
+        if (wide) {
+          const int64_t g2 = g0 + (g1 - g0) / 2 * 2;
+          TilesAvx512(w, acts, g0, g2, out);
+          g0 = g2;
+        }
+        if (g0 < g1) tiles(w, acts, g0, g1, out);
+      });
       done = true;
     }
 #endif
