@@ -1243,17 +1243,19 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U
         return t;
       }();
       const TilesFn tiles = table[type];
-      // Several activation rows on AVX-512 VNNI: pairs of groups in 64-byte registers (the
-      // last group of an odd range on AVX2). One row is bound by memory, not instructions.
-      const bool wide = m > 1 && UseAvx512Vnni() && HasTilesAvx512(static_cast<int>(type));
-      OverRows(pool, groups, m * k * n, [&](int64_t g0, int64_t g1) {
-        if (wide) {
-          const int64_t g2 = g0 + (g1 - g0) / 2 * 2;
-          TilesAvx512(w, acts, g0, g2, out);
-          g0 = g2;
-        }
-        if (g0 < g1) tiles(w, acts, g0, g1, out);
-      });
+      // Several activation rows on AVX-512 VNNI: pairs of groups in 64-byte registers, the
+      // workers' ranges in whole pairs (an odd last group on AVX2). One row is bound by
+      // memory, not instructions, and keeps the AVX2 tiles.
+      if (m > 1 && UseAvx512Vnni() && HasTilesAvx512(static_cast<int>(type))) {
+        const int64_t pairs = groups / 2;
+        OverRows(pool, std::max<int64_t>(pairs, 1), m * k * n, [&](int64_t p0, int64_t p1) {
+          TilesAvx512(w, acts, 2 * p0, std::min(2 * p1, groups / 2 * 2), out);
+          if (p1 >= pairs && groups % 2) tiles(w, acts, groups - 1, groups, out);
+        });
+      } else {
+        OverRows(pool, groups, m * k * n,
+                 [&](int64_t g0, int64_t g1) { tiles(w, acts, g0, g1, out); });
+      }
       done = true;
     }
 #endif
