@@ -952,8 +952,8 @@ template <int type, int M>
 void Tiles32(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
   constexpr int tb = TileBytes(type);
   constexpr bool has_min = kTypes[type].has_min;
-  constexpr bool five = type == kQ5_0 || type == kQ5_1;
-  constexpr int offset = type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : 0;
+  constexpr bool five = HasFifthBit(type);
+  constexpr int offset = CodeOffset(type);
   const int64_t blocks = w.k / 32, kp = acts.kp;
   const __m256i m15 = _mm256_set1_epi8(15), s16 = _mm256_set1_epi8(16);
   const __m256i ones = _mm256_set1_epi16(1);

@@ -65,60 +65,78 @@ inline void PrefetchTile(const uint8_t* t) {
   for (int off = 0; off < tb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(t) + off, _MM_HINT_T0);
 }
 
-// Q4_K: per sub-block of 32 an int32 sum of 8 vpdpbusd a row, times the 16 rows' scales.
-template <int M>
-void Q4K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
-  constexpr int tb = TileBytes(kQ4_K);
-  const int64_t units = w.k / kUnit, kp = acts.kp;
-  const __m512i m15 = _mm512_set1_epi8(15);
+// The frame of every kernel here: pairs of groups (g, g + 1) for M activation rows from r0.
+// `unit(t0, t1, u, acc)` adds unit u's products to the rows' 16 outputs `acc[M]` (t0 / t1:
+// the unit's tile in each group); the tiles `ahead` units on are prefetched, and the outputs
+// are stored once.
+template <int tb, int M, int ahead, typename Unit>
+inline void OverPairs(const Weight& w, int64_t r0, int64_t g0, int64_t g1, int64_t units,
+                      float* out, Unit&& unit) {
   for (int64_t g = g0; g < g1; g += 2) {
     __m512 acc[M];
     for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t u = 0; u < units; ++u) {
       const uint8_t* t0 = w.data + g * w.row_bytes + u * tb;
       const uint8_t* t1 = t0 + w.row_bytes;
-      PrefetchTile<tb>(t0 + 2 * tb);
-      PrefetchTile<tb>(t1 + 2 * tb);
-      __m512i isum[M];
-      for (int r = 0; r < M; ++r) isum[r] = _mm512_setzero_si512();
-      for (int j = 0; j < 4; ++j) {  // sub-blocks 2j (low nibbles) and 2j + 1 (high)
-        __m512i slo[M], shi[M];
-        for (int r = 0; r < M; ++r) slo[r] = shi[r] = _mm512_setzero_si512();
-        const int off = 160 + 256 * j;
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c) {
-          const __m512i v = Pair(t0 + off + 32 * c, t1 + off + 32 * c);
-          const __m512i lo = _mm512_and_si512(v, m15);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
-#pragma GCC unroll 8
-          for (int r = 0; r < M; ++r) {
-            const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 64 * j + 4 * c;
-            slo[r] = _mm512_dpbusd_epi32(slo[r], lo, Bcast4(a));
-            shi[r] = _mm512_dpbusd_epi32(shi[r], hi, Bcast4(a + 32));
-          }
-        }
-        const __m512i sl = Bytes8(t0 + 32 + 16 * j, t1 + 32 + 16 * j);
-        const __m512i sh = Bytes8(t0 + 40 + 16 * j, t1 + 40 + 16 * j);
-        for (int r = 0; r < M; ++r)
-          isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(slo[r], sl),
-                                                               _mm512_mullo_epi32(shi[r], sh)));
-      }
-      __m512i mv[4];
-      for (int p = 0; p < 4; ++p) mv[p] = _mm512_cvtepu8_epi16(Join16(t0 + 96 + 16 * p, t1 + 96 + 16 * p));
-      const __m512 d = Halves(t0, t1), dm = Halves(t0 + 16, t1 + 16);
-      for (int r = 0; r < M; ++r) {
-        const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16;
-        __m512i imin = _mm512_setzero_si512();
-        for (int p = 0; p < 4; ++p)
-          imin = _mm512_add_epi32(imin, _mm512_madd_epi16(mv[p], Pair16(bs[4 * p] + bs[4 * p + 1],
-                                                                        bs[4 * p + 2] + bs[4 * p + 3])));
-        const __m512 da = _mm512_set1_ps(acts.da[(r0 + r) * units + u]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), acc[r]);
-        acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(dm, da), acc[r]);
-      }
+      PrefetchTile<tb>(t0 + ahead * tb);
+      PrefetchTile<tb>(t1 + ahead * tb);
+      unit(t0, t1, u, acc);
     }
     for (int r = 0; r < M; ++r) _mm512_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
   }
+}
+
+// acc += dot * (d * da): the float epilogue of the AVX2 tiles, in their order.
+inline __m512 AddScaled(__m512 acc, __m512i dot, __m512 d, float da) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(da)), acc);
+}
+
+// Q4_K: per sub-block of 32 an int32 sum of 8 vpdpbusd a row, times the 16 rows' scales.
+template <int M>
+void Q4K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  constexpr int tb = TileBytes(kQ4_K);
+  const int64_t units = w.k / kUnit, kp = acts.kp;
+  const __m512i m15 = _mm512_set1_epi8(15);
+  OverPairs<tb, M, 2>(w, r0, g0, g1, units, out,
+                      [&](const uint8_t* t0, const uint8_t* t1, int64_t u, __m512* acc) {
+    __m512i isum[M];
+    for (int r = 0; r < M; ++r) isum[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {  // sub-blocks 2j (low nibbles) and 2j + 1 (high)
+      __m512i slo[M], shi[M];
+      for (int r = 0; r < M; ++r) slo[r] = shi[r] = _mm512_setzero_si512();
+      const int off = 160 + 256 * j;
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        const __m512i v = Pair(t0 + off + 32 * c, t1 + off + 32 * c);
+        const __m512i lo = _mm512_and_si512(v, m15);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+#pragma GCC unroll 8
+        for (int r = 0; r < M; ++r) {
+          const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 64 * j + 4 * c;
+          slo[r] = _mm512_dpbusd_epi32(slo[r], lo, Bcast4(a));
+          shi[r] = _mm512_dpbusd_epi32(shi[r], hi, Bcast4(a + 32));
+        }
+      }
+      const __m512i sl = Bytes8(t0 + 32 + 16 * j, t1 + 32 + 16 * j);
+      const __m512i sh = Bytes8(t0 + 40 + 16 * j, t1 + 40 + 16 * j);
+      for (int r = 0; r < M; ++r)
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(slo[r], sl),
+                                                             _mm512_mullo_epi32(shi[r], sh)));
+    }
+    __m512i mv[4];
+    for (int p = 0; p < 4; ++p) mv[p] = _mm512_cvtepu8_epi16(Join16(t0 + 96 + 16 * p, t1 + 96 + 16 * p));
+    const __m512 d = Halves(t0, t1), dm = Halves(t0 + 16, t1 + 16);
+    for (int r = 0; r < M; ++r) {
+      const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16;
+      __m512i imin = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p)
+        imin = _mm512_add_epi32(imin, _mm512_madd_epi16(mv[p], Pair16(bs[4 * p] + bs[4 * p + 1],
+                                                                      bs[4 * p + 2] + bs[4 * p + 3])));
+      const __m512 da = _mm512_set1_ps(acts.da[(r0 + r) * units + u]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(dm, da), acc[r]);
+    }
+  });
 }
 
 // Q6_K: codes taken unsigned (0..63), 32 * (scale . activation sums) subtracted, as in the
@@ -128,58 +146,48 @@ void Q6K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, 
   constexpr int tb = TileBytes(kQ6_K);
   const int64_t units = w.k / kUnit, kp = acts.kp;
   const __m512i m15 = _mm512_set1_epi8(15), m48 = _mm512_set1_epi8(48);
-  for (int64_t g = g0; g < g1; g += 2) {
-    __m512 acc[M];
-    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t u = 0; u < units; ++u) {
-      const uint8_t* t0 = w.data + g * w.row_bytes + u * tb;
-      const uint8_t* t1 = t0 + w.row_bytes;
-      PrefetchTile<tb>(t0 + 2 * tb);
-      PrefetchTile<tb>(t1 + 2 * tb);
-      __m512i isum[M], corr[M];
-      for (int r = 0; r < M; ++r) isum[r] = corr[r] = _mm512_setzero_si512();
-      for (int p = 0; p < 8; ++p) {  // scale pair p: int16 (scale 2p, scale 2p + 1) a row
-        const __m512i sc16 = _mm512_cvtepi8_epi16(Join16(t0 + 16 + 16 * p, t1 + 16 + 16 * p));
-        for (int r = 0; r < M; ++r) {
-          const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16 + 2 * p;
-          corr[r] = _mm512_add_epi32(corr[r], _mm512_madd_epi16(sc16, Pair16(bs[0], bs[1])));
-        }
-        // Sub-block 2p + half holds elements 128h + 32s + 16 half .. + 15 (h = p / 4, s = p % 4).
-        const int h = p / 4, s = p % 4;
-        for (int half = 0; half < 2; ++half) {
-          const __m512i scale = half ? _mm512_srai_epi32(sc16, 16)
-                                     : _mm512_srai_epi32(_mm512_slli_epi32(sc16, 16), 16);
-          __m512i sm[M];
-          for (int r = 0; r < M; ++r) sm[r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-          for (int q = 0; q < 4; ++q) {
-            const int l = 16 * half + 4 * q;
-            const int lo_off = 144 + 8 * (64 * h + 32 * (s & 1) + l);  // ql: A (s even) or B
-            const __m512i lo = Pair(t0 + lo_off, t1 + lo_off);
-            const __m512i hb = Pair(t0 + 1168 + 8 * (32 * h + l), t1 + 1168 + 8 * (32 * h + l));
-            const __m512i low4 = _mm512_and_si512(s < 2 ? lo : _mm512_srli_epi16(lo, 4), m15);
-            const __m512i high2 = _mm512_and_si512(
-                s == 0 ? _mm512_slli_epi16(hb, 4) : s == 1 ? _mm512_slli_epi16(hb, 2)
-                         : s == 2 ? hb : _mm512_srli_epi16(hb, 2), m48);
-            const __m512i v = _mm512_or_si512(low4, high2);
-#pragma GCC unroll 8
-            for (int r = 0; r < M; ++r) {
-              const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 128 * h + 32 * s + l;
-              sm[r] = _mm512_dpbusd_epi32(sm[r], v, Bcast4(a));
-            }
-          }
-          for (int r = 0; r < M; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sm[r], scale));
-        }
-      }
-      const __m512 d = Halves(t0, t1);
+  OverPairs<tb, M, 2>(w, r0, g0, g1, units, out,
+                      [&](const uint8_t* t0, const uint8_t* t1, int64_t u, __m512* acc) {
+    __m512i isum[M], corr[M];
+    for (int r = 0; r < M; ++r) isum[r] = corr[r] = _mm512_setzero_si512();
+    for (int p = 0; p < 8; ++p) {  // scale pair p: int16 (scale 2p, scale 2p + 1) a row
+      const __m512i sc16 = _mm512_cvtepi8_epi16(Join16(t0 + 16 + 16 * p, t1 + 16 + 16 * p));
       for (int r = 0; r < M; ++r) {
-        const __m512 da = _mm512_set1_ps(acts.da[(r0 + r) * units + u]);
-        const __m512i dot = _mm512_sub_epi32(isum[r], _mm512_slli_epi32(corr[r], 5));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, da), acc[r]);
+        const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16 + 2 * p;
+        corr[r] = _mm512_add_epi32(corr[r], _mm512_madd_epi16(sc16, Pair16(bs[0], bs[1])));
+      }
+      // Sub-block 2p + half holds elements 128h + 32s + 16 half .. + 15 (h = p / 4, s = p % 4).
+      const int h = p / 4, s = p % 4;
+      for (int half = 0; half < 2; ++half) {
+        const __m512i scale = half ? _mm512_srai_epi32(sc16, 16)
+                                   : _mm512_srai_epi32(_mm512_slli_epi32(sc16, 16), 16);
+        __m512i sm[M];
+        for (int r = 0; r < M; ++r) sm[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) {
+          const int l = 16 * half + 4 * q;
+          const int lo_off = 144 + 8 * (64 * h + 32 * (s & 1) + l);  // ql: A (s even) or B
+          const __m512i lo = Pair(t0 + lo_off, t1 + lo_off);
+          const __m512i hb = Pair(t0 + 1168 + 8 * (32 * h + l), t1 + 1168 + 8 * (32 * h + l));
+          const __m512i low4 = _mm512_and_si512(s < 2 ? lo : _mm512_srli_epi16(lo, 4), m15);
+          const __m512i high2 = _mm512_and_si512(
+              s == 0 ? _mm512_slli_epi16(hb, 4) : s == 1 ? _mm512_slli_epi16(hb, 2)
+                       : s == 2 ? hb : _mm512_srli_epi16(hb, 2), m48);
+          const __m512i v = _mm512_or_si512(low4, high2);
+#pragma GCC unroll 8
+          for (int r = 0; r < M; ++r) {
+            const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 128 * h + 32 * s + l;
+            sm[r] = _mm512_dpbusd_epi32(sm[r], v, Bcast4(a));
+          }
+        }
+        for (int r = 0; r < M; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sm[r], scale));
       }
     }
-    for (int r = 0; r < M; ++r) _mm512_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
-  }
+    const __m512 d = Halves(t0, t1);
+    for (int r = 0; r < M; ++r)
+      acc[r] = AddScaled(acc[r], _mm512_sub_epi32(isum[r], _mm512_slli_epi32(corr[r], 5)), d,
+                         acts.da[(r0 + r) * units + u]);
+  });
 }
 
 // Q3_K: each chunk's 2-bit codes with their hmask bit as unsigned bytes 0..7 (the code plus
@@ -190,56 +198,47 @@ void Q3K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, 
   constexpr int tb = TileBytes(kQ3_K);
   const int64_t units = w.k / kUnit, kp = acts.kp;
   const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
-  for (int64_t g = g0; g < g1; g += 2) {
-    __m512 acc[M];
-    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t u = 0; u < units; ++u) {
-      const uint8_t* t0 = w.data + g * w.row_bytes + u * tb;
-      const uint8_t* t1 = t0 + w.row_bytes;
-      PrefetchTile<tb>(t0 + 2 * tb);
-      PrefetchTile<tb>(t1 + 2 * tb);
-      __m512i isum[M];
-      for (int r = 0; r < M; ++r) isum[r] = _mm512_setzero_si512();
-      for (int p = 0; p < 8; ++p) {  // sub-blocks 2p, 2p + 1: h = p / 4, j = p % 4
-        const int h = p / 4, j = p % 4;
-        const __m512i bit = _mm512_set1_epi8(static_cast<char>(1 << (4 * h + j)));
-        __m512i sm[2][M];
-        for (int half = 0; half < 2; ++half)
-          for (int r = 0; r < M; ++r) sm[half][r] = _mm512_setzero_si512();
+  OverPairs<tb, M, 2>(w, r0, g0, g1, units, out,
+                      [&](const uint8_t* t0, const uint8_t* t1, int64_t u, __m512* acc) {
+    __m512i isum[M];
+    for (int r = 0; r < M; ++r) isum[r] = _mm512_setzero_si512();
+    for (int p = 0; p < 8; ++p) {  // sub-blocks 2p, 2p + 1: h = p / 4, j = p % 4
+      const int h = p / 4, j = p % 4;
+      const __m512i bit = _mm512_set1_epi8(static_cast<char>(1 << (4 * h + j)));
+      __m512i sm[2][M];
+      for (int half = 0; half < 2; ++half)
+        for (int r = 0; r < M; ++r) sm[half][r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c) {  // elements 128h + 32j + 4c .. + 3 of the 16 rows
-          const int qo = 144 + 32 * (8 * h + c), ho = 656 + 32 * c;
-          const __m512i q = _mm512_and_si512(_mm512_srli_epi16(Pair(t0 + qo, t1 + qo), 2 * j), m3);
-          const __m512i hb = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(Pair(t0 + ho, t1 + ho), bit), four);
-          const __m512i v = _mm512_or_si512(q, hb);
+      for (int c = 0; c < 8; ++c) {  // elements 128h + 32j + 4c .. + 3 of the 16 rows
+        const int qo = 144 + 32 * (8 * h + c), ho = 656 + 32 * c;
+        const __m512i q = _mm512_and_si512(_mm512_srli_epi16(Pair(t0 + qo, t1 + qo), 2 * j), m3);
+        const __m512i hb = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(Pair(t0 + ho, t1 + ho), bit), four);
+        const __m512i v = _mm512_or_si512(q, hb);
 #pragma GCC unroll 8
-          for (int r = 0; r < M; ++r) {
-            const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 128 * h + 32 * j + 4 * c;
-            sm[c / 4][r] = _mm512_dpbusd_epi32(sm[c / 4][r], v, Bcast4(a));
-          }
+        for (int r = 0; r < M; ++r) {
+          const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 128 * h + 32 * j + 4 * c;
+          sm[c / 4][r] = _mm512_dpbusd_epi32(sm[c / 4][r], v, Bcast4(a));
         }
-        const __m512i sc16 = _mm512_cvtepi8_epi16(Join16(t0 + 16 + 16 * p, t1 + 16 + 16 * p));
-        const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(sc16, 16), 16);
-        const __m512i hi = _mm512_srai_epi32(sc16, 16);
-        for (int r = 0; r < M; ++r)
-          isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(sm[0][r], lo),
-                                                               _mm512_mullo_epi32(sm[1][r], hi)));
       }
-      const __m512 d = Halves(t0, t1);
-      for (int r = 0; r < M; ++r) {
-        const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16;
-        __m512i corr = _mm512_setzero_si512();
-        for (int p = 0; p < 8; ++p) {
-          const __m512i sc16 = _mm512_cvtepi8_epi16(Join16(t0 + 16 + 16 * p, t1 + 16 + 16 * p));
-          corr = _mm512_add_epi32(corr, _mm512_madd_epi16(sc16, Pair16(bs[2 * p], bs[2 * p + 1])));
-        }
-        const __m512 da = _mm512_set1_ps(acts.da[(r0 + r) * units + u]);
-        const __m512i dot = _mm512_sub_epi32(isum[r], _mm512_slli_epi32(corr, 2));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, da), acc[r]);
-      }
+      const __m512i sc16 = _mm512_cvtepi8_epi16(Join16(t0 + 16 + 16 * p, t1 + 16 + 16 * p));
+      const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(sc16, 16), 16);
+      const __m512i hi = _mm512_srai_epi32(sc16, 16);
+      for (int r = 0; r < M; ++r)
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(sm[0][r], lo),
+                                                             _mm512_mullo_epi32(sm[1][r], hi)));
     }
-    for (int r = 0; r < M; ++r) _mm512_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
-  }
+    const __m512 d = Halves(t0, t1);
+    for (int r = 0; r < M; ++r) {
+      const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16;
+      __m512i corr = _mm512_setzero_si512();
+      for (int p = 0; p < 8; ++p) {
+        const __m512i sc16 = _mm512_cvtepi8_epi16(Join16(t0 + 16 + 16 * p, t1 + 16 + 16 * p));
+        corr = _mm512_add_epi32(corr, _mm512_madd_epi16(sc16, Pair16(bs[2 * p], bs[2 * p + 1])));
+      }
+      acc[r] = AddScaled(acc[r], _mm512_sub_epi32(isum[r], _mm512_slli_epi32(corr, 2)), d,
+                         acts.da[(r0 + r) * units + u]);
+    }
+  });
 }
 
 // 32-element types (Q4_0, Q4_1, Q5_0, Q5_1): a pair of tiles' codes as unsigned bytes in 8
@@ -257,56 +256,45 @@ template <int type, int M>
 void Q32(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
   constexpr int tb = TileBytes(type);
   constexpr bool has_min = kTypes[type].has_min;
-  constexpr bool five = type == kQ5_0 || type == kQ5_1;
-  constexpr int offset = type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : 0;
+  constexpr bool five = HasFifthBit(type);
+  constexpr int offset = CodeOffset(type);
   const int64_t blocks = w.k / 32, kp = acts.kp;
   const __m512i m15 = _mm512_set1_epi8(15), s16 = _mm512_set1_epi8(16);
   const __m512i sel[4] = {LanePick(0), LanePick(1), LanePick(2), LanePick(3)};
   const __m512i bit[2] = {_mm512_set1_epi32(0x08040201), _mm512_set1_epi32(static_cast<int>(0x80402010u))};
-  for (int64_t g = g0; g < g1; g += 2) {
-    __m512 acc[M];
-    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-    const uint8_t* t0 = w.data + g * w.row_bytes;
-    const uint8_t* t1 = t0 + w.row_bytes;
-    for (int64_t j = 0; j < blocks; ++j, t0 += tb, t1 += tb) {
-      for (int off = 0; off < tb; off += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(t0) + 8 * tb + off, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(t1) + 8 * tb + off, _MM_HINT_T0);
-      }
-      __m512i u[8];  // u[c]: elements 4c.. of the 16 rows; u[4 + c]: elements 16 + 4c..
-      for (int c = 0; c < 4; ++c) {
-        const __m512i v = Pair(t0 + TileNibbles(type) + 32 * c, t1 + TileNibbles(type) + 32 * c);
-        u[c] = _mm512_and_si512(v, m15);
-        u[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
-        if constexpr (five) {
-          const __m512i qh = Pair(t0 + TileHighBits(type), t1 + TileHighBits(type));
-          const __m512i b = bit[c % 2];
-          const __m512i lo = _mm512_and_si512(_mm512_shuffle_epi8(qh, sel[c / 2]), b);
-          const __m512i hi = _mm512_and_si512(_mm512_shuffle_epi8(qh, sel[2 + c / 2]), b);
-          u[c] = _mm512_or_si512(u[c], _mm512_maskz_mov_epi8(_mm512_cmpeq_epi8_mask(lo, b), s16));
-          u[4 + c] = _mm512_or_si512(u[4 + c], _mm512_maskz_mov_epi8(_mm512_cmpeq_epi8_mask(hi, b), s16));
-        }
-      }
-      const __m512 d = Halves(t0, t1);
-#pragma GCC unroll 8
-      for (int r = 0; r < M; ++r) {
-        const int8_t* a = acts.a.data() + (r0 + r) * kp + 32 * j;
-        __m512i dot = _mm512_setzero_si512();
-        for (int c = 0; c < 4; ++c) {
-          dot = _mm512_dpbusd_epi32(dot, u[c], Bcast4(a + 4 * c));
-          dot = _mm512_dpbusd_epi32(dot, u[4 + c], Bcast4(a + 16 + 4 * c));
-        }
-        const int64_t s = (r0 + r) * (kp / 16) + 2 * j;  // the block's two sums of 16
-        if constexpr (offset != 0)
-          dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * (acts.bs[s] + acts.bs[s + 1])));
-        const __m512 da = _mm512_set1_ps(acts.da[(r0 + r) * (kp / 32) + j]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, da), acc[r]);
-        if constexpr (has_min)
-          acc[r] = _mm512_fmadd_ps(Halves(t0 + 16, t1 + 16), _mm512_set1_ps(acts.sums[s] + acts.sums[s + 1]), acc[r]);
+  OverPairs<tb, M, 8>(w, r0, g0, g1, blocks, out,
+                      [&](const uint8_t* t0, const uint8_t* t1, int64_t j, __m512* acc) {
+    __m512i u[8];  // u[c]: elements 4c.. of the 16 rows; u[4 + c]: elements 16 + 4c..
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = Pair(t0 + TileNibbles(type) + 32 * c, t1 + TileNibbles(type) + 32 * c);
+      u[c] = _mm512_and_si512(v, m15);
+      u[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+      if constexpr (five) {
+        const __m512i qh = Pair(t0 + TileHighBits(type), t1 + TileHighBits(type));
+        const __m512i b = bit[c % 2];
+        const __m512i lo = _mm512_and_si512(_mm512_shuffle_epi8(qh, sel[c / 2]), b);
+        const __m512i hi = _mm512_and_si512(_mm512_shuffle_epi8(qh, sel[2 + c / 2]), b);
+        u[c] = _mm512_or_si512(u[c], _mm512_maskz_mov_epi8(_mm512_cmpeq_epi8_mask(lo, b), s16));
+        u[4 + c] = _mm512_or_si512(u[4 + c], _mm512_maskz_mov_epi8(_mm512_cmpeq_epi8_mask(hi, b), s16));
       }
     }
-    for (int r = 0; r < M; ++r) _mm512_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
-  }
+    const __m512 d = Halves(t0, t1);
+#pragma GCC unroll 8
+    for (int r = 0; r < M; ++r) {
+      const int8_t* a = acts.a.data() + (r0 + r) * kp + 32 * j;
+      __m512i dot = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        dot = _mm512_dpbusd_epi32(dot, u[c], Bcast4(a + 4 * c));
+        dot = _mm512_dpbusd_epi32(dot, u[4 + c], Bcast4(a + 16 + 4 * c));
+      }
+      const int64_t s = (r0 + r) * (kp / 16) + 2 * j;  // the block's two sums of 16
+      if constexpr (offset != 0)
+        dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * (acts.bs[s] + acts.bs[s + 1])));
+      acc[r] = AddScaled(acc[r], dot, d, acts.da[(r0 + r) * (kp / 32) + j]);
+      if constexpr (has_min)
+        acc[r] = _mm512_fmadd_ps(Halves(t0 + 16, t1 + 16), _mm512_set1_ps(acts.sums[s] + acts.sums[s + 1]), acc[r]);
+    }
+  });
 }
 
 template <int type, int M>

@@ -65,10 +65,16 @@ inline constexpr int TileBytes(int type) {
   }
 }
 
+// 32-element types: whether codes have a fifth bit (Q5_0, Q5_1), and the offset their
+// unsigned codes carry (x = d (q - 8) for Q4_0, d (q - 16) for Q5_0; 0 where a minimum is
+// stored instead).
+inline constexpr bool HasFifthBit(int type) { return type == kQ5_0 || type == kQ5_1; }
+inline constexpr int CodeOffset(int type) { return type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : 0; }
+
 // 32-element tiles: where the high bits (Q5_0 / Q5_1) and the nibbles start.
 inline constexpr int TileHighBits(int type) { return kTypes[type].has_min ? 32 : 16; }
 inline constexpr int TileNibbles(int type) {
-  return TileHighBits(type) + ((type == kQ5_0 || type == kQ5_1) ? 32 : 0);
+  return TileHighBits(type) + (HasFifthBit(type) ? 32 : 0);
 }
 
 // Row r's block of one tile, in the file's block layout (kTypes[type].bytes bytes).
