@@ -1141,10 +1141,12 @@ bool UseAvx2() {
 #endif
 }
 
+// Asked on every call (the path can be changed at run time): compared in place, no string
+// built.
 bool UseAvx512Vnni() {
 #if defined(__x86_64__)
-  const std::string isa = ActiveIsa()->name;
-  return isa == "avx512vnni" || isa == "amx";
+  const char* isa = ActiveIsa()->name;
+  return std::strcmp(isa, "avx512vnni") == 0 || std::strcmp(isa, "amx") == 0;
 #else
   return false;
 #endif
