@@ -36,9 +36,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from lowbit._processes import allgather
 from lowbit.algorithms._walk import activation_rows, batch_args, kept_rows, walk_batch
 from lowbit.engine import Use
 from lowbit.recipes import param_leaves
@@ -250,7 +250,7 @@ def _on_host(x: jax.Array) -> np.ndarray:
     """`x` in this process's memory. Rows split over processes (data-parallel calibration) are
     gathered: a sample of activation rows, small, and the same in every process."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return allgather(x, tiled=True)
     return np.asarray(x)
 
 

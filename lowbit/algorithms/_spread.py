@@ -5,7 +5,7 @@ the same weights, so solving every weight's GPTQ rounding on every process repea
 Hessian work ``jax.process_count()`` times. Here each weight is given to one process
 (`assign`: largest cost first, to the least loaded process), which solves it on its own copy
 of the weight and statistics (no collective inside a solve); the results are exchanged in
-rounds (each process's r-th weight in round r, one ``process_allgather`` of bytes per round,
+rounds (each process's r-th weight in round r, one ``allgather`` of bytes per round,
 so at most one quantized weight per process is in flight) and placed like the weight, so every
 process ends with the same quantized tree, bit for bit the one it would have solved itself.
 """
@@ -23,9 +23,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from lowbit._processes import allgather
 from lowbit.algorithms._capture import CalibrationError
 from lowbit.algorithms._rounding import AlgorithmReport, Context, Rescaled
 from lowbit.qarray import QArray
@@ -217,11 +217,11 @@ def _no_mesh():
 
 def _allgather_bytes(payload: bytes) -> list[bytes]:
     """Every process's `payload` (lengths first, then the bytes padded to the longest)."""
-    lengths = multihost_utils.process_allgather(np.asarray(len(payload), np.int64))
+    lengths = allgather(np.asarray(len(payload), np.int64))
     longest = int(np.max(lengths))
     mine = np.zeros(max(longest, 1), np.uint8)
     mine[: len(payload)] = np.frombuffer(payload, np.uint8)
-    gathered = np.asarray(multihost_utils.process_allgather(mine))
+    gathered = allgather(mine)
     return [gathered[p, : int(n)].tobytes() for p, n in enumerate(lengths)]
 
 
@@ -343,7 +343,7 @@ def check_same_everywhere(what: str, name: str, text: str, fix: str) -> None:
 
     label = name.encode()[:64].ljust(64, b"\0")
     mine = np.frombuffer(digest(text) + label, np.uint8)
-    gathered = np.asarray(multihost_utils.process_allgather(mine))
+    gathered = allgather(mine)
     digests = [bytes(row[:16]) for row in gathered]
     names = [bytes(row[16:]).rstrip(b"\0").decode(errors="replace") for row in gathered]
     differ = [p for p in range(len(digests)) if digests[p] != digests[0]]

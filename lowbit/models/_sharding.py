@@ -43,10 +43,10 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lowbit._processes import allgather
 from lowbit.models._head_padding import pad_heads, padded_kv_heads, with_kv_heads
 from lowbit.models._kv_cache import KVCache, init_kv_cache
 from lowbit.ops import PreparedPieces, PreparedQArray, logical_weights, prepare_weight
@@ -140,9 +140,10 @@ def fetch(x: jax.Array) -> np.ndarray:
     """The whole of `x` on the host, also when its pieces lie in several processes (every
     process must call it)."""
     if x.is_fully_addressable or x.is_fully_replicated:
-        return np.asarray(x)
+        # Every local copy, not only the one read: see lowbit._processes.
+        return np.asarray(jax.block_until_ready(x))
 
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return allgather(x, tiled=True)
 
 
 def generation_sharding(

@@ -5,6 +5,7 @@ the test with its log."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -71,9 +72,14 @@ def run_processes(
             failed.append((i, code))
     if failed:
         for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGUSR1)  # worker.py logs every thread's stack
+        time.sleep(2.0)
+        for proc in procs:
             proc.kill()
+            proc.wait()
         tails = "\n".join(
-            f"--- worker {i} ({code}) ---\n" + "\n".join(logs[i].read_text().splitlines()[-25:])
+            f"--- worker {i} ({code}) ---\n" + "\n".join(logs[i].read_text().splitlines()[-60:])
             for i, code in failed
         )
         raise AssertionError(f"scenario {scenario!r} on {processes} processes failed:\n{tails}")

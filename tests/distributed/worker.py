@@ -5,13 +5,18 @@ to this file; the module is imported after `jax.distributed.initialize`, which m
 before lowbit starts a backend.
 """
 
+import faulthandler
 import importlib
+import signal
 import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 
+# The harness sends SIGUSR1 to a worker that runs past its timeout: every thread's stack
+# goes to the log, so a hang names where it waits.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 scenario, pid, n, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6]
 jax.distributed.initialize(
