@@ -19,6 +19,8 @@ by the kernels on plain arrays:
   `gguf_dequantize(rows, ggml_type, k)`: weights held as a GGUF file's block rows
   `uint8 [N, row_bytes]` (every type of llama.cpp's mixes, `GGUF_TYPE_IDS`), read as stored,
   or (Q4_K, Q6_K) as tiles of 8 rows: `gguf_tile` / `gguf_untile`, `tiled=True`.
+  `q4_0_rows` / `q4_0_fields`: signed int4 codes with float16 scales per 32 as Q4_0 rows
+  and back (the same values: such a weight runs on Q4_0's tiles).
 - `decode_attention(q, keys, values, start, slot)`: one query position per row attending to
   the filled slots of a float32 KV cache (the decode step of `lowbit.models`), one call per
   layer instead of a loop of small XLA ops; ``rows=`` reads some rows of a larger cache in
@@ -53,6 +55,8 @@ from lowbit.kernels._gguf import (
     gguf_tileable,
     gguf_untile,
     is_tiled,
+    q4_0_fields,
+    q4_0_rows,
 )
 from lowbit.kernels._kinds import (
     FORMAT_KINDS,
@@ -111,6 +115,8 @@ __all__ = [
     "gguf_tile",
     "gguf_tileable",
     "gguf_untile",
+    "q4_0_fields",
+    "q4_0_rows",
     "is_tiled",
     "pack",
     "prepared_columns",

@@ -207,6 +207,9 @@ class PreparedQArray(ArrayBacked):
         if self.route.kind in kernels.GGUF_KINDS:
             # Whole block rows: the gathered rows are a QArray of the same format.
             rows = _gguf_take(self.weight, ids)
+            if _holds_int4_as_q4_0(self):
+                shape = (int(ids.shape[0]), self.weight.k)
+                return _int4_of_q4_0(self, rows, shape, axis=1, packed_axis=1)
             return dataclasses.replace(
                 _gguf_qarray(self, rows, (int(ids.shape[0]), self.weight.k)), packed_axis=1
             )
@@ -405,6 +408,8 @@ def _assemble(p: PreparedQArray, parts: dict[str, Any], *, rows: bool = False) -
 def _logical(p: PreparedQArray) -> QArray:
     if p.route.kind in kernels.GGUF_KINDS:
         rows = _gguf_block_rows(p.weight)
+        if _holds_int4_as_q4_0(p):
+            return _int4_of_q4_0(p, rows, p.meta.shape, axis=p.axis, packed_axis=p.meta.packed_axis)
         return _gguf_qarray(p, rows if p.axis == 1 else rows.T, p.meta.shape)
     return _assemble(p, kernels.prepared_to_logical(p.weight))
 
@@ -428,6 +433,76 @@ def _gguf_take(w: kernels.PreparedWeight, ids: jax.Array) -> jax.Array:
     groups = kernels.gguf_untile(jnp.take(w.data, ids // 8, axis=0), w.kind.upper(), w.k)
     picked = jnp.arange(ids.shape[0]) * 8 + ids % 8
     return jnp.take(groups, picked, axis=0)
+
+
+def _holds_int4_as_q4_0(p: PreparedQArray) -> bool:
+    """Whether `p` is an int4 weight held as Q4_0 tiles (`_as_q4_0`)."""
+    return p.route.kind == "q4_0" and p.meta.format == "int4"
+
+
+def _int4_of_q4_0(
+    p: PreparedQArray,
+    rows: jax.Array,
+    shape: tuple[int, ...],
+    *,
+    axis: int,
+    packed_axis: int | None,
+) -> QArray:
+    """The int4 QArray of Q4_0 block rows ``[N', K]`` (`kernels.q4_0_fields`), shaped `shape`
+    with its groups along `axis` (K) and its codes packed along `packed_axis`."""
+    codes, d = kernels.q4_0_fields(rows)
+    if axis == 0:
+        codes, d = codes.T, d.T
+    if packed_axis is not None:
+        codes = get_format("int4").pack(codes, packed_axis)
+    return QArray(
+        codes=codes,
+        scale=d.astype(p.meta.scale_dtype),
+        zero_point=None,
+        tensor_scale=None,
+        input_scale=None,
+        **p.meta.qarray_fields(shape=tuple(shape), packed_axis=packed_axis),
+    )
+
+
+def _as_q4_0(x: PreparedQArray) -> PreparedQArray | None:
+    """An int4 weight in groups of 32 along K with float16 scales (a GGUF file's Q4_0 tensor,
+    imported as int4) laid out as Q4_0's tiles, or None where that does not hold it exactly.
+
+    The same values, 10% fewer bytes (float16 scales, no column sums) and 1.2-1.3x faster on
+    int8 activations than the int4 layout (2 AVX-512 VNNI cores, SmolLM2's and a 1.5B
+    model's shapes, M = 1, 8 and 64); on float activations the int4 layout is 2-4x faster,
+    so only `with_int8_activations` moves a weight here.
+    """
+    route, meta = x.route, x.meta
+    k, n = x.weight.k, x.weight.n
+    if (
+        route.kind != "int4"
+        or route.group_size != 32
+        or route.shift_int4
+        or meta.format != "int4"
+        or meta.activation is not None
+        or meta.scale_encoding != "float"
+        or meta.scale_dtype != np.dtype(jnp.float16)
+        or any(a is not None for a in (x.scale, x.zero_point, x.tensor_scale, x.input_scale))
+        or x.weight.data.ndim != 2  # one piece of `PreparedPieces` carries a leading axis
+        or not kernels.gguf_tileable("Q4_0", k, n)
+    ):
+        return None
+    weight = _q4_0_layout(x.logical(), x.axis)
+    release_free_memory()
+    q4_route = KernelRoute(kind="q4_0", group_size=None, transposed=x.axis == 1)
+    return dataclasses.replace(x, weight=weight, route=q4_route)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _q4_0_layout(q: QArray, axis: int) -> kernels.PreparedWeight:
+    codes, scale = q.unpacked_codes(), q.scale
+    if axis == 0:  # rows along N, blocks along K
+        codes, scale = codes.T, scale.T
+    n, k = codes.shape
+    tiles = kernels.gguf_tile(kernels.q4_0_rows(codes, scale), "Q4_0")
+    return kernels.PreparedWeight("q4_0", k, n, None, 32, tiles)
 
 
 def _gguf_qarray(p: PreparedQArray, codes: jax.Array, shape: tuple[int, ...]) -> QArray:
@@ -587,7 +662,13 @@ def with_int8_activations(
     wanted = kernels.INT8_ACTIVATION_KINDS if kinds is None else kinds
 
     def one(x):
-        if isinstance(x, PreparedQArray) and x.route.kind in wanted:
+        if not isinstance(x, PreparedQArray):
+            return x
+        if enabled and x.route.kind == "int4" and "int4" in wanted:
+            x = _as_q4_0(x) or x  # the same values on the faster integer layout
+        elif not enabled and _holds_int4_as_q4_0(x) and "int4" in wanted:
+            return prepare_weight(x.logical(), x.axis)  # float activations: int4's layout
+        if x.route.kind in wanted:
             route = dataclasses.replace(x.route, int8_activations=bool(enabled))
             return dataclasses.replace(x, route=route)
         return x
