@@ -33,9 +33,10 @@ install: $(STAMP)
 
 # Two workers (one per core of the CI machines), a test file per worker at a time so module
 # fixtures (compiled models) are built once. A crashed worker ends the run (xdist's file
-# scheduling waits forever for a restarted one's files).
+# scheduling waits forever for a restarted one's files). The 30 slowest tests are listed at
+# the end: where the suite's time goes.
 test: $(STAMP)
-	$(PY) -m pytest -x -q -n 2 --dist loadfile --max-worker-restart=0
+	$(PY) -m pytest -x -q -n 2 --dist loadfile --max-worker-restart=0 --durations=30
 
 demo: $(STAMP)
 	$(VENV)/bin/lowbit demo

@@ -1107,19 +1107,23 @@ void QuantizeRowQ8(const float* row, int64_t kp, int per, int8_t* a, float* da, 
     }
     da[g] = finite ? d : std::numeric_limits<float>::quiet_NaN();
   }
-  const __m256i ones = _mm256_set1_epi8(1);
-  for (int64_t g = 0; g < kp / 32; ++g) {  // per 16: maddubs with ones, then a pair sum
-    const __m256i s16 = _mm256_maddubs_epi16(ones, Load32(a + 32 * g));
-    const __m128i lo = _mm256_castsi256_si128(s16), hi = _mm256_extracti128_si256(s16, 1);
-    const __m128i one16 = _mm_set1_epi16(1);
-    const __m128i slo = _mm_madd_epi16(lo, one16), shi = _mm_madd_epi16(hi, one16);
-    for (int h = 0; h < 2; ++h) {
-      const __m128i x = h == 0 ? slo : shi;
-      const int s = _mm_cvtsi128_si32(x) + _mm_extract_epi32(x, 1) + _mm_extract_epi32(x, 2) +
-                    _mm_extract_epi32(x, 3);
-      bs[2 * g + h] = static_cast<int16_t>(s);
-      sums[2 * g + h] = da[(32 * g + 16 * h) / per] * static_cast<float>(s);
-    }
+  // Per 16 codes, 8 groups (128 codes) at a time: maddubs and madd with ones give 4 int32
+  // partial sums a group, two rounds of hadd finish them (lanes in the order 0 2 4 6 1 3 5 7,
+  // permuted back). kp is a whole number of 256-code units.
+  const __m256i ones = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  const __m256i back = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const int shift = __builtin_ctz(per / 16);  // per (32 or 256) / 16 groups share a scale
+  for (int64_t g = 0; g < kp / 16; g += 8) {
+    __m256i q[4];
+    for (int c = 0; c < 4; ++c)
+      q[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, Load32(a + 16 * g + 32 * c)), ones16);
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
+    const __m256i s8 = _mm256_permutevar8x32_epi32(h, back);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(bs + g),
+                     _mm_packs_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1)));
+    float d8[8];
+    for (int j = 0; j < 8; ++j) d8[j] = da[(g + j) >> shift];
+    _mm256_storeu_ps(sums + g, _mm256_mul_ps(_mm256_loadu_ps(d8), _mm256_cvtepi32_ps(s8)));
   }
 }
 }  // namespace avx2
