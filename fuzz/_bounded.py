@@ -31,6 +31,8 @@ BASE_BYTES = 256 * 2**20
 # A parser reads tens of MB a second; a second of start-up for small inputs.
 BASE_SECONDS = 5.0
 BYTES_PER_SECOND = 10 * 2**20
+# Address space kept aside while an input runs, for lifting the bounds after it.
+RESERVE_BYTES = 8 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,23 +68,36 @@ def _one(test_one, file: str) -> Outcome:
     limit = BASE_BYTES + PER_BYTE * len(data)
     seconds = BASE_SECONDS + len(data) / BYTES_PER_SECOND
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    # Freed before the bounds are lifted: lifting them allocates (each call's result), and an
+    # input that ran into the address-space limit left none (a MemoryError from `setrlimit`
+    # itself ended a run under xdist with no verdict).
+    reserve = bytearray(RESERVE_BYTES)
     soft = _mapped_bytes() + limit
     resource.setrlimit(resource.RLIMIT_AS, (soft if hard < 0 else min(soft, hard), hard))
     signal.setitimer(signal.ITIMER_REAL, seconds)
     start = time.monotonic()
+    error = None
     try:
-        test_one(data)
-        verdict, detail = "ok", ""
-    except MemoryError:
-        verdict, detail = "memory", f"needed more than {limit >> 20} MiB above start-up"
-    except _TimeUp:
-        verdict, detail = "time", f"ran past {seconds:.1f} s"
-    except BaseException as err:  # any other escape breaks the harness's contract
-        verdict = "contract"
-        detail = "".join(traceback.format_exception_only(err)).strip()[-500:]
+        try:
+            test_one(data)
+        finally:
+            del reserve[:]
+            signal.setitimer(signal.ITIMER_REAL, 0)  # no alarm from here on
+    except BaseException as err:  # classified below, once the bounds are lifted
+        error = err
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
         resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+    # Classified once the bounds are lifted: a traceback formatted under the address-space
+    # limit, or an alarm inside an except clause, could end the process with no verdict.
+    if error is None:
+        verdict, detail = "ok", ""
+    elif isinstance(error, MemoryError):
+        verdict, detail = "memory", f"needed more than {limit >> 20} MiB above start-up"
+    elif isinstance(error, _TimeUp):
+        verdict, detail = "time", f"ran past {seconds:.1f} s"
+    else:  # any other escape breaks the harness's contract
+        verdict = "contract"
+        detail = "".join(traceback.format_exception_only(error)).strip()[-500:]
     return Outcome(file, verdict, round(time.monotonic() - start, 3), detail)
 
 
