@@ -4,7 +4,8 @@ Each block is a float16 scale ``d`` (Q4_1 / Q5_1 also a float16 minimum ``m``) a
 Per type: `fields_*` splits blocks ``[..., nb, type_size]`` into ``d [..., nb]`` (float32,
 float16 values), ``m`` (or None) and the stored codes ``q [..., nb, 32]`` in element order
 (Q8_0's int8, the others' unsigned), read by the decoder and by importers that keep the codes
-as they are; `decode_*` gives ``[..., nb, 32]`` float32 and `encode_*` takes it back to blocks.
+as they are; `join_*` is its inverse, used by the encoder and by layouts that rebuild blocks
+from codes; `decode_*` gives ``[..., nb, 32]`` float32 and `encode_*` takes it back to blocks.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ def fields_q8_0(b):
     return f16(b[..., 0:2]), None, jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8)
 
 
+def join_q8_0(d, m, q):
+    del m
+    q = jax.lax.bitcast_convert_type(q.astype(jnp.int8), jnp.uint8)
+    return jnp.concatenate([f16_bytes(d), q], -1)
+
+
 def decode_q8_0(b):
     d, _, q = fields_q8_0(b)
     return d[..., None] * q
@@ -41,7 +48,7 @@ def encode_q8_0(x):
     amax, _ = signed_absmax(x)
     d = amax / 127
     q = roundf(x * safe_div(1.0, d)[..., None]).astype(jnp.int8)
-    return jnp.concatenate([f16_bytes(d), jax.lax.bitcast_convert_type(q, jnp.uint8)], -1)
+    return join_q8_0(d, None, q)
 
 
 # --- Q4_0 ---------------------------------------------------------------------------------
@@ -49,6 +56,11 @@ def encode_q8_0(x):
 
 def fields_q4_0(b):
     return f16(b[..., 0:2]), None, unpack_nibbles_32(b[..., 2:])
+
+
+def join_q4_0(d, m, q):
+    del m
+    return jnp.concatenate([f16_bytes(d), pack_nibbles_32(q)], -1)
 
 
 def decode_q4_0(b):
@@ -62,7 +74,7 @@ def encode_q4_0(x):
     d = mx / -8
     x0 = x * safe_div(1.0, d)[..., None]
     q = jnp.minimum(15, (x0 + 8.5).astype(jnp.int8))
-    return jnp.concatenate([f16_bytes(d), pack_nibbles_32(q)], -1)
+    return join_q4_0(d, None, q)
 
 
 # --- Q4_1 ---------------------------------------------------------------------------------
@@ -70,6 +82,10 @@ def encode_q4_0(x):
 
 def fields_q4_1(b):
     return f16(b[..., 0:2]), f16(b[..., 2:4]), unpack_nibbles_32(b[..., 4:])
+
+
+def join_q4_1(d, m, q):
+    return jnp.concatenate([f16_bytes(d), f16_bytes(m), pack_nibbles_32(q)], -1)
 
 
 def decode_q4_1(b):
@@ -82,7 +98,7 @@ def encode_q4_1(x):
     d = (hi - lo) / 15
     x0 = (x - lo[..., None]) * safe_div(1.0, d)[..., None]
     q = jnp.minimum(15, (x0 + 0.5).astype(jnp.int8))
-    return jnp.concatenate([f16_bytes(d), f16_bytes(lo), pack_nibbles_32(q)], -1)
+    return join_q4_1(d, lo, q)
 
 
 # --- Q5_0 ---------------------------------------------------------------------------------
@@ -104,6 +120,11 @@ def fields_q5_0(b):
     return f16(b[..., 0:2]), None, unpack_nibbles_32(b[..., 6:]) | (_q5_high(b[..., 2:6]) << 4)
 
 
+def join_q5_0(d, m, q):
+    del m
+    return jnp.concatenate([f16_bytes(d), q5_high_bytes(q), pack_nibbles_32(u8(q) & 15)], -1)
+
+
 def decode_q5_0(b):
     d, _, q = fields_q5_0(b)
     q = q.astype(jnp.int8) - jnp.int8(16)
@@ -115,7 +136,7 @@ def encode_q5_0(x):
     d = mx / -16
     x0 = x * safe_div(1.0, d)[..., None]
     q = jnp.minimum(31, (x0 + 16.5).astype(jnp.int8))
-    return jnp.concatenate([f16_bytes(d), q5_high_bytes(q), pack_nibbles_32(q & 15)], -1)
+    return join_q5_0(d, None, q)
 
 
 # --- Q5_1 ---------------------------------------------------------------------------------
@@ -124,6 +145,11 @@ def encode_q5_0(x):
 def fields_q5_1(b):
     q = unpack_nibbles_32(b[..., 8:]) | (_q5_high(b[..., 4:8]) << 4)
     return f16(b[..., 0:2]), f16(b[..., 2:4]), q
+
+
+def join_q5_1(d, m, q):
+    parts = [f16_bytes(d), f16_bytes(m), q5_high_bytes(q), pack_nibbles_32(u8(q) & 15)]
+    return jnp.concatenate(parts, -1)
 
 
 def decode_q5_1(b):
@@ -136,8 +162,7 @@ def encode_q5_1(x):
     d = (hi - lo) / 31
     x0 = (x - lo[..., None]) * safe_div(1.0, d)[..., None]
     q = jnp.minimum(31, (x0 + 0.5).astype(jnp.int8))
-    parts = [f16_bytes(d), f16_bytes(lo), q5_high_bytes(q), pack_nibbles_32(q & 15)]
-    return jnp.concatenate(parts, -1)
+    return join_q5_1(d, lo, q)
 
 
 # --- IQ4_NL -------------------------------------------------------------------------------
@@ -145,6 +170,11 @@ def encode_q5_1(x):
 
 def fields_iq4_nl(b):
     return f16(b[..., 0:2]), None, unpack_nibbles_32(b[..., 2:])
+
+
+def join_iq4_nl(d, m, q):
+    del m
+    return jnp.concatenate([f16_bytes(d), pack_nibbles_32(q)], -1)
 
 
 def decode_iq4_nl(b):
@@ -156,4 +186,4 @@ def decode_iq4_nl(b):
 def encode_iq4_nl(x):
     d = search.iq4_scale(x)
     idx = search.best_index_iq4(x * safe_div(1.0, d)[..., None])
-    return jnp.concatenate([f16_bytes(d), pack_nibbles_32(idx)], -1)
+    return join_iq4_nl(d, None, idx)

@@ -86,6 +86,12 @@ from lowbit.gguf._legacy import (
     fields_q5_0,
     fields_q5_1,
     fields_q8_0,
+    join_iq4_nl,
+    join_q4_0,
+    join_q4_1,
+    join_q5_0,
+    join_q5_1,
+    join_q8_0,
 )
 from lowbit.gguf._ternary import (
     decode_tq1_0,
@@ -111,6 +117,7 @@ class BlockType:
       encode_blocks: ``float32 [..., nb, block_size]`` -> blocks ``uint8 [..., nb, type_size]``.
       fields: for the 32-element types, blocks -> their scale, minimum (or None) and stored
         codes (`lowbit.gguf._legacy`); None for the others.
+      joins: ``fields``' inverse, (scale, minimum or None, codes) -> blocks; None likewise.
       max_abs: the largest magnitude every block can hold. The blocks store their scales (and
         minimums) as float16, so values past float16's maximum cannot be stored; llama.cpp's
         quantizers turn them into infinite scales. Q8_K's scale is a float32, and its scale
@@ -123,6 +130,7 @@ class BlockType:
     decode_blocks: Blocks = dataclasses.field(repr=False, compare=False)
     encode_blocks: Blocks = dataclasses.field(repr=False, compare=False)
     fields: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
+    joins: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
     max_abs: float = _F16_MAX
 
     @property
@@ -190,17 +198,36 @@ class BlockType:
         d, m, q = self.fields(raw.reshape(*raw.shape[:-1], -1, self.type_size))
         return d, m, q.reshape(*raw.shape[:-1], -1)
 
+    def join(self, d: jax.Array, m: jax.Array | None, q: jax.Array) -> jax.Array:
+        """`split`'s inverse: scale ``d`` ``[..., n_blocks]`` (rounded to float16), minimum
+        ``m`` likewise (None for the types without one) and stored codes ``[..., n_blocks *
+        32]`` in element order -> blocks ``uint8 [..., n_blocks * type_size]``.
+
+        Raises:
+          ValueError: for a type without such fields, or codes not whole blocks.
+        """
+        if self.joins is None:
+            raise ValueError(f"{self.name} blocks have no scale / minimum / codes split")
+        q = jnp.asarray(q)
+        if q.ndim == 0 or q.shape[-1] % self.block_size:
+            raise ValueError(
+                f"{self.name} codes must have a last axis that is a multiple of "
+                f"{self.block_size}, got shape {tuple(q.shape)}"
+            )
+        blocks = self.joins(d, m, q.reshape(*q.shape[:-1], -1, self.block_size))
+        return blocks.reshape(*q.shape[:-1], -1)
+
 
 BLOCK_TYPES: types.MappingProxyType[str, BlockType] = types.MappingProxyType(
     {
         t.name: t
         for t in (
-            BlockType("Q8_0", 32, 34, decode_q8_0, encode_q8_0, fields_q8_0),
-            BlockType("Q4_0", 32, 18, decode_q4_0, encode_q4_0, fields_q4_0),
-            BlockType("Q4_1", 32, 20, decode_q4_1, encode_q4_1, fields_q4_1),
-            BlockType("Q5_0", 32, 22, decode_q5_0, encode_q5_0, fields_q5_0),
-            BlockType("Q5_1", 32, 24, decode_q5_1, encode_q5_1, fields_q5_1),
-            BlockType("IQ4_NL", 32, 18, decode_iq4_nl, encode_iq4_nl, fields_iq4_nl),
+            BlockType("Q8_0", 32, 34, decode_q8_0, encode_q8_0, fields_q8_0, join_q8_0),
+            BlockType("Q4_0", 32, 18, decode_q4_0, encode_q4_0, fields_q4_0, join_q4_0),
+            BlockType("Q4_1", 32, 20, decode_q4_1, encode_q4_1, fields_q4_1, join_q4_1),
+            BlockType("Q5_0", 32, 22, decode_q5_0, encode_q5_0, fields_q5_0, join_q5_0),
+            BlockType("Q5_1", 32, 24, decode_q5_1, encode_q5_1, fields_q5_1, join_q5_1),
+            BlockType("IQ4_NL", 32, 18, decode_iq4_nl, encode_iq4_nl, fields_iq4_nl, join_iq4_nl),
             BlockType("Q2_K", QK_K, 84, decode_q2_k, encode_q2_k),
             BlockType("Q3_K", QK_K, 110, decode_q3_k, encode_q3_k),
             BlockType("Q4_K", QK_K, 144, decode_q4_k, encode_q4_k),

@@ -156,21 +156,15 @@ def q4_0_rows(codes: jax.Array, d: jax.Array) -> jax.Array:
     """Q4_0 block rows ``uint8 [N, K / 32 * 18]`` of int4 codes ``uint8 [N, K]`` (4-bit two's
     complement, lowbit's int4 storage) and float16 scales ``[N, K / 32]``: the same values
     (Q4_0's ``d (q - 8)`` with ``q = code ^ 8``)."""
-    n, k = codes.shape
-    q = ((codes.astype(jnp.uint8) & 15) ^ 8).reshape(n, k // 32, 32)
-    nibbles = q[..., :16] | (q[..., 16:] << 4)  # byte j: element j low, j + 16 high
-    scale = jax.lax.bitcast_convert_type(d.astype(jnp.float16), jnp.uint8)  # [N, K / 32, 2]
-    return jnp.concatenate([scale, nibbles], -1).reshape(n, -1)
+    q = (codes.astype(jnp.uint8) & 15) ^ 8
+    return block_type("Q4_0").join(d.astype(jnp.float32), None, q)
 
 
 def q4_0_fields(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`q4_0_rows`'s inverse: int4 codes ``uint8 [N, K]`` (two's complement) and float16
     scales ``[N, K / 32]`` of Q4_0 block rows ``uint8 [N, K / 32 * 18]``."""
-    n = rows.shape[0]
-    b = rows.reshape(n, -1, 18)
-    d = jax.lax.bitcast_convert_type(b[..., :2], jnp.float16)
-    q = jnp.concatenate([b[..., 2:] & 15, b[..., 2:] >> 4], -1) ^ 8
-    return q.reshape(n, -1), d
+    d, _, q = block_type("Q4_0").split(rows)
+    return q ^ 8, d.astype(jnp.float16)
 
 
 # One program per shape: as eager ops, laying out a 1.5B model's tiles took seconds of dispatch.

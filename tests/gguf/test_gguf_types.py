@@ -75,6 +75,22 @@ def test_split_fields_decode_to_the_values(name):
     np.testing.assert_array_equal(values.reshape(3, 64), decode(name, raw))
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"])
+def test_join_rebuilds_the_blocks_split_took_apart(name):
+    t = block_type(name)
+    raw = np.asarray(encode(name, weights(3, 64)))
+    d, m, q = t.split(raw)
+    np.testing.assert_array_equal(np.asarray(t.join(d, m, q)), raw)
+    np.testing.assert_array_equal(np.asarray(jax.jit(t.join)(d, m, q)), raw)
+
+
+def test_join_refuses_the_256_element_types_and_partial_blocks():
+    with pytest.raises(ValueError, match="Q4_K blocks have no scale / minimum / codes split"):
+        block_type("Q4_K").join(np.zeros(1), None, np.zeros((1, 256), np.uint8))
+    with pytest.raises(ValueError, match="multiple of 32, got shape \\(1, 31\\)"):
+        block_type("Q4_0").join(np.zeros((1, 1)), None, np.zeros((1, 31), np.uint8))
+
+
 def test_split_refuses_the_256_element_types():
     with pytest.raises(ValueError, match="Q4_K blocks have no scale / minimum / codes split"):
         block_type("Q4_K").split(np.zeros((1, 144), np.uint8))
