@@ -100,7 +100,7 @@ class _Lowbit:
     params: object
 
     def __post_init__(self):
-        self.graphdef = nnx.split(self.model)[0]
+        self.graphdef = gen._Graph(nnx.split(self.model)[0])
         self.stop = jnp.full((16,), -2, jnp.int32)
         self.key = jax.random.key(0)
 

@@ -32,7 +32,7 @@ from benchmarks._machine import cpu_model
 MIXES = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 BATCHES = (1, 8)
 PROMPT = {1: 128, 8: 32}
-PPL_TOKENS = 1024
+PPL_TOKENS = 4096
 
 
 def make_mixes(directory: str, mixes=MIXES) -> dict[str, str]:

@@ -35,6 +35,7 @@ layout: with slots first, XLA transposes every layer's whole cache on every step
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -268,28 +269,33 @@ def init_kv_cache(
         code_shape, code_dtype = _code_layout(shape, config)
         scale_shape = (*shape[:3], head_dim // (config.group_size or head_dim))
 
-    def codes():
-        return tuple(jnp.zeros(code_shape, code_dtype) for _ in range(n_layers))
-
-    def scales():
-        if scale_shape is None:
-            return ()
-        return tuple(jnp.ones(scale_shape, SCALE_DTYPE) for _ in range(n_layers))
-
+    filled = [(code_shape, jnp.dtype(code_dtype), 0)] * (2 * n_layers)
+    if scale_shape is not None:
+        filled += [(scale_shape, jnp.dtype(SCALE_DTYPE), 1)] * (2 * n_layers)
+    if quantized:
+        filled += [((batch, n_kv_heads, 1, head_dim), jnp.dtype(jnp.float32), 0)] * n_layers
+    filled += [((), jnp.dtype(jnp.int32), 0), ((batch,), jnp.dtype(jnp.int32), 0)]
+    arrays = _filled(tuple(filled))
+    n = n_layers
+    scales = arrays[2 * n : 4 * n] if scale_shape is not None else ()
     return KVCache(
-        keys=codes(),
-        values=codes(),
-        key_scales=scales(),
-        value_scales=scales(),
-        key_offsets=()
-        if not quantized
-        else tuple(
-            jnp.zeros((batch, n_kv_heads, 1, head_dim), jnp.float32) for _ in range(n_layers)
-        ),
-        length=jnp.zeros((), jnp.int32),
-        start=jnp.zeros((batch,), jnp.int32),
+        keys=arrays[:n],
+        values=arrays[n : 2 * n],
+        key_scales=scales[:n],
+        value_scales=scales[n:],
+        key_offsets=arrays[len(arrays) - 2 - n : -2] if quantized else (),
+        length=arrays[-2],
+        start=arrays[-1],
         config=config,
     )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _filled(specs: tuple[tuple[tuple[int, ...], Any, int], ...]) -> tuple[jax.Array, ...]:
+    """Arrays of (shape, dtype, fill value) `specs`, one program for a cache's buffers (each
+    its own: the decode loop donates them). As eager ops, SmolLM2's 124 took 12 ms, more than
+    a 128-token prefill's tenth."""
+    return tuple(jnp.full(shape, fill, dtype) for shape, dtype, fill in specs)
 
 
 def _packs(config: KVCacheConfig | None) -> bool:

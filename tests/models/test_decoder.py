@@ -4,6 +4,8 @@ reference, and quantized experts run through the engine's ragged_dot."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,23 +206,24 @@ def test_config_refuses_out_of_range_fields(fields, message):
 
 
 @pytest.mark.parametrize(
-    ("seq", "slots", "window", "cap"),
+    ("seq", "slots", "window", "cap", "first_slot"),
     [
-        (256, 256, None, None),  # no cache: keys are the queries' own tokens
-        (200, 272, None, 50.0),  # a cache with room after the prompt; Gemma 2's soft cap
-        (130, 300, 48, None),  # a sliding window; a last block of 2 queries
+        (256, 256, None, None, 0),  # no cache: keys are the queries' own tokens
+        (200, 272, None, 50.0, 69),  # a cache with room after the prompt; Gemma 2's soft cap
+        (130, 300, 48, None, 167),  # a sliding window; a last block of 2 queries
+        (200, 272, None, None, 0),  # a prefill into an empty cache: its own slots only
+        (100, 192, 48, None, 0),  # ... one block of queries, a sliding window
     ],
 )
-def test_blocked_prefill_attention_equals_attending_every_slot(seq, slots, window, cap):
+def test_blocked_prefill_attention_equals_attending_every_slot(seq, slots, window, cap, first_slot):
     from lowbit.models import _decoder
 
     rng = np.random.default_rng(seq)
     b, h, g, d = 2, 2, 3, 16
     q = jnp.asarray(rng.standard_normal((b, seq, h, g, d)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((b, h, slots, d)), jnp.float32) for _ in range(2))
-    # The prompt at the cache's slots slots - seq - 3 .. slots - 4 (three left after it), or
-    # at 0 .. seq - 1 without a cache; row 1 left-padded by 5.
-    first_slot = 0 if slots == seq else slots - seq - 3
+    # The prompt at the cache's slots first_slot .. first_slot + seq - 1, or at 0 .. seq - 1
+    # without a cache; row 1 left-padded by 5.
     offsets = first_slot + np.arange(seq)
     key_slots = np.arange(slots)
     mask = key_slots[None, :] <= offsets[:, None]
@@ -229,8 +232,9 @@ def test_blocked_prefill_attention_equals_attending_every_slot(seq, slots, windo
     start = np.array([first_slot, first_slot + 5])
     mask = jnp.asarray(mask[None] & (key_slots[None, None, :] >= start[:, None, None]))
     scale = jnp.float32(d**-0.5)
-    assert seq >= 2 * _decoder.PREFILL_QUERY_BLOCK  # the blocked path runs
-    blocked = _decoder._causal_attention(q, k, v, mask, scale, cap)
+    slot = None if slots == seq else jnp.int32(first_slot)
+    attend = functools.partial(_decoder._causal_attention, scale=scale, cap=cap)
+    blocked = jax.jit(attend)(q, k, v, mask, slot=slot)
     every = _decoder._softmax_values(_decoder._scores(q, k), v, mask, scale, cap)
     # Padding queries see no key (a uniform softmax over whichever keys are read): their
     # outputs are never read, so only queries with a visible key are compared.

@@ -67,6 +67,22 @@ def test_streamed_chunks_give_the_same_tokens(tiny, greedy):
     assert sum(c.shape[1] for c in chunks) == NEW and len(chunks) > 1
 
 
+def test_the_graph_is_hashed_once_a_generation_not_once_a_chunk(tiny, greedy, monkeypatch):
+    # jit hashes its static arguments on every call; nnx's GraphDef hashes its whole graph.
+    generate_tokens(tiny, PROMPTS, max_new_tokens=NEW, chunk=1)  # compiled
+    calls = []
+    graph_hash = nnx.graph.GraphDef.__hash__
+
+    def counted(self):
+        calls.append(1)
+        return graph_hash(self)
+
+    monkeypatch.setattr(nnx.graph.GraphDef, "__hash__", counted)
+    out = generate_tokens(tiny, PROMPTS, max_new_tokens=NEW, chunk=1)
+    assert out.tokens == greedy.tokens
+    assert len(calls) == 1  # NEW chunks
+
+
 def test_stop_token_ends_a_row_and_is_not_returned(tiny, greedy):
     stop = greedy.tokens[0][2]
     out = generate_tokens(tiny, PROMPTS, max_new_tokens=NEW, stop_ids=[stop])

@@ -86,6 +86,19 @@ def test_cache_bytes_against_float32_at_smollm2_shapes(text, bound):
     assert nbytes(text) / nbytes(None) <= bound
 
 
+@pytest.mark.parametrize("text", [None, "int8", "int4:g4", "float16"])
+def test_an_empty_cache_has_a_buffer_for_each_array_and_its_fill(text):
+    # The buffers come from one program; the decode loop donates each one on its own.
+    cache = init_kv_cache(DecoderConfig(n_layers=3), 2, 32, jnp.float32, text)
+    leaves = jax.tree.leaves(cache)
+    assert len({x.unsafe_buffer_pointer() for x in leaves}) == len(leaves)
+    assert len(cache.keys) == len(cache.values) == 3
+    assert all(not np.asarray(x).any() for x in cache.keys + cache.values + cache.key_offsets)
+    assert all((np.asarray(x) == 1).all() for x in cache.key_scales + cache.value_scales)
+    assert len(cache.key_scales) == (0 if text in (None, "float16") else 3)
+    assert int(cache.length) == 0 and cache.start.shape == (2,) and not cache.start.any()
+
+
 @pytest.mark.parametrize(
     "text", ["int8", "int8+qk", "fp8", "int4", "int4:g4", "float16", "bfloat16"]
 )
