@@ -26,11 +26,11 @@ from ._bert_loader import (
 from ._chat_template import ChatTemplate, render_chat_template
 from ._decoder import (
     Decoder,
-    DecoderConfig,
     apply_rope,
     init_kv_cache,
     rope_tables,
 )
+from ._decoder_config import DecoderConfig
 from ._decoder_gguf import (
     ARCHITECTURES,
     decoder_config_from_gguf,
@@ -43,14 +43,11 @@ from ._decoder_hf import hf_param_map, load_decoder_hf, read_hf_config
 from ._generate import (
     DEFAULT_STOP_TOKENS,
     Generation,
-    Sampling,
     bucket,
     chat_template_from_gguf,
     generate,
     generate_greedy,
     generate_tokens,
-    greedy_tokens,
-    sample_rows,
     stop_token_ids,
     stream_tokens,
 )
@@ -64,6 +61,7 @@ from ._rotate import (
     rotate_decoder,
     rotate_model,
 )
+from ._sampling import Sampling, greedy_tokens, sample_rows
 from ._sharding import GenerationSharding, shard_for_generation
 from ._tokenizer import chat_prompt, tokenizer_from_gguf, wordpiece_tokenizer
 from ._weights import (

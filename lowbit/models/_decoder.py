@@ -30,153 +30,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lowbit import kernels
 from lowbit.models._abstract import LayerStack
-from lowbit.models._kv_cache import KVCache, LayerKV, fp8_codes, int8_scores
+from lowbit.models._attention import (
+    causal_attention,
+    decode_attention,
+    decode_block,
+    softcap,
+    softmax_values,
+)
+from lowbit.models._decoder_config import DecoderConfig
+from lowbit.models._kv_cache import KVCache, LayerKV, int8_scores
 from lowbit.models._kv_cache import init_kv_cache as _init_cache
 from lowbit.recipes import KVCacheConfig
-
-ACTIVATIONS = ("silu", "gelu_tanh")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DecoderConfig:
-    """Hyper-parameters of a decoder; the defaults are SmolLM2-135M's (Llama architecture).
-
-    Attributes:
-      architecture: the family it was read as (``"llama"``, ``"qwen3"``, ``"gemma2"`` ...),
-        for messages and export; the fields below decide the computation.
-      vocab_size, dim, n_layers, ffn_dim, n_heads, n_kv_heads, head_dim: shapes. ``head_dim``
-        need not be ``dim / n_heads`` (Gemma).
-      norm_eps: RMSNorm epsilon.
-      tie_embeddings: the embedding also produces the logits.
-      qkv_bias: q/k/v projections have biases (Qwen2).
-      rope_base: RoPE base of global layers (and of all layers without `rope_base_local`).
-      context_length: the longest context the model was trained for.
-      qk_norm: RMSNorm over each head's queries and keys before RoPE (Qwen3, Gemma 3).
-      post_norms: RMSNorm on each sub-block's output before the residual add (Gemma 2/3).
-      activation: the gated MLP's activation: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU).
-      embed_scale: multiply embeddings by ``sqrt(dim)`` (Gemma).
-      query_scale: the factor on ``q · k``; None for ``head_dim ** -0.5``.
-      attn_softcap, final_softcap: ``c * tanh(x / c)`` on attention scores / logits (Gemma 2).
-      sliding_window: local layers attend to the last this many positions (their own
-        included); None for none.
-      global_every: with a window, every `global_every`-th layer (1-based) attends globally
-        (Gemma 2: 2, Gemma 3: 6); 0 puts the window on every layer (Mistral).
-      rope_base_local: RoPE base of local layers (Gemma 3); None for `rope_base`.
-      rope_scale: linear RoPE scaling (positions divided by it) on layers using `rope_base`.
-      rope_freq_factors: per-frequency divisors (``head_dim / 2`` of them): Llama 3's scaling.
-      n_experts, n_experts_used, expert_ffn_dim: a mixture of experts in place of the MLP when
-        `n_experts` > 0: each token goes to its `n_experts_used` best experts.
-      norm_topk: renormalize the chosen experts' router probabilities to sum to 1.
-      shared_ffn_dim: a shared expert MLP every token uses, gated by ``sigmoid(x · w)``
-        (Qwen2-MoE); 0 for none.
-      fused_qkv: one ``qkv_proj`` whose outputs are q, k then v (Phi-3), in place of three.
-      fused_gate_up: one ``gate_up_proj`` whose outputs are gate then up (Phi-3).
-    """
-
-    # The family, the residual stream, then attention and its positions.
-    architecture: str = "llama"
-    vocab_size: int = 49152
-    dim: int = 576
-    n_layers: int = 30
-    ffn_dim: int = 1536
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    n_heads: int = 9
-    n_kv_heads: int = 3
-    head_dim: int = 64
-    qkv_bias: bool = False
-    rope_base: float = 100000.0
-    context_length: int = 8192
-    qk_norm: bool = False
-    post_norms: bool = False
-    activation: str = "silu"
-    embed_scale: bool = False
-    query_scale: float | None = None
-    attn_softcap: float | None = None
-    final_softcap: float | None = None
-    sliding_window: int | None = None
-    global_every: int = 0
-    rope_base_local: float | None = None
-    rope_scale: float = 1.0
-    rope_freq_factors: tuple[float, ...] | None = None
-    n_experts: int = 0
-    n_experts_used: int = 0
-    expert_ffn_dim: int = 0
-    norm_topk: bool = True
-    shared_ffn_dim: int = 0
-    fused_qkv: bool = False
-    fused_gate_up: bool = False
-
-    def __post_init__(self) -> None:
-        positive = ("vocab_size", "dim", "n_heads", "n_kv_heads", "head_dim", "context_length")
-        for name in positive:
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(
-                    f"DecoderConfig.{name} is {getattr(self, name)!r}; it must be a "
-                    "positive integer"
-                )
-        if self.n_layers < 0 or (self.ffn_dim < 1 and self.n_experts == 0):
-            raise ValueError(
-                f"DecoderConfig: n_layers={self.n_layers}, ffn_dim={self.ffn_dim} "
-                "must be non-negative / positive"
-            )
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"DecoderConfig.n_heads={self.n_heads} is not a multiple of "
-                f"n_kv_heads={self.n_kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(
-                f"DecoderConfig.head_dim={self.head_dim} must be even for rotary embeddings"
-            )
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(
-                f"DecoderConfig.activation is {self.activation!r}; accepted: {ACTIVATIONS}"
-            )
-        for name in ("rope_base", "norm_eps", "rope_scale"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"DecoderConfig.{name} is {value!r}; it must be finite and > 0")
-        for name in ("query_scale", "attn_softcap", "final_softcap", "rope_base_local"):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise ValueError(
-                    f"DecoderConfig.{name} is {value!r}; give a positive number or None"
-                )
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(
-                f"DecoderConfig.sliding_window is {self.sliding_window}; give a positive "
-                "number of positions or None"
-            )
-        if self.global_every < 0:
-            raise ValueError(f"DecoderConfig.global_every is {self.global_every}; it must be >= 0")
-        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
-            raise ValueError(
-                f"DecoderConfig.rope_freq_factors has {len(self.rope_freq_factors)} entries; "
-                f"head_dim={self.head_dim} needs {self.head_dim // 2}"
-            )
-        if self.n_experts:
-            if not 1 <= self.n_experts_used <= self.n_experts or self.expert_ffn_dim < 1:
-                raise ValueError(
-                    f"DecoderConfig: n_experts={self.n_experts} needs 1 <= n_experts_used "
-                    f"(={self.n_experts_used}) <= n_experts and expert_ffn_dim "
-                    f"(={self.expert_ffn_dim}) >= 1"
-                )
-        elif self.n_experts_used or self.shared_ffn_dim:
-            raise ValueError("DecoderConfig: n_experts_used / shared_ffn_dim need n_experts > 0")
-
-    @property
-    def attn_scale(self) -> float:
-        """The factor on ``q · k``."""
-        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
-
-    def is_local(self, layer: int) -> bool:
-        """Whether `layer` (0-based) attends through the sliding window."""
-        if self.sliding_window is None:
-            return False
-        return self.global_every == 0 or (layer + 1) % self.global_every != 0
 
 
 def init_kv_cache(
@@ -228,213 +93,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def softcap(x: jax.Array, cap: float | None) -> jax.Array:
-    """``cap * tanh(x / cap)`` (Gemma 2's soft capping); `x` itself when `cap` is None."""
-    return x if cap is None else cap * jnp.tanh(x / cap)
-
-
-def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
-    """q ``[b, s, H, g, D]``, k ``[b, H, T, D]`` -> ``[b, H, g, s, T]``.
-
-    One query per row (decode) multiplies and sums in one fused loop that reads the cache in
-    its stored layout: as a dot, XLA's CPU backend copies every layer's keys to another layout
-    on every step, which at long contexts costs more than the weights.
-    """
-    if q.shape[1] == 1:
-        return jnp.sum(q[:, 0, :, :, None, :] * k[:, :, None], axis=-1)[:, :, :, None]
-    return jnp.einsum("bskgd,bktd->bkgst", q, k)
-
-
-def _weighted_values(probs: jax.Array, v: jax.Array) -> jax.Array:
-    """probs ``[b, H, g, s, T]``, v ``[b, H, T, D]`` -> ``[b, s, H, g, D]`` (as `_scores`)."""
-    if probs.shape[3] == 1:
-        return jnp.sum(probs[:, :, :, 0, :, None] * v[:, :, None], axis=3)[:, None]
-    return jnp.einsum("bkgst,bktd->bskgd", probs, v)
-
-
-def _softmax_values(
-    scores: jax.Array, v: jax.Array, mask: jax.Array, scale: jax.Array, cap: float | None
-) -> jax.Array:
-    """Scaled, capped, masked softmax of ``scores [b, H, g, s, T]`` over ``v [b, H, T, D]``,
-    in v's dtype -> ``[b, s, H, g, D]``; mask ``[b, s, T]`` (True where attending)."""
-    scores = softcap(scores.astype(jnp.float32) * scale, cap)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return _weighted_values(probs, v)
-
-
-# Queries per block of a long input's attention (`_causal_attention`).
-PREFILL_QUERY_BLOCK = 64
-
-
-def _causal_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    mask: jax.Array,
-    scale: jax.Array,
-    cap: float | None,
-    slot: jax.Array | None = None,
-) -> jax.Array:
-    """`_softmax_values` of ``q [b, s, H, g, D]`` against ``k, v [b, H, T, D]`` whose last `s`
-    possible slots hold these queries' own tokens, in blocks of `PREFILL_QUERY_BLOCK` queries.
-
-    The s new tokens sit at slots ``slot .. slot + s - 1`` with ``slot + s <= T``, and each
-    attends only to slots up to its own (`mask` is causal), so queries ``[i, j)`` need only
-    keys ``[0, T - s + j)``: a prompt filling most of the cache computes about half the
-    scores, exponentials and products of attending to every slot, with the same result.
-    With `slot` given and shorter than the cache, a prompt written at slot 0 (a prefill into
-    an empty cache, as generation and the server do) reads only its own `s` slots: a
-    128-token prompt in a 192-slot cache computes 192 key columns a head instead of 320.
-    """
-    s, t = q.shape[1], k.shape[2]
-    v = v.astype(q.dtype)
-    if slot is not None and 1 < s < t:
-        return jax.lax.cond(
-            slot == 0,
-            lambda: _causal_attention(q, k[:, :, :s], v[:, :, :s], mask[..., :s], scale, cap),
-            lambda: _causal_attention(q, k, v, mask, scale, cap),
-        )
-    if s < 2 * PREFILL_QUERY_BLOCK:
-        return _softmax_values(_scores(q, k), v, mask, scale, cap)
-    out = []
-    for i in range(0, s, PREFILL_QUERY_BLOCK):
-        j = min(s, i + PREFILL_QUERY_BLOCK)
-        keys = min(t, t - s + j)
-        scores = _scores(q[:, i:j], k[:, :, :keys])
-        out.append(_softmax_values(scores, v[:, :, :keys], mask[:, i:j, :keys], scale, cap))
-    return jnp.concatenate(out, axis=1)
-
-
-# Decode attention reads the cache in blocks of this many slots (or the largest power of two
-# below it that divides the cache length), and only the blocks up to the current token.
-DECODE_BLOCK = 128
-
-
-def decode_block(max_len: int) -> int | None:
-    """Slots per block for `_decode_attention` on a cache of `max_len` slots, or None when no
-    power of two from 32 to `DECODE_BLOCK` divides it (attention then reads every slot)."""
-    block = DECODE_BLOCK
-    while block >= 32:
-        if max_len % block == 0 and max_len > block:
-            return block
-        block //= 2
-    return None
-
-
-def _fused_decode(q: jax.Array, kv: LayerKV) -> bool:
-    """Whether a decode step runs as one CPU kernel call (`lowbit.kernels.decode_attention`):
-    a float32, float16 or bfloat16 cache (a bfloat16 model's), or an int8 / int4 / fp8 one
-    (read by dequantizing, or for `integer_qk` by int8 products), with the kernels built,
-    where the step is lowered for CPU. On XLA:CPU the block loop below costs mostly per-op
-    dispatch (about 150 us a layer for SmolLM2 at 576 filled slots, against 30 us for the
-    kernel)."""
-    floats = {jnp.dtype(t) for t in (jnp.float32, jnp.float16, jnp.bfloat16)}
-    cache_ok = kv.config is not None or (
-        jnp.dtype(kv.keys.dtype) in floats and kv.values.dtype == kv.keys.dtype
-    )
-    return cache_ok and jnp.dtype(q.dtype) in floats and kernels.available()
-
-
-def _decode_attention(
-    q: jax.Array,
-    kv: LayerKV,
-    slot: jax.Array,
-    block: int,
-    first: jax.Array,
-    cap: float | None = None,
-) -> jax.Array:
-    """One query per row attending to cache slots ``first .. slot`` only.
-
-    The cost follows the filled length, not the cache's size: a loop over blocks of `block`
-    slots up to the one holding `slot`, with a running (online) softmax, so a long cache
-    barely filled costs one block; only those blocks of a quantized cache are dequantized.
-
-    Args:
-      q: ``[batch, 1, H, group, D]`` queries, already scaled by ``1 / sqrt(D)`` and rotated
-        like the cache.
-      kv: the layer cache after this token was written at `slot`.
-      slot: ``int32 []``, the query's slot.
-      block: slots per block, dividing the cache length.
-      first: ``int32 [batch]``, each row's first visible slot: its ``kv.start``, or later
-        under a sliding window.
-      cap: soft cap on the scores (`softcap`), or None.
-    Returns:
-      ``[batch, 1, H, group, D]`` float32.
-    """
-    if not _fused_decode(q, kv):
-        return _block_loop(q, kv, slot, block, first, cap)
-
-    def fused(q, kv, slot):
-        fp8 = kv.config is not None and kv.config.format == "fp8"
-        # The kernel takes float32 queries (a bfloat16 model's are widened: its scores are
-        # then float32 products, as the block loop's are not).
-        out = kernels.decode_attention(
-            q[:, 0].astype(jnp.float32),
-            fp8_codes(kv.keys) if fp8 else kv.keys,
-            fp8_codes(kv.values) if fp8 else kv.values,
-            first,
-            slot,
-            kv.key_scales,
-            kv.value_scales,
-            integer_qk=kv.config is not None and kv.config.integer_qk,
-            softcap=cap,
-            rows=kv.rows,
-        )
-        return out[:, None]
-
-    # The kernel where the step is lowered for CPU; the block loop on GPU / TPU. (The cache
-    # is closed over: a LayerKV is not a pytree.)
-    return jax.lax.platform_dependent(
-        q,
-        slot,
-        cpu=lambda q, slot: fused(q, kv, slot),
-        default=lambda q, slot: _block_loop(q, kv, slot, block, first, cap),
-    )
-
-
-def _block_loop(
-    q: jax.Array,
-    kv: LayerKV,
-    slot: jax.Array,
-    block: int,
-    first_slot: jax.Array,
-    cap: float | None,
-) -> jax.Array:
-    """`_decode_attention` as a loop of XLA ops over the visible blocks (any platform)."""
-    b, _, h, g, d = q.shape
-    integer = kv.config is not None and kv.config.integer_qk
-
-    def step(i, state):
-        m, total, acc = state  # [b, H, g, 1], [b, H, g, 1], [b, H, g, D]
-        first = i * block
-        part = kv.slots(first, block)
-        if integer:
-            scores = int8_scores(q, part)
-        else:
-            scores = _scores(q, part.read_keys(q.dtype))
-        scores = softcap(scores[:, :, :, 0].astype(jnp.float32), cap)  # [b, H, g, block]
-        t = first + jnp.arange(block, dtype=jnp.int32)
-        valid = (t[None, :] >= first_slot[:, None]) & (t[None, :] <= slot)  # [b, block]
-        valid = valid[:, None, None, :]
-        scores = jnp.where(valid, scores, jnp.finfo(jnp.float32).min)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
-        p = jnp.where(valid, jnp.exp(scores - m_new), 0.0)
-        carry = jnp.exp(m - m_new)
-        values = part.read_values(jnp.float32)  # [b, H, block, D]
-        pv = jnp.sum(p[..., None] * values[:, :, None], axis=3)  # [b, H, g, D]
-        return m_new, total * carry + jnp.sum(p, axis=-1, keepdims=True), acc * carry + pv
-
-    init = (
-        jnp.full((b, h, g, 1), jnp.finfo(jnp.float32).min, jnp.float32),
-        jnp.zeros((b, h, g, 1), jnp.float32),
-        jnp.zeros((b, h, g, d), jnp.float32),
-    )
-    lo = jnp.min(first_slot) // block
-    _, total, acc = jax.lax.fori_loop(lo, slot // block + 1, step, init)
-    return (acc / total)[:, None]
-
-
 class LayerView(NamedTuple):
     """Where one layer's tokens sit: what it reads besides the hidden states and its cache.
 
@@ -480,7 +138,7 @@ class Attention(nnx.Module):
         With a cache (`kv`, and `at.slot`), the new keys/values are written at that slot and
         attention reads them back from the cache (so a quantized cache's rounding is what
         attention sees); one decoded token per row reads only the blocks from `at.first` up to
-        its slot (`_decode_attention`), longer inputs every slot under `at.mask`. The updated
+        its slot (`decode_attention`), longer inputs every slot under `at.mask`. The updated
         layer cache is returned.
         """
         c = self.config
@@ -511,7 +169,7 @@ class Attention(nnx.Module):
             # (the row's start, or later on a sliding-window layer).
             out = jnp.concatenate(
                 [
-                    _decode_attention(
+                    decode_attention(
                         q[:, j : j + 1],
                         kv,
                         slot + j,
@@ -538,13 +196,13 @@ class Attention(nnx.Module):
             v = kv.read_values(x.dtype)
             if kv.config is not None and kv.config.integer_qk:
                 scores = int8_scores(q, kv)
-                out = _softmax_values(scores, v, mask, scale, c.attn_softcap)
+                out = softmax_values(scores, v, mask, scale, c.attn_softcap)
             else:
                 keys = kv.read_keys(q.dtype)
-                out = _causal_attention(q, keys, v, mask, scale, c.attn_softcap, slot)
+                out = causal_attention(q, keys, v, mask, scale, c.attn_softcap, slot)
         else:
             k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-            out = _causal_attention(q, k.astype(q.dtype), v, mask, scale, c.attn_softcap)
+            out = causal_attention(q, k.astype(q.dtype), v, mask, scale, c.attn_softcap)
         if kv is not None:
             out = kv.unrotate(out)  # back from rotated values
         out = out.reshape(b, s, c.n_heads * c.head_dim)

@@ -25,7 +25,8 @@ from tokenizers import Tokenizer
 from lowbit.gguf import GGUFFile, read_gguf
 
 from ._assets import smollm2_gguf_path
-from ._decoder import Decoder, DecoderConfig
+from ._decoder import Decoder
+from ._decoder_config import DecoderConfig
 from ._tokenizer import tokenizer_from_gguf
 from ._weights import ParamMapping, assign_params
 

@@ -22,7 +22,8 @@ from tokenizers import Tokenizer
 
 from lowbit._untrusted import load_json, read_text, require_regular
 
-from ._decoder import Decoder, DecoderConfig
+from ._decoder import Decoder
+from ._decoder_config import DecoderConfig
 from ._hf_config import _GEMMA, _text_config, decoder_config_from_hf
 from ._weights import CheckpointError, ParamMapping, assign_params
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ._decoder import DecoderConfig
+from ._decoder_config import DecoderConfig
 
 HF_MODEL_TYPES = (
     "llama",

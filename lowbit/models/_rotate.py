@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lowbit.models._decoder import Decoder, DecoderConfig
+from lowbit.models._decoder import Decoder
+from lowbit.models._decoder_config import DecoderConfig
 from lowbit.ops import hadamard_matrix, hadamard_transform
 from lowbit.recipes import RotationConfig
 

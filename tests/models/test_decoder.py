@@ -14,7 +14,7 @@ from flax import nnx
 
 import lowbit
 from lowbit.models import Decoder, DecoderConfig
-from lowbit.models._decoder import softcap
+from lowbit.models._attention import softcap
 from lowbit.qarray import is_qarray
 
 BASE = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48)
@@ -216,7 +216,7 @@ def test_config_refuses_out_of_range_fields(fields, message):
     ],
 )
 def test_blocked_prefill_attention_equals_attending_every_slot(seq, slots, window, cap, first_slot):
-    from lowbit.models import _decoder
+    from lowbit.models import _attention
 
     rng = np.random.default_rng(seq)
     b, h, g, d = 2, 2, 3, 16
@@ -233,9 +233,9 @@ def test_blocked_prefill_attention_equals_attending_every_slot(seq, slots, windo
     mask = jnp.asarray(mask[None] & (key_slots[None, None, :] >= start[:, None, None]))
     scale = jnp.float32(d**-0.5)
     slot = None if slots == seq else jnp.int32(first_slot)
-    attend = functools.partial(_decoder._causal_attention, scale=scale, cap=cap)
+    attend = functools.partial(_attention.causal_attention, scale=scale, cap=cap)
     blocked = jax.jit(attend)(q, k, v, mask, slot=slot)
-    every = _decoder._softmax_values(_decoder._scores(q, k), v, mask, scale, cap)
+    every = _attention.softmax_values(_attention.attention_scores(q, k), v, mask, scale, cap)
     # Padding queries see no key (a uniform softmax over whichever keys are read): their
     # outputs are never read, so only queries with a visible key are compared.
     seen = np.asarray(mask.any(-1))  # [b, seq]

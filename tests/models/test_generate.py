@@ -13,13 +13,8 @@ from hypothesis.extra.numpy import arrays
 
 from lowbit.api import quantize_params
 from lowbit.models import Decoder, DecoderConfig
-from lowbit.models._generate import (
-    Sampling,
-    bucket,
-    generate_tokens,
-    greedy_tokens,
-    sample_logits,
-)
+from lowbit.models._generate import bucket, generate_tokens
+from lowbit.models._sampling import Sampling, greedy_tokens, sample_logits
 
 CONFIG = DecoderConfig(
     vocab_size=64,

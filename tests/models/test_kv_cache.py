@@ -190,7 +190,7 @@ def _kernel_then_loop(monkeypatch, head_dim, text, dtype=jnp.float32):
     """Logits of three decode steps through the CPU kernel, then through the XLA block loop,
     and the cache dtypes the kernel was called with (a model of `dtype`, cache `text`)."""
     from lowbit import kernels
-    from lowbit.models import _decoder
+    from lowbit.models import _attention
 
     if not kernels.available():
         pytest.skip(kernels.status())
@@ -209,7 +209,7 @@ def _kernel_then_loop(monkeypatch, head_dim, text, dtype=jnp.float32):
         kernels, "decode_attention", lambda *a, **kw: calls.append(a[1].dtype) or real(*a, **kw)
     )
     fused = run()
-    monkeypatch.setattr(_decoder, "_fused_decode", lambda q, kv: False)
+    monkeypatch.setattr(_attention, "uses_fused_decode", lambda q, kv: False)
     return fused, run(), calls
 
 
@@ -270,10 +270,10 @@ def test_last_only_logits_are_the_last_position():
 def _three_rows(fused, monkeypatch, seed, text):
     """A two-layer model, an rng, a [3, 20] prompt and an empty 64-slot cache of 3 rows that
     start at slots 0, 4 and 9; without `fused` attention runs as the XLA block loop."""
-    from lowbit.models import _decoder
+    from lowbit.models import _attention
 
     if not fused:
-        monkeypatch.setattr(_decoder, "_fused_decode", lambda q, kv: False)
+        monkeypatch.setattr(_attention, "uses_fused_decode", lambda q, kv: False)
     config = DecoderConfig(
         vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64
     )

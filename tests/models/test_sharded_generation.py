@@ -20,8 +20,8 @@ import lowbit
 from lowbit import kernels
 from lowbit.api import quantize_params
 from lowbit.engine import interpret, trace_report
-from lowbit.models import Decoder, DecoderConfig
-from lowbit.models._generate import Sampling, _forward, _Sharded, generate_tokens
+from lowbit.models import Decoder, DecoderConfig, Sampling
+from lowbit.models._generate import _forward, _Sharded, generate_tokens
 from lowbit.models._sharding import shard_for_generation
 from lowbit.ops import PreparedPieces, PreparedQArray, logical_weights
 from lowbit.qarray import PerTensor, QArray, quantize

@@ -9,7 +9,7 @@ import openai
 import pytest
 from server_support import CONFIG, running, served_model
 
-from lowbit.models._generate import Sampling, generate_tokens
+from lowbit.models import Sampling, generate_tokens
 
 
 def _client(base_url, key="unused"):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lowbit.cli._common import stop_ids
-from lowbit.models._generate import Sampling, generate_tokens
+from lowbit.models import Sampling, generate_tokens
 from lowbit.server import Job, Scheduler, SchedulerConfig
 from lowbit.server import _batch_prefill as batch_prefill
 

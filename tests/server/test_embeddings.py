@@ -13,7 +13,7 @@ import openai
 import pytest
 from server_support import CONFIG, running
 
-from lowbit.models._generate import Sampling, generate_tokens
+from lowbit.models import Sampling, generate_tokens
 from lowbit.server._embeddings import MAX_INPUTS
 
 # Vectors of the same text from batches of other shapes differ by float rounding only.

@@ -10,7 +10,7 @@ import openai
 from server_support import CONFIG, running, served_model
 
 from lowbit.api import _stored
-from lowbit.models._generate import Sampling, generate_tokens
+from lowbit.models import Sampling, generate_tokens
 
 NEW = 16
 # Prompt lengths: one-pass prefills, and two longer than CONFIG.single_pass

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lowbit.cli._common import stop_ids
-from lowbit.models._generate import Sampling, generate_tokens
+from lowbit.models import Sampling, generate_tokens
 from lowbit.server import DraftModel, Job, Scheduler, SchedulerConfig
 from lowbit.server import _programs as programs
 from lowbit.server._speculate import accepted, draft, windows

@@ -11,7 +11,7 @@ import openai
 import pytest
 from server_support import CONFIG
 
-from lowbit.models._generate import Sampling, generate_tokens
+from lowbit.models import Sampling, generate_tokens
 
 SCHEMA = {
     "type": "object",
