@@ -21,16 +21,14 @@ from lowbit.io._config_dict import quant_config_from_dict, quant_config_to_dict
 from lowbit.io._convert import ConvertReport, convert_checkpoint, streaming_problem
 from lowbit.io._gguf_export import (
     EXPORT_TYPES,
-    LLAMA_MIXES,
     ExportReport,
     TensorNote,
-    check_mix,
     export_gguf,
-    mix_type,
     planned_types,
 )
 from lowbit.io._gguf_export import check_type as check_export_type
 from lowbit.io._gguf_import import gguf_tensor_to_qarray, import_gguf
+from lowbit.io._gguf_mixes import LLAMA_MIXES, check_mix, mix_type
 from lowbit.io._gguf_size import gguf_nbytes, gguf_plan_bytes
 from lowbit.io._hf_import import import_safetensors
 from lowbit.io._manifest import CheckpointError

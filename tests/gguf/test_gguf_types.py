@@ -8,9 +8,10 @@ import pytest
 from gguf_support import TYPES, weights
 
 from lowbit.formats import GGUF_BLOCK_FORMATS, GGUF_ELEMENT_FORMATS
-from lowbit.gguf import BLOCK_TYPES, GGUFTensor, block_type, decode, encode, split
+from lowbit.gguf import BLOCK_TYPES, FLOAT_TYPES, GGUFTensor, block_type, decode, encode, split
 from lowbit.io import gguf_tensor_to_qarray
-from lowbit.io._gguf_export import EXPORT_TYPES, FLOAT_TYPES, MIXES
+from lowbit.io._gguf_export import EXPORT_TYPES
+from lowbit.io._gguf_mixes import MIXES
 from lowbit.kernels._kinds import GGUF_KINDS, GGUF_TYPE_IDS
 
 
