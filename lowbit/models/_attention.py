@@ -62,27 +62,18 @@ def causal_attention(
     mask: jax.Array,
     scale: jax.Array,
     cap: float | None,
-    slot: jax.Array | None = None,
 ) -> jax.Array:
     """`softmax_values` of ``q [b, s, H, g, D]`` against ``k, v [b, H, T, D]`` whose last `s`
     possible slots hold these queries' own tokens, in blocks of `PREFILL_QUERY_BLOCK` queries.
 
     The s new tokens sit at slots ``slot .. slot + s - 1`` with ``slot + s <= T``, and each
-    attends only to slots up to its own (`mask` is causal), so queries ``[i, j)`` need only
-    keys ``[0, T - s + j)``: a prompt filling most of the cache computes about half the
-    scores, exponentials and products of attending to every slot, with the same result.
-    With `slot` given and shorter than the cache, a prompt written at slot 0 (a prefill into
-    an empty cache, as generation and the server do) reads only its own `s` slots: a
-    128-token prompt in a 192-slot cache computes 192 key columns a head instead of 320.
+    attends only to slots up to its own (`mask` is causal), so queries ``[i, j)`` need only keys
+    ``[0, T - s + j)``: a prompt filling most of the cache computes about half the scores,
+    exponentials and products of attending to every slot, with the same result. (A prefill
+    into a new cache passes only the prompt's own `s` slots: `Decoder.__call__`'s ``fresh``.)
     """
     s, t = q.shape[1], k.shape[2]
     v = v.astype(q.dtype)
-    if slot is not None and 1 < s < t:
-        return jax.lax.cond(
-            slot == 0,
-            lambda: causal_attention(q, k[:, :, :s], v[:, :, :s], mask[..., :s], scale, cap),
-            lambda: causal_attention(q, k, v, mask, scale, cap),
-        )
     if s < 2 * PREFILL_QUERY_BLOCK:
         return softmax_values(attention_scores(q, k), v, mask, scale, cap)
     out = []

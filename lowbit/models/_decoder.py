@@ -98,7 +98,9 @@ class LayerView(NamedTuple):
 
     Attributes:
       cos, sin: rotary tables ``[batch, seq, head_dim // 2]``.
-      mask: ``[batch, seq, keys]`` bool, True where a query attends.
+      mask: ``[batch, seq, keys]`` bool, True where a query attends: ``keys`` is the cache's
+        slots, or `seq` for tokens that start a new cache (`Decoder.__call__`'s ``fresh``),
+        or without a cache.
       first: ``int32 [batch]``, the first slot a decoded token may see (its row's start, or
         later under a sliding window).
       slot: int32 [] cache slot the tokens are written at, or None without a cache.
@@ -138,8 +140,9 @@ class Attention(nnx.Module):
         With a cache (`kv`, and `at.slot`), the new keys/values are written at that slot and
         attention reads them back from the cache (so a quantized cache's rounding is what
         attention sees); one decoded token per row reads only the blocks from `at.first` up to
-        its slot (`decode_attention`), longer inputs every slot under `at.mask`. The updated
-        layer cache is returned.
+        its slot (`decode_attention`), longer inputs the first ``at.mask.shape[-1]`` slots
+        under `at.mask` (every slot, or a new cache's first `seq`). The updated layer cache is
+        returned.
         """
         c = self.config
         b, s, _ = x.shape
@@ -193,13 +196,14 @@ class Attention(nnx.Module):
         if kv is not None:
             kv = kv.write(k, v, slot)
             q = kv.rotate(q)  # a rotated cache: scores are the same with rotated queries
-            v = kv.read_values(x.dtype)
+            seen = mask.shape[-1]  # the slots these queries may see: all, or a new cache's own
+            v = kv.read_values(x.dtype)[:, :, :seen]
             if kv.config is not None and kv.config.integer_qk:
-                scores = int8_scores(q, kv)
+                scores = int8_scores(q, kv)[..., :seen]
                 out = softmax_values(scores, v, mask, scale, c.attn_softcap)
             else:
-                keys = kv.read_keys(q.dtype)
-                out = causal_attention(q, keys, v, mask, scale, c.attn_softcap, slot)
+                keys = kv.read_keys(q.dtype)[:, :, :seen]
+                out = causal_attention(q, keys, v, mask, scale, c.attn_softcap)
         else:
             k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
             out = causal_attention(q, k.astype(q.dtype), v, mask, scale, c.attn_softcap)
@@ -407,6 +411,7 @@ class Decoder(LayerStack):
         *,
         positions: jax.Array | None = None,
         cache: KVCache | None = None,
+        fresh: bool = False,
     ) -> LayerInputs:
         """What every layer reads besides the hidden states, for tokens of ``shape``
         ``(batch, seq)``: rotary tables and masks (arguments as in `__call__`)."""
@@ -418,9 +423,10 @@ class Decoder(LayerStack):
             key_slots = offsets
             first = jnp.zeros((b,), jnp.int32)
         else:
-            slot = cache.length
+            slot = jnp.zeros((), jnp.int32) if fresh else cache.length
             offsets = slot + jnp.arange(s, dtype=jnp.int32)
-            key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
+            # A new cache's tokens see only each other: the mask (and attention) is `s` wide.
+            key_slots = offsets if fresh else jnp.arange(cache.max_len, dtype=jnp.int32)
             first = cache.start if cache.rows is None else cache.start[cache.rows]
         if positions is None:
             positions = jnp.maximum(offsets[None, :] - first[:, None], 0)
@@ -459,6 +465,7 @@ class Decoder(LayerStack):
         positions: jax.Array | None = None,
         cache: KVCache | None = None,
         last_only: bool = False,
+        fresh: bool = False,
     ) -> jax.Array | tuple[jax.Array, KVCache]:
         """Next-token logits.
 
@@ -473,11 +480,16 @@ class Decoder(LayerStack):
           last_only: logits of the last position only, ``[batch, 1, vocab]`` (what generation
             samples from): the output projection then runs on one row per sequence instead
             of `seq` (a kernel call cannot be sliced after the fact).
+          fresh: the tokens start `cache` (a prefill into a new cache): they are written at
+            slot 0, whatever ``cache.length`` says, and attend to each other only, so
+            attention reads `seq` key slots instead of ``cache.max_len``. The result is that
+            of ``fresh=False`` on a cache of length 0; a static argument, so that a prefill
+            program knows it at trace time.
 
         Returns:
           ``logits [batch, seq, vocab]`` without a cache; ``(logits, new_cache)`` with one.
         """
-        inputs = self.layer_inputs(tokens.shape, positions=positions, cache=cache)
+        inputs = self.layer_inputs(tokens.shape, positions=positions, cache=cache, fresh=fresh)
         x, layers_out = self._layers(self.embed_tokens(tokens), inputs, cache)
         logits = self.head(x[:, -1:] if last_only else x)
         if cache is None:

@@ -132,15 +132,21 @@ class _Graph:
 
 
 def _forward(
-    graphdef: nnx.GraphDef | _Graph | _Sharded, params: Any, tokens: jax.Array, cache: KVCache
+    graphdef: nnx.GraphDef | _Graph | _Sharded,
+    params: Any,
+    tokens: jax.Array,
+    cache: KVCache,
+    fresh: bool = False,
 ):
-    # Only the last position's logits are sampled from.
+    # Only the last position's logits are sampled from; `fresh`: a prompt into a new cache.
     if isinstance(graphdef, _Graph):
         graphdef = graphdef.graphdef
     if isinstance(graphdef, _Sharded):
         g = graphdef
-        return sharded_forward(g.module_type, g.config, g.dtype, g.plan, params, tokens, cache)
-    return nnx.merge(graphdef, params)(tokens, cache=cache, last_only=True)
+        return sharded_forward(
+            g.module_type, g.config, g.dtype, g.plan, params, tokens, cache, fresh=fresh
+        )
+    return nnx.merge(graphdef, params)(tokens, cache=cache, last_only=True, fresh=fresh)
 
 
 def _record(state: DecodeState, token: jax.Array, stop_ids: jax.Array) -> DecodeState:
@@ -163,7 +169,8 @@ def _prefill(
     key: jax.Array,
 ) -> DecodeState:
     """Runs the left-padded prompts ``tokens [batch, P]`` and samples the first new token."""
-    logits, cache = interpret(functools.partial(_forward, graphdef))(params, tokens, cache)
+    forward = functools.partial(_forward, graphdef, fresh=True)
+    logits, cache = interpret(forward)(params, tokens, cache)
     first = sample_logits(logits[:, -1], jax.random.fold_in(key, 0), sampling)
     b = tokens.shape[0]
     state = DecodeState(

@@ -433,6 +433,7 @@ def sharded_forward(
     params: Any,
     tokens: jax.Array,
     cache: KVCache,
+    fresh: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """The decoder's last-position logits and updated cache, one `shard_map` over the mesh.
 
@@ -444,6 +445,7 @@ def sharded_forward(
       params: the global params (placed by `shard_for_generation`).
       tokens: ``[batch, seq]`` int32.
       cache: the global `KVCache` (placed by `GenerationSharding.place_cache`).
+      fresh: the tokens start the cache (`Decoder.__call__`'s ``fresh``).
     Returns:
       ``(logits [batch, 1, vocab], new cache)``.
     """
@@ -451,7 +453,7 @@ def sharded_forward(
     specs = cache_specs(cache, plan)
 
     def body(params, tokens, cache):
-        return nnx.merge(graphdef, params)(tokens, cache=cache, last_only=True)
+        return nnx.merge(graphdef, params)(tokens, cache=cache, last_only=True, fresh=fresh)
 
     run = jax.shard_map(
         body,

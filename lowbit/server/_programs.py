@@ -110,8 +110,9 @@ def _forward(
     tokens: jax.Array,
     cache: KVCache,
     last_only: bool = True,
+    fresh: bool = False,
 ):
-    return nnx.merge(graphdef, params)(tokens, cache=cache, last_only=last_only)
+    return nnx.merge(graphdef, params)(tokens, cache=cache, last_only=last_only, fresh=fresh)
 
 
 def _sample(logits: jax.Array, rows: RowSampling) -> jax.Array:
@@ -241,7 +242,8 @@ def prefill(
     `lowbit.server._batch_prefill`) into an empty cache of ``b`` rows (its ``start`` set to
     the padding); returns each row's first sampled token ``[b]`` with the logits it was drawn
     from ``[b, V]`` (for its log-probabilities), and the cache."""
-    logits, cache = interpret(functools.partial(_forward, graphdef))(params, tokens, cache)
+    forward = functools.partial(_forward, graphdef, fresh=True)
+    logits, cache = interpret(forward)(params, tokens, cache)
     return (_sample(logits[:, -1], rows), logits[:, -1]), cache
 
 

@@ -4,6 +4,7 @@ reference, and quantized experts run through the engine's ragged_dot."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -74,6 +75,53 @@ def test_cached_decode_matches_one_prefill(name, kv_cache):
     assert err < tol, err
     if kv_cache is None:
         assert jnp.argmax(jnp.concatenate(outs, 1), -1).tolist() == jnp.argmax(full, -1).tolist()
+
+
+@pytest.mark.parametrize(
+    ("name", "kv_cache", "seq"),
+    [
+        ("qwen2", None, 12),
+        ("gemma2", "int8", 12),  # sliding-window layers; a quantized cache's rounding
+        ("gemma3", None, 1),  # a one-token prompt takes the decode-attention path
+        ("mistral", "int8+qk", 12),  # integer scores
+        ("llama3", "int4", 130),  # queries in blocks (`PREFILL_QUERY_BLOCK`)
+    ],
+)
+def test_a_fresh_prefill_is_a_prefill_at_slot_0_reading_only_its_own_slots(name, kv_cache, seq):
+    # `fresh=True` (what generation's and the server's prefill pass) attends to the prompt's
+    # own `seq` slots of a 192-slot cache; its logits and cache are those of a prefill at
+    # length 0 attending to every slot, and decoding on from either gives the same logits.
+    model = Decoder(DecoderConfig(**BASE, **VARIANTS[name]), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = jnp.asarray(np.random.default_rng(seq).integers(0, 64, (2, seq + 1)), jnp.int32)
+    cache = dataclasses.replace(model.init_cache(2, 192, kv_cache), start=jnp.array([0, 3]))
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def prefill_then_decode(fresh, state, cache):
+        m = nnx.merge(graphdef, state)
+        logits, cache = m(tokens[:, :seq], cache=cache, fresh=fresh)
+        last, cache = m(tokens[:, seq:], cache=cache)
+        return logits, last, cache
+
+    # Decided while tracing: the prompt's mask (and so its attention) is `seq` slots wide.
+    assert model.layer_inputs((2, seq), cache=cache, fresh=True).full.mask.shape == (2, seq, seq)
+    got, want = prefill_then_decode(True, state, cache), prefill_then_decode(False, state, cache)
+    # (A quantized cache: a float's last bit may move a code of the next layer's keys.)
+    tol = 2e-5 if kv_cache is None else 5e-3
+    close = functools.partial(np.testing.assert_allclose, rtol=tol, atol=tol)
+    # Row 1's 3 padding tokens see no key (their softmax is uniform over whichever slots are
+    # read): they differ, and are never read. Everything else is the same.
+    close(np.asarray(got[0])[0], np.asarray(want[0])[0])
+    close(np.asarray(got[0])[1, 3:], np.asarray(want[0])[1, 3:])
+    close(np.asarray(got[1]), np.asarray(want[1]))
+    for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2]), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.ndim >= 3:  # [rows, heads, slots, ...]: row 0, and row 1 from its start
+            a, b = np.concatenate([a[0, :, :], a[1, :, 3:]], 1), np.concatenate(
+                [b[0, :, :], b[1, :, 3:]], 1
+            )
+        close(a.astype(np.float32), b.astype(np.float32))
+    assert int(got[2].length) == seq + 1
 
 
 @pytest.mark.parametrize("name", ["gemma2", "mistral"])
@@ -211,7 +259,7 @@ def test_config_refuses_out_of_range_fields(fields, message):
         (256, 256, None, None, 0),  # no cache: keys are the queries' own tokens
         (200, 272, None, 50.0, 69),  # a cache with room after the prompt; Gemma 2's soft cap
         (130, 300, 48, None, 167),  # a sliding window; a last block of 2 queries
-        (200, 272, None, None, 0),  # a prefill into an empty cache: its own slots only
+        (200, 272, None, None, 0),  # a prompt at slot 0 with room after it
         (100, 192, 48, None, 0),  # ... one block of queries, a sliding window
     ],
 )
@@ -232,9 +280,8 @@ def test_blocked_prefill_attention_equals_attending_every_slot(seq, slots, windo
     start = np.array([first_slot, first_slot + 5])
     mask = jnp.asarray(mask[None] & (key_slots[None, None, :] >= start[:, None, None]))
     scale = jnp.float32(d**-0.5)
-    slot = None if slots == seq else jnp.int32(first_slot)
     attend = functools.partial(_attention.causal_attention, scale=scale, cap=cap)
-    blocked = jax.jit(attend)(q, k, v, mask, slot=slot)
+    blocked = jax.jit(attend)(q, k, v, mask)
     every = _attention.softmax_values(_attention.attention_scores(q, k), v, mask, scale, cap)
     # Padding queries see no key (a uniform softmax over whichever keys are read): their
     # outputs are never read, so only queries with a visible key are compared.
