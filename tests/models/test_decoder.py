@@ -117,8 +117,9 @@ def test_a_fresh_prefill_is_a_prefill_at_slot_0_reading_only_its_own_slots(name,
     for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2]), strict=True):
         a, b = np.asarray(a), np.asarray(b)
         if a.ndim >= 3:  # [rows, heads, slots, ...]: row 0, and row 1 from its start
-            a, b = np.concatenate([a[0, :, :], a[1, :, 3:]], 1), np.concatenate(
-                [b[0, :, :], b[1, :, 3:]], 1
+            a, b = (
+                np.concatenate([a[0, :, :], a[1, :, 3:]], 1),
+                np.concatenate([b[0, :, :], b[1, :, 3:]], 1),
             )
         close(a.astype(np.float32), b.astype(np.float32))
     assert int(got[2].length) == seq + 1
