@@ -31,6 +31,7 @@ SETTINGS = tuple(
 )
 PPL_TOKENS = int(os.environ.get("LOWBIT_QAT_PPL_TOKENS", "4096"))
 PPL_CONTEXT = 512
+SPEED_PROMPT = 128
 
 
 def _log(text: str) -> None:
@@ -57,6 +58,22 @@ def _kl(path: str, base_logits, config, graphdef, tokens: np.ndarray):
         max_tokens=PPL_TOKENS,
     )
     return ppl.perplexity, div
+
+
+def _llama_cpp_speeds(ptq: str, qat: str, tokenizer) -> tuple[float, float]:
+    """llama.cpp's batch-1 decode tok/s on its own file and on lowbit's (same types, so the
+    same kernels: the exported blocks should cost nothing extra)."""
+    from benchmarks import generate as g
+
+    prompts = g._prompts(tokenizer, 1, SPEED_PROMPT)
+    engines = {
+        name: g._LlamaCpp(path, 1, SPEED_PROMPT + g.DECODE + 8)
+        for name, path in (("ptq", ptq), ("qat", qat))
+    }
+    seconds = g.engine_seconds(engines, prompts)
+    for engine in engines.values():
+        engine.close()
+    return tuple(g.DECODE / seconds[name][1] for name in ("ptq", "qat"))
 
 
 def run() -> str | None:
@@ -95,7 +112,7 @@ def run() -> str | None:
     source = str(smollm2_gguf_path())
     float_forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
     base_logits = lambda t: float_forward(pure, t)  # noqa: E731
-    rows = []
+    rows, speeds = [], []
     with tempfile.TemporaryDirectory() as tmp:
         f32 = os.path.join(tmp, "smollm2-f32.gguf")
         export_gguf(pure, f32, config=config, type="F32", source=source, log=None)
@@ -118,6 +135,7 @@ def run() -> str | None:
             ppl_qat = _llama_cpp_perplexity(qat, held_out)
             lowbit_ppl, div = _kl(qat, base_logits, config, graphdef, held_out)
             _log(f"{mix} QAT: llama.cpp ppl {ppl_qat:.3f}, lowbit ppl {lowbit_ppl:.3f}")
+            speeds.append((mix, *_llama_cpp_speeds(ptq, qat, loaded.tokenizer)))
             rows.append((f"{mix} lowbit QAT", f"{result.seconds:.0f} s", os.path.getsize(qat),
                          ppl_qat, div, lowbit_ppl))  # fmt: skip
     full = SETTINGS == (64, 128, 4, 100, 25)
@@ -145,4 +163,39 @@ def run() -> str | None:
             + ("-" if own is None else f"{own:.3f}")
             + " |"
         )
+    lines += ["", *_ratios(rows), ""]
+    lines += [
+        f"llama.cpp's decode speed of each pair (batch 1, a {SPEED_PROMPT}-token prompt, then "
+        "64 greedy tokens; best of 4 interleaved runs): "
+        + "; ".join(
+            f"{m} {p:.1f} tok/s its own file, {q:.1f} lowbit's ({q / p:.2f}x)" for m, p, q in speeds
+        )  # fmt: skip
+        + " (target: the same speed).",
+    ]
     return "\n".join(lines)
+
+
+# Issue targets: lowbit's QAT against llama.cpp's file of the same mix, as (Δppl, KLD) ratios.
+TARGETS = {"Q3_K_M": (0.5, 0.5), "Q2_K": (0.4, 0.4), "Q4_0": (0.5, None)}
+
+
+def _ratios(rows: list) -> list[str]:
+    """One line per mix: Δppl (llama.cpp's perplexity over the F32 file's) and KLD of
+    lowbit's QAT file over llama.cpp's, against the targets, and lowbit's own perplexity of
+    the QAT file against llama.cpp's."""
+    base = rows[0][3]
+    out = []
+    for ptq, qat in zip(rows[1::2], rows[2::2], strict=True):
+        mix = ptq[0].split()[0]
+        dppl = (qat[3] - base) / (ptq[3] - base)
+        dkl = qat[4].kld_mean / ptq[4].kld_mean
+        goal = TARGETS.get(mix, (None, None))
+        said = [
+            f"Δppl {qat[3] - base:+.3f} against {ptq[3] - base:+.3f}: **{dppl:.2f}x**"
+            + (f" (target ≤ {goal[0]}x)" if goal[0] else ""),
+            f"KLD **{dkl:.2f}x**" + (f" (target ≤ {goal[1]}x)" if goal[1] else ""),
+            f"lowbit's perplexity of the QAT file {100 * (qat[5] / qat[3] - 1):+.2f}% from "
+            "llama.cpp's (target within 0.5%)",
+        ]
+        out.append(f"- {mix}: " + "; ".join(said) + ".")
+    return out
