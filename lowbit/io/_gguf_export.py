@@ -162,7 +162,7 @@ def planned_types(params: Any, config: DecoderConfig, mix: str) -> dict[str, str
             raise ValueError(
                 f"params have no {'/'.join(map(str, where.path))} for GGUF tensor {name!r}"
             )
-        value = _oriented(name, where, _abstract(value))
+        value = gguf_oriented(name, where, _abstract(value))
         requested = mix_type(name, mix, config)
         if len(value.shape) < 2 or requested is None:
             continue
@@ -355,7 +355,7 @@ def export_gguf(
     """
     type_ = check_type(type)
     path = os.fspath(path)
-    plan, metadata = _layout(params, config, type_, source, strict)
+    plan, metadata = export_layout(params, config, type_, source, strict)
     notes: list[TensorNote] = []
 
     def encoded() -> Iterator[np.ndarray]:
@@ -363,7 +363,7 @@ def export_gguf(
             if p.where is None:
                 yield np.asarray(config.rope_freq_factors, np.float32)
                 continue
-            value = _oriented(p.name, p.where, _leaf(params, p.where.path, abstract=False))
+            value = gguf_oriented(p.name, p.where, _leaf(params, p.where.path, abstract=False))
             raw, written, how, note = _tensor(p.name, value, type_, config, strict)
             del value
             if p.where.unpermute_heads is not None:
@@ -378,12 +378,12 @@ def export_gguf(
                 log(f"{p.name}: {how} as {written}" + (f" ({note})" if note else ""))
             yield raw
 
-    write_gguf(path, config.architecture, metadata, _specs(plan), encoded())
+    write_gguf(path, config.architecture, metadata, tensor_specs(plan), encoded())
     return ExportReport(path=path, nbytes=os.path.getsize(path), tensors=tuple(notes))
 
 
 @dataclasses.dataclass(frozen=True)
-class _Planned:
+class PlannedTensor:
     """One tensor of the file, before its data: GGUF name, where its leaf is (None for the
     config's rope_freqs), the type written, and the written array's shape and dtype."""
 
@@ -394,13 +394,13 @@ class _Planned:
     dtype: np.dtype
 
 
-def _layout(
+def export_layout(
     params: Any,
     config: DecoderConfig,
     type_: str | None,
     source: str | os.PathLike[str] | GGUFFile | None,
     strict: bool,
-) -> tuple[list[_Planned], list[tuple[str, Any, Any, Any]]]:
+) -> tuple[list[PlannedTensor], list[tuple[str, Any, Any, Any]]]:
     """Every tensor of the file `export_gguf` writes (name, type, byte shape), from shapes and
     metadata alone, and the file's metadata keys: all that precedes the tensors' data."""
     # Pass 1 plans every tensor (name, type, byte shape) from shapes and metadata alone: the
@@ -412,12 +412,14 @@ def _layout(
             raise ValueError(
                 f"params have no {'/'.join(map(str, where.path))} for GGUF tensor {name!r}"
             )
-        value = _oriented(name, where, _abstract(value))
-        plan.append(_planned(name, where, _choice(name, value, type_, config, strict), value))
+        value = gguf_oriented(name, where, _abstract(value))
+        plan.append(
+            planned_tensor(name, where, tensor_type(name, value, type_, config, strict), value)
+        )
     if config.rope_freq_factors is not None:
         # Llama 3's frequency divisors travel as a tensor, not as metadata.
         factors = np.asarray(config.rope_freq_factors, np.float32)
-        plan.append(_Planned("rope_freqs.weight", None, "F32", factors.shape, factors.dtype))
+        plan.append(PlannedTensor("rope_freqs.weight", None, "F32", factors.shape, factors.dtype))
     file_type = _file_type(type_, [p.written for p in plan])
     metadata = None
     if source is not None:
@@ -441,18 +443,18 @@ def _layout(
     return plan, metadata
 
 
-def _specs(plan: list[_Planned]) -> list[TensorSpec]:
+def tensor_specs(plan: list[PlannedTensor]) -> list[TensorSpec]:
     """The writer's declaration of each planned tensor."""
     return [TensorSpec(p.name, p.written, p.shape, p.dtype) for p in plan]
 
 
-def _planned(name: str, where: Any, written: str, value: Any) -> _Planned:
+def planned_tensor(name: str, where: Any, written: str, value: Any) -> PlannedTensor:
     shape = tuple(value.shape)
     if written in FLOAT_TYPES:
-        return _Planned(name, where, written, shape, np.dtype(_FLOAT_DTYPES[written]))
+        return PlannedTensor(name, where, written, shape, np.dtype(_FLOAT_DTYPES[written]))
     t = block_type(written)
     row_bytes = shape[-1] // t.block_size * t.type_size
-    return _Planned(name, where, written, (*shape[:-1], row_bytes), np.dtype(np.uint8))
+    return PlannedTensor(name, where, written, (*shape[:-1], row_bytes), np.dtype(np.uint8))
 
 
 def _leaf(params: Any, path: tuple, *, abstract: bool) -> Any:
@@ -476,7 +478,7 @@ def _abstract(value: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), value)
 
 
-def _oriented(name: str, where: Any, value: Any) -> Any:
+def gguf_oriented(name: str, where: Any, value: Any) -> Any:
     """The leaf in GGUF's axis order; expert routers as floats (llama.cpp reads no other)."""
     abstract = any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(value))
     if where.transpose:
@@ -492,7 +494,9 @@ def _oriented(name: str, where: Any, value: Any) -> Any:
     return value
 
 
-def _choice(name: str, value: Any, type_: str | None, config: DecoderConfig, strict: bool) -> str:
+def tensor_type(
+    name: str, value: Any, type_: str | None, config: DecoderConfig, strict: bool
+) -> str:
     """The type tensor `name` is written as, from its shape and metadata (`_tensor`'s rule)."""
     requested = _requested(name, type_, config)
     if isinstance(value, QArray):

@@ -22,7 +22,14 @@ from typing import Any
 
 from lowbit.api import FileBytes
 from lowbit.gguf import GGUFFile, header_nbytes, padded
-from lowbit.io._gguf_export import _choice, _layout, _oriented, _planned, _specs, check_type
+from lowbit.io._gguf_export import (
+    check_type,
+    export_layout,
+    gguf_oriented,
+    planned_tensor,
+    tensor_specs,
+    tensor_type,
+)
 from lowbit.models import DecoderConfig, gguf_param_map
 
 
@@ -41,8 +48,8 @@ def gguf_nbytes(
       ValueError: as `export_gguf` does before writing (an unknown type, a missing parameter,
         a tensor that cannot take the type with `strict`).
     """
-    plan, metadata = _layout(params, config, check_type(type), source, strict)
-    specs = _specs(plan)
+    plan, metadata = export_layout(params, config, check_type(type), source, strict)
+    specs = tensor_specs(plan)
     return header_nbytes(config.architecture, metadata, specs) + sum(
         padded(s.nbytes) for s in specs
     )
@@ -69,8 +76,8 @@ def gguf_plan_bytes(
       source: the GGUF file whose metadata the export copies (`export_gguf`'s `source`).
     """
     planned = set(planned)
-    plan, metadata = _layout(params, config, None, source, False)
-    specs = _specs(plan)
+    plan, metadata = export_layout(params, config, None, source, False)
+    specs = tensor_specs(plan)
     by_path = {"/".join(map(str, w.path)): (name, w) for name, w in gguf_param_map(config).items()}
     names = {by_path[p][0] for p in planned if p in by_path}
     fixed = header_nbytes(config.architecture, metadata, specs) + sum(
@@ -81,8 +88,8 @@ def gguf_plan_bytes(
         if path not in by_path:
             return 0  # a parameter the export does not write
         name, where = by_path[path]
-        oriented = _oriented(name, where, value)
-        written = _choice(name, oriented, None, config, False)
-        return padded(_specs([_planned(name, where, written, oriented)])[0].nbytes)
+        oriented = gguf_oriented(name, where, value)
+        written = tensor_type(name, oriented, None, config, False)
+        return padded(tensor_specs([planned_tensor(name, where, written, oriented)])[0].nbytes)
 
     return FileBytes(fixed=fixed, nbytes=nbytes, what="GGUF file")

@@ -31,7 +31,7 @@ import numpy as np
 
 from lowbit.gguf import block_type
 from lowbit.kernels._kinds import GGUF_TYPE_IDS
-from lowbit.kernels._ops import _by_platform, _check_float
+from lowbit.kernels._ops import check_float, native_or_reference
 
 
 def _row_bytes(ggml_type: str, k: int) -> int:
@@ -308,7 +308,7 @@ def gguf_dequantize(rows: jax.Array, ggml_type: str, k: int, *, tiled: bool = Fa
             tiled=np.int64(tiled),
         )
 
-    return _by_platform(native, reference)
+    return native_or_reference(native, reference)
 
 
 def gguf_linear(
@@ -337,8 +337,8 @@ def gguf_linear(
     x = jnp.asarray(x)
     k = int(x.shape[-1])
     n = _check_rows(rows, ggml_type, k, tiled)
-    _check_float("x", x.dtype)
-    out = _check_float("out_dtype", out_dtype or x.dtype)
+    check_float("x", x.dtype)
+    out = check_float("out_dtype", out_dtype or x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -365,5 +365,5 @@ def gguf_linear(
             tiled=np.int64(tiled),
         )
 
-    y = reference() if m == 0 else _by_platform(native, reference)
+    y = reference() if m == 0 else native_or_reference(native, reference)
     return y.reshape(*lead, n)

@@ -16,7 +16,7 @@ from lowbit.kernels._layout import HEADER_BYTES, PreparedWeight, prepared_to_log
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def _check_float(name: str, dtype) -> jnp.dtype:
+def check_float(name: str, dtype) -> jnp.dtype:
     d = jnp.dtype(dtype)
     if d not in _FLOATS:
         raise TypeError(f"{name} dtype {d.name} is not supported; expected float32 or bfloat16")
@@ -50,12 +50,12 @@ def _float_rows(
     """
     x = jnp.asarray(x)
     _check_x(x, w)
-    _check_float("x", x.dtype)
-    out = _check_float("out_dtype", out_dtype or x.dtype)
+    check_float("x", x.dtype)
+    out = check_float("out_dtype", out_dtype or x.dtype)
     return x.reshape(-1, w.k), x.shape[:-1], out, _check_bias(bias, w.n)
 
 
-def _by_platform(native: Callable[[], Any], reference: Callable[[], Any]) -> Any:
+def native_or_reference(native: Callable[[], Any], reference: Callable[[], Any]) -> Any:
     """`native()` (an FFI call into the CPU kernels) where the program is lowered for CPU,
     `reference()` (pure JAX) on every other platform.
 
@@ -105,7 +105,7 @@ def _row_kernel(
     **attributes: int,
 ) -> jax.Array:
     """A ``[rows, n]`` `dtype` product: the CPU kernel `target` on `operands` (its integer
-    `attributes` passed as int64) where the program is lowered for CPU (see `_by_platform`),
+    `attributes` passed as int64) where the program is lowered for CPU (see `native_or_reference`),
     `reference()` elsewhere and for zero rows (no kernel call for an empty batch)."""
 
     def native():
@@ -114,7 +114,7 @@ def _row_kernel(
         )
         return call(*operands, **{name: np.int64(v) for name, v in attributes.items()})
 
-    return reference() if rows == 0 else _by_platform(native, reference)
+    return reference() if rows == 0 else native_or_reference(native, reference)
 
 
 def weight_only_linear(
@@ -209,7 +209,7 @@ def dequantize_weight(w: PreparedWeight) -> jax.Array:
         )
         return full[: w.k, : w.n]
 
-    return _by_platform(native, reference)
+    return native_or_reference(native, reference)
 
 
 def _check_kind(w: PreparedWeight, kind: str) -> None:
@@ -280,7 +280,7 @@ def w8a8_linear_quantized(
     """xq: [M, K] int8, x_scale: [M] float32 -> [M, N] = (xq @ W) * x_scale * w.scale + bias."""
     _check_kind(w, "w8a8")
     xq = _check_xq(xq, w)
-    out = _check_float("out_dtype", out_dtype)
+    out = check_float("out_dtype", out_dtype)
     m = xq.shape[0]
     x_scale = jnp.asarray(x_scale)
     if x_scale.shape != (m,):
@@ -470,4 +470,4 @@ def decode_attention(
             softcap=np.float32(softcap or 0.0),
         )
 
-    return _by_platform(native, reference)
+    return native_or_reference(native, reference)

@@ -30,7 +30,7 @@ from flax import nnx
 
 from lowbit.engine import interpret
 from lowbit.models import mean_pool
-from lowbit.server._protocol import _text, bad
+from lowbit.server._protocol import bad, unicode_text
 
 # Inputs one request may embed.
 MAX_INPUTS = 256
@@ -94,7 +94,7 @@ def _inputs_of(value: Any, name: str | None) -> tuple[str | tuple[int, ...], ...
         if isinstance(item, str):
             if not item:
                 raise bad(field, "is an empty string; give text to embed")
-            out.append(_text(field, item))
+            out.append(unicode_text(field, item))
         elif _token_ids(item):
             if not item:
                 raise bad(field, "is an empty list of token ids")

@@ -12,7 +12,7 @@ from typing import Any
 
 from lowbit.server._embeddings import ENCODING_FORMATS, MAX_INPUTS
 from lowbit.server._guidance import MAX_LOGIT_BIAS, SCHEMA_NAME, TOKEN_KEY
-from lowbit.server._protocol import _NEUTRAL, MAX_LOGPROBS, MAX_STOP_STRINGS
+from lowbit.server._protocol import MAX_LOGPROBS, MAX_STOP_STRINGS, NEUTRAL_FIELDS
 from lowbit.server._tool_request import MAX_TOOLS
 
 
@@ -103,7 +103,7 @@ def _sampling(context: int, choices: int) -> dict[str, Any]:
         "user": {"type": "string"},
         "return_token_ids": {"type": "boolean"},
         **_guidance(),
-        **{name: _neutral(values) for name, values in _NEUTRAL.items()},
+        **{name: _neutral(values) for name, values in NEUTRAL_FIELDS.items()},
     }
 
 

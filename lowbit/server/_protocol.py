@@ -45,7 +45,7 @@ _COMPLETION = _COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 _CHAT |= {"tools", "tool_choice", "parallel_tool_calls"}
 # Fields a request may carry only with these neutral values.
-_NEUTRAL = {
+NEUTRAL_FIELDS = {
     "echo": (False,),
     "suffix": (None,),
     "best_of": (None, 1),
@@ -201,7 +201,7 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open
     return float(value)
 
 
-def _text(name: str, value: str) -> str:
+def unicode_text(name: str, value: str) -> str:
     """`value`, refused (a 400 naming `name`) when it is not Unicode text: JSON may escape a
     lone surrogate (``"\\ud800"``), which has no UTF-8 form and which the tokenizer refuses."""
     try:
@@ -225,7 +225,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise bad("stop", "must be a non-empty string or a list of them")
     if len(stop) > MAX_STOP_STRINGS:
         raise bad("stop", f"has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
-    return tuple(_text("stop", s) for s in stop)
+    return tuple(unicode_text("stop", s) for s in stop)
 
 
 def _prompt(body: dict) -> str | tuple[int, ...]:
@@ -235,7 +235,7 @@ def _prompt(body: dict) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad("prompt", "is empty; give the text to continue")
-        return _text("prompt", prompt)
+        return unicode_text("prompt", prompt)
     if (
         isinstance(prompt, list)
         and prompt
@@ -278,7 +278,7 @@ def _messages(body: dict) -> tuple[dict[str, Any], ...]:
             content = "".join(parts)
         if not isinstance(content, str):
             raise bad(f"{name}.content", "must be a string")
-        _text(f"{name}.content", content)
+        unicode_text(f"{name}.content", content)
         try:
             if calls:
                 out.append(tool_calls_message(i, m, content))
@@ -317,10 +317,10 @@ def parse_request(body: dict[str, Any], chat: bool) -> CompletionRequest:
     """
     known = _CHAT if chat else _COMPLETION
     for name, value in body.items():
-        if name in known and name not in _NEUTRAL:
+        if name in known and name not in NEUTRAL_FIELDS:
             continue
-        if name in _NEUTRAL:
-            if not _is_neutral(value, _NEUTRAL[name]):
+        if name in NEUTRAL_FIELDS:
+            if not _is_neutral(value, NEUTRAL_FIELDS[name]):
                 raise bad(
                     name,
                     f"is not supported by this server (got {json.dumps(value)})",
