@@ -65,6 +65,7 @@ def _variants(model, params, max_len: int) -> dict:
         presence=jnp.zeros((SLOTS,), jnp.float32),
         frequency=jnp.zeros((SLOTS,), jnp.float32),
         bias=jnp.zeros((SLOTS, vocab), jnp.float32),
+        allowed=jnp.tile(programs.allowed_bits(-(-vocab // 32), vocab), (SLOTS, 1)),
     )
     counts = jnp.zeros((SLOTS, vocab), jnp.int32)
     token = jnp.zeros((SLOTS,), jnp.int32)

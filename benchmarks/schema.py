@@ -7,11 +7,17 @@ twice, `CLIENTS` at a time, greedy, at most `MAX_TOKENS` tokens each:
 - **constrained**: with ``response_format`` ``json_schema`` (`SCHEMA`). Every answer is parsed
   and validated against the schema with ``jsonschema_rs`` (a Rust validator independent of the
   grammar library); an answer cut by ``max_tokens`` counts as invalid.
-- **plain**: the same messages without ``response_format``.
+- **plain, same lengths**: the same messages without ``response_format``, each with
+  ``max_tokens`` set to the length of its constrained answer: the same prompts and the same
+  number of new tokens, so that the ratio of the two is what the grammar costs. (The model's
+  own answers are longer than the schema's, and a longer answer spreads its prompt's prefill
+  over more tokens.)
+- **plain**: the same messages without ``response_format`` at the same `MAX_TOKENS`, for
+  reference.
 
-Throughput is generated tokens (``usage.completion_tokens``) over the wall time of each part;
-the parts alternate in `PASSES` rounds of half the requests each so that the machine's load
-drifts over both alike.
+Throughput is generated tokens (``usage.completion_tokens``) over the wall time of each part.
+Each of `PASSES` rounds runs the three on half the requests (constrained first: the same-length
+part needs its lengths), so that the machine's load drifts over all alike.
 """
 
 from __future__ import annotations
@@ -61,7 +67,10 @@ def _messages(i: int) -> list[dict]:
     return [{"role": "user", "content": f"{text}\n\n{ask}"}]
 
 
-async def _part(url: str, indices: list[int], constrained: bool) -> dict:
+async def _part(
+    url: str, indices: list[int], constrained: bool, lengths: dict[int, int] | None = None
+) -> dict:
+    """`indices`' requests, `CLIENTS` at a time; `lengths`: request i's max_tokens."""
     import httpx
 
     fmt = {"type": "json_schema", "json_schema": {"name": "book", "schema": SCHEMA}}
@@ -71,11 +80,13 @@ async def _part(url: str, indices: list[int], constrained: bool) -> dict:
     async def client(c: httpx.AsyncClient) -> None:
         while queue:
             i = queue.pop()
-            body = {"messages": _messages(i), "max_tokens": MAX_TOKENS, "temperature": 0}
+            most = MAX_TOKENS if lengths is None else lengths[i]
+            body = {"messages": _messages(i), "max_tokens": most, "temperature": 0}
             if constrained:
                 body["response_format"] = fmt
             r = await c.post(f"{url}/v1/chat/completions", json=body)
-            answers.append({"status": r.status_code, **(r.json() if r.status_code == 200 else {})})
+            answer = r.json() if r.status_code == 200 else {}
+            answers.append({"status": r.status_code, "index": i, **answer})
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as c:
         start = time.perf_counter()
@@ -83,6 +94,11 @@ async def _part(url: str, indices: list[int], constrained: bool) -> dict:
         wall = time.perf_counter() - start
     tokens = sum(a.get("usage", {}).get("completion_tokens", 0) for a in answers)
     return {"answers": answers, "tokens": tokens, "wall": wall}
+
+
+def _tokens(answer: dict) -> int:
+    """New tokens of an answer (at least 1: a max_tokens)."""
+    return max(1, answer.get("usage", {}).get("completion_tokens", 0))
 
 
 def _valid(answer: dict, validator) -> bool:
@@ -118,15 +134,18 @@ def run() -> str:
     log = Path(tempfile.mkdtemp(prefix="schema-bench-")) / "lowbit.log"
     proc = _start(command, f"http://127.0.0.1:{port}/health", log, env)
     url = f"http://127.0.0.1:{port}"
-    parts = {True: [], False: []}
+    parts = {"constrained": [], "same": [], "plain": []}
     try:
         asyncio.run(_part(url, list(range(CLIENTS)), True))  # warm-up: both kinds of step
         asyncio.run(_part(url, list(range(CLIENTS)), False))
         chunk = REQUESTS // PASSES
         for p in range(PASSES):
             indices = list(range(p * chunk, (p + 1) * chunk))
-            for constrained in (True, False) if p % 2 == 0 else (False, True):
-                parts[constrained].append(asyncio.run(_part(url, indices, constrained)))
+            on = asyncio.run(_part(url, indices, True))
+            lengths = {a["index"]: _tokens(a) for a in on["answers"]}
+            parts["constrained"].append(on)
+            parts["same"].append(asyncio.run(_part(url, indices, False, lengths)))
+            parts["plain"].append(asyncio.run(_part(url, indices, False)))
         rss = _rss_mib(proc.pid)
     finally:
         _stop(proc)
@@ -134,23 +153,28 @@ def run() -> str:
     def tok_s(results: list[dict]) -> float:
         return sum(r["tokens"] for r in results) / sum(r["wall"] for r in results)
 
-    answers = [a for r in parts[True] for a in r["answers"]]
+    answers = [a for r in parts["constrained"] for a in r["answers"]]
     valid = sum(_valid(a, validator) for a in answers)
     cut = sum(a.get("choices", [{}])[0].get("finish_reason") == "length" for a in answers)
-    on, off = tok_s(parts[True]), tok_s(parts[False])
+    on, same, off = (tok_s(parts[k]) for k in ("constrained", "same", "plain"))
+    mean = {k: sum(r["tokens"] for r in v) / REQUESTS for k, v in parts.items()}
     lines += [
         f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores. `python -m "
         f"benchmarks schema`. `lowbit serve --recipe gguf --int8-activations --slots {SLOTS}`; "
         f"{REQUESTS} chat requests each way, {CLIENTS} clients, greedy, at most {MAX_TOKENS} "
-        "tokens; the two ways alternate.",
+        f"tokens; {PASSES} rounds of the three parts (module docstring).",
         "",
-        "| | valid JSON for the schema | cut by max_tokens | tok/s |",
-        "|---|---:|---:|---:|",
-        f"| `response_format` json_schema | {valid} / {len(answers)} | {cut} | {on:.1f} |",
-        f"| plain | — | — | {off:.1f} |",
+        "| | valid JSON for the schema | cut by max_tokens | mean new tokens | tok/s |",
+        "|---|---:|---:|---:|---:|",
+        f"| `response_format` json_schema | {valid} / {len(answers)} | {cut} | "
+        f"{mean['constrained']:.1f} | {on:.1f} |",
+        f"| plain, each as long as its constrained answer | — | — | {mean['same']:.1f} | "
+        f"{same:.1f} |",
+        f"| plain, at most {MAX_TOKENS} tokens | — | — | {mean['plain']:.1f} | {off:.1f} |",
         "",
         f"Valid: **{100 * valid / max(1, len(answers)):.1f}%** (target 100%). Throughput "
-        f"constrained / plain: **{on / off:.3f}x** (target >= 0.90x). Server RSS {rss:.0f} MiB.",
+        f"constrained / plain of the same lengths: **{on / same:.3f}x** (target >= 0.90x); "
+        f"against plain answers of their own lengths {on / off:.3f}x. Server RSS {rss:.0f} MiB.",
     ]
     return "\n".join([*lines, ""])
 

@@ -6,9 +6,11 @@ compiles a schema into a matcher, bounded in work (`LIMITS`, `MAX_SCHEMA_BYTES`)
 a `Constraint` holding the mask of the first token. The scheduler then calls
 `Constraint.advance` with each emitted token, which computes the next mask on the host.
 
-Masks are rows of ``V`` float32 (the model's logits width, which may exceed the tokenizer's
-vocabulary: those extra ids are never allowed), 0 where the grammar allows the token and -inf
-elsewhere, added to the logits right before sampling (`lowbit.server._programs.RowSampling`).
+Masks are bits, one per id of the model's logits width ``V`` (which may exceed the
+tokenizer's vocabulary: those extra ids are never allowed): llguidance's own bitmask, bit
+``t % 32`` of word ``t // 32`` set where the grammar allows token ``t``. The scheduler uploads
+these ``V / 32`` words a step (not ``V`` floats) and the sampler unpacks them on the device
+(`lowbit.server._programs.RowSampling`).
 Where the grammar may end, it allows the served stop tokens, so a row ends as any other; where
 it must end, `advance` says so.
 """
@@ -21,6 +23,8 @@ from typing import Any
 
 import llguidance
 import numpy as np
+
+from lowbit.server._programs import allowed_bits
 
 # The largest schema compiled, as compact JSON.
 MAX_SCHEMA_BYTES = 32 * 1024
@@ -41,13 +45,6 @@ LIMITS = dict(
 # spin on newlines forever inside a valid answer.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
-# Byte b of a bitmask -> its 8 tokens' biases (bit i, token 8b + i: 0 when set, else -inf): one
-# table lookup per byte is faster than unpacking the bits and choosing.
-_BYTE_BIAS = np.where(
-    np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"),
-    np.float32(0),
-    np.float32(-np.inf),
-).astype(np.float32)
 
 
 class GrammarError(ValueError):
@@ -58,27 +55,34 @@ class Constraint:
     """One request's grammar state (used by one thread at a time).
 
     Attributes:
-      mask: ``[V]`` float32, the bias of the next token: 0 allowed, -inf not.
+      bits: ``[ceil(V / 32)]`` uint32, the tokens the next one may be: bit ``t % 32`` of
+        word ``t // 32`` set where token ``t`` is allowed.
     """
 
     def __init__(self, matcher: Any, vocab: int, width: int):
         self._matcher = matcher
-        self._vocab = min(vocab, width)
-        self._words = np.zeros((-(-vocab // 32),), np.int32)  # llguidance's bitmask
-        self._biases = np.empty((self._words.nbytes, 8), np.float32)  # its bits as biases
-        self.mask = np.full((width,), -np.inf, np.float32)
+        self._width = width
+        self._words = np.zeros((-(-vocab // 32),), np.uint32)  # llguidance's bitmask
+        self.bits = np.zeros((-(-width // 32),), np.uint32)
+        # Ids below both the vocabulary and the logits width: the only ones ever allowed.
+        self._keep = allowed_bits(-(-width // 32), min(vocab, width))[: len(self._words)]
         if not self._refresh():
             raise GrammarError(matcher.get_error() or "the grammar allows no first token")
 
     def _refresh(self) -> bool:
-        """Computes `mask` for the matcher's state; False when it allows nothing."""
+        """Computes `bits` for the matcher's state; False when it allows nothing."""
         m = self._matcher
         m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
         if m.is_error():
             return False
-        np.take(_BYTE_BIAS, self._words.view(np.uint8), axis=0, out=self._biases)
-        self.mask[: self._vocab] = self._biases.reshape(-1)[: self._vocab]
-        return bool(self._words.any())
+        np.bitwise_and(self._words[: len(self._keep)], self._keep, out=self.bits[: len(self._keep)])
+        return bool(self.bits.any())
+
+    @property
+    def allowed(self) -> np.ndarray:
+        """``[V]`` bool, `bits` unpacked: True where the next token may be that id."""
+        ids = np.arange(self._width)
+        return (self.bits[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1 == 1
 
     def advance(self, token: int) -> bool:
         """Feeds `token` (never a stop token); False when the row must end: the grammar is
@@ -150,11 +154,3 @@ class Grammars:
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return Constraint(matcher, self.vocab, self.width)
-
-
-def bias_row(width: int, logit_bias: Iterable[tuple[int, float]]) -> np.ndarray:
-    """``[width]`` float32: zeros, with ``bias`` at each ``(token, bias)`` of `logit_bias`."""
-    row = np.zeros((width,), np.float32)
-    for token, value in logit_bias:
-        row[token] = value
-    return row

@@ -71,9 +71,13 @@ class RowSampling:
       top_p: ``[B]`` float32.
       presence, frequency: ``[B]`` float32, the penalties (`lowbit.server._penalties`; 0:
         none). Only decode steps apply them: a first token follows no generated one.
-      bias: ``[B, V]`` float32, added to the logits before sampling: a request's
-        ``logit_bias`` and its grammar's mask (0 for an allowed token, -inf for another);
-        zeros for a row with neither, which then samples exactly what it would without.
+      bias: ``[B, V]`` float32, a request's ``logit_bias``, added to the logits before
+        sampling; zeros for a row without one, which then samples exactly what it would
+        without.
+      allowed: ``[B, ceil(V / 32)]`` uint32, the tokens each row may sample: bit ``t % 32``
+        of word ``t // 32`` for token ``t`` (a grammar's mask, `lowbit.server._grammar`;
+        every bit set for a row without one). Bits, not a ``[B, V]`` bias: a constrained
+        row's mask changes every step, and 32 times fewer bytes go to the device.
     """
 
     keys: jax.Array
@@ -84,6 +88,20 @@ class RowSampling:
     presence: jax.Array
     frequency: jax.Array
     bias: jax.Array
+    allowed: jax.Array
+
+
+def allowed_bits(words: int, n: int) -> np.ndarray:
+    """``[words]`` uint32 with the bits of ids ``0 .. n - 1`` set (`RowSampling.allowed`'s
+    layout): every token of a row without a grammar, when `n` is the logits width."""
+    ids = np.arange(words * 32)
+    return np.packbits(ids < n, bitorder="little").view("<u4").astype(np.uint32)
+
+
+def unpack_allowed(words: jax.Array, v: int) -> jax.Array:
+    """``[B, ceil(v / 32)]`` uint32 bits (`RowSampling.allowed`) -> ``[B, v]`` bool."""
+    ids = jnp.arange(v)
+    return (words[:, ids >> 5] >> (ids & 31).astype(jnp.uint32)) & 1 == 1
 
 
 @jax.tree_util.register_dataclass
@@ -119,6 +137,7 @@ def _sample(logits: jax.Array, rows: RowSampling) -> jax.Array:
     """``logits [b, V]`` -> ``[b]`` tokens, row r drawn with ``fold_in(key_r, count_r)``."""
     keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(rows.keys), rows.count)
     logits = logits.astype(jnp.float32) + rows.bias  # x + 0.0 is x: unbiased rows unchanged
+    logits = jnp.where(unpack_allowed(rows.allowed, logits.shape[-1]), logits, -jnp.inf)
     return sample_rows(logits, keys, rows.temperature, rows.top_k, rows.top_p)
 
 

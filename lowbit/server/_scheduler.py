@@ -487,8 +487,13 @@ class Scheduler:
         self.frequency_host = np.zeros((c.slots,), np.float32)
         # Each row's generated tokens counted, on the device (`lowbit.server._penalties`).
         self.counts = jnp.zeros((c.slots, self.model.config.vocab_size), jnp.int32)
-        self.bias_host = np.zeros((c.slots, self.model.config.vocab_size), np.float32)
+        vocab = self.model.config.vocab_size
+        self.bias_host = np.zeros((c.slots, vocab), np.float32)
         self._bias_device: jax.Array | None = None  # bias_host on the device, until it changes
+        # Each row's grammar mask as bits (`RowSampling.allowed`): every token without one.
+        self.all_allowed = programs.allowed_bits(-(-vocab // 32), vocab)
+        self.allowed_host = np.tile(self.all_allowed, (c.slots, 1))
+        self._allowed_device: jax.Array | None = None  # the same, until it changes
         # Each row's prompt and tokens so far (what `speculate.draft` looks up).
         self.history: list[list[int]] = [[] for _ in range(c.slots)]
         self.cache = self._set_start(self.cache)
@@ -509,6 +514,7 @@ class Scheduler:
                 presence=jnp.zeros((c.slots,), jnp.float32),
                 frequency=jnp.zeros((c.slots,), jnp.float32),
                 bias=jnp.zeros((c.slots, vocab), jnp.float32),
+                allowed=jnp.asarray(self.allowed_host),
             )
 
     def _set_start(self, cache: Any) -> Any:
@@ -764,6 +770,7 @@ class Scheduler:
         self.topk_host[r] = 0
         self.presence_host[r] = self.frequency_host[r] = 0.0
         self._set_bias(r, None)
+        self._set_allowed(r, None)
         if job is not None:
             self._finish(job, reason)
 
@@ -790,16 +797,17 @@ class Scheduler:
     # -- logit bias ---------------------------------------------------------------------------
 
     def _job_bias(self, job: Job) -> np.ndarray | None:
-        """``[V]`` float32: what `job` adds to its next token's logits (its `logit_bias` and
-        its grammar's mask), or None for nothing."""
-        if not job.logit_bias and job.constraint is None:
+        """``[V]`` float32: what `job` adds to its logits (its `logit_bias`), or None."""
+        if not job.logit_bias:
             return None
         row = np.zeros((self.bias_host.shape[1],), np.float32)
-        if job.constraint is not None:
-            row += job.constraint.mask
         for token, bias in job.logit_bias:
             row[token] += bias
         return row
+
+    def _job_allowed(self, job: Job) -> np.ndarray:
+        """`job`'s next token's mask (`RowSampling.allowed`): its grammar's, or all."""
+        return self.all_allowed if job.constraint is None else job.constraint.bits
 
     def _set_bias(self, r: int, row: np.ndarray | None) -> None:
         """Sets row `r`'s bias (None: zeros)."""
@@ -815,6 +823,18 @@ class Scheduler:
         if self._bias_device is None:
             self._bias_device = jnp.asarray(self.bias_host)
         return self._bias_device
+
+    def _set_allowed(self, r: int, bits: np.ndarray | None) -> None:
+        """Sets row `r`'s mask (None: every token)."""
+        bits = self.all_allowed if bits is None else bits
+        if not np.array_equal(self.allowed_host[r], bits):
+            self.allowed_host[r] = bits
+            self._allowed_device = None
+
+    def _allowed(self) -> jax.Array:
+        if self._allowed_device is None:
+            self._allowed_device = jnp.asarray(self.allowed_host)
+        return self._allowed_device
 
     # -- prefill ------------------------------------------------------------------------------
 
@@ -832,6 +852,7 @@ class Scheduler:
             presence=jnp.asarray([job.presence_penalty], jnp.float32),
             frequency=jnp.asarray([job.frequency_penalty], jnp.float32),
             bias=jnp.asarray(bias)[None],
+            allowed=jnp.asarray(self._job_allowed(job))[None],
         )
 
     def _lookup(self, job: Job) -> tuple[list[bytes], list[int]]:
@@ -1084,6 +1105,7 @@ class Scheduler:
         self.presence_host[r] = job.presence_penalty
         self.frequency_host[r] = job.frequency_penalty
         self._set_bias(r, self._job_bias(job))
+        self._set_allowed(r, self._job_allowed(job))
         with self._lock:
             self._rows[r] = job
             self._prefill = None
@@ -1169,6 +1191,7 @@ class Scheduler:
             presence=jnp.asarray(self.presence_host),
             frequency=jnp.asarray(self.frequency_host),
             bias=self._bias(),
+            allowed=self._allowed(),
         )
         cache = dataclasses.replace(
             self.cache, length=jnp.int32(self.clock), start=jnp.asarray(self.start_host)
@@ -1245,7 +1268,7 @@ class Scheduler:
         self.history[r].extend(new)
         if reason is None:
             if job.constraint is not None:
-                self._set_bias(r, self._job_bias(job))
+                self._set_allowed(r, job.constraint.bits)
             if new:
                 job.emit(new, None)
         else:
@@ -1253,6 +1276,7 @@ class Scheduler:
                 self._rows[r] = None
             self.start_host[r] = t
             self._set_bias(r, None)
+            self._set_allowed(r, None)
             self._finish(job, reason, new)
 
     def _speculate(self) -> bool:

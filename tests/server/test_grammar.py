@@ -1,6 +1,7 @@
 """`Grammars` and `Constraint` on the tiny model's byte-level tokenizer (one token per byte,
-258 the stop token): masks are 0 / -inf rows as wide as the logits, advanced token by token."""
+258 the stop token): masks are bits as wide as the logits, advanced token by token."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,13 +17,13 @@ def grammars(loaded):
 
 
 def _allowed(constraint):
-    assert set(np.unique(constraint.mask)) <= {0.0, -np.inf}
-    return set(np.flatnonzero(constraint.mask == 0).tolist())
+    return set(np.flatnonzero(constraint.allowed).tolist())
 
 
 def test_a_mask_allows_what_the_grammar_allows_and_nothing_past_the_vocabulary(grammars):
     c = grammars.constrain({"enum": ["yes", "no"]})
-    assert c.mask.shape == (grammars.width,) and c.mask.dtype == np.float32
+    assert c.bits.shape == (-(-grammars.width // 32),) and c.bits.dtype == np.uint32
+    assert c.allowed.shape == (grammars.width,)
     assert _allowed(c) == {ord('"')}
     assert c.advance(ord('"'))
     assert _allowed(c) == {ord("y"), ord("n")}
@@ -59,3 +60,16 @@ def test_each_constraint_is_fresh(grammars):
 def test_a_schema_that_cannot_be_compiled_says_why(grammars, schema, why):
     with pytest.raises(GrammarError, match=why):
         grammars.constrain(schema)
+
+
+def test_the_device_unpacks_the_bits_the_host_set(grammars):
+    # What the sampler allows (`unpack_allowed`, on the device) is what the grammar allows;
+    # a row without a grammar (`allowed_bits` of the whole width) allows every id.
+    from lowbit.server._programs import allowed_bits, unpack_allowed
+
+    c = grammars.constrain({"enum": ["yes", "no"]})
+    assert c.advance(ord('"'))
+    words = np.stack([c.bits, allowed_bits(len(c.bits), grammars.width)])
+    got = np.asarray(unpack_allowed(jnp.asarray(words), grammars.width))
+    assert set(np.flatnonzero(got[0]).tolist()) == {ord("y"), ord("n")}
+    assert got[1].all()

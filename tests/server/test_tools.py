@@ -535,11 +535,11 @@ def _grammar_takes(grammars, tokenizer, lark, text, stops):
     constraint = grammars.constrain_lark(lark)
     tokens = tokenizer.encode(text, add_special_tokens=False).ids
     for i, token in enumerate(tokens):
-        if constraint.mask[token] != 0:
+        if not constraint.allowed[token]:
             return False
         if not constraint.advance(token):
             return i == len(tokens) - 1  # complete: the grammar takes no more
-    return any(constraint.mask[s] == 0 for s in stops)
+    return any(constraint.allowed[s] for s in stops)
 
 
 @pytest.fixture(scope="module")
