@@ -7,9 +7,10 @@ uvicorn. See docs/serve.md.
 """
 
 from lowbit.server._app import ServedModel, create_app
+from lowbit.server._job import Job, NotReady, QueueFull, SchedulerConfig
 from lowbit.server._protocol import APIError, CompletionRequest, parse_request
 from lowbit.server._run import run
-from lowbit.server._scheduler import Job, NotReady, QueueFull, Scheduler, SchedulerConfig
+from lowbit.server._scheduler import Scheduler
 from lowbit.server._speculate import DraftModel
 from lowbit.server._text import TextStream
 

@@ -29,22 +29,13 @@ from starlette.routing import Route
 from lowbit.server import _embeddings as embeddings
 from lowbit.server._grammar import Constraint, GrammarError, Grammars
 from lowbit.server._guidance import parse_guidance
+from lowbit.server._job import CANCELLED, LENGTH, SHUTDOWN, STOP, TIMEOUT, Job, NotReady, QueueFull
 from lowbit.server._limits import MAX_BODY_BYTES, READ_TIMEOUT, BodyLimit
 from lowbit.server._logprob_format import TokenTexts, chat_logprobs, completion_logprobs
 from lowbit.server._metrics import CONTENT_TYPE, Metrics
 from lowbit.server._openapi import openapi_document
 from lowbit.server._protocol import APIError, CompletionRequest, bad, parse_body, parse_request
-from lowbit.server._scheduler import (
-    CANCELLED,
-    LENGTH,
-    SHUTDOWN,
-    STOP,
-    TIMEOUT,
-    Job,
-    NotReady,
-    QueueFull,
-    Scheduler,
-)
+from lowbit.server._scheduler import Scheduler
 from lowbit.server._text import TextStream
 from lowbit.server._tool_calls import Parsed, ToolCallStream
 from lowbit.server._tool_grammar import schema_problem, tool_grammar
