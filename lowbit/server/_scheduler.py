@@ -345,12 +345,9 @@ class Scheduler:
         # Each row's generated tokens counted, on the device (`lowbit.server._penalties`).
         self.counts = jnp.zeros((c.slots, self.model.config.vocab_size), jnp.int32)
         vocab = self.model.config.vocab_size
-        self.bias_host = np.zeros((c.slots, vocab), np.float32)
-        self._bias_device: jax.Array | None = None  # bias_host on the device, until it changes
-        # Each row's grammar mask as bits (`RowSampling.allowed`): every token without one.
-        self.all_allowed = programs.allowed_bits(-(-vocab // 32), vocab)
-        self.allowed_host = np.tile(self.all_allowed, (c.slots, 1))
-        self._allowed_device: jax.Array | None = None  # the same, until it changes
+        # Each row's logit_bias, and its grammar's mask as bits (`RowSampling`).
+        self.bias = _DeviceRows(np.zeros((vocab,), np.float32), c.slots)
+        self.allowed = _DeviceRows(programs.allowed_bits(-(-vocab // 32), vocab), c.slots)
         # Each row's prompt and tokens so far (what `speculate.draft` looks up).
         self.history: list[list[int]] = [[] for _ in range(c.slots)]
         self.cache = self._set_start(self.cache)
@@ -371,7 +368,7 @@ class Scheduler:
                 presence=jnp.zeros((c.slots,), jnp.float32),
                 frequency=jnp.zeros((c.slots,), jnp.float32),
                 bias=jnp.zeros((c.slots, vocab), jnp.float32),
-                allowed=jnp.asarray(self.allowed_host),
+                allowed=jnp.asarray(self.allowed.host),
             )
 
     def _set_start(self, cache: Any) -> Any:
@@ -626,8 +623,8 @@ class Scheduler:
         self.temp_host[r] = 0.0
         self.topk_host[r] = 0
         self.presence_host[r] = self.frequency_host[r] = 0.0
-        self._set_bias(r, None)
-        self._set_allowed(r, None)
+        self.bias.set(r)
+        self.allowed.set(r)
         if job is not None:
             self._finish(job, reason)
 
@@ -657,41 +654,14 @@ class Scheduler:
         """``[V]`` float32: what `job` adds to its logits (its `logit_bias`), or None."""
         if not job.logit_bias:
             return None
-        row = np.zeros((self.bias_host.shape[1],), np.float32)
+        row = self.bias.default.copy()
         for token, bias in job.logit_bias:
             row[token] += bias
         return row
 
     def _job_allowed(self, job: Job) -> np.ndarray:
         """`job`'s next token's mask (`RowSampling.allowed`): its grammar's, or all."""
-        return self.all_allowed if job.constraint is None else job.constraint.bits
-
-    def _set_bias(self, r: int, row: np.ndarray | None) -> None:
-        """Sets row `r`'s bias (None: zeros)."""
-        if row is None:
-            if not self.bias_host[r].any():
-                return
-            self.bias_host[r] = 0.0
-        else:
-            self.bias_host[r] = row
-        self._bias_device = None
-
-    def _bias(self) -> jax.Array:
-        if self._bias_device is None:
-            self._bias_device = jnp.asarray(self.bias_host)
-        return self._bias_device
-
-    def _set_allowed(self, r: int, bits: np.ndarray | None) -> None:
-        """Sets row `r`'s mask (None: every token)."""
-        bits = self.all_allowed if bits is None else bits
-        if not np.array_equal(self.allowed_host[r], bits):
-            self.allowed_host[r] = bits
-            self._allowed_device = None
-
-    def _allowed(self) -> jax.Array:
-        if self._allowed_device is None:
-            self._allowed_device = jnp.asarray(self.allowed_host)
-        return self._allowed_device
+        return self.allowed.default if job.constraint is None else job.constraint.bits
 
     # -- prefill ------------------------------------------------------------------------------
 
@@ -699,7 +669,7 @@ class Scheduler:
         key = jax.random.key_data(jax.random.key(job.seed))
         bias = self._job_bias(job)
         if bias is None:
-            bias = np.zeros((self.bias_host.shape[1],), np.float32)
+            bias = self.bias.default
         return RowSampling(
             keys=jnp.asarray(key)[None],
             count=jnp.zeros((1,), jnp.int32),
@@ -961,8 +931,8 @@ class Scheduler:
         self.topp_host[r] = job.top_p
         self.presence_host[r] = job.presence_penalty
         self.frequency_host[r] = job.frequency_penalty
-        self._set_bias(r, self._job_bias(job))
-        self._set_allowed(r, self._job_allowed(job))
+        self.bias.set(r, self._job_bias(job))
+        self.allowed.set(r, self._job_allowed(job))
         with self._lock:
             self._rows[r] = job
             self._prefill = None
@@ -1047,8 +1017,8 @@ class Scheduler:
             top_p=jnp.asarray(self.topp_host),
             presence=jnp.asarray(self.presence_host),
             frequency=jnp.asarray(self.frequency_host),
-            bias=self._bias(),
-            allowed=self._allowed(),
+            bias=self.bias.device(),
+            allowed=self.allowed.device(),
         )
         cache = dataclasses.replace(
             self.cache, length=jnp.int32(self.clock), start=jnp.asarray(self.start_host)
@@ -1125,15 +1095,15 @@ class Scheduler:
         self.history[r].extend(new)
         if reason is None:
             if job.constraint is not None:
-                self._set_allowed(r, job.constraint.bits)
+                self.allowed.set(r, job.constraint.bits)
             if new:
                 job.emit(new, None)
         else:
             with self._lock:
                 self._rows[r] = None
             self.start_host[r] = t
-            self._set_bias(r, None)
-            self._set_allowed(r, None)
+            self.bias.set(r)
+            self.allowed.set(r)
             self._finish(job, reason, new)
 
     def _speculate(self) -> bool:
@@ -1281,6 +1251,30 @@ class Scheduler:
             out = np.asarray(decoded.tokens)
             guesses = {r: np.concatenate([first[r : r + 1], out[r, : k - 1]]) for r in busy}
         return guesses
+
+
+class _DeviceRows:
+    """A ``[rows, n]`` host array kept on the device too, uploaded again only after a row
+    changed: per-row sampling inputs that change when a request starts or ends, or for a few
+    rows a step (a grammar's mask)."""
+
+    def __init__(self, default: np.ndarray, rows: int):
+        self.default = default
+        self.host = np.tile(default, (rows, 1))
+        self._device: jax.Array | None = None
+
+    def set(self, r: int, row: np.ndarray | None = None) -> None:
+        """Row `r` becomes `row` (None: the default)."""
+        row = self.default if row is None else row
+        if not np.array_equal(self.host[r], row):
+            self.host[r] = row
+            self._device = None
+
+    def device(self) -> jax.Array:
+        """The rows on the device."""
+        if self._device is None:
+            self._device = jnp.asarray(self.host)
+        return self._device
 
 
 def _cache_key(cache: Any) -> int | tuple[int, int]:
