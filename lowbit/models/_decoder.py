@@ -196,13 +196,15 @@ class Attention(nnx.Module):
         if kv is not None:
             kv = kv.write(k, v, slot)
             q = kv.rotate(q)  # a rotated cache: scores are the same with rotated queries
-            seen = mask.shape[-1]  # the slots these queries may see: all, or a new cache's own
-            v = kv.read_values(x.dtype)[:, :, :seen]
+            # The slots these queries may see: every one, or a new cache's own (`fresh`).
+            width = mask.shape[-1]
+            seen = kv if width == kv.keys.shape[2] else kv.slots(jnp.int32(0), width)
+            v = seen.read_values(x.dtype)
             if kv.config is not None and kv.config.integer_qk:
-                scores = int8_scores(q, kv)[..., :seen]
+                scores = int8_scores(q, seen)
                 out = softmax_values(scores, v, mask, scale, c.attn_softcap)
             else:
-                keys = kv.read_keys(q.dtype)[:, :, :seen]
+                keys = seen.read_keys(q.dtype)
                 out = causal_attention(q, keys, v, mask, scale, c.attn_softcap)
         else:
             k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)

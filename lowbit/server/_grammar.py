@@ -24,7 +24,7 @@ from typing import Any
 import llguidance
 import numpy as np
 
-from lowbit.server._programs import allowed_bits
+from lowbit.server._programs import allowed_bits, unpack_allowed
 
 # The largest schema compiled, as compact JSON.
 MAX_SCHEMA_BYTES = 32 * 1024
@@ -81,8 +81,7 @@ class Constraint:
     @property
     def allowed(self) -> np.ndarray:
         """``[V]`` bool, `bits` unpacked: True where the next token may be that id."""
-        ids = np.arange(self._width)
-        return (self.bits[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1 == 1
+        return np.asarray(unpack_allowed(self.bits[None], self._width))[0]
 
     def advance(self, token: int) -> bool:
         """Feeds `token` (never a stop token); False when the row must end: the grammar is
