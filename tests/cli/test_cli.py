@@ -128,7 +128,7 @@ def test_demo_checks_compare_against_the_float_row():
         row("smollm2", "float", 20.0),
         row("smollm2", "int8w", 20.2),  # +1.0%: misses the 0.5% target
         row("smollm2", "int4w_g32_asym", 20.3),  # +1.5%: within 2%
-        row("smollm2", "gguf", 20.0001),  # +5e-6 relative: within 1e-4
+        row("smollm2", "gguf", 20.11),  # +0.55%: misses the 0.5% target
         row("minilm", "int8w", 0.9995, "cosine"),
         row("minilm", "int4w_g32_asym", 0.94, "cosine"),
     ]
@@ -136,7 +136,7 @@ def test_demo_checks_compare_against_the_float_row():
     assert results == {
         "smollm2 int8 weight-only: Δppl <= 0.5%": False,
         "smollm2 asymmetric int4 g32: Δppl <= 2%": True,
-        "smollm2 GGUF direct: Δppl = 0 within 1e-4": True,
+        "smollm2 GGUF direct, Q8 activations: Δppl <= 0.5%": False,
         "minilm int8: cosine >= 0.999": True,
         "minilm int4 g32: cosine >= 0.95": False,
     }
