@@ -27,9 +27,9 @@ def gpu_kernel_on_small_weights(monkeypatch):
     """CUDA lowerings run the Pallas weight-only kernel on every weight, not only on those of
     `GPU_MIN_WEIGHT_ELEMENTS` or more (a speed choice for real layer sizes, below which XLA's
     own product is kept): for tests that check the kernel's branch on small weights."""
-    from lowbit.ops import _dot_general
+    from lowbit.ops import _accelerated
 
-    monkeypatch.setattr(_dot_general, "GPU_MIN_WEIGHT_ELEMENTS", 0)
+    monkeypatch.setattr(_accelerated, "GPU_MIN_WEIGHT_ELEMENTS", 0)
 
 
 # Compiled programs are dropped past this many memory mappings (Linux's default limit is 65,530).

@@ -33,13 +33,14 @@ def dot_general(relaid: Callable[..., None], ctx: Any, eqn: Any, invals: list[An
     with _compat.eqn_context(eqn):
         result = rule_owner(invals).dot_general(lhs, rhs, dimension_numbers, **kwargs)
         if result is NotImplemented:  # packed operands: lowbit.ops' own quantized matmul
-            path = ops.dot_general_path(lhs, rhs, dimension_numbers)
-            relaid_value = ops.per_call_layout(
+            # Planned here, once: the path reported, the fallback counted and the product run
+            # are the same decision.
+            plan = ops.plan_dot_general(
                 lhs, rhs, dimension_numbers, out_sharding=kwargs["out_sharding"]
             )
-            if relaid_value is not None:
-                relaid(ctx, eqn, relaid_value)
-            result = ops.dot_general(lhs, rhs, dimension_numbers, **kwargs), path
+            if plan.relaid is not None:
+                relaid(ctx, eqn, invals[plan.relaid])
+            result = ops.dot_general(lhs, rhs, dimension_numbers, plan=plan, **kwargs), plan.path
     out, path = result
     ctx.report.record_op("dot_general", path)
     return [_match_aval(eqn, out)]

@@ -25,7 +25,7 @@ applied to the int32 / float32 result. Those GEMMs read the weight K-major, `[N,
 (PyTorch's `Linear` layout; `contract_axis=1`): given `[K, N]` (Flax's), XLA takes a slower
 GEMM. On an H200 at 8192 x 8192: int8 at M = 4096 0.82 ms against 0.42 ms, fp8 at M = 16
 0.47 ms against 0.024 ms (BENCHMARKS.md, "GPU"). The engine's CUDA lowering of a `[K, N]`
-weight multiplies a K-major copy instead (`lowbit.ops._dot_general.CUDA_K_MAJOR_MIN_ROWS`).
+weight multiplies a K-major copy instead (`lowbit.ops._accelerated.CUDA_K_MAJOR_MIN_ROWS`).
 
 `supports(q, m)` says which of these a weight takes ("pallas", "xla") or None, so a caller
 falls back to `q.dequantize()` and a float matmul and can count the fallbacks; `matmul`

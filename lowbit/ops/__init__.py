@@ -17,10 +17,11 @@ from lowbit.ops._cpu_kernels import KERNEL_PATHS, MIN_WEIGHT_ELEMENTS
 from lowbit.ops._cpu_kernels import contract_axis as linear_contraction_axis
 from lowbit.ops._dot_general import (
     PATHS,
+    DotPlan,
     dot_general,
     dot_general_path,
     dot_general_reference,
-    per_call_layout,
+    plan_dot_general,
 )
 from lowbit.ops._fp8_scaling import (
     Fp8LayoutError,
@@ -36,7 +37,6 @@ from lowbit.ops._lora_weight import (
     LoraLayoutError,
     LoraWeight,
     lora_dot_general,
-    lora_dot_general_path,
     lora_init,
 )
 from lowbit.ops._operand import quantize_activation
@@ -76,6 +76,7 @@ __all__ = [
     "LoraWeight",
     "MIN_WEIGHT_ELEMENTS",
     "PATHS",
+    "DotPlan",
     "PreparedPieces",
     "PreparedQArray",
     "QatWeight",
@@ -84,7 +85,7 @@ __all__ = [
     "conv_general_dilated_reference",
     "dot_general",
     "dot_general_path",
-    "per_call_layout",
+    "plan_dot_general",
     "dot_general_reference",
     "fp8_dot_general",
     "hadamard_matrix",
@@ -93,7 +94,6 @@ __all__ = [
     "linear_contraction_axis",
     "logical_weights",
     "lora_dot_general",
-    "lora_dot_general_path",
     "lora_init",
     "prepare_leaves",
     "prepare_weight",

@@ -10,7 +10,7 @@ dot of the stored values (int8 x int8 -> int32, fp8 x fp8 -> f32, or float x cod
 few small correction terms, and the scales applied to the output (the epilogue). Grouped
 scales split the contracting axis into `[G, n]` and make `G` a batch axis of the core dot.
 Other layouts use `dot_general_reference` (dequantize, then `lax.dot_general`), reported by
-`dot_general_path` as ``"reference"`` so callers can count fallbacks.
+`plan_dot_general` as ``"reference"`` so callers can count fallbacks.
 
 Plain linear layers with a layout the compiled kernels read go to `lowbit.kernels` where the
 program is lowered for CPU (`_cpu_kernels`; paths ``"cpu_kernel_<kind>"``), with the pure-JAX
@@ -25,7 +25,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import os
 from typing import Any
 
 import jax
@@ -35,12 +34,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# Imported with lowbit, not on first use inside a trace: Pallas's TPU module registers a
-# trace-context setting when first imported, and a trace context that grows between two
-# calls of a jitted function makes JAX trace and compile it again (a QLoRA training step
-# compiled twice, about 70 s more and a second executable resident). About 0.25 s of import.
 from lowbit.kernels import pallas
 from lowbit.ops import _dims, _dot_path
+from lowbit.ops._accelerated import accelerator_rules
 from lowbit.ops._cpu_kernels import (
     FLOAT_ACTIVATIONS,
     KERNEL_PATHS,
@@ -49,7 +45,6 @@ from lowbit.ops._cpu_kernels import (
     contract_axis,
     kernel_linear,
     kernel_route,
-    split_over_devices,
 )
 from lowbit.ops._dot_path import Plan, active_side, check_operand
 from lowbit.ops._dot_path import plan as choose_plan
@@ -271,9 +266,10 @@ def dot_general_reference(
     )
 
 
-def _forward(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
-    plan = choose_plan(lhs, rhs, dimension_numbers)
-    if plan.path == "reference" or (plan.groups and out_sharding is not None):
+def _forward(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding, core):
+    """The pure-JAX product; `core`, its `_dot_path.Plan` (None: planned here)."""
+    core = core or choose_plan(lhs, rhs, dimension_numbers)
+    if core.path == "reference" or (core.groups and out_sharding is not None):
         return dot_general_reference(
             lhs,
             rhs,
@@ -284,31 +280,35 @@ def _forward(lhs, rhs, dimension_numbers, precision, preferred_element_type, out
         )
     lhs_op, rhs_op = _to_operands(lhs, rhs, dimension_numbers)
     out_dtype = product_dtype(lhs, rhs, preferred_element_type)
-    return _fast(lhs_op, rhs_op, dimension_numbers, plan, precision, out_dtype, out_sharding)
+    return _fast(lhs_op, rhs_op, dimension_numbers, core, precision, out_dtype, out_sharding)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _ste_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
-    return _forward(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _ste_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding, core):
+    return _forward(
+        lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding, core
+    )
 
 
-def _ste_fwd(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
-    out = _forward(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
+def _ste_fwd(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding, core):
+    out = _forward(
+        lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding, core
+    )
     return out, (lhs, rhs)
 
 
-def _ste_bwd(dimension_numbers, precision, preferred_element_type, out_sharding, residuals, g):
+def _ste_bwd(dimension_numbers, precision, preferred_element_type, out_sharding, core, res, g):
     # Straight-through: the rounding of the on-the-fly quantized operand is treated as the
     # identity, so its gradient is that of the weight-only product (which keeps the weight in
-    # its stored form instead of dequantizing it).
-    lhs, rhs = residuals
+    # its stored form instead of dequantizing it). That is another product: planned here.
+    lhs, rhs = res
     if isinstance(rhs, QArray):
         weight = dataclasses.replace(rhs, activation=None, activation_bounds=None)
-        fn = lambda x: _forward(x, weight, dimension_numbers, precision, None, None)
+        fn = lambda x: _forward(x, weight, dimension_numbers, precision, None, None, None)
         (dx,) = jax.vjp(fn, lhs)[1](g.astype(lhs.dtype))
         return dx, None
     weight = dataclasses.replace(lhs, activation=None, activation_bounds=None)
-    fn = lambda x: _forward(weight, x, dimension_numbers, precision, None, None)
+    fn = lambda x: _forward(weight, x, dimension_numbers, precision, None, None, None)
     (dx,) = jax.vjp(fn, rhs)[1](g.astype(rhs.dtype))
     return None, dx
 
@@ -332,38 +332,11 @@ def _logical_ste_bwd(dimension_numbers, precision, residuals, g):
     lhs, rhs = residuals
     if isinstance(rhs, PreparedQArray):
         rhs = rhs.logical()
-    return _ste_bwd(dimension_numbers, precision, None, None, (lhs, rhs), g)
+    return _ste_bwd(dimension_numbers, precision, None, None, None, (lhs, rhs), g)
 
 
 def _kernel_bwd(route, dimension_numbers, precision, out_dtype, residuals, g):
     return _logical_ste_bwd(dimension_numbers, precision, residuals, g)
-
-
-def _prepared_route(lhs, rhs, dimension_numbers, out_sharding) -> tuple[Any, Any, Any]:
-    """(lhs, rhs, route): a `PreparedQArray` operand keeps its layout when the call is the
-    linear layer it was prepared for; anywhere else it becomes its logical QArray."""
-    route = None
-    if isinstance(rhs, PreparedQArray) and not isinstance(lhs, QArray | PreparedQArray):
-        dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
-        floats = hasattr(lhs, "dtype") and np.dtype(lhs.dtype) in FLOAT_ACTIVATIONS
-        if out_sharding is None and floats and contract_axis(lhs, rhs, dims) == rhs.axis:
-            route = rhs.route
-    if route is None:
-        lhs, rhs = (x.logical() if isinstance(x, PreparedQArray) else x for x in (lhs, rhs))
-    return lhs, rhs, route
-
-
-def _call_route(lhs, rhs, dimension_numbers, out_sharding) -> tuple[Any, Any, Any, Any, bool]:
-    """(lhs, rhs, dims, route, kept_layout), as `dot_general` will see the call: the operands
-    without input scales (which change no path), a `PreparedQArray` used elsewhere than its
-    linear layer made logical; `route`, the kernel route or None; `kept_layout`, whether
-    `route` is a prepared weight's own layout (then `dims` is None)."""
-    lhs, rhs = strip_input_scale(lhs), strip_input_scale(rhs)
-    lhs, rhs, route = _prepared_route(lhs, rhs, dimension_numbers, out_sharding)
-    if route is not None:
-        return lhs, rhs, None, route, True
-    dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
-    return lhs, rhs, dims, kernel_route(lhs, rhs, dims, out_sharding=out_sharding), False
 
 
 _kernel_dot.defvjp(_kernel_fwd, _kernel_bwd)
@@ -381,46 +354,90 @@ PATHS = (*_dot_path.PATHS, *KERNEL_PATHS)
 """Every name `dot_general_path` returns."""
 
 
+@dataclasses.dataclass(frozen=True)
+class DotPlan:
+    """How `dot_general` computes one product (static, hashable).
+
+    Decided once per product, at trace time, from shapes, dtypes, formats, scale layouts and
+    whether the CPU kernels are available (`plan_dot_general`); the engine reports `path` and
+    counts `relaid`, and hands the plan to `dot_general`, which runs it.
+
+    Attributes:
+      path: the implementation's name, one of `PATHS` (``"reference"`` dequantizes).
+      route: the CPU kernels' route where the program is lowered for CPU, or None.
+      kept_layout: `route` is a `PreparedQArray`'s own layout, used as prepared.
+      accelerated: (platform, how) of the accelerators' own products (`accelerator_rules`).
+      core: the pure-JAX product's plan (every platform without a rule of its own), or None
+        for a kept layout (whose logical weight is planned where it is recovered).
+      relaid: the operand (0: lhs, 1: rhs) laid out again, or recovered from a layout made
+        for another use, on every call; a fallback the engine counts. None when neither is.
+    """
+
+    path: str
+    route: KernelRoute | None = None
+    kept_layout: bool = False
+    accelerated: tuple[tuple[str, str], ...] = ()
+    core: Plan | None = None
+    relaid: int | None = None
+
+
+def _kept_route(lhs, rhs, dimension_numbers, out_sharding) -> KernelRoute | None:
+    """A `PreparedQArray`'s own route when this call is the linear layer it was laid out for."""
+    if not isinstance(rhs, PreparedQArray) or isinstance(lhs, QArray | PreparedQArray):
+        return None
+    dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
+    floats = hasattr(lhs, "dtype") and np.dtype(lhs.dtype) in FLOAT_ACTIVATIONS
+    if out_sharding is None and floats and contract_axis(lhs, rhs, dims) == rhs.axis:
+        return rhs.route
+    return None
+
+
+def _logical(lhs, rhs) -> tuple[Any, Any]:
+    """The operands with a `PreparedQArray` as its logical QArray."""
+    return tuple(x.logical() if isinstance(x, PreparedQArray) else x for x in (lhs, rhs))
+
+
+def plan_dot_general(
+    lhs: Any, rhs: Any, dimension_numbers: Any, *, out_sharding: Any = None
+) -> DotPlan:
+    """The plan `dot_general` runs for these operands: where the engine decides a product.
+
+    Args:
+      lhs, rhs, dimension_numbers, out_sharding: as `dot_general` (a weight's `input_scale`
+        changes no plan; a requested sharding keeps the pure-JAX paths).
+    Returns:
+      A `DotPlan`.
+    Raises:
+      TypeError: for an operand that is neither a float array nor a quantized one.
+    """
+    lhs, rhs = strip_input_scale(lhs), strip_input_scale(rhs)
+    route = _kept_route(lhs, rhs, dimension_numbers, out_sharding)
+    if route is not None:
+        return DotPlan(route.path, route=route, kept_layout=True)
+    # A prepared weight used other than as its linear layer: its codes are recovered per call.
+    relaid = next((i for i in (1, 0) if isinstance((lhs, rhs)[i], PreparedQArray)), None)
+    lhs, rhs = _logical(lhs, rhs)
+    check_operand(lhs, "lhs")
+    check_operand(rhs, "rhs")
+    dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
+    core = choose_plan(lhs, rhs, dims)
+    if core.path == "float":
+        return DotPlan("float", core=core)
+    route = kernel_route(lhs, rhs, dims, out_sharding=out_sharding)
+    accelerated = () if out_sharding is not None else accelerator_rules(lhs, rhs, dims)
+    if route is not None and relaid is None and builds_layout_per_call(lhs, rhs, route):
+        relaid = 1
+    path = core.path if route is None else route.path
+    return DotPlan(path, route=route, accelerated=accelerated, core=core, relaid=relaid)
+
+
 def dot_general_path(
     lhs: Any, rhs: Any, dimension_numbers: Any, *, out_sharding: Any = None
 ) -> str:
-    """Which implementation `dot_general` uses for these operands (one of `PATHS`).
-
-    Depends only on static information (shapes, dtypes, formats, scale layouts, whether the
-    CPU kernels are available), so the engine can call it at trace time to count fallbacks
-    (``"reference"``) and report paths such as ``"cpu_kernel_int4"``.
-
-    Args:
-      lhs, rhs, dimension_numbers: as `dot_general`.
-      out_sharding: as `dot_general` (a requested sharding keeps the pure-JAX paths).
-    Returns:
-      The path name.
-    """
-    lhs, rhs, dims, route, _ = _call_route(lhs, rhs, dimension_numbers, out_sharding)
-    if route is not None:
-        return route.path
-    return _dot_path.dot_general_path(lhs, rhs, dims)
-
-
-def per_call_layout(lhs: Any, rhs: Any, dimension_numbers: Any, *, out_sharding: Any = None):
-    """The weight operand that `dot_general` re-lays out on every call, or None.
-
-    Two cases cost a full pass over a weight's codes per call, which a weight prepared once for
-    its use does not: a logical `QArray` routed to a CPU kernel (its layout is built inside the
-    call), and a `PreparedQArray` used other than as the linear layer it was prepared for (its
-    logical QArray is recovered inside the call). The engine counts both as fallbacks.
-    """
-    prepared = next(
-        (strip_input_scale(x) for x in (rhs, lhs) if isinstance(x, PreparedQArray)), None
-    )
-    lhs, rhs, _, route, kept_layout = _call_route(lhs, rhs, dimension_numbers, out_sharding)
-    if kept_layout:
-        return None
-    if prepared is not None:
-        return prepared
-    if route is not None and builds_layout_per_call(lhs, rhs, route):
-        return rhs
-    return None
+    """Which implementation `dot_general` uses for these operands (one of `PATHS`): the
+    `path` of `plan_dot_general`, e.g. ``"cpu_kernel_int4"``, or ``"reference"`` for a
+    product that dequantizes (a fallback)."""
+    return plan_dot_general(lhs, rhs, dimension_numbers, out_sharding=out_sharding).path
 
 
 def dot_general(
@@ -431,6 +448,7 @@ def dot_general(
     precision: Any = None,
     preferred_element_type: Any = None,
     out_sharding: Any = None,
+    plan: DotPlan | None = None,
 ) -> jax.Array:
     """`lax.dot_general` where either operand may be a `QArray`.
 
@@ -442,7 +460,7 @@ def dot_general(
     weight's `input_scale` multiplies the float operand first (before it is quantized).
 
     On CPU, a plain linear layer (`x: [..., K]`, `w: QArray [K, N]`) in a layout the compiled
-    kernels read runs in `lowbit.kernels` (see `dot_general_path`); ``LOWBIT_DISABLE_KERNELS=1``
+    kernels read runs in `lowbit.kernels` (see `plan_dot_general`); ``LOWBIT_DISABLE_KERNELS=1``
     keeps the pure-JAX paths.
 
     Differentiable with respect to a float operand (frozen quantized weights, QLoRA): the
@@ -455,21 +473,21 @@ def dot_general(
       preferred_element_type: output dtype (default: the float operand's dtype, or the
         QArrays' logical dtypes promoted).
       out_sharding: passed to the core dot.
+      plan: `plan_dot_general` of these arguments, where the caller has it (the engine);
+        planned here otherwise.
     Returns:
       [batch..., lhs_free..., rhs_free...] as `lax.dot_general`.
     Raises:
       TypeError: for an operand that is neither a float array nor a QArray.
       ValueError: for malformed dimension numbers or an unsupported activation granularity.
     """
+    if plan is None:
+        plan = plan_dot_general(lhs, rhs, dimension_numbers, out_sharding=out_sharding)
     lhs, rhs = apply_input_scale(lhs, rhs, dimension_numbers)
-    lhs, rhs, route = _prepared_route(lhs, rhs, dimension_numbers, out_sharding)
-    check_operand(lhs, "lhs")
-    check_operand(rhs, "rhs")
+    if not plan.kept_layout:
+        lhs, rhs = _logical(lhs, rhs)
     dimension_numbers = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
-    if route is not None:
-        # A prepared weight: its logical QArray is recovered off CPU, by the portable product.
-        return _routed(lhs, rhs, route, dimension_numbers, precision, preferred_element_type, ())
-    if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
+    if plan.path == "float":
         return lax.dot_general(
             lhs,
             rhs,
@@ -478,118 +496,33 @@ def dot_general(
             preferred_element_type,
             out_sharding=out_sharding,
         )
-    route = kernel_route(lhs, rhs, dimension_numbers, out_sharding=out_sharding)
-    accelerated = () if out_sharding is not None else accelerator_rules(lhs, rhs, dimension_numbers)
-    if route is not None or accelerated:
-        return _routed(
-            lhs, rhs, route, dimension_numbers, precision, preferred_element_type, accelerated
+    if plan.route is not None or plan.accelerated:
+        out_dtype = product_dtype(lhs, rhs, preferred_element_type)
+        return _by_platform(
+            lhs, rhs, plan, dimension_numbers, precision, preferred_element_type, out_dtype
         )
-    return _portable(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
-
-
-# Below this many weight elements a CUDA lowering keeps XLA's fused dequantize-and-dot: on an
-# H200, SmolLM2's layers (at most 576 x 1536) decoded at 214 tok/s through the Pallas kernel
-# against 326 through XLA (launch and split-K overhead on small products); at 4096 x 4096
-# the kernel and bf16 tie at M = 1 and the kernel wins above. TPU lowerings use the same
-# bound (not measured there).
-GPU_MIN_WEIGHT_ELEMENTS = 1 << 22
-# The TPU body has not run on a TPU yet (interpreter and lowering only), so TPU lowerings keep
-# XLA's product unless this is set to 1.
-TPU_KERNELS_ENV = "LOWBIT_TPU_KERNELS"
-
-
-# CUDA's int8 and fp8 GEMMs are fast with the weight K-major ([N, K]); given a Flax [K, N]
-# weight XLA takes slower ones, and folds a plain transpose back into the dot. A transposed
-# copy of the codes behind an optimization barrier (K x N bytes, for this call only) measured
-# faster on an H200 at 8192 x 8192 (one-off probe, 2026-11-27): fp8 0.47 -> 0.074 ms at M = 16
-# and 0.84 -> 0.43 ms at M = 4096; int8 0.12 -> 0.079 ms at M = 256 and 0.81 -> 0.45 ms at
-# M = 4096, but 0.030 -> 0.072 ms at M = 16. So: fp8 at every M, int8 from 256 rows.
-CUDA_K_MAJOR_MIN_ROWS = {"fp8_e4m3fn": 1, "int8": 256}
-
-
-def accelerator_rules(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[tuple[str, str], ...]:
-    """(platform, how) for each accelerator whose lowering computes this product its own way:
-    "pallas" (the weight-only kernel, `pallas_platforms`) or "k_major" (CUDA: an
-    activation-quantized `[K, N]` weight multiplied through a K-major copy of its codes, see
-    `CUDA_K_MAJOR_MIN_ROWS`)."""
-    rules = tuple((p, "pallas") for p in pallas_platforms(lhs, rhs, dimension_numbers))
-    if cuda_k_major(lhs, rhs, dimension_numbers):
-        rules += (("cuda", "k_major"),)
-    return rules
-
-
-def cuda_k_major(lhs: Any, rhs: Any, dimension_numbers: Any) -> bool:
-    """Whether a CUDA lowering multiplies this int8 / fp8 activation-quantized `[K, N]` weight
-    through a transposed copy of its codes (see `CUDA_K_MAJOR_MIN_ROWS`)."""
-    if isinstance(lhs, QArray) or not isinstance(rhs, QArray) or rhs.activation is None:
-        return False
-    min_rows = CUDA_K_MAJOR_MIN_ROWS.get(rhs.format)
-    if min_rows is None or rhs.packed_axis is not None or not hasattr(lhs, "shape"):
-        return False
-    if contract_axis(lhs, rhs, dimension_numbers) != 0:
-        return False
-    if split_over_devices(lhs) or split_over_devices(rhs.codes):
-        return False  # XLA partitions the dot of sharded operands; a copy would gather
-    return math.prod(lhs.shape[:-1]) >= min_rows
-
-
-def pallas_platforms(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[str, ...]:
-    """The platforms ("cuda", "tpu") whose lowering runs this product in the Pallas
-    weight-only kernel (`lowbit.kernels.pallas`: int4 / uint4 / nf4 / int8 codes dequantized
-    on chip, read as stored). Only plain linear layers `x [..., K] @ q [K, N]`;
-    activation-quantized weights (w8a8, fp8) take the portable path, whose int8 / fp8
-    `dot_general` XLA already gives to the integer and fp8 GEMMs. TPU only with
-    ``LOWBIT_TPU_KERNELS=1`` (see `TPU_KERNELS_ENV`)."""
-    if isinstance(lhs, QArray) or not isinstance(rhs, QArray) or rhs.activation is not None:
-        return ()
-    if not hasattr(lhs, "dtype") or np.dtype(lhs.dtype) not in FLOAT_ACTIVATIONS:
-        return ()
-    if contract_axis(lhs, rhs, dimension_numbers) != 0:
-        return ()
-    if split_over_devices(lhs) or split_over_devices(rhs.codes):
-        return ()  # the kernel sees one device's whole operand (see `split_over_devices`)
-    if math.prod(rhs.shape) < GPU_MIN_WEIGHT_ELEMENTS:  # XLA's own fusion is faster there
-        return ()
-    m = math.prod(lhs.shape[:-1])
-    platforms = ["cuda"]
-    if os.environ.get(TPU_KERNELS_ENV, "") not in ("", "0"):
-        platforms.append("tpu")
-    return tuple(p for p in platforms if pallas.supports(rhs, m, lhs.dtype, p) == "pallas")
-
-
-def _portable(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding):
-    """The pure-JAX product of a float operand or QArray with a QArray (every platform)."""
-    side, _ = active_side(lhs, rhs)
-    if side is None:
-        return _forward(
-            lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding
-        )
-    return _ste_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
-
-
-def _routed(lhs, rhs, route, dimension_numbers, precision, preferred_element_type, accelerated):
-    """A product with a kernel on some platform, chosen per lowering platform so one traced
-    program exports anywhere: the CPU kernel (`route`) where the program is lowered for CPU,
-    the accelerators' own products (`accelerated`, from `accelerator_rules`), the portable
-    product everywhere else (a prepared weight recovers its logical QArray there). One
-    straight-through derivative rule covers every branch."""
-    out_dtype = product_dtype(lhs, rhs, preferred_element_type)
-    return _by_platform(
-        lhs,
-        rhs,
-        route,
-        dimension_numbers,
-        precision,
-        preferred_element_type,
-        out_dtype,
-        accelerated,
+    return _portable(
+        lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding, plan.core
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def _by_platform(lhs, rhs, route, dimension_numbers, precision, preferred, out_dtype, accelerated):
+def _portable(lhs, rhs, dimension_numbers, precision, preferred, out_sharding, core=None):
+    """The pure-JAX product of a float operand or QArray with a QArray (every platform)."""
+    side, _ = active_side(lhs, rhs)
+    run = _forward if side is None else _ste_dot
+    return run(lhs, rhs, dimension_numbers, precision, preferred, out_sharding, core)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _by_platform(lhs, rhs, plan: DotPlan, dimension_numbers, precision, preferred, out_dtype):
+    """A product with a kernel on some platform, chosen per lowering platform so one traced
+    program exports anywhere: the CPU kernel (`plan.route`) where the program is lowered for
+    CPU, the accelerators' own products (`plan.accelerated`), the portable product everywhere
+    else (a prepared weight recovers its logical QArray there). One straight-through
+    derivative rule covers every branch."""
+
     def on_cpu(lhs, rhs):
-        return _kernel_dot_jit(lhs, rhs, route, dimension_numbers, precision, out_dtype)
+        return _kernel_dot_jit(lhs, rhs, plan.route, dimension_numbers, precision, out_dtype)
 
     def kernel_on(platform):
         def run(lhs, rhs):
@@ -600,8 +533,10 @@ def _by_platform(lhs, rhs, route, dimension_numbers, precision, preferred, out_d
         return run
 
     def elsewhere(lhs, rhs):
-        rhs = rhs.logical() if isinstance(rhs, PreparedQArray) else rhs
-        return _portable(lhs, rhs, dimension_numbers, precision, preferred, None).astype(out_dtype)
+        lhs, rhs = _logical(lhs, rhs)
+        core = None if plan.kept_layout else plan.core
+        out = _portable(lhs, rhs, dimension_numbers, precision, preferred, None, core)
+        return out.astype(out_dtype)
 
     def k_major(lhs, rhs):
         # [K, N] -> [N, K]: the barrier keeps XLA from folding the copy back into the dot.
@@ -611,18 +546,18 @@ def _by_platform(lhs, rhs, route, dimension_numbers, precision, preferred, out_d
         dims = ((lc, (1,)), batch)
         return _portable(lhs, weight, dims, precision, preferred, None).astype(out_dtype)
 
-    rules = {"cpu": on_cpu} if route is not None else {}
-    for platform, how in accelerated:
+    rules = {"cpu": on_cpu} if plan.route is not None else {}
+    for platform, how in plan.accelerated:
         rules[platform] = kernel_on(platform) if how == "pallas" else k_major
     return by_platform((lhs, rhs), rules, elsewhere)
 
 
-def _by_platform_fwd(lhs, rhs, route, dimension_numbers, precision, preferred, out_dtype, accel):
-    out = _by_platform(lhs, rhs, route, dimension_numbers, precision, preferred, out_dtype, accel)
+def _by_platform_fwd(lhs, rhs, plan, dimension_numbers, precision, preferred, out_dtype):
+    out = _by_platform(lhs, rhs, plan, dimension_numbers, precision, preferred, out_dtype)
     return out, (lhs, rhs)
 
 
-def _by_platform_bwd(route, dimension_numbers, precision, preferred, out_dtype, accel, res, g):
+def _by_platform_bwd(plan, dimension_numbers, precision, preferred, out_dtype, res, g):
     return _logical_ste_bwd(dimension_numbers, precision, res, g)
 
 

@@ -11,7 +11,6 @@ from typing import Any
 import jax.numpy as jnp
 
 from lowbit.formats import get_format
-from lowbit.ops import _dims
 from lowbit.ops._operand import activation_scale_shape, format_kind
 from lowbit.qarray import QArray
 
@@ -93,13 +92,3 @@ def plan(lhs, rhs, dimension_numbers) -> Plan:
     else:
         path = "codes_f32"
     return Plan(path, tuple(sorted(groups.items())))
-
-
-def dot_general_path(lhs: Any, rhs: Any, dimension_numbers: Any) -> str:
-    """Which implementation `dot_general` uses for these operands (one of `PATHS`).
-
-    Depends only on static information (shapes, formats, scale layouts), so the engine can call
-    it at trace time to count fallbacks (``"reference"``) and report paths.
-    """
-    dimension_numbers = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
-    return plan(lhs, rhs, dimension_numbers).path

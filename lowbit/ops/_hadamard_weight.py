@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit.ops._dot_general import dot_general, dot_general_path
+from lowbit.ops._dot_general import dot_general, plan_dot_general
 from lowbit.ops._hadamard import hadamard_transform
 from lowbit.qarray import ArrayBacked, EngineValue, NoRule
 
@@ -86,8 +86,10 @@ class HadamardInput(ArrayBacked):
             return lax.dot_general(*pair, dimension_numbers, **kwargs), "hadamard+float"
         result = self.inner.dot_general(*pair, dimension_numbers, **kwargs)
         if result is NotImplemented:  # packed codes: lowbit.ops' own quantized matmul
-            path = dot_general_path(*pair, dimension_numbers)
-            result = dot_general(*pair, dimension_numbers, **kwargs), path
+            plan = plan_dot_general(
+                *pair, dimension_numbers, out_sharding=kwargs.get("out_sharding")
+            )
+            result = dot_general(*pair, dimension_numbers, plan=plan, **kwargs), plan.path
         out, path = result
         return out, f"hadamard+{path}"
 

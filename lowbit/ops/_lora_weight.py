@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit.ops._dot_general import dot_general, dot_general_path
+from lowbit.ops._dot_general import dot_general, plan_dot_general
 from lowbit.qarray import ArrayBacked, EngineValue, NoRule, QArray
 
 
@@ -95,10 +95,9 @@ class LoraWeight(ArrayBacked):
 
     def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, **kwargs: Any):
         try:
-            out = lora_dot_general(lhs, rhs, dimension_numbers, **kwargs)
+            return _adapted_product(lhs, rhs, dimension_numbers, **kwargs)
         except LoraLayoutError as err:
             raise NoRule(str(err)) from None
-        return out, lora_dot_general_path(lhs, rhs, dimension_numbers)
 
     def scan_parts(self, qarray_parts: Any) -> Any:
         if 0 not in self.batch_axes:
@@ -161,6 +160,22 @@ def lora_dot_general(
     Raises:
       LoraLayoutError: for other dimension numbers (callers dequantize the merged weight).
     """
+    out, _ = _adapted_product(
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding,
+    )
+    return out
+
+
+def _adapted_product(
+    lhs, rhs, dimension_numbers, *, precision, preferred_element_type, out_sharding
+) -> tuple[jax.Array, str]:
+    """(`lora_dot_general`'s product, its path ``"lora+<base path>"``, e.g.
+    ``"lora+cpu_kernel_nf4"``): the base product is planned once for both."""
     (lc, rc), (lb, rb) = dimension_numbers
     weight_rhs = isinstance(rhs, LoraWeight)
     weight, x = (rhs, lhs) if weight_rhs else (lhs, rhs)
@@ -178,12 +193,14 @@ def lora_dot_general(
     if not isinstance(base, QArray):
         base = lax.stop_gradient(base)
     pair = (lhs, base) if weight_rhs else (base, rhs)
+    plan = plan_dot_general(*pair, dimension_numbers, out_sharding=out_sharding)
     out = dot_general(
         *pair,
         dimension_numbers,
         precision=precision,
         preferred_element_type=preferred_element_type,
         out_sharding=out_sharding,
+        plan=plan,
     )
     # Low-rank path in float32: x contracts with `a` over the same axes, then `rank` with `b`.
     a_axes = tuple(weight.in_axes.index(axis) for axis in wc)
@@ -196,16 +213,7 @@ def lora_dot_general(
         # Output axes are [*weight free, *x free]: contract b's rank with t's last axis.
         low = lax.dot_general(b, t, (((0,), (t.ndim - 1,)), ((), ())))
     low = low * weight.scale
-    return (out.astype(jnp.float32) + low).astype(out.dtype)
-
-
-def lora_dot_general_path(lhs: Any, rhs: Any, dimension_numbers: Any) -> str:
-    """The implementation path name: ``"lora+<base path>"`` (e.g. ``"lora+cpu_kernel_nf4"``)."""
-    weight_rhs = isinstance(rhs, LoraWeight)
-    pair = (lhs, rhs.base) if weight_rhs else (lhs.base, rhs)
-    if not any(isinstance(v, QArray) for v in pair):
-        return "lora+float"
-    return "lora+" + dot_general_path(*pair, dimension_numbers)
+    return (out.astype(jnp.float32) + low).astype(out.dtype), f"lora+{plan.path}"
 
 
 def lora_init(

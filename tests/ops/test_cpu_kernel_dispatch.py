@@ -156,7 +156,7 @@ def _check_against_reference(dtype, xs, outs, ref, magnitude):
 @jax.jit
 def _kernel_and_pure_jax_w8a8(x, q):
     # `_forward` is the pure-JAX product `dot_general` runs when no kernel applies.
-    return dot_general(x, q, DIMS), _forward(x, q, DIMS, None, None, None)
+    return dot_general(x, q, DIMS), _forward(x, q, DIMS, None, None, None, None)
 
 
 def test_w8a8_activation_quantization_matches_the_kernel():
@@ -285,7 +285,7 @@ def test_unsupported_cases_keep_the_pure_jax_paths(case):
     lhs, rhs, dims = KEEPS_OLD_PATH[case]
     path = dot_general_path(lhs, rhs, dims)
     assert path not in KERNEL_PATHS
-    assert path == _dot_path.dot_general_path(lhs, rhs, dims)
+    assert path == _dot_path.plan(lhs, rhs, dims).path
 
 
 def test_out_sharding_keeps_the_pure_jax_path_and_paths_are_listed():

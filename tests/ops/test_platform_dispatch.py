@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowbit.ops import _dot_general, dot_general
+from lowbit.ops import _accelerated, _dot_general, dot_general
 from lowbit.ops._platform import by_platform_p
 from lowbit.qarray import PerChannel, PerGroup, PerToken, QuantConfig, quantize
 
@@ -77,7 +77,7 @@ def test_gradient_is_straight_through_on_this_platform():
 
 
 def test_small_weights_keep_xla_on_cuda(monkeypatch):
-    monkeypatch.setattr(_dot_general, "GPU_MIN_WEIGHT_ELEMENTS", K * N + 1)
+    monkeypatch.setattr(_accelerated, "GPU_MIN_WEIGHT_ELEMENTS", K * N + 1)
     q = _weight("int4")
     x = jnp.ones((2, K), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda x, q: dot_general(x, q, DIMS))(x, q).jaxpr
@@ -96,9 +96,9 @@ def test_tpu_branch_only_when_its_kernels_are_enabled(monkeypatch):
         (eqn,) = [e for e in _equations(jaxpr) if e.primitive is by_platform_p]
         return eqn
 
-    monkeypatch.delenv(_dot_general.TPU_KERNELS_ENV, raising=False)
+    monkeypatch.delenv(_accelerated.TPU_KERNELS_ENV, raising=False)
     assert "tpu" not in by_platform_equation().params["platforms"]
-    monkeypatch.setenv(_dot_general.TPU_KERNELS_ENV, "1")
+    monkeypatch.setenv(_accelerated.TPU_KERNELS_ENV, "1")
     eqn = by_platform_equation()
     tpu = eqn.params["branches"][eqn.params["platforms"].index("tpu")]
     assert any(e.primitive.name == "pallas_call" for e in _equations(tpu.jaxpr))

@@ -1,0 +1,90 @@
+"""Products that accelerators compute their own way, decided per product from static facts:
+the Pallas weight-only kernel on CUDA (and TPU when asked for), and CUDA's activation-quantized
+GEMMs through a K-major copy of the weight's codes. Each rule names the platform whose lowering
+runs it; `_dot_general` binds them with `_platform.by_platform`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+# Imported with lowbit, not on first use inside a trace: Pallas's TPU module registers a
+# trace-context setting when first imported, and a trace context that grows between two
+# calls of a jitted function makes JAX trace and compile it again (a QLoRA training step
+# compiled twice, about 70 s more and a second executable resident). About 0.25 s of import.
+from lowbit.kernels import pallas
+from lowbit.ops._cpu_kernels import FLOAT_ACTIVATIONS, contract_axis, split_over_devices
+from lowbit.qarray import QArray
+
+# Below this many weight elements a CUDA lowering keeps XLA's fused dequantize-and-dot: on an
+# H200, SmolLM2's layers (at most 576 x 1536) decoded at 214 tok/s through the Pallas kernel
+# against 326 through XLA (launch and split-K overhead on small products); at 4096 x 4096
+# the kernel and bf16 tie at M = 1 and the kernel wins above. TPU lowerings use the same
+# bound (not measured there).
+GPU_MIN_WEIGHT_ELEMENTS = 1 << 22
+# The TPU body has not run on a TPU yet (interpreter and lowering only), so TPU lowerings keep
+# XLA's product unless this is set to 1.
+TPU_KERNELS_ENV = "LOWBIT_TPU_KERNELS"
+
+
+# CUDA's int8 and fp8 GEMMs are fast with the weight K-major ([N, K]); given a Flax [K, N]
+# weight XLA takes slower ones, and folds a plain transpose back into the dot. A transposed
+# copy of the codes behind an optimization barrier (K x N bytes, for this call only) measured
+# faster on an H200 at 8192 x 8192 (one-off probe, 2026-11-27): fp8 0.47 -> 0.074 ms at M = 16
+# and 0.84 -> 0.43 ms at M = 4096; int8 0.12 -> 0.079 ms at M = 256 and 0.81 -> 0.45 ms at
+# M = 4096, but 0.030 -> 0.072 ms at M = 16. So: fp8 at every M, int8 from 256 rows.
+CUDA_K_MAJOR_MIN_ROWS = {"fp8_e4m3fn": 1, "int8": 256}
+
+
+def accelerator_rules(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[tuple[str, str], ...]:
+    """(platform, how) for each accelerator whose lowering computes this product its own way:
+    "pallas" (the weight-only kernel, `pallas_platforms`) or "k_major" (CUDA: an
+    activation-quantized `[K, N]` weight multiplied through a K-major copy of its codes, see
+    `CUDA_K_MAJOR_MIN_ROWS`)."""
+    rules = tuple((p, "pallas") for p in pallas_platforms(lhs, rhs, dimension_numbers))
+    if cuda_k_major(lhs, rhs, dimension_numbers):
+        rules += (("cuda", "k_major"),)
+    return rules
+
+
+def cuda_k_major(lhs: Any, rhs: Any, dimension_numbers: Any) -> bool:
+    """Whether a CUDA lowering multiplies this int8 / fp8 activation-quantized `[K, N]` weight
+    through a transposed copy of its codes (see `CUDA_K_MAJOR_MIN_ROWS`)."""
+    if isinstance(lhs, QArray) or not isinstance(rhs, QArray) or rhs.activation is None:
+        return False
+    min_rows = CUDA_K_MAJOR_MIN_ROWS.get(rhs.format)
+    if min_rows is None or rhs.packed_axis is not None or not hasattr(lhs, "shape"):
+        return False
+    if contract_axis(lhs, rhs, dimension_numbers) != 0:
+        return False
+    if split_over_devices(lhs) or split_over_devices(rhs.codes):
+        return False  # XLA partitions the dot of sharded operands; a copy would gather
+    return math.prod(lhs.shape[:-1]) >= min_rows
+
+
+def pallas_platforms(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[str, ...]:
+    """The platforms ("cuda", "tpu") whose lowering runs this product in the Pallas
+    weight-only kernel (`lowbit.kernels.pallas`: int4 / uint4 / nf4 / int8 codes dequantized
+    on chip, read as stored). Only plain linear layers `x [..., K] @ q [K, N]`;
+    activation-quantized weights (w8a8, fp8) take the portable path, whose int8 / fp8
+    `dot_general` XLA already gives to the integer and fp8 GEMMs. TPU only with
+    ``LOWBIT_TPU_KERNELS=1`` (see `TPU_KERNELS_ENV`)."""
+    if isinstance(lhs, QArray) or not isinstance(rhs, QArray) or rhs.activation is not None:
+        return ()
+    if not hasattr(lhs, "dtype") or np.dtype(lhs.dtype) not in FLOAT_ACTIVATIONS:
+        return ()
+    if contract_axis(lhs, rhs, dimension_numbers) != 0:
+        return ()
+    if split_over_devices(lhs) or split_over_devices(rhs.codes):
+        return ()  # the kernel sees one device's whole operand (see `split_over_devices`)
+    if math.prod(rhs.shape) < GPU_MIN_WEIGHT_ELEMENTS:  # XLA's own fusion is faster there
+        return ()
+    m = math.prod(lhs.shape[:-1])
+    platforms = ["cuda"]
+    if os.environ.get(TPU_KERNELS_ENV, "") not in ("", "0"):
+        platforms.append("tpu")
+    return tuple(p for p in platforms if pallas.supports(rhs, m, lhs.dtype, p) == "pallas")
