@@ -40,17 +40,14 @@ from lowbit.ops._lora_weight import (
     lora_init,
 )
 from lowbit.ops._operand import quantize_activation
-from lowbit.ops._prepared import (
-    PreparedPieces,
-    PreparedQArray,
-    is_prepared,
+from lowbit.ops._prepare_tree import (
     logical_weights,
     on_explicit_axes,
     prepare_leaves,
-    prepare_weight,
     prepare_weights,
     with_int8_activations,
 )
+from lowbit.ops._prepared import PreparedPieces, PreparedQArray, is_prepared, prepare_weight
 from lowbit.ops._qat_weight import (
     QatWeight,
     qat_conv_general_dilated,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -207,7 +206,7 @@ class PreparedQArray(ArrayBacked):
         if self.route.kind in kernels.GGUF_KINDS:
             # Whole block rows: the gathered rows are a QArray of the same format.
             rows = _gguf_take(self.weight, ids)
-            if _holds_int4_as_q4_0(self):
+            if holds_int4_as_q4_0(self):
                 shape = (int(ids.shape[0]), self.weight.k)
                 return _int4_of_q4_0(self, rows, shape, axis=1, packed_axis=1)
             return dataclasses.replace(
@@ -408,7 +407,7 @@ def _assemble(p: PreparedQArray, parts: dict[str, Any], *, rows: bool = False) -
 def _logical(p: PreparedQArray) -> QArray:
     if p.route.kind in kernels.GGUF_KINDS:
         rows = _gguf_block_rows(p.weight)
-        if _holds_int4_as_q4_0(p):
+        if holds_int4_as_q4_0(p):
             return _int4_of_q4_0(p, rows, p.meta.shape, axis=p.axis, packed_axis=p.meta.packed_axis)
         return _gguf_qarray(p, rows if p.axis == 1 else rows.T, p.meta.shape)
     return _assemble(p, kernels.prepared_to_logical(p.weight))
@@ -435,8 +434,8 @@ def _gguf_take(w: kernels.PreparedWeight, ids: jax.Array) -> jax.Array:
     return jnp.take(groups, picked, axis=0)
 
 
-def _holds_int4_as_q4_0(p: PreparedQArray) -> bool:
-    """Whether `p` is an int4 weight held as Q4_0 tiles (`_as_q4_0`)."""
+def holds_int4_as_q4_0(p: PreparedQArray) -> bool:
+    """Whether `p` is an int4 weight held as Q4_0 tiles (`as_q4_0`)."""
     return p.route.kind == "q4_0" and p.meta.format == "int4"
 
 
@@ -465,7 +464,7 @@ def _int4_of_q4_0(
     )
 
 
-def _as_q4_0(x: PreparedQArray) -> PreparedQArray | None:
+def as_q4_0(x: PreparedQArray) -> PreparedQArray | None:
     """An int4 weight in groups of 32 along K with float16 scales (a GGUF file's Q4_0 tensor,
     imported as int4) laid out as Q4_0's tiles, or None where that does not hold it exactly.
 
@@ -577,107 +576,3 @@ def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
     return PreparedQArray(
         weight, kept_scale, kept_zero, tensor_scale, axis, route, meta, q.input_scale
     )
-
-
-def prepare_leaves(
-    flat: list[tuple[Any, Any]], axes: Mapping[Any, int] | Callable[[Any], int | None]
-) -> None:
-    """`prepare_weights` on a flattened tree, in place: ``flat[i] = (key path, leaf)``.
-
-    Each entry is replaced as soon as its weight is prepared, so when `flat` holds the only
-    reference to the logical QArrays their codes are freed one weight at a time.
-    """
-    lookup = axes.get if isinstance(axes, Mapping) else axes
-    for i, (keys, leaf) in enumerate(flat):
-        if isinstance(leaf, QArray):
-            axis = lookup(tuple(keys))
-            if axis is not None:
-                flat[i] = (keys, prepare_weight(jax.tree.map(_untyped, leaf), axis))
-        elif isinstance(leaf, PreparedQArray):
-            # Laid out by convention (a `kernel` contracted over axis 0) but used along the
-            # other axis: laid out again for the use, else every call would unpack it.
-            axis = lookup(tuple(keys))
-            if axis is not None and axis != leaf.axis:
-                flat[i] = (keys, prepare_weight(leaf.logical(), axis))
-        del leaf
-
-
-def on_explicit_axes(x: Any) -> bool:
-    """Whether `x` is an array placed on a mesh with explicit axes (shardings in the types)."""
-    mesh = getattr(getattr(x, "sharding", None), "mesh", None)
-    types = getattr(mesh, "axis_types", ())
-    return any(t == jax.sharding.AxisType.Explicit for t in types)
-
-
-def _untyped(x: Any) -> Any:
-    """An array on a one-device mesh with explicit axes, as a plain one-device array (the same
-    buffer): its layout program is then built like any other's, where the explicit type would
-    ask every reshape for an output sharding. Other arrays unchanged."""
-    if isinstance(x, jax.Array) and on_explicit_axes(x) and len(x.devices()) == 1:
-        return jax.device_put(x, jax.sharding.SingleDeviceSharding(next(iter(x.devices()))))
-    return x
-
-
-def prepare_weights(tree: Any, axes: Mapping[Any, int] | Callable[[Any], int | None]) -> Any:
-    """Every QArray that `axes` names replaced by its `PreparedQArray` (see `prepare_weight`).
-
-    The one function that lays served weights out for the CPU kernels: `QuantizedModel`,
-    `lowbit.prepare`, `load_checkpoint` and `import_gguf` all go through it.
-
-    Args:
-      tree: a params pytree with QArray leaves.
-      axes: key path of a leaf (as `jax.tree_util.tree_flatten_with_path` gives it, QArrays as
-        leaves) -> the axis a traced use contracts it over (`lowbit.engine.kernel_axes`), as a
-        mapping or a function; leaves absent (or mapped to None) stay logical.
-    Returns:
-      The tree with `PreparedQArray`s in place of the prepared QArrays.
-    """
-    flat, treedef = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, QArray | PreparedQArray)
-    )
-    prepare_leaves(flat, axes)
-    return jax.tree_util.tree_unflatten(treedef, [leaf for _, leaf in flat])
-
-
-def with_int8_activations(
-    tree: Any, enabled: bool = True, kinds: tuple[str, ...] | None = None
-) -> Any:
-    """`tree` with its prepared int8 / int4 / uint4 weight-only weights asking the kernels for
-    int8 activations, or no longer asking (`enabled=False`).
-
-    Each activation row is quantized per weight group (absmax / 127, round half to even, as
-    llama.cpp's Q8 blocks, which llama.cpp itself uses for these weight types) and multiplied
-    in integers, for one decode row, a decode batch and a prefill alike (BENCHMARKS.md,
-    "Generation"), at the price of the activations' rounding error. The layouts are shared,
-    not copied. Other leaves (logical QArrays, other kernels) are returned as they are.
-
-    Where the active CPU path has no int8-activation kernel for a weight's kind (int8 weights
-    on AVX-512 without VNNI: `lowbit.kernels.int8_activations_supported`), that weight keeps float
-    activations; the engine report names each product's path, ``"cpu_kernel_int4+int8_act"``
-    for integer dots and ``"cpu_kernel_int8"`` for a weight that kept float activations.
-
-    `kinds`: only the weights of these kernel kinds (e.g. `lowbit.kernels.GGUF_KINDS`); default
-    every kind that has the int8 path.
-    """
-    wanted = kernels.INT8_ACTIVATION_KINDS if kinds is None else kinds
-
-    def one(x):
-        if not isinstance(x, PreparedQArray):
-            return x
-        if enabled and x.route.kind == "int4" and "int4" in wanted:
-            x = _as_q4_0(x) or x  # the same values on the faster integer layout
-        elif not enabled and _holds_int4_as_q4_0(x) and "int4" in wanted:
-            return prepare_weight(x.logical(), x.axis)  # float activations: int4's layout
-        if x.route.kind in wanted:
-            route = dataclasses.replace(x.route, int8_activations=bool(enabled))
-            return dataclasses.replace(x, route=route)
-        return x
-
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PreparedQArray))
-
-
-def logical_weights(tree: Any) -> Any:
-    """Every `PreparedQArray` (and `PreparedPieces`) of a pytree back to its logical `QArray`
-    (e.g. to save it)."""
-    laid_out = lambda x: isinstance(x, PreparedQArray | PreparedPieces)
-    return jax.tree.map(lambda x: x.logical() if laid_out(x) else x, tree, is_leaf=laid_out)
