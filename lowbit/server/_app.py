@@ -9,13 +9,10 @@ step.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
-import json
 import secrets
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -27,61 +24,25 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from lowbit.server import _embeddings as embeddings
+from lowbit.server._answer import POLL, Answer, ending_error
 from lowbit.server._grammar import Constraint, GrammarError, Grammars
 from lowbit.server._guidance import parse_guidance
-from lowbit.server._job import CANCELLED, LENGTH, SHUTDOWN, STOP, TIMEOUT, Job, NotReady, QueueFull
-from lowbit.server._limits import MAX_BODY_BYTES, READ_TIMEOUT, BodyLimit
-from lowbit.server._logprob_format import TokenTexts, chat_logprobs, completion_logprobs
+from lowbit.server._job import Job, NotReady, QueueFull
+from lowbit.server._limits import BodyLimit
 from lowbit.server._metrics import CONTENT_TYPE, Metrics
 from lowbit.server._openapi import openapi_document
 from lowbit.server._protocol import APIError, CompletionRequest, bad, parse_body, parse_request
 from lowbit.server._scheduler import Scheduler
-from lowbit.server._text import TextStream
-from lowbit.server._tool_calls import Parsed, ToolCallStream
+from lowbit.server._served import ServedModel
 from lowbit.server._tool_grammar import schema_problem, tool_grammar
-from lowbit.server._tool_prompt import answer_format, chat_prompt, tool_call_stream
+from lowbit.server._tool_prompt import answer_format, chat_prompt
 from lowbit.server._tool_request import ToolRequest
 
 # Seconds a client is told to wait after a 429.
 RETRY_AFTER = 1
-# Seconds between checks that a non-streaming client is still connected.
-_POLL = 0.25
 # Seconds a response_format's schema may take to compile (llguidance's limits bound it well
 # below this; the wait is a second bound).
 COMPILE_TIMEOUT = 10.0
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ServedModel:
-    """What the app serves.
-
-    Attributes:
-      name: the model id `/v1/models` lists.
-      tokenizer: a `tokenizers.Tokenizer`.
-      chat_template: ``messages -> prompt text`` (a `ChatTemplate`), or None (no chat).
-      stop_ids: token ids that end every answer (end of turn, end of text).
-      scheduler: the running `Scheduler`.
-      api_key: when set, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``.
-      request_timeout: seconds a request may take from arrival to its last token.
-      max_body_bytes: the largest request body accepted; larger ones get a 413.
-      read_timeout: seconds a client has to send a request's head, and again its body; a
-        slower one is dropped (a 408 for a body) before it reaches the scheduler.
-    """
-
-    name: str
-    tokenizer: Any
-    chat_template: Callable[..., str] | None
-    stop_ids: frozenset[int]
-    scheduler: Scheduler
-    api_key: str | None = None
-    request_timeout: float = 600.0
-    max_body_bytes: int = MAX_BODY_BYTES
-    read_timeout: float = READ_TIMEOUT
-
-    @property
-    def embedding_dim(self) -> int:
-        """The width of the model's embeddings (``/v1/embeddings``)."""
-        return self.scheduler.model.config.dim
 
 
 def _check_ready(scheduler: Scheduler) -> None:
@@ -267,7 +228,7 @@ class _Handler:
         _submit(lambda: s.submit_embedding(job))
         try:
             while not result.done():
-                await asyncio.wait([result], timeout=_POLL)
+                await asyncio.wait([result], timeout=POLL)
                 if not result.done() and await request.is_disconnected():
                     return Response(status_code=499)
         finally:
@@ -275,7 +236,7 @@ class _Handler:
                 s.cancel(job)
         vectors, reason = result.result()
         if vectors is None:
-            raise _Answer._failure(reason) or APIError(
+            raise ending_error(reason) or APIError(
                 503, "the request was cancelled", type="server_error", code="cancelled"
             )
         tokens = sum(len(i) for i in ids)
@@ -436,264 +397,13 @@ class _Handler:
         ]
         _submit(lambda: s.submit_all(jobs))
         self.metrics.prompt_tokens.inc(len(ids))
-        answer = _Answer(self, req, jobs, events)
+        answer = Answer(self.served, self.metrics, req, jobs, events)
         if req.stream:
             return _EventStream(answer.stream(), on_close=answer.close)
         try:
             return await answer.whole(request)
         finally:
             answer.close()
-
-
-@dataclasses.dataclass(eq=False)
-class _Choice:
-    """One choice of an answer: its job and what it has produced so far.
-
-    Attributes:
-      finish: the scheduler's finish reason (or STOP at a stop string) once it ended.
-      reason: the finish reason answered (stop or length), once answered.
-      offset: the completions ``text_offset`` of its next token.
-    """
-
-    index: int
-    job: Job
-    text: TextStream
-    ids: list[int] = dataclasses.field(default_factory=list)
-    finish: str | None = None
-    reason: str | None = None
-    offset: int = 0
-    calls: ToolCallStream | None = None  # the parser of its text, when tools are offered
-
-
-class _Answer:
-    """Turns the emitted tokens of one request's jobs (one per choice) into text and the
-    OpenAI answer objects."""
-
-    def __init__(
-        self, handler: _Handler, req: CompletionRequest, jobs: list[Job], events: asyncio.Queue
-    ):
-        self.handler = handler
-        self.req = req
-        tokenizer = handler.served.tokenizer
-        self.choices = [
-            _Choice(i, job, TextStream(tokenizer, req.stop)) for i, job in enumerate(jobs)
-        ]
-        self.texts = TokenTexts(tokenizer) if req.logprobs is not None else None
-        self.events = events
-        self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.recorded = False
-        # With tools shown (tool_choice not none), each choice's text goes through a parser.
-        for choice in self.choices:
-            choice.calls = tool_call_stream(handler.served.chat_template, req.tools)
-
-    def close(self) -> None:
-        """Ends the jobs still running (the client left, or the answer is complete)."""
-        for choice in self.choices:
-            if choice.job.finished is None:
-                self.handler.served.scheduler.cancel(choice.job)
-        self._record()
-
-    def _record(self) -> None:
-        if self.recorded:
-            return
-        self.recorded = True
-        m = self.handler.metrics
-        for choice in self.choices:
-            job = choice.job
-            m.finished.labels(choice.reason or job.finished or CANCELLED).inc()
-            m.generated_tokens.inc(len(choice.ids))
-            if job.first_token is not None:
-                m.ttft.observe(job.first_token - job.submitted)
-                if len(choice.ids) > 1:
-                    m.tpot.observe((time.monotonic() - job.first_token) / (len(choice.ids) - 1))
-
-    async def _next(self) -> tuple[_Choice, str, str | None, int]:
-        """The next piece of text of some choice, its finish reason at the end (None before),
-        and how many of the choice's tokens came before."""
-        while True:
-            index, tokens, finish = await self.events.get()
-            choice = self.choices[index]
-            if choice.finish is None:  # else: it ended at a stop string; its job was cancelled
-                break
-        before = len(choice.ids)
-        choice.ids.extend(tokens)
-        piece = choice.text.add(tokens)
-        if choice.text.stopped:
-            self.handler.served.scheduler.cancel(choice.job)
-            finish = STOP
-        elif finish is not None:
-            piece += choice.text.finish()
-        choice.finish = finish
-        return choice, piece, finish, before
-
-    def _usage(self) -> dict[str, int]:
-        prompt = len(self.choices[0].job.prompt)
-        completion = sum(len(choice.ids) for choice in self.choices)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": self.choices[0].job.cached_tokens},
-        }
-
-    @staticmethod
-    def _failure(finish: str) -> APIError | None:
-        if finish == TIMEOUT:
-            return APIError(504, "the request passed its deadline", type="timeout", code="timeout")
-        if finish == SHUTDOWN:
-            return APIError(
-                503, "the server is shutting down", type="server_error", code="shutting_down"
-            )
-        return None
-
-    def _logprobs(self, choice: _Choice, before: int) -> dict[str, Any] | None:
-        """The log-probabilities of `choice`'s tokens from index `before` on, if asked for."""
-        if self.texts is None:
-            return None
-        ids = choice.ids[before:]
-        # The scheduler appends a token's entry before handing the token over.
-        entries = choice.job.token_logprobs[before : len(choice.ids)]
-        if self.req.chat:
-            return chat_logprobs(ids, entries, self.texts)
-        out, choice.offset = completion_logprobs(ids, entries, self.texts, choice.offset)
-        return out
-
-    def _choice(
-        self,
-        choice: _Choice,
-        text: str | None,
-        finish: str | None,
-        before: int,
-        delta: bool,
-        tool_calls: list[dict] | None = None,
-    ) -> dict:
-        out: dict[str, Any] = {"index": choice.index}
-        if self.req.chat:
-            key = "delta" if delta else "message"
-            out[key] = {"role": "assistant", "content": text} if not delta else {"content": text}
-            if tool_calls:
-                out[key]["tool_calls"] = tool_calls
-            if self.texts is not None:
-                out["logprobs"] = self._logprobs(choice, before)
-        else:
-            out["text"] = text
-            out["logprobs"] = self._logprobs(choice, before)
-        out["finish_reason"] = finish
-        if self.req.return_token_ids:
-            out["token_ids"] = choice.ids[before:]
-        return out
-
-    def _answered(self, choice: _Choice) -> str:
-        choice.reason = STOP if choice.finish == STOP else LENGTH
-        return choice.reason
-
-    async def whole(self, request: Request) -> Response:
-        parts: list[list[str]] = [[] for _ in self.choices]
-        while any(choice.finish is None for choice in self.choices):
-            try:
-                choice, piece, _, _ = await asyncio.wait_for(self._next(), _POLL)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    return Response(status_code=499)
-                continue
-            parts[choice.index].append(piece)
-        for choice in self.choices:
-            failure = self._failure(choice.finish)
-            if failure is not None:
-                raise failure
-        choices = []
-        for choice in self.choices:
-            text: str | None = "".join(parts[choice.index])
-            reason, calls = self._answered(choice), None
-            if choice.calls is not None:
-                choice.calls.add(text)
-                parsed = choice.calls.finish()[1]
-                if parsed.calls:
-                    text, reason, calls = parsed.content, "tool_calls", _tool_calls(parsed)
-            choices.append(self._choice(choice, text, reason, 0, False, calls))
-        self._record()
-        return JSONResponse(
-            {
-                "id": self.id,
-                "object": "chat.completion" if self.req.chat else "text_completion",
-                "created": self.created,
-                "model": self.handler.served.name,
-                "choices": choices,
-                "usage": self._usage(),
-            }
-        )
-
-    def _chunk(self, choices: list, usage: dict | None = None) -> str:
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.req.chat else "text_completion",
-            "created": self.created,
-            "model": self.handler.served.name,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-    async def stream(self) -> AsyncIterator[str]:
-        if self.req.chat:  # each choice's first chunk carries the role
-            for choice in self.choices:
-                first = {
-                    "index": choice.index,
-                    "delta": {"role": "assistant", "content": ""},
-                    "finish_reason": None,
-                }
-                yield self._chunk([first])
-        while True:
-            choice, piece, finish, before = await self._next()
-            if choice.calls is not None:
-                piece = choice.calls.add(piece)
-            if finish is None:
-                new = len(choice.ids) > before
-                if piece or self.req.return_token_ids or (new and self.texts is not None):
-                    yield self._chunk([self._choice(choice, piece, None, before, True)])
-                continue
-            failure = self._failure(finish)
-            if failure is not None:
-                yield f"data: {json.dumps(failure.body())}\n\n"
-                return
-            if finish == CANCELLED:
-                return
-            reason = self._answered(choice)
-            parsed = None
-            if choice.calls is not None:
-                rest, parsed = choice.calls.finish()
-                piece += rest
-            if parsed is not None and parsed.calls:
-                # The content's rest, then one chunk per call, then the finish reason.
-                if piece or self.req.return_token_ids:
-                    yield self._chunk([self._choice(choice, piece, None, before, True)])
-                end = len(choice.ids)
-                for call in _tool_calls(parsed, streamed=True):
-                    yield self._chunk([self._choice(choice, None, None, end, True, [call])])
-                yield self._chunk([self._choice(choice, None, "tool_calls", end, True)])
-            else:
-                yield self._chunk([self._choice(choice, piece, reason, before, True)])
-            if any(other.reason is None for other in self.choices):
-                continue
-            self._record()
-            if self.req.include_usage:
-                yield self._chunk([], self._usage())
-            yield "data: [DONE]\n\n"
-            return
-
-
-def _tool_calls(parsed: Parsed, streamed: bool = False) -> list[dict[str, Any]]:
-    """OpenAI's ``tool_calls`` of an answer (each with a fresh id; ``index`` when streamed)."""
-    out = []
-    for i, call in enumerate(parsed.calls):
-        entry: dict[str, Any] = {"index": i} if streamed else {}
-        entry["id"] = "call_" + uuid.uuid4().hex[:24]
-        entry["type"] = "function"
-        entry["function"] = {"name": call.name, "arguments": call.arguments_json}
-        out.append(entry)
-    return out
 
 
 def create_app(served: ServedModel) -> Starlette:
