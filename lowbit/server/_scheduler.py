@@ -35,6 +35,7 @@ from lowbit.server import _batch_prefill as batch_prefill
 from lowbit.server import _embeddings as embeddings
 from lowbit.server import _programs as programs
 from lowbit.server import _speculate as speculate
+from lowbit.server._draft_rows import DraftRows
 from lowbit.server._job import (
     CANCELLED,
     LENGTH,
@@ -138,10 +139,8 @@ class Scheduler:
                 f"the served model's ({model.config.vocab_size}): give a draft model of the "
                 "same tokenizer"
             )
-        self.draft = draft
-        if draft is not None:
-            self.draft_graphdef, state = nnx.split(draft.model)
-            self.draft_params = state if draft.params is None else draft.params
+        self._draft_model = draft
+        self.draft: DraftRows | None = None  # made with the rows (`_reset_rows`)
         context = model.config.context_length if self.generates else model.config.max_positions
         if config.max_len > context:
             config = dataclasses.replace(config, max_len=_fit(context))
@@ -352,23 +351,17 @@ class Scheduler:
         self.history: list[list[int]] = [[] for _ in range(c.slots)]
         self.cache = self._set_start(self.cache)
         if self.draft is not None:
-            # The draft model's cache: the same slots on the same clock; a row's slots from
-            # its start up to `draft_seen` hold what the draft model has been fed.
-            self.draft_cache = self.draft.model.init_cache(c.slots, c.max_len, self.kv_cache)
-            self.draft_seen = np.zeros((c.slots,), np.int32)
-            vocab = self.model.config.vocab_size
-            self.draft_counts = jnp.zeros((c.slots, vocab), jnp.int32)
-            # Greedy, no penalty or bias: the same every turn (not donated), so made once.
-            self.draft_sampling = RowSampling(
-                keys=jnp.zeros((c.slots, 2), jnp.uint32),
-                count=jnp.full((c.slots,), 2, jnp.int32),  # past the first: counts are kept
-                temperature=jnp.zeros((c.slots,), jnp.float32),
-                top_k=jnp.zeros((c.slots,), jnp.int32),
-                top_p=jnp.ones((c.slots,), jnp.float32),
-                presence=jnp.zeros((c.slots,), jnp.float32),
-                frequency=jnp.zeros((c.slots,), jnp.float32),
-                bias=jnp.zeros((c.slots, vocab), jnp.float32),
-                allowed=jnp.asarray(self.allowed.host),
+            self.draft.reset()
+        elif self._draft_model is not None:
+            self.draft = DraftRows(
+                self._draft_model,
+                self.kv_cache,
+                c.slots,
+                c.max_len,
+                c.speculate_tokens,
+                self.allowed.host,
+                self._run,
+                self.programs.ready,
             )
 
     def _set_start(self, cache: Any) -> Any:
@@ -491,16 +484,7 @@ class Scheduler:
                 index = np.arange(b, dtype=np.int32)
                 out.append(("verify", b, self._verify_args(np.zeros((b, k + 1), np.int32), index)))
         if self.draft is not None:
-            feeds = {(speculate.STEADY, b) for b in [*buckets, slots]}
-            feeds |= {(w, 1) for w in speculate.FEED_WIDTHS}
-            for w, b in sorted(feeds):
-                tokens = np.zeros((b, w), np.int32)
-                out.append(("draft_verify", (w, b), self._draft_feed_args(tokens, 0, np.arange(b))))
-            for b in [*buckets, slots]:
-                index = np.arange(b, dtype=np.int32)
-                args = self._draft_decode_args(np.zeros(slots), index)
-                out.append(("draft_decode_rows", b, args))
-            out.append(("draft_shift", slots, self._draft_shift_args(1)))
+            out += self.draft.program_specs(buckets, self.start_host)
         return out
 
     def _run(self, name: str, width: int | tuple[int, int], args: tuple) -> Any:
@@ -513,7 +497,7 @@ class Scheduler:
     @functools.cached_property
     def _param_leaves(self) -> dict[int, tuple]:
         # Both are set once, in __init__, and never replaced.
-        trees = [self.params] + ([self.draft_params] if self.draft is not None else [])
+        trees = [self.params] + ([self.draft.params] if self.draft is not None else [])
         return {id(t): tuple(jax.tree.leaves(t)) for t in trees}
 
     def _program(self, name: str, width: int | tuple[int, int], args: tuple) -> StoredProgram:
@@ -526,22 +510,18 @@ class Scheduler:
         # A long repr: described once, not once per program.
         return describe((self.graphdef, self.model.config, self.kv_cache))
 
-    @functools.cached_property
-    def _draft_static(self) -> str:
-        return describe((self.draft_graphdef, self.draft.model.config, self.kv_cache))
-
     def _compile(self, name: str, width: int | tuple[int, int], args: tuple) -> StoredProgram:
         """Compiles program `name` (a function of `programs`, or `embeddings.embed`) for
         arguments shaped like `args` (`ProgramRegistry` calls it, from any thread)."""
-        base = name.removeprefix("draft_")  # the draft model's programs (`_draft_guesses`)
+        base = name.removeprefix("draft_")  # the draft model's programs (`DraftRows`)
         fn = getattr(embeddings if name == "embed" else programs, base)
         static, donate = "", (0,)  # the moves: cache -> cache
         out_like = _OUT_LIKE.get(name, lambda a: a[0])
         if base != name:
             out_like = _OUT_LIKE.get(base, out_like)
             if base in _MODEL_PROGRAMS:
-                fn = functools.partial(fn, self.draft_graphdef)
-                static = self._draft_static
+                fn = functools.partial(fn, self.draft.graphdef)
+                static = self.draft.static
                 donate = _MODEL_PROGRAMS[base]
         elif name == "embed":
             fn = functools.partial(fn, self.graphdef)
@@ -925,7 +905,7 @@ class Scheduler:
         self.count_host[r] = 1
         self.history[r] = [*job.prompt, state.first]
         if self.draft is not None:
-            self.draft_seen[r] = self.start_host[r]  # fed lazily (`_draft_guesses`)
+            self.draft.start_row(r, self.start_host[r])
         self.temp_host[r] = job.temperature
         self.topk_host[r] = job.top_k
         self.topp_host[r] = job.top_p
@@ -969,9 +949,7 @@ class Scheduler:
         args = self._shift_args(by)
         self.cache = self._run("shift", self.config.slots, args)
         if self.draft is not None:
-            self.draft_seen = np.maximum(self.draft_seen - by, 0).astype(np.int32)
-            args = self._draft_shift_args(by)
-            self.draft_cache = self._run("draft_shift", self.config.slots, args)
+            self.draft.shift(by, self.start_host)
 
     # -- embeddings ---------------------------------------------------------------------------
 
@@ -1121,7 +1099,7 @@ class Scheduler:
         index = programs.row_index(busy, self.config.slots)
         if not self.programs.ready("verify", len(index)):
             return False
-        if self.draft is not None and not self._draft_ready(busy, index):
+        if self.draft is not None and not self.draft.ready(busy, index, self.clock):
             return False
         if self.clock + k + 1 > t:  # the guesses are written past the clock: make room
             first = min(int(self.start_host[r]) for r in busy)
@@ -1129,7 +1107,7 @@ class Scheduler:
                 return False
             self._shift(first)
         if self.draft is not None:
-            guesses = self._draft_guesses(busy, index, k)
+            guesses = self.draft.guesses(busy, index, self.clock, self.start_host, self.history)
         tokens = np.zeros((len(index), k + 1), np.int32)
         for i, r in enumerate(index):
             if r in guesses:
@@ -1144,7 +1122,7 @@ class Scheduler:
         # model's own token after them.
         keep = min(agreed.values())
         if self.draft is not None:  # it saw the latest token and guesses 1 .. k - 1
-            self.draft_seen[busy] = self.clock + min(keep, k - 1) + 1
+            self.draft.advanced(busy, self.clock + min(keep, k - 1) + 1)
         self.clock += keep + 1
         self.cache = dataclasses.replace(cache, length=jnp.int32(self.clock))
         self.steps_run += keep + 1
@@ -1156,101 +1134,6 @@ class Scheduler:
             self.token_host[r] = new[-1]
             self._hand_out(r, new)
         return True
-
-    # -- the draft model (`lowbit.server._speculate`) ------------------------------------------
-
-    def _draft_feed_args(self, tokens: np.ndarray, at: int, index: np.ndarray) -> tuple:
-        """`programs.verify`'s arguments for the draft model: ``tokens [b, W]`` written at
-        slots ``at .. at + W - 1`` of rows ``index [b]``."""
-        cache = dataclasses.replace(
-            self.draft_cache, length=jnp.int32(at), start=jnp.asarray(self.start_host)
-        )
-        return self.draft_params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(index)
-
-    def _draft_decode_args(self, token: np.ndarray, index: np.ndarray) -> tuple:
-        """`programs.decode_rows`'s arguments for the draft model: greedy steps of rows
-        `index` from ``token [B]`` at the clock's next slot (the clock's own holds the latest
-        token, fed by `_draft_guesses`)."""
-        cache = dataclasses.replace(
-            self.draft_cache, length=jnp.int32(self.clock + 1), start=jnp.asarray(self.start_host)
-        )
-        steps = jnp.int32(self.config.speculate_tokens - 1)
-        token = jnp.asarray(token, jnp.int32)
-        rows, counts = self.draft_sampling, self.draft_counts
-        return self.draft_params, cache, token, rows, counts, steps, jnp.asarray(index)
-
-    def _draft_shift_args(self, by: int) -> tuple:
-        return self.draft_cache, jnp.int32(by), jnp.asarray(self.start_host)
-
-    def _draft_needs(self, busy: list[int]) -> dict[int, int]:
-        """Each busy row's tokens the draft model has not been fed, its latest one included."""
-        return {r: self.clock + 1 - int(self.draft_seen[r]) for r in busy}
-
-    def _draft_ready(self, busy: list[int], index: np.ndarray) -> bool:
-        """Whether every draft program this turn needs is compiled (else no speculation:
-        they compile in the background)."""
-        need = self._draft_needs(busy)
-        steady = [r for r in busy if need[r] <= speculate.STEADY]
-        keys = [("draft_decode_rows", len(index))]
-        if steady:
-            rows = programs.row_index(steady, self.config.slots)
-            keys.append(("draft_verify", (speculate.STEADY, len(rows))))
-        for r in busy:
-            if need[r] > speculate.STEADY:
-                keys += [("draft_verify", (w, 1)) for w in set(speculate.windows(need[r]))]
-        return all(self.programs.ready(name, width) for name, width in keys)
-
-    def _draft_window(self, r: int, at: int, width: int) -> np.ndarray:
-        """Row `r`'s tokens at slots ``at .. at + width - 1`` (its prompt from its start, then
-        what it generated; the clock's slot holds its latest token)."""
-        begin = at - int(self.start_host[r])
-        return np.asarray(self.history[r][begin : begin + width], np.int32)
-
-    def _draft_feed(self, tokens: np.ndarray, at: int, index: np.ndarray) -> np.ndarray:
-        """Feeds the draft model ``tokens [b, W]`` at slots ``at ..`` of rows `index`; its
-        greedy token after each, ``[b, W]``."""
-        args = self._draft_feed_args(tokens, at, index)
-        key = (tokens.shape[1], tokens.shape[0])
-        greedy, self.draft_cache = self._run("draft_verify", key, args)
-        return np.asarray(greedy)
-
-    def _draft_guesses(self, busy: list[int], index: np.ndarray, k: int) -> dict[int, np.ndarray]:
-        """`k` greedy guesses of the draft model for each busy row (`index`: the verify's rows).
-
-        Rows at most `speculate.STEADY` tokens behind are fed together, the others alone in
-        `speculate.windows` (a new prompt: its whole text once); the last token fed is the
-        row's latest, whose greedy successor is the first guess. Then ``k - 1`` greedy steps
-        of every row in one call."""
-        slots, need = self.config.slots, self._draft_needs(busy)
-        first = np.zeros((slots,), np.int32)
-        steady = [r for r in busy if need[r] <= speculate.STEADY]
-        if steady:
-            rows = programs.row_index(steady, slots)
-            at = self.clock + 1 - speculate.STEADY
-            tokens = np.zeros((len(rows), speculate.STEADY), np.int32)
-            for i, r in enumerate(rows):
-                if r in steady:
-                    tokens[i] = self._draft_window(r, at, speculate.STEADY)
-            greedy = self._draft_feed(tokens, at, rows)
-            for i, r in enumerate(rows):
-                if r in steady:
-                    first[r] = greedy[i, -1]
-        for r in busy:
-            if need[r] <= speculate.STEADY:
-                continue
-            at = int(self.draft_seen[r])
-            for width in speculate.windows(need[r]):
-                greedy = self._draft_feed(self._draft_window(r, at, width)[None], at, np.array([r]))
-                at += width
-            first[r] = greedy[0, -1]
-        guesses = {r: first[r : r + 1] for r in busy}
-        if k > 1:
-            args = self._draft_decode_args(first, index)
-            decoded, self.draft_cache = self._run("draft_decode_rows", len(index), args)
-            self.draft_counts = decoded.counts
-            out = np.asarray(decoded.tokens)
-            guesses = {r: np.concatenate([first[r : r + 1], out[r, : k - 1]]) for r in busy}
-        return guesses
 
 
 class _DeviceRows:
