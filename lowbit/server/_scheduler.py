@@ -49,8 +49,9 @@ from lowbit.server._job import (
 )
 from lowbit.server._logprobs import TokenLogprobs, host_logprobs
 from lowbit.server._prefix import PrefixIndex, chain
-from lowbit.server._programs import Decoded, RowSampling
+from lowbit.server._programs import Decoded
 from lowbit.server._registry import ProgramRegistry
+from lowbit.server._sampling_rows import SamplingRows
 
 # The model's programs, and the positions among their arguments of the buffers they reuse:
 # the KV cache, and the decode steps' token counts.
@@ -334,19 +335,7 @@ class Scheduler:
         self.slides = 0  # cache slides since start (not counting the warm-up)
         self.start_host = np.full((c.slots,), c.max_len, np.int32)
         self.token_host = np.zeros((c.slots,), np.int32)
-        self.count_host = np.zeros((c.slots,), np.int32)
-        self.keys_host = np.zeros((c.slots, 2), np.uint32)
-        self.temp_host = np.zeros((c.slots,), np.float32)
-        self.topk_host = np.zeros((c.slots,), np.int32)
-        self.topp_host = np.ones((c.slots,), np.float32)
-        self.presence_host = np.zeros((c.slots,), np.float32)
-        self.frequency_host = np.zeros((c.slots,), np.float32)
-        # Each row's generated tokens counted, on the device (`lowbit.server._penalties`).
-        self.counts = jnp.zeros((c.slots, self.model.config.vocab_size), jnp.int32)
-        vocab = self.model.config.vocab_size
-        # Each row's logit_bias, and its grammar's mask as bits (`RowSampling`).
-        self.bias = _DeviceRows(np.zeros((vocab,), np.float32), c.slots)
-        self.allowed = _DeviceRows(programs.allowed_bits(-(-vocab // 32), vocab), c.slots)
+        self.sampling = SamplingRows(c.slots, self.model.config.vocab_size)
         # Each row's prompt and tokens so far (what `speculate.draft` looks up).
         self.history: list[list[int]] = [[] for _ in range(c.slots)]
         self.cache = self._set_start(self.cache)
@@ -359,7 +348,7 @@ class Scheduler:
                 c.slots,
                 c.max_len,
                 c.speculate_tokens,
-                self.allowed.host,
+                self.sampling.allowed.host,
                 self._run,
                 self.programs.ready,
             )
@@ -438,7 +427,7 @@ class Scheduler:
             register(name, width, args, at_start=False)
             insert = self._insert_args(state, 0, len(state.job.prompt))
             register("insert", state.cache.max_len, insert, at_start=False)
-            sampling = self._row_sampling(state.job)
+            sampling = self.sampling.one(state.job)
 
             def sample_args(width=width, sampling=sampling) -> tuple:
                 logits, _ = self.programs.get("prefill_chunk", width).out_shapes
@@ -600,11 +589,7 @@ class Scheduler:
         job = self._rows[r]
         self._rows[r] = None
         self.start_host[r] = self.config.max_len
-        self.temp_host[r] = 0.0
-        self.topk_host[r] = 0
-        self.presence_host[r] = self.frequency_host[r] = 0.0
-        self.bias.set(r)
-        self.allowed.set(r)
+        self.sampling.clear(r)
         if job is not None:
             self._finish(job, reason)
 
@@ -628,39 +613,7 @@ class Scheduler:
             while self._embedding:
                 self._end_embedding(self._embedding[0], None, reason)
 
-    # -- logit bias ---------------------------------------------------------------------------
-
-    def _job_bias(self, job: Job) -> np.ndarray | None:
-        """``[V]`` float32: what `job` adds to its logits (its `logit_bias`), or None."""
-        if not job.logit_bias:
-            return None
-        row = self.bias.default.copy()
-        for token, bias in job.logit_bias:
-            row[token] += bias
-        return row
-
-    def _job_allowed(self, job: Job) -> np.ndarray:
-        """`job`'s next token's mask (`RowSampling.allowed`): its grammar's, or all."""
-        return self.allowed.default if job.constraint is None else job.constraint.bits
-
     # -- prefill ------------------------------------------------------------------------------
-
-    def _row_sampling(self, job: Job) -> RowSampling:
-        key = jax.random.key_data(jax.random.key(job.seed))
-        bias = self._job_bias(job)
-        if bias is None:
-            bias = self.bias.default
-        return RowSampling(
-            keys=jnp.asarray(key)[None],
-            count=jnp.zeros((1,), jnp.int32),
-            temperature=jnp.asarray([job.temperature], jnp.float32),
-            top_k=jnp.asarray([job.top_k], jnp.int32),
-            top_p=jnp.asarray([job.top_p], jnp.float32),
-            presence=jnp.asarray([job.presence_penalty], jnp.float32),
-            frequency=jnp.asarray([job.frequency_penalty], jnp.float32),
-            bias=jnp.asarray(bias)[None],
-            allowed=jnp.asarray(self._job_allowed(job))[None],
-        )
 
     def _lookup(self, job: Job) -> tuple[list[bytes], list[int]]:
         """The names of the prompt's full blocks, and the pool blocks holding its head.
@@ -728,7 +681,7 @@ class Scheduler:
         job = state.job
         if not state.chunked:
             tokens = jnp.asarray(state.tokens)
-            return "prefill", (self.params, tokens, state.cache, self._row_sampling(job))
+            return "prefill", (self.params, tokens, state.cache, self.sampling.one(job))
         c = self.config.chunk
         # The last chunk ends at the prompt's last token (it may overlap the one before).
         at = min(state.begin + state.next_chunk * c, len(job.prompt) - c)
@@ -770,7 +723,7 @@ class Scheduler:
         cache = self._empty_cache(rows, self.prefill_widths[-1], abstract)
         cache = dataclasses.replace(cache, start=jnp.asarray(start))
         # Rows past the prompts repeat the first one (their output is dropped).
-        one = [self._row_sampling(jobs[i] if i < len(jobs) else jobs[0]) for i in range(rows)]
+        one = [self.sampling.one(jobs[i] if i < len(jobs) else jobs[0]) for i in range(rows)]
         sampling = jax.tree.map(lambda *a: jnp.asarray(np.concatenate(a)), *one)
         return self.params, jnp.asarray(tokens), cache, sampling
 
@@ -835,7 +788,7 @@ class Scheduler:
             return
         state.next_chunk += 1
         if state.next_chunk == -(-(len(job.prompt) - state.begin) // self.config.chunk):
-            args = (out, self._row_sampling(job))
+            args = (out, self.sampling.one(job))
             state.logits = out
             state.first = int(self._run("sample", 1, args)[0])
             self._save_prefix(state)
@@ -899,20 +852,11 @@ class Scheduler:
         self.start_host[r] = self.clock - n
         args = self._insert_args(state, r, n)
         self.cache = self._run("insert", _cache_key(state.cache), args)
-        key = np.asarray(jax.random.key_data(jax.random.key(job.seed)))
-        self.keys_host[r] = key
         self.token_host[r] = state.first
-        self.count_host[r] = 1
         self.history[r] = [*job.prompt, state.first]
         if self.draft is not None:
             self.draft.start_row(r, self.start_host[r])
-        self.temp_host[r] = job.temperature
-        self.topk_host[r] = job.top_k
-        self.topp_host[r] = job.top_p
-        self.presence_host[r] = job.presence_penalty
-        self.frequency_host[r] = job.frequency_penalty
-        self.bias.set(r, self._job_bias(job))
-        self.allowed.set(r, self._job_allowed(job))
+        self.sampling.place(r, job)
         with self._lock:
             self._rows[r] = job
             self._prefill = None
@@ -987,22 +931,12 @@ class Scheduler:
     def _decode_args(self, steps: int, index: np.ndarray | None = None) -> tuple:
         """`programs.decode`'s arguments (after the graph definition) for `steps` steps, or
         with rows `index` `programs.decode_rows`'s."""
-        rows = RowSampling(
-            keys=jnp.asarray(self.keys_host),
-            count=jnp.asarray(self.count_host),
-            temperature=jnp.asarray(self.temp_host),
-            top_k=jnp.asarray(self.topk_host),
-            top_p=jnp.asarray(self.topp_host),
-            presence=jnp.asarray(self.presence_host),
-            frequency=jnp.asarray(self.frequency_host),
-            bias=self.bias.device(),
-            allowed=self.allowed.device(),
-        )
+        rows = self.sampling.device()
         cache = dataclasses.replace(
             self.cache, length=jnp.int32(self.clock), start=jnp.asarray(self.start_host)
         )
         token = jnp.asarray(self.token_host)
-        args = (self.params, cache, token, rows, self.counts, jnp.int32(steps))
+        args = (self.params, cache, token, rows, self.sampling.counts, jnp.int32(steps))
         return args if index is None else (*args, jnp.asarray(index))
 
     def _verify_args(self, tokens: np.ndarray, index: np.ndarray) -> tuple:
@@ -1032,12 +966,12 @@ class Scheduler:
             name, width, index = "decode_rows", len(rows), rows  # only the busy rows run
         args = self._decode_args(steps, index)
         decoded, self.cache = self._run(name, width, args)
-        self.counts = decoded.counts
+        self.sampling.counts = decoded.counts
         out = np.asarray(decoded.tokens)
         lp = None if decoded.logprobs is None else jax.tree.map(np.asarray, decoded.logprobs)
         self.clock += steps
         self.steps_run += steps
-        self.count_host += steps
+        self.sampling.count += steps
         self.token_host = out[:, steps - 1].copy()
         for r, job in enumerate(self._rows):
             if job is None:
@@ -1073,15 +1007,14 @@ class Scheduler:
         self.history[r].extend(new)
         if reason is None:
             if job.constraint is not None:
-                self.allowed.set(r, job.constraint.bits)
+                self.sampling.allowed.set(r, job.constraint.bits)
             if new:
                 job.emit(new, None)
         else:
             with self._lock:
                 self._rows[r] = None
             self.start_host[r] = t
-            self.bias.set(r)
-            self.allowed.set(r)
+            self.sampling.clear(r)
             self._finish(job, reason, new)
 
     def _speculate(self) -> bool:
@@ -1130,34 +1063,10 @@ class Scheduler:
         self.speculation.accepted_tokens += keep * len(busy)
         for r in busy:
             new = greedy[row_of[r], : keep + 1]
-            self.count_host[r] += keep + 1
+            self.sampling.count[r] += keep + 1
             self.token_host[r] = new[-1]
             self._hand_out(r, new)
         return True
-
-
-class _DeviceRows:
-    """A ``[rows, n]`` host array kept on the device too, uploaded again only after a row
-    changed: per-row sampling inputs that change when a request starts or ends, or for a few
-    rows a step (a grammar's mask)."""
-
-    def __init__(self, default: np.ndarray, rows: int):
-        self.default = default
-        self.host = np.tile(default, (rows, 1))
-        self._device: jax.Array | None = None
-
-    def set(self, r: int, row: np.ndarray | None = None) -> None:
-        """Row `r` becomes `row` (None: the default)."""
-        row = self.default if row is None else row
-        if not np.array_equal(self.host[r], row):
-            self.host[r] = row
-            self._device = None
-
-    def device(self) -> jax.Array:
-        """The rows on the device."""
-        if self._device is None:
-            self._device = jnp.asarray(self.host)
-        return self._device
 
 
 def _cache_key(cache: Any) -> int | tuple[int, int]:
