@@ -29,12 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lowbit.api import StoredProgram, compile_stored, describe
+from lowbit.api import StoredProgram, describe
 from lowbit.models import bucket
 from lowbit.server import _batch_prefill as batch_prefill
 from lowbit.server import _embeddings as embeddings
 from lowbit.server import _programs as programs
 from lowbit.server import _speculate as speculate
+from lowbit.server._compile import Source, compile_program
 from lowbit.server._draft_rows import DraftRows
 from lowbit.server._job import (
     CANCELLED,
@@ -47,33 +48,10 @@ from lowbit.server._job import (
     QueueFull,
     SchedulerConfig,
 )
-from lowbit.server._logprobs import TokenLogprobs, host_logprobs
+from lowbit.server._logprobs import host_logprobs
 from lowbit.server._prefix import PrefixIndex, chain
-from lowbit.server._programs import Decoded
 from lowbit.server._registry import ProgramRegistry
 from lowbit.server._sampling_rows import SamplingRows
-
-# The model's programs, and the positions among their arguments of the buffers they reuse:
-# the KV cache, and the decode steps' token counts.
-_MODEL_PROGRAMS = {
-    "decode": (1, 4),
-    "decode_logprobs": (1, 4),
-    "decode_rows": (1, 4),
-    "verify": (1,),
-    "prefill": (2,),
-    "prefill_chunk": (2,),
-}
-# The structure of each program's output ahead of its first value (leaves: anything).
-_OUT_LIKE = {
-    "decode": lambda a: (Decoded(0, 0, None), a[1]),
-    "decode_logprobs": lambda a: (Decoded(0, 0, TokenLogprobs(0, 0, 0)), a[1]),
-    "decode_rows": lambda a: (Decoded(0, 0, None), a[1]),
-    "verify": lambda a: (0, a[1]),
-    "prefill": lambda a: ((0, 0), a[2]),
-    "prefill_chunk": lambda a: (0, a[2]),
-    "sample": lambda a: 0,
-    "logprobs": lambda a: TokenLogprobs(0, 0, 0),
-}
 
 
 def _widths(lo: int, hi: int) -> list[int]:
@@ -499,39 +477,17 @@ class Scheduler:
         # A long repr: described once, not once per program.
         return describe((self.graphdef, self.model.config, self.kv_cache))
 
+    @functools.cached_property
+    def _embed_static(self) -> str:
+        return describe((self.graphdef, self.model.config))
+
     def _compile(self, name: str, width: int | tuple[int, int], args: tuple) -> StoredProgram:
-        """Compiles program `name` (a function of `programs`, or `embeddings.embed`) for
-        arguments shaped like `args` (`ProgramRegistry` calls it, from any thread)."""
-        base = name.removeprefix("draft_")  # the draft model's programs (`DraftRows`)
-        fn = getattr(embeddings if name == "embed" else programs, base)
-        static, donate = "", (0,)  # the moves: cache -> cache
-        out_like = _OUT_LIKE.get(name, lambda a: a[0])
-        if base != name:
-            out_like = _OUT_LIKE.get(base, out_like)
-            if base in _MODEL_PROGRAMS:
-                fn = functools.partial(fn, self.draft.graphdef)
-                static = self.draft.static
-                donate = _MODEL_PROGRAMS[base]
-        elif name == "embed":
-            fn = functools.partial(fn, self.graphdef)
-            static = describe((self.graphdef, self.model.config))
-            out_like, donate = (lambda a: 0), ()
-        elif name in _MODEL_PROGRAMS:
-            fn = functools.partial(fn, self.graphdef)
-            static = self._model_static
-            donate = _MODEL_PROGRAMS[name]
-        elif name in ("sample", "logprobs"):  # small programs of logits: nothing to reuse
-            donate = ()
-        label = width if isinstance(width, int) else "x".join(map(str, width))
-        return compile_stored(
-            f"{name}-{label}",
-            fn,
-            args,
-            static=static,
-            out_like=out_like,
-            donate_argnums=donate,
-            directory=self.program_dir,
-        )
+        """Compiles program `name` for arguments shaped like `args` (`ProgramRegistry` calls
+        it, from any thread; `lowbit.server._compile`)."""
+        draft = None if self.draft is None else Source(self.draft.graphdef, self.draft.static)
+        model = Source(self.graphdef, self._model_static)
+        embedder = Source(self.graphdef, self._embed_static)
+        return compile_program(name, width, args, model, embedder, draft, self.program_dir)
 
     def _turn(self) -> bool:
         """One loop turn; False when the loop should end."""
