@@ -18,7 +18,7 @@ import numpy as np
 # compiled twice, about 70 s more and a second executable resident). About 0.25 s of import.
 from lowbit.kernels import pallas
 from lowbit.ops._cpu_kernels import FLOAT_ACTIVATIONS, contract_axis, split_over_devices
-from lowbit.qarray import QArray
+from lowbit.ops._operand import quantized
 
 # Below this many weight elements a CUDA lowering keeps XLA's fused dequantize-and-dot: on an
 # H200, SmolLM2's layers (at most 576 x 1536) decoded at 214 tok/s through the Pallas kernel
@@ -54,7 +54,7 @@ def accelerator_rules(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[tuple
 def cuda_k_major(lhs: Any, rhs: Any, dimension_numbers: Any) -> bool:
     """Whether a CUDA lowering multiplies this int8 / fp8 activation-quantized `[K, N]` weight
     through a transposed copy of its codes (see `CUDA_K_MAJOR_MIN_ROWS`)."""
-    if isinstance(lhs, QArray) or not isinstance(rhs, QArray) or rhs.activation is None:
+    if quantized(lhs) or not quantized(rhs) or rhs.activation is None:
         return False
     min_rows = CUDA_K_MAJOR_MIN_ROWS.get(rhs.format)
     if min_rows is None or rhs.packed_axis is not None or not hasattr(lhs, "shape"):
@@ -73,7 +73,7 @@ def pallas_platforms(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[str, .
     activation-quantized weights (w8a8, fp8) take the portable path, whose int8 / fp8
     `dot_general` XLA already gives to the integer and fp8 GEMMs. TPU only with
     ``LOWBIT_TPU_KERNELS=1`` (see `TPU_KERNELS_ENV`)."""
-    if isinstance(lhs, QArray) or not isinstance(rhs, QArray) or rhs.activation is not None:
+    if quantized(lhs) or not quantized(rhs) or rhs.activation is not None:
         return ()
     if not hasattr(lhs, "dtype") or np.dtype(lhs.dtype) not in FLOAT_ACTIVATIONS:
         return ()

@@ -27,7 +27,15 @@ from jax import lax
 
 from lowbit.formats import get_format
 from lowbit.ops._input_scale import reject_input_scale
-from lowbit.ops._operand import format_kind, from_float, from_qarray
+from lowbit.ops._operand import (
+    active_side,
+    check_operand,
+    dequantized,
+    format_kind,
+    from_float,
+    from_qarray,
+    quantized,
+)
 from lowbit.qarray import (
     PerChannel,
     PerTensor,
@@ -60,9 +68,9 @@ def conv_general_dilated_path(
     """Which implementation `conv_general_dilated` uses: ``"float"``,
     ``"weight_only_epilogue"``, ``"int8_int32"``, ``"fp8_f32"``, ``"codes_f32"`` or
     ``"reference"``. Static."""
-    if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
-        return "float"
-    if isinstance(lhs, QArray) or batch_group_count != 1 or rhs.zero_point is not None:
+    if not quantized(rhs):
+        return "reference" if quantized(lhs) else "float"
+    if quantized(lhs) or batch_group_count != 1 or rhs.zero_point is not None:
         return "reference"
     specs = _specs(lhs, rhs, dimension_numbers)
     out_axis = specs.rhs_spec[0]
@@ -212,12 +220,11 @@ def conv_general_dilated(
         preferred_element_type=preferred_element_type,
         out_sharding=out_sharding,
     )
-    if not isinstance(lhs, QArray) and not jnp.issubdtype(lhs.dtype, jnp.floating):
-        raise TypeError(f"conv_general_dilated lhs must be float or a QArray, got {lhs.dtype}")
+    check_operand(lhs, "conv_general_dilated", "lhs")
     reject_input_scale("conv_general_dilated", lhs, rhs)
-    if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
+    if not quantized(lhs) and not quantized(rhs):
         return lax.conv_general_dilated(lhs, rhs, **params)
-    if isinstance(rhs, QArray) and not isinstance(lhs, QArray) and rhs.activation is not None:
+    if active_side(lhs, rhs)[0] == "lhs":
         return _ste_conv(lhs, rhs, hashable_params(params))
     return _forward(lhs, rhs, params)
 
@@ -228,9 +235,9 @@ def conv_general_dilated_reference(
     """Dequantize-then-`lax.conv_general_dilated`; a float input facing a kernel with an
     activation config is quantized as `conv_general_dilated` does first (params as lax's)."""
     preferred = params.get("preferred_element_type")
-    float_dtype = lhs.dtype if not isinstance(lhs, QArray) else rhs.dtype
+    float_dtype = rhs.dtype if quantized(lhs) else lhs.dtype
     out_dtype = jnp.dtype(preferred if preferred is not None else float_dtype)
-    if isinstance(rhs, QArray) and not isinstance(lhs, QArray) and rhs.activation is not None:
+    if active_side(lhs, rhs)[0] == "lhs":
         specs = _specs(lhs, rhs, params.get("dimension_numbers"))
         if (
             _activation_granularity(
@@ -243,7 +250,7 @@ def conv_general_dilated_reference(
                 "a convolution; accepted: PerTensor(), PerToken() (one scale per example)"
             )
         lhs = quantize_conv_input(lhs, rhs, specs).dequantize(lhs.dtype)
-    lhs_f = lhs.dequantize() if isinstance(lhs, QArray) else lhs
-    rhs_f = rhs.dequantize(lhs_f.dtype) if isinstance(rhs, QArray) else rhs.astype(lhs_f.dtype)
+    lhs_f = dequantized(lhs)
+    rhs_f = dequantized(rhs, lhs_f.dtype)
     out = lax.conv_general_dilated(lhs_f, rhs_f, **dict(params, preferred_element_type=None))
     return out.astype(out_dtype)

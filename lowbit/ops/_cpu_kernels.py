@@ -61,6 +61,7 @@ import numpy as np
 
 from lowbit import kernels
 from lowbit.formats import get_format
+from lowbit.ops._operand import quantized
 from lowbit.qarray import AbsMax, PerToken, QArray, QuantConfig
 
 INT8_ACTIVATIONS_SUFFIX = "+int8_act"
@@ -240,7 +241,7 @@ def kernel_route(
     Returns:
       A `KernelRoute`, or None.
     """
-    if out_sharding is not None or isinstance(lhs, QArray) or not isinstance(rhs, QArray):
+    if out_sharding is not None or quantized(lhs) or not quantized(rhs):
         return None
     if not hasattr(lhs, "dtype") or np.dtype(lhs.dtype) not in _FLOATS:
         return None
@@ -371,7 +372,7 @@ def builds_layout_per_call(x: Any, q: Any, route: KernelRoute) -> bool:
     block weight stored ``[N, K]`` is its own layout: its codes are the rows the kernel reads.)"""
     if route.kind in kernels.GGUF_KINDS and route.transposed:
         return False
-    return isinstance(q, QArray) and not _float_gemm(x, q, route)
+    return quantized(q) and not _float_gemm(x, q, route)
 
 
 def kernel_linear(x: jax.Array, q: Any, route: KernelRoute, out_dtype: Any) -> jax.Array:
@@ -389,20 +390,23 @@ def kernel_linear(x: jax.Array, q: Any, route: KernelRoute, out_dtype: Any) -> j
     """
     out_dtype = np.dtype(out_dtype)
     kernel_out = out_dtype if out_dtype in _FLOATS else np.dtype(jnp.float32)
+    # A logical QArray (laid out in this call), or a `PreparedQArray` (its layout, `.weight`).
+    logical = quantized(q)
     if route.kind in kernels.GGUF_KINDS:
-        return _gguf_linear(x, q, route, out_dtype, kernel_out)
+        weight = gguf_rows(q, route) if logical else q.weight
+        return _gguf_linear(x, q, weight, route, out_dtype, kernel_out)
     if _float_gemm(x, q, route):
         # Prefill sizes: XLA's float GEMM on the dequantized weight is faster than the
         # kernels' own float tiles; the float weight lives for this call only. A prepared
         # weight is dequantized by the kernels from its layout, a logical one directly
         # (building a layout just to read it back would be a second pass).
-        if isinstance(q, QArray):
+        if logical:
             w = q.dequantize(jnp.float32)
             w = w.T if route.transposed else w
         else:
             w = kernels.dequantize_weight(q.weight)
         return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
-    weight = prepare_layout(q, route) if isinstance(q, QArray) else q.weight
+    weight = prepare_layout(q, route) if logical else q.weight
     if route.kind == "w8a8":
         y = kernels.w8a8_linear(x, weight, out_dtype=kernel_out)
     elif route.kind == "w4a8":
@@ -414,10 +418,11 @@ def kernel_linear(x: jax.Array, q: Any, route: KernelRoute, out_dtype: Any) -> j
     return y.astype(out_dtype)
 
 
-def _gguf_linear(x: Any, q: Any, route: KernelRoute, out_dtype: Any, kernel_out: Any) -> Any:
-    """`kernel_linear` for a GGUF block weight: its rows read as stored, or at prefill sizes
-    XLA's GEMM on the weight the kernels dequantize for that call."""
-    weight = gguf_rows(q, route) if isinstance(q, QArray) else q.weight
+def _gguf_linear(
+    x: Any, q: Any, weight: Any, route: KernelRoute, out_dtype: Any, kernel_out: Any
+) -> Any:
+    """`kernel_linear` for a GGUF block weight (`weight`: its block rows): read as stored, or
+    at prefill sizes XLA's GEMM on the weight the kernels dequantize for that call."""
     ggml_type = route.kind.upper()
     tiled = kernels.is_tiled(weight.data, weight.n)
     if _float_gemm(x, q, route):

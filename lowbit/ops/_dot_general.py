@@ -46,20 +46,23 @@ from lowbit.ops._cpu_kernels import (
     kernel_linear,
     kernel_route,
 )
-from lowbit.ops._dot_path import Plan, active_side, check_operand
+from lowbit.ops._dot_path import Plan
 from lowbit.ops._dot_path import plan as choose_plan
 from lowbit.ops._input_scale import apply_input_scale, strip_input_scale
 from lowbit.ops._operand import (
     Operand,
+    active_side,
+    as_operand,
+    check_operand,
     core_dtypes,
-    from_float,
-    from_qarray,
+    dequantized,
     product_dtype,
     quantize_activation,
+    quantized,
     reference_product,
 )
 from lowbit.ops._platform import by_platform
-from lowbit.ops._prepared import PreparedQArray
+from lowbit.ops._prepared import is_prepared
 from lowbit.qarray import QArray
 
 
@@ -77,7 +80,6 @@ def _quantize_activation_side(lhs, rhs, dimension_numbers):
 
 def _to_operands(lhs, rhs, dimension_numbers):
     lhs, rhs = _quantize_activation_side(lhs, rhs, dimension_numbers)
-    as_operand = lambda x: from_qarray(x) if isinstance(x, QArray) else from_float(x)
     return as_operand(lhs), as_operand(rhs)
 
 
@@ -237,8 +239,7 @@ def _fast(
 
 def _dequantized(lhs, rhs, dimension_numbers):
     lhs, rhs = _quantize_activation_side(lhs, rhs, dimension_numbers)
-    deq = lambda x, like: x.dequantize(like.dtype) if isinstance(x, QArray) else x
-    return deq(lhs, lhs), deq(rhs, rhs)
+    return dequantized(lhs), dequantized(rhs)
 
 
 def dot_general_reference(
@@ -256,8 +257,8 @@ def dot_general_reference(
       As `dot_general`.
     """
     dimension_numbers = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
-    check_operand(lhs, "lhs")
-    check_operand(rhs, "rhs")
+    check_operand(lhs, "dot_general", "lhs")
+    check_operand(rhs, "dot_general", "rhs")
     lhs_f, rhs_f = _dequantized(lhs, rhs, dimension_numbers)
     # The requested output dtype is not the accumulation dtype (`reference_product` widens it).
     out_dtype = product_dtype(lhs, rhs, options.pop("preferred_element_type", None))
@@ -302,7 +303,7 @@ def _ste_bwd(dimension_numbers, precision, preferred_element_type, out_sharding,
     # identity, so its gradient is that of the weight-only product (which keeps the weight in
     # its stored form instead of dequantizing it). That is another product: planned here.
     lhs, rhs = res
-    if isinstance(rhs, QArray):
+    if quantized(rhs):
         weight = dataclasses.replace(rhs, activation=None, activation_bounds=None)
         fn = lambda x: _forward(x, weight, dimension_numbers, precision, None, None, None)
         (dx,) = jax.vjp(fn, lhs)[1](g.astype(lhs.dtype))
@@ -329,9 +330,7 @@ def _kernel_fwd(lhs, rhs, route, dimension_numbers, precision, out_dtype):
 def _logical_ste_bwd(dimension_numbers, precision, residuals, g):
     """The straight-through gradient of a kernel call: that of the weight-only product with the
     weight in its logical form (a prepared layout is for the forward kernel only)."""
-    lhs, rhs = residuals
-    if isinstance(rhs, PreparedQArray):
-        rhs = rhs.logical()
+    lhs, rhs = _logical(*residuals)
     return _ste_bwd(dimension_numbers, precision, None, None, None, (lhs, rhs), g)
 
 
@@ -383,7 +382,7 @@ class DotPlan:
 
 def _kept_route(lhs, rhs, dimension_numbers, out_sharding) -> KernelRoute | None:
     """A `PreparedQArray`'s own route when this call is the linear layer it was laid out for."""
-    if not isinstance(rhs, PreparedQArray) or isinstance(lhs, QArray | PreparedQArray):
+    if not is_prepared(rhs) or quantized(lhs) or is_prepared(lhs):
         return None
     dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
     floats = hasattr(lhs, "dtype") and np.dtype(lhs.dtype) in FLOAT_ACTIVATIONS
@@ -394,7 +393,7 @@ def _kept_route(lhs, rhs, dimension_numbers, out_sharding) -> KernelRoute | None
 
 def _logical(lhs, rhs) -> tuple[Any, Any]:
     """The operands with a `PreparedQArray` as its logical QArray."""
-    return tuple(x.logical() if isinstance(x, PreparedQArray) else x for x in (lhs, rhs))
+    return tuple(x.logical() if is_prepared(x) else x for x in (lhs, rhs))
 
 
 def plan_dot_general(
@@ -415,10 +414,10 @@ def plan_dot_general(
     if route is not None:
         return DotPlan(route.path, route=route, kept_layout=True)
     # A prepared weight used other than as its linear layer: its codes are recovered per call.
-    relaid = next((i for i in (1, 0) if isinstance((lhs, rhs)[i], PreparedQArray)), None)
+    relaid = next((i for i in (1, 0) if is_prepared((lhs, rhs)[i])), None)
     lhs, rhs = _logical(lhs, rhs)
-    check_operand(lhs, "lhs")
-    check_operand(rhs, "rhs")
+    check_operand(lhs, "dot_general", "lhs")
+    check_operand(rhs, "dot_general", "rhs")
     dims = _dims.normalize(dimension_numbers, lhs.shape, rhs.shape)
     core = choose_plan(lhs, rhs, dims)
     if core.path == "float":

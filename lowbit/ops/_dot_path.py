@@ -6,12 +6,9 @@ axes). Static: decided from shapes, formats and scale layouts only.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
-import jax.numpy as jnp
 
 from lowbit.formats import get_format
-from lowbit.ops._operand import activation_scale_shape, format_kind
+from lowbit.ops._operand import activation_scale_shape, active_side, format_kind, quantized
 from lowbit.qarray import QArray
 
 PATHS = (
@@ -32,28 +29,9 @@ class Plan:
     groups: tuple[tuple[int, int], ...] = ()
 
 
-def check_operand(x: Any, name: str) -> None:
-    if isinstance(x, QArray):
-        return
-    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(
-            f"dot_general {name} must be a float array or a QArray, got "
-            f"{type(x).__name__} with dtype {getattr(x, 'dtype', None)}"
-        )
-
-
-def active_side(lhs: Any, rhs: Any) -> tuple[str | None, QArray | None]:
-    """Which float operand gets quantized on the fly, and the QArray that asks for it."""
-    if isinstance(rhs, QArray) and not isinstance(lhs, QArray) and rhs.activation is not None:
-        return "lhs", rhs
-    if isinstance(lhs, QArray) and not isinstance(rhs, QArray) and lhs.activation is not None:
-        return "rhs", lhs
-    return None, None
-
-
 def _side_meta(x, contracting, weight: QArray | None):
     """(kind, scale shape or None) of an operand, including one quantized on the fly."""
-    if isinstance(x, QArray):
+    if quantized(x):
         return format_kind(x.fmt), tuple(x.scale.shape)
     if weight is None:
         return "float", None

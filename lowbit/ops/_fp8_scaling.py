@@ -245,7 +245,7 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, **_: Any) -> jax
     weight_rhs = isinstance(rhs, Fp8Weight)
     weight, x = (rhs, lhs) if weight_rhs else (lhs, rhs)
     wc = rc if weight_rhs else lc
-    if isinstance(x, Fp8Weight) or not isinstance(x, jax.Array | np.ndarray):
+    if not isinstance(x, jax.Array | np.ndarray):
         raise Fp8LayoutError("the other operand is not a float array")
     if lb or rb:
         raise Fp8LayoutError("has dot batch dimensions")

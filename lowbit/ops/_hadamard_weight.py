@@ -71,7 +71,7 @@ class HadamardInput(ArrayBacked):
 
     def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, **kwargs: Any):
         (lc, rc), (lb, rb) = dimension_numbers
-        weight_rhs = isinstance(rhs, HadamardInput)
+        weight_rhs = rhs is self
         x = lhs if weight_rhs else rhs
         wc, xc = (rc, lc) if weight_rhs else (lc, rc)
         if isinstance(x, EngineValue):

@@ -19,12 +19,16 @@ from typing import Any
 import jax.numpy as jnp
 
 from lowbit.ops import _dims
-from lowbit.ops._prepared import PreparedQArray
-from lowbit.qarray import QArray
+
+
+def _stored(x: Any) -> bool:
+    """Whether `x` is a stored weight (a QArray, or its prepared layout): one that has an
+    `input_scale` field, which a float operand has not."""
+    return hasattr(x, "input_scale")
 
 
 def _scaled_weight(x: Any) -> bool:
-    return isinstance(x, QArray | PreparedQArray) and x.input_scale is not None
+    return _stored(x) and x.input_scale is not None
 
 
 def strip_input_scale(x: Any) -> Any:
@@ -59,7 +63,7 @@ def apply_input_scale(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[Any, 
     """
     if not (_scaled_weight(lhs) or _scaled_weight(rhs)):
         return lhs, rhs
-    if isinstance(lhs, QArray | PreparedQArray) and isinstance(rhs, QArray | PreparedQArray):
+    if _stored(lhs) and _stored(rhs):
         raise ValueError(
             "a dot of two quantized operands where one has an input_scale: the scale applies to "
             "a float operand; dequantize one side or drop the scale (SmoothQuant in-op scales "

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from lowbit.ops._dot_general import dot_general, plan_dot_general
-from lowbit.qarray import ArrayBacked, EngineValue, NoRule, QArray
+from lowbit.ops._operand import dequantized, quantized
+from lowbit.qarray import ArrayBacked, EngineValue, NoRule
 
 
 @typing.final
@@ -75,8 +76,7 @@ class LoraWeight(ArrayBacked):
         return jnp.transpose(prod, perm) * self.scale
 
     def base_float(self) -> jax.Array:
-        base = self.base.dequantize() if isinstance(self.base, QArray) else self.base
-        return lax.stop_gradient(base)
+        return lax.stop_gradient(dequantized(self.base))
 
     def dequantize(self, dtype: Any = None) -> jax.Array:
         """The merged weight ``base + scale * a @ b`` (gradients reach `a` and `b` only)."""
@@ -95,7 +95,7 @@ class LoraWeight(ArrayBacked):
 
     def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, **kwargs: Any):
         try:
-            return _adapted_product(lhs, rhs, dimension_numbers, **kwargs)
+            return _adapted_product(lhs, rhs, rhs is self, dimension_numbers, **kwargs)
         except LoraLayoutError as err:
             raise NoRule(str(err)) from None
 
@@ -163,6 +163,7 @@ def lora_dot_general(
     out, _ = _adapted_product(
         lhs,
         rhs,
+        isinstance(rhs, LoraWeight),
         dimension_numbers,
         precision=precision,
         preferred_element_type=preferred_element_type,
@@ -172,15 +173,15 @@ def lora_dot_general(
 
 
 def _adapted_product(
-    lhs, rhs, dimension_numbers, *, precision, preferred_element_type, out_sharding
+    lhs, rhs, weight_rhs, dimension_numbers, *, precision, preferred_element_type, out_sharding
 ) -> tuple[jax.Array, str]:
     """(`lora_dot_general`'s product, its path ``"lora+<base path>"``, e.g.
-    ``"lora+cpu_kernel_nf4"``): the base product is planned once for both."""
+    ``"lora+cpu_kernel_nf4"``): the base product is planned once for both. `weight_rhs`:
+    the adapted weight is `rhs` (else `lhs`)."""
     (lc, rc), (lb, rb) = dimension_numbers
-    weight_rhs = isinstance(rhs, LoraWeight)
     weight, x = (rhs, lhs) if weight_rhs else (lhs, rhs)
     wc, xc = (rc, lc) if weight_rhs else (lc, rc)
-    if isinstance(x, LoraWeight | QArray):
+    if isinstance(x, EngineValue):
         raise LoraLayoutError("both operands are quantized or adapted")
     if weight.batch_axes or lb or rb:
         raise LoraLayoutError("the adapted weight has batch axes")
@@ -190,7 +191,7 @@ def _adapted_product(
             f"{weight.in_axes}"
         )
     base = weight.base
-    if not isinstance(base, QArray):
+    if not quantized(base):
         base = lax.stop_gradient(base)
     pair = (lhs, base) if weight_rhs else (base, rhs)
     plan = plan_dot_general(*pair, dimension_numbers, out_sharding=out_sharding)

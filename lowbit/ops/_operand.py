@@ -40,6 +40,46 @@ def format_kind(fmt: Format) -> str:
     return "grid"
 
 
+def quantized(x: Any) -> bool:
+    """Whether an operand of a quantized product is stored quantized (a `QArray`), else a
+    float array. The one place `lowbit.ops`' products tell their operands' kinds apart."""
+    return isinstance(x, QArray)
+
+
+def check_operand(x: Any, op: str, name: str) -> None:
+    """Raises unless `x` (argument `name` of `op`) is a float array or a `QArray`.
+
+    Raises:
+      TypeError: naming the op, the argument and what it got.
+    """
+    if quantized(x):
+        return
+    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"{op} {name} must be a float array or a QArray, got "
+            f"{type(x).__name__} with dtype {getattr(x, 'dtype', None)}"
+        )
+
+
+def active_side(lhs: Any, rhs: Any) -> tuple[str | None, QArray | None]:
+    """Which float operand gets quantized on the fly (``"lhs"`` / ``"rhs"``), and the QArray
+    whose `activation` config asks for it; (None, None) when neither is."""
+    lq, rq = quantized(lhs), quantized(rhs)
+    if rq and not lq and rhs.activation is not None:
+        return "lhs", rhs
+    if lq and not rq and lhs.activation is not None:
+        return "rhs", lhs
+    return None, None
+
+
+def dequantized(x: Any, dtype: Any = None) -> jax.Array:
+    """`x` as a float array: a QArray dequantized (to `dtype`, default its logical dtype), a
+    float array as it is (cast to `dtype` when given)."""
+    if quantized(x):
+        return x.dequantize() if dtype is None else x.dequantize(dtype)
+    return x if dtype is None else x.astype(dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Operand:
     """One side of a dot in the form `(values - zero_point) * scale` (see module docstring).
@@ -90,6 +130,11 @@ def from_qarray(q: QArray) -> Operand:
         scale=q.scale_values(),
         zero_point=zero_point,
     )
+
+
+def as_operand(x: Any) -> Operand:
+    """`x` (a QArray or a float array) in the form the core product reads."""
+    return from_qarray(x) if quantized(x) else from_float(x)
 
 
 def activation_granularity(
@@ -166,7 +211,7 @@ def product_dtype(lhs: Any, rhs: Any, preferred_element_type: Any) -> np.dtype:
     float operand's dtype, else the operands' logical dtypes promoted."""
     if preferred_element_type is not None:
         return jnp.dtype(preferred_element_type)
-    floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QArray)]
+    floats = [x.dtype for x in (lhs, rhs) if not quantized(x)]
     return jnp.dtype(floats[0] if floats else jnp.result_type(lhs.dtype, rhs.dtype))
 
 

@@ -16,14 +16,8 @@ from typing import Any
 import jax
 
 from lowbit import kernels
-from lowbit.ops._prepared import (
-    PreparedPieces,
-    PreparedQArray,
-    as_q4_0,
-    holds_int4_as_q4_0,
-    prepare_weight,
-)
-from lowbit.qarray import QArray
+from lowbit.ops._operand import quantized
+from lowbit.ops._prepared import as_q4_0, holds_int4_as_q4_0, is_prepared, prepare_weight
 
 
 def prepare_leaves(
@@ -36,11 +30,11 @@ def prepare_leaves(
     """
     lookup = axes.get if isinstance(axes, Mapping) else axes
     for i, (keys, leaf) in enumerate(flat):
-        if isinstance(leaf, QArray):
+        if quantized(leaf):
             axis = lookup(tuple(keys))
             if axis is not None:
                 flat[i] = (keys, prepare_weight(jax.tree.map(_untyped, leaf), axis))
-        elif isinstance(leaf, PreparedQArray):
+        elif is_prepared(leaf):
             # Laid out by convention (a `kernel` contracted over axis 0) but used along the
             # other axis: laid out again for the use, else every call would unpack it.
             axis = lookup(tuple(keys))
@@ -80,7 +74,7 @@ def prepare_weights(tree: Any, axes: Mapping[Any, int] | Callable[[Any], int | N
       The tree with `PreparedQArray`s in place of the prepared QArrays.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, QArray | PreparedQArray)
+        tree, is_leaf=lambda x: quantized(x) or is_prepared(x)
     )
     prepare_leaves(flat, axes)
     return jax.tree_util.tree_unflatten(treedef, [leaf for _, leaf in flat])
@@ -109,7 +103,7 @@ def with_int8_activations(
     wanted = kernels.INT8_ACTIVATION_KINDS if kinds is None else kinds
 
     def one(x):
-        if not isinstance(x, PreparedQArray):
+        if not is_prepared(x):
             return x
         if enabled and x.route.kind == "int4" and "int4" in wanted:
             x = as_q4_0(x) or x  # the same values on the faster integer layout
@@ -120,11 +114,11 @@ def with_int8_activations(
             return dataclasses.replace(x, route=route)
         return x
 
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PreparedQArray))
+    return jax.tree.map(one, tree, is_leaf=is_prepared)
 
 
 def logical_weights(tree: Any) -> Any:
     """Every `PreparedQArray` (and `PreparedPieces`) of a pytree back to its logical `QArray`
     (e.g. to save it)."""
-    laid_out = lambda x: isinstance(x, PreparedQArray | PreparedPieces)
+    laid_out = lambda x: is_prepared(x, pieces=True)
     return jax.tree.map(lambda x: x.logical() if laid_out(x) else x, tree, is_leaf=laid_out)

@@ -28,6 +28,7 @@ from lowbit import kernels
 from lowbit._host_memory import release_free_memory
 from lowbit.formats import get_format
 from lowbit.ops._cpu_kernels import KernelRoute, gguf_rows, prepare_layout, weight_route
+from lowbit.ops._operand import quantized
 from lowbit.qarray import META_FIELDS, ArrayBacked, EngineValue, NoRule, QArray
 
 
@@ -318,8 +319,11 @@ def _join(qs: list[QArray], axis: int) -> QArray:
     )
 
 
-def is_prepared(x: Any) -> bool:
-    return isinstance(x, PreparedQArray)
+def is_prepared(x: Any, pieces: bool = False) -> bool:
+    """Whether `x` is a weight in the CPU kernels' layout: a `PreparedQArray`, or with `pieces`
+    also one split over a mesh (`PreparedPieces`). The one place `lowbit.ops` tells a layout
+    from the other kinds of value."""
+    return isinstance(x, (PreparedQArray, PreparedPieces) if pieces else PreparedQArray)
 
 
 def _logical_nbytes(meta: LogicalMeta, tensor_scale: Any, input_scale: Any) -> int:
@@ -548,7 +552,7 @@ def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
       A `PreparedQArray` replacing `q`, or `q` unchanged (not 2-D, activation bounds set, or a
       format, scale layout, size or backend no kernel takes).
     """
-    if not isinstance(q, QArray) or q.ndim != 2 or q.activation_bounds is not None:
+    if not quantized(q) or q.ndim != 2 or q.activation_bounds is not None:
         return q
     if axis not in (0, 1):
         raise ValueError(f"axis={axis!r}: a 2-D weight is contracted over axis 0 or 1")

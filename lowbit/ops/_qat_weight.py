@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from lowbit.ops import _dims
 from lowbit.ops._conv import hashable_params
 from lowbit.ops._conv_qat import qat_conv
+from lowbit.ops._operand import quantized
 from lowbit.ops._qat import qat_dot
 from lowbit.ops._ragged_dot import BASIC_DIMENSION_NUMBERS
 from lowbit.ops._ragged_dot_qat import qat_ragged
@@ -139,16 +140,21 @@ def qat_weight(
     )
 
 
-def _split_operands(lhs, rhs, op: str):
-    """(float operand, QatWeight, whether the weight is the rhs)."""
-    if isinstance(rhs, QatWeight) and not isinstance(lhs, QatWeight | QArray):
+def _split_operands(lhs, rhs, op: str, rhs_only: bool = False):
+    """(float operand, QatWeight, whether the weight is the rhs).
+
+    Raises:
+      TypeError: unless one operand is a QatWeight and the other a float array (with
+        `rhs_only`: the rhs is the weight).
+    """
+    weights = tuple(isinstance(x, QatWeight) for x in (lhs, rhs))
+    floats = tuple(not w and not quantized(x) for w, x in zip(weights, (lhs, rhs), strict=True))
+    if weights[1] and floats[0]:
         return lhs, rhs, True
-    if isinstance(lhs, QatWeight) and not isinstance(rhs, QatWeight | QArray):
+    if weights[0] and floats[1] and not rhs_only:
         return rhs, lhs, False
-    raise TypeError(
-        f"{op} needs one QatWeight and one float array, got {type(lhs).__name__} and "
-        f"{type(rhs).__name__}"
-    )
+    wanted = "a float lhs and a QatWeight rhs" if rhs_only else "one QatWeight and one float array"
+    raise TypeError(f"{op} needs {wanted}, got {type(lhs).__name__} and {type(rhs).__name__}")
 
 
 def qat_dot_general(
@@ -188,11 +194,7 @@ def qat_conv_general_dilated(lhs: jax.Array, rhs: QatWeight, **params: Any) -> j
       ValueError: if the weight has a `gradient` config (quantized backward convolutions are
         not provided; use gradient=None for convolution kernels).
     """
-    if not isinstance(rhs, QatWeight) or isinstance(lhs, QatWeight | QArray):
-        raise TypeError(
-            "qat_conv_general_dilated needs a float lhs and a QatWeight rhs, got "
-            f"{type(lhs).__name__} and {type(rhs).__name__}"
-        )
+    _split_operands(lhs, rhs, "qat_conv_general_dilated", rhs_only=True)
     if rhs.gradient is not None:
         raise ValueError(
             f"gradient={rhs.gradient!r} on a convolution kernel: quantized backward products "
@@ -227,11 +229,7 @@ def qat_ragged_dot_general(
       TypeError: unless `rhs` is a QatWeight and `lhs` a float array.
       ValueError: for a `group_offset`, or a gradient config with a non-basic layout.
     """
-    if not isinstance(rhs, QatWeight) or isinstance(lhs, QatWeight | QArray):
-        raise TypeError(
-            "qat_ragged_dot_general needs a float lhs and a QatWeight rhs, got "
-            f"{type(lhs).__name__} and {type(rhs).__name__}"
-        )
+    _split_operands(lhs, rhs, "qat_ragged_dot_general", rhs_only=True)
     if options.get("group_offset") is not None:
         raise ValueError("qat_ragged_dot_general does not take a group_offset; got one")
     if rhs.gradient is not None and ragged_dot_dimension_numbers != BASIC_DIMENSION_NUMBERS:

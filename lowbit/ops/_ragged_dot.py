@@ -27,12 +27,15 @@ from lowbit.ops._dims import expand_axis
 from lowbit.ops._input_scale import reject_input_scale
 from lowbit.ops._operand import (
     activation_scale_shape,
+    active_side,
+    as_operand,
+    check_operand,
     core_dtypes,
+    dequantized,
     format_kind,
-    from_float,
-    from_qarray,
     product_dtype,
     quantize_activation,
+    quantized,
     reference_product,
 )
 from lowbit.qarray import QArray
@@ -45,14 +48,13 @@ BASIC_DIMENSION_NUMBERS = lax.RaggedDotDimensionNumbers(
 
 
 def _check(lhs, rhs):
-    if isinstance(lhs, QArray) and lhs.activation is not None:
+    if quantized(lhs) and lhs.activation is not None:
         raise ValueError(
             "ragged_dot_general quantizes activations only for a QArray rhs (the expert weights); "
             f"got an lhs {lhs!r} with an activation config"
         )
-    for name, x in (("lhs", lhs), ("rhs", rhs)):
-        if not isinstance(x, QArray) and not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"ragged_dot_general {name} must be float or a QArray, got {x.dtype}")
+    check_operand(lhs, "ragged_dot_general", "lhs")
+    check_operand(rhs, "ragged_dot_general", "rhs")
 
 
 def _axes(dims, lhs_shape, rhs_shape):
@@ -83,16 +85,17 @@ def ragged_dot_general_path(
     Takes the arguments of `ragged_dot_general` (an equation's params as they are); of its
     `options` only `group_offset` (set: ``"reference"``) matters.
     """
-    if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
+    lq, rq = quantized(lhs), quantized(rhs)
+    if not lq and not rq:
         return "float"
     axes = _axes(ragged_dot_dimension_numbers, lhs.shape, rhs.shape)
-    if axes is None or options.get("group_offset") is not None or not isinstance(rhs, QArray):
+    if axes is None or options.get("group_offset") is not None or not rq:
         return "reference"
     lc, _, rc, _, _ = axes
     if rhs.scale.shape[rc] != 1:
         return "reference"
     wkind = format_kind(rhs.fmt)
-    if isinstance(lhs, QArray):
+    if lq:
         xkind, xscale = format_kind(lhs.fmt), tuple(lhs.scale.shape)
     elif rhs.activation is None:
         return "weight_only_epilogue"
@@ -161,13 +164,14 @@ def ragged_dot_general(
     """
     _check(lhs, rhs)
     reject_input_scale("ragged_dot_general", lhs, rhs)
-    if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
+    side, _ = active_side(lhs, rhs)
+    if not quantized(lhs) and not quantized(rhs):
         options = _lax_options(precision, preferred_element_type, group_offset, out_sharding)
         return lax.ragged_dot_general(
             lhs, rhs, group_sizes, ragged_dot_dimension_numbers, **options
         )
     static = (ragged_dot_dimension_numbers, precision, preferred_element_type, out_sharding)
-    if isinstance(rhs, QArray) and not isinstance(lhs, QArray) and rhs.activation is not None:
+    if side == "lhs":
         return _ste_ragged(lhs, rhs, group_sizes, group_offset, *static)
     return _forward(lhs, rhs, group_sizes, group_offset, *static)
 
@@ -180,10 +184,9 @@ def _forward(lhs, rhs, group_sizes, group_offset, dims, precision, preferred, ou
     out_dtype = product_dtype(lhs, rhs, preferred)
     axes = _axes(dims, lhs.shape, rhs.shape)
     lc = axes[0]
-    if not isinstance(lhs, QArray) and rhs.activation is not None:
+    if active_side(lhs, rhs)[0] == "lhs":
         lhs = quantize_activation(lhs, (lc,), rhs.activation, rhs.activation_bounds)
-    x = from_qarray(lhs) if isinstance(lhs, QArray) else from_float(lhs)
-    w = from_qarray(rhs)
+    x, w = as_operand(lhs), as_operand(rhs)
     xdtype, wdtype, acc_dtype = core_dtypes(x.kind, w.kind)
     xv, wv = x.values, w.values
     if xdtype is not None:
@@ -260,12 +263,11 @@ def ragged_dot_general_reference(
     out_dtype = product_dtype(lhs, rhs, options.pop("preferred_element_type", None))
     out_sharding = options.pop("out_sharding", None)
     (lc, _), _ = ragged_dot_dimension_numbers.dot_dimension_numbers
-    if isinstance(rhs, QArray) and not isinstance(lhs, QArray) and rhs.activation is not None:
+    if active_side(lhs, rhs)[0] == "lhs":
         lhs = quantize_activation(lhs, lc, rhs.activation, rhs.activation_bounds).dequantize(
             lhs.dtype
         )
-    lhs_f = lhs.dequantize() if isinstance(lhs, QArray) else lhs
-    rhs_f = rhs.dequantize() if isinstance(rhs, QArray) else rhs
+    lhs_f, rhs_f = dequantized(lhs), dequantized(rhs)
     return reference_product(
         lax.ragged_dot_general,
         lhs_f,
