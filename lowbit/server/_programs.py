@@ -204,12 +204,15 @@ def decode_rows(
     counts: jax.Array,
     steps: jax.Array,
     index: jax.Array,
+    *,
+    logprobs: bool = False,
 ) -> tuple[Decoded, KVCache]:
     """`decode` of the rows ``index [b]`` only (distinct row numbers, ``b <= B``): the same
     tokens for them, at about ``b / B`` of the dense work, reading and writing their cache
-    rows in place (`KVCache.rows`). The other rows are not run: their tokens come back -1 and
-    their cache slots and counts unchanged. Arguments and results are `decode`'s, every one
-    of ``B`` rows."""
+    rows in place (`KVCache.rows`). The other rows are not run: their tokens come back -1,
+    their log-probabilities 0, and their cache slots and counts unchanged. Arguments and
+    results are `decode`'s, every one of ``B`` rows (`logprobs`: the
+    `decode_rows_logprobs` program)."""
     pick = functools.partial(take_rows, rows=index)
     decoded, cache = decode(
         graphdef,
@@ -219,10 +222,18 @@ def decode_rows(
         jax.tree.map(pick, rows),
         pick(counts),
         steps,
+        logprobs=logprobs,
+    )
+    every = lambda rows: _scatter(
+        jnp.zeros((cache.batch, *rows.shape[1:]), rows.dtype), index, rows
     )
     tokens = _scatter(jnp.full((cache.batch, MAX_STEPS), -1, jnp.int32), index, decoded.tokens)
     counts = _scatter(counts, index, decoded.counts)
-    return Decoded(tokens, counts, None), dataclasses.replace(cache, rows=None)
+    lp = None if decoded.logprobs is None else jax.tree.map(every, decoded.logprobs)
+    return Decoded(tokens, counts, lp), dataclasses.replace(cache, rows=None)
+
+
+decode_rows_logprobs = functools.partial(decode_rows, logprobs=True)
 
 
 def verify(

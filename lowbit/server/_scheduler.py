@@ -351,8 +351,9 @@ class Scheduler:
         request needs after its prefill). In the background, in this order: the one-pass
         prefills from the narrowest (a request whose width is not compiled yet compiles it
         itself), the first token's sampling and log-probabilities, the decode step with
-        log-probabilities, the slide, the chunked prefill and its copy into a row, the prefix
-        cache's copies, the embedding batches."""
+        log-probabilities, the slide, the programs over some rows, the batched prefills, the
+        chunked prefill and its copy into a row, the prefix cache's copies, the decode over
+        some rows with log-probabilities, the embedding batches."""
         register = self.programs.register
         dummy = Job(
             prompt=[0],
@@ -419,6 +420,10 @@ class Scheduler:
             for slots in sorted({self.prefill_widths[-1], t}):
                 src = big if slots == t else self._empty_cache(1, slots, abstract=True)
                 register("save", slots, (self.pool, src, zero, zero, zero), at_start=False)
+        # Only requests that ask for log-probabilities run these (until then, the full one).
+        for b in [] if self.config.deterministic else programs.row_buckets(self.config.slots):
+            args = self._decode_args(1, np.arange(b, dtype=np.int32))
+            register("decode_rows_logprobs", b, args, at_start=False)
         for spec in embed:
             register(*spec, at_start=False)
 
@@ -918,8 +923,9 @@ class Scheduler:
         name, width, index = "decode_logprobs" if asks else "decode", self.config.slots, None
         busy = [r for r, job in enumerate(self._rows) if job is not None]
         rows = programs.row_index(busy, width)
-        if not asks and len(rows) < width and self.programs.ready("decode_rows", len(rows)):
-            name, width, index = "decode_rows", len(rows), rows  # only the busy rows run
+        over_rows = "decode_rows_logprobs" if asks else "decode_rows"
+        if len(rows) < width and self.programs.ready(over_rows, len(rows)):
+            name, width, index = over_rows, len(rows), rows  # only the busy rows run
         args = self._decode_args(steps, index)
         decoded, self.cache = self._run(name, width, args)
         self.sampling.counts = decoded.counts

@@ -2,6 +2,7 @@
 hands out exactly the tokens `generate_tokens` gives each request alone, while guesses are
 accepted (counted) and the smaller programs run."""
 
+import dataclasses
 import time
 
 import jax
@@ -41,9 +42,10 @@ def test_row_index_pads_with_distinct_free_rows():
     assert programs.row_index([0], 1).tolist() == [0]
 
 
-def _serve(loaded, config, kv_cache, requests, draft=None):
-    """Runs `requests` (prompt, max_tokens, temperature, seed, delay) through a scheduler;
-    returns it, each request's tokens and finish reasons, and the programs each turn ran."""
+def _serve(loaded, config, kv_cache, requests, draft=None, logprobs=None):
+    """Runs `requests` (prompt, max_tokens, temperature, seed, delay) through a scheduler,
+    each asking for `logprobs` alternatives; returns it, each request's tokens and finish
+    reasons, and the programs each turn ran."""
     scheduler = Scheduler(loaded.model, None, kv_cache, config, draft=draft)
     ran = []
     program = scheduler._program
@@ -74,6 +76,7 @@ def _serve(loaded, config, kv_cache, requests, draft=None):
 
             stop = frozenset(stop_ids(loaded, None))
             job = Job(prompt, max_tokens, temperature, 0, 1.0, seed, stop, deadline, emit)
+            job = dataclasses.replace(job, logprobs=logprobs)
             scheduler.submit(job)
         while len(done) < len(requests):
             assert time.monotonic() < deadline and scheduler.error is None
@@ -179,4 +182,27 @@ def test_decode_runs_only_the_busy_rows(loaded):
         assert answers[i] == expected.tokens[0], i
     assert ("decode", 4) not in ran
     assert {("decode_rows", 1), ("decode_rows", 2)} & set(ran)
+    # Asking for log-probabilities keeps to the busy rows too.
+    _, again, _, ran = _serve(loaded, config, None, requests, logprobs=2)
+    assert again == answers
+    assert ("decode_logprobs", 4) not in ran
+    assert {("decode_rows_logprobs", 1), ("decode_rows_logprobs", 2)} & set(ran)
     assert scheduler.speculation is None
+
+
+def test_the_busy_rows_log_probabilities_are_the_full_decodes(loaded):
+    config = SchedulerConfig(slots=4, max_len=64, single_pass=16, chunk=16, kv_memory=0)
+    scheduler = Scheduler(loaded.model, None, None, config)
+    scheduler.start_host[:] = 0
+    scheduler.token_host[:] = [5, 17, 42, 99]
+    index = np.array([1, 3], np.int32)
+    full, _ = programs.decode_logprobs(scheduler.graphdef, *scheduler._decode_args(3))
+    rows, _ = programs.decode_rows_logprobs(scheduler.graphdef, *scheduler._decode_args(3, index))
+    idle = np.array([0, 2])
+    rows, full = jax.tree.map(np.asarray, (rows, full))
+    np.testing.assert_array_equal(rows.tokens[index], full.tokens[index])
+    assert (rows.tokens[idle] == -1).all()
+    pairs = zip(jax.tree.leaves(rows.logprobs), jax.tree.leaves(full.logprobs), strict=True)
+    for got, want in pairs:
+        np.testing.assert_allclose(got[index][:, :3], want[index][:, :3], rtol=1e-5, atol=1e-5)
+        assert not got[idle].any()  # rows not run: zeros
