@@ -1,9 +1,9 @@
 """A soak of `lowbit serve`: many concurrent clients, well-behaved and hostile, on loopback.
 
-Every client is an asyncio task speaking HTTP/1.1 over its own raw socket (one connection per
-request, ``Connection: close``), so that it can also misbehave as no HTTP library would. The
-clients take items one at a time from one shuffled list, so the kinds of request are spread
-over the whole run:
+Every client is an asyncio task speaking HTTP/1.1 over its own raw socket (`_soak_http`: one
+connection per request, ``Connection: close``), so that it can also misbehave as no HTTP
+library would. The clients take items one at a time from one shuffled list, so the kinds of
+request are spread over the whole run:
 
 - ``plain`` / ``stream``: the well-behaved clients. A greedy completion, whole or as
   server-sent events, whose token ids and text must equal the reference answer for its prompt
@@ -41,17 +41,31 @@ import os
 import random
 import re
 import socket
-import struct
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-HOST = "127.0.0.1"
+from benchmarks._soak_http import (
+    HOST,
+    Answer,
+    NoAnswer,
+    close_connection,
+    completion_body,
+    connect,
+    get,
+    read_body,
+    read_events,
+    read_head,
+    read_streamed,
+    read_whole,
+    request_bytes,
+)
+
 WELL_BEHAVED = ("plain", "stream")
 # Kinds whose answers are compared with the references.
 CHECKED = ("plain", "stream", "slow", "burst")
@@ -129,10 +143,6 @@ class _Item:
     variant: int
 
 
-class _NoAnswer(Exception):
-    """The connection ended before a complete answer."""
-
-
 # -- the server process -----------------------------------------------------------------------
 
 
@@ -187,8 +197,8 @@ def stop_server(proc: subprocess.Popen, wait: float = 60) -> int:
 def health(port: int) -> int | None:
     """The status of ``GET /health``, or None without an answer."""
     try:
-        status, _, _ = asyncio.run(_get(port, "/health"))
-    except (OSError, _NoAnswer, TimeoutError):
+        status, _, _ = asyncio.run(get(port, "/health"))
+    except (OSError, NoAnswer, TimeoutError):
         return None
     return status
 
@@ -197,172 +207,6 @@ def server_log_errors(log: Path) -> list[str]:
     """Lines of the server's log that report an exception in the app (a traceback)."""
     lines = log.read_text(errors="replace").splitlines()
     return [line for line in lines if "Traceback" in line or "Exception in ASGI" in line]
-
-
-# -- HTTP/1.1 over a raw socket ---------------------------------------------------------------
-
-
-def _request(
-    path: bytes | str,
-    body: bytes = b"",
-    *,
-    method: str = "POST",
-    length: int | None = None,
-    chunked: bool = False,
-) -> bytes:
-    """A request head (and `body`, unless `chunked`: the caller sends the chunks)."""
-    target = path.encode() if isinstance(path, str) else path
-    head = [method.encode() + b" " + target + b" HTTP/1.1", b"Host: 127.0.0.1"]
-    head.append(b"Connection: close")
-    if method == "POST":
-        head.append(b"Content-Type: application/json")
-        if chunked:
-            head.append(b"Transfer-Encoding: chunked")
-        else:
-            head.append(b"Content-Length: %d" % (len(body) if length is None else length))
-    return b"\r\n".join(head) + b"\r\n\r\n" + (b"" if chunked else body)
-
-
-async def _connect(
-    port: int, receive_buffer: int | None = None, limit: int = 1 << 16
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    if receive_buffer is not None:  # before connecting: it sets the advertised window
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
-    sock.setblocking(False)
-    try:
-        await asyncio.get_running_loop().sock_connect(sock, (HOST, port))
-    except BaseException:
-        sock.close()
-        raise
-    return await asyncio.open_connection(sock=sock, limit=limit)
-
-
-def _close(writer: asyncio.StreamWriter, reset: bool = False) -> None:
-    if reset:  # SO_LINGER 0: the close sends a reset, not a FIN
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    writer.close()
-
-
-async def _head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
-    try:
-        raw = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError as err:
-        raise _NoAnswer(f"closed before an answer ({len(err.partial)} bytes)") from None
-    lines = raw.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ", 2)[1])
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        if name:
-            headers[name.strip().lower()] = value.strip()
-    return status, headers
-
-
-async def _chunks(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
-    """The pieces of a chunked body, as they arrive."""
-    try:
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            if size == 0:
-                await reader.readuntil(b"\r\n")
-                return
-            yield (await reader.readexactly(size + 2))[:-2]
-    except asyncio.IncompleteReadError:
-        raise _NoAnswer("closed inside a chunked body") from None
-
-
-async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
-    try:
-        if "content-length" in headers:
-            return await reader.readexactly(int(headers["content-length"]))
-        if headers.get("transfer-encoding", "").lower() == "chunked":
-            return b"".join([piece async for piece in _chunks(reader)])
-        return await reader.read()
-    except asyncio.IncompleteReadError:
-        raise _NoAnswer("closed inside the body") from None
-
-
-async def _get(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
-    async with asyncio.timeout(10):
-        reader, writer = await _connect(port)
-        try:
-            writer.write(_request(path, method="GET"))
-            await writer.drain()
-            status, headers = await _head(reader)
-            return status, headers, await _body(reader, headers)
-        finally:
-            _close(writer)
-
-
-# -- the requests -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Answer:
-    """A completion's token ids, text and finish reason."""
-
-    ids: tuple[int, ...]
-    text: str
-    finish: str | None
-
-
-def _completion(prompt: str, max_tokens: int, stream: bool) -> bytes:
-    body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": stream,
-        "return_token_ids": True,
-    }
-    return json.dumps(body).encode()
-
-
-def _whole(data: bytes) -> Answer:
-    choice = json.loads(data)["choices"][0]
-    return Answer(tuple(choice["token_ids"]), choice["text"], choice["finish_reason"])
-
-
-async def _events(
-    reader: asyncio.StreamReader, pause: float = 0.0, rng: random.Random | None = None
-) -> AsyncIterator[str]:
-    """The ``data:`` payloads of a server-sent event stream (pausing `pause` seconds, at
-    random up to it, after each piece of the body)."""
-    pending = b""
-    async for piece in _chunks(reader):
-        pending += piece
-        while b"\n\n" in pending:
-            event, pending = pending.split(b"\n\n", 1)
-            for line in event.decode().splitlines():
-                if line.startswith("data: "):
-                    yield line[6:]
-        if pause and rng is not None:
-            await asyncio.sleep(rng.uniform(0, pause))
-
-
-async def _streamed(
-    reader: asyncio.StreamReader, pause: float = 0.0, rng: random.Random | None = None
-) -> Answer:
-    ids: list[int] = []
-    text: list[str] = []
-    finish = None
-    done = False
-    async for data in _events(reader, pause, rng):
-        if data == "[DONE]":
-            done = True
-            continue
-        event = json.loads(data)
-        if "error" in event:
-            raise _NoAnswer(f"the stream ended with an error: {event['error']}")
-        choice = event["choices"][0]
-        ids += choice.get("token_ids", [])
-        text.append(choice["text"])
-        finish = choice["finish_reason"] or finish
-    if not done:
-        raise _NoAnswer("the stream ended without [DONE]")
-    return Answer(tuple(ids), "".join(text), finish)
 
 
 class Soak:
@@ -406,25 +250,25 @@ class Soak:
     ) -> tuple[int, Answer | float | None]:
         """The status and the answer (a 200), the seconds its ``Retry-After`` says (a 429), or
         None (another status)."""
-        body = _completion(self.prompts[prompt], max_tokens, stream)
+        body = completion_body(self.prompts[prompt], max_tokens, stream)
         limit = 1 << 16 if receive_buffer is None else 1024
-        reader, writer = await _connect(self.port, receive_buffer, limit)
+        reader, writer = await connect(self.port, receive_buffer, limit)
         try:
-            writer.write(_request("/v1/completions", body))
+            writer.write(request_bytes("/v1/completions", body))
             await writer.drain()
-            status, headers = await _head(reader)
+            status, headers = await read_head(reader)
             if status != 200:
-                await _body(reader, headers)
+                await read_body(reader, headers)
                 if status != 429:
                     return status, None
                 if "retry-after" not in headers:
-                    raise _NoAnswer("a 429 without Retry-After")
+                    raise NoAnswer("a 429 without Retry-After")
                 return status, float(headers["retry-after"])
             if stream:
-                return status, await _streamed(reader, pause, self.rng)
-            return status, _whole(await _body(reader, headers))
+                return status, await read_streamed(reader, pause, self.rng)
+            return status, read_whole(await read_body(reader, headers))
         finally:
-            _close(writer)
+            close_connection(writer)
 
     def _check(self, out: Outcome, item: _Item, answer: Answer) -> None:
         want = self.references[item.prompt, item.max_tokens]
@@ -453,7 +297,7 @@ class Soak:
                     await asyncio.sleep(answer)  # as the server's Retry-After says
                     continue
                 break
-        except (_NoAnswer, OSError) as err:
+        except (NoAnswer, OSError) as err:
             out.lost = f"{type(err).__name__}: {err}"
             return
         out.latency = time.perf_counter() - start
@@ -467,40 +311,40 @@ class Soak:
             self._check(out, item, answer)
 
     async def _disconnect(self, item: _Item, out: Outcome) -> None:
-        body = _completion(self.prompts[item.prompt], item.max_tokens, stream=True)
-        reader, writer = await _connect(self.port)
+        body = completion_body(self.prompts[item.prompt], item.max_tokens, stream=True)
+        reader, writer = await connect(self.port)
         mode = item.variant % 3  # 0: FIN after the first event, 1: reset, 2: before any answer
         try:
-            writer.write(_request("/v1/completions", body))
+            writer.write(request_bytes("/v1/completions", body))
             await writer.drain()
             if mode == 2:
                 return
-            out.status, headers = await _head(reader)
+            out.status, headers = await read_head(reader)
             if out.status == 200:
-                async for _ in _events(reader):
+                async for _ in read_events(reader):
                     break
             else:
-                await _body(reader, headers)
-        except (_NoAnswer, OSError):
+                await read_body(reader, headers)
+        except (NoAnswer, OSError):
             pass  # the stream may end first (a short answer); nothing is owed to this client
         finally:
-            _close(writer, reset=mode == 1)
+            close_connection(writer, reset=mode == 1)
 
     async def _too_large(self, item: _Item, out: Outcome) -> None:
         limit = self.settings.max_body_bytes
         mode = item.variant % 3  # 0: declared and never sent, 1: sent whole, 2: chunked
         over = limit + 1 + self.rng.randrange(4096)
         body = b'{"prompt": "' + b"x" * (over - 14) + b'"}'
-        reader, writer = await _connect(self.port)
+        reader, writer = await connect(self.port)
         out.variant = ("declared", "whole", "chunked")[mode]
         try:
             try:
                 if mode == 0:
-                    writer.write(_request("/v1/completions", length=over))
+                    writer.write(request_bytes("/v1/completions", length=over))
                 elif mode == 1:
-                    writer.write(_request("/v1/completions", body))
+                    writer.write(request_bytes("/v1/completions", body))
                 else:
-                    writer.write(_request("/v1/completions", chunked=True))
+                    writer.write(request_bytes("/v1/completions", chunked=True))
                     for at in range(0, len(body), 4096):
                         piece = body[at : at + 4096]
                         writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
@@ -508,14 +352,14 @@ class Soak:
                 await writer.drain()
             except OSError:
                 pass  # refused before it was all sent: the answer may still be there to read
-            out.status, headers = await _head(reader)
-            await _body(reader, headers)
-        except (_NoAnswer, OSError) as err:
+            out.status, headers = await read_head(reader)
+            await read_body(reader, headers)
+        except (NoAnswer, OSError) as err:
             if mode == 0:  # nothing unread: the 413 must arrive
                 out.wrong = f"no answer: {type(err).__name__}: {err}"
             return
         finally:
-            _close(writer)
+            close_connection(writer)
         if out.status != 413:
             out.wrong = f"status {out.status}, expected 413"
 
@@ -553,20 +397,20 @@ class Soak:
         if variant == "surrogate" and item.variant % 2:
             path = b"/v1/chat/completions"
             body = b'{"messages": [{"role": "user", "content": "hi \\udfff"}], "max_tokens": 2}'
-        request = _request(path, body)
+        request = request_bytes(path, body)
         if variant == "ff-bytes":  # the request line itself is not UTF-8
-            request = _request(b"/v1/compl\xff\xfeetions", b'{"prompt": "x"}')
-        reader, writer = await _connect(self.port)
+            request = request_bytes(b"/v1/compl\xff\xfeetions", b'{"prompt": "x"}')
+        reader, writer = await connect(self.port)
         try:
             writer.write(request)
             await writer.drain()
-            out.status, headers = await _head(reader)
-            await _body(reader, headers)
-        except (_NoAnswer, OSError) as err:
+            out.status, headers = await read_head(reader)
+            await read_body(reader, headers)
+        except (NoAnswer, OSError) as err:
             out.wrong = f"no answer: {type(err).__name__}: {err}"
             return
         finally:
-            _close(writer)
+            close_connection(writer)
         if out.status not in _EXPECTED[item.kind]:
             out.wrong = f"status {out.status}, expected {_EXPECTED[item.kind]}"
 
@@ -670,8 +514,8 @@ class Soak:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             try:
-                _, _, body = await _get(self.port, "/metrics")
-            except (_NoAnswer, OSError, TimeoutError):
+                _, _, body = await get(self.port, "/metrics")
+            except (NoAnswer, OSError, TimeoutError):
                 return False
             values = dict(
                 re.findall(
