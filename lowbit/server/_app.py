@@ -413,7 +413,7 @@ def create_app(served: ServedModel) -> Starlette:
         lambda: s.queue_length,
         lambda: s.busy_slots,
         s.config.slots,
-        s.prefix,
+        None if s.prefill is None else s.prefill.prefix,
         compiling=lambda: s.programs.pending,
         speculation=s.speculation,
     )

@@ -31,7 +31,6 @@ from flax import nnx
 
 from lowbit.api import StoredProgram, describe
 from lowbit.models import bucket
-from lowbit.server import _batch_prefill as batch_prefill
 from lowbit.server import _embeddings as embeddings
 from lowbit.server import _programs as programs
 from lowbit.server import _speculate as speculate
@@ -49,39 +48,9 @@ from lowbit.server._job import (
     SchedulerConfig,
 )
 from lowbit.server._logprobs import host_logprobs
-from lowbit.server._prefix import PrefixIndex, chain
+from lowbit.server._prefill import Prefill, Prefiller, cache_key
 from lowbit.server._registry import ProgramRegistry
 from lowbit.server._sampling_rows import SamplingRows
-
-
-def _widths(lo: int, hi: int) -> list[int]:
-    """The bucket sizes in ``(lo, hi]`` (lo exclusive)."""
-    out, n = [], lo + 1
-    while n <= hi:
-        w = bucket(n)
-        if w > hi:
-            break
-        out.append(w)
-        n = w + 1
-    return out
-
-
-@dataclasses.dataclass(eq=False)
-class _Prefill:
-    """A request being prefilled (possibly over several chunks) or waiting for room."""
-
-    job: Job
-    width: int
-    cache: Any
-    tokens: np.ndarray
-    chunked: bool = False  # prefilled in chunks into a cache of a slot's length
-    begin: int = 0  # chunked: the first slot to prefill (those before come from the pool)
-    next_chunk: int = 0  # chunked: index of the next chunk; single pass: unused
-    first: int | None = None  # the first sampled token once prefilled
-    logits: Any = None  # ``[1, V]``, what `first` was drawn from
-    source: int = 0  # the prompt's first slot in `cache`
-    row: int = 0  # the prompt's row in `cache` (a batch's: `_batch_prefill`)
-    names: list[bytes] = dataclasses.field(default_factory=list)  # its blocks' prefix names
 
 
 class Scheduler:
@@ -133,21 +102,15 @@ class Scheduler:
         self.programs = ProgramRegistry(self._compile, workers=min(4, os.cpu_count() or 1))
         c = config
         self.single_pass = min(c.single_pass, c.max_len)
-        self.prefill_widths = _widths(0, bucket(self.single_pass))
-        self.prefill_widths = [w for w in self.prefill_widths if w <= c.max_len]
-        # Longer prompts are prefilled in chunks into a cache as long as a slot's: one program.
-        self.chunk_widths = [c.max_len] if self.prefill_widths[-1] < c.max_len else []
         # Embedding batches of `single_pass` tokens: each costs about one prefill pass.
         embeds = c.embeddings or not self.generates
         self.embed_widths = embeddings.embedding_widths(self.single_pass) if embeds else []
         self._embedding: collections.deque[embeddings.EmbedJob] = collections.deque()
         self._lock = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
-        self._prefill: _Prefill | None = None
+        self._prefill: Prefill | None = None
         # Prompts prefilled in a batch with another, waiting for room in the slots.
-        self._pending: collections.deque[_Prefill] = collections.deque()
-        rows = 1 if c.deterministic else c.prefill_rows
-        self.batch_sizes = batch_prefill.batch_sizes(min(rows, c.slots))
+        self._pending: collections.deque[Prefill] = collections.deque()
         self._rows: list[Job | None] = [None] * c.slots
         self._stop = False
         self.ready = False
@@ -155,37 +118,28 @@ class Scheduler:
         self.steps_run = 0
         self._thread: threading.Thread | None = None
         self.speculation = speculate.Stats() if config.speculate is not None else None
+        self.prefill: Prefiller | None = None
         if self.generates:
             self._reset_rows()
-        self.prefix, self.pool = self._prefix_pool() if self.generates else (None, None)
-        if self.prefix is not None and not self.chunk_widths:
-            # The rest of a prompt whose head is cached is prefilled in chunks.
-            self.chunk_widths = [c.max_len]
-
-    def _prefix_pool(self) -> tuple[PrefixIndex | None, Any]:
-        """The prefix cache's index and block pool (a cache of one row per block), or Nones."""
-        c = self.config
-        budget = self.cache.nbytes() // 2 if c.kv_memory is None else c.kv_memory
-        if budget == 0:
-            return None, None
-        one = self._empty_cache(1, c.prefix_block, abstract=True).nbytes()
-        blocks = budget // one
-        if blocks < 1:
-            raise ValueError(
-                f"kv_memory={budget} bytes holds no prefix-cache block of {c.prefix_block} "
-                f"tokens ({one} bytes each); give at least {one}, or 0 for no prefix cache"
+            self.prefill = Prefiller(
+                model,
+                self.params,
+                kv_cache,
+                config,
+                self.cache.nbytes(),
+                self._run,
+                self.programs.ready,
+                lambda job: self.sampling.one(job),
             )
-        pool = self.model.init_cache(blocks, c.prefix_block, self.kv_cache)
-        return PrefixIndex(blocks, c.prefix_block), pool
 
     # -- limits -------------------------------------------------------------------------------
 
     @property
     def max_prompt(self) -> int:
         """The longest prompt accepted (with one new token)."""
-        if self.chunk_widths:
+        if self.prefill.chunk_widths:
             return self.config.max_len - 1
-        return min(self.single_pass, self.config.max_len - 1)
+        return min(self.prefill.single_pass, self.config.max_len - 1)
 
     @property
     def max_embedding_tokens(self) -> int:
@@ -345,7 +299,7 @@ class Scheduler:
 
     def _register_programs(self) -> None:
         """Declares each program with example arguments built by the same code that builds a
-        request's (`_prefill_args`, `_decode_args`); nothing runs.
+        request's (`Prefiller.args`, `_decode_args`); nothing runs.
 
         At start: the decode step and the copy of a one-pass prefill into a row (what a
         request needs after its prefill). In the background, in this order: the one-pass
@@ -373,23 +327,23 @@ class Scheduler:
             return
         decode_args = self._decode_args(1)
         register("decode", self.config.slots, decode_args, at_start=True)
-        states = {}
-        for width in self.prefill_widths + self.chunk_widths:
+        prefill, states = self.prefill, {}
+        for width in prefill.prefill_widths + prefill.chunk_widths:
             job = dataclasses.replace(dummy, prompt=[0] * min(width, self.max_prompt))
-            chunked = width in self.chunk_widths
-            states[width] = self._begin_prefill(job, chunked=chunked, abstract=True)
-        one_pass = states[self.prefill_widths[0]]
+            chunked = width in prefill.chunk_widths
+            states[width] = prefill.begin(job, chunked=chunked, abstract=True)
+        one_pass = states[prefill.prefill_widths[0]]
         insert = self._insert_args(one_pass, 0, len(one_pass.job.prompt))
         register("insert", one_pass.cache.max_len, insert, at_start=True)
-        for width in self.prefill_widths:
-            name, args = self._prefill_args(states[width])
+        for width in prefill.prefill_widths:
+            name, args = prefill.args(states[width])
             register(name, width, args, at_start=False)
-        w0 = self.prefill_widths[0]
+        w0 = prefill.prefill_widths[0]
 
         def logprobs_args() -> tuple:
             # Every width's logits are alike: those of one compiled already (a request that
             # asks has compiled its own), so that this one never waits for another width.
-            ready = [w for w in self.prefill_widths if self.programs.ready("prefill", w)]
+            ready = [w for w in prefill.prefill_widths if self.programs.ready("prefill", w)]
             (_, logits), _ = self.programs.get("prefill", (ready or [w0])[0]).out_shapes
             return logits, jnp.zeros((1,), jnp.int32)
 
@@ -398,11 +352,11 @@ class Scheduler:
         register("shift", self.config.slots, self._shift_args(1), at_start=False)
         for spec in self._row_programs():
             register(*spec, at_start=False)
-        for spec in self._batch_programs(dummy):
+        for spec in prefill.batch_specs(dummy, self._insert_args):
             register(*spec, at_start=False)
-        for width in self.chunk_widths:
+        for width in prefill.chunk_widths:
             state = states[width]
-            name, args = self._prefill_args(state)
+            name, args = prefill.args(state)
             register(name, width, args, at_start=False)
             insert = self._insert_args(state, 0, len(state.job.prompt))
             register("insert", state.cache.max_len, insert, at_start=False)
@@ -413,28 +367,14 @@ class Scheduler:
                 return logits, sampling
 
             register("sample", 1, sample_args, at_start=False)
-        if self.prefix is not None:
-            t, zero = self.config.max_len, jnp.int32(0)
-            big = self._empty_cache(1, t, abstract=True)
-            register("load", t, (big, self.pool, zero, zero), at_start=False)
-            for slots in sorted({self.prefill_widths[-1], t}):
-                src = big if slots == t else self._empty_cache(1, slots, abstract=True)
-                register("save", slots, (self.pool, src, zero, zero, zero), at_start=False)
+        for spec in prefill.prefix_specs():
+            register(*spec, at_start=False)
         # Only requests that ask for log-probabilities run these (until then, the full one).
         for b in [] if self.config.deterministic else programs.row_buckets(self.config.slots):
             args = self._decode_args(1, np.arange(b, dtype=np.int32))
             register("decode_rows_logprobs", b, args, at_start=False)
         for spec in embed:
             register(*spec, at_start=False)
-
-    def _empty_cache(self, rows: int, slots: int, abstract: bool = False) -> Any:
-        """An empty KV cache of `rows` rows of `slots` slots; `abstract`: its leaves' shapes
-        and dtypes only (`jax.ShapeDtypeStruct`), which example arguments need, without
-        allocating or filling anything."""
-        if abstract:
-            make = functools.partial(self.model.init_cache, rows, slots, self.kv_cache)
-            return jax.eval_shape(make)
-        return self.model.init_cache(rows, slots, self.kv_cache)
 
     def _background_failed(self, err: BaseException) -> None:
         """A program the background thread compiled failed: /health reports it."""
@@ -517,14 +457,14 @@ class Scheduler:
         if len(batch) > 1:
             self._prefill_batch(batch)
         elif batch:
-            self._prefill = self._begin_prefill(batch[0], *self._lookup(batch[0]))
+            self._prefill = self.prefill.begin(batch[0], *self.prefill.lookup(batch[0]))
         state = self._prefill
         if state is not None:
             if state.job.cancelled or time.monotonic() > state.job.deadline:
                 self._finish(state.job, CANCELLED if state.job.cancelled else TIMEOUT)
                 self._prefill = None
             elif state.first is None:
-                self._advance_prefill(state)
+                self.prefill.advance(state)
                 if state.first is not None:
                     self._first_token(state)
             else:
@@ -576,200 +516,30 @@ class Scheduler:
 
     # -- prefill ------------------------------------------------------------------------------
 
-    def _lookup(self, job: Job) -> tuple[list[bytes], list[int]]:
-        """The names of the prompt's full blocks, and the pool blocks holding its head.
-
-        Only a prompt longer than one chunk reads the pool: the rest is prefilled in chunks
-        ending at its last token, and the one chunk of a shorter prompt would write over every
-        slot read (a quantized cache's key offset included). Until the copy out of the pool is
-        compiled (in the background after start) nothing is read: the prompt is prefilled
-        whole, and its blocks are still saved."""
-        if self.prefix is None:
-            return [], []
-        n, size = len(job.prompt), self.config.prefix_block
-        names = chain(job.prompt, size)
-        if not self.programs.ready("load", self.config.max_len):
-            return names, []
-        self.prefix.stats.queried_tokens += n
-        if n <= self.config.chunk:
-            return names, []
-        # The last token is always prefilled: its logits give the first new token.
-        return names, self.prefix.match(names[: (n - 1) // size])
-
-    def _begin_prefill(
-        self,
-        job: Job,
-        names: Sequence[bytes] = (),
-        hit: Sequence[int] = (),
-        chunked: bool | None = None,
-        abstract: bool = False,
-    ) -> _Prefill:
-        """The prefill of `job`: one pass, or chunks after the `hit` pool blocks (its prompt's
-        first blocks, named `names[:len(hit)]`) are copied in. `abstract`: its cache's shapes
-        only (`_empty_cache`), as example arguments."""
-        n = len(job.prompt)
-        if chunked is None:
-            chunked = bool(hit) or n > self.single_pass
-        if not chunked:
-            # Exactly as `generate_tokens` runs a batch of one: left-padded to bucket(n).
-            width = bucket(n)
-            tokens = np.zeros((1, width), np.int32)
-            tokens[0, width - n :] = job.prompt
-            # Every width prefills into a cache of the widest one's slots (the slots past the
-            # prompt stay empty and unseen), so one program moves any of them into a row.
-            cache = self._empty_cache(1, self.prefill_widths[-1], abstract)
-            cache = dataclasses.replace(cache, start=jnp.asarray([width - n], jnp.int32))
-            return _Prefill(job, width, cache, tokens, source=width - n, names=list(names))
-        width = self.config.max_len
-        tokens = np.zeros((1, width), np.int32)
-        tokens[0, :n] = job.prompt
-        cache = self._empty_cache(1, width, abstract)
-        size = self.config.prefix_block
-        for i, block in enumerate(hit):
-            args = (cache, self.pool, jnp.int32(block), jnp.int32(i * size))
-            cache = self._run("load", width, args)
-        if hit:
-            self.prefix.touch(names[: len(hit)])
-            job.cached_tokens = len(hit) * size
-            self.prefix.stats.hit_tokens += job.cached_tokens
-        return _Prefill(
-            job, width, cache, tokens, chunked=True, begin=len(hit) * size, names=list(names)
-        )
-
-    def _prefill_args(self, state: _Prefill) -> tuple[str, tuple]:
-        """The program for `state`'s next pass or chunk, and its arguments (after the graph
-        definition)."""
-        job = state.job
-        if not state.chunked:
-            tokens = jnp.asarray(state.tokens)
-            return "prefill", (self.params, tokens, state.cache, self.sampling.one(job))
-        c = self.config.chunk
-        # The last chunk ends at the prompt's last token (it may overlap the one before).
-        at = min(state.begin + state.next_chunk * c, len(job.prompt) - c)
-        cache = dataclasses.replace(state.cache, length=jnp.int32(at))
-        return "prefill_chunk", (self.params, jnp.asarray(state.tokens[:, at : at + c]), cache)
-
-    def _batch_width(self, n: int) -> int | None:
-        """The prefill width of a prompt of `n` tokens that may be prefilled in a batch
-        (`_batch_prefill`: one chunk or less), else None."""
-        return bucket(n) if n <= self.config.chunk else None
-
     def _take_batch(self) -> list[Job]:
         """Pops the oldest waiting job and, when a batch of them is compiled, the waiting jobs
         to prefill with it (`_batch_prefill.partners`), at most the free slots. Call with the
         lock held."""
         head = self._waiting.popleft()
-        width = self._batch_width(len(head.prompt))
         free = sum(job is None for job in self._rows)
-        most = min(free, self.batch_sizes[-1] if self.batch_sizes else 1) - 1
-        if width is None or most < 1:
-            return [head]
-        prompts = [job.prompt for job in self._waiting]
-        picked = batch_prefill.partners(prompts, width, self._batch_width, most)
-        rows = batch_prefill.batch_size(1 + len(picked), self.batch_sizes)
-        if not picked or not self.programs.ready("prefill", (width, rows)):
-            return [head]
-        if not self.programs.ready("insert", (self.prefill_widths[-1], rows)):
+        picked = self.prefill.partners(head, self._waiting, free)
+        if not picked:
             return [head]
         taken = [self._waiting[i] for i in picked]
         self._waiting = collections.deque(j for j in self._waiting if j not in taken)
         return [head, *taken]
 
-    def _batch_args(self, jobs: Sequence[Job], rows: int, abstract: bool = False) -> tuple:
-        """`programs.prefill`'s arguments (after the graph definition) for `jobs`' prompts
-        (of one width) in a batch of `rows`; `abstract`: the cache's shapes only."""
-        width = bucket(len(jobs[0].prompt))
-        prompts = [job.prompt for job in jobs]
-        tokens, start = batch_prefill.batch_tokens(prompts, width, rows)
-        cache = self._empty_cache(rows, self.prefill_widths[-1], abstract)
-        cache = dataclasses.replace(cache, start=jnp.asarray(start))
-        # Rows past the prompts repeat the first one (their output is dropped).
-        one = [self.sampling.one(jobs[i] if i < len(jobs) else jobs[0]) for i in range(rows)]
-        sampling = jax.tree.map(lambda *a: jnp.asarray(np.concatenate(a)), *one)
-        return self.params, jnp.asarray(tokens), cache, sampling
-
-    def _batch_programs(self, dummy: Job) -> list[tuple[str, Any, tuple]]:
-        """The batched prefills (each width of one chunk or less, each batch size) and their
-        copies into a row and into the prefix cache's pool, with example arguments."""
-        out = []
-        for rows in self.batch_sizes:
-            for width in self.prefill_widths:
-                if width > self.config.chunk:
-                    break
-                job = dataclasses.replace(dummy, prompt=[0] * width)
-                out.append(("prefill", (width, rows), self._batch_args([job], rows, True)))
-            job = dataclasses.replace(dummy, prompt=[0] * self.prefill_widths[0])
-            _, tokens, cache, _ = self._batch_args([job], rows, True)
-            state = _Prefill(job, self.prefill_widths[0], cache, tokens)
-            insert = self._insert_args(state, 0, len(job.prompt))
-            out.append(("insert", _cache_key(cache), insert))
-            if self.prefix is not None:
-                zero = jnp.int32(0)
-                out.append(("save", _cache_key(cache), (self.pool, cache, zero, zero, zero)))
-        return out
-
     def _prefill_batch(self, jobs: list[Job]) -> None:
         """Prefills `jobs` (waiting prompts of one width) in one pass, hands each its first
         token and places it in a free slot (or leaves it pending until there is room)."""
-        rows = batch_prefill.batch_size(len(jobs), self.batch_sizes)
-        args = self._batch_args(jobs, rows)
-        width = args[1].shape[1]
-        (first, logits), cache = self._run("prefill", (width, rows), args)
-        first = np.asarray(first)
-        tokens = np.asarray(args[1])
-        for i, job in enumerate(jobs):
-            names, _ = self._lookup(job)  # one chunk or less: never read from the pool
-            state = _Prefill(
-                job,
-                width,
-                cache,
-                tokens[i : i + 1],
-                first=int(first[i]),
-                logits=logits[i : i + 1] if job.logprobs is not None else None,
-                source=width - len(job.prompt),
-                names=names,
-                row=i,
-            )
-            self._save_prefix(state)
+        for state in self.prefill.batch(jobs):
             self._prefill = state
             self._first_token(state)
             if self._prefill is state:  # no room yet: placed in a later turn
                 self._pending.append(state)
         self._prefill = None
 
-    def _advance_prefill(self, state: _Prefill) -> None:
-        """One pass (a short prompt) or one chunk (a long one)."""
-        job = state.job
-        name, args = self._prefill_args(state)
-        out, state.cache = self._run(name, state.width, args)
-        if name == "prefill":
-            first, state.logits = out
-            state.first = int(first[0])
-            self._save_prefix(state)
-            return
-        state.next_chunk += 1
-        if state.next_chunk == -(-(len(job.prompt) - state.begin) // self.config.chunk):
-            args = (out, self.sampling.one(job))
-            state.logits = out
-            state.first = int(self._run("sample", 1, args)[0])
-            self._save_prefix(state)
-
-    def _save_prefix(self, state: _Prefill) -> None:
-        """Copies the prompt's full blocks that the pool lacks into it (evicting as needed);
-        nothing until the copy is compiled (in the background after start)."""
-        if self.prefix is None or not state.names:
-            return
-        key = _cache_key(state.cache)
-        if not self.programs.ready("save", key):
-            return
-        size = self.config.prefix_block
-        for i, block in self.prefix.allocate(state.names):
-            slot = jnp.int32(state.source + i * size)
-            args = (self.pool, state.cache, slot, jnp.int32(block), jnp.int32(state.row))
-            self.pool = self._run("save", key, args)
-        self.prefix.touch(state.names)
-
-    def _first_token(self, state: _Prefill) -> None:
+    def _first_token(self, state: Prefill) -> None:
         job = state.job
         job.first_token = time.monotonic()
         if job.logprobs is not None and state.first not in job.stop_ids:
@@ -794,7 +564,7 @@ class Scheduler:
         job.emit([state.first], None)
         self._place(state)
 
-    def _place(self, state: _Prefill) -> None:
+    def _place(self, state: Prefill) -> None:
         """Moves a prefilled prompt into a free slot when there is room before the clock."""
         job = state.job
         n = len(job.prompt)
@@ -812,7 +582,7 @@ class Scheduler:
         r = free[0]
         self.start_host[r] = self.clock - n
         args = self._insert_args(state, r, n)
-        self.cache = self._run("insert", _cache_key(state.cache), args)
+        self.cache = self._run("insert", cache_key(state.cache), args)
         self.token_host[r] = state.first
         self.history[r] = [*job.prompt, state.first]
         if self.draft is not None:
@@ -822,7 +592,7 @@ class Scheduler:
             self._rows[r] = job
             self._prefill = None
 
-    def _insert_args(self, state: _Prefill, r: int, n: int) -> tuple:
+    def _insert_args(self, state: Prefill, r: int, n: int) -> tuple:
         """`programs.insert`'s arguments: `state`'s `n` prompt slots into row `r`."""
         big = dataclasses.replace(self.cache, length=jnp.int32(self.clock))
         return (
@@ -1029,12 +799,6 @@ class Scheduler:
             self.token_host[r] = new[-1]
             self._hand_out(r, new)
         return True
-
-
-def _cache_key(cache: Any) -> int | tuple[int, int]:
-    """The key of the programs that copy out of a prefill cache (`insert`, `save`): its
-    slots, and its rows for a batch's."""
-    return cache.max_len if cache.batch == 1 else (cache.max_len, cache.batch)
 
 
 def _fit(context: int) -> int:

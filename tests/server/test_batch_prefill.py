@@ -89,7 +89,7 @@ def test_waiting_prompts_prefilled_together_match_each_alone(loaded, kv_cache):
     assert ("prefill", (16, 4)) in ran and ("insert", (16, 4)) in ran
     assert ("prefill", 16) not in ran  # none was prefilled alone
     # Each prompt's full blocks went to the prefix cache from its row of the batch.
-    assert ("save", (16, 4)) in ran and scheduler.prefix.used == 2
+    assert ("save", (16, 4)) in ran and scheduler.prefill.prefix.used == 2
     for i, (prompt, (_, temperature, seed)) in enumerate(zip(prompts, requests, strict=True)):
         expected = generate_tokens(
             loaded.model,
@@ -110,9 +110,9 @@ def test_deterministic_runs_every_step_over_all_slots_and_each_prompt_alone(load
         slots=4, max_len=64, single_pass=16, chunk=16, speculate="ngram", deterministic=True
     )
     scheduler = Scheduler(loaded.model, None, None, config)
-    assert max(scheduler.batch_sizes, default=1) == 1
+    assert max(scheduler.prefill.batch_sizes, default=1) == 1
     programs = [(name, width) for name, width, _ in scheduler._row_programs()]
     assert programs == [("verify", 4)]
     fast = Scheduler(loaded.model, None, None, dataclasses.replace(config, deterministic=False))
-    assert max(fast.batch_sizes) > 1
+    assert max(fast.prefill.batch_sizes) > 1
     assert ("decode_rows", 1) in [(name, width) for name, width, _ in fast._row_programs()]

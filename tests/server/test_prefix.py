@@ -119,7 +119,7 @@ def test_metrics_count_hits_and_queries(base_url):
 
 def test_the_cache_can_be_turned_off(loaded):
     served = served_model(loaded, SchedulerConfig(**{**_fields(CONFIG), "kv_memory": 0}))
-    assert served.scheduler.prefix is None
+    assert served.scheduler.prefill.prefix is None
     with running(served) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         assert _answer(client, PROMPT)[1] == 0
@@ -151,9 +151,9 @@ def test_quantized_caches_hit_and_match_a_miss(loaded, kv):
         while not scheduler.programs.done.is_set():
             assert time.monotonic() < deadline and scheduler.error is None
             time.sleep(0.05)
-        index, scheduler.prefix = scheduler.prefix, None
+        index, scheduler.prefill.prefix = scheduler.prefill.prefix, None
         miss_tokens, miss_cached = _run(scheduler)
-        scheduler.prefix = index
+        scheduler.prefill.prefix = index
         hit_tokens, hit_cached = _run(scheduler)
     finally:
         scheduler.close()
