@@ -35,9 +35,7 @@ def test_a_decoder_step_plans_each_product_once(monkeypatch):
     fn = serving.model_fn(loaded.model, loaded.kind)
     tokens = jnp.array([[1, 2, 3]], jnp.int32)
 
-    planned = _counting(
-        monkeypatch, ops, "plan_dot_general", (_dot_general, "plan_dot_general")
-    )
+    planned = _counting(monkeypatch, ops, "plan_dot_general", (_dot_general, "plan_dot_general"))
     cores = _counting(monkeypatch, _dot_general, "choose_plan", (_dot_path, "plan"))
     report = EngineReport()
     jax.make_jaxpr(lowbit.run(fn, report=report))(params, tokens)
