@@ -73,6 +73,12 @@ class Job:
     finished: str | None = None
     cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of prefilled
 
+    def end(self, reason: str, tokens: list[int] | None = None) -> None:
+        """Hands over the last `tokens` with the finish `reason`, once (later calls: none)."""
+        if self.finished is None:
+            self.finished = reason
+            self.emit(tokens or [], reason)
+
     def may_speculate(self) -> bool:
         """Whether the next tokens may be guessed and checked (`lowbit.server._speculate`):
         greedy, without log-probabilities, grammar, penalties or logit bias (a check returns

@@ -2,12 +2,13 @@
 runs continuous batching.
 
 Each loop turn it (1) drops cancelled and expired requests, freeing their slots at once,
-(2) advances the prefill of the oldest waiting request by one pass or one chunk, placing it in
-a free slot when done, (3) runs one batch of the oldest embeddings request (`EmbedJob`, see
-`lowbit.server._embeddings`), and (4) runs one decode call over every slot, handing each
-request its new tokens. So a new request joins the running batch at the next step, and a long
-prompt's chunks or a large embeddings request's batches alternate with the others' tokens. See
-`lowbit.server._programs` for the cache layout.
+(2) advances the prefill of the oldest waiting request by one pass or one chunk (or prefills
+waiting prompts together), placing it in a free slot when done (`lowbit.server._prefill`),
+(3) runs one batch of the oldest embeddings request (`EmbedJob`, see
+`lowbit.server._embeddings`), and (4) runs one decode call over the busy slots, handing each
+request its new tokens (`lowbit.server._slots`). So a new request joins the running batch at
+the next step, and a long prompt's chunks or a large embeddings request's batches alternate
+with the others' tokens. See `lowbit.server._programs` for the cache layout.
 
 Requests talk to the scheduler through `Job`: the scheduler calls ``job.emit(tokens, finish)``
 from its thread; the HTTP side sets ``job.cancelled`` (a disconnect, a stop string).
@@ -32,10 +33,8 @@ from flax import nnx
 from lowbit.api import StoredProgram, describe
 from lowbit.models import bucket
 from lowbit.server import _embeddings as embeddings
-from lowbit.server import _programs as programs
 from lowbit.server import _speculate as speculate
 from lowbit.server._compile import Source, compile_program
-from lowbit.server._draft_rows import DraftRows
 from lowbit.server._job import (
     CANCELLED,
     LENGTH,
@@ -48,9 +47,9 @@ from lowbit.server._job import (
     SchedulerConfig,
 )
 from lowbit.server._logprobs import host_logprobs
-from lowbit.server._prefill import Prefill, Prefiller, cache_key
+from lowbit.server._prefill import Prefill, Prefiller
 from lowbit.server._registry import ProgramRegistry
-from lowbit.server._sampling_rows import SamplingRows
+from lowbit.server._slots import Slots
 
 
 class Scheduler:
@@ -87,8 +86,6 @@ class Scheduler:
                 f"the served model's ({model.config.vocab_size}): give a draft model of the "
                 "same tokenizer"
             )
-        self._draft_model = draft
-        self.draft: DraftRows | None = None  # made with the rows (`_reset_rows`)
         context = model.config.context_length if self.generates else model.config.max_positions
         if config.max_len > context:
             config = dataclasses.replace(config, max_len=_fit(context))
@@ -111,25 +108,27 @@ class Scheduler:
         self._prefill: Prefill | None = None
         # Prompts prefilled in a batch with another, waiting for room in the slots.
         self._pending: collections.deque[Prefill] = collections.deque()
-        self._rows: list[Job | None] = [None] * c.slots
         self._stop = False
         self.ready = False
         self.error: BaseException | None = None
-        self.steps_run = 0
         self._thread: threading.Thread | None = None
-        self.speculation = speculate.Stats() if config.speculate is not None else None
+        # An encoder has neither: it only embeds.
+        self.slots: Slots | None = None
         self.prefill: Prefiller | None = None
         if self.generates:
-            self._reset_rows()
+            ready = self.programs.ready
+            self.slots = Slots(
+                model, self.params, kv_cache, config, draft, self._run, ready, self._lock
+            )
             self.prefill = Prefiller(
                 model,
                 self.params,
                 kv_cache,
                 config,
-                self.cache.nbytes(),
+                self.slots.cache.nbytes(),
                 self._run,
-                self.programs.ready,
-                lambda job: self.sampling.one(job),
+                ready,
+                lambda job: self.slots.sampling.one(job),
             )
 
     # -- limits -------------------------------------------------------------------------------
@@ -226,7 +225,12 @@ class Scheduler:
 
     @property
     def busy_slots(self) -> int:
-        return sum(job is not None for job in self._rows)
+        return 0 if self.slots is None else len(self.slots.busy)
+
+    @property
+    def speculation(self) -> speculate.Stats | None:
+        """Speculative decoding's counts, or None without it."""
+        return None if self.slots is None else self.slots.speculation
 
     def start(self) -> None:
         """Compiles the programs the first requests need in a background thread, then serves
@@ -260,36 +264,6 @@ class Scheduler:
         finally:
             self._end_all(SHUTDOWN)
 
-    def _reset_rows(self) -> None:
-        c = self.config
-        self.cache = self.model.init_cache(c.slots, c.max_len, self.kv_cache)
-        self.clock = 0
-        self.slides = 0  # cache slides since start (not counting the warm-up)
-        self.start_host = np.full((c.slots,), c.max_len, np.int32)
-        self.token_host = np.zeros((c.slots,), np.int32)
-        self.sampling = SamplingRows(c.slots, self.model.config.vocab_size)
-        # Each row's prompt and tokens so far (what `speculate.draft` looks up).
-        self.history: list[list[int]] = [[] for _ in range(c.slots)]
-        self.cache = self._set_start(self.cache)
-        if self.draft is not None:
-            self.draft.reset()
-        elif self._draft_model is not None:
-            self.draft = DraftRows(
-                self._draft_model,
-                self.kv_cache,
-                c.slots,
-                c.max_len,
-                c.speculate_tokens,
-                self.sampling.allowed.host,
-                self._run,
-                self.programs.ready,
-            )
-
-    def _set_start(self, cache: Any) -> Any:
-        return dataclasses.replace(
-            cache, start=jnp.asarray(self.start_host), length=jnp.int32(self.clock)
-        )
-
     def _warm_up(self) -> None:
         """Registers every program for the shapes it will run (`_register_programs`) and
         compiles those the first requests need; the others are compiled in the background
@@ -299,7 +273,7 @@ class Scheduler:
 
     def _register_programs(self) -> None:
         """Declares each program with example arguments built by the same code that builds a
-        request's (`Prefiller.args`, `_decode_args`); nothing runs.
+        request's (`Prefiller.args`, `Slots.decode_args`); nothing runs.
 
         At start: the decode step and the copy of a one-pass prefill into a row (what a
         request needs after its prefill). In the background, in this order: the one-pass
@@ -325,15 +299,15 @@ class Scheduler:
             for spec in embed:
                 register(*spec, at_start=True)
             return
-        decode_args = self._decode_args(1)
+        slots, prefill, states = self.slots, self.prefill, {}
+        decode_args = slots.decode_args(1)
         register("decode", self.config.slots, decode_args, at_start=True)
-        prefill, states = self.prefill, {}
         for width in prefill.prefill_widths + prefill.chunk_widths:
             job = dataclasses.replace(dummy, prompt=[0] * min(width, self.max_prompt))
             chunked = width in prefill.chunk_widths
             states[width] = prefill.begin(job, chunked=chunked, abstract=True)
         one_pass = states[prefill.prefill_widths[0]]
-        insert = self._insert_args(one_pass, 0, len(one_pass.job.prompt))
+        insert = slots.insert_args(one_pass, 0, len(one_pass.job.prompt))
         register("insert", one_pass.cache.max_len, insert, at_start=True)
         for width in prefill.prefill_widths:
             name, args = prefill.args(states[width])
@@ -349,18 +323,18 @@ class Scheduler:
 
         register("logprobs", 1, logprobs_args, at_start=False)
         register("decode_logprobs", self.config.slots, decode_args, at_start=False)
-        register("shift", self.config.slots, self._shift_args(1), at_start=False)
-        for spec in self._row_programs():
+        register("shift", self.config.slots, slots.shift_args(1), at_start=False)
+        for spec in slots.row_specs():
             register(*spec, at_start=False)
-        for spec in prefill.batch_specs(dummy, self._insert_args):
+        for spec in prefill.batch_specs(dummy, slots.insert_args):
             register(*spec, at_start=False)
         for width in prefill.chunk_widths:
             state = states[width]
             name, args = prefill.args(state)
             register(name, width, args, at_start=False)
-            insert = self._insert_args(state, 0, len(state.job.prompt))
+            insert = slots.insert_args(state, 0, len(state.job.prompt))
             register("insert", state.cache.max_len, insert, at_start=False)
-            sampling = self.sampling.one(state.job)
+            sampling = slots.sampling.one(state.job)
 
             def sample_args(width=width, sampling=sampling) -> tuple:
                 logits, _ = self.programs.get("prefill_chunk", width).out_shapes
@@ -370,8 +344,8 @@ class Scheduler:
         for spec in prefill.prefix_specs():
             register(*spec, at_start=False)
         # Only requests that ask for log-probabilities run these (until then, the full one).
-        for b in [] if self.config.deterministic else programs.row_buckets(self.config.slots):
-            args = self._decode_args(1, np.arange(b, dtype=np.int32))
+        for b in slots.buckets:
+            args = slots.decode_args(1, np.arange(b, dtype=np.int32))
             register("decode_rows_logprobs", b, args, at_start=False)
         for spec in embed:
             register(*spec, at_start=False)
@@ -379,25 +353,6 @@ class Scheduler:
     def _background_failed(self, err: BaseException) -> None:
         """A program the background thread compiled failed: /health reports it."""
         self.error = err
-
-    def _row_programs(self) -> list[tuple[str, int, tuple]]:
-        """The programs over some of the rows (`programs.decode_rows` for each row bucket,
-        and with `SchedulerConfig.speculate` `programs.verify` for each bucket and every row),
-        with example arguments. A turn runs one only once it is compiled
-        (`ProgramRegistry.ready`), else the full decode."""
-        slots, out = self.config.slots, []
-        # Deterministic: programs over all the rows only (see `SchedulerConfig`).
-        buckets = [] if self.config.deterministic else programs.row_buckets(slots)
-        for b in buckets:
-            out.append(("decode_rows", b, self._decode_args(1, np.arange(b, dtype=np.int32))))
-        if self.config.speculate is not None:
-            k = self.config.speculate_tokens
-            for b in [*buckets, slots]:
-                index = np.arange(b, dtype=np.int32)
-                out.append(("verify", b, self._verify_args(np.zeros((b, k + 1), np.int32), index)))
-        if self.draft is not None:
-            out += self.draft.program_specs(buckets, self.start_host)
-        return out
 
     def _run(self, name: str, width: int | tuple[int, int], args: tuple) -> Any:
         """Program `name` (`_program`) called on `args`. The model's parameters go in as their
@@ -409,7 +364,8 @@ class Scheduler:
     @functools.cached_property
     def _param_leaves(self) -> dict[int, tuple]:
         # Both are set once, in __init__, and never replaced.
-        trees = [self.params] + ([self.draft.params] if self.draft is not None else [])
+        draft = None if self.slots is None else self.slots.draft
+        trees = [self.params] + ([draft.params] if draft is not None else [])
         return {id(t): tuple(jax.tree.leaves(t)) for t in trees}
 
     def _program(self, name: str, width: int | tuple[int, int], args: tuple) -> StoredProgram:
@@ -429,7 +385,8 @@ class Scheduler:
     def _compile(self, name: str, width: int | tuple[int, int], args: tuple) -> StoredProgram:
         """Compiles program `name` for arguments shaped like `args` (`ProgramRegistry` calls
         it, from any thread; `lowbit.server._compile`)."""
-        draft = None if self.draft is None else Source(self.draft.graphdef, self.draft.static)
+        rows = None if self.slots is None else self.slots.draft
+        draft = None if rows is None else Source(rows.graphdef, rows.static)
         model = Source(self.graphdef, self._model_static)
         embedder = Source(self.graphdef, self._embed_static)
         return compile_program(name, width, args, model, embedder, draft, self.program_dir)
@@ -461,7 +418,7 @@ class Scheduler:
         state = self._prefill
         if state is not None:
             if state.job.cancelled or time.monotonic() > state.job.deadline:
-                self._finish(state.job, CANCELLED if state.job.cancelled else TIMEOUT)
+                state.job.end(CANCELLED if state.job.cancelled else TIMEOUT)
                 self._prefill = None
             elif state.first is None:
                 self.prefill.advance(state)
@@ -473,44 +430,29 @@ class Scheduler:
             self._embed_batch(self._embedding[0])
         if self.busy_slots:
             waiting = self._prefill is not None or bool(self._waiting or self._pending)
-            self._decode(1 if waiting else self.config.steps)
+            self.slots.decode(1 if waiting else self.config.steps)
         return True
 
     def _drop_finished(self) -> None:
         now = time.monotonic()
-        for r, job in enumerate(self._rows):
-            if job is None:
-                continue
+        for r in self.slots.busy if self.slots is not None else []:
+            job = self.slots.jobs[r]
             if job.cancelled:
-                self._free(r, CANCELLED)
+                self.slots.release(r, CANCELLED)
             elif now > job.deadline:
-                self._free(r, TIMEOUT)
-
-    def _free(self, r: int, reason: str) -> None:
-        job = self._rows[r]
-        self._rows[r] = None
-        self.start_host[r] = self.config.max_len
-        self.sampling.clear(r)
-        if job is not None:
-            self._finish(job, reason)
-
-    def _finish(self, job: Job, reason: str, tokens: list[int] | None = None) -> None:
-        if job.finished is None:
-            job.finished = reason
-            job.emit(tokens or [], reason)
+                self.slots.release(r, TIMEOUT)
 
     def _end_all(self, reason: str) -> None:
         with self._lock:
-            for r in range(len(self._rows)):
-                if self._rows[r] is not None:
-                    self._free(r, reason)
+            for r in self.slots.busy if self.slots is not None else []:
+                self.slots.release(r, reason)
             if self._prefill is not None:
-                self._finish(self._prefill.job, reason)
+                self._prefill.job.end(reason)
                 self._prefill = None
             while self._pending:
-                self._finish(self._pending.popleft().job, reason)
+                self._pending.popleft().job.end(reason)
             while self._waiting:
-                self._finish(self._waiting.popleft(), reason)
+                self._waiting.popleft().end(reason)
             while self._embedding:
                 self._end_embedding(self._embedding[0], None, reason)
 
@@ -521,7 +463,7 @@ class Scheduler:
         to prefill with it (`_batch_prefill.partners`), at most the free slots. Call with the
         lock held."""
         head = self._waiting.popleft()
-        free = sum(job is None for job in self._rows)
+        free = len(self.slots.free)
         picked = self.prefill.partners(head, self._waiting, free)
         if not picked:
             return [head]
@@ -549,82 +491,26 @@ class Scheduler:
             job.token_logprobs.extend(host_logprobs(arrays, 0, 1, job.logprobs))
         state.logits = None
         if state.first in job.stop_ids:
-            self._finish(job, STOP)
+            job.end(STOP)
             self._prefill = None
             return
         job.generated = 1
         if job.constraint is not None and not job.constraint.advance(state.first):
-            self._finish(job, STOP, [state.first])  # the grammar is complete
+            job.end(STOP, [state.first])  # the grammar is complete
             self._prefill = None
             return
         if job.max_tokens == 1:
-            self._finish(job, LENGTH, [state.first])
+            job.end(LENGTH, [state.first])
             self._prefill = None
             return
         job.emit([state.first], None)
         self._place(state)
 
     def _place(self, state: Prefill) -> None:
-        """Moves a prefilled prompt into a free slot when there is room before the clock."""
-        job = state.job
-        n = len(job.prompt)
-        free = [r for r, j in enumerate(self._rows) if j is None]
-        if not free:
-            return
-        active = [r for r, j in enumerate(self._rows) if j is not None]
-        if not active:
-            self.clock = n
-        elif self.clock < n:
-            by = n - self.clock  # slide right to make room; only if every row still fits
-            if any(self._needs_end(r) + by > self.config.max_len for r in active):
-                return
-            self._shift(-by)
-        r = free[0]
-        self.start_host[r] = self.clock - n
-        args = self._insert_args(state, r, n)
-        self.cache = self._run("insert", cache_key(state.cache), args)
-        self.token_host[r] = state.first
-        self.history[r] = [*job.prompt, state.first]
-        if self.draft is not None:
-            self.draft.start_row(r, self.start_host[r])
-        self.sampling.place(r, job)
-        with self._lock:
-            self._rows[r] = job
-            self._prefill = None
-
-    def _insert_args(self, state: Prefill, r: int, n: int) -> tuple:
-        """`programs.insert`'s arguments: `state`'s `n` prompt slots into row `r`."""
-        big = dataclasses.replace(self.cache, length=jnp.int32(self.clock))
-        return (
-            big,
-            state.cache,
-            jnp.int32(r),
-            jnp.int32(state.row),
-            jnp.int32(state.source),
-            jnp.int32(n),
-            jnp.asarray(self.start_host),
-        )
-
-    def _shift_args(self, by: int) -> tuple:
-        return self.cache, jnp.int32(by), jnp.asarray(self.start_host)
-
-    def _needs_end(self, r: int) -> int:
-        """One past the last cache slot row `r` will write (its last token is never fed)."""
-        job = self._rows[r]
-        return int(self.start_host[r]) + len(job.prompt) + job.max_tokens - 1
-
-    def _shift(self, by: int) -> None:
-        """Slides the cache left by `by` slots (right when negative)."""
-        active = [self._rows[r] is not None for r in range(self.config.slots)]
-        self.start_host = np.where(active, self.start_host - by, self.config.max_len).astype(
-            np.int32
-        )
-        self.clock -= by
-        self.slides += 1
-        args = self._shift_args(by)
-        self.cache = self._run("shift", self.config.slots, args)
-        if self.draft is not None:
-            self.draft.shift(by, self.start_host)
+        """Moves a prefilled prompt into a free slot when there is room (`Slots.place`)."""
+        if self.slots.place(state):
+            with self._lock:
+                self._prefill = None
 
     # -- embeddings ---------------------------------------------------------------------------
 
@@ -656,149 +542,6 @@ class Scheduler:
         if not job.finished:
             job.finished = True
             job.done(vectors, reason)
-
-    # -- decode -------------------------------------------------------------------------------
-
-    def _decode_args(self, steps: int, index: np.ndarray | None = None) -> tuple:
-        """`programs.decode`'s arguments (after the graph definition) for `steps` steps, or
-        with rows `index` `programs.decode_rows`'s."""
-        rows = self.sampling.device()
-        cache = dataclasses.replace(
-            self.cache, length=jnp.int32(self.clock), start=jnp.asarray(self.start_host)
-        )
-        token = jnp.asarray(self.token_host)
-        args = (self.params, cache, token, rows, self.sampling.counts, jnp.int32(steps))
-        return args if index is None else (*args, jnp.asarray(index))
-
-    def _verify_args(self, tokens: np.ndarray, index: np.ndarray) -> tuple:
-        """`programs.verify`'s arguments: ``tokens [b, K + 1]`` for rows ``index [b]``."""
-        cache = dataclasses.replace(
-            self.cache, length=jnp.int32(self.clock), start=jnp.asarray(self.start_host)
-        )
-        return self.params, cache, jnp.asarray(tokens), jnp.asarray(index)
-
-    def _decode(self, steps: int) -> None:
-        t = self.config.max_len
-        if self.clock >= t:
-            active = [r for r, j in enumerate(self._rows) if j is not None]
-            self._shift(min(int(self.start_host[r]) for r in active) if active else self.clock)
-        # Every row must still have a slot for each step; a grammar's mask holds for one.
-        if any(job is not None and job.constraint is not None for job in self._rows):
-            steps = 1
-        if self.speculation is not None and self._speculate():
-            return
-        steps = max(1, min(steps, t - self.clock))
-        # The variant that also ranks the vocabulary runs only while a row asks for it.
-        asks = any(job is not None and job.logprobs is not None for job in self._rows)
-        name, width, index = "decode_logprobs" if asks else "decode", self.config.slots, None
-        busy = [r for r, job in enumerate(self._rows) if job is not None]
-        rows = programs.row_index(busy, width)
-        over_rows = "decode_rows_logprobs" if asks else "decode_rows"
-        if len(rows) < width and self.programs.ready(over_rows, len(rows)):
-            name, width, index = over_rows, len(rows), rows  # only the busy rows run
-        args = self._decode_args(steps, index)
-        decoded, self.cache = self._run(name, width, args)
-        self.sampling.counts = decoded.counts
-        out = np.asarray(decoded.tokens)
-        lp = None if decoded.logprobs is None else jax.tree.map(np.asarray, decoded.logprobs)
-        self.clock += steps
-        self.steps_run += steps
-        self.sampling.count += steps
-        self.token_host = out[:, steps - 1].copy()
-        for r, job in enumerate(self._rows):
-            if job is None:
-                continue
-            if lp is not None and job.logprobs is not None:
-                # Appended before the emit that hands their tokens over (see `Job`).
-                entries = host_logprobs(lp, r, steps, job.logprobs)
-            else:
-                entries = None
-            self._hand_out(r, out[r, :steps], entries)
-
-    def _hand_out(self, r: int, tokens: np.ndarray, entries: list | None = None) -> None:
-        """Gives row `r`'s job its new `tokens` (with their log-probability `entries`), up
-        to a stop token, its grammar's end or its max_tokens; frees the row when it ends."""
-        t, job = self.config.max_len, self._rows[r]
-        new: list[int] = []
-        reason = None
-        for token in tokens:
-            token = int(token)
-            if token in job.stop_ids:
-                reason = STOP
-                break
-            new.append(token)
-            if entries is not None:
-                job.token_logprobs.append(entries[len(new) - 1])
-            job.generated += 1
-            if job.constraint is not None and not job.constraint.advance(token):
-                reason = STOP  # the grammar is complete (or broke a work bound)
-                break
-            if job.generated >= job.max_tokens:
-                reason = LENGTH
-                break
-        self.history[r].extend(new)
-        if reason is None:
-            if job.constraint is not None:
-                self.sampling.allowed.set(r, job.constraint.bits)
-            if new:
-                job.emit(new, None)
-        else:
-            with self._lock:
-                self._rows[r] = None
-            self.start_host[r] = t
-            self.sampling.clear(r)
-            self._finish(job, reason, new)
-
-    def _speculate(self) -> bool:
-        """One turn of speculative decoding (`lowbit.server._speculate`), when every busy
-        row may take it and has a guess; False (nothing run) otherwise."""
-        t, k = self.config.max_len, self.config.speculate_tokens
-        busy = [r for r, job in enumerate(self._rows) if job is not None]
-        if not all(self._rows[r].may_speculate() for r in busy):
-            return False
-        guesses = {}
-        if self.draft is None:
-            guesses = {r: speculate.draft(np.asarray(self.history[r]), k) for r in busy}
-            if not all(len(g) for g in guesses.values()):
-                return False
-        index = programs.row_index(busy, self.config.slots)
-        if not self.programs.ready("verify", len(index)):
-            return False
-        if self.draft is not None and not self.draft.ready(busy, index, self.clock):
-            return False
-        if self.clock + k + 1 > t:  # the guesses are written past the clock: make room
-            first = min(int(self.start_host[r]) for r in busy)
-            if self.clock - first + k + 1 > t:
-                return False
-            self._shift(first)
-        if self.draft is not None:
-            guesses = self.draft.guesses(busy, index, self.clock, self.start_host, self.history)
-        tokens = np.zeros((len(index), k + 1), np.int32)
-        for i, r in enumerate(index):
-            if r in guesses:
-                tokens[i, 0] = self.token_host[r]
-                tokens[i, 1 : 1 + len(guesses[r])] = guesses[r]
-        args = self._verify_args(tokens, index)
-        greedy, cache = self._run("verify", len(index), args)
-        greedy = np.asarray(greedy)
-        row_of = {int(r): i for i, r in enumerate(index)}
-        agreed = {r: speculate.accepted(guesses[r], greedy[row_of[r]]) for r in busy}
-        # One clock for all rows: each keeps the fewest guesses any row got right, plus the
-        # model's own token after them.
-        keep = min(agreed.values())
-        if self.draft is not None:  # it saw the latest token and guesses 1 .. k - 1
-            self.draft.advanced(busy, self.clock + min(keep, k - 1) + 1)
-        self.clock += keep + 1
-        self.cache = dataclasses.replace(cache, length=jnp.int32(self.clock))
-        self.steps_run += keep + 1
-        self.speculation.drafted_tokens += sum(len(g) for g in guesses.values())
-        self.speculation.accepted_tokens += keep * len(busy)
-        for r in busy:
-            new = greedy[row_of[r], : keep + 1]
-            self.sampling.count[r] += keep + 1
-            self.token_host[r] = new[-1]
-            self._hand_out(r, new)
-        return True
 
 
 def _fit(context: int) -> int:

@@ -111,8 +111,8 @@ def test_deterministic_runs_every_step_over_all_slots_and_each_prompt_alone(load
     )
     scheduler = Scheduler(loaded.model, None, None, config)
     assert max(scheduler.prefill.batch_sizes, default=1) == 1
-    programs = [(name, width) for name, width, _ in scheduler._row_programs()]
+    programs = [(name, width) for name, width, _ in scheduler.slots.row_specs()]
     assert programs == [("verify", 4)]
     fast = Scheduler(loaded.model, None, None, dataclasses.replace(config, deterministic=False))
     assert max(fast.prefill.batch_sizes) > 1
-    assert ("decode_rows", 1) in [(name, width) for name, width, _ in fast._row_programs()]
+    assert ("decode_rows", 1) in [(name, width) for name, width, _ in fast.slots.row_specs()]

@@ -149,7 +149,7 @@ def _run_int8_slots(loaded, program_dir=None):
 def test_an_int8_kv_cache_slides_and_still_matches_generate(loaded):
     """The scheduler alone (no HTTP)."""
     scheduler, prompts, answers = _run_int8_slots(loaded)
-    assert scheduler.slides >= 1
+    assert scheduler.slots.slides >= 1
     for i, p in enumerate(prompts):
         expected = generate_tokens(loaded.model, [p], max_new_tokens=20, kv_cache="int8")
         assert answers[i] == expected.tokens[0], i

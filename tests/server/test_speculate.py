@@ -151,7 +151,7 @@ def test_speculation_gives_the_greedy_tokens_and_accepts_guesses(
     stats = scheduler.speculation
     assert 0 < stats.accepted_tokens <= stats.drafted_tokens
     assert ("verify", 1) in ran
-    assert scheduler.slides >= 1
+    assert scheduler.slots.slides >= 1
     if scale == 1.0:  # the served model drafting for itself: nearly every guess holds
         assert stats.accepted_tokens >= 0.8 * stats.drafted_tokens
     if draft is not None:  # a new prompt fed alone in windows, then the rows together
@@ -193,11 +193,12 @@ def test_decode_runs_only_the_busy_rows(loaded):
 def test_the_busy_rows_log_probabilities_are_the_full_decodes(loaded):
     config = SchedulerConfig(slots=4, max_len=64, single_pass=16, chunk=16, kv_memory=0)
     scheduler = Scheduler(loaded.model, None, None, config)
-    scheduler.start_host[:] = 0
-    scheduler.token_host[:] = [5, 17, 42, 99]
+    scheduler.slots.start[:] = 0
+    scheduler.slots.token[:] = [5, 17, 42, 99]
     index = np.array([1, 3], np.int32)
-    full, _ = programs.decode_logprobs(scheduler.graphdef, *scheduler._decode_args(3))
-    rows, _ = programs.decode_rows_logprobs(scheduler.graphdef, *scheduler._decode_args(3, index))
+    args = scheduler.slots.decode_args
+    full, _ = programs.decode_logprobs(scheduler.graphdef, *args(3))
+    rows, _ = programs.decode_rows_logprobs(scheduler.graphdef, *args(3, index))
     idle = np.array([0, 2])
     rows, full = jax.tree.map(np.asarray, (rows, full))
     np.testing.assert_array_equal(rows.tokens[index], full.tokens[index])
