@@ -121,6 +121,30 @@ class ProgramRegistry:
             self._check_done()
         return future.result()
 
+    def compile_soon(self, name: str, width: Width, args: tuple) -> None:
+        """Compiles program ``(name, width)`` in a thread of its own, unless it is compiled or
+        being compiled: for a program only some requests use (one they can do without until it
+        is ready), whose memory a server then pays only once a request asks. A failure is
+        logged, and `ready` stays False for it."""
+        key = (name, width)
+        with self._lock:
+            if key in self._futures or self._closed:
+                return
+            self._args.setdefault(key, jax.tree.map(_stand_in, args))
+            future = self._futures[key] = concurrent.futures.Future()
+            example = self._args[key]
+            self.done.clear()
+
+        def run() -> None:
+            try:
+                future.set_result(self._compile(name, width, example))
+            except BaseException as err:
+                _log.error("compiling program %s-%s failed: %s", name, width, err)
+                future.set_exception(err)
+            self._check_done()
+
+        threading.Thread(target=run, name="lowbit-compile-soon", daemon=True).start()
+
     def compile_at_start(self) -> None:
         """Compiles every `at_start` program, `workers` at a time; returns when all are."""
         with self._lock:

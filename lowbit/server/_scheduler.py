@@ -116,9 +116,9 @@ class Scheduler:
         self.slots: Slots | None = None
         self.prefill: Prefiller | None = None
         if self.generates:
-            ready = self.programs.ready
+            ready, soon = self.programs.ready, self.programs.compile_soon
             self.slots = Slots(
-                model, self.params, kv_cache, config, draft, self._run, ready, self._lock
+                model, self.params, kv_cache, config, draft, self._run, ready, soon, self._lock
             )
             self.prefill = Prefiller(
                 model,
@@ -280,8 +280,9 @@ class Scheduler:
         prefills from the narrowest (a request whose width is not compiled yet compiles it
         itself), the first token's sampling and log-probabilities, the decode step with
         log-probabilities, the slide, the programs over some rows, the batched prefills, the
-        chunked prefill and its copy into a row, the prefix cache's copies, the decode over
-        some rows with log-probabilities, the embedding batches."""
+        chunked prefill and its copy into a row, the prefix cache's copies, the embedding
+        batches. The decode over some rows with log-probabilities is compiled once a request
+        asks for them (`Slots.decode`)."""
         register = self.programs.register
         dummy = Job(
             prompt=[0],
@@ -343,10 +344,6 @@ class Scheduler:
             register("sample", 1, sample_args, at_start=False)
         for spec in prefill.prefix_specs():
             register(*spec, at_start=False)
-        # Only requests that ask for log-probabilities run these (until then, the full one).
-        for b in slots.buckets:
-            args = slots.decode_args(1, np.arange(b, dtype=np.int32))
-            register("decode_rows_logprobs", b, args, at_start=False)
         for spec in embed:
             register(*spec, at_start=False)
 

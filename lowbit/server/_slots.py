@@ -29,9 +29,11 @@ from lowbit.server._logprobs import host_logprobs
 from lowbit.server._prefill import Prefill, cache_key
 from lowbit.server._sampling_rows import SamplingRows
 
-# (name, key, args) -> the program's outputs; (name, key) -> whether it is compiled.
+# (name, key, args) -> the program's outputs; (name, key) -> whether it is compiled;
+# (name, key, args) -> None, compiling it in the background.
 Run = Callable[[str, Any, tuple], Any]
 Ready = Callable[[str, Any], bool]
+Soon = Callable[[str, Any, tuple], None]
 
 
 class Slots:
@@ -41,7 +43,8 @@ class Slots:
       model, params, kv_cache: the served `Decoder`, its parameters and the cache format.
       config: the scheduler's settings.
       draft: the draft model of speculative decoding, or None.
-      run, ready: the scheduler's program runner and its compiled-yet check.
+      run, ready, soon: the scheduler's program runner, its compiled-yet check, and its
+        compile in the background (`ProgramRegistry.compile_soon`).
       lock: the scheduler's lock, held where a row is taken or given back (the HTTP side
         reads `jobs`).
 
@@ -65,10 +68,11 @@ class Slots:
         draft: speculate.DraftModel | None,
         run: Run,
         ready: Ready,
+        soon: Soon,
         lock: threading.Condition,
     ):
         self.model, self.params, self.kv_cache, self.config = model, params, kv_cache, config
-        self._run, self._ready, self._lock = run, ready, lock
+        self._run, self._ready, self._soon, self._lock = run, ready, soon, lock
         self.jobs: list[Job | None] = [None] * config.slots
         self.speculation = speculate.Stats() if config.speculate is not None else None
         self.steps_run = 0
@@ -236,6 +240,11 @@ class Slots:
         over_rows = "decode_rows_logprobs" if asks else "decode_rows"
         if len(rows) < width and self._ready(over_rows, len(rows)):
             name, width, index = over_rows, len(rows), rows  # only the busy rows run
+        elif len(rows) < width and asks and not self.config.deterministic:
+            # Compiled once a request asks (about 50 MiB a row bucket on SmolLM2, so a server
+            # pays it only then); the full step until it is ready.
+            example = self.decode_args(1, np.arange(len(rows), dtype=np.int32))
+            self._soon(over_rows, len(rows), example)
         decoded, self.cache = self._run(name, width, self.decode_args(steps, index))
         self.sampling.counts = decoded.counts
         out = np.asarray(decoded.tokens)

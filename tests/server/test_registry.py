@@ -56,6 +56,25 @@ def test_start_compiles_only_the_start_programs_and_the_background_the_rest():
     assert example.shape == (32,) and not isinstance(example, np.ndarray)
 
 
+def test_compile_soon_compiles_once_in_the_background_and_a_failure_is_never_ready():
+    fake = _Fake(block={("rows", 1)}, fail={("rows", 2)})
+    registry = _registry(fake)
+    for _ in range(5):  # asked every step until ready: one compile
+        registry.compile_soon("rows", 1, (np.zeros(1),))
+    assert not registry.ready("rows", 1) and registry.pending == 4
+    fake.release.set()
+    deadline = time.monotonic() + 10
+    while not registry.ready("rows", 1):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert [c for c in fake.calls if c[0] == "rows"] == [("rows", 1, "lowbit-compile-soon")]
+    registry.compile_soon("rows", 2, (np.zeros(2),))
+    while registry.pending > 3:  # decode and the two prefills are not compiled
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not registry.ready("rows", 2)
+
+
 def test_a_program_not_reached_is_compiled_by_the_asker_and_one_in_flight_waited_for():
     fake = _Fake(block={("prefill", 16)})
     registry = _registry(fake)
