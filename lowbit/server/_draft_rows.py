@@ -12,7 +12,6 @@ them (`run`, `ready`) under the names ``"draft_<program>"``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -23,10 +22,7 @@ from lowbit.api import describe
 from lowbit.server import _programs as programs
 from lowbit.server import _speculate as speculate
 from lowbit.server._programs import RowSampling
-
-# (name, key, args) -> the program's outputs; (name, key) -> whether it is compiled.
-Run = Callable[[str, Any, tuple], Any]
-Ready = Callable[[str, Any], bool]
+from lowbit.server._registry import Programs
 
 
 class DraftRows:
@@ -38,7 +34,7 @@ class DraftRows:
       slots, max_len: the served model's rows and their length.
       k: the guesses a verify step checks (`SchedulerConfig.speculate_tokens`).
       allowed: the rows' default grammar bits (`programs.allowed_bits`), ``[slots, W]``.
-      run, ready: the scheduler's program runner and its compiled-yet check.
+      programs: how it runs the scheduler's programs (`Programs`).
     """
 
     def __init__(
@@ -49,15 +45,14 @@ class DraftRows:
         max_len: int,
         k: int,
         allowed: np.ndarray,
-        run: Run,
-        ready: Ready,
+        programs: Programs,
     ):
         self.model = draft.model
         self.graphdef, state = nnx.split(draft.model)
         self.params = state if draft.params is None else draft.params
         self.kv_cache = kv_cache
         self.slots, self.max_len, self.k = slots, max_len, k
-        self._run, self._ready = run, ready
+        self._run, self._ready = programs.run, programs.ready
         self.static = describe((self.graphdef, self.model.config, kv_cache))
         vocab = self.model.config.vocab_size
         # Greedy, no penalty or bias: the same every turn (not donated), so made once.

@@ -25,10 +25,7 @@ from lowbit.server import _batch_prefill as batch_prefill
 from lowbit.server._job import Job, SchedulerConfig
 from lowbit.server._prefix import PrefixIndex, chain
 from lowbit.server._programs import RowSampling
-
-# (name, key, args) -> the program's outputs; (name, key) -> whether it is compiled.
-Run = Callable[[str, Any, tuple], Any]
-Ready = Callable[[str, Any], bool]
+from lowbit.server._registry import Programs
 
 
 @dataclasses.dataclass(eq=False)
@@ -76,7 +73,7 @@ class Prefiller:
         the prefix cache's budget and block size).
       slots_bytes: the bytes of the slots' cache (half of it is the prefix cache's default
         budget).
-      run, ready: the scheduler's program runner and its compiled-yet check.
+      programs: how it runs the scheduler's programs (`Programs`).
       sampling: a job's sampling settings as one row (`SamplingRows.one`).
 
     Attributes:
@@ -95,12 +92,11 @@ class Prefiller:
         kv_cache: Any,
         config: SchedulerConfig,
         slots_bytes: int,
-        run: Run,
-        ready: Ready,
+        programs: Programs,
         sampling: Callable[[Job], RowSampling],
     ):
         self.model, self.params, self.kv_cache, self.config = model, params, kv_cache, config
-        self._run, self._ready, self._sampling = run, ready, sampling
+        self._run, self._ready, self._sampling = programs.run, programs.ready, sampling
         c = config
         self.single_pass = min(c.single_pass, c.max_len)
         self.prefill_widths = [w for w in _widths(0, bucket(self.single_pass)) if w <= c.max_len]

@@ -16,6 +16,7 @@ program twice nor see a half-filled table.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -42,6 +43,22 @@ def _stand_in(leaf: Any) -> Any:
         weak = getattr(leaf, "weak_type", False)
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=weak)
     return leaf
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """How the scheduler's parts use its programs.
+
+    Attributes:
+      run: ``(name, width, args) -> outputs``: calls a program (compiled now if it is not yet).
+      ready: ``(name, width) -> bool``: whether it is compiled (`ProgramRegistry.ready`).
+      soon: ``(name, width, example args) -> None``: compiles it in the background
+        (`ProgramRegistry.compile_soon`).
+    """
+
+    run: Callable[[str, Width, tuple], Any]
+    ready: Callable[[str, Width], bool]
+    soon: Callable[[str, Width, tuple], None]
 
 
 class ProgramRegistry:

@@ -48,7 +48,7 @@ from lowbit.server._job import (
 )
 from lowbit.server._logprobs import host_logprobs
 from lowbit.server._prefill import Prefill, Prefiller
-from lowbit.server._registry import ProgramRegistry
+from lowbit.server._registry import ProgramRegistry, Programs
 from lowbit.server._slots import Slots
 
 
@@ -116,18 +116,15 @@ class Scheduler:
         self.slots: Slots | None = None
         self.prefill: Prefiller | None = None
         if self.generates:
-            ready, soon = self.programs.ready, self.programs.compile_soon
-            self.slots = Slots(
-                model, self.params, kv_cache, config, draft, self._run, ready, soon, self._lock
-            )
+            uses = Programs(self._run, self.programs.ready, self.programs.compile_soon)
+            self.slots = Slots(model, self.params, kv_cache, config, draft, uses, self._lock)
             self.prefill = Prefiller(
                 model,
                 self.params,
                 kv_cache,
                 config,
                 self.slots.cache.nbytes(),
-                self._run,
-                ready,
+                uses,
                 lambda job: self.slots.sampling.one(job),
             )
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,13 +26,8 @@ from lowbit.server._draft_rows import DraftRows
 from lowbit.server._job import LENGTH, STOP, Job, SchedulerConfig
 from lowbit.server._logprobs import host_logprobs
 from lowbit.server._prefill import Prefill, cache_key
+from lowbit.server._registry import Programs
 from lowbit.server._sampling_rows import SamplingRows
-
-# (name, key, args) -> the program's outputs; (name, key) -> whether it is compiled;
-# (name, key, args) -> None, compiling it in the background.
-Run = Callable[[str, Any, tuple], Any]
-Ready = Callable[[str, Any], bool]
-Soon = Callable[[str, Any, tuple], None]
 
 
 class Slots:
@@ -43,8 +37,7 @@ class Slots:
       model, params, kv_cache: the served `Decoder`, its parameters and the cache format.
       config: the scheduler's settings.
       draft: the draft model of speculative decoding, or None.
-      run, ready, soon: the scheduler's program runner, its compiled-yet check, and its
-        compile in the background (`ProgramRegistry.compile_soon`).
+      programs: how it runs the scheduler's programs (`Programs`).
       lock: the scheduler's lock, held where a row is taken or given back (the HTTP side
         reads `jobs`).
 
@@ -66,13 +59,12 @@ class Slots:
         kv_cache: Any,
         config: SchedulerConfig,
         draft: speculate.DraftModel | None,
-        run: Run,
-        ready: Ready,
-        soon: Soon,
+        programs: Programs,
         lock: threading.Condition,
     ):
         self.model, self.params, self.kv_cache, self.config = model, params, kv_cache, config
-        self._run, self._ready, self._soon, self._lock = run, ready, soon, lock
+        self._run, self._ready, self._soon = programs.run, programs.ready, programs.soon
+        self._lock = lock
         self.jobs: list[Job | None] = [None] * config.slots
         self.speculation = speculate.Stats() if config.speculate is not None else None
         self.steps_run = 0
@@ -82,7 +74,7 @@ class Slots:
             c = config
             allowed = self.sampling.allowed.host
             self.draft = DraftRows(
-                draft, kv_cache, c.slots, c.max_len, c.speculate_tokens, allowed, run, ready
+                draft, kv_cache, c.slots, c.max_len, c.speculate_tokens, allowed, programs
             )
 
     def reset(self) -> None:
