@@ -1,12 +1,12 @@
 """Only `lowbit/engine/_compat.py` touches JAX internals (one place to change per JAX release),
-and `lowbit/ops/_platform.py`, which defines one primitive (per-platform lowering rules) through
+and `lowbit/kernels/_platform.py`, which defines one primitive (per-platform lowering rules) through
 `jax.extend`, the extension API, and sits below the engine."""
 
 import ast
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "lowbit"
-ALLOWED = (PACKAGE / "engine" / "_compat.py", PACKAGE / "ops" / "_platform.py")
+ALLOWED = (PACKAGE / "engine" / "_compat.py", PACKAGE / "kernels" / "_platform.py")
 INTERNAL = ("jax.extend", "jax._src")
 
 

@@ -37,8 +37,9 @@ element format to its kind.
 The compiled module picks the best instruction-set path at run time (AMX-INT8 tiles for w8a8,
 AVX-512 VNNI, AVX-512BW, AVX2 with or without AVX-VNNI, portable); `LOWBIT_CPU_ISA` or
 `set_isa` forces a lower one (a path the CPU lacks is refused with an error).
-Each entry point is chosen per lowering platform (`jax.lax.platform_dependent`): the FFI
-call where the program is lowered for CPU, the pure-JAX reference (same result) for CUDA, TPU
+Each entry point is chosen per lowering platform (`by_platform`, lowbit's one platform switch,
+which the quantized products and the models' attention use too): the FFI call where the
+program is lowered for CPU, the pure-JAX reference (same result) for CUDA, TPU
 or any other platform, so a program traced on a CPU host exports to accelerators. When the
 module is missing or `LOWBIT_DISABLE_KERNELS=1` is set, every platform takes the reference, and
 `status()` says why.
@@ -92,6 +93,7 @@ from lowbit.kernels._ops import (
     w8a8_matmul_int32,
     weight_only_linear,
 )
+from lowbit.kernels._platform import PLATFORMS, by_platform, by_platform_p
 from lowbit.kernels._reference import FP4_LEVELS, NF4_LEVELS, quantize_per_token
 
 __all__ = [
@@ -104,8 +106,11 @@ __all__ = [
     "KernelKind",
     "INT8_ACTIVATION_KINDS",
     "NF4_LEVELS",
+    "PLATFORMS",
     "PreparedWeight",
     "available",
+    "by_platform",
+    "by_platform_p",
     "int8_activations_supported",
     "decode_attention",
     "dequantize_weight",

@@ -12,6 +12,7 @@ import numpy as np
 from lowbit.kernels import _native, _reference
 from lowbit.kernels._kinds import KERNEL_KINDS, KIND_IDS
 from lowbit.kernels._layout import HEADER_BYTES, PreparedWeight, prepared_to_logical
+from lowbit.kernels._platform import by_platform
 
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -67,16 +68,16 @@ def native_or_reference(native: Callable[[], Any], reference: Callable[[], Any])
     if _native.module() is None:
         return reference()
     if not getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
-        return jax.lax.platform_dependent(cpu=native, default=reference)
+        return by_platform((), {"cpu": native}, reference)
 
     def typed_native():
         # Inside a shard_map that checks varying manual axes, an FFI call's outputs vary over
-        # none, while the pure-JAX branch's vary like its inputs; `platform_dependent` needs
-        # both branches typed alike, so the call's outputs take the reference's axes.
+        # none, while the pure-JAX branch's vary like its inputs; the call's outputs take the
+        # reference's axes, so both branches are typed alike.
         want = jax.tree.map(_varying_axes, jax.eval_shape(reference))
         return jax.tree.map(_vary, native(), want)
 
-    return jax.lax.platform_dependent(cpu=typed_native, default=reference)
+    return by_platform((), {"cpu": typed_native}, reference)
 
 
 def _varying_axes(aval: Any) -> frozenset:

@@ -505,9 +505,9 @@ def weight_only_matmul(
         for the TPU body, `pltpu.InterpretParams(...)` sets the TPU interpreter's checks
         (race detection, uninitialized memory as NaN).
       differentiable: False leaves out the derivative rule, for a caller that puts one around
-        a choice of kernels by platform (a rule inside a `platform_dependent` branch is
-        lowered out of line, for every platform of a multi-platform export, where the Pallas
-        call cannot lower).
+        a choice of kernels by platform (`lowbit.kernels.by_platform`: a rule inside one
+        platform's branch would be lowered out of line, for every platform of a
+        multi-platform export, where the Pallas call cannot lower).
       platform: "cuda" (the Triton body) or "tpu" (the Mosaic body, `_pallas_tpu`).
     Returns:
       [..., N] in `out_dtype`. Differentiable in x (the gradient uses the dequantized weight).

@@ -163,12 +163,11 @@ def decode_attention(
         return out[:, None]
 
     # The kernel where the step is lowered for CPU; the block loop on GPU / TPU. (The cache
-    # is closed over: a LayerKV is not a pytree.)
-    return jax.lax.platform_dependent(
-        q,
-        slot,
-        cpu=lambda q, slot: fused(q, kv, slot),
-        default=lambda q, slot: block_loop(q, kv, slot, block, first, cap),
+    # is closed over, its arrays hoisted into operands: a LayerKV is not a pytree.)
+    return kernels.by_platform(
+        (q, slot),
+        {"cpu": lambda q, slot: fused(q, kv, slot)},
+        lambda q, slot: block_loop(q, kv, slot, block, first, cap),
     )
 
 

@@ -1,11 +1,12 @@
-"""Products that accelerators compute their own way, decided per product from static facts:
-the Pallas weight-only kernel on CUDA (and TPU when asked for), and CUDA's activation-quantized
-GEMMs through a K-major copy of the weight's codes. Each rule names the platform whose lowering
-runs it; `_dot_general` binds them with `_platform.by_platform`.
+"""Products that accelerators compute their own way, registered in `_registry` by (weight
+format, platform): the Pallas weight-only kernel on CUDA (and TPU when asked for), and CUDA's
+activation-quantized GEMMs through a K-major copy of the weight's codes. Each is decided per
+product from static facts; `_dot_general` binds it as its platform's implementation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any
@@ -16,9 +17,12 @@ import numpy as np
 # trace-context setting when first imported, and a trace context that grows between two
 # calls of a jitted function makes JAX trace and compile it again (a QLoRA training step
 # compiled twice, about 70 s more and a second executable resident). About 0.25 s of import.
+from jax import lax
+
 from lowbit.kernels import pallas
 from lowbit.ops._cpu_kernels import FLOAT_ACTIVATIONS, contract_axis, split_over_devices
 from lowbit.ops._operand import quantized
+from lowbit.ops._registry import Call, Kernel, register
 
 # Below this many weight elements a CUDA lowering keeps XLA's fused dequantize-and-dot: on an
 # H200, SmolLM2's layers (at most 576 x 1536) decoded at 214 tok/s through the Pallas kernel
@@ -40,51 +44,62 @@ TPU_KERNELS_ENV = "LOWBIT_TPU_KERNELS"
 CUDA_K_MAJOR_MIN_ROWS = {"fp8_e4m3fn": 1, "int8": 256}
 
 
-def accelerator_rules(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[tuple[str, str], ...]:
-    """(platform, how) for each accelerator whose lowering computes this product its own way:
-    "pallas" (the weight-only kernel, `pallas_platforms`) or "k_major" (CUDA: an
-    activation-quantized `[K, N]` weight multiplied through a K-major copy of its codes, see
-    `CUDA_K_MAJOR_MIN_ROWS`)."""
-    rules = tuple((p, "pallas") for p in pallas_platforms(lhs, rhs, dimension_numbers))
-    if cuda_k_major(lhs, rhs, dimension_numbers):
-        rules += (("cuda", "k_major"),)
-    return rules
-
-
-def cuda_k_major(lhs: Any, rhs: Any, dimension_numbers: Any) -> bool:
-    """Whether a CUDA lowering multiplies this int8 / fp8 activation-quantized `[K, N]` weight
-    through a transposed copy of its codes (see `CUDA_K_MAJOR_MIN_ROWS`)."""
-    if quantized(lhs) or not quantized(rhs) or rhs.activation is None:
-        return False
-    min_rows = CUDA_K_MAJOR_MIN_ROWS.get(rhs.format)
+def _k_major(lhs: Any, rhs: Any, dimension_numbers: Any) -> bool | None:
+    """True when a CUDA lowering multiplies this int8 / fp8 activation-quantized `[K, N]`
+    weight through a transposed copy of its codes (see `CUDA_K_MAJOR_MIN_ROWS`), else None."""
+    if quantized(lhs) or rhs.activation is None:
+        return None
+    min_rows = CUDA_K_MAJOR_MIN_ROWS.get(rhs.fmt.name)
     if min_rows is None or rhs.packed_axis is not None or not hasattr(lhs, "shape"):
-        return False
+        return None
     if contract_axis(lhs, rhs, dimension_numbers) != 0:
-        return False
+        return None
     if split_over_devices(lhs) or split_over_devices(rhs.codes):
-        return False  # XLA partitions the dot of sharded operands; a copy would gather
-    return math.prod(lhs.shape[:-1]) >= min_rows
+        return None  # XLA partitions the dot of sharded operands; a copy would gather
+    return True if math.prod(lhs.shape[:-1]) >= min_rows else None
 
 
-def pallas_platforms(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[str, ...]:
-    """The platforms ("cuda", "tpu") whose lowering runs this product in the Pallas
-    weight-only kernel (`lowbit.kernels.pallas`: int4 / uint4 / nf4 / int8 codes dequantized
-    on chip, read as stored). Only plain linear layers `x [..., K] @ q [K, N]`;
-    activation-quantized weights (w8a8, fp8) take the portable path, whose int8 / fp8
-    `dot_general` XLA already gives to the integer and fp8 GEMMs. TPU only with
-    ``LOWBIT_TPU_KERNELS=1`` (see `TPU_KERNELS_ENV`)."""
-    if quantized(lhs) or not quantized(rhs) or rhs.activation is not None:
-        return ()
-    if not hasattr(lhs, "dtype") or np.dtype(lhs.dtype) not in FLOAT_ACTIVATIONS:
-        return ()
-    if contract_axis(lhs, rhs, dimension_numbers) != 0:
-        return ()
-    if split_over_devices(lhs) or split_over_devices(rhs.codes):
-        return ()  # the kernel sees one device's whole operand (see `split_over_devices`)
-    if math.prod(rhs.shape) < GPU_MIN_WEIGHT_ELEMENTS:  # XLA's own fusion is faster there
-        return ()
-    m = math.prod(lhs.shape[:-1])
-    platforms = ["cuda"]
-    if os.environ.get(TPU_KERNELS_ENV, "") not in ("", "0"):
-        platforms.append("tpu")
-    return tuple(p for p in platforms if pallas.supports(rhs, m, lhs.dtype, p) == "pallas")
+def _run_k_major(lhs: Any, rhs: Any, config: bool, call: Call) -> Any:
+    # [K, N] -> [N, K]: the barrier keeps XLA from folding the copy back into the dot.
+    weight = rhs.transpose((1, 0))
+    weight = dataclasses.replace(weight, codes=lax.optimization_barrier(weight.codes))
+    (lc, _), batch = call.dimension_numbers
+    return call.portable(lhs, weight, ((lc, (1,)), batch))
+
+
+def _pallas_on(platform: str):
+    def applies(lhs: Any, rhs: Any, dimension_numbers: Any) -> str | None:
+        """`platform` when its lowering runs this product in the Pallas weight-only kernel
+        (`lowbit.kernels.pallas`: int4 / uint4 / nf4 / int8 codes dequantized on chip, read
+        as stored), else None. Only plain linear layers `x [..., K] @ q [K, N]`;
+        activation-quantized weights (w8a8, fp8) take the portable path, whose int8 / fp8
+        `dot_general` XLA already gives to the integer and fp8 GEMMs. TPU only with
+        ``LOWBIT_TPU_KERNELS=1`` (see `TPU_KERNELS_ENV`)."""
+        if platform == "tpu" and os.environ.get(TPU_KERNELS_ENV, "") in ("", "0"):
+            return None
+        if quantized(lhs) or rhs.activation is not None:
+            return None
+        if not hasattr(lhs, "dtype") or np.dtype(lhs.dtype) not in FLOAT_ACTIVATIONS:
+            return None
+        if contract_axis(lhs, rhs, dimension_numbers) != 0:
+            return None
+        if split_over_devices(lhs) or split_over_devices(rhs.codes):
+            return None  # the kernel sees one device's whole operand (`split_over_devices`)
+        if math.prod(rhs.shape) < GPU_MIN_WEIGHT_ELEMENTS:  # XLA's own fusion is faster there
+            return None
+        m = math.prod(lhs.shape[:-1])
+        return platform if pallas.supports(rhs, m, lhs.dtype, platform) == "pallas" else None
+
+    return applies
+
+
+def _run_pallas(lhs: Any, rhs: Any, platform: str, call: Call) -> Any:
+    return pallas.weight_only_matmul(
+        lhs, rhs, out_dtype=call.out_dtype, differentiable=False, platform=platform
+    )
+
+
+PALLAS_FORMATS = ("int4", "uint4", "nf4", "int8")
+for _platform in ("cuda", "tpu"):
+    register(Kernel("pallas", _platform, PALLAS_FORMATS, _pallas_on(_platform), _run_pallas))
+register(Kernel("k_major", "cuda", tuple(CUDA_K_MAJOR_MIN_ROWS), _k_major, _run_k_major))

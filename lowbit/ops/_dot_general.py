@@ -15,7 +15,7 @@ Other layouts use `dot_general_reference` (dequantize, then `lax.dot_general`), 
 Plain linear layers with a layout the compiled kernels read go to `lowbit.kernels` where the
 program is lowered for CPU (`_cpu_kernels`; paths ``"cpu_kernel_<kind>"``), with the pure-JAX
 weight-only product as their gradient. The same traced program lowers, per platform
-(`_platform.by_platform`), weight-only int4 / uint4 / nf4 / int8 linear layers to the Pallas
+(`lowbit.kernels.by_platform`), weight-only int4 / uint4 / nf4 / int8 linear layers to the Pallas
 kernel on CUDA (`lowbit.kernels.pallas`) and everything else to the pure-JAX paths.
 """
 
@@ -34,18 +34,11 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lowbit.kernels import pallas
-from lowbit.ops import _dims, _dot_path
-from lowbit.ops._accelerated import accelerator_rules
-from lowbit.ops._cpu_kernels import (
-    FLOAT_ACTIVATIONS,
-    KERNEL_PATHS,
-    KernelRoute,
-    builds_layout_per_call,
-    contract_axis,
-    kernel_linear,
-    kernel_route,
-)
+from lowbit.kernels import by_platform
+
+# `_accelerated` registers the Pallas and K-major kernels (`_cpu_kernels` the CPU ones).
+from lowbit.ops import _accelerated, _dims, _dot_path, _registry  # noqa: F401
+from lowbit.ops._cpu_kernels import CPU_KERNEL, FLOAT_ACTIVATIONS, KERNEL_PATHS, contract_axis
 from lowbit.ops._dot_path import Plan
 from lowbit.ops._dot_path import plan as choose_plan
 from lowbit.ops._input_scale import apply_input_scale, strip_input_scale
@@ -61,8 +54,8 @@ from lowbit.ops._operand import (
     quantized,
     reference_product,
 )
-from lowbit.ops._platform import by_platform
 from lowbit.ops._prepared import is_prepared
+from lowbit.ops._registry import Call, Chosen
 from lowbit.qarray import QArray
 
 
@@ -317,37 +310,16 @@ def _ste_bwd(dimension_numbers, precision, preferred_element_type, out_sharding,
 _ste_dot.defvjp(_ste_fwd, _ste_bwd)
 
 
-# The kernels are FFI calls without derivative rules: the gradient is the STE one above.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _kernel_dot(lhs, rhs, route: KernelRoute, dimension_numbers, precision, out_dtype):
-    return kernel_linear(lhs, rhs, route, out_dtype)
-
-
-def _kernel_fwd(lhs, rhs, route, dimension_numbers, precision, out_dtype):
-    return kernel_linear(lhs, rhs, route, out_dtype), (lhs, rhs)
-
-
 def _logical_ste_bwd(dimension_numbers, precision, residuals, g):
-    """The straight-through gradient of a kernel call: that of the weight-only product with the
-    weight in its logical form (a prepared layout is for the forward kernel only)."""
+    """The straight-through gradient of a kernel's product: that of the weight-only product
+    with the weight in its logical form (a prepared layout is for the forward kernel only)."""
     lhs, rhs = _logical(*residuals)
     return _ste_bwd(dimension_numbers, precision, None, None, None, (lhs, rhs), g)
 
 
-def _kernel_bwd(route, dimension_numbers, precision, out_dtype, residuals, g):
-    return _logical_ste_bwd(dimension_numbers, precision, residuals, g)
-
-
-_kernel_dot.defvjp(_kernel_fwd, _kernel_bwd)
-# Under jit, one trace per (shapes, route): a model's many same-shaped layers reuse it, which
-# halved the engine's trace time of a 32-layer MLP against tracing the kernel call each time.
-_kernel_dot_jit = jax.jit(_kernel_dot, static_argnums=(2, 3, 4, 5))
-
 # jax.custom_vjp computes its debug info from `inspect.signature(fun)` on every call; stored
 # once, the engine's trace of a model with many quantized matmuls gets measurably shorter.
-for _fn in (_ste_dot.fun, _kernel_dot.fun):
-    _fn.__signature__ = inspect.signature(_fn)
-del _fn
+_ste_dot.fun.__signature__ = inspect.signature(_ste_dot.fun)
 
 PATHS = (*_dot_path.PATHS, *KERNEL_PATHS)
 """Every name `dot_general_path` returns."""
@@ -358,29 +330,33 @@ class DotPlan:
     """How `dot_general` computes one product (static, hashable).
 
     Decided once per product, at trace time, from shapes, dtypes, formats, scale layouts and
-    whether the CPU kernels are available (`plan_dot_general`); the engine reports `path` and
-    counts `relaid`, and hands the plan to `dot_general`, which runs it.
+    the kernels registered for the weight's format (`plan_dot_general`); the engine reports
+    `path` and counts `relaid`, and hands the plan to `dot_general`, which runs it.
 
     Attributes:
       path: the implementation's name, one of `PATHS` (``"reference"`` dequantizes).
-      route: the CPU kernels' route where the program is lowered for CPU, or None.
-      kept_layout: `route` is a `PreparedQArray`'s own layout, used as prepared.
-      accelerated: (platform, how) of the accelerators' own products (`accelerator_rules`).
-      core: the pure-JAX product's plan (every platform without a rule of its own), or None
-        for a kept layout (whose logical weight is planned where it is recovered).
+      kernels: the registered kernels chosen for this product, one per platform
+        (`_registry.choose`); every other platform runs the portable product.
+      kept_layout: the CPU kernel runs a `PreparedQArray`'s own layout, as prepared.
+      core: the pure-JAX product's plan (every platform without a kernel), or None for a
+        kept layout (whose logical weight is planned where it is recovered).
       relaid: the operand (0: lhs, 1: rhs) laid out again, or recovered from a layout made
         for another use, on every call; a fallback the engine counts. None when neither is.
     """
 
     path: str
-    route: KernelRoute | None = None
+    kernels: tuple[Chosen, ...] = ()
     kept_layout: bool = False
-    accelerated: tuple[tuple[str, str], ...] = ()
     core: Plan | None = None
     relaid: int | None = None
 
+    @property
+    def route(self) -> Any:
+        """The CPU kernel's `KernelRoute`, or None."""
+        return next((c.config for c in self.kernels if c.kernel is CPU_KERNEL), None)
 
-def _kept_route(lhs, rhs, dimension_numbers, out_sharding) -> KernelRoute | None:
+
+def _kept_route(lhs, rhs, dimension_numbers, out_sharding) -> Any:
     """A `PreparedQArray`'s own route when this call is the linear layer it was laid out for."""
     if not is_prepared(rhs) or quantized(lhs) or is_prepared(lhs):
         return None
@@ -412,7 +388,7 @@ def plan_dot_general(
     lhs, rhs = strip_input_scale(lhs), strip_input_scale(rhs)
     route = _kept_route(lhs, rhs, dimension_numbers, out_sharding)
     if route is not None:
-        return DotPlan(route.path, route=route, kept_layout=True)
+        return DotPlan(route.path, kernels=(Chosen(CPU_KERNEL, route),), kept_layout=True)
     # A prepared weight used other than as its linear layer: its codes are recovered per call.
     relaid = next((i for i in (1, 0) if is_prepared((lhs, rhs)[i])), None)
     lhs, rhs = _logical(lhs, rhs)
@@ -422,12 +398,16 @@ def plan_dot_general(
     core = choose_plan(lhs, rhs, dims)
     if core.path == "float":
         return DotPlan("float", core=core)
-    route = kernel_route(lhs, rhs, dims, out_sharding=out_sharding)
-    accelerated = () if out_sharding is not None else accelerator_rules(lhs, rhs, dims)
-    if route is not None and relaid is None and builds_layout_per_call(lhs, rhs, route):
-        relaid = 1
-    path = core.path if route is None else route.path
-    return DotPlan(path, route=route, accelerated=accelerated, core=core, relaid=relaid)
+    # A requested output sharding keeps every platform on the portable product.
+    chosen = () if out_sharding is not None else _registry.choose(lhs, rhs, dims)
+    path = core.path
+    for c in chosen:
+        if c.platform == "cpu" and c.kernel.path is not None:
+            path = c.kernel.path(c.config)
+        per_call = c.kernel.per_call_layout
+        if relaid is None and per_call is not None and per_call(lhs, rhs, c.config):
+            relaid = 1
+    return DotPlan(path, kernels=chosen, core=core, relaid=relaid)
 
 
 def dot_general_path(
@@ -495,7 +475,7 @@ def dot_general(
             preferred_element_type,
             out_sharding=out_sharding,
         )
-    if plan.route is not None or plan.accelerated:
+    if plan.kernels:
         out_dtype = product_dtype(lhs, rhs, preferred_element_type)
         return _by_platform(
             lhs, rhs, plan, dimension_numbers, precision, preferred_element_type, out_dtype
@@ -515,21 +495,14 @@ def _portable(lhs, rhs, dimension_numbers, precision, preferred, out_sharding, c
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def _by_platform(lhs, rhs, plan: DotPlan, dimension_numbers, precision, preferred, out_dtype):
     """A product with a kernel on some platform, chosen per lowering platform so one traced
-    program exports anywhere: the CPU kernel (`plan.route`) where the program is lowered for
-    CPU, the accelerators' own products (`plan.accelerated`), the portable product everywhere
-    else (a prepared weight recovers its logical QArray there). One straight-through
-    derivative rule covers every branch."""
+    program exports anywhere: each of `plan.kernels` where the program is lowered for its
+    platform, the portable product everywhere else (a prepared weight recovers its logical
+    QArray there). One straight-through derivative rule covers every branch."""
 
-    def on_cpu(lhs, rhs):
-        return _kernel_dot_jit(lhs, rhs, plan.route, dimension_numbers, precision, out_dtype)
+    def portable(lhs, rhs, dims):
+        return _portable(lhs, rhs, dims, precision, preferred, None).astype(out_dtype)
 
-    def kernel_on(platform):
-        def run(lhs, rhs):
-            return pallas.weight_only_matmul(
-                lhs, rhs, out_dtype=out_dtype, differentiable=False, platform=platform
-            )
-
-        return run
+    call = Call(dimension_numbers, precision, preferred, out_dtype, portable)
 
     def elsewhere(lhs, rhs):
         lhs, rhs = _logical(lhs, rhs)
@@ -537,17 +510,10 @@ def _by_platform(lhs, rhs, plan: DotPlan, dimension_numbers, precision, preferre
         out = _portable(lhs, rhs, dimension_numbers, precision, preferred, None, core)
         return out.astype(out_dtype)
 
-    def k_major(lhs, rhs):
-        # [K, N] -> [N, K]: the barrier keeps XLA from folding the copy back into the dot.
-        weight = rhs.transpose((1, 0))
-        weight = dataclasses.replace(weight, codes=lax.optimization_barrier(weight.codes))
-        (lc, _), batch = dimension_numbers
-        dims = ((lc, (1,)), batch)
-        return _portable(lhs, weight, dims, precision, preferred, None).astype(out_dtype)
+    def running(chosen: Chosen):
+        return lambda lhs, rhs: chosen.kernel.run(lhs, rhs, chosen.config, call)
 
-    rules = {"cpu": on_cpu} if plan.route is not None else {}
-    for platform, how in plan.accelerated:
-        rules[platform] = kernel_on(platform) if how == "pallas" else k_major
+    rules = {c.platform: running(c) for c in plan.kernels}
     return by_platform((lhs, rhs), rules, elsewhere)
 
 
