@@ -10,7 +10,10 @@ float activations; llama.cpp (llama-cpp-python) through its C
 API (`generate._LlamaCpp`).
 
 Streaming share: weight bytes read a token (the file's tensor bytes) x batch-1 tokens/s,
-against the float32 GEMV's rate on weights larger than the L3 (`bandwidth.stream_gbps`).
+against the float32 GEMV's rate on weights larger than the L3 (`bandwidth.stream_gbps`),
+measured in the same process right after its decode (its peak RSS read before), so the two
+rates share the machine's conditions: on this shared machine the GEMV alone read 41 to 64
+GB/s from one run to the next.
 
 Sizes: `LOWBIT_GGUF_LARGE=qwen2-1.5b,llama3-8b` (default: the 1.5B shape only; the 8B file
 is 4.6 GB and its runs take several minutes). Engines: `LOWBIT_GGUF_LARGE_ENGINES` (default all
@@ -74,6 +77,9 @@ def _child(engine: str, path: str) -> None:
     with open("/proc/self/status") as f:
         hwm = next(line for line in f if line.startswith("VmHWM:"))
     out["rss_mib"] = int(hwm.split()[1]) / 1024
+    from benchmarks import bandwidth
+
+    out["stream_gbps"] = bandwidth.stream_gbps()
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -99,13 +105,17 @@ def _measure(engine: str, path: str) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def _best(runs: list[dict]) -> dict:
-    """The fastest rates and load of an engine's runs, and the highest peak RSS."""
+def _best(runs: list[dict], weights: int) -> dict:
+    """The fastest rates and load of an engine's runs, the highest peak RSS, and the streaming
+    share of the run with the fastest batch-1 decode (against its own process's GEMV)."""
     failed = [r for r in runs if "error" in r]
     if failed:
         return failed[0]
     best = {k: max(r[k] for r in runs) for k in runs[0]}
     best["load_s"] = min(r["load_s"] for r in runs)
+    fastest = max(runs, key=lambda r: r["decode_1"])
+    best["share"] = weights * fastest["decode_1"] / (fastest["stream_gbps"] * 1e9)
+    best["streams"] = [r["stream_gbps"] for r in runs]
     return best
 
 
@@ -121,7 +131,6 @@ def run() -> str | None:
         import llama_cpp
     except ImportError:
         return None
-    from benchmarks import bandwidth
     from benchmarks._big_gguf import write_q4_k_m
     from lowbit import kernels
 
@@ -130,7 +139,6 @@ def run() -> str | None:
     if set(engines) - set(ENGINES) or "llama.cpp" not in engines:
         raise ValueError(f"LOWBIT_GGUF_LARGE_ENGINES: some of {ENGINES}, llama.cpp included")
     lines = ["## Q4_K_M files of 1.5B / 8B shapes: lowbit against llama.cpp, with peak memory", ""]
-    stream = bandwidth.stream_gbps()
     rows = []
     begin = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,11 +151,9 @@ def run() -> str | None:
                 for engine in engines:
                     runs[engine].append(_measure(engine, path))
             for engine in engines:
-                rows.append((shape, size, weights, engine, _best(runs[engine])))
+                rows.append((shape, size, weights, engine, _best(runs[engine], weights)))
             os.remove(path)
-    # The GEMV's rate varied from 40 to 64 GB/s between runs here: its best of two
-    # measurements, before and after the engines, is the machine's rate.
-    stream = max(stream, bandwidth.stream_gbps())
+    streams = [g for *_, r in rows for g in r.get("streams", ())]
     lines += [
         f"- Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_model()}, {os.cpu_count()} cores; "
         f"{kernels.status()}; llama-cpp-python {llama_cpp.__version__} (its CPU build: "
@@ -155,16 +161,18 @@ def run() -> str | None:
         f"- Prompt {PROMPT} random tokens a row, then {DECODE} greedy tokens; best of 2 runs after "
         "a warm-up, each engine in its own process (peak RSS is that process's, loading "
         f"included), the engines' processes in turn {ROUNDS} times (the best rates of them, "
-        f"the highest peak RSS). Float32 GEMV streaming rate on this machine: {stream:.1f} GB/s "
-        "(weights beyond the L3; the best of a measurement before and one after the "
-        "engines). `python -m benchmarks gguf_large`.",
+        "the highest peak RSS). Stream share: the fastest batch-1 run's weight bytes a token x "
+        "tokens/s over the float32 GEMV's rate (weights beyond the L3) measured in the same "
+        "process right after it; the GEMV read "
+        f"{min(streams, default=0):.1f}-{max(streams, default=0):.1f} GB/s over the run's "
+        "processes. `python -m benchmarks gguf_large`.",
         "",
         "| file | engine | load s | prefill tok/s | decode b1 tok/s | x llama.cpp | stream share "
         "| decode b8 tok/s | x llama.cpp | peak RSS MiB |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     peer = {s: r for s, _, _, e, r in rows if e == "llama.cpp"}
-    for shape, size, weights, engine, r in rows:
+    for shape, size, _weights, engine, r in rows:
         if "error" in r:
             lines.append(f"| {shape} ({size / 2**30:.2f} GiB) | {engine} | {r['error']} |||||||")
             continue
@@ -173,7 +181,7 @@ def run() -> str | None:
         def ratio(key: str, r=r, p=p) -> str:
             return f"{r[key] / p[key]:.2f}x" if key in p else "-"
 
-        share = weights * r["decode_1"] / (stream * 1e9)
+        share = r["share"]
         lines.append(
             f"| {shape} ({size / 2**30:.2f} GiB) | {engine} | {r['load_s']:.1f} | "
             f"{r['prefill_1']:.1f} | {r['decode_1']:.2f} | {ratio('decode_1')} | {share:.0%} | "
