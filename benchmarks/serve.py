@@ -17,8 +17,10 @@ after another:
 - tok/s: generated tokens of all requests over the wall time of the level;
 - TTFT: from sending a request to its first streamed token, p50 and p90;
 - TPOT: per request, (last token - first token) / (tokens - 1), p50 and p90.
-Then lowbit's server answers `MEMORY_REQUESTS` more short requests at concurrency 8; its
-resident memory (RSS) is read after the first 100 and after all of them.
+Then lowbit again with ``logprobs: 1`` on every request, at `LOGPROBS_CLIENTS` (its rows:
+asking for log-probabilities should cost little), and lowbit's server answers
+`MEMORY_REQUESTS` more short requests at concurrency 8; its resident memory (RSS) is read
+after the first 100 and after all of them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import numpy as np
 from benchmarks._machine import cpu_model
 
 CONCURRENCY = (1, 8, 32)
+LOGPROBS_CLIENTS = (1, 8)
 ROUNDS = 2
 PROMPT = 64
 MAX_TOKENS = 64
@@ -46,6 +49,7 @@ THREADS = 2
 MEMORY_REQUESTS = 1000
 MEMORY_TOKENS = 16
 ROOT = Path(__file__).resolve().parent.parent
+LOGPROBS = "lowbit, `logprobs: 1`"
 
 
 def _free_port() -> int:
@@ -111,10 +115,14 @@ def _stop(proc) -> None:
         proc.wait()
 
 
-async def _request(client, url: str, prompt: str, max_tokens: int, ids: bool) -> dict:
+async def _request(
+    client, url: str, prompt: str, max_tokens: int, ids: bool, logprobs: int | None = None
+) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     if ids:
         body["return_token_ids"] = True
+    if logprobs is not None:
+        body["logprobs"] = logprobs
     sent = time.perf_counter()
     stamps, tokens = [], 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -133,7 +141,12 @@ async def _request(client, url: str, prompt: str, max_tokens: int, ids: bool) ->
 
 
 async def _level(
-    url: str, clients: int, prompts: list[str], ids: bool, rounds: int = ROUNDS
+    url: str,
+    clients: int,
+    prompts: list[str],
+    ids: bool,
+    rounds: int = ROUNDS,
+    logprobs: int | None = None,
 ) -> dict:
     import httpx
 
@@ -141,7 +154,9 @@ async def _level(
 
         async def one(i: int) -> list[dict]:
             return [
-                await _request(c, url, prompts[(i * rounds + k) % len(prompts)], MAX_TOKENS, ids)
+                await _request(
+                    c, url, prompts[(i * rounds + k) % len(prompts)], MAX_TOKENS, ids, logprobs
+                )
                 for k in range(rounds)
             ]
 
@@ -177,6 +192,14 @@ async def _many(url: str, n: int, prompts: list[str], clients: int = 8) -> None:
 def _measure(url: str, prompts: list[str], ids: bool) -> dict[int, dict]:
     asyncio.run(_level(url, 2, prompts, ids))  # warm-up: connections, first prefills
     return {c: asyncio.run(_level(url, c, prompts, ids)) for c in CONCURRENCY}
+
+
+def _measure_logprobs(url: str, prompts: list[str]) -> dict[int, dict]:
+    """lowbit with `logprobs: 1` on every request, at `LOGPROBS_CLIENTS`: its programs that
+    rank the vocabulary compile when a request first asks (a warm-up asks, then waits)."""
+    asyncio.run(_level(url, 2, prompts, True, logprobs=1))
+    _all_compiled(f"{url}/health")
+    return {c: asyncio.run(_level(url, c, prompts, True, logprobs=1)) for c in LOGPROBS_CLIENTS}
 
 
 def run() -> str:
@@ -238,6 +261,8 @@ def run() -> str:
     try:
         results["lowbit"] = _measure(url, prompts, ids=True)
         print(f"[serve] lowbit: {results['lowbit']}", file=sys.stderr, flush=True)
+        results[LOGPROBS] = _measure_logprobs(url, prompts)
+        print(f"[serve] {LOGPROBS}: {results[LOGPROBS]}", file=sys.stderr, flush=True)
         asyncio.run(_many(url, 100, prompts))
         after_100 = _rss_mib(proc.pid)
         asyncio.run(_many(url, MEMORY_REQUESTS - 100, prompts))
@@ -258,7 +283,7 @@ def run() -> str:
         "| server | clients | tok/s | x 1 client | TTFT p50 / p90 ms | TPOT p50 / p90 ms |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for name in sorted(results, key=lambda n: n != "lowbit"):
+    for name in sorted(results, key=lambda n: (n != "lowbit", n != LOGPROBS)):
         levels, label = results[name], name
         one = levels[1]["tok_s"]
         for c, r in levels.items():
@@ -273,6 +298,12 @@ def run() -> str:
             for c in CONCURRENCY
         )
         lines += ["", f"lowbit / llama.cpp tok/s by clients: {ratios}."]
+    if LOGPROBS in results:
+        kept = ", ".join(
+            f"{c}: {results[LOGPROBS][c]['tok_s'] / results['lowbit'][c]['tok_s']:.2f}x"
+            for c in LOGPROBS_CLIENTS
+        )
+        lines += ["", f"lowbit with `logprobs: 1` / without, tok/s by clients: {kept}."]
     if memory is not None:
         a, b = memory
         lines += [

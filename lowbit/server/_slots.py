@@ -50,6 +50,7 @@ class Slots:
       draft: the draft model beside the rows (`DraftRows`), or None.
       speculation: the speculation counts (`speculate.Stats`), or None without speculation.
       steps_run, slides: decode steps (tokens a row) and cache slides since start.
+      asked: the (program, width) pairs already handed to `programs.soon` to compile.
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class Slots:
         self.jobs: list[Job | None] = [None] * config.slots
         self.speculation = speculate.Stats() if config.speculate is not None else None
         self.steps_run = 0
+        self.asked: set[tuple[str, int]] = set()  # programs asked for with `programs.soon`
         self.draft: DraftRows | None = None
         self.reset()
         if draft is not None:
@@ -234,9 +236,12 @@ class Slots:
             name, width, index = over_rows, len(rows), rows  # only the busy rows run
         elif len(rows) < width and asks and not self.config.deterministic:
             # Compiled once a request asks (about 50 MiB a row bucket on SmolLM2, so a server
-            # pays it only then); the full step until it is ready.
-            example = self.decode_args(1, np.arange(len(rows), dtype=np.int32))
-            self._soon(over_rows, len(rows), example)
+            # pays it only then); the full step until it is ready. Asked once: its example
+            # arguments are device arrays, not to be built again on every step meanwhile.
+            if (over_rows, len(rows)) not in self.asked:
+                self.asked.add((over_rows, len(rows)))
+                example = self.decode_args(1, np.arange(len(rows), dtype=np.int32))
+                self._soon(over_rows, len(rows), example)
         decoded, self.cache = self._run(name, width, self.decode_args(steps, index))
         self.sampling.counts = decoded.counts
         out = np.asarray(decoded.tokens)

@@ -14,6 +14,7 @@ from lowbit.cli._common import stop_ids
 from lowbit.models import Sampling, generate_tokens
 from lowbit.server import DraftModel, Job, Scheduler, SchedulerConfig
 from lowbit.server import _programs as programs
+from lowbit.server._registry import ProgramRegistry
 from lowbit.server._speculate import accepted, draft, windows
 
 NEW = 24
@@ -172,7 +173,7 @@ def test_a_draft_model_of_another_vocabulary_is_refused(loaded):
         Scheduler(loaded.model, None, None, config)
 
 
-def test_decode_runs_only_the_busy_rows(loaded):
+def test_decode_runs_only_the_busy_rows(loaded, monkeypatch):
     rng = np.random.default_rng(4)
     requests = [([int(t) for t in rng.integers(3, 250, n)], 12, 0.0, n, 0.0) for n in (5, 9)]
     config = SchedulerConfig(slots=4, max_len=64, single_pass=16, chunk=16, kv_memory=0)
@@ -187,9 +188,19 @@ def test_decode_runs_only_the_busy_rows(loaded):
     # step runs meanwhile), and a request after that runs it.
     assert not any(name == "decode_rows_logprobs" for name, _ in scheduler.programs.compiled())
     late = [(*request[:4], 3.0 * i) for i, request in enumerate(requests)]
+    asked = []
+    compile_soon = ProgramRegistry.compile_soon
+
+    def counting(self, name, width, args):
+        asked.append((name, width))
+        return compile_soon(self, name, width, args)
+
+    monkeypatch.setattr(ProgramRegistry, "compile_soon", counting)
     _, again, _, ran = _serve(loaded, config, None, late, logprobs=2)
     assert again == answers
     assert ("decode_rows_logprobs", 1) in ran
+    # Asked for once each, not on every step while it compiled.
+    assert ("decode_rows_logprobs", 1) in asked and len(asked) == len(set(asked))
 
 
 def test_the_busy_rows_log_probabilities_are_the_full_decodes(loaded):

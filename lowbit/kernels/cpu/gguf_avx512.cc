@@ -1,4 +1,4 @@
-// AVX-512 VNNI tile kernels for Q3_K, Q4_K, Q6_K and the 32-element types (gguf_avx512.h).
+// AVX-512 VNNI tile kernels for Q3_K, Q4_K, Q5_K, Q6_K and the 32-element types (gguf_avx512.h).
 //
 // The AVX2 tiles multiply a 32-byte register of 8 rows by maddubs and add int16 sums; a
 // broadcast activation load and a weight load feed every 32 multiply-adds. Here one 64-byte
@@ -91,12 +91,15 @@ inline __m512 AddScaled(__m512 acc, __m512i dot, __m512 d, float da) {
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(da)), acc);
 }
 
-// Q4_K: per sub-block of 32 an int32 sum of 8 vpdpbusd a row, times the 16 rows' scales.
-template <int M>
-void Q4K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
-  constexpr int tb = TileBytes(kQ4_K);
+// Q4_K and Q5_K: per sub-block of 32 an int32 sum of 8 vpdpbusd a row, times the 16 rows'
+// scales. Q5_K's tile is Q4_K's with the codes' fifth bits after it (qh chunk c holds the
+// bits of the elements that qs chunk c of every sub-block pair holds: bit 2j for sub-block
+// 2j, 2j + 1 for 2j + 1), set here as 16 into the unsigned codes, as in the AVX2 tiles.
+template <int M, bool five>
+void Q45K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  constexpr int tb = TileBytes(five ? kQ5_K : kQ4_K);
   const int64_t units = w.k / kUnit, kp = acts.kp;
-  const __m512i m15 = _mm512_set1_epi8(15);
+  const __m512i m15 = _mm512_set1_epi8(15), s16 = _mm512_set1_epi8(16);
   OverPairs<tb, M, 2>(w, r0, g0, g1, units, out,
                       [&](const uint8_t* t0, const uint8_t* t1, int64_t u, __m512* acc) {
     __m512i isum[M];
@@ -105,11 +108,18 @@ void Q4K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, 
       __m512i slo[M], shi[M];
       for (int r = 0; r < M; ++r) slo[r] = shi[r] = _mm512_setzero_si512();
       const int off = 160 + 256 * j;
+      const __m512i b0 = _mm512_set1_epi8(static_cast<char>(1 << (2 * j)));
+      const __m512i b1 = _mm512_set1_epi8(static_cast<char>(1 << (2 * j + 1)));
 #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
         const __m512i v = Pair(t0 + off + 32 * c, t1 + off + 32 * c);
-        const __m512i lo = _mm512_and_si512(v, m15);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+        __m512i lo = _mm512_and_si512(v, m15);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+        if constexpr (five) {
+          const __m512i qh = Pair(t0 + 1184 + 32 * c, t1 + 1184 + 32 * c);
+          lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, b0), s16));
+          hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, b1), s16));
+        }
 #pragma GCC unroll 8
         for (int r = 0; r < M; ++r) {
           const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 64 * j + 4 * c;
@@ -299,7 +309,7 @@ void Q32(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, 
 
 template <int type, int M>
 void Run(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
-  if constexpr (type == kQ4_K) Q4K<M>(w, acts, r0, g0, g1, out);
+  if constexpr (type == kQ4_K || type == kQ5_K) Q45K<M, type == kQ5_K>(w, acts, r0, g0, g1, out);
   else if constexpr (type == kQ6_K) Q6K<M>(w, acts, r0, g0, g1, out);
   else if constexpr (type == kQ3_K) Q3K<M>(w, acts, r0, g0, g1, out);
   else Q32<type, M>(w, acts, r0, g0, g1, out);
@@ -318,13 +328,14 @@ void Tiles(const Weight& w, const Acts& acts, int64_t g0, int64_t g1, float* out
 LOWBIT_TARGET_POP
 
 bool HasTilesAvx512(int type) {
-  return type == kQ3_K || type == kQ4_K || type == kQ6_K || type == kQ4_0 || type == kQ4_1 || type == kQ5_0 ||
-         type == kQ5_1;
+  return type == kQ3_K || type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ4_0 || type == kQ4_1 ||
+         type == kQ5_0 || type == kQ5_1;
 }
 
 void TilesAvx512(const Weight& w, const Acts& acts, int64_t g0, int64_t g1, float* out) {
   switch (w.type) {
     case kQ4_K: return Tiles<kQ4_K>(w, acts, g0, g1, out);
+    case kQ5_K: return Tiles<kQ5_K>(w, acts, g0, g1, out);
     case kQ6_K: return Tiles<kQ6_K>(w, acts, g0, g1, out);
     case kQ3_K: return Tiles<kQ3_K>(w, acts, g0, g1, out);
     case kQ4_0: return Tiles<kQ4_0>(w, acts, g0, g1, out);
