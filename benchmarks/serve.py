@@ -17,10 +17,10 @@ after another:
 - tok/s: generated tokens of all requests over the wall time of the level;
 - TTFT: from sending a request to its first streamed token, p50 and p90;
 - TPOT: per request, (last token - first token) / (tokens - 1), p50 and p90.
-Then lowbit again with ``logprobs: 1`` on every request, at `LOGPROBS_CLIENTS` (its rows:
-asking for log-probabilities should cost little), and lowbit's server answers
-`MEMORY_REQUESTS` more short requests at concurrency 8; its resident memory (RSS) is read
-after the first 100 and after all of them.
+Then lowbit's server answers `MEMORY_REQUESTS` more short requests at concurrency 8; its
+resident memory (RSS) is read after the first 100 and after all of them. Last, lowbit again
+with ``logprobs: 1`` on every request, at `LOGPROBS_CLIENTS` (the programs that rank the
+vocabulary compile when a request first asks, so they are not in the RSS above).
 """
 
 from __future__ import annotations
@@ -261,13 +261,14 @@ def run() -> str:
     try:
         results["lowbit"] = _measure(url, prompts, ids=True)
         print(f"[serve] lowbit: {results['lowbit']}", file=sys.stderr, flush=True)
-        results[LOGPROBS] = _measure_logprobs(url, prompts)
-        print(f"[serve] {LOGPROBS}: {results[LOGPROBS]}", file=sys.stderr, flush=True)
         asyncio.run(_many(url, 100, prompts))
         after_100 = _rss_mib(proc.pid)
         asyncio.run(_many(url, MEMORY_REQUESTS - 100, prompts))
         memory = (after_100, _rss_mib(proc.pid))
         print(f"[serve] lowbit RSS MiB: {memory}", file=sys.stderr, flush=True)
+        # Last: the programs it compiles when a request first asks are then resident.
+        results[LOGPROBS] = _measure_logprobs(url, prompts)
+        print(f"[serve] {LOGPROBS}: {results[LOGPROBS]}", file=sys.stderr, flush=True)
     finally:
         _stop(proc)
     lines += [

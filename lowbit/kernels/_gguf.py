@@ -11,7 +11,7 @@ Each 256-element unit of a row is decoded once a call into int8 codes with float
   (absmax / 127, round half to even: llama.cpp's Q8_0 blocks) and multiplied in integers, as
   llama.cpp multiplies these types.
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K and Q6_K weights can also be held as tiles
+Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights can also be held as tiles
 (`gguf_tile`): the blocks of 8 rows interleaved, `cpu/gguf_tiles.h`, so that one register
 multiplies 8 rows with one activation word. The tile kernels run the int8-activation product;
 the other paths read a tiled weight's rows back a group of 8 at a time. `gguf_untile` gives
@@ -68,7 +68,7 @@ def _check_rows(rows: jax.Array, ggml_type: str, k: int, tiled: bool = False) ->
 # Bytes of one tile (8 rows of one block) of the types with a tiled layout.
 TILE_BYTES = {
     **{"Q4_0": 144, "Q4_1": 160, "Q5_0": 176, "Q5_1": 192},
-    **{"Q3_K": 912, "Q4_K": 1184, "Q5_K": 1440, "Q6_K": 1680},
+    **{"Q2_K": 672, "Q3_K": 912, "Q4_K": 1184, "Q5_K": 1440, "Q6_K": 1680},
 }
 TILE_ROWS = 8
 
@@ -187,6 +187,13 @@ def gguf_tile(rows: jax.Array, ggml_type: str) -> jax.Array:
         fields = _FIELDS32[ggml_type]
         parts = [half(b[..., i : i + w]) for i, w in fields[:-1]]
         parts.append(_interleave(b[..., fields[-1][0] :], 4))
+    elif ggml_type == "Q2_K":  # the block's fields, d and dmin first
+        parts = [
+            half(b[..., 80:82]),
+            half(b[..., 82:84]),
+            _interleave(b[..., 0:16], 2),
+            _interleave(b[..., 16:80], 4),
+        ]
     elif ggml_type == "Q3_K":
         scale = (_q3k_scales(b[..., 96:108]) - 32).astype(jnp.uint8)  # int8 bytes
         parts = [
@@ -232,6 +239,16 @@ def gguf_untile(tiles: jax.Array, ggml_type: str, k: int) -> jax.Array:
             parts.append(field.reshape(g, units, TILE_ROWS, w))
         parts.append(_deinterleave(a[..., TILE_ROWS * fields[-1][0] :], 4, 16))
         b = jnp.concatenate(parts, axis=-1)
+    elif ggml_type == "Q2_K":
+        b = jnp.concatenate(
+            [
+                _deinterleave(a[..., 32:160], 2, 16),
+                _deinterleave(a[..., 160:], 4, 64),
+                two(a[..., 0:16]),
+                two(a[..., 16:32]),
+            ],
+            axis=-1,
+        )
     elif ggml_type == "Q3_K":
         scale = (_deinterleave(a[..., 16:144], 2, 16) + 32) & 63
         b = jnp.concatenate(

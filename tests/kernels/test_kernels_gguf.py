@@ -42,7 +42,7 @@ def isa(request):
 
 _dequantize = jax.jit(kernels.gguf_dequantize, static_argnums=(1, 2))
 _linear = jax.jit(kernels.gguf_linear, static_argnames=("ggml_type", "int8_activations", "tiled"))
-TILED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+TILED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)

@@ -37,7 +37,7 @@ def test_gguf_weights_run_their_own_kernel(fmt, axis):
     prepared = prepare_weight(q, axis)
     assert isinstance(prepared, PreparedQArray) and prepared.route.kind == fmt
     # the block rows, nothing beside them (types with tiles: as tiles of 8 rows)
-    tiled = fmt in ("q5_0", "q5_1", "q3_k", "q4_k", "q5_k", "q6_k")
+    tiled = fmt in ("q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
     assert kernels.is_tiled(prepared.weight.data, 256) == tiled
     spelled_out = {
         "q3_k": 912 / 880,

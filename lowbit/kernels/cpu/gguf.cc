@@ -877,6 +877,63 @@ void TilesQ5K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t
   }
 }
 
+// Q2_K: each 4-byte chunk's 2-bit codes as unsigned bytes 0..3, multiplied by maddubs with
+// one broadcast activation word and summed in int16 per sub-block of 16 (at most
+// 4 * 2 * 3 * 127 = 3048), then one madd with the 8 rows' 4-bit scales; the minimums come off
+// as dmin * da * sum_s min_s * sum(a over s), as in the row kernel.
+template <int M>
+void TilesQ2K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  constexpr int tb = TileBytes(kQ2_K);
+  const int64_t units = w.k / kUnit, kp = acts.kp;
+  const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi16(15);
+  const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+  const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < units; ++u) {
+      const uint8_t* t = w.data + g * w.row_bytes + u * tb;
+      PrefetchTile<tb>(t + 2 * tb);
+      const uint8_t* qs = t + 160;
+      __m256i isum[M], imin[M];
+      for (int r = 0; r < M; ++r) isum[r] = imin[r] = _mm256_setzero_si256();
+      for (int p = 0; p < 8; ++p) {  // sub-blocks 2p, 2p + 1: h = p / 4, j = p % 4
+        const int h = p / 4, j = p % 4;
+        const __m256i b16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * p)));
+        const __m256i sc16 = _mm256_and_si256(b16, m15), mn16 = _mm256_srli_epi16(b16, 4);
+        __m256i s[2][M];
+        for (int half = 0; half < 2; ++half)
+          for (int r = 0; r < M; ++r) s[half][r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) {  // elements 128h + 32j + 4c .. + 3 of the 8 rows
+          const __m256i v = _mm256_and_si256(_mm256_srli_epi16(Load32(qs + 32 * (8 * h + c)), 2 * j), m3);
+#pragma GCC unroll 8
+          for (int r = 0; r < M; ++r) {
+            const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 128 * h + 32 * j + 4 * c;
+            s[c / 4][r] = _mm256_add_epi16(s[c / 4][r], _mm256_maddubs_epi16(v, Bcast4(a)));
+          }
+        }
+        const __m256i lo = _mm256_shuffle_epi8(sc16, even), hi = _mm256_shuffle_epi8(sc16, odd);
+        for (int r = 0; r < M; ++r) {
+          const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16 + 2 * p;
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(s[0][r], lo),
+                                                               _mm256_madd_epi16(s[1][r], hi)));
+          imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(mn16, Pair16(bs[0], bs[1])));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+      const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16)));
+      for (int r = 0; r < M; ++r) {
+        const __m256 da = _mm256_set1_ps(acts.da[(r0 + r) * units + u]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, da), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[r]), _mm256_mul_ps(dm, da), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) _mm256_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
+  }
+}
+
 // Q3_K: each 4-byte chunk's 2-bit codes with their hmask bit as unsigned bytes 0..7 (the
 // code plus 4), multiplied by maddubs with one broadcast activation word and summed in int16
 // per sub-block of 16 (at most 4 * 2 * 7 * 127 = 7112), then one madd with the 8 rows'
@@ -1018,6 +1075,7 @@ void Tiles(const Weight& w, const Acts& acts, int64_t g0, int64_t g1, float* out
     else if constexpr (type == kQ6_K) return &TilesQ6K<M>;
     else if constexpr (type == kQ3_K) return &TilesQ3K<M>;
     else if constexpr (type == kQ5_K) return &TilesQ5K<M>;
+    else if constexpr (type == kQ2_K) return &TilesQ2K<M>;
     else return &Tiles32<type, M>;
   };
   int64_t r = 0;
@@ -1244,7 +1302,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U
         std::array<TilesFn, kNumTypes> t{};
         t[kQ4_0] = avx2::Tiles<kQ4_0>, t[kQ4_1] = avx2::Tiles<kQ4_1>;
         t[kQ5_0] = avx2::Tiles<kQ5_0>, t[kQ5_1] = avx2::Tiles<kQ5_1>;
-        t[kQ3_K] = avx2::Tiles<kQ3_K>, t[kQ4_K] = avx2::Tiles<kQ4_K>;
+        t[kQ2_K] = avx2::Tiles<kQ2_K>, t[kQ3_K] = avx2::Tiles<kQ3_K>, t[kQ4_K] = avx2::Tiles<kQ4_K>;
         t[kQ5_K] = avx2::Tiles<kQ5_K>, t[kQ6_K] = avx2::Tiles<kQ6_K>;
         return t;
       }();

@@ -1,4 +1,4 @@
-// AVX-512 VNNI tile kernels for Q3_K, Q4_K, Q5_K, Q6_K and the 32-element types (gguf_avx512.h).
+// AVX-512 VNNI tile kernels for the K-quants (Q2_K to Q6_K) and the 32-element types (gguf_avx512.h).
 //
 // The AVX2 tiles multiply a 32-byte register of 8 rows by maddubs and add int16 sums; a
 // broadcast activation load and a weight load feed every 32 multiply-adds. Here one 64-byte
@@ -251,6 +251,53 @@ void Q3K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, 
   });
 }
 
+// Q2_K: the 2-bit codes as unsigned bytes 0..3, summed per sub-block of 16 and scaled by
+// the 4-bit scales; the minimums come off as dmin * sum_s min_s * sum(a over s), as in the
+// AVX2 tiles.
+template <int M>
+void Q2K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  constexpr int tb = TileBytes(kQ2_K);
+  const int64_t units = w.k / kUnit, kp = acts.kp;
+  const __m512i m3 = _mm512_set1_epi8(3), m15 = _mm512_set1_epi16(15);
+  OverPairs<tb, M, 2>(w, r0, g0, g1, units, out,
+                      [&](const uint8_t* t0, const uint8_t* t1, int64_t u, __m512* acc) {
+    __m512i isum[M], imin[M];
+    for (int r = 0; r < M; ++r) isum[r] = imin[r] = _mm512_setzero_si512();
+    for (int p = 0; p < 8; ++p) {  // sub-blocks 2p, 2p + 1: h = p / 4, j = p % 4
+      const int h = p / 4, j = p % 4;
+      __m512i sm[2][M];
+      for (int half = 0; half < 2; ++half)
+        for (int r = 0; r < M; ++r) sm[half][r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {  // elements 128h + 32j + 4c .. + 3 of the 16 rows
+        const int qo = 160 + 32 * (8 * h + c);
+        const __m512i v = _mm512_and_si512(_mm512_srli_epi16(Pair(t0 + qo, t1 + qo), 2 * j), m3);
+#pragma GCC unroll 8
+        for (int r = 0; r < M; ++r) {
+          const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 128 * h + 32 * j + 4 * c;
+          sm[c / 4][r] = _mm512_dpbusd_epi32(sm[c / 4][r], v, Bcast4(a));
+        }
+      }
+      const __m512i b16 = _mm512_cvtepu8_epi16(Join16(t0 + 32 + 16 * p, t1 + 32 + 16 * p));
+      const __m512i sc16 = _mm512_and_si512(b16, m15), mn16 = _mm512_srli_epi16(b16, 4);
+      const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(sc16, 16), 16);
+      const __m512i hi = _mm512_srai_epi32(sc16, 16);
+      for (int r = 0; r < M; ++r) {
+        const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16 + 2 * p;
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(sm[0][r], lo),
+                                                             _mm512_mullo_epi32(sm[1][r], hi)));
+        imin[r] = _mm512_add_epi32(imin[r], _mm512_madd_epi16(mn16, Pair16(bs[0], bs[1])));
+      }
+    }
+    const __m512 d = Halves(t0, t1), dm = Halves(t0 + 16, t1 + 16);
+    for (int r = 0; r < M; ++r) {
+      const __m512 da = _mm512_set1_ps(acts.da[(r0 + r) * units + u]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[r]), _mm512_mul_ps(dm, da), acc[r]);
+    }
+  });
+}
+
 // 32-element types (Q4_0, Q4_1, Q5_0, Q5_1): a pair of tiles' codes as unsigned bytes in 8
 // registers, each row's 8 vpdpbusd into one sum (the block has one scale), then the offset
 // (Q4_0 / Q5_0) or minimum (Q4_1 / Q5_1) terms of the AVX2 tiles.
@@ -312,6 +359,7 @@ void Run(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, 
   if constexpr (type == kQ4_K || type == kQ5_K) Q45K<M, type == kQ5_K>(w, acts, r0, g0, g1, out);
   else if constexpr (type == kQ6_K) Q6K<M>(w, acts, r0, g0, g1, out);
   else if constexpr (type == kQ3_K) Q3K<M>(w, acts, r0, g0, g1, out);
+  else if constexpr (type == kQ2_K) Q2K<M>(w, acts, r0, g0, g1, out);
   else Q32<type, M>(w, acts, r0, g0, g1, out);
 }
 
@@ -328,7 +376,7 @@ void Tiles(const Weight& w, const Acts& acts, int64_t g0, int64_t g1, float* out
 LOWBIT_TARGET_POP
 
 bool HasTilesAvx512(int type) {
-  return type == kQ3_K || type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ4_0 || type == kQ4_1 ||
+  return type == kQ2_K || type == kQ3_K || type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ4_0 || type == kQ4_1 ||
          type == kQ5_0 || type == kQ5_1;
 }
 
@@ -337,6 +385,7 @@ void TilesAvx512(const Weight& w, const Acts& acts, int64_t g0, int64_t g1, floa
     case kQ4_K: return Tiles<kQ4_K>(w, acts, g0, g1, out);
     case kQ5_K: return Tiles<kQ5_K>(w, acts, g0, g1, out);
     case kQ6_K: return Tiles<kQ6_K>(w, acts, g0, g1, out);
+    case kQ2_K: return Tiles<kQ2_K>(w, acts, g0, g1, out);
     case kQ3_K: return Tiles<kQ3_K>(w, acts, g0, g1, out);
     case kQ4_0: return Tiles<kQ4_0>(w, acts, g0, g1, out);
     case kQ4_1: return Tiles<kQ4_1>(w, acts, g0, g1, out);

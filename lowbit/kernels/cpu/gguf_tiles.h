@@ -25,6 +25,11 @@
 //     [16, 144)    scale[p][r][t]            i8, the scale of sub-block 2p + t (16 elements)
 //     [144, 1168)  ql[c][r][0..3]            block bytes ql[4c .. 4c + 3], c < 32
 //     [1168, 1680) qh[c][r][0..3]            block bytes qh[4c .. 4c + 3], c < 16
+//   Q2_K (672 bytes, the same as 8 blocks):
+//     [0, 16)      d[r]                      fp16
+//     [16, 32)     dmin[r]                   fp16
+//     [32, 160)    scales[p][r][t]           u8, sub-block 2p + t's byte (scale | min << 4)
+//     [160, 672)   qs[c][r][0..3]            block bytes qs[4c .. 4c + 3], c < 16
 //   Q3_K (912 bytes, 32 more than 8 blocks):
 //     [0, 16)      d[r]                      fp16
 //     [16, 144)    scale[p][r][t]            i8, the scale of sub-block 2p + t (16 elements)
@@ -56,7 +61,7 @@ inline constexpr int kTileRows = 8;
 // Bytes of one tile of `type`, or 0 when the type has no tiled layout.
 inline constexpr int TileBytes(int type) {
   switch (type) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: return kTileRows * kTypes[type].bytes;
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ2_K: return kTileRows * kTypes[type].bytes;
     case kQ3_K: return 912;
     case kQ4_K: return 1184;
     case kQ5_K: return 1440;
@@ -86,6 +91,11 @@ inline void UntileBlock(int type, const uint8_t* tile, int r, uint8_t* b) {
     if (TileNibbles(type) != TileHighBits(type))
       std::memcpy(b + at, tile + TileHighBits(type) + 4 * r, 4), at += 4;
     for (int c = 0; c < 4; ++c) std::memcpy(b + at + 4 * c, tile + TileNibbles(type) + 32 * c + 4 * r, 4);
+  } else if (type == kQ2_K) {
+    for (int s = 0; s < 16; ++s) b[s] = tile[32 + 16 * (s / 2) + 2 * r + s % 2];
+    for (int c = 0; c < 16; ++c) std::memcpy(b + 16 + 4 * c, tile + 160 + 32 * c + 4 * r, 4);
+    std::memcpy(b + 80, tile + 2 * r, 2);
+    std::memcpy(b + 82, tile + 16 + 2 * r, 2);
   } else if (type == kQ3_K) {
     for (int c = 0; c < 8; ++c) std::memcpy(b + 4 * c, tile + 656 + 32 * c + 4 * r, 4);
     for (int c = 0; c < 16; ++c) std::memcpy(b + 32 + 4 * c, tile + 144 + 32 * c + 4 * r, 4);
