@@ -196,8 +196,10 @@ def _measure(url: str, prompts: list[str], ids: bool) -> dict[int, dict]:
 
 def _measure_logprobs(url: str, prompts: list[str]) -> dict[int, dict]:
     """lowbit with `logprobs: 1` on every request, at `LOGPROBS_CLIENTS`: its programs that
-    rank the vocabulary compile when a request first asks (a warm-up asks, then waits)."""
-    asyncio.run(_level(url, 2, prompts, True, logprobs=1))
+    rank the vocabulary (one a bucket of busy rows) compile when a request first asks, so a
+    warm-up at each level asks, and the measurement waits for them."""
+    for clients in LOGPROBS_CLIENTS:
+        asyncio.run(_level(url, clients, prompts, True, logprobs=1))
     _all_compiled(f"{url}/health")
     return {c: asyncio.run(_level(url, c, prompts, True, logprobs=1)) for c in LOGPROBS_CLIENTS}
 
