@@ -12,13 +12,12 @@ import os
 from typing import Any
 
 import numpy as np
+from jax import lax
 
 # Imported with lowbit, not on first use inside a trace: Pallas's TPU module registers a
 # trace-context setting when first imported, and a trace context that grows between two
 # calls of a jitted function makes JAX trace and compile it again (a QLoRA training step
 # compiled twice, about 70 s more and a second executable resident). About 0.25 s of import.
-from jax import lax
-
 from lowbit.kernels import pallas
 from lowbit.ops._cpu_kernels import FLOAT_ACTIVATIONS, contract_axis, split_over_devices
 from lowbit.ops._operand import quantized

@@ -350,11 +350,6 @@ class DotPlan:
     core: Plan | None = None
     relaid: int | None = None
 
-    @property
-    def route(self) -> Any:
-        """The CPU kernel's `KernelRoute`, or None."""
-        return next((c.config for c in self.kernels if c.kernel is CPU_KERNEL), None)
-
 
 def _kept_route(lhs, rhs, dimension_numbers, out_sharding) -> Any:
     """A `PreparedQArray`'s own route when this call is the linear layer it was laid out for."""
