@@ -1,0 +1,79 @@
+"""Benchmark section: each K-quant's tile kernels against its block-row kernel.
+
+One `kernels.gguf_linear` call on int8 activations (llama.cpp's arithmetic, the `gguf`
+recipe's default), a ``[K, N] = [4096, 4096]`` weight of random blocks written by
+`lowbit.gguf`'s encoder, at 1, 8 and 64 activation rows: the block rows as the file stores
+them, and the tiles of 8 rows the loader lays them out as (`kernels.gguf_tile`), on the AVX2
+path and on the best path this CPU has (AVX-512 VNNI: pairs of groups in 64-byte registers
+from 2 rows up). Best of interleaved calls (`_timing.best_times`); the weight (at most 3.5
+MB) stays in cache, so this is the kernels' arithmetic, not memory.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks._machine import cpu_model
+from benchmarks._timing import best_times
+
+K = N = 4096
+ROWS = (1, 8, 64)
+TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def run() -> str:
+    from lowbit import kernels
+    from lowbit.gguf import block_type
+
+    begin = time.perf_counter()
+    paths = [p for p in ("avx2", kernels.supported_isas()[-1]) if p in kernels.supported_isas()]
+    paths = list(dict.fromkeys(paths))
+    before = kernels.set_isa(paths[-1])
+    rng = np.random.default_rng(0)
+    lines = [
+        "## GGUF K-quant kernels: tiles of 8 rows against block rows",
+        "",
+        f"- Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_model()}, {os.cpu_count()} cores; "
+        f"{kernels.status()}.",
+        f"- One `gguf_linear` call on int8 activations, weight [{K}, {N}] in cache; ms per "
+        "call, best of interleaved calls. `python -m benchmarks gguf_tiles`.",
+        "",
+        "| type | rows | path | block rows ms | tiles ms | rows / tiles |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    try:
+        for typ in TYPES:
+            w = rng.standard_normal((N, K)).astype(np.float32) * 0.02
+            rows = jnp.asarray(block_type(typ).encode(w))
+            tiles = kernels.gguf_tile(rows, typ)
+            for m in ROWS:
+                x = jnp.asarray(rng.standard_normal((m, K)).astype(np.float32))
+                for path in paths:
+                    kernels.set_isa(path)
+                    fns = {}
+                    for name, data, tiled in (("rows", rows, False), ("tiles", tiles, True)):
+                        fn = jax.jit(
+                            lambda x, d, typ=typ, tiled=tiled: kernels.gguf_linear(
+                                x, d, typ, int8_activations=True, tiled=tiled
+                            )
+                        )
+                        fn(x, data).block_until_ready()
+                        fns[name] = lambda fn=fn, x=x, d=data: fn(x, d).block_until_ready()
+                    best = best_times(fns, min_seconds=0.2, min_reps=10, max_reps=200)
+                    lines.append(
+                        f"| {typ} | {m} | {path} | {best['rows'] * 1e3:.3f} | "
+                        f"{best['tiles'] * 1e3:.3f} | {best['rows'] / best['tiles']:.2f}x |"
+                    )
+    finally:
+        kernels.set_isa(before)
+    lines += ["", f"Section time: {time.perf_counter() - begin:.0f} s.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(run())
