@@ -877,72 +877,18 @@ void TilesQ5K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t
   }
 }
 
-// Q2_K: each 4-byte chunk's 2-bit codes as unsigned bytes 0..3, multiplied by maddubs with
-// one broadcast activation word and summed in int16 per sub-block of 16 (at most
-// 4 * 2 * 3 * 127 = 3048), then one madd with the 8 rows' 4-bit scales; the minimums come off
-// as dmin * da * sum_s min_s * sum(a over s), as in the row kernel.
-template <int M>
-void TilesQ2K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
-  constexpr int tb = TileBytes(kQ2_K);
-  const int64_t units = w.k / kUnit, kp = acts.kp;
-  const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi16(15);
-  const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
-                                        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
-  const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
-  for (int64_t g = g0; g < g1; ++g) {
-    __m256 acc[M];
-    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t u = 0; u < units; ++u) {
-      const uint8_t* t = w.data + g * w.row_bytes + u * tb;
-      PrefetchTile<tb>(t + 2 * tb);
-      const uint8_t* qs = t + 160;
-      __m256i isum[M], imin[M];
-      for (int r = 0; r < M; ++r) isum[r] = imin[r] = _mm256_setzero_si256();
-      for (int p = 0; p < 8; ++p) {  // sub-blocks 2p, 2p + 1: h = p / 4, j = p % 4
-        const int h = p / 4, j = p % 4;
-        const __m256i b16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * p)));
-        const __m256i sc16 = _mm256_and_si256(b16, m15), mn16 = _mm256_srli_epi16(b16, 4);
-        __m256i s[2][M];
-        for (int half = 0; half < 2; ++half)
-          for (int r = 0; r < M; ++r) s[half][r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c) {  // elements 128h + 32j + 4c .. + 3 of the 8 rows
-          const __m256i v = _mm256_and_si256(_mm256_srli_epi16(Load32(qs + 32 * (8 * h + c)), 2 * j), m3);
-#pragma GCC unroll 8
-          for (int r = 0; r < M; ++r) {
-            const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 128 * h + 32 * j + 4 * c;
-            s[c / 4][r] = _mm256_add_epi16(s[c / 4][r], _mm256_maddubs_epi16(v, Bcast4(a)));
-          }
-        }
-        const __m256i lo = _mm256_shuffle_epi8(sc16, even), hi = _mm256_shuffle_epi8(sc16, odd);
-        for (int r = 0; r < M; ++r) {
-          const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16 + 2 * p;
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(s[0][r], lo),
-                                                               _mm256_madd_epi16(s[1][r], hi)));
-          imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(mn16, Pair16(bs[0], bs[1])));
-        }
-      }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
-      const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16)));
-      for (int r = 0; r < M; ++r) {
-        const __m256 da = _mm256_set1_ps(acts.da[(r0 + r) * units + u]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, da), acc[r]);
-        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[r]), _mm256_mul_ps(dm, da), acc[r]);
-      }
-    }
-    for (int r = 0; r < M; ++r) _mm256_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
-  }
-}
-
-// Q3_K: each 4-byte chunk's 2-bit codes with their hmask bit as unsigned bytes 0..7 (the
-// code plus 4), multiplied by maddubs with one broadcast activation word and summed in int16
+// Q2_K and Q3_K: each 4-byte chunk's 2-bit codes as unsigned bytes (Q3_K: with the hmask bit
+// as + 4, 0..7), multiplied by maddubs with one broadcast activation word and summed in int16
 // per sub-block of 16 (at most 4 * 2 * 7 * 127 = 7112), then one madd with the 8 rows'
-// scales; the + 4 comes off as 4 * sum_s scale_s * sum(a over s), as in Q6_K's tiles.
-template <int M>
-void TilesQ3K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
-  constexpr int tb = TileBytes(kQ3_K);
+// scales. `corr` sums scale (Q3_K) or minimum (Q2_K) times the activations' sum over each
+// sub-block: Q3_K's + 4 comes off as 4 * corr, as in Q6_K's tiles; Q2_K's minimums as
+// dmin * da * corr, as in the row kernel.
+template <int type, int M>
+void TilesQ23K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  constexpr bool q3 = type == kQ3_K;
+  constexpr int tb = TileBytes(type);
   const int64_t units = w.k / kUnit, kp = acts.kp;
-  const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+  const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4), m15 = _mm256_set1_epi16(15);
   const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
                                         0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
   const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
@@ -952,22 +898,30 @@ void TilesQ3K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t
     for (int64_t u = 0; u < units; ++u) {
       const uint8_t* t = w.data + g * w.row_bytes + u * tb;
       PrefetchTile<tb>(t + 2 * tb);
-      const uint8_t* qs = t + 144;
-      const uint8_t* hm = t + 656;
+      const uint8_t* qs = t + (q3 ? 144 : 160);
+      const uint8_t* hm = t + 656;  // Q3_K's hmask
       __m256i isum[M], corr[M];
       for (int r = 0; r < M; ++r) isum[r] = corr[r] = _mm256_setzero_si256();
       for (int p = 0; p < 8; ++p) {  // sub-blocks 2p, 2p + 1: h = p / 4, j = p % 4
         const int h = p / 4, j = p % 4;
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 + 16 * p)));
+        __m256i sc16, by16;  // scales; what `corr` multiplies the sums by
+        if constexpr (q3) {
+          sc16 = by16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 + 16 * p)));
+        } else {
+          const __m256i b16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * p)));
+          sc16 = _mm256_and_si256(b16, m15), by16 = _mm256_srli_epi16(b16, 4);
+        }
         const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (4 * h + j)));
         __m256i s[2][M];
         for (int half = 0; half < 2; ++half)
           for (int r = 0; r < M; ++r) s[half][r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int c = 0; c < 8; ++c) {  // elements 128h + 32j + 4c .. + 3 of the 8 rows
-          const __m256i q = _mm256_and_si256(_mm256_srli_epi16(Load32(qs + 32 * (8 * h + c)), 2 * j), m3);
-          const __m256i hb = _mm256_cmpeq_epi8(_mm256_and_si256(Load32(hm + 32 * c), bit), bit);
-          const __m256i v = _mm256_or_si256(q, _mm256_and_si256(hb, four));
+          __m256i v = _mm256_and_si256(_mm256_srli_epi16(Load32(qs + 32 * (8 * h + c)), 2 * j), m3);
+          if constexpr (q3) {
+            const __m256i hb = _mm256_cmpeq_epi8(_mm256_and_si256(Load32(hm + 32 * c), bit), bit);
+            v = _mm256_or_si256(v, _mm256_and_si256(hb, four));
+          }
 #pragma GCC unroll 8
           for (int r = 0; r < M; ++r) {
             const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 128 * h + 32 * j + 4 * c;
@@ -979,14 +933,20 @@ void TilesQ3K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t
           const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16 + 2 * p;
           isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(s[0][r], lo),
                                                                _mm256_madd_epi16(s[1][r], hi)));
-          corr[r] = _mm256_add_epi32(corr[r], _mm256_madd_epi16(sc16, Pair16(bs[0], bs[1])));
+          corr[r] = _mm256_add_epi32(corr[r], _mm256_madd_epi16(by16, Pair16(bs[0], bs[1])));
         }
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
       for (int r = 0; r < M; ++r) {
         const __m256 da = _mm256_set1_ps(acts.da[(r0 + r) * units + u]);
-        const __m256i dot = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(corr[r], 2));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, da), acc[r]);
+        if constexpr (q3) {
+          const __m256i dot = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(corr[r], 2));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, da), acc[r]);
+        } else {
+          const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16)));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, da), acc[r]);
+          acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr[r]), _mm256_mul_ps(dm, da), acc[r]);
+        }
       }
     }
     for (int r = 0; r < M; ++r) _mm256_storeu_ps(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
@@ -1073,9 +1033,8 @@ void Tiles(const Weight& w, const Acts& acts, int64_t g0, int64_t g1, float* out
     constexpr int M = decltype(m)::value;
     if constexpr (type == kQ4_K) return &TilesQ4K<M>;
     else if constexpr (type == kQ6_K) return &TilesQ6K<M>;
-    else if constexpr (type == kQ3_K) return &TilesQ3K<M>;
+    else if constexpr (type == kQ3_K || type == kQ2_K) return &TilesQ23K<type, M>;
     else if constexpr (type == kQ5_K) return &TilesQ5K<M>;
-    else if constexpr (type == kQ2_K) return &TilesQ2K<M>;
     else return &Tiles32<type, M>;
   };
   int64_t r = 0;

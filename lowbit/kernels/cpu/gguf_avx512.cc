@@ -200,12 +200,26 @@ void Q6K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, 
   });
 }
 
-// Q3_K: each chunk's 2-bit codes with their hmask bit as unsigned bytes 0..7 (the code plus
-// 4), summed per sub-block of 16 and scaled; the + 4 comes off as 4 * sum_s scale_s *
-// sum(a over s), as in the AVX2 tiles.
-template <int M>
-void Q3K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
-  constexpr int tb = TileBytes(kQ3_K);
+// Q2_K and Q3_K: each chunk's 2-bit codes as unsigned bytes (Q3_K: with the hmask bit as
+// + 4, 0..7), summed per sub-block of 16 and scaled; Q3_K's + 4 comes off as 4 * sum_s
+// scale_s * sum(a over s), Q2_K's minimums as dmin * sum_s min_s * sum(a over s), as in the
+// AVX2 tiles.
+// Sub-block pair p's scales (`sc16`) and what the activation sums are multiplied by (`by16`:
+// the scales for Q3_K, the minimums for Q2_K), int16 (row, sub-block) of the 16 rows.
+template <int type>
+inline void Q23Scales(const uint8_t* t0, const uint8_t* t1, int p, __m512i* sc16, __m512i* by16) {
+  if constexpr (type == kQ3_K) {
+    *sc16 = *by16 = _mm512_cvtepi8_epi16(Join16(t0 + 16 + 16 * p, t1 + 16 + 16 * p));
+  } else {
+    const __m512i b16 = _mm512_cvtepu8_epi16(Join16(t0 + 32 + 16 * p, t1 + 32 + 16 * p));
+    *sc16 = _mm512_and_si512(b16, _mm512_set1_epi16(15)), *by16 = _mm512_srli_epi16(b16, 4);
+  }
+}
+
+template <int type, int M>
+void Q23K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  constexpr bool q3 = type == kQ3_K;
+  constexpr int tb = TileBytes(type);
   const int64_t units = w.k / kUnit, kp = acts.kp;
   const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
   OverPairs<tb, M, 2>(w, r0, g0, g1, units, out,
@@ -220,80 +234,43 @@ void Q3K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, 
         for (int r = 0; r < M; ++r) sm[half][r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {  // elements 128h + 32j + 4c .. + 3 of the 16 rows
-        const int qo = 144 + 32 * (8 * h + c), ho = 656 + 32 * c;
-        const __m512i q = _mm512_and_si512(_mm512_srli_epi16(Pair(t0 + qo, t1 + qo), 2 * j), m3);
-        const __m512i hb = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(Pair(t0 + ho, t1 + ho), bit), four);
-        const __m512i v = _mm512_or_si512(q, hb);
+        const int qo = (q3 ? 144 : 160) + 32 * (8 * h + c), ho = 656 + 32 * c;
+        __m512i v = _mm512_and_si512(_mm512_srli_epi16(Pair(t0 + qo, t1 + qo), 2 * j), m3);
+        if constexpr (q3)
+          v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(Pair(t0 + ho, t1 + ho), bit), four));
 #pragma GCC unroll 8
         for (int r = 0; r < M; ++r) {
           const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 128 * h + 32 * j + 4 * c;
           sm[c / 4][r] = _mm512_dpbusd_epi32(sm[c / 4][r], v, Bcast4(a));
         }
       }
-      const __m512i sc16 = _mm512_cvtepi8_epi16(Join16(t0 + 16 + 16 * p, t1 + 16 + 16 * p));
+      __m512i sc16, by16;
+      Q23Scales<type>(t0, t1, p, &sc16, &by16);
       const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(sc16, 16), 16);
       const __m512i hi = _mm512_srai_epi32(sc16, 16);
       for (int r = 0; r < M; ++r)
         isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(sm[0][r], lo),
                                                              _mm512_mullo_epi32(sm[1][r], hi)));
     }
+    // Each row's `corr` after the codes (held through the loop above, it would not fit in
+    // the registers beside the sums).
     const __m512 d = Halves(t0, t1);
     for (int r = 0; r < M; ++r) {
       const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16;
       __m512i corr = _mm512_setzero_si512();
       for (int p = 0; p < 8; ++p) {
-        const __m512i sc16 = _mm512_cvtepi8_epi16(Join16(t0 + 16 + 16 * p, t1 + 16 + 16 * p));
-        corr = _mm512_add_epi32(corr, _mm512_madd_epi16(sc16, Pair16(bs[2 * p], bs[2 * p + 1])));
+        __m512i sc16, by16;
+        Q23Scales<type>(t0, t1, p, &sc16, &by16);
+        corr = _mm512_add_epi32(corr, _mm512_madd_epi16(by16, Pair16(bs[2 * p], bs[2 * p + 1])));
       }
-      acc[r] = AddScaled(acc[r], _mm512_sub_epi32(isum[r], _mm512_slli_epi32(corr, 2)), d,
-                         acts.da[(r0 + r) * units + u]);
-    }
-  });
-}
-
-// Q2_K: the 2-bit codes as unsigned bytes 0..3, summed per sub-block of 16 and scaled by
-// the 4-bit scales; the minimums come off as dmin * sum_s min_s * sum(a over s), as in the
-// AVX2 tiles.
-template <int M>
-void Q2K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
-  constexpr int tb = TileBytes(kQ2_K);
-  const int64_t units = w.k / kUnit, kp = acts.kp;
-  const __m512i m3 = _mm512_set1_epi8(3), m15 = _mm512_set1_epi16(15);
-  OverPairs<tb, M, 2>(w, r0, g0, g1, units, out,
-                      [&](const uint8_t* t0, const uint8_t* t1, int64_t u, __m512* acc) {
-    __m512i isum[M], imin[M];
-    for (int r = 0; r < M; ++r) isum[r] = imin[r] = _mm512_setzero_si512();
-    for (int p = 0; p < 8; ++p) {  // sub-blocks 2p, 2p + 1: h = p / 4, j = p % 4
-      const int h = p / 4, j = p % 4;
-      __m512i sm[2][M];
-      for (int half = 0; half < 2; ++half)
-        for (int r = 0; r < M; ++r) sm[half][r] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-      for (int c = 0; c < 8; ++c) {  // elements 128h + 32j + 4c .. + 3 of the 16 rows
-        const int qo = 160 + 32 * (8 * h + c);
-        const __m512i v = _mm512_and_si512(_mm512_srli_epi16(Pair(t0 + qo, t1 + qo), 2 * j), m3);
-#pragma GCC unroll 8
-        for (int r = 0; r < M; ++r) {
-          const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit + 128 * h + 32 * j + 4 * c;
-          sm[c / 4][r] = _mm512_dpbusd_epi32(sm[c / 4][r], v, Bcast4(a));
-        }
+      const float da = acts.da[(r0 + r) * units + u];
+      if constexpr (q3) {
+        acc[r] = AddScaled(acc[r], _mm512_sub_epi32(isum[r], _mm512_slli_epi32(corr, 2)), d, da);
+      } else {
+        const __m512 dm = Halves(t0 + 16, t1 + 16), vda = _mm512_set1_ps(da);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, vda), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(corr), _mm512_mul_ps(dm, vda), acc[r]);
       }
-      const __m512i b16 = _mm512_cvtepu8_epi16(Join16(t0 + 32 + 16 * p, t1 + 32 + 16 * p));
-      const __m512i sc16 = _mm512_and_si512(b16, m15), mn16 = _mm512_srli_epi16(b16, 4);
-      const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(sc16, 16), 16);
-      const __m512i hi = _mm512_srai_epi32(sc16, 16);
-      for (int r = 0; r < M; ++r) {
-        const int16_t* bs = acts.bs.data() + (r0 + r) * (kp / 16) + u * 16 + 2 * p;
-        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(sm[0][r], lo),
-                                                             _mm512_mullo_epi32(sm[1][r], hi)));
-        imin[r] = _mm512_add_epi32(imin[r], _mm512_madd_epi16(mn16, Pair16(bs[0], bs[1])));
-      }
-    }
-    const __m512 d = Halves(t0, t1), dm = Halves(t0 + 16, t1 + 16);
-    for (int r = 0; r < M; ++r) {
-      const __m512 da = _mm512_set1_ps(acts.da[(r0 + r) * units + u]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), acc[r]);
-      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[r]), _mm512_mul_ps(dm, da), acc[r]);
     }
   });
 }
@@ -358,8 +335,7 @@ template <int type, int M>
 void Run(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
   if constexpr (type == kQ4_K || type == kQ5_K) Q45K<M, type == kQ5_K>(w, acts, r0, g0, g1, out);
   else if constexpr (type == kQ6_K) Q6K<M>(w, acts, r0, g0, g1, out);
-  else if constexpr (type == kQ3_K) Q3K<M>(w, acts, r0, g0, g1, out);
-  else if constexpr (type == kQ2_K) Q2K<M>(w, acts, r0, g0, g1, out);
+  else if constexpr (type == kQ2_K || type == kQ3_K) Q23K<type, M>(w, acts, r0, g0, g1, out);
   else Q32<type, M>(w, acts, r0, g0, g1, out);
 }
 
