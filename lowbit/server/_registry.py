@@ -116,26 +116,9 @@ class ProgramRegistry:
           KeyError: for a program neither registered nor given `args`.
           Exception: what compiling it raised.
         """
-        key = (name, width)
-        with self._lock:
-            future = self._futures.get(key)
-            mine = future is None
-            if mine:
-                if key not in self._args:
-                    if args is None:
-                        raise KeyError(f"program {name}-{width} is not registered")
-                    self._args[key] = jax.tree.map(_stand_in, args)
-                    self._later.append(key)
-                future = self._futures[key] = concurrent.futures.Future()
-                example = self._args[key]
-        if mine:
-            try:
-                program = self._compile(name, width, example() if callable(example) else example)
-            except BaseException as err:
-                future.set_exception(err)
-                raise
-            future.set_result(program)
-            self._check_done()
+        future, example = self._claim(name, width, args)
+        if example is not None:
+            self._build(name, width, future, example)
         return future.result()
 
     def compile_soon(self, name: str, width: Width, args: tuple) -> None:
@@ -143,24 +126,53 @@ class ProgramRegistry:
         being compiled: for a program only some requests use (one they can do without until it
         is ready), whose memory a server then pays only once a request asks. A failure is
         logged, and `ready` stays False for it."""
-        key = (name, width)
-        with self._lock:
-            if key in self._futures or self._closed:
-                return
-            self._args.setdefault(key, jax.tree.map(_stand_in, args))
-            future = self._futures[key] = concurrent.futures.Future()
-            example = self._args[key]
-            self.done.clear()
+        if self._closed:
+            return
+        future, example = self._claim(name, width, args)
+        if example is None:
+            return
 
         def run() -> None:
-            try:
-                future.set_result(self._compile(name, width, example))
-            except BaseException as err:
-                _log.error("compiling program %s-%s failed: %s", name, width, err)
-                future.set_exception(err)
-            self._check_done()
+            self._build(name, width, future, example)
+            if future.exception() is not None:
+                _log.error("compiling program %s-%s failed: %s", name, width, future.exception())
 
         threading.Thread(target=run, name="lowbit-compile-soon", daemon=True).start()
+
+    def _claim(
+        self, name: str, width: Width, args: tuple | None
+    ) -> tuple[concurrent.futures.Future[StoredProgram], tuple | Callable[[], tuple] | None]:
+        """The future of program ``(name, width)``, and its example arguments when the caller
+        is to compile it (None: compiled, or being compiled by another thread). A program not
+        registered is registered with `args`."""
+        key = (name, width)
+        with self._lock:
+            future = self._futures.get(key)
+            if future is not None:
+                return future, None
+            if key not in self._args:
+                if args is None:
+                    raise KeyError(f"program {name}-{width} is not registered")
+                self._args[key] = jax.tree.map(_stand_in, args)
+                self._later.append(key)
+                self.done.clear()
+            future = self._futures[key] = concurrent.futures.Future()
+            return future, self._args[key]
+
+    def _build(
+        self,
+        name: str,
+        width: Width,
+        future: concurrent.futures.Future[StoredProgram],
+        example: tuple | Callable[[], tuple],
+    ) -> None:
+        """Compiles the claimed program into `future`: its result, or what compiling raised."""
+        try:
+            args = example() if callable(example) else example
+            future.set_result(self._compile(name, width, args))
+        except BaseException as err:
+            future.set_exception(err)
+        self._check_done()
 
     def compile_at_start(self) -> None:
         """Compiles every `at_start` program, `workers` at a time; returns when all are."""
