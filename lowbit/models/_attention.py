@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from lowbit import kernels
+from lowbit.models._batch_invariant import softmax
 from lowbit.models._kv_cache import LayerKV, fp8_codes, int8_scores
 
 
@@ -47,7 +48,8 @@ def softmax_values(
     in v's dtype -> ``[b, s, H, g, D]``; mask ``[b, s, T]`` (True where attending)."""
     scores = softcap(scores.astype(jnp.float32) * scale, cap)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    # A row's probabilities the same bits however many rows run (`_batch_invariant`).
+    probs = softmax(scores).astype(v.dtype)
     return weighted_values(probs, v)
 
 

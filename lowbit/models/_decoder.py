@@ -38,6 +38,7 @@ from lowbit.models._attention import (
     softcap,
     softmax_values,
 )
+from lowbit.models._batch_invariant import RMSNorm, separately
 from lowbit.models._decoder_config import DecoderConfig
 from lowbit.models._kv_cache import KVCache, LayerKV, int8_scores
 from lowbit.models._kv_cache import init_kv_cache as _init_cache
@@ -89,8 +90,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
-    return out.astype(x.dtype)
+    # Both products rounded before the add: FMA-contracting one of them into it would depend on
+    # XLA's fusions, and so on the batch size (`_batch_invariant`).
+    straight, turned = separately(x.astype(jnp.float32) * cos, rotated.astype(jnp.float32) * sin)
+    return (straight + turned).astype(x.dtype)
 
 
 class LayerView(NamedTuple):
@@ -129,8 +132,8 @@ class Attention(nnx.Module):
             self.v_proj = nnx.Linear(c.dim, kv_dim, use_bias=c.qkv_bias, **kw)
         self.o_proj = nnx.Linear(c.n_heads * c.head_dim, c.dim, use_bias=False, **kw)
         if c.qk_norm:
-            self.q_norm = nnx.RMSNorm(c.head_dim, epsilon=c.norm_eps, **kw)
-            self.k_norm = nnx.RMSNorm(c.head_dim, epsilon=c.norm_eps, **kw)
+            self.q_norm = RMSNorm(c.head_dim, epsilon=c.norm_eps, **kw)
+            self.k_norm = RMSNorm(c.head_dim, epsilon=c.norm_eps, **kw)
 
     def __call__(
         self, x: jax.Array, at: LayerView, kv: LayerKV | None
@@ -325,7 +328,7 @@ class Block(nnx.Module):
 
     def __init__(self, config: DecoderConfig, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        norm = lambda: nnx.RMSNorm(config.dim, epsilon=config.norm_eps, **kw)
+        norm = lambda: RMSNorm(config.dim, epsilon=config.norm_eps, **kw)
         self.attn_norm = norm()
         self.attn = Attention(config, **kw)
         self.mlp_norm = norm()
@@ -384,7 +387,7 @@ class Decoder(LayerStack):
         self.embed = nnx.Embed(config.vocab_size, config.dim, **kw)
 
     def build_output(self, config: DecoderConfig, **kw: Any) -> None:
-        self.norm = nnx.RMSNorm(config.dim, epsilon=config.norm_eps, **kw)
+        self.norm = RMSNorm(config.dim, epsilon=config.norm_eps, **kw)
         if not config.tie_embeddings:
             self.lm_head = nnx.Linear(config.dim, config.vocab_size, use_bias=False, **kw)
 
