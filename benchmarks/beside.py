@@ -72,7 +72,7 @@ def measure(extra: list[str]) -> dict:
     finally:
         _stop(proc)
     parted = [
-        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
         for x, y in zip(alone, together, strict=True)
         if x != y
     ]

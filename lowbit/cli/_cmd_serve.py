@@ -136,8 +136,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--deterministic",
         action="store_true",
         help="run every decode step over all slots and prefill every prompt alone, so that a "
-        "request's tokens never depend on which others run beside it (slower for a few "
-        "clients; default: the busy rows only, waiting prompts together)",
+        "request's tokens never depend on which others run beside it, also for a float model "
+        "or a mixture of experts (slower for a few clients; default: the busy rows only, "
+        "waiting prompts together, which gives the same tokens on the CPU kernels)",
     )
     parser.add_argument(
         "--embeddings",

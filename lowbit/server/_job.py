@@ -120,9 +120,10 @@ class SchedulerConfig:
     deterministic: every decode step runs all slots and every prompt is prefilled alone, so
       a request's tokens never depend on which others run beside it. Otherwise the busy rows
       alone are decoded and waiting prompts prefilled together: faster for a few clients,
-      but XLA orders a float reduction (an RMSNorm's sum) by the batch's size, and int8
-      activations turn a last-bit difference into another token where two are nearly tied,
-      so a greedy answer may then differ from the same request run alone.
+      and the same tokens for a dense decoder on the CPU kernels (`lowbit.models.
+      _batch_invariant`), but XLA's float products (a float model, float activations at
+      prefill sizes) and a mixture of experts' grouping round by the batch's shape, so a
+      greedy answer may then differ from the same request run alone.
     """
 
     slots: int = 8
