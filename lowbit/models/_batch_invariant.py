@@ -54,8 +54,8 @@ def row_sum(x: jax.Array) -> jax.Array:
         half = x.shape[-1] // 2
         x = x[..., :half] + x[..., half:]
         if half >= _FUSED_WIDTH:
-            # Each wide level its own loop: fused, every sum of the last levels would
-            # expand the whole tree in XLA's generated code (slower to compile and to run).
+            # Each wide level its own loop, which bounds the code XLA generates for a sum:
+            # fused, every output of the last level would expand the whole tree.
             (x,) = separately(x)
     return x
 
