@@ -10,7 +10,8 @@ text (the evaluation speeches, which the training text leaves out): llama.cpp's 
 `lowbit eval FILE --against F32` reports), on the same token ids.
 
 Settings: ``LOWBIT_QAT_MIXES`` (default ``Q2_K``), ``LOWBIT_QAT_SETTINGS`` as
-``windows,seq_len,batch,block_steps,e2e_steps`` (default ``64,128,4,100,25``; a short run
+``windows,seq_len,batch,block_steps,e2e_steps[,e2e_weights]`` (default ``64,128,4,100,25``;
+a 1 after them trains the weights end to end as well; a short run
 says so in its table), ``LOWBIT_QAT_PPL_TOKENS`` (default 4096).
 """
 
@@ -95,13 +96,14 @@ def run() -> str | None:
         return None
     if not has_smollm2():
         return None
-    windows, seq_len, batch, block_steps, e2e_steps = SETTINGS
+    windows, seq_len, batch, block_steps, e2e_steps, *more = SETTINGS
     settings = QatGGUFSettings(
         windows=windows,
         seq_len=seq_len,
         batch=batch,
         block_steps=block_steps,
         e2e_steps=e2e_steps,
+        e2e_weights=bool(more and more[0]),
     )
     loaded = load_model("smollm2")
     config = loaded.model.config
@@ -148,7 +150,8 @@ def run() -> str | None:
         f"LOWBIT_QAT_PPL_TOKENS={PPL_TOKENS} python -m benchmarks qat_gguf`.",
         f"SmolLM2-135M. QAT settings: {windows} windows x {seq_len} tokens, batch {batch}, "
         f"{block_steps} steps per layer, {e2e_steps} end-to-end steps"
-        + ("" if full else " (a SHORT setting, not the default)")
+        + (" (weights included)" if settings.e2e_weights else "")
+        + ("" if full else " (not the default settings)")
         + f". Held-out scoring: {PPL_TOKENS} tokens of the evaluation speeches, windows of "
         f"{PPL_CONTEXT}; KL = lowbit's mean KL divergence from the float model (nats/token).",
         "",

@@ -64,6 +64,8 @@ class QatGGUFSettings:
       grid_lr: peak step of the block parameters, relative to each one's magnitude.
       norm_lr: peak step of the norms, relative to each tensor's RMS.
       seed: the window order's seed.
+      e2e_weights: the weights also learn in the end-to-end phase (at `weight_lr`), not only
+        the block parameters and norms.
     """
 
     windows: int = 64
@@ -75,6 +77,7 @@ class QatGGUFSettings:
     grid_lr: float = 1e-3
     norm_lr: float = 1e-3
     seed: int = 0
+    e2e_weights: bool = False
 
     def __post_init__(self):
         for field in ("windows", "seq_len", "batch"):
@@ -453,7 +456,8 @@ def _replace_layer(params: Any, i: int, layer_params: Any) -> Any:
 
 
 def _e2e_phase(graphdef, float_params, params, grids, recipe, types, windows, settings, rng, on):
-    """Block parameters and norms, on the KL divergence from the float model (step 3)."""
+    """Block parameters and norms (and with `e2e_weights` the weights), on the KL divergence
+    from the float model (step 3)."""
     if not settings.e2e_steps:
         return params, grids, ()
     forward = run(lambda s, t: nnx.merge(graphdef, s)(t))
@@ -465,7 +469,10 @@ def _e2e_phase(graphdef, float_params, params, grids, recipe, types, windows, se
         logits = forward(wrap(_assemble(params, trainable), trainable["grids"]), batch)
         return _kl(jax.lax.stop_gradient(teacher(teacher_params, batch)), logits)
 
-    trainable = {"norms": _split_trainable(params, types, "")["norms"], "grids": dict(grids)}
+    split = _split_trainable(params, types, "")
+    if not settings.e2e_weights:
+        split = {"norms": split["norms"]}
+    trainable = {**split, "grids": dict(grids)}
     optimizer = _optimizer(settings, settings.e2e_steps)
     trainable, losses = _train(
         _make_step(loss_fn, optimizer),
