@@ -72,3 +72,21 @@ def test_recipe_types_and_windows():
         calibration_windows(np.arange(11), settings)
     with pytest.raises(ValueError, match="batch=4 is more than windows=3"):
         QatGGUFSettings(windows=3, batch=4)
+
+
+@pytest.mark.parametrize("e2e_weights", [False, True])
+def test_the_end_to_end_phase_trains_the_weights_only_when_asked(e2e_weights):
+    config = DecoderConfig(
+        vocab_size=64, dim=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32, ffn_dim=64
+    )
+    model = Decoder(config, rngs=nnx.Rngs(1))
+    tokens = np.array([(i * 5 + i // 3) % 64 for i in range(64)])
+    settings = QatGGUFSettings(
+        windows=4, seq_len=8, batch=2, block_steps=0, e2e_steps=2, weight_lr=1e-2,
+        e2e_weights=e2e_weights,
+    )  # fmt: skip
+    path = "layers/0/mlp/down_proj/kernel"
+    before = np.array(model.layers[0].mlp.down_proj.kernel[...])
+    result = qat_gguf(model, tokens, "Q8_0", settings, types={path: "Q8_0"})
+    after = np.asarray(result.params["layers"][0]["mlp"]["down_proj"]["kernel"])
+    assert np.array_equal(before, after) != e2e_weights
