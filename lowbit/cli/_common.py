@@ -65,11 +65,13 @@ def settings_from_args(cls: type[Settings], args: argparse.Namespace, **renamed:
     """The settings dataclass `cls` built from parsed arguments: each field from the argument
     of its own name, or of the name `renamed` gives it where the flag is spelled otherwise
     (``learning_rate="lr"`` for ``--lr``). A field that no argument sets keeps its default
-    (such as `FinetuneSettings.weight_decay`, which has no flag)."""
+    (such as `FinetuneSettings.weight_decay`, which has no flag), and so does one whose
+    argument was left at None: a flag two commands (or two modes) share takes each one's own
+    default that way."""
     values = {}
     for field in dataclasses.fields(cls):
         source = renamed.get(field.name, field.name)
-        if hasattr(args, source):
+        if getattr(args, source, None) is not None:
             values[field.name] = getattr(args, source)
     return cls(**values)
 
@@ -178,13 +180,14 @@ def measuring_command(
 ) -> Command:
     """A command that measures a model (`bench`, `eval`; see `open_measured`). Its arguments,
     in help order: ``DIR|MODEL``, ``--recipe``, the command's own (`add_own`), ``--kv-cache``,
-    ``--json``, then the calibration pair."""
+    ``--int8-activations``, ``--json``, then the calibration pair."""
 
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_target_argument(parser, "smollm2 | minilm | a model file")
         add_recipe_argument(parser)
         add_own(parser)
         add_kv_cache_argument(parser)
+        add_int8_activations_argument(parser, MEASURED_INT8_ACTIVATIONS_HELP)
         add_json_argument(parser)
         add_calibration_arguments(parser)
 
@@ -340,23 +343,28 @@ class Measured:
     """What a command that measures a model (`bench`, `eval`) runs: `open_measured`'s result.
 
     Attributes:
-      target: the checkpoint, or the model quantized by ``--recipe``.
+      target: the checkpoint, or the model quantized by ``--recipe``; its params ask the
+        kernels for int8 activations with ``--int8-activations``.
       kv_cache: the KV cache format (`resolve_kv_cache`); None for float.
+      int8_activations: whether ``--int8-activations`` was given.
     """
 
     target: Target
     kv_cache: Any
+    int8_activations: bool = False
 
     @property
     def label(self) -> str:
-        """The result row's label: the recipe, and the KV cache format when one is quantized."""
-        recipe = self.target.recipe
-        return recipe if self.kv_cache is None else f"{recipe} kv={self.kv_cache.to_text()}"
+        """The result row's label: the recipe, ``+a8`` with int8 activations, and the KV cache
+        format when one is quantized."""
+        label = self.target.recipe + (" +a8" if self.int8_activations else "")
+        return label if self.kv_cache is None else f"{label} kv={self.kv_cache.to_text()}"
 
 
 def open_measured(args: Any, bar: Progress) -> Measured:
-    """`open_target` of ``args.target`` with ``args.recipe`` (calibrated as ``args`` says), and
-    the KV cache of ``args.kv_cache``, for a command that measures them (`bench`, `eval`).
+    """`open_target` of ``args.target`` with ``args.recipe`` (calibrated as ``args`` says), with
+    int8 activations when ``args.int8_activations``, and the KV cache of ``args.kv_cache``, for
+    a command that measures them (`bench`, `eval`).
 
     Raises:
       ValueError: as `open_target` and `resolve_kv_cache` (the latter before any model is
@@ -366,7 +374,10 @@ def open_measured(args: Any, bar: Progress) -> Measured:
     target = open_target(args.target, args.recipe, bar, args)
     if kv_cache is not None and target.loaded.kind != "lm":
         raise ValueError(f"--kv-cache is for language models; {target.loaded.name} is not")
-    return Measured(target=target, kv_cache=kv_cache)
+    int8 = bool(getattr(args, "int8_activations", False))
+    if int8:
+        target = dataclasses.replace(target, params=with_int8_activations(target.params))
+    return Measured(target=target, kv_cache=kv_cache, int8_activations=int8)
 
 
 def report_row(
@@ -444,6 +455,13 @@ INT8_ACTIVATIONS_HELP = (
     "the CPU kernels (llama.cpp's Q8 blocks, as llama.cpp runs GGUF weights), in prefill and "
     "decode: faster at the activations' rounding error (AVX2 or AVX-512; int8 weights not on "
     "AVX-512 without VNNI)"
+)
+
+
+MEASURED_INT8_ACTIVATIONS_HELP = (
+    "measure with the activations of int8 / int4 / uint4 and GGUF weights quantized to int8 per "
+    "row and weight group in the CPU kernels, as llama.cpp runs a GGUF file (its Q8 blocks): "
+    "lowbit's perplexity of a .gguf file then compares with llama.cpp's own"
 )
 
 

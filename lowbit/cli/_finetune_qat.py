@@ -21,7 +21,15 @@ import numpy as np
 from flax import nnx
 
 from lowbit import serving
-from lowbit.cli._common import META_KIND, META_MODEL, META_RECIPE, progress, step, write_json
+from lowbit.cli._common import (
+    META_KIND,
+    META_MODEL,
+    META_RECIPE,
+    progress,
+    settings_from_args,
+    step,
+    write_json,
+)
 from lowbit.eval import (
     QatGGUFSettings,
     default_training_text,
@@ -47,14 +55,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "lowbit quantize --max-bytes N --target gguf --plan-out plan.json), distilled from "
         "the float model, instead of LoRA",
     )
+    defaults = QatGGUFSettings()
     parser.add_argument(
-        "--windows", type=int, default=64, metavar="W", help="--qat: calibration windows (64)"
+        "--windows",
+        type=int,
+        metavar="W",
+        help=f"--qat: calibration windows of --seq-len tokens ({defaults.windows})",
     )
     parser.add_argument(
-        "--block-steps", type=int, default=100, metavar="N", help="--qat: steps per layer (100)"
+        "--block-steps",
+        type=int,
+        metavar="N",
+        help=f"--qat: steps per layer ({defaults.block_steps})",
     )
     parser.add_argument(
-        "--e2e-steps", type=int, default=25, metavar="N", help="--qat: end-to-end steps (25)"
+        "--e2e-steps",
+        type=int,
+        metavar="N",
+        help=f"--qat: end-to-end steps ({defaults.e2e_steps})",
     )
 
 
@@ -77,18 +95,9 @@ def parse_qat(text: str) -> str:
 def run(args: argparse.Namespace) -> int:
     """Runs ``lowbit finetune --qat``; returns the exit status (errors raise)."""
     mix = parse_qat(args.qat)
-    lr = args.lr
-    settings = QatGGUFSettings(
-        windows=args.windows,
-        seq_len=args.seq_len,
-        batch=args.batch,
-        block_steps=args.block_steps,
-        e2e_steps=args.e2e_steps,
-        weight_lr=lr,
-        grid_lr=lr,
-        norm_lr=lr,
-        seed=args.seed,
-    )
+    # One --lr for the three groups; every flag left out keeps QatGGUFSettings' default.
+    lr = {"weight_lr": "lr", "grid_lr": "lr", "norm_lr": "lr"}
+    settings = settings_from_args(QatGGUFSettings, args, **lr)
     out = Path(args.out)
     label = f"{_PREFIX}{mix}"
     with progress() as bar:

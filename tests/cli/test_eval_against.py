@@ -25,7 +25,9 @@ def models():
     wide = dataclasses.replace(
         tiny, name="wide", spec="wide", model=Decoder(config, rngs=nnx.Rngs(1))
     )
-    return {"tiny": tiny, "wide": wide}
+    # Wide enough that its weights run on the CPU kernels (at least 2**16 elements each).
+    kernels = dataclasses.replace(tiny_lm(dim=256, ffn_dim=256), name="kernels", spec="kernels")
+    return {"tiny": tiny, "wide": wide, "kernels": kernels}
 
 
 @pytest.fixture
@@ -69,6 +71,22 @@ def test_a_model_against_itself_has_zero_divergence(tiny, capsys):
     assert divergence["kld_mean"] == 0.0 and divergence["kld_max"] == 0.0
     assert divergence["top1"] == 1.0
     assert divergence["base_perplexity"] == pytest.approx(result["value"], rel=1e-5)
+
+
+def test_int8_activations_are_measured_as_llama_cpp_runs_them(tiny, capsys):
+    # The uint4 kernels with Q8 activation blocks: the same model, rounded activations.
+    argv = ["eval", "kernels", "--recipe", "int4w_g32_asym", "--against", "kernels"]
+    argv += ["--text", tiny]
+    runs = {}
+    for extra in ([], ["--int8-activations"]):
+        assert main([*argv, *WINDOW, *extra, "--json"]) == 0, capsys.readouterr().err
+        runs[bool(extra)] = _json(capsys.readouterr().out)
+    plain, int8 = runs[False], runs[True]
+    assert plain["int8_activations"] is False and int8["int8_activations"] is True
+    assert plain["recipe"] == "int4w_g32_asym" and int8["recipe"] == "int4w_g32_asym +a8"
+    assert int8["value"] != plain["value"]
+    assert int8["value"] == pytest.approx(plain["value"], rel=0.05)
+    assert int8["divergence"]["kld_mean"] != plain["divergence"]["kld_mean"]
 
 
 def test_eval_of_a_checkpoint_stores_the_divergence_and_report_shows_it(tiny, tmp_path, capsys):

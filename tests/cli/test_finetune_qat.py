@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from lowbit import serving
 from lowbit.cli import main
+from lowbit.eval import QatGGUFSettings
 from lowbit.gguf import read_gguf
 from lowbit.io import load_checkpoint
 from lowbit.models import Decoder, DecoderConfig
@@ -113,3 +114,14 @@ def test_bad_input_is_named_and_nothing_is_written(tiny, tmp_path, capsys):
         assert main(_argv(text, out, *extra)) != 0
         assert re.search(message, capsys.readouterr().err), message
         assert not out.exists()
+
+
+def test_flags_left_out_take_the_qat_settings_defaults(tiny, tmp_path, capsys):
+    # --windows, --seq-len and --batch are not LoRA's defaults under --qat (LoRA's batch is 1).
+    text, _ = tiny
+    defaults = QatGGUFSettings()
+    out = tmp_path / "out"
+    argv = ["finetune", "tiny", "--qat", "gguf:Q2_K", "--text", str(text), "--out", str(out)]
+    assert main(argv) != 0
+    need = f"needs {defaults.tokens_needed} ({defaults.windows} windows of {defaults.seq_len}"
+    assert need in capsys.readouterr().err and not out.exists()
