@@ -46,6 +46,11 @@ from lowbit.recipes import Recipe, Rule, map_params, param_leaves, parse_candida
 
 _FLOAT = ("F32", "F16")
 
+KL_TOKENS = 4096
+"""Tokens (whole windows, at least one) that `QatGGUFResult.kl_before` / ``kl_after`` are
+measured on: a report, not part of the training, so it does not run both models over every
+window twice."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QatGGUFSettings:
@@ -59,7 +64,7 @@ class QatGGUFSettings:
       block_steps: optimizer steps per layer in the block-by-block phase (0 skips it).
       e2e_steps: optimizer steps of the end-to-end phase (0 skips it). One is a forward and
         backward pass of the whole quantized model and of the float one: on SmolLM2-135M
-        about 50 times a layer's step, so the default keeps it short.
+        about 25 times a layer's step (3.7 s against 0.14 s at 512 tokens, 2 cores).
       weight_lr: peak step of the weights, relative to each tensor's RMS.
       grid_lr: peak step of the block parameters, relative to each one's magnitude.
       norm_lr: peak step of the norms, relative to each tensor's RMS.
@@ -68,11 +73,14 @@ class QatGGUFSettings:
         the block parameters and norms.
     """
 
-    windows: int = 64
-    seq_len: int = 128
-    batch: int = 4
+    # Long windows (the context perplexity and KL are scored at) and the whole default text:
+    # on SmolLM2 Q3_K_M, 192 x 512 at batch 1 gave 0.80x the KL of 256 x 128 at batch 4, at
+    # the same tokens per step (BENCHMARKS.md, "QAT onto llama.cpp mixes").
+    windows: int = 192
+    seq_len: int = 512
+    batch: int = 1
     block_steps: int = 100
-    e2e_steps: int = 25
+    e2e_steps: int = 120
     weight_lr: float = 1e-3
     grid_lr: float = 1e-3
     norm_lr: float = 1e-3
@@ -115,8 +123,8 @@ class QatGGUFResult:
       types: param path -> GGML type (`lowbit.io.planned_types`).
       block_losses: per layer, the relative output error per step.
       e2e_losses: the KL divergence (nats per token) per end-to-end step.
-      kl_before: KL divergence from the float model on the calibration windows with
-        llama.cpp's PTQ (the untrained grids).
+      kl_before: KL divergence from the float model on the first calibration windows (up
+        to `KL_TOKENS` tokens) with llama.cpp's PTQ (the untrained grids).
       kl_after: the same after training.
       seconds: wall time of the training.
     """
@@ -338,7 +346,8 @@ def qat_gguf(
 
     def mean_kl(params, grids) -> float:
         b = settings.batch
-        batches = [windows[i : i + b] for i in range(0, len(windows), b)]
+        shown = windows[: max(1, KL_TOKENS // settings.seq_len)]
+        batches = [shown[i : i + b] for i in range(0, len(shown), b)]
         return float(np.mean([float(kl_of(float_params, params, grids, x)) for x in batches]))
 
     kl_before = mean_kl(float_params, grids)
