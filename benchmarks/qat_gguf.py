@@ -51,7 +51,7 @@ def _kl(path: str, base_logits, tokens: np.ndarray):
     from lowbit.serving import apply_recipe, load_model
 
     loaded = load_model(path, float_weights=False)
-    params, _ = apply_recipe(loaded, None, "gguf")
+    params, _ = apply_recipe(loaded, nnx.split(loaded.model)[1], "gguf")
     graphdef = nnx.graphdef(loaded.model)
     forward = jax.jit(run(lambda s, t: nnx.merge(graphdef, s)(t)))
     ppl, div = divergence(
