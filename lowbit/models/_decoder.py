@@ -346,12 +346,13 @@ class Block(nnx.Module):
         """x: ``[batch, seq, dim]``; the other arguments and the result as in `Attention`."""
         h, new_kv = self.attn(self.attn_norm(x), at, kv)
         if hasattr(self, "post_attn_norm"):
-            h = self.post_attn_norm(h)
+            # The norm ends in a product: rounded before the residual add, at any batch.
+            (h,) = separately(self.post_attn_norm(h))
         x = x + h
         ffn = self.moe if hasattr(self, "moe") else self.mlp
         h = ffn(self.mlp_norm(x))
         if hasattr(self, "post_mlp_norm"):
-            h = self.post_mlp_norm(h)
+            (h,) = separately(self.post_mlp_norm(h))
         return x + h, new_kv
 
 
@@ -452,8 +453,9 @@ class Decoder(LayerStack):
         """``tokens [batch, seq]`` -> the first layer's input ``[batch, seq, dim]``."""
         x = self.embed(tokens)
         if self.config.embed_scale:
-            # Gemma multiplies by sqrt(dim) rounded to the activation dtype.
-            x = x * jnp.asarray(math.sqrt(self.config.dim), x.dtype)
+            # Gemma multiplies by sqrt(dim) rounded to the activation dtype; the product is
+            # rounded before the first residual add, at any batch (no FMA across it).
+            (x,) = separately(x * jnp.asarray(math.sqrt(self.config.dim), x.dtype))
         return x
 
     def head(self, x: jax.Array) -> jax.Array:
