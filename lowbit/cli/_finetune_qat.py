@@ -156,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"wrote {out}: {loaded.name} trained onto {mix} ({len(result.types)} weights); KL to "
         f"the float model {result.kl_before:.4f} -> {result.kl_after:.4f} nats/token on the "
-        f"calibration windows, {seconds:.0f} s; export it with lowbit export {out} --gguf F"
+        f"first calibration windows (up to 4096 tokens), {seconds:.0f} s; export it with "
+        f"lowbit export {out} --gguf F"
     )
     return 0

@@ -75,7 +75,7 @@ class QatGGUFSettings:
 
     # Long windows (the context perplexity and KL are scored at) and the whole default text:
     # on SmolLM2 Q3_K_M, 192 x 512 at batch 1 gave 0.80x the KL of 256 x 128 at batch 4, at
-    # the same tokens per step (BENCHMARKS.md, "QAT onto llama.cpp mixes").
+    # the same tokens per step (docs/training.md, "A model onto a llama.cpp mix").
     windows: int = 192
     seq_len: int = 512
     batch: int = 1
