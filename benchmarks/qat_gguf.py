@@ -30,6 +30,8 @@ from benchmarks._machine import cpu_model
 MIXES = tuple(os.environ.get("LOWBIT_QAT_MIXES", "Q2_K").split(","))
 # None: `QatGGUFSettings()`'s defaults.
 SETTINGS = os.environ.get("LOWBIT_QAT_SETTINGS")
+# The `QatGGUFSettings` fields ``LOWBIT_QAT_SETTINGS`` lists, in its order (the last optional).
+_FIELDS = ("windows", "seq_len", "batch", "block_steps", "e2e_steps", "e2e_weights")
 PPL_TOKENS = int(os.environ.get("LOWBIT_QAT_PPL_TOKENS", "4096"))
 PPL_CONTEXT = 512
 SPEED_PROMPT = 128
@@ -68,15 +70,10 @@ def _settings(settings_type):
     """``LOWBIT_QAT_SETTINGS`` as a `QatGGUFSettings` (its defaults when unset)."""
     if SETTINGS is None:
         return settings_type()
-    windows, seq_len, batch, block_steps, e2e_steps, *more = (int(x) for x in SETTINGS.split(","))
-    return settings_type(
-        windows=windows,
-        seq_len=seq_len,
-        batch=batch,
-        block_steps=block_steps,
-        e2e_steps=e2e_steps,
-        e2e_weights=bool(more and more[0]),
-    )
+    values = [int(x) for x in SETTINGS.split(",")]
+    named = dict(zip(_FIELDS, values, strict=False))
+    named["e2e_weights"] = bool(named.get("e2e_weights", 0))
+    return settings_type(**named)
 
 
 def _llama_cpp_speeds(ptq: str, qat: str, tokenizer) -> tuple[float, float]:
@@ -151,10 +148,7 @@ def run() -> str | None:
             rows.append((f"{mix} lowbit QAT", f"{result.seconds:.0f} s", os.path.getsize(qat),
                          ppl_qat, div, lowbit_ppl))  # fmt: skip
     full = settings == QatGGUFSettings()
-    named = ",".join(
-        str(int(getattr(settings, f)))
-        for f in ("windows", "seq_len", "batch", "block_steps", "e2e_steps", "e2e_weights")
-    )
+    named = ",".join(str(int(getattr(settings, f))) for f in _FIELDS)
     lines = [
         "## QAT onto llama.cpp mixes (`lowbit finetune --qat gguf:MIX`) vs llama.cpp's quantizer",
         "",
