@@ -113,7 +113,9 @@ def run() -> str | None:
     load = os.getloadavg()
     lines += [
         f"- Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_model()}, {os.cpu_count()} cores; "
-        f"{kernels.status()}; load average at the end {', '.join(f'{x:.1f}' for x in load)}.",
+        f"{kernels.status()}; load average at the end {', '.join(f'{x:.1f}' for x in load)}"
+        + (f"; XLA_FLAGS={os.environ['XLA_FLAGS']}" if os.environ.get("XLA_FLAGS") else "")
+        + ".",
         f"- Peer: llama.cpp (llama-cpp-python {llama_cpp.__version__}, {g.THREADS} threads; its "
         f"CPU build: {g._llama_features(llama_cpp)}).",
         f"- Prompts: batch 1 x {PROMPT[1]}, batch 8 x {PROMPT[8]} tokens; then {g.DECODE} greedy "
