@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             body = module.run()
         if args.label is not None:
             section = f"{section}:{args.label}"
+            if body is not None:  # the heading says which run this is, beside NAME's own
+                body = re.sub(r"^(## .*)$", rf"\1 [{args.label}]", body, count=1, flags=re.M)
         text = args.output.read_text() if args.output.exists() else TITLE
         if body is None:  # nothing measured here (e.g. the GPU section on a CPU machine)
             if f"<!-- benchmark:{section} begin -->" in text:
