@@ -157,7 +157,9 @@ def run() -> str | None:
     lines += [
         f"- Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_model()}, {os.cpu_count()} cores; "
         f"{kernels.status()}; llama-cpp-python {llama_cpp.__version__} (its CPU build: "
-        f"{__import__('benchmarks.generate', fromlist=['x'])._llama_features(llama_cpp)}).",
+        f"{__import__('benchmarks.generate', fromlist=['x'])._llama_features(llama_cpp)})"
+        + (f"; XLA_FLAGS={os.environ['XLA_FLAGS']}" if os.environ.get("XLA_FLAGS") else "")
+        + ".",
         f"- Prompt {PROMPT} random tokens a row, then {DECODE} greedy tokens; best of 2 runs after "
         "a warm-up, each engine in its own process (peak RSS is that process's, loading "
         f"included), the engines' processes in turn {ROUNDS} times (the best rates of them, "
@@ -165,7 +167,9 @@ def run() -> str | None:
         "tokens/s over the float32 GEMV's rate (weights beyond the L3) measured in the same "
         "process right after it; the GEMV read "
         f"{min(streams, default=0):.1f}-{max(streams, default=0):.1f} GB/s over the run's "
-        "processes. `python -m benchmarks gguf_large`.",
+        "processes. `"
+        + (f"LOWBIT_GGUF_LARGE={','.join(shapes)} " if "LOWBIT_GGUF_LARGE" in os.environ else "")
+        + "python -m benchmarks gguf_large`.",
         "",
         "| file | engine | load s | prefill tok/s | decode b1 tok/s | x llama.cpp | stream share "
         "| decode b8 tok/s | x llama.cpp | peak RSS MiB |",
