@@ -16,14 +16,16 @@ rates share the machine's conditions: on this shared machine the GEMV alone read
 GB/s from one run to the next.
 
 Sizes: `LOWBIT_GGUF_LARGE=qwen2-1.5b,llama3-8b` (default: the 1.5B shape only; the 8B file
-is 4.6 GB and its runs take several minutes). Engines: `LOWBIT_GGUF_LARGE_ENGINES` (default all
-of `ENGINES`; lowbit on float activations is the slow one).
+is 4.6 GB and its runs take several minutes). Engines: `LOWBIT_GGUF_LARGE_ENGINES`, separated
+by commas, or by ";" to name "lowbit, float act." (default all of `ENGINES`; lowbit on float
+activations is the slow one).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -135,7 +137,9 @@ def run() -> str | None:
     from lowbit import kernels
 
     shapes = os.environ.get("LOWBIT_GGUF_LARGE", "qwen2-1.5b").split(",")
-    engines = tuple(os.environ.get("LOWBIT_GGUF_LARGE_ENGINES", ",".join(ENGINES)).split(","))
+    # "lowbit, float act." holds a comma: a list naming it is separated by ";".
+    raw = os.environ.get("LOWBIT_GGUF_LARGE_ENGINES")
+    engines = ENGINES if raw is None else tuple(raw.split(";" if ";" in raw else ","))
     if set(engines) - set(ENGINES) or "llama.cpp" not in engines:
         raise ValueError(f"LOWBIT_GGUF_LARGE_ENGINES: some of {ENGINES}, llama.cpp included")
     lines = ["## Q4_K_M files of 1.5B / 8B shapes: lowbit against llama.cpp, with peak memory", ""]
@@ -168,7 +172,11 @@ def run() -> str | None:
         "process right after it; the GEMV read "
         f"{min(streams, default=0):.1f}-{max(streams, default=0):.1f} GB/s over the run's "
         "processes. `"
-        + (f"LOWBIT_GGUF_LARGE={','.join(shapes)} " if "LOWBIT_GGUF_LARGE" in os.environ else "")
+        + "".join(
+            f"{k}={shlex.quote(os.environ[k])} "
+            for k in ("LOWBIT_GGUF_LARGE", "LOWBIT_GGUF_LARGE_ENGINES")
+            if k in os.environ
+        )
         + "python -m benchmarks gguf_large`.",
         "",
         "| file | engine | load s | prefill tok/s | decode b1 tok/s | x llama.cpp | stream share "
