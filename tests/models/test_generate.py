@@ -35,11 +35,17 @@ def tiny():
     return Decoder(CONFIG, rngs=nnx.Rngs(0))
 
 
+@nnx.jit
+def _last_logits(model, ids):
+    # One program a length (op by op, each length compiled every op of the model again).
+    return model(ids)[0, -1]
+
+
 def _reference_greedy(model, prompt, n):
     """Greedy continuation by re-running the whole sequence without a cache, one row alone."""
     ids = list(prompt)
     for _ in range(n):
-        ids.append(int(jnp.argmax(model(jnp.asarray([ids], jnp.int32))[0, -1])))
+        ids.append(int(jnp.argmax(_last_logits(model, jnp.asarray([ids], jnp.int32)))))
     return ids[len(prompt) :]
 
 

@@ -127,7 +127,8 @@ def test_kv_cache_matches_full_forward(smollm2, sequence, full_logits):
 
 
 def test_greedy_generation_of_quantized_models_matches_float(smollm2):
-    """The README prompt: int8w and int4w_g32_asym weights give the float model's tokens."""
+    """The README prompt: int4w_g32_asym weights give the float model's tokens (the README's
+    own example, run by tests/test_readme.py, checks int8w weights with an int8 cache)."""
     from lowbit.api import quantize_params
 
     model, tok = smollm2
@@ -136,10 +137,9 @@ def test_greedy_generation_of_quantized_models_matches_float(smollm2):
     print(f"generated: {text!r}")
     assert "Paris" in text
     params = nnx.to_pure_dict(nnx.split(model)[1])
-    for recipe in ("int8w", "int4w_g32_asym"):
-        quantized = models.generate(
-            model, tok, prompt, params=quantize_params(params, recipe), max_new_tokens=12
-        )
-        assert quantized == text, recipe
+    quantized = models.generate(
+        model, tok, prompt, params=quantize_params(params, "int4w_g32_asym"), max_new_tokens=12
+    )
+    assert quantized == text
     with pytest.raises(ValueError, match="max_new_tokens"):
         models.generate_greedy(model, tok, "x", 0)

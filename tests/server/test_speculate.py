@@ -107,7 +107,9 @@ def _perturbed(loaded, scale):
 
 @pytest.mark.parametrize(
     ("kv_cache", "speculate", "scale"),
-    [(None, "ngram", None), ("int4", "ngram", None), (None, "draft", 1.0), ("int8", "draft", 0.8)],
+    # The n-gram drafter on a quantized cache; a draft model on a float cache (the served
+    # model drafting for itself) and on a quantized one (a perturbed draft).
+    [("int4", "ngram", None), (None, "draft", 1.0), ("int8", "draft", 0.8)],
 )
 def test_speculation_gives_the_greedy_tokens_and_accepts_guesses(
     loaded, kv_cache, speculate, scale
