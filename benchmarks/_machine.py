@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 
@@ -16,3 +17,10 @@ def cpu_model() -> str:
         if line.startswith("Model name:"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown CPU"
+
+
+def xla_flags_note() -> str:
+    """``"; XLA_FLAGS=..."`` when the run set XLA's flags (e.g. ``--xla_cpu_max_isa=AVX2`` for a
+    run as on an AVX2-only CPU), else ``""``: for a section's machine line."""
+    flags = os.environ.get("XLA_FLAGS")
+    return f"; XLA_FLAGS={flags}" if flags else ""

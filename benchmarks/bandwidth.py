@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit
-from benchmarks._machine import cpu_model
+from benchmarks._machine import cpu_model, xla_flags_note
 from benchmarks._timing import best_times
 from lowbit.ops import with_int8_activations
 
@@ -109,7 +109,7 @@ def run() -> str:
         "",
         f"- Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_model()}, {os.cpu_count()} cores, "
         f"last-level cache {llc / 2**20:.0f} MiB; {lowbit.kernels.status()}"
-        + (f"; XLA_FLAGS={os.environ['XLA_FLAGS']}" if os.environ.get("XLA_FLAGS") else "")
+        + xla_flags_note()
         + ". Command: `python -m benchmarks bandwidth` (module docstring).",
         "",
         "| weights | copies rotated | MB read per call | ms per call | GB/s | x float32 GB/s "

@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 import lowbit
-from benchmarks._machine import cpu_model
+from benchmarks._machine import cpu_model, xla_flags_note
 from lowbit import kernels
 from lowbit.eval import quantize_variant
 from lowbit.models import _generate as gen
@@ -368,7 +368,7 @@ def run(model: str | None = None) -> str:
     lines += [
         f"- Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_model()}, {os.cpu_count()} cores; "
         f"{kernels.status()}; load average at the end {', '.join(f'{x:.1f}' for x in load)}"
-        + (f"; XLA_FLAGS={os.environ['XLA_FLAGS']}" if os.environ.get("XLA_FLAGS") else "")
+        + xla_flags_note()
         + ".",
         f"- Peer: {peer or 'llama.cpp not importable (llama-cpp-python): no peer rows'}"
         + (

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks._machine import cpu_model
+from benchmarks._machine import cpu_model, xla_flags_note
 
 PROMPT = 64
 DECODE = 32
@@ -162,7 +162,7 @@ def run() -> str | None:
         f"- Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_model()}, {os.cpu_count()} cores; "
         f"{kernels.status()}; llama-cpp-python {llama_cpp.__version__} (its CPU build: "
         f"{__import__('benchmarks.generate', fromlist=['x'])._llama_features(llama_cpp)})"
-        + (f"; XLA_FLAGS={os.environ['XLA_FLAGS']}" if os.environ.get("XLA_FLAGS") else "")
+        + xla_flags_note()
         + ".",
         f"- Prompt {PROMPT} random tokens a row, then {DECODE} greedy tokens; best of 2 runs after "
         "a warm-up, each engine in its own process (peak RSS is that process's, loading "

@@ -27,7 +27,7 @@ import time
 
 from flax import nnx
 
-from benchmarks._machine import cpu_model
+from benchmarks._machine import cpu_model, xla_flags_note
 
 MIXES = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 BATCHES = (1, 8)
@@ -114,7 +114,7 @@ def run() -> str | None:
     lines += [
         f"- Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_model()}, {os.cpu_count()} cores; "
         f"{kernels.status()}; load average at the end {', '.join(f'{x:.1f}' for x in load)}"
-        + (f"; XLA_FLAGS={os.environ['XLA_FLAGS']}" if os.environ.get("XLA_FLAGS") else "")
+        + xla_flags_note()
         + ".",
         f"- Peer: llama.cpp (llama-cpp-python {llama_cpp.__version__}, {g.THREADS} threads; its "
         f"CPU build: {g._llama_features(llama_cpp)}).",
