@@ -1,12 +1,14 @@
-"""Benchmark section: each K-quant's tile kernels against its block-row kernel.
+"""Benchmark section: each GGUF type's tile kernels against its block-row kernel.
 
 One `kernels.gguf_linear` call on int8 activations (llama.cpp's arithmetic, the `gguf`
 recipe's default), a ``[K, N] = [4096, 4096]`` weight of random blocks written by
 `lowbit.gguf`'s encoder, at 1, 8 and 64 activation rows: the block rows as the file stores
-them, and the tiles of 8 rows the loader lays them out as (`kernels.gguf_tile`), on the AVX2
-path and on the best path this CPU has (AVX-512 VNNI: pairs of groups in 64-byte registers
-from 2 rows up). Best of interleaved calls (`_timing.best_times`); the weight (at most 3.5
-MB) stays in cache, so this is the kernels' arithmetic, not memory.
+them, and the tiles of 8 rows the loader lays them out as (`kernels.gguf_tile`; a type with
+no tiled layout, such as Q8_0, has its block rows only), on the AVX2 path and on the best
+path this CPU has (AVX-512 VNNI: pairs of groups in 64-byte registers from 2 rows up). Best
+of interleaved calls (`_timing.best_times`); every call reads the same weight (5.5 MB of Q2_K
+to 17.8 MB of Q8_0), which stays in the cache levels it fits: mostly the kernels' arithmetic,
+not memory.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from benchmarks._timing import best_times
 
 K = N = 4096
 ROWS = (1, 8, 64)
-TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q5_0", "Q8_0")
 
 
 def run() -> str:
@@ -36,7 +38,7 @@ def run() -> str:
     before = kernels.set_isa(paths[-1])
     rng = np.random.default_rng(0)
     lines = [
-        "## GGUF K-quant kernels: tiles of 8 rows against block rows",
+        "## GGUF kernels: tiles of 8 rows against block rows",
         "",
         f"- Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_model()}, {os.cpu_count()} cores; "
         f"{kernels.status()}.",
@@ -50,13 +52,16 @@ def run() -> str:
         for typ in TYPES:
             w = rng.standard_normal((N, K)).astype(np.float32) * 0.02
             rows = jnp.asarray(block_type(typ).encode(w))
-            tiles = kernels.gguf_tile(rows, typ)
+            tiles = kernels.gguf_tile(rows, typ) if kernels.gguf_tileable(typ, K, N) else None
             for m in ROWS:
                 x = jnp.asarray(rng.standard_normal((m, K)).astype(np.float32))
                 for path in paths:
                     kernels.set_isa(path)
                     fns = {}
-                    for name, data, tiled in (("rows", rows, False), ("tiles", tiles, True)):
+                    variants = [("rows", rows, False)]
+                    if tiles is not None:
+                        variants.append(("tiles", tiles, True))
+                    for name, data, tiled in variants:
                         fn = jax.jit(
                             lambda x, d, typ=typ, tiled=tiled: kernels.gguf_linear(
                                 x, d, typ, int8_activations=True, tiled=tiled
@@ -65,9 +70,11 @@ def run() -> str:
                         fn(x, data).block_until_ready()
                         fns[name] = lambda fn=fn, x=x, d=data: fn(x, d).block_until_ready()
                     best = best_times(fns, min_seconds=0.2, min_reps=10, max_reps=200)
+                    tiled_ms = f"{best['tiles'] * 1e3:.3f}" if "tiles" in best else "-"
+                    ratio = f"{best['rows'] / best['tiles']:.2f}x" if "tiles" in best else "-"
                     lines.append(
-                        f"| {typ} | {m} | {path} | {best['rows'] * 1e3:.3f} | "
-                        f"{best['tiles'] * 1e3:.3f} | {best['rows'] / best['tiles']:.2f}x |"
+                        f"| {typ} | {m} | {path} | {best['rows'] * 1e3:.3f} | {tiled_ms} "
+                        f"| {ratio} |"
                     )
     finally:
         kernels.set_isa(before)
