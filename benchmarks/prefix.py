@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._machine import cpu_model
+from benchmarks._machine import cpu_model, lowbit_kernels
 from benchmarks.serve import ROOT, _free_port, _level, _prompts, _rss_mib, _start, _stop
 
 HISTORY = 2000
@@ -144,7 +144,8 @@ def run() -> str:
 
     cached = [c for chat in on["chats"] for _, c in chat[1:]]
     lines += [
-        f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores. `python -m "
+        f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores; "
+        f"{lowbit_kernels()}. `python -m "
         f"benchmarks prefix`. `lowbit serve --recipe gguf --int8-activations --slots {CLIENTS} "
         f"--max-len {MAX_LEN}` with `--kv-memory 0` (off) and without (on: the default, half "
         "the slots' cache).",

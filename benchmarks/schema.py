@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._machine import cpu_model
+from benchmarks._machine import cpu_model, lowbit_kernels
 from benchmarks.serve import ROOT, _all_compiled, _free_port, _rss_mib, _start, _stop
 
 REQUESTS = 200
@@ -161,7 +161,8 @@ def run() -> str:
     on, same, off = (tok_s(parts[k]) for k in ("constrained", "same", "plain"))
     mean = {k: sum(r["tokens"] for r in v) / REQUESTS for k, v in parts.items()}
     lines += [
-        f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores. `python -m "
+        f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores; "
+        f"{lowbit_kernels()}. `python -m "
         f"benchmarks schema`. `lowbit serve --recipe gguf --int8-activations --slots {SLOTS}`; "
         f"{REQUESTS} chat requests each way, {CLIENTS} clients, greedy, at most {MAX_TOKENS} "
         f"tokens; {PASSES} rounds of the three parts (module docstring).",

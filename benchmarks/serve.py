@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._machine import cpu_model
+from benchmarks._machine import cpu_model, lowbit_kernels
 
 CONCURRENCY = (1, 8, 32)
 LOGPROBS_CLIENTS = (1, 8)
@@ -216,12 +216,15 @@ def run() -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="", OMP_NUM_THREADS=str(THREADS))
     results: dict[str, dict[int, dict]] = {}
     memory: tuple[float, float] | None = None
-    peer = None
+    peer, peer_build = None, ""
     try:
         import llama_cpp
         import llama_cpp.server.app  # noqa: F401
 
+        from benchmarks.generate import _llama_features
+
         peer = f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, {THREADS} threads)"
+        peer_build = f"; llama.cpp's CPU build: {_llama_features(llama_cpp)}"
     except ImportError as err:
         lines.append(f"llama.cpp's server is not importable here ({err}); lowbit only.")
     if peer is not None:
@@ -274,7 +277,8 @@ def run() -> str:
     finally:
         _stop(proc)
     lines += [
-        f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores. Streamed greedy "
+        f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores; "
+        f"{lowbit_kernels()}{peer_build}. Streamed greedy "
         f"completions of ~{PROMPT}-token prompts, {MAX_TOKENS} new tokens each; `c` clients "
         f"each send {ROUNDS} requests in turn. lowbit: `lowbit serve --recipe gguf "
         f"--int8-activations --slots {SLOTS} --max-len 512`. A cold start (an empty program "

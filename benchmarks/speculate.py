@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._machine import cpu_model
+from benchmarks._machine import cpu_model, lowbit_kernels
 from benchmarks.serve import ROOT, _free_port, _start, _stop
 
 ROUNDS = 6
@@ -195,7 +195,8 @@ def run() -> str:
     }
     tokens = len(answers["plain"][0]["ids"])
     lines += [
-        f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores. `lowbit serve "
+        f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores; "
+        f"{lowbit_kernels()}. `lowbit serve "
         f"SmolLM2-135M-Instruct.Q4_1.gguf --recipe gguf --int8-activations --slots {SLOTS} "
         f"--max-len {MAX_LEN}` with and without `--speculate ngram --speculate-tokens {TOKENS}`, "
         "and the same file with `--recipe float` with and without `--speculate "
