@@ -25,6 +25,8 @@ by the kernels on plain arrays:
   the filled slots of a float32 KV cache (the decode step of `lowbit.models`), one call per
   layer instead of a loop of small XLA ops; ``rows=`` reads some rows of a larger cache in
   place.
+- `row_sum(x, square=False)`: the sum over the last axis in one fixed pairwise order, the
+  same bits at any leading shape (the batch-invariant RMSNorm and softmax of `lowbit.models`).
 
 Logical weights (inputs to `pack`, outputs of `prepared_to_logical`): codes `[K, N]`
 (contraction axis first, like a Flax `Dense` kernel); scale `[G, N]` float32 with
@@ -87,6 +89,7 @@ from lowbit.kernels._native import (
 from lowbit.kernels._ops import (
     decode_attention,
     dequantize_weight,
+    row_sum,
     w4a8_linear,
     w8a8_linear,
     w8a8_linear_quantized,
@@ -127,6 +130,7 @@ __all__ = [
     "prepared_columns",
     "prepared_to_logical",
     "quantize_per_token",
+    "row_sum",
     "ISAS",
     "set_isa",
     "status",

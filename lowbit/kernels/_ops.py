@@ -472,3 +472,33 @@ def decode_attention(
         )
 
     return native_or_reference(native, reference)
+
+
+def row_sum(x: jax.Array, *, square: bool = False) -> jax.Array:
+    """The sum over the last axis, ``x [..., D]`` -> ``[..., 1]`` in x's float dtype, in one
+    fixed order (of the squares, with `square`): the row padded with zeros to a power of two
+    and halved by elementwise adds. A row rounds the same way at any leading shape, on the
+    kernel and on the pure-JAX reference alike (the same bits), where XLA's ``reduce`` picks
+    its order by shape.
+
+    float32: one kernel call where the program is lowered for CPU; elsewhere, without the
+    kernels, and for other float dtypes, the reference's levels of adds. Derivatives are the
+    reference's.
+    """
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 1:
+        raise TypeError(
+            f"row_sum takes a float array [..., D]; got {jnp.dtype(x.dtype).name} {x.shape}"
+        )
+    if jnp.dtype(x.dtype) != jnp.dtype(jnp.float32):
+        return _reference.row_sum(x, square)
+
+    def native():
+        call = jax.ffi.ffi_call(
+            "lowbit_row_sum",
+            jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32),
+            vmap_method="broadcast_all",
+        )
+        return call(x, square=np.int64(square))[..., None]
+
+    return native_or_reference(native, lambda: _reference.row_sum(x, square))

@@ -246,3 +246,33 @@ def int8_qk_scores(q: jax.Array, codes: jax.Array, scales: jax.Array) -> jax.Arr
         dots.astype(jnp.float32) * q_scale[:, :, :, None] * scales.astype(jnp.float32)[:, :, None]
     )
     return jnp.sum(weighted, axis=-1)
+
+
+# Levels of `row_sum` narrower than this are left to XLA to fuse into one loop.
+_FUSED_WIDTH = 32
+
+
+def row_sum(x: jax.Array, square: bool = False) -> jax.Array:
+    """``x [..., D]`` -> ``[..., 1]``: the sum over the last axis (of the squares, with
+    `square`) in a fixed pairwise order, the kernel's.
+
+    The row is padded with zeros to a power of two and halved by elementwise adds (the first
+    half plus the second), so each row rounds the same way at any leading shape. XLA may
+    neither reorder nor FMA-contract adds of materialized values: the squares, and `x` itself,
+    are materialized first (an optimization barrier).
+    """
+    if square:
+        x = x * x
+    (x,) = jax.lax.optimization_barrier((x,))
+    d = x.shape[-1]
+    width = 1 << max(d - 1, 0).bit_length()
+    if width != d:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - d)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+        if half >= _FUSED_WIDTH:
+            # Each wide level its own loop, which bounds the code XLA generates for a sum:
+            # fused, every output of the last level would expand the whole tree.
+            (x,) = jax.lax.optimization_barrier((x,))
+    return x

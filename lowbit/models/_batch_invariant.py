@@ -12,11 +12,12 @@ any batch size); what XLA compiles around them is not, in two ways:
   ``x * cos + rotated * sin`` did).
 
 Int8 activations turn such a last-bit difference into another token where two are nearly
-tied, so a greedy answer would depend on the requests beside it. `row_sum` sums in one fixed
-order made of elementwise adds (which XLA may neither reorder nor contract), and
-`separately` keeps products out of the fusion of the sum they feed; `RMSNorm` and `softmax`
-are built on them. With them a dense decoder on the CPU kernels gives each row the same bits
-at every batch size, in a prefill and in a decode step (`tests/models/test_batch_invariant.py`).
+tied, so a greedy answer would depend on the requests beside it. `lowbit.kernels.row_sum`
+sums in one fixed pairwise order (one kernel call on CPU; elementwise adds, which XLA may
+neither reorder nor contract, elsewhere), and `separately` keeps products out of the fusion
+of an add they feed; `RMSNorm` and `softmax` are built on them. With them a dense decoder on
+the CPU kernels gives each row the same bits at every batch size, in a prefill and in a
+decode step (`tests/models/test_batch_invariant.py`).
 Mixtures of experts are not covered: which rows share an expert changes their grouped
 products.
 """
@@ -28,36 +29,13 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
+from lowbit.kernels import row_sum
+
 
 def separately(*xs: jax.Array) -> tuple[jax.Array, ...]:
     """`xs` computed in their own fusion: a product returned here is rounded before any add
     that uses it, whatever XLA fuses (no FMA contraction across this point)."""
     return jax.lax.optimization_barrier(xs)
-
-
-# Levels of `row_sum` narrower than this are left to XLA to fuse into one loop.
-_FUSED_WIDTH = 32
-
-
-def row_sum(x: jax.Array) -> jax.Array:
-    """``x [..., D]`` -> ``[..., 1]``: the sum over the last axis in a fixed pairwise order.
-
-    The row is padded with zeros to a power of two and halved by elementwise adds (the first
-    half plus the second), so each row rounds the same way at any leading shape. The adds
-    read what was materialized before the call: pass products through `separately`.
-    """
-    d = x.shape[-1]
-    width = 1 << max(d - 1, 0).bit_length()
-    if width != d:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - d)])
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-        if half >= _FUSED_WIDTH:
-            # Each wide level its own loop, which bounds the code XLA generates for a sum:
-            # fused, every output of the last level would expand the whole tree.
-            (x,) = separately(x)
-    return x
 
 
 def softmax(x: jax.Array) -> jax.Array:
@@ -87,8 +65,7 @@ class RMSNorm(nnx.RMSNorm):
         x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
         stats = jnp.promote_types(x.dtype, jnp.float32)
         xs = x.astype(stats)
-        (squares,) = separately(xs * xs)
-        mean_square = row_sum(squares) / x.shape[-1]
+        mean_square = row_sum(xs, square=True) / x.shape[-1]
         mul = jax.lax.rsqrt(mean_square + self.epsilon)
         args = [x]
         if scale is not None:

@@ -1,6 +1,7 @@
 """A row's logits are the same bits at every batch size (`lowbit.models._batch_invariant`):
-the fixed-order row sum, the RMSNorm built on it, and a decode step of a SmolLM2-wide decoder
-on the CPU kernels with int8 activations, as the server runs whichever rows are busy."""
+the RMSNorm built on the fixed-order row sum (`tests/kernels/test_kernels_row_sum.py`), and a
+decode step of a SmolLM2-wide decoder on the CPU kernels with int8 activations, as the server
+runs whichever rows are busy."""
 
 import functools
 
@@ -13,28 +14,7 @@ from flax import nnx
 from lowbit import serving
 from lowbit.engine import interpret
 from lowbit.models import Decoder, DecoderConfig
-from lowbit.models._batch_invariant import RMSNorm, row_sum
-
-
-def _pairwise(row: np.ndarray) -> np.float32:
-    """The order `row_sum` promises, in NumPy: pad to a power of two, add the halves."""
-    width = 1 << max(len(row) - 1, 0).bit_length()
-    row = np.concatenate([row, np.zeros(width - len(row), np.float32)])
-    while len(row) > 1:
-        row = row[: len(row) // 2] + row[len(row) // 2 :]
-    return row[0]
-
-
-@pytest.mark.parametrize("d", [1, 5, 64, 576])
-def test_row_sum_adds_in_its_fixed_order_at_any_leading_shape(d):
-    rng = np.random.default_rng(d)
-    x = (rng.standard_normal((8, d)) * 10.0 ** rng.integers(-3, 4, (8, d))).astype(np.float32)
-    want = np.array([_pairwise(r) for r in x])
-    summed = jax.jit(row_sum)
-    assert summed(x).shape == (8, 1)
-    np.testing.assert_array_equal(np.asarray(summed(x))[:, 0], want)
-    for b in (1, 3):  # other batch sizes: other programs, the same bits per row
-        np.testing.assert_array_equal(np.asarray(summed(x[:b]))[:, 0], want[:b])
+from lowbit.models._batch_invariant import RMSNorm
 
 
 def test_rms_norm_matches_flax_and_refuses_what_it_does_not_do():

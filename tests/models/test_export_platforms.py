@@ -37,6 +37,7 @@ _ALLOW_CPU_TARGETS = [
         "lowbit_w8a8_int32",
         "lowbit_w4a8_linear",
         "lowbit_decode_attention",
+        "lowbit_row_sum",
     )
 ]
 

@@ -30,6 +30,9 @@ XLA_FFI_Error* LowbitDecodeAttention(XLA_FFI_CallFrame* call_frame);
 // GGUF block rows (gguf.cc): (x [M,K] f32|bf16, w u8 [N, row_bytes]) -> y [M,N] f32|bf16;
 // attrs type (gguf_blocks.h), k, n, act_q8.
 XLA_FFI_Error* LowbitGgufLinear(XLA_FFI_CallFrame* call_frame);
+// The sum over the last axis in one fixed pairwise order (row_sum.cc): (x f32 [..., D]) -> f32
+// [...]; attr square (sum the squares).
+XLA_FFI_Error* LowbitRowSum(XLA_FFI_CallFrame* call_frame);
 // The float32 weight [N, K] of GGUF block rows: (w u8 [N, row_bytes]) -> f32 [N, K].
 XLA_FFI_Error* LowbitGgufDequantize(XLA_FFI_CallFrame* call_frame);
 }
