@@ -148,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         "types": result.types,
         "kl_before": result.kl_before,
         "kl_after": result.kl_after,
+        "kl_tokens": result.kl_tokens,
         "block_losses": [list(x) for x in result.block_losses],
         "e2e_losses": list(result.e2e_losses),
         "seconds": seconds,
@@ -156,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"wrote {out}: {loaded.name} trained onto {mix} ({len(result.types)} weights); KL to "
         f"the float model {result.kl_before:.4f} -> {result.kl_after:.4f} nats/token on the "
-        f"first calibration windows (up to 4096 tokens), {seconds:.0f} s; export it with "
+        f"first {result.kl_tokens} calibration tokens, {seconds:.0f} s; export it with "
         f"lowbit export {out} --gguf F"
     )
     return 0

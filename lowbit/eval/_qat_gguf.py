@@ -126,6 +126,7 @@ class QatGGUFResult:
       kl_before: KL divergence from the float model on the first calibration windows (up
         to `KL_TOKENS` tokens) with llama.cpp's PTQ (the untrained grids).
       kl_after: the same after training.
+      kl_tokens: how many tokens `kl_before` and `kl_after` were measured on.
       seconds: wall time of the training.
     """
 
@@ -137,6 +138,7 @@ class QatGGUFResult:
     e2e_losses: tuple[float, ...]
     kl_before: float
     kl_after: float
+    kl_tokens: int
     seconds: float
 
     def served(self) -> Any:
@@ -344,9 +346,10 @@ def qat_gguf(
         teacher = nnx.merge(graphdef, teacher_params)(batch)
         return _kl(teacher, forward(wrap(params, grids), batch))
 
+    shown = windows[: max(1, KL_TOKENS // settings.seq_len)]
+
     def mean_kl(params, grids) -> float:
         b = settings.batch
-        shown = windows[: max(1, KL_TOKENS // settings.seq_len)]
         batches = [shown[i : i + b] for i in range(0, len(shown), b)]
         return float(np.mean([float(kl_of(float_params, params, grids, x)) for x in batches]))
 
@@ -367,6 +370,7 @@ def qat_gguf(
         e2e_losses=e2e_losses,
         kl_before=kl_before,
         kl_after=kl_after,
+        kl_tokens=int(shown.shape[0] * shown.shape[1]),
         seconds=time.perf_counter() - start,
     )
 

@@ -77,6 +77,7 @@ def test_qat_then_export_writes_the_trained_blocks(tiny, tmp_path, capsys):
     assert main(_argv(text, out)) == 0, capsys.readouterr().err
     summary = json.loads((out / "finetune.json").read_text())
     assert summary["kl_after"] < summary["kl_before"]
+    assert f"first {summary['kl_tokens']} calibration tokens" in capsys.readouterr().out
     assert summary["types"]["layers/0/mlp/down_proj/kernel"] == "Q4_0"  # Q3_K falls back
     assert summary["types"]["embed/embedding"] == "Q8_0"  # Q6_K falls back
     params = load_checkpoint(out)

@@ -35,6 +35,7 @@ def test_k_quant_qat_lowers_the_divergence_and_serves_the_trained_grid():
     (block,) = result.block_losses
     assert np.mean(block[-3:]) < np.mean(block[:3])
     assert result.kl_after < result.kl_before
+    assert result.kl_tokens == 8 * 16  # every window: fewer than KL_TOKENS
     served = result.served()
     for path, ggml_type in TYPES.items():
         keys = path.split("/")
