@@ -11,7 +11,7 @@ Each 256-element unit of a row is decoded once a call into int8 codes with float
   (absmax / 127, round half to even: llama.cpp's Q8_0 blocks) and multiplied in integers, as
   llama.cpp multiplies these types.
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights can also be held as tiles
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights can also be held as tiles
 (`gguf_tile`): the blocks of 8 rows interleaved, `cpu/gguf_tiles.h`, so that one register
 multiplies 8 rows with one activation word. The tile kernels run the int8-activation product;
 the other paths read a tiled weight's rows back a group of 8 at a time. `gguf_untile` gives
@@ -67,7 +67,7 @@ def _check_rows(rows: jax.Array, ggml_type: str, k: int, tiled: bool = False) ->
 
 # Bytes of one tile (8 rows of one block) of the types with a tiled layout.
 TILE_BYTES = {
-    **{"Q4_0": 144, "Q4_1": 160, "Q5_0": 176, "Q5_1": 192},
+    **{"Q4_0": 144, "Q4_1": 160, "Q5_0": 176, "Q5_1": 192, "Q8_0": 272},
     **{"Q2_K": 672, "Q3_K": 912, "Q4_K": 1184, "Q5_K": 1440, "Q6_K": 1680},
 }
 TILE_ROWS = 8
@@ -143,12 +143,14 @@ def _deinterleave(a: jax.Array, width: int, b: int) -> jax.Array:
 
 
 # The fields of a 32-element block in order, (first byte, width): d, then m (Q4_1, Q5_1), qh
-# (Q5_0, Q5_1), and the 16 nibble bytes last (those interleaved in 4-byte pieces in a tile).
+# (Q5_0, Q5_1), and the code bytes last (16 of nibbles, Q8_0's 32; those interleaved in
+# 4-byte pieces in a tile).
 _FIELDS32 = {
     "Q4_0": ((0, 2), (2, 16)),
     "Q4_1": ((0, 2), (2, 2), (4, 16)),
     "Q5_0": ((0, 2), (2, 4), (6, 16)),
     "Q5_1": ((0, 2), (2, 2), (4, 4), (8, 16)),
+    "Q8_0": ((0, 2), (2, 32)),
 }
 
 
@@ -237,7 +239,7 @@ def gguf_untile(tiles: jax.Array, ggml_type: str, k: int) -> jax.Array:
         for i, w in fields[:-1]:
             field = a[..., TILE_ROWS * i : TILE_ROWS * (i + w)]
             parts.append(field.reshape(g, units, TILE_ROWS, w))
-        parts.append(_deinterleave(a[..., TILE_ROWS * fields[-1][0] :], 4, 16))
+        parts.append(_deinterleave(a[..., TILE_ROWS * fields[-1][0] :], 4, fields[-1][1]))
         b = jnp.concatenate(parts, axis=-1)
     elif ggml_type == "Q2_K":
         b = jnp.concatenate(

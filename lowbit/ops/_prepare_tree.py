@@ -17,7 +17,7 @@ import jax
 
 from lowbit import kernels
 from lowbit.ops._operand import quantized
-from lowbit.ops._prepared import as_q4_0, holds_int4_as_q4_0, is_prepared, prepare_weight
+from lowbit.ops._prepared import as_gguf_tiles, holds_as_gguf_tiles, is_prepared, prepare_weight
 
 
 def prepare_leaves(
@@ -92,10 +92,13 @@ def with_int8_activations(
     "Generation"), at the price of the activations' rounding error. The layouts are shared,
     not copied. Other leaves (logical QArrays, other kernels) are returned as they are.
 
-    Where the active CPU path has no int8-activation kernel for a weight's kind (int8 weights
-    on AVX-512 without VNNI: `lowbit.kernels.int8_activations_supported`), that weight keeps float
-    activations; the engine report names each product's path, ``"cpu_kernel_int4+int8_act"``
-    for integer dots and ``"cpu_kernel_int8"`` for a weight that kept float activations.
+    An int4 / int8 weight in groups of 32 with float16 scales (a GGUF file's Q4_0 / Q8_0
+    tensor) moves onto Q4_0's / Q8_0's tiles (`as_gguf_tiles`: the same values, faster), and
+    back to its own layout with ``enabled=False``. Where the active CPU path has no
+    int8-activation kernel for another weight's kind (int8 weights on AVX-512 without VNNI:
+    `lowbit.kernels.int8_activations_supported`), that weight keeps float activations; the
+    engine report names each product's path, ``"cpu_kernel_int4+int8_act"`` for integer dots
+    and ``"cpu_kernel_int8"`` for a weight that kept float activations.
 
     `kinds`: only the weights of these kernel kinds (e.g. `lowbit.kernels.GGUF_KINDS`); default
     every kind that has the int8 path.
@@ -105,10 +108,14 @@ def with_int8_activations(
     def one(x):
         if not is_prepared(x):
             return x
-        if enabled and x.route.kind == "int4" and "int4" in wanted:
-            x = as_q4_0(x) or x  # the same values on the faster integer layout
-        elif not enabled and holds_int4_as_q4_0(x) and "int4" in wanted:
-            return prepare_weight(x.logical(), x.axis)  # float activations: int4's layout
+        if enabled and x.route.kind in wanted:
+            tiled = as_gguf_tiles(x)  # the same values on a faster integer layout
+            if tiled is not None:
+                return dataclasses.replace(
+                    tiled, route=dataclasses.replace(tiled.route, int8_activations=True)
+                )
+        elif not enabled and holds_as_gguf_tiles(x) and x.meta.format in wanted:
+            return prepare_weight(x.logical(), x.axis)  # float activations: its own layout
         if x.route.kind in wanted:
             route = dataclasses.replace(x.route, int8_activations=bool(enabled))
             return dataclasses.replace(x, route=route)

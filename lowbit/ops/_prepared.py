@@ -27,6 +27,7 @@ import numpy as np
 from lowbit import kernels
 from lowbit._host_memory import release_free_memory
 from lowbit.formats import get_format
+from lowbit.gguf import block_type
 from lowbit.ops._cpu_kernels import KernelRoute, gguf_rows, prepare_layout, weight_route
 from lowbit.ops._operand import quantized
 from lowbit.qarray import META_FIELDS, ArrayBacked, EngineValue, NoRule, QArray
@@ -207,9 +208,10 @@ class PreparedQArray(ArrayBacked):
         if self.route.kind in kernels.GGUF_KINDS:
             # Whole block rows: the gathered rows are a QArray of the same format.
             rows = _gguf_take(self.weight, ids)
-            if holds_int4_as_q4_0(self):
+            if holds_as_gguf_tiles(self):
                 shape = (int(ids.shape[0]), self.weight.k)
-                return _int4_of_q4_0(self, rows, shape, axis=1, packed_axis=1)
+                packed = 1 if self.meta.packed_axis is not None else None
+                return _logical_of_twin(self, rows, shape, axis=1, packed_axis=packed)
             return dataclasses.replace(
                 _gguf_qarray(self, rows, (int(ids.shape[0]), self.weight.k)), packed_axis=1
             )
@@ -411,8 +413,10 @@ def _assemble(p: PreparedQArray, parts: dict[str, Any], *, rows: bool = False) -
 def _logical(p: PreparedQArray) -> QArray:
     if p.route.kind in kernels.GGUF_KINDS:
         rows = _gguf_block_rows(p.weight)
-        if holds_int4_as_q4_0(p):
-            return _int4_of_q4_0(p, rows, p.meta.shape, axis=p.axis, packed_axis=p.meta.packed_axis)
+        if holds_as_gguf_tiles(p):
+            return _logical_of_twin(
+                p, rows, p.meta.shape, axis=p.axis, packed_axis=p.meta.packed_axis
+            )
         return _gguf_qarray(p, rows if p.axis == 1 else rows.T, p.meta.shape)
     return _assemble(p, kernels.prepared_to_logical(p.weight))
 
@@ -438,12 +442,17 @@ def _gguf_take(w: kernels.PreparedWeight, ids: jax.Array) -> jax.Array:
     return jnp.take(groups, picked, axis=0)
 
 
-def holds_int4_as_q4_0(p: PreparedQArray) -> bool:
-    """Whether `p` is an int4 weight held as Q4_0 tiles (`as_q4_0`)."""
-    return p.route.kind == "q4_0" and p.meta.format == "int4"
+# Weight-only kinds whose groups of 32 along K with float16 scales are a GGUF type's blocks
+# (a file's Q4_0 / Q8_0 tensor imports as int4 / int8): the same values on that type's tiles.
+_GGUF_TWINS = {"int4": "q4_0", "int8": "q8_0"}
 
 
-def _int4_of_q4_0(
+def holds_as_gguf_tiles(p: PreparedQArray) -> bool:
+    """Whether `p` is an int4 / int8 weight held as Q4_0 / Q8_0 tiles (`as_gguf_tiles`)."""
+    return _GGUF_TWINS.get(p.meta.format) == p.route.kind
+
+
+def _logical_of_twin(
     p: PreparedQArray,
     rows: jax.Array,
     shape: tuple[int, ...],
@@ -451,13 +460,17 @@ def _int4_of_q4_0(
     axis: int,
     packed_axis: int | None,
 ) -> QArray:
-    """The int4 QArray of Q4_0 block rows ``[N', K]`` (`kernels.q4_0_fields`), shaped `shape`
-    with its groups along `axis` (K) and its codes packed along `packed_axis`."""
-    codes, d = kernels.q4_0_fields(rows)
+    """The int4 / int8 QArray of Q4_0 / Q8_0 block rows ``[N', K]``, shaped `shape` with its
+    groups along `axis` (K) and its codes packed along `packed_axis` (int4)."""
+    if p.route.kind == "q4_0":
+        codes, d = kernels.q4_0_fields(rows)
+    else:
+        d, _, codes = block_type("Q8_0").split(rows)
+        d = d.astype(jnp.float16)
     if axis == 0:
         codes, d = codes.T, d.T
     if packed_axis is not None:
-        codes = get_format("int4").pack(codes, packed_axis)
+        codes = get_format(p.meta.format).pack(codes, packed_axis)
     return QArray(
         codes=codes,
         scale=d.astype(p.meta.scale_dtype),
@@ -468,44 +481,50 @@ def _int4_of_q4_0(
     )
 
 
-def as_q4_0(x: PreparedQArray) -> PreparedQArray | None:
-    """An int4 weight in groups of 32 along K with float16 scales (a GGUF file's Q4_0 tensor,
-    imported as int4) laid out as Q4_0's tiles, or None where that does not hold it exactly.
+def as_gguf_tiles(x: PreparedQArray) -> PreparedQArray | None:
+    """An int4 / int8 weight in groups of 32 along K with float16 scales (a GGUF file's Q4_0 /
+    Q8_0 tensor, imported as int4 / int8) laid out as Q4_0's / Q8_0's tiles, or None where
+    that does not hold it exactly.
 
-    The same values, 10% fewer bytes (float16 scales, no column sums) and 1.2-1.3x faster on
-    int8 activations than the int4 layout (2 AVX-512 VNNI cores, SmolLM2's and a 1.5B
-    model's shapes, M = 1, 8 and 64); on float activations the int4 layout is 2-4x faster,
+    The same values in fewer bytes (float16 scales, no column sums), and faster on int8
+    activations than the int4 / int8 layouts: 1.2-1.3x for Q4_0 (2 AVX-512 VNNI cores,
+    SmolLM2's and a 1.5B model's shapes, M = 1, 8 and 64), 1.1-1.4x for Q8_0 (4096 x 4096,
+    M = 1 to 64, AVX2 and AVX-512 VNNI). On float activations the int4 layout is 2-4x faster,
     so only `with_int8_activations` moves a weight here.
     """
     route, meta = x.route, x.meta
     k, n = x.weight.k, x.weight.n
+    twin = _GGUF_TWINS.get(route.kind)
     if (
-        route.kind != "int4"
+        twin is None
         or route.group_size != 32
         or route.shift_int4
-        or meta.format != "int4"
+        or meta.format != route.kind
         or meta.activation is not None
         or meta.scale_encoding != "float"
         or meta.scale_dtype != np.dtype(jnp.float16)
         or any(a is not None for a in (x.scale, x.zero_point, x.tensor_scale, x.input_scale))
         or x.weight.data.ndim != 2  # one piece of `PreparedPieces` carries a leading axis
-        or not kernels.gguf_tileable("Q4_0", k, n)
+        or not kernels.gguf_tileable(twin.upper(), k, n)
     ):
         return None
-    weight = _q4_0_layout(x.logical(), x.axis)
+    weight = _twin_layout(x.logical(), x.axis, twin)
     release_free_memory()
-    q4_route = KernelRoute(kind="q4_0", group_size=None, transposed=x.axis == 1)
-    return dataclasses.replace(x, weight=weight, route=q4_route)
+    tiled_route = KernelRoute(kind=twin, group_size=None, transposed=x.axis == 1)
+    return dataclasses.replace(x, weight=weight, route=tiled_route)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _q4_0_layout(q: QArray, axis: int) -> kernels.PreparedWeight:
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _twin_layout(q: QArray, axis: int, twin: str) -> kernels.PreparedWeight:
     codes, scale = q.unpacked_codes(), q.scale
     if axis == 0:  # rows along N, blocks along K
         codes, scale = codes.T, scale.T
     n, k = codes.shape
-    tiles = kernels.gguf_tile(kernels.q4_0_rows(codes, scale), "Q4_0")
-    return kernels.PreparedWeight("q4_0", k, n, None, 32, tiles)
+    if twin == "q4_0":
+        rows = kernels.q4_0_rows(codes, scale)
+    else:
+        rows = block_type("Q8_0").join(scale.astype(jnp.float32), None, codes)
+    return kernels.PreparedWeight(twin, k, n, None, 32, kernels.gguf_tile(rows, twin.upper()))
 
 
 def _gguf_qarray(p: PreparedQArray, codes: jax.Array, shape: tuple[int, ...]) -> QArray:

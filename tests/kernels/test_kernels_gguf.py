@@ -1,6 +1,6 @@
 """GGUF block-row kernels: dequantization bit-identical to llama.cpp's, products in both
-arithmetics on every CPU path, tiles (Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K) the same bytes
-reordered and the same products, bad input refused."""
+arithmetics on every CPU path, tiles (every type of `TILE_BYTES`) the same bytes reordered and
+the same products, bad input refused."""
 
 import gguf
 import jax
@@ -42,7 +42,7 @@ def isa(request):
 
 _dequantize = jax.jit(kernels.gguf_dequantize, static_argnums=(1, 2))
 _linear = jax.jit(kernels.gguf_linear, static_argnames=("ggml_type", "int8_activations", "tiled"))
-TILED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+TILED_TYPES = tuple(TILE_BYTES)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)

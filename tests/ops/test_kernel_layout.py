@@ -184,19 +184,23 @@ def test_non_kernel_values_are_returned_unchanged():
         prepare_weight(_weight("int8"), 2)
 
 
+@pytest.mark.parametrize("fmt, twin", [("int4", "q4_0"), ("int8", "q8_0")])
 @pytest.mark.parametrize("axis", [0, 1])
-def test_int4_with_float16_scales_moves_to_q4_0_tiles_on_int8_activations(axis):
-    """A GGUF file's Q4_0 tensor (int4, groups of 32 along K, float16 scales) runs on Q4_0's
-    tiles once int8 activations are asked for: the same logical weight, fewer bytes, the same
-    products as the int4 layout's integer dots; float activations go back to int4's layout."""
-    config = QuantConfig(format="int4", granularity=PerGroup(32, 0), scale_dtype=jnp.float16)
+def test_groups_of_32_with_float16_scales_move_to_gguf_tiles_on_int8_activations(
+    axis, fmt, twin
+):
+    """A GGUF file's Q4_0 / Q8_0 tensor (int4 / int8, groups of 32 along K, float16 scales)
+    runs on Q4_0's / Q8_0's tiles once int8 activations are asked for: the same logical
+    weight, fewer bytes, the same products as its own layout's integer dots; float
+    activations go back to its own layout."""
+    config = QuantConfig(format=fmt, granularity=PerGroup(32, 0), scale_dtype=jnp.float16)
     q = jit_quantize(normal(1, (K, N)), config)
     if axis == 1:
         q = q.T  # [N, K]: stored as a GGUF file's rows
     int4 = prepare_weight(q, axis)
-    assert int4.route.kind == "int4"
+    assert int4.route.kind == fmt
     q4 = with_int8_activations({"w": int4})["w"]
-    assert q4.route.kind == "q4_0" and q4.route.int8_activations
+    assert q4.route.kind == twin and q4.route.int8_activations
     assert q4.resident_nbytes < int4.resident_nbytes
     _assert_same_qarray(q4.logical(), q)
     ids = jnp.asarray([5, 0, N - 1, 17])
@@ -213,11 +217,11 @@ def test_int4_with_float16_scales_moves_to_q4_0_tiles_on_int8_activations(axis):
     back = with_int8_activations({"w": q4}, enabled=False)["w"]
     assert back.route == int4.route
     _assert_same_qarray(back.logical(), q)
-    # Float32 scales are not Q4_0's: the int4 layout stays.
+    # Float32 scales are not the GGUF type's: its own layout stays.
     wide = prepare_weight(
         jit_quantize(normal(1, (K, N)), dataclasses.replace(config, scale_dtype=jnp.float32)), 0
     )
-    assert with_int8_activations({"w": wide})["w"].route.kind == "int4"
+    assert with_int8_activations({"w": wide})["w"].route.kind == fmt
 
 
 @pytest.mark.parametrize("name", ["int4_group_asym", "int8"])

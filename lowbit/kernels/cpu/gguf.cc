@@ -957,12 +957,37 @@ void TilesQ23K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_
 // (nibbles, with the fifth bit of Q5_0 / Q5_1 picked from each row's 32-bit qh), multiplied
 // by maddubs with one broadcast activation word; the offset of Q4_0 / Q5_0 (8 / 16) comes off
 // as that many times the activation block's integer sum, the minimum of Q4_1 / Q5_1 as
-// m * da * sum(a), as in the row kernel.
+// m * da * sum(a), as in the row kernel. Q8_0's signed bytes: `Q8Tile`.
 // pshufb control: byte `byte` of each 32-bit lane copied to the lane's four bytes.
 inline __m256i LanePick(int byte) {
   const int64_t b = static_cast<int64_t>(byte) * 0x0101010101010101;
   return _mm256_set_epi64x(b + 0x0c0c0c0c08080808, b + 0x0404040400000000,
                            b + 0x0c0c0c0c08080808, b + 0x0404040400000000);
+}
+
+// One Q8_0 tile (block j of 8 rows, scales d) on M activation rows from r0: signed codes,
+// so the sign trick (|q| times a with q's sign) and every maddubs pair widened to int32 at
+// once (|q| <= 128, |a| <= 127: a pair reaches 32512, two would overflow int16).
+template <int M>
+inline void Q8Tile(const uint8_t* t, const Acts& acts, int64_t r0, int64_t j, __m256 d, __m256* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i q[8], mag[8];
+  for (int c = 0; c < 8; ++c) {
+    q[c] = Load32(t + TileNibbles(kQ8_0) + 32 * c);
+    mag[c] = _mm256_abs_epi8(q[c]);
+  }
+  const int64_t kp = acts.kp;
+#pragma GCC unroll 8
+  for (int r = 0; r < M; ++r) {
+    const int8_t* a = acts.a.data() + (r0 + r) * kp + 32 * j;
+    __m256i dot = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i p = _mm256_maddubs_epi16(mag[c], _mm256_sign_epi8(Bcast4(a + 4 * c), q[c]));
+      dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, ones));
+    }
+    const __m256 da = _mm256_set1_ps(acts.da[(r0 + r) * (kp / 32) + j]);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, da), acc[r]);
+  }
 }
 
 template <int type, int M>
@@ -986,6 +1011,11 @@ void Tiles32(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t 
       _mm_prefetch(reinterpret_cast<const char*>(t) + 8 * tb, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(t) + 8 * tb + 64, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(t) + 8 * tb + 128, _MM_HINT_T0);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+      if constexpr (type == kQ8_0) {
+        Q8Tile<M>(t, acts, r0, j, d, acc);
+        continue;
+      }
       __m256i u[8];  // u[c]: elements 4c.. of the 8 rows; u[4 + c]: elements 16 + 4c..
       for (int c = 0; c < 4; ++c) {
         const __m256i v = Load32(t + TileNibbles(type) + 32 * c);
@@ -1000,7 +1030,6 @@ void Tiles32(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t 
           u[4 + c] = _mm256_or_si256(u[4 + c], _mm256_and_si256(_mm256_cmpeq_epi8(hi, b), s16));
         }
       }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
 #pragma GCC unroll 8
       for (int r = 0; r < M; ++r) {
         const int8_t* a = acts.a.data() + (r0 + r) * kp + 32 * j;
@@ -1260,7 +1289,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U
       static const std::array<TilesFn, kNumTypes> table = [] {
         std::array<TilesFn, kNumTypes> t{};
         t[kQ4_0] = avx2::Tiles<kQ4_0>, t[kQ4_1] = avx2::Tiles<kQ4_1>;
-        t[kQ5_0] = avx2::Tiles<kQ5_0>, t[kQ5_1] = avx2::Tiles<kQ5_1>;
+        t[kQ5_0] = avx2::Tiles<kQ5_0>, t[kQ5_1] = avx2::Tiles<kQ5_1>, t[kQ8_0] = avx2::Tiles<kQ8_0>;
         t[kQ2_K] = avx2::Tiles<kQ2_K>, t[kQ3_K] = avx2::Tiles<kQ3_K>, t[kQ4_K] = avx2::Tiles<kQ4_K>;
         t[kQ5_K] = avx2::Tiles<kQ5_K>, t[kQ6_K] = avx2::Tiles<kQ6_K>;
         return t;

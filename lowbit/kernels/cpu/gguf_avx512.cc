@@ -275,9 +275,10 @@ void Q23K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1,
   });
 }
 
-// 32-element types (Q4_0, Q4_1, Q5_0, Q5_1): a pair of tiles' codes as unsigned bytes in 8
-// registers, each row's 8 vpdpbusd into one sum (the block has one scale), then the offset
-// (Q4_0 / Q5_0) or minimum (Q4_1 / Q5_1) terms of the AVX2 tiles.
+// 32-element types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): a pair of tiles' codes as unsigned bytes
+// in 8 registers (Q8_0's with their sign bit flipped), each row's 8 vpdpbusd into one sum
+// (the block has one scale), then the offset (Q4_0 / Q5_0 / Q8_0) or minimum (Q4_1 / Q5_1)
+// terms of the AVX2 tiles.
 inline __m512i LanePick(int byte) {  // byte `byte` of each 32-bit lane to the lane's 4 bytes
   const int64_t b = static_cast<int64_t>(byte) * 0x0101010101010101;
   return _mm512_set_epi64(b + 0x0c0c0c0c08080808, b + 0x0404040400000000,
@@ -294,12 +295,16 @@ void Q32(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, 
   constexpr int offset = CodeOffset(type);
   const int64_t blocks = w.k / 32, kp = acts.kp;
   const __m512i m15 = _mm512_set1_epi8(15), s16 = _mm512_set1_epi8(16);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i sel[4] = {LanePick(0), LanePick(1), LanePick(2), LanePick(3)};
   const __m512i bit[2] = {_mm512_set1_epi32(0x08040201), _mm512_set1_epi32(static_cast<int>(0x80402010u))};
   OverPairs<tb, M, 8>(w, r0, g0, g1, blocks, out,
                       [&](const uint8_t* t0, const uint8_t* t1, int64_t j, __m512* acc) {
     __m512i u[8];  // u[c]: elements 4c.. of the 16 rows; u[4 + c]: elements 16 + 4c..
-    for (int c = 0; c < 4; ++c) {
+    if constexpr (type == kQ8_0) {  // the signed codes plus 128: unsigned bytes for vpdpbusd
+      for (int c = 0; c < 8; ++c)
+        u[c] = _mm512_xor_si512(Pair(t0 + TileNibbles(type) + 32 * c, t1 + TileNibbles(type) + 32 * c), flip);
+    } else for (int c = 0; c < 4; ++c) {
       const __m512i v = Pair(t0 + TileNibbles(type) + 32 * c, t1 + TileNibbles(type) + 32 * c);
       u[c] = _mm512_and_si512(v, m15);
       u[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
@@ -353,7 +358,7 @@ LOWBIT_TARGET_POP
 
 bool HasTilesAvx512(int type) {
   return type == kQ2_K || type == kQ3_K || type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ4_0 || type == kQ4_1 ||
-         type == kQ5_0 || type == kQ5_1;
+         type == kQ5_0 || type == kQ5_1 || type == kQ8_0;
 }
 
 void TilesAvx512(const Weight& w, const Acts& acts, int64_t g0, int64_t g1, float* out) {
@@ -366,6 +371,7 @@ void TilesAvx512(const Weight& w, const Acts& acts, int64_t g0, int64_t g1, floa
     case kQ4_0: return Tiles<kQ4_0>(w, acts, g0, g1, out);
     case kQ4_1: return Tiles<kQ4_1>(w, acts, g0, g1, out);
     case kQ5_0: return Tiles<kQ5_0>(w, acts, g0, g1, out);
+    case kQ8_0: return Tiles<kQ8_0>(w, acts, g0, g1, out);
     default: return Tiles<kQ5_1>(w, acts, g0, g1, out);
   }
 }

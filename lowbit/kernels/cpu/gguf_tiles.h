@@ -43,6 +43,10 @@
 //     [32, 64)     qh[r]                     u32, the 32 high bits (Q5_0, Q5_1 only)
 //     [64, 192)    qs[c][r][0..3]            block bytes qs[4c .. 4c + 3], c < 4: low nibbles
 //                                            elements 4c.., high nibbles 16 + 4c..
+//   Q8_0 (272 bytes, the same as 8 blocks):
+//     [0, 16)      d[r]                      fp16
+//     [16, 272)    qs[c][r][0..3]            block bytes qs[4c .. 4c + 3] (int8 elements
+//                                            4c..), c < 8
 //
 // `lowbit/kernels/_gguf.py` (`gguf_tile`, `gguf_untile`) builds and reads the same layout.
 #ifndef LOWBIT_KERNELS_CPU_GGUF_TILES_H_
@@ -61,7 +65,8 @@ inline constexpr int kTileRows = 8;
 // Bytes of one tile of `type`, or 0 when the type has no tiled layout.
 inline constexpr int TileBytes(int type) {
   switch (type) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ2_K: return kTileRows * kTypes[type].bytes;
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ2_K:
+      return kTileRows * kTypes[type].bytes;
     case kQ3_K: return 912;
     case kQ4_K: return 1184;
     case kQ5_K: return 1440;
@@ -71,10 +76,12 @@ inline constexpr int TileBytes(int type) {
 }
 
 // 32-element types: whether codes have a fifth bit (Q5_0, Q5_1), and the offset their
-// unsigned codes carry (x = d (q - 8) for Q4_0, d (q - 16) for Q5_0; 0 where a minimum is
-// stored instead).
+// unsigned codes carry (x = d (q - 8) for Q4_0, d (q - 16) for Q5_0; Q8_0's signed codes are
+// read with their sign bit flipped, q + 128; 0 where a minimum is stored instead).
 inline constexpr bool HasFifthBit(int type) { return type == kQ5_0 || type == kQ5_1; }
-inline constexpr int CodeOffset(int type) { return type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : 0; }
+inline constexpr int CodeOffset(int type) {
+  return type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : type == kQ8_0 ? 128 : 0;
+}
 
 // 32-element tiles: where the high bits (Q5_0 / Q5_1) and the nibbles start.
 inline constexpr int TileHighBits(int type) { return kTypes[type].has_min ? 32 : 16; }
@@ -90,7 +97,8 @@ inline void UntileBlock(int type, const uint8_t* tile, int r, uint8_t* b) {
     if (kTypes[type].has_min) std::memcpy(b + at, tile + 16 + 2 * r, 2), at += 2;
     if (TileNibbles(type) != TileHighBits(type))
       std::memcpy(b + at, tile + TileHighBits(type) + 4 * r, 4), at += 4;
-    for (int c = 0; c < 4; ++c) std::memcpy(b + at + 4 * c, tile + TileNibbles(type) + 32 * c + 4 * r, 4);
+    for (int c = 0; at + 4 * c < kTypes[type].bytes; ++c)  // the codes, 4 bytes a chunk
+      std::memcpy(b + at + 4 * c, tile + TileNibbles(type) + 32 * c + 4 * r, 4);
   } else if (type == kQ2_K) {
     for (int s = 0; s < 16; ++s) b[s] = tile[32 + 16 * (s / 2) + 2 * r + s % 2];
     for (int c = 0; c < 16; ++c) std::memcpy(b + 16 + 4 * c, tile + 160 + 32 * c + 4 * r, 4);
