@@ -186,9 +186,7 @@ def test_non_kernel_values_are_returned_unchanged():
 
 @pytest.mark.parametrize("fmt, twin", [("int4", "q4_0"), ("int8", "q8_0")])
 @pytest.mark.parametrize("axis", [0, 1])
-def test_groups_of_32_with_float16_scales_move_to_gguf_tiles_on_int8_activations(
-    axis, fmt, twin
-):
+def test_groups_of_32_with_float16_scales_move_to_gguf_tiles_on_int8_activations(axis, fmt, twin):
     """A GGUF file's Q4_0 / Q8_0 tensor (int4 / int8, groups of 32 along K, float16 scales)
     runs on Q4_0's / Q8_0's tiles once int8 activations are asked for: the same logical
     weight, fewer bytes, the same products as its own layout's integer dots; float
