@@ -44,8 +44,8 @@ def test_row_sum_adds_in_its_fixed_order_at_any_leading_shape(d, square):
         )
 
 
-def test_row_sum_of_many_rows_splits_across_threads_with_the_same_bits():
-    x = spread((300, 576), 7)  # above the kernel's one-thread floor
+def test_row_sum_of_many_rows_has_the_same_bits():
+    x = spread((300, 576), 7)  # a prefill's rows
     want = np.array([pairwise(r) for r in x])
     np.testing.assert_array_equal(np.asarray(_kernel(x))[:, 0], want)
 

@@ -10,21 +10,21 @@
 // Compiled without -ffast-math and with -ffp-contract=off (setup.py): the compiler keeps the
 // written adds (it vectorizes across i, which does not change any add), and a square is
 // rounded before it is added.
-#include <algorithm>
+//
+// One thread, and no thread-pool context bound: with `Ctx<ThreadPool>` in its binding (rows
+// split across XLA's pool above 64 Ki elements), a Llama-3-8B-shaped Q4_K_M file decoded at
+// batch 1 at 10.05 tok/s against 13.04 without it (`benchmarks gguf_large`, 2026-12-01), though
+// no decode call was large enough to use the pool. A norm's rows are a few microseconds.
 #include <cstdint>
 #include <vector>
 
 #include "ffi_handlers.h"
-#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace lowbit {
 namespace {
-
-// Below this many elements one thread does every row.
-constexpr int64_t kMinParallelElements = int64_t{1} << 16;
 
 // The fixed-order sum of x[0 .. d) (squared first if `square`); `buf` holds `width` floats,
 // width the power of two at or above d.
@@ -41,7 +41,7 @@ float TreeSum(const float* x, int64_t d, int64_t width, bool square, float* buf)
   return buf[0];
 }
 
-ffi::Error RowSumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+ffi::Error RowSumImpl(ffi::Buffer<ffi::F32> x,
                       ffi::ResultBuffer<ffi::F32> out, int64_t square) {
   const auto dims = x.dimensions();
   if (dims.size() < 1)
@@ -59,14 +59,8 @@ ffi::Error RowSumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   int64_t width = 1;
   while (width < d) width *= 2;
   const float* xp = x.typed_data();
-  const int64_t workers = rows * d < kMinParallelElements ? 1 : NumWorkers(pool);
-  // Contiguous spans of rows per task, a few per worker; each task its own scratch row.
-  const int64_t tasks = std::min<int64_t>(rows, workers * 4);
-  ParallelFor(pool, workers, tasks, [&](int64_t t) {
-    std::vector<float> buf(width);
-    const int64_t r0 = rows * t / tasks, r1 = rows * (t + 1) / tasks;
-    for (int64_t r = r0; r < r1; ++r) o[r] = TreeSum(xp + r * d, d, width, square != 0, buf.data());
-  });
+  std::vector<float> buf(width);
+  for (int64_t r = 0; r < rows; ++r) o[r] = TreeSum(xp + r * d, d, width, square != 0, buf.data());
   return ffi::Error::Success();
 }
 
@@ -75,7 +69,6 @@ ffi::Error RowSumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitRowSum, lowbit::RowSumImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("square"));
