@@ -80,15 +80,18 @@ def run() -> str:
                         f"| {typ} | {m} | {path} | {best['rows'] * 1e3:.3f} | {tiled_ms} "
                         f"| {ratio} |"
                     )
-        lines += _q8_0_against_int8_layout(kernels, block_type, rng, paths)
+        lines += _q8_0_against_int8_layout(rng, paths)
     finally:
         kernels.set_isa(before)
     lines += ["", f"Section time: {time.perf_counter() - begin:.0f} s.", ""]
     return "\n".join(lines)
 
 
-def _q8_0_against_int8_layout(kernels, block_type, rng, paths) -> list[str]:
+def _q8_0_against_int8_layout(rng: np.random.Generator, paths: list[str]) -> list[str]:
     """Rows of the second table: the same Q8_0 weight on the int8 layout and as tiles."""
+    from lowbit import kernels
+    from lowbit.gguf import block_type
+
     w = rng.standard_normal((N, K)).astype(np.float32) * 0.02
     rows = jnp.asarray(block_type("Q8_0").encode(w))
     d, _, codes = block_type("Q8_0").split(rows)

@@ -490,8 +490,9 @@ def row_sum(x: jax.Array, *, square: bool = False) -> jax.Array:
         raise TypeError(
             f"row_sum takes a float array [..., D]; got {jnp.dtype(x.dtype).name} {x.shape}"
         )
+    reference = lambda: _reference.row_sum(x, square)  # noqa: E731
     if jnp.dtype(x.dtype) != jnp.dtype(jnp.float32):
-        return _reference.row_sum(x, square)
+        return reference()
 
     def native():
         call = jax.ffi.ffi_call(
@@ -501,4 +502,4 @@ def row_sum(x: jax.Array, *, square: bool = False) -> jax.Array:
         )
         return call(x, square=np.int64(square))[..., None]
 
-    return native_or_reference(native, lambda: _reference.row_sum(x, square))
+    return native_or_reference(native, reference)
