@@ -11,10 +11,7 @@
 // written adds (it vectorizes across i, which does not change any add), and a square is
 // rounded before it is added.
 //
-// One thread, and no thread-pool context bound: with `Ctx<ThreadPool>` in its binding (rows
-// split across XLA's pool above 64 Ki elements), a Llama-3-8B-shaped Q4_K_M file decoded at
-// batch 1 at 10.05 tok/s against 13.04 without it (`benchmarks gguf_large`, 2026-12-01), though
-// no decode call was large enough to use the pool. A norm's rows are a few microseconds.
+// One thread: a norm's rows are a few microseconds of work.
 #include <cstdint>
 #include <vector>
 
