@@ -112,8 +112,9 @@ def test_tiled_products_are_the_rows_products(ggml_type, isa):
 @pytest.mark.parametrize("ggml_type", TILED_TYPES)
 def test_tiled_products_are_the_same_bits_on_every_path(ggml_type):
     """Every CPU path's tile kernel (AVX-512 VNNI: two groups a register, the odd last group
-    on AVX2) sums the same integers in the same float order as the AVX2 tiles: the same bits,
-    so a batch's answers do not depend on the instruction set."""
+    on AVX2; AVX-VNNI: one group a register) sums the same integers in the same float order
+    as the AVX2 tiles: the same bits, so a batch's answers do not depend on the instruction
+    set."""
     paths = [i for i in ISAS if i != "scalar"]
     if len(paths) < 2:
         pytest.skip("one vector path on this CPU")

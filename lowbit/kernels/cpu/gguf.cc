@@ -22,7 +22,7 @@
 #include "dispatch.h"
 #include "ffi_handlers.h"
 #include "gguf_args.h"
-#include "gguf_avx512.h"
+#include "gguf_vnni.h"
 #include "gguf_blocks.h"
 #include "gguf_tiles.h"
 #include "parallel.h"
@@ -1202,6 +1202,14 @@ bool UseAvx512Vnni() {
 #endif
 }
 
+bool UseAvxVnni() {
+#if defined(__x86_64__)
+  return std::strcmp(ActiveIsa()->name, "avx2vnni") == 0;
+#else
+  return false;
+#endif
+}
+
 // Checks the weight against type, K, N and layout (block rows, or tiles); fills `w`.
 ffi::Error CheckWeight(const ffi::Buffer<ffi::U8>& data, int64_t type, int64_t k, int64_t n,
                        int64_t tiled, Weight* w) {
@@ -1295,15 +1303,20 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U
         return t;
       }();
       const TilesFn tiles = table[type];
-      // Several activation rows on AVX-512 VNNI: pairs of groups in 64-byte registers, the
-      // workers' ranges in whole pairs (an odd last group on AVX2). One row is bound by
-      // memory, not instructions, and keeps the AVX2 tiles.
-      if (m > 1 && UseAvx512Vnni() && HasTilesAvx512(static_cast<int>(type))) {
+      // Several activation rows on VNNI (gguf_vnni.h): on AVX-512 pairs of groups in 64-byte
+      // registers, the workers' ranges in whole pairs (an odd last group on AVX2); on
+      // AVX-VNNI one group in 32 bytes. One row is bound by memory, not instructions, and
+      // keeps the AVX2 tiles.
+      const bool vnni = m > 1 && HasVnniTiles(static_cast<int>(type));
+      if (vnni && UseAvx512Vnni()) {
         const int64_t pairs = groups / 2;
         OverRows(pool, std::max<int64_t>(pairs, 1), m * k * n, [&](int64_t p0, int64_t p1) {
-          TilesAvx512(w, acts, 2 * p0, std::min(2 * p1, groups / 2 * 2), out);
+          TilesAvx512Vnni(w, acts, 2 * p0, std::min(2 * p1, groups / 2 * 2), out);
           if (p1 >= pairs && groups % 2) tiles(w, acts, groups - 1, groups, out);
         });
+      } else if (m > 1 && HasAvxVnniTiles(static_cast<int>(type)) && UseAvxVnni()) {
+        OverRows(pool, groups, m * k * n,
+                 [&](int64_t g0, int64_t g1) { TilesAvxVnni(w, acts, g0, g1, out); });
       } else {
         OverRows(pool, groups, m * k * n,
                  [&](int64_t g0, int64_t g1) { tiles(w, acts, g0, g1, out); });

@@ -1,4 +1,4 @@
-// The arguments every GGUF product kernel takes (gguf.cc, gguf_avx512.cc): the weight's
+// The arguments every GGUF product kernel takes (gguf.cc, gguf_vnni.h): the weight's
 // block rows or tiles, and the activations as prepared once a call.
 #ifndef LOWBIT_KERNELS_CPU_GGUF_ARGS_H_
 #define LOWBIT_KERNELS_CPU_GGUF_ARGS_H_
