@@ -1314,7 +1314,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U
           TilesAvx512Vnni(w, acts, 2 * p0, std::min(2 * p1, groups / 2 * 2), out);
           if (p1 >= pairs && groups % 2) tiles(w, acts, groups - 1, groups, out);
         });
-      } else if (m > 1 && HasAvxVnniTiles(static_cast<int>(type)) && UseAvxVnni()) {
+      } else if (vnni && UseAvxVnni()) {
         OverRows(pool, groups, m * k * n,
                  [&](int64_t g0, int64_t g1) { TilesAvxVnni(w, acts, g0, g1, out); });
       } else {

@@ -6,7 +6,8 @@
 //     weight register is decoded once for up to 8 activation rows (32 registers hold their
 //     sums).
 //   AVX-VNNI (gguf_avxvnni.cc; Intel's cores from Alder Lake on that lack AVX-512): one
-//     32-byte register holds a group, decoded once for 4 or 8 rows (16 registers).
+//     32-byte register holds a group, decoded once for 4 or 8 rows (16 registers); Q6_K's
+//     codes decoded once a unit into a buffer in L1 instead.
 // The integer sums and the float epilogue are those of the AVX2 tiles, in the same order, so
 // every path gives the same bits.
 #ifndef LOWBIT_KERNELS_CPU_GGUF_VNNI_H_
@@ -26,12 +27,6 @@ constexpr bool HasVnniTiles(int type) {
   return type == kQ2_K || type == kQ3_K || type == kQ4_K || type == kQ5_K || type == kQ6_K ||
          type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0;
 }
-
-// Whether `type` has an AVX-VNNI tile kernel: Q6_K keeps the AVX2 tiles there. Rebuilding
-// its 6-bit codes from two loads and four shifts a register is paid by only 8 rows' dots in
-// 16 registers, and its kernel ran at 0.75-0.99x the AVX2 tiles (which decode a tile's codes
-// once into L1 and read them back for every row).
-constexpr bool HasAvxVnniTiles(int type) { return HasVnniTiles(type) && type != kQ6_K; }
 
 // A tile of each of a VNNI register's groups (gguf_vnni_impl.h): group g's at t, g + 1's at
 // t + stride.

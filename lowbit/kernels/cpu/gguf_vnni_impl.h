@@ -9,6 +9,8 @@
 //   Widen16u / Widen16s(g, off)  I: 16 bytes of each tile as uint8 / int8 -> int16
 //   Widen32u(g, off)      I: 8 bytes of each tile -> int32
 //   Halves(g, off)        F: 8 fp16 of each tile -> float
+//   LoadI(p), StoreI(p, v)  I from / to an aligned buffer
+//   kQ6KBuffered          whether Q6_K decodes a unit's codes into a buffer (Q6KBuffered)
 //   Bcast4(a)             I: the 4 bytes at a in every 32-bit lane
 //   Dot(acc, u, s)        I: acc + the 4 products of each 32-bit lane's u (uint8) and s (int8)
 //   ByteIf(v, bit, val)   I: val's bytes where v's byte has `bit`'s byte (one bit set), else 0
@@ -147,6 +149,69 @@ void Q6K(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, 
   });
 }
 
+// Q6_K for a narrow register file (kQ6KBuffered): a unit's 6-bit codes decoded once into a
+// buffer (2 KiB a group, in L1) and read back for every row, as the AVX2 tiles do; each
+// sub-block of 16 is then 4 Dot and one scale multiply a row, two rows sharing each code
+// load. Rebuilding the codes in registers (Q6K) costs two loads and four shifts a register,
+// which 16 registers cannot spread over enough rows.
+template <int M>
+void Q6KBuffered(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
+  constexpr int tb = TileBytes(kQ6_K);
+  const int64_t units = w.k / kUnit, kp = acts.kp;
+  const I m15 = Set8(15), m48 = Set8(48);
+  alignas(64) uint8_t codes[2][8][4][sizeof(I)];  // [h][i][s]: elements 128h + 32s + 4i.. + 3
+  alignas(64) uint8_t scales[16][sizeof(I)];      // int32 scale of sub-block 0..15 a row
+  OverGroups<tb, M, 2>(w, r0, g0, g1, units, out, [&](Group g, int64_t u, F* acc) {
+    for (int h = 0; h < 2; ++h) {
+      for (int i = 0; i < 8; ++i) {
+        const I A = Codes(g, 144 + 8 * (64 * h + 4 * i));
+        const I B = Codes(g, 144 + 8 * (64 * h + 32 + 4 * i));
+        const I C = Codes(g, 1168 + 8 * (32 * h + 4 * i));
+        StoreI(codes[h][i][0], Or(And(A, m15), And(Sll16(C, 4), m48)));
+        StoreI(codes[h][i][1], Or(And(B, m15), And(Sll16(C, 2), m48)));
+        StoreI(codes[h][i][2], Or(And(Srl16(A, 4), m15), And(C, m48)));
+        StoreI(codes[h][i][3], Or(And(Srl16(B, 4), m15), And(Srl16(C, 2), m48)));
+      }
+    }
+    for (int p = 0; p < 8; ++p) {
+      const I sc16 = Widen16s(g, 16 + 16 * p);
+      StoreI(scales[2 * p], Sra32(Sll32(sc16, 16), 16));
+      StoreI(scales[2 * p + 1], Sra32(sc16, 16));
+    }
+    const F d = Halves(g, 0);
+    constexpr int R = M > 1 ? 2 : 1;  // rows sharing each code load
+    for (int r = 0; r < M; r += R) {
+      I isum[R], corr[R];
+      for (int e = 0; e < R; ++e) {
+        const int16_t* bs = acts.bs.data() + (r0 + r + e) * (kp / 16) + u * 16;
+        isum[e] = corr[e] = Zero();
+        for (int p = 0; p < 8; ++p)
+          corr[e] = Add32(corr[e], Madd16(Widen16s(g, 16 + 16 * p), Pair16(bs[2 * p], bs[2 * p + 1])));
+      }
+      const int8_t* a = acts.a.data() + (r0 + r) * kp + u * kUnit;
+      for (int h = 0; h < 2; ++h) {
+        for (int s = 0; s < 4; ++s) {
+#pragma GCC unroll 2
+          for (int half = 0; half < 2; ++half) {  // sub-block 8h + 2s + half
+            I sm[R];
+            for (int e = 0; e < R; ++e) sm[e] = Zero();
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; ++q) {
+              const int i = 4 * half + q;
+              const I c = LoadI(codes[h][i][s]);
+              for (int e = 0; e < R; ++e) sm[e] = Dot(sm[e], c, Bcast4(a + e * kp + 128 * h + 32 * s + 4 * i));
+            }
+            const I scale = LoadI(scales[8 * h + 2 * s + half]);
+            for (int e = 0; e < R; ++e) isum[e] = Add32(isum[e], Mul32(sm[e], scale));
+          }
+        }
+      }
+      for (int e = 0; e < R; ++e)
+        acc[r + e] = AddScaled(acc[r + e], Sub32(isum[e], Sll32(corr[e], 5)), d, acts.da[(r0 + r + e) * units + u]);
+    }
+  });
+}
+
 // Q2_K and Q3_K: each chunk's 2-bit codes as unsigned bytes (Q3_K: with the hmask bit as
 // + 4, 0..7), summed per sub-block of 16 and scaled; Q3_K's + 4 comes off as 4 * sum_s
 // scale_s * sum(a over s), Q2_K's minimums as dmin * sum_s min_s * sum(a over s), as in the
@@ -269,6 +334,7 @@ void Q32(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, 
 template <int type, int M>
 void Run(const Weight& w, const Acts& acts, int64_t r0, int64_t g0, int64_t g1, float* out) {
   if constexpr (type == kQ4_K || type == kQ5_K) Q45K<M, type == kQ5_K>(w, acts, r0, g0, g1, out);
+  else if constexpr (type == kQ6_K && kQ6KBuffered) Q6KBuffered<M>(w, acts, r0, g0, g1, out);
   else if constexpr (type == kQ6_K) Q6K<M>(w, acts, r0, g0, g1, out);
   else if constexpr (type == kQ2_K || type == kQ3_K) Q23K<type, M>(w, acts, r0, g0, g1, out);
   else Q32<type, M>(w, acts, r0, g0, g1, out);
