@@ -72,17 +72,7 @@ inline I Zero() { return _mm512_setzero_si512(); }
 inline I Set8(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
 inline I Set16(int v) { return _mm512_set1_epi16(static_cast<int16_t>(v)); }
 inline I Set32(int v) { return _mm512_set1_epi32(v); }
-inline I Pair16(int lo, int hi) {
-  return _mm512_set1_epi32(static_cast<int>((static_cast<uint32_t>(hi) << 16) |
-                                            (static_cast<uint32_t>(lo) & 0xffffu)));
-}
-inline I LanePick(int byte) {
-  const int64_t b = static_cast<int64_t>(byte) * 0x0101010101010101;
-  return _mm512_set_epi64(b + 0x0c0c0c0c08080808, b + 0x0404040400000000,
-                          b + 0x0c0c0c0c08080808, b + 0x0404040400000000,
-                          b + 0x0c0c0c0c08080808, b + 0x0404040400000000,
-                          b + 0x0c0c0c0c08080808, b + 0x0404040400000000);
-}
+inline I Set4x64(int64_t d, int64_t c, int64_t b, int64_t a) { return _mm512_set4_epi64(d, c, b, a); }
 inline F FZero() { return _mm512_setzero_ps(); }
 inline F FSet(float v) { return _mm512_set1_ps(v); }
 inline F Fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }

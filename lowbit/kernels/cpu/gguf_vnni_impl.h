@@ -16,8 +16,7 @@
 //   ByteIf(v, bit, val)   I: val's bytes where v's byte has `bit`'s byte (one bit set), else 0
 //   And Or Xor Add32 Sub32 Mul32 Madd16 Srl16 Sll16 Sll32 Sra32 Shuffle8 Zero Set8 Set16
 //                         Set32
-//   Pair16(lo, hi)        I: int16 (lo, hi) in every 32-bit lane
-//   LanePick(byte)        I: pshufb control copying byte `byte` of each lane to its 4 bytes
+//   Set4x64(d, c, b, a)   I: the int64 a, b, c, d (low to high) repeated over the register
 //   FZero FSet Fmadd Fnmadd FMul ToFloat Store  the float operations
 //
 // The AVX2 tiles (gguf.cc) multiply a 32-byte register of 8 rows by maddubs and add int16
@@ -47,6 +46,18 @@ inline void OverGroups(const Weight& w, int64_t r0, int64_t g0, int64_t g1, int6
     }
     for (int r = 0; r < M; ++r) Store(out + (r0 + r) * w.n + kTileRows * g, acc[r]);
   }
+}
+
+// int16 (lo, hi) in every 32-bit lane: madd's second operand.
+inline I Pair16(int lo, int hi) {
+  return Set32(static_cast<int>((static_cast<uint32_t>(hi) << 16) | (static_cast<uint32_t>(lo) & 0xffffu)));
+}
+
+// pshufb control copying byte `byte` of each 32-bit lane to the lane's 4 bytes.
+inline I LanePick(int byte) {
+  const int64_t b = static_cast<int64_t>(byte) * 0x0101010101010101;
+  return Set4x64(b + 0x0c0c0c0c08080808, b + 0x0404040400000000, b + 0x0c0c0c0c08080808,
+                 b + 0x0404040400000000);
 }
 
 // acc += dot * (d * da): the float epilogue of the AVX2 tiles, in their order.
