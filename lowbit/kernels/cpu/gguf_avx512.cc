@@ -22,8 +22,9 @@ using I = __m512i;
 using F = __m512;
 constexpr int kGroups = 2;
 constexpr int MaxRows(int) { return 8; }  // 32 registers hold 8 rows' sums
-constexpr bool kQ6KBuffered = false;  // 32 registers rebuild Q6_K's codes for 8 rows (measured
-                                       // no slower than the buffer)
+// Q6_K's codes rebuilt in registers for 8 rows: no slower than from a buffer (measured).
+constexpr bool kQ6KBuffered = false;
+
 // 32 (16, 8) bytes at `off` of both tiles: group g's in the low half.
 inline I Codes(Group g, int off) {
   const uint8_t* t = g.t + off;

@@ -22,9 +22,9 @@ using I = __m256i;
 using F = __m256;
 constexpr int kGroups = 1;
 // Rows at once, measured (4096 x 4096 in cache, 64 rows, against 2 and 8): Q4_K and Q5_K
-// hold 3 sums a row (two sub-blocks and the total) and spill at 8 rows in 16 registers (Q4_K
-// 1.37x the AVX2 tiles at 4 rows, 1.16x at 8); the other types gain from 4 to 8 rows or
-// stay level (Q8_0 1.59x -> 1.67x, Q3_K 1.35x -> 1.53x).
+// hold 3 sums a row (two sub-blocks and the total), and 8 rows' 24 exceed the 16 registers
+// (Q4_K 1.37x the AVX2 tiles at 4 rows, 1.16x at 8); the other types gain from 4 to 8 rows
+// or stay level (Q8_0 1.59x -> 1.67x, Q3_K 1.35x -> 1.53x).
 constexpr int MaxRows(int type) { return type == kQ4_K || type == kQ5_K ? 4 : 8; }
 // Q6_K from a buffer: 1.33x the AVX2 tiles at 8 and 64 rows (its codes rebuilt in registers,
 // as on AVX-512: 0.75-0.99x).
