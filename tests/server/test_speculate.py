@@ -46,7 +46,9 @@ def test_row_index_pads_with_distinct_free_rows():
 def _serve(loaded, config, kv_cache, requests, draft=None, logprobs=None):
     """Runs `requests` (prompt, max_tokens, temperature, seed, delay) through a scheduler,
     each asking for `logprobs` alternatives; returns it, each request's tokens and finish
-    reasons, and the programs each turn ran."""
+    reasons, and the programs each turn ran. A delay is seconds, or a predicate on
+    (scheduler, finished requests) that is waited for: a wall-time delay cannot promise that a
+    background compile has finished on a slow machine."""
     scheduler = Scheduler(loaded.model, None, kv_cache, config, draft=draft)
     ran = []
     program = scheduler._program
@@ -68,7 +70,12 @@ def _serve(loaded, config, kv_cache, requests, draft=None, logprobs=None):
             assert time.monotonic() < deadline and scheduler.error is None
             time.sleep(0.05)
         for i, (prompt, max_tokens, temperature, seed, delay) in enumerate(requests):
-            time.sleep(delay)
+            if callable(delay):
+                while not delay(scheduler, done):
+                    assert time.monotonic() < deadline and scheduler.error is None
+                    time.sleep(0.05)
+            else:
+                time.sleep(delay)
 
             def emit(tokens, finish, i=i):
                 answers[i].extend(tokens)
@@ -189,7 +196,14 @@ def test_decode_runs_only_the_busy_rows(loaded, monkeypatch):
     # The busy rows' variant with log-probabilities is compiled once a request asks (the full
     # step runs meanwhile), and a request after that runs it.
     assert not any(name == "decode_rows_logprobs" for name, _ in scheduler.programs.compiled())
-    late = [(*request[:4], 3.0 * i) for i, request in enumerate(requests)]
+
+    def compiled_and_idle(scheduler, done):
+        # The first request has finished and the program it asked for is compiled, so the
+        # second runs alone on it.
+        compiled = scheduler.programs.compiled()
+        return 0 in done and ("decode_rows_logprobs", 1) in compiled
+
+    late = [(*requests[0][:4], 0.0), (*requests[1][:4], compiled_and_idle)]
     asked = []
     compile_soon = ProgramRegistry.compile_soon
 
