@@ -47,8 +47,11 @@ def run_processes(
     exits = exits or {}
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
+    env = dict(os.environ)
+    # The suite's other XLA flags (tests/conftest.py), with this harness's device count.
+    flags = env.get("XLA_FLAGS", "").split()
+    flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join([f"--xla_force_host_platform_device_count={LOCAL_DEVICES}", *flags])
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     logs = [out / f"worker{i}.log" for i in range(processes)]
