@@ -64,16 +64,18 @@ def _serve(loaded, config, kv_cache, requests, draft=None, logprobs=None):
     done = {}
     try:
         deadline = time.monotonic() + 300
+
+        def wait_for(condition):
+            while not condition():
+                assert time.monotonic() < deadline and scheduler.error is None
+                time.sleep(0.05)
+
         # Also the background compile: a turn speculates (or decodes the busy rows alone) only
         # once its program is compiled.
-        while not scheduler.ready or scheduler.programs.pending:
-            assert time.monotonic() < deadline and scheduler.error is None
-            time.sleep(0.05)
+        wait_for(lambda: scheduler.ready and not scheduler.programs.pending)
         for i, (prompt, max_tokens, temperature, seed, delay) in enumerate(requests):
             if callable(delay):
-                while not delay(scheduler, done):
-                    assert time.monotonic() < deadline and scheduler.error is None
-                    time.sleep(0.05)
+                wait_for(lambda delay=delay: delay(scheduler, done))
             else:
                 time.sleep(delay)
 
@@ -86,9 +88,7 @@ def _serve(loaded, config, kv_cache, requests, draft=None, logprobs=None):
             job = Job(prompt, max_tokens, temperature, 0, 1.0, seed, stop, deadline, emit)
             job = dataclasses.replace(job, logprobs=logprobs)
             scheduler.submit(job)
-        while len(done) < len(requests):
-            assert time.monotonic() < deadline and scheduler.error is None
-            time.sleep(0.05)
+        wait_for(lambda: len(done) == len(requests))
     finally:
         scheduler.close()
     return scheduler, answers, done, ran
