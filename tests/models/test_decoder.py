@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled_forward import compiled
 from flax import nnx
 
 import lowbit
@@ -63,12 +64,13 @@ def test_cached_decode_matches_one_prefill(name, kv_cache):
     # Prefill 8 tokens, then decode 4 one at a time through the block-wise decode attention
     # (a 64-slot cache): the logits of every position are those of one uncached pass.
     model = Decoder(DecoderConfig(**BASE, **VARIANTS[name]), rngs=nnx.Rngs(0))
-    full = model(TOKENS)
+    forward = compiled(model)
+    full = forward(TOKENS)
     cache = model.init_cache(2, 64, kv_cache)
-    logits, cache = model(TOKENS[:, :8], cache=cache)
+    logits, cache = forward(TOKENS[:, :8], cache=cache)
     outs = [logits]
     for t in range(8, 12):
-        logits, cache = model(TOKENS[:, t : t + 1], cache=cache)
+        logits, cache = forward(TOKENS[:, t : t + 1], cache=cache)
         outs.append(logits)
     tol = 1e-4 if kv_cache is None else 0.15
     err = jnp.max(jnp.abs(jnp.concatenate(outs, 1) - full))
@@ -130,11 +132,12 @@ def test_hidden_states_are_what_the_head_reads_and_ignore_right_padding(name):
     # The LM head of the hidden states gives the logits; tokens appended on the right (a
     # padded batch's) leave the positions before them as they were (causal attention).
     model = Decoder(DecoderConfig(**BASE, **VARIANTS[name]), rngs=nnx.Rngs(0))
-    hidden = model.hidden_states(TOKENS)
+    hidden_states = compiled(model, "hidden_states")
+    hidden = hidden_states(TOKENS)
     assert hidden.shape == (2, 12, BASE["dim"])
     logits = softcap(model.embed.attend(hidden), model.config.final_softcap)
-    np.testing.assert_allclose(logits, model(TOKENS), atol=1e-5)
-    np.testing.assert_allclose(model.hidden_states(TOKENS[:, :7]), hidden[:, :7], atol=1e-5)
+    np.testing.assert_allclose(logits, compiled(model)(TOKENS), atol=1e-5)
+    np.testing.assert_allclose(hidden_states(TOKENS[:, :7]), hidden[:, :7], atol=1e-5)
 
 
 @pytest.mark.parametrize("global_every, local", [(0, True), (2, True), (2, False)])
@@ -153,8 +156,9 @@ def test_sliding_window_hides_exactly_the_positions_behind_it(global_every, loca
         model.config = DecoderConfig(**{**BASE, "n_layers": 1})
     base = TOKENS[:1, :10]
     at = lambda i: base.at[0, i].set((base[0, i] + 1) % 64)
-    out = model(base)[0, p]
-    outside, inside = model(at(p - window))[0, p], model(at(p - window + 1))[0, p]
+    forward = compiled(model)
+    out = forward(base)[0, p]
+    outside, inside = forward(at(p - window))[0, p], forward(at(p - window + 1))[0, p]
     assert jnp.max(jnp.abs(inside - out)) > 1e-4
     if local:
         np.testing.assert_allclose(outside, out, atol=1e-6)
@@ -200,7 +204,7 @@ def test_experts_match_a_per_token_reference(norm_topk, shared):
     )
     moe = Decoder(config, rngs=nnx.Rngs(2)).layers[0].moe
     x = RNG.standard_normal((2, 5, 32)).astype(np.float32)
-    got = np.asarray(moe(jnp.asarray(x))).reshape(10, 32)
+    got = np.asarray(compiled(moe)(jnp.asarray(x))).reshape(10, 32)
     np.testing.assert_allclose(got, _dense_moe_reference(moe, x.reshape(10, 32)), atol=2e-5)
 
 
@@ -230,7 +234,7 @@ def test_quantized_experts_run_through_the_engines_ragged_dot(recipe):
     dequantized = jax.tree.map(
         lambda v: v.dequantize(jnp.float32) if is_qarray(v) else v, q, is_leaf=is_qarray
     )
-    reference = fn(dequantized, TOKENS)
+    reference = jax.jit(fn)(dequantized, TOKENS)
     if recipe == "int8":
         assert jnp.linalg.norm(out - reference) < 0.05 * jnp.linalg.norm(reference)
     else:

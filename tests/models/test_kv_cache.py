@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from compiled_forward import compiled
 from flax import nnx
 
 from lowbit.models import Decoder, DecoderConfig, dequantize_kv, init_kv_cache, quantize_kv
@@ -108,8 +109,9 @@ def test_attention_through_a_quantized_cache_stays_close(text):
     )
     model = Decoder(config, rngs=nnx.Rngs(1))
     tokens = jnp.asarray(RNG.integers(0, 64, (2, 12)), jnp.int32)
-    ref = model(tokens)
-    logits, cache = model(tokens, cache=model.init_cache(2, 16, text))
+    forward = compiled(model)
+    ref = forward(tokens)
+    logits, cache = forward(tokens, cache=model.init_cache(2, 16, text))
     assert cache.config == _config(text) and int(cache.length) == 12
     err = float(jnp.max(jnp.abs(logits - ref)) / jnp.max(jnp.abs(ref)))
     assert err < {"int4": 0.3, "int4:g4": 0.3, "fp8": 0.05, "float16": 2e-3}.get(text, 0.02), err
@@ -157,10 +159,11 @@ def _decode_after_prompt(model, text, start, prompt, steps):
     [2, P], in a 64-slot cache of format `text` whose rows begin at slots `start`."""
     cache = model.init_cache(2, 64, text)
     cache = dataclasses.replace(cache, start=jnp.asarray(start, jnp.int32))
-    _, cache = model(prompt, cache=cache)
+    forward = compiled(model)
+    _, cache = forward(prompt, cache=cache)
     out = []
     for i in range(steps.shape[1]):
-        logits, cache = model(steps[:, i : i + 1], cache=cache)
+        logits, cache = forward(steps[:, i : i + 1], cache=cache)
         out.append(logits)
     return jnp.concatenate(out, axis=1)
 
@@ -260,8 +263,9 @@ def test_last_only_logits_are_the_last_position():
     )
     model = Decoder(config, rngs=nnx.Rngs(4))
     prompt = jnp.asarray(RNG.integers(0, 64, (2, 9)), jnp.int32)
-    full, cache_full = model(prompt, cache=model.init_cache(2, 16))
-    last, cache_last = model(prompt, cache=model.init_cache(2, 16), last_only=True)
+    forward = compiled(model)
+    full, cache_full = forward(prompt, cache=model.init_cache(2, 16))
+    last, cache_last = forward(prompt, cache=model.init_cache(2, 16), last_only=True)
     assert last.shape == (2, 1, 64)
     np.testing.assert_allclose(np.asarray(last), np.asarray(full[:, -1:]), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(cache_last.keys[1]), np.asarray(cache_full.keys[1]))
@@ -292,12 +296,13 @@ def test_decoding_some_rows_in_place_matches_decoding_all(text, fused, monkeypat
     # CPU kernel and the XLA block loop alike).
     model, rng, prompt, cache = _three_rows(fused, monkeypatch, 5, text)
     steps = jnp.asarray(rng.integers(0, 64, (3, 3)), jnp.int32)
-    _, cache = model(prompt, cache=cache)
+    forward = compiled(model)
+    _, cache = forward(prompt, cache=cache)
     rows = jnp.asarray([2, 0], jnp.int32)
     full, some = cache, dataclasses.replace(cache, rows=rows)
     for i in range(steps.shape[1]):
-        want, full = model(steps[:, i : i + 1], cache=full)
-        got, some = model(steps[rows, i : i + 1], cache=some)
+        want, full = forward(steps[:, i : i + 1], cache=full)
+        got, some = forward(steps[rows, i : i + 1], cache=some)
         # int4's Hadamard rotation is a product whose rounding may follow the batch size.
         tol = 1e-5 if text == "int4" else 0.0
         want = np.asarray(want)[np.asarray(rows)]
@@ -320,10 +325,11 @@ def test_some_rows_take_several_tokens_in_place_as_the_whole_cache_does(fused, m
     # per token, against the whole cache's causal attention over the same tokens.
     model, rng, prompt, cache = _three_rows(fused, monkeypatch, 6, None)
     check = jnp.asarray(rng.integers(0, 64, (3, 3)), jnp.int32)
-    _, cache = model(prompt, cache=cache)
+    forward = compiled(model)
+    _, cache = forward(prompt, cache=cache)
     rows = jnp.asarray([2, 0], jnp.int32)
-    want, full = model(check, cache=cache)
-    got, some = model(check[rows], cache=dataclasses.replace(cache, rows=rows))
+    want, full = forward(check, cache=cache)
+    got, some = forward(check[rows], cache=dataclasses.replace(cache, rows=rows))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want)[[2, 0]], rtol=1e-5, atol=1e-5)
     some = dataclasses.replace(some, rows=None)
     assert int(some.length) == int(full.length) == 23
