@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import quantize
 
 from lowbit.kernels import pallas
-from lowbit.qarray import PerChannel, PerGroup, QuantConfig, quantize
+from lowbit.qarray import PerChannel, PerGroup, QuantConfig
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
@@ -34,6 +35,7 @@ def activations(m, k, dtype, seed=1):
     return jnp.asarray(np.random.default_rng(seed).standard_normal((m, k)), dtype)
 
 
+@jax.jit
 def reference(x, q):
     w = q.dequantize(jnp.float32)
     return jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)

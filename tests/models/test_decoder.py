@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compiled_forward import compiled
+from compiled import compiled
 from flax import nnx
 
 import lowbit

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from compiled_forward import compiled
+from compiled import compiled
 from flax import nnx
 
 from lowbit.models import Decoder, DecoderConfig, dequantize_kv, init_kv_cache, quantize_kv

@@ -3,6 +3,7 @@ normalized final hidden states computed outside the server, whatever the batch a
 bad input is a 400 naming the field; a completion running meanwhile is unaffected."""
 
 import concurrent.futures
+import functools
 import re
 
 import httpx
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
+from compiled import compiled
 from server_support import CONFIG, running
 
 from lowbit.models import Sampling, generate_tokens
@@ -24,9 +26,15 @@ def _client(base_url):
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+@functools.cache
+def _hidden_states(model):
+    return compiled(model, "hidden_states")
+
+
 def _reference(loaded, ids):
     """The mean of the final norm's output over `ids`, normalized, without any padding."""
-    hidden = np.asarray(loaded.model.hidden_states(jnp.asarray([ids], jnp.int32))[0], np.float64)
+    hidden = _hidden_states(loaded.model)(jnp.asarray([ids], jnp.int32))[0]
+    hidden = np.asarray(hidden, np.float64)
     pooled = hidden.mean(axis=0)
     return pooled / np.linalg.norm(pooled)
 
