@@ -117,10 +117,13 @@ def _abstract_eval(*avals: Any, platforms, branches, default) -> Any:
 
 
 def _platform_of(flat: tuple) -> str:
-    """The platform (`PLATFORMS`' names) of the first array's device, else of the default one."""
-    device = next(
-        (next(iter(x.devices())) for x in flat if isinstance(x, jax.Array)), jax.devices()[0]
-    )
+    """The platform (`PLATFORMS`' names) of the first JAX array's device, else of the device
+    host values go to (`jax.default_device`'s, or the default backend's first)."""
+    device = next((next(iter(x.devices())) for x in flat if isinstance(x, jax.Array)), None)
+    if device is None:
+        device = jax.config.jax_default_device
+        if device is None or isinstance(device, str):
+            device = jax.devices(device)[0]
     if device.platform == "gpu":
         return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
     return device.platform

@@ -35,6 +35,30 @@ def test_cpu_lowering_takes_the_cpu_rule_and_others_the_default():
         assert "add" not in text, platform
 
 
+def test_an_eager_call_runs_its_platforms_rule_and_compiles_once():
+    # Called outside `jit`, the equation takes the rule of the platform its arrays (or host
+    # values) are on, and a second call compiles nothing: every call traces its rules anew,
+    # so compiling the equation itself would compile on every call.
+    x, w = _args()
+    np.testing.assert_allclose(by_platform((x, w), {"cpu": _on_cpu}, _default), x @ w + 1.0)
+    host = (np.asarray(x), np.asarray(w))
+    np.testing.assert_allclose(by_platform(host, {"cpu": _on_cpu}, _default), x @ w + 1.0)
+    np.testing.assert_allclose(by_platform((x, w), {"tpu": _on_cpu}, _default), x @ w)
+    # (Lowering, not compiling: a persistent compilation cache would hide a compile.)
+    lowered = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        by_platform((x, w), {"cpu": _on_cpu}, _default)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert lowered == []
+
+
 def test_closed_over_tracers_become_operands():
     x, w = _args()
     codes = jnp.arange(8, dtype=jnp.uint8).reshape(4, 2)
