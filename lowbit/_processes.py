@@ -14,6 +14,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
+def _identity(a: jax.Array) -> jax.Array:
+    # One function for every gather, so `jax.jit` reuses its program for a repeated shape and
+    # sharding (a new lambda each call was traced and compiled on every call).
+    return a
+
+
 def allgather(x: np.ndarray | jax.Array, *, tiled: bool = False) -> np.ndarray:
     """Every process's `x`, on the host of each (a collective: every process must call it).
 
@@ -36,7 +42,7 @@ def allgather(x: np.ndarray | jax.Array, *, tiled: bool = False) -> np.ndarray:
             replicated = NamedSharding(
                 Mesh(np.asarray(sharding._device_assignment), ("all",)), PartitionSpec()
             )
-        out = jax.jit(lambda a: a, out_shardings=replicated)(x)
+        out = jax.jit(_identity, out_shardings=replicated)(x)
     else:
         host = np.asarray(x)
         if host.ndim == 0 or not tiled:
@@ -50,6 +56,6 @@ def allgather(x: np.ndarray | jax.Array, *, tiled: bool = False) -> np.ndarray:
         spread = jax.make_array_from_single_device_arrays(
             shape, NamedSharding(mesh, PartitionSpec("processes")), pieces
         )
-        out = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))(spread)
+        out = jax.jit(_identity, out_shardings=NamedSharding(mesh, PartitionSpec()))(spread)
     # Every local copy, not only the first: see the module doc.
     return np.asarray(jax.block_until_ready(out).addressable_data(0))
