@@ -362,8 +362,17 @@ def _round_stochastic(fmt: Format, y: jax.Array, key: jax.Array) -> jax.Array:
     return jnp.where(take_up, upper, lower)
 
 
+# Scales past this have a reciprocal below float32's smallest normal number. Compiled, XLA
+# divides by a broadcast scale as a product with its reciprocal, which the CPU flushes to zero:
+# every code of such a block became the zero point (uint3 of values near float32's max).
+_HUGE_SCALE = 2.0**100
+
+
 def _encode(fmt, config, x, scale32, zero_point, key):
-    y = x / scale32
+    # Both sides by 2**-8 where the scale is huge: exact (a power of two), and the quotient's
+    # reciprocal stays normal however it is computed.
+    by = jnp.where(scale32 > _HUGE_SCALE, jnp.float32(2.0**-8), jnp.float32(1.0))
+    y = (x * by) / (scale32 * by)
     if zero_point is not None:
         y = y + zero_point.astype(jnp.float32)
     # NaN → 0 so no garbage code escapes; ±Inf saturate.
@@ -420,10 +429,24 @@ def quantize(
         return _quantize_scalar(x, fmt, config, key, bounds)
     if isinstance(fmt, GGUFBlockFormat):
         return _quantize_gguf_blocks(x, fmt, config, pack_axis)
+    check_tiles_within_shards(x, _tile(config, fmt, x.shape))
+    if isinstance(x, jax.core.Tracer):
+        return _quantize_tiles(x, config, key, bounds, pack_axis)
+    return _quantize_tiles_compiled(x, config, key, bounds, pack_axis)
+
+
+def _quantize_tiles(
+    x: jax.Array,
+    config: QuantConfig,
+    key: jax.Array | None,
+    bounds: tuple[jax.Array, jax.Array] | None,
+    pack_axis: int | None,
+) -> QArray:
+    """`quantize` of an element format's checked input (`x` ``[...]``, at least one axis)."""
+    fmt = get_format(config.format)
     logical_shape, logical_dtype = x.shape, x.dtype
     x32 = x.astype(jnp.float32)
     tile = _tile(config, fmt, x.shape)
-    check_tiles_within_shards(x, tile)
     grid = tuple(n // t for n, t in zip(x.shape, tile, strict=True))
 
     blocks = blocks_view(x32, tile)
@@ -478,6 +501,12 @@ def quantize(
         packed_axis=packed_axis,
         scale_encoding=fmt.scale_encoding,
     )
+
+
+# A concrete input's quantization as one program a (shape, config): run op by op, a new shape
+# compiled some 40 small programs (about 1 s), and every call dispatched each of them. Traced
+# inputs take `_quantize_tiles` inline, as part of the caller's program.
+_quantize_tiles_compiled = jax.jit(_quantize_tiles, static_argnums=(1, 4))
 
 
 def _quantize_gguf_blocks(
