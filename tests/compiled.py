@@ -1,26 +1,14 @@
-"""Test code's calls into lowbit as compiled programs. Called eagerly, each JAX operation is
-compiled as a program of its own, once a shape, and the suite is bound by compile time: a
-tiny decoder's prefill and four decode steps compiled 360 programs (12 s on a 2-core machine),
-one `quantize` call about 40."""
+"""A module's forward pass as one compiled program, for tests that call a decoder several
+times. Called eagerly, each JAX operation is compiled as a program of its own, once a shape,
+and the suite is bound by compile time: a tiny decoder's prefill and four decode steps
+compiled 360 programs (12 s on a 2-core machine)."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
 
-import jax
 from flax import nnx
-
-from lowbit import qarray
-
-# `lowbit.qarray.quantize` as one program a (shape, config): `QuantConfig` fields as keyword
-# arguments are static. (Traced, it cannot refuse NaN or misused unsigned inputs: tests of
-# those call it eagerly.)
-quantize = jax.jit(
-    qarray.quantize,
-    static_argnums=1,
-    static_argnames=("granularity", "pack_axis", "scale_dtype", "symmetric", "calibration"),
-)
 
 
 def compiled(model: nnx.Module, method: str = "__call__") -> Callable:

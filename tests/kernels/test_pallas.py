@@ -10,10 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compiled import quantize
 
 from lowbit.kernels import pallas
-from lowbit.qarray import PerChannel, PerGroup, QuantConfig
+from lowbit.qarray import PerChannel, PerGroup, QuantConfig, quantize
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
