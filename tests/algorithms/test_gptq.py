@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lowbit.algorithms import _grid
-from lowbit.algorithms._gptq import gptq_matrix
+from lowbit.algorithms._gptq import gptq_matrix, inverse_hessian_factor
 from lowbit.formats import get_format
 from lowbit.qarray import MinMax, PerGroup, QuantConfig
 from lowbit.qarray import quantize as quantize_array
@@ -91,6 +91,26 @@ def test_act_order_and_padding_keep_layout_and_help():
     ours = _grid.decode(q.fmt, result.codes, grid.scale, grid.zero_point)
     err = lambda v: float(jnp.sum((x @ (w - v).T) ** 2))
     assert err(ours) < err(q.dequantize())
+
+
+def test_inverse_hessian_factor_is_the_upper_cholesky_factor_of_the_inverse():
+    x = _correlated_inputs(seed=5) * np.geomspace(1e-2, 1e2, K, dtype=np.float32)
+    gram = x.T @ x
+    upper, damp = inverse_hessian_factor(jnp.asarray(gram), 0.01)
+    h = gram.astype(np.float64) + 0.01 * np.mean(np.diag(gram)) * np.eye(K)
+    reference = np.linalg.cholesky(np.linalg.inv(h)).T  # the textbook route, in float64
+    assert damp == 0.01
+    np.testing.assert_array_equal(np.asarray(upper), np.triu(np.asarray(upper)))
+    np.testing.assert_allclose(np.asarray(upper), reference, rtol=1e-5, atol=1e-6 * reference.max())
+
+
+def test_an_indefinite_hessian_is_dampened_until_it_factorizes():
+    gram = np.eye(K)
+    gram[0, 1] = gram[1, 0] = 1.05  # eigenvalue -0.05: 1% of the mean diagonal is not enough
+    upper, damp = inverse_hessian_factor(jnp.asarray(gram), 0.01)
+    assert damp == pytest.approx(0.1)
+    h = gram + 0.1 * np.eye(K)
+    np.testing.assert_allclose(np.asarray(upper).T @ np.asarray(upper), np.linalg.inv(h), atol=1e-5)
 
 
 def test_singular_hessian_falls_back_to_rtn():
