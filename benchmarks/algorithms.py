@@ -17,7 +17,7 @@ import datetime
 import os
 import time
 
-from benchmarks._machine import cpu_model
+from benchmarks._machine import cpu_model, lowbit_kernels
 from lowbit.models import has_smollm2
 
 SEQUENCES = int(os.environ.get("LOWBIT_BENCH_CALIBRATION", "16"))
@@ -30,6 +30,27 @@ def _status(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+FACTOR_INPUTS = 4096
+
+
+def _factor_seconds(k: int) -> float:
+    """Best of 3 timings of GPTQ's inverse-Hessian factor of a random k x k Gram matrix."""
+    import numpy as np
+
+    from lowbit.algorithms._gptq import inverse_hessian_factor
+
+    x = np.random.default_rng(0).standard_normal((2 * k, k), dtype=np.float32)
+    gram = x.T @ x
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        upper, _ = inverse_hessian_factor(gram, 0.01)
+        best = min(best, time.perf_counter() - t0)
+    if upper is None:
+        raise RuntimeError(f"a random {k}-input Gram matrix did not factorize")
+    return best
 
 
 def run() -> str:
@@ -71,19 +92,25 @@ def run() -> str:
         [
             "## GPTQ cost (`benchmarks/algorithms.py`)",
             "",
-            f"{date}, {cpu_model()}, {os.cpu_count()} cores, load average {load:.1f} at the start.",
+            f"{date}, {cpu_model()}, {os.cpu_count()} cores, load average {load:.1f} at the start; "
+            f"{lowbit_kernels()}.",
             f"SmolLM2-135M, `int4w_g64_gptq` ({len(paths)} linear weights), calibration "
             f"{SEQUENCES} x 512 tokens.",
             "",
             "| phase | seconds |",
             "|---|---:|",
             f"| capture statistics (compiled probe walk, {len(batches)} batches) | {t1 - t0:.1f} |",
-            f"| GPTQ rounding of all weights (incl. RTN layout) | {t2 - t1:.1f} |",
+            "| rounding of all weights: the recipe's AWQ scales and clip search, GPTQ, one "
+            f"refinement sweep, the RTN layout | {t2 - t1:.1f} |",
             f"| total | {t2 - t0:.1f} |",
             "",
             f"Peak resident growth after loading the float model: {peak / MIB:.0f} MiB "
             f"({peak / float_bytes:.2f}x the float model's {float_bytes / MIB:.0f} MiB; the "
             f"process peak including the model is {(peak + float_bytes) / float_bytes:.2f}x).",
             f"Singular-Hessian fallbacks: {len(fallbacks)}.",
+            "",
+            f"Inverse-Hessian factor alone (float64, one Cholesky and one triangular inverse) of "
+            f"a Gram matrix of {FACTOR_INPUTS} inputs, a 7-8B model's hidden size: "
+            f"{_factor_seconds(FACTOR_INPUTS):.2f} s.",
         ]
     )
