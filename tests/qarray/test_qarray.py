@@ -36,6 +36,38 @@ def test_jit_round_trip_matches_eager(x):
     )
 
 
+def test_an_eager_dequantize_is_one_program_a_layout():
+    # A shape no other test uses: its first dequantize lowers one program (op by op it was
+    # about ten), and a second call lowers nothing. (Lowering, not compiling: the suite's
+    # persistent compilation cache would hide a compile.)
+    x = jax.random.normal(jax.random.key(3), (40, 24), jnp.float32)
+    q = quantize(x, "uint4", granularity=PerGroup(8, axis=0), symmetric=False)
+    lowered = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        first = q.dequantize(jnp.bfloat16)
+        count = len(lowered)
+        again = q.dequantize(jnp.bfloat16)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert count <= 1 and len(lowered) == count
+    codes = np.asarray(q.unpacked_codes(), np.float32)
+    scale = np.repeat(np.asarray(q.scale), 8, axis=0)
+    zero = np.repeat(np.asarray(q.zero_point, np.float32), 8, axis=0)
+    want = ((codes - zero) * scale).astype(jnp.bfloat16)
+    assert first.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(first), want)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(first))
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(lambda q: q.dequantize(jnp.bfloat16))(q)), np.asarray(first)
+    )
+
+
 def test_vmap_over_leading_axis_slices_metadata(x):
     stacked = jnp.stack([x, 2 * x, -x])
     q = quantize(stacked, "int8", granularity=PerChannel(axes=(0, 2)))
