@@ -67,18 +67,22 @@ def clip_search(
     bk, bn = block[axis], block[1 - axis]
     if bn != 1:
         return f"clip search needs one scale per output column (blocks {block})"
-    k = w.shape[axis]
-    g = k // bk
-    idx = jnp.arange(g)[:, None] * bk + jnp.arange(bk)[None, :]
-    hb = h[idx[:, :, None], idx[:, None, :]]
-    out, mean_ratio = _search(jnp.asarray(w, jnp.float32), hb, axis, config, tuple(ratios))
+    w = jnp.asarray(w, jnp.float32)
+    out, mean_ratio = _search(w, jnp.asarray(h, jnp.float32), axis, bk, config, tuple(ratios))
     return out, float(mean_ratio)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _search(w, hb, axis: int, config: QuantConfig, ratios: tuple[float, ...]):
+def diagonal_blocks(h: jax.Array, size: int) -> jax.Array:
+    """h [K, K] → its diagonal blocks [K / size, size, size]."""
+    g = h.shape[0] // size
+    return jnp.moveaxis(jnp.diagonal(h.reshape(g, size, g, size), axis1=0, axis2=2), -1, 0)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _search(w, h, axis: int, bk: int, config: QuantConfig, ratios: tuple[float, ...]):
     """(w clipped per block and column to its best ratio, mean ratio): one compiled loop over
-    the ratios, so a weight's search is one dispatch."""
+    the ratios, so a weight's search is one dispatch. h: [K, K]; bk: the blocks' inputs."""
+    hb = diagonal_blocks(h, bk)
 
     def step(best, r):
         clipped, err, ratio = best

@@ -367,6 +367,43 @@ def from_matrix(m: jax.Array, perm: tuple[int, ...], moved_shape: tuple[int, ...
     return jnp.transpose(m.reshape(moved_shape), np.argsort(perm))
 
 
+def _fixed_index(ndim: int, fixed) -> tuple[int | None, ...]:
+    """Per axis the index a stats entry fixes (a stacked layer), or None (the whole axis):
+    hashable, so it can be a compiled helper's static argument."""
+    index: list[int | None] = [None] * ndim
+    for axis, i in fixed:
+        index[axis] = i
+    return tuple(index)
+
+
+def _at(index: tuple[int | None, ...]) -> tuple:
+    return tuple(slice(None) if i is None else i for i in index)
+
+
+@functools.partial(jax.jit, static_argnames=("index", "input_axes"))
+def _problem(w, q, *, index, input_axes):
+    """One stats entry's weight, scale and zero point as [F, K] matrices (inputs last)."""
+    grid = _grid.grid_of(q)
+    at = _at(index)
+
+    def take(x):
+        return None if x is None else as_matrix(x[at], input_axes)[0]
+
+    return take(w.astype(jnp.float32)), take(grid.scale), take(grid.zero_point)
+
+
+@functools.partial(jax.jit, static_argnames=("places",))
+def _with_matrix_codes(q, matrices, *, places):
+    """`q` with its codes at each place ``(index, input_axes)`` replaced by the matching
+    [F, K] codes of `matrices` (GPTQ's), packed like `q`'s."""
+    codes = q.unpacked_codes()
+    for m, (index, input_axes) in zip(matrices, places, strict=True):
+        at = _at(index)
+        _, perm, moved = as_matrix(codes[at], input_axes)
+        codes = codes.at[at].set(from_matrix(m, perm, moved))
+    return _grid.with_codes(q, codes)
+
+
 def gptq_qarray(
     w: jax.Array, q: QArray, stats: list, algorithm: GPTQ, factors: dict | None = None
 ) -> tuple[QArray, list[str]]:
@@ -381,27 +418,17 @@ def gptq_qarray(
     Returns:
       (QArray with GPTQ codes, notes such as singular-Hessian fallbacks).
     """
-    fmt = q.fmt
-    grid = _grid.grid_of(q)
-    codes = q.unpacked_codes()
-    notes = []
-    w = jnp.asarray(w, jnp.float32)
+    notes, matrices, places = [], [], []
     for s in stats:
-        index = [slice(None)] * w.ndim
-        for axis, i in s.fixed:
-            index[axis] = i
-        index = tuple(index)
-        kept = [a for a in range(w.ndim) if not isinstance(index[a], int)]
+        index = _fixed_index(w.ndim, s.fixed)
+        kept = [a for a in range(w.ndim) if index[a] is None]
         input_axes = tuple(kept.index(a) for a in s.input_axes)
-        wm, perm, moved = as_matrix(w[index], input_axes)
-        sub_grid = _grid.Grid(
-            as_matrix(grid.scale[index], input_axes)[0],
-            None if grid.zero_point is None else as_matrix(grid.zero_point[index], input_axes)[0],
-            grid.symmetric,
-        )
-        result = gptq_matrix(wm, s.gram, sub_grid, fmt.name, algorithm, factors)
+        wm, scale, zero_point = _problem(w, q, index=index, input_axes=input_axes)
+        sub_grid = _grid.Grid(scale, zero_point, q.zero_point is None)
+        result = gptq_matrix(wm, s.gram, sub_grid, q.fmt.name, algorithm, factors)
         if result.damp is None:
             layer = s.path + "".join(f"[{i}]" for _, i in s.fixed)
             notes.append(f"{layer}: Hessian singular after dampening, RTN codes kept")
-        codes = codes.at[index].set(from_matrix(result.codes, perm, moved))
-    return _grid.with_codes(q, codes), notes
+        matrices.append(result.codes)
+        places.append((index, input_axes))
+    return _with_matrix_codes(q, matrices, places=tuple(places)), notes

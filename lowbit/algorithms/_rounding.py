@@ -209,16 +209,20 @@ class Rescaled:
         stats = self.base.for_path(path)
         if s is None:
             return stats
-        return [
-            dataclasses.replace(
-                st,
-                gram=st.gram / (s[:, None] * s[None, :]),
-                abs_sum=st.abs_sum / s,
-                abs_max=st.abs_max / s,
-                sample=None if st.sample is None else np.asarray(st.sample / np.asarray(s)),
+        out = []
+        for st in stats:
+            gram, abs_sum, abs_max = _divided(st.gram, st.abs_sum, st.abs_max, s)
+            sample = None if st.sample is None else np.asarray(st.sample / np.asarray(s))
+            out.append(
+                dataclasses.replace(st, gram=gram, abs_sum=abs_sum, abs_max=abs_max, sample=sample)
             )
-            for st in stats
-        ]
+        return out
+
+
+@jax.jit
+def _divided(gram, abs_sum, abs_max, s):
+    """Statistics of inputs divided by `s` [K]: gram [K, K] by ``s sᵀ``, the others by `s`."""
+    return gram / (s[:, None] * s[None, :]), abs_sum / s, abs_max / s
 
 
 def first_rounding(
