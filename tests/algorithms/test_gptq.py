@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lowbit.algorithms import _grid
-from lowbit.algorithms._gptq import gptq_matrix, inverse_hessian_factor
+from lowbit.algorithms._gptq import gptq_matrix, inverse_hessian_factor, sweep
 from lowbit.formats import get_format
 from lowbit.qarray import MinMax, PerGroup, QuantConfig
 from lowbit.qarray import quantize as quantize_array
@@ -111,6 +111,32 @@ def test_an_indefinite_hessian_is_dampened_until_it_factorizes():
     assert damp == pytest.approx(0.1)
     h = gram + 0.1 * np.eye(K)
     np.testing.assert_allclose(np.asarray(upper).T @ np.asarray(upper), np.linalg.inv(h), atol=1e-5)
+
+
+@pytest.mark.parametrize("blocks", [(), (64, 16), (64, 16, 4)])
+def test_sweep_sees_every_earlier_change_however_lazily_it_applies_them(blocks):
+    rng = np.random.default_rng(7)
+    f, b = 5, 64
+    x = rng.normal(size=(f, b)).astype(np.float32)
+    m = (rng.normal(size=(b, b)) / 8).astype(np.float32)
+    offset = rng.normal(size=(f, b)).astype(np.float32)
+
+    def column(x_i, m_ii, at):
+        (o,) = at
+        code = jnp.round(2 * x_i + o)  # a nonlinear choice: it needs the up-to-date column
+        return (code / 2 - x_i) * m_ii, (code.astype(jnp.int32),)
+
+    got_x, (codes,) = jax.jit(lambda x, m, o: sweep(x, m, (o,), column, (jnp.int32,), blocks))(
+        x, m, offset
+    )
+    # Plain NumPy: apply every change to every column at once, one column at a time.
+    want_x, want_codes = x.astype(np.float64), np.zeros((f, b), np.int64)
+    for i in range(b):
+        code = np.round(2 * want_x[:, i] + offset[:, i])
+        want_codes[:, i] = code
+        want_x += np.outer((code / 2 - want_x[:, i]) * m[i, i], m[i])
+    np.testing.assert_array_equal(np.asarray(codes), want_codes)
+    np.testing.assert_allclose(np.asarray(got_x), want_x, rtol=1e-4, atol=1e-4)
 
 
 def test_singular_hessian_falls_back_to_rtn():
