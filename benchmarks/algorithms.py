@@ -35,22 +35,29 @@ def _status(key: str) -> int:
 FACTOR_INPUTS = 4096
 
 
-def _factor_seconds(k: int) -> float:
-    """Best of 3 timings of GPTQ's inverse-Hessian factor of a random k x k Gram matrix."""
+def _factor_cost(k: int) -> tuple[float, float]:
+    """(best of 3 seconds, peak host bytes allocated) of GPTQ's inverse-Hessian factor of a
+    random k x k Gram matrix."""
+    import tracemalloc
+
     import numpy as np
 
     from lowbit.algorithms._gptq import inverse_hessian_factor
 
     x = np.random.default_rng(0).standard_normal((2 * k, k), dtype=np.float32)
     gram = x.T @ x
-    best = float("inf")
+    del x
+    best, peak = float("inf"), 0
     for _ in range(3):
+        tracemalloc.start()
         t0 = time.perf_counter()
         upper, _ = inverse_hessian_factor(gram, 0.01)
         best = min(best, time.perf_counter() - t0)
-    if upper is None:
-        raise RuntimeError(f"a random {k}-input Gram matrix did not factorize")
-    return best
+        peak = max(peak, tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        if upper is None:
+            raise RuntimeError(f"a random {k}-input Gram matrix did not factorize")
+    return best, peak
 
 
 def run() -> str:
@@ -87,6 +94,7 @@ def run() -> str:
     t2 = time.perf_counter()
     peak = _status("VmHWM") - base
     fallbacks = [line for line in report.notes if "singular" in line]
+    factor_s, factor_peak = _factor_cost(FACTOR_INPUTS)
     date = datetime.date.today().isoformat()
     return "\n".join(
         [
@@ -109,8 +117,9 @@ def run() -> str:
             f"process peak including the model is {(peak + float_bytes) / float_bytes:.2f}x).",
             f"Singular-Hessian fallbacks: {len(fallbacks)}.",
             "",
-            f"Inverse-Hessian factor alone (float64, one Cholesky and one triangular inverse) of "
-            f"a Gram matrix of {FACTOR_INPUTS} inputs, a 7-8B model's hidden size: "
-            f"{_factor_seconds(FACTOR_INPUTS):.2f} s.",
+            f"Inverse-Hessian factor alone (float64, one Cholesky and one triangular inverse, in "
+            f"place) of a Gram matrix of {FACTOR_INPUTS} inputs, a 7-8B model's hidden size: "
+            f"{factor_s:.2f} s, peak host allocation {factor_peak / MIB:.0f} MiB "
+            f"({factor_peak / (8 * FACTOR_INPUTS**2):.1f} float64 {FACTOR_INPUTS}² matrices).",
         ]
     )
