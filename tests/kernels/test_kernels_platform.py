@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import lowerings
 
 from lowbit.kernels import by_platform, by_platform_p
 
@@ -44,18 +45,8 @@ def test_an_eager_call_runs_its_platforms_rule_and_compiles_once():
     host = (np.asarray(x), np.asarray(w))
     np.testing.assert_allclose(by_platform(host, {"cpu": _on_cpu}, _default), x @ w + 1.0)
     np.testing.assert_allclose(by_platform((x, w), {"tpu": _on_cpu}, _default), x @ w)
-    # (Lowering, not compiling: a persistent compilation cache would hide a compile.)
-    lowered = []
-
-    def listen(event, duration, **kwargs):
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-            lowered.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with lowerings() as lowered:
         by_platform((x, w), {"cpu": _on_cpu}, _default)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert lowered == []
 
 

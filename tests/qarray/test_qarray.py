@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import lowerings
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -38,23 +39,13 @@ def test_jit_round_trip_matches_eager(x):
 
 def test_an_eager_dequantize_is_one_program_a_layout():
     # A shape no other test uses: its first dequantize lowers one program (op by op it was
-    # about ten), and a second call lowers nothing. (Lowering, not compiling: the suite's
-    # persistent compilation cache would hide a compile.)
+    # about ten), and a second call lowers nothing.
     x = jax.random.normal(jax.random.key(3), (40, 24), jnp.float32)
     q = quantize(x, "uint4", granularity=PerGroup(8, axis=0), symmetric=False)
-    lowered = []
-
-    def listen(event, duration, **kwargs):
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-            lowered.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with lowerings() as lowered:
         first = q.dequantize(jnp.bfloat16)
         count = len(lowered)
         again = q.dequantize(jnp.bfloat16)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert count <= 1 and len(lowered) == count
     codes = np.asarray(q.unpacked_codes(), np.float32)
     scale = np.repeat(np.asarray(q.scale), 8, axis=0)
