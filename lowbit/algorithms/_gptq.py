@@ -289,7 +289,8 @@ def _gptq_codes(
     on_grid = dict(fmt_name=fmt_name, symmetric=symmetric, full_range=full_range, block=block)
     codes = _gptq_columns(w, upper, scale, zero_point, **on_grid)
     if sweeps:
-        # The Hessian the factor was taken of: dead inputs 1 on the diagonal, then dampened.
+        # The Hessian the factor was taken of (`_live`, then `inverse_hessian_factor`'s shift),
+        # rebuilt here in float32 rather than sent over from the host's float64 copy.
         diag = jnp.diagonal(gram)
         live = jnp.where(diag > 0, diag, 1.0)
         h = gram + jnp.diag(live - diag + damp * jnp.mean(live))
@@ -322,7 +323,7 @@ def gptq_matrix(
     Returns:
       `GPTQResult`; `damp` None when the Hessian never factorized (then codes are RTN's).
     """
-    f, k = w.shape
+    k = w.shape[1]
     w = jnp.asarray(w, jnp.float32)
     scale, zp = grid.scale, grid.zero_point
     host = np.asarray(gram)
