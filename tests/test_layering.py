@@ -157,3 +157,20 @@ def test_import_linter_contracts_hold():
         timeout=300,
     )
     assert result.returncode == 0, f"import-linter:\n{result.stdout}\n{result.stderr}"
+
+
+def test_importing_lowbit_compiles_nothing():
+    # Every command pays for its imports: a module-level table computed with JAX ops compiled
+    # one program per op (a second of every `lowbit` start, before this was checked).
+    env = dict(os.environ, JAX_LOG_COMPILES="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run(
+        [sys.executable, "-c", "import lowbit, lowbit.cli, lowbit.server"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    compiled = [line for line in result.stderr.splitlines() if "XLA compilation" in line]
+    assert not compiled, "\n".join(compiled)

@@ -241,6 +241,7 @@ def quantize_with_progress(
             calibrate=calibrator(calibration, sequences, on_batch=on_batch),
             on_weight=on_weight,
             on_report=lambda report: _print_algorithm_report(bar, report),
+            program_dir=program_directory(),
         )
 
 
@@ -303,7 +304,7 @@ def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None
         float_params = nnx.split(loaded.model)[1]
         with step(bar, f"reading {target}"):
             # A `lowbit finetune` directory: the quantized base with its LoRA adapters.
-            params = serving.read_checkpoint(target, loaded)
+            params = serving.read_checkpoint(target, loaded, program_directory())
         return Target(
             loaded=loaded,
             float_params=float_params,

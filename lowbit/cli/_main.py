@@ -106,8 +106,10 @@ def _use_compilation_cache() -> None:
         return
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     jax.config.update("jax_compilation_cache_dir", setting or os.path.join(base, "lowbit", "jax"))
-    # Programs that compile in under a second are not worth a file each.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    # Every program, however quickly it compiles: a start runs some fifty small ones (the
+    # GGUF blocks' conversions, the layouts, per shape), 20-40 ms each to compile and a few
+    # to read back, about a second of every start; each is a file of a few kB.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

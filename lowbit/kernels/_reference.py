@@ -22,11 +22,12 @@ import numpy as np
 from lowbit.formats import get_format
 from lowbit.kernels._kinds import KERNEL_KINDS, WEIGHT_ONLY_KINDS
 
-# The 16 NormalFloat-4 levels, from the format registry (the kernels' codebook is the same one).
-NF4_LEVELS = np.asarray(get_format("nf4").levels(), dtype=np.float32)
-# The 16 FP4 E2M1 values by bit pattern (sign bit 3), decoded by the format registry.
-FP4_LEVELS = np.asarray(
-    get_format("fp4_e2m1").decode(jnp.arange(16, dtype=jnp.uint8)), dtype=np.float32
+# The 16 NormalFloat-4 levels: the format registry's table (the kernels' codebook is the same).
+NF4_LEVELS = np.asarray(get_format("nf4").values, dtype=np.float32)
+# The 16 FP4 E2M1 values by bit pattern (sign bit 3), through the bit layout the format
+# registry names (`ml_dtypes.float4_e2m1fn`): NumPy, so importing lowbit compiles nothing.
+FP4_LEVELS = (
+    np.arange(16, dtype=np.uint8).view(get_format("fp4_e2m1").reference_dtype).astype(np.float32)
 )
 # Codebooks by the name kinds give in their `lut` field.
 CODEBOOKS = {"nf4": NF4_LEVELS, "fp4": FP4_LEVELS}

@@ -37,6 +37,7 @@ def apply_recipe(
     calibrate: Calibrate | None = None,
     on_weight: Callable[[int, int], None] | None = None,
     on_report: Callable[[Any], None] | None = None,
+    program_dir: str | None = None,
 ) -> tuple[Any, Any]:
     """`lowbit.serving.apply_recipe`: the parameters of `loaded` under a recipe, ready to run.
 
@@ -50,6 +51,9 @@ def apply_recipe(
       on_weight: progress callback ``(done, total)`` over the algorithms' weights.
       on_report: called with the `lowbit.algorithms.AlgorithmReport` of a recipe with
         algorithms (what every such weight got).
+      program_dir: where compiled programs are kept (`lowbit.api.program_directory()`): the
+        contraction axes the weights are laid out by are kept there too (`kernel_axes`), so
+        a second start of the same model does not trace it.
     Returns:
       ``(params, recipe)``: a pure-dict parameter tree with the weights the recipe quantizes
       laid out for the CPU kernels (`ready`), and the `Recipe` (None for ``"gguf"``).
@@ -63,7 +67,6 @@ def apply_recipe(
             f"float_weights=False)); recipe {recipe_spec!r} quantizes float weights: load it "
             "with float_weights=True, or use recipe 'gguf'"
         )
-    pure = nnx.to_pure_dict(float_params)
     if recipe_spec == GGUF_RECIPE:
         if loaded.gguf_path is None:
             raise ValueError(
@@ -76,7 +79,7 @@ def apply_recipe(
         params, _ = import_gguf(
             loaded.gguf_file or loaded.gguf_path,
             name_map=mapping.get,
-            kernel_axes=kernel_axes_fn(loaded),
+            kernel_axes=kernel_axes_fn(loaded, program_dir),
         )
         # Every quantized tensor multiplies as llama.cpp multiplies it: activations in its Q8_0 /
         # Q8_K blocks, integer dots. That holds for the Q8_0 / Q4_0 / Q4_1 tensors imported as
@@ -85,6 +88,7 @@ def apply_recipe(
         # (`with_int8_activations(params, False)` for float activations everywhere).
         return with_int8_activations(params), None
 
+    pure = nnx.to_pure_dict(float_params)
     recipe = load_recipe(recipe_spec)
     if recipe_spec == FLOAT_RECIPE:
         return pure, recipe
@@ -100,7 +104,8 @@ def apply_recipe(
     # The rotation is done (the model, and the online inputs here); what is left is the rules.
     rules_only = dataclasses.replace(recipe, rotate=None)
     if not any(r.algorithm is not None for r in recipe.rules):
-        return wrap_online(ready(loaded, quantize_params(pure, rules_only)), online), recipe
+        quantized = quantize_params(pure, rules_only)
+        return wrap_online(ready(loaded, quantized, program_dir), online), recipe
 
     data_paths = tuple(
         sorted(
@@ -130,4 +135,4 @@ def apply_recipe(
     )
     if on_report is not None:
         on_report(report)
-    return wrap_online(ready(loaded, params), online), recipe
+    return wrap_online(ready(loaded, params, program_dir), online), recipe

@@ -56,10 +56,12 @@ def checkpoint_recipe(directory: str | os.PathLike[str]) -> Any:
     return None if text is None else Recipe.from_json(text)
 
 
-def read_checkpoint(directory: str | os.PathLike[str], loaded: LoadedModel) -> Any:
+def read_checkpoint(
+    directory: str | os.PathLike[str], loaded: LoadedModel, program_dir: str | None = None
+) -> Any:
     """The checkpoint's parameters (with its LoRA adapters, if any) for `loaded`, laid out
-    for the CPU kernels (`ready`); the weights its recipe rotates online served as
-    `lowbit.ops.HadamardInput`.
+    for the CPU kernels (`ready`, which keeps the axes it traces in `program_dir`); the
+    weights its recipe rotates online served as `lowbit.ops.HadamardInput`.
 
     Raises:
       ValueError: for a checkpoint of a rotated model read for `loaded` not rotated so (load
@@ -75,4 +77,4 @@ def read_checkpoint(directory: str | os.PathLike[str], loaded: LoadedModel) -> A
         )
     params = load_adapted_checkpoint(directory)
     online = online_paths(params, rotation)
-    return wrap_online(ready(loaded, params), online)
+    return wrap_online(ready(loaded, params, program_dir), online)

@@ -52,3 +52,12 @@ def test_codes_round_trip_with_table_dtype(name):
     np.testing.assert_array_equal(
         np.asarray(back["codes"]).view(np.uint8), np.asarray(codes).view(np.uint8)
     )
+
+
+def test_codebooks_are_the_format_registrys_decodes():
+    # The kernels' tables are built without JAX (importing lowbit compiles nothing); the
+    # registry's own decode of every code must give the same values, sign of zero included.
+    for name, table in (("nf4", kernels.NF4_LEVELS), ("fp4_e2m1", kernels.FP4_LEVELS)):
+        decoded = np.asarray(get_format(name).decode(jnp.arange(16, dtype=jnp.uint8)))
+        np.testing.assert_array_equal(table, decoded)
+        np.testing.assert_array_equal(np.signbit(table), np.signbit(decoded))
