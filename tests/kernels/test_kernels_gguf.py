@@ -12,7 +12,7 @@ from lowbit import kernels
 from lowbit.gguf import block_type
 from lowbit.gguf import decode as gguf_decode
 from lowbit.gguf import encode as gguf_encode
-from lowbit.kernels._gguf import TILE_BYTES, _q8_blocks
+from lowbit.kernels._gguf import TILE_BYTES, _q8_blocks, tile_reference
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.status())
 
@@ -87,6 +87,21 @@ def test_tiles_are_the_block_rows_reordered(ggml_type):
     assert tiles.size == rows.size or ggml_type in ("Q3_K", "Q4_K", "Q5_K")  # scales spelled out
     back = kernels.gguf_untile(tiles, ggml_type, k)
     assert np.asarray(back).tobytes() == rows.tobytes()
+
+
+@pytest.mark.skipif(not kernels.available(), reason=kernels.status())
+@pytest.mark.parametrize("ggml_type", TILED_TYPES)
+def test_the_tiling_kernel_writes_the_references_bytes(ggml_type):
+    # Any bytes (every 6-bit scale pattern of Q3_K / Q4_K / Q5_K spelled out); one group,
+    # several blocks, and more groups than one thread's share (the kernel splits the groups).
+    t = block_type(ggml_type)
+    reference = jax.jit(tile_reference, static_argnums=1)
+    rng = np.random.default_rng(11)
+    for n, blocks in ((8, 1), (24, 3), (8 * (2**19 // (TILE_BYTES[ggml_type] * 2) + 3), 2)):
+        rows = jnp.asarray(rng.integers(0, 256, (n, blocks * t.type_size), np.uint8))
+        got = np.asarray(kernels.gguf_tile(rows, ggml_type))
+        want = np.asarray(reference(rows, ggml_type))
+        assert got.shape == want.shape and got.tobytes() == want.tobytes(), (n, blocks)
 
 
 @pytest.mark.parametrize("ggml_type", TILED_TYPES)

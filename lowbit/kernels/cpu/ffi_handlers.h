@@ -35,6 +35,9 @@ XLA_FFI_Error* LowbitGgufLinear(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* LowbitRowSum(XLA_FFI_CallFrame* call_frame);
 // The float32 weight [N, K] of GGUF block rows: (w u8 [N, row_bytes]) -> f32 [N, K].
 XLA_FFI_Error* LowbitGgufDequantize(XLA_FFI_CallFrame* call_frame);
+// GGUF block rows as tiles of 8 rows (gguf_tile.cc): (w u8 [N, row_bytes]) -> u8
+// [N / 8, blocks * tile bytes]; attr type (gguf_blocks.h).
+XLA_FFI_Error* LowbitGgufTile(XLA_FFI_CallFrame* call_frame);
 }
 
 #endif  // LOWBIT_KERNELS_CPU_FFI_HANDLERS_H_

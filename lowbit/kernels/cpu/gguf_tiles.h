@@ -48,7 +48,8 @@
 //     [16, 272)    qs[c][r][0..3]            block bytes qs[4c .. 4c + 3] (int8 elements
 //                                            4c..), c < 8
 //
-// `lowbit/kernels/_gguf.py` (`gguf_tile`, `gguf_untile`) builds and reads the same layout.
+// `TileGroup` (the loader's layout, `lowbit_gguf_tile`) and `UntileGroup` build and read it;
+// `lowbit/kernels/_gguf.py` (`gguf_tile`'s reference, `gguf_untile`) does the same in JAX.
 #ifndef LOWBIT_KERNELS_CPU_GGUF_TILES_H_
 #define LOWBIT_KERNELS_CPU_GGUF_TILES_H_
 
@@ -141,6 +142,68 @@ inline void UntileBlock(int type, const uint8_t* tile, int r, uint8_t* b) {
     for (int s = 0; s < 16; ++s) b[192 + s] = tile[16 + 16 * (s / 2) + 2 * r + s % 2];
     std::memcpy(b + 208, tile + 2 * r, 2);
   }
+}
+
+// Row r's block `b` (the file's layout) written into its place in one tile: `UntileBlock`'s
+// inverse, field by field.
+inline void TileBlock(int type, const uint8_t* b, int r, uint8_t* tile) {
+  if (kTypes[type].block == 32) {
+    int at = 0;
+    std::memcpy(tile + 2 * r, b, 2), at = 2;
+    if (kTypes[type].has_min) std::memcpy(tile + 16 + 2 * r, b + at, 2), at += 2;
+    if (TileNibbles(type) != TileHighBits(type))
+      std::memcpy(tile + TileHighBits(type) + 4 * r, b + at, 4), at += 4;
+    for (int c = 0; at + 4 * c < kTypes[type].bytes; ++c)
+      std::memcpy(tile + TileNibbles(type) + 32 * c + 4 * r, b + at + 4 * c, 4);
+  } else if (type == kQ2_K) {
+    for (int s = 0; s < 16; ++s) tile[32 + 16 * (s / 2) + 2 * r + s % 2] = b[s];
+    for (int c = 0; c < 16; ++c) std::memcpy(tile + 160 + 32 * c + 4 * r, b + 16 + 4 * c, 4);
+    std::memcpy(tile + 2 * r, b + 80, 2);
+    std::memcpy(tile + 16 + 2 * r, b + 82, 2);
+  } else if (type == kQ3_K) {
+    for (int c = 0; c < 8; ++c) std::memcpy(tile + 656 + 32 * c + 4 * r, b + 4 * c, 4);
+    for (int c = 0; c < 16; ++c) std::memcpy(tile + 144 + 32 * c + 4 * r, b + 32 + 4 * c, 4);
+    const uint8_t* k = b + 96;  // the 16 6-bit scales (Q3Scales), spelled out less 32
+    for (int s = 0; s < 16; ++s) {
+      const int low = s < 8 ? k[s] & 15 : k[s - 8] >> 4;
+      const int sc = low | (((k[8 + s % 4] >> (2 * (s / 4))) & 3) << 4);
+      tile[16 + 16 * (s / 2) + 2 * r + s % 2] = static_cast<uint8_t>(sc - 32);
+    }
+    std::memcpy(tile + 2 * r, b + 108, 2);
+  } else if (type == kQ4_K || type == kQ5_K) {
+    std::memcpy(tile + 2 * r, b, 2);
+    std::memcpy(tile + 16 + 2 * r, b + 2, 2);
+    const uint8_t* k = b + 4;  // the 8 6-bit scales and minimums (ScaleMinK4)
+    for (int j = 0; j < 4; ++j) {
+      const int sc_lo = k[j] & 63, m_lo = k[j + 4] & 63;
+      const int sc_hi = (k[j + 8] & 15) | ((k[j] >> 6) << 4);
+      const int m_hi = (k[j + 8] >> 4) | ((k[j + 4] >> 6) << 4);
+      tile[32 + 8 * j + r] = static_cast<uint8_t>(sc_lo);
+      tile[32 + 8 * (j + 4) + r] = static_cast<uint8_t>(sc_hi);
+      tile[96 + 16 * (j / 2) + 2 * r + j % 2] = static_cast<uint8_t>(m_lo);
+      tile[96 + 16 * ((j + 4) / 2) + 2 * r + j % 2] = static_cast<uint8_t>(m_hi);
+    }
+    const uint8_t* qs = b + 16;
+    if (type == kQ5_K) {
+      for (int c = 0; c < 8; ++c) std::memcpy(tile + 1184 + 32 * c + 4 * r, b + 16 + 4 * c, 4);
+      qs = b + 48;
+    }
+    for (int c = 0; c < 32; ++c) std::memcpy(tile + 160 + 32 * c + 4 * r, qs + 4 * c, 4);
+  } else {  // kQ6_K
+    for (int c = 0; c < 32; ++c) std::memcpy(tile + 144 + 32 * c + 4 * r, b + 4 * c, 4);
+    for (int c = 0; c < 16; ++c) std::memcpy(tile + 1168 + 32 * c + 4 * r, b + 128 + 4 * c, 4);
+    for (int s = 0; s < 16; ++s) tile[16 + 16 * (s / 2) + 2 * r + s % 2] = b[192 + s];
+    std::memcpy(tile + 2 * r, b + 208, 2);
+  }
+}
+
+// Group `tiles` (`blocks` tiles of `type`) of the 8 block rows `rows` (8 x row_bytes).
+inline void TileGroup(int type, const uint8_t* rows, int64_t blocks, uint8_t* tiles) {
+  const int tb = TileBytes(type), bb = kTypes[type].bytes;
+  const int64_t row_bytes = blocks * bb;
+  for (int64_t u = 0; u < blocks; ++u)
+    for (int r = 0; r < kTileRows; ++r)
+      TileBlock(type, rows + r * row_bytes + u * bb, r, tiles + u * tb);
 }
 
 // The 8 block rows (8 x row_bytes) of group `tiles` (`blocks` tiles of `type`).

@@ -29,6 +29,7 @@ PyObject* Targets(PyObject*, PyObject*) {
       {"lowbit_wo_dequantize", reinterpret_cast<void*>(&LowbitWoDequantize)},
       {"lowbit_gguf_linear", reinterpret_cast<void*>(&LowbitGgufLinear)},
       {"lowbit_gguf_dequantize", reinterpret_cast<void*>(&LowbitGgufDequantize)},
+      {"lowbit_gguf_tile", reinterpret_cast<void*>(&LowbitGgufTile)},
       {"lowbit_row_sum", reinterpret_cast<void*>(&LowbitRowSum)},
   };
   for (const auto& e : entries) {
