@@ -109,6 +109,11 @@ def main(argv: list[str]) -> int:
     # Warm up on an empty input, unbounded: lazy imports run now, not under the first bound.
     with contextlib.suppress(Exception):
         module.test_one(b"")
+    # And JAX's CPU client, whose thread pools start with the first program: importing lowbit
+    # runs none, and an address-space bound then fails their creation (a process abort).
+    import jax
+
+    jax.block_until_ready(jax.jit(lambda x: x + 1)(jax.numpy.zeros(8)))
     for file in files:
         print(json.dumps(dataclasses.asdict(_one(module.test_one, file))), flush=True)
     return 0
