@@ -179,14 +179,9 @@ def gguf_tile(rows: jax.Array, ggml_type: str) -> jax.Array:
     ran at 0.2-0.6 GB/s); the pure-JAX reference, the same bytes, elsewhere.
     """
     t = block_type(ggml_type)
-    n = rows.shape[0]
-    k = rows.shape[1] // t.type_size * t.block_size
-    if (
-        not gguf_tileable(ggml_type, k, n)
-        or rows.ndim != 2
-        or rows.dtype != jnp.uint8
-        or rows.shape[1] % t.type_size
-    ):
+    n, row_bytes = rows.shape if rows.ndim == 2 else (0, 0)
+    k = row_bytes // t.type_size * t.block_size
+    if not gguf_tileable(ggml_type, k, n) or rows.dtype != jnp.uint8 or row_bytes % t.type_size:
         raise ValueError(
             f"{ggml_type} {rows.dtype} {tuple(rows.shape)} has no tiled layout (uint8 block "
             f"rows [N, row_bytes] of types {', '.join(TILE_BYTES)}, N % 8)"

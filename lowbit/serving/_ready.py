@@ -66,9 +66,9 @@ def kernel_axes(loaded: LoadedModel, params: Any, program_dir: str | None = None
     trace the model for them (1-2 s of a start whose programs are kept, at 135M-1.5B).
     """
     flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_quantized)[0]
-    index = {tuple(keys): i for i, (keys, _) in enumerate(flat)}
 
     def traced() -> list[list[int]]:
+        index = {tuple(keys): i for i, (keys, _) in enumerate(flat)}
         fn = model_fn(loaded.model, loaded.kind)
         found = kernel_axes_of(fn, params, *_example_batch(loaded))
         return sorted([index[keys], axis] for keys, axis in found.items())
