@@ -47,7 +47,13 @@ from lowbit.ops._prepare_tree import (
     prepare_weights,
     with_int8_activations,
 )
-from lowbit.ops._prepared import PreparedPieces, PreparedQArray, is_prepared, prepare_weight
+from lowbit.ops._prepared import (
+    PreparedPieces,
+    PreparedQArray,
+    is_prepared,
+    prepare_transposed,
+    prepare_weight,
+)
 from lowbit.ops._qat_weight import (
     QatWeight,
     qat_conv_general_dilated,
@@ -93,6 +99,7 @@ __all__ = [
     "lora_dot_general",
     "lora_init",
     "prepare_leaves",
+    "prepare_transposed",
     "prepare_weight",
     "prepare_weights",
     "qat_conv_general_dilated",

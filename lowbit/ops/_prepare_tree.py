@@ -10,27 +10,43 @@ switches the prepared weights' products to llama.cpp's int8 activation blocks, a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 import jax
 
 from lowbit import kernels
 from lowbit.ops._operand import quantized
-from lowbit.ops._prepared import as_gguf_tiles, holds_as_gguf_tiles, is_prepared, prepare_weight
+from lowbit.ops._prepared import (
+    as_gguf_tiles,
+    holds_as_gguf_tiles,
+    is_prepared,
+    prepare_transposed,
+    prepare_weight,
+)
 
 
 def prepare_leaves(
-    flat: list[tuple[Any, Any]], axes: Mapping[Any, int] | Callable[[Any], int | None]
+    flat: list[tuple[Any, Any]],
+    axes: Mapping[Any, int] | Callable[[Any], int | None],
+    transposed: Container[int] = (),
 ) -> None:
     """`prepare_weights` on a flattened tree, in place: ``flat[i] = (key path, leaf)``.
 
     Each entry is replaced as soon as its weight is prepared, so when `flat` holds the only
     reference to the logical QArrays their codes are freed one weight at a time.
+
+    The entries at the indices in `transposed` hold the transpose of their weight (a 2-D
+    QArray as a file stores it, ``[out, in]``): each becomes its weight, laid out from those
+    bytes where `axes` names it (`prepare_transposed`: no transposed copy), else transposed.
     """
     lookup = axes.get if isinstance(axes, Mapping) else axes
     for i, (keys, leaf) in enumerate(flat):
-        if quantized(leaf):
+        if i in transposed:
+            axis = lookup(tuple(keys))
+            leaf = jax.tree.map(_untyped, leaf)
+            flat[i] = (keys, leaf.T if axis is None else prepare_transposed(leaf, axis))
+        elif quantized(leaf):
             axis = lookup(tuple(keys))
             if axis is not None:
                 flat[i] = (keys, prepare_weight(jax.tree.map(_untyped, leaf), axis))

@@ -599,3 +599,26 @@ def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
     return PreparedQArray(
         weight, kept_scale, kept_zero, tensor_scale, axis, route, meta, q.input_scale
     )
+
+
+def prepare_transposed(q: QArray, axis: int) -> QArray | PreparedQArray:
+    """``prepare_weight(q.T, axis)`` without a transposed copy of `q`'s codes.
+
+    A layout is always the weight oriented ``[K, N]``, whichever logical axis is contracted,
+    so the layout of ``q.T`` over `axis` is ``q``'s over ``1 - axis``, its logical view
+    transposed (`PreparedQArray.transpose`, no pass over the codes). A loader whose file
+    stores weights ``[out, in]`` (GGUF) so lays each one out from its stored bytes, where
+    transposing first would copy it twice (there and back).
+
+    Args:
+      q: a QArray, ``[N, K]`` when `axis` is 0 (one of another rank is transposed and
+        returned as `prepare_weight` returns it).
+      axis: the axis of ``q.T`` a traced use contracts.
+    Returns:
+      ``q.T``'s `PreparedQArray`, or ``q.T`` itself (a copy) where no kernel runs it.
+    """
+    if q.ndim == 2 and axis in (0, 1):
+        prepared = prepare_weight(q, 1 - axis)
+        if is_prepared(prepared):
+            return prepared.transpose((1, 0))
+    return prepare_weight(q.T, axis)  # no layout: the transpose itself, as before

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+import lowbit
 from lowbit import models
 from lowbit.gguf import GGUFTensor, read_gguf
 from lowbit.io import Placement, gguf_tensor_to_qarray, import_gguf, unpermute_rope_rows
@@ -223,3 +224,60 @@ def test_real_file_import_by_name_map():
     assert isinstance(q, QArray) and q.shape == (576, 576) and q.packed_axis == 0
     # ~4.5 bits per weight: 4-bit codes, an fp16 scale and an f32 zero point per 32.
     assert q.nbytes == 576 * 576 // 2 + 576 * 18 * (2 + 4)
+
+
+def test_laying_out_at_import_gives_the_tree_of_laying_out_afterwards(tmp_path):
+    """`kernel_axes` lays each weight out from the file's bytes, a transposed one without
+    transposing it first: the same tree, leaf for leaf, as importing the logical tree and
+    laying it out afterwards. The axes function sees the logical tree's shapes only."""
+    rng = np.random.default_rng(2)
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    names = {}
+    for name, kind, shape, transpose in [
+        ("q4_k", Q.Q4_K, (256, 512), True),  # tiles
+        ("q6_k", Q.Q6_K, (256, 256), False),  # tiles, placed as stored
+        ("iq4_nl", Q.IQ4_NL, (256, 256), True),  # block rows
+        ("q8_0", Q.Q8_0, (256, 256), True),  # int8
+        ("q4_1", Q.Q4_1, (256, 256), True),  # uint4 with zero points
+        ("small", Q.Q4_0, (8, 64), True),  # below the kernels' size: no layout
+    ]:
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        raw = rng.integers(0, 256, (shape[0], shape[1] // block * size), dtype=np.uint8)
+        raw.reshape(shape[0], -1, size)[..., 0:4] = np.float16([0.01, 0.02]).view(np.uint8)
+        writer.add_tensor(name, raw, raw_dtype=kind)
+        names[name] = Placement(path=(name, "kernel"), transpose=transpose)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    # Contracted over the blocks' axis: [in, out] placed, the as-stored one [out, in].
+    axes = {
+        (jax.tree_util.DictKey(n), jax.tree_util.DictKey("kernel")): 0 if p.transpose else 1
+        for n, p in names.items()
+    }
+    seen = []
+
+    def kernel_axes(tree):
+        seen.append(tree)
+        return axes
+
+    laid_out, _ = import_gguf(tmp_path / "m.gguf", name_map=names.get, kernel_axes=kernel_axes)
+    logical, _ = import_gguf(tmp_path / "m.gguf", name_map=names.get)
+    after = lowbit.ops.prepare_weights(logical, axes)
+    assert jax.tree.structure(laid_out) == jax.tree.structure(after)
+    for got, want in zip(jax.tree.leaves(laid_out), jax.tree.leaves(after), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    kinds = {n: getattr(laid_out[n]["kernel"], "route", None) for n in names}
+    assert {n: r.kind for n, r in kinds.items() if r} == {
+        "q4_k": "q4_k",
+        "q6_k": "q6_k",
+        "iq4_nl": "iq4_nl",
+        "q8_0": "int8",
+        "q4_1": "uint4",
+    }
+    assert laid_out["q4_k"]["kernel"].shape == (512, 256)  # [in, out], as placed
+    (tree,) = seen
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+    assert jax.tree.structure(tree) == jax.tree.structure(logical)
+    assert [x.shape for x in jax.tree.leaves(tree)] == [x.shape for x in jax.tree.leaves(logical)]

@@ -20,6 +20,7 @@ from lowbit.ops import (
     dot_general_path,
     dot_general_reference,
     logical_weights,
+    prepare_transposed,
     prepare_weight,
     prepare_weights,
     with_int8_activations,
@@ -97,6 +98,20 @@ def test_prepared_weight_replaces_the_codes_and_gives_the_per_call_result(name):
     # The per-call route repacks (padding to whole panels); the prepared one calls the kernel.
     assert "pad" in _primitive_names(_dot, x, q)
     assert "pad" not in _primitive_names(_dot, x, prepared)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("axis", [0, 1])
+def test_a_weight_is_laid_out_from_its_transpose_as_from_itself(name, axis):
+    """`prepare_transposed(q.T, axis)` (a file's [out, in] weight, not transposed first) is
+    `prepare_weight(q, axis)`, leaf for leaf; where no kernel runs it, q itself."""
+    q = _weight(name)
+    want, got = prepare_weight(q, axis), prepare_transposed(q.T, axis)
+    assert type(got) is type(want)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
 @pytest.mark.parametrize(
