@@ -20,7 +20,6 @@ import hashlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.linalg
 
 from lowbit.algorithms import _grid
 from lowbit.formats import get_format
@@ -65,6 +64,10 @@ def _upper_inverse_factor(h: np.ndarray, shift: float) -> np.ndarray:
     Raises:
       np.linalg.LinAlgError: ``h + shift I`` is not positive definite.
     """
+    # Imported here: SciPy's linear algebra is a quarter second of every command's import,
+    # and only GPTQ uses it.
+    import scipy.linalg
+
     a = np.array(h[::-1, ::-1], np.float64, order="F")
     a[np.diag_indices_from(a)] += shift
     try:
