@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -490,6 +491,14 @@ def row_sum(x: jax.Array, *, square: bool = False) -> jax.Array:
         raise TypeError(
             f"row_sum takes a float array [..., D]; got {jnp.dtype(x.dtype).name} {x.shape}"
         )
+    return _row_sum(x, square)
+
+
+# Jitted so that a model's trace traces it once per shape, not at each of its (hundreds of)
+# uses: its implementations are traced into each platform branch on every call otherwise,
+# a quarter of a 1.5B decoder's trace.
+@functools.partial(jax.jit, static_argnums=1)
+def _row_sum(x: jax.Array, square: bool) -> jax.Array:
     reference = lambda: _reference.row_sum(x, square)  # noqa: E731
     if jnp.dtype(x.dtype) != jnp.dtype(jnp.float32):
         return reference()
