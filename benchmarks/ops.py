@@ -107,9 +107,12 @@ def _mlp_params():
 
 
 def _trace_seconds(fn, params, x) -> float:
-    """Best time of `jax.jit(fn).lower(params, x)`, a fresh function each time (no caches)."""
+    """Best time of `jax.jit(fn).lower(params, x)`, a fresh function each time, JAX's caches
+    cleared first (lowbit's products and row sums are jitted: traced once per shape and
+    process, which the first trace of a process pays)."""
     best = float("inf")
     for _ in range(TRACE_REPS):
+        jax.clear_caches()
         fresh = jax.jit(lambda p, x: fn(p, x))
         start = time.perf_counter()
         fresh.lower(params, x)
