@@ -235,5 +235,10 @@ def _abstract(leaf: Any) -> Any:
     """The shapes and dtypes of a placed leaf (`jax.ShapeDtypeStruct`s), transposed for an
     `_AsStored` one: what the params will hold, without computing it."""
     if isinstance(leaf, _AsStored):
-        return jax.eval_shape(lambda q: q.T, leaf.stored)
+        return jax.eval_shape(_transposed, leaf.stored)
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), leaf)
+
+
+def _transposed(q: QArray) -> QArray:
+    # One function for every weight: `jax.eval_shape` traces it once per shape and format.
+    return q.T
