@@ -295,6 +295,16 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         if os.fstat(f.fileno()).st_size == 0:
             raise GGUFError(f"path {path!r} is not a GGUF file (it is empty)")
         data = np.memmap(f, dtype=np.uint8, mode="r")
+    return parse_gguf(data, path)
+
+
+def parse_gguf(data: np.ndarray, path: str) -> GGUFFile:
+    """`read_gguf` of a file's bytes already mapped: ``uint8 [file bytes]``, named `path` in
+    errors and in the result. Tensors are views of `data`.
+
+    Raises:
+      GGUFError: as `read_gguf`, for anything that is not a well-formed GGUF file.
+    """
     cur = _Cursor(memoryview(data), path)
     if cur.unpack("<I") != gguf.GGUF_MAGIC:
         raise GGUFError(f"path {path!r} is not a GGUF file (bad magic)")

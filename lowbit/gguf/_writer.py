@@ -2,7 +2,7 @@
 all through one atomic replacement of the target.
 
 The file is written to a temporary name beside the target (`lowbit._atomic.atomic_write`: never
-through a link), read back with `gguf.GGUFReader` to check it holds every tensor as declared,
+through a link), parsed back (`read_gguf`'s parser) to check it holds every tensor as declared,
 and renamed into place; on any error nothing is left behind. The tensor table comes before the
 data, so every tensor's type and byte shape is declared up front (`TensorSpec`) and the data
 can be produced one tensor at a time.
@@ -20,6 +20,7 @@ import gguf
 import numpy as np
 
 from lowbit._atomic import atomic_write
+from lowbit.gguf._reader import GGUFError, parse_gguf
 
 FLOAT_TYPES = ("F32", "F16")
 """Types whose arrays are written as float arrays (the others as their block bytes)."""
@@ -95,7 +96,7 @@ def write_gguf(
         if next(arrays, None) is not None:
             raise ValueError(f"more arrays than the {len(tensors)} GGUF tensors declared")
         writer.flush()
-        _validate(file, tensors)
+        _validate(file, path, tensors)
 
     atomic_write(path, write)
 
@@ -152,13 +153,19 @@ class _FileWriter(gguf.GGUFWriter):
             self.state = gguf.WriterState.EMPTY
 
 
-def _validate(file, tensors: Sequence[TensorSpec]) -> None:
-    """Checks the written `file` (a path or an open file) holds every declared tensor."""
-    reader = gguf.GGUFReader(file)
-    found = {t.name: t for t in reader.tensors}
+def _validate(file, path: str, tensors: Sequence[TensorSpec]) -> None:
+    """Checks the written `file` (open for reading, to be renamed to `path`) parses as GGUF
+    (`read_gguf`'s checks: offsets aligned, no tensor past the end) and holds every declared
+    tensor with its type and byte count."""
+    data = np.memmap(file, dtype=np.uint8, mode="r")
+    try:
+        found = parse_gguf(data, path).tensors
+    except GGUFError as err:
+        raise ValueError(f"written GGUF file does not read back: {err}") from None
     for spec in tensors:
         t = found.get(spec.name)
-        if t is None or t.tensor_type.name != spec.ggml_type or t.n_bytes != spec.nbytes:
+        if t is None or t.ggml_type.name != spec.ggml_type or t.raw.nbytes != spec.nbytes:
             raise ValueError(
                 f"written GGUF file does not read back tensor {spec.name!r} as {spec.ggml_type}"
             )
+    del found, data  # the views of the map, before the file is closed and renamed

@@ -31,8 +31,8 @@ llama.cpp does (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K -> Q4_0, T
 Metadata: every key of the source GGUF (architecture, tokenizer, chat template, ...) is copied
 with its type, except the file type, which is set for the output; without a source file the
 architecture keys are built from the `DecoderConfig` (no tokenizer then). The file is written by
-`lowbit.gguf.write_gguf`: to a temporary name beside the target, read back with
-`gguf.GGUFReader`, and renamed into place; on any error nothing is left behind.
+`lowbit.gguf.write_gguf`: to a temporary name beside the target, parsed back to check every
+tensor, and renamed into place; on any error nothing is left behind.
 
 Streaming: every tensor's type and byte shape is planned from shapes and metadata first (the
 header precedes the data), then each leaf is read, encoded and written in turn, so with a lazy

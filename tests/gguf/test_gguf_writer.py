@@ -53,6 +53,12 @@ def test_writes_what_the_reader_reads(tmp_path):
     for name, array in arrays.items():
         assert f.tensors[name].type_name == dict((s.name, s.ggml_type) for s in specs)[name]
         assert np.array_equal(f.tensors[name].raw.reshape(-1), array.view(np.uint8).reshape(-1))
+    # gguf's own reader, independent of ours, reads the same tensors.
+    theirs = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert list(theirs) == list(arrays)
+    for spec in specs:
+        assert theirs[spec.name].tensor_type.name == spec.ggml_type
+        assert theirs[spec.name].n_bytes == spec.nbytes
     # Copied key by key with its type, a file writes again byte for byte.
     again = tmp_path / "again.gguf"
     metadata = [
@@ -78,3 +84,21 @@ def test_a_file_that_does_not_check_out_is_not_left_behind(tmp_path):
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["m.gguf"]
     with pytest.raises(OSError, match="does not exist"):
         write_gguf(tmp_path / "no" / "m.gguf", "llama", METADATA, specs, iter(arrays.values()))
+
+
+def test_a_written_file_that_does_not_parse_back_is_not_left_behind(tmp_path, monkeypatch):
+    from lowbit.gguf import _writer
+
+    arrays, specs = _tensors()
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"old")
+    write = _writer._FileWriter.write_tensor_data
+
+    def last_one_lost(self, tensor, *args, **kwargs):
+        if tensor.nbytes != specs[-1].nbytes:  # the last tensor's bytes never reach the file
+            write(self, tensor, *args, **kwargs)
+
+    monkeypatch.setattr(_writer._FileWriter, "write_tensor_data", last_one_lost)
+    with pytest.raises(ValueError, match="does not read back.*truncated inside tensor"):
+        write_gguf(path, "llama", METADATA, specs, iter(arrays.values()))
+    assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["m.gguf"]
