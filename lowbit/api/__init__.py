@@ -44,9 +44,12 @@ from lowbit.api._quantize import (
 from lowbit.api._sparsegpt import sparsegpt_params
 from lowbit.api._sparsity import SparseRule, apply_masks, nm_masks, nm_sparsify_params
 from lowbit.api._stored import (
+    LoweredProgram,
     StoredProgram,
     compile_stored,
+    compile_together,
     describe,
+    lower_stored,
     program_directory,
     program_key,
 )
@@ -98,8 +101,11 @@ __all__ = [
     "run",
     "sparsegpt_params",
     "with_activation_bounds",
+    "LoweredProgram",
     "StoredProgram",
     "compile_stored",
+    "compile_together",
+    "lower_stored",
     "describe",
     "program_directory",
     "program_key",

@@ -28,6 +28,7 @@ one holds machine code).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -166,13 +167,58 @@ def compile_stored(
       returns. It never traces or compiles again; the same request later in the process
       returns the same program.
     """
+    return lower_stored(
+        name,
+        fn,
+        args,
+        static=static,
+        out_like=out_like,
+        donate_argnums=donate_argnums,
+        directory=directory,
+    ).compile()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoweredProgram:
+    """A program of `lower_stored`, traced (or read back) and lowered but not yet compiled.
+
+    Attributes:
+      out_shapes: its output pytree, as ``jax.ShapeDtypeStruct`` leaves (known before XLA's
+        compile: a program whose arguments are another's outputs is lowered meanwhile).
+    """
+
+    out_shapes: Any
+    _memo: tuple
+    _build: Callable[[], StoredProgram]
+
+    def compile(self) -> StoredProgram:
+        """The compiled program (XLA's compile, or JAX's persistent cache; once a process)."""
+        program = _COMPILED.get(self._memo)
+        if program is None:
+            program = _COMPILED.setdefault(self._memo, self._build())
+        return program
+
+
+def lower_stored(
+    name: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    *,
+    static: str,
+    out_like: Callable[[tuple], Any],
+    donate_argnums: tuple[int, ...] = (),
+    directory: str | os.PathLike[str] | None,
+) -> LoweredProgram:
+    """`compile_stored` up to XLA's compile, which `LoweredProgram.compile` (or
+    `compile_together`) runs; the arguments are `compile_stored`'s."""
     leaves, in_tree = jax.tree.flatten(args)
     avals = _avals(leaves)
     out_tree = jax.tree.structure(out_like(args))
     key = program_key(name, static, args)
     memo = (key, donate_argnums, str(directory))
     if memo in _COMPILED:
-        return _COMPILED[memo]
+        done = _COMPILED[memo]
+        return LoweredProgram(done.out_shapes, memo, lambda: done)
     donated = tuple(i for i, position in enumerate(_positions(args)) if position in donate_argnums)
 
     def flat(*flat_args: Any) -> list[Any]:
@@ -190,17 +236,33 @@ def compile_stored(
         runner = jax.jit(exported.call, donate_argnums=donated)
     else:
         runner = jax.jit(flat, donate_argnums=donated)
-    compiled = runner.lower(*avals).compile()
-    shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in jax.tree.leaves(compiled.out_info)]
-    program = StoredProgram(
-        compiled=compiled,
-        in_count=len(leaves),
-        out_tree=out_tree,
-        out_shapes=jax.tree.unflatten(out_tree, shapes),
-        stored=exported is not None,
-    )
-    _COMPILED[memo] = program
-    return program
+    lowered = runner.lower(*avals)
+    shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in jax.tree.leaves(lowered.out_info)]
+    out_shapes = jax.tree.unflatten(out_tree, shapes)
+
+    def build() -> StoredProgram:
+        return StoredProgram(
+            compiled=lowered.compile(),
+            in_count=len(leaves),
+            out_tree=out_tree,
+            out_shapes=out_shapes,
+            stored=exported is not None,
+        )
+
+    return LoweredProgram(out_shapes, memo, build)
+
+
+def compile_together(programs: Sequence[LoweredProgram]) -> list[StoredProgram]:
+    """Each of `programs` compiled, up to one per core at a time: XLA compiles a program on
+    one core, and releases Python's lock meanwhile (a generation's prefill and decode
+    programs, 4.5 s and 3.1 s on a 1.5B model, then take 4.5 s together)."""
+    if len(programs) < 2:
+        return [p.compile() for p in programs]
+    workers = min(len(programs), os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(
+        workers, thread_name_prefix="lowbit-compile"
+    ) as pool:
+        return list(pool.map(LoweredProgram.compile, programs))
 
 
 def _positions(args: tuple) -> list[int]:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lowbit.api import compile_stored, describe
+from lowbit.api import compile_together, describe, lower_stored
 from lowbit.engine import interpret
 from lowbit.models._chat_template import chat_template_from_gguf as chat_template_from_gguf
 from lowbit.models._kv_cache import KVCache
@@ -371,8 +371,9 @@ def stream_tokens(
 
 
 def _stored_programs(directory, graphdef, module, sampling, capacity, *args):
-    """`_prefill` and `_decode` (same signatures) compiled through `compile_stored`: their
-    traced form read from `directory`, or kept there. The PRNG key travels as its data."""
+    """`_prefill` and `_decode` (same signatures) through `lower_stored`: their traced form
+    read from `directory`, or kept there, and the two compiled at once (`compile_together`).
+    The PRNG key travels as its data."""
     params, tokens, cache, stop_arr, key = args
     impl = jax.random.key_impl(key)
     static = describe((graphdef, module.config, sampling, capacity, impl))
@@ -382,7 +383,7 @@ def _stored_programs(directory, graphdef, module, sampling, capacity, *args):
         return _prefill(graphdef, sampling, capacity, params, tokens, cache, stop_arr, key)
 
     data = jax.random.key_data(key)
-    prefill = compile_stored(
+    prefill = lower_stored(
         "generate-prefill",
         first,
         (params, tokens, cache, stop_arr, data),
@@ -391,14 +392,14 @@ def _stored_programs(directory, graphdef, module, sampling, capacity, *args):
         donate_argnums=(2,),
         directory=directory,
     )
-    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), prefill.out_shapes)
+    state = prefill.out_shapes
 
     def step(params, state, steps, limit, stop_arr, data):
         key = jax.random.wrap_key_data(data, impl=impl)
         return _decode(graphdef, sampling, params, state, steps, limit, stop_arr, key)
 
     scalar = jnp.int32(0)
-    decode = compile_stored(
+    decode = lower_stored(
         "generate-decode",
         step,
         (params, state, scalar, scalar, stop_arr, data),
@@ -407,6 +408,7 @@ def _stored_programs(directory, graphdef, module, sampling, capacity, *args):
         donate_argnums=(1,),
         directory=directory,
     )
+    prefill, decode = compile_together([prefill, decode])
 
     def run_prefill(graphdef, sampling, capacity, params, tokens, cache, stop_arr, key):
         return prefill(params, tokens, cache, stop_arr, jax.random.key_data(key))

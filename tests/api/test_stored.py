@@ -65,6 +65,37 @@ def test_a_second_compile_reads_the_kept_program_without_tracing(tmp_path):
     assert second.out_shapes["y"].shape == (3, 4)
 
 
+def test_programs_lowered_first_compile_together_and_chain(tmp_path):
+    """A second program lowered from the first's output shapes before either compiles (a
+    generation's decode after its prefill); compiled together they give what each compiled
+    alone gives, and asking again gives the same programs."""
+    args = _args()
+    first = api.lower_stored(
+        "affine",
+        _affine([]),
+        args,
+        static="affine v1",
+        out_like=lambda a: {"y": 0, "n": 0},
+        directory=tmp_path,
+    )
+    assert first.out_shapes["y"] == jax.ShapeDtypeStruct((3, 4), jnp.float32)
+    second = api.lower_stored(
+        "square",
+        lambda out: out["y"] ** 2,
+        (first.out_shapes,),
+        static="",
+        out_like=lambda a: 0,
+        directory=tmp_path,
+    )
+    affine, square = api.compile_together([first, second])
+    out = affine(*args)
+    np.testing.assert_allclose(out["y"], args[1] @ args[0]["w"] + 1, rtol=1e-6)
+    np.testing.assert_allclose(square(out), out["y"] ** 2, rtol=1e-6)
+    assert {p.name.split("-")[0] for p in tmp_path.iterdir()} == {"affine", "square"}
+    assert _compile(_affine([]), args, tmp_path) is affine
+    assert api.compile_together([first]) == [affine]
+
+
 def test_the_key_changes_with_shapes_dtypes_and_the_static_description(tmp_path):
     params, x = _args()
     key = api.program_key("p", "s", (params, x))
