@@ -91,7 +91,7 @@ def _quantize(recipe: str, directory: Path) -> None:
         [
             sys.executable,
             "-c",
-            "import sys; from lowbit.cli import main; sys.exit(main())",
+            "import sys; from lowbit.cli import console; console()",
             "quantize",
             "smollm2",
             "--recipe",

@@ -101,7 +101,7 @@ async def _chats(url: str) -> list[list[tuple[float, int]]]:
 def _serve(gguf: str, logs: Path, memory: str | None) -> dict:
     port = _free_port()
     command = [
-        sys.executable, "-c", "import sys; from lowbit.cli import main; sys.exit(main())",
+        sys.executable, "-c", "import sys; from lowbit.cli import console; console()",
         "serve", gguf, "--recipe", "gguf", "--int8-activations", "--slots", str(CLIENTS),
         "--max-len", str(MAX_LEN), "--port", str(port),
     ]  # fmt: skip

@@ -127,7 +127,7 @@ def run() -> str:
     validator = jsonschema_rs.validator_for(SCHEMA)
     port = _free_port()
     command = [
-        sys.executable, "-c", "import sys; from lowbit.cli import main; sys.exit(main())",
+        sys.executable, "-c", "import sys; from lowbit.cli import console; console()",
         "serve", str(smollm2_gguf_path()), "--recipe", "gguf", "--int8-activations",
         "--slots", str(SLOTS), "--port", str(port),
     ]  # fmt: skip

@@ -243,7 +243,7 @@ def run() -> str:
         print(f"[serve] {peer}: {results[peer]}", file=sys.stderr, flush=True)
     port = _free_port()
     lowbit_cmd = [
-        sys.executable, "-c", "import sys; from lowbit.cli import main; sys.exit(main())",
+        sys.executable, "-c", "import sys; from lowbit.cli import console; console()",
         "serve", gguf, "--recipe", "gguf", "--int8-activations", "--slots", str(SLOTS),
         "--max-len", "512", "--prefill-chunk", "128", "--port", str(port),
     ]  # fmt: skip

@@ -112,7 +112,7 @@ def measure(clients: int, requests: int, baseline: int) -> dict[str, Any]:
     log = logs / "server.log"
     port = free_port()
     command = [
-        sys.executable, "-c", "import sys; from lowbit.cli import main; sys.exit(main())",
+        sys.executable, "-c", "import sys; from lowbit.cli import console; console()",
         "serve", str(smollm2_gguf_path()), *SERVER_FLAGS, "--host", "127.0.0.1",
         "--port", str(port),
     ]  # fmt: skip

@@ -24,7 +24,7 @@ from benchmarks._machine import cpu_model
 from benchmarks.serve import _free_port, _start, _stop
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-c", "import sys; from lowbit.cli import main; sys.exit(main())"]
+CLI = [sys.executable, "-c", "import sys; from lowbit.cli import console; console()"]
 
 
 def _serve_start(path: str, cache: str, logs: Path) -> float:

@@ -1,6 +1,8 @@
 """The `lowbit` command line, called in process: help, recipes, the error and JSON contracts."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -162,3 +164,39 @@ def test_a_gguf_declaring_more_layers_than_it_holds_fails_fast_in_one_line(tmp_p
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("lowbit: error: GGUF file") and "hostile.gguf" in err
     assert "'llama.block_count' declares 1000000000 layers" in err and "holds tensors for 1" in err
+
+
+def _console(code: str, *argv: str) -> subprocess.CompletedProcess:
+    script = f"import sys, threading, time\nfrom lowbit.cli import console\n{code}\nconsole()"
+    return subprocess.run(
+        [sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120
+    )
+
+
+# An object Python's teardown of the module would free, saying so.
+TORN_DOWN = """
+import os
+class Kept:
+    def __del__(self, write=os.write):
+        write(2, b"torn down\\n")
+kept = Kept()
+"""
+
+
+def test_the_console_script_exits_with_mains_status_and_all_its_output():
+    done = _console(TORN_DOWN, "recipes")
+    assert done.returncode == 0
+    assert done.stderr == ""  # the interpreter was not torn down
+    assert done.stdout.count("\n") > 10 and "int8w" in done.stdout
+    failed = _console("", "quantize", "no-such-model")
+    assert failed.returncode == 2 and failed.stderr.startswith("lowbit: error:")
+    # An exit handler still runs, as at any exit.
+    handler = "import atexit; atexit.register(lambda: print('handled', file=sys.stderr))"
+    assert _console(handler, "recipes").stderr == "handled\n"
+
+
+def test_the_console_script_waits_for_a_thread_that_is_not_a_daemon():
+    late = "threading.Thread(target=lambda: (time.sleep(1), print('late', flush=True))).start()"
+    done = _console(TORN_DOWN + late, "recipes")
+    assert done.returncode == 0 and done.stdout.endswith("late\n")
+    assert done.stderr == "torn down\n"  # Python's own exit, after the thread

@@ -23,7 +23,7 @@ def _generate(path: Path, cache: Path) -> str:
     }
     env.update(LOWBIT_COMPILATION_CACHE=str(cache), JAX_LOG_COMPILES="1", PYTHONPATH=str(ROOT))
     result = subprocess.run(
-        [sys.executable, "-c", "import sys; from lowbit.cli import main; sys.exit(main())"]
+        [sys.executable, "-c", "import sys; from lowbit.cli import console; console()"]
         + ["generate", str(path), "--prompt", "hi", "--max-new-tokens", "2"],
         env=env,
         capture_output=True,

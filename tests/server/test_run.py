@@ -19,7 +19,7 @@ def test_sigterm_drains_the_running_request_and_exits_0(tmp_path):
     model = write_tiny_gguf(ARCH, tmp_path / "tiny.gguf")
     port = free_port()
     command = [
-        sys.executable, "-c", "import sys; from lowbit.cli import main; sys.exit(main())",
+        sys.executable, "-c", "import sys; from lowbit.cli import console; console()",
         "serve", str(model), "--port", str(port), "--slots", "2", "--max-len", "64",
         "--prefill-chunk", "16", "--grace", "20", "--max-body-bytes", "2048", "--embeddings",
         "--speculate", str(model),  # a draft model: the file itself

@@ -52,7 +52,7 @@ def test_a_short_soak_gets_no_5xx_and_no_wrong_or_lost_answer(tmp_path):
     model = write_tiny_gguf(ARCH, tmp_path / "tiny.gguf")
     port = free_port()
     command = [
-        sys.executable, "-c", "import sys; from lowbit.cli import main; sys.exit(main())",
+        sys.executable, "-c", "import sys; from lowbit.cli import console; console()",
         "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--slots", "2",
         "--max-len", "64", "--prefill-chunk", "32", "--queue", "8",
         "--max-body-bytes", str(MAX_BODY_BYTES), "--read-timeout", "20", "--deterministic",
