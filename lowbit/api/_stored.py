@@ -185,9 +185,12 @@ class LoweredProgram:
     Attributes:
       out_shapes: its output pytree, as ``jax.ShapeDtypeStruct`` leaves (known before XLA's
         compile: a program whose arguments are another's outputs is lowered meanwhile).
+      read_back: whether its traced form was read from the directory (or it was compiled
+        already): a later start, whose compile JAX's persistent cache most likely holds too.
     """
 
     out_shapes: Any
+    read_back: bool
     _memo: tuple
     _build: Callable[[], StoredProgram]
 
@@ -218,7 +221,7 @@ def lower_stored(
     memo = (key, donate_argnums, str(directory))
     if memo in _COMPILED:
         done = _COMPILED[memo]
-        return LoweredProgram(done.out_shapes, memo, lambda: done)
+        return LoweredProgram(done.out_shapes, True, memo, lambda: done)
     donated = tuple(i for i, position in enumerate(_positions(args)) if position in donate_argnums)
 
     def flat(*flat_args: Any) -> list[Any]:
@@ -229,9 +232,9 @@ def lower_stored(
             )
         return jax.tree.leaves(out)
 
-    exported = None
+    exported, read_back = None, False
     if directory is not None:
-        exported = _exported(name, key, flat, avals, directory)
+        exported, read_back = _exported(name, key, flat, avals, directory)
     if exported is not None:
         runner = jax.jit(exported.call, donate_argnums=donated)
     else:
@@ -249,14 +252,18 @@ def lower_stored(
             stored=exported is not None,
         )
 
-    return LoweredProgram(out_shapes, memo, build)
+    return LoweredProgram(out_shapes, read_back, memo, build)
 
 
 def compile_together(programs: Sequence[LoweredProgram]) -> list[StoredProgram]:
     """Each of `programs` compiled, up to one per core at a time: XLA compiles a program on
     one core, and releases Python's lock meanwhile (a generation's prefill and decode
-    programs, 4.5 s and 3.1 s on a 1.5B model, then take 4.5 s together)."""
-    if len(programs) < 2:
+    programs, 4.5 s and 3.1 s on a 1.5B model, then take 4.7 s together).
+
+    Programs all read back (a later start) are loaded one after the other: JAX's cache gives
+    each in a fraction of a second, and threads would only hold more memory at once (40 MB
+    more at the peak of a second `lowbit generate`)."""
+    if len(programs) < 2 or all(p.read_back for p in programs):
         return [p.compile() for p in programs]
     workers = min(len(programs), os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(
@@ -270,13 +277,13 @@ def _positions(args: tuple) -> list[int]:
     return [i for i, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
 
 
-def _exported(name, key, flat, avals, directory) -> export.Exported | None:
+def _exported(name, key, flat, avals, directory) -> tuple[export.Exported | None, bool]:
     """The program `key` (its `program_key`) from `directory`, else traced, exported and
-    written there; None where export refuses it."""
+    written there (None where export refuses it); and whether it was read back."""
     path = pathlib.Path(directory) / (key + _SUFFIX)
     if path.is_file():
         try:
-            return export.deserialize(bytearray(path.read_bytes()))
+            return export.deserialize(bytearray(path.read_bytes())), True
         except Exception as err:  # noqa: BLE001 - a damaged file is traced again
             _log.warning("stored program %s unreadable (%s); tracing it again", path, err)
     try:
@@ -286,10 +293,10 @@ def _exported(name, key, flat, avals, directory) -> export.Exported | None:
         blob = exported.serialize()
     except Exception as err:  # noqa: BLE001 - e.g. an effect export cannot serialize
         _log.warning("program %s is not kept for the next start: %s", name, err)
-        return None
+        return None, False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, bytes(blob))
     except OSError as err:
         _log.warning("could not keep program %s in %s: %s", name, path.parent, err)
-    return exported
+    return exported, False

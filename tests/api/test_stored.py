@@ -79,6 +79,7 @@ def test_programs_lowered_first_compile_together_and_chain(tmp_path):
         directory=tmp_path,
     )
     assert first.out_shapes["y"] == jax.ShapeDtypeStruct((3, 4), jnp.float32)
+    assert not first.read_back  # traced and kept now
     second = api.lower_stored(
         "square",
         lambda out: out["y"] ** 2,
@@ -94,6 +95,17 @@ def test_programs_lowered_first_compile_together_and_chain(tmp_path):
     assert {p.name.split("-")[0] for p in tmp_path.iterdir()} == {"affine", "square"}
     assert _compile(_affine([]), args, tmp_path) is affine
     assert api.compile_together([first]) == [affine]
+    _new_process()
+    again = api.lower_stored(
+        "affine",
+        _affine(traces := []),
+        args,
+        static="affine v1",
+        out_like=lambda a: {"y": 0, "n": 0},
+        directory=tmp_path,
+    )
+    assert again.read_back and traces == []
+    np.testing.assert_allclose(api.compile_together([again])[0](*args)["y"], out["y"])
 
 
 def test_the_key_changes_with_shapes_dtypes_and_the_static_description(tmp_path):
