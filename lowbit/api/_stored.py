@@ -140,42 +140,20 @@ class StoredProgram:
         return jax.tree.unflatten(self.out_tree, self.compiled(*leaves))
 
 
-def compile_stored(
-    name: str,
-    fn: Callable[..., Any],
-    args: tuple,
-    *,
-    static: str,
-    out_like: Callable[[tuple], Any],
-    donate_argnums: tuple[int, ...] = (),
-    directory: str | os.PathLike[str] | None,
-) -> StoredProgram:
+def compile_stored(name: str, fn: Callable[..., Any], args: tuple, **options: Any) -> StoredProgram:
     """``fn`` compiled for arguments shaped like `args`, its traced form read from (or written
-    to) `directory`.
+    to) `directory`: `lower_stored`, then XLA's compile (or JAX's persistent cache).
 
     Args:
-      name: the program's name (the file name's prefix), e.g. ``"prefill-64"``.
-      fn: a traceable function of ``*args`` (pytrees of arrays).
-      args: example arguments; only their structure, shapes and dtypes are used.
-      static: a stable description of what `fn` closes over (see `describe`).
-      out_like: ``args -> a pytree shaped like fn's output`` (any leaves): the output's
-        structure without tracing `fn`. It is checked against the trace when one is made.
-      donate_argnums: positions in `args` whose buffers the program may reuse.
-      directory: where programs are kept; None compiles without keeping anything.
+      name, fn, args: as `lower_stored`.
+      **options: `lower_stored`'s keyword arguments: `static`, `out_like`, `donate_argnums`,
+        `directory`.
     Returns:
       A `StoredProgram`: a function of arguments shaped like `args`, returning what `fn`
       returns. It never traces or compiles again; the same request later in the process
       returns the same program.
     """
-    return lower_stored(
-        name,
-        fn,
-        args,
-        static=static,
-        out_like=out_like,
-        donate_argnums=donate_argnums,
-        directory=directory,
-    ).compile()
+    return lower_stored(name, fn, args, **options).compile()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -212,8 +190,20 @@ def lower_stored(
     donate_argnums: tuple[int, ...] = (),
     directory: str | os.PathLike[str] | None,
 ) -> LoweredProgram:
-    """`compile_stored` up to XLA's compile, which `LoweredProgram.compile` (or
-    `compile_together`) runs; the arguments are `compile_stored`'s."""
+    """``fn`` traced for arguments shaped like `args` (or its traced form read back from
+    `directory`) and lowered, ready for XLA's compile: `LoweredProgram.compile`, or
+    `compile_together` for several at once.
+
+    Args:
+      name: the program's name (the file name's prefix), e.g. ``"prefill-64"``.
+      fn: a traceable function of ``*args`` (pytrees of arrays).
+      args: example arguments; only their structure, shapes and dtypes are used.
+      static: a stable description of what `fn` closes over (see `describe`).
+      out_like: ``args -> a pytree shaped like fn's output`` (any leaves): the output's
+        structure without tracing `fn`. It is checked against the trace when one is made.
+      donate_argnums: positions in `args` whose buffers the program may reuse.
+      directory: where programs are kept; None compiles without keeping anything.
+    """
     leaves, in_tree = jax.tree.flatten(args)
     avals = _avals(leaves)
     out_tree = jax.tree.structure(out_like(args))
