@@ -168,4 +168,3 @@ def _validate(file, path: str, tensors: Sequence[TensorSpec]) -> None:
             raise ValueError(
                 f"written GGUF file does not read back tensor {spec.name!r} as {spec.ggml_type}"
             )
-    del found, data  # the views of the map, before the file is closed and renamed
