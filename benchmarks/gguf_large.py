@@ -68,21 +68,26 @@ def _child(engine: str, path: str) -> None:
         runner = g._LlamaCpp(path, max(BATCHES), PROMPT + DECODE + 8)
         vocab = runner.n_vocab
     out["load_s"] = time.perf_counter() - start
+    out["load_rss_mib"] = _peak_mib()  # the load's own peak, before any program is compiled
     rng = np.random.default_rng(0)
     for batch in BATCHES:
         prompts = rng.integers(100, min(vocab, 40000), (batch, PROMPT)).astype(np.int32)
         pre, dec = g.engine_seconds({"e": runner}, prompts)["e"]
         out[f"prefill_{batch}"] = batch * PROMPT / pre
         out[f"decode_{batch}"] = batch * DECODE / dec
-    # The process's own peak (VmHWM): `ru_maxrss` from wait4 would also count the parent's
-    # memory at the fork, which Linux carries over into the child.
-    with open("/proc/self/status") as f:
-        hwm = next(line for line in f if line.startswith("VmHWM:"))
-    out["rss_mib"] = int(hwm.split()[1]) / 1024
+    out["rss_mib"] = _peak_mib()
     from benchmarks import bandwidth
 
     out["stream_gbps"] = bandwidth.stream_gbps()
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def _peak_mib() -> float:
+    """The process's own peak RSS so far (VmHWM), MiB: `ru_maxrss` from wait4 would also count
+    the parent's memory at the fork, which Linux carries over into the child."""
+    with open("/proc/self/status") as f:
+        hwm = next(line for line in f if line.startswith("VmHWM:"))
+    return int(hwm.split()[1]) / 1024
 
 
 def _measure(engine: str, path: str) -> dict:
@@ -167,7 +172,8 @@ def run() -> str | None:
         f"- Prompt {PROMPT} random tokens a row, then {DECODE} greedy tokens; best of 2 runs after "
         "a warm-up, each engine in its own process (peak RSS is that process's, loading "
         f"included), the engines' processes in turn {ROUNDS} times (the best rates of them, "
-        "the highest peak RSS). Stream share: the fastest batch-1 run's weight bytes a token x "
+        "the highest peak RSS; load peak: the peak once the file is loaded and laid out, before "
+        "any program is compiled). Stream share: the fastest batch-1 run's weight bytes a token x "
         "tokens/s over the float32 GEMV's rate (weights beyond the L3) measured in the same "
         "process right after it; the GEMV read "
         f"{min(streams, default=0):.1f}-{max(streams, default=0):.1f} GB/s over the run's "
@@ -180,13 +186,13 @@ def run() -> str | None:
         + "python -m benchmarks gguf_large`.",
         "",
         "| file | engine | load s | prefill tok/s | decode b1 tok/s | x llama.cpp | stream share "
-        "| decode b8 tok/s | x llama.cpp | peak RSS MiB |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| decode b8 tok/s | x llama.cpp | load peak MiB | peak RSS MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     peer = {s: r for s, _, _, e, r in rows if e == "llama.cpp"}
     for shape, size, _weights, engine, r in rows:
         if "error" in r:
-            lines.append(f"| {shape} ({size / 2**30:.2f} GiB) | {engine} | {r['error']} |||||||")
+            lines.append(f"| {shape} ({size / 2**30:.2f} GiB) | {engine} | {r['error']} ||||||||")
             continue
         p = peer.get(shape, {})
 
@@ -197,7 +203,8 @@ def run() -> str | None:
         lines.append(
             f"| {shape} ({size / 2**30:.2f} GiB) | {engine} | {r['load_s']:.1f} | "
             f"{r['prefill_1']:.1f} | {r['decode_1']:.2f} | {ratio('decode_1')} | {share:.0%} | "
-            f"{r['decode_8']:.2f} | {ratio('decode_8')} | {r['rss_mib']:.0f} |"
+            f"{r['decode_8']:.2f} | {ratio('decode_8')} | {r['load_rss_mib']:.0f} | "
+            f"{r['rss_mib']:.0f} |"
         )
     lines += ["", f"Section time: {time.perf_counter() - begin:.0f} s.", ""]
     return "\n".join(lines)

@@ -208,7 +208,8 @@ def import_gguf(
     transposed = {i for i, (_, leaf) in enumerate(flat) if isinstance(leaf, _AsStored)}
     for i in transposed:
         flat[i] = (flat[i][0], flat[i][1].stored)
-    prepare_leaves(flat, kernel_axes, transposed)
+    # `flat` holds the only reference to the QArrays made above: their codes may be overwritten.
+    prepare_leaves(flat, kernel_axes, transposed, donate=True)
     return jax.tree_util.tree_unflatten(treedef, [leaf for _, leaf in flat]), gguf_file.metadata
 
 

@@ -18,7 +18,9 @@ by the kernels on plain arrays:
 - `gguf_linear(x, rows, ggml_type, *, out_dtype=None, int8_activations=False)` and
   `gguf_dequantize(rows, ggml_type, k)`: weights held as a GGUF file's block rows
   `uint8 [N, row_bytes]` (every type of llama.cpp's mixes, `GGUF_TYPE_IDS`), read as stored,
-  or (Q4_K, Q6_K) as tiles of 8 rows: `gguf_tile` / `gguf_untile`, `tiled=True`.
+  or (Q4_K, Q6_K) as tiles of 8 rows: `gguf_tile` / `gguf_untile`, `tiled=True`; the
+  types of `TILES_OVER_ROWS` have tiles the size of their rows, written over them by a
+  program that donates them.
   `q4_0_rows` / `q4_0_fields`: signed int4 codes with float16 scales per 32 as Q4_0 rows
   and back (the same values: such a weight runs on Q4_0's tiles).
 - `decode_attention(q, keys, values, start, slot)`: one query position per row attending to
@@ -52,6 +54,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from lowbit.kernels._gguf import (
+    TILES_OVER_ROWS,
     gguf_dequantize,
     gguf_linear,
     gguf_tile,
@@ -111,6 +114,7 @@ __all__ = [
     "NF4_LEVELS",
     "PLATFORMS",
     "PreparedWeight",
+    "TILES_OVER_ROWS",
     "available",
     "by_platform",
     "by_platform_p",

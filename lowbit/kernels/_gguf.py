@@ -71,6 +71,10 @@ TILE_BYTES = {
     **{"Q2_K": 672, "Q3_K": 912, "Q4_K": 1184, "Q5_K": 1440, "Q6_K": 1680},
 }
 TILE_ROWS = 8
+# The types whose tiles are exactly their 8 rows' bytes, reordered: laid out over the rows.
+TILES_OVER_ROWS = frozenset(
+    name for name, size in TILE_BYTES.items() if size == TILE_ROWS * block_type(name).type_size
+)
 
 
 def gguf_tileable(ggml_type: str, k: int, n: int) -> bool:
@@ -170,13 +174,18 @@ def q4_0_fields(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 # One program per shape: as eager ops, laying out a 1.5B model's tiles took seconds of dispatch.
-@functools.partial(jax.jit, static_argnums=(1,))
-def gguf_tile(rows: jax.Array, ggml_type: str) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=(1,), static_argnames=("over_rows",))
+def gguf_tile(rows: jax.Array, ggml_type: str, *, over_rows: bool = False) -> jax.Array:
     """Block rows ``uint8 [N, row_bytes]`` of a weight of a type in `TILE_BYTES` as tiles
     ``uint8 [N / 8, blocks * TILE_BYTES[type]]`` (layout: `cpu/gguf_tiles.h`).
 
     One kernel call where the program is lowered for CPU (XLA's gathers of a few bytes each
     ran at 0.2-0.6 GB/s); the pure-JAX reference, the same bytes, elsewhere.
+
+    `over_rows`: for a type whose tiles are the size of its rows (`TILES_OVER_ROWS`), the
+    kernel's result is its operand's buffer: in a program that donates `rows`, the tiles are
+    written over them and the weight is never held twice. Other types ignore it. Without the
+    donation XLA copies the rows first, so only a caller that gives the rows up asks for it.
     """
     t = block_type(ggml_type)
     n, row_bytes = rows.shape if rows.ndim == 2 else (0, 0)
@@ -188,14 +197,17 @@ def gguf_tile(rows: jax.Array, ggml_type: str) -> jax.Array:
         )
 
     def native():
+        tiles = (n // TILE_ROWS, k // t.block_size * TILE_BYTES[ggml_type])
+        # Written over: the result takes the rows' shape, so that XLA aliases the two with no
+        # copy (a reshaped operand made it copy the rows there and back).
+        over = over_rows and ggml_type in TILES_OVER_ROWS
         call = jax.ffi.ffi_call(
             "lowbit_gguf_tile",
-            jax.ShapeDtypeStruct(
-                (n // TILE_ROWS, k // t.block_size * TILE_BYTES[ggml_type]), jnp.uint8
-            ),
+            jax.ShapeDtypeStruct(rows.shape if over else tiles, jnp.uint8),
             vmap_method="sequential",
+            input_output_aliases={0: 0} if over else None,
         )
-        return call(rows, type=np.int64(GGUF_TYPE_IDS[ggml_type]))
+        return call(rows, type=np.int64(GGUF_TYPE_IDS[ggml_type])).reshape(tiles)
 
     return native_or_reference(native, lambda: tile_reference(rows, ggml_type))
 

@@ -294,18 +294,21 @@ def prepare_layout(q: QArray, route: KernelRoute) -> kernels.PreparedWeight:
     )
 
 
-def gguf_rows(q: QArray, route: KernelRoute, *, tile: bool = False) -> kernels.PreparedWeight:
+def gguf_rows(
+    q: QArray, route: KernelRoute, *, tile: bool = False, over_rows: bool = False
+) -> kernels.PreparedWeight:
     """A GGUF block weight as its kernel reads it: the block rows ``uint8 [N, row_bytes]``
     (the codes themselves when stored ``[N, K]``, a transposed copy of them when ``[K, N]``),
     or with `tile` (a weight laid out once) the tiles of 8 rows of a weight whose type has
     them (`kernels.gguf_tileable`; `kernels.gguf_tile`: the same bytes reordered, which its
-    kernels read about twice as fast on int8 activations)."""
+    kernels read about twice as fast on int8 activations), written over the rows with
+    `over_rows` (`kernels.gguf_tile`'s: for a program that donates `q`)."""
     axis = 1 if route.transposed else 0
     k, n = q.shape[axis], q.shape[1 - axis]
     rows = q.codes if axis == 1 else q.codes.T
     ggml_type = route.kind.upper()
     if tile and kernels.gguf_tileable(ggml_type, k, n):
-        rows = kernels.gguf_tile(rows, ggml_type)
+        rows = kernels.gguf_tile(rows, ggml_type, over_rows=over_rows)
     return kernels.PreparedWeight(route.kind, k, n, None, q.fmt.block.block_size, rows)
 
 

@@ -30,11 +30,16 @@ def prepare_leaves(
     flat: list[tuple[Any, Any]],
     axes: Mapping[Any, int] | Callable[[Any], int | None],
     transposed: Container[int] = (),
+    *,
+    donate: bool = False,
 ) -> None:
     """`prepare_weights` on a flattened tree, in place: ``flat[i] = (key path, leaf)``.
 
     Each entry is replaced as soon as its weight is prepared, so when `flat` holds the only
-    reference to the logical QArrays their codes are freed one weight at a time.
+    reference to the logical QArrays their codes are freed one weight at a time. With
+    `donate` (`flat` holds them, and nothing else does: a loader's own), a layout the size of
+    its codes is written over them (`prepare_weight`'s), so not even the weight being laid
+    out is held twice.
 
     The entries at the indices in `transposed` hold the transpose of their weight (a 2-D
     QArray as a file stores it, ``[out, in]``): each becomes its weight, laid out from those
@@ -45,11 +50,15 @@ def prepare_leaves(
         if i in transposed:
             axis = lookup(tuple(keys))
             leaf = jax.tree.map(_untyped, leaf)
-            flat[i] = (keys, leaf.T if axis is None else prepare_transposed(leaf, axis))
+            flat[i] = (
+                keys,
+                leaf.T if axis is None else prepare_transposed(leaf, axis, donate=donate),
+            )
         elif quantized(leaf):
             axis = lookup(tuple(keys))
             if axis is not None:
-                flat[i] = (keys, prepare_weight(jax.tree.map(_untyped, leaf), axis))
+                leaf = jax.tree.map(_untyped, leaf)
+                flat[i] = (keys, prepare_weight(leaf, axis, donate=donate))
         elif is_prepared(leaf):
             # Laid out by convention (a `kernel` contracted over axis 0) but used along the
             # other axis: laid out again for the use, else every call would unpack it.

@@ -421,8 +421,12 @@ def _logical(p: PreparedQArray) -> QArray:
     return _assemble(p, kernels.prepared_to_logical(p.weight))
 
 
-# Laid out once: the types with tiles (`kernels.gguf_tileable`) as tiles, the others as rows.
+# Laid out once: the types with tiles (`kernels.gguf_tileable`) as tiles, the others as rows;
+# for a caller that gives the QArray up, written over its codes where they are the same size.
 _gguf_layout = jax.jit(functools.partial(gguf_rows, tile=True), static_argnums=1)
+_gguf_layout_over_codes = jax.jit(
+    functools.partial(gguf_rows, tile=True, over_rows=True), static_argnums=1, donate_argnums=0
+)
 
 
 def _gguf_block_rows(w: kernels.PreparedWeight) -> jax.Array:
@@ -561,12 +565,16 @@ def _same_bits(a: Any, b: Any) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
+def prepare_weight(q: QArray, axis: int, *, donate: bool = False) -> QArray | PreparedQArray:
     """`q` in the kernel layout for contraction over `axis`, or `q` if no kernel runs it.
 
     Args:
       q: a QArray (2-D to be prepared; anything else is returned as is).
       axis: the logical axis a traced use contracts it over (0 or 1).
+      donate: the caller gives `q` up (nothing else holds its arrays): a GGUF weight's layout
+        is then written over its codes where it is their size (the types of
+        `kernels.TILES_OVER_ROWS`, e.g. Q6_K), which deletes them, so the weight is not held
+        twice while it is laid out. A loader's own QArrays only.
     Returns:
       A `PreparedQArray` replacing `q`, or `q` unchanged (not 2-D, activation bounds set, or a
       format, scale layout, size or backend no kernel takes).
@@ -583,7 +591,8 @@ def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
         # The block rows are the layout (a copy only when stored [K, N]), or for Q4_K / Q6_K
         # their tiles of 8 rows (Q4_K's 32 bytes a tile larger); the logical QArray comes back
         # from either exactly.
-        weight = _gguf_layout(q, route)
+        over = donate and route.kind.upper() in kernels.TILES_OVER_ROWS
+        weight = (_gguf_layout_over_codes if over else _gguf_layout)(q, route)
         # The tiling's temporaries, and the codes of the weight laid out before this one
         # (`prepare_leaves` drops them as it replaces each leaf), back to the system.
         release_free_memory()
@@ -601,7 +610,7 @@ def prepare_weight(q: QArray, axis: int) -> QArray | PreparedQArray:
     )
 
 
-def prepare_transposed(q: QArray, axis: int) -> QArray | PreparedQArray:
+def prepare_transposed(q: QArray, axis: int, *, donate: bool = False) -> QArray | PreparedQArray:
     """``prepare_weight(q.T, axis)`` without a transposed copy of `q`'s codes.
 
     A layout is always the weight oriented ``[K, N]``, whichever logical axis is contracted,
@@ -614,11 +623,12 @@ def prepare_transposed(q: QArray, axis: int) -> QArray | PreparedQArray:
       q: a QArray, ``[N, K]`` when `axis` is 0 (one of another rank is transposed and
         returned as `prepare_weight` returns it).
       axis: the axis of ``q.T`` a traced use contracts.
+      donate: the caller gives `q` up (`prepare_weight`'s).
     Returns:
       ``q.T``'s `PreparedQArray`, or ``q.T`` itself (a copy) where no kernel runs it.
     """
     if q.ndim == 2 and axis in (0, 1):
-        prepared = prepare_weight(q, 1 - axis)
+        prepared = prepare_weight(q, 1 - axis, donate=donate)
         if is_prepared(prepared):
             return prepared.transpose((1, 0))
     return prepare_weight(q.T, axis)  # no layout: the transpose itself, as before

@@ -2,6 +2,8 @@
 arithmetics on every CPU path, tiles (every type of `TILE_BYTES`) the same bytes reordered and
 the same products, bad input refused."""
 
+import functools
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -102,6 +104,36 @@ def test_the_tiling_kernel_writes_the_references_bytes(ggml_type):
         got = np.asarray(kernels.gguf_tile(rows, ggml_type))
         want = np.asarray(reference(rows, ggml_type))
         assert got.shape == want.shape and got.tobytes() == want.tobytes(), (n, blocks)
+
+
+_tile_over_donated_rows = jax.jit(
+    functools.partial(kernels.gguf_tile, over_rows=True), static_argnums=1, donate_argnums=0
+)
+
+
+def test_the_types_tiled_over_their_rows_are_those_whose_tiles_are_their_size():
+    assert kernels.TILES_OVER_ROWS == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q6_K"}
+
+
+@pytest.mark.parametrize("ggml_type", sorted(kernels.TILES_OVER_ROWS))
+def test_tiles_written_over_their_donated_rows_are_the_same_bytes(ggml_type):
+    # One group, and more groups than one thread's share: each group is copied aside before
+    # its tiles overwrite it, whichever thread runs it.
+    t = block_type(ggml_type)
+    rng = np.random.default_rng(12)
+    for n, blocks in ((8, 1), (8 * (2**19 // (TILE_BYTES[ggml_type] * 2) + 3), 2)):
+        host = rng.integers(0, 256, (n, blocks * t.type_size), np.uint8)
+        want = np.asarray(kernels.gguf_tile(jnp.asarray(host), ggml_type))
+        rows = jnp.asarray(host)
+        at = rows.unsafe_buffer_pointer()
+        got = _tile_over_donated_rows(rows, ggml_type)
+        assert got.shape == want.shape and np.asarray(got).tobytes() == want.tobytes()
+        assert rows.is_deleted() and got.unsafe_buffer_pointer() == at  # no second buffer
+        # Not donated, the rows are left as they were (XLA copies them first).
+        kept = jnp.asarray(host)
+        again = jax.jit(functools.partial(kernels.gguf_tile, over_rows=True), static_argnums=1)
+        assert np.asarray(again(kept, ggml_type)).tobytes() == want.tobytes()
+        assert np.asarray(kept).tobytes() == host.tobytes()
 
 
 @pytest.mark.parametrize("ggml_type", TILED_TYPES)

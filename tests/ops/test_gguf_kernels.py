@@ -47,6 +47,12 @@ def test_gguf_weights_run_their_own_kernel(fmt, axis):
     assert prepared.resident_nbytes == q.codes.size * spelled_out.get(fmt, 1)
     back = prepared.logical()
     assert np.asarray(back.codes).tobytes() == np.asarray(q.codes).tobytes()
+    # Given up by its caller (a loader's own QArray), a weight whose tiles are its rows' size
+    # is laid out over its codes; the layout is the same bytes either way.
+    given = jax.tree.map(jnp.copy, q)
+    donated = prepare_weight(given, axis, donate=True)
+    assert np.asarray(donated.weight.data).tobytes() == np.asarray(prepared.weight.data).tobytes()
+    assert given.codes.is_deleted() == (fmt.upper() in kernels.TILES_OVER_ROWS)
     dense = np.asarray(q.dequantize())
     dense = dense if axis == 0 else dense.T
     forward = jax.jit(lowbit.run(fn, strict=True))
