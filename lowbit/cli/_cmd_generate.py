@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts = _prompts(args)
-    kv = resolve_kv_cache(args.kv_cache, args.recipe)
+    kv = resolve_kv_cache(args.kv_cache, args.recipe, args.target)
     target, metadata, params = open_language_model(args, "generate")
     loaded = target.loaded
     if args.chat:

@@ -214,10 +214,12 @@ def run(args: argparse.Namespace) -> int:
         single_pass="prefill_chunk",
         chunk="prefill_chunk",
     )
-    kv = resolve_kv_cache(args.kv_cache, args.recipe)
+    resolve_kv_cache(args.kv_cache, args.recipe)  # a bad --kv-cache fails before the load
     target, metadata, params = open_language_model(args, "serve", encoders=True)
     loaded = target.loaded
     encoder = loaded.kind != "lm"
+    # An encoder keeps no cache: a GGUF file's float16 default is not asked of it.
+    kv = resolve_kv_cache(args.kv_cache, args.recipe, None if encoder else args.target)
     if encoder and args.speculate is not None:
         raise ValueError(f"--speculate: {loaded.name} is an encoder; it generates no tokens")
     draft = None if draft_spec is None else _draft_model(args, draft_spec, loaded)

@@ -37,6 +37,28 @@ def test_help(argv, capsys):
         assert f"lowbit {argv[0]}" in out
 
 
+@pytest.mark.parametrize(
+    ("flag", "recipe", "target", "expected"),
+    [
+        # generate / serve (they pass the target) of a GGUF file's own blocks: float16.
+        (None, None, "model.Q4_K_M.gguf", "float16"),
+        (None, "gguf", "smollm2", "float16"),
+        # Asked for: the model's dtype, or another format.
+        ("float", None, "model.Q4_K_M.gguf", None),
+        ("int8", "gguf", "model.Q4_K_M.gguf", "int8"),
+        # Other recipes, and the measuring commands (no target): the model's dtype.
+        (None, "float", "model.Q4_K_M.gguf", None),
+        (None, None, "smollm2", None),
+        (None, "gguf", None, None),
+    ],
+)
+def test_kv_cache_default_is_float16_on_a_gguf_files_own_blocks(flag, recipe, target, expected):
+    from lowbit.cli._common import resolve_kv_cache
+
+    kv = resolve_kv_cache(flag, recipe, target)
+    assert (None if kv is None else kv.to_text()) == expected
+
+
 def test_recipes_lists_one_line_per_preset(capsys):
     from lowbit.recipes import preset_names
 

@@ -85,6 +85,7 @@ def test_generate_with_int8_activations_keeps_the_answer(capsys):
     assert main([*argv, "--max-new-tokens", "3"]) == 0
     result = _only_json_line(capsys.readouterr().out)
     assert result["int8_activations"] is True
+    assert result["kv_cache"] == "float16"  # the gguf recipe's default, as llama.cpp's
     assert result["completions"][0]["text"].startswith(" Paris")
 
 
