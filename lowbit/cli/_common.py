@@ -283,6 +283,14 @@ def print_fallbacks(bar: Progress, loaded: Any, params: Any, shown: int = 5) -> 
         bar.console.print(f"  ... and {len(lines) - shown} more")
 
 
+def recipe_for(target: str, recipe: str | None) -> str:
+    """The recipe `target` runs: `recipe`, else ``gguf`` for a .gguf file (its own blocks, as
+    llama.cpp runs it, with no float copy of its weights loaded), else ``float``."""
+    if recipe:
+        return recipe
+    return serving.GGUF_RECIPE if str(target).endswith(".gguf") else serving.FLOAT_RECIPE
+
+
 def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None) -> Target:
     """A checkpoint directory written by `lowbit quantize`, or a model spec plus a recipe.
 
@@ -316,10 +324,7 @@ def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None
         raise ValueError(f"{target!r} is a directory without {MANIFEST}; it is not a checkpoint")
     if recipe is not None:
         serving.check_recipe_spec(recipe)
-    # A GGUF file runs its own blocks unless another recipe is asked for, as llama.cpp runs
-    # it, and then loads no float copy of its weights.
-    gguf_file = str(target).endswith(".gguf")
-    spec = recipe or (serving.GGUF_RECIPE if gguf_file else serving.FLOAT_RECIPE)
+    spec = recipe_for(target, recipe)
     with step(bar, f"loading {target}"):
         loaded = serving.load_model(target, float_weights=spec != serving.GGUF_RECIPE)
     with step(bar, "rotating"):
@@ -528,10 +533,7 @@ def resolve_kv_cache(flag: str | None, recipe_spec: str | None, target: str | No
     """
     if flag is not None:
         return parse_kv_cache(flag, "--kv-cache")
-    runs_gguf_blocks = recipe_spec == serving.GGUF_RECIPE or (
-        recipe_spec is None and str(target).endswith(".gguf")
-    )
-    if target is not None and runs_gguf_blocks:
+    if target is not None and recipe_for(target, recipe_spec) == serving.GGUF_RECIPE:
         return parse_kv_cache("float16", "--kv-cache")
     if recipe_spec in (None, serving.GGUF_RECIPE, serving.FLOAT_RECIPE):
         return None
