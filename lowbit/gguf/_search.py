@@ -38,14 +38,20 @@ def iq4_scale(x, ntry=7):
     sumqx, sumq2 = (w * q * x).sum(-1), (w * q * q).sum(-1)
     d = safe_div(sumqx, sumq2)
     best = d * sumqx
-    candidates = [(itry + values[0]) / mx_safe for itry in range(-ntry, ntry + 1)]
-    for i, inv in enumerate([*candidates, values[15] / mx_safe]):
-        q = values[best_index_iq4(x * inv[..., None])]
+    # Each candidate's level for the extreme value, and its slack: a rolled loop over them
+    # keeps the compiled program small (unrolled, every candidate was its own ops).
+    tops = jnp.asarray([*(values[0] + itry for itry in range(-ntry, ntry + 1)), values[15]])
+    slacks = jnp.asarray([1.0] * (2 * ntry + 1) + [1 - 1e-6], jnp.float32)
+
+    def candidate(i, state):
+        d, best = state
+        q = values[best_index_iq4(x * (tops[i] / mx_safe)[..., None])]
         sqx, sq2 = (w * q * x).sum(-1), (w * q * q).sum(-1)
-        slack = 1 - 1e-6 if i == len(candidates) else 1.0
-        better = (sq2 > 0) & (sqx * sqx > best * sq2 * slack)
+        better = (sq2 > 0) & (sqx * sqx > best * sq2 * slacks[i])
         d = jnp.where(better, safe_div(sqx, sq2), d)
-        best = jnp.where(better, d * sqx, best)
+        return d, jnp.where(better, d * sqx, best)
+
+    d, _ = jax.lax.fori_loop(0, tops.shape[0], candidate, (d, best))
     return jnp.where(flat, 0.0, d)
 
 
@@ -67,8 +73,14 @@ def make_qkx2(x, weights, nmax, rmin, rdelta, nstep, use_mad):
     q = jnp.clip(nearest(iscale[..., None] * (x - lo[..., None])), 0, nmax).astype(jnp.float32)
     best = err(scale, lo, q)
     mn = lo
-    for step in range(nstep + 1):
-        iscale = (rmin + rdelta * step + nmax) / span
+    # The levels each step tries, rounded to float32 as the unrolled loop's constants were;
+    # a rolled loop keeps the compiled program small (Q4_K's 21 steps unrolled took 7 s to
+    # compile for one weight shape).
+    levels = jnp.asarray([rmin + rdelta * step + nmax for step in range(nstep + 1)], jnp.float32)
+
+    def step(i, state):
+        q, best, scale, mn = state
+        iscale = levels[i] / span
         ql = jnp.clip(nearest(iscale[..., None] * (x - lo[..., None])), 0, nmax)
         ql = ql.astype(jnp.float32)
         sum_l = (weights * ql).sum(-1)
@@ -84,10 +96,14 @@ def make_qkx2(x, weights, nmax, rmin, rdelta, nstep, use_mad):
         this_scale = jnp.where(clamp, safe_div(sum_xl, sum_l2), this_scale)
         cur = err(this_scale, this_min, ql)
         better = ok & (cur < best)
-        q = jnp.where(better[..., None], ql, q)
-        best = jnp.where(better, cur, best)
-        scale = jnp.where(better, this_scale, scale)
-        mn = jnp.where(better, this_min, mn)
+        return (
+            jnp.where(better[..., None], ql, q),
+            jnp.where(better, cur, best),
+            jnp.where(better, this_scale, scale),
+            jnp.where(better, this_min, mn),
+        )
+
+    q, best, scale, mn = jax.lax.fori_loop(0, nstep + 1, step, (q, best, scale, mn))
     scale = jnp.where(flat, 0.0, scale)
     q = jnp.where(flat[..., None], 0.0, q)
     return scale, -mn, q
@@ -107,14 +123,21 @@ def make_qx(x, nmax):
     q, sumlx, suml2 = try_scale(-nmax / mx)
     scale = safe_div(sumlx, suml2)
     best = scale * sumlx
-    for step in range(-9, 10):
-        if step == 0:
-            continue
-        ql, slx, sl2 = try_scale(-(nmax + 0.1 * step) / mx)
+    # The other levels tried, rounded to float32 as the unrolled loop's constants were.
+    levels = jnp.asarray([nmax + 0.1 * step for step in range(-9, 10) if step != 0], jnp.float32)
+
+    def step(i, state):
+        q, scale, best = state
+        ql, slx, sl2 = try_scale(-levels[i] / mx)
         better = (sl2 > 0) & (slx * slx > best * sl2)
-        q = jnp.where(better[..., None], ql, q)
         scale = jnp.where(better, safe_div(slx, sl2), scale)
-        best = jnp.where(better, scale * slx, best)
+        return (
+            jnp.where(better[..., None], ql, q),
+            scale,
+            jnp.where(better, scale * slx, best),
+        )
+
+    q, scale, _ = jax.lax.fori_loop(0, levels.shape[0], step, (q, scale, best))
     return jnp.where(flat, 0.0, scale), jnp.where(flat[..., None], 0.0, q + nmax)
 
 
