@@ -68,3 +68,19 @@ def test_q2_k_outlier_block_re_encodes_alone():
     block = np.concatenate([ls | (lm << 4), qs, d])
     values = decode("Q2_K", block)
     np.testing.assert_array_equal(encode("Q2_K", values), block)
+
+
+# Lines of each quantizer's lowered program for [64, 256] weights, its loops rolled
+# (unrolled: Q2_K 5,037, Q4_K 5,428, Q5_K 5,060, Q6_K 3,055, IQ4_NL 1,854).
+ROLLED_LINES = {"Q2_K": 1561, "Q4_K": 1567, "Q5_K": 1584, "Q6_K": 1521, "IQ4_NL": 538}
+
+
+@pytest.mark.parametrize("name", sorted(ROLLED_LINES))
+def test_the_searches_and_refits_are_rolled_loops(name):
+    # Unrolled, the scale search's steps and the refits' candidates were each their own ops,
+    # and Q4_K's quantizer took 5.7 s to compile for one weight shape (1.5 s rolled). A budget
+    # of half again the rolled size catches an unrolled loop coming back.
+    t = BLOCK_TYPES[name]
+    x = jax.ShapeDtypeStruct((64, 256 // t.block_size, t.block_size), jnp.float32)
+    lines = len(jax.jit(t.encode_blocks).lower(x).as_text().splitlines())
+    assert lines < 1.5 * ROLLED_LINES[name], lines
