@@ -116,6 +116,50 @@ class LayerView(NamedTuple):
     slot: jax.Array | None
 
 
+# Up to this many tokens on some rows run their decode-attention calls unrolled (a speculative
+# check's K + 1); more (a draft model's window of 16 to 64 prompt tokens) run them as a loop.
+# Unrolled, a program grows with the tokens: SmolLM2's 64-token draft window compiled in 60 s
+# (5 s as a loop). As a loop a call ran 10-20% slower on SmolLM2 (a check of 5 tokens: 118-123
+# ms against 101-110 unrolled), which a window fed once per prompt can afford and a check run
+# every step cannot.
+UNROLLED_TOKENS = 8
+
+
+def _tokens_on_rows(
+    q: jax.Array, kv: LayerKV, at: LayerView, block: int, cap: float | None
+) -> tuple[jax.Array, LayerKV]:
+    """`decode_attention` for each of ``q [b, s, H, group, D]``'s tokens, token ``j`` at
+    slot ``at.slot + j``; the output ``[b, s, H, group, D]`` float32 and the cache."""
+    s = q.shape[1]
+    if s == 1:
+        return decode_attention(q, kv, at.slot, block, at.first, cap), kv
+
+    def first(seen: jax.Array) -> jax.Array:  # [b, slots] -> [b]
+        return jnp.argmax(seen, axis=-1).astype(jnp.int32)
+
+    if s <= UNROLLED_TOKENS:
+        outs = [
+            decode_attention(q[:, j : j + 1], kv, at.slot + j, block, first(at.mask[:, j]), cap)
+            for j in range(s)
+        ]
+        return jnp.concatenate(outs, axis=1), kv
+    # The cache rides in the loop's carry, unchanged, and the loop's copy is the one used
+    # after it: read from outside the loop, XLA copied every layer's cache into it.
+    buffers = ("keys", "values", "key_scales", "value_scales", "key_offsets")
+
+    def one(j: jax.Array, carry: tuple) -> tuple:
+        out, arrays = carry
+        seen = jax.lax.dynamic_index_in_dim(at.mask, j, 1, keepdims=False)
+        q_j = jax.lax.dynamic_slice_in_dim(q, j, 1, axis=1)
+        at_j = dataclasses.replace(kv, **dict(zip(buffers, arrays, strict=True)))
+        o = decode_attention(q_j, at_j, at.slot + j, block, first(seen), cap)
+        return jax.lax.dynamic_update_slice_in_dim(out, o, j, axis=1), arrays
+
+    arrays = tuple(getattr(kv, name) for name in buffers)
+    out, arrays = jax.lax.fori_loop(0, s, one, (jnp.zeros(q.shape, jnp.float32), arrays))
+    return out, dataclasses.replace(kv, **dict(zip(buffers, arrays, strict=True)))
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary positions (optionally q/k biases and norms)."""
 
@@ -170,23 +214,11 @@ class Attention(nnx.Module):
         if block is not None and (s == 1 or kv.rows is not None):
             kv = kv.write(k, v, slot)
             q = kv.rotate(q) * scale.astype(q.dtype)
-            if s == 1:
-                out = decode_attention(q, kv, slot, block, at.first, c.attn_softcap)
-            else:
-                # Several tokens on some rows in place (a speculative check, or a draft model
-                # fed a window): one decode-attention call per token, each up to its own
-                # slot, from the first slot its mask shows (the row's start, or later on a
-                # sliding-window layer). A loop, not unrolled: a program's size (and its
-                # compile time) then does not grow with the tokens (a 64-token draft window
-                # of a 2-layer model compiled in 5.0 s unrolled).
-                def one(j: jax.Array) -> jax.Array:
-                    seen = jax.lax.dynamic_index_in_dim(mask, j, 1, keepdims=False)
-                    first = jnp.argmax(seen, axis=-1).astype(jnp.int32)
-                    q_j = jax.lax.dynamic_slice_in_dim(q, j, 1, axis=1)
-                    return decode_attention(q_j, kv, slot + j, block, first, c.attn_softcap)
-
-                out = jax.lax.map(one, jnp.arange(s, dtype=jnp.int32))  # [s, b, 1, ...]
-                out = jnp.moveaxis(out[:, :, 0], 0, 1)
+            # Several tokens on some rows in place (a speculative check, or a draft model fed
+            # a window): one decode-attention call per token, each up to its own slot, from
+            # the first slot its mask shows (the row's start, or later on a sliding-window
+            # layer).
+            out, kv = _tokens_on_rows(q, kv, at, block, c.attn_softcap)
             out = kv.unrotate(out.astype(x.dtype))
             out = out.reshape(b, s, c.n_heads * c.head_dim)
             return self.o_proj(out), kv
