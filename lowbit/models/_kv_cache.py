@@ -151,8 +151,8 @@ class LayerKV:
         k, v = self.rotate(k), self.rotate(v)
         # The first write (slot 0: the prompt) sets the key offset: the mean of its real tokens.
         start, current = self.start, self.key_offsets
-        if self.rows is not None:
-            start, current = take_rows(start, self.rows), take_rows(current, self.rows)
+        if self.rows is not None:  # small arrays: a gather (`take_rows` unrolls a row each)
+            start, current = start[self.rows], current[self.rows]
         real = (slot + jnp.arange(k.shape[2]))[None, :] >= start[:, None]  # [b, seq]
         real = real[:, None, :, None].astype(jnp.float32)
         mean = jnp.sum(k.astype(jnp.float32) * real, axis=2, keepdims=True) / jnp.maximum(
@@ -231,13 +231,32 @@ def _put_rows(
     dst: jax.Array, x: jax.Array, rows: jax.Array | None, corner: tuple[jax.Array, ...]
 ) -> jax.Array:
     """`dst` with ``x`` written at `corner` (the indices past the first axis): row ``i`` of
-    `x` into row ``rows[i]``, one in-place update each (rows distinct), or `x` at row 0
-    without `rows`."""
+    `x` into row ``rows[i]`` (rows distinct), or `x` at row 0 without `rows`.
+
+    The rows are one scatter of ``x``'s windows, in place (no copy of `dst` in the compiled
+    program). As one update a row, a 16-row decode of SmolLM2's 30 layers held 960 of them
+    and compiled in 2-2.5x a one-row one's time (float16 cache: 6.0-7.3 s against 3.0-3.2 s
+    on 2 Zen 4 cores); as a scatter it compiles in 2.3-2.5 s, with no change in run time.
+    A window that would pass the end of `dst` is dropped, not moved back to fit."""
     if rows is None:
         return jax.lax.dynamic_update_slice(dst, x, (jnp.zeros((), jnp.int32), *corner))
-    for i in range(rows.shape[0]):
-        dst = jax.lax.dynamic_update_slice(dst, x[i : i + 1], (rows[i], *corner))
-    return dst
+    corner = tuple(jnp.broadcast_to(jnp.asarray(c, jnp.int32), rows.shape) for c in corner)
+    index = jnp.stack([rows.astype(jnp.int32), *corner], axis=1)  # [b, dst.ndim]
+    numbers = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=tuple(range(1, x.ndim)),
+        inserted_window_dims=(0,),
+        scatter_dims_to_operand_dims=tuple(range(dst.ndim)),
+    )
+    # Row i of x is the window written at index[i] (its row axis is the scatter's batch).
+    return jax.lax.scatter(
+        dst,
+        index,
+        x,
+        numbers,
+        indices_are_sorted=False,
+        unique_indices=True,
+        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+    )
 
 
 def init_kv_cache(
