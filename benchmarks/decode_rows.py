@@ -2,8 +2,7 @@
 
 The server's decode programs (`lowbit.server._programs`) on the bundled SmolLM2-135M Q4_1
 GGUF file (`--recipe gguf --int8-activations`, as the serve benchmark runs), `SLOTS` slots of a
-float16 KV cache,
-their rows `FILLED` slots long, at each cache length of `MAX_LENS`:
+float16 KV cache, the busy rows `FILLED` slots long, at each cache length of `MAX_LENS`:
 - all slots: `decode` over every row (what a turn ran before busy-row decoding), one busy;
 - rows in place: `decode_rows` of `BUSY` busy rows, which reads and writes only their cache
   rows, in place (`KVCache.rows`).

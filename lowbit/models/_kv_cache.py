@@ -234,10 +234,10 @@ def _put_rows(
     `x` into row ``rows[i]`` (rows distinct), or `x` at row 0 without `rows`.
 
     The rows are one scatter of ``x``'s windows, in place (no copy of `dst` in the compiled
-    program). As one update a row, a 16-row decode of SmolLM2's 30 layers held 960 of them
-    and compiled in 2-2.5x a one-row one's time (float16 cache: 6.0-7.3 s against 3.0-3.2 s
-    on 2 Zen 4 cores); as a scatter it compiles in 2.3-2.5 s, with no change in run time.
-    A window that would pass the end of `dst` is dropped, not moved back to fit."""
+    program). As one update a row, the server's 16-row decode of SmolLM2 held 960 of them and
+    compiled in 11-13 s against 5-6 s as a scatter, at the same step time (`python -m
+    benchmarks decode_rows`, 2 Zen 4 cores). A window that would pass the end of `dst` is
+    dropped, not moved back to fit."""
     if rows is None:
         return jax.lax.dynamic_update_slice(dst, x, (jnp.zeros((), jnp.int32), *corner))
     corner = tuple(jnp.broadcast_to(jnp.asarray(c, jnp.int32), rows.shape) for c in corner)

@@ -367,9 +367,9 @@ def test_a_window_of_tokens_on_some_rows_runs_as_a_loop_the_same_size_for_any_co
 
 @pytest.mark.parametrize("kv_cache", ["float16", "int8"])
 def test_decoding_more_rows_in_place_is_the_same_program_size(kv_cache):
-    # Each row's write was its own in-place update: a 16-row decode of SmolLM2 held 960 and
-    # compiled in 2-2.5x a one-row one's time. The rows' writes are one scatter a buffer, so
-    # the program is the same size for 2 rows as for 16.
+    # Each row's write was its own in-place update: the server's 16-row decode of SmolLM2
+    # held 960 and compiled in about twice the time (`python -m benchmarks decode_rows`). The
+    # rows' writes are one scatter a buffer, so the program is the same size for 2 rows as 16.
     config = DecoderConfig(
         vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64
     )
