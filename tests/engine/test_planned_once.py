@@ -3,12 +3,12 @@
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from lm_support import tiny_lm
 
 import lowbit
 from lowbit import ops, serving
 from lowbit.engine import EngineReport
 from lowbit.ops import _dot_general, _dot_path
-from tests.lm_support import tiny_lm
 
 
 def _counting(monkeypatch, module, name, *more):

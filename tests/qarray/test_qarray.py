@@ -66,7 +66,10 @@ def test_vmap_over_leading_axis_slices_metadata(x):
     np.testing.assert_array_equal(per_layer, q.dequantize())
     built = jax.vmap(lambda v: quantize(v, "int8", granularity=PerChannel()))(stacked)
     assert built.shape == stacked.shape
-    np.testing.assert_array_equal(built.dequantize(), q.dequantize())
+    np.testing.assert_array_equal(built.unpacked_codes(), q.unpacked_codes())
+    # The same scales, but JAX 0.9's XLA divides by the grid's end in one program and
+    # multiplies by its reciprocal in the other: 1 ulp apart there (equal on JAX 0.12).
+    np.testing.assert_array_max_ulp(built.scale_values(), q.scale_values(), maxulp=1)
 
 
 def test_tree_map_keeps_metadata(x):
