@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import difflib
 import os
 import sys
 import threading
@@ -89,6 +90,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unrecognized(parser: argparse.ArgumentParser, command: str | None, extra: list[str]) -> str:
+    """The error for arguments no parser took, naming the closest option of the command and
+    pointing at the command's own help (argparse names the top-level one: the subcommand's
+    parser hands what it does not know up to it)."""
+    sub = parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            sub = action.choices[command]
+    options = [s for action in sub._actions for s in action.option_strings]
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    for arg in extra:
+        if arg.startswith("-"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1)
+            if close:
+                message += f"; did you mean {close[0]}?"
+                break
+    return f"{message} (see `{sub.prog} --help`)"
+
+
 def _one_line(err: BaseException) -> str:
     text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
     if isinstance(err, UsageError | ValueError | FileNotFoundError | TypeError):
@@ -128,7 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Scanned like --debug, so that a usage error is reported as JSON too.
     json_mode = "--json" in argv
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            raise UsageError(_unrecognized(parser, getattr(args, "command", None), extra))
         _use_compilation_cache()
         if getattr(args, "run", None) is None:
             raise UsageError("a command is required (see `lowbit --help`)")

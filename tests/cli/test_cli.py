@@ -90,6 +90,14 @@ def test_recipes_lists_one_line_per_preset(capsys):
         (["eval", "smollm2", "--kv-cache", "int3"], "--kv-cache: 'int3'"),
         (["export", "smollm2", "--gguf", "x.gguf", "--type", "Q7_K"], "'Q7_K' is not supported"),
         (["export", "smollm2"], "--gguf"),
+        # Arguments no parser took: the command's closest option and the command's own help.
+        (
+            ["generate", "smollm2", "--prompt", "hi", "--max-tokens", "20"],
+            "--max-tokens 20; did you mean --max-new-tokens? (see `lowbit generate --help`)",
+        ),
+        (["serve", "x", "--hots=0.0.0.0"], "did you mean --host? (see `lowbit serve --help`)"),
+        (["eval", "smollm2", "stray"], "arguments: stray (see `lowbit eval --help`)"),
+        (["--bogus"], "unrecognized arguments: --bogus (see `lowbit --help`)"),
     ],
 )
 def test_errors_are_one_line_without_traceback(argv, fragment, capsys):
