@@ -6,9 +6,10 @@ float16 KV cache, the busy rows `FILLED` slots long, at each cache length of `MA
 - all slots: `decode` over every row (what a turn ran before busy-row decoding), one busy;
 - rows in place: `decode_rows` of `BUSY` busy rows, which reads and writes only their cache
   rows, in place (`KVCache.rows`).
-One decode step per call (the server's default `--steps`), timed interleaved (`best_times`):
-the best of the rounds, so that a shared machine slows every variant alike. Each program's
-compile time is measured once, the persistent compilation cache off.
+One decode step per call (the server's default `--steps`), the cache and the token counts
+donated as the server donates them, timed interleaved (`best_times`): the best of the rounds,
+so that a shared machine slows every variant alike. Each program's compile time is measured
+once, the persistent compilation cache off.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def _variants(model, params, max_len: int) -> tuple[dict, dict]:
     from flax import nnx
 
     from lowbit.server import _programs as programs
+    from lowbit.server._compile import MODEL_PROGRAMS
 
     graphdef, _ = nnx.split(model)
     vocab = model.config.vocab_size
@@ -63,10 +65,15 @@ def _variants(model, params, max_len: int) -> tuple[dict, dict]:
     for name, (fn, busy, extra) in variants.items():
         start = np.full((SLOTS,), max_len, np.int32)
         start[:busy] = 0  # the busy rows hold FILLED slots; the others none
-        state = {"cache": model.init_cache(SLOTS, max_len, kv_cache=KV_CACHE)}
-        args = (params, state["cache"], token, rows, counts, one, *extra)
+        state = {
+            "cache": model.init_cache(SLOTS, max_len, kv_cache=KV_CACHE),
+            "counts": jnp.copy(counts),
+        }
+        args = (params, state["cache"], token, rows, state["counts"], one, *extra)
         clock = time.perf_counter()
-        program = jax.jit(fn, donate_argnums=1).lower(*args).compile()
+        # The buffers the server's programs reuse in place: the cache and the token counts.
+        donate = MODEL_PROGRAMS["decode_rows" if extra else "decode"]
+        program = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
         compile_s[name] = time.perf_counter() - clock
 
         def call(program=program, extra=extra, state=state, start=start):
@@ -74,7 +81,8 @@ def _variants(model, params, max_len: int) -> tuple[dict, dict]:
             cache = dataclasses.replace(
                 state["cache"], length=jnp.int32(FILLED), start=jnp.asarray(start)
             )
-            out, state["cache"] = program(params, cache, token, rows, counts, one, *extra)
+            out, state["cache"] = program(params, cache, token, rows, state["counts"], one, *extra)
+            state["counts"] = out.counts
             return out
 
         fns[name] = call
