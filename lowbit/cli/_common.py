@@ -104,19 +104,29 @@ def progress() -> Iterator[Progress]:
 
 
 @contextlib.contextmanager
-def step(bar: Progress, description: str, total: int | None = None) -> Iterator[Callable]:
-    """A progress task; yields ``advance(done, total)`` for callbacks, finishes it on exit."""
+def step(
+    bar: Progress, description: str, total: int | None = None, *, only_if_used: bool = False
+) -> Iterator[Callable]:
+    """A progress task; yields ``advance(done, total)`` for callbacks, finishes it on exit.
+
+    `only_if_used`: the step may have nothing to do (no calibration, no rotation); its
+    ``done:`` line is printed only if ``advance`` was called, so a log does not claim work
+    that never ran.
+    """
     task = bar.add_task(description, total=total)
     start = time.perf_counter()
+    used = False
 
     def advance(done: int, total_: int) -> None:
+        nonlocal used
+        used = True
         bar.update(task, completed=done, total=total_)
 
     try:
         yield advance
     finally:
         bar.remove_task(task)
-    if not bar.console.is_terminal:
+    if not bar.console.is_terminal and (used or not only_if_used):
         # No live display (a pipe or a log file): one line per finished step instead.
         bar.console.print(f"done: {description} ({time.perf_counter() - start:.1f} s)")
 
@@ -231,8 +241,8 @@ def quantize_with_progress(
     calibration = getattr(args, "calibration", None)
     sequences = calibration_sequences(args)
     with (
-        step(bar, f"calibrating {spec}") as on_batch,
-        step(bar, f"rounding weights of {spec}") as on_weight,
+        step(bar, f"calibrating {spec}", only_if_used=True) as on_batch,
+        step(bar, f"rounding weights of {spec}", only_if_used=True) as on_weight,
     ):
         return serving.apply_recipe(
             loaded,
@@ -327,8 +337,11 @@ def open_target(target: str, recipe: str | None, bar: Progress, args: Any = None
     spec = recipe_for(target, recipe)
     with step(bar, f"loading {target}"):
         loaded = serving.load_model(target, float_weights=spec != serving.GGUF_RECIPE)
-    with step(bar, "rotating"):
-        loaded = serving.rotated_for_spec(loaded, spec)
+    with step(bar, "rotating", only_if_used=True) as advance:
+        rotated = serving.rotated_for_spec(loaded, spec)
+        if rotated is not loaded:
+            advance(1, 1)
+        loaded = rotated
     print_rotation(bar, loaded)
     float_params = nnx.split(loaded.model)[1]
     with step(bar, f"quantizing with {spec}"):

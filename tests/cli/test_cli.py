@@ -230,3 +230,26 @@ def test_the_console_script_waits_for_a_thread_that_is_not_a_daemon():
     done = _console(TORN_DOWN + late, "recipes")
     assert done.returncode == 0 and done.stdout.endswith("late\n")
     assert done.stderr == "torn down\n"  # Python's own exit, after the thread
+
+
+def test_a_log_names_only_the_steps_that_ran():
+    """Without a live display each finished step is a ``done:`` line; a step that may have
+    nothing to do (calibrating a recipe without data, rotating a recipe without a rotation)
+    is named only if it advanced."""
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from lowbit.cli._common import step
+
+    log = io.StringIO()
+    with Progress(console=Console(file=log, force_terminal=False)) as bar:
+        with step(bar, "loading"):
+            pass
+        with step(bar, "calibrating", only_if_used=True):
+            pass
+        with step(bar, "rounding weights", only_if_used=True) as advance:
+            advance(1, 2)
+    lines = [line.split(" (")[0] for line in log.getvalue().splitlines() if line]
+    assert lines == ["done: loading", "done: rounding weights"]
