@@ -18,7 +18,7 @@ def path_str(path: ParamPath) -> str:
     return "/".join(str(p) for p in path)
 
 
-def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rope_rows(w: np.ndarray, n_heads: int, out: np.ndarray | None = None) -> np.ndarray:
     """Undo llama.cpp's interleaving of query/key projection rows.
 
     llama.cpp's converter reorders each head's output rows from Hugging Face's "two halves"
@@ -28,11 +28,18 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     w: ``[n_heads * head_dim, ...]``: any array whose leading axis is the output row, so it
     works both on float weights ``[out, in]`` and on raw quantized block bytes
     ``[out, row_bytes]`` (blocks run along the input axis, so whole rows move intact).
+
+    out: a contiguous array of `w`'s shape and dtype to write the rows into (and return)
+    instead of a new one: a loader's reused buffer.
     """
     if w.shape[0] % (2 * n_heads):
         raise ValueError(f"w has {w.shape[0]} rows, not a multiple of 2 * n_heads={2 * n_heads}")
     half = w.shape[0] // n_heads // 2
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    moved = w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2)
+    if out is None:
+        return moved.reshape(w.shape)
+    np.copyto(out.reshape(moved.shape), moved)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -229,12 +229,20 @@ def test_real_file_import_by_name_map():
 def test_laying_out_at_import_gives_the_tree_of_laying_out_afterwards(tmp_path):
     """`kernel_axes` lays each weight out from the file's bytes, a transposed one without
     transposing it first: the same tree, leaf for leaf, as importing the logical tree and
-    laying it out afterwards. The axes function sees the logical tree's shapes only."""
+    laying it out afterwards. The axes function sees the logical tree's shapes only.
+
+    Q3_K / Q4_K / Q5_K (tiles larger than their rows) are laid out from one reused staging
+    buffer: weights smaller and larger than the one before it, one with RoPE rows
+    un-interleaved on the way, and one no kernel uses (transposed, not laid out)."""
     rng = np.random.default_rng(2)
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
     names = {}
     for name, kind, shape, transpose in [
         ("q4_k", Q.Q4_K, (256, 512), True),  # tiles
+        ("q4_k_rope", Q.Q4_K, (256, 256), True),  # smaller, rows un-interleaved
+        ("q5_k", Q.Q5_K, (128, 1024), True),  # larger than the staging buffer so far
+        ("q3_k", Q.Q3_K, (256, 256), True),
+        ("q4_k_unused", Q.Q4_K, (32, 256), True),  # no axis: transposed only
         ("q6_k", Q.Q6_K, (256, 256), False),  # tiles, placed as stored
         ("iq4_nl", Q.IQ4_NL, (256, 256), True),  # block rows
         ("q8_0", Q.Q8_0, (256, 256), True),  # int8
@@ -245,7 +253,8 @@ def test_laying_out_at_import_gives_the_tree_of_laying_out_afterwards(tmp_path):
         raw = rng.integers(0, 256, (shape[0], shape[1] // block * size), dtype=np.uint8)
         raw.reshape(shape[0], -1, size)[..., 0:4] = np.float16([0.01, 0.02]).view(np.uint8)
         writer.add_tensor(name, raw, raw_dtype=kind)
-        names[name] = Placement(path=(name, "kernel"), transpose=transpose)
+        heads = 2 if name == "q4_k_rope" else None
+        names[name] = Placement(path=(name, "kernel"), transpose=transpose, unpermute_heads=heads)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -254,6 +263,7 @@ def test_laying_out_at_import_gives_the_tree_of_laying_out_afterwards(tmp_path):
     axes = {
         (jax.tree_util.DictKey(n), jax.tree_util.DictKey("kernel")): 0 if p.transpose else 1
         for n, p in names.items()
+        if n != "q4_k_unused"
     }
     seen = []
 
@@ -271,13 +281,39 @@ def test_laying_out_at_import_gives_the_tree_of_laying_out_afterwards(tmp_path):
     kinds = {n: getattr(laid_out[n]["kernel"], "route", None) for n in names}
     assert {n: r.kind for n, r in kinds.items() if r} == {
         "q4_k": "q4_k",
+        "q4_k_rope": "q4_k",
+        "q5_k": "q5_k",
+        "q3_k": "q3_k",
         "q6_k": "q6_k",
         "iq4_nl": "iq4_nl",
         "q8_0": "int8",
         "q4_1": "uint4",
     }
     assert laid_out["q4_k"]["kernel"].shape == (512, 256)  # [in, out], as placed
+    assert isinstance(laid_out["q4_k_unused"]["kernel"], QArray)
+    assert laid_out["q4_k_unused"]["kernel"].shape == (256, 32)
     (tree,) = seen
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
     assert jax.tree.structure(tree) == jax.tree.structure(logical)
     assert [x.shape for x in jax.tree.leaves(tree)] == [x.shape for x in jax.tree.leaves(logical)]
+
+
+def test_staged_rows_alias_one_reused_buffer_and_layouts_do_not():
+    """Q4_K rows are read into one buffer that the JAX array aliases (no copy of the rows in
+    fresh memory per weight); the buffer grows only for a larger weight, and the tiles laid
+    out from it are a buffer of their own (the next weight overwrites the staged rows)."""
+    from lowbit.io._gguf_import import _Staged, _Staging, _lay_out_staged
+
+    staging = _Staging()
+    big, small = _random_blocks("Q4_K", 256, 512), _random_blocks("Q4_K", 256, 256, seed=1)
+    rows = staging.load(_Staged(big, None))
+    assert staging.holds(rows) and np.asarray(rows).tobytes() == big.raw.tobytes()
+    first = rows.unsafe_buffer_pointer()
+    del rows
+    rows = staging.load(_Staged(small, None))
+    assert rows.unsafe_buffer_pointer() == first  # the same buffer, reused
+    del rows
+    weight = _lay_out_staged(_Staged(big, None), 0, staging)
+    assert weight.route.kind == "q4_k" and not staging.holds(weight)
+    want = _dequantize(gguf_tensor_to_qarray(big)).T
+    np.testing.assert_array_equal(_dequantize(weight.logical()), want)
