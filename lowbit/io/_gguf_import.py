@@ -340,7 +340,7 @@ def _abstract(leaf: Any) -> Any:
         return jax.eval_shape(_transposed, leaf.stored)
     if isinstance(leaf, _Staged):
         rows = jax.ShapeDtypeStruct(leaf.tensor.raw.shape, np.uint8)
-        return jax.eval_shape(lambda r: _transposed(_blocks_qarray(leaf.tensor, r)), rows)
+        return jax.eval_shape(_transposed, _blocks_qarray(leaf.tensor, rows))
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), leaf)
 
 
