@@ -298,11 +298,12 @@ def test_laying_out_at_import_gives_the_tree_of_laying_out_afterwards(tmp_path):
     assert [x.shape for x in jax.tree.leaves(tree)] == [x.shape for x in jax.tree.leaves(logical)]
 
 
-def test_staged_rows_alias_one_reused_buffer_and_layouts_do_not():
+def test_staged_rows_alias_one_reused_buffer_and_layouts_do_not(monkeypatch):
     """Q4_K rows are read into one buffer that the JAX array aliases (no copy of the rows in
     fresh memory per weight); the buffer grows only for a larger weight, and the tiles laid
     out from it are a buffer of their own (the next weight overwrites the staged rows)."""
-    from lowbit.io._gguf_import import _Staged, _Staging, _lay_out_staged
+    import lowbit.io._gguf_import as gguf_import
+    from lowbit.io._gguf_import import _lay_out_staged, _Staged, _Staging
 
     staging = _Staging()
     big, small = _random_blocks("Q4_K", 256, 512), _random_blocks("Q4_K", 256, 256, seed=1)
@@ -317,3 +318,7 @@ def test_staged_rows_alias_one_reused_buffer_and_layouts_do_not():
     assert weight.route.kind == "q4_k" and not staging.holds(weight)
     want = _dequantize(gguf_tensor_to_qarray(big)).T
     np.testing.assert_array_equal(_dequantize(weight.logical()), want)
+    # A layout that kept the staged rows (none does today) gets a buffer of its own.
+    monkeypatch.setattr(gguf_import, "prepare_transposed", lambda q, axis, donate=False: q)
+    kept = _lay_out_staged(_Staged(small, None), 0, staging)
+    assert not staging.holds(kept) and np.asarray(kept.codes).tobytes() == small.raw.tobytes()
