@@ -45,7 +45,7 @@ from lowbit.formats import GGUF_ELEMENT_FORMATS, get_format
 from lowbit.gguf import BLOCK_TYPES, GGUFFile, GGUFTensor, read_gguf, split
 from lowbit.io._placement import NameMap, Placement, nest, resolve
 from lowbit.models import swap_last, unpermute_rope_rows
-from lowbit.ops import prepare_leaves, prepare_transposed
+from lowbit.ops import gguf_twin_tiles, prepare_leaves, prepare_transposed
 from lowbit.qarray import QArray, is_qarray
 
 
@@ -167,6 +167,7 @@ def import_gguf(
     name_map: NameMap | None = None,
     quantized: bool = True,
     kernel_axes: Any = None,
+    int8_activations: bool = False,
 ) -> tuple[dict[Any, Any], dict[str, Any]]:
     """Reads a GGUF file into a params tree, keeping quantized tensors quantized as stored.
 
@@ -184,6 +185,12 @@ def import_gguf(
         ``lambda p: lowbit.api.kernel_axes_of(fn, p, tokens)``; the layouts replace the
         codes, laid out from the file's bytes (a weight it stores transposed is not
         transposed first). None (default): logical QArrays.
+      int8_activations: with `kernel_axes`, the weights will multiply on int8 activations
+        (`lowbit.ops.with_int8_activations`, the ``gguf`` recipe): Q8_0 / Q4_0 tensors
+        (int8 / int4) are then laid out at once as the tiles that moves them to
+        (`lowbit.ops.gguf_twin_tiles`), written over a copy of their rows, not as int8 /
+        int4 layouts first. The same tree as `with_int8_activations` gives, before its
+        flags are set.
     Returns:
       ``(params, metadata)``: nested dicts of `QArray`s (the types of
       `lowbit.gguf.BLOCK_TYPES`) and float32 arrays (other types); the file's key/value
@@ -200,7 +207,7 @@ def import_gguf(
         if placement is None:
             continue
         if kernel_axes is not None and _lay_out_as_stored(tensor, placement, quantized):
-            if _tiled_from_staging(tensor):
+            if _tiled_from_staging(tensor) or (int8_activations and _twin_tiled(tensor)):
                 # Read when laid out (`_lay_out_staged`), its pages dropped then.
                 placed.append((placement.path, _Staged(tensor, placement.unpermute_heads)))
                 continue
@@ -245,13 +252,18 @@ class _AsStored:
 
 @dataclasses.dataclass(frozen=True)
 class _Staged:
-    """A 2-D block tensor like an `_AsStored` one whose layout is a new buffer (tiles larger
-    than its rows: `_tiled_from_staging`), not yet read: its rows (un-interleaved as
-    `unpermute_heads` says) are copied into `_Staging`'s buffer and laid out from there once
-    the contraction axes are known, so the weight is written into fresh memory once (its
-    tiles) instead of twice (a copy of its rows, then its tiles). On a 2-core EPYC, a
-    Llama-3-8B-shaped Q4_K_M file's Q4_K weights (3.7 GB) took 2.8-4.6 s to lay out so
-    against 5.9-10.8 s from a copy of each."""
+    """A 2-D tensor like an `_AsStored` one, not yet read, laid out once the contraction axes
+    are known (`_lay_out_staged`) from its rows copied (un-interleaved as `unpermute_heads`
+    says) into `_Staging`'s buffer:
+
+      * a block type whose tiles are larger than its rows (`_tiled_from_staging`: Q3_K,
+        Q4_K, Q5_K) is tiled from the buffer itself, so the weight is written into fresh
+        memory once (its tiles), not twice (a copy of its rows, then its tiles). On a 2-core
+        EPYC a Llama-3-8B-shaped Q4_K_M file's Q4_K weights (3.7 GB) took 2.8-4.6 s to lay
+        out so, against 5.9-10.8 s from a copy of each;
+      * Q8_0 / Q4_0 for int8 activations (`_twin_tiled`) are tiled over one copy of their
+        rows (`lowbit.ops.gguf_twin_tiles`), not split into int8 / int4 codes and scales,
+        laid out as those and then moved onto their tiles."""
 
     tensor: GGUFTensor
     unpermute_heads: int | None
@@ -265,8 +277,9 @@ class _Staging:
     def __init__(self) -> None:
         self._buffer = np.empty(0, np.uint8)
 
-    def load(self, staged: _Staged) -> jax.Array:
-        """The rows of `staged` ``uint8 [N, row_bytes]`` in the buffer, as a JAX array."""
+    def load(self, staged: _Staged, *, copy: bool = False) -> jax.Array:
+        """The rows of `staged` ``uint8 [N, row_bytes]`` in the buffer, as a JAX array (with
+        `copy`, a JAX buffer of their own, copied from it once: one to donate)."""
         raw = staged.tensor.raw
         if self._buffer.nbytes < raw.nbytes:
             self._buffer = np.empty(0, np.uint8)  # the old one freed first
@@ -278,7 +291,7 @@ class _Staging:
             np.copyto(rows, raw)
         else:
             unpermute_rope_rows(raw, staged.unpermute_heads, out=rows)
-        return jax.device_put(rows, may_alias=True)
+        return jax.device_put(rows, may_alias=not copy)
 
     def holds(self, tree: Any) -> bool:
         """Whether an array of `tree` lies in the buffer (a result that kept the rows)."""
@@ -301,6 +314,32 @@ def _tiled_from_staging(tensor: GGUFTensor) -> bool:
     return kernels.gguf_tileable(kind, k, n)
 
 
+def _twin_tiled(tensor: GGUFTensor) -> bool:
+    """Whether `tensor` imports as int8 / int4 that int8 activations move onto its own tiles
+    (`lowbit.ops.gguf_twin_tiles`): a 2-D Q8_0 / Q4_0 tensor."""
+    return len(tensor.shape) == 2 and tensor.type_name in ("Q8_0", "Q4_0")
+
+
+def _twin_abstract(tensor: GGUFTensor) -> QArray:
+    """The shapes of the int8 / int4 QArray a Q8_0 / Q4_0 `tensor` imports as
+    (`gguf_tensor_to_qarray`), without its bytes: `jax.ShapeDtypeStruct` leaves."""
+    n, k = tensor.shape
+    name = "int8" if tensor.type_name == "Q8_0" else "int4"
+    codes = jax.ShapeDtypeStruct((n, k), np.int8 if name == "int8" else np.uint8)
+    if name == "int4":
+        codes = jax.eval_shape(functools.partial(_pack, name=name, axis=1), codes)
+    return QArray(
+        codes=codes,
+        scale=jax.ShapeDtypeStruct((n, k // 32), np.float16),
+        zero_point=None,
+        tensor_scale=None,
+        format=name,
+        shape=tensor.shape,
+        dtype=np.float32,
+        packed_axis=1 if name == "int4" else None,
+    ).check()
+
+
 def _lay_out_staged(staged: _Staged, axis: int | None, staging: _Staging) -> Any:
     """The weight of `staged` (its stored ``[out, in]`` transposed): laid out for contraction
     over `axis` (`prepare_transposed`) from the staging buffer; `axis` None (no kernel use):
@@ -315,6 +354,10 @@ def _lay_out_staged(staged: _Staged, axis: int | None, staging: _Staging) -> Any
 
     if axis is None:
         weight = copied().T
+    elif _twin_tiled(tensor):
+        weight = gguf_twin_tiles(_twin_abstract(tensor), staging.load(staged, copy=True), axis)
+        if weight is None:  # not onto the twin's tiles: as without `int8_activations`
+            weight = prepare_transposed(copied(), axis, donate=True)
     else:
         weight = prepare_transposed(_blocks_qarray(tensor, staging.load(staged)), axis)
         jax.block_until_ready(weight)  # done with the buffer before it is loaded again
@@ -338,6 +381,8 @@ def _abstract(leaf: Any) -> Any:
     `_AsStored` or `_Staged` one: what the params will hold, without computing it."""
     if isinstance(leaf, _AsStored):
         return jax.eval_shape(_transposed, leaf.stored)
+    if isinstance(leaf, _Staged) and _twin_tiled(leaf.tensor):
+        return jax.eval_shape(_transposed, _twin_abstract(leaf.tensor))
     if isinstance(leaf, _Staged):
         rows = jax.ShapeDtypeStruct(leaf.tensor.raw.shape, np.uint8)
         return jax.eval_shape(_transposed, _blocks_qarray(leaf.tensor, rows))

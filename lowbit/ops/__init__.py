@@ -50,6 +50,7 @@ from lowbit.ops._prepare_tree import (
 from lowbit.ops._prepared import (
     PreparedPieces,
     PreparedQArray,
+    gguf_twin_tiles,
     is_prepared,
     prepare_transposed,
     prepare_weight,
@@ -91,6 +92,7 @@ __all__ = [
     "plan_dot_general",
     "dot_general_reference",
     "fp8_dot_general",
+    "gguf_twin_tiles",
     "hadamard_matrix",
     "hadamard_transform",
     "is_prepared",

@@ -518,6 +518,44 @@ def as_gguf_tiles(x: PreparedQArray) -> PreparedQArray | None:
     return dataclasses.replace(x, weight=weight, route=tiled_route)
 
 
+def gguf_twin_tiles(q: QArray, rows: jax.Array, axis: int) -> PreparedQArray | None:
+    """``as_gguf_tiles(prepare_transposed(q, axis))`` made from the file's bytes: `rows` are a
+    GGUF file's Q4_0 / Q8_0 block rows ``uint8 [N, row_bytes]`` and `q` the int4 / int8
+    QArray they import as, stored ``[N, K]`` (only its shapes and static fields are read:
+    `jax.ShapeDtypeStruct` leaves will do). The tiles are written over `rows`, which the
+    caller gives up, and no int4 / int8 layout is made first (that chain wrote the weight
+    five times over). None where the chain would not end on the twin's tiles.
+    """
+    twin = _GGUF_TWINS.get(q.format)
+    stored_axis = 1 - axis
+    route = None if twin is None or q.ndim != 2 else weight_route(q, stored_axis)
+    n, k = q.shape
+    if (
+        route is None
+        or route.kind != q.format
+        or route.group_size != 32
+        or route.shift_int4
+        or q.activation is not None
+        or q.scale_encoding != "float"
+        or np.dtype(q.scale.dtype) != np.dtype(jnp.float16)
+        or any(a is not None for a in (q.zero_point, q.tensor_scale, q.input_scale))
+        or rows.shape != (n, k // 32 * block_type(twin.upper()).type_size)
+        or not kernels.gguf_tileable(twin.upper(), k, n)
+    ):
+        return None
+    tiles = _gguf_tiles_over_rows(rows, twin.upper())
+    release_free_memory()
+    weight = kernels.PreparedWeight(twin, k, n, None, 32, tiles)
+    stored_route = KernelRoute(kind=twin, group_size=None, transposed=stored_axis == 1)
+    stored = PreparedQArray(weight, None, None, None, stored_axis, stored_route, LogicalMeta.of(q))
+    return stored.transpose((1, 0))
+
+
+_gguf_tiles_over_rows = jax.jit(
+    functools.partial(kernels.gguf_tile, over_rows=True), static_argnums=1, donate_argnums=0
+)
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _twin_layout(q: QArray, axis: int, twin: str) -> kernels.PreparedWeight:
     codes, scale = q.unpacked_codes(), q.scale

@@ -80,6 +80,7 @@ def apply_recipe(
             loaded.gguf_file or loaded.gguf_path,
             name_map=mapping.get,
             kernel_axes=kernel_axes_fn(loaded, program_dir),
+            int8_activations=True,
         )
         # Every quantized tensor multiplies as llama.cpp multiplies it: activations in its Q8_0 /
         # Q8_K blocks, integer dots. That holds for the Q8_0 / Q4_0 / Q4_1 tensors imported as

@@ -322,3 +322,46 @@ def test_staged_rows_alias_one_reused_buffer_and_layouts_do_not(monkeypatch):
     monkeypatch.setattr(gguf_import, "prepare_transposed", lambda q, axis, donate=False: q)
     kept = _lay_out_staged(_Staged(small, None), 0, staging)
     assert not staging.holds(kept) and np.asarray(kept.codes).tobytes() == small.raw.tobytes()
+
+
+def test_int8_activations_lay_q8_0_and_q4_0_out_as_their_tiles_at_once(tmp_path):
+    """With `int8_activations`, Q8_0 / Q4_0 weights are tiled from their rows at import: the
+    tree `with_int8_activations` then gives is the one it gives from the int8 / int4 layouts
+    (static fields included), for weights with RoPE rows, and below the kernels' size."""
+    rng = np.random.default_rng(3)
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    names = {}
+    for name, kind, shape, heads in [
+        ("q8_0", Q.Q8_0, (256, 256), None),
+        ("q4_0_rope", Q.Q4_0, (256, 512), 2),
+        ("q8_0_small", Q.Q8_0, (8, 64), None),
+        ("q4_k", Q.Q4_K, (256, 256), None),
+    ]:
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        raw = rng.integers(0, 256, (shape[0], shape[1] // block * size), dtype=np.uint8)
+        raw.reshape(shape[0], -1, size)[..., 0:2] = np.float16([0.01]).view(np.uint8)
+        writer.add_tensor(name, raw, raw_dtype=kind)
+        names[name] = Placement(path=(name, "kernel"), transpose=True, unpermute_heads=heads)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    axes = {(jax.tree_util.DictKey(n), jax.tree_util.DictKey("kernel")): 0 for n in names}
+    with_int8 = lowbit.ops.with_int8_activations
+    path = tmp_path / "m.gguf"
+    direct, _ = import_gguf(path, name_map=names.get, kernel_axes=axes, int8_activations=True)
+    chain, _ = import_gguf(path, name_map=names.get, kernel_axes=axes)
+    # Tiled at import (the chain holds int8 / int4 layouts until `with_int8_activations`).
+    assert [direct[n]["kernel"].route.kind for n in ("q8_0", "q4_0_rope")] == ["q8_0", "q4_0"]
+    assert [chain[n]["kernel"].route.kind for n in ("q8_0", "q4_0_rope")] == ["int8", "int4"]
+    direct, chain = with_int8(direct), with_int8(chain)
+    assert jax.tree.structure(direct) == jax.tree.structure(chain)
+    for got, want in zip(jax.tree.leaves(direct), jax.tree.leaves(chain), strict=True):
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    kinds = {n: getattr(direct[n]["kernel"], "route", None) for n in names}
+    assert {n: (r.kind, r.int8_activations) for n, r in kinds.items() if r} == {
+        "q8_0": ("q8_0", True),
+        "q4_0_rope": ("q4_0", True),
+        "q4_k": ("q4_k", True),
+    }
+    assert direct["q8_0"]["kernel"].logical().format == "int8"  # still the int8 weight
