@@ -45,7 +45,7 @@ from lowbit.formats import GGUF_ELEMENT_FORMATS, get_format
 from lowbit.gguf import BLOCK_TYPES, GGUFFile, GGUFTensor, read_gguf, split
 from lowbit.io._placement import NameMap, Placement, nest, resolve
 from lowbit.models import swap_last, unpermute_rope_rows
-from lowbit.ops import gguf_twin_tiles, prepare_leaves, prepare_transposed
+from lowbit.ops import gguf_twin_tiles, prepare_leaves, prepare_transposed, prepare_weight
 from lowbit.qarray import QArray, is_qarray
 
 
@@ -206,11 +206,12 @@ def import_gguf(
         placement = Placement(path=(name,)) if name_map is None else resolve(name, name_map(name))
         if placement is None:
             continue
+        if kernel_axes is not None and _staged(tensor, placement, quantized, int8_activations):
+            # Read when laid out (`_lay_out_staged`), its pages dropped then.
+            staged = _Staged(tensor, placement.unpermute_heads, placement.transpose)
+            placed.append((placement.path, staged))
+            continue
         if kernel_axes is not None and _lay_out_as_stored(tensor, placement, quantized):
-            if _tiled_from_staging(tensor) or (int8_activations and _twin_tiled(tensor)):
-                # Read when laid out (`_lay_out_staged`), its pages dropped then.
-                placed.append((placement.path, _Staged(tensor, placement.unpermute_heads)))
-                continue
             stored = dataclasses.replace(placement, transpose=False)
             placed.append((placement.path, _AsStored(place_tensor(tensor, stored, quantized))))
         else:
@@ -267,6 +268,14 @@ class _Staged:
 
     tensor: GGUFTensor
     unpermute_heads: int | None
+    transposed: bool = True  # placed as the transpose of its stored [out, in]
+
+
+def _staged(tensor: GGUFTensor, placement: Placement, quantized: bool, int8: bool) -> bool:
+    """Whether `tensor` is laid out as a `_Staged` one (`int8`: for int8 activations)."""
+    if int8 and quantized and _twin_tiled(tensor):
+        return True
+    return _lay_out_as_stored(tensor, placement, quantized) and _tiled_from_staging(tensor)
 
 
 class _Staging:
@@ -341,10 +350,12 @@ def _twin_abstract(tensor: GGUFTensor) -> QArray:
 
 
 def _lay_out_staged(staged: _Staged, axis: int | None, staging: _Staging) -> Any:
-    """The weight of `staged` (its stored ``[out, in]`` transposed): laid out for contraction
-    over `axis` (`prepare_transposed`) from the staging buffer; `axis` None (no kernel use):
-    the transposed QArray. Its mapped pages are dropped once read."""
+    """The weight of `staged` (its stored ``[out, in]``, transposed if `staged.transposed`):
+    laid out for contraction over `axis` from the staging buffer; `axis` None (no kernel
+    use): the QArray. Its mapped pages are dropped once read."""
     tensor = staged.tensor
+    flip = staged.transposed
+    prepare = prepare_transposed if flip else prepare_weight
 
     def copied() -> QArray:  # the stored QArray in a buffer of its own
         raw = tensor.raw
@@ -353,11 +364,12 @@ def _lay_out_staged(staged: _Staged, axis: int | None, staging: _Staging) -> Any
         return gguf_tensor_to_qarray(GGUFTensor(tensor.name, tensor.ggml_type, tensor.shape, raw))
 
     if axis is None:
-        weight = copied().T
+        weight = copied().T if flip else copied()
     elif _twin_tiled(tensor):
-        weight = gguf_twin_tiles(_twin_abstract(tensor), staging.load(staged, copy=True), axis)
+        rows = staging.load(staged, copy=True)
+        weight = gguf_twin_tiles(_twin_abstract(tensor), rows, axis, transposed=flip)
         if weight is None:  # not onto the twin's tiles: as without `int8_activations`
-            weight = prepare_transposed(copied(), axis, donate=True)
+            weight = prepare(copied(), axis, donate=True)
     else:
         weight = prepare_transposed(_blocks_qarray(tensor, staging.load(staged)), axis)
         jax.block_until_ready(weight)  # done with the buffer before it is loaded again
@@ -382,7 +394,8 @@ def _abstract(leaf: Any) -> Any:
     if isinstance(leaf, _AsStored):
         return jax.eval_shape(_transposed, leaf.stored)
     if isinstance(leaf, _Staged) and _twin_tiled(leaf.tensor):
-        return jax.eval_shape(_transposed, _twin_abstract(leaf.tensor))
+        twin = _twin_abstract(leaf.tensor)
+        return jax.eval_shape(_transposed, twin) if leaf.transposed else twin
     if isinstance(leaf, _Staged):
         rows = jax.ShapeDtypeStruct(leaf.tensor.raw.shape, np.uint8)
         return jax.eval_shape(_transposed, _blocks_qarray(leaf.tensor, rows))

@@ -518,16 +518,19 @@ def as_gguf_tiles(x: PreparedQArray) -> PreparedQArray | None:
     return dataclasses.replace(x, weight=weight, route=tiled_route)
 
 
-def gguf_twin_tiles(q: QArray, rows: jax.Array, axis: int) -> PreparedQArray | None:
+def gguf_twin_tiles(
+    q: QArray, rows: jax.Array, axis: int, *, transposed: bool = True
+) -> PreparedQArray | None:
     """``as_gguf_tiles(prepare_transposed(q, axis))`` made from the file's bytes: `rows` are a
     GGUF file's Q4_0 / Q8_0 block rows ``uint8 [N, row_bytes]`` and `q` the int4 / int8
     QArray they import as, stored ``[N, K]`` (only its shapes and static fields are read:
     `jax.ShapeDtypeStruct` leaves will do). The tiles are written over `rows`, which the
     caller gives up, and no int4 / int8 layout is made first (that chain wrote the weight
-    five times over). None where the chain would not end on the twin's tiles.
+    five times over). `transposed=False`: of ``prepare_weight(q, axis)`` instead (the
+    weight placed as stored). None where the chain would not end on the twin's tiles.
     """
     twin = _GGUF_TWINS.get(q.format)
-    stored_axis = 1 - axis
+    stored_axis = 1 - axis if transposed else axis
     route = None if twin is None or q.ndim != 2 else weight_route(q, stored_axis)
     n, k = q.shape
     if (
@@ -548,7 +551,7 @@ def gguf_twin_tiles(q: QArray, rows: jax.Array, axis: int) -> PreparedQArray | N
     weight = kernels.PreparedWeight(twin, k, n, None, 32, tiles)
     stored_route = KernelRoute(kind=twin, group_size=None, transposed=stored_axis == 1)
     stored = PreparedQArray(weight, None, None, None, stored_axis, stored_route, LogicalMeta.of(q))
-    return stored.transpose((1, 0))
+    return stored.transpose((1, 0)) if transposed else stored
 
 
 _gguf_tiles_over_rows = jax.jit(

@@ -336,24 +336,32 @@ def test_int8_activations_lay_q8_0_and_q4_0_out_as_their_tiles_at_once(tmp_path)
         ("q4_0_rope", Q.Q4_0, (256, 512), 2),
         ("q8_0_small", Q.Q8_0, (8, 64), None),
         ("q4_k", Q.Q4_K, (256, 256), None),
+        ("q8_0_as_stored", Q.Q8_0, (512, 256), None),  # e.g. a tied embedding, [N, K]
+        ("q4_0_unused", Q.Q4_0, (256, 256), None),  # no kernel use: the QArray
     ]:
         block, size = gguf.GGML_QUANT_SIZES[kind]
         raw = rng.integers(0, 256, (shape[0], shape[1] // block * size), dtype=np.uint8)
         raw.reshape(shape[0], -1, size)[..., 0:2] = np.float16([0.01]).view(np.uint8)
         writer.add_tensor(name, raw, raw_dtype=kind)
-        names[name] = Placement(path=(name, "kernel"), transpose=True, unpermute_heads=heads)
+        flip = name != "q8_0_as_stored"
+        names[name] = Placement(path=(name, "kernel"), transpose=flip, unpermute_heads=heads)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    axes = {(jax.tree_util.DictKey(n), jax.tree_util.DictKey("kernel")): 0 for n in names}
+    axes = {
+        (jax.tree_util.DictKey(n), jax.tree_util.DictKey("kernel")): int(not p.transpose)
+        for n, p in names.items()
+        if n != "q4_0_unused"
+    }
     with_int8 = lowbit.ops.with_int8_activations
     path = tmp_path / "m.gguf"
     direct, _ = import_gguf(path, name_map=names.get, kernel_axes=axes, int8_activations=True)
     chain, _ = import_gguf(path, name_map=names.get, kernel_axes=axes)
     # Tiled at import (the chain holds int8 / int4 layouts until `with_int8_activations`).
-    assert [direct[n]["kernel"].route.kind for n in ("q8_0", "q4_0_rope")] == ["q8_0", "q4_0"]
-    assert [chain[n]["kernel"].route.kind for n in ("q8_0", "q4_0_rope")] == ["int8", "int4"]
+    tiled = ("q8_0", "q4_0_rope", "q8_0_as_stored")
+    assert [direct[n]["kernel"].route.kind for n in tiled] == ["q8_0", "q4_0", "q8_0"]
+    assert [chain[n]["kernel"].route.kind for n in tiled] == ["int8", "int4", "int8"]
     direct, chain = with_int8(direct), with_int8(chain)
     assert jax.tree.structure(direct) == jax.tree.structure(chain)
     for got, want in zip(jax.tree.leaves(direct), jax.tree.leaves(chain), strict=True):
@@ -363,5 +371,9 @@ def test_int8_activations_lay_q8_0_and_q4_0_out_as_their_tiles_at_once(tmp_path)
         "q8_0": ("q8_0", True),
         "q4_0_rope": ("q4_0", True),
         "q4_k": ("q4_k", True),
+        "q8_0_as_stored": ("q8_0", True),
     }
     assert direct["q8_0"]["kernel"].logical().format == "int8"  # still the int8 weight
+    assert direct["q8_0_as_stored"]["kernel"].shape == (512, 256)
+    assert direct["q4_0_unused"]["kernel"].format == "int4"
+    assert direct["q4_0_unused"]["kernel"].shape == (256, 256)
