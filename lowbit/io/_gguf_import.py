@@ -253,9 +253,10 @@ class _AsStored:
 
 @dataclasses.dataclass(frozen=True)
 class _Staged:
-    """A 2-D tensor like an `_AsStored` one, not yet read, laid out once the contraction axes
-    are known (`_lay_out_staged`) from its rows copied (un-interleaved as `unpermute_heads`
-    says) into `_Staging`'s buffer:
+    """A 2-D quantized tensor, not yet read, laid out once the contraction axes are known
+    (`_lay_out_staged`; placed as stored, or transposed without a transposed copy, as an
+    `_AsStored` one) from its rows copied (un-interleaved as `unpermute_heads` says) into
+    `_Staging`'s buffer:
 
       * a block type whose tiles are larger than its rows (`_tiled_from_staging`: Q3_K,
         Q4_K, Q5_K) is tiled from the buffer itself, so the weight is written into fresh
@@ -273,9 +274,9 @@ class _Staged:
 
 def _staged(tensor: GGUFTensor, placement: Placement, quantized: bool, int8: bool) -> bool:
     """Whether `tensor` is laid out as a `_Staged` one (`int8`: for int8 activations)."""
-    if int8 and quantized and _twin_tiled(tensor):
-        return True
-    return _lay_out_as_stored(tensor, placement, quantized) and _tiled_from_staging(tensor)
+    if not quantized:
+        return False
+    return _tiled_from_staging(tensor) or (int8 and _twin_tiled(tensor))
 
 
 class _Staging:
@@ -371,10 +372,10 @@ def _lay_out_staged(staged: _Staged, axis: int | None, staging: _Staging) -> Any
         if weight is None:  # not onto the twin's tiles: as without `int8_activations`
             weight = prepare(copied(), axis, donate=True)
     else:
-        weight = prepare_transposed(_blocks_qarray(tensor, staging.load(staged)), axis)
+        weight = prepare(_blocks_qarray(tensor, staging.load(staged)), axis)
         jax.block_until_ready(weight)  # done with the buffer before it is loaded again
         if staging.holds(weight):  # no new layout (no kernel for it here): a copy of its own
-            weight = prepare_transposed(copied(), axis, donate=True)
+            weight = prepare(copied(), axis, donate=True)
     drop_mapped_pages(tensor.raw)
     return weight
 
@@ -398,7 +399,10 @@ def _abstract(leaf: Any) -> Any:
         return jax.eval_shape(_transposed, twin) if leaf.transposed else twin
     if isinstance(leaf, _Staged):
         rows = jax.ShapeDtypeStruct(leaf.tensor.raw.shape, np.uint8)
-        return jax.eval_shape(_transposed, _blocks_qarray(leaf.tensor, rows))
+        blocks = _blocks_qarray(leaf.tensor, rows)
+        if leaf.transposed:
+            return jax.eval_shape(_transposed, blocks)
+        leaf = blocks
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), leaf)
 
 

@@ -243,6 +243,7 @@ def test_laying_out_at_import_gives_the_tree_of_laying_out_afterwards(tmp_path):
         ("q5_k", Q.Q5_K, (128, 1024), True),  # larger than the staging buffer so far
         ("q3_k", Q.Q3_K, (256, 256), True),
         ("q4_k_unused", Q.Q4_K, (32, 256), True),  # no axis: transposed only
+        ("q4_k_as_stored", Q.Q4_K, (512, 256), False),  # e.g. an embedding, [N, K]
         ("q6_k", Q.Q6_K, (256, 256), False),  # tiles, placed as stored
         ("iq4_nl", Q.IQ4_NL, (256, 256), True),  # block rows
         ("q8_0", Q.Q8_0, (256, 256), True),  # int8
@@ -281,6 +282,7 @@ def test_laying_out_at_import_gives_the_tree_of_laying_out_afterwards(tmp_path):
     kinds = {n: getattr(laid_out[n]["kernel"], "route", None) for n in names}
     assert {n: r.kind for n, r in kinds.items() if r} == {
         "q4_k": "q4_k",
+        "q4_k_as_stored": "q4_k",
         "q4_k_rope": "q4_k",
         "q5_k": "q5_k",
         "q3_k": "q3_k",
