@@ -226,6 +226,35 @@ def test_real_file_import_by_name_map():
     assert q.nbytes == 576 * 576 // 2 + 576 * 18 * (2 + 4)
 
 
+def _write_weights(path, specs, seed: int) -> dict:
+    """A GGUF file of random blocks (fp16 scales 0.01 / 0.02) for `specs`, ``(name, type,
+    [out, in], transpose, unpermute_heads)`` each; its name map ``{name: Placement}``."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    names = {}
+    for name, kind, shape, transpose, heads in specs:
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        raw = rng.integers(0, 256, (shape[0], shape[1] // block * size), dtype=np.uint8)
+        raw.reshape(shape[0], -1, size)[..., 0:4] = np.float16([0.01, 0.02]).view(np.uint8)
+        writer.add_tensor(name, raw, raw_dtype=kind)
+        names[name] = Placement(path=(name, "kernel"), transpose=transpose, unpermute_heads=heads)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return names
+
+
+def _blocks_axes(names: dict, unused: str) -> dict:
+    """Contracted over the blocks' axis: 0 for a weight placed [in, out], 1 for one placed
+    as stored [out, in]; `unused` has none (no kernel use)."""
+    return {
+        (jax.tree_util.DictKey(n), jax.tree_util.DictKey("kernel")): 0 if p.transpose else 1
+        for n, p in names.items()
+        if n != unused
+    }
+
+
 def test_laying_out_at_import_gives_the_tree_of_laying_out_afterwards(tmp_path):
     """`kernel_axes` lays each weight out from the file's bytes, a transposed one without
     transposing it first: the same tree, leaf for leaf, as importing the logical tree and
@@ -234,38 +263,24 @@ def test_laying_out_at_import_gives_the_tree_of_laying_out_afterwards(tmp_path):
     Q3_K / Q4_K / Q5_K (tiles larger than their rows) are laid out from one reused staging
     buffer: weights smaller and larger than the one before it, one with RoPE rows
     un-interleaved on the way, and one no kernel uses (transposed, not laid out)."""
-    rng = np.random.default_rng(2)
-    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
-    names = {}
-    for name, kind, shape, transpose in [
-        ("q4_k", Q.Q4_K, (256, 512), True),  # tiles
-        ("q4_k_rope", Q.Q4_K, (256, 256), True),  # smaller, rows un-interleaved
-        ("q5_k", Q.Q5_K, (128, 1024), True),  # larger than the staging buffer so far
-        ("q3_k", Q.Q3_K, (256, 256), True),
-        ("q4_k_unused", Q.Q4_K, (32, 256), True),  # no axis: transposed only
-        ("q4_k_as_stored", Q.Q4_K, (512, 256), False),  # e.g. an embedding, [N, K]
-        ("q6_k", Q.Q6_K, (256, 256), False),  # tiles, placed as stored
-        ("iq4_nl", Q.IQ4_NL, (256, 256), True),  # block rows
-        ("q8_0", Q.Q8_0, (256, 256), True),  # int8
-        ("q4_1", Q.Q4_1, (256, 256), True),  # uint4 with zero points
-        ("small", Q.Q4_0, (8, 64), True),  # below the kernels' size: no layout
-    ]:
-        block, size = gguf.GGML_QUANT_SIZES[kind]
-        raw = rng.integers(0, 256, (shape[0], shape[1] // block * size), dtype=np.uint8)
-        raw.reshape(shape[0], -1, size)[..., 0:4] = np.float16([0.01, 0.02]).view(np.uint8)
-        writer.add_tensor(name, raw, raw_dtype=kind)
-        heads = 2 if name == "q4_k_rope" else None
-        names[name] = Placement(path=(name, "kernel"), transpose=transpose, unpermute_heads=heads)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    # Contracted over the blocks' axis: [in, out] placed, the as-stored one [out, in].
-    axes = {
-        (jax.tree_util.DictKey(n), jax.tree_util.DictKey("kernel")): 0 if p.transpose else 1
-        for n, p in names.items()
-        if n != "q4_k_unused"
-    }
+    names = _write_weights(
+        tmp_path / "m.gguf",
+        [
+            ("q4_k", Q.Q4_K, (256, 512), True, None),  # tiles
+            ("q4_k_rope", Q.Q4_K, (256, 256), True, 2),  # smaller, rows un-interleaved
+            ("q5_k", Q.Q5_K, (128, 1024), True, None),  # larger than the staging buffer so far
+            ("q3_k", Q.Q3_K, (256, 256), True, None),
+            ("q4_k_unused", Q.Q4_K, (32, 256), True, None),  # no axis: transposed only
+            ("q4_k_as_stored", Q.Q4_K, (512, 256), False, None),  # e.g. an embedding, [N, K]
+            ("q6_k", Q.Q6_K, (256, 256), False, None),  # tiles, placed as stored
+            ("iq4_nl", Q.IQ4_NL, (256, 256), True, None),  # block rows
+            ("q8_0", Q.Q8_0, (256, 256), True, None),  # int8
+            ("q4_1", Q.Q4_1, (256, 256), True, None),  # uint4 with zero points
+            ("small", Q.Q4_0, (8, 64), True, None),  # below the kernels' size: no layout
+        ],
+        seed=2,
+    )
+    axes = _blocks_axes(names, unused="q4_k_unused")
     seen = []
 
     def kernel_axes(tree):
@@ -330,32 +345,19 @@ def test_int8_activations_lay_q8_0_and_q4_0_out_as_their_tiles_at_once(tmp_path)
     """With `int8_activations`, Q8_0 / Q4_0 weights are tiled from their rows at import: the
     tree `with_int8_activations` then gives is the one it gives from the int8 / int4 layouts
     (static fields included), for weights with RoPE rows, and below the kernels' size."""
-    rng = np.random.default_rng(3)
-    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
-    names = {}
-    for name, kind, shape, heads in [
-        ("q8_0", Q.Q8_0, (256, 256), None),
-        ("q4_0_rope", Q.Q4_0, (256, 512), 2),
-        ("q8_0_small", Q.Q8_0, (8, 64), None),
-        ("q4_k", Q.Q4_K, (256, 256), None),
-        ("q8_0_as_stored", Q.Q8_0, (512, 256), None),  # e.g. a tied embedding, [N, K]
-        ("q4_0_unused", Q.Q4_0, (256, 256), None),  # no kernel use: the QArray
-    ]:
-        block, size = gguf.GGML_QUANT_SIZES[kind]
-        raw = rng.integers(0, 256, (shape[0], shape[1] // block * size), dtype=np.uint8)
-        raw.reshape(shape[0], -1, size)[..., 0:2] = np.float16([0.01]).view(np.uint8)
-        writer.add_tensor(name, raw, raw_dtype=kind)
-        flip = name != "q8_0_as_stored"
-        names[name] = Placement(path=(name, "kernel"), transpose=flip, unpermute_heads=heads)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    axes = {
-        (jax.tree_util.DictKey(n), jax.tree_util.DictKey("kernel")): int(not p.transpose)
-        for n, p in names.items()
-        if n != "q4_0_unused"
-    }
+    names = _write_weights(
+        tmp_path / "m.gguf",
+        [
+            ("q8_0", Q.Q8_0, (256, 256), True, None),
+            ("q4_0_rope", Q.Q4_0, (256, 512), True, 2),
+            ("q8_0_small", Q.Q8_0, (8, 64), True, None),
+            ("q4_k", Q.Q4_K, (256, 256), True, None),
+            ("q8_0_as_stored", Q.Q8_0, (512, 256), False, None),  # e.g. a tied embedding
+            ("q4_0_unused", Q.Q4_0, (256, 256), True, None),  # no kernel use: the QArray
+        ],
+        seed=3,
+    )
+    axes = _blocks_axes(names, unused="q4_0_unused")
     with_int8 = lowbit.ops.with_int8_activations
     path = tmp_path / "m.gguf"
     direct, _ = import_gguf(path, name_map=names.get, kernel_axes=axes, int8_activations=True)
