@@ -494,7 +494,8 @@ def as_gguf_tiles(x: PreparedQArray) -> PreparedQArray | None:
     activations than the int4 / int8 layouts: 1.2-1.3x for Q4_0 (2 AVX-512 VNNI cores,
     SmolLM2's and a 1.5B model's shapes, M = 1, 8 and 64), 1.1-1.4x for Q8_0 (4096 x 4096,
     M = 1 to 64, AVX2 and AVX-512 VNNI). On float activations the int4 layout is 2-4x faster,
-    so only `with_int8_activations` moves a weight here.
+    so only `with_int8_activations` moves a weight here (and a GGUF import made for it,
+    which tiles the file's rows at once: `gguf_twin_tiles`).
     """
     route, meta = x.route, x.meta
     k, n = x.weight.k, x.weight.n
@@ -526,12 +527,15 @@ def gguf_twin_tiles(
     QArray they import as, stored ``[N, K]`` (only its shapes and static fields are read:
     `jax.ShapeDtypeStruct` leaves will do). The tiles are written over `rows`, which the
     caller gives up, and no int4 / int8 layout is made first (that chain wrote the weight
-    five times over). `transposed=False`: of ``prepare_weight(q, axis)`` instead (the
-    weight placed as stored). None where the chain would not end on the twin's tiles.
+    into fresh memory several times over: codes, their layout, read back, rows, tiles).
+    `transposed=False`: of ``prepare_weight(q, axis)`` instead (the weight placed as
+    stored). None where the chain would not end on the twin's tiles.
     """
     twin = _GGUF_TWINS.get(q.format)
+    if twin is None or q.ndim != 2:
+        return None
     stored_axis = 1 - axis if transposed else axis
-    route = None if twin is None or q.ndim != 2 else weight_route(q, stored_axis)
+    route = weight_route(q, stored_axis)
     n, k = q.shape
     if (
         route is None
