@@ -1,12 +1,12 @@
 """Random-weight GGUF files of real model shapes, written block by block with no float copy.
 
-`write_q4_k_m(path, shape)` writes a file laid out as llama.cpp's quantizer lays out a
-Q4_K_M file of that shape (`SHAPES`: Qwen2-1.5B, Llama-3-8B): Q4_K weights, Q6_K for the
-output projection (the tied embedding), and for `attn_v` / `ffn_down` in llama.cpp's "more
-bits" layers, F32 norms and biases. The blocks hold random codes with small fp16 scales, so a
-forward pass stays finite (the text is noise: these files measure speed and memory, not
-quality). The tokenizer is SmolLM2's (GPT-2 BPE), padded with unused tokens to the shape's
-vocabulary. Memory: one tensor's bytes at a time.
+`write_gguf(path, shape, mix)` writes a file laid out as llama.cpp's quantizer lays out a file
+of that shape (`SHAPES`: Qwen2-1.5B, Llama-3-8B) and mix (`MIXES`): Q4_K_M has Q4_K weights,
+Q6_K for the output projection (the tied embedding), and for `attn_v` / `ffn_down` in
+llama.cpp's "more bits" layers; Q8_0 has Q8_0 weights throughout; both F32 norms and biases. The
+blocks hold random codes with small fp16 scales, so a forward pass stays finite (the text is
+noise: these files measure speed and memory, not quality). The tokenizer is SmolLM2's (GPT-2
+BPE), padded with unused tokens to the shape's vocabulary. Memory: one tensor's bytes at a time.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ SHAPES = {
 }
 
 
+# mix -> llama.cpp's general.file_type for it.
+MIXES = {"Q4_K_M": 15, "Q8_0": 7}
+
+
 def _more_bits(i: int, n: int) -> bool:  # llama.cpp's rule for the _M mixes
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
@@ -54,16 +58,20 @@ def _blocks(rng: np.random.Generator, ggml_type: str, rows: int, k: int) -> np.n
     elif ggml_type == "Q6_K":  # int8 scales at 192, d at 208
         b[:, 192:208] = rng.integers(1, 16, (n, 16), dtype=np.uint8)
         b[:, 208:210] = half(2e-4)
+    elif ggml_type == "Q8_0":  # d at 0, then 32 int8 codes
+        b[:, 0:2] = half(2e-4)
     else:
         raise ValueError(ggml_type)
     return b.reshape(rows, -1)
 
 
-def write_q4_k_m(path: str, shape: str, seed: int = 0) -> str:
-    """Writes the random Q4_K_M file of `SHAPES[shape]` to `path`; returns `path`."""
+def write_gguf(path: str, shape: str, mix: str = "Q4_K_M", seed: int = 0) -> str:
+    """Writes the random `mix` file of `SHAPES[shape]` to `path`; returns `path`."""
     from lowbit.gguf import read_gguf
     from lowbit.models import smollm2_gguf_path
 
+    if mix not in MIXES:
+        raise ValueError(f"mix {mix!r}: one of {', '.join(MIXES)}")
     s = SHAPES[shape]
     rng = np.random.default_rng(seed)
     head = s.hidden // s.heads
@@ -79,7 +87,7 @@ def write_q4_k_m(path: str, shape: str, seed: int = 0) -> str:
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
     w.add_uint32(f"{a}.vocab_size", s.vocab)
     w.add_uint32(f"{a}.rope.dimension_count", head)
-    w.add_uint32("general.file_type", 15)  # MOSTLY_Q4_K_M
+    w.add_uint32("general.file_type", MIXES[mix])
     meta = read_gguf(smollm2_gguf_path()).metadata
     tokens = list(meta["tokenizer.ggml.tokens"])
     types = list(meta["tokenizer.ggml.token_type"])
@@ -95,23 +103,24 @@ def write_q4_k_m(path: str, shape: str, seed: int = 0) -> str:
     w.add_chat_template(meta["tokenizer.chat_template"])
 
     tensors: list[tuple[str, str, tuple[int, int] | int]] = []
-    tensors.append(("token_embd.weight", "Q6_K" if s.tied else "Q4_K", (s.vocab, s.hidden)))
+    q4, q6 = ("Q4_K", "Q6_K") if mix == "Q4_K_M" else ("Q8_0", "Q8_0")
+    tensors.append(("token_embd.weight", q6 if s.tied else q4, (s.vocab, s.hidden)))
     if not s.tied:
-        tensors.append(("output.weight", "Q6_K", (s.vocab, s.hidden)))
+        tensors.append(("output.weight", q6, (s.vocab, s.hidden)))
     tensors.append(("output_norm.weight", "F32", s.hidden))
     kv = s.kv_heads * head
     for i in range(s.layers):
-        more = "Q6_K" if _more_bits(i, s.layers) else "Q4_K"
+        more = q6 if _more_bits(i, s.layers) else q4
         p = f"blk.{i}."
         tensors += [
             (p + "attn_norm.weight", "F32", s.hidden),
-            (p + "attn_q.weight", "Q4_K", (s.hidden, s.hidden)),
-            (p + "attn_k.weight", "Q4_K", (kv, s.hidden)),
+            (p + "attn_q.weight", q4, (s.hidden, s.hidden)),
+            (p + "attn_k.weight", q4, (kv, s.hidden)),
             (p + "attn_v.weight", more, (kv, s.hidden)),
-            (p + "attn_output.weight", "Q4_K", (s.hidden, s.hidden)),
+            (p + "attn_output.weight", q4, (s.hidden, s.hidden)),
             (p + "ffn_norm.weight", "F32", s.hidden),
-            (p + "ffn_gate.weight", "Q4_K", (s.ffn, s.hidden)),
-            (p + "ffn_up.weight", "Q4_K", (s.ffn, s.hidden)),
+            (p + "ffn_gate.weight", q4, (s.ffn, s.hidden)),
+            (p + "ffn_up.weight", q4, (s.ffn, s.hidden)),
             (p + "ffn_down.weight", more, (s.hidden, s.ffn)),
         ]
         if s.arch == "qwen2":

@@ -1,24 +1,24 @@
-"""Benchmark section: Q4_K_M files of 1.5B and 8B shapes, lowbit against llama.cpp, with memory.
+"""Benchmark section: GGUF files of 1.5B and 8B shapes, lowbit against llama.cpp, with memory.
 
-The files are written by `benchmarks._big_gguf` (random blocks laid out as llama.cpp's
-quantizer lays out Q4_K_M: Q4_K, Q6_K for the tied embedding / output projection and the
-"more bits" layers' attn_v / ffn_down; no float file). Each engine runs in a process of its
-own, so its peak RSS is its own: load the file, prefill a prompt, decode greedily at batch 1
-and batch 8. lowbit runs the path of `lowbit generate FILE` (recipe `gguf`: no float copy of
-the model, the blocks multiplied on int8 activations as llama.cpp does), and the same with
-float activations; llama.cpp (llama-cpp-python) through its C
-API (`generate._LlamaCpp`).
+The files are written by `benchmarks._big_gguf` (random blocks laid out as llama.cpp's quantizer
+lays out Q4_K_M: Q4_K, Q6_K for the tied embedding / output projection and the "more bits"
+layers' attn_v / ffn_down; or Q8_0 throughout; no float file). Each engine runs in a process of
+its own, so its peak RSS is its own: load the file, prefill a prompt, decode greedily at batch 1
+and batch 8. lowbit runs the path of `lowbit generate FILE` (recipe `gguf`: no float copy of the
+model, the blocks multiplied on int8 activations as llama.cpp does), and the same with float
+activations; llama.cpp (llama-cpp-python) through its C API (`generate._LlamaCpp`).
 
-Streaming share: weight bytes read a token (the file's tensor bytes) x batch-1 tokens/s,
-against the float32 GEMV's rate on weights larger than the L3 (`bandwidth.stream_gbps`),
-measured in the same process right after its decode (its peak RSS read before), so the two
-rates share the machine's conditions: on this shared machine the GEMV alone read 41 to 64
-GB/s from one run to the next.
+Streaming share: weight bytes read a token (the file's tensor bytes) x batch-1 tokens/s, against
+the float32 GEMV's rate on weights larger than the L3 (`bandwidth.stream_gbps`), measured in the
+same process right after its decode (its peak RSS read before), so the two rates share the
+machine's conditions: on this shared machine the GEMV alone read 41 to 64 GB/s from one run to
+the next.
 
-Sizes: `LOWBIT_GGUF_LARGE=qwen2-1.5b,llama3-8b` (default: the 1.5B shape only; the 8B file
-is 4.6 GB and its runs take several minutes). Engines: `LOWBIT_GGUF_LARGE_ENGINES`, separated
-by commas, or by ";" to name "lowbit, float act." (default all of `ENGINES`; lowbit on float
-activations is the slow one).
+Sizes: `LOWBIT_GGUF_LARGE=qwen2-1.5b,llama3-8b` (default: the 1.5B shape only; the 8B file is
+4.6 GB and its runs take several minutes); a size is a Q4_K_M file, `SIZE:MIX` another of
+`benchmarks._big_gguf.MIXES` (`qwen2-1.5b:Q8_0`). Engines: `LOWBIT_GGUF_LARGE_ENGINES`,
+separated by commas, or by ";" to name "lowbit, float act." (default all of `ENGINES`; lowbit on
+float activations is the slow one).
 """
 
 from __future__ import annotations
@@ -138,21 +138,26 @@ def run() -> str | None:
         import llama_cpp
     except ImportError:
         return None
-    from benchmarks._big_gguf import write_q4_k_m
+    from benchmarks._big_gguf import write_gguf
     from lowbit import kernels
 
-    shapes = os.environ.get("LOWBIT_GGUF_LARGE", "qwen2-1.5b").split(",")
+    files = [
+        (*entry.split(":"), "Q4_K_M")[:2]
+        for entry in os.environ.get("LOWBIT_GGUF_LARGE", "qwen2-1.5b").split(",")
+    ]
     # "lowbit, float act." holds a comma: a list naming it is separated by ";".
     raw = os.environ.get("LOWBIT_GGUF_LARGE_ENGINES")
     engines = ENGINES if raw is None else tuple(raw.split(";" if ";" in raw else ","))
     if set(engines) - set(ENGINES) or "llama.cpp" not in engines:
         raise ValueError(f"LOWBIT_GGUF_LARGE_ENGINES: some of {ENGINES}, llama.cpp included")
-    lines = ["## Q4_K_M files of 1.5B / 8B shapes: lowbit against llama.cpp, with peak memory", ""]
+    mixes = " / ".join(dict.fromkeys(mix for _, mix in files))
+    lines = [f"## {mixes} files of 1.5B / 8B shapes: lowbit against llama.cpp, with peak memory"]
+    lines.append("")
     rows = []
     begin = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for shape in shapes:
-            path = write_q4_k_m(os.path.join(tmp, f"{shape}-Q4_K_M.gguf"), shape)
+        for shape, mix in files:
+            path = write_gguf(os.path.join(tmp, f"{shape}-{mix}.gguf"), shape, mix)
             size = os.path.getsize(path)
             weights = _weight_bytes(path)
             runs = {engine: [] for engine in engines}
@@ -160,7 +165,8 @@ def run() -> str | None:
                 for engine in engines:
                     runs[engine].append(_measure(engine, path))
             for engine in engines:
-                rows.append((shape, size, weights, engine, _best(runs[engine], weights)))
+                name = f"{shape} {mix}"
+                rows.append((name, size, weights, engine, _best(runs[engine], weights)))
             os.remove(path)
     streams = [g for *_, r in rows for g in r.get("streams", ())]
     lines += [

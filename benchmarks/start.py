@@ -8,7 +8,7 @@ for a .gguf). The cache directory is a fresh temporary one (`LOWBIT_COMPILATION_
 the first start is cold however the machine's own cache stands.
 
 ``LOWBIT_BENCH_BIG_GGUF=PATH``: use that Qwen2-1.5B-shaped Q4_K_M file (one an earlier run
-wrote with `benchmarks._big_gguf.write_q4_k_m`) instead of writing a new one.
+wrote with `benchmarks._big_gguf.write_gguf`) instead of writing a new one.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _llama_server_start(path: str, logs: Path) -> float | None:
 
 
 def run() -> str:
-    from benchmarks._big_gguf import write_q4_k_m
+    from benchmarks._big_gguf import write_gguf
     from lowbit import kernels
     from lowbit.models import smollm2_gguf_path
 
@@ -92,7 +92,7 @@ def run() -> str:
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp)
         files = [("SmolLM2-135M Q4_1 (bundled)", str(smollm2_gguf_path()))]
-        big = os.environ.get("LOWBIT_BENCH_BIG_GGUF") or write_q4_k_m(
+        big = os.environ.get("LOWBIT_BENCH_BIG_GGUF") or write_gguf(
             os.path.join(tmp, "qwen2-1.5b-Q4_K_M.gguf"), "qwen2-1.5b"
         )
         files.append(("Qwen2-1.5B-shaped Q4_K_M (random)", big))
