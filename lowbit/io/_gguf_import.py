@@ -206,7 +206,7 @@ def import_gguf(
         placement = Placement(path=(name,)) if name_map is None else resolve(name, name_map(name))
         if placement is None:
             continue
-        if kernel_axes is not None and _staged(tensor, placement, quantized, int8_activations):
+        if kernel_axes is not None and _staged(tensor, quantized, int8_activations):
             # Read when laid out (`_lay_out_staged`), its pages dropped then.
             staged = _Staged(tensor, placement.unpermute_heads, placement.transpose)
             placed.append((placement.path, staged))
@@ -272,7 +272,7 @@ class _Staged:
     transposed: bool = True  # placed as the transpose of its stored [out, in]
 
 
-def _staged(tensor: GGUFTensor, placement: Placement, quantized: bool, int8: bool) -> bool:
+def _staged(tensor: GGUFTensor, quantized: bool, int8: bool) -> bool:
     """Whether `tensor` is laid out as a `_Staged` one (`int8`: for int8 activations)."""
     if not quantized:
         return False
@@ -288,9 +288,12 @@ class _Staging:
         self._buffer = np.empty(0, np.uint8)
 
     def load(self, staged: _Staged, *, copy: bool = False) -> jax.Array:
-        """The rows of `staged` ``uint8 [N, row_bytes]`` in the buffer, as a JAX array (with
-        `copy`, a JAX buffer of their own, copied from it once: one to donate)."""
+        """The rows of `staged` ``uint8 [N, row_bytes]`` in the buffer, as a JAX array; with
+        `copy`, in a JAX buffer of their own (one to donate), through the buffer only when
+        they are un-interleaved on the way."""
         raw = staged.tensor.raw
+        if copy and staged.unpermute_heads is None:
+            return jax.device_put(np.ascontiguousarray(raw), may_alias=False)
         if self._buffer.nbytes < raw.nbytes:
             self._buffer = np.empty(0, np.uint8)  # the old one freed first
             spare = np.empty(raw.nbytes + 64, np.uint8)
@@ -324,17 +327,22 @@ def _tiled_from_staging(tensor: GGUFTensor) -> bool:
     return kernels.gguf_tileable(kind, k, n)
 
 
+# The GGUF types that import as an element format int8 activations move onto the type's own
+# tiles (`gguf_tensor_to_qarray`'s Q8_0 -> int8, Q4_0 -> int4; `lowbit.ops.gguf_twin_tiles`).
+_TWINS = {"Q8_0": "int8", "Q4_0": "int4"}
+
+
 def _twin_tiled(tensor: GGUFTensor) -> bool:
     """Whether `tensor` imports as int8 / int4 that int8 activations move onto its own tiles
     (`lowbit.ops.gguf_twin_tiles`): a 2-D Q8_0 / Q4_0 tensor."""
-    return len(tensor.shape) == 2 and tensor.type_name in ("Q8_0", "Q4_0")
+    return len(tensor.shape) == 2 and tensor.type_name in _TWINS
 
 
 def _twin_abstract(tensor: GGUFTensor) -> QArray:
     """The shapes of the int8 / int4 QArray a Q8_0 / Q4_0 `tensor` imports as
     (`gguf_tensor_to_qarray`), without its bytes: `jax.ShapeDtypeStruct` leaves."""
     n, k = tensor.shape
-    name = "int8" if tensor.type_name == "Q8_0" else "int4"
+    name = _TWINS[tensor.type_name]
     codes = jax.ShapeDtypeStruct((n, k), np.int8 if name == "int8" else np.uint8)
     if name == "int4":
         codes = jax.eval_shape(functools.partial(_pack, name=name, axis=1), codes)
