@@ -5,7 +5,9 @@ after every kill the checkpoint on disk is the last one saved or the one being s
 temporaries of killed saves are removed by the next save.
 
 One helper process imports lowbit once and forks a saver per round (a fresh interpreter per
-round would cost seconds of imports); the test kills the saver.
+round would cost seconds of imports); the test kills the saver. The helper runs one thread (no
+BLAS pool, no JAX backend) and checks so before every fork: a fork beside a running thread can
+copy a lock that thread holds, and the saver then hangs on it.
 """
 
 import os
@@ -59,12 +61,18 @@ import os, signal, sys, warnings
 from lowbit.io import _checkpoint_dir as _checkpoint, save_checkpoint  # the publish step swaps
 
 # JAX warns about every fork because its runtime threads could hold locks; this process never
-# runs a JAX computation, and the forked saver runs only NumPy and file I/O.
+# starts JAX's runtime, and the forked saver runs only NumPy and file I/O.
 warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
 
-print("ready", flush=True)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+print("ready", threads(), flush=True)
 for line in sys.stdin:
     mode, path, start = line.split()
+    if threads() != 1:
+        print("threads", threads(), flush=True)
+        continue
     sys.stdout.flush()
     pid = os.fork()
     if pid == 0:
@@ -144,7 +152,9 @@ def test_killed_saves_leave_old_or_new_never_mixed(tmp_path):
     path = str(tmp_path / "ck")
     save_checkpoint(path, tree(0))
     root = os.path.dirname(os.path.dirname(os.path.abspath(lowbit.__file__)))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+    # One thread in the helper: NumPy's BLAS would otherwise start a pool at import.
+    one = {k: "1" for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = {**os.environ, **one, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
     saver = subprocess.Popen(
         [sys.executable, "-c", _SAVER],
         stdin=subprocess.PIPE,
@@ -157,7 +167,7 @@ def test_killed_saves_leave_old_or_new_never_mixed(tmp_path):
     rng = random.Random(0)
     last, start = 0, 1
     try:
-        assert saver.stdout.readline().strip() == "ready"
+        assert saver.stdout.readline().split() == ["ready", "1"]  # see the module docstring
         with _Readers(path) as readers:
             for mode in ["before_swap", "after_swap"] + ["random"] * 5:
                 saver.stdin.write(f"{mode} {path} {start}\n")
@@ -167,6 +177,7 @@ def test_killed_saves_leave_old_or_new_never_mixed(tmp_path):
                     line = saver.stdout.readline()
                     assert len(line.split()) == 2, repr(line)
                     word, number = line.split()
+                    assert word != "threads", f"helper has {number} threads; it must fork alone"
                     if word == "pid" and mode == "random":
                         time.sleep(rng.uniform(0.0, 0.08))
                         os.kill(int(number), signal.SIGKILL)
