@@ -1,12 +1,16 @@
 """Random-weight GGUF files of real model shapes, written block by block with no float copy.
 
 `write_gguf(path, shape, mix)` writes a file laid out as llama.cpp's quantizer lays out a file
-of that shape (`SHAPES`: Qwen2-1.5B, Llama-3-8B) and mix (`MIXES`): Q4_K_M has Q4_K weights,
-Q6_K for the output projection (the tied embedding), and for `attn_v` / `ffn_down` in
-llama.cpp's "more bits" layers; Q8_0 has Q8_0 weights throughout; both F32 norms and biases. The
-blocks hold random codes with small fp16 scales, so a forward pass stays finite (the text is
-noise: these files measure speed and memory, not quality). The tokenizer is SmolLM2's (GPT-2
-BPE), padded with unused tokens to the shape's vocabulary. Memory: one tensor's bytes at a time.
+of that shape (`SHAPES`: Llama-3.2-1B, Qwen2-1.5B, Llama-3-8B) and mix (`MIXES`): Q4_K_M has
+Q4_K weights, Q6_K for the output projection (the tied embedding), and for `attn_v` /
+`ffn_down` in llama.cpp's "more bits" layers; Q8_0 has Q8_0 weights throughout; F16 has fp16
+weights drawn from N(0, 0.02^2); all have F32 norms and biases. The blocks hold random codes
+with small fp16 scales, so a forward pass stays finite (the text is noise: these files measure
+speed and memory, not quality). The tokenizer is SmolLM2's (GPT-2 BPE), padded with unused
+tokens to the shape's vocabulary. Memory: one tensor's bytes at a time.
+
+An F16 file is the source for llama.cpp's own quantizer (`benchmarks.mixes.quantize_llama_cpp`),
+whose output is the file a user downloads: every block type and every block's fit llama.cpp's.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ class Shape:
 
 
 SHAPES = {
+    "llama3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 128256, True, 5e5),
     "qwen2-1.5b": Shape("qwen2", 1536, 28, 12, 2, 8960, 151936, True, 1e6),
     "llama3-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, False, 5e5),
 }
 
 
 # mix -> llama.cpp's general.file_type for it.
-MIXES = {"Q4_K_M": 15, "Q8_0": 7}
+MIXES = {"Q4_K_M": 15, "Q8_0": 7, "F16": 1}
 
 
 def _more_bits(i: int, n: int) -> bool:  # llama.cpp's rule for the _M mixes
@@ -103,7 +108,7 @@ def write_gguf(path: str, shape: str, mix: str = "Q4_K_M", seed: int = 0) -> str
     w.add_chat_template(meta["tokenizer.chat_template"])
 
     tensors: list[tuple[str, str, tuple[int, int] | int]] = []
-    q4, q6 = ("Q4_K", "Q6_K") if mix == "Q4_K_M" else ("Q8_0", "Q8_0")
+    q4, q6 = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q8_0": ("Q8_0", "Q8_0"), "F16": ("F16", "F16")}[mix]
     tensors.append(("token_embd.weight", q6 if s.tied else q4, (s.vocab, s.hidden)))
     if not s.tied:
         tensors.append(("output.weight", q6, (s.vocab, s.hidden)))
@@ -135,6 +140,8 @@ def write_gguf(path: str, shape: str, mix: str = "Q4_K_M", seed: int = 0) -> str
                 np.zeros(dims, np.float32) if name.endswith("bias") else np.ones(dims, np.float32)
             )
             w.add_tensor_info(name, value.shape, value.dtype, value.nbytes)
+        elif kind == "F16":
+            w.add_tensor_info(name, dims, np.dtype(np.float16), 2 * dims[0] * dims[1])
         else:
             t = BLOCK_TYPES[kind]
             row_bytes = dims[1] // t.block_size * t.type_size
@@ -149,6 +156,8 @@ def write_gguf(path: str, shape: str, mix: str = "Q4_K_M", seed: int = 0) -> str
             value = (
                 np.zeros(dims, np.float32) if name.endswith("bias") else np.ones(dims, np.float32)
             )
+        elif kind == "F16":
+            value = (0.02 * rng.standard_normal(dims, np.float32)).astype(np.float16)
         else:
             value = _blocks(rng, kind, dims[0], dims[1])
         w.write_tensor_data(value)

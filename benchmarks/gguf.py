@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from benchmarks._machine import cpu_model
+from benchmarks.mixes import quantize_llama_cpp
 
 CONTEXT = 512
 MAX_TOKENS = 512  # 1 window: llama.cpp is fed one token per call (see _llama_ppl)
@@ -66,17 +67,6 @@ def _llama_ppl(path: str, tokens: np.ndarray) -> float:
     llm.close()
     print(f"[gguf] llama.cpp ppl {math.exp(nll / count):.4f} ({path})", file=sys.stderr, flush=True)
     return math.exp(nll / count)
-
-
-def _llama_quantize(src: str, dst: str, ftype: str) -> None:
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = int(getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"))
-    params.nthread = 2
-    status = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
-    if status != 0:
-        raise RuntimeError(f"llama_model_quantize failed ({status})")
 
 
 def _weight_errors(ours: str, theirs: str, float_params, config) -> list[tuple]:
@@ -168,9 +158,7 @@ def run() -> str:
         export_gguf(float_params, ours, config=config, type="Q4_K_M", source=source, log=None)
         timings["Q4_K_M export"] = time.perf_counter() - start
         theirs = os.path.join(tmp, "q4km-llama.gguf")
-        start = time.perf_counter()
-        _llama_quantize(f32, theirs, "Q4_K_M")
-        timings["llama.cpp Q4_K_M quantize"] = time.perf_counter() - start
+        timings["llama.cpp Q4_K_M quantize"] = quantize_llama_cpp(f32, theirs, "Q4_K_M")
         rows.append(
             ("Q4_K_M (lowbit encoders)", lowbit_ppl(imported(ours)), _llama_ppl(ours, tokens))
         )

@@ -1,8 +1,9 @@
 """Benchmark section: GGUF files of 1.5B and 8B shapes, lowbit against llama.cpp, with memory.
 
-The files are written by `benchmarks._big_gguf` (random blocks laid out as llama.cpp's quantizer
-lays out Q4_K_M: Q4_K, Q6_K for the tied embedding / output projection and the "more bits"
-layers' attn_v / ffn_down; or Q8_0 throughout; no float file). Each engine runs in a process of
+The files are llama.cpp's own: `benchmarks._big_gguf` writes an F16 file of the shape (random
+N(0, 0.02^2) weights) and llama.cpp's quantizer makes each mix of it (Q4_K_M, Q5_K_M, Q6_K,
+Q8_0, Q3_K_M, Q2_K: every per-tensor block type and every block's fit is llama.cpp's), as a user
+downloads them. Each engine runs in a process of
 its own, so its peak RSS is its own: load the file, prefill a prompt, decode greedily at batch 1
 and batch 8. lowbit runs the path of `lowbit generate FILE` (recipe `gguf`: no float copy of the
 model, the blocks multiplied on int8 activations as llama.cpp does), and the same with float
@@ -14,11 +15,13 @@ same process right after its decode (its peak RSS read before), so the two rates
 machine's conditions: on this shared machine the GEMV alone read 41 to 64 GB/s from one run to
 the next.
 
-Sizes: `LOWBIT_GGUF_LARGE=qwen2-1.5b,llama3-8b` (default: the 1.5B shape only; the 8B file is
-4.6 GB and its runs take several minutes); a size is a Q4_K_M file, `SIZE:MIX` another of
-`benchmarks._big_gguf.MIXES` (`qwen2-1.5b:Q8_0`). Engines: `LOWBIT_GGUF_LARGE_ENGINES`,
-separated by commas, or by ";" to name "lowbit, float act." (default all of `ENGINES`; lowbit on
-float activations is the slow one).
+Files: `LOWBIT_GGUF_LARGE=qwen2-1.5b,llama3-8b` (default: the 1.5B shape only; the 8B Q4_K_M
+file is 4.6 GB, its F16 source 16 GB, and its runs take several minutes); a size is a Q4_K_M
+file, `SIZE:MIX` another of `benchmarks.gguf_mixes.MIXES` (`qwen2-1.5b:Q6_K`), and
+`SIZE:MIX:random` one of `_big_gguf.MIXES` written as random blocks with no F16 source and no
+quantizer (quicker; the same block types, not llama.cpp's fits). Engines:
+`LOWBIT_GGUF_LARGE_ENGINES`, separated by commas, or by ";" to name "lowbit, float act."
+(default all of `ENGINES`; lowbit on float activations is the slow one).
 """
 
 from __future__ import annotations
@@ -132,32 +135,57 @@ def _weight_bytes(path: str) -> int:
     return sum(t.raw.nbytes for t in read_gguf(path).tensors.values())
 
 
+def _file_entry(entry: str) -> tuple[str, str, str]:
+    """`SIZE[:MIX[:random]]` -> (shape, mix, who makes the file: "llama.cpp" or "random")."""
+    shape, mix, source = (*entry.split(":"), None, None)[:3]
+    return shape, mix or "Q4_K_M", source or "llama.cpp"
+
+
 def run() -> str | None:
     """Markdown: decode / prefill tok/s and peak RSS of each engine on each file."""
     try:
         import llama_cpp
     except ImportError:
         return None
-    from benchmarks._big_gguf import write_gguf
+    from benchmarks._big_gguf import MIXES, SHAPES, write_gguf
+    from benchmarks.gguf_mixes import MIXES as QUANTIZER_MIXES
+    from benchmarks.mixes import quantize_llama_cpp
     from lowbit import kernels
 
     files = [
-        (*entry.split(":"), "Q4_K_M")[:2]
-        for entry in os.environ.get("LOWBIT_GGUF_LARGE", "qwen2-1.5b").split(",")
+        _file_entry(entry) for entry in os.environ.get("LOWBIT_GGUF_LARGE", "qwen2-1.5b").split(",")
     ]
+    for shape, mix, source in files:
+        known = QUANTIZER_MIXES if source == "llama.cpp" else MIXES
+        if shape not in SHAPES or source not in ("llama.cpp", "random") or mix not in known:
+            raise ValueError(
+                f"LOWBIT_GGUF_LARGE: {shape}:{mix}:{source}: SIZE[:MIX[:random]] with SIZE one "
+                f"of {', '.join(SHAPES)} and MIX one of {', '.join(known)}"
+            )
     # "lowbit, float act." holds a comma: a list naming it is separated by ";".
     raw = os.environ.get("LOWBIT_GGUF_LARGE_ENGINES")
     engines = ENGINES if raw is None else tuple(raw.split(";" if ";" in raw else ","))
     if set(engines) - set(ENGINES) or "llama.cpp" not in engines:
         raise ValueError(f"LOWBIT_GGUF_LARGE_ENGINES: some of {ENGINES}, llama.cpp included")
-    mixes = " / ".join(dict.fromkeys(mix for _, mix in files))
-    lines = [f"## {mixes} files of 1.5B / 8B shapes: lowbit against llama.cpp, with peak memory"]
+    mixes = " / ".join(dict.fromkeys(mix for _, mix, _ in files))
+    sizes = " / ".join(dict.fromkeys(shape for shape, _, _ in files))
+    lines = [f"## {mixes} files of {sizes} shapes: lowbit against llama.cpp, with peak memory"]
     lines.append("")
     rows = []
     begin = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for shape, mix in files:
-            path = write_gguf(os.path.join(tmp, f"{shape}-{mix}.gguf"), shape, mix)
+        sources: dict[str, str] = {}  # shape -> its F16 file, written once
+        for i, (shape, mix, source) in enumerate(files):
+            path = os.path.join(tmp, f"{shape}-{mix}.gguf")
+            if source == "random":
+                write_gguf(path, shape, mix)
+            else:
+                if shape not in sources:
+                    f16 = os.path.join(tmp, f"{shape}-F16.gguf")
+                    sources[shape] = write_gguf(f16, shape, "F16")
+                quantize_llama_cpp(sources[shape], path, mix)
+                if all(s != shape or src == "random" for s, _, src in files[i + 1 :]):
+                    os.remove(sources[shape])  # no later file is made from it
             size = os.path.getsize(path)
             weights = _weight_bytes(path)
             runs = {engine: [] for engine in engines}
@@ -165,7 +193,7 @@ def run() -> str | None:
                 for engine in engines:
                     runs[engine].append(_measure(engine, path))
             for engine in engines:
-                name = f"{shape} {mix}"
+                name = f"{shape} {mix}" + (" (random blocks)" if source == "random" else "")
                 rows.append((name, size, weights, engine, _best(runs[engine], weights)))
             os.remove(path)
     streams = [g for *_, r in rows for g in r.get("streams", ())]
