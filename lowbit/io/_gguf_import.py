@@ -69,11 +69,7 @@ def gguf_tensor_to_qarray(tensor: GGUFTensor) -> QArray:
             f"{', '.join(BLOCK_TYPES)}"
         )
     if kind not in GGUF_ELEMENT_FORMATS:
-        # A copy (never an alias of the mapped file), made without the extra host buffers
-        # `jnp.asarray` leaves behind: about 0.1 GB fewer at a 1 GB file's peak.
-        return _blocks_qarray(
-            tensor, jax.device_put(np.ascontiguousarray(tensor.raw), may_alias=False)
-        )
+        return _blocks_qarray(tensor, _owned_copy(tensor.raw))
     d32, m32, codes = split(kind, tensor.raw)
     d = d32.astype(np.float16)  # float16 values, exactly
     if kind == "Q8_0":
@@ -89,6 +85,24 @@ def gguf_tensor_to_qarray(tensor: GGUFTensor) -> QArray:
     if flat.any():
         codes.reshape(*flat.shape, -1)[flat] = 0
     return _qarray(tensor, "uint4", codes, scale, zero_point)
+
+
+def _owned_copy(host: np.ndarray) -> jax.Array:
+    """`host` copied into a buffer of JAX's own, the copy done when this returns.
+
+    Never an alias: `jax.device_put(host, may_alias=False)` still aliases a 64-byte aligned
+    NumPy array on CPU (JAX 0.12). For a tensor of a mapped file that alias kept reading the
+    file's pages, resident again after `drop_mapped_pages` (1.2 GB more at the end of a
+    Llama-3-8B-shaped Q4_K_M file's load: its Q6_K tensors lay on such addresses), and its
+    layout could not be written over it; an alias of `_Staging`'s buffer would be overwritten
+    by the next weight. One pass over the bytes either way (`jnp.array(host, copy=True)` makes
+    two where `device_put` copies). Done on return, so the caller may then drop the pages or
+    reuse the buffer."""
+    host = np.ascontiguousarray(host)
+    array = jax.device_put(host, may_alias=False)
+    if array.unsafe_buffer_pointer() == host.ctypes.data:  # aliased after all
+        array = array.copy()
+    return array.block_until_ready()
 
 
 def _blocks_qarray(tensor: GGUFTensor, codes: jax.Array) -> QArray:
@@ -293,7 +307,7 @@ class _Staging:
         they are un-interleaved on the way."""
         raw = staged.tensor.raw
         if copy and staged.unpermute_heads is None:
-            return jax.device_put(np.ascontiguousarray(raw), may_alias=False)
+            return _owned_copy(raw)
         if self._buffer.nbytes < raw.nbytes:
             self._buffer = np.empty(0, np.uint8)  # the old one freed first
             spare = np.empty(raw.nbytes + 64, np.uint8)
@@ -304,7 +318,7 @@ class _Staging:
             np.copyto(rows, raw)
         else:
             unpermute_rope_rows(raw, staged.unpermute_heads, out=rows)
-        return jax.device_put(rows, may_alias=not copy)
+        return _owned_copy(rows) if copy else jax.device_put(rows, may_alias=True)
 
     def holds(self, tree: Any) -> bool:
         """Whether an array of `tree` lies in the buffer (a result that kept the rows)."""

@@ -381,3 +381,27 @@ def test_int8_activations_lay_q8_0_and_q4_0_out_as_their_tiles_at_once(tmp_path)
     assert direct["q8_0_as_stored"]["kernel"].shape == (512, 256)
     assert direct["q4_0_unused"]["kernel"].format == "int4"
     assert direct["q4_0_unused"]["kernel"].shape == (256, 256)
+
+
+def test_block_tensors_are_copied_out_of_the_mapped_file_even_where_it_is_aligned(tmp_path):
+    # jax.device_put(..., may_alias=False) still aliases a 64-byte aligned NumPy array on CPU:
+    # a tensor kept as its blocks must be a copy of its own all the same, or it keeps the
+    # file's pages resident (and a layout cannot be written over it).
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    writer.add_custom_alignment(4096)
+    for i, kind in enumerate(["Q6_K", "Q4_K"]):
+        raw = rng.integers(0, 256, (4, 2 * gguf.GGML_QUANT_SIZES[Q[kind]][1]), dtype=np.uint8)
+        writer.add_tensor(f"t{i}", raw, raw_dtype=Q[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    f = read_gguf(tmp_path / "m.gguf")
+    params, _ = import_gguf(f)
+    for name, tensor in f.tensors.items():
+        start = tensor.raw.ctypes.data
+        assert start % 64 == 0  # where the alias would be made
+        codes = params[name].codes
+        assert not start <= codes.unsafe_buffer_pointer() < start + tensor.raw.nbytes, name
+        assert np.asarray(codes).tobytes() == tensor.raw.tobytes()
