@@ -107,7 +107,7 @@ class _Lowbit:
     def _prefill(self, prompts: np.ndarray):
         b, p = prompts.shape
         cache = self.model.init_cache(b, gen.bucket(p + DECODE))
-        return gen._prefill(
+        return gen._run_prefill(
             self.graphdef,
             gen.Sampling(),
             gen.bucket(DECODE + 1),
@@ -119,7 +119,7 @@ class _Lowbit:
         )
 
     def decode(self, state):
-        return gen._decode(
+        return gen._run_decode(
             self.graphdef,
             gen.Sampling(),
             self.params,

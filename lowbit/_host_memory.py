@@ -5,6 +5,10 @@ scratch memory and the replaced codes are freed, but glibc keeps freed memory in
 where it still counts as resident. Over a model's weights that was ~50 MiB kept on top of the
 weights (int4 SmolLM2: a 103 MiB checkpoint loaded at 146 MiB resident). `malloc_trim` hands
 it back; elsewhere than glibc this does nothing.
+
+Compiling a program does the same: XLA's scratch for a 1.5B model's prefill is freed into the
+arenas, and the next program's compile and run take fresh pages beside it.
+`releasing_after_compile` hands it back after each call that compiled something.
 """
 
 from __future__ import annotations
@@ -12,6 +16,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
 
 
 @functools.cache
@@ -30,3 +38,27 @@ def release_free_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def releasing_after_compile(jitted: Callable[..., Any]) -> Callable[..., Any]:
+    """`jitted` (a ``jax.jit`` function) that calls `release_free_memory` after a call that
+    compiled a new program, or loaded one from JAX's cache; a call that reuses one pays
+    nothing but a look at the jit's cache size. Without that count (a JAX that lacks it)
+    `jitted` is returned as it is."""
+    size = getattr(jitted, "_cache_size", None)
+    if size is None:
+        return jitted
+
+    @functools.wraps(jitted)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        before = size()
+        out = jitted(*args, **kwargs)
+        if size() != before:
+            # After the first run, whose scratch is freed too: a 1.5B model's batch-1 and
+            # batch-8 generation peaked at 1620 MiB so against 1681-1717 with no release and
+            # 1629-1664 releasing while it ran. Every caller reads the result next anyway.
+            jax.block_until_ready(out)
+            release_free_memory()
+        return out
+
+    return call

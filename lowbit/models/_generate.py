@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lowbit._host_memory import releasing_after_compile
 from lowbit.api import compile_together, describe, lower_stored
 from lowbit.engine import interpret
 from lowbit.models._chat_template import chat_template_from_gguf as chat_template_from_gguf
@@ -213,6 +214,12 @@ def _decode(
     return interpret(run)(params, state)
 
 
+# The two as called from Python: each compile's freed scratch goes back to the system before
+# the next program compiles (`releasing_after_compile`).
+_run_prefill = releasing_after_compile(_prefill)
+_run_decode = releasing_after_compile(_decode)
+
+
 def _split(model: Any, params: Any) -> tuple[nnx.GraphDef, Any, nnx.Module]:
     """(graphdef, params, module) of a `Decoder`, a `QuantizedModel` or a module plus params."""
     module = getattr(model, "module", model)  # QuantizedModel wraps the module
@@ -350,7 +357,7 @@ def stream_tokens(
 
     limit = jnp.int32(max_new_tokens)
     steps = jnp.int32(max_new_tokens if chunk is None else chunk)
-    prefill, decode = _prefill, _decode
+    prefill, decode = _run_prefill, _run_decode
     if program_dir is not None and plan is None:
         prefill, decode = _stored_programs(
             program_dir, graphdef, module, sampling, capacity, params, tokens, cache, stop_arr, key
