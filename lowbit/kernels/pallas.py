@@ -53,7 +53,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
 from lowbit.formats import get_format
-from lowbit.kernels import _pallas_tpu
+from lowbit.kernels import _pallas_gemv, _pallas_tpu
 from lowbit.kernels._pallas_codes import PALLAS_FORMATS
 from lowbit.kernels._pallas_codes import Layout as _Layout
 from lowbit.kernels._pallas_codes import decode_codes as _decode_codes
@@ -86,13 +86,20 @@ _MAX_BLOCK_M = 128
 # H100 or H200 (132 SMs), enough to keep the memory busy while each program streams its slice.
 _TARGET_PROGRAMS = 256
 _SMALL_M = 64  # at or below this, the product is weight-bandwidth bound: split K
+# At or below this many rows `weight_only_matmul` runs the GEMV body (`_pallas_gemv`).
+GEMV_MAX_ROWS = 8
+_GEMV_MAX_BLOCK_M = 16
+# Accumulator elements a GEMV program holds (rows x block_k x block_n): 128 float32
+# registers a thread at 4 warps.
+_GEMV_ACC_ELEMENTS = 16384
 
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
     """Tile sizes of `weight_only_matmul`: output tiles `[m, n]`, K steps of `k`, and K split
     over `split_k` programs whose float32 partial sums are added at the end; `num_warps` and
-    `num_stages` are Triton's (0: its defaults, 4 warps and 3 pipeline stages)."""
+    `num_stages` are Triton's (0: its defaults, 4 warps and 3 pipeline stages). `gemv`: the
+    decode body (`_pallas_gemv`, vector units, `m` rows unpadded) instead of the dot body."""
 
     m: int
     n: int
@@ -100,11 +107,13 @@ class Blocks:
     split_k: int = 1
     num_warps: int = 0
     num_stages: int = 0
+    gemv: bool = False
 
     def __str__(self) -> str:
         extra = f" w{self.num_warps}" if self.num_warps else ""
         extra += f" s{self.num_stages}" if self.num_stages else ""
-        return f"{self.m}x{self.n}x{self.k} split {self.split_k}{extra}"
+        body = "gemv " if self.gemv else ""
+        return f"{body}{self.m}x{self.n}x{self.k} split {self.split_k}{extra}"
 
 
 # --- which path ---------------------------------------------------------------------------------
@@ -158,12 +167,21 @@ def supports(q: Any, m: int, x_dtype: Any = jnp.bfloat16, platform: str = "cuda"
     return "pallas"
 
 
-def _blocks(m: int, layout: _Layout, x_dtype: Any, platform: str, requested: Blocks | None):
+def _blocks(
+    m: int,
+    layout: _Layout,
+    x_dtype: Any,
+    platform: str,
+    requested: Blocks | None,
+    gemv: bool | None = None,
+):
     """The tiles of `platform`'s body: `Blocks` (CUDA) or `TpuBlocks` (TPU)."""
     if platform == "cuda":
-        return _choose_blocks(m, layout, requested)
+        return _choose_blocks(m, layout, requested, gemv)
     if platform != "tpu":
         raise ValueError(f"weight_only_matmul: platform={platform!r}; expected 'cuda' or 'tpu'")
+    if gemv:
+        raise ValueError("weight_only_matmul: gemv=True is the CUDA body's; the TPU has none")
     if requested is not None and (
         requested.split_k > 1 or requested.num_warps or requested.num_stages
     ):
@@ -205,13 +223,20 @@ def _shape_error(layout: _Layout, axis: str, size: int, floor: int, extra: str =
     )
 
 
-def _choose_blocks(m: int, layout: _Layout, requested: Blocks | None = None) -> Blocks:
-    """Tile sizes for `x [m, K]` times a weight of `layout`, honouring `requested` fields > 0.
+def _choose_blocks(
+    m: int, layout: _Layout, requested: Blocks | None = None, gemv: bool | None = None
+) -> Blocks:
+    """Tile sizes for `x [m, K]` times a weight of `layout`, honouring `requested` fields > 0;
+    the GEMV body for at most `GEMV_MAX_ROWS` rows unless `gemv` says otherwise.
 
     Raises:
       ValueError: naming the shape and the fix, when K, N or the group has no valid block, or a
         requested block is not a power of two >= 16 dividing its axis.
     """
+    if gemv is None:
+        gemv = m <= GEMV_MAX_ROWS
+    if gemv:
+        return _choose_gemv_blocks(m, layout, requested or Blocks(0, 0, 0, 0))
     want = requested or Blocks(0, 0, 0, 0)
     k_floor, n_floor = _min_block(layout, "k"), _min_block(layout, "n")
     # A K step must stay inside one scale group (one scale row per step).
@@ -235,13 +260,57 @@ def _choose_blocks(m: int, layout: _Layout, requested: Blocks | None = None) -> 
     # Decode wants ~2 programs an SM streaming the weight; larger M only a full first wave.
     target = _TARGET_PROGRAMS if small else _TARGET_PROGRAMS // 2
     split = want.split_k or _split_k(m, bm, bn, bk, layout, target)
+    _check_split(split, bk, layout)
+    return Blocks(bm, bn, bk, split, want.num_warps, want.num_stages)
+
+
+def _check_split(split: int, bk: int, layout: _Layout) -> None:
     bad_groups = layout.groups > 1 and layout.groups % split
     if not _is_pow2(split) or layout.k % (split * bk) or bad_groups:
         raise ValueError(
             f"weight_only_matmul: split_k={split} must be a power of two with split_k * block_k "
             f"dividing K={layout.k} (and the {layout.groups} scale groups); pick a smaller one"
         )
-    return Blocks(bm, bn, bk, split, want.num_warps, want.num_stages)
+
+
+def _choose_gemv_blocks(m: int, layout: _Layout, want: Blocks) -> Blocks:
+    """Tiles of the GEMV body: `m` rows rounded up to a power of two, no dot minimum.
+
+    Each row keeps a float32 accumulator of the `[block_k, block_n]` tile (two half tiles
+    with nibbles packed along N), so the default `block_k` shrinks as rows grow to hold
+    about `_GEMV_ACC_ELEMENTS` accumulator elements a program.
+    """
+    rows = 1 << (max(m, 1) - 1).bit_length()
+    if want.m and want.m != rows:
+        raise ValueError(
+            f"weight_only_matmul: the GEMV body takes block_m = the rows rounded up to a power "
+            f"of two ({rows} for M={m}); got block_m={want.m}. Pass block_m=None"
+        )
+    if rows > _GEMV_MAX_BLOCK_M:
+        raise ValueError(
+            f"weight_only_matmul: the GEMV body takes at most {_GEMV_MAX_BLOCK_M} rows; got "
+            f"M={m}. Pass gemv=None or False for the dot body"
+        )
+    # Nibbles packed along an axis split it in two halves of at least one element; along N,
+    # 16-byte code rows at least (a full sector a row is the default).
+    k_floor = 2 if layout.packed == "k" else 1
+    n_floor = 32 if layout.packed == "n" else 16
+    k_limit = layout.group if layout.groups > 1 else layout.k
+    n_options = _pow2_divisors(layout.n, n_floor, 512)
+    k_options = _pow2_divisors(math.gcd(layout.k, k_limit), k_floor, 256)
+    if not n_options:
+        raise _shape_error(layout, "N", layout.n, n_floor)
+    if not k_options:
+        extra = f" together with the group size {layout.group}" if layout.groups > 1 else ""
+        raise _shape_error(layout, "K", layout.k, k_floor, extra)
+    bn = want.n or max(b for b in n_options if b <= 256)
+    fitting = [b for b in k_options if rows * b * bn <= _GEMV_ACC_ELEMENTS]
+    bk = want.k or max(fitting or k_options[:1])
+    _check_block("block_n", bn, layout.n, n_floor, layout)
+    _check_block("block_k", bk, math.gcd(layout.k, k_limit), k_floor, layout)
+    split = want.split_k or _split_k(rows, rows, bn, bk, layout, _TARGET_PROGRAMS)
+    _check_split(split, bk, layout)
+    return Blocks(rows, bn, bk, split, want.num_warps, want.num_stages, gemv=True)
 
 
 def _check_block(
@@ -276,6 +345,7 @@ def blocks_for(
     requested: Blocks | None = None,
     platform: str = "cuda",
     x_dtype: Any = jnp.bfloat16,
+    gemv: bool | None = None,
 ) -> Blocks | _pallas_tpu.TpuBlocks:
     """The tiles `weight_only_matmul` runs `x [m, K] @ q` with on `platform` (`requested`
     fields > 0 kept).
@@ -286,7 +356,7 @@ def blocks_for(
     layout = _layout(q) if isinstance(q, QArray) else None
     if layout is None:
         raise ValueError(f"weight_only_matmul cannot read {q!r} (see `supports`)")
-    return _blocks(m, layout, x_dtype, platform, requested)
+    return _blocks(m, layout, x_dtype, platform, requested, gemv)
 
 
 # At or below this many rows a tile scales its [bm, bn] dot result per K step instead of its
@@ -411,16 +481,29 @@ def _pallas_forward(x: jax.Array, q: QArray, layout: _Layout, blocks, out_dtype,
     m_pad = -(-m // blocks.m) * blocks.m
     if m_pad != m:
         x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
-    dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
-    split = blocks.split_k
-    in_specs, out_spec = _specs(layout, blocks)
-    partial_dtype = jnp.float32 if split > 1 else out_dtype
-    kernel = functools.partial(_kernel, layout=layout, blocks=blocks, dtype=dtype)
     params = None
     if (blocks.num_warps or blocks.num_stages) and not interpret:
         params = pl_triton.CompilerParams(
             num_warps=blocks.num_warps or None, num_stages=blocks.num_stages or None
         )
+    if blocks.gemv:
+        y = _pallas_gemv.forward(
+            x,
+            _weight_operands(q, layout),
+            layout,
+            block_n=blocks.n,
+            block_k=blocks.k,
+            split_k=blocks.split_k,
+            out_dtype=out_dtype,
+            compiler_params=params,
+            interpret=interpret,
+        )
+        return y[:m]
+    dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
+    split = blocks.split_k
+    in_specs, out_spec = _specs(layout, blocks)
+    partial_dtype = jnp.float32 if split > 1 else out_dtype
+    kernel = functools.partial(_kernel, layout=layout, blocks=blocks, dtype=dtype)
     y = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m_pad, split * layout.n), partial_dtype),
@@ -486,6 +569,7 @@ def weight_only_matmul(
     interpret: bool | pltpu.InterpretParams = False,
     differentiable: bool = True,
     platform: str = "cuda",
+    gemv: bool | None = None,
 ) -> jax.Array:
     """`x @ q.dequantize()` with the weight dequantized tile by tile inside a Pallas kernel.
 
@@ -509,6 +593,9 @@ def weight_only_matmul(
         platform's branch would be lowered out of line, for every platform of a
         multi-platform export, where the Pallas call cannot lower).
       platform: "cuda" (the Triton body) or "tpu" (the Mosaic body, `_pallas_tpu`).
+      gemv: on CUDA, True runs the GEMV body (`_pallas_gemv`: no dot, the rows rounded up to
+        a power of two, at most 16), False the dot body, None the GEMV body for at most
+        `GEMV_MAX_ROWS` rows.
     Returns:
       [..., N] in `out_dtype`. Differentiable in x (the gradient uses the dequantized weight).
     Raises:
@@ -528,7 +615,7 @@ def weight_only_matmul(
     requested = Blocks(
         block_m or 0, block_n or 0, block_k or 0, split_k or 0, num_warps or 0, num_stages or 0
     )
-    blocks = _blocks(x2.shape[0], layout, x2.dtype, platform, requested)
+    blocks = _blocks(x2.shape[0], layout, x2.dtype, platform, requested, gemv)
     out_dtype = jnp.dtype(x2.dtype if out_dtype is None else out_dtype)
     product = _weight_only if differentiable else _pallas_forward
     if not isinstance(interpret, pltpu.InterpretParams):

@@ -71,6 +71,55 @@ def test_weight_only_matches_dequantized_product(case, m):
     assert_close(y, reference(x, q), dtype)
 
 
+@pytest.mark.parametrize("gemv", [True, False])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-pack{c[2]}-{c[3]}x{c[4]}")
+def test_both_bodies_at_decode_rows(case, gemv):
+    """M = 1 and 16 through the body that would not run them by default (the GEMV body runs
+    M <= GEMV_MAX_ROWS, the dot body above)."""
+    fmt, granularity, pack_axis, k, n, dtype = case
+    q = weight(fmt, k, n, granularity, pack_axis)
+    m = 16 if gemv else 1
+    x = activations(m, k, dtype, seed=3)
+    y = pallas.weight_only_matmul(x, q, interpret=INTERPRET, gemv=gemv)
+    assert pallas.blocks_for(q, m, gemv=gemv).gemv == gemv
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert_close(y, reference(x, q), dtype)
+
+
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        dict(block_n=32, block_k=16, split_k=4),
+        dict(block_n=64, block_k=64, split_k=1, num_warps=8),
+        dict(block_n=128, block_k=2, split_k=2),
+    ],
+)
+@pytest.mark.parametrize("fmt, pack_axis", [("int4", None), ("uint4", 0), ("int8", None)])
+def test_gemv_explicit_blocks(blocks, fmt, pack_axis):
+    q = weight(fmt, 256, 128, PerGroup(64, 0), pack_axis)
+    if blocks["block_k"] < 2 * (pack_axis == 0):
+        pytest.skip("packed along K a step takes two rows at least")
+    x = activations(2, 256, jnp.bfloat16, seed=4)
+    y = pallas.weight_only_matmul(
+        x, q, out_dtype=jnp.float32, interpret=INTERPRET, gemv=True, **blocks
+    )
+    assert pallas.blocks_for(q, 2, gemv=True).m == 2
+    assert_close(y, reference(x, q), jnp.bfloat16)
+
+
+def test_gemv_bad_requests_raise():
+    q = weight("int4", 256, 128, PerGroup(64, 0))
+    x = activations(3, 256, jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_m = the rows rounded up"):
+        pallas.weight_only_matmul(x, q, interpret=INTERPRET, gemv=True, block_m=16)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        pallas.weight_only_matmul(activations(17, 256, jnp.bfloat16), q, gemv=True)
+    with pytest.raises(ValueError, match="block_k=128"):
+        pallas.weight_only_matmul(x, q, interpret=INTERPRET, gemv=True, block_k=128)
+    with pytest.raises(ValueError, match="TPU has none"):
+        pallas.weight_only_matmul(x, q, interpret=INTERPRET, gemv=True, platform="tpu")
+
+
 @pytest.mark.parametrize("fmt", ["int4", "uint4"])
 @pytest.mark.parametrize(
     "blocks",
@@ -121,10 +170,17 @@ def test_gradient_with_respect_to_x():
     ],
 )
 def test_shapes_without_a_block_raise(fmt, k, n, granularity, match):
+    """The dot body's 16-element floors (M = 17); the GEMV body has none along K."""
     q = weight(fmt, k, n, granularity)
-    assert pallas.supports(q, 4) is None
+    assert pallas.supports(q, 17) is None
     with pytest.raises(ValueError, match=match):
-        pallas.weight_only_matmul(activations(4, k, jnp.float32), q, interpret=INTERPRET)
+        pallas.weight_only_matmul(activations(17, k, jnp.float32), q, interpret=INTERPRET)
+    if n % 32 == 0:
+        x = activations(4, k, jnp.float32)
+        assert pallas.supports(q, 4) == "pallas"
+        assert_close(
+            pallas.weight_only_matmul(x, q, interpret=INTERPRET), reference(x, q), jnp.float32
+        )
 
 
 def test_bad_requested_block_raises():
@@ -209,6 +265,9 @@ def test_kernel_lowers_for_cuda_from_a_cpu_host(monkeypatch):
         ("uint4", 0, 300, jnp.bfloat16),
         ("nf4", None, 17, jnp.float32),
         ("int8", None, 64, jnp.bfloat16),
+        ("uint4", 0, 2, jnp.bfloat16),  # the GEMV body
+        ("int8", None, 8, jnp.float32),
+        ("nf4", None, 1, jnp.bfloat16),
     ]:
         q = weight(fmt, 256, 128, PerGroup(64, 0), pack_axis)
         fn = jax.jit(pallas.weight_only_matmul)
@@ -220,7 +279,9 @@ def test_default_blocks_fill_the_gpu_at_decode():
     # Shapes only: no 4096 x 4096 quantization needed to see the tiles.
     spec = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
     q = jax.eval_shape(lambda w: quantize(w, "int4", granularity=PerGroup(128, 0)), spec)
-    assert pallas.blocks_for(q, 1) == pallas.Blocks(16, 128, 128, split_k=8)
+    assert pallas.blocks_for(q, 1) == pallas.Blocks(1, 256, 64, split_k=16, gemv=True)
+    assert pallas.blocks_for(q, 3) == pallas.Blocks(4, 256, 16, split_k=16, gemv=True)
+    assert pallas.blocks_for(q, 16) == pallas.Blocks(16, 128, 128, split_k=8)
     assert pallas.blocks_for(q, 4096) == pallas.Blocks(128, 128, 64, split_k=1)
-    wide = pallas.blocks_for(q, 1, pallas.Blocks(0, 64, 0, 0))
+    wide = pallas.blocks_for(q, 16, pallas.Blocks(0, 64, 0, 0))
     assert (wide.n, wide.split_k) == (64, 4)
