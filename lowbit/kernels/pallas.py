@@ -56,6 +56,7 @@ from lowbit.formats import get_format
 from lowbit.kernels import _pallas_gemv, _pallas_tpu
 from lowbit.kernels._pallas_codes import PALLAS_FORMATS
 from lowbit.kernels._pallas_codes import Layout as _Layout
+from lowbit.kernels._pallas_codes import biased_codes as _biased_codes
 from lowbit.kernels._pallas_codes import decode_codes as _decode_codes
 from lowbit.kernels._pallas_codes import layout_of as _layout
 from lowbit.kernels._pallas_codes import weight_operands as _weight_operands
@@ -86,8 +87,15 @@ _MAX_BLOCK_M = 128
 # H100 or H200 (132 SMs), enough to keep the memory busy while each program streams its slice.
 _TARGET_PROGRAMS = 256
 _SMALL_M = 64  # at or below this, the product is weight-bandwidth bound: split K
-# At or below this many rows `weight_only_matmul` runs the GEMV body (`_pallas_gemv`).
-GEMV_MAX_ROWS = 8
+# The GEMV body (`_pallas_gemv`) runs by default only shapes the dot body cannot tile (K or
+# a group under 16): on an H200 at 8192 x 8192, int4 g128, M = 1, its best tiles took
+# 0.042 ms against the dot body's 0.033 ms (BENCHMARKS.md, "GPU"): each code then costs a
+# scale multiply and an FMA on the vector units, which the dot body leaves to the tensor cores.
+GEMV_MAX_ROWS = 16
+# From this many rows on, XLA's own product of the dequantized weight (a transient copy in
+# the activations' dtype, then its tensor-core GEMM) beats the dot body: int4 g128 at
+# M = 4096, 8192 x 8192: 0.92 against 1.67 ms (bf16 weights: 0.86).
+XLA_MIN_ROWS = 1024
 _GEMV_MAX_BLOCK_M = 16
 # Accumulator elements a GEMV program holds (rows x block_k x block_n): 128 float32
 # registers a thread at 4 warps.
@@ -98,8 +106,9 @@ _GEMV_ACC_ELEMENTS = 16384
 class Blocks:
     """Tile sizes of `weight_only_matmul`: output tiles `[m, n]`, K steps of `k`, and K split
     over `split_k` programs whose float32 partial sums are added at the end; `num_warps` and
-    `num_stages` are Triton's (0: its defaults, 4 warps and 3 pipeline stages). `gemv`: the
-    decode body (`_pallas_gemv`, vector units, `m` rows unpadded) instead of the dot body."""
+    `num_stages` are Triton's (0: its defaults, 4 warps and 3 pipeline stages). `body`: "dot"
+    (the Triton dot kernel), "gemv" (`_pallas_gemv`: vector units, `m` rows unpadded) or
+    "xla" (no kernel: the weight dequantized in the activations' dtype, then XLA's dot)."""
 
     m: int
     n: int
@@ -107,9 +116,15 @@ class Blocks:
     split_k: int = 1
     num_warps: int = 0
     num_stages: int = 0
-    gemv: bool = False
+    body: str = "dot"
+
+    @property
+    def gemv(self) -> bool:
+        return self.body == "gemv"
 
     def __str__(self) -> str:
+        if self.body == "xla":
+            return "xla (dequantize, then XLA's dot)"
         extra = f" w{self.num_warps}" if self.num_warps else ""
         extra += f" s{self.num_stages}" if self.num_stages else ""
         body = "gemv " if self.gemv else ""
@@ -173,15 +188,15 @@ def _blocks(
     x_dtype: Any,
     platform: str,
     requested: Blocks | None,
-    gemv: bool | None = None,
+    body: str | None = None,
 ):
     """The tiles of `platform`'s body: `Blocks` (CUDA) or `TpuBlocks` (TPU)."""
     if platform == "cuda":
-        return _choose_blocks(m, layout, requested, gemv)
+        return _choose_blocks(m, layout, requested, body)
     if platform != "tpu":
         raise ValueError(f"weight_only_matmul: platform={platform!r}; expected 'cuda' or 'tpu'")
-    if gemv:
-        raise ValueError("weight_only_matmul: gemv=True is the CUDA body's; the TPU has none")
+    if body not in (None, "dot"):
+        raise ValueError(f"weight_only_matmul: body={body!r} is CUDA's; the TPU has its own")
     if requested is not None and (
         requested.split_k > 1 or requested.num_warps or requested.num_stages
     ):
@@ -224,19 +239,32 @@ def _shape_error(layout: _Layout, axis: str, size: int, floor: int, extra: str =
 
 
 def _choose_blocks(
-    m: int, layout: _Layout, requested: Blocks | None = None, gemv: bool | None = None
+    m: int, layout: _Layout, requested: Blocks | None = None, body: str | None = None
 ) -> Blocks:
-    """Tile sizes for `x [m, K]` times a weight of `layout`, honouring `requested` fields > 0;
-    the GEMV body for at most `GEMV_MAX_ROWS` rows unless `gemv` says otherwise.
+    """Tile sizes for `x [m, K]` times a weight of `layout`, honouring `requested` fields > 0,
+    and the body (`Blocks.body`): `body`, or by default "xla" from `XLA_MIN_ROWS` rows,
+    else "dot", else (a shape the dot body cannot tile, at most `GEMV_MAX_ROWS` rows) "gemv".
 
     Raises:
       ValueError: naming the shape and the fix, when K, N or the group has no valid block, or a
         requested block is not a power of two >= 16 dividing its axis.
     """
-    if gemv is None:
-        gemv = m <= GEMV_MAX_ROWS
-    if gemv:
+    if body not in (None, "dot", "gemv", "xla"):
+        raise ValueError(f"weight_only_matmul: body={body!r}; expected 'dot', 'gemv' or 'xla'")
+    tiled = requested is not None and requested != Blocks(0, 0, 0, 0)
+    if body == "xla" or (body is None and m >= XLA_MIN_ROWS and not tiled):
+        return Blocks(m, 0, 0, 1, body="xla")
+    if body == "gemv":
         return _choose_gemv_blocks(m, layout, requested or Blocks(0, 0, 0, 0))
+    try:
+        return _choose_dot_blocks(m, layout, requested)
+    except ValueError:
+        if body is not None or tiled or m > GEMV_MAX_ROWS:
+            raise
+        return _choose_gemv_blocks(m, layout, Blocks(0, 0, 0, 0))
+
+
+def _choose_dot_blocks(m: int, layout: _Layout, requested: Blocks | None) -> Blocks:
     want = requested or Blocks(0, 0, 0, 0)
     k_floor, n_floor = _min_block(layout, "k"), _min_block(layout, "n")
     # A K step must stay inside one scale group (one scale row per step).
@@ -289,7 +317,7 @@ def _choose_gemv_blocks(m: int, layout: _Layout, want: Blocks) -> Blocks:
     if rows > _GEMV_MAX_BLOCK_M:
         raise ValueError(
             f"weight_only_matmul: the GEMV body takes at most {_GEMV_MAX_BLOCK_M} rows; got "
-            f"M={m}. Pass gemv=None or False for the dot body"
+            f"M={m}. Pass body=None or 'dot'"
         )
     # Nibbles packed along an axis split it in two halves of at least one element; along N,
     # 16-byte code rows at least (a full sector a row is the default).
@@ -310,7 +338,7 @@ def _choose_gemv_blocks(m: int, layout: _Layout, want: Blocks) -> Blocks:
     _check_block("block_k", bk, math.gcd(layout.k, k_limit), k_floor, layout)
     split = want.split_k or _split_k(rows, rows, bn, bk, layout, _TARGET_PROGRAMS)
     _check_split(split, bk, layout)
-    return Blocks(rows, bn, bk, split, want.num_warps, want.num_stages, gemv=True)
+    return Blocks(rows, bn, bk, split, want.num_warps, want.num_stages, body="gemv")
 
 
 def _check_block(
@@ -345,7 +373,7 @@ def blocks_for(
     requested: Blocks | None = None,
     platform: str = "cuda",
     x_dtype: Any = jnp.bfloat16,
-    gemv: bool | None = None,
+    body: str | None = None,
 ) -> Blocks | _pallas_tpu.TpuBlocks:
     """The tiles `weight_only_matmul` runs `x [m, K] @ q` with on `platform` (`requested`
     fields > 0 kept).
@@ -356,7 +384,7 @@ def blocks_for(
     layout = _layout(q) if isinstance(q, QArray) else None
     if layout is None:
         raise ValueError(f"weight_only_matmul cannot read {q!r} (see `supports`)")
-    return _blocks(m, layout, x_dtype, platform, requested, gemv)
+    return _blocks(m, layout, x_dtype, platform, requested, body)
 
 
 # At or below this many rows a tile scales its [bm, bn] dot result per K step instead of its
@@ -378,6 +406,16 @@ def _partial_product(x, codes, scale, zero, kind: str, dtype, after_dot: bool, g
             values = values - zero.astype(jnp.float32)
         w = (values * scale.astype(jnp.float32)).astype(dtype)
         return jax.lax.dot(x, w, preferred_element_type=jnp.float32)
+    if kind in ("int4", "uint4") and jnp.dtype(dtype) == jnp.bfloat16:
+        # bfloat16 x times the codes' exact `value + offset` (128..143), the offset and zero
+        # point taken off the float32 result through x's row sums: exact products, so only
+        # the float32 sums' rounding grows (by at most the ratio ~17 of the offset to the
+        # values). Not for float32 x, whose TF32 rounding the offset would scale the same way.
+        biased, offset = _biased_codes(codes, kind)
+        part = jax.lax.dot(x, biased, preferred_element_type=jnp.float32)
+        shift = offset if zero is None else zero.astype(jnp.float32) + offset
+        part = part - jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True) * shift
+        return part * scale.astype(jnp.float32) if grouped else part
     part = jax.lax.dot(x, _decode_codes(codes, kind, dtype), preferred_element_type=jnp.float32)
     if zero is not None:
         row_sums = jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True)
@@ -486,6 +524,9 @@ def _pallas_forward(x: jax.Array, q: QArray, layout: _Layout, blocks, out_dtype,
         params = pl_triton.CompilerParams(
             num_warps=blocks.num_warps or None, num_stages=blocks.num_stages or None
         )
+    if blocks.body == "xla":
+        w = q.dequantize(x.dtype)
+        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
     if blocks.gemv:
         y = _pallas_gemv.forward(
             x,
@@ -569,7 +610,7 @@ def weight_only_matmul(
     interpret: bool | pltpu.InterpretParams = False,
     differentiable: bool = True,
     platform: str = "cuda",
-    gemv: bool | None = None,
+    body: str | None = None,
 ) -> jax.Array:
     """`x @ q.dequantize()` with the weight dequantized tile by tile inside a Pallas kernel.
 
@@ -593,9 +634,10 @@ def weight_only_matmul(
         platform's branch would be lowered out of line, for every platform of a
         multi-platform export, where the Pallas call cannot lower).
       platform: "cuda" (the Triton body) or "tpu" (the Mosaic body, `_pallas_tpu`).
-      gemv: on CUDA, True runs the GEMV body (`_pallas_gemv`: no dot, the rows rounded up to
-        a power of two, at most 16), False the dot body, None the GEMV body for at most
-        `GEMV_MAX_ROWS` rows.
+      body: on CUDA, "dot" (the Triton dot kernel), "gemv" (`_pallas_gemv`: no dot, the rows
+        rounded up to a power of two, at most 16) or "xla" (the weight dequantized in x's
+        dtype, a transient copy, then XLA's dot); None: "xla" from `XLA_MIN_ROWS` rows
+        unless tiles are requested, else "dot", else "gemv" for shapes only it can tile.
     Returns:
       [..., N] in `out_dtype`. Differentiable in x (the gradient uses the dequantized weight).
     Raises:
@@ -615,7 +657,7 @@ def weight_only_matmul(
     requested = Blocks(
         block_m or 0, block_n or 0, block_k or 0, split_k or 0, num_warps or 0, num_stages or 0
     )
-    blocks = _blocks(x2.shape[0], layout, x2.dtype, platform, requested, gemv)
+    blocks = _blocks(x2.shape[0], layout, x2.dtype, platform, requested, body)
     out_dtype = jnp.dtype(x2.dtype if out_dtype is None else out_dtype)
     product = _weight_only if differentiable else _pallas_forward
     if not isinstance(interpret, pltpu.InterpretParams):

@@ -5,6 +5,7 @@ it through Triton (so they check the real kernel there).
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -71,19 +72,29 @@ def test_weight_only_matches_dequantized_product(case, m):
     assert_close(y, reference(x, q), dtype)
 
 
-@pytest.mark.parametrize("gemv", [True, False])
+@pytest.mark.parametrize("body, m", [("gemv", 1), ("gemv", 16), ("xla", 2)])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-pack{c[2]}-{c[3]}x{c[4]}")
-def test_both_bodies_at_decode_rows(case, gemv):
-    """M = 1 and 16 through the body that would not run them by default (the GEMV body runs
-    M <= GEMV_MAX_ROWS, the dot body above)."""
+def test_other_bodies(case, body, m):
+    """The GEMV body (by default only for shapes the dot body cannot tile) and the XLA one
+    (by default from `XLA_MIN_ROWS` rows) at rows where they do not run by default."""
     fmt, granularity, pack_axis, k, n, dtype = case
     q = weight(fmt, k, n, granularity, pack_axis)
-    m = 16 if gemv else 1
     x = activations(m, k, dtype, seed=3)
-    y = pallas.weight_only_matmul(x, q, interpret=INTERPRET, gemv=gemv)
-    assert pallas.blocks_for(q, m, gemv=gemv).gemv == gemv
+    y = pallas.weight_only_matmul(x, q, interpret=INTERPRET, body=body)
+    assert pallas.blocks_for(q, m, body=body).body == body
     assert y.shape == (m, n) and y.dtype == dtype
     assert_close(y, reference(x, q), dtype)
+
+
+def test_default_bodies():
+    q = weight("int4", 256, 128, PerGroup(64, 0))
+    assert pallas.blocks_for(q, 1).body == "dot"
+    assert pallas.blocks_for(q, pallas.XLA_MIN_ROWS).body == "xla"
+    assert pallas.blocks_for(q, pallas.XLA_MIN_ROWS, pallas.Blocks(128, 0, 0, 0)).body == "dot"
+    small_groups = weight("int4", 128, 64, PerGroup(8, 0))
+    assert pallas.blocks_for(small_groups, 4).body == "gemv"
+    with pytest.raises(ValueError, match="body='tiles'"):
+        pallas.blocks_for(q, 1, body="tiles")
 
 
 @pytest.mark.parametrize(
@@ -101,9 +112,9 @@ def test_gemv_explicit_blocks(blocks, fmt, pack_axis):
         pytest.skip("packed along K a step takes two rows at least")
     x = activations(2, 256, jnp.bfloat16, seed=4)
     y = pallas.weight_only_matmul(
-        x, q, out_dtype=jnp.float32, interpret=INTERPRET, gemv=True, **blocks
+        x, q, out_dtype=jnp.float32, interpret=INTERPRET, body="gemv", **blocks
     )
-    assert pallas.blocks_for(q, 2, gemv=True).m == 2
+    assert pallas.blocks_for(q, 2, body="gemv").m == 2
     assert_close(y, reference(x, q), jnp.bfloat16)
 
 
@@ -111,13 +122,13 @@ def test_gemv_bad_requests_raise():
     q = weight("int4", 256, 128, PerGroup(64, 0))
     x = activations(3, 256, jnp.bfloat16)
     with pytest.raises(ValueError, match="block_m = the rows rounded up"):
-        pallas.weight_only_matmul(x, q, interpret=INTERPRET, gemv=True, block_m=16)
+        pallas.weight_only_matmul(x, q, interpret=INTERPRET, body="gemv", block_m=16)
     with pytest.raises(ValueError, match="at most 16 rows"):
-        pallas.weight_only_matmul(activations(17, 256, jnp.bfloat16), q, gemv=True)
+        pallas.weight_only_matmul(activations(17, 256, jnp.bfloat16), q, body="gemv")
     with pytest.raises(ValueError, match="block_k=128"):
-        pallas.weight_only_matmul(x, q, interpret=INTERPRET, gemv=True, block_k=128)
-    with pytest.raises(ValueError, match="TPU has none"):
-        pallas.weight_only_matmul(x, q, interpret=INTERPRET, gemv=True, platform="tpu")
+        pallas.weight_only_matmul(x, q, interpret=INTERPRET, body="gemv", block_k=128)
+    with pytest.raises(ValueError, match="is CUDA's"):
+        pallas.weight_only_matmul(x, q, interpret=INTERPRET, body="gemv", platform="tpu")
 
 
 @pytest.mark.parametrize("fmt", ["int4", "uint4"])
@@ -265,12 +276,13 @@ def test_kernel_lowers_for_cuda_from_a_cpu_host(monkeypatch):
         ("uint4", 0, 300, jnp.bfloat16),
         ("nf4", None, 17, jnp.float32),
         ("int8", None, 64, jnp.bfloat16),
-        ("uint4", 0, 2, jnp.bfloat16),  # the GEMV body
+        ("uint4", 0, 2, jnp.bfloat16),
         ("int8", None, 8, jnp.float32),
         ("nf4", None, 1, jnp.bfloat16),
     ]:
         q = weight(fmt, 256, 128, PerGroup(64, 0), pack_axis)
-        fn = jax.jit(pallas.weight_only_matmul)
+        body = "gemv" if m in (2, 8) else None
+        fn = jax.jit(functools.partial(pallas.weight_only_matmul, body=body))
         lowered = fn.trace(jnp.zeros((m, 256), dtype), q).lower(lowering_platforms=("cuda",))
         assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
@@ -279,9 +291,9 @@ def test_default_blocks_fill_the_gpu_at_decode():
     # Shapes only: no 4096 x 4096 quantization needed to see the tiles.
     spec = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
     q = jax.eval_shape(lambda w: quantize(w, "int4", granularity=PerGroup(128, 0)), spec)
-    assert pallas.blocks_for(q, 1) == pallas.Blocks(1, 256, 64, split_k=16, gemv=True)
-    assert pallas.blocks_for(q, 3) == pallas.Blocks(4, 256, 16, split_k=16, gemv=True)
-    assert pallas.blocks_for(q, 16) == pallas.Blocks(16, 128, 128, split_k=8)
-    assert pallas.blocks_for(q, 4096) == pallas.Blocks(128, 128, 64, split_k=1)
+    assert pallas.blocks_for(q, 1) == pallas.Blocks(16, 128, 128, split_k=8)
+    assert pallas.blocks_for(q, 1, body="gemv") == pallas.Blocks(1, 256, 64, 16, body="gemv")
+    assert pallas.blocks_for(q, 3, body="gemv") == pallas.Blocks(4, 256, 16, 16, body="gemv")
+    assert pallas.blocks_for(q, 256) == pallas.Blocks(128, 128, 64, split_k=2)
     wide = pallas.blocks_for(q, 16, pallas.Blocks(0, 64, 0, 0))
     assert (wide.n, wide.split_k) == (64, 4)
