@@ -33,7 +33,7 @@ dispatches on it.
 
 Block sizes: Triton wants power-of-two tiles of at least 16 along each dot axis, so `block_k`
 and `block_n` must divide K and N (and, with grouped scales, `block_k` must divide the group
-so each K step reads one scale row). M is padded to `block_m` internally, so any M works.
+so each K step reads one scale row). Any M works: the rows of a block past M are masked.
 Small M (decode) splits K across programs (`split_k`) so that enough programs stream the
 weight to fill the GPU; the float32 partial sums are added afterwards.
 """
@@ -515,10 +515,10 @@ def _pallas_forward(x: jax.Array, q: QArray, layout: _Layout, blocks, out_dtype,
     """x [M, K] -> [M, N] `out_dtype` through the kernel of `blocks`' platform."""
     if isinstance(blocks, _pallas_tpu.TpuBlocks):
         return _pallas_tpu.forward(x, q, layout, blocks, out_dtype, interpret)
+    # No padding of M to the block: Pallas masks the rows of an overhanging block on load and
+    # store (a row's products meet only its own activations, so the masked rows' values,
+    # whatever they hold, reach no kept output), and the call reads and writes M rows.
     m = x.shape[0]
-    m_pad = -(-m // blocks.m) * blocks.m
-    if m_pad != m:
-        x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
     params = None
     if (blocks.num_warps or blocks.num_stages) and not interpret:
         params = pl_triton.CompilerParams(
@@ -539,7 +539,7 @@ def _pallas_forward(x: jax.Array, q: QArray, layout: _Layout, blocks, out_dtype,
             compiler_params=params,
             interpret=interpret,
         )
-        return y[:m]
+        return y
     dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
     split = blocks.split_k
     in_specs, out_spec = _specs(layout, blocks)
@@ -547,8 +547,8 @@ def _pallas_forward(x: jax.Array, q: QArray, layout: _Layout, blocks, out_dtype,
     kernel = functools.partial(_kernel, layout=layout, blocks=blocks, dtype=dtype)
     y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m_pad, split * layout.n), partial_dtype),
-        grid=(m_pad // blocks.m, layout.n // blocks.n, split),
+        out_shape=jax.ShapeDtypeStruct((m, split * layout.n), partial_dtype),
+        grid=(-(-m // blocks.m), layout.n // blocks.n, split),
         in_specs=in_specs,
         out_specs=out_spec,
         interpret=interpret,
@@ -556,8 +556,8 @@ def _pallas_forward(x: jax.Array, q: QArray, layout: _Layout, blocks, out_dtype,
         name=f"lowbit_{layout.kind}_matmul",
     )(x, *_weight_operands(q, layout))
     if split > 1:
-        y = y.reshape(m_pad, split, layout.n).sum(axis=1)
-    return y[:m].astype(out_dtype)
+        y = y.reshape(m, split, layout.n).sum(axis=1)
+    return y.astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
