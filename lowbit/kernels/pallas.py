@@ -117,6 +117,8 @@ class Blocks:
     num_warps: int = 0
     num_stages: int = 0
     body: str = "dot"
+    swap: bool = False
+    asm: bool = False
 
     @property
     def gemv(self) -> bool:
@@ -127,6 +129,8 @@ class Blocks:
             return "xla (dequantize, then XLA's dot)"
         extra = f" w{self.num_warps}" if self.num_warps else ""
         extra += f" s{self.num_stages}" if self.num_stages else ""
+        extra += " swapped" if self.swap else ""
+        extra += " asm" if self.asm else ""
         body = "gemv " if self.gemv else ""
         return f"{body}{self.m}x{self.n}x{self.k} split {self.split_k}{extra}"
 
@@ -198,10 +202,15 @@ def _blocks(
     if body not in (None, "dot"):
         raise ValueError(f"weight_only_matmul: body={body!r} is CUDA's; the TPU has its own")
     if requested is not None and (
-        requested.split_k > 1 or requested.num_warps or requested.num_stages
+        requested.split_k > 1
+        or requested.num_warps
+        or requested.num_stages
+        or requested.swap
+        or requested.asm
     ):
         raise ValueError(
-            "weight_only_matmul: split_k, num_warps and num_stages are Triton's (CUDA); the TPU "
+            "weight_only_matmul: split_k, num_warps, num_stages, swap_operands and asm_decode "
+            "are Triton's (CUDA); the TPU "
             "body takes block_m, block_n and block_k only"
         )
     want = (
@@ -289,7 +298,7 @@ def _choose_dot_blocks(m: int, layout: _Layout, requested: Blocks | None) -> Blo
     target = _TARGET_PROGRAMS if small else _TARGET_PROGRAMS // 2
     split = want.split_k or _split_k(m, bm, bn, bk, layout, target)
     _check_split(split, bk, layout)
-    return Blocks(bm, bn, bk, split, want.num_warps, want.num_stages)
+    return Blocks(bm, bn, bk, split, want.num_warps, want.num_stages, swap=want.swap, asm=want.asm)
 
 
 def _check_split(split: int, bk: int, layout: _Layout) -> None:
@@ -392,8 +401,21 @@ def blocks_for(
 _SCALE_AFTER_DOT_M = 64
 
 
-def _partial_product(x, codes, scale, zero, kind: str, dtype, after_dot: bool, grouped: bool):
-    """x [bm, r] `dtype` times the weight tile of codes [r, c] (int32) -> [bm, c] float32.
+def _dot(x, w, swap: bool):
+    """x [bm, r] @ w [r, c] in float32: [bm, c], or its transpose [c, bm] if `swap` (the
+    weight tile as the dot's first operand: its rows fill the tensor-core tile, not x's)."""
+    if swap:
+        return jax.lax.dot_general(
+            w, x, (((0,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+    return jax.lax.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def _partial_product(
+    x, codes, scale, zero, kind: str, dtype, after_dot: bool, grouped: bool, swap: bool = False
+):
+    """x [bm, r] `dtype` times the weight tile of codes [r, c] (int32) -> [bm, c] float32
+    ([c, bm] if `swap`).
 
     scale, zero: [1, c] (zero may be None). With `after_dot`, the dot multiplies the decoded
     codes and the zero point and scale apply to its result,
@@ -404,23 +426,71 @@ def _partial_product(x, codes, scale, zero, kind: str, dtype, after_dot: bool, g
         values = _decode_codes(codes, kind)
         if zero is not None:
             values = values - zero.astype(jnp.float32)
-        w = (values * scale.astype(jnp.float32)).astype(dtype)
-        return jax.lax.dot(x, w, preferred_element_type=jnp.float32)
+        return _dot(x, (values * scale.astype(jnp.float32)).astype(dtype), swap)
+    # Per-column terms [1, c] and per-row ones [bm, 1], laid out for the result's orientation.
+    column = (lambda v: v.astype(jnp.float32).T) if swap else (lambda v: v.astype(jnp.float32))
+    row_sums = jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True)
+    row_sums = row_sums.T if swap else row_sums
+    if isinstance(codes, tuple):  # already `value + offset` (`_asm_nibbles`)
+        biased, offset = codes
+        part = _dot(x, biased, swap)
+        shift = offset if zero is None else column(zero) + offset
+        part = part - row_sums * shift
+        return part * column(scale) if grouped else part
     if kind in ("int4", "uint4") and jnp.dtype(dtype) == jnp.bfloat16:
         # bfloat16 x times the codes' exact `value + offset` (128..143), the offset and zero
         # point taken off the float32 result through x's row sums: exact products, so only
         # the float32 sums' rounding grows (by at most the ratio ~17 of the offset to the
         # values). Not for float32 x, whose TF32 rounding the offset would scale the same way.
         biased, offset = _biased_codes(codes, kind)
-        part = jax.lax.dot(x, biased, preferred_element_type=jnp.float32)
-        shift = offset if zero is None else zero.astype(jnp.float32) + offset
-        part = part - jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True) * shift
-        return part * scale.astype(jnp.float32) if grouped else part
-    part = jax.lax.dot(x, _decode_codes(codes, kind, dtype), preferred_element_type=jnp.float32)
+        part = _dot(x, biased, swap)
+        shift = offset if zero is None else column(zero) + offset
+        part = part - row_sums * shift
+        return part * column(scale) if grouped else part
+    part = _dot(x, _decode_codes(codes, kind, dtype), swap)
     if zero is not None:
-        row_sums = jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True)
-        part = part - row_sums * zero.astype(jnp.float32)
-    return part * scale.astype(jnp.float32) if grouped else part
+        part = part - row_sums * column(zero)
+    return part * column(scale) if grouped else part
+
+
+# Four bytes of codes ($2) to the bfloat16 `value + offset` of their low (or, shifted, high)
+# nibbles, two values a register ($0: bytes 0-1, $1: bytes 2-3): each byte pair is spread
+# to the two halves of a word (prmt), its nibbles masked and given bfloat16's exponent of
+# 128 (the exponent trick of `_pallas_codes`). Element i of the input is byte i and of the
+# output half i, so the asm is elementwise whatever elements Triton packs together. int4
+# flips each nibble's sign bit first. (One asm per nibble: this Pallas lowers an
+# `elementwise_inline_asm` of one result only.)
+_NIBBLES_PTX = """{
+.reg .b32 t, z, d0, d1;
+mov.b32 z, 0;
+%s
+prmt.b32 d0, t, z, 0x4140;
+prmt.b32 d1, t, z, 0x4342;
+%s
+and.b32 d0, d0, 0x000F000F;
+and.b32 d1, d1, 0x000F000F;
+or.b32 $0, d0, 0x43004300;
+or.b32 $1, d1, 0x43004300;
+}"""
+
+
+def _asm_nibbles(raw: jax.Array, kind: str) -> tuple[jax.Array, jax.Array, float]:
+    """uint8 codes [r, c] -> bfloat16 `value + offset` of the low and high nibbles, and the
+    offset (as `_pallas_codes.biased_codes`)."""
+    flip = "xor.b32 t, $2, 0x88888888;" if kind == "int4" else "mov.b32 t, $2;"
+    high_shift = "shr.u32 d0, d0, 4;\nshr.u32 d1, d1, 4;"
+    out = [jax.ShapeDtypeStruct(raw.shape, jnp.bfloat16)]
+    low, high = (
+        pl_triton.elementwise_inline_asm(
+            _NIBBLES_PTX % (flip, shift),
+            args=[raw],
+            constraints="=r,=r,r",
+            pack=4,
+            result_shape_dtypes=out,
+        )[0]
+        for shift in ("", high_shift)
+    )
+    return low, high, 128.0 + (8.0 if kind == "int4" else 0.0)
 
 
 def _interleave_columns(even: jax.Array, odd: jax.Array) -> jax.Array:
@@ -448,8 +518,21 @@ def _kernel(x_ref, c_ref, s_ref, *refs, layout: _Layout, blocks: Blocks, dtype):
     after_dot = blocks.m <= _SCALE_AFTER_DOT_M
     halves = layout.packed == "n"
     width = bn // 2 if halves else bn
+    swap = blocks.swap
+    asm = (
+        blocks.asm
+        and halves
+        and after_dot
+        and layout.kind in ("int4", "uint4")
+        and jnp.dtype(dtype) == jnp.bfloat16
+    )
     product = functools.partial(
-        _partial_product, kind=layout.kind, dtype=dtype, after_dot=after_dot, grouped=grouped
+        _partial_product,
+        kind=layout.kind,
+        dtype=dtype,
+        after_dot=after_dot,
+        grouped=grouped,
+        swap=swap,
     )
 
     def scales(row, half: int | None):
@@ -468,8 +551,14 @@ def _kernel(x_ref, c_ref, s_ref, *refs, layout: _Layout, blocks: Blocks, dtype):
             scale, zero = scales(row, None)
             low = product(x_even, packed & 15, scale, zero)
             return (accs[0] + low + product(x_odd, packed >> 4, scale, zero),)
-        codes = c_ref[pl.ds(t * bk, bk), :].astype(jnp.int32)
         x = x_ref[:, pl.ds(t * bk, bk)].astype(dtype)
+        if asm:
+            low, high, offset = _asm_nibbles(c_ref[pl.ds(t * bk, bk), :], layout.kind)
+            return (
+                accs[0] + product(x, (low, offset), *scales(row, 0)),
+                accs[1] + product(x, (high, offset), *scales(row, 1)),
+            )
+        codes = c_ref[pl.ds(t * bk, bk), :].astype(jnp.int32)
         if not halves:
             return (accs[0] + product(x, codes, *scales(row, None)),)
         return (
@@ -477,8 +566,10 @@ def _kernel(x_ref, c_ref, s_ref, *refs, layout: _Layout, blocks: Blocks, dtype):
             accs[1] + product(x, codes >> 4, *scales(row, 1)),
         )
 
-    zeros = jnp.zeros((blocks.m, width), jnp.float32)
+    zeros = jnp.zeros((width, blocks.m) if swap else (blocks.m, width), jnp.float32)
     accs = jax.lax.fori_loop(0, steps, step, (zeros, zeros) if halves else (zeros,))
+    if swap:
+        accs = tuple(acc.T for acc in accs)
     if after_dot and not grouped:
         parities = (0, 1) if halves else (None,)
         accs = tuple(
@@ -515,6 +606,11 @@ def _pallas_forward(x: jax.Array, q: QArray, layout: _Layout, blocks, out_dtype,
     """x [M, K] -> [M, N] `out_dtype` through the kernel of `blocks`' platform."""
     if isinstance(blocks, _pallas_tpu.TpuBlocks):
         return _pallas_tpu.forward(x, q, layout, blocks, out_dtype, interpret)
+    if blocks.asm and interpret:
+        raise ValueError(
+            "weight_only_matmul: asm_decode runs PTX, which the Pallas interpreter cannot; "
+            "pass asm_decode=False with interpret=True"
+        )
     # No padding of M to the block: Pallas masks the rows of an overhanging block on load and
     # store (a row's products meet only its own activations, so the masked rows' values,
     # whatever they hold, reach no kept output), and the call reads and writes M rows.
@@ -607,6 +703,8 @@ def weight_only_matmul(
     split_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    swap_operands: bool = False,
+    asm_decode: bool = False,
     interpret: bool | pltpu.InterpretParams = False,
     differentiable: bool = True,
     platform: str = "cuda",
@@ -626,6 +724,13 @@ def weight_only_matmul(
         of 128 (256 with nibbles packed along N), block_k K or a multiple of 128 (256 packed
         along K) holding whole groups or lying in one.
       num_warps, num_stages: Triton launch parameters (CUDA), None for the defaults.
+      swap_operands: the dot body multiplies `tile.T @ x.T` (the weight tile as the dot's
+        first operand, so its `block_n` columns fill the tensor-core tile's rows) and
+        transposes the result once at the end (CUDA).
+      asm_decode: the dot body turns each byte of int4 / uint4 codes packed along N into
+        its two bfloat16 values with PTX (`_NIBBLES_PTX`: four bytes to eight values in
+        ten instructions) for bfloat16 x at up to 64 rows; elsewhere it changes nothing.
+        CUDA only (the interpreter cannot run PTX: `interpret=True` refuses it).
       interpret: run the kernel body in the Pallas interpreter (any backend, e.g. CPU tests);
         for the TPU body, `pltpu.InterpretParams(...)` sets the TPU interpreter's checks
         (race detection, uninitialized memory as NaN).
@@ -655,7 +760,14 @@ def weight_only_matmul(
     if x2.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"weight_only_matmul: x dtype {x2.dtype}; accepted: bfloat16, float32")
     requested = Blocks(
-        block_m or 0, block_n or 0, block_k or 0, split_k or 0, num_warps or 0, num_stages or 0
+        block_m or 0,
+        block_n or 0,
+        block_k or 0,
+        split_k or 0,
+        num_warps or 0,
+        num_stages or 0,
+        swap=bool(swap_operands),
+        asm=bool(asm_decode),
     )
     blocks = _blocks(x2.shape[0], layout, x2.dtype, platform, requested, body)
     out_dtype = jnp.dtype(x2.dtype if out_dtype is None else out_dtype)
