@@ -89,18 +89,6 @@ def _nf4_table() -> tuple[float, ...]:
 _MAGIC = {jnp.dtype(jnp.float32): (0x4B000000, 2.0**23), jnp.dtype(jnp.bfloat16): (0x4300, 128.0)}
 
 
-def biased_codes(codes: jax.Array, kind: str) -> tuple[jax.Array, float]:
-    """int4 / uint4 nibbles (int32) to bfloat16 `value + offset` and the offset: the exponent
-    trick (`_MAGIC`) without its subtraction, which a caller folds into its result
-    (``x @ (v + c) - c * rowsum(x)``): one operation a code less than `decode_codes`."""
-    if kind not in ("int4", "uint4"):
-        raise ValueError(f"biased_codes reads int4 / uint4 codes, not {kind}")
-    unsigned, offset = (codes ^ 8, 8.0) if kind == "int4" else (codes, 0.0)
-    bits, base = _MAGIC[jnp.dtype(jnp.bfloat16)]
-    floats = jax.lax.bitcast_convert_type((unsigned | bits).astype(jnp.int16), jnp.bfloat16)
-    return floats, base + offset
-
-
 def decode_codes(
     codes: jax.Array, kind: str, dtype=jnp.float32, *, exponent_trick: bool = True
 ) -> jax.Array:

@@ -4,7 +4,8 @@
 `lowbit.kernels.pallas` pads M to Triton's 16-row dot tile and writes 16 rows of partial
 sums; here each program multiplies its decoded `[block_k, block_n]` weight tile by each
 activation row on the vector units and keeps one float32 accumulator of the tile's shape a
-row, summed over K once at the end.
+row, summed over K once at the end. Nothing is padded for M = 1, 2, 4 or 8, and the partial
+sums of a K split are `[M, N]` each.
 
 The grid is (N blocks, K splits). A program streams `K / split_k` rows of its `block_n`
 columns, `block_k` rows a step (within one scale group), so consecutive steps read
@@ -102,11 +103,9 @@ def forward(
     compiler_params: Any,
     interpret: bool,
 ) -> jax.Array:
-    """x [M, K] times the weight `operands` (codes, scale[, zero point]) of `layout` ->
-    [M, N] `out_dtype`; partial sums of a K split added in float32 after. Programs hold M
-    rounded up to a power of two (Pallas masks the rows past M)."""
-    m = x.shape[0]
-    rows = 1 << (m - 1).bit_length()
+    """x [M, K] (M a power of two) times the weight `operands` (codes, scale[, zero point])
+    of `layout` -> [M, N] `out_dtype`; partial sums of a K split added in float32 after."""
+    rows = x.shape[0]
     k_split = layout.k // split_k
     code_block = {
         None: (k_split, block_n),
@@ -129,7 +128,7 @@ def forward(
     y = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(
-            (m, split_k * layout.n), jnp.float32 if split_k > 1 else out_dtype
+            (rows, split_k * layout.n), jnp.float32 if split_k > 1 else out_dtype
         ),
         grid=(n_blocks, split_k),
         in_specs=in_specs,
@@ -139,5 +138,5 @@ def forward(
         name=f"lowbit_{layout.kind}_gemv",
     )(x, *operands)
     if split_k > 1:
-        y = y.reshape(m, split_k, layout.n).sum(axis=1)
+        y = y.reshape(rows, split_k, layout.n).sum(axis=1)
     return y.astype(out_dtype)

@@ -33,7 +33,7 @@ dispatches on it.
 
 Block sizes: Triton wants power-of-two tiles of at least 16 along each dot axis, so `block_k`
 and `block_n` must divide K and N (and, with grouped scales, `block_k` must divide the group
-so each K step reads one scale row). Any M works: the rows of a block past M are masked.
+so each K step reads one scale row). M is padded to `block_m` internally, so any M works.
 Small M (decode) splits K across programs (`split_k`) so that enough programs stream the
 weight to fill the GPU; the float32 partial sums are added afterwards.
 """
@@ -56,7 +56,6 @@ from lowbit.formats import get_format
 from lowbit.kernels import _pallas_gemv, _pallas_tpu
 from lowbit.kernels._pallas_codes import PALLAS_FORMATS
 from lowbit.kernels._pallas_codes import Layout as _Layout
-from lowbit.kernels._pallas_codes import biased_codes as _biased_codes
 from lowbit.kernels._pallas_codes import decode_codes as _decode_codes
 from lowbit.kernels._pallas_codes import layout_of as _layout
 from lowbit.kernels._pallas_codes import weight_operands as _weight_operands
@@ -88,13 +87,15 @@ _MAX_BLOCK_M = 128
 _TARGET_PROGRAMS = 256
 _SMALL_M = 64  # at or below this, the product is weight-bandwidth bound: split K
 # The GEMV body (`_pallas_gemv`) runs by default only shapes the dot body cannot tile (K or
-# a group under 16): on an H200 at 8192 x 8192, int4 g128, M = 1, its best tiles took
-# 0.042 ms against the dot body's 0.033 ms (BENCHMARKS.md, "GPU"): each code then costs a
-# scale multiply and an FMA on the vector units, which the dot body leaves to the tensor cores.
+# a group under 16): on an H200 at 8192 x 8192, int4 g128, M = 1, the best of its tiles took
+# 0.042 ms against the dot body's 0.033 ms (two runs, 2026-12-04; BENCHMARKS.md, "GPU"):
+# each code then costs a scale multiply and an FMA on the vector units, which the dot body
+# leaves to the tensor cores.
 GEMV_MAX_ROWS = 16
 # From this many rows on, XLA's own product of the dequantized weight (a transient copy in
 # the activations' dtype, then its tensor-core GEMM) beats the dot body: int4 g128 at
-# M = 4096, 8192 x 8192: 0.92 against 1.67 ms (bf16 weights: 0.86).
+# M = 4096, 8192 x 8192: 0.88 against 1.65 ms (bf16 weights: 0.79); at M = 256 the two
+# tie (0.142 against 0.138 ms).
 XLA_MIN_ROWS = 1024
 _GEMV_MAX_BLOCK_M = 16
 # Accumulator elements a GEMV program holds (rows x block_k x block_n): 128 float32
@@ -107,8 +108,9 @@ class Blocks:
     """Tile sizes of `weight_only_matmul`: output tiles `[m, n]`, K steps of `k`, and K split
     over `split_k` programs whose float32 partial sums are added at the end; `num_warps` and
     `num_stages` are Triton's (0: its defaults, 4 warps and 3 pipeline stages). `body`: "dot"
-    (the Triton dot kernel), "gemv" (`_pallas_gemv`: vector units, `m` rows unpadded) or
-    "xla" (no kernel: the weight dequantized in the activations' dtype, then XLA's dot)."""
+    (the Triton dot kernel), "gemv" (`_pallas_gemv`: vector units, rows rounded up to a power
+    of two, not to 16) or "xla" (no kernel: the weight dequantized in the activations' dtype,
+    then XLA's dot)."""
 
     m: int
     n: int
@@ -117,8 +119,6 @@ class Blocks:
     num_warps: int = 0
     num_stages: int = 0
     body: str = "dot"
-    swap: bool = False
-    asm: bool = False
 
     @property
     def gemv(self) -> bool:
@@ -129,8 +129,6 @@ class Blocks:
             return "xla (dequantize, then XLA's dot)"
         extra = f" w{self.num_warps}" if self.num_warps else ""
         extra += f" s{self.num_stages}" if self.num_stages else ""
-        extra += " swapped" if self.swap else ""
-        extra += " asm" if self.asm else ""
         body = "gemv " if self.gemv else ""
         return f"{body}{self.m}x{self.n}x{self.k} split {self.split_k}{extra}"
 
@@ -202,15 +200,10 @@ def _blocks(
     if body not in (None, "dot"):
         raise ValueError(f"weight_only_matmul: body={body!r} is CUDA's; the TPU has its own")
     if requested is not None and (
-        requested.split_k > 1
-        or requested.num_warps
-        or requested.num_stages
-        or requested.swap
-        or requested.asm
+        requested.split_k > 1 or requested.num_warps or requested.num_stages
     ):
         raise ValueError(
-            "weight_only_matmul: split_k, num_warps, num_stages, swap_operands and asm_decode "
-            "are Triton's (CUDA); the TPU "
+            "weight_only_matmul: split_k, num_warps and num_stages are Triton's (CUDA); the TPU "
             "body takes block_m, block_n and block_k only"
         )
     want = (
@@ -298,7 +291,7 @@ def _choose_dot_blocks(m: int, layout: _Layout, requested: Blocks | None) -> Blo
     target = _TARGET_PROGRAMS if small else _TARGET_PROGRAMS // 2
     split = want.split_k or _split_k(m, bm, bn, bk, layout, target)
     _check_split(split, bk, layout)
-    return Blocks(bm, bn, bk, split, want.num_warps, want.num_stages, swap=want.swap, asm=want.asm)
+    return Blocks(bm, bn, bk, split, want.num_warps, want.num_stages)
 
 
 def _check_split(split: int, bk: int, layout: _Layout) -> None:
@@ -401,21 +394,8 @@ def blocks_for(
 _SCALE_AFTER_DOT_M = 64
 
 
-def _dot(x, w, swap: bool):
-    """x [bm, r] @ w [r, c] in float32: [bm, c], or its transpose [c, bm] if `swap` (the
-    weight tile as the dot's first operand: its rows fill the tensor-core tile, not x's)."""
-    if swap:
-        return jax.lax.dot_general(
-            w, x, (((0,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )
-    return jax.lax.dot(x, w, preferred_element_type=jnp.float32)
-
-
-def _partial_product(
-    x, codes, scale, zero, kind: str, dtype, after_dot: bool, grouped: bool, swap: bool = False
-):
-    """x [bm, r] `dtype` times the weight tile of codes [r, c] (int32) -> [bm, c] float32
-    ([c, bm] if `swap`).
+def _partial_product(x, codes, scale, zero, kind: str, dtype, after_dot: bool, grouped: bool):
+    """x [bm, r] `dtype` times the weight tile of codes [r, c] (int32) -> [bm, c] float32.
 
     scale, zero: [1, c] (zero may be None). With `after_dot`, the dot multiplies the decoded
     codes and the zero point and scale apply to its result,
@@ -426,71 +406,13 @@ def _partial_product(
         values = _decode_codes(codes, kind)
         if zero is not None:
             values = values - zero.astype(jnp.float32)
-        return _dot(x, (values * scale.astype(jnp.float32)).astype(dtype), swap)
-    # Per-column terms [1, c] and per-row ones [bm, 1], laid out for the result's orientation.
-    column = (lambda v: v.astype(jnp.float32).T) if swap else (lambda v: v.astype(jnp.float32))
-    row_sums = jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True)
-    row_sums = row_sums.T if swap else row_sums
-    if isinstance(codes, tuple):  # already `value + offset` (`_asm_nibbles`)
-        biased, offset = codes
-        part = _dot(x, biased, swap)
-        shift = offset if zero is None else column(zero) + offset
-        part = part - row_sums * shift
-        return part * column(scale) if grouped else part
-    if kind in ("int4", "uint4") and jnp.dtype(dtype) == jnp.bfloat16:
-        # bfloat16 x times the codes' exact `value + offset` (128..143), the offset and zero
-        # point taken off the float32 result through x's row sums: exact products, so only
-        # the float32 sums' rounding grows (by at most the ratio ~17 of the offset to the
-        # values). Not for float32 x, whose TF32 rounding the offset would scale the same way.
-        biased, offset = _biased_codes(codes, kind)
-        part = _dot(x, biased, swap)
-        shift = offset if zero is None else column(zero) + offset
-        part = part - row_sums * shift
-        return part * column(scale) if grouped else part
-    part = _dot(x, _decode_codes(codes, kind, dtype), swap)
+        w = (values * scale.astype(jnp.float32)).astype(dtype)
+        return jax.lax.dot(x, w, preferred_element_type=jnp.float32)
+    part = jax.lax.dot(x, _decode_codes(codes, kind, dtype), preferred_element_type=jnp.float32)
     if zero is not None:
-        part = part - row_sums * column(zero)
-    return part * column(scale) if grouped else part
-
-
-# Four bytes of codes ($2) to the bfloat16 `value + offset` of their low (or, shifted, high)
-# nibbles, two values a register ($0: bytes 0-1, $1: bytes 2-3): each byte pair is spread
-# to the two halves of a word (prmt), its nibbles masked and given bfloat16's exponent of
-# 128 (the exponent trick of `_pallas_codes`). Element i of the input is byte i and of the
-# output half i, so the asm is elementwise whatever elements Triton packs together. int4
-# flips each nibble's sign bit first. (One asm per nibble: this Pallas lowers an
-# `elementwise_inline_asm` of one result only.)
-_NIBBLES_PTX = """{
-.reg .b32 t, z, d0, d1;
-mov.b32 z, 0;
-%s
-prmt.b32 d0, t, z, 0x4140;
-prmt.b32 d1, t, z, 0x4342;
-%s
-and.b32 d0, d0, 0x000F000F;
-and.b32 d1, d1, 0x000F000F;
-or.b32 $0, d0, 0x43004300;
-or.b32 $1, d1, 0x43004300;
-}"""
-
-
-def _asm_nibbles(raw: jax.Array, kind: str) -> tuple[jax.Array, jax.Array, float]:
-    """uint8 codes [r, c] -> bfloat16 `value + offset` of the low and high nibbles, and the
-    offset (as `_pallas_codes.biased_codes`)."""
-    flip = "xor.b32 t, $2, 0x88888888;" if kind == "int4" else "mov.b32 t, $2;"
-    high_shift = "shr.u32 d0, d0, 4;\nshr.u32 d1, d1, 4;"
-    out = [jax.ShapeDtypeStruct(raw.shape, jnp.bfloat16)]
-    low, high = (
-        pl_triton.elementwise_inline_asm(
-            _NIBBLES_PTX % (flip, shift),
-            args=[raw],
-            constraints="=r,=r,r",
-            pack=4,
-            result_shape_dtypes=out,
-        )[0]
-        for shift in ("", high_shift)
-    )
-    return low, high, 128.0 + (8.0 if kind == "int4" else 0.0)
+        row_sums = jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True)
+        part = part - row_sums * zero.astype(jnp.float32)
+    return part * scale.astype(jnp.float32) if grouped else part
 
 
 def _interleave_columns(even: jax.Array, odd: jax.Array) -> jax.Array:
@@ -518,21 +440,8 @@ def _kernel(x_ref, c_ref, s_ref, *refs, layout: _Layout, blocks: Blocks, dtype):
     after_dot = blocks.m <= _SCALE_AFTER_DOT_M
     halves = layout.packed == "n"
     width = bn // 2 if halves else bn
-    swap = blocks.swap
-    asm = (
-        blocks.asm
-        and halves
-        and after_dot
-        and layout.kind in ("int4", "uint4")
-        and jnp.dtype(dtype) == jnp.bfloat16
-    )
     product = functools.partial(
-        _partial_product,
-        kind=layout.kind,
-        dtype=dtype,
-        after_dot=after_dot,
-        grouped=grouped,
-        swap=swap,
+        _partial_product, kind=layout.kind, dtype=dtype, after_dot=after_dot, grouped=grouped
     )
 
     def scales(row, half: int | None):
@@ -551,14 +460,8 @@ def _kernel(x_ref, c_ref, s_ref, *refs, layout: _Layout, blocks: Blocks, dtype):
             scale, zero = scales(row, None)
             low = product(x_even, packed & 15, scale, zero)
             return (accs[0] + low + product(x_odd, packed >> 4, scale, zero),)
-        x = x_ref[:, pl.ds(t * bk, bk)].astype(dtype)
-        if asm:
-            low, high, offset = _asm_nibbles(c_ref[pl.ds(t * bk, bk), :], layout.kind)
-            return (
-                accs[0] + product(x, (low, offset), *scales(row, 0)),
-                accs[1] + product(x, (high, offset), *scales(row, 1)),
-            )
         codes = c_ref[pl.ds(t * bk, bk), :].astype(jnp.int32)
+        x = x_ref[:, pl.ds(t * bk, bk)].astype(dtype)
         if not halves:
             return (accs[0] + product(x, codes, *scales(row, None)),)
         return (
@@ -566,10 +469,8 @@ def _kernel(x_ref, c_ref, s_ref, *refs, layout: _Layout, blocks: Blocks, dtype):
             accs[1] + product(x, codes >> 4, *scales(row, 1)),
         )
 
-    zeros = jnp.zeros((width, blocks.m) if swap else (blocks.m, width), jnp.float32)
+    zeros = jnp.zeros((blocks.m, width), jnp.float32)
     accs = jax.lax.fori_loop(0, steps, step, (zeros, zeros) if halves else (zeros,))
-    if swap:
-        accs = tuple(acc.T for acc in accs)
     if after_dot and not grouped:
         parities = (0, 1) if halves else (None,)
         accs = tuple(
@@ -606,15 +507,10 @@ def _pallas_forward(x: jax.Array, q: QArray, layout: _Layout, blocks, out_dtype,
     """x [M, K] -> [M, N] `out_dtype` through the kernel of `blocks`' platform."""
     if isinstance(blocks, _pallas_tpu.TpuBlocks):
         return _pallas_tpu.forward(x, q, layout, blocks, out_dtype, interpret)
-    if blocks.asm and interpret:
-        raise ValueError(
-            "weight_only_matmul: asm_decode runs PTX, which the Pallas interpreter cannot; "
-            "pass asm_decode=False with interpret=True"
-        )
-    # No padding of M to the block: Pallas masks the rows of an overhanging block on load and
-    # store (a row's products meet only its own activations, so the masked rows' values,
-    # whatever they hold, reach no kept output), and the call reads and writes M rows.
     m = x.shape[0]
+    m_pad = -(-m // blocks.m) * blocks.m
+    if m_pad != m:
+        x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
     params = None
     if (blocks.num_warps or blocks.num_stages) and not interpret:
         params = pl_triton.CompilerParams(
@@ -635,7 +531,7 @@ def _pallas_forward(x: jax.Array, q: QArray, layout: _Layout, blocks, out_dtype,
             compiler_params=params,
             interpret=interpret,
         )
-        return y
+        return y[:m]
     dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
     split = blocks.split_k
     in_specs, out_spec = _specs(layout, blocks)
@@ -643,8 +539,8 @@ def _pallas_forward(x: jax.Array, q: QArray, layout: _Layout, blocks, out_dtype,
     kernel = functools.partial(_kernel, layout=layout, blocks=blocks, dtype=dtype)
     y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, split * layout.n), partial_dtype),
-        grid=(-(-m // blocks.m), layout.n // blocks.n, split),
+        out_shape=jax.ShapeDtypeStruct((m_pad, split * layout.n), partial_dtype),
+        grid=(m_pad // blocks.m, layout.n // blocks.n, split),
         in_specs=in_specs,
         out_specs=out_spec,
         interpret=interpret,
@@ -652,8 +548,8 @@ def _pallas_forward(x: jax.Array, q: QArray, layout: _Layout, blocks, out_dtype,
         name=f"lowbit_{layout.kind}_matmul",
     )(x, *_weight_operands(q, layout))
     if split > 1:
-        y = y.reshape(m, split, layout.n).sum(axis=1)
-    return y.astype(out_dtype)
+        y = y.reshape(m_pad, split, layout.n).sum(axis=1)
+    return y[:m].astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
@@ -703,8 +599,6 @@ def weight_only_matmul(
     split_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    swap_operands: bool = False,
-    asm_decode: bool = False,
     interpret: bool | pltpu.InterpretParams = False,
     differentiable: bool = True,
     platform: str = "cuda",
@@ -724,13 +618,6 @@ def weight_only_matmul(
         of 128 (256 with nibbles packed along N), block_k K or a multiple of 128 (256 packed
         along K) holding whole groups or lying in one.
       num_warps, num_stages: Triton launch parameters (CUDA), None for the defaults.
-      swap_operands: the dot body multiplies `tile.T @ x.T` (the weight tile as the dot's
-        first operand, so its `block_n` columns fill the tensor-core tile's rows) and
-        transposes the result once at the end (CUDA).
-      asm_decode: the dot body turns each byte of int4 / uint4 codes packed along N into
-        its two bfloat16 values with PTX (`_NIBBLES_PTX`: four bytes to eight values in
-        ten instructions) for bfloat16 x at up to 64 rows; elsewhere it changes nothing.
-        CUDA only (the interpreter cannot run PTX: `interpret=True` refuses it).
       interpret: run the kernel body in the Pallas interpreter (any backend, e.g. CPU tests);
         for the TPU body, `pltpu.InterpretParams(...)` sets the TPU interpreter's checks
         (race detection, uninitialized memory as NaN).
@@ -760,14 +647,7 @@ def weight_only_matmul(
     if x2.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"weight_only_matmul: x dtype {x2.dtype}; accepted: bfloat16, float32")
     requested = Blocks(
-        block_m or 0,
-        block_n or 0,
-        block_k or 0,
-        split_k or 0,
-        num_warps or 0,
-        num_stages or 0,
-        swap=bool(swap_operands),
-        asm=bool(asm_decode),
+        block_m or 0, block_n or 0, block_k or 0, split_k or 0, num_warps or 0, num_stages or 0
     )
     blocks = _blocks(x2.shape[0], layout, x2.dtype, platform, requested, body)
     out_dtype = jnp.dtype(x2.dtype if out_dtype is None else out_dtype)

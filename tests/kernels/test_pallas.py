@@ -86,40 +86,6 @@ def test_other_bodies(case, body, m):
     assert_close(y, reference(x, q), dtype)
 
 
-@pytest.mark.parametrize("m", [5, 70])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-pack{c[2]}-{c[3]}x{c[4]}")
-def test_swapped_operands(case, m):
-    """tile.T @ x.T, transposed once at the end: the scales-after-dot tiles (M <= 64) and the
-    dequantize-first ones."""
-    fmt, granularity, pack_axis, k, n, dtype = case
-    q = weight(fmt, k, n, granularity, pack_axis)
-    x = activations(m, k, dtype, seed=5)
-    y = pallas.weight_only_matmul(x, q, interpret=INTERPRET, swap_operands=True)
-    assert pallas.blocks_for(q, m, pallas.Blocks(0, 0, 0, 0, swap=True)).swap
-    assert_close(y, reference(x, q), dtype)
-
-
-@pytest.mark.skipif(not ON_GPU, reason="PTX: the interpreter cannot run it (refusal below)")
-@pytest.mark.parametrize("swap", [False, True])
-@pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize(
-    "fmt, granularity", [("int4", PerGroup(64, 0)), ("uint4", PerGroup(32, 0)), ("int4", None)]
-)
-def test_asm_decode_on_gpu(fmt, granularity, m, swap):
-    q = weight(fmt, 256, 128, granularity or PerChannel((1,)), seed=m)
-    x = activations(m, 256, jnp.bfloat16, seed=6)
-    y = pallas.weight_only_matmul(x, q, asm_decode=True, swap_operands=swap)
-    assert_close(y, reference(x, q), jnp.bfloat16)
-
-
-def test_asm_decode_refused_when_interpreted():
-    q = weight("int4", 128, 64, PerGroup(32, 0))
-    with pytest.raises(ValueError, match="asm_decode runs PTX"):
-        pallas.weight_only_matmul(
-            activations(1, 128, jnp.bfloat16), q, asm_decode=True, interpret=True
-        )
-
-
 def test_default_bodies():
     q = weight("int4", 256, 128, PerGroup(64, 0))
     assert pallas.blocks_for(q, 1).body == "dot"
@@ -318,13 +284,6 @@ def test_kernel_lowers_for_cuda_from_a_cpu_host(monkeypatch):
         body = "gemv" if m in (2, 8) else None
         fn = jax.jit(functools.partial(pallas.weight_only_matmul, body=body))
         lowered = fn.trace(jnp.zeros((m, 256), dtype), q).lower(lowering_platforms=("cuda",))
-        assert "__gpu$xla.gpu.triton" in lowered.as_text()
-    q = weight("int4", 256, 128, PerGroup(64, 0))
-    for swap in (False, True):
-        fn = jax.jit(
-            functools.partial(pallas.weight_only_matmul, asm_decode=True, swap_operands=swap)
-        )
-        lowered = fn.trace(jnp.zeros((3, 256), jnp.bfloat16), q).lower(lowering_platforms=("cuda",))
         assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
 

@@ -85,10 +85,7 @@ def test_explicit_tpu_blocks():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (
-            {"split_k": 2},
-            "split_k, num_warps, num_stages, swap_operands and asm_decode are Triton's",
-        ),
+        ({"split_k": 2}, "split_k, num_warps and num_stages are Triton's"),
         ({"block_m": 12}, "block_m=12 must be a multiple of 16"),
         ({"block_n": 64}, "block_n=64"),
         ({"block_k": 64}, "no K step fits"),
