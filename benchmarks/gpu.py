@@ -243,7 +243,7 @@ def _tiles_label(m: int, w: Any, tiles: dict) -> str:
 
     names = {"block_m": "m", "block_n": "n", "block_k": "k", "split_k": "split_k"}
     names |= {"num_warps": "num_warps", "num_stages": "num_stages"}
-    want = pallas.Blocks(0, 0, 0, 0, **{})
+    want = pallas.Blocks(0, 0, 0, 0)
     want = dataclasses.replace(want, **{names[k]: v for k, v in tiles.items() if k in names})
     return str(pallas.blocks_for(w, m, want, body=tiles.get("body")))
 
@@ -499,12 +499,9 @@ def _device_line() -> str:
     if not _has_gpu():
         return "no GPU (default backend: " + jax.default_backend() + ")"
     device = jax.devices()[0]
-    cuda = ""
-    try:
-        cuda = f", CUDA runtime {jax.lib.xla_bridge.get_backend().platform_version}"
-    except Exception:
-        pass
-    return f"{device.device_kind}, JAX {jax.__version__}{cuda}"
+    # The PJRT client's version string names the CUDA it was built for, where it has one.
+    version = getattr(getattr(device, "client", None), "platform_version", "")
+    return f"{device.device_kind}, JAX {jax.__version__}" + (f", {version}" if version else "")
 
 
 def _report(

@@ -1,11 +1,13 @@
-"""The weight-only matmul's decode body on CUDA: a Triton GEMV with no 16-row tile.
+"""The weight-only matmul's GEMV body on CUDA: a Triton kernel with no 16-element tiles.
 
-`x [M, K] @ q [K, N]` for a few rows (decode: M = batch). The dot body of
-`lowbit.kernels.pallas` pads M to Triton's 16-row dot tile and writes 16 rows of partial
-sums; here each program multiplies its decoded `[block_k, block_n]` weight tile by each
-activation row on the vector units and keeps one float32 accumulator of the tile's shape a
-row, summed over K once at the end. Nothing is padded for M = 1, 2, 4 or 8, and the partial
-sums of a K split are `[M, N]` each.
+`x [M, K] @ q [K, N]` for up to 16 rows. The dot body of `lowbit.kernels.pallas` pads M to
+Triton's 16-row dot tile and needs K steps of 16 elements or more inside a scale group; here
+each program multiplies its decoded `[block_k, block_n]` weight tile by each activation row
+on the vector units and keeps one float32 accumulator of the tile's shape a row, summed over
+K once at the end. M is padded to a power of two only, and a K step can be one row (group
+sizes of 8, K = 24). Measured on an H200 it is slower than the dot body wherever both run
+(each code costs a scale multiply and an FMA here, which the dot leaves to the tensor
+cores), so `weight_only_matmul` runs it by default only where the dot body cannot tile.
 
 The grid is (N blocks, K splits). A program streams `K / split_k` rows of its `block_n`
 columns, `block_k` rows a step (within one scale group), so consecutive steps read

@@ -13,7 +13,10 @@ Three products of activations `x [M, K]` (bfloat16 or float32) and a 2-D `QArray
   lowers through Triton; `interpret=True` runs the same kernel body anywhere (the tests use
   it on CPU). `platform="tpu"` takes the Mosaic body of `_pallas_tpu` instead: the same
   reading of the codes (`_pallas_codes`), tiles shaped for TPU vector registers, K steps on
-  the grid.
+  the grid. On CUDA that Triton kernel is one of three bodies (`Blocks.body`): from
+  `XLA_MIN_ROWS` rows (prefill) the weight is dequantized in x's dtype and XLA's GEMM runs
+  it, and shapes the dot's 16-element tiles cannot cover take the GEMV body
+  (`_pallas_gemv`).
 - `int8_matmul` (w8a8): dynamic per-token int8 activations times int8 per-channel weights.
 - `fp8_matmul`: per-token float8_e4m3fn activations times float8_e4m3fn per-channel weights.
 
@@ -269,15 +272,7 @@ def _choose_blocks(
 def _choose_dot_blocks(m: int, layout: _Layout, requested: Blocks | None) -> Blocks:
     want = requested or Blocks(0, 0, 0, 0)
     k_floor, n_floor = _min_block(layout, "k"), _min_block(layout, "n")
-    # A K step must stay inside one scale group (one scale row per step).
-    k_limit = layout.group if layout.groups > 1 else layout.k
-    n_options = _pow2_divisors(layout.n, n_floor, 256)
-    k_options = _pow2_divisors(math.gcd(layout.k, k_limit), k_floor, 256)
-    if not n_options:
-        raise _shape_error(layout, "N", layout.n, n_floor)
-    if not k_options:
-        extra = f" together with the group size {layout.group}" if layout.groups > 1 else ""
-        raise _shape_error(layout, "K", layout.k, k_floor, extra)
+    k_limit, n_options, k_options = _tile_options(layout, k_floor, n_floor, 256)
     bm = want.m or min(_MAX_BLOCK_M, max(_MIN_BLOCK, 1 << (max(m, 1) - 1).bit_length()))
     small = m <= _SMALL_M
     # From a tile sweep on an H200 (K = N = 4096, 8192): 128-wide tiles beat 64-wide ones at
@@ -292,6 +287,26 @@ def _choose_dot_blocks(m: int, layout: _Layout, requested: Blocks | None) -> Blo
     split = want.split_k or _split_k(m, bm, bn, bk, layout, target)
     _check_split(split, bk, layout)
     return Blocks(bm, bn, bk, split, want.num_warps, want.num_stages)
+
+
+def _tile_options(
+    layout: _Layout, k_floor: int, n_floor: int, n_max: int
+) -> tuple[int, list[int], list[int]]:
+    """(K step limit, block_n options, block_k options): powers of two from the floors that
+    divide N, and K within one scale group (a K step reads one scale row).
+
+    Raises:
+      ValueError: naming the shape and the fix, when N or K has none.
+    """
+    k_limit = layout.group if layout.groups > 1 else layout.k
+    n_options = _pow2_divisors(layout.n, n_floor, n_max)
+    k_options = _pow2_divisors(math.gcd(layout.k, k_limit), k_floor, 256)
+    if not n_options:
+        raise _shape_error(layout, "N", layout.n, n_floor)
+    if not k_options:
+        extra = f" together with the group size {layout.group}" if layout.groups > 1 else ""
+        raise _shape_error(layout, "K", layout.k, k_floor, extra)
+    return k_limit, n_options, k_options
 
 
 def _check_split(split: int, bk: int, layout: _Layout) -> None:
@@ -325,14 +340,7 @@ def _choose_gemv_blocks(m: int, layout: _Layout, want: Blocks) -> Blocks:
     # 16-byte code rows at least (a full sector a row is the default).
     k_floor = 2 if layout.packed == "k" else 1
     n_floor = 32 if layout.packed == "n" else 16
-    k_limit = layout.group if layout.groups > 1 else layout.k
-    n_options = _pow2_divisors(layout.n, n_floor, 512)
-    k_options = _pow2_divisors(math.gcd(layout.k, k_limit), k_floor, 256)
-    if not n_options:
-        raise _shape_error(layout, "N", layout.n, n_floor)
-    if not k_options:
-        extra = f" together with the group size {layout.group}" if layout.groups > 1 else ""
-        raise _shape_error(layout, "K", layout.k, k_floor, extra)
+    k_limit, n_options, k_options = _tile_options(layout, k_floor, n_floor, 512)
     bn = want.n or max(b for b in n_options if b <= 256)
     fitting = [b for b in k_options if rows * b * bn <= _GEMV_ACC_ELEMENTS]
     bk = want.k or max(fitting or k_options[:1])
