@@ -40,6 +40,8 @@ def dot_general(relaid: Callable[..., None], ctx: Any, eqn: Any, invals: list[An
             )
             if plan.relaid is not None:
                 relaid(ctx, eqn, invals[plan.relaid])
+            for platform, reason in plan.declined:
+                ctx.report.record_declined(platform, reason)
             result = ops.dot_general(lhs, rhs, dimension_numbers, plan=plan, **kwargs), plan.path
     out, path = result
     ctx.report.record_op("dot_general", path)

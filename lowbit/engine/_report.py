@@ -53,6 +53,11 @@ class EngineReport:
       fallback_details: one line per fallback: primitive, value, location and reason.
       materialized: how many times a full float copy of a weight was computed (each fallback,
         plus every op whose implementation dequantized, e.g. the ``"reference"`` path).
+      declined: ``{"<platform>: <kernel>: <reason>": count}`` products that a platform's
+        kernel for the weight's format leaves to the portable product when the program is
+        lowered there, e.g. ``"cuda: pallas: a weight under GPU_MIN_WEIGHT_ELEMENTS
+        (4194304)"`` (XLA's product runs them on that platform; nothing is dequantized on
+        the others).
     """
 
     quantized_ops: dict[str, int] = dataclasses.field(default_factory=collections.Counter)
@@ -60,6 +65,7 @@ class EngineReport:
     fallbacks: dict[str, int] = dataclasses.field(default_factory=collections.Counter)
     fallback_details: list[str] = dataclasses.field(default_factory=list)
     materialized: int = 0
+    declined: dict[str, int] = dataclasses.field(default_factory=collections.Counter)
 
     def reset(self) -> None:
         """Forgets all counts (called at the start of each trace)."""
@@ -68,6 +74,7 @@ class EngineReport:
         self.fallbacks = collections.Counter()
         self.fallback_details = []
         self.materialized = 0
+        self.declined = collections.Counter()
 
     @property
     def num_fallbacks(self) -> int:
@@ -86,6 +93,9 @@ class EngineReport:
             f"float weights materialized: {self.materialized}",
         ]
         lines += [f"  {detail}" for detail in self.fallback_details]
+        if self.declined:
+            lines.append("kernels not taken (the portable product runs there):")
+            lines += [f"  {why}: {n}" for why, n in sorted(self.declined.items())]
         return "\n".join(lines)
 
     # --- recording (used by the interpreter) ---------------------------------------------------
@@ -93,6 +103,9 @@ class EngineReport:
         self.quantized_ops[f"{primitive}:{path}"] += 1
         if path == "reference":
             self.materialized += 1
+
+    def record_declined(self, platform: str, reason: str) -> None:
+        self.declined[f"{platform}: {reason}"] += 1
 
     def record_layout(self, primitive: str) -> None:
         self.layout_ops[primitive] += 1

@@ -66,30 +66,44 @@ def _run_k_major(lhs: Any, rhs: Any, config: bool, call: Call) -> Any:
     return call.portable(lhs, weight, ((lc, (1,)), batch))
 
 
+def _pallas_decision(platform: str, lhs: Any, rhs: Any, dimension_numbers: Any):
+    """(`platform`, None) when its lowering runs this product in the Pallas weight-only kernel
+    (`lowbit.kernels.pallas`: int4 / uint4 / nf4 / int8 codes dequantized on chip, read as
+    stored), else (None, why not, or None when another product is meant to run it). Only
+    plain linear layers `x [..., K] @ q [K, N]`; activation-quantized weights (w8a8, fp8)
+    take the portable path, whose int8 / fp8 `dot_general` XLA already gives to the integer
+    and fp8 GEMMs. TPU only with ``LOWBIT_TPU_KERNELS=1`` (see `TPU_KERNELS_ENV`)."""
+    if platform == "tpu" and os.environ.get(TPU_KERNELS_ENV, "") in ("", "0"):
+        return None, None
+    if quantized(lhs) or rhs.activation is not None:
+        return None, None
+    if not hasattr(lhs, "dtype") or np.dtype(lhs.dtype) not in FLOAT_ACTIVATIONS:
+        return None, f"activations of dtype {getattr(lhs, 'dtype', type(lhs).__name__)}"
+    if contract_axis(lhs, rhs, dimension_numbers) != 0:
+        return None, "the product contracts the weight's axis 1 (the kernel reads [K, N])"
+    if split_over_devices(lhs) or split_over_devices(rhs.codes):
+        # The kernel sees one device's whole operand (`split_over_devices`).
+        return None, "a sharded operand (XLA partitions the product)"
+    if math.prod(rhs.shape) < GPU_MIN_WEIGHT_ELEMENTS:  # XLA's own fusion is faster there
+        return None, f"a weight under GPU_MIN_WEIGHT_ELEMENTS ({GPU_MIN_WEIGHT_ELEMENTS})"
+    m = math.prod(lhs.shape[:-1])
+    if pallas.supports(rhs, m, lhs.dtype, platform) == "pallas":
+        return platform, None
+    try:  # the kernel's own words for a shape or weight it cannot take
+        pallas.blocks_for(rhs, m, platform=platform, x_dtype=lhs.dtype)
+    except ValueError as e:
+        return None, str(e)
+    return None, f"activations of dtype {lhs.dtype} (the kernel takes bfloat16 and float32)"
+
+
 def _pallas_on(platform: str):
     def applies(lhs: Any, rhs: Any, dimension_numbers: Any) -> str | None:
-        """`platform` when its lowering runs this product in the Pallas weight-only kernel
-        (`lowbit.kernels.pallas`: int4 / uint4 / nf4 / int8 codes dequantized on chip, read
-        as stored), else None. Only plain linear layers `x [..., K] @ q [K, N]`;
-        activation-quantized weights (w8a8, fp8) take the portable path, whose int8 / fp8
-        `dot_general` XLA already gives to the integer and fp8 GEMMs. TPU only with
-        ``LOWBIT_TPU_KERNELS=1`` (see `TPU_KERNELS_ENV`)."""
-        if platform == "tpu" and os.environ.get(TPU_KERNELS_ENV, "") in ("", "0"):
-            return None
-        if quantized(lhs) or rhs.activation is not None:
-            return None
-        if not hasattr(lhs, "dtype") or np.dtype(lhs.dtype) not in FLOAT_ACTIVATIONS:
-            return None
-        if contract_axis(lhs, rhs, dimension_numbers) != 0:
-            return None
-        if split_over_devices(lhs) or split_over_devices(rhs.codes):
-            return None  # the kernel sees one device's whole operand (`split_over_devices`)
-        if math.prod(rhs.shape) < GPU_MIN_WEIGHT_ELEMENTS:  # XLA's own fusion is faster there
-            return None
-        m = math.prod(lhs.shape[:-1])
-        return platform if pallas.supports(rhs, m, lhs.dtype, platform) == "pallas" else None
+        return _pallas_decision(platform, lhs, rhs, dimension_numbers)[0]
 
-    return applies
+    def declines(lhs: Any, rhs: Any, dimension_numbers: Any) -> str | None:
+        return _pallas_decision(platform, lhs, rhs, dimension_numbers)[1]
+
+    return applies, declines
 
 
 def _run_pallas(lhs: Any, rhs: Any, platform: str, call: Call) -> Any:
@@ -100,5 +114,6 @@ def _run_pallas(lhs: Any, rhs: Any, platform: str, call: Call) -> Any:
 
 PALLAS_FORMATS = ("int4", "uint4", "nf4", "int8")
 for _platform in ("cuda", "tpu"):
-    register(Kernel("pallas", _platform, PALLAS_FORMATS, _pallas_on(_platform), _run_pallas))
+    _applies, _declines = _pallas_on(_platform)
+    register(Kernel("pallas", _platform, PALLAS_FORMATS, _applies, _run_pallas, declines=_declines))
 register(Kernel("k_major", "cuda", tuple(CUDA_K_MAJOR_MIN_ROWS), _k_major, _run_k_major))

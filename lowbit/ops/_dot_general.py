@@ -342,6 +342,9 @@ class DotPlan:
         kept layout (whose logical weight is planned where it is recovered).
       relaid: the operand (0: lhs, 1: rhs) laid out again, or recovered from a layout made
         for another use, on every call; a fallback the engine counts. None when neither is.
+      declined: (platform, "kernel: reason") where a platform's kernel for the weight's
+        format leaves this product to the portable one (`_registry.declined`); the engine
+        report counts them.
     """
 
     path: str
@@ -349,6 +352,7 @@ class DotPlan:
     kept_layout: bool = False
     core: Plan | None = None
     relaid: int | None = None
+    declined: tuple[tuple[str, str], ...] = ()
 
 
 def _kept_route(lhs, rhs, dimension_numbers, out_sharding) -> Any:
@@ -402,7 +406,8 @@ def plan_dot_general(
         per_call = c.kernel.per_call_layout
         if relaid is None and per_call is not None and per_call(lhs, rhs, c.config):
             relaid = 1
-    return DotPlan(path, kernels=chosen, core=core, relaid=relaid)
+    declined = () if out_sharding is not None else _registry.declined(lhs, rhs, dims, chosen)
+    return DotPlan(path, kernels=chosen, core=core, relaid=relaid, declined=declined)
 
 
 def dot_general_path(

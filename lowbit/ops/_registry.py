@@ -60,6 +60,9 @@ class Kernel:
         CPU (None: the portable product's name).
       per_call_layout: ``per_call_layout(lhs, rhs, config) -> bool``, whether `run` lays a
         logical weight out on every call (a fallback the engine counts), or None for never.
+      declines: ``declines(lhs, rhs, dimension_numbers) -> str | None``, why a product of
+        its formats that it does not take is left to the portable product (the engine
+        report counts it), or None where that is by design; None: never says.
     """
 
     name: str
@@ -69,6 +72,7 @@ class Kernel:
     run: Callable[..., jax.Array]
     path: Callable[[Any], str] | None = None
     per_call_layout: Callable[[Any, Any, Any], bool] | None = None
+    declines: Callable[[Any, Any, Any], str | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,3 +128,24 @@ def choose(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[Chosen, ...]:
                 chosen.append(Chosen(kernel, config))
                 break
     return tuple(chosen)
+
+
+def declined(
+    lhs: Any, rhs: Any, dimension_numbers: Any, chosen: tuple[Chosen, ...]
+) -> tuple[tuple[str, str], ...]:
+    """(platform, "kernel: reason") for each platform without a chosen kernel whose kernels
+    for this weight's format say why they leave it to the portable product (the first that
+    says, per platform)."""
+    if not quantized(rhs):
+        return ()
+    taken = {c.platform for c in chosen}
+    out = []
+    for platform in PLATFORMS:
+        if platform in taken:
+            continue
+        for kernel in registered(rhs.fmt.name, platform):
+            reason = kernel.declines and kernel.declines(lhs, rhs, dimension_numbers)
+            if reason:
+                out.append((platform, f"{kernel.name}: {reason}"))
+                break
+    return tuple(out)

@@ -10,7 +10,7 @@ from engine_helpers import all_eqns, jit_dequantize, jit_quantize
 
 import lowbit.qarray
 from lowbit.engine import EngineFallbackError, EngineReport, interpret, trace_report
-from lowbit.ops import qat_weight
+from lowbit.ops import _accelerated, qat_weight
 from lowbit.qarray import PerChannel, PerGroup, PerToken, QArray, QuantConfig
 
 _KEYS = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -74,6 +74,19 @@ def test_report_counts_quantized_dots_and_no_fallbacks():
     assert report.fallbacks == {} and report.materialized == 0
     report = trace_report(mlp, PARAMS["int4_group"], X)
     assert report.quantized_ops == {"dot_general:weight_only_grouped": 2}
+
+
+def test_report_counts_products_a_gpu_kernel_leaves_to_xla(monkeypatch):
+    """A weight the CUDA kernel cannot tile (N = 40) is counted with the kernel's reason;
+    nothing is dequantized on the platform that traced it."""
+    monkeypatch.setattr(_accelerated, "GPU_MIN_WEIGHT_ELEMENTS", 0)  # a shape reason, not size
+    w = lowbit.qarray.quantize(jnp.ones((64, 40)), "int4", granularity=PerGroup(32, 0))
+    report = EngineReport()
+    fn = jax.jit(interpret(lambda x, w: x @ w, report=report))
+    fn(jnp.ones((2, 64)), w)
+    [(why, count)] = report.declined.items()
+    assert why.startswith("cuda: pallas: ") and "N=40" in why and count == 1
+    assert report.num_fallbacks == 0 and "kernels not taken" in report.summary()
 
 
 def test_w8a8_jaxpr_has_int8_dots():

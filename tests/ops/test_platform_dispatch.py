@@ -92,6 +92,28 @@ def test_small_weights_keep_xla_on_cuda(monkeypatch):
     assert not any(e.primitive.name == "pallas_call" for e in _equations(jaxpr))
 
 
+def test_plans_say_why_cuda_keeps_xla(monkeypatch):
+    """Each product the CUDA kernel leaves to XLA says why; one it takes, or one meant for
+    another product (activation-quantized), says nothing."""
+    plan = lambda x, q, dims=DIMS: _dot_general.plan_dot_general(x, q, dims).declined
+    x = jnp.ones((2, K), jnp.float32)
+    assert plan(x, _weight("int4")) == ()
+    monkeypatch.setattr(_accelerated, "GPU_MIN_WEIGHT_ELEMENTS", K * N + 1)
+    assert plan(x, _weight("int4")) == (
+        ("cuda", f"pallas: a weight under GPU_MIN_WEIGHT_ELEMENTS ({K * N + 1})"),
+    )
+    monkeypatch.setattr(_accelerated, "GPU_MIN_WEIGHT_ELEMENTS", 0)
+    # N = 40: no power-of-two tile of 32 (nibbles packed along N) divides it.
+    odd = quantize(jnp.ones((K, 40)), "int4", granularity=PerGroup(64, 0))
+    [(platform, reason)] = plan(x, odd)
+    assert platform == "cuda" and "N=40" in reason and "Pad N" in reason
+    # The weight contracted on its axis 1 (x @ W.T): the kernel reads [K, N] only.
+    [(_, reason)] = plan(jnp.ones((2, N)), _weight("int4"), (((1,), (1,)), ((), ())))
+    assert "axis 1" in reason
+    w8a8 = dataclasses.replace(_weight("int8"), activation=QuantConfig(format="int8"))
+    assert plan(x, w8a8) == ()
+
+
 def test_tpu_branch_only_when_its_kernels_are_enabled(monkeypatch):
     q = _weight("int4")
     x = jnp.ones((2, K), jnp.float32)
