@@ -515,6 +515,9 @@ def _pallas_forward(x: jax.Array, q: QArray, layout: _Layout, blocks, out_dtype,
     """x [M, K] -> [M, N] `out_dtype` through the kernel of `blocks`' platform."""
     if isinstance(blocks, _pallas_tpu.TpuBlocks):
         return _pallas_tpu.forward(x, q, layout, blocks, out_dtype, interpret)
+    if blocks.body == "xla":  # no kernel, no tiles: nothing to pad
+        w = q.dequantize(x.dtype)
+        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
     m = x.shape[0]
     m_pad = -(-m // blocks.m) * blocks.m
     if m_pad != m:
@@ -524,9 +527,6 @@ def _pallas_forward(x: jax.Array, q: QArray, layout: _Layout, blocks, out_dtype,
         params = pl_triton.CompilerParams(
             num_warps=blocks.num_warps or None, num_stages=blocks.num_stages or None
         )
-    if blocks.body == "xla":
-        w = q.dequantize(x.dtype)
-        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
     if blocks.gemv:
         y = _pallas_gemv.forward(
             x,

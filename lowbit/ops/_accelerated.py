@@ -87,13 +87,15 @@ def _pallas_decision(platform: str, lhs: Any, rhs: Any, dimension_numbers: Any):
     if math.prod(rhs.shape) < GPU_MIN_WEIGHT_ELEMENTS:  # XLA's own fusion is faster there
         return None, f"a weight under GPU_MIN_WEIGHT_ELEMENTS ({GPU_MIN_WEIGHT_ELEMENTS})"
     m = math.prod(lhs.shape[:-1])
-    if pallas.supports(rhs, m, lhs.dtype, platform) == "pallas":
-        return platform, None
-    try:  # the kernel's own words for a shape or weight it cannot take
+    if m < 1:
+        return None, "an empty batch"
+    # What `pallas.supports` checks besides the activations' dtype (above): the tiles, or the
+    # kernel's own words for a shape or weight it cannot take.
+    try:
         pallas.blocks_for(rhs, m, platform=platform, x_dtype=lhs.dtype)
     except ValueError as e:
         return None, str(e)
-    return None, f"activations of dtype {lhs.dtype} (the kernel takes bfloat16 and float32)"
+    return platform, None
 
 
 def _pallas_on(platform: str):
